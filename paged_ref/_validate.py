@@ -1,0 +1,26 @@
+"""Argument checks shared by every public entry point.
+
+Each check raises with a message that names the argument, what was expected and what was
+given, so a student sees at once which call went wrong and why.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+
+def check_int(name: str, value, *, min_value: int | None = None) -> int:
+    """Return ``value`` as an int, or raise if it is not an integer >= ``min_value``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    value = int(value)
+    if min_value is not None and value < min_value:
+        raise ValueError(f"{name} must be >= {min_value}, got {value}")
+    return value
+
+
+def check_choice(name: str, value, choices) -> str:
+    """Raise unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
+    return value

@@ -1,0 +1,142 @@
+"""Physical page allocator: a bump pointer, a free list and reference counts.
+
+Pages are handed out in O(1) each. Never-used pages come from a bump pointer (pages
+``next_fresh .. num_pages-1`` have never been handed out); pages that were returned sit on a
+free list and are reused oldest-first, so a returned page that still holds a cached prefix
+(see ``PagedKVCache(prefix_caching=True)``) survives as long as possible. Reference counts let
+several sequences share a page (fork, prefix sharing); a page is free again when its count
+drops to zero.
+
+Example:
+    >>> alloc = PageAllocator(4)
+    >>> alloc.allocate(3)
+    [0, 1, 2]
+    >>> alloc.share([1]); alloc.refcount(1)
+    2
+    >>> alloc.free([0, 1]); alloc.num_free
+    2
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ._validate import check_int
+
+
+class OutOfPagesError(MemoryError):
+    """Raised when an allocation asks for more pages than are free (nothing is allocated)."""
+
+    def __init__(self, requested: int, free: int):
+        super().__init__(f"requested {requested} page(s) but only {free} of the pool are free")
+        self.requested = requested
+        self.free = free
+
+
+class PageAllocator:
+    """Hands out physical page ids ``0 .. num_pages-1`` with reference counts."""
+
+    def __init__(self, num_pages: int):
+        self._num_pages = check_int("num_pages", num_pages, min_value=1)
+        self._next_fresh = 0  # bump pointer: pages >= this have never been handed out
+        self._free: dict[int, None] = {}  # returned pages, insertion-ordered (oldest first)
+        self._refcount = [0] * self._num_pages  # refcount[page] >= 1 <=> allocated
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def num_free(self) -> int:
+        return self._num_pages - self._next_fresh + len(self._free)
+
+    def can_allocate(self, n: int = 1) -> bool:
+        return check_int("n", n, min_value=0) <= self.num_free
+
+    def allocate(self, n: int = 1) -> list[int]:
+        """Take ``n`` pages (refcount 1 each). All or nothing: raises OutOfPagesError."""
+        n = check_int("n", n, min_value=1)
+        if n > self.num_free:
+            raise OutOfPagesError(n, self.num_free)
+        fresh = min(n, self._num_pages - self._next_fresh)
+        pages = list(range(self._next_fresh, self._next_fresh + fresh))
+        self._next_fresh += fresh
+        for _ in range(n - fresh):  # then reuse returned pages, oldest first
+            page = next(iter(self._free))
+            del self._free[page]
+            pages.append(page)
+        for page in pages:
+            self._refcount[page] = 1
+        return pages
+
+    def take(self, page: int) -> None:
+        """Claim one specific free page that was returned earlier (a prefix-cache revival)."""
+        page = self._check_page("page", page)
+        if page not in self._free:
+            raise ValueError(f"page {page} is not on the free list (refcount {self._refcount[page]})")
+        del self._free[page]
+        self._refcount[page] = 1
+
+    def is_returned(self, page: int) -> bool:
+        """True if ``page`` is on the free list (it was used before and is now free)."""
+        return page in self._free
+
+    def share(self, pages) -> None:
+        """Add one reference to each allocated page (fork, prefix sharing)."""
+        pages = self._check_pages(pages)
+        for page in pages:
+            if self._refcount[page] == 0:
+                raise ValueError(f"pages: cannot share page {page}: it is not allocated")
+        for page in pages:
+            self._refcount[page] += 1
+
+    def free(self, pages) -> None:
+        """Drop one reference per listed page; a page returns to the free list at zero.
+
+        Raises ValueError, changing nothing, if any page would drop below zero.
+        """
+        pages = self._check_pages(pages)
+        for page, times in Counter(pages).items():
+            if self._refcount[page] < times:
+                raise ValueError(
+                    f"pages: cannot free page {page} {times} time(s): its refcount is "
+                    f"{self._refcount[page]} (not allocated or freed too often)"
+                )
+        for page in pages:
+            self._refcount[page] -= 1
+            if self._refcount[page] == 0:
+                self._free[page] = None
+
+    def refcount(self, page: int) -> int:
+        return self._refcount[self._check_page("page", page)]
+
+    def check(self) -> None:
+        """Raise AssertionError if an invariant is broken.
+
+        Every page is either free with refcount 0 (never used, or on the free list exactly
+        once) or allocated with refcount >= 1.
+        """
+        assert 0 <= self._next_fresh <= self._num_pages, "bump pointer out of range"
+        for page, count in enumerate(self._refcount):
+            fresh = page >= self._next_fresh
+            returned = page in self._free
+            assert count >= 0, f"page {page} has negative refcount {count}"
+            assert not (fresh and returned), f"page {page} is both never-used and returned"
+            if count == 0:
+                assert fresh or returned, f"page {page} has refcount 0 but is not free"
+            else:
+                assert not (fresh or returned), f"page {page} is free but has refcount {count}"
+
+    def _check_page(self, name: str, page) -> int:
+        page = check_int(name, page)
+        if not 0 <= page < self._num_pages:
+            raise ValueError(f"{name} must be in [0, {self._num_pages}), got {page}")
+        return page
+
+    def _check_pages(self, pages) -> list[int]:
+        if isinstance(pages, int):
+            raise TypeError(f"pages must be a list of page ids, got the int {pages}")
+        return [self._check_page("pages", p) for p in pages]
+
+    def __repr__(self) -> str:
+        return f"PageAllocator(num_pages={self._num_pages}, num_free={self.num_free})"

@@ -1,0 +1,369 @@
+"""PagedKVCache: per-layer K/V page tensors plus per-sequence block tables.
+
+Storage is one pair of tensors per layer in the layout vLLM's and FlashAttention's paged
+kernels read::
+
+    k_cache[layer], v_cache[layer]: [num_pages, page_size, num_kv_heads, head_dim]
+
+A physical page id indexes the same page in every layer, so one block table per sequence
+serves all layers (as in vLLM). Writing a sequence's tokens is two steps:
+``slots = reserve(seq_id, n)`` grows the sequence (allocating pages as needed) and returns
+each new token's flat slot ``page * page_size + offset``; then ``write(layer, slots, k, v)``
+stores that layer's K/V there. Every page of a sequence but the last is full.
+
+Sharing. ``fork`` makes a second sequence that shares the first's pages (reference counts);
+the first write into a shared page copies it (copy-on-write happens in ``reserve``, which is
+where a write begins, so the slots it returns already point into the private copy). With
+``prefix_caching=True`` each full page is identified by a hash chained over its token ids and
+the previous page's hash; ``add_sequence(token_ids=prompt)`` reuses cached full pages of the
+prompt (live ones are shared; returned ones that were not yet handed out again are revived)
+and counts them in ``prefix_hits``. A page is registered when ``reserve`` fills it, so write
+its K/V before adding another sequence.
+
+Growth. ``growth="page"`` takes one page at a time; ``growth="pow2"`` reserves so that a
+sequence holds a power-of-two number of pages (what the IBM paper describes), falling back to
+the exact need when the pool cannot give the power of two.
+
+Example:
+    >>> cache = PagedKVCache(num_layers=2, num_pages=8, page_size=4, num_kv_heads=1, head_dim=2)
+    >>> s = cache.add_sequence()
+    >>> slots = cache.reserve(s, 6)                  # 6 tokens -> 2 pages
+    >>> k = v = torch.arange(12.).view(6, 1, 2)      # [num_tokens, num_kv_heads, head_dim]
+    >>> for layer in range(2): cache.write(layer, slots, k, v)
+    >>> bool((cache.gather(0, s)[0] == k).all()), cache.pages(s)
+    (True, [0, 1])
+    >>> cache.free(s); cache.allocator.num_free
+    8
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+import torch
+
+from ._validate import check_choice, check_int
+from .allocator import OutOfPagesError, PageAllocator
+from .block_table import pad_block_tables, pages_needed, slot_mapping, to_csr
+
+
+@dataclass
+class _Sequence:
+    pages: list[int] = field(default_factory=list)  # physical page of each logical page (may reserve ahead)
+    length: int = 0  # tokens held
+    token_ids: list[int] | None = field(default_factory=list)  # for prefix hashing; None = unknown
+    page_hashes: list[int] = field(default_factory=list)  # chained hash of each full page
+
+
+class PagedKVCache:
+    """A paged KV cache for ``num_layers`` layers sharing one page pool and block tables."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+        growth: str = "page",
+        prefix_caching: bool = False,
+    ):
+        self.num_layers = check_int("num_layers", num_layers, min_value=1)
+        self.num_pages = check_int("num_pages", num_pages, min_value=1)
+        self.page_size = check_int("page_size", page_size, min_value=1)
+        self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, min_value=1)
+        self.head_dim = check_int("head_dim", head_dim, min_value=1)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        self.growth = check_choice("growth", growth, {"page", "pow2"})
+        self.prefix_caching = bool(prefix_caching)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.allocator = PageAllocator(num_pages)
+        self._seqs: dict[int, _Sequence] = {}
+        self._next_id = 0
+        self._prefix_index: dict[int, int] = {}  # page hash -> physical page
+        self._page_hash: dict[int, int] = {}  # physical page -> its hash (reverse of the index)
+        self.prefix_hits = 0  # full pages reused from the prefix cache
+
+    # ----------------------------------------------------------------- inspection
+    @property
+    def seq_ids(self) -> list[int]:
+        return list(self._seqs)
+
+    def seq_len(self, seq_id: int) -> int:
+        return self._seq(seq_id).length
+
+    def pages(self, seq_id: int) -> list[int]:
+        """Physical pages the sequence holds, in logical order (including any reserved ahead)."""
+        return list(self._seq(seq_id).pages)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page across K and V of all layers."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * elem
+
+    def block_table(self, seq_ids=None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(block_table int32 [batch, max_pages], seq_lens int32 [batch])`` for ``seq_ids``.
+
+        Lists the pages that hold tokens; padding entries are 0. Defaults to every sequence.
+        """
+        seqs = [self._seq(s) for s in self._batch(seq_ids)]
+        tables = [s.pages[: pages_needed(s.length, self.page_size)] for s in seqs]
+        return pad_block_tables(tables, [s.length for s in seqs], device=device or self.device)
+
+    def csr(self, seq_ids=None, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)`` for ``seq_ids``."""
+        seqs = [self._seq(s) for s in self._batch(seq_ids)]
+        return to_csr([s.pages for s in seqs], [s.length for s in seqs],
+                      page_size=self.page_size, device=device or self.device)
+
+    # ----------------------------------------------------------------- growth
+    def add_sequence(self, token_ids=None) -> int:
+        """Start a new sequence and return its id.
+
+        With ``prefix_caching`` and ``token_ids`` (the prompt), cached full pages of the prompt
+        are reused and the sequence starts with ``seq_len(seq_id)`` tokens already held; at
+        least the last prompt token is left for the caller to compute (it needs its logits).
+        """
+        seq = _Sequence()
+        if self.prefix_caching and token_ids is not None:
+            self._match_prefix(seq, [int(t) for t in token_ids])
+        seq_id = self._next_id
+        self._next_id += 1
+        self._seqs[seq_id] = seq
+        return seq_id
+
+    def reserve(self, seq_id: int, num_tokens: int, token_ids=None) -> torch.Tensor:
+        """Grow ``seq_id`` by ``num_tokens`` and return their flat slots, ``int64 [num_tokens]``.
+
+        Allocates pages as needed (all or nothing: raises OutOfPagesError and changes nothing
+        when the pool is short) and copies any shared page the new tokens land in
+        (copy-on-write). ``token_ids`` (``num_tokens`` ints) feed prefix caching.
+        """
+        seq = self._seq(seq_id)
+        num_tokens = check_int("num_tokens", num_tokens, min_value=1)
+        if token_ids is not None:
+            token_ids = [int(t) for t in token_ids]
+            if len(token_ids) != num_tokens:
+                raise ValueError(f"token_ids must have num_tokens={num_tokens} entries, got {len(token_ids)}")
+        ps = self.page_size
+        new_len = seq.length + num_tokens
+        need = pages_needed(new_len, ps)
+        # pages already held that the new tokens land in and that another sequence shares
+        touched = range(seq.length // ps, min(need, len(seq.pages)))
+        shared = [i for i in touched if self.allocator.refcount(seq.pages[i]) > 1]
+        grow = max(0, need - len(seq.pages))
+        if grow and self.growth == "pow2":
+            target = 1 << (need - 1).bit_length()  # next power of two >= need
+            if self.allocator.can_allocate(target - len(seq.pages) + len(shared)):
+                grow = target - len(seq.pages)
+        if grow + len(shared) > self.allocator.num_free:
+            raise OutOfPagesError(grow + len(shared), self.allocator.num_free)
+        new_pages = self._allocate(grow + len(shared))
+        for i, page in zip(shared, new_pages[grow:]):  # copy-on-write
+            self._copy_page(seq.pages[i], page)
+            self.allocator.free([seq.pages[i]])
+            seq.pages[i] = page
+        seq.pages.extend(new_pages[:grow])
+        slots = slot_mapping(seq.pages, start=seq.length, num_tokens=num_tokens, page_size=ps)
+        seq.length = new_len
+        self._register_full_pages(seq, token_ids)
+        return slots.to(self.device)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k, v: [num_tokens, num_kv_heads, head_dim]`` of ``layer`` at ``slots``."""
+        layer = check_int("layer", layer, min_value=0)
+        if layer >= self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"slots must be a 1-D int32/int64 tensor, got {_describe(slots)}")
+        expected = (slots.shape[0], self.num_kv_heads, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+            if tuple(t.shape) != expected:
+                raise ValueError(f"{name} must have shape [num_tokens, num_kv_heads, head_dim] = {list(expected)}, got {list(t.shape)}")
+            if t.dtype != self.dtype:
+                raise TypeError(f"{name} must have the cache dtype {self.dtype}, got {t.dtype}")
+            if t.device != self.device:
+                raise ValueError(f"{name} must be on the cache device {self.device}, got {t.device}")
+        if slots.numel():
+            lo, hi = int(slots.min()), int(slots.max())
+            if lo < 0 or hi >= self.num_pages * self.page_size:
+                raise ValueError(f"slots must be in [0, {self.num_pages * self.page_size}), got values in [{lo}, {hi}]")
+            for page in torch.unique(slots // self.page_size).tolist():
+                if self.allocator.refcount(page) != 1:
+                    raise ValueError(
+                        f"slots point into page {page} with refcount {self.allocator.refcount(page)}; "
+                        "write only into slots returned by reserve() (shared pages are copied there)"
+                    )
+        slots = slots.to(device=self.device, dtype=torch.int64)
+        self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
+        self.v_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+
+    def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's K and V of ``layer`` as contiguous ``[seq_len, num_kv_heads, head_dim]``."""
+        seq = self._seq(seq_id)
+        layer = check_int("layer", layer, min_value=0)
+        if layer >= self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        slots = slot_mapping(seq.pages, start=0, num_tokens=seq.length, page_size=self.page_size).to(self.device)
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        return self.k_cache[layer].view(flat)[slots], self.v_cache[layer].view(flat)[slots]
+
+    # ----------------------------------------------------------------- sharing and release
+    def fork(self, seq_id: int) -> int:
+        """A new sequence sharing ``seq_id``'s pages (reference counts; copy-on-write later)."""
+        src = self._seq(seq_id)
+        held = src.pages[: pages_needed(src.length, self.page_size)]
+        self.allocator.share(held)
+        new_id = self._next_id
+        self._next_id += 1
+        self._seqs[new_id] = _Sequence(
+            pages=list(held),
+            length=src.length,
+            token_ids=None if src.token_ids is None else list(src.token_ids),
+            page_hashes=list(src.page_hashes),
+        )
+        return new_id
+
+    def free(self, seq_id: int) -> None:
+        """Release the sequence: one reference dropped from each of its pages."""
+        seq = self._seq(seq_id)
+        self.allocator.free(seq.pages)
+        del self._seqs[seq_id]
+
+    def drop_pages(self, seq_id: int, logical_pages) -> None:
+        """Remove whole logical pages from a sequence (eviction); they go back to the pool.
+
+        The remaining pages keep their order; ``seq_len`` shrinks by the tokens the dropped
+        pages held. The sequence stops taking part in prefix caching.
+        """
+        seq = self._seq(seq_id)
+        held = pages_needed(seq.length, self.page_size)
+        drop = sorted({check_int("logical_pages[i]", i, min_value=0) for i in logical_pages})
+        if drop and drop[-1] >= held:
+            raise ValueError(f"logical_pages must be in [0, {held}) for sequence {seq_id}, got {drop[-1]}")
+        tokens = [min(self.page_size, seq.length - i * self.page_size) for i in drop]
+        pages = [seq.pages[i] for i in drop]
+        self.allocator.free(pages)
+        dropped = set(drop)
+        seq.pages = [p for i, p in enumerate(seq.pages) if i not in dropped]
+        seq.length -= sum(tokens)
+        seq.token_ids, seq.page_hashes = None, []
+
+    def compact(self, seq_id: int, keep: torch.Tensor) -> None:
+        """Keep only the tokens where ``keep: bool [seq_len]`` is True, packed in order.
+
+        Kept tokens move to the front of the sequence's pages in every layer (token-level
+        eviction); pages no longer needed go back to the pool. Shared pages that receive
+        tokens are copied first. The sequence stops taking part in prefix caching.
+        """
+        seq = self._seq(seq_id)
+        if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or tuple(keep.shape) != (seq.length,):
+            raise ValueError(f"keep must be a bool tensor of shape [seq_len] = [{seq.length}], got {_describe(keep)}")
+        n_keep = int(keep.sum())
+        need = pages_needed(n_keep, self.page_size)
+        shared = [i for i in range(need) if self.allocator.refcount(seq.pages[i]) > 1]
+        for i, page in zip(shared, self._allocate(len(shared))):
+            self._copy_page(seq.pages[i], page)
+            self.allocator.free([seq.pages[i]])
+            seq.pages[i] = page
+        for page in seq.pages[:need]:
+            self._forget_hash(page)
+        all_slots = slot_mapping(seq.pages, start=0, num_tokens=seq.length, page_size=self.page_size)
+        src = all_slots[keep.cpu()].to(self.device)
+        dst = all_slots[:n_keep].to(self.device)
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        for cache in (*self.k_cache, *self.v_cache):
+            view = cache.view(flat)
+            view.index_copy_(0, dst, view[src])  # view[src] is a copy taken before the writes
+        self.allocator.free(seq.pages[need:])
+        seq.pages = seq.pages[:need]
+        seq.length = n_keep
+        seq.token_ids, seq.page_hashes = None, []
+
+    # ----------------------------------------------------------------- internals
+    def _seq(self, seq_id) -> _Sequence:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, numbers.Integral) or seq_id not in self._seqs:
+            raise ValueError(f"seq_id {seq_id!r} is not a live sequence of this cache (live: {sorted(self._seqs)})")
+        return self._seqs[seq_id]
+
+    def _batch(self, seq_ids):
+        if seq_ids is None:
+            return list(self._seqs)
+        if isinstance(seq_ids, int):
+            raise TypeError(f"seq_ids must be a list of sequence ids, got the int {seq_ids}")
+        return list(seq_ids)
+
+    def _allocate(self, n: int) -> list[int]:
+        pages = self.allocator.allocate(n) if n else []
+        for page in pages:  # handed out again: whatever prefix it cached is gone
+            self._forget_hash(page)
+        return pages
+
+    def _forget_hash(self, page: int) -> None:
+        h = self._page_hash.pop(page, None)
+        if h is not None and self._prefix_index.get(h) == page:
+            del self._prefix_index[h]
+
+    def _copy_page(self, src: int, dst: int) -> None:
+        for cache in (*self.k_cache, *self.v_cache):
+            cache[dst].copy_(cache[src])
+
+    def _match_prefix(self, seq: _Sequence, token_ids: list[int]) -> None:
+        ps, prev = self.page_size, 0
+        for i in range((len(token_ids) - 1) // ps):  # leave >= 1 token to compute
+            h = hash((prev, tuple(token_ids[i * ps : (i + 1) * ps])))
+            page = self._prefix_index.get(h)
+            if page is None:
+                break
+            if self.allocator.refcount(page) > 0:
+                self.allocator.share([page])
+            else:
+                self.allocator.take(page)  # returned to the pool but not yet reused: revive it
+            seq.pages.append(page)
+            seq.page_hashes.append(h)
+            prev = h
+        seq.length = len(seq.pages) * ps
+        seq.token_ids = token_ids[: seq.length]
+        self.prefix_hits += len(seq.pages)
+
+    def _register_full_pages(self, seq: _Sequence, token_ids) -> None:
+        if not self.prefix_caching or seq.token_ids is None:
+            return
+        if token_ids is None:  # tokens unknown from here on: stop hashing this sequence
+            seq.token_ids, seq.page_hashes = None, []
+            return
+        seq.token_ids.extend(token_ids)
+        ps = self.page_size
+        for i in range(len(seq.page_hashes), seq.length // ps):
+            prev = seq.page_hashes[-1] if seq.page_hashes else 0
+            h = hash((prev, tuple(seq.token_ids[i * ps : (i + 1) * ps])))
+            seq.page_hashes.append(h)
+            if h not in self._prefix_index:
+                self._forget_hash(seq.pages[i])
+                self._prefix_index[h] = seq.pages[i]
+                self._page_hash[seq.pages[i]] = h
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(num_layers={self.num_layers}, num_pages={self.num_pages}, page_size={self.page_size}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+            f"sequences={len(self._seqs)}, free_pages={self.allocator.num_free})"
+        )
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {list(x.shape)} and dtype {x.dtype}"
+    return f"{type(x).__name__}"
