@@ -1,0 +1,206 @@
+import pytest
+import torch
+
+import paged_ref as pr
+
+H, D = 2, 4
+
+
+def make(num_pages=8, page_size=4, layers=2, **kw):
+    return pr.PagedKVCache(num_layers=layers, num_pages=num_pages, page_size=page_size,
+                           num_kv_heads=H, head_dim=D, **kw)
+
+
+def kv(n, start=0.0):
+    k = torch.arange(n * H * D, dtype=torch.float32).view(n, H, D) + start  # [n, H, D]
+    return k, -k
+
+
+def fill(cache, seq, n, start=0.0, token_ids=None):
+    slots = cache.reserve(seq, n, token_ids=token_ids)
+    k, v = kv(n, start)
+    for layer in range(cache.num_layers):
+        cache.write(layer, slots, k + layer, v - layer)
+    return k, v
+
+
+def test_layout_and_reserve_write_gather():
+    cache = make()
+    assert cache.k_cache[0].shape == (8, 4, H, D) and len(cache.v_cache) == 2
+    s = cache.add_sequence()
+    slots = cache.reserve(s, 6)
+    assert slots.tolist() == [0, 1, 2, 3, 4, 5] and cache.pages(s) == [0, 1]
+    k, v = kv(6)
+    cache.write(1, slots, k, v)
+    gk, gv = cache.gather(1, s)
+    assert torch.equal(gk, k) and torch.equal(gv, v)
+    assert cache.reserve(s, 3).tolist() == [6, 7, 8]  # fills page 1, then page 2
+    assert cache.seq_len(s) == 9 and cache.pages(s) == [0, 1, 2]
+
+
+def test_block_table_and_csr_for_ragged_batch():
+    cache = make(num_pages=10)
+    a, b = cache.add_sequence(), cache.add_sequence()
+    cache.reserve(a, 5)
+    cache.reserve(b, 4)
+    cache.reserve(a, 4)
+    bt, lens = cache.block_table([a, b])
+    assert bt.tolist() == [[0, 1, 3], [2, 0, 0]] and lens.tolist() == [9, 4]
+    indptr, indices, last = cache.csr([a, b])
+    assert indptr.tolist() == [0, 3, 4] and indices.tolist() == [0, 1, 3, 2] and last.tolist() == [1, 4]
+
+
+def test_out_of_pages_leaves_sequence_unchanged():
+    cache = make(num_pages=2)
+    s = cache.add_sequence()
+    fill(cache, s, 5)
+    with pytest.raises(pr.OutOfPagesError):
+        cache.reserve(s, 4)
+    assert cache.seq_len(s) == 5 and cache.pages(s) == [0, 1] and cache.allocator.num_free == 0
+    cache.allocator.check()
+
+
+def test_fork_copy_on_write():
+    cache = make()
+    a = cache.add_sequence()
+    ka, _ = fill(cache, a, 6)  # pages [0, 1]; page 1 half full
+    b = cache.fork(a)
+    assert cache.pages(b) == [0, 1] and cache.allocator.refcount(1) == 2
+    kb, _ = fill(cache, b, 1, start=100.0)
+    assert cache.pages(b)[0] == 0 and cache.pages(b)[1] not in (0, 1)  # page 1 copied
+    assert cache.allocator.refcount(1) == 1 and cache.allocator.refcount(0) == 2
+    assert torch.equal(cache.gather(0, a)[0], ka)  # the parent is untouched
+    assert torch.equal(cache.gather(0, b)[0], torch.cat([ka, kb]))
+    with pytest.raises(ValueError, match="refcount 2"):
+        cache.write(0, torch.tensor([0]), *kv(1))  # page 0 is still shared
+    cache.free(a)
+    cache.free(b)
+    assert cache.allocator.num_free == 8
+    cache.allocator.check()
+
+
+def test_pow2_growth_reserves_ahead():
+    cache = make(num_pages=16, page_size=2, growth="pow2")
+    s = cache.add_sequence()
+    held = []
+    for _ in range(9):
+        cache.reserve(s, 1)
+        held.append(len(cache.pages(s)))
+    assert held == [1, 1, 2, 2, 4, 4, 4, 4, 8]
+    assert cache.block_table([s])[0].shape == (1, 5)  # only pages holding tokens are listed
+
+
+def test_pow2_falls_back_to_exact_need():
+    cache = make(num_pages=3, page_size=1, growth="pow2")
+    s = cache.add_sequence()
+    cache.reserve(s, 3)
+    assert len(cache.pages(s)) == 3
+
+
+def test_prefix_caching_shares_and_revives_pages():
+    cache = make(num_pages=8, page_size=2, prefix_caching=True)
+    prompt = [5, 6, 7, 8, 9]
+    a = cache.add_sequence(token_ids=prompt)
+    assert cache.seq_len(a) == 0
+    ka, _ = fill(cache, a, 5, token_ids=prompt)
+    b = cache.add_sequence(token_ids=prompt + [1, 2])
+    assert cache.seq_len(b) == 4 and cache.pages(b) == cache.pages(a)[:2] and cache.prefix_hits == 2
+    c = cache.add_sequence(token_ids=[5, 6, 0, 0, 0])  # first page matches, second does not
+    assert cache.seq_len(c) == 2 and cache.prefix_hits == 3
+    d = cache.add_sequence(token_ids=[5, 6, 7, 8])  # leaves the last token to compute
+    assert cache.seq_len(d) == 2
+    for s in (a, b, c, d):
+        cache.free(s)
+    assert cache.allocator.num_free == 8
+    e = cache.add_sequence(token_ids=prompt)  # pages were returned but not reused: revived
+    assert cache.seq_len(e) == 4
+    assert torch.equal(cache.gather(0, e)[0], ka[:4])
+    cache.allocator.check()
+
+
+def test_prefix_cache_entry_dies_when_page_is_reused():
+    cache = make(num_pages=2, page_size=2, prefix_caching=True)
+    a = cache.add_sequence(token_ids=[1, 2, 3])
+    fill(cache, a, 3, token_ids=[1, 2, 3])
+    cache.free(a)
+    b = cache.add_sequence()
+    fill(cache, b, 4)  # takes both returned pages, overwriting them
+    c = cache.add_sequence(token_ids=[1, 2, 3])
+    assert cache.seq_len(c) == 0
+
+
+def test_prefix_caching_off_by_default():
+    cache = make(page_size=2)
+    a = cache.add_sequence(token_ids=[1, 2, 3])
+    fill(cache, a, 3, token_ids=[1, 2, 3])
+    assert cache.seq_len(cache.add_sequence(token_ids=[1, 2, 3])) == 0 and cache.prefix_hits == 0
+
+
+def test_drop_pages():
+    cache = make(num_pages=8, page_size=2)
+    s = cache.add_sequence()
+    k, _ = fill(cache, s, 7)  # pages [0,1,2,3], last holds 1 token
+    cache.drop_pages(s, [1])
+    assert cache.seq_len(s) == 5 and cache.pages(s) == [0, 2, 3] and cache.allocator.refcount(1) == 0
+    assert torch.equal(cache.gather(0, s)[0], torch.cat([k[:2], k[4:]]))
+    cache.drop_pages(s, [2])  # the partial last page
+    assert cache.seq_len(s) == 4
+    with pytest.raises(ValueError, match=r"logical_pages must be in \[0, 2\)"):
+        cache.drop_pages(s, [2])
+    cache.allocator.check()
+
+
+def test_compact_keeps_tokens_in_order_and_frees_pages():
+    cache = make(num_pages=8, page_size=2)
+    s = cache.add_sequence()
+    k, v = fill(cache, s, 7)
+    other = cache.fork(s)  # pages shared: compact must copy, not corrupt the fork
+    keep = torch.tensor([1, 0, 0, 1, 1, 0, 1], dtype=torch.bool)
+    cache.compact(s, keep)
+    assert cache.seq_len(s) == 4 and len(cache.pages(s)) == 2
+    for layer in range(2):
+        gk, gv = cache.gather(layer, s)
+        assert torch.equal(gk, k[keep] + layer) and torch.equal(gv, v[keep] - layer)
+    assert torch.equal(cache.gather(0, other)[0], k)
+    cache.free(other)
+    cache.free(s)
+    assert cache.allocator.num_free == 8
+
+
+@pytest.mark.parametrize(
+    "call, exc, msg",
+    [
+        (lambda c, s: c.reserve(s, 0), ValueError, "num_tokens must be >= 1, got 0"),
+        (lambda c, s: c.reserve(99, 1), ValueError, r"seq_id 99 is not a live sequence"),
+        (lambda c, s: c.reserve(s, 2, token_ids=[1]), ValueError, "token_ids must have num_tokens=2"),
+        (lambda c, s: c.write(2, torch.tensor([0]), *kv(1)), ValueError, r"layer must be in \[0, 2\), got 2"),
+        (lambda c, s: c.write(0, [0], *kv(1)), TypeError, "slots must be a 1-D int32/int64 tensor"),
+        (lambda c, s: c.write(0, torch.tensor([0]), *kv(2)), ValueError, r"k must have shape .* = \[1, 2, 4\], got \[2, 2, 4\]"),
+        (lambda c, s: c.write(0, torch.tensor([0]), kv(1)[0].double(), kv(1)[1]), TypeError, "k must have the cache dtype"),
+        (lambda c, s: c.write(0, torch.tensor([32]), *kv(1)), ValueError, r"slots must be in \[0, 32\)"),
+        (lambda c, s: c.write(0, torch.tensor([20]), *kv(1)), ValueError, "page 5 with refcount 0"),
+        (lambda c, s: c.gather(0, 7), ValueError, "seq_id 7 is not a live sequence"),
+        (lambda c, s: c.compact(s, torch.ones(3)), ValueError, r"keep must be a bool tensor of shape \[seq_len\] = \[1\]"),
+        (lambda c, s: c.block_table(s), TypeError, "seq_ids must be a list"),
+        (lambda c, s: pr.PagedKVCache(num_layers=1, num_pages=1, page_size=0, num_kv_heads=1, head_dim=1), ValueError, "page_size must be >= 1, got 0"),
+        (lambda c, s: pr.PagedKVCache(num_layers=1, num_pages=1, page_size=1, num_kv_heads=1, head_dim=1, growth="x"), ValueError, "growth must be one of"),
+        (lambda c, s: pr.PagedKVCache(num_layers=1, num_pages=1, page_size=1, num_kv_heads=1, head_dim=1, dtype="f"), TypeError, "dtype must be a torch.dtype"),
+    ],
+)
+def test_errors_name_argument_and_leave_state(call, exc, msg):
+    cache = make()
+    s = cache.add_sequence()
+    fill(cache, s, 1)
+    before = (cache.seq_len(s), cache.pages(s), cache.allocator.num_free, cache.k_cache[0].clone())
+    with pytest.raises(exc, match=msg):
+        call(cache, s)
+    assert (cache.seq_len(s), cache.pages(s), cache.allocator.num_free) == before[:3]
+    assert torch.equal(cache.k_cache[0], before[3])
+
+
+def test_freed_sequence_is_unknown():
+    cache = make()
+    s = cache.add_sequence()
+    cache.free(s)
+    with pytest.raises(ValueError, match="not a live sequence"):
+        cache.free(s)
