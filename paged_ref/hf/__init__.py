@@ -1,0 +1,51 @@
+"""Hugging Face transformers integration: a real model generates from the paged KV cache.
+
+How it hooks into transformers (no model code is copied):
+
+1. `PagedCache` (a `transformers.cache_utils.Cache`) is passed to the model as its cache. Every
+   attention layer calls ``cache.update(k, v, layer_idx)`` after RoPE; `PagedCache` writes the
+   new tokens' K/V into their pages of a `paged_ref.PagedKVCache`.
+2. `paged_attention_forward` is registered in `transformers.AttentionInterface` as
+   ``"paged_ref"`` and the model's ``attn_implementation`` is switched to it while a paged
+   generation runs. It reads each sequence's K/V from the pages with the chosen backend
+   (``reference``, ``flex`` or ``triton``). No attention mask is built for it.
+3. `PagedSession` lays out each forward (per-sequence lengths, explicit absolute
+   ``position_ids``), builds the step plan both halves share, and frees pages.
+
+Public entry points:
+
+* `generate(model, input_ids, max_new_tokens=...)`: greedy decoding, same tokens as
+  ``model.generate(do_sample=False)``; `stream` yields the tokens step by step.
+* `log_likelihood(model, input_ids, chunk_size=...)`: teacher-forced per-token log-probs
+  through the paged cache; `reference_log_likelihood` is the plain model's.
+
+Example:
+    >>> import torch
+    >>> from paged_ref import hf
+    >>> from paged_ref.models import tiny_llama
+    >>> model = tiny_llama()
+    >>> out = hf.generate(model, torch.tensor([[1, 5, 9]]), max_new_tokens=4, backend="reference")
+    >>> out.shape
+    torch.Size([1, 7])
+"""
+
+from .attention import ATTN_IMPLEMENTATION, BACKENDS, paged_attention_forward, register, resolve_backend
+from .cache import PagedCache, StepPlan
+from .generate import generate, stream
+from .score import log_likelihood, reference_log_likelihood
+from .session import PagedSession
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "BACKENDS",
+    "PagedCache",
+    "PagedSession",
+    "StepPlan",
+    "generate",
+    "log_likelihood",
+    "paged_attention_forward",
+    "reference_log_likelihood",
+    "register",
+    "resolve_backend",
+    "stream",
+]

@@ -1,0 +1,119 @@
+"""The attention function transformers calls, registered under the name ``"paged_ref"``.
+
+transformers' attention modules end with
+``attention_interface(module, query, key, value, attention_mask, scaling=..., **kwargs)``, where
+the function is looked up by ``config._attn_implementation`` in `transformers.AttentionInterface`.
+Registering `paged_attention_forward` there and setting the model's implementation to
+``"paged_ref"`` routes every layer's attention to the paged kernels, without copying model code.
+
+The function ignores ``key``/``value`` (only the new tokens) and the mask: the step plan, passed
+as the extra keyword ``paged_step`` (transformers forwards unknown keywords from the model call
+down to the attention function), says where each sequence's K/V live. Because
+``"paged_ref"`` has no entry in `AttentionMaskInterface`, transformers builds no mask at all
+(true in 5.17 and 5.24): causality and sequence lengths are the kernels' job.
+
+Backends (decode = one new token per sequence, prefill = several):
+
+=========== =============================== ===============================
+backend     decode                          prefill
+=========== =============================== ===============================
+reference   paged_attention_reference       paged_prefill_reference
+flex        flex_paged_decode               flex_paged_prefill
+triton      paged_decode (Triton kernel)    paged_prefill_reference
+=========== =============================== ===============================
+
+Triton has no prefill kernel here: prefill is compute-bound and runs once per prompt.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+
+__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "resolve_backend", "paged_attention_forward", "register"]
+
+ATTN_IMPLEMENTATION = "paged_ref"
+
+# backend -> ((module, decode function), (module, prefill function)); imported lazily so that a
+# missing optional dependency (triton) only matters to the backend that needs it
+BACKENDS: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
+    "reference": (("reference", "paged_attention_reference"), ("reference", "paged_prefill_reference")),
+    "flex": (("flex", "flex_paged_decode"), ("flex", "flex_paged_prefill")),
+    "triton": (("triton_decode", "paged_decode"), ("reference", "paged_prefill_reference")),
+}
+
+
+def resolve_backend(backend: str) -> tuple[Callable, Callable]:
+    """The (decode, prefill) attention functions of a backend name.
+
+    Example:
+        >>> decode, prefill = resolve_backend("reference")
+        >>> decode.__name__, prefill.__name__
+        ('paged_attention_reference', 'paged_prefill_reference')
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
+    found = []
+    for module_name, function_name in BACKENDS[backend]:
+        module = importlib.import_module(f"paged_ref.attention.{module_name}")
+        found.append(getattr(module, function_name))
+    return found[0], found[1]
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention of the new tokens over their sequences' pages (the transformers attention signature).
+
+    Args:
+        module: the attention module; ``module.layer_idx`` picks the layer's pages.
+        query: ``[batch, num_q_heads, max_q_len, head_dim]`` (after RoPE).
+        key, value: the new tokens' K/V, already written to the pages by `PagedCache.update`; unused.
+        attention_mask: unused (None: no mask is built for this implementation).
+        scaling: softmax scale (``module.scaling``).
+        dropout: must be 0 (inference only).
+        **kwargs: must hold ``paged_step``, the `StepPlan` of this forward.
+
+    Returns:
+        ``(out, None)`` with ``out: [batch, max_q_len, num_q_heads, head_dim]``; rows past a
+        sequence's ``q_lens`` are padding (zeros or garbage, never read back).
+    """
+    plan = kwargs.get("paged_step")
+    if plan is None:
+        raise RuntimeError(
+            f"attn_implementation {ATTN_IMPLEMENTATION!r} reads K/V from paged_ref pages and needs a step plan; "
+            "call the model through paged_ref.hf.generate / PagedSession (the model keeps this implementation "
+            "only while a paged generation is running; finish or close that generator first)"
+        )
+    if dropout:
+        raise NotImplementedError(f"paged attention is inference-only, got dropout={dropout}")
+    for unsupported in ("sliding_window", "softcap"):
+        if kwargs.get(unsupported) is not None:
+            raise NotImplementedError(f"paged attention does not support {unsupported}={kwargs[unsupported]!r}")
+    if getattr(module, "sinks", None) is not None:
+        raise NotImplementedError("paged attention does not support attention sinks")
+    layer = module.layer_idx
+    k_cache, v_cache = plan.kv.k_cache[layer], plan.kv.v_cache[layer]  # [num_pages, page_size, Hkv, D]
+    if plan.is_decode:
+        q = query[:, :, 0, :].contiguous()  # [batch, Hq, D]
+        out = plan.decode(q, k_cache, v_cache, plan.block_table, plan.seq_lens, scale=scaling)  # [batch, Hq, D]
+        return out.unsqueeze(1), None  # [batch, 1, Hq, D]
+    out = plan.prefill(query, k_cache, v_cache, plan.block_table, plan.seq_lens, plan.q_lens, scale=scaling)
+    return out.transpose(1, 2), None  # [batch, max_q_len, Hq, D]
+
+
+def register() -> str:
+    """Register `paged_attention_forward` with transformers (idempotent); returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION

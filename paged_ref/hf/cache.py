@@ -1,0 +1,169 @@
+"""The transformers `Cache` that writes each layer's K/V into a `PagedKVCache`.
+
+transformers' attention layers call ``cache.update(key_states, value_states, layer_idx, ...)``
+right after RoPE and right before attention. `PagedCache` implements that call by writing the
+new tokens' K/V into their pages; the registered attention function (`attention.py`) then reads
+all of a sequence's K/V back from the pages. The two halves share one `StepPlan`, built once per
+forward by the session: which sequence each batch row is, the cache slots of the new tokens,
+and the block table and lengths the attention kernels need.
+
+Layout of a forward (a "rectangle"): row ``b`` of ``input_ids: [batch, max_q_len]`` holds the
+``q_lens[b]`` new tokens of sequence ``seq_ids[b]`` left-aligned; the rest of the row is
+padding. Padding never reaches the cache: ``update`` writes only the valid tokens, so pages hold
+real tokens only. A decode step is the rectangle with ``max_q_len == 1``.
+
+Version note: transformers 5.24 passes the cache as ``cache=`` and calls
+``update(k, v, layer_idx, kwargs=...)``; 5.17 passes ``past_key_values=`` and calls
+``update(k, v, layer_idx, cache_kwargs)``. `update` accepts both, and nothing here depends on
+the base class's per-layer storage (``self.layers`` stays empty).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..cache import PagedKVCache
+
+__all__ = ["StepPlan", "PagedCache"]
+
+
+@dataclass
+class StepPlan:
+    """Everything one forward needs to write and read the paged cache (built once, used by every layer).
+
+    Attributes:
+        kv: the paged cache.
+        seq_ids: sequence id of each batch row, ``batch`` ints.
+        slots: int64 ``[num_new]``, flat cache slot of each valid new token, rows in order.
+        q_lens: int32 ``[batch]``, new tokens in each row (>= 1); ``max_q_len`` is their max.
+        valid: bool ``[batch, max_q_len]`` marking the real tokens of the rectangle, or None
+            when every row is full (decode, or equal lengths).
+        block_table: int32 ``[batch, max_pages]`` after the new tokens were reserved.
+        seq_lens: int32 ``[batch]``, tokens held per sequence including the new ones.
+        decode: attention function for ``max_q_len == 1``:
+            ``f(q [batch, Hq, D], k_cache, v_cache, block_table, seq_lens, *, scale)``.
+        prefill: attention function for longer rows:
+            ``f(q [batch, Hq, max_q_len, D], k_cache, v_cache, block_table, seq_lens, q_lens, *, scale)``.
+        max_q_len: width of the rectangle.
+    """
+
+    kv: PagedKVCache
+    seq_ids: list[int]
+    slots: torch.Tensor
+    q_lens: torch.Tensor
+    valid: torch.Tensor | None
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    decode: Callable
+    prefill: Callable
+
+    max_q_len: int
+
+    @property
+    def is_decode(self) -> bool:
+        """One new token per sequence: the decode kernel's case."""
+        return self.max_q_len == 1
+
+
+class PagedCache(Cache):
+    """A transformers `Cache` whose storage is a paged KV cache shared by many sequences.
+
+    It holds no tensors of its own: `update` writes into ``plan.kv`` at ``plan.slots``. Use it
+    only through `paged_ref.hf` (which registers the matching attention function and sets the
+    plan before each forward); with any other attention implementation the model would attend
+    to the new tokens only.
+
+    Args:
+        kv: the `PagedKVCache` to write into.
+
+    Example:
+        >>> from paged_ref import PagedKVCache
+        >>> kv = PagedKVCache(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=32)
+        >>> cache = PagedCache(kv)
+        >>> cache.get_seq_length()     # no forward in flight
+        0
+    """
+
+    def __init__(self, kv: PagedKVCache):
+        if not isinstance(kv, PagedKVCache):
+            raise TypeError(f"kv must be a paged_ref.PagedKVCache, got {type(kv).__name__}")
+        try:
+            super().__init__(layers=[])  # transformers >= 4.56: per-layer storage, unused here
+        except TypeError:  # pragma: no cover - older base classes take no arguments
+            super().__init__()
+        self.kv = kv
+        self.plan: StepPlan | None = None
+
+    # ------------------------------------------------------------------ the one real method
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Write this layer's new K/V into their pages.
+
+        Args:
+            key_states, value_states: ``[batch, num_kv_heads, max_q_len, head_dim]`` (after RoPE).
+            layer_idx: the layer.
+
+        Returns:
+            ``(key_states, value_states)`` unchanged: the registered attention function reads
+            the full history from the pages, not from these tensors.
+        """
+        plan = self.plan
+        if plan is None:
+            raise RuntimeError(
+                "PagedCache.update was called outside a paged_ref forward; use paged_ref.hf.generate / "
+                "PagedSession, which set the step plan before calling the model"
+            )
+        k = key_states.transpose(1, 2)  # [batch, max_q_len, Hkv, D]
+        v = value_states.transpose(1, 2)  # [batch, max_q_len, Hkv, D]
+        if plan.valid is None:
+            k, v = k.flatten(0, 1), v.flatten(0, 1)  # [batch * max_q_len, Hkv, D]
+        else:
+            k, v = k[plan.valid], v[plan.valid]  # [num_new, Hkv, D], row-major like slots
+        plan.kv.write(layer_idx, plan.slots, k.contiguous(), v.contiguous())
+        return key_states, value_states
+
+    # ------------------------------------------------------------------ queries the model makes
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Longest number of tokens held by a sequence of the forward in flight (0 if none).
+
+        transformers < 5.20 derives a default ``cache_position`` from it; paged_ref always passes
+        explicit ``position_ids``, so it never sets positions (eviction makes tokens held and
+        absolute positions differ).
+        """
+        return int(self.plan.seq_lens.max()) if self.plan is not None else 0
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        """(kv_length, kv_offset) for mask builders; unused, since the paged attention masks itself."""
+        return self.get_seq_length(), 0
+
+    def get_max_length(self, *args, **kwargs) -> int:
+        return -1  # grows page by page; bounded only by the pool
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    # ------------------------------------------------------------------ unsupported generate() features
+    def _unsupported(self, what: str):
+        raise NotImplementedError(
+            f"PagedCache does not support {what} (beam search / assisted decoding); "
+            "paged_ref.hf.generate is greedy. Sequences are forked with PagedKVCache.fork instead."
+        )
+
+    def reorder_cache(self, beam_idx):
+        self._unsupported("reorder_cache")
+
+    def crop(self, max_length):
+        self._unsupported("crop")
+
+    def batch_repeat_interleave(self, repeats):
+        self._unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices):
+        self._unsupported("batch_select_indices")
+
+    def __repr__(self) -> str:
+        return f"PagedCache({self.kv!r})"

@@ -1,0 +1,232 @@
+"""Greedy generation from a paged KV cache: `generate` and its iterator form `stream`.
+
+Mixed-length batches: pass the prompts left-padded with an ``attention_mask`` (what
+``tokenizer(..., padding=True)`` gives with ``padding_side="left"``, and what
+``model.generate`` expects). Padding is stripped before anything reaches the cache: each
+sequence holds only its own tokens, at positions 0, 1, 2, ... (per-sequence lengths). The output
+keeps the input's layout, so it lines up with ``model.generate``'s output token for token.
+
+Stopping: a sequence that emits an EOS token is finished; later columns of its row hold
+``pad_token_id`` (as in ``model.generate``) and its pages go back to the allocator at once.
+Generation ends after ``max_new_tokens`` or when every sequence is finished.
+
+Example:
+    >>> import torch
+    >>> from paged_ref.models import tiny_llama
+    >>> model = tiny_llama()
+    >>> ids = torch.tensor([[1, 7, 9, 4]])
+    >>> out = generate(model, ids, max_new_tokens=5, page_size=2)
+    >>> out.shape
+    torch.Size([1, 9])
+    >>> bool((out == model.generate(ids, max_new_tokens=5, do_sample=False)).all())
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import torch
+
+from .._validate import check_int
+from ..block_table import pages_needed
+from ..cache import PagedKVCache
+from .session import PagedSession
+
+__all__ = ["generate", "stream"]
+
+PROGRESS_MIN_TOKENS = 128  # progress="auto" shows a bar from this many new tokens on
+
+
+def stream(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    page_size: int = 16,
+    num_pages: int | None = None,
+    backend: str = "reference",
+    attention_mask: torch.Tensor | None = None,
+    eviction=None,
+    budget: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    kv_cache: PagedKVCache | None = None,
+) -> Iterator[torch.Tensor]:
+    """Greedy decoding that yields each step's new tokens as they are produced.
+
+    Same arguments as `generate`. Yields LongTensor ``[batch]`` per step (``pad_token_id`` in
+    rows already finished). Pages are freed when a sequence finishes, and all of them when the
+    iterator is exhausted or closed (``break`` out of a ``for`` loop closes it at once in CPython).
+
+    Example:
+        >>> from paged_ref.models import tiny_llama
+        >>> steps = list(stream(tiny_llama(), torch.tensor([[1, 2, 3]]), max_new_tokens=3))
+        >>> len(steps), steps[0].shape
+        (3, torch.Size([1]))
+    """
+    prompts, eos, pad = _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+    if kv_cache is not None and num_pages is not None:
+        raise ValueError("pass either kv_cache or num_pages, not both (num_pages sizes a cache created here)")
+    if kv_cache is None and num_pages is None:
+        page_size = check_int("page_size", page_size, min_value=1)
+        # enough for every sequence at full length: generation never runs out of pages
+        num_pages = sum(pages_needed(p.numel() + max_new_tokens, page_size) for p in prompts)
+    session = PagedSession(model, kv=kv_cache, num_pages=num_pages, page_size=page_size, backend=backend,
+                           eviction=eviction, budget=budget)
+    return _greedy_steps(session, prompts, max_new_tokens, eos, pad)
+
+
+def _greedy_steps(session: PagedSession, prompts, max_new_tokens: int, eos: torch.Tensor, pad: int):
+    """The decoding loop behind `stream` (a generator, so arguments are checked before it starts)."""
+    with session:  # paged attention on; on exit every sequence is freed and attention restored
+        seq_ids = [session.add() for _ in prompts]
+        active = list(range(len(prompts)))  # batch rows still generating
+        logits = session.extend(seq_ids, prompts)  # prefill: [batch, vocab]
+        for _ in range(max_new_tokens):
+            next_tokens = logits.argmax(dim=-1)  # [num_active]
+            row_tokens = torch.full((len(prompts),), pad, dtype=torch.long, device=logits.device)
+            row_tokens[active] = next_tokens
+            yield row_tokens  # [batch]
+            done = torch.isin(next_tokens, eos).tolist()
+            for b, finished in zip(active, done):
+                if finished:
+                    session.finish(seq_ids[b])  # its pages are free from now on
+            keep = [i for i, finished in enumerate(done) if not finished]
+            active = [active[i] for i in keep]
+            if not active:
+                break
+            next_tokens = next_tokens[keep]
+            logits = session.extend([seq_ids[b] for b in active], list(next_tokens[:, None]))  # decode
+
+
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    page_size: int = 16,
+    num_pages: int | None = None,
+    backend: str = "reference",
+    attention_mask: torch.Tensor | None = None,
+    eviction=None,
+    budget: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    streamer=None,
+    callback: Callable[[int, torch.Tensor], None] | None = None,
+    progress: bool | None = None,
+    kv_cache: PagedKVCache | None = None,
+) -> torch.Tensor:
+    """Greedy generation with every layer's K/V in a paged cache; same tokens as ``model.generate``.
+
+    Args:
+        model: a transformers causal LM (Llama family; attention through `AttentionInterface`).
+        input_ids: LongTensor ``[batch, prompt_len]``, left-padded when lengths differ.
+        max_new_tokens: most tokens to add per sequence (>= 1).
+        page_size: tokens per page of the cache created here.
+        num_pages: pages of the cache created here; default: enough for every sequence at full
+            length. A smaller pool raises `OutOfPagesError` when it runs out.
+        backend: ``"reference"``, ``"flex"`` or ``"triton"``: which paged attention computes
+            decode steps (prefill: reference, flex and reference respectively).
+        attention_mask: ``[batch, prompt_len]`` of 0/1, 1 on real tokens, padding on the left.
+        eviction, budget: KV eviction hook (issue 5); not implemented yet, must be None.
+        eos_token_id: int or list of ints that end a sequence; default: the model's
+            ``generation_config.eos_token_id``. Pass ``[]`` to never stop early.
+        pad_token_id: fills finished rows; default: ``generation_config.pad_token_id``, else
+            the first EOS id.
+        streamer: an object with ``put(LongTensor)`` and ``end()`` (e.g.
+            ``transformers.TextStreamer``), called as ``model.generate`` calls it: the prompt
+            first, then each step's tokens ``[batch]``, then ``end()``.
+        callback: ``callback(step, tokens)`` after each step, ``tokens: LongTensor [batch]``.
+        progress: show a tqdm bar; default (None): only from 128 new tokens on.
+        kv_cache: use this `PagedKVCache` (e.g. to inspect its pages from the callback) instead
+            of creating one; the sequences added are freed before returning.
+
+    Returns:
+        LongTensor ``[batch, prompt_len + steps]``, the input followed by the generated tokens.
+
+    Raises:
+        TypeError / ValueError: bad arguments (the message names the argument).
+        NotImplementedError: ``eviction`` or ``budget`` given.
+        paged_ref.OutOfPagesError: the page pool ran out (every page is freed again).
+    """
+    show = progress if progress is not None else check_int("max_new_tokens", max_new_tokens, min_value=1) >= PROGRESS_MIN_TOKENS
+    steps = stream(
+        model, input_ids, max_new_tokens=max_new_tokens, page_size=page_size, num_pages=num_pages, backend=backend,
+        attention_mask=attention_mask, eviction=eviction, budget=budget, eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id, kv_cache=kv_cache,
+    )
+    from tqdm.auto import tqdm
+
+    new_tokens = []
+    bar = tqdm(total=max_new_tokens, disable=not show, desc="paged generate", unit="tok")
+    try:
+        for step, tokens in enumerate(steps):
+            if step == 0 and streamer is not None:
+                streamer.put(input_ids.cpu())
+            new_tokens.append(tokens)
+            if streamer is not None:
+                streamer.put(tokens.cpu())
+            if callback is not None:
+                callback(step, tokens)
+            bar.update(1)
+    finally:
+        steps.close()  # frees the pages even when a callback raised
+        bar.close()
+        if streamer is not None:
+            streamer.end()
+    generated = torch.stack(new_tokens, dim=1).to(input_ids.device)  # [batch, steps]
+    return torch.cat([input_ids, generated], dim=1)
+
+
+def _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id):
+    """Validate the inputs; return (prompts: list of LongTensor [len_b], eos: LongTensor [k], pad: int)."""
+    check_int("max_new_tokens", max_new_tokens, min_value=1)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise TypeError(
+            "input_ids must be a LongTensor [batch, prompt_len], got "
+            + (f"a tensor of shape {list(input_ids.shape)} and dtype {input_ids.dtype}"
+               if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__)
+        )
+    batch, length = input_ids.shape
+    if batch < 1 or length < 1:
+        raise ValueError(f"input_ids must hold at least one token per row, got shape {list(input_ids.shape)}")
+    device = next(model.parameters()).device
+    if attention_mask is None:
+        prompts = [row.to(device) for row in input_ids]
+    else:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            raise ValueError(
+                f"attention_mask must be a tensor of the shape of input_ids {list(input_ids.shape)}, got "
+                + (str(list(attention_mask.shape)) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__)
+            )
+        mask = attention_mask.to("cpu")
+        if not ((mask == 0) | (mask == 1)).all():
+            raise ValueError("attention_mask must hold only 0 and 1")
+        mask = mask.bool()
+        lengths = mask.sum(dim=1)
+        left_padded = mask == (torch.arange(length)[None, :] >= (length - lengths)[:, None])
+        if not left_padded.all():
+            bad = int((~left_padded.all(dim=1)).nonzero()[0])
+            raise ValueError(
+                f"attention_mask row {bad} is not left-padded (zeros then ones); pad prompts on the left "
+                "(tokenizer.padding_side = 'left'), as model.generate expects"
+            )
+        if int(lengths.min()) < 1:
+            raise ValueError(f"every prompt needs at least one real token; attention_mask row {int(lengths.argmin())} is all 0")
+        prompts = [input_ids[b, length - int(n):].to(device) for b, n in enumerate(lengths)]
+    config = getattr(model, "generation_config", None)
+    if eos_token_id is None:
+        eos_token_id = getattr(config, "eos_token_id", None)
+    if eos_token_id is None:
+        eos_token_id = []
+    eos_list = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if any(isinstance(e, bool) or not isinstance(e, int) for e in eos_list):
+        raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
+    if pad_token_id is None:
+        pad_token_id = getattr(config, "pad_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = eos_list[0] if eos_list else 0
+    eos = torch.tensor(eos_list, dtype=torch.long, device=device)
+    return prompts, eos, int(pad_token_id)

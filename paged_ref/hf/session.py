@@ -1,0 +1,298 @@
+"""PagedSession: run a transformers causal LM over sequences whose K/V live in pages.
+
+The session is the engine under `generate` and `log_likelihood`. It owns (or borrows) a
+`PagedKVCache`, keeps each sequence's *absolute position* (the next RoPE position), and runs
+forwards with `extend`: any number of new tokens for any subset of its sequences, one
+forward for all of them.
+
+Positions vs tokens held. ``position(seq)`` counts every token the sequence has ever fed;
+``kv.seq_len(seq)`` counts the tokens whose K/V are still in the cache. They are equal until
+an eviction policy drops tokens; then RoPE must still use the absolute position (the kept keys
+were rotated with theirs when written), which is why the session passes ``position_ids`` itself.
+
+Eviction hook (filled in by the eviction issue). After every forward, for every sequence it
+fed, the session calls ``self._evict(seq_id, phase)`` (phase ``"prefill"`` for a multi-token
+step, ``"decode"`` for a single token). A policy object will be given as
+``PagedSession(..., eviction=policy, budget=n)`` and is expected to have
+``policy.evict(kv, seq_id, *, budget, phase)``, free to call ``kv.drop_pages`` / ``kv.compact``
+on that sequence. Until then, passing ``eviction`` or ``budget`` raises NotImplementedError.
+
+Example:
+    >>> import torch
+    >>> from paged_ref.models import tiny_llama
+    >>> model = tiny_llama()
+    >>> with PagedSession(model, num_pages=8, page_size=4) as session:
+    ...     s = session.add()
+    ...     logits = session.extend([s], [torch.tensor([1, 5, 7])])   # prefill: [1, vocab]
+    ...     logits = session.extend([s], [logits.argmax(-1)])         # decode one token
+    ...     session.kv.seq_len(s), session.position(s)
+    (4, 4)
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from .._validate import check_choice, check_int
+from ..cache import PagedKVCache
+from .attention import ATTN_IMPLEMENTATION, BACKENDS, register, resolve_backend
+from .cache import PagedCache, StepPlan
+
+__all__ = ["PagedSession", "model_geometry"]
+
+
+def model_geometry(model) -> dict:
+    """Cache geometry of a transformers model: num_layers, num_kv_heads, head_dim, dtype, device."""
+    config = getattr(model, "config", None)
+    needed = ("num_hidden_layers", "num_attention_heads")
+    if config is None or any(getattr(config, name, None) is None for name in needed):
+        raise TypeError(
+            f"model must be a transformers decoder model with a config holding {list(needed)}, got {type(model).__name__}"
+        )
+    num_q_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_q_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
+    param = next(model.parameters())
+    return dict(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=param.dtype,
+        device=param.device,
+    )
+
+
+def _cache_keyword(model) -> str:
+    """Name of the forward argument taking the cache: ``cache`` (5.24) or ``past_key_values`` (5.17)."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class PagedSession:
+    """Sequences of one model sharing one paged KV cache; see the module docstring.
+
+    Args:
+        model: a transformers causal LM whose attention goes through `AttentionInterface`
+            (Llama, Mistral, Qwen2, SmolLM2, ...), in eval mode.
+        kv: a `PagedKVCache` matching the model (layers, KV heads, head_dim, dtype, device), or
+            None to create one with `num_pages` pages of `page_size` tokens.
+        num_pages, page_size: size of the cache created when `kv` is None.
+        backend: ``"reference"``, ``"flex"`` or ``"triton"`` (see `paged_ref.hf.attention`).
+        eviction, budget: the eviction hook (not implemented yet: must be None).
+
+    While the session is open (``with`` block, or between `open` and `close`) the model's
+    attention implementation is ``"paged_ref"``; `close` restores the previous one and frees
+    every sequence the session added.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        kv: PagedKVCache | None = None,
+        num_pages: int | None = None,
+        page_size: int = 16,
+        backend: str = "reference",
+        eviction=None,
+        budget: int | None = None,
+    ):
+        if eviction is not None or budget is not None:
+            raise NotImplementedError(
+                "KV eviction is not implemented yet (issue 5: PagedEviction). The hook is "
+                "PagedSession._evict, called after every forward; pass eviction=None and budget=None for now."
+            )
+        check_choice("backend", backend, BACKENDS)
+        geometry = model_geometry(model)
+        if kv is None:
+            kv = PagedKVCache(
+                num_pages=check_int("num_pages", num_pages, min_value=1),
+                page_size=check_int("page_size", page_size, min_value=1),
+                **geometry,
+            )
+        elif not isinstance(kv, PagedKVCache):
+            raise TypeError(f"kv must be a paged_ref.PagedKVCache or None, got {type(kv).__name__}")
+        else:
+            got = dict(num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
+                       dtype=kv.dtype, device=kv.device)
+            if got != geometry:
+                raise ValueError(f"kv does not match the model: the model needs {geometry}, kv has {got}")
+        self.model = model
+        self.kv = kv
+        self.backend = backend
+        self.eviction, self.budget = eviction, budget
+        self._decode, self._prefill = resolve_backend(backend)
+        self._hf_cache = PagedCache(kv)
+        self._cache_kw = _cache_keyword(model)
+        self._positions: dict[int, int] = {}  # seq_id -> next absolute position
+        self._previous_impl: str | None = None
+
+    # ------------------------------------------------------------------ lifetime
+    def open(self) -> "PagedSession":
+        """Switch the model's attention to the paged implementation (done by ``with``)."""
+        if self._previous_impl is None:
+            register()
+            self._previous_impl = self.model.config._attn_implementation
+            _set_attn_implementation(self.model, ATTN_IMPLEMENTATION)
+        return self
+
+    def close(self) -> None:
+        """Free every sequence still held and restore the model's attention implementation."""
+        try:
+            for seq_id in list(self._positions):
+                self.finish(seq_id)
+        finally:
+            if self._previous_impl is not None:
+                _set_attn_implementation(self.model, self._previous_impl)
+                self._previous_impl = None
+
+    def __enter__(self) -> "PagedSession":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ sequences
+    def add(self) -> int:
+        """Start an empty sequence; returns its id in `kv`."""
+        seq_id = self.kv.add_sequence()
+        self._positions[seq_id] = 0
+        return seq_id
+
+    def finish(self, seq_id: int) -> None:
+        """Free the sequence's pages (they go back to the allocator at once)."""
+        if seq_id not in self._positions:
+            raise ValueError(f"seq_id {seq_id!r} is not a live sequence of this session (live: {sorted(self._positions)})")
+        del self._positions[seq_id]
+        self.kv.free(seq_id)
+
+    def position(self, seq_id: int) -> int:
+        """Absolute position the sequence's next token will take (tokens fed so far)."""
+        return self._positions[seq_id]
+
+    @property
+    def seq_ids(self) -> list[int]:
+        return list(self._positions)
+
+    # ------------------------------------------------------------------ the forward
+    @torch.inference_mode()
+    def extend(self, seq_ids: list[int], tokens: list[torch.Tensor], *, all_logits: bool = False):
+        """Feed new tokens to some sequences in one forward and return their logits.
+
+        Args:
+            seq_ids: the sequences (distinct, live), one per batch row.
+            tokens: for each, a LongTensor ``[n_b]`` (n_b >= 1) of new token ids.
+            all_logits: return the logits of every new token instead of only the last.
+
+        Returns:
+            all_logits False: ``[batch, vocab]`` float32, logits after each sequence's last new token.
+            all_logits True: a list of ``[n_b, vocab]`` float32 tensors.
+        """
+        if self._previous_impl is None:
+            raise RuntimeError("PagedSession.extend needs an open session: use `with PagedSession(...) as s:`")
+        if len(seq_ids) != len(tokens) or not seq_ids:
+            raise ValueError(f"seq_ids and tokens must be non-empty and of equal length, got {len(seq_ids)} and {len(tokens)}")
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
+        for s in seq_ids:
+            if s not in self._positions:
+                raise ValueError(f"seq_id {s!r} is not a live sequence of this session (live: {sorted(self._positions)})")
+        device = self.kv.device
+        tokens = [torch.as_tensor(t, device=device).long().reshape(-1) for t in tokens]
+        q_lens_list = [t.numel() for t in tokens]
+        if min(q_lens_list) < 1:
+            raise ValueError(f"each tokens[b] must hold at least one token, got lengths {q_lens_list}")
+
+        old_lens = [self.kv.seq_len(s) for s in seq_ids]
+        try:
+            plan, input_ids, position_ids = self._plan(seq_ids, tokens, q_lens_list)
+        except BaseException:  # e.g. OutOfPagesError on the third sequence: undo the first two
+            self._shrink_to(seq_ids, old_lens)
+            raise
+        # logits are needed only at each row's last new token: ask for those columns only
+        if all_logits:
+            keep = 0
+        elif plan.max_q_len == 1:
+            keep = 1
+        else:
+            last = sorted(set(n - 1 for n in q_lens_list))
+            keep = torch.tensor(last, device=device)
+        self._hf_cache.plan = plan
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=True,
+                logits_to_keep=keep,
+                paged_step=plan,  # reaches paged_attention_forward through **kwargs
+                **{self._cache_kw: self._hf_cache},
+            )
+        except BaseException:  # leave the cache as it was: drop the half-written new tokens
+            self._shrink_to(seq_ids, old_lens)
+            raise
+        finally:
+            self._hf_cache.plan = None
+        logits = out.logits.float()  # [batch, kept columns, vocab]
+        for s, n in zip(seq_ids, q_lens_list):
+            self._positions[s] += n
+            self._evict(s, "decode" if n == 1 else "prefill")
+        if all_logits:
+            return [logits[b, :n] for b, n in enumerate(q_lens_list)]
+        if isinstance(keep, int):
+            return logits[:, -1]  # [batch, vocab]
+        column = {index: i for i, index in enumerate(last)}  # token index -> kept column
+        pick = torch.tensor([column[n - 1] for n in q_lens_list], device=device)
+        return logits[torch.arange(len(seq_ids), device=device), pick]  # [batch, vocab]
+
+    def _plan(self, seq_ids, tokens, q_lens_list):
+        """Reserve cache slots for the new tokens and lay them out as a [batch, max_q_len] rectangle."""
+        device = self.kv.device
+        batch, max_q = len(seq_ids), max(q_lens_list)
+        slots = [self.kv.reserve(s, n) for s, n in zip(seq_ids, q_lens_list)]
+        q_lens = torch.tensor(q_lens_list, dtype=torch.int32, device=device)  # [batch]
+        start = torch.tensor([self._positions[s] for s in seq_ids], device=device)  # [batch]
+        col = torch.arange(max_q, device=device)  # [max_q]
+        # padding columns repeat the row's last position (keeps max(position) honest for dynamic RoPE)
+        position_ids = start[:, None] + torch.minimum(col[None, :], (q_lens - 1)[:, None].long())  # [batch, max_q]
+        if all(n == max_q for n in q_lens_list):
+            valid = None
+            input_ids = torch.stack(tokens)  # [batch, max_q]
+        else:
+            valid = col[None, :] < q_lens[:, None]  # [batch, max_q]
+            input_ids = torch.zeros(batch, max_q, dtype=torch.long, device=device)
+            input_ids[valid] = torch.cat(tokens)
+        block_table, seq_lens = self.kv.block_table(seq_ids)  # int32 [batch, max_pages], [batch]
+        plan = StepPlan(
+            kv=self.kv,
+            seq_ids=list(seq_ids),
+            slots=torch.cat(slots),
+            q_lens=q_lens,
+            valid=valid,
+            block_table=block_table,
+            seq_lens=seq_lens,
+            decode=self._decode,
+            prefill=self._prefill,
+            max_q_len=max_q,
+        )
+        return plan, input_ids, position_ids
+
+    def _shrink_to(self, seq_ids, old_lens) -> None:
+        """Undo reservations: cut each sequence back to its old length (pages return to the pool)."""
+        for s, n in zip(seq_ids, old_lens):
+            if self.kv.seq_len(s) > n:
+                keep = torch.arange(self.kv.seq_len(s), device=self.kv.device) < n  # bool [seq_len]
+                self.kv.compact(s, keep)
+
+    def _evict(self, seq_id: int, phase: str) -> None:
+        """Eviction hook: let the policy shrink ``seq_id``'s cache after a forward (see module docstring)."""
+        if self.eviction is not None:
+            self.eviction.evict(self.kv, seq_id, budget=self.budget, phase=phase)
+
+
+def _set_attn_implementation(model, name: str) -> None:
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        setter(name)
+    else:  # pragma: no cover - transformers without set_attn_implementation
+        model.config._attn_implementation = name

