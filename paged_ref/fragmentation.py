@@ -10,13 +10,16 @@ three allocation policies and records, at every step, where the memory went:
   knows the output length), first fit over a linear address space;
 * ``"paged"`` -- each request holds whole pages from a :class:`~paged_ref.allocator.PageAllocator`,
   one more whenever its last page is full. When no page is free the youngest running request is
-  preempted (its pages return to the pool and it waits at the head of the queue).
+  preempted (its pages return to the pool and it waits at the head of the queue);
+* ``"paged_pow2"`` -- paged, but a request's page count grows in powers of two (it doubles
+  when full, capped at ``max_len``), the reservation the IBM paper describes.
 
 Per step, after admission, the budget splits into (in slots): ``used`` (tokens stored),
 ``future`` (reserved for tokens not generated yet: a contiguous request's whole remainder, or
-the page a just-admitted paged request took for its next token), ``internal`` (held but not
-holding a token otherwise: the tail of a max-length reservation, the empty end of each
-request's last page of tokens), ``external`` (free memory that cannot
+pages a paged request holds ahead of its tokens that it will fill before it ends),
+``internal`` (held but never going to hold a token: the tail of a max-length reservation, the
+empty end of each request's last page of tokens, pages reserved beyond a request's end),
+``external`` (free memory that cannot
 serve the next request because no hole is big enough, although in total there is enough) and
 ``free``. Requests are admitted first come, first served. The model is deliberately simple:
 one token per running request per step, prefill in the admission step, no recompute cost charged
@@ -41,7 +44,7 @@ from ._validate import check_choice, check_int
 from .allocator import PageAllocator
 from .block_table import pages_needed
 
-POLICIES = ("reserve_max", "exact", "paged")
+POLICIES = ("reserve_max", "exact", "paged", "paged_pow2")
 
 
 @dataclass(frozen=True)
@@ -183,10 +186,10 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
 
     Args:
         workload: the requests (:func:`make_workload`).
-        policy: ``"reserve_max"``, ``"exact"`` or ``"paged"``.
+        policy: one of :data:`POLICIES`.
         budget_slots: memory budget in token slots; at least ``workload.max_len`` and, for
-            ``"paged"``, a multiple of ``page_size``.
-        page_size: tokens per page (used by ``"paged"`` only).
+            the paged policies, a multiple of ``page_size``.
+        page_size: tokens per page (used by the paged policies only).
     """
     if not isinstance(workload, Workload):
         raise TypeError(f"workload must be a Workload (make_workload), got {type(workload).__name__}")
@@ -196,9 +199,10 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
     if budget < workload.max_len:
         raise ValueError(f"budget_slots must be >= workload.max_len = {workload.max_len} so that "
                          f"every request can be served, got {budget}")
-    if policy == "paged" and budget % page_size:
+    paged, pow2 = policy.startswith("paged"), policy == "paged_pow2"
+    if paged and budget % page_size:
         raise ValueError(f"budget_slots must be a multiple of page_size = {page_size} for "
-                         f"'paged', got {budget}")
+                         f"{policy!r}, got {budget}")
 
     n = len(workload)
     arrival = workload.arrival.tolist()
@@ -207,16 +211,19 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
     admitted = [-1] * n
     finished = [-1] * n
     held: dict[int, int] = {}                # running request -> slots it holds
-    pages: dict[int, list[int]] = {}         # "paged": running request -> its pages
-    contiguous = _Contiguous(budget) if policy != "paged" else None
-    pool = PageAllocator(budget // page_size) if policy == "paged" else None
+    pages: dict[int, list[int]] = {}         # paged policies: running request -> its pages
+    contiguous = None if paged else _Contiguous(budget)
+    pool = PageAllocator(budget // page_size) if paged else None
+    max_pages = pages_needed(workload.max_len, page_size)  # cap of power-of-two growth
 
     def demand(r: int) -> int:  # contiguous slots needed to admit r
         return workload.max_len if policy == "reserve_max" else total[r]
 
     def try_admit(r: int) -> bool:
-        if policy == "paged":
+        if paged:
             need = pages_needed(length[r] + 1, page_size)  # room for the next token too
+            if pow2:
+                need = min(1 << (need - 1).bit_length(), max_pages)
             if need > pool.num_free:
                 return False
             pages[r] = pool.allocate(need)
@@ -228,7 +235,7 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
         return True
 
     def release(r: int) -> None:
-        if policy == "paged":
+        if paged:
             pool.free(pages.pop(r))
         else:
             contiguous.release(r)
@@ -252,14 +259,15 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
         # snapshot of the memory after admission
         used = sum(length[r] for r in running)
         allocated = sum(held.values())
-        if policy == "paged":  # a request admitted this step holds a page for its next token
-            future = allocated - sum(pages_needed(length[r], page_size) for r in running) * page_size
+        if paged:  # pages held ahead of the tokens, up to the request's final length
+            future = sum(min(held[r], pages_needed(total[r], page_size) * page_size)
+                         - pages_needed(length[r], page_size) * page_size for r in running)
         else:
             future = sum(total[r] - length[r] for r in running)
         free = budget - allocated
         external = 0
         upcoming = queue[0] if queue else (nxt if nxt < n else None)
-        if policy != "paged" and upcoming is not None:
+        if not paged and upcoming is not None:
             d = demand(upcoming)
             if free >= d and contiguous.largest_hole() < d:
                 external = free  # enough memory in total, but no hole is big enough
@@ -273,8 +281,9 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
         for r in list(running):
             if r not in held:
                 continue  # preempted earlier in this step
-            if policy == "paged" and length[r] == held[r]:  # last page full: take a page
-                while pool.num_free == 0:
+            if paged and length[r] == held[r]:  # last page full: take a page (or double)
+                extra = min(len(pages[r]), max_pages - len(pages[r])) if pow2 else 1
+                while pool.num_free < extra:
                     victim = running.pop()               # the youngest gives its pages back
                     release(victim)
                     queue.appendleft(victim)
@@ -283,8 +292,8 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
                         break
                 if r not in held:
                     continue
-                pages[r] += pool.allocate(1)
-                held[r] += page_size
+                pages[r] += pool.allocate(extra)
+                held[r] += extra * page_size
             length[r] += 1
             if length[r] == total[r]:  # its last token: it leaves and frees its memory
                 running.remove(r)
@@ -306,9 +315,11 @@ def compare_policies(workload: Workload, *, budget_slots: int, page_size: int = 
             for p in POLICIES]
 
 
-def page_size_sweep(workload: Workload, *, budget_slots: int, page_sizes) -> list[dict]:
-    """:meth:`SimResult.summary` of the ``"paged"`` policy for each page size."""
-    return [simulate(workload, "paged", budget_slots=budget_slots, page_size=p).summary()
+def page_size_sweep(workload: Workload, *, budget_slots: int, page_sizes,
+                    policy: str = "paged") -> list[dict]:
+    """:meth:`SimResult.summary` of a paged policy for each page size."""
+    policy = check_choice("policy", policy, [p for p in POLICIES if p.startswith("paged")])
+    return [simulate(workload, policy, budget_slots=budget_slots, page_size=p).summary()
             for p in page_sizes]
 
 

@@ -58,7 +58,7 @@ def test_fragmentation_numbers_match_the_simulator():
     assert fragmentation_numbers(8, 8192, wl) == compare_policies(wl, budget_slots=8192,
                                                                    page_size=8)
     assert [s["policy"] for s in fragmentation_numbers(16, 16384)] == [
-        "reserve_max", "exact", "paged"]
+        "reserve_max", "exact", "paged", "paged_pow2"]
     assert default_workload() is default_workload()
 
 

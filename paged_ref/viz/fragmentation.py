@@ -22,7 +22,8 @@ LABELS = {"used": "used (tokens stored)", "future": "reserved for future tokens"
           "internal": "internal fragmentation", "external": "external fragmentation",
           "free": "free"}
 POLICY_NAMES = {"reserve_max": "contiguous, max-length reservation",
-                "exact": "contiguous, exact size (first fit)", "paged": "paged"}
+                "exact": "contiguous, exact size (first fit)", "paged": "paged",
+                "paged_pow2": "paged, power-of-two growth"}
 SIMULATED = "Simulation (paged_ref.fragmentation, seeded); slot counts, no hardware measured."
 
 
@@ -69,7 +70,7 @@ def timeline_figure(results: list[SimResult]) -> Figure:
                      colors=[COLORS[k] for k in keys], labels=[LABELS[k] for k in keys])
         ax.set_ylim(0, 1)
         ax.set_ylabel("share of budget")
-        extra = f", {res.page_size}-token pages" if res.policy == "paged" else ""
+        extra = f", {res.page_size}-token pages" if res.policy.startswith("paged") else ""
         ax.set_title(f"{POLICY_NAMES[res.policy]}{extra}: all requests done at step "
                      f"{res.num_steps}", fontsize=9)
     axes[0].legend(loc="upper right", fontsize=7, ncol=3)
@@ -82,7 +83,7 @@ def policy_bars_figure(summaries: list[dict]) -> Figure:
     """Mean split of the budget under memory pressure, and how many requests ran at once."""
     fig = Figure(figsize=(8.0, 3.4), layout="constrained")
     ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.2, 1]})
-    names = [POLICY_NAMES[s["policy"]] + (f" ({s['page_size']})" if s["policy"] == "paged"
+    names = [POLICY_NAMES[s["policy"]] + (f" ({s['page_size']})" if s["policy"].startswith("paged")
                                           else "") for s in summaries]
     left = np.zeros(len(summaries))
     for key in COLORS:
@@ -141,11 +142,31 @@ def budget_sweep_figure(budgets, summaries_by_policy: dict[str, list[dict]]) -> 
     for policy, summaries in summaries_by_policy.items():
         ax.plot(budgets, [s["mean_running"] for s in summaries], "o-",
                 label=POLICY_NAMES[policy] + (f" ({summaries[0]['page_size']})"
-                                              if policy == "paged" else ""))
+                                              if policy.startswith("paged") else ""))
     ax.set_xlabel("memory budget (token slots)")
     ax.set_ylabel("requests running at once\n(mean under pressure)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("How many requests fit in a fixed budget")
+    add_note(fig, SIMULATED)
+    return fig
+
+
+def workload_figure(workload) -> Figure:
+    """Histogram of the requests' final lengths, and arrivals over time."""
+    fig = Figure(figsize=(8.0, 3.0), layout="constrained")
+    ax1, ax2 = fig.subplots(1, 2)
+    total = workload.total_len
+    ax1.hist(total, bins=np.geomspace(max(1, total.min()), workload.max_len, 30), color="tab:blue")
+    ax1.set_xscale("log")
+    ax1.axvline(total.mean(), color="k", ls="--", lw=1, label=f"mean {total.mean():.0f}")
+    ax1.axvline(workload.max_len, color="tab:orange", lw=1.5, label=f"max_len {workload.max_len}")
+    ax1.set_xlabel("prompt + output tokens")
+    ax1.set_ylabel("requests")
+    ax1.legend(fontsize=8)
+    ax2.plot(workload.arrival, np.arange(1, len(workload) + 1), color="tab:green")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel("requests arrived")
+    fig.suptitle(f"{len(workload)} requests, lognormal lengths, Poisson arrivals", fontsize=10)
     add_note(fig, SIMULATED)
     return fig
