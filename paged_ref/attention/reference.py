@@ -64,7 +64,7 @@ def check_paged_inputs(
         k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``, same dtype and
             device as ``q``; ``num_q_heads`` must be a multiple of ``num_kv_heads``.
         block_table: int32/int64 ``[batch, max_pages]``; the entries a sequence uses must be
-            valid page ids, the rest are ignored.
+            distinct valid page ids, the rest are ignored.
         seq_lens: int32/int64 ``[batch]``, each in ``[1, max_pages * page_size]``.
         scale: ``None`` (meaning ``head_dim ** -0.5``) or a finite real number.
         check_values: also check values that need reading the tensors (``seq_lens`` range and
@@ -147,6 +147,13 @@ def check_paged_inputs(
                 raise ValueError(
                     f"block_table[{b}] uses page ids outside [0, num_pages={num_pages}) "
                     f"within its first {len(used)} entries (seq_lens[{b}]={n}): {bad[:4]}")
+            if len(set(used)) != len(used):
+                # One physical page cannot hold two logical pages of the same sequence; a
+                # repeat is a corrupted table (pages shared *between* sequences are fine).
+                twice = sorted({p for p in used if used.count(p) > 1})
+                raise ValueError(
+                    f"block_table[{b}] lists page ids {twice[:4]} more than once within its "
+                    f"first {len(used)} entries (seq_lens[{b}]={n})")
     return float(scale)
 
 
