@@ -1,0 +1,148 @@
+"""Allocator cost per page operation, paged_ref vs PyTorch's experimental PagedAttention.
+
+    python -m paged_ref.bench alloc [--quick] [--out DIR]
+
+One workload, two implementations, one run: ``num_seqs`` sequences (lengths drawn from a
+seeded lognormal, capped at ``max_len``) grow one page at a time in round-robin order (as
+decode does), then all are released. Timed per call with ``perf_counter_ns``:
+
+- ``paged_ref.PageAllocator``: ``allocate(1)`` per page, ``free(pages)`` per sequence;
+- ``paged_ref.PagedKVCache``: ``reserve(seq, page_size)`` per page, ``free(seq)`` per sequence
+  (block table bookkeeping included, as in the peer);
+- ``torch.nn.attention.experimental._paged_attention.PagedAttention``: ``reserve(batch_idx,
+  seq_len)`` per page, ``erase(batch_idx)`` per sequence (it keeps its page table and
+  physical->logical map as tensors, so each call runs small tensor ops).
+
+Reported: nanoseconds per page operation (the run's total time / pages allocated, median over
+repeats), median and p99 of individual calls, and the ratio peer / paged_ref.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from ..allocator import PageAllocator
+from ..block_table import pages_needed
+from ..cache import PagedKVCache
+from .common import environment, print_table, write_json
+
+
+def workload(num_seqs: int, max_len: int, page_size: int, seed: int = 0) -> list[int]:
+    """Pages each sequence grows to (lognormal lengths, median ~max_len/4)."""
+    rng = np.random.default_rng(seed)
+    lens = np.clip(rng.lognormal(np.log(max_len / 4), 0.8, num_seqs).astype(int), 1, max_len)
+    return [pages_needed(int(n), page_size) for n in lens]
+
+
+def _round_robin(pages_per_seq):
+    """(seq, logical page) in the order decode would ask for them."""
+    for step in range(max(pages_per_seq)):
+        for seq, n in enumerate(pages_per_seq):
+            if step < n:
+                yield seq, step
+
+
+def run_allocator(pages_per_seq, page_size):
+    alloc = PageAllocator(sum(pages_per_seq))
+    held = [[] for _ in pages_per_seq]
+    grow, release = [], []
+    for seq, _ in _round_robin(pages_per_seq):
+        t = time.perf_counter_ns()
+        held[seq] += alloc.allocate(1)
+        grow.append(time.perf_counter_ns() - t)
+    for pages in held:
+        t = time.perf_counter_ns()
+        alloc.free(pages)
+        release.append(time.perf_counter_ns() - t)
+    return grow, release
+
+
+def run_cache(pages_per_seq, page_size):
+    cache = PagedKVCache(num_layers=1, num_pages=sum(pages_per_seq), page_size=page_size,
+                         num_kv_heads=1, head_dim=1)
+    ids = [cache.add_sequence() for _ in pages_per_seq]
+    grow, release = [], []
+    for seq, _ in _round_robin(pages_per_seq):
+        t = time.perf_counter_ns()
+        cache.reserve(ids[seq], page_size)
+        grow.append(time.perf_counter_ns() - t)
+    for seq in ids:
+        t = time.perf_counter_ns()
+        cache.free(seq)
+        release.append(time.perf_counter_ns() - t)
+    return grow, release
+
+
+def run_torch(pages_per_seq, page_size):
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+
+    pa = PagedAttention(sum(pages_per_seq), page_size, len(pages_per_seq), device="cpu")
+    grow, release = [], []
+    for seq, page in _round_robin(pages_per_seq):
+        b, n = torch.tensor([seq]), torch.tensor([(page + 1) * page_size])
+        t = time.perf_counter_ns()
+        pa.reserve(b, n)
+        grow.append(time.perf_counter_ns() - t)
+    for seq in range(len(pages_per_seq)):
+        b = torch.tensor([seq])
+        t = time.perf_counter_ns()
+        pa.erase(b)
+        release.append(time.perf_counter_ns() - t)
+    return grow, release
+
+
+IMPLEMENTATIONS = {
+    "paged_ref.PageAllocator": run_allocator,
+    "paged_ref.PagedKVCache": run_cache,
+    "torch PagedAttention": run_torch,
+}
+
+
+def measure(num_seqs=64, max_len=2048, page_size=16, repeats=5, seed=0) -> dict:
+    pages_per_seq = workload(num_seqs, max_len, page_size, seed)
+    total = sum(pages_per_seq)
+    results = {}
+    for name, fn in IMPLEMENTATIONS.items():
+        per_page, calls = [], []
+        for _ in range(repeats):
+            grow, release = fn(pages_per_seq, page_size)
+            per_page.append((sum(grow) + sum(release)) / total)
+            calls = grow + release
+        calls = np.asarray(calls)
+        results[name] = {
+            "ns_per_page_op": float(np.median(per_page)),
+            "call_median_ns": float(np.median(calls)),
+            "call_p99_ns": float(np.percentile(calls, 99)),
+        }
+    peer = results["torch PagedAttention"]["ns_per_page_op"]
+    for r in results.values():
+        r["torch_over_this"] = peer / r["ns_per_page_op"]
+    return {"workload": {"num_seqs": num_seqs, "max_len": max_len, "page_size": page_size,
+                         "total_pages": total, "repeats": repeats, "seed": seed},
+            "results": results}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m paged_ref.bench alloc", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a small workload (seconds)")
+    parser.add_argument("--out", default=None, help="folder for alloc_cpu.json (default figures/data)")
+    args = parser.parse_args(argv)
+    kw = dict(num_seqs=16, max_len=512, repeats=3) if args.quick else {}
+    data = measure(**kw)
+    data["environment"] = environment()
+    rows = [[name, f"{r['ns_per_page_op']:.0f}", f"{r['call_median_ns']:.0f}", f"{r['call_p99_ns']:.0f}",
+             f"{r['torch_over_this']:.2f}x"] for name, r in data["results"].items()]
+    print(f"workload: {data['workload']}")
+    print_table(["implementation", "ns/page op", "call median ns", "call p99 ns", "torch / this"], rows)
+    path = write_json(data, "alloc_cpu.json", out_dir=args.out)
+    print(f"wrote {path}")
+    return data
+
+
+if __name__ == "__main__":
+    main()
