@@ -1,0 +1,478 @@
+"""FlexAttention straight over the paged cache: a logical BlockMask translated to physical pages.
+
+FlexAttention computes ``softmax(q @ k.T * scale + mask) @ v`` for any mask given as a
+``mask_mod(b, h, q_idx, kv_idx) -> bool``, and skips work with a *BlockMask*: for every
+``(batch, head, query block)`` a list of the KV blocks (``kv_block_size`` tokens each) worth
+visiting. To run it on a paged cache without gathering pages, we hand it the cache itself as
+one long physical K/V sequence and translate the mask from logical to physical coordinates::
+
+    k_cache: [num_pages, page_size, num_kv_heads, head_dim]
+      -> view  [1, num_kv_heads, num_pages * page_size, head_dim]    (no copy)
+
+    physical position x  <->  page x // page_size, offset x % page_size
+
+Two things must be translated, and both must stay correct for any page size:
+
+1. **Which blocks to visit** (the BlockMask's ``kv_indices``). The logical BlockMask lists
+   logical KV blocks. Each is cut into *units* of ``gcd(page_size, kv_block_size)`` tokens; a
+   unit lies inside one logical page, so the page table sends it to one physical place, and
+   being aligned it lies inside one physical block. The physical BlockMask visits each physical
+   block that receives a used unit, **once**. When pages are smaller than a flex block (say
+   ``page_size=16``, blocks of 128) one physical block holds pieces of up to eight pages, some
+   of them other sequences'; when pages are larger, one page spans several blocks. Torch's
+   experimental ``PagedAttention`` only accepts ``kv_block_size == page_size``; here page size
+   and block size are independent (page sizes 1..128 and beyond with one block size).
+   Logical blocks whose mask is all-True ("full") stay full only when a block sits inside one
+   page (``page_size % kv_block_size == 0``); otherwise a physical block may hold foreign
+   tokens and must be masked element by element.
+
+2. **Which elements to keep** (the ``mask_mod``). A physical position is mapped back to its
+   logical position through a physical->logical table ``p2l[b, page]`` (the logical page index
+   of ``page`` in sequence ``b``, or ``-1`` when sequence ``b`` does not own it), then the
+   logical mask is applied. This function masks:
+     * pages sequence ``b`` does not own (another sequence's, free, or padding) - ``p2l == -1``;
+     * positions past ``seq_lens[b]`` on its last page (torch's version skips this unless a
+       ``kv_len`` is passed, and then attends to the unwritten tail of the page);
+     * for prefill, the causal bound and the padding query rows.
+   ``p2l`` is rebuilt on every call from the block table that is passed in, so it cannot go
+   stale when a sequence is freed and its pages reused (torch's ``erase`` writes ``-1`` into a
+   copy of its map and leaves the old owner's entries in place), and it is indexed by the same
+   batch index ``b`` as the block table rows (torch's ``get_mask_mod`` indexes its map with the
+   BlockMask's batch index even when a ``batch_idx`` remap was given).
+
+A caveat shared by every block-sparse kernel: masked elements of a visited block still enter
+the sum as ``0 * v``, so unwritten cache slots must hold finite numbers (allocate the cache
+with ``torch.zeros``, not ``torch.empty``); NaN in a neighbour's page would leak through.
+
+On CUDA, ``flex_attention`` is compiled once per process (``torch.compile``) and reused; on
+CPU it runs eagerly. Eager FlexAttention evaluates the ``mask_mod`` on every element and
+ignores the BlockMask's sparsity, so :func:`block_mask_visits` replays the BlockMask the way a
+block-sparse kernel reads it; the tests use it to check the physical BlockMask on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Callable, NamedTuple
+
+import torch
+from torch.nn.attention.flex_attention import (
+    BlockMask,
+    create_block_mask,
+    create_mask,
+    flex_attention,
+)
+
+from paged_ref.attention.reference import check_paged_inputs, check_prefill_inputs
+
+__all__ = [
+    "PagedBlockMasks",
+    "block_mask_visits",
+    "flex_paged_decode",
+    "flex_paged_prefill",
+    "logical_block_mask",
+    "paged_block_masks",
+    "physical_to_logical",
+    "to_physical_block_mask",
+]
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+DEFAULT_KV_BLOCK_SIZE = 128   # FlexAttention's own default tile
+DEFAULT_Q_BLOCK_SIZE = 128
+
+
+# --------------------------------------------------------------------------------------------
+# Logical side: what each query may see, in the sequence's own token positions.
+# --------------------------------------------------------------------------------------------
+
+def _logical_mask_mod(seq_lens: torch.Tensor, q_lens: torch.Tensor | None) -> MaskMod:
+    """Logical mask: decode (``q_lens=None``) sees ``kv < seq_lens[b]``; prefill query row ``q``
+    sits at position ``seq_lens[b] - q_lens[b] + q`` and sees keys up to it (rows past
+    ``q_lens[b]`` see nothing)."""
+    if q_lens is None:
+        def decode_mask(b, h, q_idx, kv_idx):
+            return kv_idx < seq_lens[b]
+        return decode_mask
+
+    def causal_prefill_mask(b, h, q_idx, kv_idx):
+        q_pos = seq_lens[b] - q_lens[b] + q_idx           # logical position of this query
+        return (q_idx < q_lens[b]) & (kv_idx <= q_pos) & (kv_idx < seq_lens[b])
+    return causal_prefill_mask
+
+
+def logical_block_mask(
+    seq_lens: torch.Tensor,
+    max_kv_len: int,
+    *,
+    q_len: int = 1,
+    q_lens: torch.Tensor | None = None,
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
+    q_block_size: int = DEFAULT_Q_BLOCK_SIZE,
+) -> BlockMask:
+    """The BlockMask over *logical* positions ``[0, max_kv_len)`` of each sequence.
+
+    Args:
+        seq_lens: int ``[batch]``.
+        max_kv_len: logical KV length, ``max_pages * page_size``.
+        q_len: query rows per sequence (1 for decode, ``max_q_len`` for prefill).
+        q_lens: int ``[batch]`` new tokens per sequence (prefill, causal), or None (decode).
+
+    Example:
+        >>> bm = logical_block_mask(torch.tensor([5, 130]), 256, kv_block_size=64)
+        >>> bm.kv_num_blocks.flatten().tolist()      # blocks of 64 that hold real tokens
+        [1, 3]
+    """
+    return create_block_mask(
+        _logical_mask_mod(seq_lens, q_lens), seq_lens.shape[0], None, q_len, max_kv_len,
+        device=seq_lens.device, BLOCK_SIZE=(q_block_size, kv_block_size))
+
+
+# --------------------------------------------------------------------------------------------
+# Logical -> physical.
+# --------------------------------------------------------------------------------------------
+
+def _used_pages(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
+    return (seq_lens.long() + page_size - 1) // page_size                 # [batch]
+
+
+def physical_to_logical(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, num_cols: int, page_size: int
+) -> torch.Tensor:
+    """Invert the block table: ``p2l[b, page]`` = logical page index of physical ``page`` in
+    sequence ``b``, or ``-1`` if sequence ``b`` does not own it.
+
+    Built only from the used entries of the given table (padding entries are ignored, whatever
+    they hold), so it is never stale. ``num_cols >= num_pages`` (extra columns stay ``-1``).
+
+    Args:
+        block_table: int ``[batch, max_pages]``; seq_lens: int ``[batch]``.
+
+    Returns:
+        int64 ``[batch, num_cols]``.
+
+    Example:
+        >>> physical_to_logical(torch.tensor([[2, 0, 9]]), torch.tensor([4]), 4, 2).tolist()
+        [[1, -1, 0, -1]]
+    """
+    batch, max_pages = block_table.shape
+    logical = torch.arange(max_pages, device=block_table.device)           # [max_pages]
+    used = logical[None, :] < _used_pages(seq_lens, page_size)[:, None]    # [batch, max_pages]
+    # Unused entries are sent to a spare column `num_cols` that is cut off afterwards.
+    cols = torch.where(used, block_table.long(), num_cols)                 # [batch, max_pages]
+    p2l = torch.full((batch, num_cols + 1), -1, dtype=torch.long, device=block_table.device)
+    p2l.scatter_(1, cols, logical.expand(batch, max_pages).clone())
+    return p2l[:, :num_cols]                                               # [batch, num_cols]
+
+
+def _physical_mask_mod(
+    logical_mod: MaskMod, p2l: torch.Tensor, seq_lens: torch.Tensor, page_size: int
+) -> MaskMod:
+    """Wrap a logical mask_mod so it takes physical KV positions (see the module docstring)."""
+    def physical_mask(b, h, q_idx, kv_idx):
+        logical_page = p2l[b, kv_idx // page_size]          # -1: not sequence b's page
+        logical_kv = logical_page * page_size + kv_idx % page_size
+        owned = (logical_page >= 0) & (logical_kv < seq_lens[b])
+        return owned & logical_mod(b, h, q_idx, logical_kv)
+    return physical_mask
+
+
+def _dense_blocks(num: torch.Tensor, idx: torch.Tensor, num_cols: int) -> torch.Tensor:
+    """(kv_num_blocks [..., rows], kv_indices [..., rows, k]) -> bool [..., rows, num_cols]."""
+    listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]     # [..., rows, k]
+    dense = torch.zeros(*idx.shape[:-1], num_cols + 1, dtype=torch.bool, device=idx.device)
+    dense.scatter_(-1, torch.where(listed, idx.long(), num_cols), True)
+    return dense[..., :num_cols]
+
+
+def _ordered_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """bool [..., rows, cols] -> (kv_num_blocks int32 [..., rows], kv_indices int32
+    [..., rows, cols]) listing the True columns first, in increasing order."""
+    num = dense.sum(-1, dtype=torch.int32)
+    order = torch.sort(dense.to(torch.int8), dim=-1, descending=True, stable=True).indices
+    return num, order.to(torch.int32)
+
+
+def to_physical_block_mask(
+    logical: BlockMask,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_pages: int,
+    page_size: int,
+    *,
+    q_lens: torch.Tensor | None = None,
+) -> BlockMask:
+    """Translate a logical BlockMask (from :func:`logical_block_mask`) to one over the physical
+    cache ``[num_pages * page_size]`` positions, with the same block sizes.
+
+    Args:
+        logical: BlockMask over ``[max_q_len, max_pages * page_size]``, batch = block_table rows.
+        block_table: int ``[batch, max_pages]``; seq_lens, q_lens: int ``[batch]`` (as given to
+            :func:`logical_block_mask`).
+        num_pages, page_size: of the cache.
+
+    Returns:
+        BlockMask over ``[max_q_len, num_pages * page_size]`` whose mask_mod takes physical
+        positions. Each physical block is listed at most once per query block.
+    """
+    q_block, kv_block = logical.BLOCK_SIZE
+    device = block_table.device
+    batch, max_pages = block_table.shape
+    n_logical_blocks = logical.kv_indices.shape[-1]
+    n_physical_blocks = -(-num_pages * page_size // kv_block)
+    unit = math.gcd(page_size, kv_block)     # aligned run inside one page and one block
+
+    # Where each logical unit of each sequence lands in the physical cache.
+    unit_start = torch.arange(n_logical_blocks * kv_block // unit, device=device) * unit  # [U]
+    logical_page = (unit_start // page_size).clamp(max=max_pages - 1)                   # [U]
+    valid = unit_start[None, :] < seq_lens.long()[:, None]                      # [batch, U]
+    page = torch.where(valid, block_table.long()[:, logical_page], 0)           # [batch, U]
+    physical_block = (page * page_size + unit_start % page_size) // kv_block    # [batch, U]
+    owner_block = unit_start // kv_block                                        # [U] logical
+
+    def translate(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Logical block list -> bool [batch, H, q_blocks, n_physical_blocks]."""
+        dense = _dense_blocks(num, idx, n_logical_blocks)       # [batch, H, QB, n_logical]
+        per_unit = dense[..., owner_block] & valid[:, None, None, :]          # [b, H, QB, U]
+        target = physical_block[:, None, None, :].expand_as(per_unit)
+        hits = torch.zeros(*per_unit.shape[:-1], n_physical_blocks, dtype=torch.int32,
+                           device=device)
+        hits.scatter_add_(-1, target, per_unit.to(torch.int32))
+        return hits > 0                                          # visit each block once
+
+    partial = translate(logical.kv_num_blocks, logical.kv_indices)
+    full = None
+    if logical.full_kv_num_blocks is not None:
+        logical_full = translate(logical.full_kv_num_blocks, logical.full_kv_indices)
+        if page_size % kv_block == 0:
+            full = logical_full        # a block lies inside one page: stays fully visible
+        else:
+            partial = partial | logical_full   # may share the block with foreign tokens
+
+    p2l_cols = -(-n_physical_blocks * kv_block // page_size)       # covers padded blocks too
+    p2l = physical_to_logical(block_table, seq_lens, p2l_cols, page_size)
+    mask_mod = _physical_mask_mod(_logical_mask_mod(seq_lens, q_lens), p2l, seq_lens, page_size)
+    num, idx = _ordered_blocks(partial)
+    full_num, full_idx = _ordered_blocks(full) if full is not None else (None, None)
+    return BlockMask.from_kv_blocks(
+        num, idx, full_num, full_idx, BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod,
+        seq_lengths=(logical.seq_lengths[0], num_pages * page_size))
+
+
+class PagedBlockMasks(NamedTuple):
+    """Both views of one paged attention pattern (for drawing and for checking)."""
+    logical: BlockMask    # over [q_len, max_pages * page_size]
+    physical: BlockMask   # over [q_len, num_pages * page_size]
+
+
+def paged_block_masks(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_pages: int,
+    page_size: int,
+    *,
+    q_len: int = 1,
+    q_lens: torch.Tensor | None = None,
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
+    q_block_size: int = DEFAULT_Q_BLOCK_SIZE,
+) -> PagedBlockMasks:
+    """Build the logical BlockMask and its physical translation.
+
+    Args:
+        block_table: int ``[batch, max_pages]``; seq_lens: int ``[batch]``.
+        num_pages, page_size: of the cache.
+        q_len: query rows (1 for decode, ``max_q_len`` for prefill).
+        q_lens: int ``[batch]`` for causal prefill, None for decode.
+        kv_block_size, q_block_size: FlexAttention tile sizes (powers of two).
+
+    ``block_mask_visits(masks.logical)`` and ``block_mask_visits(masks.physical)`` give the
+    token-level pictures side by side.
+
+    Example:
+        >>> bt = torch.tensor([[3, 1], [0, 2]])
+        >>> m = paged_block_masks(bt, torch.tensor([6, 3]), num_pages=4, page_size=4,
+        ...                       kv_block_size=4)
+        >>> [row[:n].tolist() for row, n in zip(m.physical.kv_indices[:, 0, 0],
+        ...                                      m.physical.kv_num_blocks[:, 0, 0])]
+        [[1, 3], [0]]
+    """
+    _check_block_size(kv_block_size)
+    _check_block_size(q_block_size, "q_block_size")
+    logical = logical_block_mask(seq_lens, block_table.shape[1] * page_size, q_len=q_len,
+                                 q_lens=q_lens, kv_block_size=kv_block_size,
+                                 q_block_size=q_block_size)
+    physical = to_physical_block_mask(logical, block_table, seq_lens, num_pages, page_size,
+                                      q_lens=q_lens)
+    return PagedBlockMasks(logical, physical)
+
+
+def block_mask_visits(block_mask: BlockMask) -> torch.Tensor:
+    """How many times a block-sparse kernel adds each (query, key) pair into the softmax.
+
+    Replays the BlockMask: every listed partial block contributes where its mask_mod is True,
+    every listed full block contributes everywhere. A correct mask gives only 0 and 1; a block
+    listed twice would show up as 2 (double counting), a missing block as 0.
+
+    Returns:
+        int32 ``[batch, heads, q_len, kv_len]`` (heads as stored in the mask, usually 1).
+    """
+    batch, heads, q_blocks, _ = block_mask.kv_indices.shape
+    q_len, kv_len = block_mask.seq_lengths
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    n_kv_blocks = -(-kv_len // kv_block)
+
+    def per_token(num, idx):                            # int32 [batch, heads, q_len, kv_len]
+        counts = torch.zeros(batch, heads, q_blocks, n_kv_blocks + 1, dtype=torch.int32,
+                             device=idx.device)
+        listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+        counts.scatter_add_(-1, torch.where(listed, idx.long().clamp(max=n_kv_blocks),
+                                            n_kv_blocks), listed.to(torch.int32))
+        counts = counts[..., :n_kv_blocks]
+        counts = counts.repeat_interleave(q_block, 2)[:, :, :q_len]
+        return counts.repeat_interleave(kv_block, 3)[..., :kv_len]
+
+    mask = create_mask(block_mask.mask_mod, batch, heads, q_len, kv_len,
+                       device=block_mask.kv_indices.device)
+    visits = per_token(block_mask.kv_num_blocks, block_mask.kv_indices) * mask
+    if block_mask.full_kv_num_blocks is not None:
+        visits = visits + per_token(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    return visits
+
+
+# --------------------------------------------------------------------------------------------
+# The attention calls.
+# --------------------------------------------------------------------------------------------
+
+_COMPILED_FLEX = None
+
+
+def _flex_for(device: torch.device):
+    """Eager flex_attention on CPU; on CUDA one compiled function, built on first use."""
+    global _COMPILED_FLEX
+    if device.type != "cuda":
+        return _eager_flex
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention)
+    return _COMPILED_FLEX
+
+
+def _eager_flex(*args, **kwargs):
+    """flex_attention run eagerly on purpose (CPU), without its "use torch.compile" warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(*args, **kwargs)
+
+
+def _check_block_size(size: int, name: str = "kv_block_size") -> None:
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise TypeError(f"{name} must be an int, got {type(size).__name__}")
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"{name} must be a positive power of two, got {size}")
+
+
+def _flex_paged(q4, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_block_size):
+    """q4: [batch, Hq, q_len, D] -> [batch, Hq, q_len, D] over the physical cache."""
+    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    masks = paged_block_masks(block_table, seq_lens, num_pages, page_size, q_len=q4.shape[2],
+                              q_lens=q_lens, kv_block_size=kv_block_size)
+    # [num_pages, page_size, Hkv, D] -> [1, Hkv, num_pages * page_size, D]: a strided view,
+    # broadcast over the batch (the BlockMask carries the batch dimension).
+    k = k_cache.view(1, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.view(1, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
+    flex = _flex_for(q4.device)
+    return flex(q4, k, v, block_mask=masks.physical, scale=scale,
+                enable_gqa=q4.shape[1] != num_kv_heads)
+
+
+def flex_paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Decode attention with FlexAttention reading K/V in place from the paged cache.
+
+    Same contract as :func:`paged_ref.attention.reference.paged_attention_reference`.
+
+    Args:
+        q: ``[batch, num_q_heads, head_dim]``.
+        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``, contiguous,
+            unwritten slots finite.
+        block_table: int32 ``[batch, max_pages]``; seq_lens: int32 ``[batch]`` (>= 1).
+        scale: default ``head_dim ** -0.5``.
+        kv_block_size: FlexAttention's KV tile (power of two), independent of ``page_size``.
+        validate: check values too (copies ``seq_lens`` and ``block_table`` to the host).
+
+    Returns:
+        ``[batch, num_q_heads, head_dim]``, dtype of ``q``.
+
+    Example:
+        >>> kc, vc = torch.randn(4, 16, 2, 64), torch.randn(4, 16, 2, 64)
+        >>> bt = torch.tensor([[3, 1], [0, 7]], dtype=torch.int32)   # 7: unused padding
+        >>> out = flex_paged_decode(torch.randn(2, 8, 64), kc, vc, bt, torch.tensor([20, 5]))
+        >>> out.shape
+        torch.Size([2, 8, 64])
+    """
+    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale,
+                               check_values=validate)
+    _check_block_size(kv_block_size)
+    _check_contiguous(k_cache, v_cache)
+    out = _flex_paged(q.unsqueeze(2), k_cache, v_cache, block_table, seq_lens, None, scale,
+                      kv_block_size)                          # [batch, Hq, 1, D]
+    return out.squeeze(2)
+
+
+def flex_paged_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
+    validate: bool = True,
+) -> torch.Tensor:
+    """Causal prefill attention with FlexAttention over the paged cache.
+
+    Same contract as :func:`paged_ref.attention.reference.paged_prefill_reference`: the last
+    ``q_lens[b]`` of the ``seq_lens[b]`` cached tokens are the new ones whose queries are in
+    ``q``; padding query rows come back as zeros.
+
+    Args:
+        q: ``[batch, num_q_heads, max_q_len, head_dim]``.
+        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``.
+        block_table: int32 ``[batch, max_pages]``; seq_lens, q_lens: int32 ``[batch]``.
+        scale, kv_block_size, validate: as in :func:`flex_paged_decode`.
+
+    Returns:
+        ``[batch, num_q_heads, max_q_len, head_dim]``, dtype of ``q``.
+
+    Example:
+        >>> kc, vc = torch.randn(4, 8, 1, 32), torch.randn(4, 8, 1, 32)
+        >>> bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+        >>> out = flex_paged_prefill(torch.randn(2, 2, 5, 32), kc, vc, bt,
+        ...                          torch.tensor([12, 3]), torch.tensor([5, 3]))
+        >>> out.shape, bool(out[1, :, 3:].eq(0).all())
+        (torch.Size([2, 2, 5, 32]), True)
+    """
+    scale = check_prefill_inputs(q, k_cache, v_cache, block_table, seq_lens, q_lens,
+                                 scale=scale, check_values=validate)
+    _check_block_size(kv_block_size)
+    _check_contiguous(k_cache, v_cache)
+    return _flex_paged(q, k_cache, v_cache, block_table, seq_lens, q_lens, scale,
+                       kv_block_size)
+
+
+def _check_contiguous(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (it is viewed as one long physical "
+                             f"sequence), got strides {t.stride()} for shape {tuple(t.shape)}")
