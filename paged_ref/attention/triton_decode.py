@@ -1,0 +1,483 @@
+"""A Triton paged decode kernel: one new query token per sequence, K/V read through the pages.
+
+Decode attention is memory bound: every step reads the whole K and V of every sequence once
+and does only ``2 * head_dim`` FLOPs per K/V element pair per query head. The job of the
+kernel is therefore to stream K and V from the paged cache at close to copy bandwidth:
+
+* **No gather.** The kernel looks up each token's physical page in the block table itself and
+  loads K/V rows straight from ``k_cache[page, offset]``: no contiguous copy is ever made.
+* **GQA.** One program handles *all* query heads that share a KV head (a tile of
+  ``BLOCK_H`` rows), so each K/V byte is read from memory once, not once per query head.
+* **Tile size decoupled from page size.** The kernel walks a sequence in tiles of
+  ``BLOCK_N`` tokens and resolves the page of every token in the tile, so a tile may span
+  several small pages and a large page may span several tiles; any power-of-two page size
+  from 1 to 256 works with the same tile size.
+* **Online softmax** in float32 (running max ``m``, running sum ``l``, unnormalised
+  accumulator ``acc``), in base 2 (``exp2``) with ``log2(e)`` folded into the scale.
+* **Split-K / flash-decoding.** With few sequences (batch 1 with 8 KV heads is 8 programs on
+  a GPU with 132 SMs) each sequence is cut into ``num_splits`` chunks handled by separate
+  programs; each writes a partial ``(m, l, acc)`` and a second, tiny kernel merges them.
+  ``num_splits=None`` picks the count from batch, heads, length and the SM count.
+
+Without CUDA the very same kernels run through Triton's interpreter (float32 only): this
+module sets ``TRITON_INTERPRET=1`` before decorating them. Without Triton at all (macOS,
+Windows) the module still imports and :func:`paged_decode` raises ``ImportError``.
+
+Example:
+    >>> import torch
+    >>> from paged_ref.attention.triton_decode import paged_decode
+    >>> k_cache = torch.randn(6, 16, 2, 64)          # [num_pages, page_size, num_kv_heads, head_dim]
+    >>> v_cache = torch.randn(6, 16, 2, 64)
+    >>> q = torch.randn(2, 8, 64)                    # [batch, num_q_heads, head_dim]: GQA 4
+    >>> block_table = torch.tensor([[4, 1, 0], [5, 2, 0]], dtype=torch.int32)
+    >>> seq_lens = torch.tensor([40, 17], dtype=torch.int32)
+    >>> paged_decode(q, k_cache, v_cache, block_table, seq_lens).shape
+    torch.Size([2, 8, 64])
+"""
+
+import os
+import sys
+import types
+
+import torch
+
+from .reference import check_paged_inputs
+
+# --- Choosing compiled kernels or the interpreter --------------------------------------------
+# Triton decides between compiling a kernel and interpreting it when `@triton.jit` decorates the
+# function: `jit` reads TRITON_INTERPRET (through `triton.knobs.runtime.interpret` in Triton 3.x)
+# at that moment, and the interpreter reads the knob again while running. Two things follow:
+#  1. the variable must be set before the decorators below run (and a value forced in code,
+#     `triton.knobs.runtime.interpret = False`, would shadow it, so the knob is set too);
+#  2. triton.language's own helpers (tl.max, tl.sum, tl.cdiv, tl.zeros, ...) are @jit functions
+#     decorated when triton was first imported. If someone imported triton before us (say
+#     torch.compile did), they are compile-mode JITFunctions that the interpreter refuses to
+#     call; `_interpret_triton_language` re-wraps them the way an interpreting import would have.
+INTERPRETED = not torch.cuda.is_available()
+if INTERPRETED:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton wheel for this platform: import still works, calls fail clearly
+    triton = None
+    tl = types.SimpleNamespace(constexpr=None)  # only for the `tl.constexpr` annotations below
+
+
+def _interpret_triton_language() -> None:
+    """Turn the interpreter on, including for triton.language's @jit helpers (see above)."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and not knobs.runtime.interpret:
+        knobs.runtime.interpret = True
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    rewrapped = {}                    # one wrapper per helper: modules share the same objects
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                if id(value) not in rewrapped:
+                    rewrapped[id(value)] = InterpretedFunction(value.fn)
+                setattr(module, attr, rewrapped[id(value)])
+
+
+if triton is not None and INTERPRETED:
+    _interpret_triton_language()
+
+
+def _jit(fn):
+    """`triton.jit`, or a stand-in that raises ImportError when called if triton is missing."""
+    if triton is not None:
+        return triton.jit(fn)
+
+    def missing(*args, **kwargs):
+        raise ImportError("paged_decode needs the `triton` package (Linux only): "
+                          "pip install triton, or use paged_attention_reference instead")
+    return missing
+
+
+__all__ = ["paged_decode", "choose_num_splits", "INTERPRETED"]
+
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 256            # upper bound for the heuristic (partials stay a few MB)
+_MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism gained
+_INTERPRETER_SMS = 4         # a pretend SM count so the split path is exercised on CPU too
+
+
+# --- Kernel 1: attention over one chunk of one sequence, all query heads of one KV head ------
+@_jit
+def _paged_decode_split_kernel(
+    q_ptr,                 # [batch, num_q_heads, head_dim]
+    k_cache_ptr,           # [num_pages, page_size, num_kv_heads, head_dim]
+    v_cache_ptr,           # same shape and strides as k_cache
+    block_table_ptr,       # int [batch, max_pages]: logical page -> physical page
+    seq_lens_ptr,          # int [batch]: tokens each query attends to
+    out_ptr,               # [batch, num_q_heads, head_dim]: written when WRITE_PARTIALS is False
+    part_m_ptr,            # fp32 [batch, num_q_heads, num_splits]: running max per split
+    part_l_ptr,            # fp32 [batch, num_q_heads, num_splits]: running sum per split
+    part_acc_ptr,          # fp32 [batch, num_q_heads, num_splits, head_dim]: unnormalised output
+    scale_log2,            # softmax scale * log2(e): scores come out in base 2
+    num_splits,            # chunks each sequence is cut into (grid axis 2)
+    stride_q_batch, stride_q_head,
+    stride_cache_page, stride_cache_token, stride_cache_head,
+    stride_bt_batch,
+    stride_o_batch, stride_o_head,
+    HEAD_DIM: tl.constexpr,        # real head dim
+    BLOCK_D: tl.constexpr,         # head dim padded to a power of two (>= 16 for tl.dot)
+    GROUP: tl.constexpr,           # query heads per KV head (GQA ratio)
+    BLOCK_H: tl.constexpr,         # GROUP padded to a power of two (>= 16 on GPU for tl.dot)
+    PAGE_SIZE: tl.constexpr,       # tokens per page, a power of two
+    BLOCK_N: tl.constexpr,         # tokens per tile, independent of PAGE_SIZE
+    WRITE_PARTIALS: tl.constexpr,  # num_splits > 1: write (m, l, acc) for the reduction kernel
+    DOT_PRECISION: tl.constexpr,   # "ieee" for float32 inputs (no tf32), else "tf32" (unused)
+):
+    # Each program owns one (sequence, KV head, split). Program ids along the three grid axes:
+    batch = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # Which tokens this split covers. Chunks are rounded up to whole tiles so that tiles start
+    # at multiples of BLOCK_N: a tile then never straddles a page boundary when
+    # PAGE_SIZE >= BLOCK_N (its rows are one contiguous run of the page). Trailing splits of a
+    # short sequence may be empty; they still write a neutral partial (m=-inf, l=0, acc=0).
+    seq_len = tl.load(seq_lens_ptr + batch)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    # GQA: query heads kv_head*GROUP .. kv_head*GROUP + GROUP-1 all read this KV head, so they
+    # are processed together as the rows of one tile; rows >= GROUP are padding (q = 0).
+    offs_h = tl.arange(0, BLOCK_H)                      # [BLOCK_H]
+    offs_d = tl.arange(0, BLOCK_D)                      # [BLOCK_D]
+    offs_n = tl.arange(0, BLOCK_N)                      # [BLOCK_N]
+    head = kv_head * GROUP + offs_h                     # [BLOCK_H] query head ids
+    mask_h = offs_h < GROUP
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + batch * stride_q_batch + head[:, None] * stride_q_head + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)    # [BLOCK_H, BLOCK_D]
+
+    # Online softmax state, float32 whatever the input dtype.
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)   # running max of the scores (base 2)
+    l_i = tl.zeros([BLOCK_H], tl.float32)                 # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)        # running sum of exp2(...) * v
+
+    block_table_row = block_table_ptr + batch * stride_bt_batch
+    kv_head_offset = kv_head * stride_cache_head
+    for tile_start in range(start, end, BLOCK_N):
+        tokens = tile_start + offs_n                    # [BLOCK_N] logical token positions
+        mask_n = tokens < end
+
+        # Block-table lookup: logical token t lives on physical page block_table[t // PAGE_SIZE]
+        # at offset t % PAGE_SIZE (a shift and a mask: PAGE_SIZE is a power of two). Every
+        # token of the tile gets its own lookup, which is what lets a tile span pages; tokens of
+        # one page hit the same block-table entry, served from cache. The page id is widened to
+        # int64 so that caches over 2**31 elements address correctly.
+        pages = tl.load(block_table_row + tokens // PAGE_SIZE, mask=mask_n, other=0)
+        rows = (pages.to(tl.int64) * stride_cache_page
+                + (tokens % PAGE_SIZE) * stride_cache_token
+                + kv_head_offset)                       # [BLOCK_N] element offset of each row
+        if BLOCK_D == HEAD_DIM:
+            kv_mask = mask_n[:, None]                   # keep the mask constant along d
+        else:
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0)            # [BLOCK_N, BLOCK_D]
+
+        # Scores of every query head of the group against the tile, in base 2.
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.where(mask_n[None, :], scores, float("-inf"))     # [BLOCK_H, BLOCK_N]
+
+        # Online softmax: raise the running max, rescale what was accumulated under the old max
+        # by alpha = 2^(m_old - m_new), then add this tile. Every tile holds at least one valid
+        # token, so m_new is finite and alpha is 0 (not NaN) on the first tile.
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))               # [BLOCK_H]
+        alpha = tl.exp2(m_i - m_new)                                  # [BLOCK_H]
+        p = tl.exp2(scores - m_new[:, None])                          # [BLOCK_H, BLOCK_N]
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :],
+                    mask=kv_mask, other=0.0)            # [BLOCK_N, BLOCK_D]
+        # p is rounded to V's dtype for the tensor-core product (as FlashAttention does);
+        # the product itself accumulates in float32.
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = mask_h[:, None] & mask_d[None, :]
+    if WRITE_PARTIALS:
+        # Split-K: leave (m, l, acc) for the reduction kernel, which needs all splits' maxima
+        # before it can weight them. Layout [batch, num_q_heads, num_splits(, head_dim)].
+        row = (batch * (tl.num_programs(1) * GROUP) + head) * num_splits + split   # [BLOCK_H]
+        tl.store(part_m_ptr + row, m_i, mask=mask_h)
+        tl.store(part_l_ptr + row, l_i, mask=mask_h)
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+    else:
+        # One split covers the whole sequence: normalise and write the output directly.
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + batch * stride_o_batch + head[:, None] * stride_o_head + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+# --- Kernel 2: merge the splits of one (sequence, query head) --------------------------------
+@_jit
+def _reduce_splits_kernel(
+    part_m_ptr,            # fp32 [batch, num_q_heads, num_splits]
+    part_l_ptr,            # fp32 [batch, num_q_heads, num_splits]
+    part_acc_ptr,          # fp32 [batch, num_q_heads, num_splits, head_dim]
+    out_ptr,               # [batch, num_q_heads, head_dim]
+    num_splits,
+    stride_o_batch, stride_o_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,         # splits read per step
+):
+    # Split s computed its softmax relative to its own max m_s. Relative to the global max M:
+    #   out = sum_s 2^(m_s - M) * acc_s  /  sum_s 2^(m_s - M) * l_s
+    # Empty splits have m_s = -inf and weigh 2^(-inf) = 0. Split 0 is never empty
+    # (seq_len >= 1), so M is finite.
+    batch = tl.program_id(0)
+    head = tl.program_id(1)
+    first = (batch * tl.num_programs(1) + head) * num_splits   # row of split 0
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+
+    # Pass 1: the global max over all splits.
+    m_max = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        mask_s = s0 + offs_s < num_splits
+        m = tl.load(part_m_ptr + first + s0 + offs_s, mask=mask_s, other=float("-inf"))
+        m_max = tl.maximum(m_max, m)
+    m_global = tl.max(m_max, axis=0)
+
+    # Pass 2: weighted sums of the accumulators and of the normalisers.
+    numer = tl.zeros([BLOCK_D], tl.float32)
+    denom = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        mask_s = s0 + offs_s < num_splits
+        m = tl.load(part_m_ptr + first + s0 + offs_s, mask=mask_s, other=float("-inf"))
+        l = tl.load(part_l_ptr + first + s0 + offs_s, mask=mask_s, other=0.0)
+        acc = tl.load(part_acc_ptr + (first + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
+        w = tl.exp2(m - m_global)                                       # [BLOCK_S]
+        numer += tl.sum(w[:, None] * acc, axis=0)
+        denom += w * l
+    out = numer / tl.sum(denom, axis=0)
+    tl.store(out_ptr + batch * stride_o_batch + head * stride_o_head + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+# --- Launcher --------------------------------------------------------------------------------
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _INTERPRETER_SMS
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
+                      programs_per_sm: int = 4, min_tokens_per_split: int = 256) -> int:
+    """How many chunks to cut each sequence into so that the GPU is kept full.
+
+    The unsplit grid has ``programs = batch * num_kv_heads`` programs and about
+    ``slots = num_sms * programs_per_sm`` of them run at once (the default tile config fits 4
+    per SM: ~124 registers x 128 threads). With ``s`` splits each program streams ``1/s`` of a
+    sequence and the grid runs in ``ceil(programs * s / slots)`` waves, so the time goes as
+    ``ceil(programs * s / slots) / s``. We take the smallest ``s`` that minimises this: it
+    fills one long sequence across the whole GPU, and avoids a nearly empty last wave (9
+    splits of 64 programs on 528 slots would run 2 waves, 8 splits run 1). Among counts within
+    5% of the best, the smallest wins: each split adds partial results to write and merge.
+    Splits shorter than ``min_tokens_per_split`` tokens are not worth their fixed cost.
+
+    Args:
+        batch: number of sequences.
+        num_kv_heads: KV heads (one program per KV head per split).
+        max_seq_len: the longest sequence (or an upper bound on it).
+        num_sms: streaming multiprocessors of the GPU.
+        programs_per_sm: programs resident per SM at once.
+        min_tokens_per_split: shortest useful split.
+
+    Returns:
+        An int in ``[1, 256]``.
+
+    Example:
+        >>> choose_num_splits(1, 8, 131072, 132)     # one long sequence: 8 -> 528 programs
+        66
+        >>> choose_num_splits(8, 8, 32768, 132)      # 64 programs: 8 splits fill one wave
+        8
+        >>> choose_num_splits(256, 8, 2048, 132)     # 2048 programs already fill the GPU
+        1
+    """
+    programs = batch * num_kv_heads
+    slots = num_sms * programs_per_sm
+    max_splits = max(1, min(_MAX_SPLITS, max_seq_len // min_tokens_per_split))
+    cost = {s: -(-programs * s // slots) / s for s in range(1, max_splits + 1)}
+    good_enough = 1.05 * min(cost.values())        # within 5% of the best: prefer fewer splits
+    return min(s for s, c in cost.items() if c <= good_enough)
+
+
+def _tile_config(dtype: torch.dtype, head_dim: int, group: int) -> dict:
+    """Tile sizes and launch options (a fixed choice; `python -m paged_ref.bench decode --sweep`
+    times the alternatives on a GPU)."""
+    block_d = max(16, _next_pow2(head_dim))
+    if INTERPRETED:
+        # The interpreter runs each program in numpy: small tiles keep tests quick, and tl.dot
+        # has no minimum shape there.
+        return dict(BLOCK_H=_next_pow2(group), BLOCK_D=block_d, BLOCK_N=32,
+                    num_warps=1, num_stages=1)
+    block_n = 64 if block_d <= 128 else 32
+    return dict(BLOCK_H=max(16, _next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
+                num_warps=4, num_stages=3)
+
+
+def _check_kernel_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, out):
+    """Checks specific to this kernel, on top of the common `check_paged_inputs`."""
+    allowed = (torch.float32,) if INTERPRETED else (torch.float16, torch.bfloat16, torch.float32)
+    if q.dtype not in allowed:
+        where = ("Triton's interpreter (no CUDA GPU: float32 only)" if INTERPRETED
+                 else "the compiled kernel")
+        raise TypeError(f"q must have dtype in {[str(d) for d in allowed]} for {where}, "
+                        f"got {q.dtype}")
+    if not INTERPRETED and q.device.type != "cuda":
+        raise ValueError(f"q, k_cache, v_cache, block_table and seq_lens must be CUDA tensors "
+                         f"for the compiled kernel, got device {q.device}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("block_table", block_table), ("seq_lens", seq_lens)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (call .contiguous()), "
+                             f"got strides {tuple(t.stride())} for shape {tuple(t.shape)}")
+    page_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+    if page_size & (page_size - 1) or page_size > 256:
+        raise ValueError(f"k_cache page_size (dim 1) must be a power of two in [1, 256], "
+                         f"got {page_size}")
+    if head_dim > 256:
+        raise ValueError(f"head_dim must be at most 256, got {head_dim}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or num_splits < 1):
+        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be None or a torch.Tensor, got {type(out).__name__}")
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(f"out must match q (shape {tuple(q.shape)}, dtype {q.dtype}, device "
+                             f"{q.device}), got shape {tuple(out.shape)}, dtype {out.dtype}, "
+                             f"device {out.device}")
+        if not out.is_contiguous():
+            raise ValueError(f"out must be contiguous, got strides {tuple(out.stride())}")
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """Decode attention over a paged KV cache with a Triton kernel (split-K, GQA).
+
+    Query ``b`` attends to the first ``seq_lens[b]`` tokens of sequence ``b``, whose pages are
+    listed in ``block_table[b]``; the same function as
+    :func:`paged_ref.attention.reference.paged_attention_reference`.
+
+    Args:
+        q: ``[batch, num_q_heads, head_dim]``, float16/bfloat16/float32 on CUDA
+            (float32 on CPU, where the kernel runs in Triton's interpreter).
+        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``, dtype of ``q``;
+            ``page_size`` a power of two up to 256, ``head_dim`` up to 256,
+            ``num_q_heads`` a multiple of ``num_kv_heads``.
+        block_table: int32 (or int64) ``[batch, max_pages]``; the first
+            ``ceil(seq_lens[b] / page_size)`` entries of row ``b`` must be page ids in
+            ``[0, num_pages)``, the rest are ignored.
+        seq_lens: int32 (or int64) ``[batch]``, each in ``[1, max_pages * page_size]``.
+        scale: softmax scale, default ``head_dim ** -0.5``.
+        num_splits: chunks per sequence (split-K); ``None`` picks one with
+            :func:`choose_num_splits`. Any value gives the same result up to rounding.
+        out: optional ``[batch, num_q_heads, head_dim]`` tensor to write into (contiguous,
+            dtype and device of ``q``); every element is written.
+        check_values: check ``seq_lens`` and the used block-table entries (reads them on the
+            host: a device sync). Turn off in timed loops once the inputs are known good; an
+            out-of-range page id then reads out of bounds.
+
+    Returns:
+        ``[batch, num_q_heads, head_dim]``, dtype of ``q`` (``out`` if given).
+
+    Example:
+        >>> kc, vc = torch.randn(4, 8, 1, 64), torch.randn(4, 8, 1, 64)
+        >>> q = torch.randn(1, 4, 64)                            # MQA: 4 query heads, 1 KV head
+        >>> bt = torch.tensor([[2, 0, 3]], dtype=torch.int32)
+        >>> o1 = paged_decode(q, kc, vc, bt, torch.tensor([20], dtype=torch.int32), num_splits=1)
+        >>> o3 = paged_decode(q, kc, vc, bt, torch.tensor([20], dtype=torch.int32), num_splits=3)
+        >>> torch.allclose(o1, o3, atol=1e-5)
+        True
+    """
+    if triton is None:
+        raise ImportError("paged_decode needs the `triton` package (Linux only): "
+                          "pip install triton, or use paged_attention_reference instead")
+    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale,
+                               check_values=check_values)
+    _check_kernel_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, out)
+
+    batch, num_q_heads, head_dim = q.shape
+    num_pages, page_size, num_kv_heads, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    cfg = _tile_config(q.dtype, head_dim, group)
+    if num_splits is None:
+        # With values checked, seq_lens is already known on the host; otherwise use the block
+        # table's capacity as the bound rather than force a device sync.
+        max_len = (int(seq_lens.max()) if check_values
+                   else block_table.shape[1] * page_size)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_len, _num_sms(q.device),
+                                       min_tokens_per_split=4 * cfg["BLOCK_N"])
+    if out is None:
+        out = torch.empty_like(q)                               # [batch, num_q_heads, head_dim]
+    _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, **cfg)
+    return out
+
+
+def _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, *,
+            BLOCK_H, BLOCK_D, BLOCK_N, num_warps, num_stages):
+    """Launch both kernels on checked inputs (also used by the benchmark's tile sweep)."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    write_partials = num_splits > 1
+    if write_partials:
+        part_m = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32,
+                             device=q.device)                   # [batch, Hq, splits]
+        part_l = torch.empty_like(part_m)                       # [batch, Hq, splits]
+        part_acc = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32,
+                               device=q.device)                 # [batch, Hq, splits, head_dim]
+    else:
+        part_m = part_l = part_acc = out                        # unused by the kernel
+    _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, seq_lens, out,
+        part_m, part_l, part_acc,
+        scale * _LOG2E, num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=BLOCK_D,
+        GROUP=num_q_heads // num_kv_heads, BLOCK_H=BLOCK_H,
+        PAGE_SIZE=k_cache.shape[1], BLOCK_N=BLOCK_N,
+        WRITE_PARTIALS=write_partials,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if write_partials:
+        _reduce_splits_kernel[(batch, num_q_heads)](
+            part_m, part_l, part_acc, out, num_splits,
+            out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, BLOCK_S=min(16, _next_pow2(num_splits)),
+            num_warps=4 if not INTERPRETED else 1,
+        )
+    return out

@@ -1,0 +1,148 @@
+"""Shared helpers for the benchmarks: timing, the environment record, tables and JSON.
+
+Timing rules (see DESIGN.md, "Measuring"):
+
+* CPU: :func:`cpu_median` runs a function a few times after a warm-up and keeps the median of
+  wall-clock times.
+* GPU: :func:`gpu_median` uses ``triton.testing.do_bench`` (CUDA events, warm-up, the L2 flushed
+  before each run, median), or plain CUDA events when triton is missing.
+* Every result file carries :func:`environment` (GPU name, versions, date; no host name) and is
+  written by :func:`write_json` under ``figures/data/``.
+
+Example:
+    >>> t = cpu_median(lambda: sum(range(1000)), repeats=3)
+    >>> t["median_s"] > 0 and len(t["times_s"]) == 3
+    True
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["cpu_median", "gpu_median", "copy_bandwidth", "environment", "write_json",
+           "print_table", "DATA_DIR"]
+
+DATA_DIR = Path(__file__).resolve().parents[2] / "figures" / "data"
+
+
+def cpu_median(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5) -> dict:
+    """Median wall-clock time of ``fn()`` over ``repeats`` runs after ``warmup`` runs.
+
+    Returns:
+        ``{"median_s": float, "times_s": [float, ...]}``.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(times), "times_s": times}
+
+
+def gpu_median(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
+    """Median time in seconds of ``fn()`` on the current CUDA device.
+
+    ``triton.testing.do_bench`` does the work when triton is installed: it warms up for
+    ``warmup_ms``, clears the L2 cache before each run, times each run with CUDA events and
+    repeats for about ``rep_ms``. Without triton: CUDA events around each of as many runs.
+    """
+    try:
+        import triton.testing
+    except ImportError:
+        triton = None
+    if triton is not None:
+        return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms,
+                                       return_mode="median") * 1e-3
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate_ms = max(start.elapsed_time(end), 1e-3)
+    for _ in range(max(1, int(warmup_ms / estimate_ms))):
+        fn()
+    times = []
+    for _ in range(max(5, int(rep_ms / estimate_ms))):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, device: str = "cuda") -> dict:
+    """The memory-bandwidth ceiling: a device-to-device copy of ``nbytes`` of random data.
+
+    Bandwidth counts the bytes read plus the bytes written. Returns
+    ``{"bytes": int, "median_s": float, "bandwidth_GBps": float}``.
+    """
+    numel = nbytes // 2
+    src = torch.randn(numel, dtype=torch.bfloat16, device=device)   # random: never time zeros
+    dst = torch.empty_like(src)
+    seconds = gpu_median(lambda: dst.copy_(src))
+    moved = 2 * numel * src.element_size()
+    return {"bytes": moved, "median_s": seconds, "bandwidth_GBps": moved / seconds / 1e9}
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    """Where and with what a result was measured: device, versions and UTC date (no host name)."""
+    env = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": f"{platform.system()} {platform.machine()}",
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "cuda": torch.version.cuda,
+        "gpu": None,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["gpu"] = props.name
+        env["gpu_sms"] = props.multi_processor_count
+        env["gpu_memory_GiB"] = round(props.total_memory / 2 ** 30, 1)
+        env["gpu_count"] = torch.cuda.device_count()
+    return env
+
+
+def write_json(data: dict, filename: str, out_dir: str | Path | None = None) -> Path:
+    """Write ``data`` as indented JSON to ``out_dir/filename`` (default ``figures/data/``)."""
+    folder = Path(out_dir) if out_dir is not None else DATA_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / filename
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """Print rows under headers as aligned text columns (cells converted with ``str``)."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    for i, row in enumerate(cells):
+        print("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
