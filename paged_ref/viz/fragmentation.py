@@ -129,6 +129,7 @@ def page_size_sweep_figure(sweep: list[dict]) -> Figure:
     ax3.set_ylabel("preemptions (whole run)")
     ax2.legend(handles=ax2.get_lines() + ax3.get_lines(), fontsize=8, loc="center left")
     for ax in (ax1, ax2):
+        ax.set_xticks(ps, [str(p) for p in ps])
         ax.grid(True, alpha=0.3)
     fig.suptitle(f"Page-size sweep, {sweep[0]['budget_slots']:,}-slot budget", fontsize=10)
     add_note(fig, SIMULATED)
