@@ -82,6 +82,28 @@ def test_validate_false_gives_the_same_answer():
     torch.testing.assert_close(_run(case, validate=False), _run(case))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_inputs(dtype):
+    case = make_decode_case(seed=14, batch=4, page_size=16, num_kv_heads=2, group=4,
+                            head_dim=64, dtype=dtype)
+    out = _run(case)
+    assert out.dtype == dtype
+    assert rel_error(out, case.expected()) < 1e-2
+
+
+def test_block_mask_built_once_and_reused():
+    """One BlockMask per step serves every layer: same answer as building it inside."""
+    case = make_prefill_case(seed=15, batch=4, page_size=8, num_kv_heads=2, group=2,
+                             head_dim=64)
+    masks = paged_block_masks(case.block_table, case.seq_lens, case.k_cache.shape[0], 8,
+                              q_len=case.q.shape[2], q_lens=case.q_lens)
+    torch.testing.assert_close(_run(case, block_mask=masks.physical), _run(case))
+    with pytest.raises(ValueError, match="block_mask must be the .physical BlockMask"):
+        _run(case, block_mask=masks.logical)                  # logical: wrong KV length
+    with pytest.raises(TypeError, match="block_mask must be None or"):
+        _run(case, block_mask="mask")
+
+
 # ---- the physical BlockMask, checked the way a block-sparse kernel reads it -----------------
 
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
@@ -103,6 +125,19 @@ def test_physical_block_mask_visits_each_visible_slot_once(page_size, kv_block_s
     assert torch.equal(visits, case.physical_mask().to(torch.int32))
     if q_block_size == 1 and page_size % kv_block_size == 0:
         assert masks.physical.full_kv_num_blocks.sum() > 0   # the full-block path was taken
+
+
+def test_dense_pictures_of_both_masks():
+    case = make_prefill_case(seed=16, batch=4, page_size=4, num_kv_heads=1, group=1,
+                             head_dim=4, max_q_len=6)
+    masks = paged_block_masks(case.block_table, case.seq_lens, case.k_cache.shape[0], 4,
+                              q_len=6, q_lens=case.q_lens, kv_block_size=8)
+    logical, physical = masks.dense()
+    assert torch.equal(physical, case.physical_mask())
+    kv = torch.arange(logical.shape[-1])
+    for b, (n, m) in enumerate(zip(case.seq_lens.tolist(), case.q_lens.tolist())):
+        for i in range(6):                        # row i sees logical 0 .. n - m + i
+            assert torch.equal(logical[b, i], (kv <= n - m + i) & (i < m))
 
 
 def test_block_mask_visits_counts_a_block_listed_twice():

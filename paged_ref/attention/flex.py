@@ -257,13 +257,21 @@ def to_physical_block_mask(
     full_num, full_idx = _ordered_blocks(full) if full is not None else (None, None)
     return BlockMask.from_kv_blocks(
         num, idx, full_num, full_idx, BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod,
-        seq_lengths=(logical.seq_lengths[0], num_pages * page_size))
+        seq_lengths=(logical.seq_lengths[0], num_pages * page_size),
+        compute_q_blocks=False)               # forward only: no transposed lists needed
 
 
 class PagedBlockMasks(NamedTuple):
     """Both views of one paged attention pattern (for drawing and for checking)."""
     logical: BlockMask    # over [q_len, max_pages * page_size]
     physical: BlockMask   # over [q_len, num_pages * page_size]
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-level pictures, as a block-sparse kernel sees them: bool
+        ``[batch, q_len, max_pages * page_size]`` (logical) and
+        ``[batch, q_len, num_pages * page_size]`` (physical)."""
+        return (block_mask_visits(self.logical)[:, 0] > 0,
+                block_mask_visits(self.physical)[:, 0] > 0)
 
 
 def paged_block_masks(
@@ -286,8 +294,8 @@ def paged_block_masks(
         q_lens: int ``[batch]`` for causal prefill, None for decode.
         kv_block_size, q_block_size: FlexAttention tile sizes (powers of two).
 
-    ``block_mask_visits(masks.logical)`` and ``block_mask_visits(masks.physical)`` give the
-    token-level pictures side by side.
+    ``masks.dense()`` gives the token-level pictures side by side (what a block-sparse kernel
+    adds into each query's softmax), ready for ``imshow``.
 
     Example:
         >>> bt = torch.tensor([[3, 1], [0, 2]])
@@ -371,17 +379,29 @@ def _check_block_size(size: int, name: str = "kv_block_size") -> None:
         raise ValueError(f"{name} must be a positive power of two, got {size}")
 
 
-def _flex_paged(q4, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_block_size):
+def _flex_paged(q4, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_block_size,
+                block_mask):
     """q4: [batch, Hq, q_len, D] -> [batch, Hq, q_len, D] over the physical cache."""
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
-    masks = paged_block_masks(block_table, seq_lens, num_pages, page_size, q_len=q4.shape[2],
-                              q_lens=q_lens, kv_block_size=kv_block_size)
+    batch, _, q_len, _ = q4.shape
+    if block_mask is None:
+        block_mask = paged_block_masks(block_table, seq_lens, num_pages, page_size, q_len=q_len,
+                                       q_lens=q_lens, kv_block_size=kv_block_size).physical
+    elif not isinstance(block_mask, BlockMask):
+        raise TypeError("block_mask must be None or the .physical BlockMask of "
+                        f"paged_block_masks(...), got {type(block_mask).__name__}")
+    elif (block_mask.kv_num_blocks.shape[0] != batch
+          or tuple(block_mask.seq_lengths) != (q_len, num_pages * page_size)):
+        raise ValueError(
+            "block_mask must be the .physical BlockMask of paged_block_masks(...) for this "
+            f"batch ({batch}), q_len ({q_len}) and cache ({num_pages} pages x {page_size}); got "
+            f"batch {block_mask.kv_num_blocks.shape[0]}, seq_lengths {block_mask.seq_lengths}")
     # [num_pages, page_size, Hkv, D] -> [1, Hkv, num_pages * page_size, D]: a strided view,
     # broadcast over the batch (the BlockMask carries the batch dimension).
     k = k_cache.view(1, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.view(1, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
     flex = _flex_for(q4.device)
-    return flex(q4, k, v, block_mask=masks.physical, scale=scale,
+    return flex(q4, k, v, block_mask=block_mask, scale=scale,
                 enable_gqa=q4.shape[1] != num_kv_heads)
 
 
@@ -394,6 +414,7 @@ def flex_paged_decode(
     *,
     scale: float | None = None,
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
+    block_mask: BlockMask | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """Decode attention with FlexAttention reading K/V in place from the paged cache.
@@ -407,6 +428,10 @@ def flex_paged_decode(
         block_table: int32 ``[batch, max_pages]``; seq_lens: int32 ``[batch]`` (>= 1).
         scale: default ``head_dim ** -0.5``.
         kv_block_size: FlexAttention's KV tile (power of two), independent of ``page_size``.
+            On CUDA keep it >= 16 (Triton's smallest tile); the default 128 is flex's own.
+        block_mask: ``paged_block_masks(block_table, seq_lens, num_pages, page_size).physical``
+            built once and reused, e.g. by every layer of one decode step; None builds it here.
+            It must describe the same block_table and seq_lens (only its shape is checked).
         validate: check values too (copies ``seq_lens`` and ``block_table`` to the host).
 
     Returns:
@@ -424,7 +449,7 @@ def flex_paged_decode(
     _check_block_size(kv_block_size)
     _check_contiguous(k_cache, v_cache)
     out = _flex_paged(q.unsqueeze(2), k_cache, v_cache, block_table, seq_lens, None, scale,
-                      kv_block_size)                          # [batch, Hq, 1, D]
+                      kv_block_size, block_mask)              # [batch, Hq, 1, D]
     return out.squeeze(2)
 
 
@@ -438,6 +463,7 @@ def flex_paged_prefill(
     *,
     scale: float | None = None,
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
+    block_mask: BlockMask | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
     """Causal prefill attention with FlexAttention over the paged cache.
@@ -451,6 +477,7 @@ def flex_paged_prefill(
         k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``.
         block_table: int32 ``[batch, max_pages]``; seq_lens, q_lens: int32 ``[batch]``.
         scale, kv_block_size, validate: as in :func:`flex_paged_decode`.
+        block_mask: ``paged_block_masks(..., q_len=max_q_len, q_lens=q_lens).physical``, or None.
 
     Returns:
         ``[batch, num_q_heads, max_q_len, head_dim]``, dtype of ``q``.
@@ -468,7 +495,7 @@ def flex_paged_prefill(
     _check_block_size(kv_block_size)
     _check_contiguous(k_cache, v_cache)
     return _flex_paged(q, k_cache, v_cache, block_table, seq_lens, q_lens, scale,
-                       kv_block_size)
+                       kv_block_size, block_mask)
 
 
 def _check_contiguous(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
