@@ -1,0 +1,132 @@
+"""A Llama-family model decoding many sequences from one `PagedKVCache`, each under its own policy.
+
+The eviction evaluation compares a dozen policies on the same text. Their prompts are the same,
+and prefill attends to the whole prompt whatever the policy (eviction happens after prefill),
+so the prompt's K/V are computed once, by the model's own forward (`prompt_kv`), and copied
+into one cache sequence per policy (`add_prompt`). Then `decode_step` advances every sequence
+by one token in one batched forward: the linear layers see ``[batch, 1, hidden]``; attention
+reads each sequence's pages with `paged_ref.attention.reference.paged_attention_reference`
+(the project's oracle); RoPE uses each sequence's absolute position, which the caller keeps
+(eviction shrinks what a sequence holds, never where its next token sits).
+
+This is the model's computation re-stated layer by layer (embedding, RMSNorm, q/k/v
+projections, rotary embedding, attention, o_proj, MLP, final norm, head) with transformers'
+own modules; `tests/test_eviction.py` checks it against the model's forward.
+
+Example:
+    >>> import torch
+    >>> from paged_ref.models import tiny_llama
+    >>> from paged_ref.eviction.policies import FullCache
+    >>> lm = PagedLM(tiny_llama())
+    >>> cache = lm.new_cache(num_pages=8, page_size=4)
+    >>> prompt = torch.tensor([1, 5, 9, 11, 3])
+    >>> logits, ks, vs = lm.prompt_kv(prompt)             # logits [5, vocab]; ks[layer]: [5, Hkv, D]
+    >>> policy = FullCache()
+    >>> s = lm.add_prompt(cache, ks, vs, policy)
+    >>> nxt = lm.decode_step(cache, [s], torch.tensor([7]), torch.tensor([5]))   # [1, vocab]
+    >>> policy.after_append(cache, s); cache.seq_len(s)
+    6
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention.reference import paged_attention_reference
+from ..cache import PagedKVCache
+from .policies import EvictionPolicy
+
+__all__ = ["PagedLM"]
+
+
+class PagedLM:
+    """Decode over a `PagedKVCache` with a transformers Llama-family model's weights.
+
+    Args:
+        model: a ``LlamaForCausalLM``-like model (``model.model.layers[i].self_attn.{q,k,v,o}_proj``,
+            ``input_layernorm``, ``post_attention_layernorm``, ``mlp``; ``model.model.rotary_emb``).
+    """
+
+    def __init__(self, model):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        inner = getattr(model, "model", None)
+        if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+            raise TypeError(f"model must be a Llama-family causal LM (model.model.layers, rotary_emb), got {type(model).__name__}")
+        config = model.config
+        self.model = model
+        self.num_layers = config.num_hidden_layers
+        self.num_q_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_q_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads
+        self.dtype = next(model.parameters()).dtype
+        self._rope = apply_rotary_pos_emb
+
+    def new_cache(self, *, num_pages: int, page_size: int) -> PagedKVCache:
+        """An empty cache shaped for this model (float32 K/V, like the model's activations here)."""
+        return PagedKVCache(num_layers=self.num_layers, num_pages=num_pages, page_size=page_size,
+                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype)
+
+    @torch.inference_mode()
+    def prompt_kv(self, ids: torch.Tensor):
+        """The model's own forward over ``ids: LongTensor [n]``.
+
+        Returns:
+            ``(logits [n, vocab] float32, ks, vs)`` with ``ks[layer], vs[layer]: [n, Hkv, D]``, the
+            K (after RoPE) and V the model caches for each token. K/V of token ``i`` depend only on
+            tokens ``<= i``, so the first ``m`` rows are also the K/V of the prefix ``ids[:m]``.
+        """
+        out = self.model(ids.view(1, -1), use_cache=True)
+        layers = out.past_key_values.layers
+        ks = [layer.keys[0].transpose(0, 1).contiguous() for layer in layers]  # each [n, Hkv, D]
+        vs = [layer.values[0].transpose(0, 1).contiguous() for layer in layers]  # each [n, Hkv, D]
+        return out.logits[0].float(), ks, vs
+
+    def add_prompt(self, cache: PagedKVCache, ks, vs, policy: EvictionPolicy | None) -> int:
+        """A new sequence holding a prompt's K/V (``ks[layer]: [n, Hkv, D]``), then ``policy.after_prefill``."""
+        n = ks[0].shape[0]
+        seq_id = cache.add_sequence()
+        slots = cache.reserve(seq_id, n)  # int64 [n]
+        for layer in range(self.num_layers):
+            cache.write(layer, slots, ks[layer], vs[layer])
+        if policy is not None:
+            policy.after_prefill(cache, seq_id)
+        return seq_id
+
+    @torch.inference_mode()
+    def decode_step(self, cache: PagedKVCache, seq_ids: list[int], token_ids: torch.Tensor,
+                    positions: torch.Tensor) -> torch.Tensor:
+        """Append one token to each sequence and return the next-token logits.
+
+        Args:
+            cache: the cache holding ``seq_ids``.
+            seq_ids: ``batch`` distinct live sequences.
+            token_ids: LongTensor ``[batch]``, the token each sequence takes next.
+            positions: LongTensor ``[batch]``, its absolute position (for RoPE).
+
+        Returns:
+            float32 ``[batch, vocab]``. The caller then runs each sequence's ``after_append`` hook.
+        """
+        batch = len(seq_ids)
+        if token_ids.shape != (batch,) or positions.shape != (batch,):
+            raise ValueError(f"token_ids and positions must have shape [{batch}], got "
+                             f"{list(token_ids.shape)} and {list(positions.shape)}")
+        slots = torch.cat([cache.reserve(s, 1) for s in seq_ids])  # int64 [batch]
+        block_table, seq_lens = cache.block_table(seq_ids)  # int32 [batch, max_pages], [batch]
+        inner = self.model.model
+        x = inner.embed_tokens(token_ids)[:, None, :]  # [batch, 1, hidden]
+        cos, sin = inner.rotary_emb(x, positions[:, None])  # each [batch, 1, D]
+        hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
+        for i, layer in enumerate(inner.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)  # [batch, 1, hidden]
+            q = attn.q_proj(h).view(batch, 1, hq, d).transpose(1, 2)  # [batch, Hq, 1, D]
+            k = attn.k_proj(h).view(batch, 1, hkv, d).transpose(1, 2)  # [batch, Hkv, 1, D]
+            v = attn.v_proj(h).view(batch, 1, hkv, d)  # [batch, 1, Hkv, D]
+            q, k = self._rope(q, k, cos, sin)
+            cache.write(i, slots, k[:, :, 0].contiguous(), v[:, 0].contiguous())  # [batch, Hkv, D]
+            o = paged_attention_reference(q[:, :, 0], cache.k_cache[i], cache.v_cache[i], block_table,
+                                          seq_lens, scale=attn.scaling)  # [batch, Hq, D]
+            x = x + attn.o_proj(o.reshape(batch, 1, hq * d))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.model.lm_head(inner.norm(x))[:, 0].float()  # [batch, vocab]

@@ -1,0 +1,557 @@
+"""Eviction policies that keep a `PagedKVCache` sequence within a token budget.
+
+Notation (kept apart on purpose; the paper writes B and C): ``page_size`` = B, tokens per page;
+``budget`` = C, tokens a sequence may hold after an eviction step.
+
+One shared decision per sequence. A physical page id indexes the same page in every layer and a
+sequence has ONE block table for all layers (as in vLLM), so evicting page ``j`` removes it from
+every layer at once. Each layer still contributes its own evidence: token scores are computed
+per layer from that layer's cached K/V and averaged over layers (`sequence_scores`). The
+alternative, a decision per layer, would keep different tokens in different layers and so would
+need one block table per layer (and per-layer lengths in every attention kernel); paged_ref keeps
+the vLLM layout and pays for it with a coarser decision.
+
+The hooks a generation loop calls (`paged_ref.hf` does):
+
+    policy.after_prefill(cache, seq_id)   # once, after the prompt's K/V are written
+    policy.after_append(cache, seq_id)    # after every decode step's K/V are written
+    policy.release(seq_id)                # when the sequence is freed
+
+The caller tracks RoPE positions (a cached K already carries its rotation, so evicting tokens
+never changes the positions of the tokens that stay or of the tokens to come).
+`tokens_until_action` says how many tokens may be appended before the next hook call, so a
+teacher-forced evaluation can feed a chunk at once and get exactly the token-by-token result.
+
+Policies (``make_policy(name, budget, **options)``):
+
+- ``"full"``: never evicts.
+- ``"paged_eviction"`` (PagedEviction): prefill keeps the top-``budget`` tokens by score (in
+  their original order, via `PagedKVCache.compact`); during decode, each time the newest page
+  fills (``seq_len % page_size == 0``) while ``seq_len > budget``, drops the whole page with the
+  lowest page score (`PagedKVCache.drop_pages`). ``method`` picks the score, so the ablations
+  are ``make_policy("paged_eviction", C, method="value_norm")`` etc. (short names
+  ``"inverse_key_norm"``, ``"value_norm"``, ``"key_norm"``, ``"random"`` do the same).
+- ``"streaming_llm"``: the first ``sink_tokens`` plus the most recent tokens; at page
+  granularity during decode (the oldest page after the sink pages goes).
+- ``"token_topk"``: unstructured token eviction: after every append beyond the budget, the
+  lowest-scoring token goes and the sequence is compacted. Its stats record the copies that
+  compaction makes and the holes per page the same evictions would leave without compaction.
+
+Each policy holds at most ``ceil(budget / page_size) + 1`` pages per sequence, and evicted
+pages go back to the allocator at once (``PagedKVCache.drop_pages`` / ``compact`` free them).
+
+Example:
+    >>> import torch
+    >>> from paged_ref.cache import PagedKVCache
+    >>> cache = PagedKVCache(num_layers=2, num_pages=16, page_size=4, num_kv_heads=1, head_dim=8)
+    >>> s = cache.add_sequence()
+    >>> slots = cache.reserve(s, 20)                          # a 20-token prompt
+    >>> for layer in range(2): cache.write(layer, slots, torch.randn(20, 1, 8), torch.randn(20, 1, 8))
+    >>> policy = make_policy("paged_eviction", budget=8)
+    >>> policy.after_prefill(cache, s); cache.seq_len(s), len(cache.pages(s))
+    (8, 2)
+    >>> for step in range(4):                                 # decode one token at a time
+    ...     slots = cache.reserve(s, 1)
+    ...     for layer in range(2): cache.write(layer, slots, torch.randn(1, 1, 8), torch.randn(1, 1, 8))
+    ...     policy.after_append(cache, s)
+    >>> cache.seq_len(s), policy.stats(s).pages_dropped      # 12 tokens = 3 full pages -> one dropped
+    (8, 1)
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .._validate import check_choice, check_int
+from ..block_table import pages_needed
+from ..cache import PagedKVCache
+from .scores import SCORE_METHODS, page_scores, token_scores
+
+__all__ = [
+    "POLICY_NAMES",
+    "EvictionStats",
+    "EvictionPolicy",
+    "FullCache",
+    "PagedEviction",
+    "StreamingLLM",
+    "TokenTopK",
+    "make_policy",
+    "resolve_policy",
+    "sequence_scores",
+    "max_pages_held",
+]
+
+POLICY_NAMES = ("full", "paged_eviction", "streaming_llm", "token_topk",
+                "inverse_key_norm", "value_norm", "key_norm", "random")
+NO_LIMIT = sys.maxsize  # tokens_until_action of a policy that never acts
+
+
+def max_pages_held(budget: int, page_size: int) -> int:
+    """The bound every policy keeps: ``ceil(budget / page_size) + 1`` pages per sequence."""
+    return -(-check_int("budget", budget, min_value=1) // check_int("page_size", page_size, min_value=1)) + 1
+
+
+def sequence_scores(cache: PagedKVCache, seq_id: int, method: str, *,
+                    generator: torch.Generator | None = None, layers=None) -> torch.Tensor:
+    """One score per held token of ``seq_id``: `token_scores` of each layer, averaged over layers.
+
+    Args:
+        cache, seq_id: the sequence to score.
+        method: a `SCORE_METHODS` name; ``"random"`` draws once (not per layer) from ``generator``.
+        layers: layer indices to average over (default: all).
+
+    Returns:
+        float32 ``[seq_len]`` in the sequence's logical order.
+    """
+    check_choice("method", method, SCORE_METHODS)
+    n = cache.seq_len(seq_id)
+    if method == "random":
+        return torch.rand(n, generator=generator)  # [seq_len]
+    layers = range(cache.num_layers) if layers is None else list(layers)
+    total = torch.zeros(n, dtype=torch.float32, device=cache.device)  # [seq_len]
+    for layer in layers:
+        k, v = cache.gather(layer, seq_id)  # each [seq_len, num_kv_heads, head_dim]
+        total += token_scores(k, v, method)
+    return (total / len(layers)).cpu()
+
+
+@dataclass
+class EvictionStats:
+    """What a policy did to one sequence (all counts cumulative).
+
+    Attributes:
+        tokens_seen: tokens ever appended to the sequence (prompt + decode).
+        tokens_evicted: tokens removed (by compaction or with their page).
+        pages_dropped: whole pages removed by decode-time page eviction.
+        compactions: calls to ``PagedKVCache.compact`` (prefill eviction, token eviction).
+        tokens_moved: tokens copied to a new slot by those compactions (each copy is one
+            token's K and V in every layer); tokens already in place are not counted.
+        max_pages_held: the most pages the sequence held after any hook call (before a hook
+            runs, the newest page may already have been added: at most one page more).
+        max_holes_per_page: token_topk only: the most evicted slots per held page the same
+            evictions would leave if the cache were never compacted (tokens stay where they
+            were written; a page is held while any of its tokens survives).
+    """
+
+    tokens_seen: int = 0
+    tokens_evicted: int = 0
+    pages_dropped: int = 0
+    compactions: int = 0
+    tokens_moved: int = 0
+    max_pages_held: int = 0
+    max_holes_per_page: float = 0.0
+
+
+class EvictionPolicy:
+    """Base class: tracks each sequence's token positions and stats; subclasses evict.
+
+    Args:
+        budget: C, the tokens a sequence may hold (None only for `FullCache`).
+        method: score method (see `paged_ref.eviction.scores`).
+        seed: seed of the generator used by ``method="random"``.
+    """
+
+    name = "base"
+
+    def __init__(self, budget: int | None, *, method: str = "value_key_ratio", seed: int = 0):
+        self.budget = None if budget is None else check_int("budget", budget, min_value=1)
+        self.method = check_choice("method", method, SCORE_METHODS)
+        self.seed = check_int("seed", seed, min_value=0)
+        self._generator = torch.Generator().manual_seed(self.seed)
+        self._positions: dict[int, torch.Tensor] = {}  # seq -> int64 [seq_len] original index of each held token
+        self._stats: dict[int, EvictionStats] = {}
+
+    # ------------------------------------------------------------------ hooks
+    def after_prefill(self, cache: PagedKVCache, seq_id: int) -> None:
+        """Call once the prompt's K/V are written: evicts down to the budget (token level)."""
+        self._check_cache(cache)
+        self._sync(cache, seq_id)
+        if self.budget is not None and cache.seq_len(seq_id) > self.budget:
+            self._prefill_evict(cache, seq_id)
+        self._record(cache, seq_id)
+
+    def after_append(self, cache: PagedKVCache, seq_id: int) -> None:
+        """Call after each decode step's K/V are written (or a chunk of `tokens_until_action`).
+
+        The first hook call for a sequence is always a prefill: on a sequence this policy has
+        not seen yet (e.g. a one-token prompt), this runs `after_prefill`.
+        """
+        self._check_cache(cache)
+        if seq_id not in self._positions:
+            self.after_prefill(cache, seq_id)
+            return
+        before = self._held(seq_id)
+        limit = before + self.tokens_until_action(cache, seq_id, _length=before)
+        if cache.seq_len(seq_id) > limit:
+            raise ValueError(
+                f"sequence {seq_id} grew from {before} to {cache.seq_len(seq_id)} tokens since the last hook call, "
+                f"past {limit} where {self.name} must act; append at most tokens_until_action() tokens between calls"
+            )
+        self._sync(cache, seq_id)
+        self._decode_evict(cache, seq_id)
+        self._record(cache, seq_id)
+
+    def evict(self, cache: PagedKVCache, seq_id: int, *, budget: int | None = None, phase: str) -> None:
+        """The hook `paged_ref.hf.PagedSession` calls after each forward.
+
+        ``phase="prefill"`` (several new tokens) runs `after_prefill`, ``"decode"`` `after_append`.
+        ``budget`` is the session's and must be None or this policy's own.
+        """
+        check_choice("phase", phase, {"prefill", "decode"})
+        if budget is not None and budget != self.budget:
+            raise ValueError(f"budget={budget!r} disagrees with the policy's own budget={self.budget!r}")
+        if phase == "prefill":
+            self.after_prefill(cache, seq_id)
+        else:
+            self.after_append(cache, seq_id)
+
+    def release(self, seq_id: int) -> None:
+        """Forget a sequence (call when it is freed from the cache)."""
+        self._positions.pop(seq_id, None)
+        self._stats.pop(seq_id, None)
+
+    def tokens_until_action(self, cache: PagedKVCache, seq_id: int, *, _length: int | None = None) -> int:
+        """How many tokens may be appended to ``seq_id`` before `after_append` must be called."""
+        return NO_LIMIT
+
+    # ------------------------------------------------------------------ inspection
+    def positions(self, seq_id: int) -> torch.Tensor:
+        """int64 ``[seq_len]``: index (0 = first prompt token) of each token the sequence holds."""
+        return self._positions_of(seq_id).clone()
+
+    def stats(self, seq_id: int) -> EvictionStats:
+        self._positions_of(seq_id)
+        return self._stats[seq_id]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(budget={self.budget}, method={self.method!r})"
+
+    # ------------------------------------------------------------------ subclass interface
+    def _prefill_evict(self, cache, seq_id) -> None:
+        raise NotImplementedError
+
+    def _decode_evict(self, cache, seq_id) -> None:
+        pass
+
+    # ------------------------------------------------------------------ shared machinery
+    def _check_cache(self, cache) -> None:
+        if not isinstance(cache, PagedKVCache):
+            raise TypeError(f"cache must be a paged_ref.PagedKVCache, got {type(cache).__name__}")
+
+    def _positions_of(self, seq_id) -> torch.Tensor:
+        if seq_id not in self._positions:
+            raise ValueError(f"seq_id {seq_id!r} has not been seen by this policy (call after_prefill first)")
+        return self._positions[seq_id]
+
+    def _held(self, seq_id) -> int:
+        return int(self._positions_of(seq_id).shape[0])
+
+    def _sync(self, cache, seq_id) -> None:
+        """Extend the position record by the tokens appended since the last hook call."""
+        n = cache.seq_len(seq_id)  # raises for an unknown sequence
+        pos = self._positions.get(seq_id)
+        if pos is None:
+            pos, stats = torch.empty(0, dtype=torch.int64), EvictionStats()
+        else:
+            stats = self._stats[seq_id]
+        if n < pos.shape[0]:
+            raise ValueError(f"sequence {seq_id} holds {n} tokens, fewer than the {pos.shape[0]} this policy left; "
+                             "it was changed outside the policy")
+        new = n - pos.shape[0]
+        pos = torch.cat([pos, torch.arange(stats.tokens_seen, stats.tokens_seen + new)])
+        stats.tokens_seen += new
+        self._positions[seq_id], self._stats[seq_id] = pos, stats
+
+    def _record(self, cache, seq_id) -> None:
+        stats = self._stats[seq_id]
+        stats.max_pages_held = max(stats.max_pages_held, pages_needed(cache.seq_len(seq_id), cache.page_size))
+
+    def _scores(self, cache, seq_id) -> torch.Tensor:
+        return sequence_scores(cache, seq_id, self.method, generator=self._generator)
+
+    def _compact(self, cache, seq_id, keep: torch.Tensor) -> None:
+        """Token-level eviction: keep ``keep: bool [seq_len]`` in order, count the copies."""
+        stats = self._stats[seq_id]
+        dropped = (~keep).nonzero()
+        if dropped.numel() == 0:
+            return
+        first_hole = int(dropped[0])
+        stats.tokens_moved += int(keep[first_hole:].sum())  # kept tokens behind the first hole shift
+        stats.tokens_evicted += int((~keep).sum())
+        stats.compactions += 1
+        cache.compact(seq_id, keep)
+        self._positions[seq_id] = self._positions[seq_id][keep]
+
+    def _drop_page(self, cache, seq_id, page: int) -> None:
+        """Page-level eviction of logical page ``page`` (all layers; the page goes back to the pool)."""
+        ps = cache.page_size
+        n = cache.seq_len(seq_id)
+        stats = self._stats[seq_id]
+        lo, hi = page * ps, min(n, (page + 1) * ps)
+        cache.drop_pages(seq_id, [page])
+        pos = self._positions[seq_id]
+        self._positions[seq_id] = torch.cat([pos[:lo], pos[hi:]])
+        stats.tokens_evicted += hi - lo
+        stats.pages_dropped += 1
+
+    def _top_tokens(self, scores: torch.Tensor, protected: torch.Tensor, keep_count: int) -> torch.Tensor:
+        """bool ``[n]``: the protected tokens plus the best-scoring others, ``keep_count`` in all."""
+        n = scores.shape[0]
+        free_slots = keep_count - int(protected.sum())
+        assert free_slots >= 0, "budget checks guarantee room for the protected tokens"
+        ranked = scores.masked_fill(protected, -math.inf)
+        # stable sort: among equal scores the older token goes first
+        order = torch.sort(ranked, descending=True, stable=True).indices
+        keep = protected.clone()
+        keep[order[:free_slots]] = True
+        assert int(keep.sum()) == min(keep_count, n)
+        return keep
+
+
+class FullCache(EvictionPolicy):
+    """No eviction (the reference every other policy is measured against)."""
+
+    name = "full"
+
+    def __init__(self, budget: int | None = None, **kwargs):
+        if budget is not None:
+            raise ValueError(f"the 'full' policy takes no budget, got budget={budget!r}")
+        super().__init__(None, **kwargs)
+
+
+class _PagedDecode(EvictionPolicy):
+    """Shared decode rule: when the newest page fills and the sequence is over budget, drop a page."""
+
+    def __init__(self, budget: int, *, protect_first_pages: int, protect_last_page: bool, **kwargs):
+        if budget is None:
+            raise ValueError(f"{self.name} needs budget=<tokens>, got None")
+        super().__init__(budget, **kwargs)
+        self._first = protect_first_pages
+        self._last = bool(protect_last_page)
+
+    def _check_cache(self, cache) -> None:
+        super()._check_cache(cache)
+        need = (self._first + 1) * cache.page_size
+        if self.budget < need:
+            raise ValueError(
+                f"budget must be >= {need} tokens with page_size={cache.page_size} and {self._first} protected "
+                f"first page(s), so that a page can always be evicted; got budget={self.budget}"
+            )
+
+    def tokens_until_action(self, cache, seq_id, *, _length=None) -> int:
+        n = cache.seq_len(seq_id) if _length is None else _length
+        return cache.page_size - n % cache.page_size
+
+    def _candidate_pages(self, num_pages: int) -> list[int]:
+        return list(range(self._first, num_pages - (1 if self._last else 0)))
+
+    def _protected_tokens(self, n: int, page_size: int) -> torch.Tensor:
+        protected = torch.zeros(n, dtype=torch.bool)  # [n]
+        protected[: self._first * page_size] = True
+        if self._last:
+            protected[max(0, n - page_size):] = True
+        return protected
+
+    def _decode_evict(self, cache, seq_id) -> None:
+        ps = cache.page_size
+        while cache.seq_len(seq_id) > self.budget and cache.seq_len(seq_id) % ps == 0:
+            page = self._choose_page(cache, seq_id, cache.seq_len(seq_id) // ps)
+            self._drop_page(cache, seq_id, page)
+
+
+class PagedEviction(_PagedDecode):
+    """PagedEviction (arXiv 2509.04377) and its score ablations.
+
+    Args:
+        budget: C, tokens kept; must be >= page_size (x2 with protect_first_page).
+        method: token score (`SCORE_METHODS`); ``"value_key_ratio"`` is the paper's.
+        reduce: page score from token scores, ``"mean"`` (the paper) or ``"sum"``.
+        protect_first_page: never evict the first page_size tokens (attention sinks). The paper
+            does not protect them; default False.
+        protect_last_page: never evict the newest page_size tokens; at a decode eviction they are
+            exactly the page that just filled. Default True: the paper leaves it open, and without
+            it the page of the tokens just generated can be the one evicted.
+        seed: generator seed for ``method="random"``.
+    """
+
+    name = "paged_eviction"
+
+    def __init__(self, budget: int, *, method: str = "value_key_ratio", reduce: str = "mean",
+                 protect_first_page: bool = False, protect_last_page: bool = True, seed: int = 0):
+        for flag, value in (("protect_first_page", protect_first_page), ("protect_last_page", protect_last_page)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
+        super().__init__(budget, protect_first_pages=int(protect_first_page),
+                         protect_last_page=protect_last_page, method=method, seed=seed)
+        self.reduce = check_choice("reduce", reduce, {"mean", "sum"})
+
+    def _prefill_evict(self, cache, seq_id) -> None:
+        n = cache.seq_len(seq_id)
+        keep = self._top_tokens(self._scores(cache, seq_id), self._protected_tokens(n, cache.page_size), self.budget)
+        self._compact(cache, seq_id, keep)
+
+    def _choose_page(self, cache, seq_id, num_pages: int) -> int:
+        scores = page_scores(self._scores(cache, seq_id), cache.page_size, self.reduce)  # [num_pages]
+        candidates = torch.tensor(self._candidate_pages(num_pages))
+        # argmin returns the first minimum: ties go to the oldest page
+        return int(candidates[torch.argmin(scores[candidates])])
+
+    def __repr__(self) -> str:
+        return (f"PagedEviction(budget={self.budget}, method={self.method!r}, reduce={self.reduce!r}, "
+                f"protect_first_page={bool(self._first)}, protect_last_page={self._last})")
+
+
+class StreamingLLM(_PagedDecode):
+    """Attention sinks + a recent window (StreamingLLM), evicting at page granularity.
+
+    Prefill keeps the first ``sink_tokens`` and the last ``budget - sink_tokens`` tokens. During
+    decode, when the newest page fills over budget, the oldest page after the pages that hold
+    the sinks goes. Pages are whole, so the page holding the sinks is kept whole (with
+    page_size=16 and 4 sinks, 12 early window tokens stay beside them).
+
+    Args:
+        budget: C, tokens kept; >= (pages holding the sinks + 1) * page_size.
+        sink_tokens: the first tokens always kept (StreamingLLM uses 4).
+    """
+
+    name = "streaming_llm"
+
+    def __init__(self, budget: int, *, sink_tokens: int = 4):
+        self.sink_tokens = check_int("sink_tokens", sink_tokens, min_value=0)
+        super().__init__(budget, protect_first_pages=0, protect_last_page=True)
+        if self.sink_tokens >= self.budget:
+            raise ValueError(f"sink_tokens must be < budget={self.budget}, got {self.sink_tokens}")
+
+    def _check_cache(self, cache) -> None:
+        self._first = pages_needed(self.sink_tokens, cache.page_size)
+        super()._check_cache(cache)
+
+    def _prefill_evict(self, cache, seq_id) -> None:
+        n = cache.seq_len(seq_id)
+        keep = torch.zeros(n, dtype=torch.bool)  # [n]
+        keep[: self.sink_tokens] = True
+        keep[n - (self.budget - self.sink_tokens):] = True
+        self._compact(cache, seq_id, keep)
+
+    def _choose_page(self, cache, seq_id, num_pages: int) -> int:
+        return self._candidate_pages(num_pages)[0]  # the oldest page that holds no sink
+
+    def __repr__(self) -> str:
+        return f"StreamingLLM(budget={self.budget}, sink_tokens={self.sink_tokens})"
+
+
+class TokenTopK(EvictionPolicy):
+    """Unstructured token-level eviction by score, compacting after every eviction.
+
+    Prefill is the same as PagedEviction's (top-``budget`` tokens). After each append that
+    takes the sequence over budget, the lowest-scoring tokens (excluding the protected ones) go
+    and the survivors are packed (`PagedKVCache.compact`), so pages stay dense but every
+    eviction copies the tokens behind the hole (`EvictionStats.tokens_moved`). Without
+    compaction the holes would stay in their pages (`EvictionStats.max_holes_per_page`).
+
+    Args:
+        budget: C, tokens kept.
+        method: token score (`SCORE_METHODS`).
+        protect_first_page, protect_last_page: never evict the first / newest ``page_size``
+            tokens (defaults as in `PagedEviction`).
+    """
+
+    name = "token_topk"
+
+    def __init__(self, budget: int, *, method: str = "value_key_ratio", protect_first_page: bool = False,
+                 protect_last_page: bool = True, seed: int = 0):
+        if budget is None:
+            raise ValueError("token_topk needs budget=<tokens>, got None")
+        super().__init__(budget, method=method, seed=seed)
+        self._first, self._last = int(bool(protect_first_page)), bool(protect_last_page)
+
+    def _check_cache(self, cache) -> None:
+        super()._check_cache(cache)
+        need = (self._first + int(self._last)) * cache.page_size + 1
+        if self.budget < need:
+            raise ValueError(f"budget must be >= {need} with page_size={cache.page_size} and the protected pages, "
+                             f"got budget={self.budget}")
+
+    _protected_tokens = PagedEviction._protected_tokens
+
+    def tokens_until_action(self, cache, seq_id, *, _length=None) -> int:
+        n = cache.seq_len(seq_id) if _length is None else _length
+        return max(1, self.budget + 1 - n)
+
+    def _evict(self, cache, seq_id) -> None:
+        n = cache.seq_len(seq_id)
+        keep = self._top_tokens(self._scores(cache, seq_id), self._protected_tokens(n, cache.page_size), self.budget)
+        self._compact(cache, seq_id, keep)
+        self._record_holes(cache.page_size, seq_id)
+
+    _prefill_evict = _evict
+
+    def _decode_evict(self, cache, seq_id) -> None:
+        if cache.seq_len(seq_id) > self.budget:
+            self._evict(cache, seq_id)
+
+    def _record_holes(self, page_size: int, seq_id: int) -> None:
+        """Holes per page if every token had stayed at its original slot (never compacted).
+
+        Token ``p`` (0 = first prompt token) would sit on page ``p // page_size``; a page is held
+        while any of its tokens survives; its holes are its written slots whose token is gone.
+        """
+        stats = self._stats[seq_id]
+        pos = self._positions[seq_id]  # int64 [seq_len], original index of each survivor
+        held = torch.unique(pos // page_size)  # pages an uncompacted layout would hold
+        written = held.numel() * page_size
+        newest = (stats.tokens_seen - 1) // page_size
+        if int(held[-1]) == newest:  # the newest page is written only up to tokens_seen
+            written -= (newest + 1) * page_size - stats.tokens_seen
+        holes = written - pos.numel()
+        stats.max_holes_per_page = max(stats.max_holes_per_page, holes / held.numel())
+
+
+def make_policy(name: str, budget: int | None = None, **options) -> EvictionPolicy:
+    """A policy by name.
+
+    Args:
+        name: one of ``POLICY_NAMES``. ``"inverse_key_norm"``, ``"value_norm"``, ``"key_norm"``
+            and ``"random"`` are PagedEviction (page eviction) with that score, i.e. the ablations.
+        budget: C in tokens (required except for ``"full"``).
+        **options: keyword options of the policy class.
+
+    Example:
+        >>> make_policy("value_norm", 256)
+        PagedEviction(budget=256, method='value_norm', reduce='mean', protect_first_page=False, protect_last_page=True)
+    """
+    check_choice("name", name, set(POLICY_NAMES))
+    if name == "full":
+        return FullCache(budget, **options)
+    if name == "streaming_llm":
+        return StreamingLLM(budget, **options)
+    if name == "token_topk":
+        return TokenTopK(budget, **options)
+    if name != "paged_eviction":
+        if "method" in options:
+            raise ValueError(f"policy {name!r} fixes method={name!r}; use 'paged_eviction' with method= instead")
+        options["method"] = name
+    return PagedEviction(budget, **options)
+
+
+def resolve_policy(eviction, budget: int | None) -> EvictionPolicy | None:
+    """What ``generate(..., eviction=, budget=)`` means: None, a policy name, or a policy object.
+
+    A name needs ``budget`` (except ``"full"``); an object carries its own budget, so ``budget``
+    must then be None or equal to it.
+    """
+    if eviction is None:
+        if budget is not None:
+            raise ValueError(f"budget={budget!r} was given without eviction=; pass eviction='paged_eviction' (or another policy)")
+        return None
+    if isinstance(eviction, EvictionPolicy):
+        if budget is not None and budget != eviction.budget:
+            raise ValueError(f"budget={budget!r} disagrees with the policy's own budget={eviction.budget!r}")
+        return eviction
+    if isinstance(eviction, str):
+        return make_policy(eviction, budget)
+    raise TypeError(f"eviction must be None, a policy name {POLICY_NAMES} or an EvictionPolicy, got {type(eviction).__name__}")
