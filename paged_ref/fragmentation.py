@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import bisect
+import numbers
 from collections import deque
 from dataclasses import dataclass
 
@@ -55,6 +56,31 @@ class Workload:
     prompt_len: np.ndarray  # tokens in the prompt (>= 1)
     output_len: np.ndarray  # tokens to generate (>= 1)
     max_len: int            # the model's context limit: prompt_len + output_len <= max_len
+
+    def __post_init__(self):
+        max_len = check_int("max_len", self.max_len, min_value=2)
+        arrays = {}
+        for name in ("arrival", "prompt_len", "output_len"):
+            a = np.asarray(getattr(self, name))
+            if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+                raise TypeError(f"{name} must be a 1-D integer array, got dtype {a.dtype} "
+                                f"and shape {a.shape}")
+            arrays[name] = a.astype(np.int64)
+        arrival, prompt, output = arrays["arrival"], arrays["prompt_len"], arrays["output_len"]
+        if not len(arrival) == len(prompt) == len(output) >= 1:
+            raise ValueError(f"arrival, prompt_len and output_len must have one equal length >= 1, "
+                             f"got {len(arrival)}, {len(prompt)}, {len(output)}")
+        for name, bad in (("arrival", (arrival < 0) | np.r_[False, np.diff(arrival) < 0]),
+                          ("prompt_len", prompt < 1), ("output_len", output < 1),
+                          ("prompt_len + output_len", prompt + output > max_len)):
+            if bad.any():
+                i = int(np.argmax(bad))
+                rule = {"arrival": "non-decreasing and >= 0",
+                        "prompt_len + output_len": f"<= max_len = {max_len}"}.get(name, ">= 1")
+                raise ValueError(f"{name} must be {rule}; request {i} breaks it")
+        for name, a in arrays.items():
+            object.__setattr__(self, name, a)
+        object.__setattr__(self, "max_len", max_len)
 
     @property
     def total_len(self) -> np.ndarray:
@@ -81,7 +107,9 @@ def make_workload(num_requests: int, *, seed: int = 0, mean_prompt: float = 256.
     max_len = check_int("max_len", max_len, min_value=2)
     for name, value in (("mean_prompt", mean_prompt), ("mean_output", mean_output),
                         ("sigma", sigma), ("arrival_rate", arrival_rate)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
+        if not value > 0:  # also rejects NaN
             raise ValueError(f"{name} must be a positive number, got {value!r}")
     rng = np.random.default_rng(seed)
 

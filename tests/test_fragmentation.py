@@ -163,11 +163,33 @@ def test_simulate_rejects_other_workloads():
     (dict(max_len=1), ValueError, "max_len must be >= 2"),
     (dict(sigma=0), ValueError, "sigma must be a positive number, got 0"),
     (dict(arrival_rate=-1.0), ValueError, "arrival_rate must be a positive number"),
-    (dict(mean_prompt="long"), ValueError, "mean_prompt must be a positive number"),
+    (dict(mean_output=float("nan")), ValueError, "mean_output must be a positive number"),
+    (dict(mean_prompt="long"), TypeError, "mean_prompt must be a number, got str"),
 ])
 def test_make_workload_errors(kwargs, exc, words):
     with pytest.raises(exc, match=words):
         make_workload(**(dict(num_requests=10) | kwargs))
+
+
+@pytest.mark.parametrize("arrival, prompt, output, max_len, exc, words", [
+    ([0, 1], [3], [1, 1], 8, ValueError, "one equal length"),
+    ([1, 0], [3, 3], [1, 1], 8, ValueError, "arrival must be non-decreasing and >= 0; request 1"),
+    ([-1], [3], [1], 8, ValueError, "arrival must be non-decreasing"),
+    ([0], [0], [1], 8, ValueError, "prompt_len must be >= 1; request 0"),
+    ([0, 0], [3, 3], [1, 0], 8, ValueError, "output_len must be >= 1; request 1"),
+    ([0], [5], [4], 8, ValueError, r"prompt_len \+ output_len must be <= max_len = 8"),
+    ([0.5], [3], [1], 8, TypeError, "arrival must be a 1-D integer array"),
+    ([0], [3], [1], 1, ValueError, "max_len must be >= 2"),
+])
+def test_workload_validates_hand_made_requests(arrival, prompt, output, max_len, exc, words):
+    with pytest.raises(exc, match=words):
+        workload(arrival, prompt, output, max_len)
+
+
+def test_workload_needs_a_request():
+    empty = np.zeros(0, dtype=np.int64)
+    with pytest.raises(ValueError, match="one equal length >= 1, got 0, 0, 0"):
+        Workload(empty, empty, empty, 8)
 
 
 def test_requests_that_fit_errors():
