@@ -209,7 +209,8 @@ def _draw_tables(ax, pm: PageMap) -> None:
         lines.append(("  (no live sequences)", "0.4"))
     lines.append(("", "black"))
     lines.append((f"{pm.count('used')} used, {pm.count('returned')} on the free list, "
-                  f"{pm.count('never')} never used; bump pointer at page {pm.bump}", "0.25"))
+                  f"{pm.count('never')} never used; bump pointer "
+                  + (f"at page {pm.bump}" if pm.bump < pm.num_pages else "at the end"), "0.25"))
     lines.append((f"{pm.stored_tokens} tokens in {pm.held_slots} held slots"
                   + (f"; {len(pm.shared)} shared page(s)" if pm.shared else "")
                   + (f"; prefix-cache hits {pm.prefix_hits}" if pm.prefix_hits else ""), "0.25"))
