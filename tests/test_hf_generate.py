@@ -1,0 +1,243 @@
+"""paged_ref.hf on a tiny random Llama: same tokens as model.generate, pages freed, log-likelihoods equal."""
+
+import pytest
+import torch
+
+from paged_ref import OutOfPagesError, PagedKVCache, hf
+from paged_ref.models import tiny_llama
+
+BACKENDS = ["reference", "flex", "triton"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=0)
+
+
+def _kv(model, num_pages, page_size):
+    c = model.config
+    return PagedKVCache(num_layers=c.num_hidden_layers, num_pages=num_pages, page_size=page_size,
+                        num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+
+
+def _prompt(length, seed):
+    return torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _left_padded(lengths, seed=0, pad=0):
+    """Random prompts of the given lengths, left-padded: (input_ids, attention_mask) [batch, max_len]."""
+    width = max(lengths)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.full((len(lengths), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, width - n:] = torch.randint(3, 512, (n,), generator=g)
+        mask[b, width - n:] = 1
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------- same tokens
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("page_size", [1, 4, 16, 64])  # 64 > prompt + new tokens: a single page
+def test_greedy_tokens_equal_model_generate(model, backend, page_size):
+    ids = _prompt(11, seed=page_size)
+    new = 6 if backend == "triton" else 12  # the Triton interpreter is slow
+    expected = model.generate(ids, max_new_tokens=new, do_sample=False)
+    kv = _kv(model, num_pages=64, page_size=page_size)
+    out = hf.generate(model, ids, max_new_tokens=new, backend=backend, kv_cache=kv)
+    assert torch.equal(out, expected)
+    assert kv.allocator.num_free == kv.num_pages and kv.seq_ids == []
+    kv.allocator.check()
+    assert model.config._attn_implementation == "sdpa"  # restored
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mixed_length_batch_equals_model_generate(model, backend):
+    ids, mask = _left_padded([3, 13, 1, 8], seed=1)
+    new = 5 if backend == "triton" else 10
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
+    out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=new, page_size=4, backend=backend)
+    assert torch.equal(out, expected)
+
+
+def test_eos_stops_rows_pads_them_and_frees_their_pages_early(model):
+    ids, mask = _left_padded([5, 9, 2], seed=2)
+    free = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=[])
+    eos = int(free[1, ids.shape[1] + 3])  # a token row 1 emits at step 3: make it the end token
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                              eos_token_id=eos, pad_token_id=0)
+    assert (expected == 0).any(), "the chosen eos should finish at least one row early"
+    kv = _kv(model, num_pages=40, page_size=2)
+    live = []
+    out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=12, page_size=2, eos_token_id=eos,
+                      pad_token_id=0, kv_cache=kv, callback=lambda step, tok: live.append(len(kv.seq_ids)))
+    assert torch.equal(out, expected)
+    assert live[0] == 3 and min(live) < 3  # finished sequences were freed before the others ended
+    assert kv.allocator.num_free == kv.num_pages
+
+
+def test_default_eos_and_pad_come_from_generation_config(model):
+    ids = _prompt(6, seed=3)
+    free = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=[])
+    eos = int(free[0, -3])
+    model.generation_config.eos_token_id = eos
+    try:
+        expected = model.generate(ids, max_new_tokens=8, do_sample=False)
+        out = hf.generate(model, ids, max_new_tokens=8)
+    finally:
+        model.generation_config.eos_token_id = 2
+    assert torch.equal(out, expected) and out.shape[1] < free.shape[1] + 1
+
+
+# ---------------------------------------------------------------------------------- streaming
+def test_stream_yields_the_generated_columns(model):
+    ids, mask = _left_padded([4, 7], seed=4)
+    out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=6)
+    steps = list(hf.stream(model, ids, attention_mask=mask, max_new_tokens=6))
+    assert torch.equal(torch.stack(steps, dim=1), out[:, ids.shape[1]:])
+
+
+def test_closing_a_stream_early_frees_pages_and_restores_attention(model):
+    kv = _kv(model, num_pages=16, page_size=4)
+    it = hf.stream(model, _prompt(9, seed=5), max_new_tokens=20, kv_cache=kv)
+    next(it)
+    assert model.config._attn_implementation == hf.ATTN_IMPLEMENTATION and kv.seq_ids
+    it.close()
+    assert model.config._attn_implementation == "sdpa"
+    assert kv.allocator.num_free == kv.num_pages and kv.seq_ids == []
+
+
+def test_streamer_gets_prompt_then_tokens_then_end(model):
+    class Recorder:
+        def __init__(self):
+            self.calls = []
+
+        def put(self, value):
+            self.calls.append(value.clone())
+
+        def end(self):
+            self.calls.append("end")
+
+    ids = _prompt(5, seed=6)
+    rec = Recorder()
+    out = hf.generate(model, ids, max_new_tokens=4, streamer=rec)
+    assert torch.equal(rec.calls[0], ids) and rec.calls[-1] == "end"
+    assert torch.equal(torch.stack(rec.calls[1:-1], dim=1), out[:, ids.shape[1]:])
+
+
+def test_progress_bar_is_shown_on_request(model, capsys):
+    hf.generate(model, _prompt(4, seed=7), max_new_tokens=3, progress=True)
+    assert "paged generate" in capsys.readouterr().err
+    hf.generate(model, _prompt(4, seed=7), max_new_tokens=3)  # short: no bar by default
+    assert "paged generate" not in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------- errors leave nothing behind
+def test_running_out_of_pages_raises_and_frees_everything(model):
+    kv = _kv(model, num_pages=3, page_size=4)
+    with pytest.raises(OutOfPagesError):
+        hf.generate(model, _prompt(10, seed=8), max_new_tokens=10, kv_cache=kv)
+    assert kv.allocator.num_free == 3 and kv.seq_ids == []
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_failing_callback_frees_pages_and_restores_attention(model):
+    kv = _kv(model, num_pages=16, page_size=4)
+
+    def boom(step, tokens):
+        raise KeyError("stop")
+
+    with pytest.raises(KeyError):
+        hf.generate(model, _prompt(6, seed=9), max_new_tokens=5, kv_cache=kv, callback=boom)
+    assert kv.allocator.num_free == 16 and model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
+        (dict(max_new_tokens=2, backend="cuda"), ValueError, "backend"),
+        (dict(max_new_tokens=2, eviction=object()), NotImplementedError, "eviction"),
+        (dict(max_new_tokens=2, budget=64), NotImplementedError, "eviction"),
+        (dict(max_new_tokens=2, page_size=0), ValueError, "page_size"),
+        (dict(max_new_tokens=2, eos_token_id="eos"), TypeError, "eos_token_id"),
+        (dict(max_new_tokens=2, attention_mask=torch.tensor([[1, 1, 0]])), ValueError, "left-padded"),
+        (dict(max_new_tokens=2, attention_mask=torch.tensor([[0, 0, 0]])), ValueError, "at least one real token"),
+        (dict(max_new_tokens=2, attention_mask=torch.ones(1, 2)), ValueError, "attention_mask must be a tensor of the shape"),
+        (dict(max_new_tokens=2, num_pages=4, kv_cache="kv"), ValueError, "either kv_cache or num_pages"),
+    ],
+)
+def test_bad_arguments_are_named(model, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        hf.generate(model, torch.tensor([[5, 6, 7]]), **kwargs)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_bad_input_ids_and_mismatched_cache(model):
+    with pytest.raises(TypeError, match="input_ids"):
+        hf.generate(model, torch.tensor([5, 6, 7]), max_new_tokens=2)  # 1-D
+    with pytest.raises(TypeError, match="input_ids"):
+        hf.generate(model, torch.tensor([[5.0, 6.0]]), max_new_tokens=2)
+    wrong = PagedKVCache(num_layers=3, num_pages=8, page_size=4, num_kv_heads=2, head_dim=32)
+    with pytest.raises(ValueError, match="does not match the model"):
+        hf.generate(model, torch.tensor([[5, 6]]), max_new_tokens=2, kv_cache=wrong)
+    assert wrong.allocator.num_free == 8
+
+
+def test_paged_pieces_refuse_to_run_outside_a_session(model):
+    cache = hf.PagedCache(_kv(model, 4, 4))
+    k = torch.zeros(1, 2, 1, 32)
+    with pytest.raises(RuntimeError, match="outside a paged_ref forward"):
+        cache.update(k, k, 0)
+    with pytest.raises(RuntimeError, match="step plan"):
+        hf.paged_attention_forward(model.model.layers[0].self_attn, torch.zeros(1, 4, 1, 32), k, k, None)
+    with pytest.raises(NotImplementedError, match="beam search"):
+        cache.reorder_cache(torch.tensor([0]))
+
+
+# ---------------------------------------------------------------------------------- log-likelihood
+@pytest.mark.parametrize("backend", ["reference", "flex"])
+@pytest.mark.parametrize("chunk_size", [1, 5, 64])  # decode path, chunked prefill, one prefill
+def test_teacher_forced_log_probs_match_the_plain_model(model, backend, chunk_size):
+    ids = torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(chunk_size))
+    plain = hf.reference_log_likelihood(model, ids)
+    paged = hf.log_likelihood(model, ids, chunk_size=chunk_size, page_size=8, backend=backend)
+    assert paged.shape == plain.shape == (2, 39)
+    torch.testing.assert_close(paged, plain, atol=2e-5, rtol=1e-5)
+
+
+def test_teacher_forced_log_probs_triton_short(model):
+    ids = torch.randint(3, 512, (1, 8), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(hf.log_likelihood(model, ids, page_size=2, backend="triton"),
+                               hf.reference_log_likelihood(model, ids), atol=2e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------- positions vs tokens held
+def test_rope_uses_absolute_positions_after_pages_are_dropped(model):
+    """Drop the first page after prefill (what eviction will do): the next token must still be
+    computed at its absolute position. Oracle: transformers' own DynamicCache with the same
+    tokens cut from its front, and the absolute position passed explicitly."""
+    from transformers import DynamicCache
+
+    from paged_ref.hf.session import _cache_keyword
+
+    kw = _cache_keyword(model)  # "cache" (transformers 5.24) or "past_key_values" (5.17)
+    ids = _prompt(12, seed=10)
+    nxt = torch.tensor([[77]])
+    with hf.PagedSession(model, num_pages=8, page_size=4) as session:
+        s = session.add()
+        session.extend([s], [ids[0]])
+        session.kv.drop_pages(s, [0])  # tokens 0..3 gone; 8 held; next position still 12
+        assert session.kv.seq_len(s) == 8 and session.position(s) == 12
+        paged = session.extend([s], [nxt[0]])[0]
+    with torch.inference_mode():
+        dyn = DynamicCache(config=model.config)
+        model(input_ids=ids, use_cache=True, **{kw: dyn})
+        for layer in dyn.layers:
+            layer.keys, layer.values = layer.keys[:, :, 4:], layer.values[:, :, 4:]
+        plain = model(input_ids=nxt, position_ids=torch.tensor([[12]]), use_cache=True, **{kw: dyn}).logits[0, -1]
+        for layer in dyn.layers:  # the same cut cache, but the new token placed at position 8
+            layer.keys, layer.values = layer.keys[:, :, :8], layer.values[:, :, :8]
+        wrong = model(input_ids=nxt, position_ids=torch.tensor([[8]]), use_cache=True, **{kw: dyn}).logits
+    torch.testing.assert_close(paged, plain.float(), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(paged, wrong[0, -1], atol=1e-3)
