@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from paged_ref.fragmentation import (POLICIES, Workload, _Contiguous, compare_policies,
                                      make_workload, page_size_sweep, requests_that_fit, simulate)
@@ -199,3 +201,36 @@ def test_requests_that_fit_errors():
         requests_that_fit(5, budget_slots=10, page_size=4, reserved_per_request=8)
     with pytest.raises(ValueError, match="budget_slots must be >= 1"):
         requests_that_fit([1], budget_slots=0, page_size=4, reserved_per_request=8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 12)), min_size=1, max_size=60))
+def test_first_fit_matches_a_slot_by_slot_model(ops):
+    """Hole bookkeeping vs a plain list of slots: same placements, same holes, always merged."""
+    budget = 48
+    mem, slots, live = _Contiguous(budget), [None] * budget, []
+    for req, (admit, size) in enumerate(ops):
+        if admit or not live:
+            start = next((s for s in range(budget - size + 1)
+                          if all(x is None for x in slots[s:s + size])), None)
+            assert mem.admit(req, size) == (start is not None)
+            if start is not None:
+                assert mem.where[req] == (start, size)
+                slots[start:start + size] = [req] * size
+                live.append(req)
+        else:
+            victim = live.pop(size % len(live))
+            mem.release(victim)
+            slots = [None if x == victim else x for x in slots]
+        runs, s = [], 0
+        while s < budget:  # maximal runs of free slots
+            if slots[s] is None:
+                e = s
+                while e < budget and slots[e] is None:
+                    e += 1
+                runs.append((s, e - s))
+                s = e
+            else:
+                s += 1
+        assert list(zip(mem.starts, mem.sizes)) == runs
+        assert mem.largest_hole() == max((n for _, n in runs), default=0)
