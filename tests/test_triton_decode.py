@@ -122,6 +122,16 @@ def test_shared_pages_between_sequences():
     assert rel_err(paged_decode(q, kc, vc, bt, lens), reference64(q, kc, vc, bt, lens)) < 1e-5
 
 
+def test_int64_block_table_and_seq_lens():
+    """The common contract also allows int64 tables and lengths; same result as int32."""
+    q, kc, vc, bt, lens = make_case(12, page_size=16, num_q_heads=4, num_kv_heads=2,
+                                    head_dim=64, seq_lens=[7, 40])
+    out32 = paged_decode(q, kc, vc, bt, lens, num_splits=2)
+    out64 = paged_decode(q, kc, vc, bt.long(), lens.long(), num_splits=2)
+    torch.testing.assert_close(out64, out32, rtol=0, atol=0)
+    assert rel_err(out64, reference64(q, kc, vc, bt, lens)) < 1e-5
+
+
 # --- split-K ---------------------------------------------------------------------------------
 SPLIT_LENS = [1, 17, 200, 333]
 
@@ -428,3 +438,25 @@ def test_bench_decode_cpu_quick(tmp_path):
     assert data["results"], "no measurement recorded"
     for row in data["results"]:
         assert row["median_s"] > 0 and row["rel_err"] < 1e-4
+
+
+def test_bench_decode_gpu_path_smoke(monkeypatch):
+    """The GPU harness's own logic (layouts, records, ratios, goals) on tiny float32 CPU sizes,
+    with CPU timers standing in for CUDA events."""
+    from paged_ref.bench import common, decode
+    monkeypatch.setattr(decode, "gpu_median", lambda fn, **kw: common.cpu_median(
+        fn, warmup=0, repeats=1)["median_s"])
+    monkeypatch.setattr(decode, "copy_bandwidth", lambda: dict(bytes=1, median_s=1.0,
+                                                                 bandwidth_GBps=1.0))
+    heads = dict(num_q_heads=4, num_kv_heads=2, head_dim=32)
+    data = decode.run_gpu([(2, 64)], [16, 32], budget_s=60, rep_ms=1, heads=heads,
+                          dtype=torch.float32, device="cpu")
+    impls = {r["impl"] for r in data["results"]}
+    assert {"paged_decode", "paged_decode contiguous", "paged_decode (again)",
+            "sdpa contiguous"} <= impls
+    assert all(r["rel_err"] < 1e-4 for r in data["results"]), data["results"]
+    ratios, goals = decode.summarize_gpu(data)
+    assert [(r["batch"], r["seq_len"], r["page_size"]) for r in ratios] == [(2, 64, 16),
+                                                                            (2, 64, 32)]
+    assert all(r["paged_over_contiguous"] > 0 and r["sdpa_over_paged"] > 0 for r in ratios)
+    assert any("page sizes" in g["goal"] for g in goals)

@@ -35,6 +35,7 @@ Example:
     torch.Size([2, 8, 64])
 """
 
+import contextlib
 import os
 import sys
 import types
@@ -281,7 +282,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
-                      programs_per_sm: int = 4, min_tokens_per_split: int = 256) -> int:
+                      programs_per_sm: int = 4,
+                      min_tokens_per_split: int = _MIN_TOKENS_PER_SPLIT) -> int:
     """How many chunks to cut each sequence into so that the GPU is kept full.
 
     The unsplit grid has ``programs = batch * num_kv_heads`` programs and about
@@ -306,8 +308,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
         An int in ``[1, 256]``.
 
     Example:
-        >>> choose_num_splits(1, 8, 131072, 132)     # one long sequence: 8 -> 528 programs
-        66
+        >>> choose_num_splits(1, 8, 131072, 132)     # one long sequence: 8 -> 504 programs
+        63
         >>> choose_num_splits(8, 8, 32768, 132)      # 64 programs: 8 splits fill one wave
         8
         >>> choose_num_splits(256, 8, 2048, 132)     # 2048 programs already fill the GPU
@@ -319,6 +321,13 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
     cost = {s: -(-programs * s // slots) / s for s in range(1, max_splits + 1)}
     good_enough = 1.05 * min(cost.values())        # within 5% of the best: prefer fewer splits
     return min(s for s, c in cost.items() if c <= good_enough)
+
+
+def _default_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device,
+                        cfg: dict) -> int:
+    """The split count `paged_decode(num_splits=None)` uses: a split is at least 4 tiles."""
+    return choose_num_splits(batch, num_kv_heads, max_len, _num_sms(device),
+                             min_tokens_per_split=4 * cfg["BLOCK_N"])
 
 
 def _tile_config(dtype: torch.dtype, head_dim: int, group: int) -> dict:
@@ -436,8 +445,7 @@ def paged_decode(
         # table's capacity as the bound rather than force a device sync.
         max_len = (int(seq_lens.max()) if check_values
                    else block_table.shape[1] * page_size)
-        num_splits = choose_num_splits(batch, num_kv_heads, max_len, _num_sms(q.device),
-                                       min_tokens_per_split=4 * cfg["BLOCK_N"])
+        num_splits = _default_num_splits(batch, num_kv_heads, max_len, q.device, cfg)
     if out is None:
         out = torch.empty_like(q)                               # [batch, num_q_heads, head_dim]
     _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, **cfg)
@@ -458,26 +466,31 @@ def _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, 
                                device=q.device)                 # [batch, Hq, splits, head_dim]
     else:
         part_m = part_l = part_acc = out                        # unused by the kernel
-    _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, seq_lens, out,
-        part_m, part_l, part_acc,
-        scale * _LOG2E, num_splits,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_table.stride(0),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=BLOCK_D,
-        GROUP=num_q_heads // num_kv_heads, BLOCK_H=BLOCK_H,
-        PAGE_SIZE=k_cache.shape[1], BLOCK_N=BLOCK_N,
-        WRITE_PARTIALS=write_partials,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    if write_partials:
-        _reduce_splits_kernel[(batch, num_q_heads)](
-            part_m, part_l, part_acc, out, num_splits,
+    # Triton launches on the current CUDA device: make it the inputs' device.
+    on_device = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
+    with on_device:
+        # Grid: one program per (sequence, KV head, split).
+        _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
+            q, k_cache, v_cache, block_table, seq_lens, out,
+            part_m, part_l, part_acc,
+            scale * _LOG2E, num_splits,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_table.stride(0),
             out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, BLOCK_S=min(16, _next_pow2(num_splits)),
-            num_warps=4 if not INTERPRETED else 1,
+            HEAD_DIM=head_dim, BLOCK_D=BLOCK_D,
+            GROUP=num_q_heads // num_kv_heads, BLOCK_H=BLOCK_H,
+            PAGE_SIZE=k_cache.shape[1], BLOCK_N=BLOCK_N,
+            WRITE_PARTIALS=write_partials,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=num_warps, num_stages=num_stages,
         )
+        if write_partials:
+            # Grid: one program per (sequence, query head).
+            _reduce_splits_kernel[(batch, num_q_heads)](
+                part_m, part_l, part_acc, out, num_splits,
+                out.stride(0), out.stride(1),
+                HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, BLOCK_S=min(16, _next_pow2(num_splits)),
+                num_warps=1 if INTERPRETED else 4,
+            )
     return out

@@ -1,7 +1,8 @@
 """Decode attention over a paged KV cache: the Triton kernel against its peers.
 
-    python -m paged_ref.bench decode [--quick] [--sweep] [--out DIR]     (CUDA GPU, < 4 min)
-    python -m paged_ref.bench decode --cpu [--quick] [--out DIR]         (no GPU, seconds)
+    python -m paged_ref.bench decode [--quick] [--out DIR]          (CUDA GPU, < 4 min)
+    python -m paged_ref.bench decode --sweep [--out DIR]            (CUDA GPU, tile sweep)
+    python -m paged_ref.bench decode --cpu [--quick] [--out DIR]    (no GPU, seconds)
 
 GPU (bfloat16, head_dim 128, 32 query heads over 8 KV heads; batch x length in
 (1, 131072), (8, 32768), (64, 4096), (256, 2048); page sizes 16, 64, 128), in one run:
@@ -18,8 +19,9 @@ GPU (bfloat16, head_dim 128, 32 query heads over 8 KV heads; batch x length in
 For each: median time (``triton.testing.do_bench``: CUDA events, L2 flushed before each run),
 achieved bandwidth = bytes of K and V read / time, its ratio to the copy bandwidth, the error
 against a float32 computation, and ratios between implementations. ``paged_decode`` is timed
-twice (first and last) to show the run-to-run spread. ``--sweep`` also times other tile
-configurations of the kernel. JSON goes to ``figures/data/decode_gpu.json``.
+twice (first and last) to show the run-to-run spread. JSON goes to
+``figures/data/decode_gpu.json``. ``--sweep`` instead times other tile configurations of the
+kernel (BLOCK_N, warps, pipeline stages) and writes ``decode_sweep_gpu.json``.
 
 CPU (``--cpu``): small float32 sizes; the reference, eager FlexAttention and SDPA are timed;
 the Triton kernel runs once through the interpreter for correctness but is not timed (the
@@ -125,8 +127,20 @@ def _sdpa(q, k4, v4, num_q_heads, num_kv_heads):
 
 
 # --- GPU -------------------------------------------------------------------------------------
-def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, sweep):
-    heads = GPU_HEADS
+def _planned_splits(batch, seq_len, heads, dtype, device):
+    """The split count paged_decode(num_splits=None, check_values=False) picks here."""
+    group = heads["num_q_heads"] // heads["num_kv_heads"]
+    cfg = td._tile_config(dtype, heads["head_dim"], group)
+    return td._default_num_splits(batch, heads["num_kv_heads"], seq_len, torch.device(device), cfg)
+
+
+def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=torch.bfloat16,
+            device="cuda"):
+    """Measure every implementation on every (shape, page size); see the module docstring.
+
+    ``heads``, ``dtype`` and ``device`` are there so that the harness can be smoke-tested on
+    the CPU with small float32 sizes; the benchmark itself runs with the defaults.
+    """
     started = time.perf_counter()
     copy = copy_bandwidth()
     print(f"device-to-device copy: {copy['bandwidth_GBps']:.0f} GB/s "
@@ -135,43 +149,52 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, sweep):
     flex_kw = _flex_kwargs() if flex_paged_decode is not None else {}
     if flex_paged_decode is None:
         notes.append("flex_paged_decode not importable: not measured")
+    elem = torch.empty((), dtype=dtype).element_size()
 
     def record(batch, seq_len, page_size, impl, seconds, out, ref, **extra):
-        kv_bytes = 2 * batch * seq_len * heads["num_kv_heads"] * heads["head_dim"] * 2  # bf16
+        kv_bytes = 2 * batch * seq_len * heads["num_kv_heads"] * heads["head_dim"] * elem
         row = dict(batch=batch, seq_len=seq_len, page_size=page_size, impl=impl,
                    median_s=seconds, kv_bytes=kv_bytes,
                    bandwidth_GBps=kv_bytes / seconds / 1e9,
                    frac_of_copy=kv_bytes / seconds / 1e9 / copy["bandwidth_GBps"],
                    rel_err=rel_err(out, ref), **extra)
         results.append(row)
-        print(f"  {impl:<26} page {str(page_size):>4}: {seconds * 1e6:9.1f} us "
+        print(f"  {impl:<24} page {str(page_size):>4}: {seconds * 1e6:9.1f} us "
               f"{row['bandwidth_GBps']:7.0f} GB/s ({row['frac_of_copy']:.0%} of copy) "
               f"rel_err {row['rel_err']:.1e}", flush=True)
 
+    def peer(batch, seq_len, page_size, impl, fn):
+        """Time a peer implementation; a failure is noted and the run goes on."""
+        try:
+            out = fn()                                     # compiles on first use (flex)
+            record(batch, seq_len, page_size, impl, gpu_median(fn, rep_ms=rep_ms), out, ref)
+        except Exception as exc:
+            notes.append(f"{impl} failed at ({batch}, {seq_len}, page {page_size}): "
+                         f"{type(exc).__name__}: {str(exc)[:300]}")
+            print(f"  {impl} failed: {type(exc).__name__}", flush=True)
+
     for batch, seq_len in shapes:
         print(f"batch {batch} x length {seq_len}:", flush=True)
-        q, k, v = make_inputs(batch, seq_len, dtype=torch.bfloat16, device="cuda", **heads)
-        ref = reference_attention(q, k, v, batch, seq_len)
-        lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+        q, k, v = make_inputs(batch, seq_len, dtype=dtype, device=device, **heads)
+        ref = reference_attention(q, k, v, batch, seq_len)           # float32
+        lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
 
         # SDPA on a contiguous [B, Hkv, L, D] cache: independent of the page size.
         k4 = k.view(batch, seq_len, *k.shape[1:]).transpose(1, 2).contiguous()
         v4 = v.view(batch, seq_len, *v.shape[1:]).transpose(1, 2).contiguous()
-        sdpa = lambda: _sdpa(q, k4, v4, heads["num_q_heads"], heads["num_kv_heads"])  # noqa: E731
-        record(batch, seq_len, None, "sdpa contiguous", gpu_median(sdpa, rep_ms=rep_ms),
-               sdpa(), ref)
+        peer(batch, seq_len, None, "sdpa contiguous",
+             lambda: _sdpa(q, k4, v4, heads["num_q_heads"], heads["num_kv_heads"]))
         del k4, v4
 
+        splits = _planned_splits(batch, seq_len, heads, dtype, device)
         for page_size in page_sizes:
             contiguous, paged = page_layouts(k, v, batch, seq_len, page_size)
-            splits = td.choose_num_splits(batch, heads["num_kv_heads"], seq_len,
-                                          td._num_sms(q.device))
 
             def triton_on(layout):
                 kc, vc, bt = layout
                 return lambda: td.paged_decode(q, kc, vc, bt, lens, check_values=False)
 
-            # Check values once, untimed, so the timed calls may skip the host-side checks.
+            # Values checked once, untimed; the timed calls skip the host-side checks.
             paged_out = td.paged_decode(q, *paged, lens)
             run_paged = triton_on(paged)
             record(batch, seq_len, page_size, "paged_decode", gpu_median(run_paged, rep_ms=rep_ms),
@@ -185,65 +208,56 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, sweep):
                     notes.append(f"flex skipped at ({batch}, {seq_len}, page {page_size}): "
                                  f"time budget {budget_s:.0f} s used")
                 else:
-                    try:
-                        run_flex = lambda: flex_paged_decode(q, *paged[:2], paged[2], lens,  # noqa: E731
-                                                             **flex_kw)
-                        flex_out = run_flex()              # compiles on first use
-                        record(batch, seq_len, page_size, "flex_paged_decode",
-                               gpu_median(run_flex, rep_ms=rep_ms), flex_out, ref)
-                    except Exception as exc:               # report, keep measuring the rest
-                        notes.append(f"flex failed at ({batch}, {seq_len}, page {page_size}): "
-                                     f"{type(exc).__name__}: {str(exc)[:300]}")
-                        print(f"  flex_paged_decode failed: {type(exc).__name__}", flush=True)
+                    kc, vc, bt = paged
+                    peer(batch, seq_len, page_size, "flex_paged_decode",
+                         lambda: flex_paged_decode(q, kc, vc, bt, lens, **flex_kw))
 
             # Second timing of the headline kernel: the spread between the two is the noise.
             record(batch, seq_len, page_size, "paged_decode (again)",
                    gpu_median(run_paged, rep_ms=rep_ms), run_paged(), ref, num_splits=splits)
             del contiguous, paged
         del q, k, v, ref
-        torch.cuda.empty_cache()
-
-    sweep_rows = run_sweep(rep_ms) if sweep else []
-    return dict(copy=copy, results=results, sweep=sweep_rows, notes=notes,
-                elapsed_s=time.perf_counter() - started)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return dict(copy=copy, results=results, notes=notes, elapsed_s=time.perf_counter() - started)
 
 
 def run_sweep(rep_ms, shapes=((1, 131072), (8, 32768)), page_size=16):
-    """Time other tile configurations of the same kernel (same inputs, same checks)."""
+    """Time other tile configurations of the same kernel on two shapes (about 1-2 minutes)."""
     heads = GPU_HEADS
     rows = []
-    print("tile sweep (page 16):", flush=True)
+    print(f"tile sweep (page {page_size}):", flush=True)
     for batch, seq_len in shapes:
         q, k, v = make_inputs(batch, seq_len, dtype=torch.bfloat16, device="cuda", **heads)
         ref = reference_attention(q, k, v, batch, seq_len)
         lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
         _, (kc, vc, bt) = page_layouts(k, v, batch, seq_len, page_size)
-        default_splits = td.choose_num_splits(batch, heads["num_kv_heads"], seq_len,
-                                              td._num_sms(q.device))
+        td.paged_decode(q, kc, vc, bt, lens)                  # checks the inputs once
+        splits = _planned_splits(batch, seq_len, heads, torch.bfloat16, "cuda")
+        kv_bytes = 2 * batch * seq_len * heads["num_kv_heads"] * heads["head_dim"] * 2
         scale = heads["head_dim"] ** -0.5
         for block_n in (32, 64, 128):
             for num_warps in (4, 8):
                 for num_stages in (2, 3, 4):
-                    for splits in sorted({default_splits, 2 * default_splits}):
-                        cfg = dict(BLOCK_H=16, BLOCK_D=heads["head_dim"], BLOCK_N=block_n,
-                                   num_warps=num_warps, num_stages=num_stages)
-                        out = torch.empty_like(q)
-                        fn = lambda: td._launch(q, kc, vc, bt, lens, out, scale, splits, **cfg)  # noqa: E731
-                        try:
-                            fn()
-                            seconds = gpu_median(fn, rep_ms=rep_ms)
-                        except Exception as exc:           # e.g. out of shared memory
-                            print(f"  {cfg} splits {splits}: {type(exc).__name__}")
-                            continue
-                        kv_bytes = 2 * batch * seq_len * heads["num_kv_heads"] * heads["head_dim"] * 2
-                        rows.append(dict(batch=batch, seq_len=seq_len, page_size=page_size,
-                                         num_splits=splits, block_n=block_n, num_warps=num_warps,
-                                         num_stages=num_stages, median_s=seconds,
-                                         bandwidth_GBps=kv_bytes / seconds / 1e9,
-                                         rel_err=rel_err(out, ref)))
-                        print(f"  ({batch}, {seq_len}) BLOCK_N {block_n:3d} warps {num_warps} "
-                              f"stages {num_stages} splits {splits:3d}: {seconds * 1e6:8.1f} us "
-                              f"{rows[-1]['bandwidth_GBps']:6.0f} GB/s", flush=True)
+                    cfg = dict(BLOCK_H=16, BLOCK_D=heads["head_dim"], BLOCK_N=block_n,
+                               num_warps=num_warps, num_stages=num_stages)
+                    out = torch.empty_like(q)
+                    fn = lambda: td._launch(q, kc, vc, bt, lens, out, scale, splits, **cfg)  # noqa: E731
+                    try:
+                        fn()
+                        seconds = gpu_median(fn, rep_ms=rep_ms)
+                    except Exception as exc:               # e.g. out of shared memory
+                        print(f"  {cfg}: {type(exc).__name__}", flush=True)
+                        continue
+                    rows.append(dict(batch=batch, seq_len=seq_len, page_size=page_size,
+                                     num_splits=splits, block_n=block_n, num_warps=num_warps,
+                                     num_stages=num_stages, median_s=seconds,
+                                     bandwidth_GBps=kv_bytes / seconds / 1e9,
+                                     rel_err=rel_err(out, ref)))
+                    print(f"  ({batch}, {seq_len}) BLOCK_N {block_n:3d} warps {num_warps} "
+                          f"stages {num_stages} splits {splits:3d}: {seconds * 1e6:8.1f} us "
+                          f"{rows[-1]['bandwidth_GBps']:6.0f} GB/s "
+                          f"rel_err {rows[-1]['rel_err']:.1e}", flush=True)
         del q, k, v, kc, vc
         torch.cuda.empty_cache()
     return rows
@@ -295,8 +309,8 @@ def summarize_gpu(data):
                           met=max(within) <= 1.05))
     spreads = []
     for batch, seq_len in shapes:
-        times = [by[(batch, seq_len, p, "paged_decode")]["median_s"] for p in GPU_PAGE_SIZES
-                 if (batch, seq_len, p, "paged_decode") in by]
+        times = [r["median_s"] for r in data["results"]
+                 if (r["batch"], r["seq_len"], r["impl"]) == (batch, seq_len, "paged_decode")]
         if len(times) > 1:
             spreads.append(max(times) / min(times))
     if spreads:
@@ -370,8 +384,9 @@ def main(argv=None):
                         help="small float32 sizes on the CPU (reference, flex, SDPA)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes, shorter timing")
     parser.add_argument("--sweep", action="store_true",
-                        help="GPU: also time other tile configurations of the kernel")
-    parser.add_argument("--budget-s", type=float, default=200.0,
+                        help="GPU: instead, time other tile configurations of the kernel "
+                             "(writes decode_sweep_gpu.json)")
+    parser.add_argument("--budget-s", type=float, default=150.0,
                         help="GPU: stop starting flex measurements after this many seconds")
     parser.add_argument("--out", default=None, help="output folder (default figures/data)")
     args = parser.parse_args(argv)
@@ -385,6 +400,13 @@ def main(argv=None):
                     config=dict(dtype="float32", shapes=shapes, page_sizes=pages, **CPU_HEADS))
         data.update(run_cpu(shapes, pages, repeats=3 if args.quick else 7))
         path = write_json(data, "decode_cpu.json", out_dir=args.out)
+    elif args.sweep:
+        if not torch.cuda.is_available():
+            parser.error("--sweep needs a CUDA GPU")
+        data = dict(benchmark="decode", mode="gpu tile sweep", command=command.strip(),
+                    environment=environment(), copy=copy_bandwidth(),
+                    sweep=run_sweep(rep_ms=50))
+        path = write_json(data, "decode_sweep_gpu.json", out_dir=args.out)
     else:
         if not torch.cuda.is_available():
             parser.error("no CUDA GPU: run with --cpu for the CPU harness")
@@ -396,9 +418,11 @@ def main(argv=None):
                                 timing="triton.testing.do_bench median (CUDA events, L2 flushed)",
                                 bandwidth="bytes of K and V read / median time",
                                 paged_decode_call="check_values=False, num_splits=None",
+                                flex_call="flex_paged_decode as a user calls it: builds the "
+                                          "BlockMask on every call",
                                 **GPU_HEADS))
         data.update(run_gpu(shapes, pages, budget_s=args.budget_s,
-                            rep_ms=50 if args.quick else 100, sweep=args.sweep))
+                            rep_ms=50 if args.quick else 100))
         data["ratios"], data["goals"] = summarize_gpu(data)
         for n in data["notes"]:
             print("note:", n)
