@@ -54,9 +54,10 @@ from .reference import check_paged_inputs
 #     decorated when triton was first imported. If someone imported triton before us (say
 #     torch.compile did), they are compile-mode JITFunctions that the interpreter refuses to
 #     call; `_interpret_triton_language` re-wraps them the way an interpreting import would have.
-INTERPRETED = not torch.cuda.is_available()
-if INTERPRETED:
+if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+# True on a machine without CUDA, or where the user asked for the interpreter (debugging).
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 try:
     import triton
@@ -348,7 +349,7 @@ def _check_kernel_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits,
     """Checks specific to this kernel, on top of the common `check_paged_inputs`."""
     allowed = (torch.float32,) if INTERPRETED else (torch.float16, torch.bfloat16, torch.float32)
     if q.dtype not in allowed:
-        where = ("Triton's interpreter (no CUDA GPU: float32 only)" if INTERPRETED
+        where = ("Triton's interpreter (used without a CUDA GPU; float32 only)" if INTERPRETED
                  else "the compiled kernel")
         raise TypeError(f"q must have dtype in {[str(d) for d in allowed]} for {where}, "
                         f"got {q.dtype}")

@@ -23,6 +23,11 @@ twice (first and last) to show the run-to-run spread. JSON goes to
 ``figures/data/decode_gpu.json``. ``--sweep`` instead times other tile configurations of the
 kernel (BLOCK_N, warps, pipeline stages) and writes ``decode_sweep_gpu.json``.
 
+What to expect (the floor, before measuring): each token costs 2 x 8 x 128 x 2 B = 4096 B of
+K and V and 4 x 32 x 128 = 16384 FLOP, 4 FLOP per byte, far below the ~200 FLOP/byte at which
+an H200 stops being memory bound. So time = bytes / bandwidth: (8, 32768) moves 1.07 GB, about
+250 us at the ~4.3 TB/s a copy reaches on an H200; the arithmetic needs ~5 us of tensor cores.
+
 CPU (``--cpu``): small float32 sizes; the reference, eager FlexAttention and SDPA are timed;
 the Triton kernel runs once through the interpreter for correctness but is not timed (the
 interpreter's speed means nothing). JSON goes to ``figures/data/decode_cpu.json``.
