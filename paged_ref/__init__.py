@@ -2,25 +2,53 @@
 
     >>> import paged_ref as pr
     >>> cache = pr.PagedKVCache(num_layers=1, num_pages=16, page_size=4, num_kv_heads=2, head_dim=8)
+    >>> pr.memory.kv_cache_bytes(2048, num_layers=32, num_kv_heads=32, head_dim=128)
+    1073741824
 
-The paging core (allocator, block tables, cache, memory arithmetic) is re-exported here;
-attention, transformers integration and eviction live in their submodules and are
-re-exported as well when their dependencies import.
+The paging core, memory arithmetic and attention functions are imported here. Modules with
+heavy dependencies (``hf`` and ``models`` import transformers; ``paged_decode`` imports
+triton; ``eviction``) load on first use, so ``import paged_ref`` stays fast.
 """
 
+import importlib
+
+from . import fragmentation, memory
 from .allocator import OutOfPagesError, PageAllocator
+from .attention.flex import flex_paged_decode, flex_paged_prefill, paged_block_masks
+from .attention.reference import paged_attention_reference, paged_prefill_reference
 from .block_table import from_csr, pad_block_tables, pages_needed, slot_mapping, to_csr
 from .cache import PagedKVCache
 
 __version__ = "0.1.0"
 
+_LAZY_MODULES = {"hf", "models", "eviction", "viz", "widgets", "bench", "runmode", "textdata"}
+_LAZY_ATTRS = {"paged_decode": "paged_ref.attention.triton_decode"}
+
+
+def __getattr__(name):
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _LAZY_ATTRS:
+        return getattr(importlib.import_module(_LAZY_ATTRS[name]), name)
+    raise AttributeError(f"module 'paged_ref' has no attribute {name!r}")
+
+
 __all__ = [
     "OutOfPagesError",
     "PageAllocator",
     "PagedKVCache",
+    "flex_paged_decode",
+    "flex_paged_prefill",
+    "fragmentation",
     "from_csr",
+    "memory",
     "pad_block_tables",
+    "paged_attention_reference",
+    "paged_block_masks",
+    "paged_decode",
+    "paged_prefill_reference",
     "pages_needed",
     "slot_mapping",
     "to_csr",
+    *sorted(_LAZY_MODULES),
 ]

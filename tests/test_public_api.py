@@ -1,0 +1,22 @@
+import doctest
+
+import paged_ref as pr
+
+
+def test_every_public_name_resolves():
+    for name in pr.__all__:
+        assert getattr(pr, name) is not None, name
+
+
+def test_unknown_attribute_raises():
+    try:
+        pr.not_a_name
+    except AttributeError as err:
+        assert "not_a_name" in str(err)
+    else:
+        raise AssertionError("expected AttributeError")
+
+
+def test_package_docstring_example():
+    result = doctest.testmod(pr)
+    assert result.attempted > 0 and result.failed == 0
