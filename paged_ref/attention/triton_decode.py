@@ -134,7 +134,7 @@ def _paged_decode_split_kernel(
     PAGE_SIZE: tl.constexpr,       # tokens per page, a power of two
     BLOCK_N: tl.constexpr,         # tokens per tile, independent of PAGE_SIZE
     WRITE_PARTIALS: tl.constexpr,  # num_splits > 1: write (m, l, acc) for the reduction kernel
-    DOT_PRECISION: tl.constexpr,   # "ieee" for float32 inputs (no tf32), else "tf32" (unused)
+    DOT_PRECISION: tl.constexpr,   # "ieee" for float32 inputs (no tf32); ignored for 16-bit
 ):
     # Each program owns one (sequence, KV head, split). Program ids along the three grid axes:
     batch = tl.program_id(0)
@@ -142,8 +142,8 @@ def _paged_decode_split_kernel(
     split = tl.program_id(2)
 
     # Which tokens this split covers. Chunks are rounded up to whole tiles so that tiles start
-    # at multiples of BLOCK_N: a tile then never straddles a page boundary when
-    # PAGE_SIZE >= BLOCK_N (its rows are one contiguous run of the page). Trailing splits of a
+    # at multiples of BLOCK_N: when PAGE_SIZE >= BLOCK_N a tile then never straddles a page
+    # boundary (all its rows come from one page). Trailing splits of a
     # short sequence may be empty; they still write a neutral partial (m=-inf, l=0, acc=0).
     seq_len = tl.load(seq_lens_ptr + batch)
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
