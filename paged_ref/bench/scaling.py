@@ -1,0 +1,306 @@
+"""Decode latency and KV memory vs context: no cache, a contiguous cache, and the paged cache.
+
+    python -m paged_ref.bench scaling --cpu [--quick] [--model smollm2|tiny] [--out DIR]
+    python -m paged_ref.bench scaling --gpu [--quick] [--model llama1b|smollm2] [--out DIR]
+
+What the IBM paper compared was a paged cache against *no cache at all*; any KV cache removes
+that recomputation. This benchmark measures, on the same model and the same tokens in one run:
+
+1. **Per-token decode latency vs context** (batch 1, teacher-forced single-token steps after one
+   prefill; median of the timed steps), for: no KV cache (``model(ids, use_cache=False)`` every
+   step), transformers' contiguous caches (``DynamicCache``; ``StaticCache`` reserving the
+   ladder's longest context up front), and the paged cache through ``paged_ref.hf.PagedSession``
+   with the ``flex`` and ``triton`` backends (and ``reference`` on CPU). On CPU the Triton kernel
+   runs in the interpreter: it is checked (same predictions) but not timed. GPU: a
+   100k-token sequence for the paged backends as well.
+2. **Mixed-length batch** under one KV budget: requests admitted by a contiguous max-length
+   reservation vs the paged pool, and tokens/s of each (`scaling_batch`).
+3. **Memory**: KV bytes held per decoder (CPU) or peak device memory (GPU) against the
+   theoretical minimum (tokens held x bytes per token); the paged overhead on the mixed batch
+   at page size 16 (goal <= 5%); a page-size sweep 8..256 of overhead and decode-attention time.
+4. **Growing-context chat**: latency and pages per turn with and without prefix caching
+   (`scaling_chat`).
+5. **Allocation latency**: every page operation of every paged pool in the run, timed
+   (median and p99 per call and per page).
+
+Greedy predictions of every decoder are compared position by position with the contiguous
+cache's. Output: printed tables and ``figures/data/scaling_{cpu,gpu}.json`` (``_quick`` added in
+quick mode) with the environment (hardware, versions, date). ``--time-budget`` (default 220 s on
+GPU) skips what would not finish in time and records what was skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+import traceback
+
+import torch
+
+from ..attention.flex import flex_paged_decode
+from ..attention.reference import paged_attention_reference
+from ..attention.triton_decode import INTERPRETED, paged_decode
+from ..hf.session import model_geometry
+from ..memory import kv_bytes_per_token
+from .common import environment, write_json
+from .scaling_batch import batch_throughput, mixed_lengths, page_size_sweep, paged_overhead
+from .scaling_chat import run_chat
+from .scaling_latency import LABELS, LadderConfig, agreement, run_ladder
+from .scaling_models import MODELS, build_model, prompt_ids
+from .scaling_report import alloc_summary, print_model_report, ratios_to
+
+__all__ = ["main", "PROFILES", "run_model"]
+
+_POW2 = lambda lo, hi: [1 << k for k in range(lo.bit_length() - 1, hi.bit_length())]  # noqa: E731
+
+#: What each (device, mode) runs. ``ladder``: timed decoders; ``check``: run once at the first
+#: context for predictions only (Triton's interpreter on CPU).
+PROFILES = {
+    ("cpu", "full"): dict(
+        models=["smollm2"], contexts=_POW2(128, 2048), warmup=2, steps=8, nocache_steps=2, prefill_chunk=2048,
+        ladder=["dynamic", "none", "static", "reference", "flex"], check=["triton"], long=None,
+        # eager FlexAttention on CPU rebuilds its masks in every layer: seconds per step, so fewer steps
+        overrides={"flex": dict(warmup=1, steps=4)},
+        batch=dict(num=64, max_len=1024, mean_len=192, budget_tokens=4096, steps=5, warmup=1,
+                   backends=["reference"]),
+        chat=dict(turns=6, user_tokens=96, reply_tokens=8, backend="reference"),
+        sweep=dict(page_sizes=_POW2(8, 256), backends=["reference", "flex"], repeats=5)),
+    ("cpu", "quick"): dict(
+        models=["smollm2"], contexts=[128, 512], warmup=1, steps=3, nocache_steps=1, prefill_chunk=2048,
+        ladder=["dynamic", "none", "reference", "flex"], check=["triton"], long=None,
+        batch=dict(num=32, max_len=512, mean_len=128, budget_tokens=1024, steps=2, warmup=1,
+                   backends=["reference"]),
+        chat=dict(turns=3, user_tokens=48, reply_tokens=4, backend="reference"),
+        sweep=dict(page_sizes=_POW2(8, 256), backends=["reference", "flex"], repeats=2)),
+    ("gpu", "full"): dict(
+        models=["llama1b", "smollm2"], contexts=_POW2(128, 32768), warmup=3, steps=10, nocache_steps=3,
+        # most important first: the time budget skips what comes last
+        prefill_chunk=1024, ladder=["dynamic", "triton", "flex", "none", "static"], check=[], long=100_000,
+        batch=dict(num=256, max_len=8192, mean_len=1024, budget_tokens=65536, steps=10, warmup=3,
+                   backends=["flex", "triton"]),
+        chat=dict(turns=8, user_tokens=256, reply_tokens=32, backend="triton"),
+        sweep=dict(page_sizes=_POW2(8, 256), backends=["flex", "triton"], repeats=20)),
+    ("gpu", "quick"): dict(
+        models=["llama1b"], contexts=[128, 2048, 32768], warmup=3, steps=8, nocache_steps=2,
+        prefill_chunk=1024, ladder=["dynamic", "triton", "flex", "none"], check=[], long=None,
+        batch=dict(num=128, max_len=8192, mean_len=1024, budget_tokens=32768, steps=5, warmup=2,
+                   backends=["triton"]),
+        chat=dict(turns=4, user_tokens=256, reply_tokens=16, backend="triton"),
+        sweep=dict(page_sizes=[16, 64, 256], backends=["flex", "triton"], repeats=10)),
+}
+#: The tiny test model: same sections, small numbers (tiny_llama's context limit is 1024).
+TINY = dict(
+    contexts=[32, 64], warmup=1, steps=2, nocache_steps=1, prefill_chunk=256, overrides={},
+    batch=dict(num=32, max_len=256, mean_len=64, budget_tokens=512, steps=2, warmup=1, backends=["reference"]),
+    chat=dict(turns=3, user_tokens=24, reply_tokens=3, backend="reference"),
+    sweep=dict(page_sizes=[8, 16, 256], backends=["reference"], repeats=1))
+
+DECODE_FUNCTIONS = {"reference": paged_attention_reference, "flex": flex_paged_decode, "triton": paged_decode}
+PAGE_SIZE = 16
+
+
+class _Clock:
+    """Deadline bookkeeping for ``--time-budget``."""
+
+    def __init__(self, budget_s: float | None):
+        self.start = time.monotonic()
+        self.deadline = None if budget_s is None else self.start + budget_s
+
+    def left(self) -> float:
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _guarded(res: dict, what: str, fn):
+    """``fn()``, or None with the error recorded in ``res["errors"]`` (one failure must not
+    lose a whole GPU run); the tests assert that a run has no errors."""
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 - recorded and printed, never swallowed silently
+        res["errors"].append(f"{what}: {type(err).__name__}: {err}")
+        _log(f"[scaling] ERROR in {what}:\n{traceback.format_exc()}")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None
+
+
+def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
+    """All sections for one model; returns its result dict (see the module docstring)."""
+    t0 = time.monotonic()
+    model, info = build_model(model_name, device=device)
+    geom = model_geometry(model)
+    cfg = model.config
+    res = {"model": {k: v for k, v in info.items() if k != "tokenizer"}, "skipped": [], "errors": []}
+    res["model"]["load_s"] = time.monotonic() - t0
+    res["kv_bytes_per_token"] = kv_bytes_per_token(num_layers=geom["num_layers"], num_kv_heads=geom["num_kv_heads"],
+                                                   head_dim=geom["head_dim"],
+                                                   bytes_per_elem=torch.empty((), dtype=geom["dtype"]).element_size())
+    ladder_cfg = LadderConfig(contexts=profile["contexts"], warmup=profile["warmup"], steps=profile["steps"],
+                              nocache_steps=profile["nocache_steps"], prefill_chunk=profile["prefill_chunk"],
+                              page_size=PAGE_SIZE)
+    long = profile.get("long")
+    need = max(ladder_cfg.tokens_needed(), (long or 0) + 64, profile["batch"]["max_len"] + 1)
+    prompt = prompt_ids(model, info, need)
+
+    # 1. latency ladder ------------------------------------------------------------------------
+    res["ladder"] = []
+    for name in profile["ladder"]:
+        if clock.left() < 20:
+            res["skipped"].append(f"ladder {name}")
+            continue
+        _log(f"[scaling] {model_name}: ladder {LABELS[name]}")
+        cfg_n = LadderConfig(**{**ladder_cfg.__dict__, **profile.get("overrides", {}).get(name, {})})
+        r = _guarded(res, f"ladder {name}", lambda: run_ladder(model, name, prompt, cfg_n, deadline=clock.deadline))
+        if r is not None:
+            res["ladder"].append(r)
+    for name in profile["check"]:  # correctness only (interpreter): first context, 2 steps
+        check_cfg = LadderConfig(contexts=ladder_cfg.contexts[:1], warmup=0, steps=2, timed=False,
+                                 prefill_chunk=ladder_cfg.prefill_chunk, page_size=PAGE_SIZE)
+        _log(f"[scaling] {model_name}: {LABELS[name]} (interpreter: predictions only, not timed)")
+        r = _guarded(res, f"check {name}", lambda: run_ladder(model, name, prompt, check_cfg))
+        if r is not None:
+            res["ladder"].append(r)
+    base = LABELS["dynamic"]
+    res["ratio_base"] = base
+    res["ratios"] = ratios_to(res["ladder"], base)
+    ordered = sorted(res["ladder"], key=lambda r: r["label"] != base)
+    res["agreement"] = agreement(ordered)
+
+    # 1b. one long sequence, paged backends only ------------------------------------------------
+    res["long"] = []
+    if long:
+        for name in [n for n in profile["ladder"] if n in DECODE_FUNCTIONS]:
+            if clock.left() < 60:
+                res["skipped"].append(f"long {name}")
+                continue
+            _log(f"[scaling] {model_name}: {long}-token sequence, {LABELS[name]}")
+            long_cfg = LadderConfig(contexts=[long], warmup=profile["warmup"], steps=profile["steps"],
+                                    prefill_chunk=profile["prefill_chunk"], page_size=PAGE_SIZE)
+            r = _guarded(res, f"long {name}",
+                         lambda: run_ladder(model, name, prompt, long_cfg, deadline=clock.deadline))
+            if r is not None:
+                res["long"].append(r)
+
+    # 2-3. mixed batch, overhead, page-size sweep -----------------------------------------------
+    b = profile["batch"]
+    batch = None
+    lengths = mixed_lengths(b["num"], max_len=b["max_len"] - b["warmup"] - b["steps"] - 1, mean_len=b["mean_len"])
+    if clock.left() > 30:
+        _log(f"[scaling] {model_name}: mixed batch")
+        backends = [n for n in b["backends"] if not (n == "triton" and INTERPRETED)]
+        batch = _guarded(res, "batch", lambda: batch_throughput(
+            model, prompt, lengths, budget_tokens=b["budget_tokens"], max_len=b["max_len"], page_size=PAGE_SIZE,
+            paged_backends=backends, steps=b["steps"], warmup=b["warmup"], prefill_chunk=profile["prefill_chunk"]))
+    if batch is not None:
+        admitted = lengths[:batch["fit"]["paged_allocator"]]
+        batch.update(num_requests=len(lengths), mean_len=sum(lengths) / len(lengths), max_len=b["max_len"],
+                     budget_tokens=b["budget_tokens"], page_size=PAGE_SIZE, lengths=lengths,
+                     overhead_ps16=paged_overhead(admitted, page_size=PAGE_SIZE),
+                     overhead_ps16_workload=paged_overhead(lengths, page_size=PAGE_SIZE))
+        res["batch"] = batch
+    elif batch is None and not any(e.startswith("batch") for e in res["errors"]):
+        res["skipped"].append("batch")
+    s = profile["sweep"]
+    if clock.left() > 20:
+        _log(f"[scaling] {model_name}: page-size sweep")
+        admitted = lengths[:res["batch"]["fit"]["paged_allocator"]] if "batch" in res else lengths[:8]
+        sweep_geom = dict(num_kv_heads=geom["num_kv_heads"], num_q_heads=cfg.num_attention_heads,
+                          head_dim=geom["head_dim"], dtype=geom["dtype"], device=device)
+        fns = {n: DECODE_FUNCTIONS[n] for n in s["backends"] if not (n == "triton" and INTERPRETED)}
+        sweep = _guarded(res, "sweep", lambda: page_size_sweep(admitted, s["page_sizes"], geometry=sweep_geom,
+                                                               backends=fns, repeats=s["repeats"]))
+        if sweep is not None:
+            res["sweep"] = sweep
+    else:
+        res["skipped"].append("sweep")
+
+    # 4. growing chat ---------------------------------------------------------------------------
+    c = profile["chat"]
+    if clock.left() > 30:
+        _log(f"[scaling] {model_name}: growing-context chat")
+        users = [prompt[1000 * t % max(1, prompt.numel() - c["user_tokens"]):][:c["user_tokens"]]
+                 for t in range(c["turns"])]
+        backend = c["backend"] if not (c["backend"] == "triton" and INTERPRETED) else "reference"
+        runs = [_guarded(res, f"chat prefix_caching={pc}", lambda: run_chat(
+            model, users, reply_tokens=c["reply_tokens"], page_size=PAGE_SIZE, prefix_caching=pc, backend=backend,
+            prefill_chunk=profile["prefill_chunk"])) for pc in (False, True)]
+        if None not in runs:
+            res["chat"] = {"runs": runs, "user_tokens": c["user_tokens"], "reply_tokens": c["reply_tokens"],
+                           "replies_identical": runs[0]["replies"] == runs[1]["replies"]}
+    else:
+        res["skipped"].append("chat")
+
+    # 5. allocation latency over every paged pool of the run ------------------------------------
+    calls = [call for r in res["ladder"] + res["long"] for call in r.get("alloc_calls", [])]
+    if "batch" in res:
+        calls += [call for p in res["batch"]["paged"].values() for call in p.get("alloc_calls", [])]
+    if "chat" in res:
+        calls += [call for r in res["chat"]["runs"] for call in r["alloc_calls"]]
+    res["alloc"] = alloc_summary(calls)
+    _strip(res)
+    res["elapsed_s"] = time.monotonic() - t0
+    del model
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def _strip(res: dict) -> None:
+    """Drop bulky raw records (per-call timings, predictions) once summarized."""
+    for r in res["ladder"] + res["long"]:
+        r.pop("alloc_calls", None)
+        r.pop("predictions", None)
+    for p in res.get("batch", {}).get("paged", {}).values():
+        p.pop("alloc_calls", None)
+    for r in res.get("chat", {}).get("runs", []):
+        r.pop("alloc_calls", None)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m paged_ref.bench scaling", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--cpu", action="store_true", help="run on the CPU (default without CUDA)")
+    where.add_argument("--gpu", action="store_true", help="run on the CUDA GPU (default with CUDA)")
+    parser.add_argument("--quick", action="store_true", help="fewer contexts and steps (CI, first GPU look)")
+    parser.add_argument("--model", choices=MODELS, default=None,
+                        help="run one model instead of the profile's (tiny: the test model)")
+    parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds; sections that would start later are skipped (default 220 on GPU)")
+    args = parser.parse_args(argv)
+    gpu = args.gpu or (not args.cpu and torch.cuda.is_available())
+    if gpu and not torch.cuda.is_available():
+        parser.error("--gpu needs a CUDA device; use --cpu")
+    kind = "gpu" if gpu else "cpu"
+    profile = dict(PROFILES[(kind, "quick" if args.quick else "full")])
+    if args.model is not None:
+        profile["models"] = [args.model]
+    if args.model == "tiny":
+        profile.update(copy.deepcopy(TINY))
+    budget = args.time_budget if args.time_budget is not None else (220.0 if gpu else None)
+    clock = _Clock(budget)
+    device = torch.device("cuda" if gpu else "cpu")
+    data = {"benchmark": "scaling", "device": kind, "quick": args.quick,
+            "command": "python -m paged_ref.bench scaling " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "environment": environment(), "torch_threads": torch.get_num_threads(), "page_size": PAGE_SIZE, "time_budget_s": budget, "models": {}}
+    for name in profile["models"]:
+        if clock.left() < 30:
+            data.setdefault("skipped_models", []).append(name)
+            continue
+        data["models"][name] = run_model(name, profile, device=device, clock=clock)
+        print_model_report(name, data["models"][name])
+    data["elapsed_s"] = time.monotonic() - clock.start
+    filename = f"scaling_{kind}{'_quick' if args.quick and args.out is None else ''}.json"
+    path = write_json(data, filename, out_dir=args.out)
+    print(f"\nwrote {path} ({data['elapsed_s']:.0f} s)")
+    return data
+
+
+if __name__ == "__main__":
+    main()

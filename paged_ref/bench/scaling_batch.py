@@ -1,0 +1,231 @@
+"""Mixed-length batches under a fixed KV budget: how many fit, how much memory is wasted, tokens/s.
+
+A batch of requests is drawn from a realistic length distribution (lognormal prompt and output
+lengths, :func:`paged_ref.fragmentation.make_workload`) and held at once in a KV budget of
+``budget_tokens`` token slots. Two ways to hold it:
+
+* **contiguous max-length reservation**: each request reserves ``max_len`` slots up front (a
+  ``StaticCache`` of ``max_len`` per row), so ``budget_tokens // max_len`` requests fit;
+* **paged**: each request holds ``ceil(len / page_size)`` pages, so requests fit until the pool's
+  pages run out (counted by the real allocator).
+
+Memory overhead of the paged cache = slots held / tokens held - 1, counted from a real
+`PagedKVCache` (the theoretical minimum is the KV bytes of the tokens actually held).
+Throughput = tokens decoded per second by the whole batch (one token per request per step),
+measured with the model on the admitted batches, and on the same (smaller) batch for a
+like-for-like step time.
+
+Example:
+    >>> lengths = mixed_lengths(40, max_len=1024, mean_len=256, seed=0)
+    >>> fit = fit_counts(lengths, budget_tokens=4096, max_len=1024, page_size=16)
+    >>> fit["reserve_max"], fit["paged"] > fit["reserve_max"]
+    (4, True)
+    >>> 0 <= paged_overhead(lengths[:10], page_size=16)["overhead"] < 0.2
+    True
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..block_table import pages_needed
+from ..cache import PagedKVCache
+from ..fragmentation import make_workload, requests_that_fit
+from .scaling_decoders import ContiguousDecoder, PagedDecoder, synchronize
+
+__all__ = ["mixed_lengths", "fit_counts", "paged_overhead", "page_size_sweep", "batch_throughput"]
+
+
+def mixed_lengths(num: int, *, max_len: int, mean_len: float, seed: int = 0) -> list[int]:
+    """Final lengths (prompt + output) of ``num`` requests; mean about ``mean_len``, each <= ``max_len``."""
+    wl = make_workload(num, seed=seed, mean_prompt=mean_len / 2, mean_output=mean_len / 2, max_len=max_len)
+    return [int(n) for n in wl.total_len]
+
+
+def fit_counts(lengths, *, budget_tokens: int, max_len: int, page_size: int) -> dict:
+    """Requests (taken in order) that fit in ``budget_tokens`` slots: max-length reservation vs paged.
+
+    Returns ``{"reserve_max", "exact", "paged"}`` counts (:func:`requests_that_fit`) and the
+    paged count confirmed on a real `PagedKVCache` of ``budget_tokens // page_size`` pages
+    (``"paged_allocator"``, reserve until the pool says no).
+    """
+    fit = requests_that_fit(lengths, budget_slots=budget_tokens, page_size=page_size,
+                            reserved_per_request=max_len)
+    kv = PagedKVCache(num_layers=1, num_pages=budget_tokens // page_size, page_size=page_size,
+                      num_kv_heads=1, head_dim=1)
+    count = 0
+    for n in lengths:
+        if not kv.allocator.can_allocate(pages_needed(n, page_size)):
+            break
+        kv.reserve(kv.add_sequence(), n)
+        count += 1
+    fit["paged_allocator"] = count
+    return fit
+
+
+def paged_overhead(lengths, *, page_size: int) -> dict:
+    """Slots a real `PagedKVCache` holds for ``lengths`` vs the tokens themselves (counts, not bytes).
+
+    Returns ``{"page_size", "tokens", "pages", "slots", "overhead"}`` with
+    ``overhead = slots / tokens - 1`` (the same ratio in bytes: every slot costs the same).
+    """
+    total_pages = sum(pages_needed(n, page_size) for n in lengths)
+    kv = PagedKVCache(num_layers=1, num_pages=total_pages, page_size=page_size, num_kv_heads=1, head_dim=1)
+    for n in lengths:
+        kv.reserve(kv.add_sequence(), n)
+    pages = kv.allocator.num_pages - kv.allocator.num_free
+    tokens = sum(lengths)
+    return {"page_size": page_size, "tokens": tokens, "pages": pages, "slots": pages * page_size,
+            "overhead": pages * page_size / tokens - 1}
+
+
+def _attention_time(decode, lengths, *, page_size, num_kv_heads, num_q_heads, head_dim, dtype, device,
+                    repeats: int) -> float:
+    """Median time of one decode-attention call over the batch held in a shuffled page pool."""
+    gen = torch.Generator().manual_seed(0)
+    total = sum(pages_needed(n, page_size) for n in lengths)
+    perm = torch.randperm(total, generator=gen)  # physical pages in shuffled order
+    k_cache = torch.randn(total, page_size, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    v_cache = torch.randn(total, page_size, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+    tables, start = [], 0
+    for n in lengths:
+        p = pages_needed(n, page_size)
+        tables.append(perm[start:start + p])
+        start += p
+    width = max(len(t) for t in tables)
+    block_table = torch.zeros(len(lengths), width, dtype=torch.int32)  # [batch, max_pages]
+    for b, t in enumerate(tables):
+        block_table[b, :len(t)] = t
+    block_table = block_table.to(device)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)  # [batch]
+    q = torch.randn(len(lengths), num_q_heads, head_dim, generator=gen).to(device, dtype)  # [batch, Hq, D]
+    decode(q, k_cache, v_cache, block_table, seq_lens)  # warm-up (and compile on GPU)
+    times = []
+    for _ in range(repeats):
+        synchronize(device)
+        t = time.perf_counter()
+        decode(q, k_cache, v_cache, block_table, seq_lens)
+        synchronize(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def page_size_sweep(lengths, page_sizes, *, geometry: dict, backends: dict, repeats: int = 5) -> list[dict]:
+    """Overhead (counted) and decode-attention time (measured) of the batch for each page size.
+
+    Args:
+        lengths: the batch's sequence lengths.
+        page_sizes: e.g. ``[8, 16, 32, 64, 128, 256]``.
+        geometry: ``num_kv_heads, num_q_heads, head_dim, dtype, device`` of one model layer.
+        backends: name -> decode attention function (the common signature).
+        repeats: timed calls per point (median kept).
+
+    Returns:
+        one dict per page size: `paged_overhead` plus ``attention_s: {backend: seconds}``
+        (one layer, the whole batch).
+    """
+    rows = []
+    for ps in page_sizes:
+        row = paged_overhead(lengths, page_size=ps)
+        row["attention_s"] = {name: _attention_time(fn, lengths, page_size=ps, repeats=repeats, **geometry)
+                              for name, fn in backends.items()}
+        rows.append(row)
+    return rows
+
+
+def _teacher_steps(decoder, prompt, lengths, steps, warmup, rows=None, device="cpu"):
+    """Feed each row its next prompt token for ``warmup`` + ``steps`` steps; time the last ``steps``."""
+    rows = list(range(len(lengths))) if rows is None else rows
+    pos = [lengths[r] for r in rows]
+    times = []
+    for i in range(warmup + steps):
+        chunks = [prompt[p:p + 1] for p in pos]
+        synchronize(device)
+        t = time.perf_counter()
+        if isinstance(decoder, PagedDecoder):
+            decoder.feed(chunks, rows=rows)
+        else:
+            decoder.feed(chunks)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+        pos = [p + 1 for p in pos]
+    return times
+
+
+def batch_throughput(model, prompt: torch.Tensor, lengths, *, budget_tokens: int, max_len: int, page_size: int,
+                     paged_backends, steps: int, warmup: int, prefill_chunk: int = 2048) -> dict:
+    """Tokens/s of the contiguous max-length reservation vs the paged cache, same KV budget.
+
+    The contiguous run holds the first ``budget_tokens // max_len`` requests in a StaticCache of
+    ``max_len`` per row (prefilled in one left-padded forward); each paged run holds as many
+    requests as its pool of ``budget_tokens // page_size`` pages admits (each prefilled on its
+    own), then decodes all of them together, and also times the contiguous run's smaller batch
+    (same rows) for a step-for-step comparison. Row ``r`` holds ``prompt[:lengths[r]]`` and is
+    fed ``prompt[lengths[r] + i]`` at step ``i`` (teacher forcing), so every run decodes the same
+    tokens.
+
+    Returns:
+        ``{"contiguous": {...}, "paged": {backend: {...}}}``; each with ``batch``,
+        ``step_s`` (median), ``tokens_per_s``, ``kv_bytes`` held, ``peak_bytes`` (CUDA) and,
+        for paged, ``same_batch_step_s`` / ``same_batch_tokens_per_s``.
+    """
+    device = next(model.parameters()).device
+    need = max(lengths) + warmup + steps + 1
+    if prompt.numel() < need:
+        raise ValueError(f"prompt must hold at least {need} tokens, got {prompt.numel()}")
+    if max(lengths) + warmup + steps > max_len:
+        raise ValueError(f"max_len={max_len} must cover the longest request plus the decode steps "
+                         f"({max(lengths)} + {warmup + steps})")
+    fit = fit_counts(lengths, budget_tokens=budget_tokens, max_len=max_len, page_size=page_size)
+    n_contig, n_paged = fit["reserve_max"], fit["paged_allocator"]
+    out = {"fit": fit, "paged": {}}
+
+    def peak_reset():
+        if device.type == "cuda":
+            synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def peak():
+        return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+    if n_contig >= 1:
+        dec = ContiguousDecoder(model, "static", max_len=max_len)
+        try:
+            peak_reset()
+            dec.feed([prompt[:n] for n in lengths[:n_contig]], predict=False)
+            times = _teacher_steps(dec, prompt, lengths[:n_contig], steps, warmup, device=device)
+            step = statistics.median(times)
+            out["contiguous"] = {"label": "contiguous max-length reservation (StaticCache)", "batch": n_contig,
+                                 "step_s": step, "tokens_per_s": n_contig / step, "times_s": times,
+                                 "kv_bytes": dec.kv_bytes(), "peak_bytes": peak()}
+        finally:
+            dec.close()
+    for backend in paged_backends:
+        dec = PagedDecoder(model, backend=backend, num_pages=budget_tokens // page_size, page_size=page_size)
+        try:
+            peak_reset()
+            dec.start(n_paged)
+            for r, n in enumerate(lengths[:n_paged]):  # one request at a time: no padding in prefill
+                for s in range(0, n, prefill_chunk):
+                    dec.feed([prompt[s:min(n, s + prefill_chunk)]], predict=False, rows=[r])
+            held_tokens = sum(lengths[:n_paged])
+            pages = dec.pages_held()
+            times = _teacher_steps(dec, prompt, lengths[:n_paged], steps, warmup, device=device)
+            step = statistics.median(times)
+            entry = {"label": f"paged ({backend})", "batch": n_paged, "step_s": step,
+                     "tokens_per_s": n_paged / step, "times_s": times, "kv_bytes": dec.kv_bytes(),
+                     "peak_bytes": peak(), "pages_after_prefill": pages, "tokens_after_prefill": held_tokens,
+                     "overhead_after_prefill": pages * page_size / held_tokens - 1,
+                     "alloc_calls": list(dec.timer.calls)}
+            if n_contig >= 1:
+                grown = [n + warmup + steps for n in lengths[:n_contig]]
+                same = _teacher_steps(dec, prompt, grown, steps, warmup, rows=list(range(n_contig)), device=device)
+                entry["same_batch_step_s"] = statistics.median(same)
+                entry["same_batch_tokens_per_s"] = n_contig / entry["same_batch_step_s"]
+            out["paged"][backend] = entry
+        finally:
+            dec.close()
+    return out

@@ -1,0 +1,311 @@
+"""Four ways to run decode steps of one transformers model, behind one small interface.
+
+The scaling benchmark compares KV-cache strategies on the *same* model and the *same* tokens,
+so each strategy is wrapped as a decoder with the same three methods:
+
+* ``feed(chunks, predict=True)``: append ``chunks[b]`` (LongTensor ``[n_b]``) to sequence ``b``
+  in one forward and return the greedy prediction after each row's last token,
+  LongTensor ``[batch]`` (``None`` when ``predict=False`` and the decoder can skip the work);
+* ``kv_bytes()``: bytes of K/V storage this decoder holds right now;
+* ``close()``: release the storage.
+
+Decoders:
+
+=====================  ====================================================================
+``NoCacheDecoder``     no KV cache: every step recomputes the whole prefix
+                       (``model(ids, use_cache=False)``) -- what the IBM paper compared with
+``ContiguousDecoder``  transformers' own contiguous cache: ``DynamicCache`` (grows by
+                       concatenation) or ``StaticCache`` (reserves ``max_len`` up front)
+``PagedDecoder``       paged_ref's paged cache through :class:`paged_ref.hf.PagedSession`,
+                       with the ``flex``, ``triton`` or ``reference`` attention backend
+=====================  ====================================================================
+
+Decode here is *teacher-forced*: the benchmark feeds the prompt's next token rather than the
+model's own prediction, so every decoder sees exactly the same history and their predictions
+can be compared position by position; the work per step is the same as free generation.
+
+Example:
+    >>> import torch
+    >>> from paged_ref.models import tiny_llama
+    >>> model = tiny_llama()
+    >>> ids = torch.arange(3, 40)
+    >>> preds = []
+    >>> for make in (lambda: ContiguousDecoder(model),
+    ...              lambda: PagedDecoder(model, backend="reference", num_pages=8)):
+    ...     dec = make()                                  # one decoder at a time
+    ...     _ = dec.feed([ids[:30]], predict=False)
+    ...     preds.append(dec.feed([ids[30:31]]).tolist())
+    ...     dec.close()
+    >>> preds[0] == preds[1]
+    True
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..cache import PagedKVCache
+from ..hf import PagedSession
+from ..hf.session import model_geometry
+
+__all__ = ["NoCacheDecoder", "ContiguousDecoder", "PagedDecoder", "AllocationTimer", "make_decoder",
+           "synchronize"]
+
+
+def synchronize(device) -> None:
+    """Wait for queued device work (CUDA), so that a host clock read after it is meaningful."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_chunks(chunks, batch: int | None) -> list[torch.Tensor]:
+    if not isinstance(chunks, (list, tuple)) or not chunks:
+        raise TypeError(f"chunks must be a non-empty list of 1-D LongTensors, got {type(chunks).__name__}")
+    out = []
+    for i, c in enumerate(chunks):
+        if not isinstance(c, torch.Tensor) or c.dim() != 1 or c.numel() < 1 or c.dtype != torch.long:
+            raise ValueError(f"chunks[{i}] must be a non-empty 1-D LongTensor, got "
+                             f"{getattr(c, 'shape', type(c).__name__)} {getattr(c, 'dtype', '')}")
+        out.append(c)
+    if batch is not None and len(out) != batch:
+        raise ValueError(f"chunks must have one entry per sequence ({batch}), got {len(out)}")
+    return out
+
+
+def _predict(logits: torch.Tensor) -> torch.Tensor:
+    """logits: [batch, vocab] -> greedy token LongTensor [batch] on the host."""
+    return logits.argmax(-1).cpu()
+
+
+class NoCacheDecoder:
+    """Recompute the whole prefix every step: ``model(ids, use_cache=False)`` (no KV storage).
+
+    ``feed(..., predict=False)`` only appends tokens: without a cache there is nothing to
+    compute until a prediction is asked for. Rows must grow by equal amounts after the first
+    feed (batch 1 in the benchmark).
+    """
+
+    name = "no cache"
+
+    def __init__(self, model):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.ids: torch.Tensor | None = None  # [batch, tokens so far]
+
+    @torch.inference_mode()
+    def feed(self, chunks, predict: bool = True):
+        chunks = _check_chunks(chunks, None if self.ids is None else self.ids.shape[0])
+        if len({c.numel() for c in chunks}) != 1:
+            raise ValueError("NoCacheDecoder needs equal-length chunks for every row")
+        new = torch.stack(chunks).to(self.device)  # [batch, n]
+        self.ids = new if self.ids is None else torch.cat([self.ids, new], dim=1)
+        if not predict:
+            return None
+        out = self.model(input_ids=self.ids, use_cache=False, logits_to_keep=1)
+        return _predict(out.logits[:, -1])
+
+    def kv_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.ids = None
+
+
+class ContiguousDecoder:
+    """transformers' own contiguous KV cache: ``DynamicCache`` or ``StaticCache``.
+
+    Args:
+        model: a transformers causal LM.
+        kind: ``"dynamic"`` (grows with ``torch.cat``; holds exactly the tokens fed) or
+            ``"static"`` (allocates ``[batch, kv_heads, max_len, head_dim]`` per layer up front:
+            the contiguous max-length reservation).
+        max_len: tokens reserved per sequence by the static cache (required for ``"static"``).
+
+    Rows of different lengths are accepted on the first feed only (left padding with an
+    attention mask, as ``model.generate`` does); later feeds give every row the same number
+    of tokens.
+    """
+
+    def __init__(self, model, kind: str = "dynamic", max_len: int | None = None):
+        if kind not in ("dynamic", "static"):
+            raise ValueError(f"kind must be 'dynamic' or 'static', got {kind!r}")
+        if kind == "static" and (not isinstance(max_len, int) or max_len < 1):
+            raise ValueError(f"max_len must be a positive int for a static cache, got {max_len!r}")
+        self.model, self.kind, self.max_len = model, kind, max_len
+        self.name = f"contiguous ({'StaticCache' if kind == 'static' else 'DynamicCache'})"
+        self.device = next(model.parameters()).device
+        self.cache = None
+        self.mask: torch.Tensor | None = None       # [batch, tokens so far] 1 = real, 0 = left padding
+        self.next_pos: torch.Tensor | None = None   # [batch] position of each row's next token
+        self._cache_kw = "cache" if "cache" in _forward_params(model) else "past_key_values"
+
+    def _new_cache(self, batch: int):
+        from transformers import DynamicCache, StaticCache
+
+        if self.kind == "dynamic":
+            return DynamicCache(config=self.model.config)
+        cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)
+        return cache
+
+    @torch.inference_mode()
+    def feed(self, chunks, predict: bool = True):
+        first = self.cache is None
+        chunks = _check_chunks(chunks, None if first else self.mask.shape[0])
+        lens = [c.numel() for c in chunks]
+        if not first and len(set(lens)) != 1:
+            raise ValueError(f"after the first feed every row must get the same number of tokens, got {lens}")
+        batch, width = len(chunks), max(lens)
+        ids = torch.zeros(batch, width, dtype=torch.long)            # [batch, width], left-padded
+        new_mask = torch.zeros(batch, width, dtype=torch.long)       # [batch, width]
+        for b, c in enumerate(chunks):
+            ids[b, width - c.numel():] = c
+            new_mask[b, width - c.numel():] = 1
+        ids, new_mask = ids.to(self.device), new_mask.to(self.device)
+        if first:
+            self.cache = self._new_cache(batch)
+            self.mask = new_mask
+            self.next_pos = torch.zeros(batch, dtype=torch.long, device=self.device)
+        else:
+            self.mask = torch.cat([self.mask, new_mask], dim=1)
+        # position of each new column: the row's next position plus the real tokens before it
+        position_ids = self.next_pos[:, None] + (new_mask.cumsum(1) - 1).clamp(min=0)  # [batch, width]
+        self.next_pos = self.next_pos + new_mask.sum(1)
+        padded = bool((self.mask == 0).any())
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self.mask if padded else None,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: self.cache},
+        )
+        return _predict(out.logits[:, -1]) if predict else None
+
+    def kv_bytes(self) -> int:
+        if self.cache is None:
+            return 0
+        total = 0
+        for layer in getattr(self.cache, "layers", []):
+            for name in ("keys", "values"):
+                t = getattr(layer, name, None)
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        return total
+
+    def close(self) -> None:
+        self.cache = self.mask = self.next_pos = None
+
+
+class AllocationTimer:
+    """Times every page operation of a `PageAllocator` while it is attached.
+
+    Wraps the allocator instance's ``allocate``, ``free`` and ``share`` (the instance, not the
+    class: other caches are not affected) and records, per call, nanoseconds and pages.
+
+    Example:
+        >>> from paged_ref.allocator import PageAllocator
+        >>> timer = AllocationTimer(PageAllocator(8))
+        >>> pages = timer.allocator.allocate(3); timer.allocator.free(pages)
+        >>> [op for op, _, _ in timer.calls]
+        ['allocate', 'free']
+    """
+
+    OPS = ("allocate", "free", "share")
+
+    def __init__(self, allocator):
+        self.allocator = allocator
+        self.calls: list[tuple[str, int, int]] = []  # (op, nanoseconds, pages)
+        for op in self.OPS:
+            setattr(allocator, op, self._timed(op, getattr(allocator, op)))
+
+    def _timed(self, op, fn):
+        def timed(*args, **kwargs):
+            if args and not isinstance(args[0], int):
+                args = (list(args[0]),) + args[1:]  # a generator would be used up by counting
+            pages = args[0] if args else kwargs.get("n", kwargs.get("pages", 1))
+            count = pages if isinstance(pages, int) else len(pages)
+            start = time.perf_counter_ns()
+            result = fn(*args, **kwargs)
+            self.calls.append((op, time.perf_counter_ns() - start, count))
+            return result
+        return timed
+
+
+def _forward_params(model):
+    import inspect
+
+    return inspect.signature(model.forward).parameters
+
+
+class PagedDecoder:
+    """paged_ref's paged KV cache through `PagedSession`, with one attention backend.
+
+    Args:
+        model: a transformers causal LM.
+        backend: ``"flex"``, ``"triton"`` or ``"reference"``.
+        num_pages, page_size: the page pool (created here unless ``kv`` is given).
+        kv: an existing `PagedKVCache` to use instead (e.g. with ``prefix_caching=True``).
+        timer: attach an `AllocationTimer` to the pool's allocator (``self.timer``).
+    """
+
+    def __init__(self, model, *, backend: str = "flex", num_pages: int | None = None, page_size: int = 16,
+                 kv: PagedKVCache | None = None, timer: bool = True):
+        if kv is None:
+            if not isinstance(num_pages, int) or num_pages < 1:
+                raise ValueError(f"num_pages must be a positive int when kv is None, got {num_pages!r}")
+            kv = PagedKVCache(num_pages=num_pages, page_size=page_size, **model_geometry(model))
+        self.kv = kv
+        self.backend = backend
+        self.name = f"paged ({backend})"
+        self.timer = AllocationTimer(kv.allocator) if timer else None
+        # opened at the first feed: while open, the model's attention reads pages only, so
+        # decoders run one after another, never interleaved
+        self.session = PagedSession(model, kv=kv, backend=backend)
+        self.seq_ids: list[int] | None = None
+
+    def start(self, num_rows: int) -> None:
+        """Open the session and add ``num_rows`` empty sequences (done by the first `feed` otherwise)."""
+        self.session.open()
+        self.seq_ids = [self.session.add() for _ in range(num_rows)]
+
+    def feed(self, chunks, predict: bool = True, rows: list[int] | None = None):
+        """As the other decoders' `feed`; ``rows`` feeds only those sequences (row indices).
+
+        Rows of different lengths are fine at any time (each sequence keeps its own length).
+        """
+        if self.seq_ids is None:
+            self.start(len(chunks))
+        rows = list(range(len(self.seq_ids))) if rows is None else list(rows)
+        chunks = _check_chunks(chunks, len(rows))
+        device = self.kv.device
+        logits = self.session.extend([self.seq_ids[r] for r in rows], [c.to(device) for c in chunks])
+        return _predict(logits) if predict else None  # logits: [len(rows), vocab]
+
+    def pages_held(self) -> int:
+        """Physical pages in use (all sequences of the pool)."""
+        return self.kv.allocator.num_pages - self.kv.allocator.num_free
+
+    def kv_bytes(self) -> int:
+        return self.pages_held() * self.kv.page_bytes
+
+    def close(self) -> None:
+        self.session.close()
+        self.seq_ids = None
+
+
+def make_decoder(model, name: str, *, max_len: int, page_size: int = 16, num_pages: int | None = None):
+    """A decoder by short name: ``none``, ``dynamic``, ``static``, ``flex``, ``triton``, ``reference``.
+
+    ``max_len`` sizes the static cache; ``num_pages`` (default: enough for ``max_len`` tokens)
+    sizes the page pool.
+    """
+    if name == "none":
+        return NoCacheDecoder(model)
+    if name in ("dynamic", "static"):
+        return ContiguousDecoder(model, name, max_len=max_len)
+    if name in ("flex", "triton", "reference"):
+        pages = num_pages if num_pages is not None else -(-max_len // page_size)
+        return PagedDecoder(model, backend=name, num_pages=pages, page_size=page_size)
+    raise ValueError(f"decoder name must be one of none, dynamic, static, flex, triton, reference; got {name!r}")
