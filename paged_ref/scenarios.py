@@ -18,13 +18,14 @@ Example:
     >>> player = ScenarioPlayer(cache)
     >>> for step in (add("A", 6), fork("B", "A"), grow("A", 1), finish("B")):
     ...     _ = player.apply(step)
-    >>> cache.pages(player.seq_id("A")), player.tokens["A"][-1]
-    ([0, 2], 5000)
+    >>> cache.pages(player.seq_id("A")), player.tokens["A"]
+    ([0, 2], [8192, 8193, 8194, 8195, 8196, 8197, 8198])
     >>> player.check()
 """
 
 from __future__ import annotations
 
+import numbers
 import random
 from dataclasses import dataclass
 
@@ -33,8 +34,11 @@ import torch
 from ._validate import check_choice, check_int
 
 OPS = ("add", "grow", "fork", "finish")
-VALUE_BASE = 1024  # a token's K value is token_id * VALUE_BASE + position (exact in float32)
-FIRST_DECODE_ID = 5000  # ids given to decoded tokens: 5000, 5001, ... (prompt ids stay below)
+VALUE_BASE = 1024  # a token's K value is token_id * VALUE_BASE + position
+MAX_PROMPT_ID = 8192  # explicit prompt ids lie in [0, MAX_PROMPT_ID)
+FIRST_FRESH_ID = 8192  # ids the player invents (counted prompts, decoded tokens): 8192, 8193, ...
+# float32 holds token_id * VALUE_BASE + position exactly while it stays below 2**24, i.e. for ids
+# below 16384 and positions below 1024: thousands of invented tokens, far more than any story here.
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,10 @@ class Step:
     Args:
         op: ``"add"``, ``"grow"``, ``"fork"`` or ``"finish"``.
         seq: the name of the sequence the step acts on (for ``fork``: the new sequence).
-        prompt: ``add`` only: the prompt's token ids (their count is the prefill length).
-        num_tokens: ``grow`` only: how many tokens to decode.
+        prompt: ``add`` only: the prompt's token ids, each in ``[0, MAX_PROMPT_ID)``; leave
+            empty and give ``num_tokens`` for a prompt of fresh ids no other prompt shares.
+        num_tokens: ``grow``: how many tokens to decode; ``add`` without ``prompt``: the
+            prompt's length.
         parent: ``fork`` only: the sequence whose pages the new one shares.
     """
 
@@ -59,17 +65,24 @@ class Step:
         check_choice("op", self.op, set(OPS))
         if not isinstance(self.seq, str) or not self.seq:
             raise ValueError(f"seq must be a non-empty name, got {self.seq!r}")
-        if self.op == "add" and not self.prompt:
-            raise ValueError(f"add {self.seq}: prompt must hold at least one token id, got {self.prompt!r}")
-        if self.op == "grow":
+        if self.op == "add" and self.prompt:
+            bad = [t for t in self.prompt if not 0 <= t < MAX_PROMPT_ID]
+            if bad:
+                raise ValueError(f"add {self.seq}: prompt ids must be in [0, {MAX_PROMPT_ID}), got {bad[:3]}")
+        elif self.op in ("add", "grow"):
             check_int("num_tokens", self.num_tokens, min_value=1)
         if self.op == "fork" and not isinstance(self.parent, str):
             raise ValueError(f"fork {self.seq}: parent must name a sequence, got {self.parent!r}")
 
+    @property
+    def prompt_len(self) -> int:
+        """``add``: the number of prompt tokens (explicit or counted)."""
+        return len(self.prompt) or self.num_tokens
+
     def describe(self) -> str:
         """A short caption such as ``"add A (19-token prompt)"``."""
         if self.op == "add":
-            return f"add {self.seq} ({len(self.prompt)}-token prompt)"
+            return f"add {self.seq} ({self.prompt_len}-token prompt)"
         if self.op == "grow":
             return f"grow {self.seq} by {self.num_tokens} token{'s' * (self.num_tokens != 1)}"
         if self.op == "fork":
@@ -80,13 +93,15 @@ class Step:
 def add(seq: str, prompt) -> Step:
     """A new request ``seq`` and its prefill: ``prompt`` is a token count or a list of token ids.
 
-    A count ``n`` stands for ``n`` distinct token ids that no other prompt shares.
+    A count ``n`` asks the player for ``n`` fresh token ids that no other prompt shares (so no
+    prefix-cache hit); explicit ids (each in ``[0, MAX_PROMPT_ID)``) let prompts share prefixes.
     """
-    if isinstance(prompt, int) and not isinstance(prompt, bool):
-        check_int("prompt", prompt, min_value=1)
-        start = 100 * (sum(map(ord, seq)) % 40 + 1)  # a per-name id range below FIRST_DECODE_ID
-        prompt = range(start, start + prompt)
-    return Step("add", seq, prompt=tuple(int(t) for t in prompt))
+    if isinstance(prompt, numbers.Integral) and not isinstance(prompt, bool):
+        return Step("add", seq, num_tokens=check_int("prompt", prompt, min_value=1))
+    prompt = tuple(check_int("prompt[i]", t) for t in prompt)
+    if not prompt:
+        raise ValueError(f"add {seq}: prompt must be a positive count or a non-empty list of ids, got []")
+    return Step("add", seq, prompt=prompt)
 
 
 def grow(seq: str, num_tokens: int = 1) -> Step:
@@ -121,7 +136,7 @@ class ScenarioPlayer:
         self.tokens: dict[str, list[int]] = {}
         self.history: list[Step] = []
         self._ids: dict[str, int] = {}
-        self._next_decode_id = FIRST_DECODE_ID
+        self._next_fresh_id = FIRST_FRESH_ID
 
     def seq_id(self, name: str) -> int:
         """The cache's id of the live sequence ``name``."""
@@ -147,19 +162,21 @@ class ScenarioPlayer:
             raise ValueError(f"{step.op} {name}: a live sequence is already called {name!r}")
         slots = None
         if step.op == "add":
-            seq_id = cache.add_sequence(token_ids=list(step.prompt))
+            prompt = list(step.prompt) or self._fresh_ids(step.num_tokens)
+            seq_id = cache.add_sequence(token_ids=prompt)
             held = cache.seq_len(seq_id)  # > 0 when cached prefix pages were reused
             try:
-                slots = self._write(seq_id, list(step.prompt[held:]), start=held)
+                slots = self._write(seq_id, prompt[held:], start=held)
             except Exception:
                 cache.free(seq_id)
                 raise
-            self._ids[name], self.tokens[name] = seq_id, list(step.prompt)
+            self._next_fresh_id += 0 if step.prompt else step.num_tokens
+            self._ids[name], self.tokens[name] = seq_id, prompt
         elif step.op == "grow":
             seq_id = self.seq_id(name)
-            ids = list(range(self._next_decode_id, self._next_decode_id + step.num_tokens))
+            ids = self._fresh_ids(step.num_tokens)
             slots = self._write(seq_id, ids, start=cache.seq_len(seq_id))
-            self._next_decode_id += step.num_tokens
+            self._next_fresh_id += step.num_tokens
             self.tokens[name].extend(ids)
         elif step.op == "fork":
             self._ids[name] = cache.fork(self.seq_id(step.parent))
@@ -189,6 +206,10 @@ class ScenarioPlayer:
                 k, v = self.cache.gather(layer, seq_id)  # [seq_len, num_kv_heads, head_dim]
                 assert torch.equal(k[:, 0, 0].cpu(), want), f"{name}: K of layer {layer} differs"
                 assert torch.equal(v[:, 0, 0].cpu(), -want), f"{name}: V of layer {layer} differs"
+
+    def _fresh_ids(self, n: int) -> list[int]:
+        """The next ``n`` invented token ids (the counter moves only once the step succeeded)."""
+        return list(range(self._next_fresh_id, self._next_fresh_id + n))
 
     def _write(self, seq_id: int, ids: list[int], *, start: int) -> torch.Tensor:
         cache = self.cache

@@ -54,6 +54,9 @@ def test_player_prefix_caching_reuses_full_pages():
     assert cache.prefix_hits == 2 and cache.pages(b)[:2] == cache.pages(a)[:2]
     assert cache.pages(b)[2] not in cache.pages(a)
     player.check()  # B's reused pages hold exactly what B's own prefill would have written
+    player.run([add("C", 12), add("D", 12)])  # counted prompts get fresh ids: never a hit
+    assert cache.prefix_hits == 2 and player.tokens["C"] != player.tokens["D"]
+    player.check()
 
 
 @pytest.mark.parametrize("page_size", [1, 3, 4, 16])
@@ -87,13 +90,19 @@ def test_failed_steps_change_nothing():
         player.apply(("grow", "A"))
     assert (cache.seq_ids, cache.allocator.num_free, dict(player.tokens), len(player.history)) == before
     player.check()
+    player.apply(add("B", 2))  # failed steps used up no fresh ids
+    assert player.tokens["B"] == [player.tokens["A"][-1] + 1, player.tokens["A"][-1] + 2]
 
 
 def test_step_validation():
     with pytest.raises(ValueError, match="op must be one of"):
         Step("shrink", "A")
-    with pytest.raises(ValueError, match="prompt must hold"):
+    with pytest.raises(ValueError, match="num_tokens must be >= 1"):
         Step("add", "A")
+    with pytest.raises(ValueError, match="prompt must be a positive count or a non-empty list"):
+        add("A", [])
+    with pytest.raises(ValueError, match=r"prompt ids must be in \[0, 8192\), got \[9000\]"):
+        add("A", [1, 9000])
     with pytest.raises(ValueError, match="num_tokens must be >= 1"):
         grow("A", 0)
     with pytest.raises(ValueError, match="parent must name"):
@@ -102,8 +111,8 @@ def test_step_validation():
         add("", 3)
     with pytest.raises(ValueError, match="prompt must be >= 1"):
         add("A", 0)
-    assert [s.describe() for s in (add("A", [5, 6]), grow("A"), fork("B", "A"), finish("B"))] == [
-        "add A (2-token prompt)", "grow A by 1 token", "fork B from A", "finish B"]
+    assert [s.describe() for s in (add("A", [5, 6]), add("A", 3), grow("A"), fork("B", "A"), finish("B"))] == [
+        "add A (2-token prompt)", "add A (3-token prompt)", "grow A by 1 token", "fork B from A", "finish B"]
 
 
 def test_random_scenario_shape():
@@ -200,7 +209,7 @@ def test_page_scenario_stops_when_the_pool_is_full():
     assert r.stopped_at == r.steps[r.steps_run] and r.stopped_at.op in ("add", "grow")
     free = r.page_map.count("never") + r.page_map.count("returned")
     if r.stopped_at.op == "add":  # the failing step needed more pages than were free
-        assert pages_needed(len(r.stopped_at.prompt), 16) > free
+        assert pages_needed(r.stopped_at.prompt_len, 16) > free
     else:
         assert r.stopped_at.seq in r.page_map.names.values() and free <= 1
     fig = page_map_view(16, 8, seed=0, pool_tokens=64)
