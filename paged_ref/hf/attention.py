@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "resolve_backend", "paged_attention_forward", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "resolve_backend", "step_kwargs", "paged_attention_forward", "register"]
 
 ATTN_IMPLEMENTATION = "paged_ref"
 
@@ -60,6 +60,28 @@ def resolve_backend(backend: str) -> tuple[Callable, Callable]:
         module = importlib.import_module(f"paged_ref.attention.{module_name}")
         found.append(getattr(module, function_name))
     return found[0], found[1]
+
+
+def step_kwargs(backend: str, plan) -> dict:
+    """Extra keywords for this step's attention calls, computed once and shared by every layer.
+
+    The block table and lengths of a step are the same in all layers, so per-step work is done
+    here instead of once per layer: FlexAttention's physical BlockMask is built once, and the
+    value checks that copy the block table to the host are skipped per layer (for flex and
+    triton; the reference backend, being the oracle, keeps all its checks). Skipping is safe
+    because the block table and lengths come straight from `PagedKVCache.block_table`.
+    """
+    if backend == "flex":
+        from paged_ref.attention.flex import paged_block_masks
+
+        masks = paged_block_masks(
+            plan.block_table, plan.seq_lens, plan.kv.num_pages, plan.kv.page_size,
+            q_len=plan.max_q_len, q_lens=None if plan.is_decode else plan.q_lens,
+        )
+        return {"block_mask": masks.physical, "validate": False}
+    if backend == "triton" and plan.is_decode:
+        return {"check_values": False}
+    return {}
 
 
 def paged_attention_forward(
@@ -105,9 +127,11 @@ def paged_attention_forward(
     k_cache, v_cache = plan.kv.k_cache[layer], plan.kv.v_cache[layer]  # [num_pages, page_size, Hkv, D]
     if plan.is_decode:
         q = query[:, :, 0, :].contiguous()  # [batch, Hq, D]
-        out = plan.decode(q, k_cache, v_cache, plan.block_table, plan.seq_lens, scale=scaling)  # [batch, Hq, D]
+        out = plan.decode(q, k_cache, v_cache, plan.block_table, plan.seq_lens, scale=scaling,
+                          **plan.attn_kwargs)  # [batch, Hq, D]
         return out.unsqueeze(1), None  # [batch, 1, Hq, D]
-    out = plan.prefill(query, k_cache, v_cache, plan.block_table, plan.seq_lens, plan.q_lens, scale=scaling)
+    out = plan.prefill(query, k_cache, v_cache, plan.block_table, plan.seq_lens, plan.q_lens, scale=scaling,
+                       **plan.attn_kwargs)  # [batch, Hq, max_q_len, D]
     return out.transpose(1, 2), None  # [batch, max_q_len, Hq, D]
 
 

