@@ -10,7 +10,7 @@ series of them, one row per step. How a cell reads:
 - a page held by several sequences (refcount > 1: fork, prefix sharing) is split into one band
   per holder, framed in black and labelled with its refcount (``x2``);
 - a grey cell is a returned page waiting on the free list; a white dashed cell has never been
-  handed out (it lies past the allocator's bump pointer, marked by a triangle).
+  handed out; the first of those carries the allocator's bump pointer (a black triangle).
 
 Example:
     >>> from paged_ref.cache import PagedKVCache
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
 from ..block_table import pages_needed
@@ -134,7 +135,7 @@ def page_map_figure(pm: PageMap, *, title: str = "", cols: int | None = None) ->
     grid, text = fig.subplots(1, 2, width_ratios=[3, 2])
     _draw_grid(grid, pm, cols, title)
     _draw_tables(text, pm)
-    fig.legend(handles=_legend_handles(), loc="outside upper center", ncols=4, fontsize=7, frameon=False)
+    fig.legend(handles=_legend_handles(), loc="outside upper center", ncols=5, fontsize=7, frameon=False)
     add_note(fig, NOTE)
     return fig
 
@@ -150,7 +151,7 @@ def page_map_story(maps: Sequence[PageMap], titles: Sequence[str], *, cols: int 
     for (grid, text), pm, title in zip(axes, maps, titles):
         _draw_grid(grid, pm, cols, title)
         _draw_tables(text, pm)
-    fig.legend(handles=_legend_handles(), loc="outside upper center", ncols=4, fontsize=7, frameon=False)
+    fig.legend(handles=_legend_handles(), loc="outside upper center", ncols=5, fontsize=7, frameon=False)
     add_note(fig, NOTE)
     return fig
 
@@ -191,7 +192,7 @@ def _draw_grid(ax, pm: PageMap, cols: int, title: str) -> None:
             ax.text(x + 0.05, y + 0.05, str(p), ha="left", va="bottom", fontsize=6, color="0.15")
     if pm.bump < pm.num_pages:  # the bump pointer: the next never-used page
         bx, by = pm.bump % cols, rows - 1 - pm.bump // cols
-        ax.plot([bx + 0.46], [by + 1.02], marker="v", color="black", ms=5, clip_on=False)
+        ax.plot([bx + 0.46], [by + 0.72], marker="v", color="black", ms=5)  # inside the cell
     ax.set_xlim(-0.1, cols)
     ax.set_ylim(-0.1, rows + 0.15)
     ax.set_aspect("equal")
@@ -236,4 +237,5 @@ def _legend_handles():
     return [Patch(facecolor="tab:blue", alpha=0.9, label="held by a sequence (bar = tokens stored)"),
             Patch(facecolor="white", edgecolor="black", lw=1.6, label="shared, refcount > 1 (x2)"),
             Patch(facecolor=RETURNED_COLOR, label="returned (free list)"),
-            Patch(facecolor="white", edgecolor="0.6", ls="--", label="never used (past bump pointer)")]
+            Patch(facecolor="white", edgecolor="0.6", ls="--", label="never used"),
+            Line2D([], [], marker="v", color="black", ls="none", ms=5, label="bump pointer (next never-used page)")]
