@@ -106,7 +106,8 @@ __all__ = ["paged_decode", "choose_num_splits", "INTERPRETED"]
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 256            # upper bound for the heuristic (partials stay a few MB)
 _MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism gained
-_INTERPRETER_SMS = 4         # a pretend SM count so the split path is exercised on CPU too
+_INTERPRETER_SMS = 8         # a pretend SM count so the split path is exercised on CPU too
+_PROGRAMS_PER_SM = 3         # programs of the default GPU config resident on one Hopper SM
 
 
 # --- Kernel 1: attention over one chunk of one sequence, all query heads of one KV head ------
@@ -168,19 +169,26 @@ def _paged_decode_split_kernel(
 
     block_table_row = block_table_ptr + batch * stride_bt_batch
     kv_head_offset = kv_head * stride_cache_head
+    # Block-table lookup: logical token t lives on physical page block_table[t // PAGE_SIZE] at
+    # offset t % PAGE_SIZE (a shift and a mask: PAGE_SIZE is a power of two). Every token of a
+    # tile gets its own lookup, which is what lets a tile span pages; tokens of one page hit
+    # the same block-table entry, served from cache. The ids of the *next* tile are fetched one
+    # iteration ahead: the K/V addresses of a tile then depend on no load of the same
+    # iteration, which lets Triton's software pipeliner keep num_stages - 1 K/V tiles in
+    # flight (with the lookup in the same iteration it keeps only one).
+    tokens = start + offs_n
+    pages = tl.load(block_table_row + tokens // PAGE_SIZE, mask=tokens < end, other=0)
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + offs_n                    # [BLOCK_N] logical token positions
         mask_n = tokens < end
-
-        # Block-table lookup: logical token t lives on physical page block_table[t // PAGE_SIZE]
-        # at offset t % PAGE_SIZE (a shift and a mask: PAGE_SIZE is a power of two). Every
-        # token of the tile gets its own lookup, which is what lets a tile span pages; tokens of
-        # one page hit the same block-table entry, served from cache. The page id is widened to
-        # int64 so that caches over 2**31 elements address correctly.
-        pages = tl.load(block_table_row + tokens // PAGE_SIZE, mask=mask_n, other=0)
+        # Element offset of each token's K/V row; the page id is widened to int64 so that
+        # caches over 2**31 elements address correctly.
         rows = (pages.to(tl.int64) * stride_cache_page
                 + (tokens % PAGE_SIZE) * stride_cache_token
-                + kv_head_offset)                       # [BLOCK_N] element offset of each row
+                + kv_head_offset)                       # [BLOCK_N]
+        next_tokens = tokens + BLOCK_N
+        pages = tl.load(block_table_row + next_tokens // PAGE_SIZE, mask=next_tokens < end,
+                        other=0)                        # [BLOCK_N] page ids of the next tile
         if BLOCK_D == HEAD_DIM:
             kv_mask = mask_n[:, None]                   # keep the mask constant along d
         else:
@@ -283,19 +291,23 @@ def _num_sms(device: torch.device) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
-                      programs_per_sm: int = 4,
+                      programs_per_sm: int = _PROGRAMS_PER_SM,
                       min_tokens_per_split: int = _MIN_TOKENS_PER_SPLIT) -> int:
     """How many chunks to cut each sequence into so that the GPU is kept full.
 
     The unsplit grid has ``programs = batch * num_kv_heads`` programs and about
-    ``slots = num_sms * programs_per_sm`` of them run at once (the default tile config fits 4
-    per SM: ~124 registers x 128 threads). With ``s`` splits each program streams ``1/s`` of a
-    sequence and the grid runs in ``ceil(programs * s / slots)`` waves, so the time goes as
-    ``ceil(programs * s / slots) / s``. We take the smallest ``s`` that minimises this: it
-    fills one long sequence across the whole GPU, and avoids a nearly empty last wave (9
-    splits of 64 programs on 528 slots would run 2 waves, 8 splits run 1). Among counts within
-    5% of the best, the smallest wins: each split adds partial results to write and merge.
-    Splits shorter than ``min_tokens_per_split`` tokens are not worth their fixed cost.
+    ``slots = num_sms * programs_per_sm`` of them run at once (the default 16-bit tile config,
+    with two K/V tiles in flight, takes ~70 KB of shared memory: 3 fit on a Hopper SM).
+
+    * If the grid already fills every slot, it is not split: even its last, partial wave has
+      enough programs streaming to keep memory busy.
+    * Otherwise, with ``s`` splits each program streams ``1/s`` of a sequence and the grid runs
+      in ``ceil(programs * s / slots)`` waves, so the time goes as
+      ``ceil(programs * s / slots) / s``. We take the smallest ``s`` within 5% of the best:
+      that fills one long sequence across the whole GPU, avoids a nearly empty last wave (7
+      splits of 64 programs on 396 slots would run 2 waves, 6 splits run 1), and keeps the
+      partial results to merge few. Splits shorter than ``min_tokens_per_split`` tokens are
+      not worth their fixed cost.
 
     Args:
         batch: number of sequences.
@@ -309,16 +321,18 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
         An int in ``[1, 256]``.
 
     Example:
-        >>> choose_num_splits(1, 8, 131072, 132)     # one long sequence: 8 -> 504 programs
-        63
-        >>> choose_num_splits(8, 8, 32768, 132)      # 64 programs: 8 splits fill one wave
-        8
+        >>> choose_num_splits(1, 8, 131072, 132)     # one long sequence: 8 -> 384 programs
+        48
+        >>> choose_num_splits(8, 8, 32768, 132)      # 64 programs: 6 splits fill one wave
+        6
         >>> choose_num_splits(256, 8, 2048, 132)     # 2048 programs already fill the GPU
         1
     """
     programs = batch * num_kv_heads
     slots = num_sms * programs_per_sm
     max_splits = max(1, min(_MAX_SPLITS, max_seq_len // min_tokens_per_split))
+    if programs >= slots:
+        return 1
     cost = {s: -(-programs * s // slots) / s for s in range(1, max_splits + 1)}
     good_enough = 1.05 * min(cost.values())        # within 5% of the best: prefer fewer splits
     return min(s for s, c in cost.items() if c <= good_enough)
@@ -340,7 +354,9 @@ def _tile_config(dtype: torch.dtype, head_dim: int, group: int) -> dict:
         # has no minimum shape there.
         return dict(BLOCK_H=_next_pow2(group), BLOCK_D=block_d, BLOCK_N=32,
                     num_warps=1, num_stages=1)
-    block_n = 64 if block_d <= 128 else 32
+    # K/V tiles of 16 KB (BLOCK_N = 64 for 16-bit head_dim 128); num_stages=3 keeps two of
+    # them in flight while the previous one is used: ~70 KB of shared memory, 3 programs per SM.
+    block_n = min(128, max(16, 16384 // (block_d * dtype.itemsize)))
     return dict(BLOCK_H=max(16, _next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
                 num_warps=4, num_stages=3)
 

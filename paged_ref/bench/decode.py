@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import math
+import itertools
 import sys
 import time
 
@@ -227,44 +227,53 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=torc
     return dict(copy=copy, results=results, notes=notes, elapsed_s=time.perf_counter() - started)
 
 
-def run_sweep(rep_ms, shapes=((1, 131072), (8, 32768)), page_size=16):
-    """Time other tile configurations of the same kernel on two shapes (about 1-2 minutes)."""
-    heads = GPU_HEADS
+SWEEP_CONFIGS = [(bn, 4, st) for bn in (32, 64, 128) for st in (2, 3, 4)] + [(64, 8, 3)]
+
+
+def run_sweep(rep_ms, shapes=((1, 131072), (8, 32768)), page_size=16, *,
+              configs=SWEEP_CONFIGS, heads=GPU_HEADS, dtype=torch.bfloat16, device="cuda"):
+    """Time other tile configurations and split counts of the same kernel on two shapes
+    (20 variants per shape; about two minutes with compilation).
+
+    ``configs`` lists ``(BLOCK_N, num_warps, num_stages)``: BLOCK_N x pipeline stages at 4 warps
+    and 8 warps at the default tile (num_stages=2 keeps one K/V tile in flight, 3 two, 4
+    three), each at the default split count and twice it.
+    """
     rows = []
     print(f"tile sweep (page {page_size}):", flush=True)
+    group = heads["num_q_heads"] // heads["num_kv_heads"]
     for batch, seq_len in shapes:
-        q, k, v = make_inputs(batch, seq_len, dtype=torch.bfloat16, device="cuda", **heads)
+        q, k, v = make_inputs(batch, seq_len, dtype=dtype, device=device, **heads)
         ref = reference_attention(q, k, v, batch, seq_len)
-        lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+        lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
         _, (kc, vc, bt) = page_layouts(k, v, batch, seq_len, page_size)
         td.paged_decode(q, kc, vc, bt, lens)                  # checks the inputs once
-        splits = _planned_splits(batch, seq_len, heads, torch.bfloat16, "cuda")
-        kv_bytes = 2 * batch * seq_len * heads["num_kv_heads"] * heads["head_dim"] * 2
+        splits = _planned_splits(batch, seq_len, heads, dtype, device)
+        kv_bytes = 2 * batch * seq_len * heads["num_kv_heads"] * heads["head_dim"] * dtype.itemsize
         scale = heads["head_dim"] ** -0.5
-        for block_n in (32, 64, 128):
-            for num_warps in (4, 8):
-                for num_stages in (2, 3, 4):
-                    cfg = dict(BLOCK_H=16, BLOCK_D=heads["head_dim"], BLOCK_N=block_n,
-                               num_warps=num_warps, num_stages=num_stages)
-                    out = torch.empty_like(q)
-                    fn = lambda: td._launch(q, kc, vc, bt, lens, out, scale, splits, **cfg)  # noqa: E731
-                    try:
-                        fn()
-                        seconds = gpu_median(fn, rep_ms=rep_ms)
-                    except Exception as exc:               # e.g. out of shared memory
-                        print(f"  {cfg}: {type(exc).__name__}", flush=True)
-                        continue
-                    rows.append(dict(batch=batch, seq_len=seq_len, page_size=page_size,
-                                     num_splits=splits, block_n=block_n, num_warps=num_warps,
-                                     num_stages=num_stages, median_s=seconds,
-                                     bandwidth_GBps=kv_bytes / seconds / 1e9,
-                                     rel_err=rel_err(out, ref)))
-                    print(f"  ({batch}, {seq_len}) BLOCK_N {block_n:3d} warps {num_warps} "
-                          f"stages {num_stages} splits {splits:3d}: {seconds * 1e6:8.1f} us "
-                          f"{rows[-1]['bandwidth_GBps']:6.0f} GB/s "
-                          f"rel_err {rows[-1]['rel_err']:.1e}", flush=True)
+        for (block_n, num_warps, num_stages), num_splits in itertools.product(
+                configs, (splits, 2 * splits)):
+            cfg = dict(BLOCK_H=max(16, td._next_pow2(group)), BLOCK_D=heads["head_dim"],
+                       BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+            out = torch.empty_like(q)
+            fn = lambda: td._launch(q, kc, vc, bt, lens, out, scale, num_splits, **cfg)  # noqa: E731
+            try:
+                fn()
+                seconds = gpu_median(fn, rep_ms=rep_ms)
+            except Exception as exc:                       # e.g. out of shared memory
+                print(f"  {cfg} splits {num_splits}: {type(exc).__name__}", flush=True)
+                continue
+            rows.append(dict(batch=batch, seq_len=seq_len, page_size=page_size,
+                             num_splits=num_splits, block_n=block_n, num_warps=num_warps,
+                             num_stages=num_stages, median_s=seconds,
+                             bandwidth_GBps=kv_bytes / seconds / 1e9, rel_err=rel_err(out, ref)))
+            print(f"  ({batch}, {seq_len}) BLOCK_N {block_n:3d} warps {num_warps} "
+                  f"stages {num_stages} splits {num_splits:3d}: {seconds * 1e6:8.1f} us "
+                  f"{rows[-1]['bandwidth_GBps']:6.0f} GB/s rel_err {rows[-1]['rel_err']:.1e}",
+                  flush=True)
         del q, k, v, kc, vc
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
