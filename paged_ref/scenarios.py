@@ -152,8 +152,9 @@ class ScenarioPlayer:
     def apply(self, step: Step) -> torch.Tensor | None:
         """Run one step; returns the slots written (``add``/``grow``), else None.
 
-        A step that fails (unknown name, pool exhausted) raises and leaves cache and player as
-        they were.
+        A step that fails (unknown name, pool exhausted) raises and leaves the player and every
+        sequence as they were (a failed ``add`` may still have used up a cache seq_id and, with
+        prefix caching, counted its hits in ``cache.prefix_hits``).
         """
         if not isinstance(step, Step):
             raise TypeError(f"step must be a Step, got {type(step).__name__}")
@@ -204,8 +205,9 @@ class ScenarioPlayer:
             want = token_values(ids, 0, self.cache.dtype)  # [seq_len]
             for layer in range(self.cache.num_layers):
                 k, v = self.cache.gather(layer, seq_id)  # [seq_len, num_kv_heads, head_dim]
-                assert torch.equal(k[:, 0, 0].cpu(), want), f"{name}: K of layer {layer} differs"
-                assert torch.equal(v[:, 0, 0].cpu(), -want), f"{name}: V of layer {layer} differs"
+                want_kv = want.view(-1, 1, 1).expand(k.shape)  # every head and channel holds it
+                assert torch.equal(k.cpu(), want_kv), f"{name}: K of layer {layer} differs"
+                assert torch.equal(v.cpu(), -want_kv), f"{name}: V of layer {layer} differs"
 
     def _fresh_ids(self, n: int) -> list[int]:
         """The next ``n`` invented token ids (the counter moves only once the step succeeded)."""

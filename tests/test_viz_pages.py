@@ -39,7 +39,7 @@ def test_player_check_detects_a_corrupted_cache():
     player = ScenarioPlayer(cache)
     slots = player.apply(add("A", 5))
     player.check()
-    cache.k_cache[1].view(-1, 2, 3)[int(slots[3])] += 1.0
+    cache.k_cache[1].view(-1, 2, 3)[int(slots[3]), 1, 2] += 1.0  # one channel of one head
     with pytest.raises(AssertionError, match="A: K of layer 1"):
         player.check()
 
