@@ -40,8 +40,10 @@ browser-deps:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "chromium missing: install Debian's chromium package for the browser test"; fi; }
 
+# Localhost only; token auth stays on (open the URL with ?token=... that it prints).
 lab: install
-	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --notebook-dir=notebooks
+	$(VENV)/bin/jupyter lab --ip=127.0.0.1 --no-browser --notebook-dir=notebooks \
+	  $$( [ "$$(id -u)" = 0 ] && echo --allow-root )
 
 test: install-test
 	$(PY) -m pytest -q tests
