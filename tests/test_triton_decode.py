@@ -395,6 +395,10 @@ def test_compiles_for_hopper_without_a_gpu():
             wide = len(re.findall(r"cp\\.async\\.cg\\.shared\\.global[^;]*0x10", ptx))
             print(dt, page, write, "16-byte async loads:", wide)
             assert wide > 0, "K/V loads are not 16 bytes wide"
+            # num_stages=3 with the page ids fetched a tile ahead: two K and two V tiles in
+            # shared memory, i.e. two tiles in flight while one is used.
+            buffers = re.findall(r"local_alloc : \\(\\) -> !ttg.memdesc<(\\d+)x64x", k.asm["ttgir"])
+            assert buffers == ["2", "2"], f"K/V pipeline buffers: {buffers}"
         k = compile(td._reduce_splits_kernel, dict(part_m_ptr="fp32", part_l_ptr="fp32",
                     part_acc_ptr="fp32", out_ptr="bf16"), {},
                     dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=16), num_warps=4)
