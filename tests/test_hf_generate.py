@@ -6,9 +6,9 @@ import torch
 from paged_ref import OutOfPagesError, PagedKVCache, hf
 from paged_ref.models import tiny_llama
 
-BACKENDS = ["reference", "flex", "triton"]
+BACKENDS = ["reference", "flex", "triton", "sdpa"]
 # new tokens per backend: eager FlexAttention (~0.2 s a call on CPU) and the Triton interpreter are slow
-NEW_TOKENS = {"reference": 12, "flex": 5, "triton": 5}
+NEW_TOKENS = {"reference": 12, "flex": 5, "triton": 5, "sdpa": 12}
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +201,7 @@ def test_paged_pieces_refuse_to_run_outside_a_session(model):
 
 
 # ---------------------------------------------------------------------------------- log-likelihood
-@pytest.mark.parametrize("backend", ["reference", "flex"])
+@pytest.mark.parametrize("backend", ["reference", "flex", "sdpa"])
 @pytest.mark.parametrize("chunk_size", [1, 5, 64])  # decode path, chunked prefill, one prefill
 def test_teacher_forced_log_probs_match_the_plain_model(model, backend, chunk_size):
     length = 40 if backend == "reference" else 14
@@ -257,3 +257,50 @@ def test_rope_uses_absolute_positions_after_pages_are_dropped(model):
         wrong = model(input_ids=nxt, position_ids=torch.tensor([[8]]), use_cache=True, **{kw: dyn}).logits
     torch.testing.assert_close(paged, plain.float(), atol=1e-5, rtol=1e-5)
     assert not torch.allclose(paged, wrong[0, -1], atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------- the sdpa backend itself
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_sdpa_backend_matches_the_reference_on_random_paged_inputs(page_size, num_q_heads, num_kv_heads):
+    from paged_ref.attention.reference import paged_attention_reference, paged_prefill_reference
+    from paged_ref.hf.sdpa import sdpa_paged_decode, sdpa_paged_prefill
+
+    g = torch.Generator().manual_seed(page_size * 100 + num_q_heads)
+    lens = [1, page_size, page_size + 1, 3 * page_size + 2]  # 1, a page exactly, one past, ragged
+    max_pages = max(-(-n // page_size) for n in lens) + 1
+    num_pages = len(lens) * max_pages + 3
+    kc = torch.randn(num_pages, page_size, num_kv_heads, 16, generator=g, dtype=torch.float64)
+    vc = torch.randn(num_pages, page_size, num_kv_heads, 16, generator=g, dtype=torch.float64)
+    table = torch.randperm(num_pages, generator=g)[: len(lens) * max_pages].view(len(lens), max_pages)
+    table = table.to(torch.int32)  # permuted pages; unused trailing entries are real page ids
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    q = torch.randn(len(lens), num_q_heads, 16, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(sdpa_paged_decode(q, kc, vc, table, seq_lens, scale=0.3),
+                               paged_attention_reference(q, kc, vc, table, seq_lens, scale=0.3))
+    # new tokens per sequence: a whole prompt where it fits in 5 rows, else a chunk over a cached prefix
+    q_lens = torch.tensor([min(n, c) for n, c in zip(lens, [1, 2, 5, 5])], dtype=torch.int32)
+    q4 = torch.randn(len(lens), num_q_heads, 5, 16, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(sdpa_paged_prefill(q4, kc, vc, table, seq_lens, q_lens),
+                               paged_prefill_reference(q4, kc, vc, table, seq_lens, q_lens))
+
+
+def test_sdpa_backend_rejects_what_the_reference_rejects():
+    from paged_ref.hf.sdpa import sdpa_paged_decode
+
+    kc = torch.zeros(4, 4, 2, 8)
+    with pytest.raises(ValueError, match="seq_lens"):
+        sdpa_paged_decode(torch.zeros(1, 4, 8), kc, kc, torch.zeros(1, 2, dtype=torch.int32),
+                          torch.tensor([9], dtype=torch.int32))
+
+
+def test_bench_generate_quick_on_the_tiny_model(tmp_path):
+    from paged_ref.bench import generate as bench
+
+    data = bench.main(["--quick", "--model", "tiny", "--out", str(tmp_path)])
+    assert (tmp_path / "generate_cpu.json").exists()
+    for workload in ("single", "mixed"):
+        results = data[workload]["results"]
+        assert all(r["tokens_match_hf_generate"] for r in results.values()), results
+        assert all(r["kv_bytes"] > 0 and r["tokens_per_s"] > 0 for r in results.values())
+    assert "hf_generate_batch" in data["mixed"]["results"]

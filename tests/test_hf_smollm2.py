@@ -51,7 +51,8 @@ def test_loaded_model_has_the_expected_shape(smol):
     assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (30, 9, 3, 64)
 
 
-def test_mixed_prompts_reference_backend_equal_model_generate(smol):
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_mixed_prompts_equal_model_generate(smol, backend):
     model, tok = smol
     ids, mask = _batch(tok, PROMPTS)
     assert len(set(mask.sum(1).tolist())) == 3  # three different lengths
@@ -59,7 +60,7 @@ def test_mixed_prompts_reference_backend_equal_model_generate(smol):
     c = model.config
     kv = PagedKVCache(num_layers=c.num_hidden_layers, num_pages=24, page_size=4,
                       num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
-    out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=10, kv_cache=kv)
+    out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=10, kv_cache=kv, backend=backend)
     assert torch.equal(out, expected), tok.batch_decode(out)
     assert kv.allocator.num_free == kv.num_pages and kv.seq_ids == []
 

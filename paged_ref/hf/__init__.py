@@ -8,7 +8,7 @@ How it hooks into transformers (no model code is copied):
 2. `paged_attention_forward` is registered in `transformers.AttentionInterface` as
    ``"paged_ref"`` and the model's ``attn_implementation`` is switched to it while a paged
    generation runs. It reads each sequence's K/V from the pages with the chosen backend
-   (``reference``, ``flex`` or ``triton``). No attention mask is built for it.
+   (``reference``, ``flex``, ``triton`` or ``sdpa``). No attention mask is built for it.
 3. `PagedSession` lays out each forward (per-sequence lengths, explicit absolute
    ``position_ids``), builds the step plan both halves share, and frees pages.
 

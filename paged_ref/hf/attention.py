@@ -20,8 +20,11 @@ backend     decode                          prefill
 reference   paged_attention_reference       paged_prefill_reference
 flex        flex_paged_decode               flex_paged_prefill
 triton      paged_decode (Triton kernel)    paged_prefill_reference
+sdpa        sdpa_paged_decode               sdpa_paged_prefill
 =========== =============================== ===============================
 
+``sdpa`` (`paged_ref.hf.sdpa`) gathers the batch's tokens by slot and calls PyTorch's SDPA:
+the fast path on a CPU, where the Triton kernel only runs in the interpreter.
 Triton has no prefill kernel here: prefill is compute-bound and runs once per prompt.
 """
 
@@ -39,9 +42,12 @@ ATTN_IMPLEMENTATION = "paged_ref"
 # backend -> ((module, decode function), (module, prefill function)); imported lazily so that a
 # missing optional dependency (triton) only matters to the backend that needs it
 BACKENDS: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
-    "reference": (("reference", "paged_attention_reference"), ("reference", "paged_prefill_reference")),
-    "flex": (("flex", "flex_paged_decode"), ("flex", "flex_paged_prefill")),
-    "triton": (("triton_decode", "paged_decode"), ("reference", "paged_prefill_reference")),
+    "reference": (("paged_ref.attention.reference", "paged_attention_reference"),
+                  ("paged_ref.attention.reference", "paged_prefill_reference")),
+    "flex": (("paged_ref.attention.flex", "flex_paged_decode"), ("paged_ref.attention.flex", "flex_paged_prefill")),
+    "triton": (("paged_ref.attention.triton_decode", "paged_decode"),
+               ("paged_ref.attention.reference", "paged_prefill_reference")),
+    "sdpa": (("paged_ref.hf.sdpa", "sdpa_paged_decode"), ("paged_ref.hf.sdpa", "sdpa_paged_prefill")),
 }
 
 
@@ -57,7 +63,7 @@ def resolve_backend(backend: str) -> tuple[Callable, Callable]:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
     found = []
     for module_name, function_name in BACKENDS[backend]:
-        module = importlib.import_module(f"paged_ref.attention.{module_name}")
+        module = importlib.import_module(module_name)
         found.append(getattr(module, function_name))
     return found[0], found[1]
 
@@ -66,9 +72,9 @@ def step_kwargs(backend: str, plan) -> dict:
     """Extra keywords for this step's attention calls, computed once and shared by every layer.
 
     The block table and lengths of a step are the same in all layers, so per-step work is done
-    here instead of once per layer: FlexAttention's physical BlockMask is built once, and the
-    value checks that copy the block table to the host are skipped per layer (for flex and
-    triton; the reference backend, being the oracle, keeps all its checks). Skipping is safe
+    here instead of once per layer: FlexAttention's physical BlockMask and SDPA's slot map are
+    built once, and the value checks that copy the block table to the host are skipped per layer
+    (for flex, sdpa and triton; the reference backend, being the oracle, keeps all its checks). Skipping is safe
     because the block table and lengths come straight from `PagedKVCache.block_table`.
     """
     if backend == "flex":
@@ -79,6 +85,12 @@ def step_kwargs(backend: str, plan) -> dict:
             q_len=plan.max_q_len, q_lens=None if plan.is_decode else plan.q_lens,
         )
         return {"block_mask": masks.physical, "validate": False}
+    if backend == "sdpa":
+        from paged_ref.hf.sdpa import prepare
+
+        q_lens = None if plan.is_decode else plan.q_lens
+        gather = prepare(plan.block_table, plan.seq_lens, plan.kv.page_size, q_lens, plan.max_q_len)
+        return {"gather": gather, "validate": False}
     if backend == "triton" and plan.is_decode:
         return {"check_values": False}
     return {}

@@ -127,8 +127,8 @@ def generate(
         page_size: tokens per page of the cache created here.
         num_pages: pages of the cache created here; default: enough for every sequence at full
             length. A smaller pool raises `OutOfPagesError` when it runs out.
-        backend: ``"reference"``, ``"flex"`` or ``"triton"``: which paged attention computes
-            decode steps (prefill: reference, flex and reference respectively).
+        backend: ``"reference"``, ``"flex"``, ``"triton"`` or ``"sdpa"``: which paged attention
+            reads the pages (table in `paged_ref.hf.attention`; ``sdpa`` is the fast one on CPU).
         attention_mask: ``[batch, prompt_len]`` of 0/1, 1 on real tokens, padding on the left.
         eviction, budget: KV eviction hook (issue 5); not implemented yet, must be None.
         eos_token_id: int or list of ints that end a sequence; default: the model's

@@ -79,7 +79,7 @@ class PagedSession:
         kv: a `PagedKVCache` matching the model (layers, KV heads, head_dim, dtype, device), or
             None to create one with `num_pages` pages of `page_size` tokens.
         num_pages, page_size: size of the cache created when `kv` is None.
-        backend: ``"reference"``, ``"flex"`` or ``"triton"`` (see `paged_ref.hf.attention`).
+        backend: ``"reference"``, ``"flex"``, ``"triton"`` or ``"sdpa"`` (see `paged_ref.hf.attention`).
         eviction, budget: the eviction hook (not implemented yet: must be None).
 
     While the session is open (``with`` block, or between `open` and `close`) the model's

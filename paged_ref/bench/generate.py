@@ -1,0 +1,247 @@
+"""Paged generation with a real model against transformers' own generate and generate_batch.
+
+    python -m paged_ref.bench generate [--quick] [--threads N] [--model smollm2|tiny] [--out DIR]
+
+Two workloads, greedy decoding, EOS ignored so that every method does the same work:
+
+* ``single``: one prompt of real English (pydoc_data) -> ``pr.hf.generate`` with the
+  ``reference``, ``flex`` and ``sdpa`` backends against ``model.generate`` with its default cache
+  (``DynamicCache``, SDPA attention).
+* ``mixed``: a batch of prompts of different lengths -> the same, plus transformers'
+  continuous-batching paged engine ``model.generate_batch`` (``ContinuousBatchingConfig`` sized
+  like our cache: 16-token pages, just enough blocks, no CUDA graphs; its default sizing
+  reserves most of the machine's free memory, which on CPU takes tens of seconds).
+
+Per method: median wall time of the whole call (after one warm-up; methods interleaved in each
+repeat so load changes hit them alike), generated tokens/s, whether the tokens equal
+``model.generate``'s, KV bytes (``DynamicCache``: its final, padded size; paged_ref: the peak
+pages in use and the pool; generate_batch: its pool) and the peak rise of the process RSS
+during the call (sampled every 2 ms; allocator reuse makes it approximate). Ratios are
+tokens/s over the peer's measured in the same run. JSON: ``figures/data/generate_cpu.json``
+(``generate_gpu.json`` on CUDA). The Triton backend is not timed on CPU (it is the interpreter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+
+import torch
+
+from .. import hf, textdata
+from ..hf.session import model_geometry
+from ..block_table import pages_needed
+from ..cache import PagedKVCache
+from .common import environment, print_table, write_json
+
+PAGE_SIZE = 16
+FULL = dict(single_words=96, single_new=64, mixed_prompts=8, mixed_new=32, repeats=3)
+QUICK = dict(single_words=24, single_new=8, mixed_prompts=3, mixed_new=6, repeats=1)
+
+
+class _PeakRSS:
+    """Peak resident-set size of this process while the block runs, sampled every 2 ms (Linux)."""
+
+    def __enter__(self):
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.start = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _rss(self) -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * self.page
+        except OSError:  # not Linux: no sampling
+            return 0
+
+    def _sample(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, self._rss())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    @property
+    def rise_bytes(self) -> int:
+        return self.peak - self.start
+
+
+def _kv_bytes_per_token(model) -> int:
+    g = model_geometry(model)
+    elem = torch.empty((), dtype=g["dtype"]).element_size()
+    return 2 * g["num_layers"] * g["num_kv_heads"] * g["head_dim"] * elem
+
+
+def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, width - len(r):] = torch.tensor(r)
+        mask[b, width - len(r):] = 1
+    return ids, mask
+
+
+def _methods(model, rows, new, backends, with_generate_batch):
+    """name -> (run() -> list of generated token lists, kv_bytes() -> dict) for one workload."""
+    from transformers import GenerationConfig
+
+    pad = model.generation_config.pad_token_id
+    pad = 0 if pad is None else pad
+    ids, mask = _left_pad(rows, pad)
+    device = next(model.parameters()).device
+    ids, mask = ids.to(device), mask.to(device)
+    per_token = _kv_bytes_per_token(model)
+    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
+    methods = {}
+
+    def hf_default():
+        out = model.generate(ids, attention_mask=mask, generation_config=config)
+        return [row[ids.shape[1]:].tolist() for row in out]
+
+    methods["hf_generate"] = (hf_default, lambda: {"kv_bytes": len(rows) * (ids.shape[1] + new) * per_token})
+
+    for backend in backends:
+        num_pages = sum(pages_needed(len(r) + new, PAGE_SIZE) for r in rows)
+        state = {}
+
+        def paged(backend=backend, num_pages=num_pages, state=state):
+            kv = PagedKVCache(num_pages=num_pages, page_size=PAGE_SIZE, **model_geometry(model))
+            used = [0]
+
+            def count(step, tokens):
+                used[0] = max(used[0], kv.num_pages - kv.allocator.num_free)
+
+            out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=new, backend=backend,
+                              eos_token_id=[], kv_cache=kv, callback=count, progress=False)
+            state.update(peak_pages=used[0], page_bytes=kv.page_bytes, pool_pages=kv.num_pages)
+            return [row[ids.shape[1]:].tolist() for row in out]
+
+        methods[f"paged_{backend}"] = (paged, lambda state=state: {
+            "kv_bytes": state["peak_pages"] * state["page_bytes"],
+            "kv_pool_bytes": state["pool_pages"] * state["page_bytes"],
+        })
+
+    if with_generate_batch:
+        from transformers import ContinuousBatchingConfig
+
+        blocks = sum(pages_needed(len(r) + new, PAGE_SIZE) for r in rows)
+
+        def cb():
+            cfg = ContinuousBatchingConfig(page_size=PAGE_SIZE, num_blocks=blocks,
+                                           max_batch_tokens=sum(len(r) for r in rows),
+                                           use_cuda_graph=False, use_async_batching=False)
+            res = model.generate_batch(rows, generation_config=config, continuous_batching_config=cfg,
+                                       warmup=False, progress_bar=False)
+            order = sorted(res.values(), key=lambda o: int(o.request_id.split("_")[-1]))
+            return [list(o.generated_tokens) for o in order]
+
+        methods["hf_generate_batch"] = (cb, lambda: {"kv_bytes": blocks * PAGE_SIZE * per_token})
+    return methods
+
+
+def _run_workload(name, model, rows, new, backends, repeats, with_generate_batch):
+    methods = _methods(model, rows, new, backends, with_generate_batch)
+    tokens, times, rss = {}, {m: [] for m in methods}, {}
+    for m, (run, _) in methods.items():  # warm-up, and the tokens to compare
+        tokens[m] = run()
+    for _ in range(repeats):
+        for m, (run, _) in methods.items():
+            with _PeakRSS() as probe:
+                start = time.perf_counter()
+                run()
+                times[m].append(time.perf_counter() - start)
+            rss[m] = max(rss.get(m, 0), probe.rise_bytes)
+    expected = tokens["hf_generate"]
+    generated = sum(len(t) for t in expected)
+    results = {}
+    for m, (_, kv) in methods.items():
+        median = sorted(times[m])[len(times[m]) // 2]
+        results[m] = {
+            "median_s": median,
+            "times_s": times[m],
+            "tokens_per_s": generated / median,
+            "tokens_match_hf_generate": tokens[m] == expected,
+            "peak_rss_rise_bytes": rss[m],
+            **kv(),
+        }
+    ratios = {}
+    for m in methods:
+        if m.startswith("paged_"):
+            for peer in ("hf_generate", "hf_generate_batch"):
+                if peer in results:
+                    ratios[f"{m}/{peer}"] = results[m]["tokens_per_s"] / results[peer]["tokens_per_s"]
+    return {
+        "workload": {"name": name, "prompt_lens": [len(r) for r in rows], "new_tokens": new,
+                     "generated_tokens": generated, "page_size": PAGE_SIZE, "repeats": repeats},
+        "results": results,
+        "ratios_tokens_per_s": ratios,
+    }
+
+
+def measure(model, tokenizer=None, *, single_words, single_new, mixed_prompts, mixed_new, repeats,
+            backends=("reference", "flex", "sdpa")) -> dict:
+    """Run both workloads on ``model``; without a tokenizer, prompts are seeded random ids."""
+    if tokenizer is not None:
+        single = [tokenizer(textdata.english_text(single_words)).input_ids]
+        texts = textdata.prompts(mixed_prompts, min_words=max(4, single_words // 6), max_words=single_words)
+        mixed = [tokenizer(t).input_ids for t in texts]
+    else:
+        g = torch.Generator().manual_seed(0)
+        vocab = model.config.vocab_size
+        single = [torch.randint(3, vocab, (single_words,), generator=g).tolist()]
+        mixed = [torch.randint(3, vocab, (n,), generator=g).tolist()
+                 for n in torch.linspace(max(2, single_words // 6), single_words, mixed_prompts).long().tolist()]
+    return {
+        "single": _run_workload("single", model, single, single_new, backends, repeats, with_generate_batch=False),
+        "mixed": _run_workload("mixed", model, mixed, mixed_new, backends, repeats, with_generate_batch=True),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m paged_ref.bench generate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="short prompts, few tokens, one repeat")
+    parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
+                        help="the bundled SmolLM2-135M (default) or the tiny random Llama (harness check)")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.model == "smollm2":
+        from ..models import load_smollm2
+
+        model, tokenizer = load_smollm2()
+    else:
+        from ..models import tiny_llama
+
+        model, tokenizer = tiny_llama(), None
+    sizes = QUICK if args.quick else FULL
+    data = {"model": args.model, "mode": "quick" if args.quick else "full", "torch_threads": torch.get_num_threads()}
+    data.update(measure(model, tokenizer, **sizes))
+    data["environment"] = environment()
+    for name in ("single", "mixed"):
+        w = data[name]
+        print(f"\n{name}: prompts {w['workload']['prompt_lens']} tokens, {w['workload']['new_tokens']} new each")
+        rows = [[m, f"{r['median_s']:.3f}", f"{r['tokens_per_s']:.1f}", r["tokens_match_hf_generate"],
+                 f"{r['kv_bytes'] / 2**20:.2f}", f"{r['peak_rss_rise_bytes'] / 2**20:.1f}"]
+                for m, r in w["results"].items()]
+        print_table(["method", "median s", "tokens/s", "same tokens", "KV MiB", "RSS rise MiB"], rows)
+        for ratio, value in w["ratios_tokens_per_s"].items():
+            print(f"  tokens/s {ratio}: {value:.2f}x")
+    device = "gpu" if torch.cuda.is_available() else "cpu"
+    path = write_json(data, f"generate_{device}.json", out_dir=args.out)
+    print(f"wrote {path}")
+    return data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Paged attention as "gather by slot, then PyTorch SDPA": the fast backend on a CPU.
+
+The K/V still live only in pages; each call copies a batch's tokens out through a slot map
+``slots[b, t] = block_table[b, t // page_size] * page_size + t % page_size`` (one indexing
+op per tensor) and hands them to ``torch.nn.functional.scaled_dot_product_attention`` with a
+boolean mask for the ragged lengths (and causality in prefill). This is what transformers' own
+continuous batching does with SDPA. It pays a copy of the batch's K/V per layer, which a paged
+kernel (Triton) avoids; on a CPU, where there is no such kernel, it is the practical path.
+
+The slot map and the mask depend only on the block table and the lengths, which every layer of
+a step shares, so `prepare` builds them once per step and the per-layer calls reuse them.
+
+Example:
+    >>> kc, vc = torch.randn(4, 16, 2, 64), torch.randn(4, 16, 2, 64)
+    >>> bt = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
+    >>> out = sdpa_paged_decode(torch.randn(2, 8, 64), kc, vc, bt, torch.tensor([20, 5]))
+    >>> out.shape
+    torch.Size([2, 8, 64])
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from ..attention.reference import check_paged_inputs, check_prefill_inputs
+
+__all__ = ["SlotGather", "prepare", "sdpa_paged_decode", "sdpa_paged_prefill"]
+
+
+class SlotGather(NamedTuple):
+    """Per-step gather plan. slots: int64 ``[batch, max_kv]``; mask: bool ``[batch, 1, q_len, max_kv]`` or None."""
+
+    slots: torch.Tensor
+    mask: torch.Tensor | None
+
+
+def prepare(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+            q_lens: torch.Tensor | None = None, q_len: int = 1) -> SlotGather:
+    """Slot map and attention mask for one step (decode when ``q_lens`` is None).
+
+    Args:
+        block_table: int ``[batch, max_pages]``; seq_lens: int ``[batch]``.
+        page_size: tokens per page.
+        q_lens: int ``[batch]`` new tokens per sequence (prefill), or None (decode).
+        q_len: query rows of the step (``max(q_lens)`` in prefill).
+    """
+    lens = seq_lens.long()  # [batch]
+    max_kv = int(lens.max())
+    t = torch.arange(max_kv, device=block_table.device)  # [max_kv] logical token index
+    page_col = (t // page_size).clamp(max=block_table.shape[1] - 1)
+    slots = block_table.long()[:, page_col] * page_size + t % page_size  # [batch, max_kv]
+    in_seq = t[None, :] < lens[:, None]  # [batch, max_kv]
+    slots = torch.where(in_seq, slots, 0)  # padding reads slot 0, masked out below
+    if q_lens is None:
+        mask = None if bool(in_seq.all()) else in_seq[:, None, None, :]  # [batch, 1, 1, max_kv]
+    else:
+        q_pos = (lens - q_lens.long())[:, None] + torch.arange(q_len, device=lens.device)  # [batch, q_len]
+        mask = (t[None, None, :] <= q_pos[:, :, None]) & in_seq[:, None, :]  # [batch, q_len, max_kv]
+        mask = mask[:, None]  # [batch, 1, q_len, max_kv]
+    return SlotGather(slots, mask)
+
+
+def _attend(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tensor:
+    """q: [batch, Hq, q_len, D] -> [batch, Hq, q_len, D]."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    flat = (-1, num_kv_heads, head_dim)
+    k = k_cache.view(flat)[gather.slots].transpose(1, 2)  # [batch, Hkv, max_kv, D]
+    v = v_cache.view(flat)[gather.slots].transpose(1, 2)  # [batch, Hkv, max_kv, D]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=gather.mask, scale=scale,
+                                          enable_gqa=q.shape[1] != num_kv_heads)
+
+
+def sdpa_paged_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, gather=None,
+                      validate=True) -> torch.Tensor:
+    """Decode attention over the pages (same contract as `paged_attention_reference`).
+
+    Args:
+        q: ``[batch, num_q_heads, head_dim]``.
+        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``, contiguous.
+        block_table: int32 ``[batch, max_pages]``; seq_lens: int32 ``[batch]`` (>= 1).
+        scale: default ``head_dim ** -0.5``.
+        gather: ``prepare(block_table, seq_lens, page_size)`` built once per step, or None.
+        validate: also check values (copies the block table to the host).
+
+    Returns:
+        ``[batch, num_q_heads, head_dim]``.
+    """
+    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=validate)
+    if gather is None:
+        gather = prepare(block_table, seq_lens, k_cache.shape[1])
+    return _attend(q.unsqueeze(2), k_cache, v_cache, gather, scale).squeeze(2)
+
+
+def sdpa_paged_prefill(q, k_cache, v_cache, block_table, seq_lens, q_lens, *, scale=None, gather=None,
+                       validate=True) -> torch.Tensor:
+    """Causal prefill over the pages (same contract as `paged_prefill_reference`).
+
+    Args:
+        q: ``[batch, num_q_heads, max_q_len, head_dim]``.
+        q_lens: int32 ``[batch]``; the other arguments as in `sdpa_paged_decode`, with
+            ``gather = prepare(block_table, seq_lens, page_size, q_lens, max_q_len)``.
+
+    Returns:
+        ``[batch, num_q_heads, max_q_len, head_dim]``; padding rows are 0.
+    """
+    scale = check_prefill_inputs(q, k_cache, v_cache, block_table, seq_lens, q_lens, scale=scale,
+                                 check_values=validate)
+    if gather is None:
+        gather = prepare(block_table, seq_lens, k_cache.shape[1], q_lens, q.shape[2])
+    out = _attend(q, k_cache, v_cache, gather, scale)  # [batch, Hq, max_q_len, D]
+    padding = torch.arange(q.shape[2], device=q.device)[None, :] >= q_lens[:, None]  # [batch, max_q_len]
+    return out.masked_fill_(padding[:, None, :, None], 0.0)
