@@ -21,7 +21,12 @@ from paged_ref.attention.triton_decode import choose_num_splits, paged_decode
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+_needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def gpu(test):
+    """GPU-only: marked `gpu` (select with `-m gpu`) and skipped without CUDA."""
+    return pytest.mark.gpu(_needs_cuda(test))
 
 
 def make_case(seed, *, page_size, num_q_heads, num_kv_heads, head_dim, seq_lens,
@@ -85,7 +90,7 @@ def test_matches_float64_gqa_and_page_sizes(page_size, gqa):
     assert rel_err(out, reference64(*case)) < 1e-5
 
 
-@pytest.mark.parametrize("page_size", [1, 8, 16, 64, 128])
+@pytest.mark.parametrize("page_size", [8, 64])    # 1, 16, 128: the shared cases below
 def test_matches_float64_head_dim_128(page_size):
     seed = 77 + page_size
     case = make_case(seed, page_size=page_size, num_q_heads=8, num_kv_heads=2, head_dim=128,
@@ -130,6 +135,21 @@ def test_int64_block_table_and_seq_lens():
     out64 = paged_decode(q, kc, vc, bt.long(), lens.long(), num_splits=2)
     torch.testing.assert_close(out64, out32, rtol=0, atol=0)
     assert rel_err(out64, reference64(q, kc, vc, bt, lens)) < 1e-5
+
+
+@pytest.mark.parametrize("i, page_size", list(enumerate([1, 8, 16, 64, 128])))
+def test_shared_cases_with_garbage_in_unowned_slots(i, page_size):
+    """The project's shared generator fills every slot no sequence owns with large garbage and
+    pads the block table with -1, past-the-end and other sequences' page ids."""
+    cases = pytest.importorskip("attention_cases")
+    num_kv_heads, group = cases.HEAD_LAYOUTS[i]
+    case = cases.make_decode_case(seed=900 + i, batch=5, page_size=page_size,
+                                  num_kv_heads=num_kv_heads, group=group,
+                                  head_dim=64 if i % 2 else 128)
+    args = [t.to(DEVICE) for t in case.args]
+    for num_splits in (1, 3):
+        assert cases.rel_error(paged_decode(*args, num_splits=num_splits).cpu(),
+                               case.expected()) < 1e-5
 
 
 # --- split-K ---------------------------------------------------------------------------------
