@@ -1,8 +1,9 @@
 """A Triton paged decode kernel: one new query token per sequence, K/V read through the pages.
 
 Decode attention is memory bound: every step reads the whole K and V of every sequence once
-and does only ``2 * head_dim`` FLOPs per K/V element pair per query head. The job of the
-kernel is therefore to stream K and V from the paged cache at close to copy bandwidth:
+and does only 2 FLOPs per K or V element for each query head that reads it (GQA 4 in bf16:
+4 FLOPs per byte, where an H100/H200 needs ~200 to be compute bound). The job of the kernel
+is therefore to stream K and V from the paged cache at close to copy bandwidth:
 
 * **No gather.** The kernel looks up each token's physical page in the block table itself and
   loads K/V rows straight from ``k_cache[page, offset]``: no contiguous copy is ever made.
@@ -12,6 +13,8 @@ kernel is therefore to stream K and V from the paged cache at close to copy band
   ``BLOCK_N`` tokens and resolves the page of every token in the tile, so a tile may span
   several small pages and a large page may span several tiles; any power-of-two page size
   from 1 to 256 works with the same tile size.
+* **Page ids fetched a tile ahead**, so the K/V loads of a tile depend on no load of the same
+  loop iteration and Triton's pipeliner keeps two K/V tiles in flight (``num_stages=3``).
 * **Online softmax** in float32 (running max ``m``, running sum ``l``, unnormalised
   accumulator ``acc``), in base 2 (``exp2``) with ``log2(e)`` folded into the scale.
 * **Split-K / flash-decoding.** With few sequences (batch 1 with 8 KV heads is 8 programs on
