@@ -1,0 +1,260 @@
+"""The Triton decode kernel's math in plain PyTorch: a spec to read, print and check against.
+
+:mod:`paged_ref.attention.triton_decode` computes softmax attention without ever holding a
+whole row of scores. This module does the same computation step by step, in the same order
+and with the same formulas, so each intermediate value can be printed (notebook 05) and the
+whole can be checked against :func:`~paged_ref.attention.reference.paged_attention_reference`:
+
+* :func:`online_update`: one tile of the **online softmax**, the body of the kernel's loop.
+  State per query row: running max ``m``, running sum ``l = sum 2^(s - m)`` and unnormalised
+  output ``acc = sum 2^(s - m) v``. Scores are in **base 2** (the kernel folds ``log2(e)`` into
+  the scale and calls ``exp2``), so ``2^s`` here is ``e^(q.k * scale)``.
+* :func:`online_softmax_steps`: the update applied tile after tile, keeping every state.
+* :func:`split_ranges`: how **split-K** cuts a sequence into chunks (whole tiles each).
+* :func:`merge_partials`: the **log-sum-exp reduction** of the chunks' ``(m, l, acc)``.
+* :func:`paged_decode_spec`: the whole kernel: for every (sequence, KV head, split) the query
+  heads of the **GQA** group together, K/V rows found through the **block table** token by
+  token, then the merge.
+
+Example:
+    >>> import torch
+    >>> scores = torch.tensor([[1.0, 3.0, 2.0, 5.0, 0.0]])        # [rows=1, n=5], base 2
+    >>> values = torch.arange(5.0).unsqueeze(1)                    # [n=5, d=1]
+    >>> steps = online_softmax_steps(scores, values, block_n=2)
+    >>> [s.m.item() for s in steps], [round(s.alpha.item(), 3) for s in steps]
+    ([3.0, 5.0, 5.0], [0.0, 0.25, 1.0])
+    >>> split_ranges(100, 3, block_n=16)
+    [(0, 48), (48, 96), (96, 100)]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._validate import check_int
+from .reference import check_paged_inputs
+
+__all__ = ["LOG2E", "TileStep", "online_update", "online_softmax_steps", "split_ranges",
+           "merge_partials", "token_slots", "paged_decode_spec"]
+
+LOG2E = 1.4426950408889634     # log2(e): e^x = 2^(x * log2(e))
+
+
+@dataclass(frozen=True)
+class TileStep:
+    """The online-softmax state after one tile (tensors over the query rows).
+
+    ``start, end``: the tile's token range; ``tile_max [rows]``: the tile's largest score;
+    ``alpha [rows]``: the factor ``2^(m_old - m)`` the old ``l`` and ``acc`` were rescaled by;
+    ``m, l [rows]`` and ``acc [rows, d]``: the state after the tile.
+    """
+    start: int
+    end: int
+    tile_max: torch.Tensor
+    alpha: torch.Tensor
+    m: torch.Tensor
+    l: torch.Tensor
+    acc: torch.Tensor
+
+    @property
+    def out(self) -> torch.Tensor:
+        """What the kernel would write if the sequence ended here: ``acc / l``, ``[rows, d]``."""
+        return self.acc / self.l[:, None]
+
+
+def online_update(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, scores: torch.Tensor,
+                  v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fold one tile into the online-softmax state (the kernel's loop body, line for line).
+
+    Raise the running max, rescale what was summed under the old max by
+    ``alpha = 2^(m_old - m_new)``, add the tile. With the initial ``m = -inf`` the first alpha
+    is ``2^(-inf) = 0``; the tile must hold at least one finite score.
+
+    Args:
+        m, l: ``[rows]`` running max and running sum; acc: ``[rows, d]``.
+        scores: ``[rows, n]`` this tile's scores in base 2 (``-inf`` = masked).
+        v: ``[n, d]`` this tile's values.
+
+    Returns:
+        ``(m_new, l_new, acc_new, alpha)``.
+    """
+    m_new = torch.maximum(m, scores.amax(dim=1))                  # [rows]
+    alpha = torch.exp2(m - m_new)                                 # [rows]
+    p = torch.exp2(scores - m_new[:, None])                       # [rows, n]
+    l_new = l * alpha + p.sum(dim=1)                              # [rows]
+    acc_new = acc * alpha[:, None] + p @ v                        # [rows, d]
+    return m_new, l_new, acc_new, alpha
+
+
+def _initial_state(rows: int, d: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
+    m = torch.full((rows,), float("-inf"), dtype=dtype, device=device)   # [rows]
+    l = torch.zeros(rows, dtype=dtype, device=device)                     # [rows]
+    acc = torch.zeros(rows, d, dtype=dtype, device=device)                # [rows, d]
+    return m, l, acc
+
+
+def online_softmax_steps(scores: torch.Tensor, values: torch.Tensor, *,
+                         block_n: int) -> list[TileStep]:
+    """Softmax-weighted sum of ``values`` one tile of ``block_n`` scores at a time.
+
+    ``steps[-1].out`` equals ``softmax(scores * ln 2) @ values`` (the scores are base 2).
+
+    Args:
+        scores: ``[rows, n]`` floating, base 2, finite.
+        values: ``[n, d]``, same dtype.
+        block_n: tokens per tile (>= 1).
+
+    Returns:
+        One :class:`TileStep` per tile, in order.
+    """
+    block_n = check_int("block_n", block_n, min_value=1)
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.shape[1] < 1:
+        raise ValueError(f"scores must be a tensor [rows, n >= 1], got "
+                         f"{tuple(scores.shape) if isinstance(scores, torch.Tensor) else scores!r}")
+    if not isinstance(values, torch.Tensor) or values.dim() != 2 or values.shape[0] != scores.shape[1]:
+        raise ValueError(f"values must be a tensor [n={scores.shape[1]}, d], got "
+                         f"{tuple(values.shape) if isinstance(values, torch.Tensor) else values!r}")
+    if not torch.isfinite(scores).all():
+        raise ValueError("scores must all be finite")
+    m, l, acc = _initial_state(scores.shape[0], values.shape[1], scores.dtype, scores.device)
+    steps = []
+    for start in range(0, scores.shape[1], block_n):
+        end = min(start + block_n, scores.shape[1])
+        tile = scores[:, start:end]                                # [rows, <= block_n]
+        m, l, acc, alpha = online_update(m, l, acc, tile, values[start:end].to(scores.dtype))
+        steps.append(TileStep(start, end, tile.amax(dim=1), alpha, m, l, acc))
+    return steps
+
+
+def split_ranges(seq_len: int, num_splits: int, *, block_n: int) -> list[tuple[int, int]]:
+    """The token range ``[start, end)`` of each split, as the kernel computes it.
+
+    Each split gets ``ceil(ceil(seq_len / num_splits) / block_n) * block_n`` tokens (whole
+    tiles, so tiles start at multiples of ``block_n``); the last non-empty split is cut at
+    ``seq_len`` and trailing splits may be empty (``start == end == seq_len``).
+
+    Example:
+        >>> split_ranges(40, 4, block_n=16)        # 10 tokens a split, rounded up to 16
+        [(0, 16), (16, 32), (32, 40), (40, 40)]
+    """
+    seq_len = check_int("seq_len", seq_len, min_value=1)
+    num_splits = check_int("num_splits", num_splits, min_value=1)
+    block_n = check_int("block_n", block_n, min_value=1)
+    per_split = -(-(-(-seq_len // num_splits)) // block_n) * block_n
+    return [(min(s * per_split, seq_len), min((s + 1) * per_split, seq_len))
+            for s in range(num_splits)]
+
+
+def merge_partials(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """The reduction kernel: combine per-split softmax states into the output.
+
+    Split ``s`` summed relative to its own max ``m_s``; relative to the global max ``M``:
+    ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``. Empty splits
+    (``m_s = -inf``, ``l_s = 0``, ``acc_s = 0``) weigh ``2^(-inf) = 0``.
+
+    Args:
+        m, l: ``[num_splits, rows]``; acc: ``[num_splits, rows, d]``. At least one split per
+            row must be non-empty.
+
+    Returns:
+        ``[rows, d]``.
+    """
+    if m.dim() != 2 or l.shape != m.shape or acc.shape[:2] != m.shape:
+        raise ValueError(f"m, l must be [num_splits, rows] and acc [num_splits, rows, d], got "
+                         f"{tuple(m.shape)}, {tuple(l.shape)}, {tuple(acc.shape)}")
+    m_global = m.amax(dim=0)                                      # [rows]
+    if not torch.isfinite(m_global).all():
+        raise ValueError("every row needs at least one non-empty split (finite m)")
+    w = torch.exp2(m - m_global)                                  # [num_splits, rows]
+    return (w[:, :, None] * acc).sum(dim=0) / (w * l).sum(dim=0)[:, None]
+
+
+def token_slots(block_table_row: torch.Tensor, tokens: torch.Tensor,
+                page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block-table lookup: where logical tokens live in the paged cache.
+
+    Token ``t`` is on physical page ``block_table_row[t // page_size]`` at offset
+    ``t % page_size`` (the kernel does the same, one lookup per token of a tile).
+
+    Args:
+        block_table_row: int ``[max_pages]``; tokens: int ``[n]``; page_size: tokens per page.
+
+    Returns:
+        ``(pages, offsets)``, each int64 ``[n]``.
+
+    Example:
+        >>> token_slots(torch.tensor([7, 2, 5]), torch.arange(1, 6), page_size=2)
+        (tensor([7, 2, 2, 5, 5]), tensor([1, 0, 1, 0, 1]))
+    """
+    page_size = check_int("page_size", page_size, min_value=1)
+    tokens = tokens.long()                                        # [n]
+    if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < (
+            block_table_row.shape[0] * page_size):
+        raise ValueError(f"tokens must lie in [0, {block_table_row.shape[0] * page_size}) "
+                         f"(the block table row's pages), got {tokens.min()}..{tokens.max()}")
+    return block_table_row[tokens // page_size].long(), tokens % page_size
+
+
+def paged_decode_spec(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      block_table: torch.Tensor, seq_lens: torch.Tensor, *,
+                      scale: float | None = None, num_splits: int = 1,
+                      block_n: int = 32) -> torch.Tensor:
+    """What :func:`~paged_ref.attention.triton_decode.paged_decode` computes, program by program.
+
+    For every (sequence ``b``, KV head ``h``, split ``s``), one "program": the query heads
+    ``h * group .. h * group + group - 1`` as the rows of one tile (GQA), the split's tokens in
+    tiles of ``block_n``, each token's K/V row found through the block table, the online
+    softmax in float32 (float64 for float64 inputs). Then :func:`merge_partials` per sequence.
+    Slow and plain: it is the kernel's recipe, not a fast path.
+
+    Args:
+        q: ``[batch, num_q_heads, head_dim]``.
+        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``.
+        block_table: int ``[batch, max_pages]``; seq_lens: int ``[batch]``.
+        scale: softmax scale, default ``head_dim ** -0.5``.
+        num_splits: chunks per sequence (>= 1); block_n: tokens per tile (>= 1).
+
+    Returns:
+        ``[batch, num_q_heads, head_dim]``, dtype of ``q``.
+
+    Example:
+        >>> kc, vc = torch.randn(4, 8, 1, 16), torch.randn(4, 8, 1, 16)
+        >>> q = torch.randn(1, 4, 16)                              # MQA: 4 query heads
+        >>> bt, lens = torch.tensor([[2, 0, 3]]), torch.tensor([20])
+        >>> from paged_ref.attention.reference import paged_attention_reference
+        >>> ref = paged_attention_reference(q, kc, vc, bt, lens)
+        >>> torch.allclose(paged_decode_spec(q, kc, vc, bt, lens, num_splits=3, block_n=4), ref,
+        ...                atol=1e-5)
+        True
+    """
+    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale)
+    num_splits = check_int("num_splits", num_splits, min_value=1)
+    block_n = check_int("block_n", block_n, min_value=1)
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    batch, num_q_heads, head_dim = q.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    scale_log2 = scale * LOG2E
+    out = torch.empty_like(q)                                          # [batch, Hq, D]
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        for h in range(num_kv_heads):
+            heads = slice(h * group, (h + 1) * group)
+            q_rows = q[b, heads].to(compute)                           # [group, D]
+            parts = [_initial_state(group, head_dim, compute, q.device)
+                     for _ in range(num_splits)]                       # (m, l, acc) per split
+            for s, (start, end) in enumerate(split_ranges(seq_len, num_splits, block_n=block_n)):
+                m, l, acc = parts[s]
+                for t0 in range(start, end, block_n):
+                    tokens = torch.arange(t0, min(t0 + block_n, end), device=q.device)  # [n]
+                    pages, offsets = token_slots(block_table[b], tokens, page_size)
+                    k = k_cache[pages, offsets, h].to(compute)         # [n, D]
+                    v = v_cache[pages, offsets, h].to(compute)         # [n, D]
+                    scores = (q_rows @ k.T) * scale_log2               # [group, n], base 2
+                    m, l, acc, _ = online_update(m, l, acc, scores, v)
+                parts[s] = (m, l, acc)
+            m_all, l_all, acc_all = (torch.stack(x) for x in zip(*parts))  # [S, group(, D)]
+            out[b, heads] = merge_partials(m_all, l_all, acc_all).to(q.dtype)
+    return out
+
