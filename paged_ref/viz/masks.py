@@ -16,8 +16,11 @@ The functions here draw both, in logical and in physical coordinates:
 * :func:`translation_figure`: physical pages of the cache joined to the logical pages of the
   sequences that own them (the map the mask_mod inverts).
 
-:func:`trace_position` walks one physical position through the mask_mod's translation, one
-step at a time, for the notebook's tables.
+The data behind them: :func:`expected_visible` (the ground truth, built forward from the block
+table), :func:`listed_blocks` (the block lists alone, token by token), :func:`page_owners`, and
+:func:`trace_position`, which walks one physical position through the mask_mod's translation one
+step at a time. :func:`untranslated_block_mask` builds a deliberately broken mask (logical block
+lists left untranslated) to show what eager FlexAttention cannot see.
 
 Example:
     >>> import torch
