@@ -86,8 +86,10 @@ def test_trace_position_steps_and_verdicts():
     assert (t.logical, t.verdict) == (5, "kept")                 # query 0 sits at position 5
     t = trace_position(bt, lens, 4, 1, 14, q_lens=torch.tensor([2, 3]), q_idx=0)
     assert t.verdict == "causal: after the query" and not t.kept
-    assert {t.verdict for t in [trace_position(bt, lens, 4, b, x, q_lens=torch.tensor([2, 3]))
-                                for b in (0, 1) for x in range(32)]} == set(VERDICTS)
+    assert trace_position(bt, lens, 4, 1, 13, q_lens=torch.tensor([2, 3]), q_idx=3).verdict == (
+        "padding query row")
+    assert {trace_position(bt, lens, 4, b, x, q_lens=torch.tensor([2, 3]), q_idx=i).verdict
+            for b in (0, 1) for x in range(32) for i in (0, 3)} == set(VERDICTS)
     table = format_traces([trace_position(bt, lens, 4, 0, x) for x in (2, 9)])
     assert table.splitlines()[1].split() == ["2", "0", "2", "1", "6", "past", "seq_lens"]
     assert table.splitlines()[2].split() == ["9", "2", "1", "0", "1", "kept"]
@@ -98,13 +100,13 @@ def test_trace_position_steps_and_verdicts():
 def test_trace_agrees_with_the_physical_mask_mod_everywhere(page_size, prefill):
     cache, seqs = churned_cache([9, 3, 17, 1], page_size, seed=page_size)
     bt, lens, num_pages = table_of(cache, seqs)
-    q_lens = torch.tensor([3, 3, 2, 1], dtype=torch.int32) if prefill else None
+    q_lens = torch.tensor([3, 3, 2, 0], dtype=torch.int32) if prefill else None   # 0: padding
     q_len = 3 if prefill else 1
     masks = paged_block_masks(bt, lens, num_pages, page_size, q_len=q_len, q_lens=q_lens,
                               kv_block_size=8)
     says = create_mask(masks.physical.mask_mod, 4, 1, q_len, num_pages * page_size)[:, 0]
     for b in range(4):
-        for i in range(int(q_lens[b]) if prefill else 1):
+        for i in range(q_len):                            # padding query rows included
             for x in range(num_pages * page_size):
                 t = trace_position(bt, lens, page_size, b, x, q_lens=q_lens, q_idx=i)
                 assert t.kept == bool(says[b, i, x]), (b, i, x, t)

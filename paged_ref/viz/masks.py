@@ -55,7 +55,7 @@ FREE_COLOR = "0.8"        # a page no sequence of the batch owns
 
 #: What :func:`trace_position` can conclude about a physical position.
 VERDICTS = ("kept", "past seq_lens", "causal: after the query", "another sequence's page",
-            "not in the batch")
+            "not in the batch", "padding query row")
 
 
 # --------------------------------------------------------------------------- ground truth
@@ -145,7 +145,8 @@ def trace_position(block_table: torch.Tensor, seq_lens, page_size: int, b: int, 
     physical position -> physical page and offset -> logical page in sequence ``b`` (by
     inverting ``b``'s used block-table entries) -> logical position -> kept, or masked because
     it is past ``seq_lens[b]``, after the query (causal prefill), on a page another row of the
-    batch owns, or on a page no row owns.
+    batch owns, or on a page no row owns; a prefill query row ``q_idx >= q_lens[b]`` is padding
+    and sees nothing.
 
     Example:
         >>> bt = torch.tensor([[2, 0], [1, 3]])
@@ -158,7 +159,9 @@ def trace_position(block_table: torch.Tensor, seq_lens, page_size: int, b: int, 
     used = block_table[b, : -(-lens[b] // page_size)].tolist()
     logical_page = used.index(page) if page in used else -1
     logical = logical_page * page_size + offset if logical_page >= 0 else -1
-    if logical_page < 0:
+    if q_lens is not None and q_idx >= int(q_lens[b]):
+        verdict = "padding query row"                     # prefill rows past q_lens see nothing
+    elif logical_page < 0:
         others = any(page in block_table[r, : -(-n // page_size)].tolist()
                      for r, n in enumerate(lens) if r != b)
         verdict = "another sequence's page" if others else "not in the batch"

@@ -20,10 +20,10 @@ import torch
 from matplotlib.figure import Figure
 
 from .._validate import check_int
-from ..attention.flex import paged_block_masks
+from ..attention.flex import block_mask_visits, paged_block_masks
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
-from ..viz.masks import block_masks_figure
+from ..viz.masks import block_masks_figure, expected_visible
 
 #: Slider choices.
 PAGE_SIZES = (1, 2, 4, 8, 16)
@@ -126,9 +126,6 @@ def mask_view(page_size: int, kv_block_size: int, lengths=DEFAULT_LENGTHS, *,
         kv_block_size: FlexAttention's KV tile, a power of two, independent of ``page_size``.
         lengths: sequence lengths (ints, or a string such as ``"11, 5, 16"``).
     """
-    from ..attention.flex import block_mask_visits
-    from ..viz.masks import expected_visible
-
     lengths = check_lengths(lengths)
     cache, seqs = churned_cache(lengths, page_size, seed=seed)
     block_table, seq_lens = cache.block_table(seqs)
