@@ -499,6 +499,11 @@ def test_paged_lm_full_cache_matches_the_model(tiny):
     with torch.inference_mode():
         want = tiny(ids).logits[:, 10:]  # [2, 14, vocab]
     torch.testing.assert_close(torch.stack(got, 1), want, atol=1e-4, rtol=1e-4)
+    # several tokens per sequence in one forward (causal over the pages) give the same logits
+    cache2 = lm.new_cache(num_pages=32, page_size=4)
+    seqs2 = [lm.add_prompt(cache2, *lm.prompt_kv(row[:10])[1:], None) for row in ids]
+    chunks = [lm.extend(cache2, seqs2, ids[:, a:b], torch.full((2,), a)) for a, b in ((10, 11), (11, 17), (17, 24))]
+    torch.testing.assert_close(torch.cat(chunks, 1), want, atol=1e-4, rtol=1e-4)
 
 
 def test_paged_lm_with_eviction_keeps_positions_and_bound(tiny):

@@ -5,8 +5,9 @@ and prefill attends to the whole prompt whatever the policy (eviction happens af
 so the prompt's K/V are computed once, by the model's own forward (`prompt_kv`), and copied
 into one cache sequence per policy (`add_prompt`). Then `decode_step` advances every sequence
 by one token in one batched forward: the linear layers see ``[batch, 1, hidden]``; attention
-reads each sequence's pages with `paged_ref.attention.reference.paged_attention_reference`
-(the project's oracle); RoPE uses each sequence's absolute position, which the caller keeps
+gathers each sequence's pages (sequences of equal length together) and runs
+``scaled_dot_product_attention``; `extend` feeds several tokens per sequence at once (causal
+over the pages), which a policy allows between its actions (`tokens_until_action`). RoPE uses each sequence's absolute position, which the caller keeps
 (eviction shrinks what a sequence holds, never where its next token sits).
 
 This is the model's computation re-stated layer by layer (embedding, RMSNorm, q/k/v
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.reference import paged_attention_reference
 from ..cache import PagedKVCache
 from .policies import EvictionPolicy
 
@@ -107,26 +107,76 @@ class PagedLM:
         Returns:
             float32 ``[batch, vocab]``. The caller then runs each sequence's ``after_append`` hook.
         """
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids must have shape [batch], got {list(token_ids.shape)}")
+        return self.extend(cache, seq_ids, token_ids[:, None], positions)[:, 0]
+
+    @torch.inference_mode()
+    def extend(self, cache: PagedKVCache, seq_ids: list[int], token_ids: torch.Tensor,
+               positions: torch.Tensor) -> torch.Tensor:
+        """Append ``m`` tokens to each sequence (teacher forcing) and return the logits after each.
+
+        New token ``i`` of a sequence attends to everything the sequence holds before it plus the
+        new tokens up to itself (causal), exactly what ``m`` decode steps in a row would compute
+        if no eviction happens in between (feed at most ``policy.tokens_until_action`` tokens).
+
+        Args:
+            cache: the cache holding ``seq_ids``.
+            seq_ids: ``batch`` distinct live sequences.
+            token_ids: LongTensor ``[batch, m]``, the tokens each sequence takes next.
+            positions: LongTensor ``[batch]``, absolute position of each row's first new token.
+
+        Returns:
+            float32 ``[batch, m, vocab]``.
+        """
         batch = len(seq_ids)
-        if token_ids.shape != (batch,) or positions.shape != (batch,):
-            raise ValueError(f"token_ids and positions must have shape [{batch}], got "
+        if token_ids.dim() != 2 or token_ids.shape[0] != batch or positions.shape != (batch,):
+            raise ValueError(f"token_ids must have shape [{batch}, m] and positions [{batch}], got "
                              f"{list(token_ids.shape)} and {list(positions.shape)}")
-        slots = torch.cat([cache.reserve(s, 1) for s in seq_ids])  # int64 [batch]
+        m = token_ids.shape[1]
+        slots = torch.cat([cache.reserve(s, m) for s in seq_ids])  # int64 [batch * m], rows in order
         block_table, seq_lens = cache.block_table(seq_ids)  # int32 [batch, max_pages], [batch]
         inner = self.model.model
-        x = inner.embed_tokens(token_ids)[:, None, :]  # [batch, 1, hidden]
-        cos, sin = inner.rotary_emb(x, positions[:, None])  # each [batch, 1, D]
+        x = inner.embed_tokens(token_ids)  # [batch, m, hidden]
+        pos = positions[:, None] + torch.arange(m)[None, :]  # [batch, m]
+        cos, sin = inner.rotary_emb(x, pos)  # each [batch, m, D]
         hq, hkv, d = self.num_q_heads, self.num_kv_heads, self.head_dim
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)  # [batch, 1, hidden]
-            q = attn.q_proj(h).view(batch, 1, hq, d).transpose(1, 2)  # [batch, Hq, 1, D]
-            k = attn.k_proj(h).view(batch, 1, hkv, d).transpose(1, 2)  # [batch, Hkv, 1, D]
-            v = attn.v_proj(h).view(batch, 1, hkv, d)  # [batch, 1, Hkv, D]
+            h = layer.input_layernorm(x)  # [batch, m, hidden]
+            q = attn.q_proj(h).view(batch, m, hq, d).transpose(1, 2)  # [batch, Hq, m, D]
+            k = attn.k_proj(h).view(batch, m, hkv, d).transpose(1, 2)  # [batch, Hkv, m, D]
+            v = attn.v_proj(h).view(batch, m, hkv, d)  # [batch, m, Hkv, D]
             q, k = self._rope(q, k, cos, sin)
-            cache.write(i, slots, k[:, :, 0].contiguous(), v[:, 0].contiguous())  # [batch, Hkv, D]
-            o = paged_attention_reference(q[:, :, 0], cache.k_cache[i], cache.v_cache[i], block_table,
-                                          seq_lens, scale=attn.scaling)  # [batch, Hq, D]
-            x = x + attn.o_proj(o.reshape(batch, 1, hq * d))
+            cache.write(i, slots, k.transpose(1, 2).reshape(batch * m, hkv, d), v.reshape(batch * m, hkv, d))
+            o = self._attend(q, cache, i, block_table, seq_lens, attn.scaling)  # [batch, Hq, m, D]
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(batch, m, hq * d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.model.lm_head(inner.norm(x))[:, 0].float()  # [batch, vocab]
+        return self.model.lm_head(inner.norm(x)).float()  # [batch, m, vocab]
+
+    @staticmethod
+    def _attend(q, cache, layer, block_table, seq_lens, scale):
+        """Causal attention of the new tokens over each sequence's pages.
+
+        Sequences holding the same number of tokens (all sequences of one budget and page size
+        do) are gathered together, ``[group, Hkv, n, D]``, and go through one
+        ``scaled_dot_product_attention`` call with grouped-query heads; no padding is needed.
+
+        q: ``[batch, Hq, m, D]``; the new tokens are the last ``m`` of each sequence.
+        """
+        m, ps = q.shape[2], cache.page_size
+        out = torch.empty_like(q)  # [batch, Hq, m, D]
+        groups: dict[int, list[int]] = {}
+        for b, n in enumerate(seq_lens.tolist()):
+            groups.setdefault(n, []).append(b)
+        for n, rows in groups.items():
+            idx = torch.tensor(rows)
+            pages = block_table[idx, : -(-n // ps)].long()  # [g, pages]
+            k = cache.k_cache[layer][pages].flatten(1, 2)[:, :n].transpose(1, 2)  # [g, Hkv, n, D]
+            v = cache.v_cache[layer][pages].flatten(1, 2)[:, :n].transpose(1, 2)  # [g, Hkv, n, D]
+            mask = None
+            if m > 1:  # new token i sits at n - m + i and sees tokens 0 .. n - m + i
+                mask = torch.arange(n)[None, :] <= (n - m + torch.arange(m))[:, None]  # bool [m, n]
+            out[idx] = torch.nn.functional.scaled_dot_product_attention(
+                q[idx], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out
