@@ -520,3 +520,40 @@ def test_paged_lm_with_eviction_keeps_positions_and_bound(tiny):
         policy.after_append(cache, s)
         assert torch.isfinite(logits).all() and len(cache.pages(s)) <= max_pages_held(8, 4)
     assert policy.stats(s).tokens_seen == 40
+
+
+# ----------------------------------------------------------------------------- the benchmark's pieces
+def test_wilson_interval_known_values():
+    from paged_ref.bench.eviction import wilson
+
+    lo, hi = wilson(6, 10)
+    assert math.isclose(lo, 0.3127, abs_tol=1e-4) and math.isclose(hi, 0.8318, abs_tol=1e-4)
+    assert wilson(0, 20)[0] == 0.0 and wilson(20, 20)[1] == 1.0 and wilson(0, 0) == (0.0, 1.0)
+
+
+class _WordTokenizer:
+    """Stands in for a tokenizer in the bench's language-modelling task: one id per word."""
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=False):
+        ids = torch.tensor([[3 + hash(w) % 500 for w in text.split()]])
+
+        class Out:
+            input_ids = ids
+
+        return Out()
+
+
+def test_bench_language_modelling_task_on_the_tiny_model(tiny):
+    from paged_ref.bench.eviction import _runs, lm_task, summarize_lm
+
+    cfg = dict(texts=1, context=40, continuation=17, budgets=[16], page_sizes=[4, 8])
+    rows, check = lm_task(__import__("paged_ref.eviction.lm", fromlist=["PagedLM"]).PagedLM(tiny),
+                          _WordTokenizer(), cfg, log=lambda msg: None)
+    assert check < 1e-4  # the full cache's NLL equals the model's own forward
+    summary = summarize_lm(rows)
+    assert len(summary) == 2 * len(_runs([16], exclude=("token_topk",))) + 1
+    for r in summary:
+        assert r["page_bound"] is None or r["max_pages_held"] <= r["page_bound"]
+        assert r["nll"] > 0 and r["kl_vs_full"] >= -1e-6
+    full = [r for r in summary if r["policy"] == "full"]
+    assert all(abs(r["kl_vs_full"]) < 1e-5 for r in full)

@@ -9,7 +9,18 @@ every layer at once. Each layer still contributes its own evidence: token scores
 per layer from that layer's cached K/V and averaged over layers (`sequence_scores`). The
 alternative, a decision per layer, would keep different tokens in different layers and so would
 need one block table per layer (and per-layer lengths in every attention kernel); paged_ref keeps
-the vLLM layout and pays for it with a coarser decision.
+the vLLM layout and pays for it with a coarser decision. Alternatives considered:
+
+- per-layer decisions with per-layer block tables: finer, but every kernel, the allocator
+  (a page id would no longer mean the same tokens in every layer) and prefix sharing change;
+- the decision of one chosen layer: as cheap, but which layer is arbitrary;
+- the average of the per-layer scores (chosen). Raw scores are averaged, so a layer whose
+  ||V||/||K|| runs larger weighs more; averaging ranks instead would weigh layers equally.
+
+Two consequences of the decode rule worth knowing: (1) at the moment a decode eviction happens
+every held page is full (the newest just filled), so ``reduce="mean"`` and ``"sum"`` choose
+the same page; they differ only on partial pages. (2) The prompt is held whole between its
+prefill and `after_prefill`, so the page bound applies from `after_prefill` on.
 
 The hooks a generation loop calls (`paged_ref.hf` does):
 
