@@ -178,6 +178,21 @@ def test_bad_arguments_are_named(model, kwargs, error, match):
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_a_failed_extend_leaves_every_sequence_as_it_was(model):
+    with hf.PagedSession(model, num_pages=3, page_size=4) as session:
+        a, b = session.add(), session.add()
+        session.extend([a], [torch.tensor([5, 6, 7])])  # a holds 3 tokens on 1 page
+        with pytest.raises(OutOfPagesError):  # a needs no new page, b needs 3: only 2 are free
+            session.extend([a, b], [torch.tensor([8]), torch.arange(3, 12)])
+        assert (session.kv.seq_len(a), session.kv.seq_len(b)) == (3, 0)
+        assert (session.position(a), session.position(b)) == (3, 0)
+        assert session.kv.allocator.num_free == 2
+        with pytest.raises(ValueError, match="not a live sequence"):
+            session.extend([99], [torch.tensor([1])])
+        with pytest.raises(ValueError, match="distinct"):
+            session.extend([a, a], [torch.tensor([1]), torch.tensor([2])])
+
+
 def test_bad_input_ids_and_mismatched_cache(model):
     with pytest.raises(TypeError, match="input_ids"):
         hf.generate(model, torch.tensor([5, 6, 7]), max_new_tokens=2)  # 1-D

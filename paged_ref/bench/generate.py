@@ -13,7 +13,8 @@ Two workloads, greedy decoding, EOS ignored so that every method does the same w
   reserves most of the machine's free memory, which on CPU takes tens of seconds).
 
 Per method: median wall time of the whole call (after one warm-up; methods interleaved in each
-repeat so load changes hit them alike), generated tokens/s, whether the tokens equal
+repeat so load changes hit them alike), generated tokens/s (ratios given both as the ratio of
+the medians and as the median of the per-repeat ratios, which is steadier on a shared machine), whether the tokens equal
 ``model.generate``'s, KV bytes (``DynamicCache``: its final, padded size; paged_ref: the peak
 pages in use and the pool; generate_batch: its pool) and the peak rise of the process RSS
 during the call (sampled every 2 ms; allocator reuse makes it approximate). Ratios are
@@ -37,7 +38,7 @@ from ..cache import PagedKVCache
 from .common import environment, print_table, write_json
 
 PAGE_SIZE = 16
-FULL = dict(single_words=96, single_new=64, mixed_prompts=8, mixed_new=32, repeats=3)
+FULL = dict(single_words=96, single_new=48, mixed_prompts=8, mixed_new=32, repeats=3)
 QUICK = dict(single_words=24, single_new=8, mixed_prompts=3, mixed_new=6, repeats=1)
 
 
@@ -172,17 +173,21 @@ def _run_workload(name, model, rows, new, backends, repeats, with_generate_batch
             "peak_rss_rise_bytes": rss[m],
             **kv(),
         }
-    ratios = {}
+    ratios, paired = {}, {}
     for m in methods:
         if m.startswith("paged_"):
             for peer in ("hf_generate", "hf_generate_batch"):
                 if peer in results:
                     ratios[f"{m}/{peer}"] = results[m]["tokens_per_s"] / results[peer]["tokens_per_s"]
+                    # the same ratio within each repeat (runs minutes apart see different load), then the median
+                    per_repeat = sorted(tp / tm for tm, tp in zip(times[m], times[peer]))
+                    paired[f"{m}/{peer}"] = per_repeat[len(per_repeat) // 2]
     return {
         "workload": {"name": name, "prompt_lens": [len(r) for r in rows], "new_tokens": new,
                      "generated_tokens": generated, "page_size": PAGE_SIZE, "repeats": repeats},
         "results": results,
         "ratios_tokens_per_s": ratios,
+        "ratios_tokens_per_s_paired": paired,
     }
 
 
@@ -212,6 +217,7 @@ def main(argv=None):
     parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
                         help="the bundled SmolLM2-135M (default) or the tiny random Llama (harness check)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per method (default 3; quick 1)")
     parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
     args = parser.parse_args(argv)
     if args.threads is not None:
@@ -224,7 +230,9 @@ def main(argv=None):
         from ..models import tiny_llama
 
         model, tokenizer = tiny_llama(), None
-    sizes = QUICK if args.quick else FULL
+    sizes = dict(QUICK if args.quick else FULL)
+    if args.repeats is not None:
+        sizes["repeats"] = args.repeats
     data = {"model": args.model, "mode": "quick" if args.quick else "full", "torch_threads": torch.get_num_threads()}
     data.update(measure(model, tokenizer, **sizes))
     data["environment"] = environment()
@@ -236,7 +244,8 @@ def main(argv=None):
                 for m, r in w["results"].items()]
         print_table(["method", "median s", "tokens/s", "same tokens", "KV MiB", "RSS rise MiB"], rows)
         for ratio, value in w["ratios_tokens_per_s"].items():
-            print(f"  tokens/s {ratio}: {value:.2f}x")
+            print(f"  tokens/s {ratio}: {value:.2f}x (of medians), "
+                  f"{w['ratios_tokens_per_s_paired'][ratio]:.2f}x (median of per-repeat ratios)")
     device = "gpu" if torch.cuda.is_available() else "cpu"
     path = write_json(data, f"generate_{device}.json", out_dir=args.out)
     print(f"wrote {path}")

@@ -83,11 +83,13 @@ def _greedy_steps(session: PagedSession, prompts, max_new_tokens: int, eos: torc
         seq_ids = [session.add() for _ in prompts]
         active = list(range(len(prompts)))  # batch rows still generating
         logits = session.extend(seq_ids, prompts)  # prefill: [batch, vocab]
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             next_tokens = logits.argmax(dim=-1)  # [num_active]
             row_tokens = torch.full((len(prompts),), pad, dtype=torch.long, device=logits.device)
             row_tokens[active] = next_tokens
             yield row_tokens  # [batch]
+            if step == max_new_tokens - 1:
+                break  # the last token needs no forward of its own
             done = torch.isin(next_tokens, eos).tolist()
             for b, finished in zip(active, done):
                 if finished:

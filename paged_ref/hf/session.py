@@ -133,8 +133,13 @@ class PagedSession:
         """Switch the model's attention to the paged implementation (done by ``with``)."""
         if self._previous_impl is None:
             register()
-            self._previous_impl = self.model.config._attn_implementation
-            _set_attn_implementation(self.model, ATTN_IMPLEMENTATION)
+            previous = self.model.config._attn_implementation
+            try:
+                _set_attn_implementation(self.model, ATTN_IMPLEMENTATION)
+            except BaseException:
+                _set_attn_implementation(self.model, previous)
+                raise
+            self._previous_impl = previous
         return self
 
     def close(self) -> None:
@@ -162,14 +167,18 @@ class PagedSession:
 
     def finish(self, seq_id: int) -> None:
         """Free the sequence's pages (they go back to the allocator at once)."""
-        if seq_id not in self._positions:
-            raise ValueError(f"seq_id {seq_id!r} is not a live sequence of this session (live: {sorted(self._positions)})")
+        self._check_live(seq_id)
         del self._positions[seq_id]
         self.kv.free(seq_id)
 
     def position(self, seq_id: int) -> int:
         """Absolute position the sequence's next token will take (tokens fed so far)."""
+        self._check_live(seq_id)
         return self._positions[seq_id]
+
+    def _check_live(self, seq_id) -> None:
+        if seq_id not in self._positions:
+            raise ValueError(f"seq_id {seq_id!r} is not a live sequence of this session (live: {sorted(self._positions)})")
 
     @property
     def seq_ids(self) -> list[int]:
@@ -196,8 +205,7 @@ class PagedSession:
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
         for s in seq_ids:
-            if s not in self._positions:
-                raise ValueError(f"seq_id {s!r} is not a live sequence of this session (live: {sorted(self._positions)})")
+            self._check_live(s)
         device = self.kv.device
         tokens = [torch.as_tensor(t, device=device).long().reshape(-1) for t in tokens]
         q_lens_list = [t.numel() for t in tokens]
@@ -297,3 +305,9 @@ def _set_attn_implementation(model, name: str) -> None:
         setter(name)
     else:  # pragma: no cover - transformers without set_attn_implementation
         model.config._attn_implementation = name
+    if model.config._attn_implementation != name:  # e.g. a model that hard-codes its attention
+        raise TypeError(
+            f"{type(model).__name__} did not accept attn_implementation={name!r} (it stays "
+            f"{model.config._attn_implementation!r}); paged_ref.hf needs a model whose attention goes "
+            "through transformers.AttentionInterface (Llama, Mistral, Qwen2, SmolLM2, ...)"
+        )
