@@ -10,7 +10,9 @@ The function ignores ``key``/``value`` (only the new tokens) and the mask: the s
 as the extra keyword ``paged_step`` (transformers forwards unknown keywords from the model call
 down to the attention function), says where each sequence's K/V live. Because
 ``"paged_ref"`` has no entry in `AttentionMaskInterface`, transformers builds no mask at all
-(true in 5.17 and 5.24): causality and sequence lengths are the kernels' job.
+(`masking_utils` returns early for any implementation without a mask function; written
+against 5.24, the same early exit is in the 5.x sources): causality and sequence lengths are
+the kernels' job.
 
 Backends (decode = one new token per sequence, prefill = several):
 
@@ -23,9 +25,9 @@ triton      paged_decode (Triton kernel)    paged_prefill_reference
 sdpa        sdpa_paged_decode               sdpa_paged_prefill
 =========== =============================== ===============================
 
+Triton has no prefill kernel here: prefill is compute-bound and runs once per prompt.
 ``sdpa`` (`paged_ref.hf.sdpa`) gathers the batch's tokens by slot and calls PyTorch's SDPA:
 the fast path on a CPU, where the Triton kernel only runs in the interpreter.
-Triton has no prefill kernel here: prefill is compute-bound and runs once per prompt.
 """
 
 from __future__ import annotations

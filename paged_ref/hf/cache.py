@@ -61,7 +61,6 @@ class StepPlan:
     seq_lens: torch.Tensor
     decode: Callable
     prefill: Callable
-
     max_q_len: int
     attn_kwargs: dict = field(default_factory=dict)
 
