@@ -52,9 +52,15 @@ def _trace(model, names=("A", "B", "C"), new=10, **tracer_kw):
     return tracer.finish(), kv, ids, mask, out, eos
 
 
+@pytest.fixture(scope="module")
+def traced(model):
+    """One traced generation of the EOS batch, shared by the tests that only read it."""
+    return _trace(model)
+
+
 # --------------------------------------------------------------------------- the tracer
-def test_tracer_records_what_the_cache_held_at_every_step(model):
-    trace, kv, ids, mask, out, eos = _trace(model)
+def test_tracer_records_what_the_cache_held_at_every_step(traced):
+    trace, kv, ids, mask, out, eos = traced
     lengths = mask.sum(1).tolist()
     steps = out.shape[1] - ids.shape[1]
     assert trace.steps == tuple(range(steps)) + (None,)
@@ -76,6 +82,25 @@ def test_tracer_records_what_the_cache_held_at_every_step(model):
     assert trace.finished_at() == {"A": None, "B": 4, "C": None}
     assert trace.maps[0].stored_tokens == sum(lengths)
     assert trace.maps[-1].count("used") == 0
+    assert trace.recycled_pages() == []  # a roomy pool: the bump pointer never reached the end
+
+
+def test_a_tight_pool_reuses_the_pages_of_a_finished_sequence(model):
+    """Without reuse the batch would need 10 pages (A 4, B 3, C 3); B ends at step 3 and its pages
+    go to the free list; in a pool of 9 the bump pointer runs out and a returned page is handed out again."""
+    ids, mask, eos = _eos_batch(model)
+    kv = _kv(num_pages=9)
+    tracer = PageTracer(kv, names=["A", "B", "C"])
+    out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=10, kv_cache=kv, callback=tracer,
+                      eos_token_id=eos, pad_token_id=0)
+    trace = tracer.finish()
+    assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
+                                           eos_token_id=eos, pad_token_id=0))
+    recycled = trace.recycled_pages()
+    assert len(recycled) == 1
+    page, b = recycled[0], trace.seq_ids[1]
+    assert b in trace.maps[0].owners[page]  # B's page at first ...
+    assert any(pm.owners[page] and b not in pm.owners[page] for pm in trace.maps)   # ... then A's or C's
 
 
 def test_tracer_ignores_sequences_that_were_in_the_cache_before(model):
@@ -144,8 +169,8 @@ def test_live_view_draws_every_n_steps_into_one_display(model, monkeypatch):
 
 
 # --------------------------------------------------------------------------- figures
-def test_pages_over_steps_figure_stacks_each_sequence(model):
-    trace, *_ = _trace(model)
+def test_pages_over_steps_figure_stacks_each_sequence(traced):
+    trace, *_ = traced
     fig = pages_over_steps_figure(trace)
     top = fig.axes[0]
     assert len(top.collections) == len(trace.names)  # one stacked band per sequence
@@ -156,8 +181,8 @@ def test_pages_over_steps_figure_stacks_each_sequence(model):
         pages_over_steps_figure({"steps": []})
 
 
-def test_story_indices_include_prefill_end_and_early_finishes(model):
-    trace, *_ = _trace(model)
+def test_story_indices_include_prefill_end_and_early_finishes(traced):
+    trace, *_ = traced
     idx = story_indices(trace, max_panels=4)
     last = len(trace.steps) - 1
     assert idx[0] == 0 and idx[-1] == last and trace.steps.index(4) in idx and len(idx) == 4
@@ -190,8 +215,8 @@ def test_logprob_figure_reports_max_difference_and_exact_zeros():
 
 
 # --------------------------------------------------------------------------- the widget callback
-def test_trace_view_draws_the_chosen_snapshot(model):
-    trace, *_ = _trace(model)
+def test_trace_view_draws_the_chosen_snapshot(traced):
+    trace, *_ = traced
     first, last = trace_view(trace, 0), trace_view(trace, -1)
     n = len(trace.maps)
     assert first.axes[0].get_title(loc="left") == f"snapshot 0/{n - 1}: {trace.title(0)}"

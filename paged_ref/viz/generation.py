@@ -42,7 +42,7 @@ from . import add_note
 from .pages import PageMap, page_map, page_map_figure, page_map_story, seq_color
 
 __all__ = ["GenerationTrace", "PageTracer", "pages_over_steps_figure", "generation_story_figure",
-           "story_indices", "logprob_figure"]
+           "story_indices", "logprob_figure", "run_note"]
 
 FINAL = "after generate returned"
 
@@ -84,6 +84,15 @@ class GenerationTrace:
             held = self.pages_held[name]
             out[name] = next((self.steps[i] for i in range(len(held) - 1) if held[i] == 0), None)
         return out
+
+    def recycled_pages(self) -> list[int]:
+        """Physical pages handed out again after an earlier snapshot showed them returned (free list reuse)."""
+        returned_before: set[int] = set()
+        out: set[int] = set()
+        for pm in self.maps:
+            out |= {p for p, st in enumerate(pm.status) if st == "used" and p in returned_before}
+            returned_before |= {p for p, st in enumerate(pm.status) if st == "returned"}
+        return sorted(out)
 
     def title(self, index: int) -> str:
         """Caption of snapshot ``index``."""
@@ -296,6 +305,21 @@ def logprob_figure(plain: torch.Tensor, paged: Mapping[str, torch.Tensor], *, to
     bottom.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     add_note(fig, note or "float32 on CPU; exact zeros drawn at the bottom of the axis.")
     return fig
+
+
+def run_note(what: str) -> str:
+    """A provenance line for a figure: ``what``, then the device, the versions and the UTC date.
+
+    Example:
+        >>> run_note("SmolLM2-135M-Instruct, float32").startswith("SmolLM2-135M-Instruct, float32; measured on ")
+        True
+    """
+    from ..bench.common import environment
+
+    env = environment()
+    device = f"GPU {env['gpu']}" if env["gpu"] else f"CPU ({env['platform']})"
+    return (f"{what}; measured on {device}, torch {env['torch']}, transformers {env['transformers']}, "
+            f"{env['date_utc'][:10]}.")
 
 
 def _as_1d(name: str, values) -> torch.Tensor:
