@@ -98,6 +98,10 @@ def tile_map_figure(block_table_row, seq_len: int, page_size: int, block_n: int,
             ax.add_patch(Rectangle((a, y_split), b - a, h, fc=SPLIT_SHADES[s % len(SPLIT_SHADES)],
                                    ec="k", lw=0.8))
             ax.text((a + b) / 2, y_split + h / 2, f"split {s}" if b - a >= 6 else str(s), **text)
+    empty = sum(1 for a, b in ranges if a == b)
+    if empty:                                                    # trailing splits with no tokens
+        ax.text(seq_len + 0.005 * width, y_split + h / 2, f" + {empty} empty split"
+                f"{'s' if empty > 1 else ''} (neutral partials)", ha="left", va="center", fontsize=7)
     n_tiles = -(-seq_len // block_n)
     for t in range(n_tiles):                                     # tiles
         a, b = t * block_n, min((t + 1) * block_n, seq_len)

@@ -59,9 +59,9 @@ def tiling_numbers(page_size: int, block_n: int, num_splits: int, seq_len: int =
     """What the kernel does for one sequence of ``seq_len`` tokens with these settings.
 
     Returns a dict: ``tiles`` (loop iterations in all splits), ``pages`` (pages the sequence
-    uses), ``max_pages_per_tile`` (distinct pages one tile touches), ``lookups`` (block-table
-    loads: one per token slot of every tile, ``tiles * block_n``), ``splits`` (each split's
-    ``(start, end)``), ``empty_splits``, and ``rel_err``: the spec of the kernel
+    uses), ``max_pages_per_tile`` (distinct block-table entries one tile reads: its tokens
+    look up their pages one by one, tokens of one page hit the same entry), ``splits`` (each
+    split's ``(start, end)``), ``empty_splits``, and ``rel_err``: the spec of the kernel
     (``paged_decode_spec``, 4 query heads over 2 KV heads, head_dim 8, float64) with these
     settings against ``paged_attention_reference`` on the same random inputs.
     """
@@ -79,7 +79,7 @@ def tiling_numbers(page_size: int, block_n: int, num_splits: int, seq_len: int =
     ref = paged_attention_reference(q, k_cache, v_cache, bt, lens)
     return {"tiles": len(tile_pages), "pages": len(table),
             "max_pages_per_tile": max(len(p) for p in tile_pages),
-            "lookups": len(tile_pages) * block_n, "splits": splits,
+            "splits": splits,
             "empty_splits": sum(1 for a, b in splits if a == b),
             "rel_err": float((out - ref).norm() / ref.norm())}
 
