@@ -180,8 +180,11 @@ def fake_results(delta_nll=0.1, ratio_correct=18, abl_correct=2, trials=20):
     pk_summary = [dict(policy=p, budget=128, trials=trials, correct=5, accuracy=0.25, ci95=[0.1, 0.5], key_held=7,
                        key_held_rate=0.35, correct_when_held=4, correct_when_lost=1)
                   for p in ("full", "paged_eviction", *ve.ABLATIONS)]
+    speed = [dict(policy=p, budget=None if p == "full" else 128, tokens_per_s=10.0 / (i + 1), ratio_vs_full=1 / (i + 1),
+                  kv_bytes_held=2**20 * (4 - i)) for i, p in enumerate(("full", "paged_eviction", "token_topk"))]
     return dict(mode="quick", model="m", environment=dict(cpu="x86_64", torch="2", python="3", date_utc="d"),
-                seconds=1.0, language_modelling=lm_summary, passkey=pk_summary, lm_rows=lm_rows, passkey_rows=pk_rows)
+                seconds=1.0, language_modelling=lm_summary, passkey=pk_summary, lm_rows=lm_rows, passkey_rows=pk_rows,
+                speed=speed)
 
 
 def test_ablation_verdicts_follow_the_numbers():
@@ -218,6 +221,8 @@ def test_tables_print_exact_numbers():
     assert f"{math.exp(3.0):.3f}" in lm and lm.count("\n") == 1 + len(res["language_modelling"])
     assert "[0.100, 0.500]" in ve.passkey_table(res)
     assert "x86_64" in ve.provenance(res) and "quick run" in ve.provenance(res)
+    speed = ve.speed_table(res).splitlines()
+    assert len(speed) == 5 and speed[4].split()[:5] == ["token_topk", "128", "3.33", "0.333", "2.00"]
 
 
 # --------------------------------------------------------------------------- figures and widget
@@ -239,6 +244,9 @@ def test_widget_view_and_errors():
     ks, vs = kv(n=96, layers=2)
     fig = we.kept_pages_view(32, 8, "token_topk", kv=(ks, vs), prompt_len=48)
     assert [ax.get_title().split("\n")[0] for ax in fig.axes] == ["paged_eviction", "token_topk (ratio)"]
+    labels = [ve.policy_label(ve.replay(ks, vs, name, budget=32, page_size=8, prompt_len=48))
+              for name in ("paged_eviction", "value_norm", "streaming_llm")]
+    assert labels == ["paged_eviction", "page eviction by value_norm", "streaming_llm"]
     alone = we.kept_pages_view(32, 8, "paged_eviction", kv=(ks, vs))
     assert len(alone.axes) == 1
     with pytest.raises(ValueError, match="policy"):

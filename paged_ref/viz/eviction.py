@@ -48,8 +48,8 @@ from . import add_note
 __all__ = [
     "SCORE_LABELS", "ABLATIONS", "MAP_POLICIES",
     "layer_scores", "spearman", "score_correlations", "layer_agreement", "swap_check",
-    "Replay", "replay", "layout_stats",
-    "load_results", "provenance", "lm_table", "passkey_table", "ablation", "ablation_table",
+    "Replay", "replay", "layout_stats", "policy_label",
+    "load_results", "provenance", "lm_table", "passkey_table", "speed_table", "ablation", "ablation_table",
     "score_distribution_figure", "score_positions_figure", "correlation_figure", "agreement_figure",
     "page_map_figure", "fragmentation_figure", "perplexity_figure", "passkey_figure", "ablation_figure",
 ]
@@ -219,7 +219,10 @@ def replay(ks, vs, policy, *, budget: int | None = None, page_size: int, prompt_
     The K/V of the later tokens are the ones given, i.e. computed with the full cache (under
     eviction a real decode would compute slightly different K/V in layers >= 1; the
     evaluation in `paged_ref.bench.eviction` decodes for real). The allocator is checked to be
-    all free again at the end.
+    all free again at the end. It runs with one torch thread (restored afterwards): every
+    step is a handful of small tensor ops, which extra threads slow down on a busy machine
+    (measured on 2 shared cores: 119 s with the default threads vs about 6 s with one, for the
+    six policies of notebook 07 on 512 tokens).
 
     Args:
         ks, vs: per-layer ``[num_tokens, num_kv_heads, head_dim]``.
@@ -239,6 +242,16 @@ def replay(ks, vs, policy, *, budget: int | None = None, page_size: int, prompt_
         policy = make_policy(policy, budget)
     elif not isinstance(policy, EvictionPolicy):
         raise TypeError(f"policy must be a policy name or an EvictionPolicy, got {type(policy).__name__}")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # small per-token ops: extra threads only wait on a busy core
+    try:
+        return _replay(ks, vs, policy, page_size, prompt_len, chunk)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay(ks, vs, policy, page_size, prompt_len, chunk) -> Replay:
+    n = ks[0].shape[0]
     num_layers, (_, hkv, d) = len(ks), ks[0].shape
     cache = PagedKVCache(num_layers=num_layers, num_pages=-(-n // page_size) + 2, page_size=page_size,
                          num_kv_heads=hkv, head_dim=d, dtype=ks[0].dtype)
@@ -363,6 +376,13 @@ def passkey_table(results: dict) -> str:
                      [[r["budget"] or "-", r["policy"], f"{r['correct']}/{r['trials']}", f"{r['accuracy']:.3f}",
                        f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]", f"{r['key_held']}/{r['trials']}",
                        r["correct_when_held"], r["correct_when_lost"]] for r in rows])
+
+
+def speed_table(results: dict) -> str:
+    """Decode tokens/s per policy (one sequence, CPU) as measured, and the ratio to the full cache."""
+    return _fmt_rows(["policy", "C", "tokens/s", "vs full", "KV MiB held"],
+                     [[r["policy"], r["budget"] or "-", f"{r['tokens_per_s']:.2f}", f"{r['ratio_vs_full']:.3f}",
+                       f"{r['kv_bytes_held'] / 2**20:.2f}"] for r in results.get("speed", [])])
 
 
 # two-sided 95% Student t quantiles by degrees of freedom (beyond 30: the normal's 1.96)
@@ -553,7 +573,8 @@ def _page_grid(r: Replay) -> np.ndarray:
     return cells.reshape(-1, r.page_size)
 
 
-def _label(r: Replay) -> str:
+def policy_label(r: Replay) -> str:
+    """A short name for a replayed policy (ablations read 'page eviction by <score>')."""
     name = r.policy.name
     if name == "paged_eviction":
         name = "paged_eviction" if r.policy.method == "value_key_ratio" else f"page eviction by {r.policy.method}"
@@ -575,7 +596,7 @@ def page_map_figure(replays: list[Replay], *, note: str = "") -> Figure:
         grid = _page_grid(r)
         ax.imshow(grid, aspect="auto", cmap=_MAP_COLORS, vmin=0, vmax=3, interpolation="nearest")
         ax.axhline(r.prompt_len / r.page_size - 0.5, color="k", ls="--", lw=1)
-        ax.set_title(f"{_label(r)}\n{int(r.kept.sum())} kept, {r.stats.pages_dropped} pages dropped,\n"
+        ax.set_title(f"{policy_label(r)}\n{int(r.kept.sum())} kept, {r.stats.pages_dropped} pages dropped,\n"
                      f"{r.stats.tokens_moved} tokens copied", fontsize=8)
         ax.set_xticks([0, r.page_size - 1])
         ax.set_xlabel("offset in page")
@@ -583,7 +604,7 @@ def page_map_figure(replays: list[Replay], *, note: str = "") -> Figure:
     from matplotlib.patches import Patch
 
     fig.legend(handles=[Patch(color=c, label=lab) for c, lab in zip(_MAP_COLORS.colors[1:], (
-        "kept", "evicted at prefill", "evicted during decode"))], loc="outside lower center", ncol=3, fontsize=8)
+        "kept", "evicted at prefill", "evicted during decode"))], loc="outside right upper", fontsize=8)
     fig.suptitle(f"Which tokens go: C = {replays[0].budget}, prompt {replays[0].prompt_len} tokens, "
                  f"then {replays[0].evicted_at.shape[0] - replays[0].prompt_len} decoded", fontsize=10)
     add_note(fig, note)
@@ -592,7 +613,7 @@ def page_map_figure(replays: list[Replay], *, note: str = "") -> Figure:
 
 def fragmentation_figure(replays: list[Replay], *, note: str = "") -> Figure:
     """Decode phase: pages the survivors occupy if nothing moves, vs dense pages; tokens copied."""
-    labels = [_label(r) for r in replays]
+    labels = [policy_label(r) for r in replays]
     lay = [layout_stats(r.kept, r.page_size, r.prompt_len) for r in replays]
     fig = Figure(figsize=(11, 3.8), layout="constrained")
     a1, a2 = fig.subplots(1, 2)
