@@ -547,9 +547,10 @@ def test_bench_language_modelling_task_on_the_tiny_model(tiny):
     from paged_ref.bench.eviction import _runs, lm_task, summarize_lm
 
     cfg = dict(texts=1, context=40, continuation=17, budgets=[16], page_sizes=[4, 8])
-    rows, check = lm_task(__import__("paged_ref.eviction.lm", fromlist=["PagedLM"]).PagedLM(tiny),
+    rows, check, texts = lm_task(__import__("paged_ref.eviction.lm", fromlist=["PagedLM"]).PagedLM(tiny),
                           _WordTokenizer(), cfg, log=lambda msg: None)
     assert check < 1e-4  # the full cache's NLL equals the model's own forward
+    assert texts[-1]["used"] and all(t["copied_8grams"] > 0.05 for t in texts[:-1])
     summary = summarize_lm(rows)
     assert len(summary) == 2 * len(_runs([16], exclude=("token_topk",))) + 1
     for r in summary:

@@ -4,7 +4,8 @@
 
 One run measures, on the real model (`paged_ref.models.load_smollm2`, float32, CPU):
 
-* Language modelling: real English (`paged_ref.textdata`, CPython's documentation prose). A
+* Language modelling: real English (`paged_ref.textdata`, CPython's documentation prose; a
+  text whose continuation copies its context is skipped, see `copy_fraction`). A
   context of ``context`` tokens is prefilled with full attention, each policy evicts down to
   its budget C, then the next ``continuation`` tokens are fed one at a time (teacher forcing)
   while the policy keeps evicting; reported per (policy, C, page size B): mean NLL per token
@@ -55,9 +56,10 @@ VARIANTS = {"paged_eviction_first_page": ("paged_eviction", {"protect_first_page
 QUICK = dict(texts=1, context=384, continuation=33, budgets=[128], page_sizes=[16],
              passkey_trials=2, passkey_context=300, passkey_budgets=[128], speed_steps=6, speed_rounds=1,
              speed_budget=128)
-FULL = dict(texts=2, context=2048, continuation=128, budgets=[128, 256, 512, 1024], page_sizes=[16, 32],
+FULL = dict(texts=3, context=2048, continuation=128, budgets=[128, 256, 512, 1024], page_sizes=[16, 32],
             passkey_trials=20, passkey_context=1100, passkey_budgets=[128, 256, 512], speed_steps=16,
             speed_rounds=3, speed_budget=256)
+MAX_COPIED = 0.05  # skip texts whose continuation repeats more than this fraction of context 8-grams
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
@@ -153,12 +155,20 @@ class _Batch:
 def lm_task(lm, tok, cfg, log):
     from ..textdata import english_text
 
-    rows, checks = [], []
+    rows, checks, texts = [], [], []
     n_ctx, n_cont = cfg["context"], cfg["continuation"]
-    for t in range(cfg["texts"]):
-        text = english_text(int((n_ctx + n_cont) * 1.2), start=t * 150)
+    start = 0
+    while len(texts) < cfg["texts"]:
+        text = english_text(int((n_ctx + n_cont) * 1.2), start=start)
         ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0][: n_ctx + n_cont]
-        assert ids.numel() == n_ctx + n_cont, f"text {t} has only {ids.numel()} tokens"
+        assert ids.numel() == n_ctx + n_cont, f"text at paragraph {start} has only {ids.numel()} tokens"
+        copied = copy_fraction(ids, n_ctx)
+        texts.append(dict(start_paragraph=start, copied_8grams=copied, used=copied <= MAX_COPIED))
+        start += 150
+        if copied > MAX_COPIED:
+            log(f"text at paragraph {start - 150} skipped: {copied:.0%} of its continuation's 8-grams are in its context")
+            continue
+        t = sum(x["used"] for x in texts) - 1  # index among the texts used
         t0 = time.perf_counter()
         logits, ks, vs = lm.prompt_kv(ids)  # the model's own forward over context + continuation
         ks, vs = [k[:n_ctx] for k in ks], [v[:n_ctx] for v in vs]
@@ -188,7 +198,24 @@ def lm_task(lm, tok, cfg, log):
             log(f"text {t}, page size {ps}: {len(runs)} sequences x {n_cont - 1} tokens in "
                 f"{time.perf_counter() - t0:.1f} s" + (f"; full-cache mean |NLL - model| {checks[-1]:.2e}"
                                                        if runs[0][0] == "full" else ""))
-    return rows, max(checks)
+    return rows, max(checks), texts
+
+
+def copy_fraction(ids: torch.Tensor, n_ctx: int, n: int = 8) -> float:
+    """Fraction of the continuation's token n-grams that also occur in the context.
+
+    CPython's documentation repeats whole paragraphs across topics; a continuation copied from
+    its context measures copying (retrieval), not language modelling, so such texts are skipped.
+
+    Example:
+        >>> copy_fraction(torch.tensor([1, 2, 3, 1, 2, 3]), 3, n=2)
+        1.0
+    """
+    ctx = ids[:n_ctx].tolist()
+    cont = ids[n_ctx:].tolist()
+    seen = {tuple(ctx[i:i + n]) for i in range(len(ctx) - n + 1)}
+    grams = [tuple(cont[i:i + n]) for i in range(len(cont) - n + 1)]
+    return sum(g in seen for g in grams) / max(1, len(grams))
 
 
 def summarize_lm(rows):
@@ -424,12 +451,12 @@ def _run(args):
     model, tok = load_smollm2()
     lm = PagedLM(model)
     log("model loaded")
-    lm_rows, check = lm_task(lm, tok, cfg, log)
+    lm_rows, check, texts = lm_task(lm, tok, cfg, log)
     pk_rows = passkey_task(lm, tok, cfg, log)
     speed = speed_task(lm, tok, cfg, log)
     lm_summary, pk_summary = summarize_lm(lm_rows), summarize_passkey(pk_rows)
     result = dict(mode=mode, config=cfg, environment=dict(environment(), torch_threads=args.threads), model="SmolLM2-135M-Instruct (GGUF, float32)",
-                  check_max_abs_logprob_diff=check, language_modelling=lm_summary, passkey=pk_summary,
+                  check_max_abs_logprob_diff=check, texts=texts, language_modelling=lm_summary, passkey=pk_summary,
                   speed=speed, lm_rows=lm_rows, passkey_rows=pk_rows,
                   seconds=round(time.perf_counter() - start, 1))
     path = write_json(result, f"eviction_{mode}.json", args.out)
