@@ -344,80 +344,131 @@ def speed_task(lm, tok, cfg, log):
 
 
 # ----------------------------------------------------------------------------- figures
-def plot_lm(summary):
+def _colors():
+    import matplotlib.pyplot as plt
+
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {name: cycle[i % len(cycle)] for i, name in enumerate(POLICIES[1:])}
+
+
+def _stamp(fig, result):
+    env = result["environment"]
+    fig.suptitle(f"{result['model']}; CPU ({env['cpu']}, {env.get('torch_threads', '?')} thread), torch {env['torch']}, "
+                 f"transformers {env['transformers']}; measured {env['date_utc'][:10]} "
+                 f"(python -m paged_ref.bench eviction)", fontsize=8, y=1.05)
+
+
+def plot_lm(result):
     """Perplexity vs budget per policy, one panel per page size (full cache as a line)."""
     import matplotlib.pyplot as plt
 
+    summary, colors = result["language_modelling"], _colors()
     sizes = sorted({r["page_size"] for r in summary})
-    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.2), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.4), sharey=True, squeeze=False)
     for ax, ps in zip(axes[0], sizes):
         rows = [r for r in summary if r["page_size"] == ps]
         full = next(r for r in rows if r["policy"] == "full")
         ax.axhline(full["ppl"], color="k", ls="--", lw=1, label=f"full cache ({full['ppl']:.2f})")
         for name in POLICIES[1:]:
             pts = sorted((r["budget"], r["ppl"]) for r in rows if r["policy"] == name)
-            ax.plot(*zip(*pts), marker="o", label=name, lw=2.5 if name == "paged_eviction" else 1.2)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=colors[name], label=name,
+                        lw=2.5 if name.startswith("paged_eviction") else 1.2)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("budget C (tokens held)")
-        ax.set_title(f"page size B = {ps}")
+        ax.set_title(f"page size B = {ps}; context {result['config']['context']}, "
+                     f"{full['texts']} texts x {result['config']['continuation'] - 1} tokens", fontsize=10)
     axes[0][0].set_ylabel("perplexity of the continuation")
-    axes[0][-1].legend(fontsize=8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8, bbox_to_anchor=(0.5, -0.16))
+    _stamp(fig, result)
     return fig
 
 
-def plot_passkey(summary):
+def plot_passkey(result):
     """Pass-key accuracy (Wilson 95% interval) and how often the key's tokens were held."""
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    summary, colors = result["passkey"], _colors()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.4))
     names = POLICIES[1:]
     budgets = sorted({r["budget"] for r in summary if r["budget"] is not None})
     width = 0.8 / len(names)
     full = next(r for r in summary if r["policy"] == "full")
     for ax, key in ((a1, "accuracy"), (a2, "key_held_rate")):
-        ax.axhline(full[key], color="k", ls="--", lw=1, label="full cache")
+        ax.axhline(full[key], color="k", ls="--", lw=1, label=f"full cache ({full[key]:.2f})")
         for j, name in enumerate(names):
             rows = sorted((r for r in summary if r["policy"] == name), key=lambda r: r["budget"])
             x = [budgets.index(r["budget"]) + (j - len(names) / 2 + 0.5) * width for r in rows]
             y = [r[key] for r in rows]
             if key == "accuracy":
                 err = [[r["accuracy"] - r["ci95"][0] for r in rows], [r["ci95"][1] - r["accuracy"] for r in rows]]
-                ax.bar(x, y, width, yerr=err, capsize=2, label=name)
+                ax.bar(x, y, width, yerr=err, capsize=2, color=colors[name], label=name)
             else:
-                ax.bar(x, y, width, label=name)
+                ax.bar(x, y, width, color=colors[name], label=name)
         ax.set_xticks(range(len(budgets)), [f"C = {c}" for c in budgets])
         ax.set_ylim(0, 1.05)
-    a1.set_title(f"pass-key accuracy ({full['trials']} trials, Wilson 95%)")
-    a2.set_title("key tokens still held when the answer starts")
-    a1.legend(fontsize=7, ncol=2)
+    a1.set_title(f"pass-key accuracy ({full['trials']} trials, Wilson 95% interval)")
+    a2.set_title("all tokens of a key mention still held when the answer starts")
+    handles, labels = a1.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8, bbox_to_anchor=(0.5, -0.12))
+    _stamp(fig, result)
     return fig
 
 
-def plot_cost(lm_summary, speed):
-    """KV bytes held and decode tokens/s per policy relative to the full cache."""
+def plot_cost(result):
+    """KV bytes held per budget, and decode tokens/s relative to the full cache."""
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+    lm_summary, speed, colors = result["language_modelling"], result["speed"], _colors()
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.2))
     ps = min(r["page_size"] for r in lm_summary)
-    budgets = sorted({r["budget"] for r in lm_summary if r["budget"] is not None})
     full = next(r for r in lm_summary if r["policy"] == "full" and r["page_size"] == ps)
-    for name in POLICIES[1:]:
+    budgets = sorted({r["budget"] for r in lm_summary if r["budget"] is not None})
+    for name in ("paged_eviction", "token_topk"):
         pts = sorted((r["budget"], r["kv_bytes_held"] / 2**20) for r in lm_summary
                      if r["policy"] == name and r["page_size"] == ps)
-        a1.plot(*zip(*pts), marker="o", label=name)
-    a1.axhline(full["kv_bytes_held"] / 2**20, color="k", ls="--", lw=1, label="full cache")
+        a1.plot(*zip(*pts), marker="o", color=colors[name],
+                label=name + (" (and every page policy)" if name == "paged_eviction" else ""))
+    a1.axhline(full["kv_bytes_held"] / 2**20, color="k", ls="--", lw=1,
+               label=f"full cache ({full['kv_bytes_held'] / 2**20:.1f} MiB)")
     a1.set_xscale("log", base=2)
+    a1.set_xticks(budgets, [str(c) for c in budgets])
     a1.set_xlabel("budget C")
-    a1.set_ylabel("KV MiB held at the end")
-    a1.set_title(f"KV bytes held (B = {ps})")
-    a1.legend(fontsize=7)
-    a2.bar([r["policy"] for r in speed], [r["ratio_vs_full"] for r in speed])
+    a1.set_ylabel("KV MiB held after the continuation")
+    a1.set_title(f"KV bytes held, B = {ps} (pages held x page bytes)")
+    a1.legend(fontsize=8)
+    names = [r["policy"] for r in speed]
+    full_tps = speed[0]["tokens_per_s"]
+    ratios = [r["ratio_vs_full"] for r in speed]
+    lo = [r - min(r2 / full_tps for r2 in s["tokens_per_s_rounds"]) for r, s in zip(ratios, speed)]
+    hi = [max(r2 / full_tps for r2 in s["tokens_per_s_rounds"]) - r for r, s in zip(ratios, speed)]
+    a2.bar(names, ratios, yerr=[lo, hi], capsize=3, color=["k"] + [colors[n] for n in names[1:]])
     a2.axhline(1, color="k", lw=1)
-    a2.set_ylabel("decode tokens/s / full cache")
-    a2.set_title(f"decode speed, C = {speed[1]['budget']}, context {speed[0]['context']} (CPU)")
+    a2.set_ylabel("decode tokens/s / full cache's median")
+    a2.set_title(f"decode speed, one sequence, C = {speed[1]['budget']}, context {speed[0]['context']}\n"
+                 f"(median and range of {len(speed[0]['tokens_per_s_rounds'])} rounds; shared 2-core CPU)", fontsize=10)
     a2.tick_params(axis="x", rotation=45)
+    _stamp(fig, result)
     return fig
+
+
+def write_figures(result) -> list[Path]:
+    """Draw the three figures from a result dict and write ``figures/07_eviction_*.png``."""
+    import matplotlib.pyplot as plt
+
+    from ..runmode import figures_dir
+
+    paths = []
+    for name, draw in (("07_eviction_perplexity", plot_lm), ("07_eviction_passkey", plot_passkey),
+                       ("07_eviction_cost", plot_cost)):
+        fig = draw(result)
+        path = Path(figures_dir()) / f"{name}.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
+        plt.close(fig)
+        paths.append(path)
+    return paths
 
 
 # ----------------------------------------------------------------------------- main
@@ -426,10 +477,18 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="small sizes (CI, ~2-3 min on 2 cores)")
     parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data/)")
     parser.add_argument("--no-figures", action="store_true", help="full mode without writing figures/07_*.png")
+    parser.add_argument("--plot", metavar="JSON", default=None,
+                        help="only redraw figures/07_*.png from a result file (no model run)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (default 1: on a shared 2-core machine, multi-threaded small ops "
                              "stall waiting for a busy core; measured 1.05 s vs 0.16 s per decode step)")
     args = parser.parse_args(argv)
+    if args.plot:
+        import json
+
+        for path in write_figures(json.loads(Path(args.plot).read_text())):
+            print(f"wrote {path}")
+        return None
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -481,13 +540,8 @@ def _run(args):
                   f"{r['kv_bytes_held'] / 2**20:.2f}"] for r in speed])
     print(f"\nwrote {path} ({result['seconds']} s)")
     if mode == "full" and not args.no_figures:
-        from ..runmode import figures_dir
-
-        for name, fig in (("07_eviction_perplexity", plot_lm(lm_summary)),
-                          ("07_eviction_passkey", plot_passkey(pk_summary)),
-                          ("07_eviction_cost", plot_cost(lm_summary, speed))):
-            fig.savefig(Path(figures_dir()) / f"{name}.png", dpi=110, bbox_inches="tight", metadata={"Software": None})
-            print(f"wrote figures/{name}.png")
+        for path in write_figures(result):
+            print(f"wrote {path}")
     return result
 
 
