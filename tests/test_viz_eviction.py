@@ -201,6 +201,22 @@ def test_ablation_verdicts_follow_the_numbers():
     assert tie["lm_ci95"][0] < 0 < tie["lm_ci95"][1]
     text = ve.ablation_table(ve.ablation(fake_results()))
     assert "ratio vs random" in text and "ratio better" in text
+    one = fake_results()
+    one["lm_rows"] = [r for r in one["lm_rows"] if r["text"] == 0 and r["page_size"] == 16 and r["budget"] == 128]
+    single = ve.ablation(one)[0]
+    assert single["lm_cells"] == 1 and single["lm_verdict"] == "not resolved"
+    assert "no interval from 1 cell" in ve.ablation_table([single])
+
+
+def test_lm_pairs():
+    res = fake_results()
+    first = res["language_modelling"][4]
+    assert (first["policy"], first["page_size"], first["budget"]) == ("paged_eviction", 16, 128)
+    first["nll"] = 2.5
+    pairs = ve.lm_pairs(res, "paged_eviction", "value_norm")
+    assert [(p["page_size"], p["budget"]) for p in pairs] == [(16, 128), (16, 256), (32, 128), (32, 256)]
+    assert (pairs[0]["nll_a"], pairs[0]["nll_b"], pairs[1]["nll_a"]) == (2.5, 3.0, 3.0)
+    assert ve.lm_pairs(res, "paged_eviction", "no_such_policy") == []
 
 
 def test_wilson_matches_the_known_interval():

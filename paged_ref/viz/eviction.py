@@ -49,7 +49,7 @@ __all__ = [
     "SCORE_LABELS", "ABLATIONS", "MAP_POLICIES",
     "layer_scores", "spearman", "score_correlations", "layer_agreement", "swap_check",
     "Replay", "replay", "layout_stats", "policy_label",
-    "load_results", "provenance", "lm_table", "passkey_table", "speed_table", "ablation", "ablation_table",
+    "load_results", "provenance", "lm_table", "passkey_table", "speed_table", "lm_pairs", "ablation", "ablation_table",
     "score_distribution_figure", "score_positions_figure", "correlation_figure", "agreement_figure",
     "page_map_figure", "fragmentation_figure", "perplexity_figure", "passkey_figure", "ablation_figure",
 ]
@@ -385,6 +385,21 @@ def speed_table(results: dict) -> str:
                        f"{r['kv_bytes_held'] / 2**20:.2f}"] for r in results.get("speed", [])])
 
 
+def lm_pairs(results: dict, a: str, b: str) -> list[dict]:
+    """Language-modelling summary rows of policies ``a`` and ``b`` side by side, per (B, C) both ran.
+
+    Returns:
+        ``[{"page_size", "budget", "nll_a", "nll_b", "ppl_a", "ppl_b"}]`` sorted by (B, C).
+    """
+    rows = {(r["policy"], r["page_size"], r["budget"]): r for r in results["language_modelling"]}
+    out = []
+    for (p, ps, c), ra in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][2] or 0)):
+        rb = rows.get((b, ps, c))
+        if p == a and rb is not None:
+            out.append(dict(page_size=ps, budget=c, nll_a=ra["nll"], nll_b=rb["nll"], ppl_a=ra["ppl"], ppl_b=rb["ppl"]))
+    return out
+
+
 # two-sided 95% Student t quantiles by degrees of freedom (beyond 30: the normal's 1.96)
 _T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
          2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
@@ -468,7 +483,11 @@ def ablation_table(rows: list[dict]) -> str:
     """`ablation` output as text: every number the verdicts rest on."""
     lines = []
     for r in rows:
-        lm = (f"mean dNLL {r['lm_mean_diff']:+.4f} nats/token, 95% CI [{r['lm_ci95'][0]:+.4f}, {r['lm_ci95'][1]:+.4f}], "
+        ci = ""
+        if r.get("lm_cells"):
+            lo, hi = r["lm_ci95"]
+            ci = "no interval from 1 cell" if math.isnan(lo) else f"95% CI [{lo:+.4f}, {hi:+.4f}]"
+        lm = (f"mean dNLL {r['lm_mean_diff']:+.4f} nats/token, {ci}, "
               f"ratio lower NLL in {r['lm_ratio_wins']}/{r['lm_cells']} cells -> {r['lm_verdict']}"
               if r.get("lm_cells") else "no language-modelling cells")
         pk = (f"ratio {r['passkey_ratio'][0]}/{r['passkey_ratio'][1]} "
@@ -683,7 +702,8 @@ def passkey_figure(results: dict, *, note: str = "") -> Figure:
     n = full[0]["trials"] if full else "?"
     axes[0].set_title(f"pass-key accuracy ({n} trials per bar, Wilson 95%)", fontsize=10)
     axes[1].set_title("key's tokens still held when the answer starts", fontsize=10)
-    axes[0].legend(fontsize=7, ncol=2)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize=7)
     add_note(fig, note)
     return fig
 
