@@ -194,6 +194,14 @@ def test_ablation_verdicts_follow_the_numbers():
     assert r["lm_verdict"] == "ratio better" and r["passkey_verdict"] == "ratio better"
     assert (r["passkey_only_ratio"], r["passkey_only_ablation"]) == (16, 0)
     assert r["passkey_mcnemar_p"] == pytest.approx(2 / 2 ** 16)
+    assert r["passkey_paired_verdict"] == "ratio better"
+    # 16/20 vs 8/20, 8 discordant trials all for the ratio: the Wilson intervals overlap, the
+    # paired test (p = 2 / 2**8) resolves it; 4 discordant trials (p = 0.125) do not
+    close = ve.ablation(fake_results(ratio_correct=16, abl_correct=8, trials=20))[0]
+    assert close["passkey_verdict"] == "not resolved" and close["passkey_paired_verdict"] == "ratio better"
+    assert close["passkey_mcnemar_p"] == pytest.approx(2 / 2 ** 8)
+    closer = ve.ablation(fake_results(ratio_correct=16, abl_correct=12, trials=20))[0]
+    assert closer["passkey_paired_verdict"] == "not resolved"
     worse = ve.ablation(fake_results(delta_nll=-0.1, ratio_correct=2, abl_correct=18))[0]
     assert worse["lm_verdict"] == "ratio worse" and worse["passkey_verdict"] == "ratio worse"
     tie = ve.ablation(fake_results(delta_nll=0.0, ratio_correct=10, abl_correct=9))[0]
