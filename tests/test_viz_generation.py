@@ -101,6 +101,11 @@ def test_a_tight_pool_reuses_the_pages_of_a_finished_sequence(model):
     page, b = recycled[0], trace.seq_ids[1]
     assert b in trace.maps[0].owners[page]  # B's page at first ...
     assert any(pm.owners[page] and b not in pm.owners[page] for pm in trace.maps)   # ... then A's or C's
+    holders = trace.page_holders(page)
+    assert holders[0] == "B" and len(holders) == 2 and holders[1] in ("A", "C")
+    assert trace.page_holders(kv.num_pages - 1) in (["A"], ["B"], ["C"])  # the last fresh page: one holder
+    with pytest.raises(ValueError, match=r"page must be an int in \[0, 9\)"):
+        trace.page_holders(9)
 
 
 def test_tracer_ignores_sequences_that_were_in_the_cache_before(model):
@@ -185,15 +190,15 @@ def test_story_indices_include_prefill_end_and_early_finishes(traced):
     trace, *_ = traced
     idx = story_indices(trace, max_panels=4)
     last = len(trace.steps) - 1
-    assert idx[0] == 0 and idx[-1] == last and trace.steps.index(4) in idx and len(idx) == 4
+    assert idx == [0, trace.steps.index(4), last - 1, last]  # prefill, B's end, last decode step, the end
     assert idx == sorted(set(idx))
     fig = generation_story_figure(trace, idx)
     titles = [ax.get_title(loc="left") for ax in fig.axes[::2]]
     assert titles[0].startswith("after the prefill") and titles[-1].startswith("after generate returned")
     with pytest.raises(ValueError, match="snapshot indices"):
         generation_story_figure(trace, [0, last + 1])
-    with pytest.raises(ValueError, match="max_panels must be >= 2"):
-        story_indices(trace, max_panels=1)
+    with pytest.raises(ValueError, match="max_panels must be >= 3"):
+        story_indices(trace, max_panels=2)
 
 
 def test_logprob_figure_reports_max_difference_and_exact_zeros():
@@ -202,10 +207,12 @@ def test_logprob_figure_reports_max_difference_and_exact_zeros():
     off = plain.clone()
     off[7] += 3e-5
     fig = logprob_figure(plain[None], {"same": same, "off": off[None]}, tolerance=1e-4)
-    labels = fig.axes[1].get_legend_handles_labels()[1]
-    assert labels[0] == "same: max 0.0e+00, 100% exactly 0"
-    assert labels[1].startswith("off: max 3.0e-05, 95% exactly 0")
-    assert labels[2] == "tolerance 0.0001"
+    titles = [ax.get_title(loc="left") for ax in fig.axes[1:]]  # one strip per variant
+    assert titles == ["same: max 0.0e+00, mean 0.0e+00, 100% exactly 0",
+                      "off: max 3.0e-05, mean 1.5e-06, 95% exactly 0"]
+    # the strip draws every token; an exact 0 at the floor
+    ys = fig.axes[2].lines[0].get_ydata()
+    assert len(ys) == 20 and ys[7] == pytest.approx(3e-5, rel=1e-2) and ys[0] == 1e-9
     with pytest.raises(ValueError, match=r"paged\['x'\] has shape \[3\]"):
         logprob_figure(plain, {"x": plain[:3]}, tolerance=1e-4)
     with pytest.raises(ValueError, match="at least one label"):

@@ -94,6 +94,16 @@ class GenerationTrace:
             returned_before |= {p for p, st in enumerate(pm.status) if st == "returned"}
         return sorted(out)
 
+    def page_holders(self, page: int) -> list[str]:
+        """Names of the sequences that held physical ``page``, in the order they first held it."""
+        if isinstance(page, bool) or not isinstance(page, int) or not 0 <= page < self.num_pages:
+            raise ValueError(f"page must be an int in [0, {self.num_pages}), got {page!r}")
+        names = dict(zip(self.seq_ids, self.names))
+        out: list[str] = []
+        for pm in self.maps:
+            out += [names[s] for s in pm.owners[page] if names.get(s) is not None and names[s] not in out]
+        return out
+
     def title(self, index: int) -> str:
         """Caption of snapshot ``index``."""
         step = self.steps[index]
@@ -234,15 +244,16 @@ def pages_over_steps_figure(trace: GenerationTrace, *, note: str | None = None) 
 
 
 def story_indices(trace: GenerationTrace, max_panels: int = 6) -> list[int]:
-    """Which snapshots tell the story: after the prefill, where a sequence ended, evenly spaced steps, the end.
+    """Which snapshots tell the story: after the prefill, the last decode step, the end, where a
+    sequence ended, then evenly spaced steps up to ``max_panels``.
 
     Example:
-        >>> story_indices(GenerationTrace((), (), (0, 1, 2, 3, None), {}, {}, (), (), 1, 1), max_panels=3)
-        [0, 2, 4]
+        >>> story_indices(GenerationTrace((), (), (0, 1, 2, 3, 4, 5, None), {}, {}, (), (), 1, 1), max_panels=4)
+        [0, 2, 5, 6]
     """
-    max_panels = check_int("max_panels", max_panels, min_value=2)
+    max_panels = check_int("max_panels", max_panels, min_value=3)
     last = len(trace.steps) - 1
-    chosen = {0, last}
+    chosen = {0, max(last - 1, 0), last}
     for step in trace.finished_at().values():
         if step is not None and len(chosen) < max_panels:
             chosen.add(trace.steps.index(step))
@@ -285,25 +296,29 @@ def logprob_figure(plain: torch.Tensor, paged: Mapping[str, torch.Tensor], *, to
             raise ValueError(f"paged[{label!r}] has shape {list(values.shape)}, plain has {list(plain.shape)}")
         diffs[label] = (values.double() - plain.double()).abs().numpy()
     x = np.arange(plain.numel())
-    fig = Figure(figsize=(10.0, 5.6), layout="constrained")
-    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[1, 1])
+    n = len(diffs)
+    fig = Figure(figsize=(10.0, 3.0 + 1.25 * n), layout="constrained")
+    top, *strips = fig.subplots(1 + n, 1, sharex=True, height_ratios=[2.4] + [1] * n, squeeze=True)
     top.plot(x, plain.numpy(), color="0.3", lw=1, label="plain model (one forward, no cache)")
     first = next(iter(paged))
     top.plot(x, paged[first].numpy(), ls="none", marker=".", ms=3, color="tab:blue", label=f"paged: {first}")
     top.set_ylabel("log p(next token)")
     top.legend(fontsize=8, loc="lower left", frameon=False)
-    top.set_title(f"Per-token log-probabilities of {plain.numel()} tokens of English text", fontsize=10, loc="left")
-    for (label, d), color in zip(diffs.items(), ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red")):
-        zeros = float((d == 0).mean())
-        bottom.plot(x, np.maximum(d, floor), ls="none", marker=".", ms=3, color=color,
-                    label=f"{label}: max {d.max():.1e}, {zeros:.0%} exactly 0")
-    bottom.axhline(tolerance, color="black", ls="--", lw=1, label=f"tolerance {tolerance:g}")
-    bottom.set_yscale("log")
-    bottom.set_ylim(floor / 3, max(tolerance * 30, max(float(d.max()) for d in diffs.values()) * 3))
-    bottom.set_ylabel("|paged - plain|")
-    bottom.set_xlabel("token position in the text")
-    bottom.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
-    add_note(fig, note or "float32 on CPU; exact zeros drawn at the bottom of the axis.")
+    top.set_title(f"Per-token log-probabilities of {plain.numel()} tokens of English text, and "
+                  "|paged - plain| of each paged variant (one strip each)", fontsize=10, loc="left")
+    high = max(tolerance * 30, max(float(d.max()) for d in diffs.values()) * 3)
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red", "tab:brown")
+    for k, (ax, (label, d)) in enumerate(zip(strips, diffs.items())):
+        ax.plot(x, np.maximum(d, floor), ls="none", marker=".", ms=2.5, color=colors[k % len(colors)])
+        ax.axhline(tolerance, color="black", ls="--", lw=1)
+        ax.set_yscale("log")
+        ax.set_ylim(floor / 3, high)
+        ax.set_yticks([floor, 1e-6, tolerance], [f"{floor:g} (= 0)", "1e-06", f"{tolerance:g}"], fontsize=7)
+        ax.set_title(f"{label}: max {d.max():.1e}, mean {d.mean():.1e}, {float((d == 0).mean()):.0%} exactly 0",
+                     fontsize=8, loc="left")
+    strips[n // 2].set_ylabel("|paged - plain|  (dashed: tolerance)")
+    strips[-1].set_xlabel("token position in the text")
+    add_note(fig, note or "float32; exact zeros are drawn at the bottom of each strip.")
     return fig
 
 
