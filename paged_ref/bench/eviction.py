@@ -158,7 +158,7 @@ def lm_task(lm, tok, cfg, log):
     rows, checks, texts = [], [], []
     n_ctx, n_cont = cfg["context"], cfg["continuation"]
     start = 0
-    while len(texts) < cfg["texts"]:
+    while sum(x["used"] for x in texts) < cfg["texts"]:
         text = english_text(int((n_ctx + n_cont) * 1.2), start=start)
         ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0][: n_ctx + n_cont]
         assert ids.numel() == n_ctx + n_cont, f"text at paragraph {start} has only {ids.numel()} tokens"
