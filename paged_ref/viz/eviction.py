@@ -599,10 +599,11 @@ def _page_grid(r: Replay) -> np.ndarray:
 
 
 def policy_label(r: Replay) -> str:
-    """A short name for a replayed policy (ablations read 'page eviction by <score>')."""
+    """A short name for a replayed policy (the ablations read 'page eviction (<score>)')."""
     name = r.policy.name
     if name == "paged_eviction":
-        name = "paged_eviction" if r.policy.method == "value_key_ratio" else f"page eviction by {r.policy.method}"
+        short = {"inverse_key_norm": "1/||K||", "value_norm": "||V||", "key_norm": "||K||", "random": "random"}
+        name = "paged_eviction" if r.policy.method == "value_key_ratio" else f"page eviction ({short[r.policy.method]})"
     elif name == "token_topk":
         name = "token_topk (ratio)"
     return name
@@ -615,7 +616,7 @@ def page_map_figure(replays: list[Replay], *, note: str = "") -> Figure:
     decode. The dashed line is the end of the prompt. Page eviction removes whole red rows;
     token-level eviction leaves red cells scattered inside rows it cannot free.
     """
-    fig = Figure(figsize=(1.9 * len(replays) + 1, 7), layout="constrained")
+    fig = Figure(figsize=(2.1 * len(replays) + 1, 7), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(replays), sharey=True))
     for ax, r in zip(axes, replays):
         grid = _page_grid(r)
