@@ -142,7 +142,7 @@ def test_decoder_input_errors(model):
         ContiguousDecoder(model, "paged")
     with pytest.raises(ValueError, match="max_len must be"):
         ContiguousDecoder(model, "static")
-    with pytest.raises(ValueError, match="decoder name must be one of"):
+    with pytest.raises(ValueError, match="decoder name must be none, dynamic, static"):
         make_decoder(model, "vllm", max_len=8)
     with pytest.raises(ValueError, match="num_pages must be"):
         PagedDecoder(model, backend="reference")
@@ -211,8 +211,9 @@ def test_chat_reuses_the_previous_turns_full_pages(model):
     assert off["replies"] == on["replies"]
     held = [21 + 3, 21 + 3 + 13 + 3]  # tokens the previous request held (prompt + reply fed back)
     assert [t["prefix_pages_reused"] for t in on["turns"]] == [0] + [n // 4 for n in held]
-    assert [t["prefilled"] for t in off["turns"]] == [21, 40, 73]
-    assert [t["prefilled"] for t in on["turns"]] == [21, 40 - 24, 73 - 40]
+    requests = [21, 21 + 3 + 13, 21 + 3 + 13 + 3 + 30]  # history + the new user message
+    assert [t["prefilled"] for t in off["turns"]] == requests
+    assert [t["prefilled"] for t in on["turns"]] == [21, requests[1] - 24, requests[2] - 40]
     assert all(t["prefix_pages_reused"] == 0 for t in off["turns"])
 
 

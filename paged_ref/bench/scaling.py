@@ -261,6 +261,18 @@ def _strip(res: dict) -> None:
         r.pop("alloc_calls", None)
 
 
+def _command(argv) -> str:
+    """The command line that reproduces a run, without ``--out DIR`` (no local paths in results)."""
+    args, skip = [], False
+    for a in argv:
+        if skip or a == "--out":
+            skip = not skip
+            continue
+        if not a.startswith("--out="):
+            args.append(a)
+    return " ".join(["python -m paged_ref.bench scaling"] + args)
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m paged_ref.bench scaling", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -287,18 +299,24 @@ def main(argv=None) -> dict:
     clock = _Clock(budget)
     device = torch.device("cuda" if gpu else "cpu")
     data = {"benchmark": "scaling", "device": kind, "quick": args.quick,
-            "command": "python -m paged_ref.bench scaling " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "command": _command(argv if argv is not None else sys.argv[1:]),
             "environment": environment(), "torch_threads": torch.get_num_threads(), "page_size": PAGE_SIZE, "time_budget_s": budget, "models": {}}
     for name in profile["models"]:
         if clock.left() < 30:
             data.setdefault("skipped_models", []).append(name)
             continue
-        data["models"][name] = run_model(name, profile, device=device, clock=clock)
-        print_model_report(name, data["models"][name])
+        errors = {"errors": []}
+        result = _guarded(errors, f"model {name}", lambda: run_model(name, profile, device=device, clock=clock))
+        if result is None:
+            data.setdefault("errors", []).extend(errors["errors"])
+            continue
+        data["models"][name] = result
+        print_model_report(name, result)
     data["elapsed_s"] = time.monotonic() - clock.start
     filename = f"scaling_{kind}{'_quick' if args.quick and args.out is None else ''}.json"
     path = write_json(data, filename, out_dir=args.out)
-    print(f"\nwrote {path} ({data['elapsed_s']:.0f} s)")
+    shown = path.name if args.out is not None else f"figures/data/{path.name}"  # no local paths in outputs
+    print(f"\nwrote {shown} ({data['elapsed_s']:.0f} s)")
     return data
 
 

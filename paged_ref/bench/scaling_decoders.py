@@ -296,7 +296,7 @@ class PagedDecoder:
 
 
 def make_decoder(model, name: str, *, max_len: int, page_size: int = 16, num_pages: int | None = None):
-    """A decoder by short name: ``none``, ``dynamic``, ``static``, ``flex``, ``triton``, ``reference``.
+    """A decoder by short name: ``none``, ``dynamic``, ``static``, or a paged backend (``flex``, ``triton``, ...).
 
     ``max_len`` sizes the static cache; ``num_pages`` (default: enough for ``max_len`` tokens)
     sizes the page pool.
@@ -305,7 +305,10 @@ def make_decoder(model, name: str, *, max_len: int, page_size: int = 16, num_pag
         return NoCacheDecoder(model)
     if name in ("dynamic", "static"):
         return ContiguousDecoder(model, name, max_len=max_len)
-    if name in ("flex", "triton", "reference"):
+    from ..hf import BACKENDS
+
+    if name in BACKENDS:
         pages = num_pages if num_pages is not None else -(-max_len // page_size)
         return PagedDecoder(model, backend=name, num_pages=pages, page_size=page_size)
-    raise ValueError(f"decoder name must be one of none, dynamic, static, flex, triton, reference; got {name!r}")
+    raise ValueError(f"decoder name must be none, dynamic, static or a paged_ref.hf backend "
+                     f"{sorted(BACKENDS)}; got {name!r}")

@@ -142,7 +142,7 @@ def memory_figure(data: dict, model: str) -> Figure:
         if b:
             o = b["overhead_ps16"]
             ax_peak.bar(["tokens held\n(minimum)", f"paged, page {o['page_size']}",
-                         "contiguous\nmax-length"],
+                         "contiguous max-length\n(same requests)"],
                         [o["tokens"], o["slots"], b["fit"]["paged_allocator"] * b["max_len"]],
                         color=["0.5", "tab:orange", "tab:blue"])
             ax_peak.set_ylabel("token slots")
