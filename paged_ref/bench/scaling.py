@@ -79,16 +79,16 @@ PROFILES = {
         # most important first: the time budget skips what comes last
         prefill_chunk=1024, ladder=["dynamic", "triton", "flex", "none", "static"], check=[], long=100_000,
         batch=dict(num=256, max_len=8192, mean_len=1024, budget_tokens=65536, steps=10, warmup=3,
-                   backends=["flex", "triton"]),
+                   backends=["triton", "flex"]),
         chat=dict(turns=8, user_tokens=256, reply_tokens=32, backend="triton"),
-        sweep=dict(page_sizes=_POW2(8, 256), backends=["flex", "triton"], repeats=20)),
+        sweep=dict(page_sizes=_POW2(8, 256), backends=["triton", "flex"], repeats=20)),
     ("gpu", "quick"): dict(
         models=["llama1b"], contexts=[128, 2048, 32768], warmup=3, steps=8, nocache_steps=2,
         prefill_chunk=1024, ladder=["dynamic", "triton", "flex", "none"], check=[], long=None,
         batch=dict(num=128, max_len=8192, mean_len=1024, budget_tokens=32768, steps=5, warmup=2,
                    backends=["triton"]),
         chat=dict(turns=4, user_tokens=256, reply_tokens=16, backend="triton"),
-        sweep=dict(page_sizes=[16, 64, 256], backends=["flex", "triton"], repeats=10)),
+        sweep=dict(page_sizes=[16, 64, 256], backends=["triton", "flex"], repeats=10)),
 }
 #: The tiny test model: same sections, small numbers (tiny_llama's context limit is 1024).
 TINY = dict(
@@ -205,20 +205,6 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
         res["batch"] = batch
     elif batch is None and not any(e.startswith("batch") for e in res["errors"]):
         res["skipped"].append("batch")
-    s = profile["sweep"]
-    if clock.left() > 20:
-        _log(f"[scaling] {model_name}: page-size sweep")
-        admitted = lengths[:res["batch"]["fit"]["paged_allocator"]] if "batch" in res else lengths[:8]
-        sweep_geom = dict(num_kv_heads=geom["num_kv_heads"], num_q_heads=cfg.num_attention_heads,
-                          head_dim=geom["head_dim"], dtype=geom["dtype"], device=device)
-        fns = {n: DECODE_FUNCTIONS[n] for n in s["backends"] if not (n == "triton" and INTERPRETED)}
-        sweep = _guarded(res, "sweep", lambda: page_size_sweep(admitted, s["page_sizes"], geometry=sweep_geom,
-                                                               backends=fns, repeats=s["repeats"]))
-        if sweep is not None:
-            res["sweep"] = sweep
-    else:
-        res["skipped"].append("sweep")
-
     # 4. growing chat ---------------------------------------------------------------------------
     c = profile["chat"]
     if clock.left() > 30:
@@ -234,6 +220,21 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
                            "replies_identical": runs[0]["replies"] == runs[1]["replies"]}
     else:
         res["skipped"].append("chat")
+
+    s = profile["sweep"]
+    if clock.left() > 20:
+        _log(f"[scaling] {model_name}: page-size sweep")
+        admitted = lengths[:res["batch"]["fit"]["paged_allocator"]] if "batch" in res else lengths[:8]
+        sweep_geom = dict(num_kv_heads=geom["num_kv_heads"], num_q_heads=cfg.num_attention_heads,
+                          head_dim=geom["head_dim"], dtype=geom["dtype"], device=device)
+        fns = {n: DECODE_FUNCTIONS[n] for n in s["backends"] if not (n == "triton" and INTERPRETED)}
+        sweep = _guarded(res, "sweep", lambda: page_size_sweep(admitted, s["page_sizes"], geometry=sweep_geom,
+                                                               backends=fns, repeats=s["repeats"],
+                                                               deadline=clock.deadline))
+        if sweep is not None:
+            res["sweep"] = sweep
+    else:
+        res["skipped"].append("sweep")
 
     # 5. allocation latency over every paged pool of the run ------------------------------------
     calls = [call for r in res["ladder"] + res["long"] for call in r.get("alloc_calls", [])]

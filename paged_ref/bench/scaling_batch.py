@@ -113,7 +113,8 @@ def _attention_time(decode, lengths, *, page_size, num_kv_heads, num_q_heads, he
     return statistics.median(times)
 
 
-def page_size_sweep(lengths, page_sizes, *, geometry: dict, backends: dict, repeats: int = 5) -> list[dict]:
+def page_size_sweep(lengths, page_sizes, *, geometry: dict, backends: dict, repeats: int = 5,
+                    deadline: float | None = None) -> list[dict]:
     """Overhead (counted) and decode-attention time (measured) of the batch for each page size.
 
     Args:
@@ -122,16 +123,21 @@ def page_size_sweep(lengths, page_sizes, *, geometry: dict, backends: dict, repe
         geometry: ``num_kv_heads, num_q_heads, head_dim, dtype, device`` of one model layer.
         backends: name -> decode attention function (the common signature).
         repeats: timed calls per point (median kept).
+        deadline: ``time.monotonic()`` after which points are no longer timed (None in the result;
+            a compiled backend may compile once per page size).
 
     Returns:
-        one dict per page size: `paged_overhead` plus ``attention_s: {backend: seconds}``
+        one dict per page size: `paged_overhead` plus ``attention_s: {backend: seconds or None}``
         (one layer, the whole batch).
     """
     rows = []
     for ps in page_sizes:
         row = paged_overhead(lengths, page_size=ps)
-        row["attention_s"] = {name: _attention_time(fn, lengths, page_size=ps, repeats=repeats, **geometry)
-                              for name, fn in backends.items()}
+        row["attention_s"] = {}
+        for name, fn in backends.items():
+            late = deadline is not None and time.monotonic() > deadline
+            row["attention_s"][name] = None if late else _attention_time(fn, lengths, page_size=ps, repeats=repeats,
+                                                                         **geometry)
         rows.append(row)
     return rows
 

@@ -120,7 +120,8 @@ def print_model_report(name: str, res: dict) -> None:
     if res.get("sweep"):
         print("\npage-size sweep on the mixed batch (overhead counted; decode attention time of one layer, whole batch)")
         names = list(res["sweep"][0]["attention_s"])
-        rows = [[r["page_size"], f"{100 * r['overhead']:.2f}"] + [f"{r['attention_s'][n] * 1e3:.3f}" for n in names]
+        rows = [[r["page_size"], f"{100 * r['overhead']:.2f}"]
+                + ["-" if r["attention_s"][n] is None else f"{r['attention_s'][n] * 1e3:.3f}" for n in names]
                 for r in res["sweep"]]
         print_table(["page size", "overhead %"] + [f"{n} ms" for n in names], rows)
     if res.get("chat"):

@@ -248,7 +248,9 @@ def page_size_figure(data: dict, model: str) -> Figure:
     ax_o.grid(True, which="both", alpha=0.3)
     for name in rows[0]["attention_s"]:
         color = _STYLE.get(f"paged ({name})", ("k",))[0]
-        ax_t.plot(ps, [r["attention_s"][name] * 1e3 for r in rows], "o-", color=color, label=name)
+        pts = [(r["page_size"], r["attention_s"][name] * 1e3) for r in rows if r["attention_s"][name] is not None]
+        if pts:
+            ax_t.plot(*zip(*pts), "o-", color=color, label=name)
     ax_t.set_xscale("log", base=2)
     ax_t.set_yscale("log")
     ax_t.set_xlabel("page size (tokens)")
