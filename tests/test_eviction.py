@@ -558,3 +558,94 @@ def test_bench_language_modelling_task_on_the_tiny_model(tiny):
         assert r["nll"] > 0 and r["kl_vs_full"] >= -1e-6
     full = [r for r in summary if r["policy"] == "full"]
     assert all(abs(r["kl_vs_full"]) < 1e-5 for r in full)
+
+
+# ----------------------------------------------------------------------------- pr.hf.generate(eviction=, budget=)
+HF_BACKENDS = ["reference", "flex", "triton", "sdpa"]
+HF_NEW_TOKENS = {"reference": 14, "flex": 6, "triton": 6, "sdpa": 14}  # eager flex / triton interpreter are slow
+
+
+@pytest.fixture(scope="module")
+def tiny1():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: thread hand-offs cost more than they give
+    from paged_ref.models import tiny_llama
+
+    yield tiny_llama(seed=0)
+    torch.set_num_threads(threads)
+
+
+def _tiny_kv(model, num_pages, page_size):
+    c = model.config
+    return PagedKVCache(num_layers=c.num_hidden_layers, num_pages=num_pages, page_size=page_size,
+                        num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+
+
+@pytest.mark.parametrize("backend", HF_BACKENDS)
+@pytest.mark.parametrize("eviction", ["paged_eviction", "streaming_llm", "token_topk"])
+def test_hf_generate_with_eviction_keeps_the_page_bound(tiny1, backend, eviction):
+    from paged_ref import hf
+
+    page_size, budget = 4, 12
+    ids = torch.randint(3, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    kv = _tiny_kv(tiny1, 64, page_size)
+    held = []
+
+    def check(step, tokens):
+        held.append(max(len(kv.pages(s)) for s in kv.seq_ids))
+        assert all(kv.seq_len(s) < budget + page_size for s in kv.seq_ids)
+
+    out = hf.generate(tiny1, ids, max_new_tokens=HF_NEW_TOKENS[backend], backend=backend, kv_cache=kv,
+                      eviction=eviction, budget=budget, callback=check, eos_token_id=[])
+    assert out.shape == (2, 17 + HF_NEW_TOKENS[backend])
+    assert held and max(held) <= max_pages_held(budget, page_size)
+    assert kv.allocator.num_free == kv.num_pages and kv.seq_ids == []
+    kv.allocator.check()
+
+
+@pytest.mark.parametrize("backend", HF_BACKENDS)
+@pytest.mark.parametrize("eviction", ["paged_eviction", "streaming_llm", "token_topk", "random"])
+def test_hf_generate_with_budget_above_length_equals_full_cache(tiny1, backend, eviction):
+    from paged_ref import hf
+
+    ids = torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(1))
+    new = HF_NEW_TOKENS[backend]
+    full = hf.generate(tiny1, ids, max_new_tokens=new, backend=backend, page_size=4, eos_token_id=[])
+    evicting = hf.generate(tiny1, ids, max_new_tokens=new, backend=backend, page_size=4, eos_token_id=[],
+                           eviction=eviction, budget=9 + new)
+    assert torch.equal(evicting, full)
+
+
+def test_hf_generate_evicts_like_the_paged_runner(tiny1):
+    """Two independent forwards (transformers + registered paged attention; PagedLM) under the same
+    policy give the same greedy tokens, with eviction happening (budget 8 < 24 tokens)."""
+    from paged_ref import hf
+    from paged_ref.eviction.lm import PagedLM
+
+    ids = torch.randint(3, 512, (1, 16), generator=torch.Generator().manual_seed(2))
+    out = hf.generate(tiny1, ids, max_new_tokens=8, page_size=4, eos_token_id=[],
+                      eviction=make_policy("paged_eviction", 8))
+    lm = PagedLM(tiny1)
+    cache = lm.new_cache(num_pages=16, page_size=4)
+    policy = make_policy("paged_eviction", 8)
+    logits, ks, vs = lm.prompt_kv(ids[0])
+    s = lm.add_prompt(cache, ks, vs, policy)
+    tokens = [int(logits[-1].argmax())]
+    for t in range(16, 23):
+        nxt = lm.decode_step(cache, [s], torch.tensor(tokens[-1:]), torch.tensor([t]))
+        policy.after_append(cache, s)
+        tokens.append(int(nxt[0].argmax()))
+    assert policy.stats(s).tokens_evicted > 0
+    assert out[0, 16:].tolist() == tokens
+
+
+def test_hf_generate_eviction_argument_errors(tiny1):
+    from paged_ref import hf
+
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="without eviction"):
+        hf.generate(tiny1, ids, max_new_tokens=2, budget=8)
+    with pytest.raises(ValueError, match="needs budget"):
+        hf.generate(tiny1, ids, max_new_tokens=2, eviction="paged_eviction")
+    with pytest.raises(ValueError, match="name must be one of"):
+        hf.generate(tiny1, ids, max_new_tokens=2, eviction="h2o", budget=8)

@@ -132,7 +132,9 @@ def generate(
         backend: ``"reference"``, ``"flex"``, ``"triton"`` or ``"sdpa"``: which paged attention
             reads the pages (table in `paged_ref.hf.attention`; ``sdpa`` is the fast one on CPU).
         attention_mask: ``[batch, prompt_len]`` of 0/1, 1 on real tokens, padding on the left.
-        eviction, budget: KV eviction hook (issue 5); not implemented yet, must be None.
+        eviction, budget: KV eviction (`paged_ref.eviction`): a policy name and a budget in
+            tokens (``eviction="paged_eviction", budget=256``), or a policy object. The default
+            pool still holds every sequence at full length.
         eos_token_id: int or list of ints that end a sequence; default: the model's
             ``generation_config.eos_token_id``. Pass ``[]`` to never stop early.
         pad_token_id: fills finished rows; default: ``generation_config.pad_token_id``, else
@@ -150,7 +152,6 @@ def generate(
 
     Raises:
         TypeError / ValueError: bad arguments (the message names the argument).
-        NotImplementedError: ``eviction`` or ``budget`` given.
         paged_ref.OutOfPagesError: the page pool ran out (every page is freed again).
     """
     show = progress if progress is not None else check_int("max_new_tokens", max_new_tokens, min_value=1) >= PROGRESS_MIN_TOKENS

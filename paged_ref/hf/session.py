@@ -10,12 +10,11 @@ Positions vs tokens held. ``position(seq)`` counts every token the sequence has 
 an eviction policy drops tokens; then RoPE must still use the absolute position (the kept keys
 were rotated with theirs when written), which is why the session passes ``position_ids`` itself.
 
-Eviction hook (filled in by the eviction issue). After every forward, for every sequence it
-fed, the session calls ``self._evict(seq_id, phase)`` (phase ``"prefill"`` for a multi-token
-step, ``"decode"`` for a single token). A policy object will be given as
-``PagedSession(..., eviction=policy, budget=n)`` and is expected to have
-``policy.evict(kv, seq_id, *, budget, phase)``, free to call ``kv.drop_pages`` / ``kv.compact``
-on that sequence. Until then, passing ``eviction`` or ``budget`` raises NotImplementedError.
+Eviction hook. After every forward, for every sequence it fed, the session calls
+``self._evict(seq_id, phase)`` (phase ``"prefill"`` for a multi-token step, ``"decode"`` for a
+single token), which calls ``policy.evict(kv, seq_id, budget=..., phase=...)`` of the
+`paged_ref.eviction` policy given as ``PagedSession(..., eviction=, budget=)``; the policy may
+call ``kv.drop_pages`` / ``kv.compact`` on that sequence.
 
 Example:
     >>> import torch
@@ -80,7 +79,9 @@ class PagedSession:
             None to create one with `num_pages` pages of `page_size` tokens.
         num_pages, page_size: size of the cache created when `kv` is None.
         backend: ``"reference"``, ``"flex"``, ``"triton"`` or ``"sdpa"`` (see `paged_ref.hf.attention`).
-        eviction, budget: the eviction hook (not implemented yet: must be None).
+        eviction, budget: KV eviction (`paged_ref.eviction`): a policy name with ``budget`` in
+            tokens (e.g. ``eviction="paged_eviction", budget=256``), or a policy object (which
+            carries its own budget). None: keep every token.
 
     While the session is open (``with`` block, or between `open` and `close`) the model's
     attention implementation is ``"paged_ref"``; `close` restores the previous one and frees
@@ -98,11 +99,9 @@ class PagedSession:
         eviction=None,
         budget: int | None = None,
     ):
-        if eviction is not None or budget is not None:
-            raise NotImplementedError(
-                "KV eviction is not implemented yet (issue 5: PagedEviction). The hook is "
-                "PagedSession._evict, called after every forward; pass eviction=None and budget=None for now."
-            )
+        from ..eviction import resolve_policy  # a policy name + budget, or a policy object
+
+        eviction = resolve_policy(eviction, budget)
         check_choice("backend", backend, BACKENDS)
         geometry = model_geometry(model)
         if kv is None:
@@ -170,6 +169,8 @@ class PagedSession:
         self._check_live(seq_id)
         del self._positions[seq_id]
         self.kv.free(seq_id)
+        if self.eviction is not None:
+            self.eviction.release(seq_id)
 
     def position(self, seq_id: int) -> int:
         """Absolute position the sequence's next token will take (tokens fed so far)."""
