@@ -179,8 +179,13 @@ class PagedKVCache:
         self._register_full_pages(seq, token_ids)
         return slots.to(self.device)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store ``k, v: [num_tokens, num_kv_heads, head_dim]`` of ``layer`` at ``slots``."""
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, check_slots: bool = True) -> None:
+        """Store ``k, v: [num_tokens, num_kv_heads, head_dim]`` of ``layer`` at ``slots``.
+
+        ``check_slots`` also checks that every slot is in range and lies in a page this cache
+        handed out and nobody shares. That reads ``slots`` on the host (a device sync on a
+        GPU); a caller writing the same slots into every layer can check them once, at layer 0.
+        """
         layer = check_int("layer", layer, min_value=0)
         if layer >= self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
@@ -196,7 +201,7 @@ class PagedKVCache:
                 raise TypeError(f"{name} must have the cache dtype {self.dtype}, got {t.dtype}")
             if t.device != self.device:
                 raise ValueError(f"{name} must be on the cache device {self.device}, got {t.device}")
-        if slots.numel():
+        if check_slots and slots.numel():
             lo, hi = int(slots.min()), int(slots.max())
             if lo < 0 or hi >= self.num_pages * self.page_size:
                 raise ValueError(f"slots must be in [0, {self.num_pages * self.page_size}), got values in [{lo}, {hi}]")

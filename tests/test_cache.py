@@ -204,3 +204,14 @@ def test_freed_sequence_is_unknown():
     cache.free(s)
     with pytest.raises(ValueError, match="not a live sequence"):
         cache.free(s)
+
+
+def test_write_can_skip_the_slot_check_but_not_the_shape_check():
+    cache = make()
+    s = cache.add_sequence()
+    slots = cache.reserve(s, 2)
+    k, v = kv(2)
+    cache.write(0, slots, k, v, check_slots=False)
+    assert torch.equal(cache.gather(0, s)[0], k)
+    with pytest.raises(ValueError, match="k must have shape"):
+        cache.write(0, slots, k[:1], v, check_slots=False)

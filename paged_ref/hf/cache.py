@@ -123,7 +123,8 @@ class PagedCache(Cache):
             k, v = k.flatten(0, 1), v.flatten(0, 1)  # [batch * max_q_len, Hkv, D]
         else:
             k, v = k[plan.valid], v[plan.valid]  # [num_new, Hkv, D], row-major like slots
-        plan.kv.write(layer_idx, plan.slots, k.contiguous(), v.contiguous())
+        # the slots are the same in every layer: check them once per forward, at layer 0
+        plan.kv.write(layer_idx, plan.slots, k.contiguous(), v.contiguous(), check_slots=layer_idx == 0)
         return key_states, value_states
 
     # ------------------------------------------------------------------ queries the model makes
