@@ -9,12 +9,12 @@ import torch
 
 from paged_ref.allocator import PageAllocator
 from paged_ref.bench import scaling
-from paged_ref.bench.scaling_batch import fit_counts, mixed_lengths, paged_overhead
-from paged_ref.bench.scaling_chat import run_chat
-from paged_ref.bench.scaling_decoders import (AllocationTimer, ContiguousDecoder, NoCacheDecoder, PagedDecoder,
-                                              make_decoder)
-from paged_ref.bench.scaling_latency import LadderConfig, run_ladder
-from paged_ref.bench.scaling_report import alloc_summary, ratios_to
+from paged_ref.bench._scaling_batch import fit_counts, mixed_lengths, paged_overhead
+from paged_ref.bench._scaling_chat import run_chat
+from paged_ref.bench._scaling_decoders import (AllocationTimer, ContiguousDecoder, NoCacheDecoder,
+                                               PagedDecoder, make_decoder)
+from paged_ref.bench._scaling_latency import LadderConfig, run_ladder
+from paged_ref.bench._scaling_report import alloc_summary, ratios_to
 from paged_ref.fragmentation import requests_that_fit
 from paged_ref.models import tiny_llama
 

@@ -14,12 +14,12 @@ that recomputation. This benchmark measures, on the same model and the same toke
    runs in the interpreter: it is checked (same predictions) but not timed. GPU: a
    100k-token sequence for the paged backends as well.
 2. **Mixed-length batch** under one KV budget: requests admitted by a contiguous max-length
-   reservation vs the paged pool, and tokens/s of each (`scaling_batch`).
+   reservation vs the paged pool, and tokens/s of each (`_scaling_batch`).
 3. **Memory**: KV bytes held per decoder (CPU) or peak device memory (GPU) against the
    theoretical minimum (tokens held x bytes per token); the paged overhead on the mixed batch
    at page size 16 (goal <= 5%); a page-size sweep 8..256 of overhead and decode-attention time.
 4. **Growing-context chat**: latency and pages per turn with and without prefix caching
-   (`scaling_chat`).
+   (`_scaling_chat`).
 5. **Allocation latency**: every page operation of every paged pool in the run, timed
    (median and p99 per call and per page).
 
@@ -45,11 +45,11 @@ from ..attention.triton_decode import INTERPRETED, paged_decode
 from ..hf.session import model_geometry
 from ..memory import kv_bytes_per_token
 from .common import environment, write_json
-from .scaling_batch import batch_throughput, mixed_lengths, page_size_sweep, paged_overhead
-from .scaling_chat import run_chat
-from .scaling_latency import LABELS, LadderConfig, agreement, run_ladder
-from .scaling_models import MODELS, build_model, prompt_ids
-from .scaling_report import alloc_summary, print_model_report, ratios_to
+from ._scaling_batch import batch_throughput, mixed_lengths, page_size_sweep, paged_overhead
+from ._scaling_chat import run_chat
+from ._scaling_latency import LABELS, LadderConfig, agreement, run_ladder
+from ._scaling_models import MODELS, build_model, prompt_ids
+from ._scaling_report import alloc_summary, print_model_report, ratios_to
 
 __all__ = ["main", "PROFILES", "run_model"]
 

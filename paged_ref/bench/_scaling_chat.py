@@ -35,7 +35,7 @@ from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..hf import PagedSession
 from ..hf.session import model_geometry
-from .scaling_decoders import AllocationTimer, synchronize
+from ._scaling_decoders import AllocationTimer, synchronize
 
 __all__ = ["run_chat"]
 

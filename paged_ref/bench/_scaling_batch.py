@@ -34,7 +34,7 @@ import torch
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..fragmentation import make_workload, requests_that_fit
-from .scaling_decoders import ContiguousDecoder, PagedDecoder, synchronize
+from ._scaling_decoders import ContiguousDecoder, PagedDecoder, synchronize
 
 __all__ = ["mixed_lengths", "fit_counts", "paged_overhead", "page_size_sweep", "batch_throughput"]
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..block_table import pages_needed
-from .scaling_decoders import PagedDecoder, make_decoder, synchronize
+from ._scaling_decoders import PagedDecoder, make_decoder, synchronize
 
 __all__ = ["LadderConfig", "run_ladder", "agreement"]
 
