@@ -56,7 +56,7 @@ VARIANTS = {"paged_eviction_first_page": ("paged_eviction", {"protect_first_page
 QUICK = dict(texts=1, context=384, continuation=33, budgets=[128], page_sizes=[16],
              passkey_trials=2, passkey_context=300, passkey_budgets=[128], speed_steps=6, speed_rounds=1,
              speed_budget=128)
-FULL = dict(texts=3, context=2048, continuation=128, budgets=[128, 256, 512, 1024], page_sizes=[16, 32],
+FULL = dict(texts=2, context=2048, continuation=128, budgets=[128, 256, 512, 1024], page_sizes=[16, 32],
             passkey_trials=20, passkey_context=1100, passkey_budgets=[128, 256, 512], speed_steps=16,
             speed_rounds=3, speed_budget=256)
 MAX_COPIED = 0.05  # skip texts whose continuation repeats more than this fraction of context 8-grams
@@ -155,18 +155,22 @@ class _Batch:
 def lm_task(lm, tok, cfg, log):
     from ..textdata import english_text
 
+    from ..textdata import paragraphs
+
     rows, checks, texts = [], [], []
     n_ctx, n_cont = cfg["context"], cfg["continuation"]
-    start = 0
+    starts = iter(range(0, len(paragraphs(20)), 150))  # distinct passages, far apart
     while sum(x["used"] for x in texts) < cfg["texts"]:
+        start = next(starts, None)
+        if start is None:
+            raise RuntimeError(f"fewer than {cfg['texts']} passages without copying: {texts}")
         text = english_text(int((n_ctx + n_cont) * 1.2), start=start)
         ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0][: n_ctx + n_cont]
         assert ids.numel() == n_ctx + n_cont, f"text at paragraph {start} has only {ids.numel()} tokens"
         copied = copy_fraction(ids, n_ctx)
         texts.append(dict(start_paragraph=start, copied_8grams=copied, used=copied <= MAX_COPIED))
-        start += 150
         if copied > MAX_COPIED:
-            log(f"text at paragraph {start - 150} skipped: {copied:.0%} of its continuation's 8-grams are in its context")
+            log(f"text at paragraph {start} skipped: {copied:.0%} of its continuation's 8-grams are in its context")
             continue
         t = sum(x["used"] for x in texts) - 1  # index among the texts used
         t0 = time.perf_counter()
