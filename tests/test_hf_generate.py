@@ -162,8 +162,8 @@ def test_a_failing_callback_frees_pages_and_restores_attention(model):
     [
         (dict(max_new_tokens=0), ValueError, "max_new_tokens"),
         (dict(max_new_tokens=2, backend="cuda"), ValueError, "backend"),
-        (dict(max_new_tokens=2, eviction=object()), NotImplementedError, "eviction"),
-        (dict(max_new_tokens=2, budget=64), NotImplementedError, "eviction"),
+        (dict(max_new_tokens=2, eviction=object()), TypeError, "eviction must be None, a policy name"),
+        (dict(max_new_tokens=2, budget=64), ValueError, "budget=64 was given without eviction="),
         (dict(max_new_tokens=2, page_size=0), ValueError, "page_size"),
         (dict(max_new_tokens=2, eos_token_id="eos"), TypeError, "eos_token_id"),
         (dict(max_new_tokens=2, attention_mask=torch.tensor([[1, 1, 0]])), ValueError, "left-padded"),
