@@ -649,3 +649,12 @@ def test_hf_generate_eviction_argument_errors(tiny1):
         hf.generate(tiny1, ids, max_new_tokens=2, eviction="paged_eviction")
     with pytest.raises(ValueError, match="name must be one of"):
         hf.generate(tiny1, ids, max_new_tokens=2, eviction="h2o", budget=8)
+
+
+def test_passkey_answer_must_be_exactly_the_key():
+    from paged_ref.bench.eviction import answer_is_correct
+
+    assert answer_is_correct(" 66226.", "66226")
+    assert not answer_is_correct(" 662266", "66226")  # an extra digit is a wrong answer
+    assert not answer_is_correct(" 16622", "66226")
+    assert not answer_is_correct(" I don't know", "66226")

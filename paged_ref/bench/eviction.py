@@ -262,6 +262,17 @@ def passkey_prompt(tok, rng: random.Random, target_tokens: int):
     return torch.tensor(enc["input_ids"]), torch.tensor(question), key, mentions, depth
 
 
+def answer_is_correct(text: str, key: str) -> bool:
+    """The answer's first run of digits is exactly the key (" 662266" for 66226 is wrong).
+
+    Example:
+        >>> answer_is_correct(" 66226.", "66226"), answer_is_correct(" 662266", "66226")
+        (True, False)
+    """
+    found = re.search(r"\d+", text)
+    return bool(found) and found.group() == key
+
+
 def passkey_task(lm, tok, cfg, log, answer_tokens=7):
     rows = []
     groups = [_runs(cfg["passkey_budgets"], exclude=("token_topk",)), _runs(cfg["passkey_budgets"], only=("token_topk",))]
@@ -285,10 +296,9 @@ def passkey_task(lm, tok, cfg, log, answer_tokens=7):
             answers = torch.stack(answers, 1)  # [batch, answer_tokens]
             for i in range(len(runs)):
                 text = tok.decode(answers[i])
-                found = re.search(r"\d{5}", text)
                 row = batch.row(i)
                 row.update(trial=trial, key=key, depth=round(depth, 3), context_tokens=ctx.numel(), answer=text,
-                           correct=bool(found and found.group() == key), key_held=held[i])
+                           correct=answer_is_correct(text, key), key_held=held[i])
                 rows.append(row)
             batch.close()
         full = next(r for r in rows[::-1] if r["policy"] == "full")
