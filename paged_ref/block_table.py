@@ -104,12 +104,13 @@ def slot_mapping(pages: Sequence[int], *, start: int, num_tokens: int, page_size
 
     Returns ``int64 [num_tokens]``.
     """
-    positions = torch.arange(start, start + num_tokens)  # [num_tokens]
-    logical = positions // page_size
-    if num_tokens and int(logical[-1]) >= len(pages):
+    end = start + num_tokens
+    if num_tokens and (end - 1) // page_size >= len(pages):
         raise ValueError(
-            f"token {start + num_tokens - 1} needs logical page {int(logical[-1])}, "
+            f"token {end - 1} needs logical page {(end - 1) // page_size}, "
             f"but the sequence holds {len(pages)} page(s)"
         )
-    physical = torch.as_tensor(list(pages), dtype=torch.int64)[logical] if num_tokens else logical
-    return physical * page_size + positions % page_size
+    # plain Python then one tensor: a decode step reserves one token, where torch ops per call
+    # would cost more than the arithmetic
+    slots = [pages[t // page_size] * page_size + t % page_size for t in range(start, end)]
+    return torch.tensor(slots, dtype=torch.int64)  # [num_tokens]
