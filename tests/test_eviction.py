@@ -25,6 +25,7 @@ from paged_ref.eviction import (
     sequence_scores,
     token_scores,
 )
+from paged_ref.hf.session import model_geometry
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -576,9 +577,7 @@ def tiny1():
 
 
 def _tiny_kv(model, num_pages, page_size):
-    c = model.config
-    return PagedKVCache(num_layers=c.num_hidden_layers, num_pages=num_pages, page_size=page_size,
-                        num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+    return PagedKVCache(num_pages=num_pages, page_size=page_size, **model_geometry(model))
 
 
 @pytest.mark.parametrize("backend", HF_BACKENDS)

@@ -5,6 +5,7 @@ import torch
 
 from paged_ref import OutOfPagesError, PagedKVCache, hf
 from paged_ref.models import tiny_llama
+from paged_ref.hf.session import model_geometry
 
 BACKENDS = ["reference", "flex", "triton", "sdpa"]
 # new tokens per backend: eager FlexAttention (~0.2 s a call on CPU) and the Triton interpreter are slow
@@ -20,9 +21,7 @@ def model():
 
 
 def _kv(model, num_pages, page_size):
-    c = model.config
-    return PagedKVCache(num_layers=c.num_hidden_layers, num_pages=num_pages, page_size=page_size,
-                        num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+    return PagedKVCache(num_pages=num_pages, page_size=page_size, **model_geometry(model))
 
 
 def _prompt(length, seed):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from paged_ref import PagedKVCache, hf, textdata
+from paged_ref.hf.session import model_geometry
 
 pytestmark = [
     pytest.mark.slow,
@@ -57,9 +58,7 @@ def test_mixed_prompts_equal_model_generate(smol, backend):
     ids, mask = _batch(tok, PROMPTS)
     assert len(set(mask.sum(1).tolist())) == 3  # three different lengths
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
-    c = model.config
-    kv = PagedKVCache(num_layers=c.num_hidden_layers, num_pages=24, page_size=4,
-                      num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+    kv = PagedKVCache(num_pages=24, page_size=4, **model_geometry(model))
     out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=10, kv_cache=kv, backend=backend)
     assert torch.equal(out, expected), tok.batch_decode(out)
     assert kv.allocator.num_free == kv.num_pages and kv.seq_ids == []

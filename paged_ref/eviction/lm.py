@@ -53,19 +53,20 @@ class PagedLM:
         inner = getattr(model, "model", None)
         if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
             raise TypeError(f"model must be a Llama-family causal LM (model.model.layers, rotary_emb), got {type(model).__name__}")
-        config = model.config
+        from ..hf.session import model_geometry  # here, not at the top: hf imports eviction
+
         self.model = model
-        self.num_layers = config.num_hidden_layers
-        self.num_q_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_q_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_q_heads
-        self.dtype = next(model.parameters()).dtype
+        self.geometry = model_geometry(model)  # num_layers, num_kv_heads, head_dim, dtype, device
+        self.num_layers = self.geometry["num_layers"]
+        self.num_q_heads = model.config.num_attention_heads
+        self.num_kv_heads = self.geometry["num_kv_heads"]
+        self.head_dim = self.geometry["head_dim"]
+        self.dtype = self.geometry["dtype"]
         self._rope = apply_rotary_pos_emb
 
     def new_cache(self, *, num_pages: int, page_size: int) -> PagedKVCache:
         """An empty cache shaped for this model (float32 K/V, like the model's activations here)."""
-        return PagedKVCache(num_layers=self.num_layers, num_pages=num_pages, page_size=page_size,
-                            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, dtype=self.dtype)
+        return PagedKVCache(num_pages=num_pages, page_size=page_size, **self.geometry)
 
     @torch.inference_mode()
     def prompt_kv(self, ids: torch.Tensor):
