@@ -102,17 +102,21 @@ def kv_cache_bytes(num_tokens: int, *, num_layers: int, num_kv_heads: int, head_
 
 
 def dense_scores_bytes(num_tokens: int, *, num_heads: int, bytes_per_elem: int = 2,
-                       batch: int = 1) -> int:
-    """Bytes of one layer's dense attention score tensor ``[batch, num_heads, N, N]``.
+                       batch: int = 1, num_queries: int | None = None) -> int:
+    """Bytes of one layer's dense attention score tensor ``[batch, num_heads, num_queries, N]``.
 
-    This is what a naive prefill materializes (quadratic in N). Example: 32 heads, fp16,
-    4096 tokens -> 1 GiB; 16384 tokens -> 16 GiB.
+    A naive prefill scores every token against every token (``num_queries = N``, the default):
+    quadratic in N. A decode step scores one new query against the N cached keys
+    (``num_queries=1``): linear in N, and small. Example: 32 heads, fp16, 4096 tokens -> 1 GiB
+    in prefill; 16384 tokens -> 16 GiB; a decode step at 16384 tokens -> 1 MiB.
     """
     num_tokens = check_int("num_tokens", num_tokens, min_value=0)
     num_heads = check_int("num_heads", num_heads, min_value=1)
     bytes_per_elem = check_int("bytes_per_elem", bytes_per_elem, min_value=1)
     batch = check_int("batch", batch, min_value=1)
-    return batch * num_heads * num_tokens * num_tokens * bytes_per_elem
+    queries = num_tokens if num_queries is None else check_int("num_queries", num_queries,
+                                                               min_value=0)
+    return batch * num_heads * queries * num_tokens * bytes_per_elem
 
 
 def format_bytes(num_bytes: int, unit: str = "MiB", digits: int = 2) -> str:

@@ -136,3 +136,13 @@ def test_lookup_errors_list_the_choices():
     with pytest.raises(ValueError, match="unit must be one of"):
         format_bytes(1, "MB/s")
     assert {dtype_bytes(d) for d in DTYPE_BYTES} == {1, 2, 4}
+
+
+def test_dense_scores_decode_step_is_linear():
+    # a decode step scores one query against N keys: [batch, heads, 1, N]
+    assert dense_scores_bytes(16384, num_heads=32, num_queries=1) == 2**20
+    assert dense_scores_bytes(200, num_heads=3, num_queries=1) * 2 == dense_scores_bytes(
+        400, num_heads=3, num_queries=1)
+    assert dense_scores_bytes(64, num_heads=2, num_queries=64) == dense_scores_bytes(64, num_heads=2)
+    with pytest.raises(ValueError, match="num_queries"):
+        dense_scores_bytes(8, num_heads=2, num_queries=-1)

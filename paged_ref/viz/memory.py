@@ -19,29 +19,37 @@ GiB = 2**30
 
 def kv_vs_scores_figure(model: str = "LLaMA-7B", dtype: str = "float16",
                         max_tokens: int = 32768) -> Figure:
-    """KV cache of the whole model (linear in N) next to one layer's dense scores (quadratic).
+    """One layer's KV cache (linear in N) next to one layer's dense score tensor.
 
-    Two different objects on one log-log axis: the cache is kept for the whole generation;
-    the score tensor exists only inside one layer's naive attention. Neither is a part of the
-    other.
+    All three curves are *per layer*, so the axis compares like with like: the cache a layer
+    keeps for the whole generation, the ``[heads, N, N]`` scores a naive prefill materializes in
+    that layer (quadratic), and the ``[heads, 1, N]`` scores of one decode step (linear). The
+    whole model's cache is ``num_layers`` times the first curve; only one layer's score tensor
+    exists at a time. Prefill scores pass one layer's cache where
+    ``N * num_q_heads > 2 * num_kv_heads * head_dim``.
     """
     cfg, b = model_preset(model), dtype_bytes(dtype)
     n = 2 ** np.arange(7, int(np.log2(max_tokens)) + 1)  # 128 .. max_tokens
-    kv = [kv_cache_bytes(int(t), **cfg.kv_shape, bytes_per_elem=b) / GiB for t in n]
-    scores = [dense_scores_bytes(int(t), num_heads=cfg.num_q_heads, bytes_per_elem=b) / GiB
-              for t in n]
+    kv = [kv_cache_bytes(int(t), num_layers=1, num_kv_heads=cfg.num_kv_heads,
+                         head_dim=cfg.head_dim, bytes_per_elem=b) / GiB for t in n]
+    prefill = [dense_scores_bytes(int(t), num_heads=cfg.num_q_heads, bytes_per_elem=b) / GiB
+               for t in n]
+    decode = [dense_scores_bytes(int(t), num_heads=cfg.num_q_heads, bytes_per_elem=b,
+                                 num_queries=1) / GiB for t in n]
     fig = Figure(figsize=(6.4, 4.0), layout="constrained")
     ax = fig.add_subplot()
-    ax.loglog(n, kv, "o-", base=2, label=f"KV cache, all {cfg.num_layers} layers (linear in N)")
-    ax.loglog(n, scores, "s--", base=2,
-              label=f"dense scores, one layer, {cfg.num_q_heads} heads (quadratic in N)")
+    ax.loglog(n, kv, "o-", base=2, label="KV cache, one layer (linear in N)")
+    ax.loglog(n, prefill, "s--", base=2,
+              label=f"prefill scores [{cfg.num_q_heads}, N, N], one layer (quadratic)")
+    ax.loglog(n, decode, "^:", base=2,
+              label=f"decode-step scores [{cfg.num_q_heads}, 1, N], one layer (linear)")
     ax.set_yscale("log", base=10)
     ax.set_xlabel("tokens N")
     ax.set_ylabel("GiB")
-    ax.set_title(f"{model}, {dtype}: two different memory questions")
+    ax.set_title(f"{model}, {dtype}, per layer: the cache and the score tensor")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    add_note(fig, ARITHMETIC)
+    add_note(fig, ARITHMETIC + f" The whole model's cache is {cfg.num_layers}x the blue line.")
     return fig
 
 
@@ -77,8 +85,7 @@ def bytes_per_token_figure(dtype: str = "float16") -> Figure:
     ax.bar_label(bars, labels=[
         f"{k:.1f} KiB  ({MODEL_PRESETS[m].num_q_heads} q / {MODEL_PRESETS[m].num_kv_heads} kv heads)"
         for m, k in zip(names, kib)], fontsize=8)
-    ax.set_xscale("log")
-    ax.set_xlabel(f"KV bytes per token ({dtype}), KiB")
+    ax.set_xlabel(f"KV bytes per token ({dtype}), KiB (linear axis: bar length is size)")
     ax.invert_yaxis()
     ax.margins(x=0.6)
     ax.set_title("KV cache per token: 2 x layers x KV heads x head_dim x bytes")
