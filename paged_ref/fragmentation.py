@@ -22,8 +22,10 @@ empty end of each request's last page of tokens, pages reserved beyond a request
 ``external`` (free memory that cannot
 serve the next request because no hole is big enough, although in total there is enough) and
 ``free``. Requests are admitted first come, first served. The model is deliberately simple:
-one token per running request per step, prefill in the admission step, no recompute cost charged
-for a preemption.
+one token per running request per step, prefill in the admission step. A preemption costs no
+steps here, but its price is counted: ``recomputed_tokens`` is the prompt plus generated tokens
+every preempted request must prefill again when it is readmitted (a real server spends that
+compute, or swaps the pages out and back).
 
 Example:
     >>> wl = make_workload(50, seed=0)
@@ -176,6 +178,8 @@ class SimResult:
     admitted_step: np.ndarray  # int64 [num_requests]: first admission of each request
     finished_step: np.ndarray  # int64 [num_requests]: step in which its last token was written
     preemptions: int
+    recomputed_tokens: int = 0  # tokens held by preempted requests, to be prefilled again
+    total_tokens: int = 0       # prompt + output tokens of the whole workload
 
     @property
     def num_steps(self) -> int:
@@ -185,6 +189,9 @@ class SimResult:
         """Averages over the steps under memory pressure (some request waiting).
 
         Fractions are of the budget; ``mean_running`` is how many requests fit at once.
+        ``internal_over_used`` names the other common way to state internal fragmentation:
+        slots held that never hold a token per token stored (the "overhead over the minimum").
+        ``recompute_share`` is the recomputed tokens per token of the workload.
         Falls back to all steps with a running request if nothing ever waited.
         """
         mask = self.waiting > 0
@@ -205,6 +212,9 @@ class SimResult:
             "pressure_steps": int(mask.sum()),
             "makespan": self.num_steps,
             "preemptions": self.preemptions,
+            "internal_over_used": float(self.internal[mask].mean() / self.used[mask].mean()),
+            "recomputed_tokens": self.recomputed_tokens,
+            "recompute_share": self.recomputed_tokens / max(self.total_tokens, 1),
         }
 
 
@@ -273,7 +283,7 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
                               "waiting")}
     queue: deque[int] = deque()
     running: list[int] = []                  # in admission order, oldest first
-    nxt, done, step, preemptions = 0, 0, 0, 0
+    nxt, done, step, preemptions, recomputed = 0, 0, 0, 0, 0
     while done < n:
         while nxt < n and arrival[nxt] <= step:
             queue.append(nxt)
@@ -316,6 +326,7 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
                     release(victim)
                     queue.appendleft(victim)
                     preemptions += 1
+                    recomputed += length[victim]         # prefilled again on readmission
                     if victim == r:
                         break
                 if r not in held:
@@ -334,7 +345,8 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
     return SimResult(policy=policy, budget_slots=budget, page_size=page_size,
                      admitted_step=np.asarray(admitted, dtype=np.int64),
                      finished_step=np.asarray(finished, dtype=np.int64),
-                     preemptions=preemptions, **arrays)
+                     preemptions=preemptions, recomputed_tokens=recomputed,
+                     total_tokens=int(sum(total)), **arrays)
 
 
 def compare_policies(workload: Workload, *, budget_slots: int, page_size: int = 16) -> list[dict]:

@@ -79,6 +79,9 @@ def test_paged_preempts_the_youngest_and_finishes_everything():
     wl = workload([0, 0], [3, 3], [5, 5], max_len=8)
     res = simulate(wl, "paged", budget_slots=8, page_size=4)
     assert res.preemptions == 1
+    # request 1 is preempted at step 1 holding 3 prompt + 1 generated tokens: 4 to prefill again
+    assert res.recomputed_tokens == 4 and res.total_tokens == 16
+    assert res.summary()["recompute_share"] == 4 / 16
     assert res.finished_step.tolist() == [4, 8]
     assert res.admitted_step.tolist() == [0, 0]
     assert res.running.tolist()[:3] == [2, 2, 1]  # snapshots precede each step's decode
@@ -106,6 +109,9 @@ def test_accounting_invariants(policy, budget, seed):
     if policy == "paged":
         assert (res.future % page == 0).all() and (res.future <= page * res.running).all()
         assert (res.internal < page * np.maximum(res.running, 1)).all()  # < a page each
+    assert (res.recomputed_tokens > 0) == (res.preemptions > 0)
+    assert s["internal_over_used"] == pytest.approx(res.internal[res.waiting > 0].mean()
+                                                    / res.used[res.waiting > 0].mean())
     if not policy.startswith("paged"):
         assert res.preemptions == 0
         # no hole can open before the first departure: no external fragmentation
