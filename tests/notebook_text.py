@@ -67,3 +67,16 @@ def gpu_claims(text: str) -> list[str]:
 
 def gpu_data_committed() -> bool:
     return any((ROOT / "figures" / "data").glob("*_gpu.json"))
+
+
+def panels_without_picture(path: Path) -> list[int]:
+    """Cells that show an ipywidgets panel but saved no PNG beside it (static viewers then show
+    a bare ``VBox(...)`` line)."""
+    nb = json.loads(path.read_text())
+    bad = []
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code" or not re.search(r"\w+_panel\(", "".join(cell["source"])):
+            continue
+        if not any("image/png" in o.get("data", {}) for o in cell.get("outputs", [])):
+            bad.append(i)
+    return bad

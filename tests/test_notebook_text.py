@@ -54,3 +54,12 @@ def test_plans_and_specs_pass(text):
 def test_a_colon_does_not_shield_a_claim():
     text = "no CUDA device here: the compiled path is checked by a test on a GPU"
     assert gpu_claims(text) == ["the compiled path is checked by a test on a GPU"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_widget_has_a_static_picture(path):
+    from notebook_text import panels_without_picture
+
+    assert not panels_without_picture(path), (
+        f"{path.name}: widget cells {panels_without_picture(path)} saved no picture; re-execute "
+        "the notebook (panels carry a PNG of their default setting)")

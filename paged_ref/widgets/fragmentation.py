@@ -8,6 +8,7 @@ from matplotlib.figure import Figure
 
 from ..fragmentation import Workload, compare_policies, make_workload
 from ..viz.fragmentation import policy_bars_figure
+from . import with_static_figure
 
 #: Slider choices: page sizes (tokens) and budgets (token slots, multiples of every page size).
 PAGE_SIZES = tuple(2**k for k in range(0, 9))     # 1 .. 256
@@ -50,4 +51,5 @@ def fragmentation_panel(workload: Workload | None = None):
         lambda page_size, budget_slots: display(fragmentation_view(page_size, budget_slots,
                                                                    workload)),
         {"page_size": page, "budget_slots": budget})
-    return w.VBox([w.HBox([page, budget]), out])
+    return with_static_figure(w.VBox([w.HBox([page, budget]), out]),
+                              fragmentation_view(page.value, budget.value, workload))

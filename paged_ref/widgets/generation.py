@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 
 from ..viz.generation import GenerationTrace
 from ..viz.pages import page_map_figure
+from . import with_static_figure
 
 
 def trace_view(trace: GenerationTrace, index: int) -> Figure:
@@ -48,4 +49,4 @@ def trace_panel(trace: GenerationTrace, index: int = 0):
     slider = w.IntSlider(value=index % len(trace.maps), min=0, max=len(trace.maps) - 1, description="snapshot",
                          continuous_update=False, style={"description_width": "initial"})
     out = w.interactive_output(lambda index: display(trace_view(trace, index)), {"index": slider})
-    return w.VBox([slider, out])
+    return with_static_figure(w.VBox([slider, out]), trace_view(trace, slider.value))

@@ -24,6 +24,7 @@ from ..attention.flex import block_mask_visits, paged_block_masks
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..viz.masks import block_masks_figure, expected_visible
+from . import with_static_figure
 
 #: Slider choices.
 PAGE_SIZES = (1, 2, 4, 8, 16)
@@ -168,4 +169,5 @@ def mask_panel(page_size: int = 4, kv_block_size: int = 8, lengths: str = "11, 5
 
     out = w.interactive_output(show, {"page_size": size, "kv_block_size": block,
                                       "lengths": lens, "mode": mode})
-    return w.VBox([w.HBox([size, block]), w.HBox([lens, mode]), out])
+    return with_static_figure(w.VBox([w.HBox([size, block]), w.HBox([lens, mode]), out]),
+                              mask_view(page_size, kv_block_size, lengths))

@@ -8,6 +8,7 @@ from .._validate import check_int
 from ..memory import (DTYPE_BYTES, MODEL_PRESETS, dense_scores_bytes, dtype_bytes,
                       kv_cache_bytes, model_preset)
 from ..viz.memory import kv_memory_figure
+from . import with_static_figure
 
 #: Lengths offered by the slider (powers of two, 128 .. 128k tokens).
 LENGTHS = tuple(2**k for k in range(7, 18))
@@ -43,4 +44,5 @@ def kv_memory_panel():
     out = w.interactive_output(
         lambda model, dtype, num_tokens: display(kv_memory_view(model, dtype, num_tokens)),
         {"model": model, "dtype": dtype, "num_tokens": tokens})
-    return w.VBox([w.HBox([model, dtype, tokens]), out])
+    return with_static_figure(w.VBox([w.HBox([model, dtype, tokens]), out]),
+                              kv_memory_view(model.value, dtype.value, tokens.value))

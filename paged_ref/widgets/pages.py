@@ -24,6 +24,7 @@ from ..allocator import OutOfPagesError
 from ..cache import PagedKVCache
 from ..scenarios import ScenarioPlayer, Step, random_scenario
 from ..viz.pages import PageMap, page_map, page_map_figure
+from . import with_static_figure
 
 #: Page sizes offered by the slider.
 PAGE_SIZES = (1, 2, 4, 8, 16, 32)
@@ -117,4 +118,5 @@ def page_map_panel(page_size: int = 4, num_seqs: int = 4, seed: int = 0):
     out = w.interactive_output(
         lambda page_size, num_seqs, seed: display(page_map_view(page_size, num_seqs, seed)),
         {"page_size": size, "num_seqs": seqs, "seed": seed_w})
-    return w.VBox([w.HBox([size, seqs, seed_w]), out])
+    return with_static_figure(w.VBox([w.HBox([size, seqs, seed_w]), out]),
+                              page_map_view(page_size, num_seqs, seed))
