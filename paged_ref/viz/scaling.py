@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 
 from . import add_note
 
-__all__ = ["provenance", "latency_figure", "memory_figure", "batch_figure", "chat_figure", "page_size_figure",
+__all__ = ["provenance", "spread_ms", "latency_figure", "memory_figure", "batch_figure", "chat_figure", "page_size_figure",
            "alloc_figure"]
 
 MiB = 2**20
@@ -44,6 +44,12 @@ def provenance(data: dict) -> str:
             f"triton {env.get('triton')}, {env.get('date_utc', '?')[:10]} (UTC).")
 
 
+def spread_ms(point: dict) -> tuple[float, float]:
+    """(min, max) of a point's timed steps in ms; the median twice where no steps were kept."""
+    times = point.get("times_s") or [point["median_s"]]
+    return min(times) * 1e3, max(times) * 1e3
+
+
 def _model(data: dict, model: str) -> dict:
     if model not in data["models"]:
         raise ValueError(f"model must be one of {sorted(data['models'])} in this result, got {model!r}")
@@ -62,18 +68,21 @@ def latency_figure(data: dict, model: str) -> Figure:
     ax, ax_ratio = fig.subplots(1, 2)
     runs = [r for r in res["ladder"] if r["timed"]] + [r for r in res.get("long", []) if r["timed"]]
     for r in runs:
-        pts = [(p["context"], p["median_s"] * 1e3) for p in r["points"] if p["median_s"] is not None]
+        pts = [p for p in r["points"] if p["median_s"] is not None]
         if not pts:
             continue
         color, marker, ls = _STYLE.get(r["label"], ("k", "o", "-"))
-        x, y = zip(*pts)
+        x = [p["context"] for p in pts]
+        y = np.array([p["median_s"] * 1e3 for p in pts])
+        lo, hi = np.array([spread_ms(p) for p in pts]).T
         long = r in res.get("long", [])
-        ax.plot(x, y, marker=marker, ls="none" if long else ls, color=color,
-                label=None if long else r["label"], ms=9 if long else 6)
+        ax.errorbar(x, y, yerr=[y - lo, hi - y], marker=marker, ls="none" if long else ls,
+                    color=color, label=None if long else r["label"], ms=9 if long else 6,
+                    capsize=2, elinewidth=0.8)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("ms per generated token (median)")
+    ax.set_ylabel("ms per generated token (median, bars: min-max)")
     ax.set_title("decode latency vs context, batch 1")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
