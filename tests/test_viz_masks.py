@@ -257,3 +257,32 @@ def test_mask_panel_builds():
     pytest.importorskip("ipywidgets")
     panel = mask_panel()
     assert len(panel.children) == 3
+
+
+def test_block_kinds_of_a_causal_mask():
+    from torch.nn.attention.flex_attention import create_block_mask, create_mask
+
+    from paged_ref.viz.masks import FULL, PARTIAL, SKIPPED, block_kinds, block_mask_figure
+
+    causal = lambda b, h, q, kv: q >= kv  # noqa: E731
+    bm = create_block_mask(causal, None, None, 12, 12, device="cpu", BLOCK_SIZE=4)
+    kinds = block_kinds(bm)
+    # diagonal blocks need the mask_mod, blocks below it are full, blocks above are never visited
+    assert kinds.tolist() == [[PARTIAL, SKIPPED, SKIPPED], [FULL, PARTIAL, SKIPPED],
+                              [FULL, FULL, PARTIAL]]
+    # every kept element lies in a visited block, and full blocks hold only kept elements
+    dense = create_mask(causal, 1, 1, 12, 12)[0, 0]
+    per_elem = kinds.repeat_interleave(4, 0).repeat_interleave(4, 1)
+    assert (per_elem[dense] != SKIPPED).all() and dense[per_elem == FULL].all()
+    block_mask_figure(bm, dense)
+
+
+def test_block_kinds_full_and_partial_in_one_row():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from paged_ref.viz.masks import FULL, PARTIAL, block_kinds
+
+    # keys 0..4 kept: block 0 (keys 0-3) is full, block 1 (keys 4-7) partial
+    bm = create_block_mask(lambda b, h, q, kv: kv < 5, None, None, 4, 8, device="cpu",
+                           BLOCK_SIZE=4)
+    assert block_kinds(bm).tolist() == [[FULL, PARTIAL]]

@@ -469,3 +469,62 @@ def translation_figure(block_table: torch.Tensor, seq_lens, num_pages: int, page
                loc="outside lower right", ncols=2, fontsize=7, frameon=False)
     add_note(fig, NOTE)
     return fig
+
+
+#: Block kinds in :func:`block_kinds`: not listed, listed with the mask_mod applied, listed full.
+SKIPPED, PARTIAL, FULL = 0, 1, 2
+
+
+def block_kinds(block_mask: BlockMask, b: int = 0) -> torch.Tensor:
+    """What a block-sparse kernel does with each (query block, KV block) of sequence ``b``, head 0.
+
+    ``kv_num_blocks`` / ``kv_indices`` list the *partial* blocks (the kernel applies the
+    mask_mod to every element there); ``full_kv_num_blocks`` / ``full_kv_indices`` the *full*
+    ones (every element kept: the mask_mod is skipped); any other block is never visited.
+
+    Returns:
+        int64 ``[q_blocks, kv_blocks]`` of :data:`SKIPPED`, :data:`PARTIAL`, :data:`FULL`.
+    """
+    kinds = block_mask.kv_num_blocks.new_zeros(block_mask.kv_indices.shape[-2:], dtype=torch.int64)
+    lists = [(block_mask.kv_num_blocks, block_mask.kv_indices, PARTIAL)]
+    if block_mask.full_kv_num_blocks is not None:
+        lists.append((block_mask.full_kv_num_blocks, block_mask.full_kv_indices, FULL))
+    for num, idx, kind in lists:
+        for qb in range(kinds.shape[0]):
+            n = int(num[b, 0, qb])
+            kinds[qb, idx[b, 0, qb, :n].long()] = kind
+    return kinds[:, :-(-block_mask.seq_lengths[1] // block_mask.BLOCK_SIZE[1])]
+
+
+def block_mask_figure(block_mask: BlockMask, dense: torch.Tensor, title: str = "") -> Figure:
+    """One sequence's BlockMask on a contiguous cache: each (query, key) element kept or masked
+    by the mask_mod (``dense``, bool ``[q_len, kv_len]``), over the blocks the kernel skips,
+    visits with the mask_mod (partial) or visits without it (full)."""
+    q_len, kv_len = dense.shape
+    qb, kb = block_mask.BLOCK_SIZE
+    kinds = block_kinds(block_mask).numpy()
+    kept = {FULL: "tab:green", PARTIAL: "tab:blue"}           # kept element, by its block's kind
+    masked = {SKIPPED: "white", PARTIAL: "moccasin", FULL: "white"}
+    img = np.ones((q_len, kv_len, 3))
+    for i in range(q_len):
+        for j in range(kv_len):
+            kind = int(kinds[i // qb, j // kb])
+            img[i, j] = to_rgb(kept.get(kind, "red") if dense[i, j] else masked[kind])
+    fig = Figure(figsize=(4.6, 4.6), layout="constrained")
+    ax = fig.add_subplot()
+    ax.imshow(img, interpolation="nearest", extent=(0, kv_len, q_len, 0))
+    for x in range(0, kv_len + 1, kb):
+        ax.axvline(x, color="0.3", lw=0.8)
+    for y in range(0, q_len + 1, qb):
+        ax.axhline(y, color="0.3", lw=0.8)
+    ax.set_xlabel("key position")
+    ax.set_ylabel("query position")
+    ax.set_title(title or f"BlockMask, blocks of {qb} x {kb}", fontsize=9)
+    fig.legend(handles=[Patch(color="tab:green", label="full block: all kept, no mask_mod call"),
+                        Patch(color="tab:blue", label="partial block: kept by the mask_mod"),
+                        Patch(color="moccasin", label="partial block: masked by the mask_mod"),
+                        Patch(facecolor="white", edgecolor="0.3", label="block never visited"),
+                        Patch(color="red", label="kept but not visited (a bug)")],
+               loc="outside lower center", ncol=2, fontsize=7)
+    add_note(fig, NOTE)
+    return fig
