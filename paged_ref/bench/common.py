@@ -17,16 +17,15 @@ Example:
 
 from __future__ import annotations
 
-import datetime as _dt
-import importlib.metadata
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
+
+from ..provenance import environment
 
 __all__ = ["cpu_median", "gpu_median", "copy_bandwidth", "environment", "write_json",
            "print_table", "DATA_DIR"]
@@ -98,35 +97,6 @@ def copy_bandwidth(nbytes: int = 2 << 30, device: str = "cuda") -> dict:
     seconds = gpu_median(lambda: dst.copy_(src))
     moved = 2 * numel * src.element_size()
     return {"bytes": moved, "median_s": seconds, "bandwidth_GBps": moved / seconds / 1e9}
-
-
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def environment() -> dict:
-    """Where and with what a result was measured: device, versions and UTC date (no host name)."""
-    env = {
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "platform": f"{platform.system()} {platform.machine()}",
-        "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "triton": _version("triton"),
-        "transformers": _version("transformers"),
-        "cuda": torch.version.cuda,
-        "gpu": None,
-    }
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        env["gpu"] = props.name
-        env["gpu_sms"] = props.multi_processor_count
-        env["gpu_memory_GiB"] = round(props.total_memory / 2 ** 30, 1)
-        env["gpu_count"] = torch.cuda.device_count()
-    return env
 
 
 def write_json(data: dict, filename: str, out_dir: str | Path | None = None) -> Path:

@@ -38,6 +38,7 @@ from matplotlib.figure import Figure
 
 from .._validate import check_int
 from ..cache import PagedKVCache
+from ..provenance import environment
 from . import add_note
 from .pages import PageMap, page_map, page_map_figure, page_map_story, seq_color
 
@@ -329,8 +330,6 @@ def run_note(what: str) -> str:
         >>> run_note("SmolLM2-135M-Instruct, float32").startswith("SmolLM2-135M-Instruct, float32; measured on ")
         True
     """
-    from ..bench.common import environment
-
     env = environment()
     device = f"GPU {env['gpu']}" if env["gpu"] else f"CPU ({env['platform']})"
     return (f"{what}; measured on {device}, torch {env['torch']}, transformers {env['transformers']}, "

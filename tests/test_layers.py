@@ -1,0 +1,68 @@
+"""Data flows one way through the package, function-level imports included.
+
+allocator -> block tables -> cache -> attention -> hf / eviction -> bench -> viz -> widgets:
+nothing lower imports anything higher, and no two top-level modules import each other.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "paged_ref"
+CORE = {"_validate", "allocator", "block_table", "cache", "attention", "memory", "fragmentation",
+        "scenarios", "provenance", "runmode"}
+UPPER = {"hf", "eviction", "bench", "viz", "widgets"}
+
+
+def imports() -> set[tuple[str, str]]:
+    """(importing module, imported paged_ref module) pairs, as dotted names below paged_ref."""
+    edges = set()
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        package = parts[:-1]                      # the folder the module lives in
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[:len(package) - (node.level - 1)]
+                target = base + (node.module.split(".") if node.module else [])
+                names = [target] if node.module else [target + [a.name] for a in node.names]
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
+                names = [m.split(".")[1:] for m in mods if m and m.startswith("paged_ref.")]
+            else:
+                continue
+            edges |= {(".".join(parts), ".".join(n)) for n in names if n}
+    return edges
+
+
+def top(module: str) -> str:
+    return module.split(".")[0]
+
+
+EDGES = imports()
+
+
+def test_the_scan_sees_imports():
+    assert ("cache", "allocator") in EDGES           # `from .allocator import ...`
+    assert any(top(a) == "widgets" and top(b) == "viz" for a, b in EDGES)
+
+
+@pytest.mark.parametrize("low", sorted(CORE))
+def test_core_imports_nothing_above_it(low):
+    bad = sorted((a, b) for a, b in EDGES if top(a) == low and top(b) in UPPER | {"models"})
+    assert not bad, f"{low} imports a higher layer: {bad}"
+
+
+def test_no_cycle_between_top_level_modules():
+    pairs = {(top(a), top(b)) for a, b in EDGES if top(a) != top(b) and a and b}
+    cycles = sorted((a, b) for a, b in pairs if (b, a) in pairs and a < b)
+    assert not cycles, f"top-level modules importing each other: {cycles}"
+
+
+@pytest.mark.parametrize("low, high", [("viz", "bench"), ("viz", "widgets"), ("bench", "viz"),
+                                       ("bench", "widgets"), ("hf", "bench"), ("eviction", "bench")])
+def test_no_import_upwards(low, high):
+    bad = sorted((a, b) for a, b in EDGES if top(a) == low and top(b) == high)
+    assert not bad, f"{low} imports {high}: {bad}"
