@@ -9,12 +9,12 @@ is therefore to stream K and V from the paged cache at close to copy bandwidth:
   loads K/V rows straight from ``k_cache[page, offset]``: no contiguous copy is ever made.
 * **GQA.** One program handles *all* query heads that share a KV head (a tile of
   ``BLOCK_H`` rows), so each K/V byte is read from memory once, not once per query head.
-* **Tile size decoupled from page size.** The kernel walks a sequence in tiles of
-  ``BLOCK_N`` tokens and resolves the page of every token in the tile, so a tile may span
-  several small pages and a large page may span several tiles; any power-of-two page size
-  from 1 to 256 works with the same tile size.
-* **Page ids fetched a tile ahead**, so the K/V loads of a tile depend on no load of the same
-  loop iteration and Triton's pipeliner keeps two K/V tiles in flight (``num_stages=3``).
+* **Two ways to find a tile, chosen at compile time.** The kernel walks a sequence in tiles of
+  ``BLOCK_N`` tokens. When ``page_size >= BLOCK_N`` a tile lies inside one page: one
+  block-table entry gives one 64-bit page base, and the tile is a contiguous 2-D block of that
+  page addressed with 32-bit offsets. With smaller pages every token of the tile looks up its
+  own page (a gather): 64-bit page bases per token, 32-bit offsets within the page. Any
+  power-of-two page size from 1 to 256 works with the same tile size.
 * **Online softmax** in float32 (running max ``m``, running sum ``l``, unnormalised
   accumulator ``acc``), in base 2 (``exp2``) with ``log2(e)`` folded into the scale.
 * **Split-K / flash-decoding.** With few sequences (batch 1 with 8 KV heads is 8 programs on
@@ -22,9 +22,18 @@ is therefore to stream K and V from the paged cache at close to copy bandwidth:
   programs; each writes a partial ``(m, l, acc)`` and a second, tiny kernel merges them.
   ``num_splits=None`` picks the count from batch, heads, length and the SM count.
 
-Without CUDA the very same kernels run through Triton's interpreter (float32 only): this
-module sets ``TRITON_INTERPRET=1`` before decorating them. Without Triton at all (macOS,
-Windows) the module still imports and :func:`paged_decode` raises ``ImportError``.
+What the compiler makes of it is measured, not assumed: ``python -m paged_ref.bench kernels``
+compiles every configuration the launcher can choose for sm_90, sm_80 and sm_75 without a GPU
+and records registers, spills, shared memory, asynchronous copies and MMA instructions in
+``figures/data/kernels.json`` (notebook 05, "what the compiler made of the kernel").
+
+On CPU tensors the very same kernel functions run through Triton's interpreter (float32 only),
+chosen per call: nothing is set for the process. During an interpreted call the interpreter
+knob is on and triton.language's own ``@jit`` helpers (``tl.max``, ``tl.sum``, ...) are swapped
+for interpreted ones (as the interpreter itself patches triton.language while it runs); both
+are restored when the call returns, so ``os.environ`` and ``triton.language`` are left as they
+were. Without Triton at all (macOS, Windows) the module still imports and
+:func:`paged_decode` raises ``ImportError``.
 
 Example:
     >>> import torch
@@ -41,26 +50,12 @@ Example:
 import contextlib
 import os
 import sys
+import threading
 import types
 
 import torch
 
 from .reference import check_paged_inputs
-
-# --- Choosing compiled kernels or the interpreter --------------------------------------------
-# Triton decides between compiling a kernel and interpreting it when `@triton.jit` decorates the
-# function: `jit` reads TRITON_INTERPRET (through `triton.knobs.runtime.interpret` in Triton 3.x)
-# at that moment, and the interpreter reads the knob again while running. Two things follow:
-#  1. the variable must be set before the decorators below run (and a value forced in code,
-#     `triton.knobs.runtime.interpret = False`, would shadow it, so the knob is set too);
-#  2. triton.language's own helpers (tl.max, tl.sum, tl.cdiv, tl.zeros, ...) are @jit functions
-#     decorated when triton was first imported. If someone imported triton before us (say
-#     torch.compile did), they are compile-mode JITFunctions that the interpreter refuses to
-#     call; `_interpret_triton_language` re-wraps them the way an interpreting import would have.
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-# True on a machine without CUDA, or where the user asked for the interpreter (debugging).
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 try:
     import triton
@@ -69,42 +64,104 @@ except ImportError:  # no Triton wheel for this platform: import still works, ca
     triton = None
     tl = types.SimpleNamespace(constexpr=None)  # only for the `tl.constexpr` annotations below
 
+# True where CPU tensors are all this process can give the kernel (no CUDA), or where the user
+# asked for the interpreter everywhere (TRITON_INTERPRET=1, for debugging). Read, never set.
+INTERPRETED = not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-def _interpret_triton_language() -> None:
-    """Turn the interpreter on, including for triton.language's @jit helpers (see above)."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None and not knobs.runtime.interpret:
-        knobs.runtime.interpret = True
+
+def interpreted(device: torch.device) -> bool:
+    """Whether a call on tensors of ``device`` runs in Triton's interpreter (CPU, or forced)."""
+    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_INTERPRETER_LOCK = threading.Lock()
+
+
+def _language_state() -> list[tuple[object, dict]]:
+    """A copy of the namespace of every triton.language module and of every class defined there.
+
+    Triton's interpreter patches these while it runs (builtins, ``tensor`` methods, ``range``),
+    and leaves some patches behind after a kernel calls a ``@jit`` helper; taking a copy before
+    an interpreted call lets :func:`_interpreter` put every attribute back afterwards.
+    """
+    modules = [m for name, m in list(sys.modules.items()) if m is not None
+               and (name == "triton.language" or name.startswith("triton.language."))]
+    classes = {v for m in modules for v in list(vars(m).values())
+               if isinstance(v, type) and getattr(v, "__module__", "").startswith("triton.language")}
+    return [(obj, dict(vars(obj))) for obj in (*modules, *classes)]
+
+
+def _restore(state: list[tuple[object, dict]]) -> None:
+    """Put back every attribute that ``state`` recorded. Names the interpreter *added* to a
+    module stay: its cached rewrites of triton.language's helpers look them up later."""
+    for obj, saved in state:
+        current = vars(obj)
+        for name, value in saved.items():
+            if current.get(name, _restore) is not value:
+                setattr(obj, name, value)
+
+
+@contextlib.contextmanager
+def _interpreter():
+    """Run Triton's interpreter for the duration of one call, then put everything back.
+
+    Triton picks compile or interpret mode when ``@triton.jit`` decorates a function, so its
+    own helpers in triton.language (``tl.max``, ``tl.sum``, ``tl.cdiv``, ...) were decorated
+    for compiling when triton was imported, and the interpreter refuses to call those. For the
+    call they are swapped for interpreted wrappers and the interpreter knob is switched on;
+    afterwards every attribute of triton.language (and the knob, and the TRITON_INTERPRET
+    variable that setting the knob writes) is restored. A lock keeps two threads from
+    interleaving.
+    """
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    rewrapped = {}                    # one wrapper per helper: modules share the same objects
-    for name, module in list(sys.modules.items()):
-        if module is None or not (name == "triton.language" or name.startswith("triton.language.")):
-            continue
-        for attr, value in list(vars(module).items()):
-            if isinstance(value, JITFunction):
-                if id(value) not in rewrapped:
-                    rewrapped[id(value)] = InterpretedFunction(value.fn)
-                setattr(module, attr, rewrapped[id(value)])
+    with _INTERPRETER_LOCK:
+        state = _language_state()
+        knobs = getattr(triton, "knobs", None)
+        knob_scope = knobs.runtime.scope() if knobs is not None else contextlib.nullcontext()
+        try:
+            with knob_scope:
+                wrappers = {}                         # one wrapper per helper object
+                for obj, saved in state:
+                    for attr, value in saved.items():
+                        if isinstance(value, JITFunction):
+                            if id(value) not in wrappers:
+                                wrappers[id(value)] = InterpretedFunction(value.fn)
+                            setattr(obj, attr, wrappers[id(value)])
+                if knobs is not None:
+                    knobs.runtime.interpret = True
+                yield
+        finally:
+            _restore(state)
 
 
-if triton is not None and INTERPRETED:
-    _interpret_triton_language()
+_KERNELS: dict[tuple[str, bool], object] = {}
 
 
-def _jit(fn):
-    """`triton.jit`, or a stand-in that raises ImportError when called if triton is missing."""
-    if triton is not None:
-        return triton.jit(fn)
+def _kernel(fn, interpret: bool):
+    """``fn`` as a compiled-mode JITFunction or as an InterpretedFunction (built once each)."""
+    key = (fn.__name__, interpret)
+    if key not in _KERNELS:
+        if interpret:
+            from triton.runtime.interpreter import InterpretedFunction
+            _KERNELS[key] = InterpretedFunction(fn)
+        else:
+            from triton.runtime.jit import JITFunction
+            _KERNELS[key] = JITFunction(fn)
+    return _KERNELS[key]
 
-    def missing(*args, **kwargs):
-        raise ImportError("paged_decode needs the `triton` package (Linux only): "
-                          "pip install triton, or use paged_attention_reference instead")
-    return missing
+
+def compiled_kernels() -> dict[str, object]:
+    """The two kernels as compiled-mode JITFunctions, for ahead-of-time compilation
+    (``triton.compile(ASTSource(fn=...), target=...)``: see ``paged_ref.bench.kernels``)."""
+    if triton is None:
+        raise ImportError("compiling the kernels needs the `triton` package")
+    return {fn.__name__: _kernel(fn, interpret=False)
+            for fn in (_paged_decode_split_kernel, _reduce_splits_kernel)}
 
 
-__all__ = ["paged_decode", "choose_num_splits", "INTERPRETED"]
+__all__ = ["paged_decode", "choose_num_splits", "compiled_kernels", "interpreted", "INTERPRETED"]
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 256            # upper bound for the heuristic (partials stay a few MB)
@@ -114,7 +171,6 @@ _PROGRAMS_PER_SM = 3         # programs of the default GPU config resident on on
 
 
 # --- Kernel 1: attention over one chunk of one sequence, all query heads of one KV head ------
-@_jit
 def _paged_decode_split_kernel(
     q_ptr,                 # [batch, num_q_heads, head_dim]
     k_cache_ptr,           # [num_pages, page_size, num_kv_heads, head_dim]
@@ -172,32 +228,42 @@ def _paged_decode_split_kernel(
 
     block_table_row = block_table_ptr + batch * stride_bt_batch
     kv_head_offset = kv_head * stride_cache_head
+    tile_d = offs_d[None, :]                            # [1, BLOCK_D] columns of a K/V row
     # Block-table lookup: logical token t lives on physical page block_table[t // PAGE_SIZE] at
-    # offset t % PAGE_SIZE (a shift and a mask: PAGE_SIZE is a power of two). Every token of a
-    # tile gets its own lookup, which is what lets a tile span pages; tokens of one page hit
-    # the same block-table entry, served from cache. The ids of the *next* tile are fetched one
-    # iteration ahead: the K/V addresses of a tile then depend on no load of the same
-    # iteration, which lets Triton's software pipeliner keep num_stages - 1 K/V tiles in
-    # flight (with the lookup in the same iteration it keeps only one).
-    tokens = start + offs_n
-    pages = tl.load(block_table_row + tokens // PAGE_SIZE, mask=tokens < end, other=0)
+    # offset t % PAGE_SIZE (a shift and a mask: PAGE_SIZE is a power of two). Only the page
+    # base needs 64 bits (caches over 2**31 elements); offsets within a page are int32.
+    # The page ids of the *next* tile are fetched one iteration ahead, so the K/V addresses of
+    # a tile depend on no load of the same iteration: the software pipeliner can then give K
+    # and V a ring of buffers (what it actually did is in figures/data/kernels.json).
+    if PAGE_SIZE >= BLOCK_N:
+        # A tile lies inside one page (tiles start at multiples of BLOCK_N, pages at multiples
+        # of PAGE_SIZE): one block-table entry per tile, a scalar.
+        page = tl.load(block_table_row + start // PAGE_SIZE, mask=start < end, other=0)
+    else:
+        # Small pages: every token of the tile looks up its own page (a gather).
+        tokens = start + offs_n
+        page = tl.load(block_table_row + tokens // PAGE_SIZE, mask=tokens < end, other=0)
     for tile_start in range(start, end, BLOCK_N):
         tokens = tile_start + offs_n                    # [BLOCK_N] logical token positions
         mask_n = tokens < end
-        # Element offset of each token's K/V row; the page id is widened to int64 so that
-        # caches over 2**31 elements address correctly.
-        rows = (pages.to(tl.int64) * stride_cache_page
-                + (tokens % PAGE_SIZE) * stride_cache_token
-                + kv_head_offset)                       # [BLOCK_N]
-        next_tokens = tokens + BLOCK_N
-        pages = tl.load(block_table_row + next_tokens // PAGE_SIZE, mask=next_tokens < end,
-                        other=0)                        # [BLOCK_N] page ids of the next tile
+        within = (tokens % PAGE_SIZE) * stride_cache_token          # int32 [BLOCK_N]
+        base = page.to(tl.int64) * stride_cache_page + kv_head_offset  # int64: scalar or [BLOCK_N]
+        if PAGE_SIZE >= BLOCK_N:
+            # one base address, and the tile is a contiguous 2-D block [BLOCK_N, BLOCK_D]
+            k_ptrs = k_cache_ptr + base + (within[:, None] + tile_d)
+            v_ptrs = v_cache_ptr + base + (within[:, None] + tile_d)
+            nxt = tile_start + BLOCK_N
+            page = tl.load(block_table_row + nxt // PAGE_SIZE, mask=nxt < end, other=0)
+        else:
+            k_ptrs = k_cache_ptr + base[:, None] + (within[:, None] + tile_d)  # [BLOCK_N, BLOCK_D]
+            v_ptrs = v_cache_ptr + base[:, None] + (within[:, None] + tile_d)
+            nxt = tokens + BLOCK_N
+            page = tl.load(block_table_row + nxt // PAGE_SIZE, mask=nxt < end, other=0)
         if BLOCK_D == HEAD_DIM:
             kv_mask = mask_n[:, None]                   # keep the mask constant along d
         else:
             kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0)            # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)    # [BLOCK_N, BLOCK_D]
 
         # Scores of every query head of the group against the tile, in base 2.
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
@@ -211,8 +277,7 @@ def _paged_decode_split_kernel(
         p = tl.exp2(scores - m_new[:, None])                          # [BLOCK_H, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :],
-                    mask=kv_mask, other=0.0)            # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)    # [BLOCK_N, BLOCK_D]
         # p is rounded to V's dtype for the tensor-core product (as FlashAttention does);
         # the product itself accumulates in float32.
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -234,7 +299,6 @@ def _paged_decode_split_kernel(
 
 
 # --- Kernel 2: merge the splits of one (sequence, query head) --------------------------------
-@_jit
 def _reduce_splits_kernel(
     part_m_ptr,            # fp32 [batch, num_q_heads, num_splits]
     part_l_ptr,            # fp32 [batch, num_q_heads, num_splits]
@@ -348,33 +412,51 @@ def _default_num_splits(batch: int, num_kv_heads: int, max_len: int, device: tor
                              min_tokens_per_split=4 * cfg["BLOCK_N"])
 
 
-def _tile_config(dtype: torch.dtype, head_dim: int, group: int) -> dict:
-    """Tile sizes and launch options (a fixed choice; `python -m paged_ref.bench decode --sweep`
-    times the alternatives on a GPU)."""
+def _tile_config(dtype: torch.dtype, head_dim: int, group: int, *,
+                 interpret: bool = INTERPRETED, capability: int = 90) -> dict:
+    """Tile sizes and launch options for one call (a fixed choice per target;
+    `python -m paged_ref.bench kernels` reports what each compiles to, and
+    `python -m paged_ref.bench decode --sweep` times the alternatives on a GPU).
+
+    Args:
+        capability: the GPU's compute capability as ``10 * major + minor`` (90 for H100/H200,
+            80 for A100, 75 for T4); ignored by the interpreter.
+    """
     block_d = max(16, _next_pow2(head_dim))
-    if INTERPRETED:
+    if interpret:
         # The interpreter runs each program in numpy: small tiles keep tests quick, and tl.dot
         # has no minimum shape there.
         return dict(BLOCK_H=_next_pow2(group), BLOCK_D=block_d, BLOCK_N=32,
                     num_warps=1, num_stages=1)
-    # K/V tiles of 16 KB (BLOCK_N = 64 for 16-bit head_dim 128); num_stages=3 keeps two of
-    # them in flight while the previous one is used: ~70 KB of shared memory, 3 programs per SM.
+    if capability < 80:
+        # Turing (T4): Triton computes tl.dot with FMAs there (no MMA instructions were
+        # emitted for sm_75) and has no asynchronous copies, so small tiles and no pipeline:
+        # with 64-token tiles the compile for sm_75 spilled ~200 registers.
+        block_h = _next_pow2(group)
+        return dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=32 if block_h <= 8 else 16,
+                    num_warps=4, num_stages=1)
+    # Ampere and Hopper: K/V tiles of 16 KB (BLOCK_N = 64 for 16-bit head_dim 128); num_stages=3
+    # asks the pipeliner for a ring of two K and two V buffers in shared memory. maxnreg=160:
+    # left alone, ptxas gave some sm_90 configurations 64 registers and a few spills.
     block_n = min(128, max(16, 16384 // (block_d * dtype.itemsize)))
     return dict(BLOCK_H=max(16, _next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-                num_warps=4, num_stages=3)
+                num_warps=4, num_stages=3, maxnreg=160)
+
+
+def _capability(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def _check_kernel_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, out):
     """Checks specific to this kernel, on top of the common `check_paged_inputs`."""
-    allowed = (torch.float32,) if INTERPRETED else (torch.float16, torch.bfloat16, torch.float32)
+    interpret = interpreted(q.device)
+    allowed = (torch.float32,) if interpret else (torch.float16, torch.bfloat16, torch.float32)
     if q.dtype not in allowed:
-        where = ("Triton's interpreter (used without a CUDA GPU; float32 only)" if INTERPRETED
+        where = ("Triton's interpreter (used for CPU tensors; float32 only)" if interpret
                  else "the compiled kernel")
         raise TypeError(f"q must have dtype in {[str(d) for d in allowed]} for {where}, "
                         f"got {q.dtype}")
-    if not INTERPRETED and q.device.type != "cuda":
-        raise ValueError(f"q, k_cache, v_cache, block_table and seq_lens must be CUDA tensors "
-                         f"for the compiled kernel, got device {q.device}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("block_table", block_table), ("seq_lens", seq_lens)):
         if not t.is_contiguous():
@@ -459,7 +541,9 @@ def paged_decode(
     batch, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    cfg = _tile_config(q.dtype, head_dim, group)
+    interpret = interpreted(q.device)
+    cfg = _tile_config(q.dtype, head_dim, group, interpret=interpret,
+                       capability=90 if interpret else _capability(q.device))
     if num_splits is None:
         # With values checked, seq_lens is already known on the host; otherwise use the block
         # table's capacity as the bound rather than force a device sync.
@@ -473,7 +557,7 @@ def paged_decode(
 
 
 def _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, *,
-            BLOCK_H, BLOCK_D, BLOCK_N, num_warps, num_stages):
+            BLOCK_H, BLOCK_D, BLOCK_N, num_warps, num_stages, **options):
     """Launch both kernels on checked inputs (also used by the benchmark's tile sweep)."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -486,11 +570,15 @@ def _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, 
                                device=q.device)                 # [batch, Hq, splits, head_dim]
     else:
         part_m = part_l = part_acc = out                        # unused by the kernel
-    # Triton launches on the current CUDA device: make it the inputs' device.
-    on_device = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
-    with on_device:
+    interpret = interpreted(q.device)
+    split_kernel = _kernel(_paged_decode_split_kernel, interpret)
+    reduce_kernel = _kernel(_reduce_splits_kernel, interpret)
+    # Triton launches on the current CUDA device: make it the inputs' device. The interpreter
+    # is switched on for this call only.
+    scope = _interpreter() if interpret else torch.cuda.device(q.device)
+    with scope:
         # Grid: one program per (sequence, KV head, split).
-        _paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        split_kernel[(batch, num_kv_heads, num_splits)](
             q, k_cache, v_cache, block_table, seq_lens, out,
             part_m, part_l, part_acc,
             scale * _LOG2E, num_splits,
@@ -504,13 +592,14 @@ def _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, 
             WRITE_PARTIALS=write_partials,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             num_warps=num_warps, num_stages=num_stages,
+            **({} if interpret else options),
         )
         if write_partials:
             # Grid: one program per (sequence, query head).
-            _reduce_splits_kernel[(batch, num_q_heads)](
+            reduce_kernel[(batch, num_q_heads)](
                 part_m, part_l, part_acc, out, num_splits,
                 out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, BLOCK_S=min(16, _next_pow2(num_splits)),
-                num_warps=1 if INTERPRETED else 4,
+                num_warps=1 if interpret else 4,
             )
     return out
