@@ -226,3 +226,28 @@ def reservation_report(lengths, *, page_size: int, reserved_per_request: int,
         used_slots=sum(lengths),
         bytes_per_token=bytes_per_token,
     )
+
+
+def model_geometry(model) -> dict:
+    """Cache geometry of a transformers model: num_layers, num_kv_heads, head_dim, dtype, device.
+
+    Reads the model's config (no transformers import here): the keyword arguments a
+    :class:`~paged_ref.cache.PagedKVCache` for that model takes besides its pages.
+    """
+    config = getattr(model, "config", None)
+    needed = ("num_hidden_layers", "num_attention_heads")
+    if config is None or any(getattr(config, name, None) is None for name in needed):
+        raise TypeError(
+            f"model must be a transformers decoder model with a config holding {list(needed)}, got {type(model).__name__}"
+        )
+    num_q_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_q_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
+    param = next(model.parameters())
+    return dict(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=param.dtype,
+        device=param.device,
+    )

@@ -112,7 +112,7 @@ def print_model_report(name: str, res: dict) -> None:
         print_table(["cache", "batch", "step ms", "tokens/s", "tokens/s same batch", "KV held MiB"], rows)
         o = b["overhead_ps16"]
         print(f"  paged overhead over the minimum at page size {o['page_size']}: {o['slots']} slots for "
-              f"{o['tokens']} tokens = {100 * o['overhead']:.2f}% (goal <= 5%)")
+              f"{o['tokens']} tokens = {100 * o['overhead']:.2f}% (bound <= 5%)")
         w = b.get("overhead_ps16_workload")
         if w:
             print(f"  ... over all {b['num_requests']} requests of the workload: {w['slots']} slots for {w['tokens']} "

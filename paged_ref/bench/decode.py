@@ -278,7 +278,7 @@ def run_sweep(rep_ms, shapes=((1, 131072), (8, 32768)), page_size=16, *,
 
 
 def summarize_gpu(data):
-    """Ratios between implementations per case, and the issue's goals against the numbers."""
+    """Ratios between implementations per case, and the benchmark's targets against the numbers."""
     by = {(r["batch"], r["seq_len"], r["page_size"], r["impl"]): r for r in data["results"]}
     ratios, table = [], []
     shapes = sorted({(r["batch"], r["seq_len"]) for r in data["results"]}, key=lambda s: s[0])

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import PagedKVCache
+from ..memory import model_geometry
 from .policies import EvictionPolicy
 
 __all__ = ["PagedLM"]
@@ -53,7 +54,6 @@ class PagedLM:
         inner = getattr(model, "model", None)
         if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
             raise TypeError(f"model must be a Llama-family causal LM (model.model.layers, rotary_emb), got {type(model).__name__}")
-        from ..hf.session import model_geometry  # here, not at the top: hf imports eviction
 
         self.model = model
         self.geometry = model_geometry(model)  # num_layers, num_kv_heads, head_dim, dtype, device

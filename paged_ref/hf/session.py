@@ -36,31 +36,11 @@ import torch
 
 from .._validate import check_choice, check_int
 from ..cache import PagedKVCache
+from ..memory import model_geometry  # noqa: F401  (re-exported: hf.session.model_geometry)
 from .attention import ATTN_IMPLEMENTATION, BACKENDS, register, resolve_backend, step_kwargs
 from .cache import PagedCache, StepPlan
 
 __all__ = ["PagedSession", "model_geometry"]
-
-
-def model_geometry(model) -> dict:
-    """Cache geometry of a transformers model: num_layers, num_kv_heads, head_dim, dtype, device."""
-    config = getattr(model, "config", None)
-    needed = ("num_hidden_layers", "num_attention_heads")
-    if config is None or any(getattr(config, name, None) is None for name in needed):
-        raise TypeError(
-            f"model must be a transformers decoder model with a config holding {list(needed)}, got {type(model).__name__}"
-        )
-    num_q_heads = config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_q_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
-    param = next(model.parameters())
-    return dict(
-        num_layers=config.num_hidden_layers,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        dtype=param.dtype,
-        device=param.device,
-    )
 
 
 def _cache_keyword(model) -> str:

@@ -367,3 +367,70 @@ def bandwidth_figure(data: dict, *, impls: Sequence[str] | None = None) -> Figur
     add_note(fig, provenance(data))
     return fig
 
+
+
+# --- what the compiler made of the kernel (figures/data/kernels.json) -------------------------
+def compile_rows(data: dict, *, head_dim: int = 128, group: int = 4) -> list[list]:
+    """Table rows of the compile report for one head_dim and GQA group: per target, dtype,
+    page size and split, what ``python -m paged_ref.bench kernels`` read from the machine code."""
+    rows = []
+    for e in data["split_kernel"]:
+        if e["head_dim"] != head_dim or e["group"] != group or not e["hints"]:
+            continue
+        if "error" in e:
+            rows.append([f"sm_{e['arch']}", e["dtype"], e["page_size"], e["split"], "ERROR",
+                         "", "", "", "", "", ""])
+            continue
+        path = "one page" if e["page_size"] >= e["tile"]["BLOCK_N"] else "gather"
+        rows.append([f"sm_{e['arch']}", e["dtype"], e["page_size"], "yes" if e["split"] else "no",
+                     path, e["registers"], e["spill_stores"], f"{e['shared_bytes'] / 1024:.1f} KB",
+                     e["async_copies"], "x".join(map(str, e["kv_buffers"])) or "-",
+                     e["programs_per_sm"],
+                     f"{e['kv_bytes_in_flight_per_sm'] / 1024:.0f} / "
+                     f"{e['littles_law_bytes_per_sm'] / 1024:.0f} KB"])
+    return rows
+
+
+COMPILE_HEADERS = ["target", "dtype", "page", "split", "tile from", "registers", "spill stores",
+                   "shared", "async copies", "K/V buffers", "programs/SM",
+                   "in flight / Little (per SM)"]
+
+
+def compile_report_figure(data: dict) -> Figure:
+    """Registers and K/V bytes in flight per SM of every compiled configuration, per target,
+    against Little's law (left: 16-bit registers, spilling ones in red; right: bytes in flight)."""
+    entries = [e for e in data["split_kernel"] if e["hints"] and "error" not in e]
+    archs = sorted({e["arch"] for e in entries}, reverse=True)
+    fig = Figure(figsize=(10.5, 3.6), layout="constrained")
+    ax_reg, ax_fly = fig.subplots(1, 2)
+    rng = np.random.default_rng(0)
+    for i, arch in enumerate(archs):
+        mine = [e for e in entries if e["arch"] == arch]
+        jitter = rng.uniform(-0.25, 0.25, len(mine))
+        spill = np.array([e["spill_stores"] + e["spill_loads"] > 0 for e in mine])
+        regs = np.array([e["registers"] for e in mine])
+        fly = np.array([e["kv_bytes_in_flight_per_sm"] / 1024 for e in mine])
+        ax_reg.scatter(i + jitter[~spill], regs[~spill], s=8, color="tab:blue", alpha=0.6,
+                       label="no spill" if i == 0 else None)
+        ax_reg.scatter(i + jitter[spill], regs[spill], s=14, color="red", marker="x",
+                       label="spills" if i == 0 else None)
+        ax_fly.scatter(i + jitter, fly, s=8, color="tab:green", alpha=0.6)
+        law = mine[0]["littles_law_bytes_per_sm"] / 1024
+        ax_fly.plot([i - 0.4, i + 0.4], [law, law], color="k", lw=1.5,
+                    label="Little's law (datasheet bandwidth x 1 us / SMs)" if i == 0 else None)
+    labels = [data["assumptions"]["targets"][str(a)]["name"] if str(a) in
+              data["assumptions"]["targets"] else f"sm_{a}" for a in archs]
+    for ax in (ax_reg, ax_fly):
+        ax.set_xticks(range(len(archs)), labels, fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    ax_reg.set_ylabel("registers per thread")
+    ax_reg.set_title("registers (255 = the limit)", fontsize=9)
+    ax_reg.legend(fontsize=7)
+    ax_fly.set_ylabel("K/V KB in flight per SM")
+    ax_fly.set_yscale("log")
+    ax_fly.set_title("bytes in flight per SM vs what the memory system needs", fontsize=9)
+    ax_fly.legend(fontsize=7)
+    add_note(fig, f"Compiled without a GPU by `{data.get('command')}`, triton {data.get('triton')}, "
+                  f"{data['environment']['date_utc'][:10]}; read with cuobjdump "
+                  "(no hardware measured).")
+    return fig
