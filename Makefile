@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
 HAS_CUDA  := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: lab test install install-test browser-deps test-unit test-notebooks figures bench-cpu clean
+.PHONY: lab test test-compat install install-test browser-deps test-unit test-notebooks figures bench-cpu clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -49,10 +49,28 @@ test: install-test
 	$(PY) -m pytest -q tests
 	$(PY) -m pytest -q --nbval-lax notebooks/
 
+# The GPU image's library versions (triton 3.6, transformers 5.17) with the CPU torch: the
+# Triton kernel (interpreter and ahead-of-time compiles), flex, the hf integration on a tiny
+# model. triton 3.6's interpreter turns 1-element arrays into ints, which numpy 2.4 refuses.
+VENV_COMPAT ?= .venv-compat
+COMPAT_PINS := $(TORCH_CPU) triton==3.6.0 transformers==5.17.0 "numpy<2.4"
+COMPAT_TESTS := tests/test_triton_decode.py tests/test_triton_compile.py tests/test_attention_flex.py \
+                tests/test_attention_reference.py tests/test_hf_generate.py tests/test_cache.py tests/test_layers.py
+
+$(VENV_COMPAT)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV_COMPAT)
+	$(VENV_COMPAT)/bin/python -m pip install -q --upgrade pip
+	$(VENV_COMPAT)/bin/python -m pip install -q $(COMPAT_PINS) accelerate matplotlib tqdm pytest hypothesis
+	$(VENV_COMPAT)/bin/python -m pip install -q --no-deps -e .
+	touch $@
+
+test-compat: $(VENV_COMPAT)/.installed
+	$(VENV_COMPAT)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+
 # Re-executes every notebook in full mode, which rewrites figures/*.png and the saved outputs.
 figures: install
 	PAGED_REF_MODE=full $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
 	  --ExecutePreprocessor.timeout=3600 notebooks/*.ipynb
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV_COMPAT) .pytest_cache .hypothesis

@@ -92,10 +92,14 @@ def _language_state() -> list[tuple[object, dict]]:
 
 
 def _restore(state: list[tuple[object, dict]]) -> None:
-    """Put back every attribute that ``state`` recorded. Names the interpreter *added* to a
-    module stay: its cached rewrites of triton.language's helpers look them up later."""
+    """Put back every attribute that ``state`` recorded and remove those added to a class.
+    Names the interpreter *added* to a module stay: its cached rewrites of triton.language's
+    helpers look them up later."""
     for obj, saved in state:
         current = vars(obj)
+        if isinstance(obj, type):
+            for name in [n for n in current if n not in saved]:
+                delattr(obj, name)
         for name, value in saved.items():
             if current.get(name, _restore) is not value:
                 setattr(obj, name, value)

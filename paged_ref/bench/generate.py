@@ -25,6 +25,7 @@ tokens/s over the peer's measured in the same run. JSON: ``figures/data/generate
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import threading
 import time
@@ -135,8 +136,12 @@ def _methods(model, rows, new, backends, with_generate_batch):
 
         blocks = sum(pages_needed(len(r) + new, PAGE_SIZE) for r in rows)
 
+        # the page size is `page_size` in transformers 5.24 and `block_size` in 5.17
+        params = inspect.signature(ContinuousBatchingConfig.__init__).parameters
+        size_kw = {"page_size" if "page_size" in params else "block_size": PAGE_SIZE}
+
         def cb():
-            cfg = ContinuousBatchingConfig(page_size=PAGE_SIZE, num_blocks=blocks,
+            cfg = ContinuousBatchingConfig(**size_kw, num_blocks=blocks,
                                            max_batch_tokens=sum(len(r) for r in rows),
                                            use_cuda_graph=False, use_async_batching=False)
             res = model.generate_batch(rows, generation_config=config, continuous_batching_config=cfg,
