@@ -32,6 +32,8 @@ from ._validate import check_int
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
     """Number of pages that hold ``num_tokens`` tokens: ceil(num_tokens / page_size)."""
+    num_tokens = check_int("num_tokens", num_tokens, min_value=0)
+    page_size = check_int("page_size", page_size, min_value=1)
     return -(-num_tokens // page_size)
 
 
@@ -42,6 +44,13 @@ def _check_tables(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], page
         )
     for i, (pages, n) in enumerate(zip(tables, seq_lens)):
         check_int(f"seq_lens[{i}]", n, min_value=0)
+        if not all(type(p) is int and p >= 0 for p in pages):      # the fast path: plain ints
+            for j, page in enumerate(pages):
+                check_int(f"tables[{i}][{j}]", page, min_value=0)
+        if len(set(pages)) != len(pages):
+            dup = sorted({p for p in pages if list(pages).count(p) > 1})
+            raise ValueError(f"tables[{i}] must not list a page twice, got page(s) {dup} "
+                             f"more than once in {list(pages)}")
         if page_size is not None and pages_needed(n, page_size) > len(pages):
             raise ValueError(
                 f"seq_lens[{i}]={n} needs {pages_needed(n, page_size)} pages of {page_size}, "
@@ -91,11 +100,37 @@ def to_csr(
 def from_csr(
     kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, *, page_size: int
 ) -> tuple[list[list[int]], list[int]]:
-    """Inverse of :func:`to_csr`: per-sequence page lists and token counts."""
-    indptr = kv_indptr.tolist()
-    indices = kv_indices.tolist()
+    """Inverse of :func:`to_csr`: per-sequence page lists and token counts.
+
+    FlashInfer's rules are checked: ``kv_indptr`` starts at 0, never decreases and ends at
+    ``len(kv_indices)``; page ids are >= 0; a sequence with pages has
+    ``1 <= kv_last_page_len <= page_size``, one without has 0.
+    """
+    page_size = check_int("page_size", page_size, min_value=1)
+    for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
+                    ("kv_last_page_len", kv_last_page_len)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_complex():
+            what = (f"a {t.dim()}-D {t.dtype} tensor" if isinstance(t, torch.Tensor)
+                    else type(t).__name__)
+            raise TypeError(f"{name} must be a 1-D integer torch.Tensor, got {what}")
+    indptr, indices, last = kv_indptr.tolist(), kv_indices.tolist(), kv_last_page_len.tolist()
+    if not indptr or indptr[0] != 0 or indptr[-1] != len(indices):
+        raise ValueError(f"kv_indptr must start at 0 and end at len(kv_indices) = {len(indices)}, "
+                         f"got {indptr}")
+    if any(b < a for a, b in zip(indptr, indptr[1:])):
+        raise ValueError(f"kv_indptr must not decrease, got {indptr}")
+    if len(last) != len(indptr) - 1:
+        raise ValueError(f"kv_last_page_len must have batch = len(kv_indptr) - 1 = "
+                         f"{len(indptr) - 1} entries, got {len(last)}")
+    if any(p < 0 for p in indices):
+        raise ValueError(f"kv_indices must be page ids >= 0, got {indices}")
     tables = [indices[a:b] for a, b in zip(indptr[:-1], indptr[1:])]
-    lens = [(len(t) - 1) * page_size + last if t else 0 for t, last in zip(tables, kv_last_page_len.tolist())]
+    for i, (t, n) in enumerate(zip(tables, last)):
+        lo, hi = (1, page_size) if t else (0, 0)
+        if not lo <= n <= hi:
+            raise ValueError(f"kv_last_page_len[{i}] must be in [{lo}, {hi}] for a sequence of "
+                             f"{len(t)} page(s) of {page_size}, got {n}")
+    lens = [(len(t) - 1) * page_size + n if t else 0 for t, n in zip(tables, last)]
     return tables, lens
 
 
@@ -104,6 +139,9 @@ def slot_mapping(pages: Sequence[int], *, start: int, num_tokens: int, page_size
 
     Returns ``int64 [num_tokens]``.
     """
+    start = check_int("start", start, min_value=0)
+    num_tokens = check_int("num_tokens", num_tokens, min_value=0)
+    page_size = check_int("page_size", page_size, min_value=1)
     end = start + num_tokens
     if num_tokens and (end - 1) // page_size >= len(pages):
         raise ValueError(

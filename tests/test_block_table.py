@@ -3,6 +3,8 @@ import doctest
 import pytest
 import torch
 
+from paged_ref.block_table import from_csr, pad_block_tables, pages_needed, slot_mapping, to_csr
+
 import paged_ref as pr
 import paged_ref.allocator
 import paged_ref.block_table
@@ -48,3 +50,63 @@ def test_errors():
         pr.slot_mapping([3], start=3, num_tokens=2, page_size=4)
     with pytest.raises(ValueError, match="page_size must be >= 1"):
         pr.to_csr([[1]], [1], page_size=0)
+
+
+# --- inputs that used to be accepted (wrapping, silent padding reads, ZeroDivisionError) -----
+@pytest.mark.parametrize("args, words", [
+    (([0, 1, 3], [3, 1, 2], [9, 8]), r"kv_last_page_len\[0\] must be in \[1, 8\]"),
+    (([0, 1, 3], [3, 1, 2], [0, 8]), r"kv_last_page_len\[0\] must be in \[1, 8\]"),
+    (([0, 2, 1], [3, 1], [1, 1]), "kv_indptr must not decrease|must start at 0 and end"),
+    (([0, 3, 2], [3, 1, 2], [1, 1]), "kv_indptr must not decrease|end at len"),
+    (([1, 2], [3, 1], [1]), "must start at 0"),
+    (([0, 1], [-4], [1]), "kv_indices must be page ids >= 0"),
+    (([0, 0, 1], [2], [1, 1]), r"kv_last_page_len\[0\] must be in \[0, 0\]"),
+    (([0, 1], [2], [1, 1]), "kv_last_page_len must have batch"),
+])
+def test_from_csr_checks_flashinfer_rules(args, words):
+    tensors = [torch.tensor(a, dtype=torch.int32) for a in args]
+    with pytest.raises(ValueError, match=words):
+        from_csr(*tensors, page_size=8)
+
+
+def test_from_csr_rejects_lists_floats_and_page_size_zero():
+    ok = [torch.tensor(a, dtype=torch.int32) for a in ([0, 1], [2], [3])]
+    with pytest.raises(TypeError, match="kv_indptr must be a 1-D integer torch.Tensor, got list"):
+        from_csr([0, 1], ok[1], ok[2], page_size=8)
+    with pytest.raises(TypeError, match="kv_indices must be a 1-D integer"):
+        from_csr(ok[0], ok[1].float(), ok[2], page_size=8)
+    with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
+        from_csr(*ok, page_size=0)
+    assert from_csr(*ok, page_size=8) == ([[2]], [3])
+
+
+@pytest.mark.parametrize("tables, words", [
+    ([[1, -1]], r"tables\[0\]\[1\] must be >= 0, got -1"),
+    ([[2, -5, 3]], r"tables\[0\]\[1\] must be >= 0, got -5"),
+    ([[4, 4]], r"tables\[0\] must not list a page twice, got page\(s\) \[4\]"),
+    ([[1.0, 2]], r"tables\[0\]\[0\] must be an int, got float"),
+])
+def test_tables_reject_negative_duplicate_and_float_pages(tables, words):
+    with pytest.raises((TypeError, ValueError), match=words):
+        pad_block_tables(tables, [1])
+    with pytest.raises((TypeError, ValueError), match=words):
+        to_csr(tables, [1], page_size=4)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(start=-1, num_tokens=1, page_size=4), "start must be >= 0, got -1"),
+    (dict(start=0, num_tokens=-2, page_size=4), "num_tokens must be >= 0, got -2"),
+    (dict(start=0, num_tokens=1, page_size=0), "page_size must be >= 1, got 0"),
+    (dict(start=0, num_tokens=1, page_size=-4), "page_size must be >= 1, got -4"),
+])
+def test_slot_mapping_rejects_negative_and_zero(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        slot_mapping([1, 2], **kwargs)
+
+
+def test_pages_needed_rejects_negative_and_zero():
+    with pytest.raises(ValueError, match="num_tokens must be >= 0, got -5"):
+        pages_needed(-5, 4)
+    with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
+        pages_needed(5, 0)
+    assert pages_needed(0, 4) == 0 and pages_needed(5, 4) == 2
