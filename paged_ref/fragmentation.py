@@ -163,7 +163,9 @@ class _Contiguous:
 
 @dataclass(frozen=True)
 class SimResult:
-    """Where the memory went at every step. Per-step arrays are int64 ``[num_steps]``."""
+    """Where the memory went at every step. Per-step arrays are int64 ``[num_steps]``: the steps
+    when some request was running or waiting (idle stretches between arrivals are skipped and
+    counted in ``idle_steps``)."""
 
     policy: str
     budget_slots: int
@@ -179,6 +181,7 @@ class SimResult:
     finished_step: np.ndarray  # int64 [num_requests]: step in which its last token was written
     preemptions: int
     recomputed_tokens: int = 0  # tokens held by preempted requests, to be prefilled again
+    idle_steps: int = 0         # steps with nothing to serve, skipped (not in the series)
     total_tokens: int = 0       # prompt + output tokens of the whole workload
 
     @property
@@ -210,7 +213,7 @@ class SimResult:
             "mean_running": float(self.running[mask].mean()),
             "max_running": int(self.running.max()),
             "pressure_steps": int(mask.sum()),
-            "makespan": self.num_steps,
+            "makespan": self.num_steps + self.idle_steps,
             "preemptions": self.preemptions,
             "internal_over_used": float(self.internal[mask].mean() / self.used[mask].mean()),
             "recomputed_tokens": self.recomputed_tokens,
@@ -283,8 +286,13 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
                               "waiting")}
     queue: deque[int] = deque()
     running: list[int] = []                  # in admission order, oldest first
-    nxt, done, step, preemptions, recomputed = 0, 0, 0, 0, 0
+    nxt, done, step, preemptions, recomputed, idle = 0, 0, 0, 0, 0, 0
     while done < n:
+        if not running and not queue and arrival[nxt] > step:
+            # nothing to serve until the next arrival: jump there instead of recording idle
+            # steps one by one (arrivals 10**9 steps apart would otherwise never finish)
+            idle += arrival[nxt] - step
+            step = arrival[nxt]
         while nxt < n and arrival[nxt] <= step:
             queue.append(nxt)
             nxt += 1
@@ -345,7 +353,7 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
     return SimResult(policy=policy, budget_slots=budget, page_size=page_size,
                      admitted_step=np.asarray(admitted, dtype=np.int64),
                      finished_step=np.asarray(finished, dtype=np.int64),
-                     preemptions=preemptions, recomputed_tokens=recomputed,
+                     preemptions=preemptions, recomputed_tokens=recomputed, idle_steps=idle,
                      total_tokens=int(sum(total)), **arrays)
 
 

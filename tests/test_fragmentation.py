@@ -240,3 +240,19 @@ def test_first_fit_matches_a_slot_by_slot_model(ops):
                 s += 1
         assert list(zip(mem.starts, mem.sizes)) == runs
         assert mem.largest_hole() == max((n for _, n in runs), default=0)
+
+
+def test_far_apart_arrivals_finish_without_recording_idle_steps():
+    # used to hang: 10**9 idle steps were simulated (and recorded) one by one
+    wl = workload([0, 10**9], [3, 3], [2, 2], max_len=8)
+    res = simulate(wl, "paged", budget_slots=16, page_size=4)
+    assert res.finished_step.tolist() == [1, 10**9 + 1]
+    assert res.num_steps == 4 and res.idle_steps == 10**9 - 2
+    assert res.summary()["makespan"] == 10**9 + 2
+
+
+def test_a_tiny_arrival_rate_finishes():
+    wl = make_workload(3, arrival_rate=1e-9, seed=0)
+    for policy in POLICIES:
+        res = simulate(wl, policy, budget_slots=4096, page_size=16)
+        assert (res.finished_step >= wl.arrival).all() and res.num_steps < 10_000
