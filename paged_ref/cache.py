@@ -14,9 +14,11 @@ stores that layer's K/V there. Every page of a sequence but the last is full.
 Sharing. ``fork`` makes a second sequence that shares the first's pages (reference counts);
 the first write into a shared page copies it (copy-on-write happens in ``reserve``, which is
 where a write begins, so the slots it returns already point into the private copy). With
-``prefix_caching=True`` each full page is identified by a hash chained over its token ids and
-the previous page's hash; ``add_sequence(token_ids=prompt)`` reuses cached full pages of the
-prompt (live ones are shared; returned ones that were not yet handed out again are revived)
+``prefix_caching=True`` each full page is identified by a SHA-256 key chained over the previous
+page's key and its own token ids, rooted in an optional ``prefix_namespace`` (model, adapter, user
+salt: tagged fields, so K/V computed by another model or adapter never matches), and a hit is
+confirmed by comparing the token ids themselves; ``add_sequence(token_ids=prompt)`` reuses cached
+full pages of the prompt (live ones are shared; returned ones that were not yet handed out again are revived)
 and counts them in ``prefix_hits``. A page is registered when ``reserve`` fills it, so write
 its K/V before adding another sequence.
 
@@ -38,6 +40,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import numbers
 from dataclasses import dataclass, field
 
@@ -53,7 +56,7 @@ class _Sequence:
     pages: list[int] = field(default_factory=list)  # physical page of each logical page (may reserve ahead)
     length: int = 0  # tokens held
     token_ids: list[int] | None = field(default_factory=list)  # for prefix hashing; None = unknown
-    page_hashes: list[int] = field(default_factory=list)  # chained hash of each full page
+    page_hashes: list[bytes] = field(default_factory=list)  # chained key of each full page
 
 
 class PagedKVCache:
@@ -71,26 +74,34 @@ class PagedKVCache:
         device="cpu",
         growth: str = "page",
         prefix_caching: bool = False,
+        prefix_namespace: dict | None = None,
     ):
         self.num_layers = check_int("num_layers", num_layers, min_value=1)
         self.num_pages = check_int("num_pages", num_pages, min_value=1)
         self.page_size = check_int("page_size", page_size, min_value=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, min_value=1)
         self.head_dim = check_int("head_dim", head_dim, min_value=1)
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating torch.dtype (float32, float16, bfloat16, "
+                            f"float64), got {dtype!r}")
         self.growth = check_choice("growth", growth, {"page", "pow2"})
-        self.prefix_caching = bool(prefix_caching)
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        self.prefix_caching = prefix_caching
+        self._prefix_root = _namespace_key(prefix_namespace)
         self.dtype = dtype
         self.device = torch.device(device)
+        if self.device.type == "meta":
+            raise ValueError("device must hold real memory (cpu, cuda, ...), got 'meta'")
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.allocator = PageAllocator(num_pages)
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
-        self._prefix_index: dict[int, int] = {}  # page hash -> physical page
-        self._page_hash: dict[int, int] = {}  # physical page -> its hash (reverse of the index)
+        self._prefix_index: dict[bytes, int] = {}  # page key -> physical page
+        self._page_hash: dict[int, bytes] = {}  # physical page -> its key (reverse of the index)
+        self._page_tokens: dict[int, tuple[int, ...]] = {}  # physical page -> its token ids
         self.prefix_hits = 0  # full pages reused from the prefix cache
 
     # ----------------------------------------------------------------- inspection
@@ -135,8 +146,10 @@ class PagedKVCache:
         least the last prompt token is left for the caller to compute (it needs its logits).
         """
         seq = _Sequence()
+        if token_ids is not None:
+            token_ids = _token_list("token_ids", token_ids)
         if self.prefix_caching and token_ids is not None:
-            self._match_prefix(seq, [int(t) for t in token_ids])
+            self._match_prefix(seq, token_ids)
         seq_id = self._next_id
         self._next_id += 1
         self._seqs[seq_id] = seq
@@ -152,7 +165,7 @@ class PagedKVCache:
         seq = self._seq(seq_id)
         num_tokens = check_int("num_tokens", num_tokens, min_value=1)
         if token_ids is not None:
-            token_ids = [int(t) for t in token_ids]
+            token_ids = _token_list("token_ids", token_ids)
             if len(token_ids) != num_tokens:
                 raise ValueError(f"token_ids must have num_tokens={num_tokens} entries, got {len(token_ids)}")
         ps = self.page_size
@@ -318,6 +331,7 @@ class PagedKVCache:
 
     def _forget_hash(self, page: int) -> None:
         h = self._page_hash.pop(page, None)
+        self._page_tokens.pop(page, None)
         if h is not None and self._prefix_index.get(h) == page:
             del self._prefix_index[h]
 
@@ -326,11 +340,12 @@ class PagedKVCache:
             cache[dst].copy_(cache[src])
 
     def _match_prefix(self, seq: _Sequence, token_ids: list[int]) -> None:
-        ps, prev = self.page_size, 0
+        ps, prev = self.page_size, self._prefix_root
         for i in range((len(token_ids) - 1) // ps):  # leave >= 1 token to compute
-            h = hash((prev, tuple(token_ids[i * ps : (i + 1) * ps])))
+            tokens = tuple(token_ids[i * ps : (i + 1) * ps])
+            h = _page_key(prev, tokens)
             page = self._prefix_index.get(h)
-            if page is None:
+            if page is None or self._page_tokens.get(page) != tokens:  # confirm, never trust a key alone
                 break
             if self.allocator.refcount(page) > 0:
                 self.allocator.share([page])
@@ -352,13 +367,15 @@ class PagedKVCache:
         seq.token_ids.extend(token_ids)
         ps = self.page_size
         for i in range(len(seq.page_hashes), seq.length // ps):
-            prev = seq.page_hashes[-1] if seq.page_hashes else 0
-            h = hash((prev, tuple(seq.token_ids[i * ps : (i + 1) * ps])))
+            prev = seq.page_hashes[-1] if seq.page_hashes else self._prefix_root
+            tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
+            h = _page_key(prev, tokens)
             seq.page_hashes.append(h)
             if h not in self._prefix_index:
                 self._forget_hash(seq.pages[i])
                 self._prefix_index[h] = seq.pages[i]
                 self._page_hash[seq.pages[i]] = h
+                self._page_tokens[seq.pages[i]] = tokens
 
     def __repr__(self) -> str:
         return (
@@ -372,3 +389,41 @@ def _describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"tensor of shape {list(x.shape)} and dtype {x.dtype}"
     return f"{type(x).__name__}"
+
+
+def _namespace_key(namespace) -> bytes:
+    """The root of every key chain: a digest of the tagged namespace fields (or of none)."""
+    if namespace is None:
+        namespace = {}
+    if not isinstance(namespace, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in namespace.items()):
+        raise TypeError(f"prefix_namespace must be None or a dict of str -> str (e.g. "
+                        f"{{'model': ..., 'adapter': ...}}), got {namespace!r}")
+    h = hashlib.sha256(b"paged_ref prefix cache v1")
+    for k, v in sorted(namespace.items()):            # each field tagged with its name and length
+        for part in (k, v):
+            data = part.encode()
+            h.update(len(data).to_bytes(8, "little") + data)
+    return h.digest()
+
+
+def _page_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """SHA-256 over the parent page's key and this page's token ids (any Python ints)."""
+    h = hashlib.sha256(parent)
+    h.update(repr(tokens).encode())
+    return h.digest()
+
+
+def _token_list(name: str, token_ids) -> list[int]:
+    """Token ids as a list of Python ints; floats, bools and non-numbers are refused."""
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dim() != 1:
+            raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got "
+                            f"{_describe(token_ids)}")
+        return token_ids.tolist()
+    out = []
+    for i, t in enumerate(token_ids):
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            raise TypeError(f"{name}[{i}] must be an int, got {type(t).__name__} ({t!r})")
+        out.append(int(t))
+    return out

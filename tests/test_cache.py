@@ -184,7 +184,7 @@ def test_compact_keeps_tokens_in_order_and_frees_pages():
         (lambda c, s: c.block_table(s), TypeError, "seq_ids must be a list"),
         (lambda c, s: pr.PagedKVCache(num_layers=1, num_pages=1, page_size=0, num_kv_heads=1, head_dim=1), ValueError, "page_size must be >= 1, got 0"),
         (lambda c, s: pr.PagedKVCache(num_layers=1, num_pages=1, page_size=1, num_kv_heads=1, head_dim=1, growth="x"), ValueError, "growth must be one of"),
-        (lambda c, s: pr.PagedKVCache(num_layers=1, num_pages=1, page_size=1, num_kv_heads=1, head_dim=1, dtype="f"), TypeError, "dtype must be a torch.dtype"),
+        (lambda c, s: pr.PagedKVCache(num_layers=1, num_pages=1, page_size=1, num_kv_heads=1, head_dim=1, dtype="f"), TypeError, "dtype must be a floating torch.dtype"),
     ],
 )
 def test_errors_name_argument_and_leave_state(call, exc, msg):
@@ -215,3 +215,79 @@ def test_write_can_skip_the_slot_check_but_not_the_shape_check():
     assert torch.equal(cache.gather(0, s)[0], k)
     with pytest.raises(ValueError, match="k must have shape"):
         cache.write(0, slots, k[:1], v, check_slots=False)
+
+
+# --- prefix-cache keys: collision-resistant, namespaced, confirmed by the tokens ---------------
+def _cached(cache, prompt):
+    """Prefill ``prompt`` into a fresh sequence (K/V = token id) and return the sequence id."""
+    s = cache.add_sequence(token_ids=prompt)
+    n = len(prompt) - cache.seq_len(s)
+    slots = cache.reserve(s, n, token_ids=prompt[cache.seq_len(s):])
+    kv = torch.tensor(prompt[-n:], dtype=torch.float32).view(n, 1, 1)
+    cache.write(0, slots, kv, kv)
+    return s
+
+
+def _prefix_cache(**kw):
+    return pr.PagedKVCache(num_layers=1, num_pages=16, page_size=16, num_kv_heads=1, head_dim=1,
+                           prefix_caching=True, **kw)
+
+
+@pytest.mark.parametrize("first, second", [
+    ([-1] * 16 + [3], [-2] * 16 + [3]),          # hash(-1) == hash(-2) in CPython
+    ([7] * 16 + [3], [7 + 2**61 - 1] * 16 + [3]),  # hash(x) == hash(x + 2**61 - 1)
+])
+def test_colliding_python_hashes_do_not_share_pages(first, second):
+    cache = _prefix_cache()
+    _cached(cache, first)
+    s = cache.add_sequence(token_ids=second)
+    assert cache.seq_len(s) == 0 and cache.prefix_hits == 0
+
+
+def test_equal_tokens_hit_within_a_namespace_and_miss_across():
+    prompt = list(range(40))
+    a = _prefix_cache(prefix_namespace={"model": "m1"})
+    _cached(a, prompt)
+    assert a.seq_len(a.add_sequence(token_ids=prompt)) == 32 and a.prefix_hits == 2
+    # another model (or adapter) writes different K/V for the same tokens: no reuse
+    b = _prefix_cache(prefix_namespace={"model": "m1", "adapter": "lora-7"})
+    _cached(b, prompt)
+    keys_b = set(b._prefix_index)
+    assert not keys_b & set(a._prefix_index)
+    # fields are tagged: moving text between fields gives another namespace
+    c1 = _prefix_cache(prefix_namespace={"model": "ab", "adapter": "c"})
+    c2 = _prefix_cache(prefix_namespace={"model": "a", "adapter": "bc"})
+    assert c1._prefix_root != c2._prefix_root
+
+
+def test_a_key_alone_is_not_trusted():
+    cache = _prefix_cache()
+    _cached(cache, list(range(17)))
+    page = next(iter(cache._prefix_index.values()))
+    cache._page_tokens[page] = tuple(range(100, 116))     # as if another prefix sat there
+    assert cache.seq_len(cache.add_sequence(token_ids=list(range(17)))) == 0
+
+
+@pytest.mark.parametrize("kwargs, exc, words", [
+    (dict(prefix_caching="no"), TypeError, "prefix_caching must be True or False, got 'no'"),
+    (dict(dtype=torch.int32), TypeError, "dtype must be a floating torch.dtype"),
+    (dict(dtype=torch.bool), TypeError, "dtype must be a floating torch.dtype"),
+    (dict(dtype=torch.complex64), TypeError, "dtype must be a floating torch.dtype"),
+    (dict(device="meta"), ValueError, "device must hold real memory"),
+    (dict(prefix_namespace={"model": 3}), TypeError, "prefix_namespace must be None or a dict"),
+])
+def test_constructor_rejects(kwargs, exc, words):
+    with pytest.raises(exc, match=words):
+        pr.PagedKVCache(num_layers=1, num_pages=2, page_size=2, num_kv_heads=1, head_dim=1, **kwargs)
+
+
+def test_token_ids_must_be_ints_and_free_none_is_refused():
+    cache = _prefix_cache()
+    with pytest.raises(TypeError, match=r"token_ids\[0\] must be an int, got float"):
+        cache.add_sequence(token_ids=[1.5, 2])
+    s = cache.add_sequence()
+    with pytest.raises(TypeError, match=r"token_ids\[1\] must be an int, got bool"):
+        cache.reserve(s, 2, token_ids=[1, True])
+    assert cache.seq_len(s) == 0 and cache.allocator.num_free == 16      # nothing changed
+    with pytest.raises(ValueError, match="seq_id None is not a live sequence"):
+        cache.free(None)
