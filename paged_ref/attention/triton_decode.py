@@ -439,10 +439,12 @@ def _tile_config(dtype: torch.dtype, head_dim: int, group: int, *,
         block_h = _next_pow2(group)
         return dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=32 if block_h <= 8 else 16,
                     num_warps=4, num_stages=1)
-    # Ampere and Hopper: K/V tiles of 16 KB (BLOCK_N = 64 for 16-bit head_dim 128); num_stages=3
-    # asks the pipeliner for a ring of two K and two V buffers in shared memory. maxnreg=160:
-    # left alone, ptxas gave some sm_90 configurations 64 registers and a few spills.
-    block_n = min(128, max(16, 16384 // (block_d * dtype.itemsize)))
+    # Ampere and Hopper: K/V tiles of up to 16 KB and 64 tokens (BLOCK_N = 64 for 16-bit
+    # head_dim 128, 32 for head_dim 256); num_stages=3 asks the pipeliner for a ring of two K
+    # and two V buffers in shared memory. maxnreg=160: left alone, ptxas gave some sm_90
+    # configurations 64 registers and a few spills; 128-token tiles (16-bit head_dim 64)
+    # spilled under that cap, 64-token ones do not (figures/data/kernels.json).
+    block_n = min(64, max(16, 16384 // (block_d * dtype.itemsize)))
     return dict(BLOCK_H=max(16, _next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
                 num_warps=4, num_stages=3, maxnreg=160)
 

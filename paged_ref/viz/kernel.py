@@ -284,18 +284,22 @@ def gqa_figure(num_q_heads: int, num_kv_heads: int, seq_len: int, head_dim: int,
         x0 = h * group
         ax.add_patch(Rectangle((x0 - 0.45, 1.55), group - 0.1, 1.0, fc="none", ec=c, lw=1.5,
                                ls="--"))
-        ax.text(x0 + group / 2 - 0.5, 2.62, f"program (b, kv_head={h}): a [{group}, D] tile",
-                ha="center", va="bottom", fontsize=7, color=c)
+        # one short label per program; the first one spells out what a program is
+        label = f"program (b, kv_head={h}):\na [{group}, D] tile" if h == 0 else f"kv_head={h}"
+        ax.text(x0 + group / 2 - 0.5, 2.62, label, ha="center", va="bottom",
+                fontsize=6 if h else 7, color=c)
         for g in range(group):
             q = x0 + g
             ax.add_patch(Rectangle((q - 0.35, 1.7), 0.7, 0.6, fc=c, alpha=0.7))
-            ax.text(q, 2.0, f"q{q}", ha="center", va="center", fontsize=6, color="white")
+            ax.text(q, 2.0, str(q), ha="center", va="center", fontsize=5 if q >= 10 else 6,
+                    color="white")
             ax.plot([q, x0 + group / 2 - 0.5], [1.7, 0.6], color=c, lw=0.8, alpha=0.6)
         ax.add_patch(Rectangle((x0 + group / 2 - 0.5 - 0.6, 0.0), 1.2, 0.6, fc=c))
-        ax.text(x0 + group / 2 - 0.5, 0.3, f"K/V {h}", ha="center", va="center", fontsize=7,
+        ax.text(x0 + group / 2 - 0.5, 0.3, f"KV {h}", ha="center", va="center", fontsize=6,
                 color="white")
-    ax.set_xlim(-1, num_q_heads)
-    ax.set_ylim(-0.2, 3.1)
+    ax.text(-0.9, 2.0, "query\nheads", ha="right", va="center", fontsize=7)
+    ax.set_xlim(-2.2, num_q_heads)
+    ax.set_ylim(-0.2, 3.4)
     ax.axis("off")
     ax.set_title(f"GQA {group}: query head h reads KV head h // {group}", fontsize=9)
     labels = ["one program\nper query head", "one program per\nKV head (paged_decode)"]
