@@ -23,6 +23,7 @@ from matplotlib.figure import Figure
 
 from .._validate import check_choice, check_int
 from ..viz.eviction import MAP_POLICIES, page_map_figure, replay
+from . import with_static_figure
 
 #: Slider and menu choices. Every budget is >= 2 x the largest page size (StreamingLLM's sink
 #: page plus one), so every combination is valid.
@@ -115,4 +116,6 @@ def eviction_panel(kv=None, prompt_len: int | None = None):
         lambda budget, page_size, policy: display(kept_pages_view(budget, page_size, policy, kv=kv,
                                                                   prompt_len=prompt_len)),
         {"budget": budget, "page_size": page, "policy": policy})
-    return w.VBox([w.HBox([budget, page, policy]), out])
+    return with_static_figure(w.VBox([w.HBox([budget, page, policy]), out]),
+                              kept_pages_view(budget.value, page.value, policy.value, kv=kv,
+                                              prompt_len=prompt_len))

@@ -21,6 +21,7 @@ from .._validate import check_int
 from ..attention.online_softmax import paged_decode_spec, split_ranges
 from ..attention.reference import paged_attention_reference
 from ..viz.kernel import tile_map_figure
+from . import with_static_figure
 
 #: Slider choices.
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)
@@ -116,4 +117,5 @@ def tiling_panel(page_size: int = 4, block_n: int = 16, num_splits: int = 2, seq
         lambda page_size, block_n, num_splits, seq_len: display(
             tiling_view(page_size, block_n, num_splits, seq_len)),
         {"page_size": size, "block_n": tile, "num_splits": splits, "seq_len": length})
-    return w.VBox([w.HBox([size, tile]), w.HBox([splits, length]), out])
+    return with_static_figure(w.VBox([w.HBox([size, tile]), w.HBox([splits, length]), out]),
+                              tiling_view(page_size, block_n, num_splits, seq_len))
