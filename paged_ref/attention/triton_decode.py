@@ -171,7 +171,7 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 256            # upper bound for the heuristic (partials stay a few MB)
 _MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism gained
 _INTERPRETER_SMS = 8         # a pretend SM count so the split path is exercised on CPU too
-_PROGRAMS_PER_SM = 3         # programs of the default GPU config resident on one Hopper SM
+_PROGRAMS_PER_SM = 3         # programs per Hopper SM of the head_dim-128 config (kernels.json)
 
 
 # --- Kernel 1: attention over one chunk of one sequence, all query heads of one KV head ------
@@ -368,7 +368,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
 
     The unsplit grid has ``programs = batch * num_kv_heads`` programs and about
     ``slots = num_sms * programs_per_sm`` of them run at once (the default 16-bit tile config,
-    with two K/V tiles in flight, takes ~70 KB of shared memory: 3 fit on a Hopper SM).
+    with its 2-deep K and V buffer rings, compiled to 71,680 B of shared memory and 138-160
+    registers for sm_90: 3 fit on an SM, per ``figures/data/kernels.json``).
 
     * If the grid already fills every slot, it is not split: even its last, partial wave has
       enough programs streaming to keep memory busy.
