@@ -1,11 +1,16 @@
 """Physical page allocator: a bump pointer, a free list and reference counts.
 
-Pages are handed out in O(1) each. Never-used pages come from a bump pointer (pages
-``next_fresh .. num_pages-1`` have never been handed out); pages that were returned sit on a
-free list and are reused oldest-first, so a returned page that still holds a cached prefix
-(see ``PagedKVCache(prefix_caching=True)``) survives as long as possible. Reference counts let
-several sequences share a page (fork, prefix sharing); a page is free again when its count
-drops to zero.
+Pages are handed out in O(1) each, in this order (vLLM's reuse order):
+
+1. never-used pages, from a bump pointer (pages ``next_fresh .. num_pages-1``);
+2. returned pages that hold nothing worth keeping, oldest first;
+3. returned pages that still hold a cached prefix (``free(..., cached=...)``, see
+   ``PagedKVCache(prefix_caching=True)``), least recently returned first.
+
+So a cached prefix survives as long as anything else is free. Callers return a sequence's pages
+tail first, so when a chain of cached pages must go, its tail goes before its head (a chain is
+only reachable from its head). Reference counts let several sequences share a page (fork,
+prefix sharing); a page is free again when its count drops to zero.
 
 Example:
     >>> alloc = PageAllocator(4)
@@ -39,7 +44,8 @@ class PageAllocator:
     def __init__(self, num_pages: int):
         self._num_pages = check_int("num_pages", num_pages, min_value=1)
         self._next_fresh = 0  # bump pointer: pages >= this have never been handed out
-        self._free: dict[int, None] = {}  # returned pages, insertion-ordered (oldest first)
+        self._free: dict[int, None] = {}  # returned plain pages, insertion-ordered (oldest first)
+        self._cached: dict[int, None] = {}  # returned pages holding a cached prefix (LRU first)
         self._refcount = [0] * self._num_pages  # refcount[page] >= 1 <=> allocated
 
     @property
@@ -48,7 +54,7 @@ class PageAllocator:
 
     @property
     def num_free(self) -> int:
-        return self._num_pages - self._next_fresh + len(self._free)
+        return self._num_pages - self._next_fresh + len(self._free) + len(self._cached)
 
     def can_allocate(self, n: int = 1) -> bool:
         return check_int("n", n, min_value=0) <= self.num_free
@@ -61,9 +67,10 @@ class PageAllocator:
         fresh = min(n, self._num_pages - self._next_fresh)
         pages = list(range(self._next_fresh, self._next_fresh + fresh))
         self._next_fresh += fresh
-        for _ in range(n - fresh):  # then reuse returned pages, oldest first
-            page = next(iter(self._free))
-            del self._free[page]
+        for _ in range(n - fresh):  # then returned pages: plain ones first, cached ones last
+            pool = self._free if self._free else self._cached
+            page = next(iter(pool))
+            del pool[page]
             pages.append(page)
         for page in pages:
             self._refcount[page] = 1
@@ -72,14 +79,15 @@ class PageAllocator:
     def take(self, page: int) -> None:
         """Claim one specific free page that was returned earlier (a prefix-cache revival)."""
         page = self._check_page("page", page)
-        if page not in self._free:
+        if not self.is_returned(page):
             raise ValueError(f"page {page} is not on the free list (refcount {self._refcount[page]})")
-        del self._free[page]
+        self._free.pop(page, None)
+        self._cached.pop(page, None)
         self._refcount[page] = 1
 
     def is_returned(self, page: int) -> bool:
         """True if ``page`` is on the free list (it was used before and is now free)."""
-        return page in self._free
+        return page in self._free or page in self._cached
 
     def share(self, pages) -> None:
         """Add one reference to each allocated page (fork, prefix sharing)."""
@@ -90,12 +98,16 @@ class PageAllocator:
         for page in pages:
             self._refcount[page] += 1
 
-    def free(self, pages) -> None:
+    def free(self, pages, *, cached=()) -> None:
         """Drop one reference per listed page; a page returns to the free list at zero.
 
-        Raises ValueError, changing nothing, if any page would drop below zero.
+        Pages reaching zero go back in the order listed (list a sequence's pages tail first).
+        Those also in ``cached`` hold a reusable prefix: they are handed out again only when no
+        other page is free, least recently returned first. Raises ValueError, changing nothing,
+        if any page would drop below zero.
         """
         pages = self._check_pages(pages)
+        cached = set(self._check_pages(cached, "cached"))
         for page, times in Counter(pages).items():
             if self._refcount[page] < times:
                 raise ValueError(
@@ -105,7 +117,7 @@ class PageAllocator:
         for page in pages:
             self._refcount[page] -= 1
             if self._refcount[page] == 0:
-                self._free[page] = None
+                (self._cached if page in cached else self._free)[page] = None
 
     def refcount(self, page: int) -> int:
         return self._refcount[self._check_page("page", page)]
@@ -119,7 +131,8 @@ class PageAllocator:
         assert 0 <= self._next_fresh <= self._num_pages, "bump pointer out of range"
         for page, count in enumerate(self._refcount):
             fresh = page >= self._next_fresh
-            returned = page in self._free
+            returned = self.is_returned(page)
+            assert not (page in self._free and page in self._cached), f"page {page} is on both free lists"
             assert count >= 0, f"page {page} has negative refcount {count}"
             assert not (fresh and returned), f"page {page} is both never-used and returned"
             if count == 0:
@@ -133,10 +146,10 @@ class PageAllocator:
             raise ValueError(f"{name} must be in [0, {self._num_pages}), got {page}")
         return page
 
-    def _check_pages(self, pages) -> list[int]:
-        if isinstance(pages, int):
-            raise TypeError(f"pages must be a list of page ids, got the int {pages}")
-        return [self._check_page("pages", p) for p in pages]
+    def _check_pages(self, pages, name: str = "pages") -> list[int]:
+        if isinstance(pages, int) or pages is None or isinstance(pages, (str, bytes)):
+            raise TypeError(f"{name} must be a list of page ids, got {pages!r}")
+        return [self._check_page(name, p) for p in pages]
 
     def __repr__(self) -> str:
         return f"PageAllocator(num_pages={self._num_pages}, num_free={self.num_free})"

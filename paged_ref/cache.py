@@ -19,8 +19,15 @@ page's key and its own token ids, rooted in an optional ``prefix_namespace`` (mo
 salt: tagged fields, so K/V computed by another model or adapter never matches), and a hit is
 confirmed by comparing the token ids themselves; ``add_sequence(token_ids=prompt)`` reuses cached
 full pages of the prompt (live ones are shared; returned ones that were not yet handed out again are revived)
-and counts them in ``prefix_hits``. A page is registered when ``reserve`` fills it, so write
-its K/V before adding another sequence.
+and counts them in ``prefix_hits``. A page that ``reserve`` fills is offered for reuse only once
+``write`` has stored its K/V in every layer, so a sequence added in between computes its own.
+Freed pages go back tail first, and cached ones are reused last, least recently freed first.
+
+Clean slots. Every slot that holds no token is zero: a page is zeroed when it is handed out
+and when it returns to the pool holding no cached prefix, and ``compact`` zeroes the slots it
+vacates. A kernel that reads more than a sequence's own tokens (FlexAttention reads whole
+blocks; eager FlexAttention on CPU reads the whole cache) then adds ``0 * v`` there, never
+``0 * nan`` left over from another sequence.
 
 Growth. ``growth="page"`` takes one page at a time; ``growth="pow2"`` reserves so that a
 sequence holds a power-of-two number of pages (what the IBM paper describes), falling back to
@@ -57,6 +64,7 @@ class _Sequence:
     length: int = 0  # tokens held
     token_ids: list[int] | None = field(default_factory=list)  # for prefix hashing; None = unknown
     page_hashes: list[bytes] = field(default_factory=list)  # chained key of each full page
+    root: bytes = b""  # key the chain starts from: the cache's namespace and the sequence's own
 
 
 class PagedKVCache:
@@ -102,6 +110,8 @@ class PagedKVCache:
         self._prefix_index: dict[bytes, int] = {}  # page key -> physical page
         self._page_hash: dict[int, bytes] = {}  # physical page -> its key (reverse of the index)
         self._page_tokens: dict[int, tuple[int, ...]] = {}  # physical page -> its token ids
+        # filled pages waiting for their K/V: page -> (key, token ids, layers written so far)
+        self._pending: dict[int, tuple[bytes, tuple[int, ...], set[int]]] = {}
         self.prefix_hits = 0  # full pages reused from the prefix cache
 
     # ----------------------------------------------------------------- inspection
@@ -138,14 +148,18 @@ class PagedKVCache:
                       page_size=self.page_size, device=device or self.device)
 
     # ----------------------------------------------------------------- growth
-    def add_sequence(self, token_ids=None) -> int:
+    def add_sequence(self, token_ids=None, *, namespace: dict | None = None) -> int:
         """Start a new sequence and return its id.
 
         With ``prefix_caching`` and ``token_ids`` (the prompt), cached full pages of the prompt
         are reused and the sequence starts with ``seq_len(seq_id)`` tokens already held; at
         least the last prompt token is left for the caller to compute (it needs its logits).
+        ``namespace`` (str -> str, e.g. ``{"adapter": "lora-7"}``) adds this sequence's own
+        fields to the cache's ``prefix_namespace``: sequences whose K/V differ for equal tokens
+        (another adapter, another user salt) never share pages.
         """
-        seq = _Sequence()
+        seq = _Sequence(root=self._prefix_root if namespace is None
+                        else _namespace_key(namespace, parent=self._prefix_root, name="namespace"))
         if token_ids is not None:
             token_ids = _token_list("token_ids", token_ids)
         if self.prefix_caching and token_ids is not None:
@@ -227,6 +241,8 @@ class PagedKVCache:
         slots = slots.to(device=self.device, dtype=torch.int64)
         self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
         self.v_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        if self._pending and slots.numel():
+            self._mark_written(layer, torch.unique(slots // self.page_size).tolist())
 
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's K and V of ``layer`` as contiguous ``[seq_len, num_kv_heads, head_dim]``."""
@@ -251,13 +267,14 @@ class PagedKVCache:
             length=src.length,
             token_ids=None if src.token_ids is None else list(src.token_ids),
             page_hashes=list(src.page_hashes),
+            root=src.root,
         )
         return new_id
 
     def free(self, seq_id: int) -> None:
-        """Release the sequence: one reference dropped from each of its pages."""
+        """Release the sequence: one reference dropped from each of its pages (tail first)."""
         seq = self._seq(seq_id)
-        self.allocator.free(seq.pages)
+        self._release(seq.pages)
         del self._seqs[seq_id]
 
     def drop_pages(self, seq_id: int, logical_pages) -> None:
@@ -273,7 +290,7 @@ class PagedKVCache:
             raise ValueError(f"logical_pages must be in [0, {held}) for sequence {seq_id}, got {drop[-1]}")
         tokens = [min(self.page_size, seq.length - i * self.page_size) for i in drop]
         pages = [seq.pages[i] for i in drop]
-        self.allocator.free(pages)
+        self._release(pages)
         dropped = set(drop)
         seq.pages = [p for i, p in enumerate(seq.pages) if i not in dropped]
         seq.length -= sum(tokens)
@@ -305,9 +322,11 @@ class PagedKVCache:
         for cache in (*self.k_cache, *self.v_cache):
             view = cache.view(flat)
             view.index_copy_(0, dst, view[src])  # view[src] is a copy taken before the writes
-        self.allocator.free(seq.pages[need:])
+        self._release(seq.pages[need:])
         seq.pages = seq.pages[:need]
         seq.length = n_keep
+        if n_keep % self.page_size:  # vacated slots of the last kept page: back to zeros
+            self._zero_slots(all_slots[n_keep : need * self.page_size].to(self.device))
         seq.token_ids, seq.page_hashes = None, []
 
     # ----------------------------------------------------------------- internals
@@ -324,23 +343,62 @@ class PagedKVCache:
         return list(seq_ids)
 
     def _allocate(self, n: int) -> list[int]:
+        """Take ``n`` pages from the pool, all zero (a recycled cached page is zeroed here)."""
         pages = self.allocator.allocate(n) if n else []
+        cached = [p for p in pages if p in self._page_hash]  # the only free pages with data
         for page in pages:  # handed out again: whatever prefix it cached is gone
             self._forget_hash(page)
+        self._zero_pages(cached)
         return pages
+
+    def _release(self, pages: list[int]) -> None:
+        """Drop one reference per page, tail first; pages with a cached prefix are reused last."""
+        tail_first = pages[::-1]
+        self.allocator.free(tail_first, cached=[p for p in tail_first if p in self._page_hash])
+        plain = [p for p in set(pages) if self.allocator.refcount(p) == 0 and p not in self._page_hash]
+        for page in plain:
+            self._pending.pop(page, None)  # freed before its K/V was written: never cached
+        self._zero_pages(plain)            # a freed page keeps no K/V of its last owner
+
+    def _zero_pages(self, pages: list[int]) -> None:
+        if pages:
+            index = torch.tensor(pages, device=self.device)  # int64 [n]
+            for cache in (*self.k_cache, *self.v_cache):
+                cache.index_fill_(0, index, 0)
+
+    def _zero_slots(self, slots: torch.Tensor) -> None:
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        for cache in (*self.k_cache, *self.v_cache):
+            cache.view(flat).index_fill_(0, slots, 0)
 
     def _forget_hash(self, page: int) -> None:
         h = self._page_hash.pop(page, None)
         self._page_tokens.pop(page, None)
+        self._pending.pop(page, None)
         if h is not None and self._prefix_index.get(h) == page:
             del self._prefix_index[h]
+
+    def _mark_written(self, layer: int, pages) -> None:
+        """Count ``layer`` as written for pending pages; publish a page once every layer is."""
+        for page in pages:
+            entry = self._pending.get(page)
+            if entry is None:
+                continue
+            key, tokens, layers = entry
+            layers.add(layer)
+            if len(layers) == self.num_layers:
+                del self._pending[page]
+                if key not in self._prefix_index:
+                    self._prefix_index[key] = page
+                    self._page_hash[page] = key
+                    self._page_tokens[page] = tokens
 
     def _copy_page(self, src: int, dst: int) -> None:
         for cache in (*self.k_cache, *self.v_cache):
             cache[dst].copy_(cache[src])
 
     def _match_prefix(self, seq: _Sequence, token_ids: list[int]) -> None:
-        ps, prev = self.page_size, self._prefix_root
+        ps, prev = self.page_size, seq.root
         for i in range((len(token_ids) - 1) // ps):  # leave >= 1 token to compute
             tokens = tuple(token_ids[i * ps : (i + 1) * ps])
             h = _page_key(prev, tokens)
@@ -367,15 +425,13 @@ class PagedKVCache:
         seq.token_ids.extend(token_ids)
         ps = self.page_size
         for i in range(len(seq.page_hashes), seq.length // ps):
-            prev = seq.page_hashes[-1] if seq.page_hashes else self._prefix_root
+            prev = seq.page_hashes[-1] if seq.page_hashes else seq.root
             tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
             h = _page_key(prev, tokens)
             seq.page_hashes.append(h)
-            if h not in self._prefix_index:
+            if h not in self._prefix_index:  # offered for reuse once write() has stored it
                 self._forget_hash(seq.pages[i])
-                self._prefix_index[h] = seq.pages[i]
-                self._page_hash[seq.pages[i]] = h
-                self._page_tokens[seq.pages[i]] = tokens
+                self._pending[seq.pages[i]] = (h, tokens, set())
 
     def __repr__(self) -> str:
         return (
@@ -391,15 +447,16 @@ def _describe(x) -> str:
     return f"{type(x).__name__}"
 
 
-def _namespace_key(namespace) -> bytes:
-    """The root of every key chain: a digest of the tagged namespace fields (or of none)."""
+def _namespace_key(namespace, parent: bytes = b"paged_ref prefix cache v1",
+                   name: str = "prefix_namespace") -> bytes:
+    """The root of a key chain: a digest of ``parent`` and the tagged namespace fields."""
     if namespace is None:
         namespace = {}
     if not isinstance(namespace, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                   for k, v in namespace.items()):
-        raise TypeError(f"prefix_namespace must be None or a dict of str -> str (e.g. "
+        raise TypeError(f"{name} must be None or a dict of str -> str (e.g. "
                         f"{{'model': ..., 'adapter': ...}}), got {namespace!r}")
-    h = hashlib.sha256(b"paged_ref prefix cache v1")
+    h = hashlib.sha256(parent)
     for k, v in sorted(namespace.items()):            # each field tagged with its name and length
         for part in (k, v):
             data = part.encode()

@@ -3,7 +3,7 @@ import pytest
 import paged_ref as pr
 
 
-def test_bump_pointer_then_free_list_oldest_first():
+def test_bump_pointer_then_free_list_oldest_first():  # (cached pages: tests/test_cache_reuse.py)
     alloc = pr.PageAllocator(6)
     assert alloc.allocate(3) == [0, 1, 2]
     alloc.free([1])

@@ -1,7 +1,10 @@
 """Model-based test: random interleavings of cache operations against a plain contiguous model.
 
-Each token's K/V is a deterministic function of (token id, position, layer), so a page reused
-through prefix caching must hold exactly what the new sequence would have written.
+Each token's K/V is a deterministic function of (token id, position, layer, adapter), so a page
+reused through prefix caching must hold exactly what the new sequence would have written. Two
+adapters (per-sequence namespaces) write different K/V for equal tokens: sharing a page across
+them would show up as a wrong gather. Writes sometimes lag behind other sequences' additions
+(reserve, add another sequence, then write), which must not hand out pages before their K/V.
 """
 
 from collections import Counter
@@ -17,11 +20,14 @@ import paged_ref as pr
 H, D, LAYERS = 2, 3, 2
 
 
-def token_kv(tokens, start, layer):
+ADAPTERS = (None, "a", "b")
+
+
+def token_kv(tokens, start, layer, adapter=None):
     t = torch.as_tensor(tokens, dtype=torch.float32)[:, None, None]  # [n, 1, 1]
     pos = torch.arange(start, start + len(tokens), dtype=torch.float32)[:, None, None]
     grid = torch.arange(H * D, dtype=torch.float32).view(1, H, D)
-    k = t * 1000 + pos + grid / 10 + layer * 7  # [n, H, D]
+    k = t * 1000 + pos + grid / 10 + layer * 7 + 100_000 * ADAPTERS.index(adapter)  # [n, H, D]
     return k, -k * 3
 
 
@@ -36,40 +42,65 @@ class CacheMachine(RuleBasedStateMachine):
                                      num_kv_heads=H, head_dim=D, growth=self.growth,
                                      prefix_caching=self.prefix_caching)
         self.model: dict[int, list[tuple[int, int]]] = {}  # seq -> [(token id, original position)]
+        self.adapter: dict[int, str | None] = {}
+        self.lagging: tuple | None = None  # (seq, slots, tokens, start): reserved, not yet written
 
-    def _write(self, seq, tokens):
+    def _write(self, seq, tokens, lag=False):
+        self._flush()
         start = self.cache.seq_len(seq)
         positions = range(start, start + len(tokens))
         try:
             slots = self.cache.reserve(seq, len(tokens), token_ids=tokens)
         except pr.OutOfPagesError:
             return
-        for layer in range(LAYERS):
-            self.cache.write(layer, slots, *token_kv(tokens, start, layer))
         self.model[seq].extend(zip(tokens, positions))
+        self.lagging = (seq, slots, tokens, start)
+        if not lag:
+            self._flush()
 
-    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=9))
-    def add(self, prompt):
-        seq = self.cache.add_sequence(token_ids=prompt)
+    def _flush(self):
+        """Write the K/V of the last reservation (every rule but `add` does this first)."""
+        if self.lagging is not None:
+            seq, slots, tokens, start = self.lagging
+            self.lagging = None
+            for layer in range(LAYERS):
+                self.cache.write(layer, slots, *token_kv(tokens, start, layer, self.adapter[seq]))
+
+    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=9), adapter=st.sampled_from(ADAPTERS),
+          lag=st.booleans())
+    def add(self, prompt, adapter, lag):
+        # a lagging write from the previous step stays pending while this sequence looks for
+        # cached pages: it must not find the half-written one
+        STEPS[0] += 1
+        namespace = None if adapter is None else {"adapter": adapter}
+        seq = self.cache.add_sequence(token_ids=prompt, namespace=namespace)
         cached = self.cache.seq_len(seq)
         self.model[seq] = list(zip(prompt[:cached], range(cached)))
-        self._write(seq, prompt[cached:])
+        self.adapter[seq] = adapter
+        self._write(seq, prompt[cached:], lag=lag)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=1, max_size=7))
     def append(self, data, tokens):
+        STEPS[0] += 1
+        self._flush()
         seq = data.draw(st.sampled_from(sorted(self.model)))
         self._write(seq, tokens)
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def fork(self, data):
+        STEPS[0] += 1
+        self._flush()
         seq = data.draw(st.sampled_from(sorted(self.model)))
-        self.model[self.cache.fork(seq)] = list(self.model[seq])
+        child = self.cache.fork(seq)
+        self.model[child], self.adapter[child] = list(self.model[seq]), self.adapter[seq]
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())
     def free(self, data):
+        STEPS[0] += 1
+        self._flush()
         seq = data.draw(st.sampled_from(sorted(self.model)))
         self.cache.free(seq)
         del self.model[seq]
@@ -77,6 +108,8 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(self.model.values()))
     @rule(data=st.data())
     def drop_page(self, data):
+        STEPS[0] += 1
+        self._flush()
         seq = data.draw(st.sampled_from(sorted(s for s, t in self.model.items() if t)))
         n = len(self.model[seq])
         i = data.draw(st.integers(0, (n - 1) // self.page_size))
@@ -86,6 +119,8 @@ class CacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(self.model.values()))
     @rule(data=st.data())
     def compact(self, data):
+        STEPS[0] += 1
+        self._flush()
         seq = data.draw(st.sampled_from(sorted(s for s, t in self.model.items() if t)))
         keep = data.draw(st.lists(st.booleans(), min_size=len(self.model[seq]), max_size=len(self.model[seq])))
         try:
@@ -104,31 +139,61 @@ class CacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def gather_matches_model(self):
+        if self.lagging is not None:
+            return  # checked after the write lands
         for seq, toks in self.model.items():
             assert self.cache.seq_len(seq) == len(toks)
             for layer in range(LAYERS):
                 k, v = self.cache.gather(layer, seq)
                 if toks:
-                    exp = [token_kv([t], p, layer) for t, p in toks]
+                    exp = [token_kv([t], p, layer, self.adapter[seq]) for t, p in toks]
                     assert torch.equal(k, torch.cat([e[0] for e in exp]))
                     assert torch.equal(v, torch.cat([e[1] for e in exp]))
                 else:
                     assert k.shape == (0, H, D)
 
+    @invariant()
+    def slots_past_each_length_are_zero(self):
+        """What a block-sparse kernel reads past a sequence's end (its last page's tail) is 0."""
+        for seq in self.model:
+            n, ps = self.cache.seq_len(seq), self.page_size
+            if n % ps:
+                page = self.cache.pages(seq)[n // ps]
+                for layer in range(LAYERS):
+                    assert not self.cache.k_cache[layer][page, n % ps:].any()
+                    assert not self.cache.v_cache[layer][page, n % ps:].any()
+
+    @invariant()
+    def free_pages_hold_no_stale_kv(self):
+        """A page in the pool is all zeros unless it keeps a cached prefix for reuse."""
+        for page in range(self.cache.num_pages):
+            if self.cache.allocator.refcount(page) == 0 and page not in self.cache._page_hash:
+                for layer in range(LAYERS):
+                    assert not self.cache.k_cache[layer][page].any()
+                    assert not self.cache.v_cache[layer][page].any()
+
     def teardown(self):
+        self._flush()
         for seq in list(self.model):
             self.cache.free(seq)
         assert self.cache.allocator.num_free == self.cache.num_pages
         self.cache.allocator.check()
 
 
-@pytest.mark.parametrize(
-    "page_size, growth, prefix_caching",
-    [(1, "page", False), (2, "page", True), (3, "pow2", False), (4, "pow2", True)],
-)
-def test_random_interleavings(page_size, growth, prefix_caching):
-    machine = type("M", (CacheMachine,), dict(page_size=page_size, growth=growth, prefix_caching=prefix_caching))
-    test = machine.TestCase
-    test.settings = settings(max_examples=40, stateful_step_count=30, deadline=None,
-                             suppress_health_check=list(HealthCheck))
-    test("runTest").runTest()
+STEPS = [0]  # rule calls across every run of the machine
+
+
+def test_random_interleavings():
+    """Four configurations; at least 10,000 cache operations in all, every invariant after each."""
+    STEPS[0] = 0
+    for page_size, growth, prefix_caching in [(1, "page", False), (2, "page", True),
+                                              (3, "pow2", False), (4, "pow2", True)]:
+        machine = type("M", (CacheMachine,), dict(page_size=page_size, growth=growth,
+                                                  prefix_caching=prefix_caching))
+        test = machine.TestCase
+        test.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
+                                 suppress_health_check=list(HealthCheck), database=None,
+                                 derandomize=True)
+        test("runTest").runTest()
+    print(f"{STEPS[0]} cache operations")
+    assert STEPS[0] >= 10_000, STEPS[0]
