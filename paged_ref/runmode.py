@@ -22,11 +22,35 @@ def quick_mode() -> bool:
     return os.environ.get("PAGED_REF_MODE", "quick").strip().lower() != "full"
 
 
+OUTPUT_ENV = "PAGED_REF_OUTPUT"
+
+
+def output_root() -> Path:
+    """The folder that holds ``figures/`` and ``figures/data/``.
+
+    ``$PAGED_REF_OUTPUT`` if set; else the source checkout ``paged_ref`` is imported from (a
+    ``pyproject.toml`` next to the package: the notebooks and committed data live there); else
+    the current directory. An installed copy (``pip install .``) therefore never writes into
+    site-packages.
+    """
+    if os.environ.get(OUTPUT_ENV):
+        return Path(os.environ[OUTPUT_ENV]).expanduser().resolve()
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / "paged_ref").is_dir():
+        return checkout
+    return Path.cwd()
+
+
 def figures_dir() -> Path:
-    """The repository's ``figures/`` folder (next to the ``paged_ref`` package), created if missing."""
-    path = Path(__file__).resolve().parent.parent / "figures"
-    path.mkdir(exist_ok=True)
+    """``figures/`` under :func:`output_root`, created if missing."""
+    path = output_root() / "figures"
+    path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def data_dir() -> Path:
+    """``figures/data/`` under :func:`output_root` (benchmark JSON; not created here)."""
+    return output_root() / "figures" / "data"
 
 
 def save_figure(fig, name: str, *, dpi: int = 110) -> Path | None:

@@ -31,6 +31,7 @@ from paged_ref.attention.flex import (
     paged_block_masks,
     physical_to_logical,
 )
+from paged_ref.attention.reference import paged_prefill_reference
 
 F32_TOL = 1e-4
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -295,3 +296,44 @@ def test_compiled_on_cuda(page_size, dtype, tol):
         args = [t.cuda() if isinstance(t, torch.Tensor) else t for t in case.args]
         out = (flex_paged_decode if case.q_lens is None else flex_paged_prefill)(*args)
         assert rel_error(out.cpu(), case.expected()) < tol
+
+
+# --- reuse of a BlockMask, empty prefill, page ids past the cache --------------------------
+def test_block_mask_built_for_another_table_is_refused():
+    case = make_decode_case(seed=5, batch=3, page_size=4, num_kv_heads=1, group=2, head_dim=8)
+    num_pages, page_size = case.k_cache.shape[:2]
+    mask = paged_block_masks(case.block_table, case.seq_lens, num_pages, page_size).physical
+    out = flex_paged_decode(*case.args, block_mask=mask)          # same tensors: no host read
+    assert rel_error(out, case.expected()) < 1e-4
+    assert torch.equal(flex_paged_decode(case.q, case.k_cache, case.v_cache,
+                                         case.block_table.clone(), case.seq_lens.clone(),
+                                         block_mask=mask), out)   # equal copies are fine
+    other = case.block_table.clone()                               # same shape, other pages
+    other[0, 0], other[1, 0] = case.block_table[1, 0], case.block_table[0, 0]
+    with pytest.raises(ValueError, match="block_mask was built for another block_table"):
+        flex_paged_decode(case.q, case.k_cache, case.v_cache, other, case.seq_lens, block_mask=mask)
+    case.block_table[0, 0] = case.block_table[1, 0]               # edited in place afterwards
+    with pytest.raises(ValueError, match="another block_table"):
+        flex_paged_decode(*case.args, block_mask=mask)
+    foreign = create_block_mask(lambda b, h, q, kv: kv >= 0, 3, None, 1, num_pages * page_size,
+                                device="cpu")
+    with pytest.raises(ValueError, match="BlockMask of unknown origin"):
+        flex_paged_decode(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens,
+                          block_mask=foreign)
+
+
+def test_prefill_with_no_query_rows_returns_empty_like_the_reference():
+    case = make_prefill_case(seed=2, batch=2, page_size=4, num_kv_heads=1, group=2, head_dim=8,
+                             max_q_len=4)
+    q = case.q[:, :, :0]
+    q_lens = torch.zeros(2, dtype=torch.int32)
+    ref = paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_table, case.seq_lens, q_lens)
+    out = flex_paged_prefill(q, case.k_cache, case.v_cache, case.block_table, case.seq_lens, q_lens)
+    assert out.shape == ref.shape == (2, 2, 0, 8)
+
+
+def test_paged_block_masks_refuses_pages_past_the_cache():
+    table = torch.tensor([[0, 5]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"must be in \[0, num_pages=4\), got values in \[0, 5\]"):
+        paged_block_masks(table, torch.tensor([8]), num_pages=4, page_size=4)
+    paged_block_masks(table, torch.tensor([4]), num_pages=4, page_size=4)  # 5 is padding here

@@ -105,7 +105,7 @@ def test_closing_a_stream_early_frees_pages_and_restores_attention(model):
     kv = _kv(model, num_pages=16, page_size=4)
     it = hf.stream(model, _prompt(9, seed=5), max_new_tokens=20, kv_cache=kv)
     next(it)
-    assert model.config._attn_implementation == hf.ATTN_IMPLEMENTATION and kv.seq_ids
+    assert model.config._attn_implementation == "sdpa" and kv.seq_ids  # switched per forward only
     it.close()
     assert model.config._attn_implementation == "sdpa"
     assert kv.allocator.num_free == kv.num_pages and kv.seq_ids == []
@@ -318,3 +318,77 @@ def test_bench_generate_quick_on_the_tiny_model(tmp_path):
         assert all(r["tokens_match_hf_generate"] for r in results.values()), results
         assert all(r["kv_bytes"] > 0 and r["tokens_per_s"] > 0 for r in results.values())
     assert "hf_generate_batch" in data["mixed"]["results"]
+
+
+# ---------------------------------------------------------------------------------- sessions and streams
+def test_two_sessions_on_one_model_closed_in_any_order(model):
+    """Each forward switches the attention for itself: interleaved sessions give the tokens
+    each gives alone, and the model is untouched between forwards and afterwards."""
+    ids = _prompt(7, seed=12)
+    alone = hf.generate(model, ids, max_new_tokens=6)[0, ids.shape[1]:]
+    first = hf.PagedSession(model, num_pages=8, page_size=4).open()
+    second = hf.PagedSession(model, num_pages=8, page_size=4).open()
+    a, b = first.add(), second.add()
+    la, lb = first.extend([a], [ids[0]]), second.extend([b], [ids[0]])
+    got_a, got_b = [], []
+    for _ in range(6):
+        got_a.append(int(la.argmax()))
+        got_b.append(int(lb.argmax()))
+        first.close() if len(got_a) == 3 else None      # the first closes early (FIFO)
+        if len(got_a) < 3:
+            la = first.extend([a], [la.argmax(-1)])
+        lb = second.extend([b], [lb.argmax(-1)])
+        assert model.config._attn_implementation == "sdpa"
+    second.close()
+    assert got_b == alone.tolist() and got_a[:3] == alone[:3].tolist()
+    assert model.config._attn_implementation == "sdpa"
+    assert torch.equal(model.generate(ids, max_new_tokens=2, do_sample=False)[0, ids.shape[1]:], alone[:2])
+
+
+def test_leaving_a_stream_early_with_a_context_manager_frees_everything(model):
+    kv = _kv(model, num_pages=16, page_size=4)
+    with hf.stream(model, _prompt(9, seed=5), max_new_tokens=20, kv_cache=kv) as steps:
+        for _ in steps:
+            break
+        assert kv.seq_ids and model.config._attn_implementation == "sdpa"
+    assert steps.closed and kv.allocator.num_free == 16 and kv.seq_ids == []
+    assert list(steps) == []                                # a closed stream yields nothing
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(input_ids=torch.tensor([[5, 2000]])), ValueError, r"input_ids must hold token ids in \[0, vocab_size=\d+\), got values in \[5, 2000\]"),
+        (dict(input_ids=torch.tensor([[-1, 5]])), ValueError, "input_ids must hold token ids"),
+        (dict(pad_token_id=-1), ValueError, "pad_token_id must be a token id"),
+        (dict(pad_token_id=1.7), ValueError, "pad_token_id must be a token id"),
+        (dict(eos_token_id=[1, 10**6]), ValueError, "eos_token_id must be token ids"),
+        (dict(streamer=object()), TypeError, r"streamer must have put\(tokens\) and end\(\).*\['put', 'end'\]"),
+    ],
+)
+def test_bad_token_ids_and_streamers_are_named(model, kwargs, error, match):
+    args = dict(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2) | kwargs
+    with pytest.raises(error, match=match):
+        hf.generate(model, **args)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_numpy_eos_ids_are_ints(model):
+    import numpy as np
+
+    ids = _prompt(5, seed=13)
+    assert torch.equal(hf.generate(model, ids, max_new_tokens=3, eos_token_id=np.int64(2)),
+                       hf.generate(model, ids, max_new_tokens=3, eos_token_id=2))
+
+
+@pytest.mark.parametrize("tokens, error, match", [
+    (torch.tensor([1.0, 2.0]), TypeError, r"tokens\[0\] must be a 1-D integer tensor"),
+    (torch.tensor([[1, 2], [3, 4]]), TypeError, r"tokens\[0\] must be a 1-D integer tensor.*\[2, 2\]"),
+    (torch.tensor([1, 10**6]), ValueError, r"tokens\[0\] must hold token ids in \[0, vocab_size"),
+])
+def test_extend_refuses_float_2d_and_out_of_vocab_tokens(model, tokens, error, match):
+    with hf.PagedSession(model, num_pages=4, page_size=4) as session:
+        s = session.add()
+        with pytest.raises(error, match=match):
+            session.extend([s], [tokens])
+        assert session.kv.seq_len(s) == 0 and session.kv.allocator.num_free == 4

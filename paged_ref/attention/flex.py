@@ -41,13 +41,22 @@ Two things must be translated, and both must stay correct for any page size:
    BlockMask's batch index even when a ``batch_idx`` remap was given).
 
 A caveat shared by every block-sparse kernel: masked elements of a visited block still enter
-the sum as ``0 * v``, so unwritten cache slots must hold finite numbers (allocate the cache
-with ``torch.zeros``, not ``torch.empty``); NaN in a neighbour's page would leak through.
+the sum as ``0 * v``, and ``0 * nan`` is NaN. So the default KV block is *page aligned*
+(:func:`default_kv_block_size`: the largest power of two dividing ``page_size``, at most 128):
+a visited block then lies inside one of the sequence's own pages, and no other sequence's slot,
+free page or stale page is ever read, whatever it holds. What remains is the unwritten tail of
+a sequence's last page, which `PagedKVCache` keeps at zero (pages are zeroed when handed out).
+A larger ``kv_block_size`` (say 128 with pages of 16, for bigger GPU tiles) visits blocks that
+mix pages: then every slot of the cache must hold finite numbers.
 
 On CUDA, ``flex_attention`` is compiled once per process (``torch.compile``) and reused; on
-CPU it runs eagerly. Eager FlexAttention evaluates the ``mask_mod`` on every element and
-ignores the BlockMask's sparsity, so :func:`block_mask_visits` replays the BlockMask the way a
-block-sparse kernel reads it; the tests use it to check the physical BlockMask on CPU.
+CPU it runs eagerly unless ``compiled=True`` (inductor's C++ template, block sparse like the
+GPU kernel; seconds to compile per new shape). Eager FlexAttention evaluates the ``mask_mod``
+on every element and ignores the BlockMask's sparsity, so :func:`block_mask_visits` replays the
+BlockMask the way a block-sparse kernel reads it; the tests use it to check the physical
+BlockMask on CPU. Being dense, eager flex also reads every slot of the cache: it stays finite
+only if the whole cache is (`PagedKVCache` keeps every slot that holds no token at zero; only
+K/V a model wrote as NaN or Inf for some other sequence would leak).
 """
 
 from __future__ import annotations
@@ -69,6 +78,7 @@ from paged_ref.attention.reference import check_paged_inputs, check_prefill_inpu
 __all__ = [
     "PagedBlockMasks",
     "block_mask_visits",
+    "default_kv_block_size",
     "flex_paged_decode",
     "flex_paged_prefill",
     "logical_block_mask",
@@ -81,6 +91,22 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 DEFAULT_KV_BLOCK_SIZE = 128   # FlexAttention's own default tile
 DEFAULT_Q_BLOCK_SIZE = 128
+MIN_CUDA_KV_BLOCK_SIZE = 16   # Triton's smallest tile
+
+
+def default_kv_block_size(page_size: int, device=None) -> int:
+    """The KV block paged flex uses unless told otherwise: page aligned, so a block never mixes
+    pages (see the module docstring). The largest power of two dividing ``page_size``, at most
+    128; on CUDA at least 16 (smaller pages then share a block, and every slot must be finite).
+
+    Example:
+        >>> [default_kv_block_size(p) for p in (1, 12, 16, 48, 256)]
+        [1, 4, 16, 16, 128]
+    """
+    block = min(DEFAULT_KV_BLOCK_SIZE, page_size & -page_size)
+    if device is not None and torch.device(device).type == "cuda":
+        block = max(block, MIN_CUDA_KV_BLOCK_SIZE)
+    return block
 
 
 # --------------------------------------------------------------------------------------------
@@ -254,11 +280,15 @@ def to_physical_block_mask(
     p2l = physical_to_logical(block_table, seq_lens, p2l_cols, page_size)
     mask_mod = _physical_mask_mod(_logical_mask_mod(seq_lens, q_lens), p2l, seq_lens, page_size)
     num, idx = _ordered_blocks(partial)
-    full_num, full_idx = _ordered_blocks(full) if full is not None else (None, None)
-    return BlockMask.from_kv_blocks(
+    # Always hand over full-block lists (empty ones when nothing is fully visible): inductor's
+    # CPU template for compiled flex_attention does not build without them (torch 2.13).
+    full_num, full_idx = _ordered_blocks(full if full is not None else torch.zeros_like(partial))
+    physical = BlockMask.from_kv_blocks(
         num, idx, full_num, full_idx, BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod,
         seq_lengths=(logical.seq_lengths[0], num_pages * page_size),
         compute_q_blocks=False)               # forward only: no transposed lists needed
+    physical.paged_ref_source = _table_source(block_table, seq_lens, q_lens)
+    return physical
 
 
 class PagedBlockMasks(NamedTuple):
@@ -282,7 +312,7 @@ def paged_block_masks(
     *,
     q_len: int = 1,
     q_lens: torch.Tensor | None = None,
-    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
+    kv_block_size: int | None = None,
     q_block_size: int = DEFAULT_Q_BLOCK_SIZE,
 ) -> PagedBlockMasks:
     """Build the logical BlockMask and its physical translation.
@@ -292,7 +322,8 @@ def paged_block_masks(
         num_pages, page_size: of the cache.
         q_len: query rows (1 for decode, ``max_q_len`` for prefill).
         q_lens: int ``[batch]`` for causal prefill, None for decode.
-        kv_block_size, q_block_size: FlexAttention tile sizes (powers of two).
+        kv_block_size, q_block_size: FlexAttention tile sizes (powers of two); None:
+            :func:`default_kv_block_size` (page aligned).
 
     ``masks.dense()`` gives the token-level pictures side by side (what a block-sparse kernel
     adds into each query's softmax), ready for ``imshow``.
@@ -305,14 +336,37 @@ def paged_block_masks(
         ...                                      m.physical.kv_num_blocks[:, 0, 0])]
         [[1, 3], [0]]
     """
+    if kv_block_size is None:
+        kv_block_size = default_kv_block_size(page_size, block_table.device)
     _check_block_size(kv_block_size)
     _check_block_size(q_block_size, "q_block_size")
+    _check_table_pages(block_table, seq_lens, num_pages, page_size)
     logical = logical_block_mask(seq_lens, block_table.shape[1] * page_size, q_len=q_len,
                                  q_lens=q_lens, kv_block_size=kv_block_size,
                                  q_block_size=q_block_size)
     physical = to_physical_block_mask(logical, block_table, seq_lens, num_pages, page_size,
                                       q_lens=q_lens)
     return PagedBlockMasks(logical, physical)
+
+
+def _check_table_pages(block_table, seq_lens, num_pages: int, page_size: int) -> None:
+    """The pages each sequence uses must exist in the cache (copies the used entries to the host)."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+        raise TypeError(f"block_table must be a 2-D int tensor [batch, max_pages], got {block_table!r}")
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < \
+        _used_pages(seq_lens, page_size)[:, None]                          # [batch, max_pages]
+    ids = block_table[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
+        raise ValueError(f"block_table: the pages sequences use must be in [0, num_pages={num_pages}), "
+                         f"got values in [{int(ids.min())}, {int(ids.max())}]")
+
+
+def _table_source(block_table, seq_lens, q_lens) -> tuple:
+    """What a physical BlockMask was built from: the tensors, their in-place version counters
+    and cheap copies of their values (checked on reuse, see `_check_mask_source`)."""
+    tensors = (block_table, seq_lens, q_lens)
+    return (tensors, tuple(_version(t) for t in tensors),
+            tuple(None if t is None else t.detach().clone() for t in tensors))
 
 
 def block_mask_visits(block_mask: BlockMask) -> torch.Tensor:
@@ -352,17 +406,21 @@ def block_mask_visits(block_mask: BlockMask) -> torch.Tensor:
 # The attention calls.
 # --------------------------------------------------------------------------------------------
 
-_COMPILED_FLEX = None
+_COMPILED_FLEX = {}  # device type -> torch.compile(flex_attention), built on first use
 
 
-def _flex_for(device: torch.device):
-    """Eager flex_attention on CPU; on CUDA one compiled function, built on first use."""
-    global _COMPILED_FLEX
-    if device.type != "cuda":
+def _flex_for(device: torch.device, compiled: bool | None = None):
+    """The flex_attention to call: compiled on CUDA (and on CPU when ``compiled=True``), eager
+    on CPU by default (a CPU compile costs seconds per new shape)."""
+    if compiled is None:
+        compiled = device.type == "cuda"
+    if not compiled:
         return _eager_flex
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention)
-    return _COMPILED_FLEX
+    if device.type not in _COMPILED_FLEX:
+        # static shapes: the CPU template's dynamic-shape code does not build (torch 2.13), and a
+        # decode step keeps its shapes, so each (batch, cache) shape compiles once
+        _COMPILED_FLEX[device.type] = torch.compile(flex_attention, dynamic=device.type != "cpu")
+    return _COMPILED_FLEX[device.type]
 
 
 def _eager_flex(*args, **kwargs):
@@ -370,6 +428,13 @@ def _eager_flex(*args, **kwargs):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
         return flex_attention(*args, **kwargs)
+
+
+def _kv_block(kv_block_size, k_cache: torch.Tensor) -> int:
+    if kv_block_size is None:
+        return default_kv_block_size(k_cache.shape[1], k_cache.device)
+    _check_block_size(kv_block_size)
+    return kv_block_size
 
 
 def _check_block_size(size: int, name: str = "kv_block_size") -> None:
@@ -380,10 +445,12 @@ def _check_block_size(size: int, name: str = "kv_block_size") -> None:
 
 
 def _flex_paged(q4, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_block_size,
-                block_mask):
+                block_mask, compiled=None):
     """q4: [batch, Hq, q_len, D] -> [batch, Hq, q_len, D] over the physical cache."""
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     batch, _, q_len, _ = q4.shape
+    if q_len == 0:                            # nothing to attend from (max_q_len 0)
+        return q4.new_zeros(q4.shape)
     if block_mask is None:
         block_mask = paged_block_masks(block_table, seq_lens, num_pages, page_size, q_len=q_len,
                                        q_lens=q_lens, kv_block_size=kv_block_size).physical
@@ -396,11 +463,13 @@ def _flex_paged(q4, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_b
             "block_mask must be the .physical BlockMask of paged_block_masks(...) for this "
             f"batch ({batch}), q_len ({q_len}) and cache ({num_pages} pages x {page_size}); got "
             f"batch {block_mask.kv_num_blocks.shape[0]}, seq_lengths {block_mask.seq_lengths}")
+    else:
+        _check_mask_source(block_mask, block_table, seq_lens, q_lens)
     # [num_pages, page_size, Hkv, D] -> [1, Hkv, num_pages * page_size, D]: a strided view,
     # broadcast over the batch (the BlockMask carries the batch dimension).
     k = k_cache.view(1, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.view(1, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
-    flex = _flex_for(q4.device)
+    flex = _flex_for(q4.device, compiled)
     return flex(q4, k, v, block_mask=block_mask, scale=scale,
                 enable_gqa=q4.shape[1] != num_kv_heads)
 
@@ -413,9 +482,10 @@ def flex_paged_decode(
     seq_lens: torch.Tensor,
     *,
     scale: float | None = None,
-    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
+    kv_block_size: int | None = None,
     block_mask: BlockMask | None = None,
     validate: bool = True,
+    compiled: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention with FlexAttention reading K/V in place from the paged cache.
 
@@ -427,12 +497,16 @@ def flex_paged_decode(
             unwritten slots finite.
         block_table: int32 ``[batch, max_pages]``; seq_lens: int32 ``[batch]`` (>= 1).
         scale: default ``head_dim ** -0.5``.
-        kv_block_size: FlexAttention's KV tile (power of two), independent of ``page_size``.
-            On CUDA keep it >= 16 (Triton's smallest tile); the default 128 is flex's own.
+        kv_block_size: FlexAttention's KV tile (power of two), independent of ``page_size``;
+            None: :func:`default_kv_block_size` (page aligned: no other page is read). On CUDA
+            keep it >= 16 (Triton's smallest tile).
         block_mask: ``paged_block_masks(block_table, seq_lens, num_pages, page_size).physical``
             built once and reused, e.g. by every layer of one decode step; None builds it here.
-            It must describe the same block_table and seq_lens (only its shape is checked).
+            It must describe the same block_table and seq_lens (checked: see `_check_mask_source`).
         validate: check values too (copies ``seq_lens`` and ``block_table`` to the host).
+        compiled: run ``torch.compile(flex_attention)`` (block sparse: only listed blocks are
+            read) or eager flex (every block evaluated, then masked); None: compiled on CUDA,
+            eager on CPU.
 
     Returns:
         ``[batch, num_q_heads, head_dim]``, dtype of ``q``.
@@ -446,10 +520,10 @@ def flex_paged_decode(
     """
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale,
                                check_values=validate)
-    _check_block_size(kv_block_size)
+    kv_block_size = _kv_block(kv_block_size, k_cache)
     _check_contiguous(k_cache, v_cache)
     out = _flex_paged(q.unsqueeze(2), k_cache, v_cache, block_table, seq_lens, None, scale,
-                      kv_block_size, block_mask)              # [batch, Hq, 1, D]
+                      kv_block_size, block_mask, compiled)    # [batch, Hq, 1, D]
     return out.squeeze(2)
 
 
@@ -462,9 +536,10 @@ def flex_paged_prefill(
     q_lens: torch.Tensor,
     *,
     scale: float | None = None,
-    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE,
+    kv_block_size: int | None = None,
     block_mask: BlockMask | None = None,
     validate: bool = True,
+    compiled: bool | None = None,
 ) -> torch.Tensor:
     """Causal prefill attention with FlexAttention over the paged cache.
 
@@ -476,7 +551,7 @@ def flex_paged_prefill(
         q: ``[batch, num_q_heads, max_q_len, head_dim]``.
         k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``.
         block_table: int32 ``[batch, max_pages]``; seq_lens, q_lens: int32 ``[batch]``.
-        scale, kv_block_size, validate: as in :func:`flex_paged_decode`.
+        scale, kv_block_size, validate, compiled: as in :func:`flex_paged_decode`.
         block_mask: ``paged_block_masks(..., q_len=max_q_len, q_lens=q_lens).physical``, or None.
 
     Returns:
@@ -492,10 +567,41 @@ def flex_paged_prefill(
     """
     scale = check_prefill_inputs(q, k_cache, v_cache, block_table, seq_lens, q_lens,
                                  scale=scale, check_values=validate)
-    _check_block_size(kv_block_size)
+    kv_block_size = _kv_block(kv_block_size, k_cache)
     _check_contiguous(k_cache, v_cache)
     return _flex_paged(q, k_cache, v_cache, block_table, seq_lens, q_lens, scale,
-                       kv_block_size, block_mask)
+                       kv_block_size, block_mask, compiled)
+
+
+def _version(t) -> int | None:
+    """In-place version counter (inference-mode tensors have none: their identity is trusted)."""
+    return None if t is None or t.is_inference() else t._version
+
+
+def _check_mask_source(block_mask: BlockMask, block_table, seq_lens, q_lens) -> None:
+    """A reused BlockMask must come from this block table and these lengths.
+
+    Same tensors, unmodified since (their version counters; inference-mode tensors, which have
+    none, by identity alone): accepted without reading them.
+    Other tensors: their values are compared with the ones the mask was built from (a host
+    sync); a mask built for another table would silently read the wrong pages.
+    """
+    source = getattr(block_mask, "paged_ref_source", None)
+    if source is None:
+        raise ValueError("block_mask must come from paged_block_masks(...).physical (or "
+                         "to_physical_block_mask): a BlockMask of unknown origin cannot be "
+                         "checked against this block_table")
+    tensors, versions, values = source
+    now = (block_table, seq_lens, q_lens)
+    if all(a is b and _version(a) == v for a, b, v in zip(now, tensors, versions)):
+        return
+    for name, given, built in zip(("block_table", "seq_lens", "q_lens"), now, values):
+        same = (given is None and built is None) or (
+            given is not None and built is not None and given.shape == built.shape
+            and torch.equal(given.to(built.device, built.dtype), built))
+        if not same:
+            raise ValueError(f"block_mask was built for another {name} than the one given: build it "
+                             f"with paged_block_masks(...) from this block_table and seq_lens")
 
 
 def _check_contiguous(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

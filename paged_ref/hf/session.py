@@ -63,9 +63,11 @@ class PagedSession:
             tokens (e.g. ``eviction="paged_eviction", budget=256``), or a policy object (which
             carries its own budget). None: keep every token.
 
-    While the session is open (``with`` block, or between `open` and `close`) the model's
-    attention implementation is ``"paged_ref"``; `close` restores the previous one and frees
-    every sequence the session added.
+    The model's attention implementation is ``"paged_ref"`` only for the length of each
+    `extend` forward and is restored right after it (also when the forward raises): between
+    forwards the model is untouched, so several sessions can share one model and
+    ``model.generate`` keeps working next to an open session. `close` (end of the ``with``
+    block) frees every sequence the session added.
     """
 
     def __init__(
@@ -105,31 +107,23 @@ class PagedSession:
         self._hf_cache = PagedCache(kv)
         self._cache_kw = _cache_keyword(model)
         self._positions: dict[int, int] = {}  # seq_id -> next absolute position
-        self._previous_impl: str | None = None
+        self._open = False
 
     # ------------------------------------------------------------------ lifetime
     def open(self) -> "PagedSession":
-        """Switch the model's attention to the paged implementation (done by ``with``)."""
-        if self._previous_impl is None:
+        """Register the paged attention and check that the model accepts it (done by ``with``)."""
+        if not self._open:
             register()
-            previous = self.model.config._attn_implementation
-            try:
-                _set_attn_implementation(self.model, ATTN_IMPLEMENTATION)
-            except BaseException:
-                _set_attn_implementation(self.model, previous)
-                raise
-            self._previous_impl = previous
+            with _paged_attention(self.model):  # raises TypeError if the model refuses it
+                pass
+            self._open = True
         return self
 
     def close(self) -> None:
-        """Free every sequence still held and restore the model's attention implementation."""
-        try:
-            for seq_id in list(self._positions):
-                self.finish(seq_id)
-        finally:
-            if self._previous_impl is not None:
-                _set_attn_implementation(self.model, self._previous_impl)
-                self._previous_impl = None
+        """Free every sequence still held (the model's attention was never left switched)."""
+        self._open = False
+        for seq_id in list(self._positions):
+            self.finish(seq_id)
 
     def __enter__(self) -> "PagedSession":
         return self.open()
@@ -179,7 +173,7 @@ class PagedSession:
             all_logits False: ``[batch, vocab]`` float32, logits after each sequence's last new token.
             all_logits True: a list of ``[n_b, vocab]`` float32 tensors.
         """
-        if self._previous_impl is None:
+        if not self._open:
             raise RuntimeError("PagedSession.extend needs an open session: use `with PagedSession(...) as s:`")
         if len(seq_ids) != len(tokens) or not seq_ids:
             raise ValueError(f"seq_ids and tokens must be non-empty and of equal length, got {len(seq_ids)} and {len(tokens)}")
@@ -188,7 +182,7 @@ class PagedSession:
         for s in seq_ids:
             self._check_live(s)
         device = self.kv.device
-        tokens = [torch.as_tensor(t, device=device).long().reshape(-1) for t in tokens]
+        tokens = [self._token_ids(f"tokens[{b}]", t).to(device) for b, t in enumerate(tokens)]
         q_lens_list = [t.numel() for t in tokens]
         if min(q_lens_list) < 1:
             raise ValueError(f"each tokens[b] must hold at least one token, got lengths {q_lens_list}")
@@ -209,14 +203,15 @@ class PagedSession:
             keep = torch.tensor(last, device=device)
         self._hf_cache.plan = plan
         try:
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                use_cache=True,
-                logits_to_keep=keep,
-                paged_step=plan,  # reaches paged_attention_forward through **kwargs
-                **{self._cache_kw: self._hf_cache},
-            )
+            with _paged_attention(self.model):
+                out = self.model(
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    use_cache=True,
+                    logits_to_keep=keep,
+                    paged_step=plan,  # reaches paged_attention_forward through **kwargs
+                    **{self._cache_kw: self._hf_cache},
+                )
         except BaseException:  # leave the cache as it was: drop the half-written new tokens
             self._shrink_to(seq_ids, old_lens)
             raise
@@ -233,6 +228,23 @@ class PagedSession:
         column = {index: i for i, index in enumerate(last)}  # token index -> kept column
         pick = torch.tensor([column[n - 1] for n in q_lens_list], device=device)
         return logits[torch.arange(len(seq_ids), device=device), pick]  # [batch, vocab]
+
+    def _token_ids(self, name: str, t) -> torch.Tensor:
+        """One sequence's new tokens as a LongTensor ``[n]``: 1-D integers in [0, vocab)."""
+        if not isinstance(t, torch.Tensor):
+            try:
+                t = torch.as_tensor(t)
+            except (TypeError, ValueError, RuntimeError):
+                raise TypeError(f"{name} must be a 1-D tensor (or list) of token ids, got {type(t).__name__}") from None
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex() or t.dim() > 1:
+            raise TypeError(f"{name} must be a 1-D integer tensor of token ids, got shape {list(t.shape)} "
+                            f"and dtype {t.dtype}")
+        t = t.reshape(-1).long()
+        vocab = self.model.config.vocab_size
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+            raise ValueError(f"{name} must hold token ids in [0, vocab_size={vocab}), got values in "
+                             f"[{int(t.min())}, {int(t.max())}]")
+        return t
 
     def _plan(self, seq_ids, tokens, q_lens_list):
         """Reserve cache slots for the new tokens and lay them out as a [batch, max_q_len] rectangle."""
@@ -278,6 +290,25 @@ class PagedSession:
         """Eviction hook: let the policy shrink ``seq_id``'s cache after a forward (see module docstring)."""
         if self.eviction is not None:
             self.eviction.evict(self.kv, seq_id, budget=self.budget, phase=phase)
+
+
+class _paged_attention:
+    """Within the ``with`` block the model's attention is ``"paged_ref"``; the previous one is
+    restored on exit, whatever happens (nested and concurrent sessions each restore their own)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.previous = self.model.config._attn_implementation
+        try:
+            _set_attn_implementation(self.model, ATTN_IMPLEMENTATION)
+        except BaseException:
+            _set_attn_implementation(self.model, self.previous)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        _set_attn_implementation(self.model, self.previous)
 
 
 def _set_attn_implementation(model, name: str) -> None:

@@ -64,8 +64,8 @@ def churned_cache(lengths: Sequence[int], page_size: int, *, seed: int = 0, spar
     a random interleaving; ``X`` finishes and its pages return to the free list; the others
     then grow token by token in a random interleaving until they reach ``lengths``. The pool
     has exactly ``spare_pages`` pages more than the survivors need and ``X`` held more than
-    that, so the survivors' last pages reuse some of ``X``'s (out of order), and the pages left
-    free still hold ``X``'s stale K/V (finite values).
+    that, so the survivors' last pages reuse some of ``X``'s (out of order); the pages left
+    free hold zeros (`PagedKVCache` zeroes a page when it returns to the pool).
 
     Every token written is drawn from ``torch.randn`` (seeded), as ``k, v: [1, num_kv_heads,
     head_dim]`` per token. The page layout depends only on ``lengths``, ``page_size``, ``seed``

@@ -1,0 +1,105 @@
+"""Slots outside a sequence never reach its output, whatever they hold (vLLM's kernel tests ask
+the same): NaN/Inf in pages nobody owns, in other sequences' pages, in stale freed pages and in
+block-table padding. Every block-sparse backend is immune by itself (flex compiled, with its
+page-aligned default blocks); eager flex on CPU reads the whole cache, and `PagedKVCache`
+keeps every slot that holds no token at zero, which covers stale pages and unwritten tails.
+"""
+
+import pytest
+import torch
+
+import paged_ref as pr
+from paged_ref.attention.flex import flex_paged_decode, flex_paged_prefill
+from paged_ref.attention.reference import paged_attention_reference, paged_prefill_reference
+from paged_ref.attention.triton_decode import paged_decode
+from paged_ref.hf.sdpa import sdpa_paged_decode, sdpa_paged_prefill
+from attention_cases import make_decode_case, make_prefill_case, rel_error
+
+def compiled(fn):
+    return lambda *args, **kw: fn(*args, compiled=True, **kw)
+
+
+DECODERS = {"reference": paged_attention_reference, "flex": compiled(flex_paged_decode),
+            "triton": paged_decode, "sdpa": sdpa_paged_decode}
+PREFILLERS = {"reference": paged_prefill_reference, "flex": compiled(flex_paged_prefill),
+              "sdpa": sdpa_paged_prefill}
+# the cache route also holds for eager flex: nothing stale is left to read
+CACHE_DECODERS = {**DECODERS, "flex eager": flex_paged_decode}
+
+
+def poison_all_but_one(case, keep: int):
+    """NaN in K, Inf in V of every page sequence ``keep`` does not use (spare pages, other
+    sequences' pages, the pages padding entries name); returns the one-row problem."""
+    num_pages, page_size = case.k_cache.shape[:2]
+    n = int(case.seq_lens[keep])
+    own = case.block_table[keep, : -(-n // page_size)].long()
+    foreign = torch.ones(num_pages, dtype=torch.bool)
+    foreign[own] = False
+    k, v = case.k_cache.clone(), case.v_cache.clone()
+    k[foreign], v[foreign] = float("nan"), float("inf")
+    rows = slice(keep, keep + 1)
+    return k, v, case.block_table[rows], case.seq_lens[rows]
+
+
+@pytest.mark.parametrize("backend", sorted(DECODERS))
+@pytest.mark.parametrize("page_size", [1, 16, 64])  # flex compiles once per page size
+def test_decode_ignores_nonfinite_unowned_pages(backend, page_size):
+    case = make_decode_case(seed=page_size, batch=4, page_size=page_size, num_kv_heads=2,
+                            group=4, head_dim=32)
+    expected = case.expected()
+    for b in range(4):
+        k, v, table, lens = poison_all_but_one(case, b)
+        out = DECODERS[backend](case.q[b : b + 1], k, v, table, lens)
+        assert torch.isfinite(out).all(), (backend, b)
+        assert rel_error(out, expected[b : b + 1]) < 1e-4
+
+
+@pytest.mark.parametrize("backend", sorted(PREFILLERS))
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_ignores_nonfinite_unowned_pages(backend, page_size):
+    case = make_prefill_case(seed=3, batch=3, page_size=page_size, num_kv_heads=2, group=2,
+                             head_dim=32, max_q_len=6)
+    expected = case.expected()
+    for b in range(3):
+        k, v, table, lens = poison_all_but_one(case, b)
+        m = int(case.q_lens[b])
+        out = PREFILLERS[backend](case.q[b : b + 1], k, v, table, lens, case.q_lens[b : b + 1])
+        assert torch.isfinite(out[:, :, :m]).all(), (backend, b)
+        assert rel_error(out[:, :, :m], expected[b : b + 1, :, :m]) < 1e-4
+
+
+@pytest.mark.parametrize("backend", sorted(CACHE_DECODERS))
+def test_through_the_cache_stale_pages_do_not_leak(backend):
+    """A finished sequence left NaN in its pages; the new sequence reuses them (its last page
+    only half written) next to a live neighbour and attends correctly."""
+    torch.manual_seed(0)
+    c = pr.PagedKVCache(num_layers=1, num_pages=6, page_size=16, num_kv_heads=2, head_dim=32)
+    stale = c.add_sequence()
+    slots = c.reserve(stale, 48)
+    nan = torch.full((48, 2, 32), float("nan"))
+    c.write(0, slots, nan, nan)
+    neighbour = c.add_sequence()
+    slots = c.reserve(neighbour, 40)
+    c.write(0, slots, torch.randn(40, 2, 32), torch.randn(40, 2, 32))
+    c.free(stale)
+    s = c.add_sequence()
+    slots = c.reserve(s, 21)                          # reuses the stale pages; 11 slots unwritten
+    k, v = torch.randn(21, 2, 32), torch.randn(21, 2, 32)
+    c.write(0, slots, k, v)
+    table, lens = c.block_table([s])
+    q = torch.randn(1, 8, 32)
+    out = CACHE_DECODERS[backend](q, c.k_cache[0], c.v_cache[0], table, lens)
+    dense = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], enable_gqa=True)[:, :, 0]
+    assert torch.isfinite(out).all() and rel_error(out, dense) < 1e-4
+
+
+def test_flex_limits_blocks_larger_than_pages_and_eager_flex_read_foreign_slots():
+    """The documented limits: a 128-token block over 16-token pages reads foreign slots, and
+    eager flex (CPU) reads the whole cache; a live neighbour's NaN then leaks."""
+    case = make_decode_case(seed=1, batch=4, page_size=16, num_kv_heads=2, group=1, head_dim=32)
+    k, v, table, lens = poison_all_but_one(case, 0)
+    args = (case.q[:1], k, v, table, lens)
+    assert torch.isfinite(flex_paged_decode(*args, compiled=True)).all()
+    assert torch.isnan(flex_paged_decode(*args, kv_block_size=128, compiled=True)).any()
+    assert torch.isnan(flex_paged_decode(*args)).any()
