@@ -7,9 +7,9 @@ from paged_ref import OutOfPagesError, PagedKVCache, hf
 from paged_ref.models import tiny_llama
 from paged_ref.hf.session import model_geometry
 
-BACKENDS = ["reference", "flex", "triton", "sdpa"]
+BACKENDS = ["reference", "flex", "triton", "sdpa", "auto"]
 # new tokens per backend: eager FlexAttention (~0.2 s a call on CPU) and the Triton interpreter are slow
-NEW_TOKENS = {"reference": 12, "flex": 5, "triton": 5, "sdpa": 12}
+NEW_TOKENS = {"reference": 12, "flex": 5, "triton": 5, "sdpa": 12, "auto": 12}
 
 
 @pytest.fixture(scope="module")
@@ -318,6 +318,14 @@ def test_bench_generate_quick_on_the_tiny_model(tmp_path):
         assert all(r["tokens_match_hf_generate"] for r in results.values()), results
         assert all(r["kv_bytes"] > 0 and r["tokens_per_s"] > 0 for r in results.values())
     assert "hf_generate_batch" in data["mixed"]["results"]
+    rows = data["contexts"]["rows"]
+    assert [r["context"] for r in rows] == [16, 64]
+    for row in rows:
+        assert set(row["methods"]) == {"hf", "paged_auto", "paged_reference"}
+        for m, r in row["methods"].items():
+            assert r["tokens_match_hf"] and r["prefill_s"] > 0 and r["decode_s_per_token"] > 0
+            if m != "hf":
+                assert r["prefill_over_hf"] > 0 and 0 < r["plan_share_of_decode_step"] < 1
 
 
 # ---------------------------------------------------------------------------------- sessions and streams
@@ -392,3 +400,11 @@ def test_extend_refuses_float_2d_and_out_of_vocab_tokens(model, tokens, error, m
         with pytest.raises(error, match=match):
             session.extend([s], [tokens])
         assert session.kv.seq_len(s) == 0 and session.kv.allocator.num_free == 4
+
+
+def test_auto_backend_is_sdpa_on_cpu_and_the_default(model):
+    with hf.PagedSession(model, num_pages=4, page_size=4) as session:
+        assert session.backend == "sdpa"
+    assert hf.auto_backend("cuda") == "triton" and hf.auto_backend("cpu") == "sdpa"
+    with pytest.raises(ValueError, match=r"backend must be one of \['auto', 'flex'"):
+        hf.PagedSession(model, num_pages=4, page_size=4, backend="fast")

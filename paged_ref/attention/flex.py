@@ -407,6 +407,7 @@ def block_mask_visits(block_mask: BlockMask) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 _COMPILED_FLEX = {}  # device type -> torch.compile(flex_attention), built on first use
+COMPILE_LIMIT = 256  # distinct shapes one process may compile flex_attention for
 
 
 def _flex_for(device: torch.device, compiled: bool | None = None):
@@ -419,7 +420,17 @@ def _flex_for(device: torch.device, compiled: bool | None = None):
     if device.type not in _COMPILED_FLEX:
         # static shapes: the CPU template's dynamic-shape code does not build (torch 2.13), and a
         # decode step keeps its shapes, so each (batch, cache) shape compiles once
-        _COMPILED_FLEX[device.type] = torch.compile(flex_attention, dynamic=device.type != "cpu")
+        compiled_flex = torch.compile(flex_attention, dynamic=device.type != "cpu")
+
+        def call(*args, **kwargs):
+            # Past torch's default of 8 compiles per function, dynamo silently falls back to
+            # eager flex, which is dense (reads every slot). Allow more shapes, and fail loudly
+            # rather than fall back: a caller asking for the compiled path gets it or an error.
+            with torch._dynamo.config.patch(recompile_limit=COMPILE_LIMIT,
+                                            fail_on_recompile_limit_hit=True):
+                return compiled_flex(*args, **kwargs)
+
+        _COMPILED_FLEX[device.type] = call
     return _COMPILED_FLEX[device.type]
 
 

@@ -2,7 +2,7 @@
 
     python -m paged_ref.bench generate [--quick] [--threads N] [--model smollm2|tiny] [--out DIR]
 
-Two workloads, greedy decoding, EOS ignored so that every method does the same work:
+Three workloads, greedy decoding, EOS ignored so that every method does the same work:
 
 * ``single``: one prompt of real English (pydoc_data) -> ``pr.hf.generate`` with the
   ``reference``, ``flex`` and ``sdpa`` backends against ``model.generate`` with its default cache
@@ -12,7 +12,11 @@ Two workloads, greedy decoding, EOS ignored so that every method does the same w
   like our cache: 16-token pages, just enough blocks, no CUDA graphs; its default sizing
   reserves most of the machine's free memory, which on CPU takes tens of seconds).
 
-Per method: median wall time of the whole call (after one warm-up; methods interleaved in each
+* ``contexts``: prefill and decode timed apart at prompts of 128, 512, 2048 and 8192 tokens,
+  the default backend (``auto``) and the oracle (``reference``) against ``DynamicCache``
+  (`paged_ref.bench._generate_contexts`).
+
+Per method (single, mixed): median wall time of the whole call (after one warm-up; methods interleaved in each
 repeat so load changes hit them alike), generated tokens/s (ratios given both as the ratio of
 the medians and as the median of the per-repeat ratios, which is steadier on a shared machine), whether the tokens equal
 ``model.generate``'s, KV bytes (``DynamicCache``: its final, padded size; paged_ref: the peak
@@ -36,11 +40,15 @@ from .. import hf, textdata
 from ..hf.session import model_geometry
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
+from ._generate_contexts import measure_contexts
 from .common import environment, print_table, write_json
 
 PAGE_SIZE = 16
 FULL = dict(single_words=96, single_new=48, mixed_prompts=8, mixed_new=32, repeats=3)
 QUICK = dict(single_words=24, single_new=8, mixed_prompts=3, mixed_new=6, repeats=1)
+CONTEXTS_FULL = dict(contexts=(128, 512, 2048, 8192), decode_steps=16, repeats=2,
+                     backends=("auto", "reference"))
+CONTEXTS_QUICK = dict(contexts=(16, 64), decode_steps=3, repeats=1, backends=("auto", "reference"))
 
 
 class _PeakRSS:
@@ -197,7 +205,7 @@ def _run_workload(name, model, rows, new, backends, repeats, with_generate_batch
 
 
 def measure(model, tokenizer=None, *, single_words, single_new, mixed_prompts, mixed_new, repeats,
-            backends=("reference", "flex", "sdpa")) -> dict:
+            backends=("auto", "reference", "flex", "sdpa")) -> dict:
     """Run both workloads on ``model``; without a tokenizer, prompts are seeded random ids."""
     if tokenizer is not None:
         single = [tokenizer(textdata.english_text(single_words)).input_ids]
@@ -224,6 +232,8 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per method (default 3; quick 1)")
     parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
+    parser.add_argument("--skip-contexts", action="store_true",
+                        help="leave out the prefill/decode-by-context workload (the longest part)")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -240,6 +250,9 @@ def main(argv=None):
         sizes["repeats"] = args.repeats
     data = {"model": args.model, "mode": "quick" if args.quick else "full", "torch_threads": torch.get_num_threads()}
     data.update(measure(model, tokenizer, **sizes))
+    if not args.skip_contexts:
+        data["contexts"] = measure_contexts(model, tokenizer, page_size=PAGE_SIZE,
+                                            **(CONTEXTS_QUICK if args.quick else CONTEXTS_FULL))
     data["environment"] = environment()
     for name in ("single", "mixed"):
         w = data[name]
@@ -251,6 +264,16 @@ def main(argv=None):
         for ratio, value in w["ratios_tokens_per_s"].items():
             print(f"  tokens/s {ratio}: {value:.2f}x (of medians), "
                   f"{w['ratios_tokens_per_s_paired'][ratio]:.2f}x (median of per-repeat ratios)")
+    if "contexts" in data:
+        print("\ncontexts: prefill and decode per token, paged / DynamicCache")
+        rows = [[row["context"], m, f"{r['prefill_s']:.3f}", f"{r['decode_s_per_token'] * 1e3:.1f}",
+                 f"{r['prefill_over_hf']:.2f}x" if m != "hf" else "-",
+                 f"{r['decode_over_hf']:.2f}x" if m != "hf" else "-",
+                 "-" if r["plan_share_of_decode_step"] is None else f"{r['plan_share_of_decode_step']:.1%}",
+                 r["tokens_match_hf"]]
+                for row in data["contexts"]["rows"] for m, r in row["methods"].items()]
+        print_table(["context", "method", "prefill s", "decode ms/token", "prefill ratio",
+                     "decode ratio", "plan share", "same tokens"], rows)
     device = "gpu" if torch.cuda.is_available() else "cpu"
     path = write_json(data, f"generate_{device}.json", out_dir=args.out)
     print(f"wrote {path}")

@@ -60,16 +60,16 @@ _POW2 = lambda lo, hi: [1 << k for k in range(lo.bit_length() - 1, hi.bit_length
 PROFILES = {
     ("cpu", "full"): dict(
         models=["smollm2"], contexts=_POW2(128, 2048), warmup=2, steps=8, nocache_steps=2, prefill_chunk=2048,
-        ladder=["dynamic", "none", "static", "reference", "flex"], check=["triton"], long=None,
+        ladder=["dynamic", "none", "static", "sdpa", "reference", "flex"], check=["triton"], long=None,
         # eager FlexAttention on CPU rebuilds its masks in every layer: seconds per step, so fewer steps
         overrides={"flex": dict(warmup=1, steps=4)},
         batch=dict(num=64, max_len=1024, mean_len=192, budget_tokens=4096, steps=5, warmup=1,
-                   backends=["reference"]),
+                   backends=["sdpa", "reference"]),
         chat=dict(turns=6, user_tokens=96, reply_tokens=8, backend="reference"),
         sweep=dict(page_sizes=_POW2(8, 256), backends=["reference", "flex"], repeats=5)),
     ("cpu", "quick"): dict(
         models=["smollm2"], contexts=[128, 512], warmup=1, steps=3, nocache_steps=1, prefill_chunk=2048,
-        ladder=["dynamic", "none", "reference", "flex"], check=["triton"], long=None,
+        ladder=["dynamic", "none", "sdpa", "reference", "flex"], check=["triton"], long=None,
         batch=dict(num=32, max_len=512, mean_len=128, budget_tokens=1024, steps=2, warmup=1,
                    backends=["reference"]),
         chat=dict(turns=3, user_tokens=48, reply_tokens=4, backend="reference"),

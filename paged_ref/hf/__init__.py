@@ -6,9 +6,10 @@ How it hooks into transformers (no model code is copied):
    attention layer calls ``cache.update(k, v, layer_idx)`` after RoPE; `PagedCache` writes the
    new tokens' K/V into their pages of a `paged_ref.PagedKVCache`.
 2. `paged_attention_forward` is registered in `transformers.AttentionInterface` as
-   ``"paged_ref"`` and the model's ``attn_implementation`` is switched to it while a paged
-   generation runs. It reads each sequence's K/V from the pages with the chosen backend
-   (``reference``, ``flex``, ``triton`` or ``sdpa``). No attention mask is built for it.
+   ``"paged_ref"`` and the model's ``attn_implementation`` is switched to it for the length of
+   each paged forward. It reads each sequence's K/V from the pages with the chosen backend
+   (``auto`` by default: ``triton`` on CUDA, ``sdpa`` elsewhere; or ``reference``, the oracle,
+   ``flex``, ``triton``, ``sdpa``). No attention mask is built for it.
 3. `PagedSession` lays out each forward (per-sequence lengths, explicit absolute
    ``position_ids``), builds the step plan both halves share, and frees pages.
 
@@ -29,7 +30,8 @@ Example:
     torch.Size([1, 7])
 """
 
-from .attention import ATTN_IMPLEMENTATION, BACKENDS, paged_attention_forward, register, resolve_backend
+from .attention import (ATTN_IMPLEMENTATION, BACKENDS, auto_backend, paged_attention_forward, register,
+                        resolve_backend)
 from .cache import PagedCache, StepPlan
 from .generate import generate, stream
 from .score import log_likelihood, reference_log_likelihood
@@ -47,5 +49,6 @@ __all__ = [
     "reference_log_likelihood",
     "register",
     "resolve_backend",
+    "auto_backend",
     "stream",
 ]

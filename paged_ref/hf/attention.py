@@ -21,13 +21,15 @@ backend     decode                          prefill
 =========== =============================== ===============================
 reference   paged_attention_reference       paged_prefill_reference
 flex        flex_paged_decode               flex_paged_prefill
-triton      paged_decode (Triton kernel)    paged_prefill_reference
+triton      paged_decode (Triton kernel)    sdpa_paged_prefill
 sdpa        sdpa_paged_decode               sdpa_paged_prefill
+auto        ``triton`` on CUDA, ``sdpa`` elsewhere (the default)
 =========== =============================== ===============================
 
-Triton has no prefill kernel here: prefill is compute-bound and runs once per prompt.
-``sdpa`` (`paged_ref.hf.sdpa`) gathers the batch's tokens by slot and calls PyTorch's SDPA:
-the fast path on a CPU, where the Triton kernel only runs in the interpreter.
+Triton has no prefill kernel here: prefill is compute-bound and runs once per prompt, so the
+``triton`` backend prefills through SDPA. ``sdpa`` (`paged_ref.hf.sdpa`) gathers the batch's
+tokens by slot and calls PyTorch's SDPA: the fast path on a CPU, where the Triton kernel only
+runs in the interpreter. ``reference`` is the oracle every other backend is tested against.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "resolve_backend", "step_kwargs", "paged_attention_forward", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "AUTO", "BACKENDS", "auto_backend", "resolve_backend", "step_kwargs", "paged_attention_forward", "register"]
 
 ATTN_IMPLEMENTATION = "paged_ref"
 
@@ -48,9 +50,22 @@ BACKENDS: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
                   ("paged_ref.attention.reference", "paged_prefill_reference")),
     "flex": (("paged_ref.attention.flex", "flex_paged_decode"), ("paged_ref.attention.flex", "flex_paged_prefill")),
     "triton": (("paged_ref.attention.triton_decode", "paged_decode"),
-               ("paged_ref.attention.reference", "paged_prefill_reference")),
+               ("paged_ref.hf.sdpa", "sdpa_paged_prefill")),
     "sdpa": (("paged_ref.hf.sdpa", "sdpa_paged_decode"), ("paged_ref.hf.sdpa", "sdpa_paged_prefill")),
 }
+
+
+AUTO = "auto"
+
+
+def auto_backend(device) -> str:
+    """The backend ``"auto"`` stands for on ``device``: the fastest tested path there.
+
+    Example:
+        >>> auto_backend("cpu")
+        'sdpa'
+    """
+    return "triton" if torch.device(device).type == "cuda" else "sdpa"
 
 
 def resolve_backend(backend: str) -> tuple[Callable, Callable]:
@@ -91,7 +106,7 @@ def step_kwargs(backend: str, plan) -> dict:
         # prefill shapes change with every prompt, so prefill stays eager on CPU
         return {"block_mask": masks.physical, "validate": False,
                 "compiled": True if plan.is_decode else None}
-    if backend == "sdpa":
+    if backend == "sdpa" or (backend == "triton" and not plan.is_decode):
         from paged_ref.hf.sdpa import prepare
 
         q_lens = None if plan.is_decode else plan.q_lens

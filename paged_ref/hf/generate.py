@@ -46,7 +46,7 @@ def stream(
     max_new_tokens: int,
     page_size: int = 16,
     num_pages: int | None = None,
-    backend: str = "reference",
+    backend: str = "auto",
     attention_mask: torch.Tensor | None = None,
     eviction=None,
     budget: int | None = None,
@@ -146,7 +146,7 @@ def generate(
     max_new_tokens: int,
     page_size: int = 16,
     num_pages: int | None = None,
-    backend: str = "reference",
+    backend: str = "auto",
     attention_mask: torch.Tensor | None = None,
     eviction=None,
     budget: int | None = None,
@@ -166,8 +166,9 @@ def generate(
         page_size: tokens per page of the cache created here.
         num_pages: pages of the cache created here; default: enough for every sequence at full
             length. A smaller pool raises `OutOfPagesError` when it runs out.
-        backend: ``"reference"``, ``"flex"``, ``"triton"`` or ``"sdpa"``: which paged attention
-            reads the pages (table in `paged_ref.hf.attention`; ``sdpa`` is the fast one on CPU).
+        backend: which paged attention reads the pages: ``"auto"`` (default: ``"triton"`` on
+            CUDA, ``"sdpa"`` elsewhere, the fastest tested paths), ``"reference"`` (the oracle),
+            ``"flex"``, ``"triton"`` or ``"sdpa"`` (table in `paged_ref.hf.attention`).
         attention_mask: ``[batch, prompt_len]`` of 0/1, 1 on real tokens, padding on the left.
         eviction, budget: KV eviction (`paged_ref.eviction`): a policy name and a budget in
             tokens (``eviction="paged_eviction", budget=256``), or a policy object. The default

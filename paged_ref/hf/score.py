@@ -50,7 +50,7 @@ def log_likelihood(
     prefill_len: int | None = None,
     page_size: int = 16,
     num_pages: int | None = None,
-    backend: str = "reference",
+    backend: str = "auto",
     kv_cache: PagedKVCache | None = None,
 ) -> torch.Tensor:
     """Per-token log-probabilities of a text fed through the paged cache (teacher forcing).
@@ -62,7 +62,7 @@ def log_likelihood(
         prefill_len: tokens of the first forward (a prefill), default `chunk_size`; e.g.
             ``prefill_len=48, chunk_size=1`` scores a 48-token prompt at once, then decodes.
         page_size, num_pages: the cache created here (default size: just enough).
-        backend: ``"reference"``, ``"flex"``, ``"triton"`` or ``"sdpa"``.
+        backend: ``"auto"`` (default), ``"reference"``, ``"flex"``, ``"triton"`` or ``"sdpa"``.
         kv_cache: use this `PagedKVCache` instead (its sequences are freed before returning).
 
     Returns:

@@ -31,10 +31,19 @@ __all__ = ["SlotGather", "prepare", "sdpa_paged_decode", "sdpa_paged_prefill"]
 
 
 class SlotGather(NamedTuple):
-    """Per-step gather plan. slots: int64 ``[batch, max_kv]``; mask: bool ``[batch, 1, q_len, max_kv]`` or None."""
+    """Per-step gather plan.
+
+    slots: int64 ``[batch, max_kv]``. mask: bool ``[batch, 1, q_len, max_kv]`` or None.
+    causal: no mask, SDPA's own causal flag instead: every row is a whole fresh prompt (its new
+    tokens are all its tokens), so query ``i`` sees keys ``0..i`` and a padded key is seen only by
+    padding rows; SDPA then skips the upper triangle (half the work of a masked prefill).
+    padded_rows: some rows have fewer new tokens than ``q_len`` (their padding rows are zeroed).
+    """
 
     slots: torch.Tensor
     mask: torch.Tensor | None
+    causal: bool = False
+    padded_rows: bool = False
 
 
 def prepare(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
@@ -56,11 +65,13 @@ def prepare(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
     slots = torch.where(in_seq, slots, 0)  # padding reads slot 0, masked out below
     if q_lens is None:
         mask = None if bool(in_seq.all()) else in_seq[:, None, None, :]  # [batch, 1, 1, max_kv]
-    else:
-        q_pos = (lens - q_lens.long())[:, None] + torch.arange(q_len, device=lens.device)  # [batch, q_len]
-        mask = (t[None, None, :] <= q_pos[:, :, None]) & in_seq[:, None, :]  # [batch, q_len, max_kv]
-        mask = mask[:, None]  # [batch, 1, q_len, max_kv]
-    return SlotGather(slots, mask)
+        return SlotGather(slots, mask)
+    padded_rows = bool((q_lens < q_len).any())
+    if bool((q_lens.long() == lens).all()) and q_len == max_kv:  # whole fresh prompts
+        return SlotGather(slots, None, causal=True, padded_rows=padded_rows)
+    q_pos = (lens - q_lens.long())[:, None] + torch.arange(q_len, device=lens.device)  # [batch, q_len]
+    mask = (t[None, None, :] <= q_pos[:, :, None]) & in_seq[:, None, :]  # [batch, q_len, max_kv]
+    return SlotGather(slots, mask[:, None], padded_rows=padded_rows)  # mask [batch, 1, q_len, max_kv]
 
 
 def _attend(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tensor:
@@ -69,8 +80,8 @@ def _attend(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tens
     flat = (-1, num_kv_heads, head_dim)
     k = k_cache.view(flat)[gather.slots].transpose(1, 2)  # [batch, Hkv, max_kv, D]
     v = v_cache.view(flat)[gather.slots].transpose(1, 2)  # [batch, Hkv, max_kv, D]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=gather.mask, scale=scale,
-                                          enable_gqa=q.shape[1] != num_kv_heads)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=gather.mask, is_causal=gather.causal,
+                                          scale=scale, enable_gqa=q.shape[1] != num_kv_heads)
 
 
 def sdpa_paged_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, gather=None,
@@ -111,5 +122,7 @@ def sdpa_paged_prefill(q, k_cache, v_cache, block_table, seq_lens, q_lens, *, sc
     if gather is None:
         gather = prepare(block_table, seq_lens, k_cache.shape[1], q_lens, q.shape[2])
     out = _attend(q, k_cache, v_cache, gather, scale)  # [batch, Hq, max_q_len, D]
+    if not gather.padded_rows:
+        return out
     padding = torch.arange(q.shape[2], device=q.device)[None, :] >= q_lens[:, None]  # [batch, max_q_len]
     return out.masked_fill_(padding[:, None, :, None], 0.0)

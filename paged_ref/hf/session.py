@@ -31,13 +31,14 @@ Example:
 from __future__ import annotations
 
 import inspect
+import time
 
 import torch
 
 from .._validate import check_choice, check_int
 from ..cache import PagedKVCache
 from ..memory import model_geometry  # noqa: F401  (re-exported: hf.session.model_geometry)
-from .attention import ATTN_IMPLEMENTATION, BACKENDS, register, resolve_backend, step_kwargs
+from .attention import ATTN_IMPLEMENTATION, AUTO, BACKENDS, auto_backend, register, resolve_backend, step_kwargs
 from .cache import PagedCache, StepPlan
 
 __all__ = ["PagedSession", "model_geometry"]
@@ -58,7 +59,9 @@ class PagedSession:
         kv: a `PagedKVCache` matching the model (layers, KV heads, head_dim, dtype, device), or
             None to create one with `num_pages` pages of `page_size` tokens.
         num_pages, page_size: size of the cache created when `kv` is None.
-        backend: ``"reference"``, ``"flex"``, ``"triton"`` or ``"sdpa"`` (see `paged_ref.hf.attention`).
+        backend: ``"auto"`` (default: ``"triton"`` on CUDA, ``"sdpa"`` elsewhere), ``"reference"``
+            (the oracle), ``"flex"``, ``"triton"`` or ``"sdpa"`` (see `paged_ref.hf.attention`);
+            ``session.backend`` names the one in use.
         eviction, budget: KV eviction (`paged_ref.eviction`): a policy name with ``budget`` in
             tokens (e.g. ``eviction="paged_eviction", budget=256``), or a policy object (which
             carries its own budget). None: keep every token.
@@ -77,14 +80,14 @@ class PagedSession:
         kv: PagedKVCache | None = None,
         num_pages: int | None = None,
         page_size: int = 16,
-        backend: str = "reference",
+        backend: str = AUTO,
         eviction=None,
         budget: int | None = None,
     ):
         from ..eviction import resolve_policy  # a policy name + budget, or a policy object
 
         eviction = resolve_policy(eviction, budget)
-        check_choice("backend", backend, BACKENDS)
+        check_choice("backend", backend, [*BACKENDS, AUTO])
         geometry = model_geometry(model)
         if kv is None:
             kv = PagedKVCache(
@@ -101,13 +104,14 @@ class PagedSession:
                 raise ValueError(f"kv does not match the model: the model needs {geometry}, kv has {got}")
         self.model = model
         self.kv = kv
-        self.backend = backend
+        self.backend = auto_backend(kv.device) if backend == AUTO else backend
         self.eviction, self.budget = eviction, budget
-        self._decode, self._prefill = resolve_backend(backend)
+        self._decode, self._prefill = resolve_backend(self.backend)
         self._hf_cache = PagedCache(kv)
         self._cache_kw = _cache_keyword(model)
         self._positions: dict[int, int] = {}  # seq_id -> next absolute position
         self._open = False
+        self.plan_seconds = 0.0  # host time spent laying out forwards (slots, tables, attention inputs)
 
     # ------------------------------------------------------------------ lifetime
     def open(self) -> "PagedSession":
@@ -188,11 +192,13 @@ class PagedSession:
             raise ValueError(f"each tokens[b] must hold at least one token, got lengths {q_lens_list}")
 
         old_lens = [self.kv.seq_len(s) for s in seq_ids]
+        started = time.perf_counter()
         try:
             plan, input_ids, position_ids = self._plan(seq_ids, tokens, q_lens_list)
         except BaseException:  # e.g. OutOfPagesError on the third sequence: undo the first two
             self._shrink_to(seq_ids, old_lens)
             raise
+        self.plan_seconds += time.perf_counter() - started
         # logits are needed only at each row's last new token: ask for those columns only
         if all_logits:
             keep = 0
