@@ -408,3 +408,14 @@ def test_auto_backend_is_sdpa_on_cpu_and_the_default(model):
     assert hf.auto_backend("cuda") == "triton" and hf.auto_backend("cpu") == "sdpa"
     with pytest.raises(ValueError, match=r"backend must be one of \['auto', 'flex'"):
         hf.PagedSession(model, num_pages=4, page_size=4, backend="fast")
+
+
+@pytest.mark.parametrize("mistake", ["mistake_off_by_one", "mistake_wrong_page"])
+def test_negative_controls_move_log_probs_far_beyond_the_tolerance(model, mistake):
+    """The equivalence check can fail: a real bug moves per-token log-probs by far more than 1e-4."""
+    ids = _prompt(24, seed=14)
+    plain = hf.reference_log_likelihood(model, ids)
+    good = hf.log_likelihood(model, ids, chunk_size=1, page_size=4, backend="reference")
+    bad = hf.log_likelihood(model, ids, chunk_size=1, page_size=4, backend=mistake)
+    assert (good - plain).abs().max() < 1e-4
+    assert (bad - plain).abs().max() > 1e-2

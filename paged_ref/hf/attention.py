@@ -26,6 +26,9 @@ sdpa        sdpa_paged_decode               sdpa_paged_prefill
 auto        ``triton`` on CUDA, ``sdpa`` elsewhere (the default)
 =========== =============================== ===============================
 
+Two more, ``mistake_off_by_one`` and ``mistake_wrong_page``, are wrong on purpose: negative
+controls that show how far a real bug moves the results (`paged_ref.hf.mistakes`).
+
 Triton has no prefill kernel here: prefill is compute-bound and runs once per prompt, so the
 ``triton`` backend prefills through SDPA. ``sdpa`` (`paged_ref.hf.sdpa`) gathers the batch's
 tokens by slot and calls PyTorch's SDPA: the fast path on a CPU, where the Triton kernel only
@@ -52,6 +55,11 @@ BACKENDS: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
     "triton": (("paged_ref.attention.triton_decode", "paged_decode"),
                ("paged_ref.hf.sdpa", "sdpa_paged_prefill")),
     "sdpa": (("paged_ref.hf.sdpa", "sdpa_paged_decode"), ("paged_ref.hf.sdpa", "sdpa_paged_prefill")),
+    # negative controls (`paged_ref.hf.mistakes`): wrong on purpose, to show what a real bug does
+    "mistake_off_by_one": (("paged_ref.hf.mistakes", "off_by_one_decode"),
+                           ("paged_ref.attention.reference", "paged_prefill_reference")),
+    "mistake_wrong_page": (("paged_ref.hf.mistakes", "wrong_page_decode"),
+                           ("paged_ref.attention.reference", "paged_prefill_reference")),
 }
 
 
