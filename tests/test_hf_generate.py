@@ -321,7 +321,7 @@ def test_bench_generate_quick_on_the_tiny_model(tmp_path):
     rows = data["contexts"]["rows"]
     assert [r["context"] for r in rows] == [16, 64]
     for row in rows:
-        assert set(row["methods"]) == {"hf", "paged_auto", "paged_reference"}
+        assert set(row["methods"]) == {"hf", "paged_auto", "paged_reference", "paged_auto_scattered"}
         for m, r in row["methods"].items():
             assert r["tokens_match_hf"] and r["prefill_s"] > 0 and r["decode_s_per_token"] > 0
             if m != "hf":
@@ -419,3 +419,18 @@ def test_negative_controls_move_log_probs_far_beyond_the_tolerance(model, mistak
     bad = hf.log_likelihood(model, ids, chunk_size=1, page_size=4, backend=mistake)
     assert (good - plain).abs().max() < 1e-4
     assert (bad - plain).abs().max() > 1e-2
+
+
+def test_sdpa_decode_reads_consecutive_pages_in_place_and_gathers_scattered_ones():
+    from paged_ref.attention.reference import paged_attention_reference
+    from paged_ref.hf.sdpa import prepare, sdpa_paged_decode
+
+    g = torch.Generator().manual_seed(3)
+    kc, vc = torch.randn(8, 4, 2, 16, generator=g), torch.randn(8, 4, 2, 16, generator=g)
+    q = torch.randn(1, 6, 16, generator=g)
+    for table, start in (([[2, 3, 4, 0]], 8), ([[4, 2, 3, 0]], None)):
+        table, lens = torch.tensor(table, dtype=torch.int32), torch.tensor([10], dtype=torch.int32)
+        gather = prepare(table, lens, 4)
+        assert gather.start == start
+        torch.testing.assert_close(sdpa_paged_decode(q, kc, vc, table, lens, gather=gather),
+                                   paged_attention_reference(q, kc, vc, table, lens))

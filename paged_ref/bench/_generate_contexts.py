@@ -7,7 +7,14 @@ ids without a tokenizer), in one run, methods interleaved in each repeat:
   ``model(prompt, use_cache=True)``; decode is ``decode_steps`` single-token forwards on that cache.
 * ``paged_<backend>``: a `PagedSession` with a pool just large enough: prefill is one
   ``session.extend`` over the prompt; decode the same single-token steps. The time the session
-  spends building each step's plan (slots, block table, attention inputs) is timed apart.
+  spends building each step's plan (slots, block table, attention inputs) is timed apart. A
+  fresh pool hands one sequence consecutive pages, which the ``sdpa`` decoder reads in place;
+* ``paged_<backend>_scattered``: the same on a pool twice as large where another sequence holds
+  every other page, so no two of the sequence's pages are neighbours (the general case: pages
+  gathered a page at a time).
+
+``skip_above``: a method left out at contexts above a length (the reference's prefill at 8192
+tokens alone takes minutes on 2 cores).
 
 Both decode greedily and must produce the same tokens. Reported per method: median prefill
 seconds, median decode seconds per token, the plan's share of a decode step, and the ratios
@@ -59,9 +66,14 @@ def _hf_run(model, prompt, steps):
     return prefill, times, [], tokens
 
 
-def _paged_run(model, prompt, steps, backend, page_size):
+def _paged_run(model, prompt, steps, backend, page_size, scattered=False):
     num_pages = -(-(prompt.numel() + steps + 1) // page_size)
-    with PagedSession(model, num_pages=num_pages, page_size=page_size, backend=backend) as session:
+    with PagedSession(model, num_pages=2 * num_pages if scattered else num_pages, page_size=page_size,
+                      backend=backend) as session:
+        if scattered:  # another sequence takes the whole pool, then gives back every other page
+            other = session.kv.add_sequence()
+            session.kv.reserve(other, 2 * num_pages * page_size)
+            session.kv.drop_pages(other, range(0, 2 * num_pages, 2))
         s = session.add()
         t = time.perf_counter()
         logits = session.extend([s], [prompt])
@@ -84,24 +96,30 @@ def _median(xs):
     return xs[len(xs) // 2]
 
 
-def measure_contexts(model, tokenizer, *, contexts, decode_steps, repeats, backends, page_size):
+def measure_contexts(model, tokenizer, *, contexts, decode_steps, repeats, backends, page_size,
+                     scattered=(), skip_above=None):
     """Prefill and per-token decode of the paged backends vs ``DynamicCache`` at each context."""
+    skip_above = dict(skip_above or {})
     out = {"contexts": list(contexts), "decode_steps": decode_steps, "repeats": repeats,
-           "page_size": page_size, "rows": []}
+           "page_size": page_size, "skip_above": skip_above, "rows": []}
     methods = {"hf": lambda p: _hf_run(model, p, decode_steps)}
     for b in backends:
         methods[f"paged_{b}"] = lambda p, b=b: _paged_run(model, p, decode_steps, b, page_size)
+    for b in scattered:
+        methods[f"paged_{b}_scattered"] = lambda p, b=b: _paged_run(model, p, decode_steps, b, page_size,
+                                                                    scattered=True)
     warm = _prompt(model, tokenizer, 16)
     for run in methods.values():  # one short warm-up of every path
         run(warm)
     for n in contexts:
         prompt = _prompt(model, tokenizer, n)
-        prefill = {m: [] for m in methods}
-        decode = {m: [] for m in methods}
-        plan_share = {m: [] for m in methods}
+        here = {m: run for m, run in methods.items() if n <= skip_above.get(m, n)}
+        prefill = {m: [] for m in here}
+        decode = {m: [] for m in here}
+        plan_share = {m: [] for m in here}
         tokens = {}
         for _ in range(repeats):
-            for m, run in methods.items():
+            for m, run in here.items():
                 p, times, plans, toks = run(prompt)
                 prefill[m].append(p)
                 decode[m].extend(times)
@@ -109,7 +127,7 @@ def measure_contexts(model, tokenizer, *, contexts, decode_steps, repeats, backe
                     plan_share[m].append(sum(plans) / sum(times))
                 tokens[m] = toks
         row = {"context": n, "methods": {}}
-        for m in methods:
+        for m in here:
             row["methods"][m] = {
                 "prefill_s": _median(prefill[m]), "prefill_times_s": prefill[m],
                 "decode_s_per_token": _median(decode[m]),
@@ -117,7 +135,7 @@ def measure_contexts(model, tokenizer, *, contexts, decode_steps, repeats, backe
                 "tokens_match_hf": tokens[m] == tokens["hf"],
             }
         hf = row["methods"]["hf"]
-        for m in methods:
+        for m in here:
             if m != "hf":
                 r = row["methods"][m]
                 r["prefill_over_hf"] = r["prefill_s"] / hf["prefill_s"]

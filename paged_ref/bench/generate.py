@@ -13,8 +13,8 @@ Three workloads, greedy decoding, EOS ignored so that every method does the same
   reserves most of the machine's free memory, which on CPU takes tens of seconds).
 
 * ``contexts``: prefill and decode timed apart at prompts of 128, 512, 2048 and 8192 tokens,
-  the default backend (``auto``) and the oracle (``reference``) against ``DynamicCache``
-  (`paged_ref.bench._generate_contexts`).
+  the default backend (``auto``; also on scattered pages) and the oracle (``reference``, up to
+  2048) against ``DynamicCache`` (`paged_ref.bench._generate_contexts`).
 
 Per method (single, mixed): median wall time of the whole call (after one warm-up; methods interleaved in each
 repeat so load changes hit them alike), generated tokens/s (ratios given both as the ratio of
@@ -46,9 +46,11 @@ from .common import environment, print_table, write_json
 PAGE_SIZE = 16
 FULL = dict(single_words=96, single_new=48, mixed_prompts=8, mixed_new=32, repeats=3)
 QUICK = dict(single_words=24, single_new=8, mixed_prompts=3, mixed_new=6, repeats=1)
-CONTEXTS_FULL = dict(contexts=(128, 512, 2048, 8192), decode_steps=16, repeats=2,
-                     backends=("auto", "reference"))
-CONTEXTS_QUICK = dict(contexts=(16, 64), decode_steps=3, repeats=1, backends=("auto", "reference"))
+CONTEXTS_FULL = dict(contexts=(128, 512, 2048, 8192), decode_steps=16, repeats=3,
+                     backends=("auto", "reference"), scattered=("auto",),
+                     skip_above={"paged_reference": 2048})
+CONTEXTS_QUICK = dict(contexts=(16, 64), decode_steps=3, repeats=1, backends=("auto", "reference"),
+                      scattered=("auto",))
 
 
 class _PeakRSS:
