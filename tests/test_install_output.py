@@ -1,8 +1,8 @@
-"""An installed copy of paged_ref (no checkout around it) writes figures and benchmark JSON to a
-folder the user controls: the current directory, or ``$PAGED_REF_OUTPUT``; never site-packages."""
+"""An installed copy of paged_ref (``pip install``, not editable, imported from another folder)
+writes figures and benchmark JSON to a folder the user controls: the current directory, or
+``$PAGED_REF_OUTPUT``; never site-packages."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,9 +31,12 @@ def _run(site: Path, cwd: Path, **env) -> list[str]:
 
 
 def test_installed_copy_writes_to_the_current_folder_or_the_chosen_one(tmp_path):
-    site = tmp_path / "site-packages"                   # the package alone, as pip installs it
-    shutil.copytree(Path(paged_ref.__file__).parent, site / "paged_ref",
-                    ignore=shutil.ignore_patterns("__pycache__"))
+    site = tmp_path / "site-packages"                   # a real, non-editable install of the package
+    repo = Path(paged_ref.__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                           "--target", str(site), str(repo)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert not (site / "paged_ref" / "__init__.py").is_symlink() and (site / "paged_ref" / "cache.py").is_file()
     work = tmp_path / "work"
     work.mkdir()
     module, fig, data, data_dir = _run(site, work)
