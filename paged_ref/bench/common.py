@@ -1,6 +1,6 @@
 """Shared helpers for the benchmarks: timing, the environment record, tables and JSON.
 
-Timing rules (see DESIGN.md, "Measuring"):
+Timing rules:
 
 * CPU: :func:`cpu_median` runs a function a few times after a warm-up and keeps the median of
   wall-clock times.

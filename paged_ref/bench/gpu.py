@@ -49,12 +49,10 @@ MAX_FILES = 8
 
 
 class Section:
-    """One step of the run: a command run in a subprocess (or an in-process function)."""
+    """One step of the run: a command run in its own process, with the files it should write."""
 
-    def __init__(self, name: str, budget_s: float, command: list[str] | None = None,
-                 function=None, produces: tuple[str, ...] = ()):
-        self.name, self.budget_s, self.command, self.function = name, budget_s, command, function
-        self.produces = produces
+    def __init__(self, name: str, budget_s: float, command: list[str], produces: tuple[str, ...] = ()):
+        self.name, self.budget_s, self.command, self.produces = name, budget_s, command, produces
 
 
 def plan(out: Path, *, dry_run: bool) -> list[Section]:
@@ -134,14 +132,7 @@ def main(argv=None) -> dict:
     with open(out / "gpu.log", "w") as log:
         for section in sections:
             t = time.monotonic()
-            if section.command is not None:
-                status, why = _run_command(section, log)
-            else:
-                try:
-                    status, why = "ok", section.function() or ""
-                except Exception as err:  # a figure must not cost the run its numbers
-                    status, why = "failed", f"{type(err).__name__}: {err}"
-                log.write(f"\n===== {section.name}: {status} {why}\n")
+            status, why = _run_command(section, log)
             seconds = time.monotonic() - t
             made = [f for f in section.produces if (out / f).exists()]
             record.append(dict(section=section.name, status=status, why=why,

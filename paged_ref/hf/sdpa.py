@@ -33,7 +33,8 @@ __all__ = ["SlotGather", "prepare", "sdpa_paged_decode", "sdpa_paged_prefill"]
 class SlotGather(NamedTuple):
     """Per-step gather plan.
 
-    slots: int64 ``[batch, max_kv]``. mask: bool ``[batch, 1, q_len, max_kv]`` or None.
+    slots: int64 ``[batch, max_kv]`` (prefill; None in decode). mask: bool ``[batch, 1, q_len,
+    max_kv]`` or None. max_kv: the longest sequence (decode).
     pages: int64 ``[batch, max_pages_used]`` (decode: gathered a page at a time; padding -> 0).
     start: decode of one sequence whose pages are consecutive: its first slot (its K/V are then
     read in place, no copy); else None.
@@ -43,12 +44,13 @@ class SlotGather(NamedTuple):
     padded_rows: some rows have fewer new tokens than ``q_len`` (their padding rows are zeroed).
     """
 
-    slots: torch.Tensor
+    slots: torch.Tensor | None
     mask: torch.Tensor | None
     causal: bool = False
     padded_rows: bool = False
     pages: torch.Tensor | None = None
     start: int | None = None
+    max_kv: int = 0
 
 
 def prepare(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
@@ -64,11 +66,8 @@ def prepare(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
     lens = seq_lens.long()  # [batch]
     max_kv = int(lens.max())
     t = torch.arange(max_kv, device=block_table.device)  # [max_kv] logical token index
-    page_col = (t // page_size).clamp(max=block_table.shape[1] - 1)
-    slots = block_table.long()[:, page_col] * page_size + t % page_size  # [batch, max_kv]
     in_seq = t[None, :] < lens[:, None]  # [batch, max_kv]
-    slots = torch.where(in_seq, slots, 0)  # padding reads slot 0, masked out below
-    if q_lens is None:
+    if q_lens is None:  # decode reads whole pages (`_attend_decode`): no per-token slot map
         mask = None if bool(in_seq.all()) else in_seq[:, None, None, :]  # [batch, 1, 1, max_kv]
         n_pages = -(-max_kv // page_size)
         used = torch.arange(n_pages, device=lens.device)[None, :] < ((lens + page_size - 1) // page_size)[:, None]
@@ -76,7 +75,10 @@ def prepare(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
         start = None
         if pages.shape[0] == 1 and bool((pages[0, 1:] - pages[0, :-1] == 1).all()):
             start = int(pages[0, 0]) * page_size  # consecutive pages: one run of slots
-        return SlotGather(slots, mask, pages=pages, start=start)
+        return SlotGather(None, mask, pages=pages, start=start, max_kv=max_kv)
+    page_col = (t // page_size).clamp(max=block_table.shape[1] - 1)
+    slots = block_table.long()[:, page_col] * page_size + t % page_size  # [batch, max_kv]
+    slots = torch.where(in_seq, slots, 0)  # padding reads slot 0, masked out below
     padded_rows = bool((q_lens < q_len).any())
     if bool((q_lens.long() == lens).all()) and q_len == max_kv:  # whole fresh prompts
         return SlotGather(slots, None, causal=True, padded_rows=padded_rows)
@@ -105,7 +107,7 @@ def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float) -> tor
     """
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     batch, num_q_heads, _ = q.shape
-    max_kv = gather.slots.shape[1]
+    max_kv = gather.max_kv
     if gather.start is not None:  # in place: SDPA takes the strided [1, Hkv, T, D] view as it is
         k = k_cache.view(-1, num_kv_heads, head_dim)[gather.start : gather.start + max_kv][None]  # [1, T, Hkv, D]
         v = v_cache.view(-1, num_kv_heads, head_dim)[gather.start : gather.start + max_kv][None]
