@@ -110,7 +110,7 @@ def step_kwargs(backend: str, plan) -> dict:
             q_len=plan.max_q_len, q_lens=None if plan.is_decode else plan.q_lens,
         )
         # decode keeps its shapes from step to step: compiled flex (block sparse) pays for its
-        # compile on CPU too (SmolLM2, 256 tokens: ~5x faster than eager per decode step);
+        # compile on CPU too (`bench scaling --cpu`: 83-108 ms per SmolLM2 step, 345-395 eager);
         # prefill shapes change with every prompt, so prefill stays eager on CPU
         return {"block_mask": masks.physical, "validate": False,
                 "compiled": True if plan.is_decode else None}

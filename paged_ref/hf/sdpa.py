@@ -103,7 +103,7 @@ def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float) -> tor
     One sequence on consecutive pages is read in place (a strided view handed to SDPA). Otherwise
     K/V are taken a page at a time (one ``index_select`` of whole pages, not one index per token)
     and the scores are two batched matmuls on strided views, so the ``[tokens, heads, head_dim]``
-    layout is never transposed into a copy (SDPA would copy it: slower, measured at 8192 tokens).
+    layout is never transposed into a copy (SDPA on the transposed view would make one).
     """
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     batch, num_q_heads, _ = q.shape

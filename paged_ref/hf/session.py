@@ -307,8 +307,8 @@ class _paged_attention:
 
     It sets the config attribute the attention layers read (its setter recurses into sub-configs);
     ``open`` has already checked once, with ``set_attn_implementation``, that the model accepts
-    the implementation. (``set_attn_implementation`` walks every module: ~1 ms per call on
-    SmolLM2, twice per forward, 3% of a CPU decode step.)
+    the implementation. (``set_attn_implementation`` walks every module, which would happen
+    twice per forward.)
     """
 
     def __init__(self, model):
