@@ -1,4 +1,4 @@
-"""The eviction evaluation's quick mode on the real model (what CI runs of issue 5's benchmark)."""
+"""The eviction evaluation's quick mode on the real model (what CI runs of `bench eviction`)."""
 
 import json
 
@@ -22,3 +22,6 @@ def test_quick_evaluation_runs_on_smollm2(tmp_path):
             assert row["max_pages_held"] <= row["page_bound"]
     for row in data["passkey_rows"]:
         assert row["correct"] == eviction.answer_is_correct(row["answer"], row["key"])
+        assert row["key_readable"] or not row["key_held"]  # a whole mention held is readable
+        if row["policy"] == "full":
+            assert row["key_held"] and row["key_readable"] and row["needle_held"] == 1.0

@@ -178,9 +178,11 @@ def fake_results(delta_nll=0.1, ratio_correct=18, abl_correct=2, trials=20):
                        max_pages_held=9, page_bound=9, tokens_moved=0)
                   for p in ("full", "paged_eviction", *ve.ABLATIONS) for ps in (16, 32) for c in (128, 256)]
     pk_summary = [dict(policy=p, budget=128, trials=trials, correct=5, accuracy=0.25, ci95=[0.1, 0.5], key_held=7,
-                       key_held_rate=0.35, correct_when_held=4, correct_when_lost=1)
+                       key_held_rate=0.35, correct_when_held=4, correct_when_lost=1, key_readable=8,
+                       correct_when_unreadable=0, needle_held_mean=0.625)
                   for p in ("full", "paged_eviction", *ve.ABLATIONS)]
     speed = [dict(policy=p, budget=None if p == "full" else 128, tokens_per_s=10.0 / (i + 1), ratio_vs_full=1 / (i + 1),
+                  tokens_per_s_rounds=[9.0 / (i + 1), 10.0 / (i + 1), 12.0 / (i + 1)],
                   kv_bytes_held=2**20 * (4 - i)) for i, p in enumerate(("full", "paged_eviction", "token_topk"))]
     return dict(mode="quick", model="m", environment=dict(cpu="x86_64", torch="2", python="3", date_utc="d"),
                 seconds=1.0, language_modelling=lm_summary, passkey=pk_summary, lm_rows=lm_rows, passkey_rows=pk_rows,
@@ -243,10 +245,11 @@ def test_tables_print_exact_numbers():
     res = fake_results()
     lm = ve.lm_table(res)
     assert f"{math.exp(3.0):.3f}" in lm and lm.count("\n") == 1 + len(res["language_modelling"])
-    assert "[0.100, 0.500]" in ve.passkey_table(res)
+    pk = ve.passkey_table(res)
+    assert "[0.100, 0.500]" in pk and "8/20" in pk and "0.62" in pk
     assert "x86_64" in ve.provenance(res) and "quick run" in ve.provenance(res)
     speed = ve.speed_table(res).splitlines()
-    assert len(speed) == 5 and speed[4].split()[:5] == ["token_topk", "128", "3.33", "0.333", "2.00"]
+    assert len(speed) == 5 and speed[4].split()[:6] == ["token_topk", "128", "3.33", "3.00-4.00", "0.333", "2.00"]
 
 
 # --------------------------------------------------------------------------- figures and widget

@@ -16,8 +16,9 @@ One run measures, on the real model (`paged_ref.models.load_smollm2`, float32, C
   filler, in SmolLM2's chat template. The context (instruction + filler + key) is prefilled and
   evicted first; the question arrives afterwards, token by token through the evicted cache
   (the policy cannot see it coming), then the model answers greedily. Accuracy over
-  ``trials`` trials with a Wilson 95% interval, and how often every token of at least one
-  of the key's two mentions was still held when the answer began ("key held").
+  ``trials`` trials with a Wilson 95% interval, and what of the key was still held when the
+  answer began (`key_evidence`): a whole mention ("key held"), every digit in some mention
+  ("key readable"), and the share of the needle sentence's tokens.
 * Speed: decode tokens/s of one sequence per policy after a ``context``-token prompt (hooks
   included), median of interleaved rounds, as a ratio to the full cache measured in the same run.
 
@@ -45,6 +46,7 @@ from pathlib import Path
 
 import torch
 
+from .._arith import cdiv
 from ..eviction import make_policy, max_pages_held
 from ..eviction.lm import PagedLM
 from .common import environment, print_table, write_json
@@ -58,7 +60,7 @@ QUICK = dict(texts=1, context=384, continuation=33, budgets=[128], page_sizes=[1
              speed_budget=128)
 FULL = dict(texts=2, context=2048, continuation=128, budgets=[128, 256, 512, 1024], page_sizes=[16, 32],
             passkey_trials=20, passkey_context=1100, passkey_budgets=[128, 256, 512], speed_steps=16,
-            speed_rounds=3, speed_budget=256)
+            speed_rounds=5, speed_budget=256)
 MAX_COPIED = 0.05  # skip texts whose continuation repeats more than this fraction of context 8-grams
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
@@ -93,8 +95,8 @@ def _policy(label, budget):
 
 def _pool_pages(runs, page_size, longest):
     """Pages for all sequences at their bound plus one prompt held whole before its eviction."""
-    need = sum(-(-longest // page_size) + 1 if c is None else max_pages_held(c, page_size) for _, _, c in runs)
-    return need + -(-longest // page_size) + 1
+    need = sum(cdiv(longest, page_size) + 1 if c is None else max_pages_held(c, page_size) for _, _, c in runs)
+    return need + cdiv(longest, page_size) + 1
 
 
 class _Batch:
@@ -153,9 +155,7 @@ class _Batch:
 
 # ----------------------------------------------------------------------------- language modelling
 def lm_task(lm, tok, cfg, log):
-    from ..textdata import english_text
-
-    from ..textdata import paragraphs
+    from ..textdata import english_text, paragraphs
 
     rows, checks, texts = [], [], []
     n_ctx, n_cont = cfg["context"], cfg["continuation"]
@@ -241,7 +241,12 @@ def summarize_lm(rows):
 
 # ----------------------------------------------------------------------------- pass-key retrieval
 def passkey_prompt(tok, rng: random.Random, target_tokens: int):
-    """(context ids, question ids, key string, token indices of the key's two mentions)."""
+    """(context ids, question ids, key, mentions, needle token indices, depth).
+
+    ``mentions`` has one dict per mention of the key: token index -> the key's character
+    positions that token covers (a token may straddle the key's edge), so a caller can ask both
+    "is a whole mention held" and "can every digit be read from some held token".
+    """
     key = str(rng.randint(10000, 99999))
     reps = max(2, int(target_tokens / len(tok(FILLER, add_special_tokens=False).input_ids)))
     depth = rng.random()
@@ -256,10 +261,38 @@ def passkey_prompt(tok, rng: random.Random, target_tokens: int):
     cut = text.index("\n\nWhat is the pass key?")
     enc = tok(text[:cut], add_special_tokens=False, return_offsets_mapping=True)
     question = tok(text[cut:], add_special_tokens=False).input_ids
-    mentions = []
-    for m in re.finditer(key, text[:cut]):
-        mentions.append([i for i, (a, b) in enumerate(enc["offset_mapping"]) if a < m.end() and b > m.start()])
-    return torch.tensor(enc["input_ids"]), torch.tensor(question), key, mentions, depth
+    offsets = enc["offset_mapping"]
+
+    def covering(start, end):  # token index -> covered character positions, relative to start
+        return {i: range(max(a, start) - start, min(b, end) - start) for i, (a, b) in enumerate(offsets)
+                if a < end and b > start}
+
+    mentions = [covering(m.start(), m.end()) for m in re.finditer(key, text[:cut])]
+    n0 = text.index(needle)
+    needle_tokens = sorted(covering(n0, n0 + len(needle)))
+    return torch.tensor(enc["input_ids"]), torch.tensor(question), key, mentions, needle_tokens, depth
+
+
+def key_evidence(held: set, mentions: list[dict], needle_tokens: list[int], key_len: int) -> dict:
+    """What of the key survives in the held token positions ``held``.
+
+    ``key_held``: every token of at least one mention is held. ``key_readable``: every character
+    of the key is covered by some held token of some mention (digits may survive from different
+    mentions). ``needle_held``: the share of the needle sentence's tokens held.
+
+    Example:
+        >>> m = [{3: range(0, 2), 4: range(2, 3)}, {9: range(0, 1), 10: range(1, 3)}]
+        >>> key_evidence({3, 10}, m, [2, 3, 4, 5], 3)
+        {'key_held': False, 'key_readable': True, 'needle_held': 0.25}
+    """
+    covered = set()
+    for m in mentions:
+        for t, chars in m.items():
+            if t in held:
+                covered.update(chars)
+    return dict(key_held=any(all(t in held for t in m) for m in mentions),
+                key_readable=covered >= set(range(key_len)),
+                needle_held=sum(t in held for t in needle_tokens) / len(needle_tokens))
 
 
 def answer_is_correct(text: str, key: str) -> bool:
@@ -278,17 +311,15 @@ def passkey_task(lm, tok, cfg, log, answer_tokens=7):
     groups = [_runs(cfg["passkey_budgets"], exclude=("token_topk",)), _runs(cfg["passkey_budgets"], only=("token_topk",))]
     for trial in range(cfg["passkey_trials"]):
         rng = random.Random(1000 + trial)
-        ctx, question, key, mentions, depth = passkey_prompt(tok, rng, cfg["passkey_context"])
+        ctx, question, key, mentions, needle_tokens, depth = passkey_prompt(tok, rng, cfg["passkey_context"])
         t0 = time.perf_counter()
         _, ks, vs = lm.prompt_kv(ctx)
         for runs in groups:
             batch = _Batch(lm, ks, vs, runs, 16, ctx.numel() + question.numel() + answer_tokens)
             for _ in batch.feed(question[:-1]):
                 pass
-            held = []
-            for s, p in zip(batch.seqs, batch.policies):
-                pos = set(p.positions(s).tolist())
-                held.append(any(all(t in pos for t in m) for m in mentions))
+            evidence = [key_evidence(set(p.positions(s).tolist()), mentions, needle_tokens, len(key))
+                        for s, p in zip(batch.seqs, batch.policies)]
             nxt, answers = question[-1].repeat(len(runs)), []
             for _ in range(answer_tokens):
                 nxt = batch.step(nxt).argmax(-1)  # [batch]
@@ -298,7 +329,7 @@ def passkey_task(lm, tok, cfg, log, answer_tokens=7):
                 text = tok.decode(answers[i])
                 row = batch.row(i)
                 row.update(trial=trial, key=key, depth=round(depth, 3), context_tokens=ctx.numel(), answer=text,
-                           correct=answer_is_correct(text, key), key_held=held[i])
+                           correct=answer_is_correct(text, key), **evidence[i])
                 rows.append(row)
             batch.close()
         full = next(r for r in rows[::-1] if r["policy"] == "full")
@@ -315,12 +346,22 @@ def summarize_passkey(rows):
     for (policy, c), rs in groups.items():
         n, k = len(rs), sum(r["correct"] for r in rs)
         h = sum(r["key_held"] for r in rs)
+        readable = sum(r["key_readable"] for r in rs)
         lo, hi = wilson(k, n)
         out.append(dict(policy=policy, budget=c, trials=n, correct=k, accuracy=k / n, ci95=[lo, hi],
                         key_held=h, key_held_rate=h / n,
                         correct_when_held=sum(r["correct"] for r in rs if r["key_held"]),
-                        correct_when_lost=sum(r["correct"] for r in rs if not r["key_held"])))
+                        correct_when_lost=sum(r["correct"] for r in rs if not r["key_held"]),
+                        key_readable=readable,
+                        correct_when_unreadable=sum(r["correct"] for r in rs if not r["key_readable"]),
+                        needle_held_mean=statistics.fmean(r["needle_held"] for r in rs),
+                        needle_held_when_correct=_mean_or_none([r["needle_held"] for r in rs if r["correct"]]),
+                        needle_held_when_wrong=_mean_or_none([r["needle_held"] for r in rs if not r["correct"]])))
     return out
+
+
+def _mean_or_none(xs):
+    return statistics.fmean(xs) if xs else None
 
 
 # ----------------------------------------------------------------------------- speed
@@ -533,6 +574,7 @@ def _run(args):
                   speed=speed, lm_rows=lm_rows, passkey_rows=pk_rows,
                   seconds=round(time.perf_counter() - start, 1))
     path = write_json(result, f"eviction_{mode}.json", args.out)
+    from ..viz import eviction as ve  # tables shared with notebook 07
 
     print(f"\nLanguage modelling: {cfg['texts']} text(s), context {cfg['context']}, continuation "
           f"{cfg['continuation']} tokens (NLL over the last {cfg['continuation'] - 1}); full-cache check "
@@ -543,15 +585,9 @@ def _run(args):
                   f"{r['kv_bytes_held'] / 2**20:.2f}", r["tokens_moved"], f"{r['max_holes_per_page']:.2f}"]
                  for r in sorted(lm_summary, key=lambda r: (r["page_size"], r["budget"] or 0, POLICIES.index(r["policy"])))])
     print(f"\nPass-key retrieval: {cfg['passkey_trials']} trials, ~{cfg['passkey_context']} context tokens, B = 16")
-    print_table(["policy", "C", "correct", "accuracy", "Wilson 95%", "key held", "correct|held", "correct|lost"],
-                [[r["policy"], r["budget"] or "-", f"{r['correct']}/{r['trials']}", f"{r['accuracy']:.3f}",
-                  f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]", f"{r['key_held']}/{r['trials']}",
-                  r["correct_when_held"], r["correct_when_lost"]]
-                 for r in sorted(pk_summary, key=lambda r: (r["budget"] or 0, POLICIES.index(r["policy"])))])
+    print(ve.passkey_table(result))
     print(f"\nDecode speed (one sequence, context {cfg['context']}, B = 16, median of {cfg['speed_rounds']} rounds)")
-    print_table(["policy", "C", "tokens/s", "vs full", "KV MiB held"],
-                [[r["policy"], r["budget"] or "-", f"{r['tokens_per_s']:.2f}", f"{r['ratio_vs_full']:.3f}",
-                  f"{r['kv_bytes_held'] / 2**20:.2f}"] for r in speed])
+    print(ve.speed_table(result))
     print(f"\nwrote {path} ({result['seconds']} s)")
     if mode == "full" and not args.no_figures:
         for path in write_figures(result):

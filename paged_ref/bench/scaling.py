@@ -44,12 +44,12 @@ from ..attention.reference import paged_attention_reference
 from ..attention.triton_decode import INTERPRETED, paged_decode
 from ..hf.session import model_geometry
 from ..memory import kv_bytes_per_token
-from .common import environment, write_json
 from ._scaling_batch import batch_throughput, mixed_lengths, page_size_sweep, paged_overhead
 from ._scaling_chat import run_chat
 from ._scaling_latency import LABELS, LadderConfig, agreement, run_ladder
 from ._scaling_models import MODELS, build_model, prompt_ids
 from ._scaling_report import alloc_summary, print_model_report, ratios_to
+from .common import environment, write_json
 
 __all__ = ["main", "PROFILES", "run_model"]
 
@@ -59,10 +59,12 @@ _POW2 = lambda lo, hi: [1 << k for k in range(lo.bit_length() - 1, hi.bit_length
 #: context for predictions only (Triton's interpreter on CPU).
 PROFILES = {
     ("cpu", "full"): dict(
-        models=["smollm2"], contexts=_POW2(128, 2048), warmup=2, steps=8, nocache_steps=2, prefill_chunk=2048,
+        # 24 timed steps per point: enough for a median that moves less than the gaps it is read for
+        # on a shared 2-core machine; no cache pays a whole prefill per step, so it takes 3
+        models=["smollm2"], contexts=_POW2(128, 2048), warmup=2, steps=24, nocache_steps=3, prefill_chunk=2048,
         ladder=["dynamic", "none", "static", "sdpa", "reference", "flex"], check=["triton"], long=None,
-        # eager FlexAttention on CPU rebuilds its masks in every layer: seconds per step, so fewer steps
-        overrides={"flex": dict(warmup=1, steps=4)},
+        # compiled FlexAttention on CPU: each context's first steps may compile, and a step costs more
+        overrides={"flex": dict(warmup=2, steps=12)},
         batch=dict(num=64, max_len=1024, mean_len=192, budget_tokens=4096, steps=5, warmup=1,
                    backends=["sdpa", "reference"]),
         chat=dict(turns=6, user_tokens=96, reply_tokens=8, backend="reference"),
@@ -245,7 +247,7 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
     res["alloc"] = alloc_summary(calls)
     _strip(res)
     res["elapsed_s"] = time.monotonic() - t0
-    del model
+    model = None  # free the weights before the next model loads
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return res

@@ -40,6 +40,7 @@ import torch
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
+from .._arith import cdiv
 from .._validate import check_int
 from ..cache import PagedKVCache
 from ..eviction import EvictionPolicy, EvictionStats, make_policy, token_scores
@@ -253,7 +254,7 @@ def replay(ks, vs, policy, *, budget: int | None = None, page_size: int, prompt_
 def _replay(ks, vs, policy, page_size, prompt_len, chunk) -> Replay:
     n = ks[0].shape[0]
     num_layers, (_, hkv, d) = len(ks), ks[0].shape
-    cache = PagedKVCache(num_layers=num_layers, num_pages=-(-n // page_size) + 2, page_size=page_size,
+    cache = PagedKVCache(num_layers=num_layers, num_pages=cdiv(n, page_size) + 2, page_size=page_size,
                          num_kv_heads=hkv, head_dim=d, dtype=ks[0].dtype)
     seq = cache.add_sequence()
     evicted_at = torch.full((n,), -1, dtype=torch.int64)  # [num_tokens]
@@ -313,7 +314,7 @@ def layout_stats(kept: torch.Tensor, page_size: int, lo: int = 0, hi: int | None
     pages = torch.unique(pos // page_size)
     slots = sum(min(hi, (int(p) + 1) * page_size) - max(lo, int(p) * page_size) for p in pages)
     holes = slots - pos.numel()
-    return dict(kept=int(pos.numel()), dense_pages=-(-int(pos.numel()) // page_size), pages_held=int(pages.numel()),
+    return dict(kept=int(pos.numel()), dense_pages=cdiv(int(pos.numel()), page_size), pages_held=int(pages.numel()),
                 holes=int(holes), hole_fraction=round(holes / slots, 4) if slots else 0.0)
 
 
@@ -370,19 +371,29 @@ def lm_table(results: dict) -> str:
 
 
 def passkey_table(results: dict) -> str:
-    """Pass-key accuracy with its Wilson 95% interval and how often the key's tokens were held."""
+    """Pass-key accuracy with its Wilson 95% interval, and what of the key was held.
+
+    Columns: a whole mention held ("key held") and the correct answers with/without it; every
+    digit held in some mention ("readable") and the correct answers without it; the mean share
+    of the needle sentence's tokens held.
+    """
     rows = sorted(results["passkey"], key=lambda r: (r["budget"] or 0, _order(r["policy"])))
-    return _fmt_rows(["C", "policy", "correct", "accuracy", "Wilson 95%", "key held", "correct|held", "correct|lost"],
+    return _fmt_rows(["C", "policy", "correct", "accuracy", "Wilson 95%", "key held", "correct|held",
+                      "correct|lost", "readable", "correct|unreadable", "needle held"],
                      [[r["budget"] or "-", r["policy"], f"{r['correct']}/{r['trials']}", f"{r['accuracy']:.3f}",
                        f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}]", f"{r['key_held']}/{r['trials']}",
-                       r["correct_when_held"], r["correct_when_lost"]] for r in rows])
+                       r["correct_when_held"], r["correct_when_lost"], f"{r['key_readable']}/{r['trials']}",
+                       r["correct_when_unreadable"], f"{r['needle_held_mean']:.2f}"] for r in rows])
 
 
 def speed_table(results: dict) -> str:
-    """Decode tokens/s per policy (one sequence, CPU) as measured, and the ratio to the full cache."""
-    return _fmt_rows(["policy", "C", "tokens/s", "vs full", "KV MiB held"],
-                     [[r["policy"], r["budget"] or "-", f"{r['tokens_per_s']:.2f}", f"{r['ratio_vs_full']:.3f}",
-                       f"{r['kv_bytes_held'] / 2**20:.2f}"] for r in results.get("speed", [])])
+    """Decode tokens/s per policy (one sequence, CPU): median and min-max over the rounds, the
+    ratio of medians to the full cache, and the KV bytes held."""
+    return _fmt_rows(["policy", "C", "tokens/s", "min-max over rounds", "vs full", "KV MiB held"],
+                     [[r["policy"], r["budget"] or "-", f"{r['tokens_per_s']:.2f}",
+                       f"{min(r['tokens_per_s_rounds']):.2f}-{max(r['tokens_per_s_rounds']):.2f}",
+                       f"{r['ratio_vs_full']:.3f}", f"{r['kv_bytes_held'] / 2**20:.2f}"]
+                      for r in results.get("speed", [])])
 
 
 def lm_pairs(results: dict, a: str, b: str) -> list[dict]:
@@ -592,7 +603,7 @@ def agreement_figure(agree: dict, budget: int, *, note: str = "") -> Figure:
 def _page_grid(r: Replay) -> np.ndarray:
     """[pages, B] cell codes over original positions (see _MAP_COLORS)."""
     n = r.evicted_at.shape[0]
-    cells = np.zeros(-(-n // r.page_size) * r.page_size, dtype=int)
+    cells = np.zeros(cdiv(n, r.page_size) * r.page_size, dtype=int)
     ev = r.evicted_at.numpy()
     cells[:n] = np.where(ev < 0, 1, np.where(ev == 0, 2, 3))
     return cells.reshape(-1, r.page_size)
