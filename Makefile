@@ -46,6 +46,8 @@ lab: install
 	  $$( [ "$$(id -u)" = 0 ] && echo --allow-root )
 
 test: install-test
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m pytest -q tests
 	$(PY) -m pytest -q --nbval-lax notebooks/
 

@@ -23,10 +23,11 @@ Example:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
+from ._arith import cdiv
 from ._validate import check_int
 
 
@@ -34,23 +35,22 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
     """Number of pages that hold ``num_tokens`` tokens: ceil(num_tokens / page_size)."""
     num_tokens = check_int("num_tokens", num_tokens, min_value=0)
     page_size = check_int("page_size", page_size, min_value=1)
-    return -(-num_tokens // page_size)
+    return cdiv(num_tokens, page_size)
 
 
 def _check_tables(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size=None):
     if len(tables) != len(seq_lens):
-        raise ValueError(
-            f"tables and seq_lens must have the same length, got {len(tables)} and {len(seq_lens)}"
-        )
+        raise ValueError(f"tables and seq_lens must have the same length, got {len(tables)} and {len(seq_lens)}")
     for i, (pages, n) in enumerate(zip(tables, seq_lens)):
         check_int(f"seq_lens[{i}]", n, min_value=0)
-        if not all(type(p) is int and p >= 0 for p in pages):      # the fast path: plain ints
+        if not all(type(p) is int and p >= 0 for p in pages):  # the fast path: plain ints
             for j, page in enumerate(pages):
                 check_int(f"tables[{i}][{j}]", page, min_value=0)
         if len(set(pages)) != len(pages):
             dup = sorted({p for p in pages if list(pages).count(p) > 1})
-            raise ValueError(f"tables[{i}] must not list a page twice, got page(s) {dup} "
-                             f"more than once in {list(pages)}")
+            raise ValueError(
+                f"tables[{i}] must not list a page twice, got page(s) {dup} more than once in {list(pages)}"
+            )
         if page_size is not None and pages_needed(n, page_size) > len(pages):
             raise ValueError(
                 f"seq_lens[{i}]={n} needs {pages_needed(n, page_size)} pages of {page_size}, "
@@ -107,29 +107,29 @@ def from_csr(
     ``1 <= kv_last_page_len <= page_size``, one without has 0.
     """
     page_size = check_int("page_size", page_size, min_value=1)
-    for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
-                    ("kv_last_page_len", kv_last_page_len)):
+    for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_complex():
-            what = (f"a {t.dim()}-D {t.dtype} tensor" if isinstance(t, torch.Tensor)
-                    else type(t).__name__)
+            what = f"a {t.dim()}-D {t.dtype} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
             raise TypeError(f"{name} must be a 1-D integer torch.Tensor, got {what}")
     indptr, indices, last = kv_indptr.tolist(), kv_indices.tolist(), kv_last_page_len.tolist()
     if not indptr or indptr[0] != 0 or indptr[-1] != len(indices):
-        raise ValueError(f"kv_indptr must start at 0 and end at len(kv_indices) = {len(indices)}, "
-                         f"got {indptr}")
+        raise ValueError(f"kv_indptr must start at 0 and end at len(kv_indices) = {len(indices)}, got {indptr}")
     if any(b < a for a, b in zip(indptr, indptr[1:])):
         raise ValueError(f"kv_indptr must not decrease, got {indptr}")
     if len(last) != len(indptr) - 1:
-        raise ValueError(f"kv_last_page_len must have batch = len(kv_indptr) - 1 = "
-                         f"{len(indptr) - 1} entries, got {len(last)}")
+        raise ValueError(
+            f"kv_last_page_len must have batch = len(kv_indptr) - 1 = {len(indptr) - 1} entries, got {len(last)}"
+        )
     if any(p < 0 for p in indices):
         raise ValueError(f"kv_indices must be page ids >= 0, got {indices}")
     tables = [indices[a:b] for a, b in zip(indptr[:-1], indptr[1:])]
     for i, (t, n) in enumerate(zip(tables, last)):
         lo, hi = (1, page_size) if t else (0, 0)
         if not lo <= n <= hi:
-            raise ValueError(f"kv_last_page_len[{i}] must be in [{lo}, {hi}] for a sequence of "
-                             f"{len(t)} page(s) of {page_size}, got {n}")
+            raise ValueError(
+                f"kv_last_page_len[{i}] must be in [{lo}, {hi}] for a sequence of "
+                f"{len(t)} page(s) of {page_size}, got {n}"
+            )
     lens = [(len(t) - 1) * page_size + n if t else 0 for t, n in zip(tables, last)]
     return tables, lens
 
@@ -145,8 +145,7 @@ def slot_mapping(pages: Sequence[int], *, start: int, num_tokens: int, page_size
     end = start + num_tokens
     if num_tokens and (end - 1) // page_size >= len(pages):
         raise ValueError(
-            f"token {end - 1} needs logical page {(end - 1) // page_size}, "
-            f"but the sequence holds {len(pages)} page(s)"
+            f"token {end - 1} needs logical page {(end - 1) // page_size}, but the sequence holds {len(pages)} page(s)"
         )
     # plain Python then one tensor: a decode step reserves one token, where torch ops per call
     # would cost more than the arithmetic

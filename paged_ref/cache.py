@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._arith import next_pow2
 from ._validate import check_choice, check_int
 from .allocator import OutOfPagesError, PageAllocator
 from .block_table import pad_block_tables, pages_needed, slot_mapping, to_csr
@@ -90,8 +91,9 @@ class PagedKVCache:
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, min_value=1)
         self.head_dim = check_int("head_dim", head_dim, min_value=1)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating torch.dtype (float32, float16, bfloat16, "
-                            f"float64), got {dtype!r}")
+            raise TypeError(
+                f"dtype must be a floating torch.dtype (float32, float16, bfloat16, float64), got {dtype!r}"
+            )
         self.growth = check_choice("growth", growth, {"page", "pow2"})
         if not isinstance(prefix_caching, bool):
             raise TypeError(f"prefix_caching must be True or False, got {prefix_caching!r}")
@@ -144,8 +146,9 @@ class PagedKVCache:
     def csr(self, seq_ids=None, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)`` for ``seq_ids``."""
         seqs = [self._seq(s) for s in self._batch(seq_ids)]
-        return to_csr([s.pages for s in seqs], [s.length for s in seqs],
-                      page_size=self.page_size, device=device or self.device)
+        return to_csr(
+            [s.pages for s in seqs], [s.length for s in seqs], page_size=self.page_size, device=device or self.device
+        )
 
     # ----------------------------------------------------------------- growth
     def add_sequence(self, token_ids=None, *, namespace: dict | None = None) -> int:
@@ -158,8 +161,11 @@ class PagedKVCache:
         fields to the cache's ``prefix_namespace``: sequences whose K/V differ for equal tokens
         (another adapter, another user salt) never share pages.
         """
-        seq = _Sequence(root=self._prefix_root if namespace is None
-                        else _namespace_key(namespace, parent=self._prefix_root, name="namespace"))
+        seq = _Sequence(
+            root=self._prefix_root
+            if namespace is None
+            else _namespace_key(namespace, parent=self._prefix_root, name="namespace")
+        )
         if token_ids is not None:
             token_ids = _token_list("token_ids", token_ids)
         if self.prefix_caching and token_ids is not None:
@@ -190,26 +196,25 @@ class PagedKVCache:
         shared = [i for i in touched if self.allocator.refcount(seq.pages[i]) > 1]
         grow = max(0, need - len(seq.pages))
         if grow and self.growth == "pow2":
-            target = 1 << (need - 1).bit_length()  # next power of two >= need
+            target = next_pow2(need)
             if self.allocator.can_allocate(target - len(seq.pages) + len(shared)):
                 grow = target - len(seq.pages)
         if grow + len(shared) > self.allocator.num_free:
             raise OutOfPagesError(grow + len(shared), self.allocator.num_free)
         new_pages = self._allocate(grow + len(shared))
-        for i, page in zip(shared, new_pages[grow:]):  # copy-on-write
-            self._copy_page(seq.pages[i], page)
-            self.allocator.free([seq.pages[i]])
-            seq.pages[i] = page
+        self._copy_on_write(seq, shared, new_pages[grow:])
         seq.pages.extend(new_pages[:grow])
         slots = slot_mapping(seq.pages, start=seq.length, num_tokens=num_tokens, page_size=ps)
         seq.length = new_len
         self._register_full_pages(seq, token_ids)
         return slots.to(self.device)
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, check_slots: bool = True) -> None:
+    def write(
+        self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, check_values: bool = True
+    ) -> None:
         """Store ``k, v: [num_tokens, num_kv_heads, head_dim]`` of ``layer`` at ``slots``.
 
-        ``check_slots`` also checks that every slot is in range and lies in a page this cache
+        ``check_values`` also checks that every slot is in range and lies in a page this cache
         handed out and nobody shares. That reads ``slots`` on the host (a device sync on a
         GPU); a caller writing the same slots into every layer can check them once, at layer 0.
         """
@@ -223,12 +228,15 @@ class PagedKVCache:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
             if tuple(t.shape) != expected:
-                raise ValueError(f"{name} must have shape [num_tokens, num_kv_heads, head_dim] = {list(expected)}, got {list(t.shape)}")
+                raise ValueError(
+                    f"{name} must have shape [num_tokens, num_kv_heads, head_dim] = {list(expected)}, "
+                    f"got {list(t.shape)}"
+                )
             if t.dtype != self.dtype:
                 raise TypeError(f"{name} must have the cache dtype {self.dtype}, got {t.dtype}")
             if t.device != self.device:
                 raise ValueError(f"{name} must be on the cache device {self.device}, got {t.device}")
-        if check_slots and slots.numel():
+        if check_values and slots.numel():
             lo, hi = int(slots.min()), int(slots.max())
             if lo < 0 or hi >= self.num_pages * self.page_size:
                 raise ValueError(f"slots must be in [0, {self.num_pages * self.page_size}), got values in [{lo}, {hi}]")
@@ -309,10 +317,7 @@ class PagedKVCache:
         n_keep = int(keep.sum())
         need = pages_needed(n_keep, self.page_size)
         shared = [i for i in range(need) if self.allocator.refcount(seq.pages[i]) > 1]
-        for i, page in zip(shared, self._allocate(len(shared))):
-            self._copy_page(seq.pages[i], page)
-            self.allocator.free([seq.pages[i]])
-            seq.pages[i] = page
+        self._copy_on_write(seq, shared, self._allocate(len(shared)))
         for page in seq.pages[:need]:
             self._forget_hash(page)
         all_slots = slot_mapping(seq.pages, start=0, num_tokens=seq.length, page_size=self.page_size)
@@ -358,7 +363,7 @@ class PagedKVCache:
         plain = [p for p in set(pages) if self.allocator.refcount(p) == 0 and p not in self._page_hash]
         for page in plain:
             self._pending.pop(page, None)  # freed before its K/V was written: never cached
-        self._zero_pages(plain)            # a freed page keeps no K/V of its last owner
+        self._zero_pages(plain)  # a freed page keeps no K/V of its last owner
 
     def _zero_pages(self, pages: list[int]) -> None:
         if pages:
@@ -396,6 +401,13 @@ class PagedKVCache:
     def _copy_page(self, src: int, dst: int) -> None:
         for cache in (*self.k_cache, *self.v_cache):
             cache[dst].copy_(cache[src])
+
+    def _copy_on_write(self, seq: _Sequence, indices: list[int], new_pages: list[int]) -> None:
+        """Give ``seq`` private copies of its shared pages at ``indices``, into ``new_pages``."""
+        for i, page in zip(indices, new_pages):
+            self._copy_page(seq.pages[i], page)
+            self.allocator.free([seq.pages[i]])  # drops this sequence's reference only
+            seq.pages[i] = page
 
     def _match_prefix(self, seq: _Sequence, token_ids: list[int]) -> None:
         ps, prev = self.page_size, seq.root
@@ -447,17 +459,18 @@ def _describe(x) -> str:
     return f"{type(x).__name__}"
 
 
-def _namespace_key(namespace, parent: bytes = b"paged_ref prefix cache v1",
-                   name: str = "prefix_namespace") -> bytes:
+def _namespace_key(namespace, parent: bytes = b"paged_ref prefix cache v1", name: str = "prefix_namespace") -> bytes:
     """The root of a key chain: a digest of ``parent`` and the tagged namespace fields."""
     if namespace is None:
         namespace = {}
-    if not isinstance(namespace, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                  for k, v in namespace.items()):
-        raise TypeError(f"{name} must be None or a dict of str -> str (e.g. "
-                        f"{{'model': ..., 'adapter': ...}}), got {namespace!r}")
+    if not isinstance(namespace, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in namespace.items()
+    ):
+        raise TypeError(
+            f"{name} must be None or a dict of str -> str (e.g. {{'model': ..., 'adapter': ...}}), got {namespace!r}"
+        )
     h = hashlib.sha256(parent)
-    for k, v in sorted(namespace.items()):            # each field tagged with its name and length
+    for k, v in sorted(namespace.items()):  # each field tagged with its name and length
         for part in (k, v):
             data = part.encode()
             h.update(len(data).to_bytes(8, "little") + data)
@@ -475,8 +488,7 @@ def _token_list(name: str, token_ids) -> list[int]:
     """Token ids as a list of Python ints; floats, bools and non-numbers are refused."""
     if isinstance(token_ids, torch.Tensor):
         if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dim() != 1:
-            raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got "
-                            f"{_describe(token_ids)}")
+            raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {_describe(token_ids)}")
         return token_ids.tolist()
     out = []
     for i, t in enumerate(token_ids):

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ._arith import next_pow2
 from ._validate import check_choice, check_int
 from .allocator import PageAllocator
 from .block_table import pages_needed
@@ -54,10 +55,10 @@ POLICIES = ("reserve_max", "exact", "paged", "paged_pow2")
 class Workload:
     """Requests to serve. Arrays are int64 ``[num_requests]``, ordered by arrival step."""
 
-    arrival: np.ndarray     # step at which each request arrives (non-decreasing, >= 0)
+    arrival: np.ndarray  # step at which each request arrives (non-decreasing, >= 0)
     prompt_len: np.ndarray  # tokens in the prompt (>= 1)
     output_len: np.ndarray  # tokens to generate (>= 1)
-    max_len: int            # the model's context limit: prompt_len + output_len <= max_len
+    max_len: int  # the model's context limit: prompt_len + output_len <= max_len
 
     def __post_init__(self):
         max_len = check_int("max_len", self.max_len, min_value=2)
@@ -65,20 +66,25 @@ class Workload:
         for name in ("arrival", "prompt_len", "output_len"):
             a = np.asarray(getattr(self, name))
             if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
-                raise TypeError(f"{name} must be a 1-D integer array, got dtype {a.dtype} "
-                                f"and shape {a.shape}")
+                raise TypeError(f"{name} must be a 1-D integer array, got dtype {a.dtype} and shape {a.shape}")
             arrays[name] = a.astype(np.int64)
         arrival, prompt, output = arrays["arrival"], arrays["prompt_len"], arrays["output_len"]
         if not len(arrival) == len(prompt) == len(output) >= 1:
-            raise ValueError(f"arrival, prompt_len and output_len must have one equal length >= 1, "
-                             f"got {len(arrival)}, {len(prompt)}, {len(output)}")
-        for name, bad in (("arrival", (arrival < 0) | np.r_[False, np.diff(arrival) < 0]),
-                          ("prompt_len", prompt < 1), ("output_len", output < 1),
-                          ("prompt_len + output_len", prompt + output > max_len)):
+            raise ValueError(
+                f"arrival, prompt_len and output_len must have one equal length >= 1, "
+                f"got {len(arrival)}, {len(prompt)}, {len(output)}"
+            )
+        for name, bad in (
+            ("arrival", (arrival < 0) | np.r_[False, np.diff(arrival) < 0]),
+            ("prompt_len", prompt < 1),
+            ("output_len", output < 1),
+            ("prompt_len + output_len", prompt + output > max_len),
+        ):
             if bad.any():
                 i = int(np.argmax(bad))
-                rule = {"arrival": "non-decreasing and >= 0",
-                        "prompt_len + output_len": f"<= max_len = {max_len}"}.get(name, ">= 1")
+                rule = {"arrival": "non-decreasing and >= 0", "prompt_len + output_len": f"<= max_len = {max_len}"}.get(
+                    name, ">= 1"
+                )
                 raise ValueError(f"{name} must be {rule}; request {i} breaks it")
         for name, a in arrays.items():
             object.__setattr__(self, name, a)
@@ -93,9 +99,16 @@ class Workload:
         return len(self.arrival)
 
 
-def make_workload(num_requests: int, *, seed: int = 0, mean_prompt: float = 256.0,
-                  mean_output: float = 256.0, sigma: float = 1.0, arrival_rate: float = 0.5,
-                  max_len: int = 2048) -> Workload:
+def make_workload(
+    num_requests: int,
+    *,
+    seed: int = 0,
+    mean_prompt: float = 256.0,
+    mean_output: float = 256.0,
+    sigma: float = 1.0,
+    arrival_rate: float = 0.5,
+    max_len: int = 2048,
+) -> Workload:
     """A seeded stream of mixed-length requests.
 
     Prompt and output lengths are lognormal with the given means and shape ``sigma`` (a long
@@ -107,8 +120,12 @@ def make_workload(num_requests: int, *, seed: int = 0, mean_prompt: float = 256.
     num_requests = check_int("num_requests", num_requests, min_value=1)
     seed = check_int("seed", seed, min_value=0)
     max_len = check_int("max_len", max_len, min_value=2)
-    for name, value in (("mean_prompt", mean_prompt), ("mean_output", mean_output),
-                        ("sigma", sigma), ("arrival_rate", arrival_rate)):
+    for name, value in (
+        ("mean_prompt", mean_prompt),
+        ("mean_output", mean_output),
+        ("sigma", sigma),
+        ("arrival_rate", arrival_rate),
+    ):
         if not isinstance(value, numbers.Real) or isinstance(value, bool):
             raise TypeError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
         if not value > 0:  # also rejects NaN
@@ -128,7 +145,7 @@ class _Contiguous:
     """First fit over a linear address space of ``budget`` slots; holes kept sorted by start."""
 
     def __init__(self, budget: int):
-        self.starts: list[int] = [0]   # hole starts, ascending
+        self.starts: list[int] = [0]  # hole starts, ascending
         self.sizes: list[int] = [budget]
         self.where: dict[int, tuple[int, int]] = {}  # request -> (start, size)
 
@@ -175,14 +192,14 @@ class SimResult:
     internal: np.ndarray
     external: np.ndarray
     free: np.ndarray
-    running: np.ndarray       # requests holding memory
-    waiting: np.ndarray       # requests queued (arrived, not admitted)
+    running: np.ndarray  # requests holding memory
+    waiting: np.ndarray  # requests queued (arrived, not admitted)
     admitted_step: np.ndarray  # int64 [num_requests]: first admission of each request
     finished_step: np.ndarray  # int64 [num_requests]: step in which its last token was written
     preemptions: int
     recomputed_tokens: int = 0  # tokens held by preempted requests, to be prefilled again
-    idle_steps: int = 0         # steps with nothing to serve, skipped (not in the series)
-    total_tokens: int = 0       # prompt + output tokens of the whole workload
+    idle_steps: int = 0  # steps with nothing to serve, skipped (not in the series)
+    total_tokens: int = 0  # prompt + output tokens of the whole workload
 
     @property
     def num_steps(self) -> int:
@@ -221,8 +238,7 @@ class SimResult:
         }
 
 
-def simulate(workload: Workload, policy: str, *, budget_slots: int,
-             page_size: int = 16) -> SimResult:
+def simulate(workload: Workload, policy: str, *, budget_slots: int, page_size: int = 16) -> SimResult:
     """Serve ``workload`` from ``budget_slots`` token slots under ``policy`` (see module doc).
 
     Args:
@@ -238,21 +254,22 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
     budget = check_int("budget_slots", budget_slots, min_value=1)
     page_size = check_int("page_size", page_size, min_value=1)
     if budget < workload.max_len:
-        raise ValueError(f"budget_slots must be >= workload.max_len = {workload.max_len} so that "
-                         f"every request can be served, got {budget}")
+        raise ValueError(
+            f"budget_slots must be >= workload.max_len = {workload.max_len} so that "
+            f"every request can be served, got {budget}"
+        )
     paged, pow2 = policy.startswith("paged"), policy == "paged_pow2"
     if paged and budget % page_size:
-        raise ValueError(f"budget_slots must be a multiple of page_size = {page_size} for "
-                         f"{policy!r}, got {budget}")
+        raise ValueError(f"budget_slots must be a multiple of page_size = {page_size} for {policy!r}, got {budget}")
 
     n = len(workload)
     arrival = workload.arrival.tolist()
     total = workload.total_len.tolist()
-    length = workload.prompt_len.tolist()    # current length of each request
+    length = workload.prompt_len.tolist()  # current length of each request
     admitted = [-1] * n
     finished = [-1] * n
-    held: dict[int, int] = {}                # running request -> slots it holds
-    pages: dict[int, list[int]] = {}         # paged policies: running request -> its pages
+    held: dict[int, int] = {}  # running request -> slots it holds
+    pages: dict[int, list[int]] = {}  # paged policies: running request -> its pages
     contiguous = None if paged else _Contiguous(budget)
     pool = PageAllocator(budget // page_size) if paged else None
     max_pages = pages_needed(workload.max_len, page_size)  # cap of power-of-two growth
@@ -264,7 +281,7 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
         if paged:
             need = pages_needed(length[r] + 1, page_size)  # room for the next token too
             if pow2:
-                need = min(1 << (need - 1).bit_length(), max_pages)
+                need = min(next_pow2(need), max_pages)
             if need > pool.num_free:
                 return False
             pages[r] = pool.allocate(need)
@@ -282,10 +299,9 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
             contiguous.release(r)
         del held[r]
 
-    series = {k: [] for k in ("used", "future", "internal", "external", "free", "running",
-                              "waiting")}
+    series = {k: [] for k in ("used", "future", "internal", "external", "free", "running", "waiting")}
     queue: deque[int] = deque()
-    running: list[int] = []                  # in admission order, oldest first
+    running: list[int] = []  # in admission order, oldest first
     nxt, done, step, preemptions, recomputed, idle = 0, 0, 0, 0, 0, 0
     while done < n:
         if not running and not queue and arrival[nxt] > step:
@@ -306,8 +322,11 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
         used = sum(length[r] for r in running)
         allocated = sum(held.values())
         if paged:  # pages held ahead of the tokens, up to the request's final length
-            future = sum(min(held[r], pages_needed(total[r], page_size) * page_size)
-                         - pages_needed(length[r], page_size) * page_size for r in running)
+            future = sum(
+                min(held[r], pages_needed(total[r], page_size) * page_size)
+                - pages_needed(length[r], page_size) * page_size
+                for r in running
+            )
         else:
             future = sum(total[r] - length[r] for r in running)
         free = budget - allocated
@@ -317,10 +336,15 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
             d = demand(upcoming)
             if free >= d and contiguous.largest_hole() < d:
                 external = free  # enough memory in total, but no hole is big enough
-        for key, value in (("used", used), ("future", future),
-                           ("internal", allocated - used - future), ("external", external),
-                           ("free", free - external), ("running", len(running)),
-                           ("waiting", len(queue))):
+        for key, value in (
+            ("used", used),
+            ("future", future),
+            ("internal", allocated - used - future),
+            ("external", external),
+            ("free", free - external),
+            ("running", len(running)),
+            ("waiting", len(queue)),
+        ):
             series[key].append(value)
 
         # decode: every running request writes one token, oldest first
@@ -330,11 +354,11 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
             if paged and length[r] == held[r]:  # last page full: take a page (or double)
                 extra = min(len(pages[r]), max_pages - len(pages[r])) if pow2 else 1
                 while pool.num_free < extra:
-                    victim = running.pop()               # the youngest gives its pages back
+                    victim = running.pop()  # the youngest gives its pages back
                     release(victim)
                     queue.appendleft(victim)
                     preemptions += 1
-                    recomputed += length[victim]         # prefilled again on readmission
+                    recomputed += length[victim]  # prefilled again on readmission
                     if victim == r:
                         break
                 if r not in held:
@@ -350,29 +374,32 @@ def simulate(workload: Workload, policy: str, *, budget_slots: int,
         step += 1
 
     arrays = {k: np.asarray(v, dtype=np.int64) for k, v in series.items()}
-    return SimResult(policy=policy, budget_slots=budget, page_size=page_size,
-                     admitted_step=np.asarray(admitted, dtype=np.int64),
-                     finished_step=np.asarray(finished, dtype=np.int64),
-                     preemptions=preemptions, recomputed_tokens=recomputed, idle_steps=idle,
-                     total_tokens=int(sum(total)), **arrays)
+    return SimResult(
+        policy=policy,
+        budget_slots=budget,
+        page_size=page_size,
+        admitted_step=np.asarray(admitted, dtype=np.int64),
+        finished_step=np.asarray(finished, dtype=np.int64),
+        preemptions=preemptions,
+        recomputed_tokens=recomputed,
+        idle_steps=idle,
+        total_tokens=int(sum(total)),
+        **arrays,
+    )
 
 
 def compare_policies(workload: Workload, *, budget_slots: int, page_size: int = 16) -> list[dict]:
     """:meth:`SimResult.summary` of each policy in :data:`POLICIES` on the same workload."""
-    return [simulate(workload, p, budget_slots=budget_slots, page_size=page_size).summary()
-            for p in POLICIES]
+    return [simulate(workload, p, budget_slots=budget_slots, page_size=page_size).summary() for p in POLICIES]
 
 
-def page_size_sweep(workload: Workload, *, budget_slots: int, page_sizes,
-                    policy: str = "paged") -> list[dict]:
+def page_size_sweep(workload: Workload, *, budget_slots: int, page_sizes, policy: str = "paged") -> list[dict]:
     """:meth:`SimResult.summary` of a paged policy for each page size."""
     policy = check_choice("policy", policy, [p for p in POLICIES if p.startswith("paged")])
-    return [simulate(workload, policy, budget_slots=budget_slots, page_size=p).summary()
-            for p in page_sizes]
+    return [simulate(workload, policy, budget_slots=budget_slots, page_size=p).summary() for p in page_sizes]
 
 
-def requests_that_fit(lengths, *, budget_slots: int, page_size: int,
-                      reserved_per_request: int) -> dict[str, int]:
+def requests_that_fit(lengths, *, budget_slots: int, page_size: int, reserved_per_request: int) -> dict[str, int]:
     """How many of ``lengths`` (taken in order, all present at once) fit in ``budget_slots``.
 
     A static count at the requests' final lengths in fresh memory: ``reserve_max`` reserves
@@ -386,9 +413,11 @@ def requests_that_fit(lengths, *, budget_slots: int, page_size: int,
     if isinstance(lengths, (str, bytes)) or not hasattr(lengths, "__iter__"):
         raise TypeError(f"lengths must be a sequence of ints, got {type(lengths).__name__}")
     lengths = [check_int(f"lengths[{i}]", n, min_value=1) for i, n in enumerate(lengths)]
-    cost = {"reserve_max": lambda n: reserved,
-            "exact": lambda n: n,
-            "paged": lambda n: pages_needed(n, page_size) * page_size}
+    cost = {
+        "reserve_max": lambda n: reserved,
+        "exact": lambda n: n,
+        "paged": lambda n: pages_needed(n, page_size) * page_size,
+    }
     fit = {}
     for policy, slots in cost.items():
         spent, count = 0, 0

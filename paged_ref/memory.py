@@ -28,8 +28,7 @@ from .block_table import pages_needed
 #: Bytes per element of the dtypes a KV cache is commonly kept in.
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1}
 
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-          "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 
 
 @dataclass(frozen=True)
@@ -49,8 +48,7 @@ class ModelConfig:
     @property
     def kv_shape(self) -> dict[str, int]:
         """The keyword arguments of :func:`kv_cache_bytes` / :func:`kv_bytes_per_token`."""
-        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads,
-                "head_dim": self.head_dim}
+        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
 
 
 #: Published configurations (from each model's config.json).
@@ -74,8 +72,7 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[check_choice("dtype", dtype, DTYPE_BYTES)]
 
 
-def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int,
-                       bytes_per_elem: int = 2) -> int:
+def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_elem: int = 2) -> int:
     """Bytes one token occupies in the KV cache: K and V, all layers, all KV heads.
 
     Example: ``kv_bytes_per_token(num_layers=32, num_kv_heads=32, head_dim=128)`` is
@@ -88,8 +85,9 @@ def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int,
     return 2 * num_layers * num_kv_heads * head_dim * bytes_per_elem  # 2 = K and V
 
 
-def kv_cache_bytes(num_tokens: int, *, num_layers: int, num_kv_heads: int, head_dim: int,
-                   bytes_per_elem: int = 2) -> int:
+def kv_cache_bytes(
+    num_tokens: int, *, num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_elem: int = 2
+) -> int:
     """Bytes of the KV cache holding ``num_tokens`` tokens (K and V, all layers).
 
     The cache tensors are ``k, v: [num_layers, num_tokens, num_kv_heads, head_dim]``, so the
@@ -97,12 +95,14 @@ def kv_cache_bytes(num_tokens: int, *, num_layers: int, num_kv_heads: int, head_
     ``kv_cache_bytes(2048, num_layers=1, num_kv_heads=32, head_dim=128) == 33_554_432``.
     """
     num_tokens = check_int("num_tokens", num_tokens, min_value=0)
-    return num_tokens * kv_bytes_per_token(num_layers=num_layers, num_kv_heads=num_kv_heads,
-                                           head_dim=head_dim, bytes_per_elem=bytes_per_elem)
+    return num_tokens * kv_bytes_per_token(
+        num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, bytes_per_elem=bytes_per_elem
+    )
 
 
-def dense_scores_bytes(num_tokens: int, *, num_heads: int, bytes_per_elem: int = 2,
-                       batch: int = 1, num_queries: int | None = None) -> int:
+def dense_scores_bytes(
+    num_tokens: int, *, num_heads: int, bytes_per_elem: int = 2, batch: int = 1, num_queries: int | None = None
+) -> int:
     """Bytes of one layer's dense attention score tensor ``[batch, num_heads, num_queries, N]``.
 
     A naive prefill scores every token against every token (``num_queries = N``, the default):
@@ -114,8 +114,7 @@ def dense_scores_bytes(num_tokens: int, *, num_heads: int, bytes_per_elem: int =
     num_heads = check_int("num_heads", num_heads, min_value=1)
     bytes_per_elem = check_int("bytes_per_elem", bytes_per_elem, min_value=1)
     batch = check_int("batch", batch, min_value=1)
-    queries = num_tokens if num_queries is None else check_int("num_queries", num_queries,
-                                                               min_value=0)
+    queries = num_tokens if num_queries is None else check_int("num_queries", num_queries, min_value=0)
     return batch * num_heads * queries * num_tokens * bytes_per_elem
 
 
@@ -173,10 +172,12 @@ class ReservationReport:
 
     def table(self, unit: str = "MiB") -> str:
         """A small plain-text table of slots (and bytes, when known) per allocation scheme."""
-        rows = [(f"reserved ({self.reserved_per_request} per request)", self.reserved_slots),
-                (f"paged ({self.page_size}-token pages)", self.paged_slots),
-                ("used (tokens stored)", self.used_slots),
-                ("unused in last pages", self.unused_paged_slots)]
+        rows = [
+            (f"reserved ({self.reserved_per_request} per request)", self.reserved_slots),
+            (f"paged ({self.page_size}-token pages)", self.paged_slots),
+            ("used (tokens stored)", self.used_slots),
+            ("unused in last pages", self.unused_paged_slots),
+        ]
         lines = []
         for label, slots in rows:
             line = f"{label:<32}{slots:>7} slots"
@@ -186,8 +187,9 @@ class ReservationReport:
         return "\n".join(lines)
 
 
-def reservation_report(lengths, *, page_size: int, reserved_per_request: int,
-                       bytes_per_token: int | None = None) -> ReservationReport:
+def reservation_report(
+    lengths, *, page_size: int, reserved_per_request: int, bytes_per_token: int | None = None
+) -> ReservationReport:
     """Compare a fixed per-request reservation with paging for requests of ``lengths`` tokens.
 
     Args:
@@ -215,8 +217,10 @@ def reservation_report(lengths, *, page_size: int, reserved_per_request: int,
         raise ValueError("lengths must hold at least one request, got an empty sequence")
     for i, n in enumerate(lengths):
         if n > reserved_per_request:
-            raise ValueError(f"lengths[{i}] = {n} exceeds reserved_per_request = "
-                             f"{reserved_per_request}: a fixed reservation cannot hold it")
+            raise ValueError(
+                f"lengths[{i}] = {n} exceeds reserved_per_request = "
+                f"{reserved_per_request}: a fixed reservation cannot hold it"
+            )
     return ReservationReport(
         lengths=lengths,
         page_size=page_size,
@@ -238,7 +242,8 @@ def model_geometry(model) -> dict:
     needed = ("num_hidden_layers", "num_attention_heads")
     if config is None or any(getattr(config, name, None) is None for name in needed):
         raise TypeError(
-            f"model must be a transformers decoder model with a config holding {list(needed)}, got {type(model).__name__}"
+            f"model must be a transformers decoder model with a config holding {list(needed)}, "
+            f"got {type(model).__name__}"
         )
     num_q_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_q_heads

@@ -42,6 +42,6 @@ def environment() -> dict:
         props = torch.cuda.get_device_properties(0)
         env["gpu"] = props.name
         env["gpu_sms"] = props.multi_processor_count
-        env["gpu_memory_GiB"] = round(props.total_memory / 2 ** 30, 1)
+        env["gpu_memory_GiB"] = round(props.total_memory / 2**30, 1)
         env["gpu_count"] = torch.cuda.device_count()
     return env

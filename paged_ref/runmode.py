@@ -66,8 +66,7 @@ def save_figure(fig, name: str, *, dpi: int = 110) -> Path | None:
             no folders, no extension).
     """
     if not isinstance(name, str) or not _NAME.match(name) or name.endswith(".png"):
-        raise ValueError(f"name must be a file stem of letters, digits and _.- without "
-                         f".png or folders, got {name!r}")
+        raise ValueError(f"name must be a file stem of letters, digits and _.- without .png or folders, got {name!r}")
     if not hasattr(fig, "savefig"):
         raise TypeError(f"fig must be a matplotlib Figure, got {type(fig).__name__}")
     if quick_mode():

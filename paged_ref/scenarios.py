@@ -235,8 +235,7 @@ def token_values(ids, start: int, dtype=torch.float32) -> torch.Tensor:
     return (ids_t * VALUE_BASE + pos).to(dtype)
 
 
-def random_scenario(num_seqs: int, seed: int = 0, *, max_prompt: int = 24,
-                    max_decode: int = 8) -> tuple[Step, ...]:
+def random_scenario(num_seqs: int, seed: int = 0, *, max_prompt: int = 24, max_decode: int = 8) -> tuple[Step, ...]:
     """A small serving story for ``num_seqs`` requests, drawn from ``seed``.
 
     Requests arrive one by one (prompt lengths 4..``max_prompt``) and decode in interleaved

@@ -36,11 +36,11 @@ HEAD_DIMS = [64, 128]
 
 @dataclass
 class PagedCase:
-    q: torch.Tensor            # [batch, Hq, D] (decode) or [batch, Hq, max_q_len, D] (prefill)
-    k_cache: torch.Tensor      # [num_pages, page_size, Hkv, D]
-    v_cache: torch.Tensor      # [num_pages, page_size, Hkv, D]
+    q: torch.Tensor  # [batch, Hq, D] (decode) or [batch, Hq, max_q_len, D] (prefill)
+    k_cache: torch.Tensor  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor  # [num_pages, page_size, Hkv, D]
     block_table: torch.Tensor  # int32 [batch, max_pages], garbage past each sequence's pages
-    seq_lens: torch.Tensor     # int32 [batch]
+    seq_lens: torch.Tensor  # int32 [batch]
     q_lens: torch.Tensor | None  # int32 [batch] for prefill, None for decode
     k_logical: list[torch.Tensor]  # per sequence [seq_len, Hkv, D], float64
     v_logical: list[torch.Tensor]  # per sequence [seq_len, Hkv, D], float64
@@ -62,13 +62,13 @@ class PagedCase:
         q_len = 1 if self.q_lens is None else self.q.shape[2]
         mask = torch.zeros(len(self.k_logical), q_len, num_pages * page_size, dtype=torch.bool)
         for b, n in enumerate(self.seq_lens.tolist()):
-            pos = torch.arange(n)                                          # logical positions
+            pos = torch.arange(n)  # logical positions
             slots = self.block_table[b, pos // page_size].long() * page_size + pos % page_size
             if self.q_lens is None:
-                visible = [n]                                  # the decode query sees all
+                visible = [n]  # the decode query sees all
             else:
                 m = int(self.q_lens[b])
-                visible = [n - m + i + 1 for i in range(m)]    # causal: up to itself
+                visible = [n - m + i + 1 for i in range(m)]  # causal: up to itself
             for i, count in enumerate(visible):
                 mask[b, i, slots[:count]] = True
         return mask
@@ -77,17 +77,17 @@ class PagedCase:
 def dense_oracle(q, k_logical, v_logical, q_lens=None, scale=None) -> torch.Tensor:
     """Softmax attention in float64 on contiguous per-sequence K/V, causal for prefill."""
     decode = q_lens is None
-    q64 = (q.unsqueeze(2) if decode else q).to(torch.float64)     # [batch, Hq, Q, D]
+    q64 = (q.unsqueeze(2) if decode else q).to(torch.float64)  # [batch, Hq, Q, D]
     out = torch.zeros_like(q64)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     for b, (k, v) in enumerate(zip(k_logical, v_logical)):
         n = k.shape[0]
         m = 1 if decode else int(q_lens[b])
         group = q.shape[1] // k.shape[1]
-        kk = k.transpose(0, 1).repeat_interleave(group, 0)        # [Hq, n, D]
-        vv = v.transpose(0, 1).repeat_interleave(group, 0)        # [Hq, n, D]
-        s = q64[b, :, :m] @ kk.transpose(1, 2) * scale            # [Hq, m, n]
-        q_pos = torch.arange(n - m, n)[:, None]                   # decode: [[n - 1]]
+        kk = k.transpose(0, 1).repeat_interleave(group, 0)  # [Hq, n, D]
+        vv = v.transpose(0, 1).repeat_interleave(group, 0)  # [Hq, n, D]
+        s = q64[b, :, :m] @ kk.transpose(1, 2) * scale  # [Hq, m, n]
+        q_pos = torch.arange(n - m, n)[:, None]  # decode: [[n - 1]]
         s = s.masked_fill(torch.arange(n)[None, :] > q_pos, float("-inf"))
         out[b, :, :m] = torch.softmax(s, -1) @ vv
     return out.squeeze(2) if decode else out
@@ -104,8 +104,7 @@ def ragged_lengths(batch: int, page_size: int, max_len: int, gen: torch.Generato
     return [lens[i] for i in order]
 
 
-def _fill_cache(seq_lens, page_size, num_kv_heads, head_dim, dtype, gen, spare_pages,
-                pad_cols, garbage):
+def _fill_cache(seq_lens, page_size, num_kv_heads, head_dim, dtype, gen, spare_pages, pad_cols, garbage):
     """Scatter random logical K/V over shuffled pages; returns caches, table and logical K/V."""
     used = [-(-n // page_size) for n in seq_lens]
     num_pages = sum(used) + spare_pages
@@ -117,7 +116,7 @@ def _fill_cache(seq_lens, page_size, num_kv_heads, head_dim, dtype, gen, spare_p
     table = torch.empty(len(seq_lens), max_pages, dtype=torch.int32)
     k_logical, v_logical, start = [], [], 0
     for b, (n, u) in enumerate(zip(seq_lens, used)):
-        pages = perm[start:start + u]
+        pages = perm[start : start + u]
         start += u
         # garbage padding: -1, past-the-end ids, and pages that belong to someone else
         junk = torch.tensor([-1, num_pages + 7, int(perm[0]), int(perm[-1])], dtype=torch.int32)
@@ -133,28 +132,49 @@ def _fill_cache(seq_lens, page_size, num_kv_heads, head_dim, dtype, gen, spare_p
     return k_cache, v_cache, table, k_logical, v_logical
 
 
-def make_decode_case(seed: int, batch: int, page_size: int, num_kv_heads: int, group: int,
-                     head_dim: int, *, max_len: int | None = None,
-                     seq_lens: list[int] | None = None, dtype=torch.float32,
-                     spare_pages: int = 3, pad_cols: int = 2,
-                     garbage: float = 100.0) -> PagedCase:
+def make_decode_case(
+    seed: int,
+    batch: int,
+    page_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    *,
+    max_len: int | None = None,
+    seq_lens: list[int] | None = None,
+    dtype=torch.float32,
+    spare_pages: int = 3,
+    pad_cols: int = 2,
+    garbage: float = 100.0,
+) -> PagedCase:
     """One decode query per sequence. ``max_len`` defaults to ``3 * page_size + 5``."""
     gen = torch.Generator().manual_seed(seed)
     max_len = max_len or 3 * page_size + 5
     lens = seq_lens or ragged_lengths(batch, page_size, max_len, gen)
-    k_cache, v_cache, table, kl, vl = _fill_cache(lens, page_size, num_kv_heads, head_dim,
-                                                  dtype, gen, spare_pages, pad_cols, garbage)
-    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen,
-                    dtype=torch.float64).to(dtype)
-    return PagedCase(q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32), None,
-                     kl, vl, seed)
+    k_cache, v_cache, table, kl, vl = _fill_cache(
+        lens, page_size, num_kv_heads, head_dim, dtype, gen, spare_pages, pad_cols, garbage
+    )
+    q = torch.randn(len(lens), num_kv_heads * group, head_dim, generator=gen, dtype=torch.float64).to(dtype)
+    return PagedCase(q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32), None, kl, vl, seed)
 
 
-def make_prefill_case(seed: int, batch: int, page_size: int, num_kv_heads: int, group: int,
-                      head_dim: int, *, max_len: int | None = None, max_q_len: int = 12,
-                      seq_lens: list[int] | None = None, q_lens: list[int] | None = None,
-                      dtype=torch.float32, spare_pages: int = 3, pad_cols: int = 2,
-                      garbage: float = 100.0) -> PagedCase:
+def make_prefill_case(
+    seed: int,
+    batch: int,
+    page_size: int,
+    num_kv_heads: int,
+    group: int,
+    head_dim: int,
+    *,
+    max_len: int | None = None,
+    max_q_len: int = 12,
+    seq_lens: list[int] | None = None,
+    q_lens: list[int] | None = None,
+    dtype=torch.float32,
+    spare_pages: int = 3,
+    pad_cols: int = 2,
+    garbage: float = 100.0,
+) -> PagedCase:
     """Several new tokens per sequence (the last ``q_lens[b]`` of its ``seq_lens[b]``), with
     ragged ``q_lens`` including a full prefill (q_len = seq_len) where it fits, a single token
     and, for batch >= 4, an empty row; q is right-padded with random values."""
@@ -162,21 +182,29 @@ def make_prefill_case(seed: int, batch: int, page_size: int, num_kv_heads: int, 
     max_len = max_len or 3 * page_size + 5
     lens = seq_lens or ragged_lengths(batch, page_size, max_len, gen)
     if q_lens is None:
-        q_lens = [int(torch.randint(1, min(n, max_q_len) + 1, (1,), generator=gen))
-                  for n in lens]
-        q_lens[-1] = 1                                              # a decode-like row
+        q_lens = [int(torch.randint(1, min(n, max_q_len) + 1, (1,), generator=gen)) for n in lens]
+        q_lens[-1] = 1  # a decode-like row
         if len(lens) >= 4:
-            q_lens[-2] = 0                                          # an empty row
+            q_lens[-2] = 0  # an empty row
         fits = [b for b, n in enumerate(lens[:-2]) if n <= max_q_len]
-        if fits:                                                    # one full prefill
+        if fits:  # one full prefill
             b = max(fits, key=lambda i: lens[i])
             q_lens[b] = lens[b]
-    k_cache, v_cache, table, kl, vl = _fill_cache(lens, page_size, num_kv_heads, head_dim,
-                                                  dtype, gen, spare_pages, pad_cols, garbage)
-    q = torch.randn(len(lens), num_kv_heads * group, max_q_len, head_dim, generator=gen,
-                    dtype=torch.float64).to(dtype)
-    return PagedCase(q, k_cache, v_cache, table, torch.tensor(lens, dtype=torch.int32),
-                     torch.tensor(q_lens, dtype=torch.int32), kl, vl, seed)
+    k_cache, v_cache, table, kl, vl = _fill_cache(
+        lens, page_size, num_kv_heads, head_dim, dtype, gen, spare_pages, pad_cols, garbage
+    )
+    q = torch.randn(len(lens), num_kv_heads * group, max_q_len, head_dim, generator=gen, dtype=torch.float64).to(dtype)
+    return PagedCase(
+        q,
+        k_cache,
+        v_cache,
+        table,
+        torch.tensor(lens, dtype=torch.int32),
+        torch.tensor(q_lens, dtype=torch.int32),
+        kl,
+        vl,
+        seed,
+    )
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -188,27 +216,33 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 # ---- bad inputs: every error names the argument --------------------------------------------
 # Each entry: (name, change to valid_inputs(), error type, words the message must contain).
 
+
 def valid_inputs(decode: bool = False) -> dict:
     """A small valid problem as a dict of named arguments (prefill, or decode without q_lens)."""
-    case = make_prefill_case(seed=9, batch=4, page_size=4, num_kv_heads=2, group=2,
-                             head_dim=8, max_q_len=4)
-    args = dict(q=case.q, k_cache=case.k_cache, v_cache=case.v_cache,
-                block_table=case.block_table, seq_lens=case.seq_lens, q_lens=case.q_lens)
+    case = make_prefill_case(seed=9, batch=4, page_size=4, num_kv_heads=2, group=2, head_dim=8, max_q_len=4)
+    args = dict(
+        q=case.q,
+        k_cache=case.k_cache,
+        v_cache=case.v_cache,
+        block_table=case.block_table,
+        seq_lens=case.seq_lens,
+        q_lens=case.q_lens,
+    )
     if decode:
-        args["q"] = case.q[:, :, 0]                       # [batch, heads, head_dim]
+        args["q"] = case.q[:, :, 0]  # [batch, heads, head_dim]
         del args["q_lens"]
     return args
 
 
 def _bad_page(a):
     bt = a["block_table"].clone()
-    bt[0, 0] = a["k_cache"].shape[0]                       # a used entry past the end
+    bt[0, 0] = a["k_cache"].shape[0]  # a used entry past the end
     return {"block_table": bt}
 
 
 def _repeated_page(a):
     bt, lens = a["block_table"].clone(), a["seq_lens"].clone()
-    lens[0] = 8                                            # two pages used
+    lens[0] = 8  # two pages used
     bt[0, 1] = bt[0, 0]
     return {"block_table": bt, "seq_lens": lens}
 
@@ -223,24 +257,35 @@ BAD_INPUTS = [
     ("v_cache dtype", lambda a: {"v_cache": a["v_cache"].double()}, TypeError, "v_cache must have the same dtype"),
     ("head_dim", lambda a: {"q": a["q"][..., :4]}, ValueError, "q head_dim"),
     ("heads", lambda a: {"q": a["q"][:, :3]}, ValueError, "num_q_heads (3)"),
-    ("empty batch", lambda a: {k: v[:0] for k, v in a.items() if k != "k_cache" and k != "v_cache"},
-     ValueError, "at least one sequence"),
+    (
+        "empty batch",
+        lambda a: {k: v[:0] for k, v in a.items() if k != "k_cache" and k != "v_cache"},
+        ValueError,
+        "at least one sequence",
+    ),
     ("block_table dtype", lambda a: {"block_table": a["block_table"].float()}, TypeError, "block_table must be int32"),
     ("block_table shape", lambda a: {"block_table": a["block_table"][:2]}, ValueError, "block_table must have shape"),
     ("seq_lens dtype", lambda a: {"seq_lens": a["seq_lens"].float()}, TypeError, "seq_lens must be int32"),
     ("seq_lens shape", lambda a: {"seq_lens": a["seq_lens"][None]}, ValueError, "seq_lens must have shape"),
-    ("seq_lens zero", lambda a: {"seq_lens": a["seq_lens"] * 0},
-     ValueError, "seq_lens[0] must be in [1"),
+    ("seq_lens zero", lambda a: {"seq_lens": a["seq_lens"] * 0}, ValueError, "seq_lens[0] must be in [1"),
     ("seq_lens too long", lambda a: {"seq_lens": a["seq_lens"] + 1000}, ValueError, "max_pages * page_size"),
     ("page id out of range", _bad_page, ValueError, "block_table[0] uses page ids outside"),
     ("page id repeated", _repeated_page, ValueError, "more than once"),
     ("q_lens dtype", lambda a: {"q_lens": a["q_lens"].float()}, TypeError, "q_lens must be int32"),
     ("q_lens shape", lambda a: {"q_lens": a["q_lens"][:1]}, ValueError, "q_lens must have shape"),
     ("q_lens not tensor", lambda a: {"q_lens": a["q_lens"].tolist()}, TypeError, "q_lens must be a torch.Tensor"),
-    ("q_lens > seq_lens", lambda a: {"q_lens": torch.minimum(a["seq_lens"] + 1, a["q_lens"] * 0 + 4)},
-     ValueError, "must be in [0, min(seq_lens["),
-    ("q_lens > max_q_len", lambda a: {"q_lens": torch.where(a["seq_lens"] >= 5, 5, a["q_lens"])},
-     ValueError, "max_q_len=4)"),
+    (
+        "q_lens > seq_lens",
+        lambda a: {"q_lens": torch.minimum(a["seq_lens"] + 1, a["q_lens"] * 0 + 4)},
+        ValueError,
+        "must be in [0, min(seq_lens[",
+    ),
+    (
+        "q_lens > max_q_len",
+        lambda a: {"q_lens": torch.where(a["seq_lens"] >= 5, 5, a["q_lens"])},
+        ValueError,
+        "max_q_len=4)",
+    ),
     ("q_lens negative", lambda a: {"q_lens": a["q_lens"] * 0 - 1}, ValueError, "q_lens[0] must be in [0"),
 ]
 

@@ -20,13 +20,17 @@ NOTEBOOKS = sorted((ROOT / "notebooks").rglob("*.ipynb"))
 JARGON = re.compile(r"(?i)\b(issues?|issue's|goals?|closing note|acceptance|todo|fixme)\b")
 
 GPU_WORD = re.compile(r"(?i)\b(GPUs?|H100|H200|A100|T4|L4|CUDA|Hopper)\b")
-MEASURED = re.compile(r"(?i)\b(measured on|(is|are|was|were) (checked|tested|measured|verified)|"
-                      r"runs at|reaches|achieves|achieved)\b")
+MEASURED = re.compile(
+    r"(?i)\b(measured on|(is|are|was|were) (checked|tested|measured|verified)|"
+    r"runs at|reaches|achieves|achieved)\b"
+)
 BANDWIDTH = re.compile(r"\d(?:[.,]\d+)?\s*TB/s")
 # words that make a sentence about the GPU a plan, a condition or a specification, not a result
-CONDITIONAL = re.compile(r"(?i)\b(when|once|if|would|will|not|never|until|no|without|where|"
-                         r"datasheet|spec|specification|peak|paper|papers|reports?|reported|"
-                         r"claims?|estimate)\b")
+CONDITIONAL = re.compile(
+    r"(?i)\b(when|once|if|would|will|not|never|until|no|without|where|"
+    r"datasheet|spec|specification|peak|paper|papers|reports?|reported|"
+    r"claims?|estimate)\b"
+)
 
 
 def student_text(path: Path) -> list[tuple[int, str]]:

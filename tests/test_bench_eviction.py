@@ -15,8 +15,16 @@ def test_quick_evaluation_runs_on_smollm2(tmp_path):
     assert data["mode"] == "quick"
     assert data["check_max_abs_logprob_diff"] < 1e-4  # full-cache paged runner == plain model
     policies = {r["policy"] for r in data["lm_rows"]}
-    assert {"full", "paged_eviction", "inverse_key_norm", "value_norm", "key_norm", "random",
-            "streaming_llm", "token_topk"} <= policies
+    assert {
+        "full",
+        "paged_eviction",
+        "inverse_key_norm",
+        "value_norm",
+        "key_norm",
+        "random",
+        "streaming_llm",
+        "token_topk",
+    } <= policies
     for row in data["lm_rows"] + data["passkey_rows"]:
         if row["page_bound"] is not None:  # ceil(C / B) + 1 pages at most, every policy
             assert row["max_pages_held"] <= row["page_bound"]

@@ -14,12 +14,11 @@ def test_dry_run_runs_every_section_and_fits_the_plan(tmp_path, capsys):
     statuses = {s["section"]: s["status"] for s in data["sections"]}
     assert statuses == {"tests": "ok", "decode": "ok", "scaling": "ok", "figures": "ok"}, data["sections"]
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files == ["decode_cpu.json", "gpu.log", "gpu_run.json", "scaling_cpu.json",
-                     "scaling_latency_cpu.png"]
+    assert files == ["decode_cpu.json", "gpu.log", "gpu_run.json", "scaling_cpu.json", "scaling_latency_cpu.png"]
     assert len(files) <= gpu.MAX_FILES
     record = json.loads((tmp_path / "gpu_run.json").read_text())
     assert record["dry_run"] and record["environment"]["torch"]
-    assert "section  status" in capsys.readouterr().out          # the summary table
+    assert "section  status" in capsys.readouterr().out  # the summary table
 
 
 def test_the_gpu_plan_runs_the_full_benchmarks_within_six_minutes(tmp_path):
@@ -30,7 +29,11 @@ def test_the_gpu_plan_runs_the_full_benchmarks_within_six_minutes(tmp_path):
     assert "--gpu" in commands["scaling"] and "--quick" not in commands["scaling"]
     assert "gpu" in commands["tests"]
     assert [f for s in sections for f in s.produces] == [
-        "decode_gpu.json", "scaling_gpu.json", "decode_gpu.png", "scaling_latency_gpu.png"]
+        "decode_gpu.json",
+        "scaling_gpu.json",
+        "decode_gpu.png",
+        "scaling_latency_gpu.png",
+    ]
 
 
 def test_a_section_over_budget_is_killed_and_reported(tmp_path):

@@ -11,8 +11,13 @@ from paged_ref.allocator import PageAllocator
 from paged_ref.bench import scaling
 from paged_ref.bench._scaling_batch import fit_counts, mixed_lengths, paged_overhead
 from paged_ref.bench._scaling_chat import run_chat
-from paged_ref.bench._scaling_decoders import (AllocationTimer, ContiguousDecoder, NoCacheDecoder,
-                                               PagedDecoder, make_decoder)
+from paged_ref.bench._scaling_decoders import (
+    AllocationTimer,
+    ContiguousDecoder,
+    NoCacheDecoder,
+    PagedDecoder,
+    make_decoder,
+)
 from paged_ref.bench._scaling_latency import LadderConfig, run_ladder
 from paged_ref.bench._scaling_report import alloc_summary, ratios_to
 from paged_ref.fragmentation import requests_that_fit
@@ -101,8 +106,14 @@ def test_figures_state_provenance(run):
 
     data = run[0]
     date = data["environment"]["date_utc"][:10]
-    for fn in (vs.latency_figure, vs.memory_figure, vs.batch_figure, vs.chat_figure, vs.page_size_figure,
-               vs.alloc_figure):
+    for fn in (
+        vs.latency_figure,
+        vs.memory_figure,
+        vs.batch_figure,
+        vs.chat_figure,
+        vs.page_size_figure,
+        vs.alloc_figure,
+    ):
         fig = fn(data, "tiny")
         texts = [t.get_text() for t in fig.texts]
         assert any(date in t and "torch" in t for t in texts), fn.__name__
@@ -116,13 +127,15 @@ def test_decoders_agree_on_a_ragged_batch(model):
     lengths = [9, 23, 16]
     prompt = _random_ids(40, seed=1)
     results = []
-    for make in (lambda: ContiguousDecoder(model, "dynamic"),
-                 lambda: ContiguousDecoder(model, "static", max_len=32),
-                 lambda: PagedDecoder(model, backend="reference", num_pages=16, page_size=4)):
+    for make in (
+        lambda: ContiguousDecoder(model, "dynamic"),
+        lambda: ContiguousDecoder(model, "static", max_len=32),
+        lambda: PagedDecoder(model, backend="reference", num_pages=16, page_size=4),
+    ):
         dec = make()
         preds = [dec.feed([prompt[:n] for n in lengths]).tolist()]
         for i in range(3):
-            preds.append(dec.feed([prompt[n + i:n + i + 1] for n in lengths]).tolist())
+            preds.append(dec.feed([prompt[n + i : n + i + 1] for n in lengths]).tolist())
         dec.close()
         results.append(preds)
     assert results[0] == results[1] == results[2]
@@ -158,7 +171,7 @@ def test_allocation_timer_records_and_preserves_behaviour():
     alloc = PageAllocator(6)
     timer = AllocationTimer(alloc)
     pages = alloc.allocate(4)
-    alloc.share(p for p in pages[:2])       # a generator is counted without being used up
+    alloc.share(p for p in pages[:2])  # a generator is counted without being used up
     alloc.free(iter(pages))
     assert alloc.num_free == 4 and alloc.refcount(pages[0]) == 1
     assert [(op, n) for op, _, n in timer.calls] == [("allocate", 4), ("share", 2), ("free", 4)]
@@ -186,9 +199,11 @@ def test_ladder_skips_contexts_past_the_deadline(model):
 
 
 def test_ratios_to_base():
-    ladder = [{"label": "a", "timed": True, "points": [{"context": 8, "median_s": 2.0}]},
-              {"label": "b", "timed": True, "points": [{"context": 8, "median_s": 3.0}]},
-              {"label": "c", "timed": False, "points": [{"context": 8, "median_s": None}]}]
+    ladder = [
+        {"label": "a", "timed": True, "points": [{"context": 8, "median_s": 2.0}]},
+        {"label": "b", "timed": True, "points": [{"context": 8, "median_s": 3.0}]},
+        {"label": "c", "timed": False, "points": [{"context": 8, "median_s": None}]},
+    ]
     assert ratios_to(ladder, "a") == {"b": {8: 1.5}}
 
 
@@ -200,8 +215,10 @@ def test_overhead_and_fit_counts_on_the_seed_example():
     lengths = mixed_lengths(60, max_len=512, mean_len=128, seed=3)
     fit = fit_counts(lengths, budget_tokens=2048, max_len=512, page_size=16)
     assert fit["reserve_max"] == 4
-    assert fit["paged_allocator"] == requests_that_fit(lengths, budget_slots=2048, page_size=16,
-                                                       reserved_per_request=512)["paged"]
+    assert (
+        fit["paged_allocator"]
+        == requests_that_fit(lengths, budget_slots=2048, page_size=16, reserved_per_request=512)["paged"]
+    )
 
 
 def test_chat_reuses_the_previous_turns_full_pages(model):
@@ -221,8 +238,12 @@ def test_gpu_profile_code_paths_on_cpu(model):
     """The GPU profile's extra paths (a long sequence for the paged backends, the static cache in
     the ladder, the time budget) run on CPU with the tiny model."""
     profile = dict(scaling.PROFILES[("gpu", "quick")], **scaling.TINY)
-    profile.update(models=["tiny"], ladder=["dynamic", "static", "reference"], long=300,
-                   batch=dict(scaling.TINY["batch"], backends=["reference"]))
+    profile.update(
+        models=["tiny"],
+        ladder=["dynamic", "static", "reference"],
+        long=300,
+        batch=dict(scaling.TINY["batch"], backends=["reference"]),
+    )
     res = scaling.run_model("tiny", profile, device="cpu", clock=scaling._Clock(None))
     assert res["errors"] == []
     assert [r["backend"] for r in res["long"]] == ["reference"]

@@ -38,9 +38,17 @@ pytestmark = pytest.mark.browser
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "03_fragmentation.ipynb"
 CHROMIUM = Path(os.environ.get("PAGED_REF_CHROMIUM", "/usr/bin/chromium"))
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--disable-dev-shm-usage"]  # containers often give /dev/shm only 64 MB
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]  # containers often give /dev/shm only 64 MB
 SLIDER = "page size"  # the description of the slider the test moves
 SERVER_START_S = 90
 RUN_ALL_S = 150  # notebook 03 in quick mode on 2 busy cores, with margin
@@ -50,8 +58,10 @@ REDRAW_S = 60
 def _need_chromium() -> None:
     if CHROMIUM.exists():
         return
-    msg = (f"Chromium not found at {CHROMIUM}: install Debian's package (`make browser-deps`, "
-           "i.e. `apt-get install -y chromium`) or point PAGED_REF_CHROMIUM at a Chromium binary")
+    msg = (
+        f"Chromium not found at {CHROMIUM}: install Debian's package (`make browser-deps`, "
+        "i.e. `apt-get install -y chromium`) or point PAGED_REF_CHROMIUM at a Chromium binary"
+    )
     if os.environ.get("CI") or os.geteuid() == 0:
         pytest.fail(msg)
     pytest.skip(msg + " (skipped: not root and not CI)")
@@ -76,21 +86,37 @@ def lab(tmp_path):
     config = tmp_path / "jupyter_config"
     _write_config(config)
     port, token = _free_port(), uuid.uuid4().hex
-    env = dict(os.environ,
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               PAGED_REF_MODE="quick",
-               JUPYTER_CONFIG_DIR=str(config),
-               JUPYTER_DATA_DIR=str(tmp_path / "jupyter_data"),
-               JUPYTER_RUNTIME_DIR=str(tmp_path / "jupyter_runtime"),
-               JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "lab_settings"),
-               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "lab_workspaces"))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        PAGED_REF_MODE="quick",
+        JUPYTER_CONFIG_DIR=str(config),
+        JUPYTER_DATA_DIR=str(tmp_path / "jupyter_data"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "jupyter_runtime"),
+        JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "lab_settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "lab_workspaces"),
+    )
     log = open(tmp_path / "jupyterlab.log", "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-         "--port-retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-         "--LabApp.expose_app_in_browser=True"]
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--ip=127.0.0.1",
+            f"--port={port}",
+            "--port-retries=0",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--LabApp.expose_app_in_browser=True",
+        ]
         + (["--allow-root"] if os.geteuid() == 0 else []),  # CI containers run as root
-        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=root,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + SERVER_START_S
@@ -116,11 +142,19 @@ def _write_config(config: Path) -> None:
     """Server and page settings for a quiet, offline, minimal lab (no terminals, no language
     servers, no news pop-up that could cover the widget)."""
     (config / "labconfig").mkdir(parents=True)
-    (config / "jupyter_server_config.json").write_text(json.dumps(
-        {"ServerApp": {"jpserver_extensions": {"jupyter_lsp": False, "jupyter_server_terminals": False}}}))
-    (config / "labconfig" / "page_config.json").write_text(json.dumps(
-        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True,
-                                "@jupyterlab/lsp-extension": True}}))
+    (config / "jupyter_server_config.json").write_text(
+        json.dumps({"ServerApp": {"jpserver_extensions": {"jupyter_lsp": False, "jupyter_server_terminals": False}}})
+    )
+    (config / "labconfig" / "page_config.json").write_text(
+        json.dumps(
+            {
+                "disabledExtensions": {
+                    "@jupyterlab/apputils-extension:announcements": True,
+                    "@jupyterlab/lsp-extension": True,
+                }
+            }
+        )
+    )
 
 
 def _stop(server: subprocess.Popen) -> None:
@@ -185,8 +219,9 @@ def test_fragmentation_widget_redraws_in_jupyterlab(lab, tmp_path):
             # Clear the committed outputs first (this also clears execution counts), so that
             # "every code cell has a count" below can only mean "ran in this session".
             page.evaluate("() => window.jupyterapp.commands.execute('notebook:clear-all-cell-outputs')")
-            page.wait_for_function(f"() => ({_CELL_STATE})().cells.every(c => c.count === null)",
-                                   timeout=30_000, polling=250)
+            page.wait_for_function(
+                f"() => ({_CELL_STATE})().cells.every(c => c.count === null)", timeout=30_000, polling=250
+            )
             page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
             state = _wait_for_all_cells(page, RUN_ALL_S)
             page.screenshot(path=str(tmp_path / "after_run_all.png"), full_page=True)
@@ -210,11 +245,16 @@ def test_fragmentation_widget_redraws_in_jupyterlab(lab, tmp_path):
                 page.wait_for_function(
                     "([el, src]) => { const img = el.querySelector('.widget-output img');"
                     " return !!img && img.src !== src && img.complete && img.naturalWidth > 0; }",
-                    arg=[panel.element_handle(), before_src], timeout=REDRAW_S * 1000, polling=250)
+                    arg=[panel.element_handle(), before_src],
+                    timeout=REDRAW_S * 1000,
+                    polling=250,
+                )
             except PlaywrightTimeout:
                 panel.screenshot(path=str(tmp_path / "widget_not_redrawn.png"))
-                pytest.fail(f"the figure did not change within {REDRAW_S} s after moving {SLIDER!r} "
-                            f"from {before_value} to {_readout(slider)} (screenshot in {tmp_path})")
+                pytest.fail(
+                    f"the figure did not change within {REDRAW_S} s after moving {SLIDER!r} "
+                    f"from {before_value} to {_readout(slider)} (screenshot in {tmp_path})"
+                )
             after_src, after_value = image.get_attribute("src"), _readout(slider)
             panel.screenshot(path=str(tmp_path / "widget_after_slider.png"))
             page.screenshot(path=str(tmp_path / "notebook_after_slider.png"), full_page=True)

@@ -7,8 +7,9 @@ H, D = 2, 4
 
 
 def make(num_pages=8, page_size=4, layers=2, **kw):
-    return pr.PagedKVCache(num_layers=layers, num_pages=num_pages, page_size=page_size,
-                           num_kv_heads=H, head_dim=D, **kw)
+    return pr.PagedKVCache(
+        num_layers=layers, num_pages=num_pages, page_size=page_size, num_kv_heads=H, head_dim=D, **kw
+    )
 
 
 def kv(n, start=0.0):
@@ -175,16 +176,42 @@ def test_compact_keeps_tokens_in_order_and_frees_pages():
         (lambda c, s: c.reserve(s, 2, token_ids=[1]), ValueError, "token_ids must have num_tokens=2"),
         (lambda c, s: c.write(2, torch.tensor([0]), *kv(1)), ValueError, r"layer must be in \[0, 2\), got 2"),
         (lambda c, s: c.write(0, [0], *kv(1)), TypeError, "slots must be a 1-D int32/int64 tensor"),
-        (lambda c, s: c.write(0, torch.tensor([0]), *kv(2)), ValueError, r"k must have shape .* = \[1, 2, 4\], got \[2, 2, 4\]"),
-        (lambda c, s: c.write(0, torch.tensor([0]), kv(1)[0].double(), kv(1)[1]), TypeError, "k must have the cache dtype"),
+        (
+            lambda c, s: c.write(0, torch.tensor([0]), *kv(2)),
+            ValueError,
+            r"k must have shape .* = \[1, 2, 4\], got \[2, 2, 4\]",
+        ),
+        (
+            lambda c, s: c.write(0, torch.tensor([0]), kv(1)[0].double(), kv(1)[1]),
+            TypeError,
+            "k must have the cache dtype",
+        ),
         (lambda c, s: c.write(0, torch.tensor([32]), *kv(1)), ValueError, r"slots must be in \[0, 32\)"),
         (lambda c, s: c.write(0, torch.tensor([20]), *kv(1)), ValueError, "page 5 with refcount 0"),
         (lambda c, s: c.gather(0, 7), ValueError, "seq_id 7 is not a live sequence"),
-        (lambda c, s: c.compact(s, torch.ones(3)), ValueError, r"keep must be a bool tensor of shape \[seq_len\] = \[1\]"),
+        (
+            lambda c, s: c.compact(s, torch.ones(3)),
+            ValueError,
+            r"keep must be a bool tensor of shape \[seq_len\] = \[1\]",
+        ),
         (lambda c, s: c.block_table(s), TypeError, "seq_ids must be a list"),
-        (lambda c, s: pr.PagedKVCache(num_layers=1, num_pages=1, page_size=0, num_kv_heads=1, head_dim=1), ValueError, "page_size must be >= 1, got 0"),
-        (lambda c, s: pr.PagedKVCache(num_layers=1, num_pages=1, page_size=1, num_kv_heads=1, head_dim=1, growth="x"), ValueError, "growth must be one of"),
-        (lambda c, s: pr.PagedKVCache(num_layers=1, num_pages=1, page_size=1, num_kv_heads=1, head_dim=1, dtype="f"), TypeError, "dtype must be a floating torch.dtype"),
+        (
+            lambda c, s: pr.PagedKVCache(num_layers=1, num_pages=1, page_size=0, num_kv_heads=1, head_dim=1),
+            ValueError,
+            "page_size must be >= 1, got 0",
+        ),
+        (
+            lambda c, s: pr.PagedKVCache(
+                num_layers=1, num_pages=1, page_size=1, num_kv_heads=1, head_dim=1, growth="x"
+            ),
+            ValueError,
+            "growth must be one of",
+        ),
+        (
+            lambda c, s: pr.PagedKVCache(num_layers=1, num_pages=1, page_size=1, num_kv_heads=1, head_dim=1, dtype="f"),
+            TypeError,
+            "dtype must be a floating torch.dtype",
+        ),
     ],
 )
 def test_errors_name_argument_and_leave_state(call, exc, msg):
@@ -211,10 +238,10 @@ def test_write_can_skip_the_slot_check_but_not_the_shape_check():
     s = cache.add_sequence()
     slots = cache.reserve(s, 2)
     k, v = kv(2)
-    cache.write(0, slots, k, v, check_slots=False)
+    cache.write(0, slots, k, v, check_values=False)
     assert torch.equal(cache.gather(0, s)[0], k)
     with pytest.raises(ValueError, match="k must have shape"):
-        cache.write(0, slots, k[:1], v, check_slots=False)
+        cache.write(0, slots, k[:1], v, check_values=False)
 
 
 # --- prefix-cache keys: collision-resistant, namespaced, confirmed by the tokens ---------------
@@ -222,21 +249,25 @@ def _cached(cache, prompt):
     """Prefill ``prompt`` into a fresh sequence (K/V = token id) and return the sequence id."""
     s = cache.add_sequence(token_ids=prompt)
     n = len(prompt) - cache.seq_len(s)
-    slots = cache.reserve(s, n, token_ids=prompt[cache.seq_len(s):])
+    slots = cache.reserve(s, n, token_ids=prompt[cache.seq_len(s) :])
     kv = torch.tensor(prompt[-n:], dtype=torch.float32).view(n, 1, 1)
     cache.write(0, slots, kv, kv)
     return s
 
 
 def _prefix_cache(**kw):
-    return pr.PagedKVCache(num_layers=1, num_pages=16, page_size=16, num_kv_heads=1, head_dim=1,
-                           prefix_caching=True, **kw)
+    return pr.PagedKVCache(
+        num_layers=1, num_pages=16, page_size=16, num_kv_heads=1, head_dim=1, prefix_caching=True, **kw
+    )
 
 
-@pytest.mark.parametrize("first, second", [
-    ([-1] * 16 + [3], [-2] * 16 + [3]),          # hash(-1) == hash(-2) in CPython
-    ([7] * 16 + [3], [7 + 2**61 - 1] * 16 + [3]),  # hash(x) == hash(x + 2**61 - 1)
-])
+@pytest.mark.parametrize(
+    "first, second",
+    [
+        ([-1] * 16 + [3], [-2] * 16 + [3]),  # hash(-1) == hash(-2) in CPython
+        ([7] * 16 + [3], [7 + 2**61 - 1] * 16 + [3]),  # hash(x) == hash(x + 2**61 - 1)
+    ],
+)
 def test_colliding_python_hashes_do_not_share_pages(first, second):
     cache = _prefix_cache()
     _cached(cache, first)
@@ -264,18 +295,21 @@ def test_a_key_alone_is_not_trusted():
     cache = _prefix_cache()
     _cached(cache, list(range(17)))
     page = next(iter(cache._prefix_index.values()))
-    cache._page_tokens[page] = tuple(range(100, 116))     # as if another prefix sat there
+    cache._page_tokens[page] = tuple(range(100, 116))  # as if another prefix sat there
     assert cache.seq_len(cache.add_sequence(token_ids=list(range(17)))) == 0
 
 
-@pytest.mark.parametrize("kwargs, exc, words", [
-    (dict(prefix_caching="no"), TypeError, "prefix_caching must be True or False, got 'no'"),
-    (dict(dtype=torch.int32), TypeError, "dtype must be a floating torch.dtype"),
-    (dict(dtype=torch.bool), TypeError, "dtype must be a floating torch.dtype"),
-    (dict(dtype=torch.complex64), TypeError, "dtype must be a floating torch.dtype"),
-    (dict(device="meta"), ValueError, "device must hold real memory"),
-    (dict(prefix_namespace={"model": 3}), TypeError, "prefix_namespace must be None or a dict"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(prefix_caching="no"), TypeError, "prefix_caching must be True or False, got 'no'"),
+        (dict(dtype=torch.int32), TypeError, "dtype must be a floating torch.dtype"),
+        (dict(dtype=torch.bool), TypeError, "dtype must be a floating torch.dtype"),
+        (dict(dtype=torch.complex64), TypeError, "dtype must be a floating torch.dtype"),
+        (dict(device="meta"), ValueError, "device must hold real memory"),
+        (dict(prefix_namespace={"model": 3}), TypeError, "prefix_namespace must be None or a dict"),
+    ],
+)
 def test_constructor_rejects(kwargs, exc, words):
     with pytest.raises(exc, match=words):
         pr.PagedKVCache(num_layers=1, num_pages=2, page_size=2, num_kv_heads=1, head_dim=1, **kwargs)
@@ -288,6 +322,6 @@ def test_token_ids_must_be_ints_and_free_none_is_refused():
     s = cache.add_sequence()
     with pytest.raises(TypeError, match=r"token_ids\[1\] must be an int, got bool"):
         cache.reserve(s, 2, token_ids=[1, True])
-    assert cache.seq_len(s) == 0 and cache.allocator.num_free == 16      # nothing changed
+    assert cache.seq_len(s) == 0 and cache.allocator.num_free == 16  # nothing changed
     with pytest.raises(ValueError, match="seq_id None is not a live sequence"):
         cache.free(None)

@@ -9,7 +9,6 @@ them would show up as a wrong gather. Writes sometimes lag behind other sequence
 
 from collections import Counter
 
-import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -38,9 +37,15 @@ class CacheMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.cache = pr.PagedKVCache(num_layers=LAYERS, num_pages=24, page_size=self.page_size,
-                                     num_kv_heads=H, head_dim=D, growth=self.growth,
-                                     prefix_caching=self.prefix_caching)
+        self.cache = pr.PagedKVCache(
+            num_layers=LAYERS,
+            num_pages=24,
+            page_size=self.page_size,
+            num_kv_heads=H,
+            head_dim=D,
+            growth=self.growth,
+            prefix_caching=self.prefix_caching,
+        )
         self.model: dict[int, list[tuple[int, int]]] = {}  # seq -> [(token id, original position)]
         self.adapter: dict[int, str | None] = {}
         self.lagging: tuple | None = None  # (seq, slots, tokens, start): reserved, not yet written
@@ -66,8 +71,9 @@ class CacheMachine(RuleBasedStateMachine):
             for layer in range(LAYERS):
                 self.cache.write(layer, slots, *token_kv(tokens, start, layer, self.adapter[seq]))
 
-    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=9), adapter=st.sampled_from(ADAPTERS),
-          lag=st.booleans())
+    @rule(
+        prompt=st.lists(st.integers(0, 2), min_size=1, max_size=9), adapter=st.sampled_from(ADAPTERS), lag=st.booleans()
+    )
     def add(self, prompt, adapter, lag):
         # a lagging write from the previous step stays pending while this sequence looks for
         # cached pages: it must not find the half-written one
@@ -160,8 +166,8 @@ class CacheMachine(RuleBasedStateMachine):
             if n % ps:
                 page = self.cache.pages(seq)[n // ps]
                 for layer in range(LAYERS):
-                    assert not self.cache.k_cache[layer][page, n % ps:].any()
-                    assert not self.cache.v_cache[layer][page, n % ps:].any()
+                    assert not self.cache.k_cache[layer][page, n % ps :].any()
+                    assert not self.cache.v_cache[layer][page, n % ps :].any()
 
     @invariant()
     def free_pages_hold_no_stale_kv(self):
@@ -186,14 +192,22 @@ STEPS = [0]  # rule calls across every run of the machine
 def test_random_interleavings():
     """Four configurations; at least 10,000 cache operations in all, every invariant after each."""
     STEPS[0] = 0
-    for page_size, growth, prefix_caching in [(1, "page", False), (2, "page", True),
-                                              (3, "pow2", False), (4, "pow2", True)]:
-        machine = type("M", (CacheMachine,), dict(page_size=page_size, growth=growth,
-                                                  prefix_caching=prefix_caching))
+    for page_size, growth, prefix_caching in [
+        (1, "page", False),
+        (2, "page", True),
+        (3, "pow2", False),
+        (4, "pow2", True),
+    ]:
+        machine = type("M", (CacheMachine,), dict(page_size=page_size, growth=growth, prefix_caching=prefix_caching))
         test = machine.TestCase
-        test.settings = settings(max_examples=100, stateful_step_count=40, deadline=None,
-                                 suppress_health_check=list(HealthCheck), database=None,
-                                 derandomize=True)
+        test.settings = settings(
+            max_examples=100,
+            stateful_step_count=40,
+            deadline=None,
+            suppress_health_check=list(HealthCheck),
+            database=None,
+            derandomize=True,
+        )
         test("runTest").runTest()
     print(f"{STEPS[0]} cache operations")
     assert STEPS[0] >= 10_000, STEPS[0]

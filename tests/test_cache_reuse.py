@@ -11,8 +11,9 @@ import paged_ref as pr
 
 
 def cache(num_pages, page_size=16, layers=1):
-    return pr.PagedKVCache(num_layers=layers, num_pages=num_pages, page_size=page_size,
-                           num_kv_heads=1, head_dim=2, prefix_caching=True)
+    return pr.PagedKVCache(
+        num_layers=layers, num_pages=num_pages, page_size=page_size, num_kv_heads=1, head_dim=2, prefix_caching=True
+    )
 
 
 def prefill(c, prompt, namespace=None):
@@ -30,11 +31,11 @@ def prefill(c, prompt, namespace=None):
 
 def test_allocator_order_fresh_then_plain_then_cached_lru():
     alloc = pr.PageAllocator(6)
-    a, b = alloc.allocate(3), alloc.allocate(3)          # [0, 1, 2], [3, 4, 5]
-    alloc.free(a[::-1], cached=a)                         # cached, returned 2, 1, 0
-    alloc.free(b[::-1], cached=[5])                       # 5 cached; 4, 3 plain
-    assert alloc.allocate(2) == [4, 3]                    # plain pages first
-    assert alloc.allocate(3) == [2, 1, 0]                 # then cached, least recently returned
+    a, b = alloc.allocate(3), alloc.allocate(3)  # [0, 1, 2], [3, 4, 5]
+    alloc.free(a[::-1], cached=a)  # cached, returned 2, 1, 0
+    alloc.free(b[::-1], cached=[5])  # 5 cached; 4, 3 plain
+    assert alloc.allocate(2) == [4, 3]  # plain pages first
+    assert alloc.allocate(3) == [2, 1, 0]  # then cached, least recently returned
     assert alloc.allocate(1) == [5]
     with pytest.raises(TypeError, match="cached must be a list of page ids, got None"):
         alloc.free([0], cached=None)
@@ -45,8 +46,8 @@ def test_vllm_prefill_scenario_keeps_the_common_prefix():
     """Pages 0-2 hold a cached common prefix, 3-4 unhashed tails, 5-9 were never used."""
     c = cache(10)
     common = list(range(3 * 16))
-    a = prefill(c, common + list(range(100, 107)))        # pages 0-2 full, 3 partial
-    b = prefill(c, common + list(range(200, 205)))        # hits 0-2, takes 4
+    a = prefill(c, common + list(range(100, 107)))  # pages 0-2 full, 3 partial
+    b = prefill(c, common + list(range(200, 205)))  # hits 0-2, takes 4
     assert c.prefix_hits == 3 and c.pages(a) == [0, 1, 2, 3] and c.pages(b) == [0, 1, 2, 4]
     c.free(a)
     c.free(b)
@@ -56,7 +57,7 @@ def test_vllm_prefill_scenario_keeps_the_common_prefix():
     c.free(other)
     c.prefix_hits = 0
     prefill(c, common + [7])
-    assert c.prefix_hits == 3                             # vLLM: 3 (it was 0 of 3 before)
+    assert c.prefix_hits == 3  # vLLM: 3 (it was 0 of 3 before)
 
 
 def test_vllm_evict_scenario_evicts_chains_from_the_tail():
@@ -74,18 +75,18 @@ def test_vllm_evict_scenario_evicts_chains_from_the_tail():
     c.free(touch)
     c.prefix_hits = 0
     prefill(c, r0)
-    assert c.prefix_hits == 5                             # vLLM: 5 (it was 2 of 5 before)
+    assert c.prefix_hits == 5  # vLLM: 5 (it was 2 of 5 before)
 
 
 def test_a_page_is_offered_for_reuse_only_after_its_kv_is_written():
     c = cache(8, page_size=4, layers=2)
     prompt = list(range(9))
     a = c.add_sequence(token_ids=prompt)
-    slots = c.reserve(a, 9, token_ids=prompt)             # fills pages 0 and 1, K/V not written
-    b = c.add_sequence(token_ids=prompt)                  # sequence B arrives in between
-    assert c.seq_len(b) == 0 and c.prefix_hits == 0       # no zeros handed out as cached K/V
+    slots = c.reserve(a, 9, token_ids=prompt)  # fills pages 0 and 1, K/V not written
+    b = c.add_sequence(token_ids=prompt)  # sequence B arrives in between
+    assert c.seq_len(b) == 0 and c.prefix_hits == 0  # no zeros handed out as cached K/V
     kv = torch.arange(9.0).view(9, 1, 1).expand(9, 1, 2).contiguous()
-    c.write(0, slots, kv, kv)                             # A's write still works (refcount 1)
+    c.write(0, slots, kv, kv)  # A's write still works (refcount 1)
     assert c.seq_len(c.add_sequence(token_ids=prompt)) == 0  # one layer of two: not yet
     c.write(1, slots, kv, kv)
     d = c.add_sequence(token_ids=prompt)
@@ -97,11 +98,11 @@ def test_per_sequence_namespaces_never_share_pages():
     prompt = list(range(9))
     prefill(c, prompt, namespace={"adapter": "lora-1"})
     assert c.seq_len(c.add_sequence(token_ids=prompt, namespace={"adapter": "lora-2"})) == 0
-    assert c.seq_len(c.add_sequence(token_ids=prompt)) == 0          # the base model either
+    assert c.seq_len(c.add_sequence(token_ids=prompt)) == 0  # the base model either
     assert c.seq_len(c.add_sequence(token_ids=prompt, namespace={"adapter": "lora-1"})) == 8
     with pytest.raises(TypeError, match="namespace must be None or a dict of str -> str"):
         c.add_sequence(token_ids=prompt, namespace={"adapter": 1})
-    assert c.seq_ids == [0, 1, 2, 3]                                  # the refused one added nothing
+    assert c.seq_ids == [0, 1, 2, 3]  # the refused one added nothing
 
 
 def test_pages_come_out_zeroed_and_compact_zeroes_what_it_vacates():
@@ -121,4 +122,4 @@ def test_pages_come_out_zeroed_and_compact_zeroes_what_it_vacates():
     c.compact(b, torch.tensor([True, False, True, False, False, True]))
     page = c.pages(b)[0]
     for t in (*c.k_cache, *c.v_cache):
-        assert not t[page, 3:].any()                       # the vacated tail holds zeros
+        assert not t[page, 3:].any()  # the vacated tail holds zeros

@@ -45,8 +45,9 @@ def kv_with_norms(k_norms, v_norms, head_dim=4):
 
 
 def make_cache(num_layers=2, num_pages=64, page_size=4, num_kv_heads=2, head_dim=4):
-    return PagedKVCache(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
-                        num_kv_heads=num_kv_heads, head_dim=head_dim)
+    return PagedKVCache(
+        num_layers=num_layers, num_pages=num_pages, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim
+    )
 
 
 def append(cache, seq, k, v):
@@ -92,11 +93,14 @@ def test_ratio_is_averaged_over_kv_heads_not_a_ratio_of_averages():
     torch.testing.assert_close(token_scores(k, v, "value_key_ratio"), torch.tensor([2.0]))
 
 
-@pytest.mark.parametrize("method, expected", [
-    ("inverse_key_norm", [0.25, 2.0, 0.5]),
-    ("value_norm", [1.0, 4.0, 2.0]),
-    ("key_norm", [4.0, 0.5, 2.0]),
-])
+@pytest.mark.parametrize(
+    "method, expected",
+    [
+        ("inverse_key_norm", [0.25, 2.0, 0.5]),
+        ("value_norm", [1.0, 4.0, 2.0]),
+        ("key_norm", [4.0, 0.5, 2.0]),
+    ],
+)
 def test_single_tensor_scores(method, expected):
     k, v = kv_with_norms([[4.0], [0.5], [2.0]], [[1.0], [4.0], [2.0]])
     torch.testing.assert_close(token_scores(k, v, method), torch.tensor(expected))
@@ -125,15 +129,23 @@ def test_random_scores_are_seeded():
     assert torch.equal(token_scores(k, v, "random", generator=g1), token_scores(k, v, "random", generator=g2))
 
 
-@pytest.mark.parametrize("args, kwargs, exc, match", [
-    ((torch.zeros(3, 4), torch.zeros(3, 4)), {}, ValueError, "k must have shape"),
-    ((torch.zeros(3, 1, 4), torch.zeros(2, 1, 4)), {}, ValueError, "same shape"),
-    ((torch.zeros(3, 1, 4, dtype=torch.long),) * 2, {}, TypeError, "floating"),
-    (([1.0], torch.zeros(1, 1, 1)), {}, TypeError, "k must be a tensor"),
-    ((torch.zeros(3, 1, 4),) * 2, {"method": "ratio"}, ValueError, "method must be one of"),
-    ((torch.zeros(3, 1, 4),) * 2, {"method": "value_norm", "seed": 1}, ValueError, "apply to method=.random. only"),
-    ((torch.zeros(3, 1, 4),) * 2, {"method": "random", "seed": 1, "generator": torch.Generator()}, ValueError, "not both"),
-])
+@pytest.mark.parametrize(
+    "args, kwargs, exc, match",
+    [
+        ((torch.zeros(3, 4), torch.zeros(3, 4)), {}, ValueError, "k must have shape"),
+        ((torch.zeros(3, 1, 4), torch.zeros(2, 1, 4)), {}, ValueError, "same shape"),
+        ((torch.zeros(3, 1, 4, dtype=torch.long),) * 2, {}, TypeError, "floating"),
+        (([1.0], torch.zeros(1, 1, 1)), {}, TypeError, "k must be a tensor"),
+        ((torch.zeros(3, 1, 4),) * 2, {"method": "ratio"}, ValueError, "method must be one of"),
+        ((torch.zeros(3, 1, 4),) * 2, {"method": "value_norm", "seed": 1}, ValueError, "apply to method=.random. only"),
+        (
+            (torch.zeros(3, 1, 4),) * 2,
+            {"method": "random", "seed": 1, "generator": torch.Generator()},
+            ValueError,
+            "not both",
+        ),
+    ],
+)
 def test_token_scores_errors(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         token_scores(*args, **kwargs)
@@ -148,12 +160,15 @@ def test_page_scores_mean_and_sum_over_valid_tokens():
     assert page_scores(torch.zeros(0), 4).shape == (0,)
 
 
-@pytest.mark.parametrize("args, exc, match", [
-    ((torch.zeros(2, 2), 2), ValueError, "1-D"),
-    ((torch.zeros(4), 0), ValueError, "page_size must be >= 1"),
-    ((torch.zeros(4), 2.0), TypeError, "page_size must be an int"),
-    ((torch.zeros(4), 2, "max"), ValueError, "reduce must be one of"),
-])
+@pytest.mark.parametrize(
+    "args, exc, match",
+    [
+        ((torch.zeros(2, 2), 2), ValueError, "1-D"),
+        ((torch.zeros(4), 0), ValueError, "page_size must be >= 1"),
+        ((torch.zeros(4), 2.0), TypeError, "page_size must be an int"),
+        ((torch.zeros(4), 2, "max"), ValueError, "reduce must be one of"),
+    ],
+)
 def test_page_scores_errors(args, exc, match):
     with pytest.raises(exc, match=match):
         page_scores(*args)
@@ -253,8 +268,12 @@ def test_mean_and_sum_choose_the_same_page_at_decode_time():
 
 
 # ----------------------------------------------------------------------------- all policies: bound, allocator
-BOUND_CASES = [(name, budget, page_size) for name in POLICY_NAMES if name != "full"
-               for budget, page_size in [(16, 4), (21, 4), (24, 8), (33, 8)]]
+BOUND_CASES = [
+    (name, budget, page_size)
+    for name in POLICY_NAMES
+    if name != "full"
+    for budget, page_size in [(16, 4), (21, 4), (24, 8), (33, 8)]
+]
 
 
 @pytest.mark.parametrize("name, budget, page_size", BOUND_CASES)
@@ -380,7 +399,9 @@ def test_token_topk_stays_within_budget_every_step():
         append(cache, s, *random_kv(cache, 1, g))
         policy.after_append(cache, s)
         assert cache.seq_len(s) == 10
-        assert policy.positions(s)[-4:].tolist() == list(range(policy.stats(s).tokens_seen - 4, policy.stats(s).tokens_seen))
+        assert policy.positions(s)[-4:].tolist() == list(
+            range(policy.stats(s).tokens_seen - 4, policy.stats(s).tokens_seen)
+        )
 
 
 # ----------------------------------------------------------------------------- chunked feeding
@@ -548,8 +569,12 @@ def test_bench_language_modelling_task_on_the_tiny_model(tiny):
     from paged_ref.bench.eviction import _runs, lm_task, summarize_lm
 
     cfg = dict(texts=1, context=40, continuation=17, budgets=[16], page_sizes=[4, 8])
-    rows, check, texts = lm_task(__import__("paged_ref.eviction.lm", fromlist=["PagedLM"]).PagedLM(tiny),
-                          _WordTokenizer(), cfg, log=lambda msg: None)
+    rows, check, texts = lm_task(
+        __import__("paged_ref.eviction.lm", fromlist=["PagedLM"]).PagedLM(tiny),
+        _WordTokenizer(),
+        cfg,
+        log=lambda msg: None,
+    )
     assert check < 1e-4  # the full cache's NLL equals the model's own forward
     assert texts[-1]["used"] and all(t["copied_8grams"] > 0.05 for t in texts[:-1])
     summary = summarize_lm(rows)
@@ -594,8 +619,17 @@ def test_hf_generate_with_eviction_keeps_the_page_bound(tiny1, backend, eviction
         held.append(max(len(kv.pages(s)) for s in kv.seq_ids))
         assert all(kv.seq_len(s) < budget + page_size for s in kv.seq_ids)
 
-    out = hf.generate(tiny1, ids, max_new_tokens=HF_NEW_TOKENS[backend], backend=backend, kv_cache=kv,
-                      eviction=eviction, budget=budget, callback=check, eos_token_id=[])
+    out = hf.generate(
+        tiny1,
+        ids,
+        max_new_tokens=HF_NEW_TOKENS[backend],
+        backend=backend,
+        kv_cache=kv,
+        eviction=eviction,
+        budget=budget,
+        callback=check,
+        eos_token_id=[],
+    )
     assert out.shape == (2, 17 + HF_NEW_TOKENS[backend])
     assert held and max(held) <= max_pages_held(budget, page_size)
     assert kv.allocator.num_free == kv.num_pages and kv.seq_ids == []
@@ -610,8 +644,9 @@ def test_hf_generate_with_budget_above_length_equals_full_cache(tiny1, backend, 
     ids = torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(1))
     new = HF_NEW_TOKENS[backend]
     full = hf.generate(tiny1, ids, max_new_tokens=new, backend=backend, page_size=4, eos_token_id=[])
-    evicting = hf.generate(tiny1, ids, max_new_tokens=new, backend=backend, page_size=4, eos_token_id=[],
-                           eviction=eviction, budget=9 + new)
+    evicting = hf.generate(
+        tiny1, ids, max_new_tokens=new, backend=backend, page_size=4, eos_token_id=[], eviction=eviction, budget=9 + new
+    )
     assert torch.equal(evicting, full)
 
 
@@ -622,8 +657,9 @@ def test_hf_generate_evicts_like_the_paged_runner(tiny1):
     from paged_ref.eviction.lm import PagedLM
 
     ids = torch.randint(3, 512, (1, 16), generator=torch.Generator().manual_seed(2))
-    out = hf.generate(tiny1, ids, max_new_tokens=8, page_size=4, eos_token_id=[],
-                      eviction=make_policy("paged_eviction", 8))
+    out = hf.generate(
+        tiny1, ids, max_new_tokens=8, page_size=4, eos_token_id=[], eviction=make_policy("paged_eviction", 8)
+    )
     lm = PagedLM(tiny1)
     cache = lm.new_cache(num_pages=16, page_size=4)
     policy = make_policy("paged_eviction", 8)

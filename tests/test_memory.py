@@ -2,9 +2,17 @@
 
 import pytest
 
-from paged_ref.memory import (DTYPE_BYTES, MODEL_PRESETS, dense_scores_bytes, dtype_bytes,
-                              format_bytes, kv_bytes_per_token, kv_cache_bytes, model_preset,
-                              reservation_report)
+from paged_ref.memory import (
+    DTYPE_BYTES,
+    MODEL_PRESETS,
+    dense_scores_bytes,
+    dtype_bytes,
+    format_bytes,
+    kv_bytes_per_token,
+    kv_cache_bytes,
+    model_preset,
+    reservation_report,
+)
 
 LLAMA = dict(num_kv_heads=32, head_dim=128)
 GiB, MiB = 2**30, 2**20
@@ -34,8 +42,7 @@ def test_presets_size_by_kv_heads():
     llama3 = model_preset("Llama-3-8B")
     assert llama3.num_q_heads // llama3.num_kv_heads == 4
     # GQA: a quarter of LLaMA-7B's cache at the same layer count and head_dim
-    assert kv_bytes_per_token(**llama3.kv_shape) * 4 == kv_bytes_per_token(
-        **MODEL_PRESETS["LLaMA-7B"].kv_shape)
+    assert kv_bytes_per_token(**llama3.kv_shape) * 4 == kv_bytes_per_token(**MODEL_PRESETS["LLaMA-7B"].kv_shape)
 
 
 @pytest.mark.parametrize("n, gib", [(4096, 1), (8192, 4), (16384, 16)])
@@ -49,13 +56,15 @@ def test_dense_scores_quadratic_and_batch():
 
 
 def test_seed_reservation_report_exact():
-    r = reservation_report([19, 45, 70], page_size=16, reserved_per_request=128,
-                           bytes_per_token=128 * 1024)
+    r = reservation_report([19, 45, 70], page_size=16, reserved_per_request=128, bytes_per_token=128 * 1024)
     assert (r.reserved_slots, r.paged_slots, r.used_slots, r.unused_paged_slots) == (384, 160, 134, 26)
     assert r.unused_reserved_slots == 250
     assert (r.reserved_bytes, r.paged_bytes, r.used_bytes) == (48 * MiB, 20 * MiB, 16.75 * MiB)
     assert [format_bytes(b) for b in (r.reserved_bytes, r.paged_bytes, r.used_bytes)] == [
-        "48.00 MiB", "20.00 MiB", "16.75 MiB"]
+        "48.00 MiB",
+        "20.00 MiB",
+        "16.75 MiB",
+    ]
     table = r.table()
     assert "384 slots" in table and "48.00 MiB" in table and "26 slots" in table
 
@@ -85,14 +94,17 @@ def test_format_bytes_units():
     assert format_bytes(0, "B") == "0.00 B"
 
 
-@pytest.mark.parametrize("kwargs, exc, words", [
-    (dict(num_layers=0), ValueError, "num_layers must be >= 1, got 0"),
-    (dict(num_kv_heads=-2), ValueError, "num_kv_heads must be >= 1, got -2"),
-    (dict(head_dim=2.5), TypeError, "head_dim must be an int, got float"),
-    (dict(bytes_per_elem=0), ValueError, "bytes_per_elem must be >= 1"),
-    (dict(num_tokens=-1), ValueError, "num_tokens must be >= 0, got -1"),
-    (dict(num_tokens=True), TypeError, "num_tokens must be an int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(num_layers=0), ValueError, "num_layers must be >= 1, got 0"),
+        (dict(num_kv_heads=-2), ValueError, "num_kv_heads must be >= 1, got -2"),
+        (dict(head_dim=2.5), TypeError, "head_dim must be an int, got float"),
+        (dict(bytes_per_elem=0), ValueError, "bytes_per_elem must be >= 1"),
+        (dict(num_tokens=-1), ValueError, "num_tokens must be >= 0, got -1"),
+        (dict(num_tokens=True), TypeError, "num_tokens must be an int"),
+    ],
+)
 def test_kv_cache_bytes_errors(kwargs, exc, words):
     args = dict(num_tokens=16, num_layers=2, num_kv_heads=2, head_dim=4) | kwargs
     n = args.pop("num_tokens")
@@ -100,11 +112,14 @@ def test_kv_cache_bytes_errors(kwargs, exc, words):
         kv_cache_bytes(n, **args)
 
 
-@pytest.mark.parametrize("kwargs, exc, words", [
-    (dict(num_heads=0), ValueError, "num_heads must be >= 1"),
-    (dict(batch=0), ValueError, "batch must be >= 1"),
-    (dict(bytes_per_elem="2"), TypeError, "bytes_per_elem must be an int"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(num_heads=0), ValueError, "num_heads must be >= 1"),
+        (dict(batch=0), ValueError, "batch must be >= 1"),
+        (dict(bytes_per_elem="2"), TypeError, "bytes_per_elem must be an int"),
+    ],
+)
 def test_dense_scores_errors(kwargs, exc, words):
     with pytest.raises(exc, match=words):
         dense_scores_bytes(8, **(dict(num_heads=2) | kwargs))
@@ -112,17 +127,20 @@ def test_dense_scores_errors(kwargs, exc, words):
         dense_scores_bytes(-8, num_heads=2)
 
 
-@pytest.mark.parametrize("lengths, kwargs, exc, words", [
-    ([19, 0], {}, ValueError, r"lengths\[1\] must be >= 1, got 0"),
-    ([19, 129], {}, ValueError, r"lengths\[1\] = 129 exceeds reserved_per_request = 128"),
-    ([], {}, ValueError, "at least one request"),
-    ("19", {}, TypeError, "lengths must be a sequence of ints"),
-    (19, {}, TypeError, "lengths must be a sequence of ints"),
-    ([1.5], {}, TypeError, r"lengths\[0\] must be an int"),
-    ([19], dict(page_size=0), ValueError, "page_size must be >= 1, got 0"),
-    ([19], dict(reserved_per_request=-1), ValueError, "reserved_per_request must be >= 1"),
-    ([19], dict(bytes_per_token=0), ValueError, "bytes_per_token must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "lengths, kwargs, exc, words",
+    [
+        ([19, 0], {}, ValueError, r"lengths\[1\] must be >= 1, got 0"),
+        ([19, 129], {}, ValueError, r"lengths\[1\] = 129 exceeds reserved_per_request = 128"),
+        ([], {}, ValueError, "at least one request"),
+        ("19", {}, TypeError, "lengths must be a sequence of ints"),
+        (19, {}, TypeError, "lengths must be a sequence of ints"),
+        ([1.5], {}, TypeError, r"lengths\[0\] must be an int"),
+        ([19], dict(page_size=0), ValueError, "page_size must be >= 1, got 0"),
+        ([19], dict(reserved_per_request=-1), ValueError, "reserved_per_request must be >= 1"),
+        ([19], dict(bytes_per_token=0), ValueError, "bytes_per_token must be >= 1"),
+    ],
+)
 def test_reservation_report_errors(lengths, kwargs, exc, words):
     with pytest.raises(exc, match=words):
         reservation_report(lengths, **(dict(page_size=16, reserved_per_request=128) | kwargs))
@@ -142,7 +160,8 @@ def test_dense_scores_decode_step_is_linear():
     # a decode step scores one query against N keys: [batch, heads, 1, N]
     assert dense_scores_bytes(16384, num_heads=32, num_queries=1) == 2**20
     assert dense_scores_bytes(200, num_heads=3, num_queries=1) * 2 == dense_scores_bytes(
-        400, num_heads=3, num_queries=1)
+        400, num_heads=3, num_queries=1
+    )
     assert dense_scores_bytes(64, num_heads=2, num_queries=64) == dense_scores_bytes(64, num_heads=2)
     with pytest.raises(ValueError, match="num_queries"):
         dense_scores_bytes(8, num_heads=2, num_queries=-1)

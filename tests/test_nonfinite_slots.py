@@ -7,22 +7,26 @@ keeps every slot that holds no token at zero, which covers stale pages and unwri
 
 import pytest
 import torch
+from attention_cases import make_decode_case, make_prefill_case, rel_error
 
 import paged_ref as pr
 from paged_ref.attention.flex import flex_paged_decode, flex_paged_prefill
 from paged_ref.attention.reference import paged_attention_reference, paged_prefill_reference
 from paged_ref.attention.triton_decode import paged_decode
 from paged_ref.hf.sdpa import sdpa_paged_decode, sdpa_paged_prefill
-from attention_cases import make_decode_case, make_prefill_case, rel_error
+
 
 def compiled(fn):
     return lambda *args, **kw: fn(*args, compiled=True, **kw)
 
 
-DECODERS = {"reference": paged_attention_reference, "flex": compiled(flex_paged_decode),
-            "triton": paged_decode, "sdpa": sdpa_paged_decode}
-PREFILLERS = {"reference": paged_prefill_reference, "flex": compiled(flex_paged_prefill),
-              "sdpa": sdpa_paged_prefill}
+DECODERS = {
+    "reference": paged_attention_reference,
+    "flex": compiled(flex_paged_decode),
+    "triton": paged_decode,
+    "sdpa": sdpa_paged_decode,
+}
+PREFILLERS = {"reference": paged_prefill_reference, "flex": compiled(flex_paged_prefill), "sdpa": sdpa_paged_prefill}
 # the cache route also holds for eager flex: nothing stale is left to read
 CACHE_DECODERS = {**DECODERS, "flex eager": flex_paged_decode}
 
@@ -44,8 +48,7 @@ def poison_all_but_one(case, keep: int):
 @pytest.mark.parametrize("backend", sorted(DECODERS))
 @pytest.mark.parametrize("page_size", [1, 16, 64])  # flex compiles once per page size
 def test_decode_ignores_nonfinite_unowned_pages(backend, page_size):
-    case = make_decode_case(seed=page_size, batch=4, page_size=page_size, num_kv_heads=2,
-                            group=4, head_dim=32)
+    case = make_decode_case(seed=page_size, batch=4, page_size=page_size, num_kv_heads=2, group=4, head_dim=32)
     expected = case.expected()
     for b in range(4):
         k, v, table, lens = poison_all_but_one(case, b)
@@ -57,8 +60,7 @@ def test_decode_ignores_nonfinite_unowned_pages(backend, page_size):
 @pytest.mark.parametrize("backend", sorted(PREFILLERS))
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_prefill_ignores_nonfinite_unowned_pages(backend, page_size):
-    case = make_prefill_case(seed=3, batch=3, page_size=page_size, num_kv_heads=2, group=2,
-                             head_dim=32, max_q_len=6)
+    case = make_prefill_case(seed=3, batch=3, page_size=page_size, num_kv_heads=2, group=2, head_dim=32, max_q_len=6)
     expected = case.expected()
     for b in range(3):
         k, v, table, lens = poison_all_but_one(case, b)
@@ -83,14 +85,15 @@ def test_through_the_cache_stale_pages_do_not_leak(backend):
     c.write(0, slots, torch.randn(40, 2, 32), torch.randn(40, 2, 32))
     c.free(stale)
     s = c.add_sequence()
-    slots = c.reserve(s, 21)                          # reuses the stale pages; 11 slots unwritten
+    slots = c.reserve(s, 21)  # reuses the stale pages; 11 slots unwritten
     k, v = torch.randn(21, 2, 32), torch.randn(21, 2, 32)
     c.write(0, slots, k, v)
     table, lens = c.block_table([s])
     q = torch.randn(1, 8, 32)
     out = CACHE_DECODERS[backend](q, c.k_cache[0], c.v_cache[0], table, lens)
     dense = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], enable_gqa=True)[:, :, 0]
+        q[:, :, None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], enable_gqa=True
+    )[:, :, 0]
     assert torch.isfinite(out).all() and rel_error(out, dense) < 1e-4
 
 

@@ -1,7 +1,6 @@
 """The notebooks speak to students: no tracker jargon, no GPU claim without committed GPU data."""
 
 import pytest
-
 from notebook_text import NOTEBOOKS, gpu_claims, gpu_data_committed, jargon, student_text
 
 
@@ -23,24 +22,31 @@ def test_no_gpu_claim_without_gpu_data(path):
     assert not hits, f"{path.name}: reads as measured on a GPU, but no GPU data is committed: {hits}"
 
 
-@pytest.mark.parametrize("check, text", [
-    (jargon, "The issue's goals for an H200 are listed below."),
-    (jargon, "This meets the goal."),
-    (jargon, "TODO: re-run this cell."),
-    (gpu_claims, "An H200 copies at roughly 4.3 TB/s in this benchmark."),
-    (gpu_claims, "The compiled path is checked by a test on a GPU."),
-    (gpu_claims, "Measured on an H100, the kernel reaches 90% of the copy."),
-], ids=lambda x: getattr(x, "__name__", None))
+@pytest.mark.parametrize(
+    "check, text",
+    [
+        (jargon, "The issue's goals for an H200 are listed below."),
+        (jargon, "This meets the goal."),
+        (jargon, "TODO: re-run this cell."),
+        (gpu_claims, "An H200 copies at roughly 4.3 TB/s in this benchmark."),
+        (gpu_claims, "The compiled path is checked by a test on a GPU."),
+        (gpu_claims, "Measured on an H100, the kernel reaches 90% of the copy."),
+    ],
+    ids=lambda x: getattr(x, "__name__", None),
+)
 def test_the_checks_catch(check, text):
     assert check(text)
 
 
-@pytest.mark.parametrize("text", [
-    "When a GPU is present, the cell measures the kernel against a device copy.",
-    "The H200's datasheet gives 4.8 TB/s.",
-    "No GPU measurement is committed yet.",
-    "The kernel tiles K in blocks of 64 tokens.",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "When a GPU is present, the cell measures the kernel against a device copy.",
+        "The H200's datasheet gives 4.8 TB/s.",
+        "No GPU measurement is committed yet.",
+        "The kernel tiles K in blocks of 64 tokens.",
+    ],
+)
 def test_plans_and_specs_pass(text):
     assert not gpu_claims(text) and not jargon(text)
 
@@ -56,4 +62,5 @@ def test_every_widget_has_a_static_picture(path):
 
     assert not panels_without_picture(path), (
         f"{path.name}: widget cells {panels_without_picture(path)} saved no picture; re-execute "
-        "the notebook (panels carry a PNG of their default setting)")
+        "the notebook (panels carry a PNG of their default setting)"
+    )

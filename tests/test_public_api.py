@@ -1,5 +1,7 @@
 import doctest
 
+import pytest
+
 import paged_ref as pr
 
 
@@ -9,12 +11,8 @@ def test_every_public_name_resolves():
 
 
 def test_unknown_attribute_raises():
-    try:
-        pr.not_a_name
-    except AttributeError as err:
-        assert "not_a_name" in str(err)
-    else:
-        raise AssertionError("expected AttributeError")
+    with pytest.raises(AttributeError, match="not_a_name"):
+        _ = pr.not_a_name
 
 
 def test_package_docstring_example():

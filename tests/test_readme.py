@@ -17,13 +17,14 @@ def test_coursework_example_runs():
 def test_layout_block_matches_the_tree():
     """Every module the README's layout names exists, and every module of the package is named."""
     text = README.read_text()
-    block = text[text.index("## Layout"):]
-    block = block[block.index("```") + 3:]
-    block = block[:block.index("```")]
+    block = text[text.index("## Layout") :]
+    block = block[block.index("```") + 3 :]
+    block = block[: block.index("```")]
     package = README.parent / "paged_ref"
     named = set(re.findall(r"\b(\w+)\.py\b", block))
-    named |= {f"{sub}/{m}" for sub, mods in re.findall(r"(\w+)/ \(([^)]*)\)", block)
-              for m in re.split(r"[,\s]+", mods) if m}
+    named |= {
+        f"{sub}/{m}" for sub, mods in re.findall(r"(\w+)/ \(([^)]*)\)", block) for m in re.split(r"[,\s]+", mods) if m
+    }
     modules = {p.stem for p in package.glob("*.py") if p.stem != "__init__" and p.stem != "_validate"}
     subpackages = {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
     for sub in subpackages:

@@ -14,9 +14,13 @@ pytest.importorskip("triton.compiler")
 
 from paged_ref.bench import kernels as K  # noqa: E402
 
-DEFAULTS = [K.KernelConfig(arch, dtype, 128, 4, page, split)
-            for arch, dtypes in ((90, ("bf16", "fp16")), (80, ("bf16", "fp16")), (75, ("fp16",)))
-            for dtype in dtypes for page in (16, 64) for split in (False, True)]
+DEFAULTS = [
+    K.KernelConfig(arch, dtype, 128, 4, page, split)
+    for arch, dtypes in ((90, ("bf16", "fp16")), (80, ("bf16", "fp16")), (75, ("fp16",)))
+    for dtype in dtypes
+    for page in (16, 64)
+    for split in (False, True)
+]
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +35,11 @@ def test_every_default_configuration_compiles(compiled):
 
 
 def test_no_16bit_configuration_spills(compiled):
-    spills = {(c.arch, c.dtype, c.page_size, c.split): (e["spill_stores"], e["spill_loads"])
-              for c, e in compiled.items() if e["spill_stores"] + e["spill_loads"]}
+    spills = {
+        (c.arch, c.dtype, c.page_size, c.split): (e["spill_stores"], e["spill_loads"])
+        for c, e in compiled.items()
+        if e["spill_stores"] + e["spill_loads"]
+    }
     assert not spills, f"spill stores/loads: {spills}"
 
 

@@ -29,8 +29,9 @@ def gpu(test):
     return pytest.mark.gpu(_needs_cuda(test))
 
 
-def make_case(seed, *, page_size, num_q_heads, num_kv_heads, head_dim, seq_lens,
-              dtype=torch.float32, device=DEVICE, spare_pages=3):
+def make_case(
+    seed, *, page_size, num_q_heads, num_kv_heads, head_dim, seq_lens, dtype=torch.float32, device=DEVICE, spare_pages=3
+):
     """A random paged batch: shuffled physical pages, garbage in the unused table entries.
 
     Returns (q, k_cache, v_cache, block_table, seq_lens):
@@ -38,8 +39,8 @@ def make_case(seed, *, page_size, num_q_heads, num_kv_heads, head_dim, seq_lens,
     block_table int32 [batch, max_pages]; seq_lens int32 [batch].
     """
     gen = torch.Generator().manual_seed(seed)
-    used = [math.ceil(n / page_size) for n in seq_lens]       # pages each sequence uses
-    max_pages = max(used) + 1                                   # one padding column at least
+    used = [math.ceil(n / page_size) for n in seq_lens]  # pages each sequence uses
+    max_pages = max(used) + 1  # one padding column at least
     num_pages = sum(used) + spare_pages
     # Garbage everywhere first: negative and past-the-end ids must never be read.
     block_table = torch.randint(-7, 3 * num_pages, (len(seq_lens), max_pages), generator=gen)
@@ -52,15 +53,20 @@ def make_case(seed, *, page_size, num_q_heads, num_kv_heads, head_dim, seq_lens,
     v_cache = torch.randn(shape, generator=gen).to(dtype)
     q = torch.randn(len(seq_lens), num_q_heads, head_dim, generator=gen).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    return (q.to(device), k_cache.to(device), v_cache.to(device),
-            block_table.to(torch.int32).to(device), lens.to(device))
+    return (
+        q.to(device),
+        k_cache.to(device),
+        v_cache.to(device),
+        block_table.to(torch.int32).to(device),
+        lens.to(device),
+    )
 
 
 def reference64(q, k_cache, v_cache, block_table, seq_lens, scale=None):
     """The plain-PyTorch reference, in float64 on the CPU."""
-    return paged_attention_reference(q.cpu().double(), k_cache.cpu().double(),
-                                     v_cache.cpu().double(), block_table.cpu(),
-                                     seq_lens.cpu(), scale=scale)
+    return paged_attention_reference(
+        q.cpu().double(), k_cache.cpu().double(), v_cache.cpu().double(), block_table.cpu(), seq_lens.cpu(), scale=scale
+    )
 
 
 def rel_err(out, ref):
@@ -69,8 +75,7 @@ def rel_err(out, ref):
 
 def ragged_lens(page_size, seed):
     """Length 1, an exact page multiple, one past it, two pages, and a random one."""
-    extra = int(torch.randint(2, 3 * page_size + 9, (1,),
-                              generator=torch.Generator().manual_seed(seed)))
+    extra = int(torch.randint(2, 3 * page_size + 9, (1,), generator=torch.Generator().manual_seed(seed)))
     return [1, page_size, page_size + 1, 2 * page_size, extra]
 
 
@@ -83,32 +88,32 @@ GQA = {"ratio1": (4, 4), "ratio2": (4, 2), "ratio4": (8, 2), "ratio8": (16, 2), 
 def test_matches_float64_gqa_and_page_sizes(page_size, gqa):
     hq, hkv = GQA[gqa]
     seed = 1000 * page_size + hq * 10 + hkv
-    case = make_case(seed, page_size=page_size, num_q_heads=hq, num_kv_heads=hkv, head_dim=64,
-                     seq_lens=ragged_lens(page_size, seed))
+    case = make_case(
+        seed, page_size=page_size, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, seq_lens=ragged_lens(page_size, seed)
+    )
     out = paged_decode(*case)
     assert out.shape == case[0].shape and out.dtype == case[0].dtype
     assert rel_err(out, reference64(*case)) < 1e-5
 
 
-@pytest.mark.parametrize("page_size", [8, 64])    # 1, 16, 128: the shared cases below
+@pytest.mark.parametrize("page_size", [8, 64])  # 1, 16, 128: the shared cases below
 def test_matches_float64_head_dim_128(page_size):
     seed = 77 + page_size
-    case = make_case(seed, page_size=page_size, num_q_heads=8, num_kv_heads=2, head_dim=128,
-                     seq_lens=ragged_lens(page_size, seed))
+    case = make_case(
+        seed, page_size=page_size, num_q_heads=8, num_kv_heads=2, head_dim=128, seq_lens=ragged_lens(page_size, seed)
+    )
     assert rel_err(paged_decode(*case), reference64(*case)) < 1e-5
 
 
 def test_page_size_256_spans_many_tiles():
-    case = make_case(256, page_size=256, num_q_heads=4, num_kv_heads=1, head_dim=64,
-                     seq_lens=[1, 256, 257, 600])
+    case = make_case(256, page_size=256, num_q_heads=4, num_kv_heads=1, head_dim=64, seq_lens=[1, 256, 257, 600])
     assert rel_err(paged_decode(*case, num_splits=2), reference64(*case)) < 1e-5
 
 
 @pytest.mark.parametrize("head_dim", [32, 80])
 def test_other_head_dims(head_dim):
     """80 is not a power of two: the kernel pads the head dimension and masks it."""
-    case = make_case(head_dim, page_size=16, num_q_heads=4, num_kv_heads=2, head_dim=head_dim,
-                     seq_lens=[3, 50])
+    case = make_case(head_dim, page_size=16, num_q_heads=4, num_kv_heads=2, head_dim=head_dim, seq_lens=[3, 50])
     assert rel_err(paged_decode(*case, num_splits=3), reference64(*case)) < 1e-5
 
 
@@ -116,21 +121,19 @@ def test_custom_scale():
     case = make_case(5, page_size=8, num_q_heads=4, num_kv_heads=2, head_dim=64, seq_lens=[9, 30])
     ref = reference64(*case, scale=0.3)
     assert rel_err(paged_decode(*case, scale=0.3), ref) < 1e-5
-    assert rel_err(paged_decode(*case), ref) > 1e-3     # the scale really is used
+    assert rel_err(paged_decode(*case), ref) > 1e-3  # the scale really is used
 
 
 def test_shared_pages_between_sequences():
     """Two sequences may point at the same physical pages (prefix sharing)."""
-    q, kc, vc, bt, lens = make_case(9, page_size=8, num_q_heads=4, num_kv_heads=2,
-                                    head_dim=64, seq_lens=[20, 20])
+    q, kc, vc, bt, lens = make_case(9, page_size=8, num_q_heads=4, num_kv_heads=2, head_dim=64, seq_lens=[20, 20])
     bt[1, :2] = bt[0, :2]
     assert rel_err(paged_decode(q, kc, vc, bt, lens), reference64(q, kc, vc, bt, lens)) < 1e-5
 
 
 def test_int64_block_table_and_seq_lens():
     """The common contract also allows int64 tables and lengths; same result as int32."""
-    q, kc, vc, bt, lens = make_case(12, page_size=16, num_q_heads=4, num_kv_heads=2,
-                                    head_dim=64, seq_lens=[7, 40])
+    q, kc, vc, bt, lens = make_case(12, page_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64, seq_lens=[7, 40])
     out32 = paged_decode(q, kc, vc, bt, lens, num_splits=2)
     out64 = paged_decode(q, kc, vc, bt.long(), lens.long(), num_splits=2)
     torch.testing.assert_close(out64, out32, rtol=0, atol=0)
@@ -143,13 +146,17 @@ def test_shared_cases_with_garbage_in_unowned_slots(i, page_size):
     pads the block table with -1, past-the-end and other sequences' page ids."""
     cases = pytest.importorskip("attention_cases")
     num_kv_heads, group = cases.HEAD_LAYOUTS[i]
-    case = cases.make_decode_case(seed=900 + i, batch=5, page_size=page_size,
-                                  num_kv_heads=num_kv_heads, group=group,
-                                  head_dim=64 if i % 2 else 128)
+    case = cases.make_decode_case(
+        seed=900 + i,
+        batch=5,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_dim=64 if i % 2 else 128,
+    )
     args = [t.to(DEVICE) for t in case.args]
     for num_splits in (1, 3):
-        assert cases.rel_error(paged_decode(*args, num_splits=num_splits).cpu(),
-                               case.expected()) < 1e-5
+        assert cases.rel_error(paged_decode(*args, num_splits=num_splits).cpu(), case.expected()) < 1e-5
 
 
 # --- split-K ---------------------------------------------------------------------------------
@@ -159,8 +166,7 @@ SPLIT_LENS = [1, 17, 200, 333]
 @pytest.mark.parametrize("num_splits", [2, 3, 7, 16, None])
 def test_splits_match_unsplit_and_float64(num_splits):
     """Any split count (also more splits than tiles: empty splits) gives the unsplit result."""
-    case = make_case(31, page_size=16, num_q_heads=8, num_kv_heads=2, head_dim=64,
-                     seq_lens=SPLIT_LENS)
+    case = make_case(31, page_size=16, num_q_heads=8, num_kv_heads=2, head_dim=64, seq_lens=SPLIT_LENS)
     unsplit = paged_decode(*case, num_splits=1)
     split = paged_decode(*case, num_splits=num_splits)
     ref = reference64(*case)
@@ -173,8 +179,9 @@ def test_splits_match_unsplit_and_float64(num_splits):
 def test_heuristic_splits_in_the_cases_above():
     """num_splits=None must really split the long case above (on CPU: a pretend 8-SM GPU)."""
     cfg = td._tile_config(torch.float32, 64, 4)
-    chosen = choose_num_splits(len(SPLIT_LENS), 2, max(SPLIT_LENS), td._num_sms(
-        torch.device(DEVICE)), min_tokens_per_split=4 * cfg["BLOCK_N"])
+    chosen = choose_num_splits(
+        len(SPLIT_LENS), 2, max(SPLIT_LENS), td._num_sms(torch.device(DEVICE)), min_tokens_per_split=4 * cfg["BLOCK_N"]
+    )
     assert chosen > 1
 
 
@@ -189,9 +196,9 @@ def test_choose_num_splits_fills_the_gpu():
     assert choose_num_splits(1, 8, 1024, sms, min_tokens_per_split=256) == 4
     # No nearly empty last wave: 64 programs on 396 slots -> 6 splits (one wave), not 7.
     assert choose_num_splits(8, 8, 32768, sms, programs_per_sm=3) == 6
-    assert choose_num_splits(8, 8, 32768, sms, programs_per_sm=4) == 8      # 512 of 528
+    assert choose_num_splits(8, 8, 32768, sms, programs_per_sm=4) == 8  # 512 of 528
     for batch in (1, 3, 8, 50, 500):
-        for length in (1, 100, 5000, 10 ** 6):
+        for length in (1, 100, 5000, 10**6):
             s = choose_num_splits(batch, 4, length, sms)
             assert 1 <= s <= 256 and (s == 1 or length // s >= 256)
 
@@ -199,31 +206,31 @@ def test_choose_num_splits_fills_the_gpu():
 # --- every output element written ------------------------------------------------------------
 @pytest.mark.parametrize("num_splits", [1, 5])
 def test_poisoned_output_fully_written_and_nothing_past_it(num_splits):
-    case = make_case(41, page_size=8, num_q_heads=6, num_kv_heads=2, head_dim=80,
-                     seq_lens=[1, 8, 9, 70])
+    case = make_case(41, page_size=8, num_q_heads=6, num_kv_heads=2, head_dim=80, seq_lens=[1, 8, 9, 70])
     q = case[0]
     guard = 64
     buf = torch.full((q.numel() + guard,), float("nan"), dtype=q.dtype, device=q.device)
-    out = buf[: q.numel()].view(q.shape)                       # contiguous, NaN-filled
+    out = buf[: q.numel()].view(q.shape)  # contiguous, NaN-filled
     result = paged_decode(*case, num_splits=num_splits, out=out)
     assert result.data_ptr() == out.data_ptr()
     assert not torch.isnan(out).any()
-    assert torch.isnan(buf[q.numel():]).all()                  # no write past the end
+    assert torch.isnan(buf[q.numel() :]).all()  # no write past the end
     assert rel_err(out, reference64(*case)) < 1e-5
 
 
 # --- validation ------------------------------------------------------------------------------
 def _base_case():
-    return make_case(3, page_size=8, num_q_heads=4, num_kv_heads=2, head_dim=64,
-                     seq_lens=[5, 17])
+    return make_case(3, page_size=8, num_q_heads=4, num_kv_heads=2, head_dim=64, seq_lens=[5, 17])
 
 
 def _set(i, fn):
     """Replace argument i of the case by fn(argument)."""
+
     def mutate(case):
         case = list(case)
         case[i] = fn(case[i])
         return case
+
     return mutate
 
 
@@ -234,24 +241,38 @@ BAD_INPUTS = {
     "caches differ": (_set(2, lambda t: t[:-1]), ValueError, "v_cache must have the same shape"),
     "k_cache dtype": (_set(1, lambda t: t.double()), TypeError, "k_cache must have the same dtype"),
     "head_dim mismatch": (_set(0, lambda t: t[..., :32].contiguous()), ValueError, "head_dim"),
-    "gqa not divisible": (_set(0, lambda t: t[:, :3].contiguous()), ValueError,
-                          "multiple of num_kv_heads"),
+    "gqa not divisible": (_set(0, lambda t: t[:, :3].contiguous()), ValueError, "multiple of num_kv_heads"),
     "block_table dtype": (_set(3, lambda t: t.float()), TypeError, "block_table must be int"),
     "block_table batch": (_set(3, lambda t: t[:1]), ValueError, "block_table must have shape"),
     "seq_lens dtype": (_set(4, lambda t: t.float()), TypeError, "seq_lens must be int"),
     "seq_lens shape": (_set(4, lambda t: t[:1]), ValueError, "seq_lens must have shape"),
     "seq_len zero": (_set(4, lambda t: torch.zeros_like(t)), ValueError, r"seq_lens\[0\]"),
     "seq_len over capacity": (_set(4, lambda t: t + 1000), ValueError, "max_pages"),
-    "page id too large": (_set(3, lambda t: t.index_fill(1, torch.tensor([0], device=t.device),
-                                                         10 ** 6)), ValueError, "num_pages"),
-    "page id negative": (_set(3, lambda t: t.index_fill(1, torch.tensor([0], device=t.device),
-                                                        -1)), ValueError, "num_pages"),
-    "q not contiguous": (_set(0, lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)),
-                         ValueError, "q must be contiguous"),
-    "k_cache not contiguous": (_set(1, lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)),
-                               ValueError, "k_cache must be contiguous"),
-    "block_table not contiguous": (_set(3, lambda t: t.t().contiguous().t()), ValueError,
-                                   "block_table must be contiguous"),
+    "page id too large": (
+        _set(3, lambda t: t.index_fill(1, torch.tensor([0], device=t.device), 10**6)),
+        ValueError,
+        "num_pages",
+    ),
+    "page id negative": (
+        _set(3, lambda t: t.index_fill(1, torch.tensor([0], device=t.device), -1)),
+        ValueError,
+        "num_pages",
+    ),
+    "q not contiguous": (
+        _set(0, lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)),
+        ValueError,
+        "q must be contiguous",
+    ),
+    "k_cache not contiguous": (
+        _set(1, lambda t: t.transpose(0, 1).contiguous().transpose(0, 1)),
+        ValueError,
+        "k_cache must be contiguous",
+    ),
+    "block_table not contiguous": (
+        _set(3, lambda t: t.t().contiguous().t()),
+        ValueError,
+        "block_table must be contiguous",
+    ),
 }
 
 
@@ -290,13 +311,15 @@ def test_bad_num_splits(num_splits):
         paged_decode(*_base_case(), num_splits=num_splits)
 
 
-@pytest.mark.parametrize("bad_out, match", [
-    (lambda q: torch.empty(q.shape[0], q.shape[1], 32, device=q.device), "out must match q"),
-    (lambda q: torch.empty_like(q, dtype=torch.float64), "out must match q"),
-    (lambda q: torch.empty_like(q).transpose(0, 1).contiguous().transpose(0, 1),
-     "out must be contiguous"),
-    (lambda q: q.tolist(), "out must be None or a torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "bad_out, match",
+    [
+        (lambda q: torch.empty(q.shape[0], q.shape[1], 32, device=q.device), "out must match q"),
+        (lambda q: torch.empty_like(q, dtype=torch.float64), "out must match q"),
+        (lambda q: torch.empty_like(q).transpose(0, 1).contiguous().transpose(0, 1), "out must be contiguous"),
+        (lambda q: q.tolist(), "out must be None or a torch.Tensor"),
+    ],
+)
 def test_bad_out(bad_out, match):
     case = _base_case()
     with pytest.raises((TypeError, ValueError), match=match):
@@ -323,14 +346,16 @@ def _run_python(code, env_extra=None):
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
     env.pop("TRITON_INTERPRET", None)
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_interpreter_runs_even_if_triton_imported_first_and_disabled():
     """triton imported before us, TRITON_INTERPRET=0 in the environment and the knob forced
     off: CPU tensors still run through the interpreter, and the knob is off again after."""
-    result = _run_python("""
+    result = _run_python(
+        """
         import triton, torch
         if hasattr(triton, "knobs"):
             triton.knobs.runtime.interpret = False
@@ -341,7 +366,9 @@ def test_interpreter_runs_even_if_triton_imported_first_and_disabled():
         if hasattr(triton, "knobs"):
             assert triton.knobs.runtime.interpret is False
         print("ok", out.shape)
-    """, {"TRITON_INTERPRET": "0"})
+    """,
+        {"TRITON_INTERPRET": "0"},
+    )
     assert result.returncode == 0, result.stderr
     assert "ok torch.Size([1, 2, 16])" in result.stdout
 
@@ -401,8 +428,15 @@ def test_without_triton_module_imports_and_call_raises_importerror():
 @pytest.mark.parametrize("page_size", [1, 16, 128, 256])
 def test_gpu_dtypes(dtype, page_size):
     seed = page_size + 7
-    case = make_case(seed, page_size=page_size, num_q_heads=32, num_kv_heads=8, head_dim=128,
-                     seq_lens=ragged_lens(page_size, seed) + [3000], dtype=dtype)
+    case = make_case(
+        seed,
+        page_size=page_size,
+        num_q_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        seq_lens=ragged_lens(page_size, seed) + [3000],
+        dtype=dtype,
+    )
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     ref = reference64(*case)
     for num_splits in (1, None, 7):
@@ -414,8 +448,15 @@ def test_gpu_dtypes(dtype, page_size):
 @gpu
 @pytest.mark.parametrize("seq_lens, num_kv_heads", [([65536], 8), ([1, 20000, 4096, 777], 2)])
 def test_gpu_large(seq_lens, num_kv_heads):
-    case = make_case(11, page_size=16, num_q_heads=4 * num_kv_heads, num_kv_heads=num_kv_heads,
-                     head_dim=128, seq_lens=seq_lens, dtype=torch.bfloat16)
+    case = make_case(
+        11,
+        page_size=16,
+        num_q_heads=4 * num_kv_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=128,
+        seq_lens=seq_lens,
+        dtype=torch.bfloat16,
+    )
     out = torch.full_like(case[0], float("nan"))
     paged_decode(*case, out=out)
     assert not torch.isnan(out).any()
@@ -425,6 +466,7 @@ def test_gpu_large(seq_lens, num_kv_heads):
 # --- the benchmark harness -------------------------------------------------------------------
 def test_bench_dispatcher_lists_and_rejects(capsys):
     from paged_ref.bench import __main__ as dispatcher
+
     assert dispatcher.main(["--help"]) == 0
     listed = capsys.readouterr().out
     assert "decode" in listed and "common" not in listed
@@ -434,8 +476,10 @@ def test_bench_dispatcher_lists_and_rejects(capsys):
 
 def test_bench_decode_cpu_quick(tmp_path):
     from paged_ref.bench import decode
+
     decode.main(["--cpu", "--quick", "--out", str(tmp_path)])
     import json
+
     data = json.loads((tmp_path / "decode_cpu.json").read_text())
     assert data["environment"]["torch"] == torch.__version__
     assert data["results"], "no measurement recorded"
@@ -447,23 +491,18 @@ def test_bench_decode_gpu_path_smoke(monkeypatch):
     """The GPU harness's own logic (layouts, records, ratios, goals) on tiny float32 CPU sizes,
     with CPU timers standing in for CUDA events."""
     from paged_ref.bench import common, decode
-    monkeypatch.setattr(decode, "gpu_median", lambda fn, **kw: common.cpu_median(
-        fn, warmup=0, repeats=1)["median_s"])
-    monkeypatch.setattr(decode, "copy_bandwidth", lambda: dict(bytes=1, median_s=1.0,
-                                                                 bandwidth_GBps=1.0))
+
+    monkeypatch.setattr(decode, "gpu_median", lambda fn, **kw: common.cpu_median(fn, warmup=0, repeats=1)["median_s"])
+    monkeypatch.setattr(decode, "copy_bandwidth", lambda: dict(bytes=1, median_s=1.0, bandwidth_GBps=1.0))
     heads = dict(num_q_heads=4, num_kv_heads=2, head_dim=32)
-    data = decode.run_gpu([(2, 64)], [16, 32], budget_s=60, rep_ms=1, heads=heads,
-                          dtype=torch.float32, device="cpu")
+    data = decode.run_gpu([(2, 64)], [16, 32], budget_s=60, rep_ms=1, heads=heads, dtype=torch.float32, device="cpu")
     impls = {r["impl"] for r in data["results"]}
-    assert {"paged_decode", "paged_decode contiguous", "paged_decode (again)",
-            "sdpa contiguous"} <= impls
+    assert {"paged_decode", "paged_decode contiguous", "paged_decode (again)", "sdpa contiguous"} <= impls
     assert all(r["rel_err"] < 1e-4 for r in data["results"]), data["results"]
     ratios, goals = decode.summarize_gpu(data)
-    assert [(r["batch"], r["seq_len"], r["page_size"]) for r in ratios] == [(2, 64, 16),
-                                                                            (2, 64, 32)]
+    assert [(r["batch"], r["seq_len"], r["page_size"]) for r in ratios] == [(2, 64, 16), (2, 64, 32)]
     assert all(r["paged_over_contiguous"] > 0 and r["sdpa_over_paged"] > 0 for r in ratios)
     assert any("page sizes" in g["goal"] for g in goals)
-    sweep = decode.run_sweep(1, [(1, 64)], 16, configs=[(32, 4, 2)], heads=heads,
-                             dtype=torch.float32, device="cpu")
+    sweep = decode.run_sweep(1, [(1, 64)], 16, configs=[(32, 4, 2)], heads=heads, dtype=torch.float32, device="cpu")
     assert len(sweep) == 2 and all(r["rel_err"] < 1e-4 for r in sweep)
     assert {r["num_splits"] for r in sweep} == {1, 2}

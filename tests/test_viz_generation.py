@@ -7,8 +7,14 @@ from matplotlib.figure import Figure
 from paged_ref import PagedKVCache, hf
 from paged_ref.block_table import pages_needed
 from paged_ref.models import tiny_llama
-from paged_ref.viz.generation import (GenerationTrace, PageTracer, generation_story_figure, logprob_figure,
-                                      pages_over_steps_figure, story_indices)
+from paged_ref.viz.generation import (
+    GenerationTrace,
+    PageTracer,
+    generation_story_figure,
+    logprob_figure,
+    pages_over_steps_figure,
+    story_indices,
+)
 from paged_ref.widgets.generation import trace_panel, trace_view
 
 PAGE = 4
@@ -30,8 +36,8 @@ def _batch(lengths, seed=0):
     ids = torch.zeros(len(lengths), width, dtype=torch.long)
     mask = torch.zeros(len(lengths), width, dtype=torch.long)
     for b, n in enumerate(lengths):
-        ids[b, width - n:] = torch.randint(3, 512, (n,), generator=g)
-        mask[b, width - n:] = 1
+        ids[b, width - n :] = torch.randint(3, 512, (n,), generator=g)
+        mask[b, width - n :] = 1
     return ids, mask
 
 
@@ -47,8 +53,16 @@ def _trace(model, names=("A", "B", "C"), new=10, **tracer_kw):
     ids, mask, eos = _eos_batch(model)
     kv = _kv()
     tracer = PageTracer(kv, names=list(names), **tracer_kw)
-    out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=new, kv_cache=kv, callback=tracer,
-                      eos_token_id=eos, pad_token_id=0)
+    out = hf.generate(
+        model,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new,
+        kv_cache=kv,
+        callback=tracer,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
     return tracer.finish(), kv, ids, mask, out, eos
 
 
@@ -65,7 +79,7 @@ def test_tracer_records_what_the_cache_held_at_every_step(traced):
     steps = out.shape[1] - ids.shape[1]
     assert trace.steps == tuple(range(steps)) + (None,)
     assert trace.names == ("A", "B", "C") and len(trace.maps) == steps + 1
-    generated = out[:, ids.shape[1]:]
+    generated = out[:, ids.shape[1] :]
     for row, name in enumerate(trace.names):
         ended = (generated[row] == eos).nonzero()
         last = int(ended[0]) if len(ended) else None  # the step whose token was EOS
@@ -91,16 +105,26 @@ def test_a_tight_pool_reuses_the_pages_of_a_finished_sequence(model):
     ids, mask, eos = _eos_batch(model)
     kv = _kv(num_pages=9)
     tracer = PageTracer(kv, names=["A", "B", "C"])
-    out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=10, kv_cache=kv, callback=tracer,
-                      eos_token_id=eos, pad_token_id=0)
+    out = hf.generate(
+        model,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=10,
+        kv_cache=kv,
+        callback=tracer,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
     trace = tracer.finish()
-    assert torch.equal(out, model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
-                                           eos_token_id=eos, pad_token_id=0))
+    assert torch.equal(
+        out,
+        model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=0),
+    )
     recycled = trace.recycled_pages()
     assert len(recycled) == 1
     page, b = recycled[0], trace.seq_ids[1]
     assert b in trace.maps[0].owners[page]  # B's page at first ...
-    assert any(pm.owners[page] and b not in pm.owners[page] for pm in trace.maps)   # ... then A's or C's
+    assert any(pm.owners[page] and b not in pm.owners[page] for pm in trace.maps)  # ... then A's or C's
     holders = trace.page_holders(page)
     assert holders[0] == "B" and len(holders) == 2 and holders[1] in ("A", "C")
     assert trace.page_holders(kv.num_pages - 1) in (["A"], ["B"], ["C"])  # the last fresh page: one holder
@@ -208,8 +232,10 @@ def test_logprob_figure_reports_max_difference_and_exact_zeros():
     off[7] += 3e-5
     fig = logprob_figure(plain[None], {"same": same, "off": off[None]}, tolerance=1e-4)
     titles = [ax.get_title(loc="left") for ax in fig.axes[1:]]  # one strip per variant
-    assert titles == ["same: max 0.0e+00, mean 0.0e+00, 100% exactly 0",
-                      "off: max 3.0e-05, mean 1.5e-06, 95% exactly 0"]
+    assert titles == [
+        "same: max 0.0e+00, mean 0.0e+00, 100% exactly 0",
+        "off: max 3.0e-05, mean 1.5e-06, 95% exactly 0",
+    ]
     # the strip draws every token; an exact 0 at the floor
     ys = fig.axes[2].lines[0].get_ydata()
     assert len(ys) == 20 and ys[7] == pytest.approx(3e-5, rel=1e-2) and ys[0] == 1e-9
@@ -242,9 +268,17 @@ def test_trace_view_draws_the_chosen_snapshot(traced):
 
 
 def test_trace_title_counts_live_sequences():
-    trace = GenerationTrace(names=("A", "B"), seq_ids=(0, 1), steps=(0, 1, None),
-                            pages_held={"A": [2, 0, 0], "B": [1, 1, 0]}, tokens_held={"A": [5, 0, 0], "B": [3, 4, 0]},
-                            free_pages=(5, 7, 8), maps=(), num_pages=8, page_size=4)
+    trace = GenerationTrace(
+        names=("A", "B"),
+        seq_ids=(0, 1),
+        steps=(0, 1, None),
+        pages_held={"A": [2, 0, 0], "B": [1, 1, 0]},
+        tokens_held={"A": [5, 0, 0], "B": [3, 4, 0]},
+        free_pages=(5, 7, 8),
+        maps=(),
+        num_pages=8,
+        page_size=4,
+    )
     assert trace.title(0) == "after the prefill: 2 live sequence(s), 3 pages held"
     assert trace.title(1) == "decode step 1: 1 live sequence(s), 1 pages held"
     assert trace.title(2) == "after generate returned: 8 of 8 pages free"

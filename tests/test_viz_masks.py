@@ -1,6 +1,5 @@
 """Notebook 04's mask pictures, position traces, churned example batch and widget callback."""
 
-import doctest
 import io
 
 import matplotlib
@@ -11,15 +10,22 @@ from torch.nn.attention.flex_attention import create_mask
 
 matplotlib.use("Agg")
 
-import paged_ref.viz.masks as viz_masks  # noqa: E402
-import paged_ref.widgets.masks as widget_masks  # noqa: E402
 from attention_cases import make_decode_case, make_prefill_case  # noqa: E402
+
 from paged_ref.attention.flex import block_mask_visits, paged_block_masks  # noqa: E402
-from paged_ref.viz.masks import (VERDICTS, block_masks_figure, expected_visible,  # noqa: E402
-                                 format_traces, listed_blocks, mask_views_figure, page_owners,
-                                 trace_position, translation_figure, untranslated_block_mask)
-from paged_ref.widgets.masks import (KV_BLOCK_SIZES, PAGE_SIZES, check_lengths,  # noqa: E402
-                                     churned_cache, mask_panel, mask_view)
+from paged_ref.viz.masks import (  # noqa: E402
+    VERDICTS,
+    block_masks_figure,
+    expected_visible,
+    format_traces,
+    listed_blocks,
+    mask_views_figure,
+    page_owners,
+    trace_position,
+    translation_figure,
+    untranslated_block_mask,
+)
+from paged_ref.widgets.masks import KV_BLOCK_SIZES, PAGE_SIZES, check_lengths, churned_cache, mask_panel, mask_view  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -35,38 +41,29 @@ def table_of(cache, seqs):
     return bt, lens, cache.num_pages
 
 
-@pytest.mark.parametrize("module", [viz_masks, widget_masks], ids=["viz", "widgets"])
-def test_docstring_examples(module):
-    result = doctest.testmod(module)
-    assert result.attempted > 0 and result.failed == 0
-
-
 # --------------------------------------------------------------------------- ground truth
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_expected_visible_agrees_with_the_attention_cases(page_size, prefill):
     """Two independent ground truths (this module's and the attention tests') agree."""
     make = make_prefill_case if prefill else make_decode_case
-    case = make(seed=40 + page_size, batch=5, page_size=page_size, num_kv_heads=1, group=1,
-                head_dim=4)
+    case = make(seed=40 + page_size, batch=5, page_size=page_size, num_kv_heads=1, group=1, head_dim=4)
     q_len = case.q.shape[2] if prefill else 1
-    got = expected_visible(case.block_table, case.seq_lens, case.k_cache.shape[0], page_size,
-                           q_lens=case.q_lens, q_len=q_len)
+    got = expected_visible(
+        case.block_table, case.seq_lens, case.k_cache.shape[0], page_size, q_lens=case.q_lens, q_len=q_len
+    )
     assert torch.equal(got, case.physical_mask())
 
 
 def test_page_owners_ignores_padding_and_lists_shared_pages():
-    bt = torch.tensor([[2, 0, 3], [0, 9, 9]])       # row 1 uses page 0 only; 9s: out-of-range padding
-    assert page_owners(bt, torch.tensor([9, 2]), num_pages=4, page_size=4) == [
-        (0, 1), (), (0,), (0,)]
-    assert page_owners(bt, torch.tensor([4, 2]), num_pages=4, page_size=4) == [
-        (1,), (), (0,), ()]
+    bt = torch.tensor([[2, 0, 3], [0, 9, 9]])  # row 1 uses page 0 only; 9s: out-of-range padding
+    assert page_owners(bt, torch.tensor([9, 2]), num_pages=4, page_size=4) == [(0, 1), (), (0,), (0,)]
+    assert page_owners(bt, torch.tensor([4, 2]), num_pages=4, page_size=4) == [(1,), (), (0,), ()]
 
 
 def test_listed_blocks_is_the_block_lists_alone():
-    masks = paged_block_masks(torch.tensor([[3, 1]]), torch.tensor([5]), num_pages=4,
-                              page_size=4, kv_block_size=8)
-    listed = listed_blocks(masks.physical)[0, 0]                 # [16]
+    masks = paged_block_masks(torch.tensor([[3, 1]]), torch.tensor([5]), num_pages=4, page_size=4, kv_block_size=8)
+    listed = listed_blocks(masks.physical)[0, 0]  # [16]
     # pages 3 and 1 -> physical blocks 1 (slots 8..15) and 0 (slots 0..7)
     assert listed.tolist() == [True] * 16
     visits = block_mask_visits(masks.physical)[0, 0, 0]
@@ -75,21 +72,24 @@ def test_listed_blocks_is_the_block_lists_alone():
 
 # --------------------------------------------------------------------------- traces
 def test_trace_position_steps_and_verdicts():
-    bt = torch.tensor([[2, 0, 7], [1, 3, 7]])                    # padding 7 is never used
+    bt = torch.tensor([[2, 0, 7], [1, 3, 7]])  # padding 7 is never used
     lens = torch.tensor([6, 8])
-    t = trace_position(bt, lens, page_size=4, b=0, physical=2)   # page 0 = logical page 1
+    t = trace_position(bt, lens, page_size=4, b=0, physical=2)  # page 0 = logical page 1
     assert (t.page, t.offset, t.logical_page, t.logical, t.verdict) == (0, 2, 1, 6, "past seq_lens")
-    assert trace_position(bt, lens, 4, 0, 9).verdict == "kept"   # page 2, logical 1
+    assert trace_position(bt, lens, 4, 0, 9).verdict == "kept"  # page 2, logical 1
     assert trace_position(bt, lens, 4, 0, 5).verdict == "another sequence's page"
-    assert trace_position(bt, lens, 4, 0, 29).verdict == "not in the batch"   # padding page 7
+    assert trace_position(bt, lens, 4, 0, 29).verdict == "not in the batch"  # padding page 7
     t = trace_position(bt, lens, 4, 1, 13, q_lens=torch.tensor([2, 3]), q_idx=0)
-    assert (t.logical, t.verdict) == (5, "kept")                 # query 0 sits at position 5
+    assert (t.logical, t.verdict) == (5, "kept")  # query 0 sits at position 5
     t = trace_position(bt, lens, 4, 1, 14, q_lens=torch.tensor([2, 3]), q_idx=0)
     assert t.verdict == "causal: after the query" and not t.kept
-    assert trace_position(bt, lens, 4, 1, 13, q_lens=torch.tensor([2, 3]), q_idx=3).verdict == (
-        "padding query row")
-    assert {trace_position(bt, lens, 4, b, x, q_lens=torch.tensor([2, 3]), q_idx=i).verdict
-            for b in (0, 1) for x in range(32) for i in (0, 3)} == set(VERDICTS)
+    assert trace_position(bt, lens, 4, 1, 13, q_lens=torch.tensor([2, 3]), q_idx=3).verdict == ("padding query row")
+    assert {
+        trace_position(bt, lens, 4, b, x, q_lens=torch.tensor([2, 3]), q_idx=i).verdict
+        for b in (0, 1)
+        for x in range(32)
+        for i in (0, 3)
+    } == set(VERDICTS)
     table = format_traces([trace_position(bt, lens, 4, 0, x) for x in (2, 9)])
     assert table.splitlines()[1].split() == ["2", "0", "2", "1", "6", "past", "seq_lens"]
     assert table.splitlines()[2].split() == ["9", "2", "1", "0", "1", "kept"]
@@ -100,13 +100,12 @@ def test_trace_position_steps_and_verdicts():
 def test_trace_agrees_with_the_physical_mask_mod_everywhere(page_size, prefill):
     cache, seqs = churned_cache([9, 3, 17, 1], page_size, seed=page_size)
     bt, lens, num_pages = table_of(cache, seqs)
-    q_lens = torch.tensor([3, 3, 2, 0], dtype=torch.int32) if prefill else None   # 0: padding
+    q_lens = torch.tensor([3, 3, 2, 0], dtype=torch.int32) if prefill else None  # 0: padding
     q_len = 3 if prefill else 1
-    masks = paged_block_masks(bt, lens, num_pages, page_size, q_len=q_len, q_lens=q_lens,
-                              kv_block_size=8)
+    masks = paged_block_masks(bt, lens, num_pages, page_size, q_len=q_len, q_lens=q_lens, kv_block_size=8)
     says = create_mask(masks.physical.mask_mod, 4, 1, q_len, num_pages * page_size)[:, 0]
     for b in range(4):
-        for i in range(q_len):                            # padding query rows included
+        for i in range(q_len):  # padding query rows included
             for x in range(num_pages * page_size):
                 t = trace_position(bt, lens, page_size, b, x, q_lens=q_lens, q_idx=i)
                 assert t.kept == bool(says[b, i, x]), (b, i, x, t)
@@ -119,14 +118,14 @@ def test_churned_cache_scatters_pages_and_reuses_the_finished_requests():
     assert lens.tolist() == [11, 5, 16] and num_pages == 3 + 2 + 4 + 2
     rows = [cache.pages(s) for s in seqs]
     held = [p for r in rows for p in r]
-    assert len(set(held)) == len(held) == 9                     # no page held twice
-    assert any(r != sorted(r) for r in rows)                    # out of order: X's pages reused
+    assert len(set(held)) == len(held) == 9  # no page held twice
+    assert any(r != sorted(r) for r in rows)  # out of order: X's pages reused
     assert cache.allocator.num_free == 2
-    for s in seqs:                                              # every token written, finite
+    for s in seqs:  # every token written, finite
         k, v = cache.gather(0, s)
         assert k.abs().sum(-1).gt(0).all() and v.abs().sum(-1).gt(0).all()
     free = [p for p in range(num_pages) if cache.allocator.refcount(p) == 0]
-    assert not cache.k_cache[0][free].any()                      # X's pages were zeroed when freed
+    assert not cache.k_cache[0][free].any()  # X's pages were zeroed when freed
 
 
 def test_churned_cache_is_seeded_and_layout_independent_of_head_shape():
@@ -166,22 +165,32 @@ def test_block_masks_figure_reports_block_visits():
     n_log, n_phys = int(masks.logical.kv_num_blocks.sum()), int(masks.physical.kv_num_blocks.sum())
     assert f"logical BlockMask: {n_log} block visits" in titles
     assert f"physical BlockMask: {n_phys} block visits" in titles
-    assert n_phys > n_log                                    # blocks of 8 over pages of 4
+    assert n_phys > n_log  # blocks of 8 over pages of 4
 
 
 def test_mask_views_figure_counts_leaks_misses_and_double_visits():
     bt, lens = torch.tensor([[1], [0]]), torch.tensor([3, 2])
-    truth = expected_visible(bt, lens, 2, 4)                 # [2, 1, 8]
+    truth = expected_visible(bt, lens, 2, 4)  # [2, 1, 8]
     leak = truth.clone()
-    leak[0, 0, 0] = True                                     # row 0 sees row 1's slot
+    leak[0, 0, 0] = True  # row 0 sees row 1's slot
     miss = truth.int()
     miss[1, 0, 1] = 0
     twice = truth.int() * 2
-    fig = mask_views_figure([("right", truth), ("leak", leak), ("miss", miss), ("twice", twice)],
-                            bt, lens, 4, expected=truth, names=["A", "B"])
+    fig = mask_views_figure(
+        [("right", truth), ("leak", leak), ("miss", miss), ("twice", twice)],
+        bt,
+        lens,
+        4,
+        expected=truth,
+        names=["A", "B"],
+    )
     titles = [ax.get_title(loc="left") for ax in fig.axes if ax.get_title(loc="left")]
-    assert titles == ["right\nmatches the ground truth", "leak\n1 wrong cells",
-                      "miss\n1 wrong cells", "twice\n5 wrong cells"]
+    assert titles == [
+        "right\nmatches the ground truth",
+        "leak\n1 wrong cells",
+        "miss\n1 wrong cells",
+        "twice\n5 wrong cells",
+    ]
     with pytest.raises(ValueError, match="must have shape"):
         mask_views_figure([("bad", truth[:1])], bt, lens, 4, expected=truth)
     with pytest.raises(ValueError, match="at least one"):
@@ -206,7 +215,7 @@ def test_translation_figure_has_one_panel_per_sequence():
     assert len(fig.axes) == 3
     assert fig.axes[0].get_title(loc="left") == f"seq 0: 11 tokens, block table row {cache.pages(seqs[0])}"
     big, bs = churned_cache([64, 64], 1)
-    fig = translation_figure(*table_of(big, bs), 1)           # 130 pages: no labels, short rows
+    fig = translation_figure(*table_of(big, bs), 1)  # 130 pages: no labels, short rows
     assert "..." in fig.axes[0].get_title(loc="left")
 
 
@@ -268,8 +277,7 @@ def test_block_kinds_of_a_causal_mask():
     bm = create_block_mask(causal, None, None, 12, 12, device="cpu", BLOCK_SIZE=4)
     kinds = block_kinds(bm)
     # diagonal blocks need the mask_mod, blocks below it are full, blocks above are never visited
-    assert kinds.tolist() == [[PARTIAL, SKIPPED, SKIPPED], [FULL, PARTIAL, SKIPPED],
-                              [FULL, FULL, PARTIAL]]
+    assert kinds.tolist() == [[PARTIAL, SKIPPED, SKIPPED], [FULL, PARTIAL, SKIPPED], [FULL, FULL, PARTIAL]]
     # every kept element lies in a visited block, and full blocks hold only kept elements
     dense = create_mask(causal, 1, 1, 12, 12)[0, 0]
     per_elem = kinds.repeat_interleave(4, 0).repeat_interleave(4, 1)
@@ -283,6 +291,5 @@ def test_block_kinds_full_and_partial_in_one_row():
     from paged_ref.viz.masks import FULL, PARTIAL, block_kinds
 
     # keys 0..4 kept: block 0 (keys 0-3) is full, block 1 (keys 4-7) partial
-    bm = create_block_mask(lambda b, h, q, kv: kv < 5, None, None, 4, 8, device="cpu",
-                           BLOCK_SIZE=4)
+    bm = create_block_mask(lambda b, h, q, kv: kv < 5, None, None, 4, 8, device="cpu", BLOCK_SIZE=4)
     assert block_kinds(bm).tolist() == [[FULL, PARTIAL]]

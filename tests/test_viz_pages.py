@@ -1,7 +1,6 @@
 """Scenarios as data, the page map (snapshot and drawing) and notebook 02's widget callback."""
 
 import pytest
-import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
@@ -9,13 +8,12 @@ from paged_ref.allocator import OutOfPagesError
 from paged_ref.block_table import pages_needed
 from paged_ref.cache import PagedKVCache
 from paged_ref.scenarios import ScenarioPlayer, Step, add, finish, fork, grow, random_scenario
-from paged_ref.viz.pages import PageMap, _format_table, page_map, page_map_figure, page_map_story
+from paged_ref.viz.pages import _format_table, page_map, page_map_figure, page_map_story
 from paged_ref.widgets.pages import PAGE_SIZES, page_map_panel, page_map_view, page_scenario
 
 
 def make(num_pages=8, page_size=4, **kw):
-    return PagedKVCache(num_layers=2, num_pages=num_pages, page_size=page_size,
-                        num_kv_heads=2, head_dim=3, **kw)
+    return PagedKVCache(num_layers=2, num_pages=num_pages, page_size=page_size, num_kv_heads=2, head_dim=3, **kw)
 
 
 # --------------------------------------------------------------------------- scenarios
@@ -112,7 +110,12 @@ def test_step_validation():
     with pytest.raises(ValueError, match="prompt must be >= 1"):
         add("A", 0)
     assert [s.describe() for s in (add("A", [5, 6]), add("A", 3), grow("A"), fork("B", "A"), finish("B"))] == [
-        "add A (2-token prompt)", "add A (3-token prompt)", "grow A by 1 token", "fork B from A", "finish B"]
+        "add A (2-token prompt)",
+        "add A (3-token prompt)",
+        "grow A by 1 token",
+        "fork B from A",
+        "finish B",
+    ]
 
 
 def test_random_scenario_shape():
@@ -164,8 +167,12 @@ def test_page_map_pages_reserved_ahead_hold_no_tokens():
 
 
 def _black_frames(fig):
-    return [p for ax in fig.axes for p in ax.patches
-            if isinstance(p, Rectangle) and p.get_linewidth() == 1.6 and p.get_edgecolor()[:3] == (0, 0, 0)]
+    return [
+        p
+        for ax in fig.axes
+        for p in ax.patches
+        if isinstance(p, Rectangle) and p.get_linewidth() == 1.6 and p.get_edgecolor()[:3] == (0, 0, 0)
+    ]
 
 
 def test_page_map_figure_marks_shared_pages_and_lists_tables():

@@ -10,11 +10,15 @@ matplotlib.use("Agg")
 
 from paged_ref import runmode  # noqa: E402
 from paged_ref.fragmentation import compare_policies, make_workload  # noqa: E402
-from paged_ref.widgets.fragmentation import (BUDGETS, PAGE_SIZES, default_workload,  # noqa: E402
-                                             fragmentation_numbers, fragmentation_panel,
-                                             fragmentation_view)
-from paged_ref.widgets.memory import (LENGTHS, kv_memory_numbers, kv_memory_panel,  # noqa: E402
-                                      kv_memory_view)
+from paged_ref.widgets.fragmentation import (  # noqa: E402
+    BUDGETS,
+    PAGE_SIZES,
+    default_workload,
+    fragmentation_numbers,
+    fragmentation_panel,
+    fragmentation_view,
+)
+from paged_ref.widgets.memory import LENGTHS, kv_memory_numbers, kv_memory_panel, kv_memory_view  # noqa: E402
 
 
 def png(fig: Figure) -> bytes:
@@ -25,11 +29,13 @@ def png(fig: Figure) -> bytes:
 
 def test_kv_memory_numbers_llama7b():
     assert kv_memory_numbers("LLaMA-7B", "float16", 2048) == {
-        "kv_per_layer": 33_554_432, "kv_total": 1_073_741_824,
-        "scores_one_layer": 32 * 2048 * 2048 * 2}
+        "kv_per_layer": 33_554_432,
+        "kv_total": 1_073_741_824,
+        "scores_one_layer": 32 * 2048 * 2048 * 2,
+    }
     assert kv_memory_numbers("LLaMA-7B", "float32", 2048)["kv_total"] == 2 * 1_073_741_824
     gqa = kv_memory_numbers("Llama-3-8B", "bfloat16", 2048)
-    assert gqa["kv_total"] * 4 == 1_073_741_824            # 8 of 32 heads keep K and V
+    assert gqa["kv_total"] * 4 == 1_073_741_824  # 8 of 32 heads keep K and V
     assert gqa["scores_one_layer"] == 32 * 2048 * 2048 * 2  # scores follow the query heads
 
 
@@ -42,12 +48,15 @@ def test_kv_memory_view_is_a_new_figure_that_follows_its_inputs():
     assert png(a) == png(b) and png(a) != png(c)
 
 
-@pytest.mark.parametrize("args, exc", [
-    (("GPT-9", "float16", 2048), ValueError),
-    (("LLaMA-7B", "fp16", 2048), ValueError),
-    (("LLaMA-7B", "float16", 0), ValueError),
-    (("LLaMA-7B", "float16", 20.5), TypeError),
-])
+@pytest.mark.parametrize(
+    "args, exc",
+    [
+        (("GPT-9", "float16", 2048), ValueError),
+        (("LLaMA-7B", "fp16", 2048), ValueError),
+        (("LLaMA-7B", "float16", 0), ValueError),
+        (("LLaMA-7B", "float16", 20.5), TypeError),
+    ],
+)
 def test_kv_memory_view_errors(args, exc):
     with pytest.raises(exc):
         kv_memory_view(*args)
@@ -55,10 +64,8 @@ def test_kv_memory_view_errors(args, exc):
 
 def test_fragmentation_numbers_match_the_simulator():
     wl = make_workload(60, seed=2)
-    assert fragmentation_numbers(8, 8192, wl) == compare_policies(wl, budget_slots=8192,
-                                                                   page_size=8)
-    assert [s["policy"] for s in fragmentation_numbers(16, 16384)] == [
-        "reserve_max", "exact", "paged", "paged_pow2"]
+    assert fragmentation_numbers(8, 8192, wl) == compare_policies(wl, budget_slots=8192, page_size=8)
+    assert [s["policy"] for s in fragmentation_numbers(16, 16384)] == ["reserve_max", "exact", "paged", "paged_pow2"]
     assert default_workload() is default_workload()
 
 

@@ -14,16 +14,20 @@ from paged_ref.widgets.pages import page_map_panel  # noqa: E402
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("make", [
-    kv_memory_panel,
-    lambda: fragmentation_panel(make_workload(20, seed=0)),
-    lambda: page_map_panel(page_size=4, num_seqs=3, seed=0),
-    lambda: mask_panel(page_size=4, kv_block_size=8, lengths="11, 5"),
-], ids=["memory", "fragmentation", "pages", "masks"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        kv_memory_panel,
+        lambda: fragmentation_panel(make_workload(20, seed=0)),
+        lambda: page_map_panel(page_size=4, num_seqs=3, seed=0),
+        lambda: mask_panel(page_size=4, kv_block_size=8, lengths="11, 5"),
+    ],
+    ids=["memory", "fragmentation", "pages", "masks"],
+)
 def test_panel_shows_live_widget_and_static_png(make):
     data = make()._repr_mimebundle_()
-    assert "application/vnd.jupyter.widget-view+json" in data   # JupyterLab: the live widget
-    assert data["image/png"].startswith(PNG_MAGIC)              # GitHub, nbviewer: the picture
+    assert "application/vnd.jupyter.widget-view+json" in data  # JupyterLab: the live widget
+    assert data["image/png"].startswith(PNG_MAGIC)  # GitHub, nbviewer: the picture
     assert "VBox" not in data["text/plain"]
 
 
@@ -36,4 +40,4 @@ def test_static_figure_is_the_one_given():
     box = with_static_figure(w.VBox([]), fig)
     other = w.VBox([])
     assert "image/png" in box._repr_mimebundle_()
-    assert "image/png" not in other._repr_mimebundle_()        # no global patching
+    assert "image/png" not in other._repr_mimebundle_()  # no global patching

@@ -63,7 +63,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch.nn.attention.flex_attention import (
@@ -74,6 +75,8 @@ from torch.nn.attention.flex_attention import (
 )
 
 from paged_ref.attention.reference import check_paged_inputs, check_prefill_inputs
+
+from .._arith import cdiv
 
 __all__ = [
     "PagedBlockMasks",
@@ -89,9 +92,9 @@ __all__ = [
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-DEFAULT_KV_BLOCK_SIZE = 128   # FlexAttention's own default tile
+DEFAULT_KV_BLOCK_SIZE = 128  # FlexAttention's own default tile
 DEFAULT_Q_BLOCK_SIZE = 128
-MIN_CUDA_KV_BLOCK_SIZE = 16   # Triton's smallest tile
+MIN_CUDA_KV_BLOCK_SIZE = 16  # Triton's smallest tile
 
 
 def default_kv_block_size(page_size: int, device=None) -> int:
@@ -113,18 +116,22 @@ def default_kv_block_size(page_size: int, device=None) -> int:
 # Logical side: what each query may see, in the sequence's own token positions.
 # --------------------------------------------------------------------------------------------
 
+
 def _logical_mask_mod(seq_lens: torch.Tensor, q_lens: torch.Tensor | None) -> MaskMod:
     """Logical mask: decode (``q_lens=None``) sees ``kv < seq_lens[b]``; prefill query row ``q``
     sits at position ``seq_lens[b] - q_lens[b] + q`` and sees keys up to it (rows past
     ``q_lens[b]`` see nothing)."""
     if q_lens is None:
+
         def decode_mask(b, h, q_idx, kv_idx):
             return kv_idx < seq_lens[b]
+
         return decode_mask
 
     def causal_prefill_mask(b, h, q_idx, kv_idx):
-        q_pos = seq_lens[b] - q_lens[b] + q_idx           # logical position of this query
+        q_pos = seq_lens[b] - q_lens[b] + q_idx  # logical position of this query
         return (q_idx < q_lens[b]) & (kv_idx <= q_pos) & (kv_idx < seq_lens[b])
+
     return causal_prefill_mask
 
 
@@ -151,16 +158,23 @@ def logical_block_mask(
         [1, 3]
     """
     return create_block_mask(
-        _logical_mask_mod(seq_lens, q_lens), seq_lens.shape[0], None, q_len, max_kv_len,
-        device=seq_lens.device, BLOCK_SIZE=(q_block_size, kv_block_size))
+        _logical_mask_mod(seq_lens, q_lens),
+        seq_lens.shape[0],
+        None,
+        q_len,
+        max_kv_len,
+        device=seq_lens.device,
+        BLOCK_SIZE=(q_block_size, kv_block_size),
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # Logical -> physical.
 # --------------------------------------------------------------------------------------------
 
+
 def _used_pages(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
-    return (seq_lens.long() + page_size - 1) // page_size                 # [batch]
+    return (seq_lens.long() + page_size - 1) // page_size  # [batch]
 
 
 def physical_to_logical(
@@ -183,30 +197,30 @@ def physical_to_logical(
         [[1, -1, 0, -1]]
     """
     batch, max_pages = block_table.shape
-    logical = torch.arange(max_pages, device=block_table.device)           # [max_pages]
-    used = logical[None, :] < _used_pages(seq_lens, page_size)[:, None]    # [batch, max_pages]
+    logical = torch.arange(max_pages, device=block_table.device)  # [max_pages]
+    used = logical[None, :] < _used_pages(seq_lens, page_size)[:, None]  # [batch, max_pages]
     # Unused entries are sent to a spare column `num_cols` that is cut off afterwards.
-    cols = torch.where(used, block_table.long(), num_cols)                 # [batch, max_pages]
+    cols = torch.where(used, block_table.long(), num_cols)  # [batch, max_pages]
     p2l = torch.full((batch, num_cols + 1), -1, dtype=torch.long, device=block_table.device)
     p2l.scatter_(1, cols, logical.expand(batch, max_pages).clone())
-    return p2l[:, :num_cols]                                               # [batch, num_cols]
+    return p2l[:, :num_cols]  # [batch, num_cols]
 
 
-def _physical_mask_mod(
-    logical_mod: MaskMod, p2l: torch.Tensor, seq_lens: torch.Tensor, page_size: int
-) -> MaskMod:
+def _physical_mask_mod(logical_mod: MaskMod, p2l: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> MaskMod:
     """Wrap a logical mask_mod so it takes physical KV positions (see the module docstring)."""
+
     def physical_mask(b, h, q_idx, kv_idx):
-        logical_page = p2l[b, kv_idx // page_size]          # -1: not sequence b's page
+        logical_page = p2l[b, kv_idx // page_size]  # -1: not sequence b's page
         logical_kv = logical_page * page_size + kv_idx % page_size
         owned = (logical_page >= 0) & (logical_kv < seq_lens[b])
         return owned & logical_mod(b, h, q_idx, logical_kv)
+
     return physical_mask
 
 
 def _dense_blocks(num: torch.Tensor, idx: torch.Tensor, num_cols: int) -> torch.Tensor:
     """(kv_num_blocks [..., rows], kv_indices [..., rows, k]) -> bool [..., rows, num_cols]."""
-    listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]     # [..., rows, k]
+    listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]  # [..., rows, k]
     dense = torch.zeros(*idx.shape[:-1], num_cols + 1, dtype=torch.bool, device=idx.device)
     dense.scatter_(-1, torch.where(listed, idx.long(), num_cols), True)
     return dense[..., :num_cols]
@@ -246,37 +260,36 @@ def to_physical_block_mask(
     device = block_table.device
     batch, max_pages = block_table.shape
     n_logical_blocks = logical.kv_indices.shape[-1]
-    n_physical_blocks = -(-num_pages * page_size // kv_block)
-    unit = math.gcd(page_size, kv_block)     # aligned run inside one page and one block
+    n_physical_blocks = cdiv(num_pages * page_size, kv_block)
+    unit = math.gcd(page_size, kv_block)  # aligned run inside one page and one block
 
     # Where each logical unit of each sequence lands in the physical cache.
     unit_start = torch.arange(n_logical_blocks * kv_block // unit, device=device) * unit  # [U]
-    logical_page = (unit_start // page_size).clamp(max=max_pages - 1)                   # [U]
-    valid = unit_start[None, :] < seq_lens.long()[:, None]                      # [batch, U]
-    page = torch.where(valid, block_table.long()[:, logical_page], 0)           # [batch, U]
-    physical_block = (page * page_size + unit_start % page_size) // kv_block    # [batch, U]
-    owner_block = unit_start // kv_block                                        # [U] logical
+    logical_page = (unit_start // page_size).clamp(max=max_pages - 1)  # [U]
+    valid = unit_start[None, :] < seq_lens.long()[:, None]  # [batch, U]
+    page = torch.where(valid, block_table.long()[:, logical_page], 0)  # [batch, U]
+    physical_block = (page * page_size + unit_start % page_size) // kv_block  # [batch, U]
+    owner_block = unit_start // kv_block  # [U] logical
 
     def translate(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Logical block list -> bool [batch, H, q_blocks, n_physical_blocks]."""
-        dense = _dense_blocks(num, idx, n_logical_blocks)       # [batch, H, QB, n_logical]
-        per_unit = dense[..., owner_block] & valid[:, None, None, :]          # [b, H, QB, U]
+        dense = _dense_blocks(num, idx, n_logical_blocks)  # [batch, H, QB, n_logical]
+        per_unit = dense[..., owner_block] & valid[:, None, None, :]  # [b, H, QB, U]
         target = physical_block[:, None, None, :].expand_as(per_unit)
-        hits = torch.zeros(*per_unit.shape[:-1], n_physical_blocks, dtype=torch.int32,
-                           device=device)
+        hits = torch.zeros(*per_unit.shape[:-1], n_physical_blocks, dtype=torch.int32, device=device)
         hits.scatter_add_(-1, target, per_unit.to(torch.int32))
-        return hits > 0                                          # visit each block once
+        return hits > 0  # visit each block once
 
     partial = translate(logical.kv_num_blocks, logical.kv_indices)
     full = None
     if logical.full_kv_num_blocks is not None:
         logical_full = translate(logical.full_kv_num_blocks, logical.full_kv_indices)
         if page_size % kv_block == 0:
-            full = logical_full        # a block lies inside one page: stays fully visible
+            full = logical_full  # a block lies inside one page: stays fully visible
         else:
-            partial = partial | logical_full   # may share the block with foreign tokens
+            partial = partial | logical_full  # may share the block with foreign tokens
 
-    p2l_cols = -(-n_physical_blocks * kv_block // page_size)       # covers padded blocks too
+    p2l_cols = cdiv(n_physical_blocks * kv_block, page_size)  # covers padded blocks too
     p2l = physical_to_logical(block_table, seq_lens, p2l_cols, page_size)
     mask_mod = _physical_mask_mod(_logical_mask_mod(seq_lens, q_lens), p2l, seq_lens, page_size)
     num, idx = _ordered_blocks(partial)
@@ -284,24 +297,30 @@ def to_physical_block_mask(
     # CPU template for compiled flex_attention does not build without them (torch 2.13).
     full_num, full_idx = _ordered_blocks(full if full is not None else torch.zeros_like(partial))
     physical = BlockMask.from_kv_blocks(
-        num, idx, full_num, full_idx, BLOCK_SIZE=(q_block, kv_block), mask_mod=mask_mod,
+        num,
+        idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=(q_block, kv_block),
+        mask_mod=mask_mod,
         seq_lengths=(logical.seq_lengths[0], num_pages * page_size),
-        compute_q_blocks=False)               # forward only: no transposed lists needed
+        compute_q_blocks=False,
+    )  # forward only: no transposed lists needed
     physical.paged_ref_source = _table_source(block_table, seq_lens, q_lens)
     return physical
 
 
 class PagedBlockMasks(NamedTuple):
     """Both views of one paged attention pattern (for drawing and for checking)."""
-    logical: BlockMask    # over [q_len, max_pages * page_size]
-    physical: BlockMask   # over [q_len, num_pages * page_size]
+
+    logical: BlockMask  # over [q_len, max_pages * page_size]
+    physical: BlockMask  # over [q_len, num_pages * page_size]
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Token-level pictures, as a block-sparse kernel sees them: bool
         ``[batch, q_len, max_pages * page_size]`` (logical) and
         ``[batch, q_len, num_pages * page_size]`` (physical)."""
-        return (block_mask_visits(self.logical)[:, 0] > 0,
-                block_mask_visits(self.physical)[:, 0] > 0)
+        return (block_mask_visits(self.logical)[:, 0] > 0, block_mask_visits(self.physical)[:, 0] > 0)
 
 
 def paged_block_masks(
@@ -341,11 +360,15 @@ def paged_block_masks(
     _check_block_size(kv_block_size)
     _check_block_size(q_block_size, "q_block_size")
     _check_table_pages(block_table, seq_lens, num_pages, page_size)
-    logical = logical_block_mask(seq_lens, block_table.shape[1] * page_size, q_len=q_len,
-                                 q_lens=q_lens, kv_block_size=kv_block_size,
-                                 q_block_size=q_block_size)
-    physical = to_physical_block_mask(logical, block_table, seq_lens, num_pages, page_size,
-                                      q_lens=q_lens)
+    logical = logical_block_mask(
+        seq_lens,
+        block_table.shape[1] * page_size,
+        q_len=q_len,
+        q_lens=q_lens,
+        kv_block_size=kv_block_size,
+        q_block_size=q_block_size,
+    )
+    physical = to_physical_block_mask(logical, block_table, seq_lens, num_pages, page_size, q_lens=q_lens)
     return PagedBlockMasks(logical, physical)
 
 
@@ -353,20 +376,27 @@ def _check_table_pages(block_table, seq_lens, num_pages: int, page_size: int) ->
     """The pages each sequence uses must exist in the cache (copies the used entries to the host)."""
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
         raise TypeError(f"block_table must be a 2-D int tensor [batch, max_pages], got {block_table!r}")
-    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < \
-        _used_pages(seq_lens, page_size)[:, None]                          # [batch, max_pages]
+    used = (
+        torch.arange(block_table.shape[1], device=block_table.device)[None, :]
+        < _used_pages(seq_lens, page_size)[:, None]
+    )  # [batch, max_pages]
     ids = block_table[used]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
-        raise ValueError(f"block_table: the pages sequences use must be in [0, num_pages={num_pages}), "
-                         f"got values in [{int(ids.min())}, {int(ids.max())}]")
+        raise ValueError(
+            f"block_table: the pages sequences use must be in [0, num_pages={num_pages}), "
+            f"got values in [{int(ids.min())}, {int(ids.max())}]"
+        )
 
 
 def _table_source(block_table, seq_lens, q_lens) -> tuple:
     """What a physical BlockMask was built from: the tensors, their in-place version counters
     and cheap copies of their values (checked on reuse, see `_check_mask_source`)."""
     tensors = (block_table, seq_lens, q_lens)
-    return (tensors, tuple(_version(t) for t in tensors),
-            tuple(None if t is None else t.detach().clone() for t in tensors))
+    return (
+        tensors,
+        tuple(_version(t) for t in tensors),
+        tuple(None if t is None else t.detach().clone() for t in tensors),
+    )
 
 
 def block_mask_visits(block_mask: BlockMask) -> torch.Tensor:
@@ -382,20 +412,19 @@ def block_mask_visits(block_mask: BlockMask) -> torch.Tensor:
     batch, heads, q_blocks, _ = block_mask.kv_indices.shape
     q_len, kv_len = block_mask.seq_lengths
     q_block, kv_block = block_mask.BLOCK_SIZE
-    n_kv_blocks = -(-kv_len // kv_block)
+    n_kv_blocks = cdiv(kv_len, kv_block)
 
-    def per_token(num, idx):                            # int32 [batch, heads, q_len, kv_len]
-        counts = torch.zeros(batch, heads, q_blocks, n_kv_blocks + 1, dtype=torch.int32,
-                             device=idx.device)
+    def per_token(num, idx):  # int32 [batch, heads, q_len, kv_len]
+        counts = torch.zeros(batch, heads, q_blocks, n_kv_blocks + 1, dtype=torch.int32, device=idx.device)
         listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
-        counts.scatter_add_(-1, torch.where(listed, idx.long().clamp(max=n_kv_blocks),
-                                            n_kv_blocks), listed.to(torch.int32))
+        counts.scatter_add_(
+            -1, torch.where(listed, idx.long().clamp(max=n_kv_blocks), n_kv_blocks), listed.to(torch.int32)
+        )
         counts = counts[..., :n_kv_blocks]
         counts = counts.repeat_interleave(q_block, 2)[:, :, :q_len]
         return counts.repeat_interleave(kv_block, 3)[..., :kv_len]
 
-    mask = create_mask(block_mask.mask_mod, batch, heads, q_len, kv_len,
-                       device=block_mask.kv_indices.device)
+    mask = create_mask(block_mask.mask_mod, batch, heads, q_len, kv_len, device=block_mask.kv_indices.device)
     visits = per_token(block_mask.kv_num_blocks, block_mask.kv_indices) * mask
     if block_mask.full_kv_num_blocks is not None:
         visits = visits + per_token(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
@@ -426,8 +455,7 @@ def _flex_for(device: torch.device, compiled: bool | None = None):
             # Past torch's default of 8 compiles per function, dynamo silently falls back to
             # eager flex, which is dense (reads every slot). Allow more shapes, and fail loudly
             # rather than fall back: a caller asking for the compiled path gets it or an error.
-            with torch._dynamo.config.patch(recompile_limit=COMPILE_LIMIT,
-                                            fail_on_recompile_limit_hit=True):
+            with torch._dynamo.config.patch(recompile_limit=COMPILE_LIMIT, fail_on_recompile_limit_hit=True):
                 return compiled_flex(*args, **kwargs)
 
         _COMPILED_FLEX[device.type] = call
@@ -455,25 +483,27 @@ def _check_block_size(size: int, name: str = "kv_block_size") -> None:
         raise ValueError(f"{name} must be a positive power of two, got {size}")
 
 
-def _flex_paged(q4, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_block_size,
-                block_mask, compiled=None):
+def _flex_paged(q4, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_block_size, block_mask, compiled=None):
     """q4: [batch, Hq, q_len, D] -> [batch, Hq, q_len, D] over the physical cache."""
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     batch, _, q_len, _ = q4.shape
-    if q_len == 0:                            # nothing to attend from (max_q_len 0)
+    if q_len == 0:  # nothing to attend from (max_q_len 0)
         return q4.new_zeros(q4.shape)
     if block_mask is None:
-        block_mask = paged_block_masks(block_table, seq_lens, num_pages, page_size, q_len=q_len,
-                                       q_lens=q_lens, kv_block_size=kv_block_size).physical
+        block_mask = paged_block_masks(
+            block_table, seq_lens, num_pages, page_size, q_len=q_len, q_lens=q_lens, kv_block_size=kv_block_size
+        ).physical
     elif not isinstance(block_mask, BlockMask):
-        raise TypeError("block_mask must be None or the .physical BlockMask of "
-                        f"paged_block_masks(...), got {type(block_mask).__name__}")
-    elif (block_mask.kv_num_blocks.shape[0] != batch
-          or tuple(block_mask.seq_lengths) != (q_len, num_pages * page_size)):
+        raise TypeError(
+            "block_mask must be None or the .physical BlockMask of "
+            f"paged_block_masks(...), got {type(block_mask).__name__}"
+        )
+    elif block_mask.kv_num_blocks.shape[0] != batch or tuple(block_mask.seq_lengths) != (q_len, num_pages * page_size):
         raise ValueError(
             "block_mask must be the .physical BlockMask of paged_block_masks(...) for this "
             f"batch ({batch}), q_len ({q_len}) and cache ({num_pages} pages x {page_size}); got "
-            f"batch {block_mask.kv_num_blocks.shape[0]}, seq_lengths {block_mask.seq_lengths}")
+            f"batch {block_mask.kv_num_blocks.shape[0]}, seq_lengths {block_mask.seq_lengths}"
+        )
     else:
         _check_mask_source(block_mask, block_table, seq_lens, q_lens)
     # [num_pages, page_size, Hkv, D] -> [1, Hkv, num_pages * page_size, D]: a strided view,
@@ -481,8 +511,7 @@ def _flex_paged(q4, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_b
     k = k_cache.view(1, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.view(1, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
     flex = _flex_for(q4.device, compiled)
-    return flex(q4, k, v, block_mask=block_mask, scale=scale,
-                enable_gqa=q4.shape[1] != num_kv_heads)
+    return flex(q4, k, v, block_mask=block_mask, scale=scale, enable_gqa=q4.shape[1] != num_kv_heads)
 
 
 def flex_paged_decode(
@@ -495,7 +524,7 @@ def flex_paged_decode(
     scale: float | None = None,
     kv_block_size: int | None = None,
     block_mask: BlockMask | None = None,
-    validate: bool = True,
+    check_values: bool = True,
     compiled: bool | None = None,
 ) -> torch.Tensor:
     """Decode attention with FlexAttention reading K/V in place from the paged cache.
@@ -514,7 +543,7 @@ def flex_paged_decode(
         block_mask: ``paged_block_masks(block_table, seq_lens, num_pages, page_size).physical``
             built once and reused, e.g. by every layer of one decode step; None builds it here.
             It must describe the same block_table and seq_lens (checked: see `_check_mask_source`).
-        validate: check values too (copies ``seq_lens`` and ``block_table`` to the host).
+        check_values: check values too (copies ``seq_lens`` and ``block_table`` to the host).
         compiled: run ``torch.compile(flex_attention)`` (block sparse: only listed blocks are
             read) or eager flex (every block evaluated, then masked); None: compiled on CUDA,
             eager on CPU.
@@ -529,12 +558,12 @@ def flex_paged_decode(
         >>> out.shape
         torch.Size([2, 8, 64])
     """
-    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale,
-                               check_values=validate)
+    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     kv_block_size = _kv_block(kv_block_size, k_cache)
     _check_contiguous(k_cache, v_cache)
-    out = _flex_paged(q.unsqueeze(2), k_cache, v_cache, block_table, seq_lens, None, scale,
-                      kv_block_size, block_mask, compiled)    # [batch, Hq, 1, D]
+    out = _flex_paged(
+        q.unsqueeze(2), k_cache, v_cache, block_table, seq_lens, None, scale, kv_block_size, block_mask, compiled
+    )  # [batch, Hq, 1, D]
     return out.squeeze(2)
 
 
@@ -549,7 +578,7 @@ def flex_paged_prefill(
     scale: float | None = None,
     kv_block_size: int | None = None,
     block_mask: BlockMask | None = None,
-    validate: bool = True,
+    check_values: bool = True,
     compiled: bool | None = None,
 ) -> torch.Tensor:
     """Causal prefill attention with FlexAttention over the paged cache.
@@ -562,7 +591,7 @@ def flex_paged_prefill(
         q: ``[batch, num_q_heads, max_q_len, head_dim]``.
         k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``.
         block_table: int32 ``[batch, max_pages]``; seq_lens, q_lens: int32 ``[batch]``.
-        scale, kv_block_size, validate, compiled: as in :func:`flex_paged_decode`.
+        scale, kv_block_size, check_values, compiled: as in :func:`flex_paged_decode`.
         block_mask: ``paged_block_masks(..., q_len=max_q_len, q_lens=q_lens).physical``, or None.
 
     Returns:
@@ -576,12 +605,12 @@ def flex_paged_prefill(
         >>> out.shape, bool(out[1, :, 3:].eq(0).all())
         (torch.Size([2, 2, 5, 32]), True)
     """
-    scale = check_prefill_inputs(q, k_cache, v_cache, block_table, seq_lens, q_lens,
-                                 scale=scale, check_values=validate)
+    scale = check_prefill_inputs(
+        q, k_cache, v_cache, block_table, seq_lens, q_lens, scale=scale, check_values=check_values
+    )
     kv_block_size = _kv_block(kv_block_size, k_cache)
     _check_contiguous(k_cache, v_cache)
-    return _flex_paged(q, k_cache, v_cache, block_table, seq_lens, q_lens, scale,
-                       kv_block_size, block_mask, compiled)
+    return _flex_paged(q, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_block_size, block_mask, compiled)
 
 
 def _version(t) -> int | None:
@@ -599,24 +628,33 @@ def _check_mask_source(block_mask: BlockMask, block_table, seq_lens, q_lens) -> 
     """
     source = getattr(block_mask, "paged_ref_source", None)
     if source is None:
-        raise ValueError("block_mask must come from paged_block_masks(...).physical (or "
-                         "to_physical_block_mask): a BlockMask of unknown origin cannot be "
-                         "checked against this block_table")
+        raise ValueError(
+            "block_mask must come from paged_block_masks(...).physical (or "
+            "to_physical_block_mask): a BlockMask of unknown origin cannot be "
+            "checked against this block_table"
+        )
     tensors, versions, values = source
     now = (block_table, seq_lens, q_lens)
     if all(a is b and _version(a) == v for a, b, v in zip(now, tensors, versions)):
         return
     for name, given, built in zip(("block_table", "seq_lens", "q_lens"), now, values):
         same = (given is None and built is None) or (
-            given is not None and built is not None and given.shape == built.shape
-            and torch.equal(given.to(built.device, built.dtype), built))
+            given is not None
+            and built is not None
+            and given.shape == built.shape
+            and torch.equal(given.to(built.device, built.dtype), built)
+        )
         if not same:
-            raise ValueError(f"block_mask was built for another {name} than the one given: build it "
-                             f"with paged_block_masks(...) from this block_table and seq_lens")
+            raise ValueError(
+                f"block_mask was built for another {name} than the one given: build it "
+                f"with paged_block_masks(...) from this block_table and seq_lens"
+            )
 
 
 def _check_contiguous(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (it is viewed as one long physical "
-                             f"sequence), got strides {t.stride()} for shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be contiguous (it is viewed as one long physical "
+                f"sequence), got strides {t.stride()} for shape {tuple(t.shape)}"
+            )

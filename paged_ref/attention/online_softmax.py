@@ -33,13 +33,22 @@ from dataclasses import dataclass
 
 import torch
 
+from .._arith import cdiv
 from .._validate import check_int
 from .reference import check_paged_inputs
 
-__all__ = ["LOG2E", "TileStep", "online_update", "online_softmax_steps", "split_ranges",
-           "merge_partials", "token_slots", "paged_decode_spec"]
+__all__ = [
+    "LOG2E",
+    "TileStep",
+    "online_update",
+    "online_softmax_steps",
+    "split_ranges",
+    "merge_partials",
+    "token_slots",
+    "paged_decode_spec",
+]
 
-LOG2E = 1.4426950408889634     # log2(e): e^x = 2^(x * log2(e))
+LOG2E = 1.4426950408889634  # log2(e): e^x = 2^(x * log2(e))
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,7 @@ class TileStep:
     ``alpha [rows]``: the factor ``2^(m_old - m)`` the old ``l`` and ``acc`` were rescaled by;
     ``m, l [rows]`` and ``acc [rows, d]``: the state after the tile.
     """
+
     start: int
     end: int
     tile_max: torch.Tensor
@@ -64,8 +74,9 @@ class TileStep:
         return self.acc / self.l[:, None]
 
 
-def online_update(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, scores: torch.Tensor,
-                  v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def online_update(
+    m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, scores: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fold one tile into the online-softmax state (the kernel's loop body, line for line).
 
     Raise the running max, rescale what was summed under the old max by
@@ -80,23 +91,22 @@ def online_update(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, scores: t
     Returns:
         ``(m_new, l_new, acc_new, alpha)``.
     """
-    m_new = torch.maximum(m, scores.amax(dim=1))                  # [rows]
-    alpha = torch.exp2(m - m_new)                                 # [rows]
-    p = torch.exp2(scores - m_new[:, None])                       # [rows, n]
-    l_new = l * alpha + p.sum(dim=1)                              # [rows]
-    acc_new = acc * alpha[:, None] + p @ v                        # [rows, d]
+    m_new = torch.maximum(m, scores.amax(dim=1))  # [rows]
+    alpha = torch.exp2(m - m_new)  # [rows]
+    p = torch.exp2(scores - m_new[:, None])  # [rows, n]
+    l_new = l * alpha + p.sum(dim=1)  # [rows]
+    acc_new = acc * alpha[:, None] + p @ v  # [rows, d]
     return m_new, l_new, acc_new, alpha
 
 
 def _initial_state(rows: int, d: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
-    m = torch.full((rows,), float("-inf"), dtype=dtype, device=device)   # [rows]
-    l = torch.zeros(rows, dtype=dtype, device=device)                     # [rows]
-    acc = torch.zeros(rows, d, dtype=dtype, device=device)                # [rows, d]
+    m = torch.full((rows,), float("-inf"), dtype=dtype, device=device)  # [rows]
+    l = torch.zeros(rows, dtype=dtype, device=device)  # [rows]
+    acc = torch.zeros(rows, d, dtype=dtype, device=device)  # [rows, d]
     return m, l, acc
 
 
-def online_softmax_steps(scores: torch.Tensor, values: torch.Tensor, *,
-                         block_n: int) -> list[TileStep]:
+def online_softmax_steps(scores: torch.Tensor, values: torch.Tensor, *, block_n: int) -> list[TileStep]:
     """Softmax-weighted sum of ``values`` one tile of ``block_n`` scores at a time.
 
     ``steps[-1].out`` equals ``softmax(scores * ln 2) @ values`` (the scores are base 2).
@@ -111,18 +121,22 @@ def online_softmax_steps(scores: torch.Tensor, values: torch.Tensor, *,
     """
     block_n = check_int("block_n", block_n, min_value=1)
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.shape[1] < 1:
-        raise ValueError(f"scores must be a tensor [rows, n >= 1], got "
-                         f"{tuple(scores.shape) if isinstance(scores, torch.Tensor) else scores!r}")
+        raise ValueError(
+            f"scores must be a tensor [rows, n >= 1], got "
+            f"{tuple(scores.shape) if isinstance(scores, torch.Tensor) else scores!r}"
+        )
     if not isinstance(values, torch.Tensor) or values.dim() != 2 or values.shape[0] != scores.shape[1]:
-        raise ValueError(f"values must be a tensor [n={scores.shape[1]}, d], got "
-                         f"{tuple(values.shape) if isinstance(values, torch.Tensor) else values!r}")
+        raise ValueError(
+            f"values must be a tensor [n={scores.shape[1]}, d], got "
+            f"{tuple(values.shape) if isinstance(values, torch.Tensor) else values!r}"
+        )
     if not torch.isfinite(scores).all():
         raise ValueError("scores must all be finite")
     m, l, acc = _initial_state(scores.shape[0], values.shape[1], scores.dtype, scores.device)
     steps = []
     for start in range(0, scores.shape[1], block_n):
         end = min(start + block_n, scores.shape[1])
-        tile = scores[:, start:end]                                # [rows, <= block_n]
+        tile = scores[:, start:end]  # [rows, <= block_n]
         m, l, acc, alpha = online_update(m, l, acc, tile, values[start:end].to(scores.dtype))
         steps.append(TileStep(start, end, tile.amax(dim=1), alpha, m, l, acc))
     return steps
@@ -142,9 +156,8 @@ def split_ranges(seq_len: int, num_splits: int, *, block_n: int) -> list[tuple[i
     seq_len = check_int("seq_len", seq_len, min_value=1)
     num_splits = check_int("num_splits", num_splits, min_value=1)
     block_n = check_int("block_n", block_n, min_value=1)
-    per_split = -(-(-(-seq_len // num_splits)) // block_n) * block_n
-    return [(min(s * per_split, seq_len), min((s + 1) * per_split, seq_len))
-            for s in range(num_splits)]
+    per_split = cdiv(cdiv(seq_len, num_splits), block_n) * block_n
+    return [(min(s * per_split, seq_len), min((s + 1) * per_split, seq_len)) for s in range(num_splits)]
 
 
 def merge_partials(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
@@ -162,17 +175,20 @@ def merge_partials(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch
         ``[rows, d]``.
     """
     if m.dim() != 2 or l.shape != m.shape or acc.shape[:2] != m.shape:
-        raise ValueError(f"m, l must be [num_splits, rows] and acc [num_splits, rows, d], got "
-                         f"{tuple(m.shape)}, {tuple(l.shape)}, {tuple(acc.shape)}")
-    m_global = m.amax(dim=0)                                      # [rows]
+        raise ValueError(
+            f"m, l must be [num_splits, rows] and acc [num_splits, rows, d], got "
+            f"{tuple(m.shape)}, {tuple(l.shape)}, {tuple(acc.shape)}"
+        )
+    m_global = m.amax(dim=0)  # [rows]
     if not torch.isfinite(m_global).all():
         raise ValueError("every row needs at least one non-empty split (finite m)")
-    w = torch.exp2(m - m_global)                                  # [num_splits, rows]
+    w = torch.exp2(m - m_global)  # [num_splits, rows]
     return (w[:, :, None] * acc).sum(dim=0) / (w * l).sum(dim=0)[:, None]
 
 
-def token_slots(block_table_row: torch.Tensor, tokens: torch.Tensor,
-                page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def token_slots(
+    block_table_row: torch.Tensor, tokens: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The block-table lookup: where logical tokens live in the paged cache.
 
     Token ``t`` is on physical page ``block_table_row[t // page_size]`` at offset
@@ -189,18 +205,26 @@ def token_slots(block_table_row: torch.Tensor, tokens: torch.Tensor,
         (tensor([7, 2, 2, 5, 5]), tensor([1, 0, 1, 0, 1]))
     """
     page_size = check_int("page_size", page_size, min_value=1)
-    tokens = tokens.long()                                        # [n]
-    if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < (
-            block_table_row.shape[0] * page_size):
-        raise ValueError(f"tokens must lie in [0, {block_table_row.shape[0] * page_size}) "
-                         f"(the block table row's pages), got {tokens.min()}..{tokens.max()}")
+    tokens = tokens.long()  # [n]
+    if tokens.numel() and not 0 <= int(tokens.min()) <= int(tokens.max()) < (block_table_row.shape[0] * page_size):
+        raise ValueError(
+            f"tokens must lie in [0, {block_table_row.shape[0] * page_size}) "
+            f"(the block table row's pages), got {tokens.min()}..{tokens.max()}"
+        )
     return block_table_row[tokens // page_size].long(), tokens % page_size
 
 
-def paged_decode_spec(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_table: torch.Tensor, seq_lens: torch.Tensor, *,
-                      scale: float | None = None, num_splits: int = 1,
-                      block_n: int = 32) -> torch.Tensor:
+def paged_decode_spec(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    num_splits: int = 1,
+    block_n: int = 32,
+) -> torch.Tensor:
     """What :func:`~paged_ref.attention.triton_decode.paged_decode` computes, program by program.
 
     For every (sequence ``b``, KV head ``h``, split ``s``), one "program": the query heads
@@ -237,24 +261,24 @@ def paged_decode_spec(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
     scale_log2 = scale * LOG2E
-    out = torch.empty_like(q)                                          # [batch, Hq, D]
+    out = torch.empty_like(q)  # [batch, Hq, D]
     for b, seq_len in enumerate(seq_lens.tolist()):
         for h in range(num_kv_heads):
             heads = slice(h * group, (h + 1) * group)
-            q_rows = q[b, heads].to(compute)                           # [group, D]
-            parts = [_initial_state(group, head_dim, compute, q.device)
-                     for _ in range(num_splits)]                       # (m, l, acc) per split
+            q_rows = q[b, heads].to(compute)  # [group, D]
+            parts = [
+                _initial_state(group, head_dim, compute, q.device) for _ in range(num_splits)
+            ]  # (m, l, acc) per split
             for s, (start, end) in enumerate(split_ranges(seq_len, num_splits, block_n=block_n)):
                 m, l, acc = parts[s]
                 for t0 in range(start, end, block_n):
                     tokens = torch.arange(t0, min(t0 + block_n, end), device=q.device)  # [n]
                     pages, offsets = token_slots(block_table[b], tokens, page_size)
-                    k = k_cache[pages, offsets, h].to(compute)         # [n, D]
-                    v = v_cache[pages, offsets, h].to(compute)         # [n, D]
-                    scores = (q_rows @ k.T) * scale_log2               # [group, n], base 2
+                    k = k_cache[pages, offsets, h].to(compute)  # [n, D]
+                    v = v_cache[pages, offsets, h].to(compute)  # [n, D]
+                    scores = (q_rows @ k.T) * scale_log2  # [group, n], base 2
                     m, l, acc, _ = online_update(m, l, acc, scores, v)
                 parts[s] = (m, l, acc)
             m_all, l_all, acc_all = (torch.stack(x) for x in zip(*parts))  # [S, group(, D)]
             out[b, heads] = merge_partials(m_all, l_all, acc_all).to(q.dtype)
     return out
-

@@ -27,6 +27,8 @@ import math
 
 import torch
 
+from .._arith import cdiv
+
 __all__ = [
     "check_paged_inputs",
     "check_prefill_inputs",
@@ -80,53 +82,54 @@ def check_paged_inputs(
         >>> check_paged_inputs(q, kc, kc, torch.tensor([[0, 1], [2, 0]]), torch.tensor([5, 3]))
         0.3535533905932738
     """
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
-                    ("block_table", block_table), ("seq_lens", seq_lens)):
+    for name, t in (
+        ("q", q),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+    ):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    layout = ("[batch, num_q_heads, head_dim]" if q_ndim == 3
-              else "[batch, num_q_heads, max_q_len, head_dim]")
+    layout = "[batch, num_q_heads, head_dim]" if q_ndim == 3 else "[batch, num_q_heads, max_q_len, head_dim]"
     if q.dim() != q_ndim:
         raise ValueError(f"q must have shape {layout} ({q_ndim} dims), got shape {_shape(q)}")
     if not q.is_floating_point():
         raise TypeError(f"q must be a floating-point tensor, got dtype {q.dtype}")
     if k_cache.dim() != 4:
-        raise ValueError("k_cache must have shape [num_pages, page_size, num_kv_heads, head_dim],"
-                         f" got shape {_shape(k_cache)}")
+        raise ValueError(
+            f"k_cache must have shape [num_pages, page_size, num_kv_heads, head_dim], got shape {_shape(k_cache)}"
+        )
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache must have the same shape as k_cache {_shape(k_cache)}, "
-                         f"got {_shape(v_cache)}")
+        raise ValueError(f"v_cache must have the same shape as k_cache {_shape(k_cache)}, got {_shape(v_cache)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {t.dtype}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache),
-                    ("block_table", block_table), ("seq_lens", seq_lens)):
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table), ("seq_lens", seq_lens)):
         if t.device != q.device:
-            raise ValueError(f"{name} must be on the same device as q ({q.device}), "
-                             f"got {t.device}")
+            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     batch, num_q_heads = q.shape[0], q.shape[1]
     if num_pages < 1 or page_size < 1 or num_kv_heads < 1 or head_dim < 1:
         raise ValueError(f"k_cache must have no empty dimension, got shape {_shape(k_cache)}")
     if q.shape[-1] != head_dim:
-        raise ValueError(f"q head_dim (last dim) must equal k_cache head_dim {head_dim}, "
-                         f"got q shape {_shape(q)}")
+        raise ValueError(f"q head_dim (last dim) must equal k_cache head_dim {head_dim}, got q shape {_shape(q)}")
     if num_q_heads < 1 or num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"q num_q_heads ({num_q_heads}) must be a positive multiple of "
-                         f"num_kv_heads ({num_kv_heads}) of k_cache")
+        raise ValueError(
+            f"q num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads}) of k_cache"
+        )
     if batch < 1:
         raise ValueError(f"q must hold at least one sequence, got batch {batch}")
     if block_table.dtype not in _INT_DTYPES:
         raise TypeError(f"block_table must be int32 or int64, got dtype {block_table.dtype}")
     if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
-        raise ValueError(f"block_table must have shape [batch={batch}, max_pages>=1], "
-                         f"got shape {_shape(block_table)}")
+        raise ValueError(f"block_table must have shape [batch={batch}, max_pages>=1], got shape {_shape(block_table)}")
     if seq_lens.dtype not in _INT_DTYPES:
         raise TypeError(f"seq_lens must be int32 or int64, got dtype {seq_lens.dtype}")
     if seq_lens.shape != (batch,):
         raise ValueError(f"seq_lens must have shape [batch={batch}], got shape {_shape(seq_lens)}")
     if scale is None:
-        scale = head_dim ** -0.5
+        scale = head_dim**-0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be None or a real number, got {type(scale).__name__}")
     elif not math.isfinite(scale):
@@ -137,23 +140,25 @@ def check_paged_inputs(
         for b, n in enumerate(lens):
             if not 1 <= n <= max_pages * page_size:
                 raise ValueError(
-                    f"seq_lens[{b}] must be in [1, max_pages * page_size = "
-                    f"{max_pages} * {page_size}], got {n}")
+                    f"seq_lens[{b}] must be in [1, max_pages * page_size = {max_pages} * {page_size}], got {n}"
+                )
         table = block_table.tolist()
         for b, n in enumerate(lens):
-            used = table[b][: -(-n // page_size)]
+            used = table[b][: cdiv(n, page_size)]
             bad = [p for p in used if not 0 <= p < num_pages]
             if bad:
                 raise ValueError(
                     f"block_table[{b}] uses page ids outside [0, num_pages={num_pages}) "
-                    f"within its first {len(used)} entries (seq_lens[{b}]={n}): {bad[:4]}")
+                    f"within its first {len(used)} entries (seq_lens[{b}]={n}): {bad[:4]}"
+                )
             if len(set(used)) != len(used):
                 # One physical page cannot hold two logical pages of the same sequence; a
                 # repeat is a corrupted table (pages shared *between* sequences are fine).
                 twice = sorted({p for p in used if used.count(p) > 1})
                 raise ValueError(
                     f"block_table[{b}] lists page ids {twice[:4]} more than once within its "
-                    f"first {len(used)} entries (seq_lens[{b}]={n})")
+                    f"first {len(used)} entries (seq_lens[{b}]={n})"
+                )
     return float(scale)
 
 
@@ -170,8 +175,9 @@ def check_prefill_inputs(
 ) -> float:
     """:func:`check_paged_inputs` for prefill, plus ``q_lens``: int ``[batch]`` with
     ``0 <= q_lens[b] <= min(seq_lens[b], max_q_len)``. Returns the scale."""
-    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale,
-                               q_ndim=4, check_values=check_values)
+    scale = check_paged_inputs(
+        q, k_cache, v_cache, block_table, seq_lens, scale=scale, q_ndim=4, check_values=check_values
+    )
     if not isinstance(q_lens, torch.Tensor):
         raise TypeError(f"q_lens must be a torch.Tensor, got {type(q_lens).__name__}")
     if q_lens.dtype not in _INT_DTYPES:
@@ -179,20 +185,16 @@ def check_prefill_inputs(
     if q_lens.shape != seq_lens.shape:
         raise ValueError(f"q_lens must have shape [batch={q.shape[0]}], got {_shape(q_lens)}")
     if q_lens.device != q.device:
-        raise ValueError(f"q_lens must be on the same device as q ({q.device}), "
-                         f"got {q_lens.device}")
+        raise ValueError(f"q_lens must be on the same device as q ({q.device}), got {q_lens.device}")
     if check_values:
         max_q_len = q.shape[2]
         for b, (m, n) in enumerate(zip(q_lens.tolist(), seq_lens.tolist())):
             if not 0 <= m <= min(n, max_q_len):
-                raise ValueError(f"q_lens[{b}] must be in [0, min(seq_lens[{b}]={n}, "
-                                 f"max_q_len={max_q_len})], got {m}")
+                raise ValueError(f"q_lens[{b}] must be in [0, min(seq_lens[{b}]={n}, max_q_len={max_q_len})], got {m}")
     return scale
 
 
-def gather_sequence(
-    cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int
-) -> torch.Tensor:
+def gather_sequence(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Copy one sequence's tokens out of a paged cache, in logical order.
 
     Args:
@@ -209,26 +211,25 @@ def gather_sequence(
         [8.0, 10.0, 0.0]
     """
     page_size = cache.shape[1]
-    num_used = -(-seq_len // page_size)                          # ceil
-    pages = cache[block_table_row[:num_used].long()]             # [num_used, page_size, H, D]
-    return pages.flatten(0, 1)[:seq_len]                         # [seq_len, H, D]
+    num_used = cdiv(seq_len, page_size)  # ceil
+    pages = cache[block_table_row[:num_used].long()]  # [num_used, page_size, H, D]
+    return pages.flatten(0, 1)[:seq_len]  # [seq_len, H, D]
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-            scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Softmax attention of one sequence with GQA.
 
     q: [num_q_heads, q_len, D]; k, v: [kv_len, num_kv_heads, D]; mask: bool [q_len, kv_len]
     (True = may attend) or None. Returns [num_q_heads, q_len, D] in float32 or float64.
     """
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    group = q.shape[0] // k.shape[1]                        # query heads per KV head
+    group = q.shape[0] // k.shape[1]  # query heads per KV head
     k = k.to(compute).transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, kv_len, D]
     v = v.to(compute).transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, kv_len, D]
-    scores = (q.to(compute) @ k.transpose(1, 2)) * scale   # [Hq, q_len, kv_len]
+    scores = (q.to(compute) @ k.transpose(1, 2)) * scale  # [Hq, q_len, kv_len]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v               # [Hq, q_len, D]
+    return torch.softmax(scores, dim=-1) @ v  # [Hq, q_len, D]
 
 
 def paged_attention_reference(
@@ -239,6 +240,7 @@ def paged_attention_reference(
     seq_lens: torch.Tensor,
     *,
     scale: float | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """Decode attention over a paged KV cache, by gathering each sequence's pages.
 
@@ -254,6 +256,8 @@ def paged_attention_reference(
         block_table: int32 ``[batch, max_pages]``; entries past a sequence's pages are ignored.
         seq_lens: int32 ``[batch]``, each ``>= 1``.
         scale: softmax scale, default ``head_dim ** -0.5``.
+        check_values: also check the values of ``seq_lens`` and the used block-table entries
+            (reads them on the host); every backend takes this keyword.
 
     Returns:
         ``[batch, num_q_heads, head_dim]``, dtype of ``q``.
@@ -266,11 +270,11 @@ def paged_attention_reference(
         >>> out.shape
         torch.Size([2, 8, 64])
     """
-    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale)
-    out = torch.empty_like(q)                               # [batch, Hq, D]
+    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
+    out = torch.empty_like(q)  # [batch, Hq, D]
     for b, n in enumerate(seq_lens.tolist()):
-        k = gather_sequence(k_cache, block_table[b], n)     # [n, Hkv, D]
-        v = gather_sequence(v_cache, block_table[b], n)     # [n, Hkv, D]
+        k = gather_sequence(k_cache, block_table[b], n)  # [n, Hkv, D]
+        v = gather_sequence(v_cache, block_table[b], n)  # [n, Hkv, D]
         out[b] = _attend(q[b].unsqueeze(1), k, v, None, scale).squeeze(1).to(q.dtype)
     return out
 
@@ -284,6 +288,7 @@ def paged_prefill_reference(
     q_lens: torch.Tensor,
     *,
     scale: float | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """Prefill (or chunked prefill) attention over a paged KV cache, causal.
 
@@ -304,6 +309,8 @@ def paged_prefill_reference(
         seq_lens: int32 ``[batch]``, cached tokens per sequence including the new ones, ``>= 1``.
         q_lens: int32 ``[batch]``, new tokens per sequence, ``0 <= q_lens[b] <= seq_lens[b]``.
         scale: softmax scale, default ``head_dim ** -0.5``.
+        check_values: also check the values of ``seq_lens``, ``q_lens`` and the used block-table
+            entries (reads them on the host), as `paged_attention_reference` does.
 
     Returns:
         ``[batch, num_q_heads, max_q_len, head_dim]``, dtype of ``q``; padding rows are 0.
@@ -317,16 +324,17 @@ def paged_prefill_reference(
         >>> out.shape, bool(out[1, :, 3:].eq(0).all())
         (torch.Size([2, 2, 5, 32]), True)
     """
-    scale = check_prefill_inputs(q, k_cache, v_cache, block_table, seq_lens, q_lens,
-                                 scale=scale)
-    out = torch.zeros_like(q)                               # [batch, Hq, max_q_len, D]
+    scale = check_prefill_inputs(
+        q, k_cache, v_cache, block_table, seq_lens, q_lens, scale=scale, check_values=check_values
+    )
+    out = torch.zeros_like(q)  # [batch, Hq, max_q_len, D]
     for b, (n, m) in enumerate(zip(seq_lens.tolist(), q_lens.tolist())):
         if m == 0:
             continue
-        k = gather_sequence(k_cache, block_table[b], n)     # [n, Hkv, D]
-        v = gather_sequence(v_cache, block_table[b], n)     # [n, Hkv, D]
-        q_pos = torch.arange(n - m, n, device=q.device)     # [m] logical positions of queries
-        kv_pos = torch.arange(n, device=q.device)           # [n]
-        causal = kv_pos[None, :] <= q_pos[:, None]          # [m, n]
+        k = gather_sequence(k_cache, block_table[b], n)  # [n, Hkv, D]
+        v = gather_sequence(v_cache, block_table[b], n)  # [n, Hkv, D]
+        q_pos = torch.arange(n - m, n, device=q.device)  # [m] logical positions of queries
+        kv_pos = torch.arange(n, device=q.device)  # [n]
+        causal = kv_pos[None, :] <= q_pos[:, None]  # [m, n]
         out[b, :, :m] = _attend(q[b, :, :m], k, v, causal, scale).to(q.dtype)
     return out

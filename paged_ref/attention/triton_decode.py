@@ -55,6 +55,7 @@ import types
 
 import torch
 
+from .._arith import cdiv
 from .reference import check_paged_inputs
 
 try:
@@ -84,10 +85,17 @@ def _language_state() -> list[tuple[object, dict]]:
     and leaves some patches behind after a kernel calls a ``@jit`` helper; taking a copy before
     an interpreted call lets :func:`_interpreter` put every attribute back afterwards.
     """
-    modules = [m for name, m in list(sys.modules.items()) if m is not None
-               and (name == "triton.language" or name.startswith("triton.language."))]
-    classes = {v for m in modules for v in list(vars(m).values())
-               if isinstance(v, type) and getattr(v, "__module__", "").startswith("triton.language")}
+    modules = [
+        m
+        for name, m in list(sys.modules.items())
+        if m is not None and (name == "triton.language" or name.startswith("triton.language."))
+    ]
+    classes = {
+        v
+        for m in modules
+        for v in list(vars(m).values())
+        if isinstance(v, type) and getattr(v, "__module__", "").startswith("triton.language")
+    }
     return [(obj, dict(vars(obj))) for obj in (*modules, *classes)]
 
 
@@ -126,7 +134,7 @@ def _interpreter():
         knob_scope = knobs.runtime.scope() if knobs is not None else contextlib.nullcontext()
         try:
             with knob_scope:
-                wrappers = {}                         # one wrapper per helper object
+                wrappers = {}  # one wrapper per helper object
                 for obj, saved in state:
                     for attr, value in saved.items():
                         if isinstance(value, JITFunction):
@@ -149,9 +157,11 @@ def _kernel(fn, interpret: bool):
     if key not in _KERNELS:
         if interpret:
             from triton.runtime.interpreter import InterpretedFunction
+
             _KERNELS[key] = InterpretedFunction(fn)
         else:
             from triton.runtime.jit import JITFunction
+
             _KERNELS[key] = JITFunction(fn)
     return _KERNELS[key]
 
@@ -161,44 +171,47 @@ def compiled_kernels() -> dict[str, object]:
     (``triton.compile(ASTSource(fn=...), target=...)``: see ``paged_ref.bench.kernels``)."""
     if triton is None:
         raise ImportError("compiling the kernels needs the `triton` package")
-    return {fn.__name__: _kernel(fn, interpret=False)
-            for fn in (_paged_decode_split_kernel, _reduce_splits_kernel)}
+    return {fn.__name__: _kernel(fn, interpret=False) for fn in (_paged_decode_split_kernel, _reduce_splits_kernel)}
 
 
 __all__ = ["paged_decode", "choose_num_splits", "compiled_kernels", "interpreted", "INTERPRETED"]
 
 _LOG2E = 1.4426950408889634
-_MAX_SPLITS = 256            # upper bound for the heuristic (partials stay a few MB)
+_MAX_SPLITS = 256  # upper bound for the heuristic (partials stay a few MB)
 _MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism gained
-_INTERPRETER_SMS = 8         # a pretend SM count so the split path is exercised on CPU too
-_PROGRAMS_PER_SM = 3         # programs per Hopper SM of the head_dim-128 config (kernels.json)
+_INTERPRETER_SMS = 8  # a pretend SM count so the split path is exercised on CPU too
+_PROGRAMS_PER_SM = 3  # programs per Hopper SM of the head_dim-128 config (kernels.json)
 
 
 # --- Kernel 1: attention over one chunk of one sequence, all query heads of one KV head ------
 def _paged_decode_split_kernel(
-    q_ptr,                 # [batch, num_q_heads, head_dim]
-    k_cache_ptr,           # [num_pages, page_size, num_kv_heads, head_dim]
-    v_cache_ptr,           # same shape and strides as k_cache
-    block_table_ptr,       # int [batch, max_pages]: logical page -> physical page
-    seq_lens_ptr,          # int [batch]: tokens each query attends to
-    out_ptr,               # [batch, num_q_heads, head_dim]: written when WRITE_PARTIALS is False
-    part_m_ptr,            # fp32 [batch, num_q_heads, num_splits]: running max per split
-    part_l_ptr,            # fp32 [batch, num_q_heads, num_splits]: running sum per split
-    part_acc_ptr,          # fp32 [batch, num_q_heads, num_splits, head_dim]: unnormalised output
-    scale_log2,            # softmax scale * log2(e): scores come out in base 2
-    num_splits,            # chunks each sequence is cut into (grid axis 2)
-    stride_q_batch, stride_q_head,
-    stride_cache_page, stride_cache_token, stride_cache_head,
+    q_ptr,  # [batch, num_q_heads, head_dim]
+    k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # same shape and strides as k_cache
+    block_table_ptr,  # int [batch, max_pages]: logical page -> physical page
+    seq_lens_ptr,  # int [batch]: tokens each query attends to
+    out_ptr,  # [batch, num_q_heads, head_dim]: written when WRITE_PARTIALS is False
+    part_m_ptr,  # fp32 [batch, num_q_heads, num_splits]: running max per split
+    part_l_ptr,  # fp32 [batch, num_q_heads, num_splits]: running sum per split
+    part_acc_ptr,  # fp32 [batch, num_q_heads, num_splits, head_dim]: unnormalised output
+    scale_log2,  # softmax scale * log2(e): scores come out in base 2
+    num_splits,  # chunks each sequence is cut into (grid axis 2)
+    stride_q_batch,
+    stride_q_head,
+    stride_cache_page,
+    stride_cache_token,
+    stride_cache_head,
     stride_bt_batch,
-    stride_o_batch, stride_o_head,
-    HEAD_DIM: tl.constexpr,        # real head dim
-    BLOCK_D: tl.constexpr,         # head dim padded to a power of two (>= 16 for tl.dot)
-    GROUP: tl.constexpr,           # query heads per KV head (GQA ratio)
-    BLOCK_H: tl.constexpr,         # GROUP padded to a power of two (>= 16 on GPU for tl.dot)
-    PAGE_SIZE: tl.constexpr,       # tokens per page, a power of two
-    BLOCK_N: tl.constexpr,         # tokens per tile, independent of PAGE_SIZE
+    stride_o_batch,
+    stride_o_head,
+    HEAD_DIM: tl.constexpr,  # real head dim
+    BLOCK_D: tl.constexpr,  # head dim padded to a power of two (>= 16 for tl.dot)
+    GROUP: tl.constexpr,  # query heads per KV head (GQA ratio)
+    BLOCK_H: tl.constexpr,  # GROUP padded to a power of two (>= 16 on GPU for tl.dot)
+    PAGE_SIZE: tl.constexpr,  # tokens per page, a power of two
+    BLOCK_N: tl.constexpr,  # tokens per tile, independent of PAGE_SIZE
     WRITE_PARTIALS: tl.constexpr,  # num_splits > 1: write (m, l, acc) for the reduction kernel
-    DOT_PRECISION: tl.constexpr,   # "ieee" for float32 inputs (no tf32); ignored for 16-bit
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no tf32); ignored for 16-bit
 ):
     # Each program owns one (sequence, KV head, split). Program ids along the three grid axes:
     batch = tl.program_id(0)
@@ -216,23 +229,26 @@ def _paged_decode_split_kernel(
 
     # GQA: query heads kv_head*GROUP .. kv_head*GROUP + GROUP-1 all read this KV head, so they
     # are processed together as the rows of one tile; rows >= GROUP are padding (q = 0).
-    offs_h = tl.arange(0, BLOCK_H)                      # [BLOCK_H]
-    offs_d = tl.arange(0, BLOCK_D)                      # [BLOCK_D]
-    offs_n = tl.arange(0, BLOCK_N)                      # [BLOCK_N]
-    head = kv_head * GROUP + offs_h                     # [BLOCK_H] query head ids
+    offs_h = tl.arange(0, BLOCK_H)  # [BLOCK_H]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    head = kv_head * GROUP + offs_h  # [BLOCK_H] query head ids
     mask_h = offs_h < GROUP
     mask_d = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + batch * stride_q_batch + head[:, None] * stride_q_head + offs_d[None, :],
-                mask=mask_h[:, None] & mask_d[None, :], other=0.0)    # [BLOCK_H, BLOCK_D]
+    q = tl.load(
+        q_ptr + batch * stride_q_batch + head[:, None] * stride_q_head + offs_d[None, :],
+        mask=mask_h[:, None] & mask_d[None, :],
+        other=0.0,
+    )  # [BLOCK_H, BLOCK_D]
 
     # Online softmax state, float32 whatever the input dtype.
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)   # running max of the scores (base 2)
-    l_i = tl.zeros([BLOCK_H], tl.float32)                 # running sum of exp2(score - m_i)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)        # running sum of exp2(...) * v
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max of the scores (base 2)
+    l_i = tl.zeros([BLOCK_H], tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)  # running sum of exp2(...) * v
 
     block_table_row = block_table_ptr + batch * stride_bt_batch
     kv_head_offset = kv_head * stride_cache_head
-    tile_d = offs_d[None, :]                            # [1, BLOCK_D] columns of a K/V row
+    tile_d = offs_d[None, :]  # [1, BLOCK_D] columns of a K/V row
     # Block-table lookup: logical token t lives on physical page block_table[t // PAGE_SIZE] at
     # offset t % PAGE_SIZE (a shift and a mask: PAGE_SIZE is a power of two). Only the page
     # base needs 64 bits (caches over 2**31 elements); offsets within a page are int32.
@@ -248,9 +264,9 @@ def _paged_decode_split_kernel(
         tokens = start + offs_n
         page = tl.load(block_table_row + tokens // PAGE_SIZE, mask=tokens < end, other=0)
     for tile_start in range(start, end, BLOCK_N):
-        tokens = tile_start + offs_n                    # [BLOCK_N] logical token positions
+        tokens = tile_start + offs_n  # [BLOCK_N] logical token positions
         mask_n = tokens < end
-        within = (tokens % PAGE_SIZE) * stride_cache_token          # int32 [BLOCK_N]
+        within = (tokens % PAGE_SIZE) * stride_cache_token  # int32 [BLOCK_N]
         base = page.to(tl.int64) * stride_cache_page + kv_head_offset  # int64: scalar or [BLOCK_N]
         if PAGE_SIZE >= BLOCK_N:
             # one base address, and the tile is a contiguous 2-D block [BLOCK_N, BLOCK_D]
@@ -264,24 +280,24 @@ def _paged_decode_split_kernel(
             nxt = tokens + BLOCK_N
             page = tl.load(block_table_row + nxt // PAGE_SIZE, mask=nxt < end, other=0)
         if BLOCK_D == HEAD_DIM:
-            kv_mask = mask_n[:, None]                   # keep the mask constant along d
+            kv_mask = mask_n[:, None]  # keep the mask constant along d
         else:
             kv_mask = mask_n[:, None] & mask_d[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)    # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
 
         # Scores of every query head of the group against the tile, in base 2.
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        scores = tl.where(mask_n[None, :], scores, float("-inf"))     # [BLOCK_H, BLOCK_N]
+        scores = tl.where(mask_n[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]
 
         # Online softmax: raise the running max, rescale what was accumulated under the old max
         # by alpha = 2^(m_old - m_new), then add this tile. Every tile holds at least one valid
         # token, so m_new is finite and alpha is 0 (not NaN) on the first tile.
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))               # [BLOCK_H]
-        alpha = tl.exp2(m_i - m_new)                                  # [BLOCK_H]
-        p = tl.exp2(scores - m_new[:, None])                          # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # [BLOCK_H]
+        alpha = tl.exp2(m_i - m_new)  # [BLOCK_H]
+        p = tl.exp2(scores - m_new[:, None])  # [BLOCK_H, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)    # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         # p is rounded to V's dtype for the tensor-core product (as FlashAttention does);
         # the product itself accumulates in float32.
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -291,28 +307,32 @@ def _paged_decode_split_kernel(
     if WRITE_PARTIALS:
         # Split-K: leave (m, l, acc) for the reduction kernel, which needs all splits' maxima
         # before it can weight them. Layout [batch, num_q_heads, num_splits(, head_dim)].
-        row = (batch * (tl.num_programs(1) * GROUP) + head) * num_splits + split   # [BLOCK_H]
+        row = (batch * (tl.num_programs(1) * GROUP) + head) * num_splits + split  # [BLOCK_H]
         tl.store(part_m_ptr + row, m_i, mask=mask_h)
         tl.store(part_l_ptr + row, l_i, mask=mask_h)
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
     else:
         # One split covers the whole sequence: normalise and write the output directly.
         out = acc / l_i[:, None]
-        tl.store(out_ptr + batch * stride_o_batch + head[:, None] * stride_o_head + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(
+            out_ptr + batch * stride_o_batch + head[:, None] * stride_o_head + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
 
 
 # --- Kernel 2: merge the splits of one (sequence, query head) --------------------------------
 def _reduce_splits_kernel(
-    part_m_ptr,            # fp32 [batch, num_q_heads, num_splits]
-    part_l_ptr,            # fp32 [batch, num_q_heads, num_splits]
-    part_acc_ptr,          # fp32 [batch, num_q_heads, num_splits, head_dim]
-    out_ptr,               # [batch, num_q_heads, head_dim]
+    part_m_ptr,  # fp32 [batch, num_q_heads, num_splits]
+    part_l_ptr,  # fp32 [batch, num_q_heads, num_splits]
+    part_acc_ptr,  # fp32 [batch, num_q_heads, num_splits, head_dim]
+    out_ptr,  # [batch, num_q_heads, head_dim]
     num_splits,
-    stride_o_batch, stride_o_head,
+    stride_o_batch,
+    stride_o_head,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,         # splits read per step
+    BLOCK_S: tl.constexpr,  # splits read per step
 ):
     # Split s computed its softmax relative to its own max m_s. Relative to the global max M:
     #   out = sum_s 2^(m_s - M) * acc_s  /  sum_s 2^(m_s - M) * l_s
@@ -320,7 +340,7 @@ def _reduce_splits_kernel(
     # (seq_len >= 1), so M is finite.
     batch = tl.program_id(0)
     head = tl.program_id(1)
-    first = (batch * tl.num_programs(1) + head) * num_splits   # row of split 0
+    first = (batch * tl.num_programs(1) + head) * num_splits  # row of split 0
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
@@ -340,14 +360,18 @@ def _reduce_splits_kernel(
         mask_s = s0 + offs_s < num_splits
         m = tl.load(part_m_ptr + first + s0 + offs_s, mask=mask_s, other=float("-inf"))
         l = tl.load(part_l_ptr + first + s0 + offs_s, mask=mask_s, other=0.0)
-        acc = tl.load(part_acc_ptr + (first + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_S, BLOCK_D]
-        w = tl.exp2(m - m_global)                                       # [BLOCK_S]
+        acc = tl.load(
+            part_acc_ptr + (first + s0 + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+            mask=mask_s[:, None] & mask_d[None, :],
+            other=0.0,
+        )  # [BLOCK_S, BLOCK_D]
+        w = tl.exp2(m - m_global)  # [BLOCK_S]
         numer += tl.sum(w[:, None] * acc, axis=0)
         denom += w * l
     out = numer / tl.sum(denom, axis=0)
-    tl.store(out_ptr + batch * stride_o_batch + head * stride_o_head + offs_d,
-             out.to(out_ptr.dtype.element_ty), mask=mask_d)
+    tl.store(
+        out_ptr + batch * stride_o_batch + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d
+    )
 
 
 # --- Launcher --------------------------------------------------------------------------------
@@ -361,9 +385,15 @@ def _num_sms(device: torch.device) -> int:
     return _INTERPRETER_SMS
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
-                      programs_per_sm: int = _PROGRAMS_PER_SM,
-                      min_tokens_per_split: int = _MIN_TOKENS_PER_SPLIT) -> int:
+def choose_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int,
+    *,
+    programs_per_sm: int = _PROGRAMS_PER_SM,
+    min_tokens_per_split: int = _MIN_TOKENS_PER_SPLIT,
+) -> int:
     """How many chunks to cut each sequence into so that the GPU is kept full.
 
     The unsplit grid has ``programs = batch * num_kv_heads`` programs and about
@@ -405,20 +435,19 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
     max_splits = max(1, min(_MAX_SPLITS, max_seq_len // min_tokens_per_split))
     if programs >= slots:
         return 1
-    cost = {s: -(-programs * s // slots) / s for s in range(1, max_splits + 1)}
-    good_enough = 1.05 * min(cost.values())        # within 5% of the best: prefer fewer splits
+    cost = {s: cdiv(programs * s, slots) / s for s in range(1, max_splits + 1)}
+    good_enough = 1.05 * min(cost.values())  # within 5% of the best: prefer fewer splits
     return min(s for s, c in cost.items() if c <= good_enough)
 
 
-def _default_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device,
-                        cfg: dict) -> int:
+def _default_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device, cfg: dict) -> int:
     """The split count `paged_decode(num_splits=None)` uses: a split is at least 4 tiles."""
-    return choose_num_splits(batch, num_kv_heads, max_len, _num_sms(device),
-                             min_tokens_per_split=4 * cfg["BLOCK_N"])
+    return choose_num_splits(batch, num_kv_heads, max_len, _num_sms(device), min_tokens_per_split=4 * cfg["BLOCK_N"])
 
 
-def _tile_config(dtype: torch.dtype, head_dim: int, group: int, *,
-                 interpret: bool = INTERPRETED, capability: int = 90) -> dict:
+def _tile_config(
+    dtype: torch.dtype, head_dim: int, group: int, *, interpret: bool = INTERPRETED, capability: int = 90
+) -> dict:
     """Tile sizes and launch options for one call (a fixed choice per target;
     `python -m paged_ref.bench kernels` reports what each compiles to, and
     `python -m paged_ref.bench decode --sweep` times the alternatives on a GPU).
@@ -431,23 +460,22 @@ def _tile_config(dtype: torch.dtype, head_dim: int, group: int, *,
     if interpret:
         # The interpreter runs each program in numpy: small tiles keep tests quick, and tl.dot
         # has no minimum shape there.
-        return dict(BLOCK_H=_next_pow2(group), BLOCK_D=block_d, BLOCK_N=32,
-                    num_warps=1, num_stages=1)
+        return dict(BLOCK_H=_next_pow2(group), BLOCK_D=block_d, BLOCK_N=32, num_warps=1, num_stages=1)
     if capability < 80:
         # Turing (T4): Triton computes tl.dot with FMAs there (no MMA instructions were
         # emitted for sm_75) and has no asynchronous copies, so small tiles and no pipeline:
         # with 64-token tiles the compile for sm_75 spilled ~200 registers.
         block_h = _next_pow2(group)
-        return dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=32 if block_h <= 8 else 16,
-                    num_warps=4, num_stages=1)
+        return dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=32 if block_h <= 8 else 16, num_warps=4, num_stages=1)
     # Ampere and Hopper: K/V tiles of up to 16 KB and 64 tokens (BLOCK_N = 64 for 16-bit
     # head_dim 128, 32 for head_dim 256); num_stages=3 asks the pipeliner for a ring of two K
     # and two V buffers in shared memory. maxnreg=160: left alone, ptxas gave some sm_90
     # configurations 64 registers and a few spills; 128-token tiles (16-bit head_dim 64)
     # spilled under that cap, 64-token ones do not (figures/data/kernels.json).
     block_n = min(64, max(16, 16384 // (block_d * dtype.itemsize)))
-    return dict(BLOCK_H=max(16, _next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-                num_warps=4, num_stages=3, maxnreg=160)
+    return dict(
+        BLOCK_H=max(16, _next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4, num_stages=3, maxnreg=160
+    )
 
 
 def _capability(device: torch.device) -> int:
@@ -460,31 +488,36 @@ def _check_kernel_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits,
     interpret = interpreted(q.device)
     allowed = (torch.float32,) if interpret else (torch.float16, torch.bfloat16, torch.float32)
     if q.dtype not in allowed:
-        where = ("Triton's interpreter (used for CPU tensors; float32 only)" if interpret
-                 else "the compiled kernel")
-        raise TypeError(f"q must have dtype in {[str(d) for d in allowed]} for {where}, "
-                        f"got {q.dtype}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
-                    ("block_table", block_table), ("seq_lens", seq_lens)):
+        where = "Triton's interpreter (used for CPU tensors; float32 only)" if interpret else "the compiled kernel"
+        raise TypeError(f"q must have dtype in {[str(d) for d in allowed]} for {where}, got {q.dtype}")
+    for name, t in (
+        ("q", q),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+    ):
         if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous (call .contiguous()), "
-                             f"got strides {tuple(t.stride())} for shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be contiguous (call .contiguous()), "
+                f"got strides {tuple(t.stride())} for shape {tuple(t.shape)}"
+            )
     page_size, head_dim = k_cache.shape[1], k_cache.shape[3]
     if page_size & (page_size - 1) or page_size > 256:
-        raise ValueError(f"k_cache page_size (dim 1) must be a power of two in [1, 256], "
-                         f"got {page_size}")
+        raise ValueError(f"k_cache page_size (dim 1) must be a power of two in [1, 256], got {page_size}")
     if head_dim > 256:
         raise ValueError(f"head_dim must be at most 256, got {head_dim}")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or num_splits < 1):
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
     if out is not None:
         if not isinstance(out, torch.Tensor):
             raise TypeError(f"out must be None or a torch.Tensor, got {type(out).__name__}")
         if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-            raise ValueError(f"out must match q (shape {tuple(q.shape)}, dtype {q.dtype}, device "
-                             f"{q.device}), got shape {tuple(out.shape)}, dtype {out.dtype}, "
-                             f"device {out.device}")
+            raise ValueError(
+                f"out must match q (shape {tuple(q.shape)}, dtype {q.dtype}, device "
+                f"{q.device}), got shape {tuple(out.shape)}, dtype {out.dtype}, "
+                f"device {out.device}"
+            )
         if not out.is_contiguous():
             raise ValueError(f"out must be contiguous, got strides {tuple(out.stride())}")
 
@@ -539,44 +572,62 @@ def paged_decode(
         True
     """
     if triton is None:
-        raise ImportError("paged_decode needs the `triton` package (Linux only): "
-                          "pip install triton, or use paged_attention_reference instead")
-    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale,
-                               check_values=check_values)
+        raise ImportError(
+            "paged_decode needs the `triton` package (Linux only): "
+            "pip install triton, or use paged_attention_reference instead"
+        )
+    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     _check_kernel_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, out)
 
     batch, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     interpret = interpreted(q.device)
-    cfg = _tile_config(q.dtype, head_dim, group, interpret=interpret,
-                       capability=90 if interpret else _capability(q.device))
+    cfg = _tile_config(
+        q.dtype, head_dim, group, interpret=interpret, capability=90 if interpret else _capability(q.device)
+    )
     if num_splits is None:
         # With values checked, seq_lens is already known on the host; otherwise use the block
         # table's capacity as the bound rather than force a device sync.
-        max_len = (int(seq_lens.max()) if check_values
-                   else block_table.shape[1] * page_size)
+        max_len = int(seq_lens.max()) if check_values else block_table.shape[1] * page_size
         num_splits = _default_num_splits(batch, num_kv_heads, max_len, q.device, cfg)
     if out is None:
-        out = torch.empty_like(q)                               # [batch, num_q_heads, head_dim]
+        out = torch.empty_like(q)  # [batch, num_q_heads, head_dim]
     _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, **cfg)
     return out
 
 
-def _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, *,
-            BLOCK_H, BLOCK_D, BLOCK_N, num_warps, num_stages, **options):
+def _launch(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    out,
+    scale,
+    num_splits,
+    *,
+    BLOCK_H,
+    BLOCK_D,
+    BLOCK_N,
+    num_warps,
+    num_stages,
+    **options,
+):
     """Launch both kernels on checked inputs (also used by the benchmark's tile sweep)."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     write_partials = num_splits > 1
     if write_partials:
-        part_m = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32,
-                             device=q.device)                   # [batch, Hq, splits]
-        part_l = torch.empty_like(part_m)                       # [batch, Hq, splits]
-        part_acc = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32,
-                               device=q.device)                 # [batch, Hq, splits, head_dim]
+        part_m = torch.empty(
+            batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device
+        )  # [batch, Hq, splits]
+        part_l = torch.empty_like(part_m)  # [batch, Hq, splits]
+        part_acc = torch.empty(
+            batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
+        )  # [batch, Hq, splits, head_dim]
     else:
-        part_m = part_l = part_acc = out                        # unused by the kernel
+        part_m = part_l = part_acc = out  # unused by the kernel
     interpret = interpreted(q.device)
     split_kernel = _kernel(_paged_decode_split_kernel, interpret)
     reduce_kernel = _kernel(_reduce_splits_kernel, interpret)
@@ -586,27 +637,50 @@ def _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, 
     with scope:
         # Grid: one program per (sequence, KV head, split).
         split_kernel[(batch, num_kv_heads, num_splits)](
-            q, k_cache, v_cache, block_table, seq_lens, out,
-            part_m, part_l, part_acc,
-            scale * _LOG2E, num_splits,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            q,
+            k_cache,
+            v_cache,
+            block_table,
+            seq_lens,
+            out,
+            part_m,
+            part_l,
+            part_acc,
+            scale * _LOG2E,
+            num_splits,
+            q.stride(0),
+            q.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
             block_table.stride(0),
-            out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=BLOCK_D,
-            GROUP=num_q_heads // num_kv_heads, BLOCK_H=BLOCK_H,
-            PAGE_SIZE=k_cache.shape[1], BLOCK_N=BLOCK_N,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=BLOCK_D,
+            GROUP=num_q_heads // num_kv_heads,
+            BLOCK_H=BLOCK_H,
+            PAGE_SIZE=k_cache.shape[1],
+            BLOCK_N=BLOCK_N,
             WRITE_PARTIALS=write_partials,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps,
+            num_stages=num_stages,
             **({} if interpret else options),
         )
         if write_partials:
             # Grid: one program per (sequence, query head).
             reduce_kernel[(batch, num_q_heads)](
-                part_m, part_l, part_acc, out, num_splits,
-                out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, BLOCK_D=BLOCK_D, BLOCK_S=min(16, _next_pow2(num_splits)),
+                part_m,
+                part_l,
+                part_acc,
+                out,
+                num_splits,
+                out.stride(0),
+                out.stride(1),
+                HEAD_DIM=head_dim,
+                BLOCK_D=BLOCK_D,
+                BLOCK_S=min(16, _next_pow2(num_splits)),
                 num_warps=1 if interpret else 4,
             )
     return out

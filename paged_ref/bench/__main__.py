@@ -8,8 +8,7 @@ from . import available
 
 def _usage(benchmarks: dict[str, str]) -> str:
     width = max((len(n) for n in benchmarks), default=0)
-    lines = ["usage: python -m paged_ref.bench <name> [args]   (<name> --help for its options)",
-             "", "benchmarks:"]
+    lines = ["usage: python -m paged_ref.bench <name> [args]   (<name> --help for its options)", "", "benchmarks:"]
     lines += [f"  {name.ljust(width)}  {doc}" for name, doc in benchmarks.items()]
     return "\n".join(lines)
 
@@ -22,8 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in benchmarks:
-        print(f"unknown benchmark {name!r}; expected one of {sorted(benchmarks)}\n",
-              file=sys.stderr)
+        print(f"unknown benchmark {name!r}; expected one of {sorted(benchmarks)}\n", file=sys.stderr)
         print(_usage(benchmarks), file=sys.stderr)
         return 2
     module = importlib.import_module(f"{__package__}.{name}")

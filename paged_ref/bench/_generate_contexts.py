@@ -29,6 +29,7 @@ from statistics import median_high as _median  # the upper middle value, as the 
 import torch
 
 from .. import textdata
+from .._arith import cdiv
 from ..hf import PagedSession
 
 __all__ = ["measure_contexts"]
@@ -58,8 +59,12 @@ def _hf_run(model, prompt, steps):
     for i in range(steps):
         position = torch.tensor([[prompt.numel() + i]])
         t = time.perf_counter()
-        out = model(token[:, None], use_cache=True, position_ids=position,
-                    **{"cache" if "cache" in out else "past_key_values": cache})
+        out = model(
+            token[:, None],
+            use_cache=True,
+            position_ids=position,
+            **{"cache" if "cache" in out else "past_key_values": cache},
+        )
         times.append(time.perf_counter() - t)
         cache = out["cache"] if "cache" in out else out["past_key_values"]
         token = out.logits[:, -1].argmax(-1)
@@ -68,9 +73,10 @@ def _hf_run(model, prompt, steps):
 
 
 def _paged_run(model, prompt, steps, backend, page_size, scattered=False):
-    num_pages = -(-(prompt.numel() + steps + 1) // page_size)
-    with PagedSession(model, num_pages=2 * num_pages if scattered else num_pages, page_size=page_size,
-                      backend=backend) as session:
+    num_pages = cdiv(prompt.numel() + steps + 1, page_size)
+    with PagedSession(
+        model, num_pages=2 * num_pages if scattered else num_pages, page_size=page_size, backend=backend
+    ) as session:
         if scattered:  # another sequence takes the whole pool, then gives back every other page
             other = session.kv.add_sequence()
             session.kv.reserve(other, 2 * num_pages * page_size)
@@ -92,18 +98,26 @@ def _paged_run(model, prompt, steps, backend, page_size, scattered=False):
     return prefill, times, plans, tokens
 
 
-def measure_contexts(model, tokenizer, *, contexts, decode_steps, repeats, backends, page_size,
-                     scattered=(), skip_above=None):
+def measure_contexts(
+    model, tokenizer, *, contexts, decode_steps, repeats, backends, page_size, scattered=(), skip_above=None
+):
     """Prefill and per-token decode of the paged backends vs ``DynamicCache`` at each context."""
     skip_above = dict(skip_above or {})
-    out = {"contexts": list(contexts), "decode_steps": decode_steps, "repeats": repeats,
-           "page_size": page_size, "skip_above": skip_above, "rows": []}
+    out = {
+        "contexts": list(contexts),
+        "decode_steps": decode_steps,
+        "repeats": repeats,
+        "page_size": page_size,
+        "skip_above": skip_above,
+        "rows": [],
+    }
     methods = {"hf": lambda p: _hf_run(model, p, decode_steps)}
     for b in backends:
         methods[f"paged_{b}"] = lambda p, b=b: _paged_run(model, p, decode_steps, b, page_size)
     for b in scattered:
-        methods[f"paged_{b}_scattered"] = lambda p, b=b: _paged_run(model, p, decode_steps, b, page_size,
-                                                                    scattered=True)
+        methods[f"paged_{b}_scattered"] = lambda p, b=b: _paged_run(
+            model, p, decode_steps, b, page_size, scattered=True
+        )
     warm = _prompt(model, tokenizer, 16)
     for run in methods.values():  # one short warm-up of every path
         run(warm)
@@ -125,7 +139,8 @@ def measure_contexts(model, tokenizer, *, contexts, decode_steps, repeats, backe
         row = {"context": n, "methods": {}}
         for m in here:
             row["methods"][m] = {
-                "prefill_s": _median(prefill[m]), "prefill_times_s": prefill[m],
+                "prefill_s": _median(prefill[m]),
+                "prefill_times_s": prefill[m],
                 "decode_s_per_token": _median(decode[m]),
                 "plan_share_of_decode_step": _median(plan_share[m]) if plan_share[m] else None,
                 "tokens_match_hf": tokens[m] == tokens["hf"],
@@ -137,8 +152,13 @@ def measure_contexts(model, tokenizer, *, contexts, decode_steps, repeats, backe
                 r["prefill_over_hf"] = r["prefill_s"] / hf["prefill_s"]
                 r["decode_over_hf"] = r["decode_s_per_token"] / hf["decode_s_per_token"]
         out["rows"].append(row)
-        print(f"context {n}: " + ", ".join(
-            f"{m} prefill {r['prefill_s']:.3f} s decode {r['decode_s_per_token'] * 1e3:.1f} ms"
-            + (f" ({r['prefill_over_hf']:.2f}x, {r['decode_over_hf']:.2f}x)" if m != "hf" else "")
-            for m, r in row["methods"].items()), flush=True)
+        print(
+            f"context {n}: "
+            + ", ".join(
+                f"{m} prefill {r['prefill_s']:.3f} s decode {r['decode_s_per_token'] * 1e3:.1f} ms"
+                + (f" ({r['prefill_over_hf']:.2f}x, {r['decode_over_hf']:.2f}x)" if m != "hf" else "")
+                for m, r in row["methods"].items()
+            ),
+            flush=True,
+        )
     return out

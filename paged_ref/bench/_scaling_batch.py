@@ -52,10 +52,10 @@ def fit_counts(lengths, *, budget_tokens: int, max_len: int, page_size: int) -> 
     paged count confirmed on a real `PagedKVCache` of ``budget_tokens // page_size`` pages
     (``"paged_allocator"``, reserve until the pool says no).
     """
-    fit = requests_that_fit(lengths, budget_slots=budget_tokens, page_size=page_size,
-                            reserved_per_request=max_len)
-    kv = PagedKVCache(num_layers=1, num_pages=budget_tokens // page_size, page_size=page_size,
-                      num_kv_heads=1, head_dim=1)
+    fit = requests_that_fit(lengths, budget_slots=budget_tokens, page_size=page_size, reserved_per_request=max_len)
+    kv = PagedKVCache(
+        num_layers=1, num_pages=budget_tokens // page_size, page_size=page_size, num_kv_heads=1, head_dim=1
+    )
     count = 0
     for n in lengths:
         if not kv.allocator.can_allocate(pages_needed(n, page_size)):
@@ -78,12 +78,18 @@ def paged_overhead(lengths, *, page_size: int) -> dict:
         kv.reserve(kv.add_sequence(), n)
     pages = kv.allocator.num_pages - kv.allocator.num_free
     tokens = sum(lengths)
-    return {"page_size": page_size, "tokens": tokens, "pages": pages, "slots": pages * page_size,
-            "overhead": pages * page_size / tokens - 1}
+    return {
+        "page_size": page_size,
+        "tokens": tokens,
+        "pages": pages,
+        "slots": pages * page_size,
+        "overhead": pages * page_size / tokens - 1,
+    }
 
 
-def _attention_time(decode, lengths, *, page_size, num_kv_heads, num_q_heads, head_dim, dtype, device,
-                    repeats: int) -> float:
+def _attention_time(
+    decode, lengths, *, page_size, num_kv_heads, num_q_heads, head_dim, dtype, device, repeats: int
+) -> float:
     """Median time of one decode-attention call over the batch held in a shuffled page pool."""
     gen = torch.Generator().manual_seed(0)
     total = sum(pages_needed(n, page_size) for n in lengths)
@@ -93,12 +99,12 @@ def _attention_time(decode, lengths, *, page_size, num_kv_heads, num_q_heads, he
     tables, start = [], 0
     for n in lengths:
         p = pages_needed(n, page_size)
-        tables.append(perm[start:start + p])
+        tables.append(perm[start : start + p])
         start += p
     width = max(len(t) for t in tables)
     block_table = torch.zeros(len(lengths), width, dtype=torch.int32)  # [batch, max_pages]
     for b, t in enumerate(tables):
-        block_table[b, :len(t)] = t
+        block_table[b, : len(t)] = t
     block_table = block_table.to(device)
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)  # [batch]
     q = torch.randn(len(lengths), num_q_heads, head_dim, generator=gen).to(device, dtype)  # [batch, Hq, D]
@@ -113,8 +119,9 @@ def _attention_time(decode, lengths, *, page_size, num_kv_heads, num_q_heads, he
     return statistics.median(times)
 
 
-def page_size_sweep(lengths, page_sizes, *, geometry: dict, backends: dict, repeats: int = 5,
-                    deadline: float | None = None) -> list[dict]:
+def page_size_sweep(
+    lengths, page_sizes, *, geometry: dict, backends: dict, repeats: int = 5, deadline: float | None = None
+) -> list[dict]:
     """Overhead (counted) and decode-attention time (measured) of the batch for each page size.
 
     Args:
@@ -136,8 +143,9 @@ def page_size_sweep(lengths, page_sizes, *, geometry: dict, backends: dict, repe
         row["attention_s"] = {}
         for name, fn in backends.items():
             late = deadline is not None and time.monotonic() > deadline
-            row["attention_s"][name] = None if late else _attention_time(fn, lengths, page_size=ps, repeats=repeats,
-                                                                         **geometry)
+            row["attention_s"][name] = (
+                None if late else _attention_time(fn, lengths, page_size=ps, repeats=repeats, **geometry)
+            )
         rows.append(row)
     return rows
 
@@ -148,7 +156,7 @@ def _teacher_steps(decoder, prompt, lengths, steps, warmup, rows=None, device="c
     pos = [lengths[r] for r in rows]
     times = []
     for i in range(warmup + steps):
-        chunks = [prompt[p:p + 1] for p in pos]
+        chunks = [prompt[p : p + 1] for p in pos]
         synchronize(device)
         t = time.perf_counter()
         if isinstance(decoder, PagedDecoder):
@@ -161,8 +169,19 @@ def _teacher_steps(decoder, prompt, lengths, steps, warmup, rows=None, device="c
     return times
 
 
-def batch_throughput(model, prompt: torch.Tensor, lengths, *, budget_tokens: int, max_len: int, page_size: int,
-                     paged_backends, steps: int, warmup: int, prefill_chunk: int = 2048) -> dict:
+def batch_throughput(
+    model,
+    prompt: torch.Tensor,
+    lengths,
+    *,
+    budget_tokens: int,
+    max_len: int,
+    page_size: int,
+    paged_backends,
+    steps: int,
+    warmup: int,
+    prefill_chunk: int = 2048,
+) -> dict:
     """Tokens/s of the contiguous max-length reservation vs the paged cache, same KV budget.
 
     The contiguous run holds the first ``budget_tokens // max_len`` requests in a StaticCache of
@@ -183,8 +202,10 @@ def batch_throughput(model, prompt: torch.Tensor, lengths, *, budget_tokens: int
     if prompt.numel() < need:
         raise ValueError(f"prompt must hold at least {need} tokens, got {prompt.numel()}")
     if max(lengths) + warmup + steps > max_len:
-        raise ValueError(f"max_len={max_len} must cover the longest request plus the decode steps "
-                         f"({max(lengths)} + {warmup + steps})")
+        raise ValueError(
+            f"max_len={max_len} must cover the longest request plus the decode steps "
+            f"({max(lengths)} + {warmup + steps})"
+        )
     fit = fit_counts(lengths, budget_tokens=budget_tokens, max_len=max_len, page_size=page_size)
     n_contig, n_paged = fit["reserve_max"], fit["paged_allocator"]
     out = {"fit": fit, "paged": {}}
@@ -204,9 +225,15 @@ def batch_throughput(model, prompt: torch.Tensor, lengths, *, budget_tokens: int
             dec.feed([prompt[:n] for n in lengths[:n_contig]], predict=False)
             times = _teacher_steps(dec, prompt, lengths[:n_contig], steps, warmup, device=device)
             step = statistics.median(times)
-            out["contiguous"] = {"label": "contiguous max-length reservation (StaticCache)", "batch": n_contig,
-                                 "step_s": step, "tokens_per_s": n_contig / step, "times_s": times,
-                                 "kv_bytes": dec.kv_bytes(), "peak_bytes": peak()}
+            out["contiguous"] = {
+                "label": "contiguous max-length reservation (StaticCache)",
+                "batch": n_contig,
+                "step_s": step,
+                "tokens_per_s": n_contig / step,
+                "times_s": times,
+                "kv_bytes": dec.kv_bytes(),
+                "peak_bytes": peak(),
+            }
         finally:
             dec.close()
     for backend in paged_backends:
@@ -216,16 +243,24 @@ def batch_throughput(model, prompt: torch.Tensor, lengths, *, budget_tokens: int
             dec.start(n_paged)
             for r, n in enumerate(lengths[:n_paged]):  # one request at a time: no padding in prefill
                 for s in range(0, n, prefill_chunk):
-                    dec.feed([prompt[s:min(n, s + prefill_chunk)]], predict=False, rows=[r])
+                    dec.feed([prompt[s : min(n, s + prefill_chunk)]], predict=False, rows=[r])
             held_tokens = sum(lengths[:n_paged])
             pages = dec.pages_held()
             times = _teacher_steps(dec, prompt, lengths[:n_paged], steps, warmup, device=device)
             step = statistics.median(times)
-            entry = {"label": f"paged ({backend})", "batch": n_paged, "step_s": step,
-                     "tokens_per_s": n_paged / step, "times_s": times, "kv_bytes": dec.kv_bytes(),
-                     "peak_bytes": peak(), "pages_after_prefill": pages, "tokens_after_prefill": held_tokens,
-                     "overhead_after_prefill": pages * page_size / held_tokens - 1,
-                     "alloc_calls": list(dec.timer.calls)}
+            entry = {
+                "label": f"paged ({backend})",
+                "batch": n_paged,
+                "step_s": step,
+                "tokens_per_s": n_paged / step,
+                "times_s": times,
+                "kv_bytes": dec.kv_bytes(),
+                "peak_bytes": peak(),
+                "pages_after_prefill": pages,
+                "tokens_after_prefill": held_tokens,
+                "overhead_after_prefill": pages * page_size / held_tokens - 1,
+                "alloc_calls": list(dec.timer.calls),
+            }
             if n_contig >= 1:
                 grown = [n + warmup + steps for n in lengths[:n_contig]]
                 same = _teacher_steps(dec, prompt, grown, steps, warmup, rows=list(range(n_contig)), device=device)

@@ -55,7 +55,7 @@ class _KnownTokensKV(PagedKVCache):
     def reserve(self, seq_id, num_tokens, token_ids=None):
         if token_ids is None and seq_id in self.known:
             start = self.seq_len(seq_id)
-            token_ids = self.known[seq_id][start:start + num_tokens]
+            token_ids = self.known[seq_id][start : start + num_tokens]
         return super().reserve(seq_id, num_tokens, token_ids=token_ids)
 
 
@@ -70,8 +70,17 @@ class _PrefixSession(PagedSession):
         return seq_id
 
 
-def run_chat(model, user_turns, *, reply_tokens: int, page_size: int = 16, prefix_caching: bool,
-             backend: str = "flex", num_pages: int | None = None, prefill_chunk: int = 2048) -> dict:
+def run_chat(
+    model,
+    user_turns,
+    *,
+    reply_tokens: int,
+    page_size: int = 16,
+    prefix_caching: bool,
+    backend: str = "flex",
+    num_pages: int | None = None,
+    prefill_chunk: int = 2048,
+) -> dict:
     """Serve the conversation turn by turn; see the module docstring.
 
     Args:
@@ -94,8 +103,9 @@ def run_chat(model, user_turns, *, reply_tokens: int, page_size: int = 16, prefi
     total = sum(int(u.numel()) for u in user_turns) + reply_tokens * len(user_turns)
     if num_pages is None:
         num_pages = 2 * pages_needed(total, page_size) + len(user_turns) + 2
-    kv = _KnownTokensKV(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching,
-                        **model_geometry(model))
+    kv = _KnownTokensKV(
+        num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching, **model_geometry(model)
+    )
     timer = AllocationTimer(kv.allocator)
     history: list[int] = []
     turns, replies = [], []
@@ -123,19 +133,27 @@ def run_chat(model, user_turns, *, reply_tokens: int, page_size: int = 16, prefi
             synchronize(device)
             done = time.perf_counter()
             new_calls = timer.calls[calls_before:]
-            turns.append({
-                "turn": t + 1,
-                "context": len(request) + reply_tokens,
-                "prefilled": len(request) - reused,
-                "latency_s": done - start,
-                "prefill_s": prefilled_at - start,
-                "decode_s": done - prefilled_at,
-                "pages_allocated": sum(n for op, _, n in new_calls if op == "allocate"),
-                "prefix_pages_reused": kv.prefix_hits - hits_before,
-                "pages_held": kv.allocator.num_pages - kv.allocator.num_free,
-            })
+            turns.append(
+                {
+                    "turn": t + 1,
+                    "context": len(request) + reply_tokens,
+                    "prefilled": len(request) - reused,
+                    "latency_s": done - start,
+                    "prefill_s": prefilled_at - start,
+                    "decode_s": done - prefilled_at,
+                    "pages_allocated": sum(n for op, _, n in new_calls if op == "allocate"),
+                    "prefix_pages_reused": kv.prefix_hits - hits_before,
+                    "pages_held": kv.allocator.num_pages - kv.allocator.num_free,
+                }
+            )
             replies.append(reply)
             history = request + reply
             session.finish(seq)  # the request ends; with prefix caching its full pages stay findable
-    return {"prefix_caching": prefix_caching, "backend": backend, "page_size": page_size,
-            "turns": turns, "replies": replies, "alloc_calls": list(timer.calls)}
+    return {
+        "prefix_caching": prefix_caching,
+        "backend": backend,
+        "page_size": page_size,
+        "turns": turns,
+        "replies": replies,
+        "alloc_calls": list(timer.calls),
+    }

@@ -46,12 +46,12 @@ import time
 
 import torch
 
+from .._arith import cdiv
 from ..cache import PagedKVCache
 from ..hf import PagedSession
 from ..hf.session import model_geometry
 
-__all__ = ["NoCacheDecoder", "ContiguousDecoder", "PagedDecoder", "AllocationTimer", "make_decoder",
-           "synchronize"]
+__all__ = ["NoCacheDecoder", "ContiguousDecoder", "PagedDecoder", "AllocationTimer", "make_decoder", "synchronize"]
 
 
 def synchronize(device) -> None:
@@ -66,8 +66,10 @@ def _check_chunks(chunks, batch: int | None) -> list[torch.Tensor]:
     out = []
     for i, c in enumerate(chunks):
         if not isinstance(c, torch.Tensor) or c.dim() != 1 or c.numel() < 1 or c.dtype != torch.long:
-            raise ValueError(f"chunks[{i}] must be a non-empty 1-D LongTensor, got "
-                             f"{getattr(c, 'shape', type(c).__name__)} {getattr(c, 'dtype', '')}")
+            raise ValueError(
+                f"chunks[{i}] must be a non-empty 1-D LongTensor, got "
+                f"{getattr(c, 'shape', type(c).__name__)} {getattr(c, 'dtype', '')}"
+            )
         out.append(c)
     if batch is not None and len(out) != batch:
         raise ValueError(f"chunks must have one entry per sequence ({batch}), got {len(out)}")
@@ -137,8 +139,8 @@ class ContiguousDecoder:
         self.name = f"contiguous ({'StaticCache' if kind == 'static' else 'DynamicCache'})"
         self.device = next(model.parameters()).device
         self.cache = None
-        self.mask: torch.Tensor | None = None       # [batch, tokens so far] 1 = real, 0 = left padding
-        self.next_pos: torch.Tensor | None = None   # [batch] position of each row's next token
+        self.mask: torch.Tensor | None = None  # [batch, tokens so far] 1 = real, 0 = left padding
+        self.next_pos: torch.Tensor | None = None  # [batch] position of each row's next token
         self._cache_kw = "cache" if "cache" in _forward_params(model) else "past_key_values"
 
     def _new_cache(self, batch: int):
@@ -157,11 +159,11 @@ class ContiguousDecoder:
         if not first and len(set(lens)) != 1:
             raise ValueError(f"after the first feed every row must get the same number of tokens, got {lens}")
         batch, width = len(chunks), max(lens)
-        ids = torch.zeros(batch, width, dtype=torch.long)            # [batch, width], left-padded
-        new_mask = torch.zeros(batch, width, dtype=torch.long)       # [batch, width]
+        ids = torch.zeros(batch, width, dtype=torch.long)  # [batch, width], left-padded
+        new_mask = torch.zeros(batch, width, dtype=torch.long)  # [batch, width]
         for b, c in enumerate(chunks):
-            ids[b, width - c.numel():] = c
-            new_mask[b, width - c.numel():] = 1
+            ids[b, width - c.numel() :] = c
+            new_mask[b, width - c.numel() :] = 1
         ids, new_mask = ids.to(self.device), new_mask.to(self.device)
         if first:
             self.cache = self._new_cache(batch)
@@ -230,6 +232,7 @@ class AllocationTimer:
             result = fn(*args, **kwargs)
             self.calls.append((op, time.perf_counter_ns() - start, count))
             return result
+
         return timed
 
 
@@ -250,8 +253,16 @@ class PagedDecoder:
         timer: attach an `AllocationTimer` to the pool's allocator (``self.timer``).
     """
 
-    def __init__(self, model, *, backend: str = "flex", num_pages: int | None = None, page_size: int = 16,
-                 kv: PagedKVCache | None = None, timer: bool = True):
+    def __init__(
+        self,
+        model,
+        *,
+        backend: str = "flex",
+        num_pages: int | None = None,
+        page_size: int = 16,
+        kv: PagedKVCache | None = None,
+        timer: bool = True,
+    ):
         if kv is None:
             if not isinstance(num_pages, int) or num_pages < 1:
                 raise ValueError(f"num_pages must be a positive int when kv is None, got {num_pages!r}")
@@ -308,7 +319,8 @@ def make_decoder(model, name: str, *, max_len: int, page_size: int = 16, num_pag
     from ..hf import BACKENDS
 
     if name in BACKENDS:
-        pages = num_pages if num_pages is not None else -(-max_len // page_size)
+        pages = num_pages if num_pages is not None else cdiv(max_len, page_size)
         return PagedDecoder(model, backend=name, num_pages=pages, page_size=page_size)
-    raise ValueError(f"decoder name must be none, dynamic, static or a paged_ref.hf backend "
-                     f"{sorted(BACKENDS)}; got {name!r}")
+    raise ValueError(
+        f"decoder name must be none, dynamic, static or a paged_ref.hf backend {sorted(BACKENDS)}; got {name!r}"
+    )

@@ -79,8 +79,10 @@ class LadderConfig:
             raise ValueError(f"contexts must be positive ints, got {self.contexts}")
         gaps = [b - a for a, b in zip(self.contexts, self.contexts[1:])]
         if any(g <= self.warmup + self.steps for g in gaps):
-            raise ValueError(f"contexts must be ascending with gaps > warmup + steps = {self.warmup + self.steps}, "
-                             f"got {self.contexts}")
+            raise ValueError(
+                f"contexts must be ascending with gaps > warmup + steps = {self.warmup + self.steps}, "
+                f"got {self.contexts}"
+            )
 
     def tokens_needed(self) -> int:
         """Prompt length the ladder consumes (last context plus its decode steps)."""
@@ -123,15 +125,24 @@ def run_ladder(model, name: str, prompt: torch.Tensor, cfg: LadderConfig, *, dea
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.dtype != torch.long:
         raise TypeError(f"prompt must be a 1-D LongTensor, got {getattr(prompt, 'shape', type(prompt).__name__)}")
     if prompt.numel() < cfg.tokens_needed():
-        raise ValueError(f"prompt must hold at least {cfg.tokens_needed()} tokens for contexts {cfg.contexts}, "
-                         f"got {prompt.numel()}")
+        raise ValueError(
+            f"prompt must hold at least {cfg.tokens_needed()} tokens for contexts {cfg.contexts}, got {prompt.numel()}"
+        )
     device = next(model.parameters()).device
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     max_len = cfg.tokens_needed()
-    dec = make_decoder(model, name, max_len=max_len, page_size=cfg.page_size,
-                       num_pages=pages_needed(max_len, cfg.page_size))
-    result = {"backend": name, "label": LABELS.get(name, name), "timed": cfg.timed, "points": [],
-              "predictions": {}, "alloc_calls": [], "skipped": []}
+    dec = make_decoder(
+        model, name, max_len=max_len, page_size=cfg.page_size, num_pages=pages_needed(max_len, cfg.page_size)
+    )
+    result = {
+        "backend": name,
+        "label": LABELS.get(name, name),
+        "timed": cfg.timed,
+        "points": [],
+        "predictions": {},
+        "alloc_calls": [],
+        "skipped": [],
+    }
     pos = 0
     nocache = name == "none"
     try:
@@ -145,28 +156,30 @@ def run_ladder(model, name: str, prompt: torch.Tensor, cfg: LadderConfig, *, dea
                 pos = end
             warm = (1 if i == 0 else 0) if nocache else cfg.warmup
             for _ in range(warm):  # untimed, but its predictions are compared too
-                result["predictions"][pos] = int(dec.feed([prompt[pos:pos + 1]])[0])
+                result["predictions"][pos] = int(dec.feed([prompt[pos : pos + 1]])[0])
                 pos += 1
             base = _peak_reset(device)
             times = []
             for _ in range(cfg.nocache_steps if nocache else cfg.steps):
                 synchronize(device)
                 start = time.perf_counter()
-                pred = dec.feed([prompt[pos:pos + 1]])  # argmax copied to the host: waits for the step
+                pred = dec.feed([prompt[pos : pos + 1]])  # argmax copied to the host: waits for the step
                 times.append(time.perf_counter() - start)
                 result["predictions"][pos] = int(pred[0])
                 pos += 1
             peak = _peak(device)
-            result["points"].append({
-                "context": context,
-                "tokens_held": pos,
-                "median_s": statistics.median(times) if cfg.timed else None,
-                "times_s": times if cfg.timed else None,
-                "kv_bytes": dec.kv_bytes(),
-                "peak_bytes": peak,
-                "weights_bytes": weights,
-                "allocated_before_bytes": base if device.type == "cuda" else None,
-            })
+            result["points"].append(
+                {
+                    "context": context,
+                    "tokens_held": pos,
+                    "median_s": statistics.median(times) if cfg.timed else None,
+                    "times_s": times if cfg.timed else None,
+                    "kv_bytes": dec.kv_bytes(),
+                    "peak_bytes": peak,
+                    "weights_bytes": weights,
+                    "allocated_before_bytes": base if device.type == "cuda" else None,
+                }
+            )
         if isinstance(dec, PagedDecoder):
             result["pages_held"] = dec.pages_held()
             result["page_bytes"] = dec.kv.page_bytes
@@ -189,6 +202,9 @@ def agreement(results: list[dict]) -> dict:
     out = {}
     for r in results[1:]:
         common = sorted(set(base) & set(r["predictions"]))
-        out[r["label"]] = {"against": results[0]["label"], "compared": len(common),
-                           "equal": sum(base[p] == r["predictions"][p] for p in common)}
+        out[r["label"]] = {
+            "against": results[0]["label"],
+            "compared": len(common),
+            "equal": sum(base[p] == r["predictions"][p] for p in common),
+        }
     return out

@@ -12,7 +12,7 @@ import numpy as np
 
 from .common import print_table
 
-__all__ = ["alloc_summary", "latency_table", "ratios_to", "print_model_report"]
+__all__ = ["alloc_summary", "latency_table", "ratios_to", "noise_summary", "print_model_report"]
 
 
 def alloc_summary(calls) -> dict:
@@ -26,10 +26,14 @@ def alloc_summary(calls) -> dict:
         ns = np.array([c[1] for c in calls if c[0] == op], dtype=float)
         pages = np.array([max(c[2], 1) for c in calls if c[0] == op], dtype=float)
         per_page = ns / pages
-        out[op] = {"calls": int(ns.size), "pages": int(pages.sum()),
-                   "median_ns": float(np.median(ns)), "p99_ns": float(np.percentile(ns, 99)),
-                   "median_ns_per_page": float(np.median(per_page)),
-                   "p99_ns_per_page": float(np.percentile(per_page, 99))}
+        out[op] = {
+            "calls": int(ns.size),
+            "pages": int(pages.sum()),
+            "median_ns": float(np.median(ns)),
+            "p99_ns": float(np.percentile(ns, 99)),
+            "median_ns_per_page": float(np.median(per_page)),
+            "p99_ns_per_page": float(np.percentile(per_page, 99)),
+        }
     return out
 
 
@@ -39,8 +43,11 @@ def ratios_to(ladder: list[dict], base: str) -> dict:
     ref = next((v for k, v in by_label.items() if k == base), None)
     if ref is None:
         return {}
-    return {label: {c: t / ref[c] for c, t in pts.items() if c in ref and t is not None}
-            for label, pts in by_label.items() if label != base}
+    return {
+        label: {c: t / ref[c] for c, t in pts.items() if c in ref and t is not None}
+        for label, pts in by_label.items()
+        if label != base
+    }
 
 
 def latency_table(ladder: list[dict]) -> tuple[list[str], list[list[str]]]:
@@ -58,14 +65,44 @@ def latency_table(ladder: list[dict]) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+def noise_summary(ladder: list[dict], base: str = "dynamic", peer: str = "static") -> dict:
+    """What a run's timings can tell apart: the spread of each point and two baselines' own gap.
+
+    Args:
+        ladder: the ``ladder`` list of a scaling result.
+        base, peer: backends of two contiguous caches (DynamicCache, StaticCache): their ratio
+            is a difference no paging causes, i.e. a floor on what the run resolves.
+
+    Returns:
+        ``{"steps": {label: timed steps per point}, "spread": {label: {context: [min, p25,
+        median, p75, max] ms}}, "peer_over_base": [min, max] of peer median / base median over
+        contexts, "iqr_over_median": {label: largest (p75 - p25) / median over contexts}}``.
+    """
+    timed = {r["backend"]: r for r in ladder if r["timed"]}
+    out = {"steps": {}, "spread": {}, "iqr_over_median": {}}
+    for r in timed.values():
+        pts = [p for p in r["points"] if p["times_s"]]
+        out["steps"][r["label"]] = sorted({len(p["times_s"]) for p in pts})
+        q = {p["context"]: [float(x) * 1e3 for x in np.percentile(p["times_s"], [0, 25, 50, 75, 100])] for p in pts}
+        out["spread"][r["label"]] = q
+        out["iqr_over_median"][r["label"]] = max((v[3] - v[1]) / v[2] for v in q.values()) if q else None
+    if base in timed and peer in timed:
+        b = {p["context"]: p["median_s"] for p in timed[base]["points"]}
+        ratios = [p["median_s"] / b[p["context"]] for p in timed[peer]["points"] if p["context"] in b]
+        out["peer_over_base"] = [min(ratios), max(ratios)] if ratios else None
+    return out
+
+
 def _mib(n) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"
 
 
 def print_model_report(name: str, res: dict) -> None:
     """Print the tables of one model's results (latency, memory, batch, chat, sweep, allocation)."""
-    print(f"\n=== {name}: {res['model']['note'] or res['model']['name']} ({res['model']['dtype']}, "
-          f"{res['model']['params'] / 1e6:.0f}M parameters) ===")
+    print(
+        f"\n=== {name}: {res['model']['note'] or res['model']['name']} ({res['model']['dtype']}, "
+        f"{res['model']['params'] / 1e6:.0f}M parameters) ==="
+    )
     for what in res.get("skipped", []):
         print(f"  skipped (time budget): {what}")
     for err in res.get("errors", []):
@@ -81,61 +118,118 @@ def print_model_report(name: str, res: dict) -> None:
         rows = []
         for r in res["ladder"]:
             for p in r["points"]:
-                rows.append([r["label"], p["context"], p["tokens_held"], _mib(p["kv_bytes"]),
-                             _mib(p["tokens_held"] * res["kv_bytes_per_token"] if r["backend"] != "none" else 0),
-                             _mib(p["peak_bytes"])])
+                rows.append(
+                    [
+                        r["label"],
+                        p["context"],
+                        p["tokens_held"],
+                        _mib(p["kv_bytes"]),
+                        _mib(p["tokens_held"] * res["kv_bytes_per_token"] if r["backend"] != "none" else 0),
+                        _mib(p["peak_bytes"]),
+                    ]
+                )
         print_table(["decoder", "context", "tokens", "KV held", "minimum", "peak"], rows)
     if res.get("long"):
         print("\nlong sequence (paged only)")
         for r in res["long"]:
             for p in r["points"]:
                 t = "not timed" if p["median_s"] is None else f"{p['median_s'] * 1e3:.2f} ms/token"
-                print(f"  {r['label']}: context {p['context']}: {t}, KV {_mib(p['kv_bytes'])} MiB, "
-                      f"peak {_mib(p['peak_bytes'])} MiB")
+                print(
+                    f"  {r['label']}: context {p['context']}: {t}, KV {_mib(p['kv_bytes'])} MiB, "
+                    f"peak {_mib(p['peak_bytes'])} MiB"
+                )
             if r["skipped"]:
                 print(f"  {r['label']}: skipped {r['skipped']} (time budget)")
     b = res.get("batch")
     if b:
         fit = b["fit"]
-        print(f"\nmixed-length batch: {b['num_requests']} requests drawn, mean length {b['mean_len']:.0f}, "
-              f"max_len {b['max_len']}, KV budget {b['budget_tokens']} token slots, page size {b['page_size']}")
-        print(f"  admitted: contiguous max-length reservation {fit['reserve_max']}, paged {fit['paged_allocator']} "
-              f"({fit['paged_allocator'] / max(fit['reserve_max'], 1):.2f}x)")
+        print(
+            f"\nmixed-length batch: {b['num_requests']} requests drawn, mean length {b['mean_len']:.0f}, "
+            f"max_len {b['max_len']}, KV budget {b['budget_tokens']} token slots, page size {b['page_size']}"
+        )
+        print(
+            f"  admitted: contiguous max-length reservation {fit['reserve_max']}, paged {fit['paged_allocator']} "
+            f"({fit['paged_allocator'] / max(fit['reserve_max'], 1):.2f}x)"
+        )
         rows = []
         if "contiguous" in b:
             c = b["contiguous"]
-            rows.append([c["label"], c["batch"], f"{c['step_s'] * 1e3:.1f}", f"{c['tokens_per_s']:.1f}", "-",
-                         _mib(c["kv_bytes"])])
+            rows.append(
+                [
+                    c["label"],
+                    c["batch"],
+                    f"{c['step_s'] * 1e3:.1f}",
+                    f"{c['tokens_per_s']:.1f}",
+                    "-",
+                    _mib(c["kv_bytes"]),
+                ]
+            )
         for p in b["paged"].values():
-            rows.append([p["label"], p["batch"], f"{p['step_s'] * 1e3:.1f}", f"{p['tokens_per_s']:.1f}",
-                         f"{p.get('same_batch_tokens_per_s', float('nan')):.1f}", _mib(p["kv_bytes"])])
+            rows.append(
+                [
+                    p["label"],
+                    p["batch"],
+                    f"{p['step_s'] * 1e3:.1f}",
+                    f"{p['tokens_per_s']:.1f}",
+                    f"{p.get('same_batch_tokens_per_s', float('nan')):.1f}",
+                    _mib(p["kv_bytes"]),
+                ]
+            )
         print_table(["cache", "batch", "step ms", "tokens/s", "tokens/s same batch", "KV held MiB"], rows)
         o = b["overhead_ps16"]
-        print(f"  paged overhead over the minimum at page size {o['page_size']}: {o['slots']} slots for "
-              f"{o['tokens']} tokens = {100 * o['overhead']:.2f}% (bound <= 5%)")
+        print(
+            f"  paged overhead over the minimum at page size {o['page_size']}: {o['slots']} slots for "
+            f"{o['tokens']} tokens = {100 * o['overhead']:.2f}% (bound <= 5%)"
+        )
         w = b.get("overhead_ps16_workload")
         if w:
-            print(f"  ... over all {b['num_requests']} requests of the workload: {w['slots']} slots for {w['tokens']} "
-                  f"tokens = {100 * w['overhead']:.2f}%")
+            print(
+                f"  ... over all {b['num_requests']} requests of the workload: {w['slots']} slots for {w['tokens']} "
+                f"tokens = {100 * w['overhead']:.2f}%"
+            )
     if res.get("sweep"):
-        print("\npage-size sweep on the mixed batch (overhead counted; decode attention time of one layer, whole batch)")
+        print(
+            "\npage-size sweep on the mixed batch (overhead counted; decode attention time of one layer, whole batch)"
+        )
         names = list(res["sweep"][0]["attention_s"])
-        rows = [[r["page_size"], f"{100 * r['overhead']:.2f}"]
-                + ["-" if r["attention_s"][n] is None else f"{r['attention_s'][n] * 1e3:.3f}" for n in names]
-                for r in res["sweep"]]
+        rows = [
+            [r["page_size"], f"{100 * r['overhead']:.2f}"]
+            + ["-" if r["attention_s"][n] is None else f"{r['attention_s'][n] * 1e3:.3f}" for n in names]
+            for r in res["sweep"]
+        ]
         print_table(["page size", "overhead %"] + [f"{n} ms" for n in names], rows)
     if res.get("chat"):
         print("\ngrowing-context chat (one new request per turn holding the whole history)")
         rows = []
         for mode in res["chat"]["runs"]:
             for t in mode["turns"]:
-                rows.append(["on" if mode["prefix_caching"] else "off", t["turn"], t["context"], t["prefilled"],
-                             f"{t['latency_s'] * 1e3:.0f}", t["pages_allocated"], t["prefix_pages_reused"]])
-        print_table(["prefix cache", "turn", "context", "prefilled", "latency ms", "pages allocated",
-                     "pages reused"], rows)
+                rows.append(
+                    [
+                        "on" if mode["prefix_caching"] else "off",
+                        t["turn"],
+                        t["context"],
+                        t["prefilled"],
+                        f"{t['latency_s'] * 1e3:.0f}",
+                        t["pages_allocated"],
+                        t["prefix_pages_reused"],
+                    ]
+                )
+        print_table(
+            ["prefix cache", "turn", "context", "prefilled", "latency ms", "pages allocated", "pages reused"], rows
+        )
         print(f"  replies identical with and without prefix caching: {res['chat']['replies_identical']}")
     if res.get("alloc"):
         print("\nallocator cost per page operation during the run (perf_counter_ns around each call)")
-        rows = [[op, s["calls"], s["pages"], f"{s['median_ns']:.0f}", f"{s['p99_ns']:.0f}",
-                 f"{s['median_ns_per_page']:.0f}", f"{s['p99_ns_per_page']:.0f}"] for op, s in res["alloc"].items()]
+        rows = [
+            [
+                op,
+                s["calls"],
+                s["pages"],
+                f"{s['median_ns']:.0f}",
+                f"{s['p99_ns']:.0f}",
+                f"{s['median_ns_per_page']:.0f}",
+                f"{s['p99_ns_per_page']:.0f}",
+            ]
+            for op, s in res["alloc"].items()
+        ]
         print_table(["op", "calls", "pages", "median ns", "p99 ns", "median ns/page", "p99 ns/page"], rows)

@@ -68,8 +68,7 @@ def run_allocator(pages_per_seq, page_size):
 
 
 def run_cache(pages_per_seq, page_size):
-    cache = PagedKVCache(num_layers=1, num_pages=sum(pages_per_seq), page_size=page_size,
-                         num_kv_heads=1, head_dim=1)
+    cache = PagedKVCache(num_layers=1, num_pages=sum(pages_per_seq), page_size=page_size, num_kv_heads=1, head_dim=1)
     ids = [cache.add_sequence() for _ in pages_per_seq]
     grow, release = [], []
     for seq, _ in _round_robin(pages_per_seq):
@@ -127,39 +126,59 @@ def measure(num_seqs=64, max_len=2048, page_size=16, repeats=5, seed=0) -> dict:
     peer = results["torch PagedAttention"]["ns_per_page_op"]
     for r in results.values():
         r["torch_over_this"] = peer / r["ns_per_page_op"]
-    return {"workload": {"num_seqs": num_seqs, "max_len": max_len, "page_size": page_size,
-                         "total_pages": total, "repeats": repeats, "seed": seed},
-            "results": results}
+    return {
+        "workload": {
+            "num_seqs": num_seqs,
+            "max_len": max_len,
+            "page_size": page_size,
+            "total_pages": total,
+            "repeats": repeats,
+            "seed": seed,
+        },
+        "results": results,
+    }
 
 
-def zeroing_cost(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, pages=64,
-                 repeats=5) -> dict:
+def zeroing_cost(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, pages=64, repeats=5) -> dict:
     """Median ns to zero one page in every layer vs to write its ``page_size`` tokens."""
-    cache = PagedKVCache(num_layers=num_layers, num_pages=pages, page_size=page_size,
-                         num_kv_heads=num_kv_heads, head_dim=head_dim)
+    cache = PagedKVCache(
+        num_layers=num_layers, num_pages=pages, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim
+    )
     seq = cache.add_sequence()
-    slots = cache.reserve(seq, pages * page_size).view(pages, page_size)   # [pages, page_size]
-    k = torch.randn(page_size, num_kv_heads, head_dim)                       # one page of tokens
+    slots = cache.reserve(seq, pages * page_size).view(pages, page_size)  # [pages, page_size]
+    k = torch.randn(page_size, num_kv_heads, head_dim)  # one page of tokens
     zero, write = [], []
     for _ in range(repeats):
         t = time.perf_counter_ns()
         for page in range(pages):
             for layer in range(num_layers):
-                cache.write(layer, slots[page], k, k, check_slots=False)
+                cache.write(layer, slots[page], k, k, check_values=False)
         write.append((time.perf_counter_ns() - t) / pages)
         t = time.perf_counter_ns()
         for page in range(pages):
             cache._zero_pages([page])
         zero.append((time.perf_counter_ns() - t) / pages)
     z, w = float(np.median(zero)), float(np.median(write))
-    return {"geometry": {"num_layers": num_layers, "num_kv_heads": num_kv_heads,
-                         "head_dim": head_dim, "page_size": page_size, "dtype": "float32"},
-            "zero_page_ns": z, "write_page_ns": w, "zero_over_write": z / w}
+    return {
+        "geometry": {
+            "num_layers": num_layers,
+            "num_kv_heads": num_kv_heads,
+            "head_dim": head_dim,
+            "page_size": page_size,
+            "dtype": "float32",
+        },
+        "zero_page_ns": z,
+        "write_page_ns": w,
+        "zero_over_write": z / w,
+    }
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m paged_ref.bench alloc", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m paged_ref.bench alloc",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--quick", action="store_true", help="a small workload (seconds)")
     parser.add_argument("--out", default=None, help="folder for alloc_cpu.json (default figures/data)")
     args = parser.parse_args(argv)
@@ -167,13 +186,23 @@ def main(argv=None):
     data = measure(**kw)
     data["zeroing"] = zeroing_cost(repeats=3 if args.quick else 5)
     data["environment"] = environment()
-    rows = [[name, f"{r['ns_per_page_op']:.0f}", f"{r['call_median_ns']:.0f}", f"{r['call_p99_ns']:.0f}",
-             f"{r['torch_over_this']:.2f}x"] for name, r in data["results"].items()]
+    rows = [
+        [
+            name,
+            f"{r['ns_per_page_op']:.0f}",
+            f"{r['call_median_ns']:.0f}",
+            f"{r['call_p99_ns']:.0f}",
+            f"{r['torch_over_this']:.2f}x",
+        ]
+        for name, r in data["results"].items()
+    ]
     print(f"workload: {data['workload']}")
     print_table(["implementation", "ns/page op", "call median ns", "call p99 ns", "torch / this"], rows)
     z = data["zeroing"]
-    print(f"zeroing a page in all {z['geometry']['num_layers']} layers: {z['zero_page_ns']:.0f} ns; "
-          f"writing its tokens: {z['write_page_ns']:.0f} ns; ratio {z['zero_over_write']:.2f}")
+    print(
+        f"zeroing a page in all {z['geometry']['num_layers']} layers: {z['zero_page_ns']:.0f} ns; "
+        f"writing its tokens: {z['write_page_ns']:.0f} ns; ratio {z['zero_over_write']:.2f}"
+    )
     path = write_json(data, "alloc_cpu.json", out_dir=args.out)
     print(f"wrote {path}")
     return data

@@ -20,16 +20,16 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
 from ..provenance import environment
 from ..runmode import data_dir
+from ..texttable import format_table
 
-__all__ = ["cpu_median", "gpu_median", "copy_bandwidth", "environment", "write_json",
-           "print_table", "DATA_DIR"]
+__all__ = ["cpu_median", "gpu_median", "copy_bandwidth", "environment", "write_json", "print_table", "DATA_DIR"]
 
 DATA_DIR = data_dir()  # figures/data of the checkout, or of $PAGED_REF_OUTPUT / the current folder
 
@@ -64,8 +64,7 @@ def gpu_median(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float
     except ImportError:
         triton = None
     if triton is not None:
-        return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms,
-                                       return_mode="median") * 1e-3
+        return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -93,7 +92,7 @@ def copy_bandwidth(nbytes: int = 2 << 30, device: str = "cuda") -> dict:
     ``{"bytes": int, "median_s": float, "bandwidth_GBps": float}``.
     """
     numel = nbytes // 2
-    src = torch.randn(numel, dtype=torch.bfloat16, device=device)   # random: never time zeros
+    src = torch.randn(numel, dtype=torch.bfloat16, device=device)  # random: never time zeros
     dst = torch.empty_like(src)
     seconds = gpu_median(lambda: dst.copy_(src))
     moved = 2 * numel * src.element_size()
@@ -111,10 +110,5 @@ def write_json(data: dict, filename: str, out_dir: str | Path | None = None) -> 
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    """Print rows under headers as aligned text columns (cells converted with ``str``)."""
-    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
-    for i, row in enumerate(cells):
-        print("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(row, widths))))
-        if i == 0:
-            print("  ".join("-" * w for w in widths))
+    """Print rows under headers as aligned text columns (`paged_ref.texttable.format_table`)."""
+    print(format_table(headers, rows))

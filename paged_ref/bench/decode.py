@@ -36,7 +36,6 @@ interpreter's speed means nothing). JSON goes to ``figures/data/decode_cpu.json`
 from __future__ import annotations
 
 import argparse
-import inspect
 import itertools
 import sys
 import time
@@ -50,7 +49,7 @@ from .common import copy_bandwidth, cpu_median, environment, gpu_median, print_t
 
 try:
     from ..attention.flex import flex_paged_decode
-except ImportError:               # flex module missing or this torch lacks FlexAttention
+except ImportError:  # flex module missing or this torch lacks FlexAttention
     flex_paged_decode = None
 
 GPU_SHAPES = [(1, 131072), (8, 32768), (64, 4096), (256, 2048)]
@@ -70,10 +69,8 @@ def make_inputs(batch, seq_len, *, num_q_heads, num_kv_heads, head_dim, dtype, d
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(batch, num_q_heads, head_dim, generator=gen, device=device, dtype=dtype)
-    k = torch.randn(batch * seq_len, num_kv_heads, head_dim, generator=gen, device=device,
-                    dtype=dtype)
-    v = torch.randn(batch * seq_len, num_kv_heads, head_dim, generator=gen, device=device,
-                    dtype=dtype)
+    k = torch.randn(batch * seq_len, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
+    v = torch.randn(batch * seq_len, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
     return q, k, v
 
 
@@ -84,7 +81,7 @@ def page_layouts(k, v, batch, seq_len, page_size, seed=0):
     caches [num_pages, page_size, Hkv, D], block_table int32 [batch, seq_len // page_size].
     """
     num_pages = batch * seq_len // page_size
-    k_pages = k.view(num_pages, page_size, *k.shape[1:])        # a view: no copy
+    k_pages = k.view(num_pages, page_size, *k.shape[1:])  # a view: no copy
     v_pages = v.view(num_pages, page_size, *v.shape[1:])
     identity = torch.arange(num_pages, dtype=torch.int32, device=k.device).view(batch, -1)
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -104,11 +101,11 @@ def reference_attention(q, k, v, batch, seq_len, dtype=torch.float32):
     """
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     group = q.shape[1] // num_kv_heads
-    qg = q.to(dtype).view(batch, num_kv_heads, group, head_dim)          # [B, Hkv, G, D]
-    kk = k.to(dtype).view(batch, seq_len, num_kv_heads, head_dim)        # [B, L, Hkv, D]
+    qg = q.to(dtype).view(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
+    kk = k.to(dtype).view(batch, seq_len, num_kv_heads, head_dim)  # [B, L, Hkv, D]
     vv = v.to(dtype).view(batch, seq_len, num_kv_heads, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, kk) * head_dim ** -0.5  # [B, Hkv, G, L]
-    out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(-1), vv)       # [B, Hkv, G, D]
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, kk) * head_dim**-0.5  # [B, Hkv, G, L]
+    out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(-1), vv)  # [B, Hkv, G, D]
     return out.reshape(q.shape)
 
 
@@ -116,19 +113,9 @@ def rel_err(out, ref):
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def _flex_kwargs():
-    """Skip flex's host-side value checks in timed loops, whatever the keyword is called."""
-    params = inspect.signature(flex_paged_decode).parameters
-    for name in ("validate", "check_values"):
-        if name in params:
-            return {name: False}
-    return {}
-
-
 def _sdpa(q, k4, v4, num_q_heads, num_kv_heads):
     """SDPA decode: q [B, Hq, D], k4/v4 [B, Hkv, L, D] -> [B, Hq, D]."""
-    return F.scaled_dot_product_attention(q.unsqueeze(2), k4, v4,
-                                          enable_gqa=num_q_heads != num_kv_heads).squeeze(2)
+    return F.scaled_dot_product_attention(q.unsqueeze(2), k4, v4, enable_gqa=num_q_heads != num_kv_heads).squeeze(2)
 
 
 # --- GPU -------------------------------------------------------------------------------------
@@ -139,8 +126,7 @@ def _planned_splits(batch, seq_len, heads, dtype, device):
     return td._default_num_splits(batch, heads["num_kv_heads"], seq_len, torch.device(device), cfg)
 
 
-def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=torch.bfloat16,
-            device="cuda"):
+def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=torch.bfloat16, device="cuda"):
     """Measure every implementation on every (shape, page size); see the module docstring.
 
     ``heads``, ``dtype`` and ``device`` are there so that the harness can be smoke-tested on
@@ -148,48 +134,67 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=torc
     """
     started = time.perf_counter()
     copy = copy_bandwidth()
-    print(f"device-to-device copy: {copy['bandwidth_GBps']:.0f} GB/s "
-          f"({copy['bytes'] / 1e9:.2f} GB in {copy['median_s'] * 1e3:.3f} ms)", flush=True)
+    print(
+        f"device-to-device copy: {copy['bandwidth_GBps']:.0f} GB/s "
+        f"({copy['bytes'] / 1e9:.2f} GB in {copy['median_s'] * 1e3:.3f} ms)",
+        flush=True,
+    )
     results, notes = [], []
-    flex_kw = _flex_kwargs() if flex_paged_decode is not None else {}
+    flex_kw = {"check_values": False}  # no host-side value checks inside timed loops
     if flex_paged_decode is None:
         notes.append("flex_paged_decode not importable: not measured")
     elem = torch.empty((), dtype=dtype).element_size()
 
     def record(batch, seq_len, page_size, impl, seconds, out, ref, **extra):
         kv_bytes = 2 * batch * seq_len * heads["num_kv_heads"] * heads["head_dim"] * elem
-        row = dict(batch=batch, seq_len=seq_len, page_size=page_size, impl=impl,
-                   median_s=seconds, kv_bytes=kv_bytes,
-                   bandwidth_GBps=kv_bytes / seconds / 1e9,
-                   frac_of_copy=kv_bytes / seconds / 1e9 / copy["bandwidth_GBps"],
-                   rel_err=rel_err(out, ref), **extra)
+        row = dict(
+            batch=batch,
+            seq_len=seq_len,
+            page_size=page_size,
+            impl=impl,
+            median_s=seconds,
+            kv_bytes=kv_bytes,
+            bandwidth_GBps=kv_bytes / seconds / 1e9,
+            frac_of_copy=kv_bytes / seconds / 1e9 / copy["bandwidth_GBps"],
+            rel_err=rel_err(out, ref),
+            **extra,
+        )
         results.append(row)
-        print(f"  {impl:<24} page {str(page_size):>4}: {seconds * 1e6:9.1f} us "
-              f"{row['bandwidth_GBps']:7.0f} GB/s ({row['frac_of_copy']:.0%} of copy) "
-              f"rel_err {row['rel_err']:.1e}", flush=True)
+        print(
+            f"  {impl:<24} page {str(page_size):>4}: {seconds * 1e6:9.1f} us "
+            f"{row['bandwidth_GBps']:7.0f} GB/s ({row['frac_of_copy']:.0%} of copy) "
+            f"rel_err {row['rel_err']:.1e}",
+            flush=True,
+        )
 
     def peer(batch, seq_len, page_size, impl, fn):
         """Time a peer implementation; a failure is noted and the run goes on."""
         try:
-            out = fn()                                     # compiles on first use (flex)
+            out = fn()  # compiles on first use (flex)
             record(batch, seq_len, page_size, impl, gpu_median(fn, rep_ms=rep_ms), out, ref)
         except Exception as exc:
-            notes.append(f"{impl} failed at ({batch}, {seq_len}, page {page_size}): "
-                         f"{type(exc).__name__}: {str(exc)[:300]}")
+            notes.append(
+                f"{impl} failed at ({batch}, {seq_len}, page {page_size}): {type(exc).__name__}: {str(exc)[:300]}"
+            )
             print(f"  {impl} failed: {type(exc).__name__}", flush=True)
 
     for batch, seq_len in shapes:
         print(f"batch {batch} x length {seq_len}:", flush=True)
         q, k, v = make_inputs(batch, seq_len, dtype=dtype, device=device, **heads)
-        ref = reference_attention(q, k, v, batch, seq_len)           # float32
+        ref = reference_attention(q, k, v, batch, seq_len)  # float32
         lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
 
         # SDPA on a contiguous [B, Hkv, L, D] cache: independent of the page size.
         k4 = k.view(batch, seq_len, *k.shape[1:]).transpose(1, 2).contiguous()
         v4 = v.view(batch, seq_len, *v.shape[1:]).transpose(1, 2).contiguous()
-        peer(batch, seq_len, None, "sdpa contiguous",
-             lambda: _sdpa(q, k4, v4, heads["num_q_heads"], heads["num_kv_heads"]))
-        del k4, v4
+        peer(
+            batch,
+            seq_len,
+            None,
+            "sdpa contiguous",
+            lambda: _sdpa(q, k4, v4, heads["num_q_heads"], heads["num_kv_heads"]),
+        )
+        k4 = v4 = None  # free the contiguous copies before the paged runs
 
         splits = _planned_splits(batch, seq_len, heads, dtype, device)
         for page_size in page_sizes:
@@ -202,26 +207,56 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=torc
             # Values checked once, untimed; the timed calls skip the host-side checks.
             paged_out = td.paged_decode(q, *paged, lens)
             run_paged = triton_on(paged)
-            record(batch, seq_len, page_size, "paged_decode", gpu_median(run_paged, rep_ms=rep_ms),
-                   paged_out, ref, num_splits=splits)
+            record(
+                batch,
+                seq_len,
+                page_size,
+                "paged_decode",
+                gpu_median(run_paged, rep_ms=rep_ms),
+                paged_out,
+                ref,
+                num_splits=splits,
+            )
             run_contig = triton_on(contiguous)
-            record(batch, seq_len, page_size, "paged_decode contiguous",
-                   gpu_median(run_contig, rep_ms=rep_ms), run_contig(), ref, num_splits=splits)
+            record(
+                batch,
+                seq_len,
+                page_size,
+                "paged_decode contiguous",
+                gpu_median(run_contig, rep_ms=rep_ms),
+                run_contig(),
+                ref,
+                num_splits=splits,
+            )
 
             if flex_paged_decode is not None:
                 if time.perf_counter() - started > budget_s:
-                    notes.append(f"flex skipped at ({batch}, {seq_len}, page {page_size}): "
-                                 f"time budget {budget_s:.0f} s used")
+                    notes.append(
+                        f"flex skipped at ({batch}, {seq_len}, page {page_size}): time budget {budget_s:.0f} s used"
+                    )
                 else:
                     kc, vc, bt = paged
-                    peer(batch, seq_len, page_size, "flex_paged_decode",
-                         lambda: flex_paged_decode(q, kc, vc, bt, lens, **flex_kw))
+                    peer(
+                        batch,
+                        seq_len,
+                        page_size,
+                        "flex_paged_decode",
+                        lambda: flex_paged_decode(q, kc, vc, bt, lens, **flex_kw),
+                    )
 
             # Second timing of the headline kernel: the spread between the two is the noise.
-            record(batch, seq_len, page_size, "paged_decode (again)",
-                   gpu_median(run_paged, rep_ms=rep_ms), run_paged(), ref, num_splits=splits)
+            record(
+                batch,
+                seq_len,
+                page_size,
+                "paged_decode (again)",
+                gpu_median(run_paged, rep_ms=rep_ms),
+                run_paged(),
+                ref,
+                num_splits=splits,
+            )
             del contiguous, paged
-        del q, k, v, ref
+        q = k = v = ref = None  # free before the next shape
         if device == "cuda":
             torch.cuda.empty_cache()
     return dict(copy=copy, results=results, notes=notes, elapsed_s=time.perf_counter() - started)
@@ -230,8 +265,16 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=torc
 SWEEP_CONFIGS = [(bn, 4, st) for bn in (32, 64, 128) for st in (2, 3, 4)] + [(64, 8, 3)]
 
 
-def run_sweep(rep_ms, shapes=((1, 131072), (8, 32768)), page_size=16, *,
-              configs=SWEEP_CONFIGS, heads=GPU_HEADS, dtype=torch.bfloat16, device="cuda"):
+def run_sweep(
+    rep_ms,
+    shapes=((1, 131072), (8, 32768)),
+    page_size=16,
+    *,
+    configs=SWEEP_CONFIGS,
+    heads=GPU_HEADS,
+    dtype=torch.bfloat16,
+    device="cuda",
+):
     """Time other tile configurations and split counts of the same kernel on two shapes
     (20 variants per shape; about two minutes with compilation).
 
@@ -247,31 +290,47 @@ def run_sweep(rep_ms, shapes=((1, 131072), (8, 32768)), page_size=16, *,
         ref = reference_attention(q, k, v, batch, seq_len)
         lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
         _, (kc, vc, bt) = page_layouts(k, v, batch, seq_len, page_size)
-        td.paged_decode(q, kc, vc, bt, lens)                  # checks the inputs once
+        td.paged_decode(q, kc, vc, bt, lens)  # checks the inputs once
         splits = _planned_splits(batch, seq_len, heads, dtype, device)
         kv_bytes = 2 * batch * seq_len * heads["num_kv_heads"] * heads["head_dim"] * dtype.itemsize
         scale = heads["head_dim"] ** -0.5
-        for (block_n, num_warps, num_stages), num_splits in itertools.product(
-                configs, (splits, 2 * splits)):
-            cfg = dict(BLOCK_H=max(16, td._next_pow2(group)), BLOCK_D=heads["head_dim"],
-                       BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+        for (block_n, num_warps, num_stages), num_splits in itertools.product(configs, (splits, 2 * splits)):
+            cfg = dict(
+                BLOCK_H=max(16, td._next_pow2(group)),
+                BLOCK_D=heads["head_dim"],
+                BLOCK_N=block_n,
+                num_warps=num_warps,
+                num_stages=num_stages,
+            )
             out = torch.empty_like(q)
             fn = lambda: td._launch(q, kc, vc, bt, lens, out, scale, num_splits, **cfg)  # noqa: E731
             try:
                 fn()
                 seconds = gpu_median(fn, rep_ms=rep_ms)
-            except Exception as exc:                       # e.g. out of shared memory
+            except Exception as exc:  # e.g. out of shared memory
                 print(f"  {cfg} splits {num_splits}: {type(exc).__name__}", flush=True)
                 continue
-            rows.append(dict(batch=batch, seq_len=seq_len, page_size=page_size,
-                             num_splits=num_splits, block_n=block_n, num_warps=num_warps,
-                             num_stages=num_stages, median_s=seconds,
-                             bandwidth_GBps=kv_bytes / seconds / 1e9, rel_err=rel_err(out, ref)))
-            print(f"  ({batch}, {seq_len}) BLOCK_N {block_n:3d} warps {num_warps} "
-                  f"stages {num_stages} splits {num_splits:3d}: {seconds * 1e6:8.1f} us "
-                  f"{rows[-1]['bandwidth_GBps']:6.0f} GB/s rel_err {rows[-1]['rel_err']:.1e}",
-                  flush=True)
-        del q, k, v, kc, vc
+            rows.append(
+                dict(
+                    batch=batch,
+                    seq_len=seq_len,
+                    page_size=page_size,
+                    num_splits=num_splits,
+                    block_n=block_n,
+                    num_warps=num_warps,
+                    num_stages=num_stages,
+                    median_s=seconds,
+                    bandwidth_GBps=kv_bytes / seconds / 1e9,
+                    rel_err=rel_err(out, ref),
+                )
+            )
+            print(
+                f"  ({batch}, {seq_len}) BLOCK_N {block_n:3d} warps {num_warps} "
+                f"stages {num_stages} splits {num_splits:3d}: {seconds * 1e6:8.1f} us "
+                f"{rows[-1]['bandwidth_GBps']:6.0f} GB/s rel_err {rows[-1]['rel_err']:.1e}",
+                flush=True,
+            )
+        q = k = v = kc = vc = None  # free before the next shape
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
@@ -283,8 +342,13 @@ def summarize_gpu(data):
     ratios, table = [], []
     shapes = sorted({(r["batch"], r["seq_len"]) for r in data["results"]}, key=lambda s: s[0])
     for batch, seq_len in shapes:
-        pages = sorted({r["page_size"] for r in data["results"]
-                        if (r["batch"], r["seq_len"]) == (batch, seq_len) and r["page_size"]})
+        pages = sorted(
+            {
+                r["page_size"]
+                for r in data["results"]
+                if (r["batch"], r["seq_len"]) == (batch, seq_len) and r["page_size"]
+            }
+        )
         sdpa = by.get((batch, seq_len, None, "sdpa contiguous"))
         for page in pages:
             paged = by.get((batch, seq_len, page, "paged_decode"))
@@ -294,50 +358,94 @@ def summarize_gpu(data):
             if paged is None:
                 continue
             t = paged["median_s"]
-            row = dict(batch=batch, seq_len=seq_len, page_size=page,
-                       paged_frac_of_copy=paged["frac_of_copy"],
-                       paged_over_contiguous=t / contig["median_s"] if contig else None,
-                       flex_over_paged=flex["median_s"] / t if flex else None,
-                       sdpa_over_paged=sdpa["median_s"] / t if sdpa else None,
-                       repeat_spread=abs(again["median_s"] - t) / t if again else None)
+            row = dict(
+                batch=batch,
+                seq_len=seq_len,
+                page_size=page,
+                paged_frac_of_copy=paged["frac_of_copy"],
+                paged_over_contiguous=t / contig["median_s"] if contig else None,
+                flex_over_paged=flex["median_s"] / t if flex else None,
+                sdpa_over_paged=sdpa["median_s"] / t if sdpa else None,
+                repeat_spread=abs(again["median_s"] - t) / t if again else None,
+            )
             ratios.append(row)
             fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
-            table.append([f"({batch}, {seq_len})", page, f"{t * 1e6:.1f}",
-                          f"{paged['bandwidth_GBps']:.0f}", fmt(paged["frac_of_copy"], "{:.0%}"),
-                          fmt(row["paged_over_contiguous"]), fmt(row["flex_over_paged"]),
-                          fmt(row["sdpa_over_paged"]), fmt(row["repeat_spread"], "{:.1%}")])
+            table.append(
+                [
+                    f"({batch}, {seq_len})",
+                    page,
+                    f"{t * 1e6:.1f}",
+                    f"{paged['bandwidth_GBps']:.0f}",
+                    fmt(paged["frac_of_copy"], "{:.0%}"),
+                    fmt(row["paged_over_contiguous"]),
+                    fmt(row["flex_over_paged"]),
+                    fmt(row["sdpa_over_paged"]),
+                    fmt(row["repeat_spread"], "{:.1%}"),
+                ]
+            )
     print()
-    print_table(["batch x len", "page", "paged us", "GB/s", "of copy", "paged/contig",
-                 "flex/paged", "sdpa/paged", "rerun spread"], table)
+    print_table(
+        [
+            "batch x len",
+            "page",
+            "paged us",
+            "GB/s",
+            "of copy",
+            "paged/contig",
+            "flex/paged",
+            "sdpa/paged",
+            "rerun spread",
+        ],
+        table,
+    )
 
     goals = []
     head = [r for r in ratios if (r["batch"], r["seq_len"]) == (8, 32768)]
     if head:
         worst = min(r["paged_frac_of_copy"] for r in head)
-        goals.append(dict(goal=">= 85% of copy bandwidth at (8, 32768)",
-                          measured=f"{worst:.1%} (worst page size)", met=worst >= 0.85))
+        goals.append(
+            dict(
+                goal=">= 85% of copy bandwidth at (8, 32768)",
+                measured=f"{worst:.1%} (worst page size)",
+                met=worst >= 0.85,
+            )
+        )
     within = [r["paged_over_contiguous"] for r in ratios if r["paged_over_contiguous"]]
     if within:
-        goals.append(dict(goal="paged within 5% of its own contiguous run",
-                          measured=f"worst paged/contiguous {max(within):.3f}",
-                          met=max(within) <= 1.05))
+        goals.append(
+            dict(
+                goal="paged within 5% of its own contiguous run",
+                measured=f"worst paged/contiguous {max(within):.3f}",
+                met=max(within) <= 1.05,
+            )
+        )
     spreads = []
     for batch, seq_len in shapes:
-        times = [r["median_s"] for r in data["results"]
-                 if (r["batch"], r["seq_len"], r["impl"]) == (batch, seq_len, "paged_decode")]
+        times = [
+            r["median_s"]
+            for r in data["results"]
+            if (r["batch"], r["seq_len"], r["impl"]) == (batch, seq_len, "paged_decode")
+        ]
         if len(times) > 1:
             spreads.append(max(times) / min(times))
     if spreads:
-        goals.append(dict(goal="page sizes 16..128 within 5% of each other",
-                          measured=f"worst slowest/fastest {max(spreads):.3f}",
-                          met=max(spreads) <= 1.05))
-    for peer, key in (("compiled flex paged", "flex_over_paged"),
-                      ("SDPA on a contiguous cache", "sdpa_over_paged")):
+        goals.append(
+            dict(
+                goal="page sizes 16..128 within 5% of each other",
+                measured=f"worst slowest/fastest {max(spreads):.3f}",
+                met=max(spreads) <= 1.05,
+            )
+        )
+    for peer, key in (("compiled flex paged", "flex_over_paged"), ("SDPA on a contiguous cache", "sdpa_over_paged")):
         vals = [r[key] for r in ratios if r[key] is not None]
         if vals:
-            goals.append(dict(goal=f"faster than {peer}",
-                              measured=f"{peer} / paged_decode from {min(vals):.2f} "
-                                       f"to {max(vals):.2f}", met=min(vals) > 1.0))
+            goals.append(
+                dict(
+                    goal=f"faster than {peer}",
+                    measured=f"{peer} / paged_decode from {min(vals):.2f} to {max(vals):.2f}",
+                    met=min(vals) > 1.0,
+                )
+            )
     print()
     for g in goals:
         print(f"{'met    ' if g['met'] else 'NOT met'}  {g['goal']}: {g['measured']}")
@@ -348,7 +456,7 @@ def summarize_gpu(data):
 def run_cpu(shapes, page_sizes, *, repeats):
     heads = CPU_HEADS
     results, correctness, notes = [], [], []
-    flex_kw = _flex_kwargs() if flex_paged_decode is not None else {}
+    flex_kw = {"check_values": False}  # no host-side value checks inside timed loops
     if flex_paged_decode is None:
         notes.append("flex_paged_decode not importable: not measured")
     for batch, seq_len in shapes:
@@ -357,33 +465,62 @@ def run_cpu(shapes, page_sizes, *, repeats):
         lens = torch.full((batch,), seq_len, dtype=torch.int32)
         k4 = k.view(batch, seq_len, *k.shape[1:]).transpose(1, 2).contiguous()
         v4 = v.view(batch, seq_len, *v.shape[1:]).transpose(1, 2).contiguous()
-        impls = [("sdpa contiguous", None, lambda: _sdpa(q, k4, v4, heads["num_q_heads"],
-                                                         heads["num_kv_heads"]))]
+        impls = [("sdpa contiguous", None, lambda: _sdpa(q, k4, v4, heads["num_q_heads"], heads["num_kv_heads"]))]
         for page_size in page_sizes:
             _, (kc, vc, bt) = page_layouts(k, v, batch, seq_len, page_size)
-            impls.append(("reference", page_size, lambda kc=kc, vc=vc, bt=bt:
-                          paged_attention_reference(q, kc, vc, bt, lens)))
+            impls.append(
+                ("reference", page_size, lambda kc=kc, vc=vc, bt=bt: paged_attention_reference(q, kc, vc, bt, lens))
+            )
             if flex_paged_decode is not None:
-                impls.append(("flex_paged_decode (eager)", page_size, lambda kc=kc, vc=vc, bt=bt:
-                              flex_paged_decode(q, kc, vc, bt, lens, **flex_kw)))
+                impls.append(
+                    (
+                        "flex_paged_decode (eager)",
+                        page_size,
+                        lambda kc=kc, vc=vc, bt=bt: flex_paged_decode(q, kc, vc, bt, lens, **flex_kw),
+                    )
+                )
             # The interpreter: once, for correctness only.
             out = td.paged_decode(q, kc, vc, bt, lens)
-            correctness.append(dict(batch=batch, seq_len=seq_len, page_size=page_size,
-                                    impl="paged_decode (interpreter)", rel_err=rel_err(out, ref)))
+            correctness.append(
+                dict(
+                    batch=batch,
+                    seq_len=seq_len,
+                    page_size=page_size,
+                    impl="paged_decode (interpreter)",
+                    rel_err=rel_err(out, ref),
+                )
+            )
         for impl, page_size, fn in impls:
             try:
                 out = fn()
                 timing = cpu_median(fn, repeats=repeats)
             except Exception as exc:
-                notes.append(f"{impl} at ({batch}, {seq_len}, page {page_size}) failed: "
-                             f"{type(exc).__name__}: {exc}")
+                notes.append(f"{impl} at ({batch}, {seq_len}, page {page_size}) failed: {type(exc).__name__}: {exc}")
                 continue
-            results.append(dict(batch=batch, seq_len=seq_len, page_size=page_size, impl=impl,
-                                median_s=timing["median_s"], rel_err=rel_err(out, ref)))
-    table = [[f"({r['batch']}, {r['seq_len']})", r["page_size"] or "-", r["impl"],
-              f"{r['median_s'] * 1e3:.2f}", f"{r['rel_err']:.1e}"] for r in results]
-    table += [[f"({r['batch']}, {r['seq_len']})", r["page_size"], r["impl"], "not timed",
-               f"{r['rel_err']:.1e}"] for r in correctness]
+            results.append(
+                dict(
+                    batch=batch,
+                    seq_len=seq_len,
+                    page_size=page_size,
+                    impl=impl,
+                    median_s=timing["median_s"],
+                    rel_err=rel_err(out, ref),
+                )
+            )
+    table = [
+        [
+            f"({r['batch']}, {r['seq_len']})",
+            r["page_size"] or "-",
+            r["impl"],
+            f"{r['median_s'] * 1e3:.2f}",
+            f"{r['rel_err']:.1e}",
+        ]
+        for r in results
+    ]
+    table += [
+        [f"({r['batch']}, {r['seq_len']})", r["page_size"], r["impl"], "not timed", f"{r['rel_err']:.1e}"]
+        for r in correctness
+    ]
     print_table(["batch x len", "page", "implementation", "median ms", "rel err vs fp64"], table)
     for n in notes:
         print("note:", n)
@@ -392,51 +529,70 @@ def run_cpu(shapes, page_sizes, *, repeats):
 
 # --- entry point -----------------------------------------------------------------------------
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m paged_ref.bench decode", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cpu", action="store_true",
-                        help="small float32 sizes on the CPU (reference, flex, SDPA)")
+    parser = argparse.ArgumentParser(
+        prog="python -m paged_ref.bench decode",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--cpu", action="store_true", help="small float32 sizes on the CPU (reference, flex, SDPA)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes, shorter timing")
-    parser.add_argument("--sweep", action="store_true",
-                        help="GPU: instead, time other tile configurations of the kernel "
-                             "(writes decode_sweep_gpu.json)")
-    parser.add_argument("--budget-s", type=float, default=150.0,
-                        help="GPU: stop starting flex measurements after this many seconds")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="GPU: instead, time other tile configurations of the kernel (writes decode_sweep_gpu.json)",
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=150.0, help="GPU: stop starting flex measurements after this many seconds"
+    )
     parser.add_argument("--out", default=None, help="output folder (default figures/data)")
     args = parser.parse_args(argv)
-    command = "python -m paged_ref.bench decode " + " ".join(argv if argv is not None
-                                                             else sys.argv[1:])
+    command = "python -m paged_ref.bench decode " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.cpu:
         shapes = [(2, 256)] if args.quick else CPU_SHAPES
         pages = [16] if args.quick else CPU_PAGE_SIZES
-        data = dict(benchmark="decode", mode="cpu", command=command.strip(),
-                    environment=environment(),
-                    config=dict(dtype="float32", shapes=shapes, page_sizes=pages, **CPU_HEADS))
+        data = dict(
+            benchmark="decode",
+            mode="cpu",
+            command=command.strip(),
+            environment=environment(),
+            config=dict(dtype="float32", shapes=shapes, page_sizes=pages, **CPU_HEADS),
+        )
         data.update(run_cpu(shapes, pages, repeats=3 if args.quick else 7))
         path = write_json(data, "decode_cpu.json", out_dir=args.out)
     elif args.sweep:
         if not torch.cuda.is_available():
             parser.error("--sweep needs a CUDA GPU")
-        data = dict(benchmark="decode", mode="gpu tile sweep", command=command.strip(),
-                    environment=environment(), copy=copy_bandwidth(),
-                    sweep=run_sweep(rep_ms=50))
+        data = dict(
+            benchmark="decode",
+            mode="gpu tile sweep",
+            command=command.strip(),
+            environment=environment(),
+            copy=copy_bandwidth(),
+            sweep=run_sweep(rep_ms=50),
+        )
         path = write_json(data, "decode_sweep_gpu.json", out_dir=args.out)
     else:
         if not torch.cuda.is_available():
             parser.error("no CUDA GPU: run with --cpu for the CPU harness")
         shapes = [(8, 32768), (64, 4096)] if args.quick else GPU_SHAPES
         pages = [16, 128] if args.quick else GPU_PAGE_SIZES
-        data = dict(benchmark="decode", mode="gpu", command=command.strip(),
-                    environment=environment(),
-                    config=dict(dtype="bfloat16", shapes=shapes, page_sizes=pages,
-                                timing="triton.testing.do_bench median (CUDA events, L2 flushed)",
-                                bandwidth="bytes of K and V read / median time",
-                                paged_decode_call="check_values=False, num_splits=None",
-                                flex_call="flex_paged_decode as a user calls it: builds the "
-                                          "BlockMask on every call",
-                                **GPU_HEADS))
-        data.update(run_gpu(shapes, pages, budget_s=args.budget_s,
-                            rep_ms=50 if args.quick else 100))
+        data = dict(
+            benchmark="decode",
+            mode="gpu",
+            command=command.strip(),
+            environment=environment(),
+            config=dict(
+                dtype="bfloat16",
+                shapes=shapes,
+                page_sizes=pages,
+                timing="triton.testing.do_bench median (CUDA events, L2 flushed)",
+                bandwidth="bytes of K and V read / median time",
+                paged_decode_call="check_values=False, num_splits=None",
+                flex_call="flex_paged_decode as a user calls it: builds the BlockMask on every call",
+                **GPU_HEADS,
+            ),
+        )
+        data.update(run_gpu(shapes, pages, budget_s=args.budget_s, rep_ms=50 if args.quick else 100))
         data["ratios"], data["goals"] = summarize_gpu(data)
         for n in data["notes"]:
             print("note:", n)

@@ -30,8 +30,8 @@ only the score changes); streaming_llm; token_topk (token-level, ||V||/||K||).
 
 All sequences of one page size decode together as one batch (`paged_ref.eviction.lm.PagedLM`);
 the full-cache sequence's log-probs are checked against the model's own forward over the whole
-text (``check_max_abs_logprob_diff`` in the JSON). Results: ``figures/data/eviction_{quick,full}.json``,
-figures ``figures/07_*.png`` (full mode only), and the tables printed.
+text (``check_max_abs_logprob_diff`` in the JSON). Results: ``figures/data/eviction_{quick,full}.json``
+and the tables printed; notebook 07 draws the figures from the JSON (`paged_ref.viz.eviction`).
 """
 
 from __future__ import annotations
@@ -42,42 +42,56 @@ import random
 import re
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from .._arith import cdiv
-from ..eviction import make_policy, max_pages_held
+from ..eviction import make_policy, max_pages_held, report
 from ..eviction.lm import PagedLM
+from ..stats import wilson
 from .common import environment, print_table, write_json
 
-POLICIES = ["full", "paged_eviction", "paged_eviction_first_page", "inverse_key_norm", "value_norm", "key_norm",
-            "random", "streaming_llm", "token_topk"]
+POLICIES = [
+    "full",
+    "paged_eviction",
+    "paged_eviction_first_page",
+    "inverse_key_norm",
+    "value_norm",
+    "key_norm",
+    "random",
+    "streaming_llm",
+    "token_topk",
+]
 # labels that are a policy with options rather than a policy name
 VARIANTS = {"paged_eviction_first_page": ("paged_eviction", {"protect_first_page": True})}
-QUICK = dict(texts=1, context=384, continuation=33, budgets=[128], page_sizes=[16],
-             passkey_trials=2, passkey_context=300, passkey_budgets=[128], speed_steps=6, speed_rounds=1,
-             speed_budget=128)
-FULL = dict(texts=2, context=2048, continuation=128, budgets=[128, 256, 512, 1024], page_sizes=[16, 32],
-            passkey_trials=20, passkey_context=1100, passkey_budgets=[128, 256, 512], speed_steps=16,
-            speed_rounds=5, speed_budget=256)
+QUICK = dict(
+    texts=1,
+    context=384,
+    continuation=33,
+    budgets=[128],
+    page_sizes=[16],
+    passkey_trials=2,
+    passkey_context=300,
+    passkey_budgets=[128],
+    speed_steps=6,
+    speed_rounds=1,
+    speed_budget=128,
+)
+FULL = dict(
+    texts=2,
+    context=2048,
+    continuation=128,
+    budgets=[128, 256, 512, 1024],
+    page_sizes=[16, 32],
+    passkey_trials=20,
+    passkey_context=1100,
+    passkey_budgets=[128, 256, 512],
+    speed_steps=16,
+    speed_rounds=5,
+    speed_budget=256,
+)
 MAX_COPIED = 0.05  # skip texts whose continuation repeats more than this fraction of context 8-grams
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-
-
-def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
-    """Wilson score 95% interval for a binomial proportion.
-
-    Example:
-        >>> [round(x, 3) for x in wilson(6, 10)]
-        [0.313, 0.832]
-    """
-    if n == 0:
-        return (0.0, 1.0)
-    p = successes / n
-    center = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return (max(0.0, center - half), min(1.0, center + half))
 
 
 def _runs(budgets, exclude=(), only=None):
@@ -121,9 +135,12 @@ class _Batch:
         """
         i = 0
         while i < tokens.numel():
-            m = min(tokens.numel() - i, max_chunk,
-                    *(p.tokens_until_action(self.cache, s) for s, p in zip(self.seqs, self.policies)))
-            yield i, self._extend(tokens[i:i + m].expand(len(self.seqs), m))
+            m = min(
+                tokens.numel() - i,
+                max_chunk,
+                *(p.tokens_until_action(self.cache, s) for s, p in zip(self.seqs, self.policies)),
+            )
+            yield i, self._extend(tokens[i : i + m].expand(len(self.seqs), m))
             i += m
 
     def _extend(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -138,13 +155,20 @@ class _Batch:
         s, p = self.seqs[i], self.policies[i]
         st = p.stats(s)
         label, name, c = self.runs[i]
-        return dict(policy=label, budget=c, page_size=self.cache.page_size,
-                    tokens_held=self.cache.seq_len(s), pages_held=len(self.cache.pages(s)),
-                    max_pages_held=self.max_pages[i],
-                    page_bound=None if c is None else max_pages_held(c, self.cache.page_size),
-                    kv_bytes_held=len(self.cache.pages(s)) * self.cache.page_bytes,
-                    tokens_evicted=st.tokens_evicted, pages_dropped=st.pages_dropped,
-                    tokens_moved=st.tokens_moved, max_holes_per_page=round(st.max_holes_per_page, 4))
+        return dict(
+            policy=label,
+            budget=c,
+            page_size=self.cache.page_size,
+            tokens_held=self.cache.seq_len(s),
+            pages_held=len(self.cache.pages(s)),
+            max_pages_held=self.max_pages[i],
+            page_bound=None if c is None else max_pages_held(c, self.cache.page_size),
+            kv_bytes_held=len(self.cache.pages(s)) * self.cache.page_bytes,
+            tokens_evicted=st.tokens_evicted,
+            pages_dropped=st.pages_dropped,
+            tokens_moved=st.tokens_moved,
+            max_holes_per_page=round(st.max_holes_per_page, 4),
+        )
 
     def close(self):
         for s, p in zip(self.seqs, self.policies):
@@ -178,7 +202,7 @@ def lm_task(lm, tok, cfg, log):
         ks, vs = [k[:n_ctx] for k in ks], [v[:n_ctx] for v in vs]
         log(f"text {t}: prefill {n_ctx + n_cont} tokens in {time.perf_counter() - t0:.1f} s")
         ref_lp = torch.log_softmax(logits[n_ctx:-1], -1)  # [n_cont - 1, vocab], the full cache's
-        targets = ids[n_ctx + 1:]  # [n_cont - 1]
+        targets = ids[n_ctx + 1 :]  # [n_cont - 1]
         # page-granular policies feed chunks; token_topk acts after every token, so it runs apart
         groups = [(ps, _runs(cfg["budgets"], exclude=("token_topk",))) for ps in cfg["page_sizes"]]
         groups.append((cfg["page_sizes"][0], _runs(cfg["budgets"], only=("token_topk",))))
@@ -189,8 +213,8 @@ def lm_task(lm, tok, cfg, log):
             kl = torch.zeros(len(runs))
             for i, lp in batch.feed(ids[n_ctx:-1]):  # lp: [batch, m, vocab]
                 m = lp.shape[1]
-                nll -= lp[:, torch.arange(m), targets[i:i + m]].sum(1)
-                ref = ref_lp[i:i + m]  # [m, vocab]
+                nll -= lp[:, torch.arange(m), targets[i : i + m]].sum(1)
+                ref = ref_lp[i : i + m]  # [m, vocab]
                 kl += (ref.exp() * (ref - lp)).sum(-1).sum(-1)  # KL(full || policy)
             if runs[0][0] == "full":
                 checks.append(float((-nll[0] - ref_lp.gather(1, targets[:, None]).sum()).abs()) / (n_cont - 1))
@@ -199,9 +223,11 @@ def lm_task(lm, tok, cfg, log):
                 row.update(text=t, nll=float(nll[i]) / (n_cont - 1), kl_vs_full=float(kl[i]) / (n_cont - 1))
                 rows.append(row)
             batch.close()
-            log(f"text {t}, page size {ps}: {len(runs)} sequences x {n_cont - 1} tokens in "
-                f"{time.perf_counter() - t0:.1f} s" + (f"; full-cache mean |NLL - model| {checks[-1]:.2e}"
-                                                       if runs[0][0] == "full" else ""))
+            log(
+                f"text {t}, page size {ps}: {len(runs)} sequences x {n_cont - 1} tokens in "
+                f"{time.perf_counter() - t0:.1f} s"
+                + (f"; full-cache mean |NLL - model| {checks[-1]:.2e}" if runs[0][0] == "full" else "")
+            )
     return rows, max(checks), texts
 
 
@@ -217,8 +243,8 @@ def copy_fraction(ids: torch.Tensor, n_ctx: int, n: int = 8) -> float:
     """
     ctx = ids[:n_ctx].tolist()
     cont = ids[n_ctx:].tolist()
-    seen = {tuple(ctx[i:i + n]) for i in range(len(ctx) - n + 1)}
-    grams = [tuple(cont[i:i + n]) for i in range(len(cont) - n + 1)]
+    seen = {tuple(ctx[i : i + n]) for i in range(len(ctx) - n + 1)}
+    grams = [tuple(cont[i : i + n]) for i in range(len(cont) - n + 1)]
     return sum(g in seen for g in grams) / max(1, len(grams))
 
 
@@ -230,12 +256,22 @@ def summarize_lm(rows):
     out = []
     for (policy, c, ps), rs in groups.items():
         nll = statistics.fmean(r["nll"] for r in rs)
-        out.append(dict(policy=policy, budget=c, page_size=ps, texts=len(rs), nll=nll, ppl=math.exp(nll),
-                        kl_vs_full=statistics.fmean(r["kl_vs_full"] for r in rs),
-                        max_pages_held=max(r["max_pages_held"] for r in rs), page_bound=rs[0]["page_bound"],
-                        kv_bytes_held=max(r["kv_bytes_held"] for r in rs),
-                        tokens_moved=sum(r["tokens_moved"] for r in rs),
-                        max_holes_per_page=max(r["max_holes_per_page"] for r in rs)))
+        out.append(
+            dict(
+                policy=policy,
+                budget=c,
+                page_size=ps,
+                texts=len(rs),
+                nll=nll,
+                ppl=math.exp(nll),
+                kl_vs_full=statistics.fmean(r["kl_vs_full"] for r in rs),
+                max_pages_held=max(r["max_pages_held"] for r in rs),
+                page_bound=rs[0]["page_bound"],
+                kv_bytes_held=max(r["kv_bytes_held"] for r in rs),
+                tokens_moved=sum(r["tokens_moved"] for r in rs),
+                max_holes_per_page=max(r["max_holes_per_page"] for r in rs),
+            )
+        )
     return out
 
 
@@ -253,19 +289,25 @@ def passkey_prompt(tok, rng: random.Random, target_tokens: int):
     before = FILLER * int(reps * depth)
     after = FILLER * (reps - int(reps * depth))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-    content = ("There is important information hidden inside a lot of irrelevant text. Find it and "
-               "memorize it. I will quiz you about it.\n\n" + before + needle + after +
-               "\n\nWhat is the pass key?")
-    text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                   add_generation_prompt=True) + "The pass key is"
+    content = (
+        "There is important information hidden inside a lot of irrelevant text. Find it and "
+        "memorize it. I will quiz you about it.\n\n" + before + needle + after + "\n\nWhat is the pass key?"
+    )
+    text = (
+        tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
+        + "The pass key is"
+    )
     cut = text.index("\n\nWhat is the pass key?")
     enc = tok(text[:cut], add_special_tokens=False, return_offsets_mapping=True)
     question = tok(text[cut:], add_special_tokens=False).input_ids
     offsets = enc["offset_mapping"]
 
     def covering(start, end):  # token index -> covered character positions, relative to start
-        return {i: range(max(a, start) - start, min(b, end) - start) for i, (a, b) in enumerate(offsets)
-                if a < end and b > start}
+        return {
+            i: range(max(a, start) - start, min(b, end) - start)
+            for i, (a, b) in enumerate(offsets)
+            if a < end and b > start
+        }
 
     mentions = [covering(m.start(), m.end()) for m in re.finditer(key, text[:cut])]
     n0 = text.index(needle)
@@ -290,9 +332,11 @@ def key_evidence(held: set, mentions: list[dict], needle_tokens: list[int], key_
         for t, chars in m.items():
             if t in held:
                 covered.update(chars)
-    return dict(key_held=any(all(t in held for t in m) for m in mentions),
-                key_readable=covered >= set(range(key_len)),
-                needle_held=sum(t in held for t in needle_tokens) / len(needle_tokens))
+    return dict(
+        key_held=any(all(t in held for t in m) for m in mentions),
+        key_readable=covered >= set(range(key_len)),
+        needle_held=sum(t in held for t in needle_tokens) / len(needle_tokens),
+    )
 
 
 def answer_is_correct(text: str, key: str) -> bool:
@@ -308,7 +352,10 @@ def answer_is_correct(text: str, key: str) -> bool:
 
 def passkey_task(lm, tok, cfg, log, answer_tokens=7):
     rows = []
-    groups = [_runs(cfg["passkey_budgets"], exclude=("token_topk",)), _runs(cfg["passkey_budgets"], only=("token_topk",))]
+    groups = [
+        _runs(cfg["passkey_budgets"], exclude=("token_topk",)),
+        _runs(cfg["passkey_budgets"], only=("token_topk",)),
+    ]
     for trial in range(cfg["passkey_trials"]):
         rng = random.Random(1000 + trial)
         ctx, question, key, mentions, needle_tokens, depth = passkey_prompt(tok, rng, cfg["passkey_context"])
@@ -318,8 +365,10 @@ def passkey_task(lm, tok, cfg, log, answer_tokens=7):
             batch = _Batch(lm, ks, vs, runs, 16, ctx.numel() + question.numel() + answer_tokens)
             for _ in batch.feed(question[:-1]):
                 pass
-            evidence = [key_evidence(set(p.positions(s).tolist()), mentions, needle_tokens, len(key))
-                        for s, p in zip(batch.seqs, batch.policies)]
+            evidence = [
+                key_evidence(set(p.positions(s).tolist()), mentions, needle_tokens, len(key))
+                for s, p in zip(batch.seqs, batch.policies)
+            ]
             nxt, answers = question[-1].repeat(len(runs)), []
             for _ in range(answer_tokens):
                 nxt = batch.step(nxt).argmax(-1)  # [batch]
@@ -328,13 +377,22 @@ def passkey_task(lm, tok, cfg, log, answer_tokens=7):
             for i in range(len(runs)):
                 text = tok.decode(answers[i])
                 row = batch.row(i)
-                row.update(trial=trial, key=key, depth=round(depth, 3), context_tokens=ctx.numel(), answer=text,
-                           correct=answer_is_correct(text, key), **evidence[i])
+                row.update(
+                    trial=trial,
+                    key=key,
+                    depth=round(depth, 3),
+                    context_tokens=ctx.numel(),
+                    answer=text,
+                    correct=answer_is_correct(text, key),
+                    **evidence[i],
+                )
                 rows.append(row)
             batch.close()
         full = next(r for r in rows[::-1] if r["policy"] == "full")
-        log(f"pass-key trial {trial}: {ctx.numel()} context tokens, key {key} at depth {depth:.2f}; "
-            f"full answered {full['answer']!r}; {time.perf_counter() - t0:.1f} s")
+        log(
+            f"pass-key trial {trial}: {ctx.numel()} context tokens, key {key} at depth {depth:.2f}; "
+            f"full answered {full['answer']!r}; {time.perf_counter() - t0:.1f} s"
+        )
     return rows
 
 
@@ -348,15 +406,26 @@ def summarize_passkey(rows):
         h = sum(r["key_held"] for r in rs)
         readable = sum(r["key_readable"] for r in rs)
         lo, hi = wilson(k, n)
-        out.append(dict(policy=policy, budget=c, trials=n, correct=k, accuracy=k / n, ci95=[lo, hi],
-                        key_held=h, key_held_rate=h / n,
-                        correct_when_held=sum(r["correct"] for r in rs if r["key_held"]),
-                        correct_when_lost=sum(r["correct"] for r in rs if not r["key_held"]),
-                        key_readable=readable,
-                        correct_when_unreadable=sum(r["correct"] for r in rs if not r["key_readable"]),
-                        needle_held_mean=statistics.fmean(r["needle_held"] for r in rs),
-                        needle_held_when_correct=_mean_or_none([r["needle_held"] for r in rs if r["correct"]]),
-                        needle_held_when_wrong=_mean_or_none([r["needle_held"] for r in rs if not r["correct"]])))
+        out.append(
+            dict(
+                policy=policy,
+                budget=c,
+                trials=n,
+                correct=k,
+                accuracy=k / n,
+                ci95=[lo, hi],
+                key_held=h,
+                key_held_rate=h / n,
+                correct_when_held=sum(r["correct"] for r in rs if r["key_held"]),
+                correct_when_lost=sum(r["correct"] for r in rs if not r["key_held"]),
+                key_readable=readable,
+                correct_when_unreadable=sum(r["correct"] for r in rs if not r["key_readable"]),
+                needle_held_mean=statistics.fmean(r["needle_held"] for r in rs),
+                answered_number=sum(bool(re.search(r"\d", r["answer"])) for r in rs),
+                needle_held_when_correct=_mean_or_none([r["needle_held"] for r in rs if r["correct"]]),
+                needle_held_when_wrong=_mean_or_none([r["needle_held"] for r in rs if not r["correct"]]),
+            )
+        )
     return out
 
 
@@ -369,8 +438,9 @@ def speed_task(lm, tok, cfg, log):
     """Decode tokens/s per policy, one sequence each, interleaved rounds; ratio to full."""
     from ..textdata import english_text
 
-    ids = tok(english_text(int(cfg["context"] * 1.2), start=7), return_tensors="pt",
-              add_special_tokens=False).input_ids[0][: cfg["context"] + cfg["speed_steps"]]
+    ids = tok(
+        english_text(int(cfg["context"] * 1.2), start=7), return_tensors="pt", add_special_tokens=False
+    ).input_ids[0][: cfg["context"] + cfg["speed_steps"]]
     n = cfg["context"]
     _, ks, vs = lm.prompt_kv(ids[:n])
     times = {name: [] for name in POLICIES}
@@ -379,10 +449,10 @@ def speed_task(lm, tok, cfg, log):
             c = None if name == "full" else cfg["speed_budget"]
             runs = [(name, VARIANTS.get(name, (name, {}))[0], c)]
             batch = _Batch(lm, ks, vs, runs, 16, n + cfg["speed_steps"])
-            batch.step(ids[n:n + 1])  # warm-up
+            batch.step(ids[n : n + 1])  # warm-up
             t0 = time.perf_counter()
             for j in range(1, cfg["speed_steps"]):
-                batch.step(ids[n + j:n + j + 1])
+                batch.step(ids[n + j : n + j + 1])
             times[name].append((cfg["speed_steps"] - 1) / (time.perf_counter() - t0))
             row = batch.row(0)
             times.setdefault("_bytes_" + name, row["kv_bytes_held"])
@@ -391,139 +461,20 @@ def speed_task(lm, tok, cfg, log):
     full = statistics.median(times["full"])
     for name in POLICIES:
         tps = statistics.median(times[name])
-        out.append(dict(policy=name, budget=None if name == "full" else cfg["speed_budget"], page_size=16,
-                        context=n, tokens_per_s=tps, tokens_per_s_rounds=times[name], ratio_vs_full=tps / full,
-                        kv_bytes_held=times["_bytes_" + name]))
+        out.append(
+            dict(
+                policy=name,
+                budget=None if name == "full" else cfg["speed_budget"],
+                page_size=16,
+                context=n,
+                tokens_per_s=tps,
+                tokens_per_s_rounds=times[name],
+                ratio_vs_full=tps / full,
+                kv_bytes_held=times["_bytes_" + name],
+            )
+        )
     log(f"speed: full {full:.2f} tokens/s")
     return out
-
-
-# ----------------------------------------------------------------------------- figures
-def _colors():
-    import matplotlib.pyplot as plt
-
-    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    return {name: cycle[i % len(cycle)] for i, name in enumerate(POLICIES[1:])}
-
-
-def _stamp(fig, result):
-    env = result["environment"]
-    fig.suptitle(f"{result['model']}; CPU ({env['cpu']}, {env.get('torch_threads', '?')} thread), torch {env['torch']}, "
-                 f"transformers {env['transformers']}; measured {env['date_utc'][:10]} "
-                 f"(python -m paged_ref.bench eviction)", fontsize=8, y=1.05)
-
-
-def plot_lm(result):
-    """Perplexity vs budget per policy, one panel per page size (full cache as a line)."""
-    import matplotlib.pyplot as plt
-
-    summary, colors = result["language_modelling"], _colors()
-    sizes = sorted({r["page_size"] for r in summary})
-    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.4), sharey=True, squeeze=False)
-    for ax, ps in zip(axes[0], sizes):
-        rows = [r for r in summary if r["page_size"] == ps]
-        full = next(r for r in rows if r["policy"] == "full")
-        ax.axhline(full["ppl"], color="k", ls="--", lw=1, label=f"full cache ({full['ppl']:.2f})")
-        for name in POLICIES[1:]:
-            pts = sorted((r["budget"], r["ppl"]) for r in rows if r["policy"] == name)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", color=colors[name], label=name,
-                        lw=2.5 if name.startswith("paged_eviction") else 1.2)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("budget C (tokens held)")
-        ax.set_title(f"page size B = {ps}; context {result['config']['context']}, "
-                     f"{full['texts']} texts x {result['config']['continuation'] - 1} tokens", fontsize=10)
-    axes[0][0].set_ylabel("perplexity of the continuation")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8, bbox_to_anchor=(0.5, -0.16))
-    _stamp(fig, result)
-    return fig
-
-
-def plot_passkey(result):
-    """Pass-key accuracy (Wilson 95% interval) and how often the key's tokens were held."""
-    import matplotlib.pyplot as plt
-
-    summary, colors = result["passkey"], _colors()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.4))
-    names = POLICIES[1:]
-    budgets = sorted({r["budget"] for r in summary if r["budget"] is not None})
-    width = 0.8 / len(names)
-    full = next(r for r in summary if r["policy"] == "full")
-    for ax, key in ((a1, "accuracy"), (a2, "key_held_rate")):
-        ax.axhline(full[key], color="k", ls="--", lw=1, label=f"full cache ({full[key]:.2f})")
-        for j, name in enumerate(names):
-            rows = sorted((r for r in summary if r["policy"] == name), key=lambda r: r["budget"])
-            x = [budgets.index(r["budget"]) + (j - len(names) / 2 + 0.5) * width for r in rows]
-            y = [r[key] for r in rows]
-            if key == "accuracy":
-                err = [[r["accuracy"] - r["ci95"][0] for r in rows], [r["ci95"][1] - r["accuracy"] for r in rows]]
-                ax.bar(x, y, width, yerr=err, capsize=2, color=colors[name], label=name)
-            else:
-                ax.bar(x, y, width, color=colors[name], label=name)
-        ax.set_xticks(range(len(budgets)), [f"C = {c}" for c in budgets])
-        ax.set_ylim(0, 1.05)
-    a1.set_title(f"pass-key accuracy ({full['trials']} trials, Wilson 95% interval)")
-    a2.set_title("all tokens of a key mention still held when the answer starts")
-    handles, labels = a1.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=8, bbox_to_anchor=(0.5, -0.12))
-    _stamp(fig, result)
-    return fig
-
-
-def plot_cost(result):
-    """KV bytes held per budget, and decode tokens/s relative to the full cache."""
-    import matplotlib.pyplot as plt
-
-    lm_summary, speed, colors = result["language_modelling"], result["speed"], _colors()
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.2))
-    ps = min(r["page_size"] for r in lm_summary)
-    full = next(r for r in lm_summary if r["policy"] == "full" and r["page_size"] == ps)
-    budgets = sorted({r["budget"] for r in lm_summary if r["budget"] is not None})
-    for name in ("paged_eviction", "token_topk"):
-        pts = sorted((r["budget"], r["kv_bytes_held"] / 2**20) for r in lm_summary
-                     if r["policy"] == name and r["page_size"] == ps)
-        a1.plot(*zip(*pts), marker="o", color=colors[name],
-                label=name + (" (and every page policy)" if name == "paged_eviction" else ""))
-    a1.axhline(full["kv_bytes_held"] / 2**20, color="k", ls="--", lw=1,
-               label=f"full cache ({full['kv_bytes_held'] / 2**20:.1f} MiB)")
-    a1.set_xscale("log", base=2)
-    a1.set_xticks(budgets, [str(c) for c in budgets])
-    a1.set_xlabel("budget C")
-    a1.set_ylabel("KV MiB held after the continuation")
-    a1.set_title(f"KV bytes held, B = {ps} (pages held x page bytes)")
-    a1.legend(fontsize=8)
-    names = [r["policy"] for r in speed]
-    full_tps = speed[0]["tokens_per_s"]
-    ratios = [r["ratio_vs_full"] for r in speed]
-    lo = [r - min(r2 / full_tps for r2 in s["tokens_per_s_rounds"]) for r, s in zip(ratios, speed)]
-    hi = [max(r2 / full_tps for r2 in s["tokens_per_s_rounds"]) - r for r, s in zip(ratios, speed)]
-    a2.bar(names, ratios, yerr=[lo, hi], capsize=3, color=["k"] + [colors[n] for n in names[1:]])
-    a2.axhline(1, color="k", lw=1)
-    a2.set_ylabel("decode tokens/s / full cache's median")
-    a2.set_title(f"decode speed, one sequence, C = {speed[1]['budget']}, context {speed[0]['context']}\n"
-                 f"(median and range of {len(speed[0]['tokens_per_s_rounds'])} rounds; shared 2-core CPU)", fontsize=10)
-    a2.tick_params(axis="x", rotation=45)
-    _stamp(fig, result)
-    return fig
-
-
-def write_figures(result) -> list[Path]:
-    """Draw the three figures from a result dict and write ``figures/07_eviction_*.png``."""
-    import matplotlib.pyplot as plt
-
-    from ..runmode import figures_dir
-
-    paths = []
-    for name, draw in (("07_eviction_perplexity", plot_lm), ("07_eviction_passkey", plot_passkey),
-                       ("07_eviction_cost", plot_cost)):
-        fig = draw(result)
-        path = Path(figures_dir()) / f"{name}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
-        plt.close(fig)
-        paths.append(path)
-    return paths
 
 
 # ----------------------------------------------------------------------------- main
@@ -531,19 +482,14 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m paged_ref.bench eviction", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes (CI, ~2-3 min on 2 cores)")
     parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data/)")
-    parser.add_argument("--no-figures", action="store_true", help="full mode without writing figures/07_*.png")
-    parser.add_argument("--plot", metavar="JSON", default=None,
-                        help="only redraw figures/07_*.png from a result file (no model run)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch CPU threads (default 1: on a shared 2-core machine, multi-threaded small ops "
-                             "stall waiting for a busy core; measured 1.05 s vs 0.16 s per decode step)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: on a shared 2-core machine, multi-threaded small ops "
+        "stall waiting for a busy core; measured 1.05 s vs 0.16 s per decode step)",
+    )
     args = parser.parse_args(argv)
-    if args.plot:
-        import json
-
-        for path in write_figures(json.loads(Path(args.plot).read_text())):
-            print(f"wrote {path}")
-        return None
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
@@ -569,29 +515,51 @@ def _run(args):
     pk_rows = passkey_task(lm, tok, cfg, log)
     speed = speed_task(lm, tok, cfg, log)
     lm_summary, pk_summary = summarize_lm(lm_rows), summarize_passkey(pk_rows)
-    result = dict(mode=mode, config=cfg, environment=dict(environment(), torch_threads=args.threads), model="SmolLM2-135M-Instruct (GGUF, float32)",
-                  check_max_abs_logprob_diff=check, texts=texts, language_modelling=lm_summary, passkey=pk_summary,
-                  speed=speed, lm_rows=lm_rows, passkey_rows=pk_rows,
-                  seconds=round(time.perf_counter() - start, 1))
+    result = dict(
+        mode=mode,
+        config=cfg,
+        environment=dict(environment(), torch_threads=args.threads),
+        model="SmolLM2-135M-Instruct (GGUF, float32)",
+        check_max_abs_logprob_diff=check,
+        texts=texts,
+        language_modelling=lm_summary,
+        passkey=pk_summary,
+        speed=speed,
+        lm_rows=lm_rows,
+        passkey_rows=pk_rows,
+        seconds=round(time.perf_counter() - start, 1),
+    )
     path = write_json(result, f"eviction_{mode}.json", args.out)
-    from ..viz import eviction as ve  # tables shared with notebook 07
 
-    print(f"\nLanguage modelling: {cfg['texts']} text(s), context {cfg['context']}, continuation "
-          f"{cfg['continuation']} tokens (NLL over the last {cfg['continuation'] - 1}); full-cache check "
-          f"max |log p - model| = {check:.2e}")
-    print_table(["policy", "C", "B", "NLL", "PPL", "KL vs full", "max pages", "bound", "KV MiB", "tokens moved", "holes/page"],
-                [[r["policy"], r["budget"] or "-", r["page_size"], f"{r['nll']:.4f}", f"{r['ppl']:.3f}",
-                  f"{r['kl_vs_full']:.4f}", r["max_pages_held"], r["page_bound"] or "-",
-                  f"{r['kv_bytes_held'] / 2**20:.2f}", r["tokens_moved"], f"{r['max_holes_per_page']:.2f}"]
-                 for r in sorted(lm_summary, key=lambda r: (r["page_size"], r["budget"] or 0, POLICIES.index(r["policy"])))])
+    print(
+        f"\nLanguage modelling: {cfg['texts']} text(s), context {cfg['context']}, continuation "
+        f"{cfg['continuation']} tokens (NLL over the last {cfg['continuation'] - 1}); full-cache check "
+        f"max |log p - model| = {check:.2e}"
+    )
+    print_table(
+        ["policy", "C", "B", "NLL", "PPL", "KL vs full", "max pages", "bound", "KV MiB", "tokens moved", "holes/page"],
+        [
+            [
+                r["policy"],
+                r["budget"] or "-",
+                r["page_size"],
+                f"{r['nll']:.4f}",
+                f"{r['ppl']:.3f}",
+                f"{r['kl_vs_full']:.4f}",
+                r["max_pages_held"],
+                r["page_bound"] or "-",
+                f"{r['kv_bytes_held'] / 2**20:.2f}",
+                r["tokens_moved"],
+                f"{r['max_holes_per_page']:.2f}",
+            ]
+            for r in sorted(lm_summary, key=lambda r: (r["page_size"], r["budget"] or 0, POLICIES.index(r["policy"])))
+        ],
+    )
     print(f"\nPass-key retrieval: {cfg['passkey_trials']} trials, ~{cfg['passkey_context']} context tokens, B = 16")
-    print(ve.passkey_table(result))
+    print(report.passkey_table(result))
     print(f"\nDecode speed (one sequence, context {cfg['context']}, B = 16, median of {cfg['speed_rounds']} rounds)")
-    print(ve.speed_table(result))
+    print(report.speed_table(result))
     print(f"\nwrote {path} ({result['seconds']} s)")
-    if mode == "full" and not args.no_figures:
-        for path in write_figures(result):
-            print(f"wrote {path}")
     return result
 
 

@@ -37,20 +37,24 @@ import time
 import torch
 
 from .. import hf, textdata
-from ..hf.session import model_geometry
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
+from ..hf.session import model_geometry
 from ._generate_contexts import measure_contexts
 from .common import environment, print_table, write_json
 
 PAGE_SIZE = 16
 FULL = dict(single_words=96, single_new=48, mixed_prompts=8, mixed_new=32, repeats=3)
 QUICK = dict(single_words=24, single_new=8, mixed_prompts=3, mixed_new=6, repeats=1)
-CONTEXTS_FULL = dict(contexts=(128, 512, 2048, 8192), decode_steps=16, repeats=3,
-                     backends=("auto", "reference"), scattered=("auto",),
-                     skip_above={"paged_reference": 2048})
-CONTEXTS_QUICK = dict(contexts=(16, 64), decode_steps=3, repeats=1, backends=("auto", "reference"),
-                      scattered=("auto",))
+CONTEXTS_FULL = dict(
+    contexts=(128, 512, 2048, 8192),
+    decode_steps=16,
+    repeats=3,
+    backends=("auto", "reference"),
+    scattered=("auto",),
+    skip_above={"paged_reference": 2048},
+)
+CONTEXTS_QUICK = dict(contexts=(16, 64), decode_steps=3, repeats=1, backends=("auto", "reference"), scattered=("auto",))
 
 
 class _PeakRSS:
@@ -96,8 +100,8 @@ def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tens
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.long)
     for b, r in enumerate(rows):
-        ids[b, width - len(r):] = torch.tensor(r)
-        mask[b, width - len(r):] = 1
+        ids[b, width - len(r) :] = torch.tensor(r)
+        mask[b, width - len(r) :] = 1
     return ids, mask
 
 
@@ -116,7 +120,7 @@ def _methods(model, rows, new, backends, with_generate_batch):
 
     def hf_default():
         out = model.generate(ids, attention_mask=mask, generation_config=config)
-        return [row[ids.shape[1]:].tolist() for row in out]
+        return [row[ids.shape[1] :].tolist() for row in out]
 
     methods["hf_generate"] = (hf_default, lambda: {"kv_bytes": len(rows) * (ids.shape[1] + new) * per_token})
 
@@ -131,15 +135,27 @@ def _methods(model, rows, new, backends, with_generate_batch):
             def count(step, tokens):
                 used[0] = max(used[0], kv.num_pages - kv.allocator.num_free)
 
-            out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=new, backend=backend,
-                              eos_token_id=[], kv_cache=kv, callback=count, progress=False)
+            out = hf.generate(
+                model,
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                backend=backend,
+                eos_token_id=[],
+                kv_cache=kv,
+                callback=count,
+                progress=False,
+            )
             state.update(peak_pages=used[0], page_bytes=kv.page_bytes, pool_pages=kv.num_pages)
-            return [row[ids.shape[1]:].tolist() for row in out]
+            return [row[ids.shape[1] :].tolist() for row in out]
 
-        methods[f"paged_{backend}"] = (paged, lambda state=state: {
-            "kv_bytes": state["peak_pages"] * state["page_bytes"],
-            "kv_pool_bytes": state["pool_pages"] * state["page_bytes"],
-        })
+        methods[f"paged_{backend}"] = (
+            paged,
+            lambda state=state: {
+                "kv_bytes": state["peak_pages"] * state["page_bytes"],
+                "kv_pool_bytes": state["pool_pages"] * state["page_bytes"],
+            },
+        )
 
     if with_generate_batch:
         from transformers import ContinuousBatchingConfig
@@ -151,11 +167,16 @@ def _methods(model, rows, new, backends, with_generate_batch):
         size_kw = {"page_size" if "page_size" in params else "block_size": PAGE_SIZE}
 
         def cb():
-            cfg = ContinuousBatchingConfig(**size_kw, num_blocks=blocks,
-                                           max_batch_tokens=sum(len(r) for r in rows),
-                                           use_cuda_graph=False, use_async_batching=False)
-            res = model.generate_batch(rows, generation_config=config, continuous_batching_config=cfg,
-                                       warmup=False, progress_bar=False)
+            cfg = ContinuousBatchingConfig(
+                **size_kw,
+                num_blocks=blocks,
+                max_batch_tokens=sum(len(r) for r in rows),
+                use_cuda_graph=False,
+                use_async_batching=False,
+            )
+            res = model.generate_batch(
+                rows, generation_config=config, continuous_batching_config=cfg, warmup=False, progress_bar=False
+            )
             order = sorted(res.values(), key=lambda o: int(o.request_id.split("_")[-1]))
             return [list(o.generated_tokens) for o in order]
 
@@ -198,16 +219,31 @@ def _run_workload(name, model, rows, new, backends, repeats, with_generate_batch
                     per_repeat = sorted(tp / tm for tm, tp in zip(times[m], times[peer]))
                     paired[f"{m}/{peer}"] = per_repeat[len(per_repeat) // 2]
     return {
-        "workload": {"name": name, "prompt_lens": [len(r) for r in rows], "new_tokens": new,
-                     "generated_tokens": generated, "page_size": PAGE_SIZE, "repeats": repeats},
+        "workload": {
+            "name": name,
+            "prompt_lens": [len(r) for r in rows],
+            "new_tokens": new,
+            "generated_tokens": generated,
+            "page_size": PAGE_SIZE,
+            "repeats": repeats,
+        },
         "results": results,
         "ratios_tokens_per_s": ratios,
         "ratios_tokens_per_s_paired": paired,
     }
 
 
-def measure(model, tokenizer=None, *, single_words, single_new, mixed_prompts, mixed_new, repeats,
-            backends=("auto", "reference", "flex", "sdpa")) -> dict:
+def measure(
+    model,
+    tokenizer=None,
+    *,
+    single_words,
+    single_new,
+    mixed_prompts,
+    mixed_new,
+    repeats,
+    backends=("auto", "reference", "flex", "sdpa"),
+) -> dict:
     """Run both workloads on ``model``; without a tokenizer, prompts are seeded random ids."""
     if tokenizer is not None:
         single = [tokenizer(textdata.english_text(single_words)).input_ids]
@@ -217,8 +253,10 @@ def measure(model, tokenizer=None, *, single_words, single_new, mixed_prompts, m
         g = torch.Generator().manual_seed(0)
         vocab = model.config.vocab_size
         single = [torch.randint(3, vocab, (single_words,), generator=g).tolist()]
-        mixed = [torch.randint(3, vocab, (n,), generator=g).tolist()
-                 for n in torch.linspace(max(2, single_words // 6), single_words, mixed_prompts).long().tolist()]
+        mixed = [
+            torch.randint(3, vocab, (n,), generator=g).tolist()
+            for n in torch.linspace(max(2, single_words // 6), single_words, mixed_prompts).long().tolist()
+        ]
     return {
         "single": _run_workload("single", model, single, single_new, backends, repeats, with_generate_batch=False),
         "mixed": _run_workload("mixed", model, mixed, mixed_new, backends, repeats, with_generate_batch=True),
@@ -226,16 +264,26 @@ def measure(model, tokenizer=None, *, single_words, single_new, mixed_prompts, m
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m paged_ref.bench generate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m paged_ref.bench generate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--quick", action="store_true", help="short prompts, few tokens, one repeat")
-    parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2",
-                        help="the bundled SmolLM2-135M (default) or the tiny random Llama (harness check)")
+    parser.add_argument(
+        "--model",
+        choices=["smollm2", "tiny"],
+        default="smollm2",
+        help="the bundled SmolLM2-135M (default) or the tiny random Llama (harness check)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per method (default 3; quick 1)")
     parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
-    parser.add_argument("--skip-contexts", action="store_true",
-                        help="leave out the prefill/decode-by-context workload (the longest part)")
+    parser.add_argument(
+        "--skip-contexts",
+        action="store_true",
+        help="leave out the prefill/decode-by-context workload (the longest part)",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -253,29 +301,59 @@ def main(argv=None):
     data = {"model": args.model, "mode": "quick" if args.quick else "full", "torch_threads": torch.get_num_threads()}
     data.update(measure(model, tokenizer, **sizes))
     if not args.skip_contexts:
-        data["contexts"] = measure_contexts(model, tokenizer, page_size=PAGE_SIZE,
-                                            **(CONTEXTS_QUICK if args.quick else CONTEXTS_FULL))
+        data["contexts"] = measure_contexts(
+            model, tokenizer, page_size=PAGE_SIZE, **(CONTEXTS_QUICK if args.quick else CONTEXTS_FULL)
+        )
     data["environment"] = environment()
     for name in ("single", "mixed"):
         w = data[name]
         print(f"\n{name}: prompts {w['workload']['prompt_lens']} tokens, {w['workload']['new_tokens']} new each")
-        rows = [[m, f"{r['median_s']:.3f}", f"{r['tokens_per_s']:.1f}", r["tokens_match_hf_generate"],
-                 f"{r['kv_bytes'] / 2**20:.2f}", f"{r['peak_rss_rise_bytes'] / 2**20:.1f}"]
-                for m, r in w["results"].items()]
+        rows = [
+            [
+                m,
+                f"{r['median_s']:.3f}",
+                f"{r['tokens_per_s']:.1f}",
+                r["tokens_match_hf_generate"],
+                f"{r['kv_bytes'] / 2**20:.2f}",
+                f"{r['peak_rss_rise_bytes'] / 2**20:.1f}",
+            ]
+            for m, r in w["results"].items()
+        ]
         print_table(["method", "median s", "tokens/s", "same tokens", "KV MiB", "RSS rise MiB"], rows)
         for ratio, value in w["ratios_tokens_per_s"].items():
-            print(f"  tokens/s {ratio}: {value:.2f}x (of medians), "
-                  f"{w['ratios_tokens_per_s_paired'][ratio]:.2f}x (median of per-repeat ratios)")
+            print(
+                f"  tokens/s {ratio}: {value:.2f}x (of medians), "
+                f"{w['ratios_tokens_per_s_paired'][ratio]:.2f}x (median of per-repeat ratios)"
+            )
     if "contexts" in data:
         print("\ncontexts: prefill and decode per token, paged / DynamicCache")
-        rows = [[row["context"], m, f"{r['prefill_s']:.3f}", f"{r['decode_s_per_token'] * 1e3:.1f}",
-                 f"{r['prefill_over_hf']:.2f}x" if m != "hf" else "-",
-                 f"{r['decode_over_hf']:.2f}x" if m != "hf" else "-",
-                 "-" if r["plan_share_of_decode_step"] is None else f"{r['plan_share_of_decode_step']:.1%}",
-                 r["tokens_match_hf"]]
-                for row in data["contexts"]["rows"] for m, r in row["methods"].items()]
-        print_table(["context", "method", "prefill s", "decode ms/token", "prefill ratio",
-                     "decode ratio", "plan share", "same tokens"], rows)
+        rows = [
+            [
+                row["context"],
+                m,
+                f"{r['prefill_s']:.3f}",
+                f"{r['decode_s_per_token'] * 1e3:.1f}",
+                f"{r['prefill_over_hf']:.2f}x" if m != "hf" else "-",
+                f"{r['decode_over_hf']:.2f}x" if m != "hf" else "-",
+                "-" if r["plan_share_of_decode_step"] is None else f"{r['plan_share_of_decode_step']:.1%}",
+                r["tokens_match_hf"],
+            ]
+            for row in data["contexts"]["rows"]
+            for m, r in row["methods"].items()
+        ]
+        print_table(
+            [
+                "context",
+                "method",
+                "prefill s",
+                "decode ms/token",
+                "prefill ratio",
+                "decode ratio",
+                "plan share",
+                "same tokens",
+            ],
+            rows,
+        )
     device = "gpu" if torch.cuda.is_available() else "cpu"
     path = write_json(data, f"generate_{device}.json", out_dir=args.out)
     print(f"wrote {path}")

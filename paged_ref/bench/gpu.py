@@ -43,8 +43,8 @@ from .common import environment, print_table, write_json
 
 __all__ = ["PLAN_LIMIT_S", "STARTUP_S", "Section", "plan", "main"]
 
-PLAN_LIMIT_S = 360.0   # six minutes: two runs fit a 15-minute loan with its start-up
-STARTUP_S = 15.0       # interpreter and imports before the first section
+PLAN_LIMIT_S = 360.0  # six minutes: two runs fit a 15-minute loan with its start-up
+STARTUP_S = 15.0  # interpreter and imports before the first section
 MAX_FILES = 8
 
 
@@ -59,22 +59,34 @@ def plan(out: Path, *, dry_run: bool) -> list[Section]:
     """The sections of a run writing into ``out`` (toy sizes on the CPU with ``dry_run``)."""
     py = sys.executable
     kind = "cpu" if dry_run else "gpu"
-    tests = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-             "tests/test_triton_decode.py", "tests/test_attention_flex.py"]
+    tests = [
+        py,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "gpu",
+        "tests/test_triton_decode.py",
+        "tests/test_attention_flex.py",
+    ]
     if dry_run:
         decode = [py, "-m", "paged_ref.bench", "decode", "--cpu", "--quick", "--out", str(out)]
-        scaling = [py, "-m", "paged_ref.bench", "scaling", "--cpu", "--quick", "--model", "tiny",
-                   "--out", str(out)]
+        scaling = [py, "-m", "paged_ref.bench", "scaling", "--cpu", "--quick", "--model", "tiny", "--out", str(out)]
     else:
         decode = [py, "-m", "paged_ref.bench", "decode", "--budget-s", "70", "--out", str(out)]
-        scaling = [py, "-m", "paged_ref.bench", "scaling", "--gpu", "--time-budget", "100",
-                   "--out", str(out)]
+        scaling = [py, "-m", "paged_ref.bench", "scaling", "--gpu", "--time-budget", "100", "--out", str(out)]
     return [
         Section("tests", 40, tests),
         Section("decode", 160, decode, produces=(f"decode_{kind}.json",)),
         Section("scaling", 130, scaling, produces=(f"scaling_{kind}.json",)),
-        Section("figures", 15, [py, "-m", "paged_ref.viz.run_figures", str(out), kind],
-                produces=(f"decode_{kind}.png", f"scaling_latency_{kind}.png")),
+        Section(
+            "figures",
+            15,
+            [py, "-m", "paged_ref.viz.run_figures", str(out), kind],
+            produces=(f"decode_{kind}.png", f"scaling_latency_{kind}.png"),
+        ),
     ]
 
 
@@ -87,8 +99,9 @@ def _run_command(section: Section, log) -> tuple[str, str]:
     log.write(f"\n===== {section.name}: {' '.join(section.command)}\n")
     log.flush()
     try:
-        proc = subprocess.Popen(section.command, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, cwd=_repo_root())
+        proc = subprocess.Popen(
+            section.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=_repo_root()
+        )
     except OSError as err:
         return "not run", f"{type(err).__name__}: {err}"
     try:
@@ -109,11 +122,13 @@ def _repo_root() -> Path:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m paged_ref.bench gpu", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m paged_ref.bench gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="folder for the (at most 8) result files")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="the same orchestration on the CPU at toy sizes (what CI runs)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="the same orchestration on the CPU at toy sizes (what CI runs)"
+    )
     args = parser.parse_args(argv)
     import torch
 
@@ -125,8 +140,10 @@ def main(argv=None) -> dict:
     planned = planned_seconds(sections)
     if planned > PLAN_LIMIT_S:
         raise SystemExit(f"plan needs {planned:.0f} s, over the {PLAN_LIMIT_S:.0f} s limit")
-    print(f"plan: {', '.join(f'{s.name} {s.budget_s:.0f} s' for s in sections)}; "
-          f"{planned:.0f} s of {PLAN_LIMIT_S:.0f} s with start-up")
+    print(
+        f"plan: {', '.join(f'{s.name} {s.budget_s:.0f} s' for s in sections)}; "
+        f"{planned:.0f} s of {PLAN_LIMIT_S:.0f} s with start-up"
+    )
     start = time.monotonic()
     rows, record = [], []
     with open(out / "gpu.log", "w") as log:
@@ -135,14 +152,29 @@ def main(argv=None) -> dict:
             status, why = _run_command(section, log)
             seconds = time.monotonic() - t
             made = [f for f in section.produces if (out / f).exists()]
-            record.append(dict(section=section.name, status=status, why=why,
-                               seconds=round(seconds, 1), budget_s=section.budget_s, files=made))
-            rows.append([section.name, status, f"{seconds:.0f}", f"{section.budget_s:.0f}",
-                         ", ".join(made) or "-", why or "-"])
+            record.append(
+                dict(
+                    section=section.name,
+                    status=status,
+                    why=why,
+                    seconds=round(seconds, 1),
+                    budget_s=section.budget_s,
+                    files=made,
+                )
+            )
+            rows.append(
+                [section.name, status, f"{seconds:.0f}", f"{section.budget_s:.0f}", ", ".join(made) or "-", why or "-"]
+            )
             print(f"{section.name}: {status} in {seconds:.0f} s {why}", flush=True)
-    data = dict(benchmark="gpu", dry_run=args.dry_run, planned_s=planned,
-                limit_s=PLAN_LIMIT_S, elapsed_s=round(time.monotonic() - start, 1),
-                sections=record, environment=environment())
+    data = dict(
+        benchmark="gpu",
+        dry_run=args.dry_run,
+        planned_s=planned,
+        limit_s=PLAN_LIMIT_S,
+        elapsed_s=round(time.monotonic() - start, 1),
+        sections=record,
+        environment=environment(),
+    )
     write_json(data, "gpu_run.json", out_dir=out)
     files = sorted(p.name for p in out.iterdir())
     print_table(["section", "status", "seconds", "budget", "files", "note"], rows)

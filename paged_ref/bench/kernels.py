@@ -38,25 +38,25 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .._arith import cdiv
 from .common import environment, print_table, write_json
 
 #: Targets: SMs, per-SM limits and the memory system's datasheet bandwidth. Little's law asks
 #: for bandwidth x latency bytes in flight; LATENCY_S is an assumed ~1 us DRAM round trip.
 TARGETS = {
-    90: dict(name="sm_90 (H200)", sms=132, regs=65536, max_warps=64, max_blocks=32,
-             smem=228 * 1024, bandwidth=4.8e12),
-    80: dict(name="sm_80 (A100 80GB)", sms=108, regs=65536, max_warps=64, max_blocks=32,
-             smem=164 * 1024, bandwidth=2.039e12),
-    75: dict(name="sm_75 (T4)", sms=40, regs=65536, max_warps=32, max_blocks=16,
-             smem=64 * 1024, bandwidth=320e9),
+    90: dict(name="sm_90 (H200)", sms=132, regs=65536, max_warps=64, max_blocks=32, smem=228 * 1024, bandwidth=4.8e12),
+    80: dict(
+        name="sm_80 (A100 80GB)", sms=108, regs=65536, max_warps=64, max_blocks=32, smem=164 * 1024, bandwidth=2.039e12
+    ),
+    75: dict(name="sm_75 (T4)", sms=40, regs=65536, max_warps=32, max_blocks=16, smem=64 * 1024, bandwidth=320e9),
 }
 LATENCY_S = 1e-6
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 HEAD_DIMS = (64, 80, 128, 256)
 GROUPS = (1, 4, 8, 16)
 PAGE_SIZES = (1, 16, 64, 256)
-NUM_KV_HEADS = 8                    # strides of the launch the signature mirrors
-CONTEXT = 32768                     # block-table width: pages for a 32k-token sequence
+NUM_KV_HEADS = 8  # strides of the launch the signature mirrors
+CONTEXT = 32768  # block-table width: pages for a 32k-token sequence
 SASS_OPS = ("STL", "LDL", "LDGSTS", "UTMALDG", "HMMA", "HGMMA", "LDG", "LDSM")
 
 
@@ -65,16 +65,17 @@ class KernelConfig:
     """One configuration of the split kernel for one target."""
 
     arch: int
-    dtype: str          # "fp16" | "bf16" | "fp32"
+    dtype: str  # "fp16" | "bf16" | "fp32"
     head_dim: int
-    group: int          # query heads per KV head
+    group: int  # query heads per KV head
     page_size: int
-    split: bool         # num_splits > 1 (partials written for the reduction kernel)
+    split: bool  # num_splits > 1 (partials written for the reduction kernel)
     hints: bool = True  # alignment specialisation as the JIT does it (False: bare signature)
 
 
 def _cuobjdump() -> str:
     import triton
+
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
@@ -91,7 +92,7 @@ def _signature(kernel, consts: dict, ints: dict, ptr_types: dict, floats: dict, 
         elif name in floats:
             sig[name] = floats[name]
         elif hints and ints[name] == 1:
-            sig[name], constexprs[name] = "constexpr", 1     # the JIT turns a 1 into a constant
+            sig[name], constexprs[name] = "constexpr", 1  # the JIT turns a 1 into a constant
         else:
             sig[name] = "i32"
             if hints and ints[name] % 16 == 0:
@@ -106,28 +107,56 @@ def split_kernel_source(cfg: KernelConfig):
     from ..attention import triton_decode as td
 
     kernel = td.compiled_kernels()["_paged_decode_split_kernel"]
-    tile = td._tile_config(DTYPES[cfg.dtype], cfg.head_dim, cfg.group, interpret=False,
-                           capability=cfg.arch)
+    tile = td._tile_config(DTYPES[cfg.dtype], cfg.head_dim, cfg.group, interpret=False, capability=cfg.arch)
     d, hq = cfg.head_dim, cfg.group * NUM_KV_HEADS
-    consts = dict(HEAD_DIM=d, BLOCK_D=tile["BLOCK_D"], GROUP=cfg.group, BLOCK_H=tile["BLOCK_H"],
-                  PAGE_SIZE=cfg.page_size, BLOCK_N=tile["BLOCK_N"], WRITE_PARTIALS=cfg.split,
-                  DOT_PRECISION="ieee" if cfg.dtype == "fp32" else "tf32")
-    ints = dict(num_splits=6 if cfg.split else 1, stride_q_batch=hq * d, stride_q_head=d,
-                stride_cache_page=cfg.page_size * NUM_KV_HEADS * d,
-                stride_cache_token=NUM_KV_HEADS * d, stride_cache_head=d,
-                stride_bt_batch=-(-CONTEXT // cfg.page_size), stride_o_batch=hq * d,
-                stride_o_head=d)
-    ptrs = dict(q_ptr=cfg.dtype, k_cache_ptr=cfg.dtype, v_cache_ptr=cfg.dtype,
-                out_ptr=cfg.dtype, block_table_ptr="i32", seq_lens_ptr="i32",
-                part_m_ptr="fp32", part_l_ptr="fp32", part_acc_ptr="fp32")
-    sig, constexprs, attrs = _signature(kernel, consts, ints, ptrs, {"scale_log2": "fp32"},
-                                        cfg.hints)
+    consts = dict(
+        HEAD_DIM=d,
+        BLOCK_D=tile["BLOCK_D"],
+        GROUP=cfg.group,
+        BLOCK_H=tile["BLOCK_H"],
+        PAGE_SIZE=cfg.page_size,
+        BLOCK_N=tile["BLOCK_N"],
+        WRITE_PARTIALS=cfg.split,
+        DOT_PRECISION="ieee" if cfg.dtype == "fp32" else "tf32",
+    )
+    ints = dict(
+        num_splits=6 if cfg.split else 1,
+        stride_q_batch=hq * d,
+        stride_q_head=d,
+        stride_cache_page=cfg.page_size * NUM_KV_HEADS * d,
+        stride_cache_token=NUM_KV_HEADS * d,
+        stride_cache_head=d,
+        stride_bt_batch=cdiv(CONTEXT, cfg.page_size),
+        stride_o_batch=hq * d,
+        stride_o_head=d,
+    )
+    ptrs = dict(
+        q_ptr=cfg.dtype,
+        k_cache_ptr=cfg.dtype,
+        v_cache_ptr=cfg.dtype,
+        out_ptr=cfg.dtype,
+        block_table_ptr="i32",
+        seq_lens_ptr="i32",
+        part_m_ptr="fp32",
+        part_l_ptr="fp32",
+        part_acc_ptr="fp32",
+    )
+    sig, constexprs, attrs = _signature(kernel, consts, ints, ptrs, {"scale_log2": "fp32"}, cfg.hints)
     options = {k: v for k, v in tile.items() if not k.startswith("BLOCK_")}
-    src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
-                    constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
-    record = dict(kernel=kernel.fn.__name__, signature=sig, constexprs=constexprs,
-                  attrs={str(k[0]): v for k, v in attrs.items()}, options=options,
-                  tile=tile)
+    src = ASTSource(
+        fn=kernel,
+        signature=sig,
+        attrs=attrs,
+        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
+    )
+    record = dict(
+        kernel=kernel.fn.__name__,
+        signature=sig,
+        constexprs=constexprs,
+        attrs={str(k[0]): v for k, v in attrs.items()},
+        options=options,
+        tile=tile,
+    )
     return src, options, record
 
 
@@ -144,10 +173,23 @@ def reduce_kernel_source(arch: int, dtype: str, head_dim: int):
     ptrs = dict(part_m_ptr="fp32", part_l_ptr="fp32", part_acc_ptr="fp32", out_ptr=dtype)
     sig, constexprs, attrs = _signature(kernel, consts, ints, ptrs, {}, True)
     options = dict(num_warps=4)
-    src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
-                    constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()})
-    return src, options, dict(kernel=kernel.fn.__name__, signature=sig, constexprs=constexprs,
-                              attrs={str(k[0]): v for k, v in attrs.items()}, options=options)
+    src = ASTSource(
+        fn=kernel,
+        signature=sig,
+        attrs=attrs,
+        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
+    )
+    return (
+        src,
+        options,
+        dict(
+            kernel=kernel.fn.__name__,
+            signature=sig,
+            constexprs=constexprs,
+            attrs={str(k[0]): v for k, v in attrs.items()},
+            options=options,
+        ),
+    )
 
 
 def read_cubin(cubin: bytes) -> dict:
@@ -156,19 +198,25 @@ def read_cubin(cubin: bytes) -> dict:
         f.write(cubin)
         path = f.name
     try:
-        usage = subprocess.run([_cuobjdump(), "--dump-resource-usage", path], check=True,
-                               capture_output=True, text=True).stdout
-        sass = subprocess.run([_cuobjdump(), "--dump-sass", path], check=True,
-                              capture_output=True, text=True).stdout
+        usage = subprocess.run(
+            [_cuobjdump(), "--dump-resource-usage", path], check=True, capture_output=True, text=True
+        ).stdout
+        sass = subprocess.run([_cuobjdump(), "--dump-sass", path], check=True, capture_output=True, text=True).stdout
     finally:
         os.unlink(path)
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
     counts = {op: len(re.findall(rf"\b{op}(?=[.\s])", sass)) for op in SASS_OPS}
-    return dict(registers=int(m.group(1)), stack_bytes=int(m.group(2)),
-                local_bytes=int(m.group(4)), spill_stores=counts.pop("STL"),
-                spill_loads=counts.pop("LDL"), async_copies=counts.pop("LDGSTS"),
-                tma_loads=counts.pop("UTMALDG"),
-                mma=counts.pop("HMMA") + counts.pop("HGMMA"), sass=counts)
+    return dict(
+        registers=int(m.group(1)),
+        stack_bytes=int(m.group(2)),
+        local_bytes=int(m.group(4)),
+        spill_stores=counts.pop("STL"),
+        spill_loads=counts.pop("LDL"),
+        async_copies=counts.pop("LDGSTS"),
+        tma_loads=counts.pop("UTMALDG"),
+        mma=counts.pop("HMMA") + counts.pop("HGMMA"),
+        sass=counts,
+    )
 
 
 def kv_buffers(ttgir: str) -> list[int]:
@@ -179,10 +227,13 @@ def kv_buffers(ttgir: str) -> list[int]:
 def occupancy(arch: int, registers: int, shared: int, num_warps: int) -> dict:
     """Programs (CTAs) per SM allowed by each resource; the smallest one wins."""
     t = TARGETS[arch]
-    regs_per_warp = math.ceil(max(registers, 1) * 32 / 256) * 256     # allocated per warp
-    limits = dict(by_registers=t["regs"] // (regs_per_warp * num_warps),
-                  by_shared=t["smem"] // (shared + 1024) if shared else t["max_blocks"],
-                  by_warps=t["max_warps"] // num_warps, by_blocks=t["max_blocks"])
+    regs_per_warp = math.ceil(max(registers, 1) * 32 / 256) * 256  # allocated per warp
+    limits = dict(
+        by_registers=t["regs"] // (regs_per_warp * num_warps),
+        by_shared=t["smem"] // (shared + 1024) if shared else t["max_blocks"],
+        by_warps=t["max_warps"] // num_warps,
+        by_blocks=t["max_blocks"],
+    )
     return dict(limits, programs_per_sm=min(limits.values()))
 
 
@@ -201,14 +252,13 @@ def compile_config(cfg: KernelConfig) -> dict:
     start = time.perf_counter()
     try:
         ck = triton.compile(src, target=GPUTarget("cuda", cfg.arch, 32), options=options)
-    except Exception as err:                                    # a compile error is a result
+    except Exception as err:  # a compile error is a result
         return dict(asdict(cfg), **record, error=f"{type(err).__name__}: {err}"[:2000])
     entry = dict(asdict(cfg), **record, compile_s=round(time.perf_counter() - start, 2))
     entry.update(read_cubin(ck.asm["cubin"]))
     entry["shared_bytes"] = ck.metadata.shared
     entry["kv_buffers"] = kv_buffers(ck.asm["ttgir"])
-    entry.update(occupancy(cfg.arch, entry["registers"], entry["shared_bytes"],
-                           options["num_warps"]))
+    entry.update(occupancy(cfg.arch, entry["registers"], entry["shared_bytes"], options["num_warps"]))
     tile = record["tile"]
     tile_bytes = tile["BLOCK_N"] * tile["BLOCK_D"] * DTYPES[cfg.dtype].itemsize
     # With an asynchronous ring of depth k per K and V, k - 1 tiles of each are loading while
@@ -230,19 +280,31 @@ def compile_reduce(arch: int, dtype: str, head_dim: int) -> dict:
     try:
         ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as err:
-        return dict(arch=arch, dtype=dtype, head_dim=head_dim, **record,
-                    error=f"{type(err).__name__}: {err}"[:2000])
-    return dict(arch=arch, dtype=dtype, head_dim=head_dim, **record,
-                shared_bytes=ck.metadata.shared, **read_cubin(ck.asm["cubin"]))
+        return dict(arch=arch, dtype=dtype, head_dim=head_dim, **record, error=f"{type(err).__name__}: {err}"[:2000])
+    return dict(
+        arch=arch,
+        dtype=dtype,
+        head_dim=head_dim,
+        **record,
+        shared_bytes=ck.metadata.shared,
+        **read_cubin(ck.asm["cubin"]),
+    )
 
 
 def all_configs(quick: bool = False) -> list[KernelConfig]:
     """Every configuration the launcher can choose on each target (``quick``: the defaults)."""
     dtypes = {90: ("fp16", "bf16", "fp32"), 80: ("fp16", "bf16", "fp32"), 75: ("fp16",)}
     head_dims, groups, pages = ((128,), (4,), (16, 64)) if quick else (HEAD_DIMS, GROUPS, PAGE_SIZES)
-    return [KernelConfig(arch, dt, d, g, p, split)
-            for arch in (90, 80, 75) for dt in dtypes[arch] if not (quick and dt == "fp32")
-            for d in head_dims for g in groups for p in pages for split in (False, True)]
+    return [
+        KernelConfig(arch, dt, d, g, p, split)
+        for arch in (90, 80, 75)
+        for dt in dtypes[arch]
+        if not (quick and dt == "fp32")
+        for d in head_dims
+        for g in groups
+        for p in pages
+        for split in (False, True)
+    ]
 
 
 def run(configs: list[KernelConfig], jobs: int = 2) -> list[dict]:
@@ -262,23 +324,29 @@ def summary(entries: list[dict]) -> dict:
         half = [e for e in ok if e["dtype"] != "fp32"]
         big = [e for e in half if e["page_size"] >= e["tile"]["BLOCK_N"]]
         out[TARGETS[arch]["name"]] = dict(
-            configs=len(mine), errors=len(mine) - len(ok),
+            configs=len(mine),
+            errors=len(mine) - len(ok),
             spilling_16bit=sum(e["spill_stores"] + e["spill_loads"] > 0 for e in half),
             max_registers=max((e["registers"] for e in ok), default=None),
             asynchronous_16bit=sum(e["async_copies"] + e["tma_loads"] > 0 for e in half),
             large_pages_16bit=len(big),
             large_pages_meeting_littles_law=sum(
-                e["kv_bytes_in_flight_per_sm"] >= e["littles_law_bytes_per_sm"] for e in big),
+                e["kv_bytes_in_flight_per_sm"] >= e["littles_law_bytes_per_sm"] for e in big
+            ),
         )
     return out
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m paged_ref.bench kernels", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m paged_ref.bench kernels",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--quick", action="store_true", help="the default configurations only")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                        help="compile processes (default: one per core)")
+    parser.add_argument(
+        "--jobs", type=int, default=os.cpu_count() or 1, help="compile processes (default: one per core)"
+    )
     parser.add_argument("--out", default=None, help="folder for kernels.json (default figures/data)")
     args = parser.parse_args(argv)
     import triton
@@ -287,25 +355,45 @@ def main(argv=None):
     bare = [KernelConfig(90, "bf16", 128, 4, 16, True, hints=False)]
     start = time.perf_counter()
     entries = run(configs + bare, jobs=args.jobs)
-    reduce = [compile_reduce(arch, dt, d) for arch in (90, 80, 75)
-              for dt in (("fp16",) if arch == 75 else ("fp16", "bf16", "fp32"))
-              for d in ((128,) if args.quick else HEAD_DIMS)]
-    data = dict(benchmark="kernels", quick=args.quick,
-                command="python -m paged_ref.bench kernels" + (" --quick" if args.quick else ""),
-                triton=triton.__version__, environment=environment(),
-                assumptions=dict(latency_s=LATENCY_S, targets=TARGETS,
-                                 num_kv_heads=NUM_KV_HEADS, context=CONTEXT),
-                elapsed_s=round(time.perf_counter() - start, 1),
-                summary=summary(entries), split_kernel=entries, reduce_kernel=reduce)
-    rows = [[name, s["configs"], s["errors"], s["spilling_16bit"], s["max_registers"],
-             f"{s['asynchronous_16bit']}", f"{s['large_pages_meeting_littles_law']}/"
-             f"{s['large_pages_16bit']}"] for name, s in data["summary"].items()]
-    print_table(["target", "configs", "errors", "16-bit spilling", "max regs",
-                 "16-bit async", "page>=BLOCK_N at Little"], rows)
+    reduce = [
+        compile_reduce(arch, dt, d)
+        for arch in (90, 80, 75)
+        for dt in (("fp16",) if arch == 75 else ("fp16", "bf16", "fp32"))
+        for d in ((128,) if args.quick else HEAD_DIMS)
+    ]
+    data = dict(
+        benchmark="kernels",
+        quick=args.quick,
+        command="python -m paged_ref.bench kernels" + (" --quick" if args.quick else ""),
+        triton=triton.__version__,
+        environment=environment(),
+        assumptions=dict(latency_s=LATENCY_S, targets=TARGETS, num_kv_heads=NUM_KV_HEADS, context=CONTEXT),
+        elapsed_s=round(time.perf_counter() - start, 1),
+        summary=summary(entries),
+        split_kernel=entries,
+        reduce_kernel=reduce,
+    )
+    rows = [
+        [
+            name,
+            s["configs"],
+            s["errors"],
+            s["spilling_16bit"],
+            s["max_registers"],
+            f"{s['asynchronous_16bit']}",
+            f"{s['large_pages_meeting_littles_law']}/{s['large_pages_16bit']}",
+        ]
+        for name, s in data["summary"].items()
+    ]
+    print_table(
+        ["target", "configs", "errors", "16-bit spilling", "max regs", "16-bit async", "page>=BLOCK_N at Little"], rows
+    )
     b = entries[-1]
-    print(f"bare signature (no alignment known), {b['dtype']} page {b['page_size']} sm_90: "
-          f"{b.get('registers')} registers, {b.get('spill_stores')} spill stores, "
-          f"{b.get('async_copies')} async copies")
+    print(
+        f"bare signature (no alignment known), {b['dtype']} page {b['page_size']} sm_90: "
+        f"{b.get('registers')} registers, {b.get('spill_stores')} spill stores, "
+        f"{b.get('async_copies')} async copies"
+    )
     path = write_json(data, "kernels.json", out_dir=args.out)
     print(f"wrote {path} in {data['elapsed_s']} s")
     return data

@@ -61,43 +61,81 @@ PROFILES = {
     ("cpu", "full"): dict(
         # 24 timed steps per point: enough for a median that moves less than the gaps it is read for
         # on a shared 2-core machine; no cache pays a whole prefill per step, so it takes 3
-        models=["smollm2"], contexts=_POW2(128, 2048), warmup=2, steps=24, nocache_steps=3, prefill_chunk=2048,
-        ladder=["dynamic", "none", "static", "sdpa", "reference", "flex"], check=["triton"], long=None,
+        models=["smollm2"],
+        contexts=_POW2(128, 2048),
+        warmup=2,
+        steps=24,
+        nocache_steps=3,
+        prefill_chunk=2048,
+        ladder=["dynamic", "none", "static", "sdpa", "reference", "flex"],
+        check=["triton"],
+        long=None,
         # compiled FlexAttention on CPU: each context's first steps may compile, and a step costs more
         overrides={"flex": dict(warmup=2, steps=12)},
-        batch=dict(num=64, max_len=1024, mean_len=192, budget_tokens=4096, steps=5, warmup=1,
-                   backends=["sdpa", "reference"]),
+        batch=dict(
+            num=64, max_len=1024, mean_len=192, budget_tokens=4096, steps=5, warmup=1, backends=["sdpa", "reference"]
+        ),
         chat=dict(turns=6, user_tokens=96, reply_tokens=8, backend="reference"),
-        sweep=dict(page_sizes=_POW2(8, 256), backends=["reference", "flex"], repeats=5)),
+        sweep=dict(page_sizes=_POW2(8, 256), backends=["reference", "flex"], repeats=5),
+    ),
     ("cpu", "quick"): dict(
-        models=["smollm2"], contexts=[128, 512], warmup=1, steps=3, nocache_steps=1, prefill_chunk=2048,
-        ladder=["dynamic", "none", "sdpa", "reference", "flex"], check=["triton"], long=None,
-        batch=dict(num=32, max_len=512, mean_len=128, budget_tokens=1024, steps=2, warmup=1,
-                   backends=["reference"]),
+        models=["smollm2"],
+        contexts=[128, 512],
+        warmup=1,
+        steps=3,
+        nocache_steps=1,
+        prefill_chunk=2048,
+        ladder=["dynamic", "none", "sdpa", "reference", "flex"],
+        check=["triton"],
+        long=None,
+        batch=dict(num=32, max_len=512, mean_len=128, budget_tokens=1024, steps=2, warmup=1, backends=["reference"]),
         chat=dict(turns=3, user_tokens=48, reply_tokens=4, backend="reference"),
-        sweep=dict(page_sizes=_POW2(8, 256), backends=["reference", "flex"], repeats=2)),
+        sweep=dict(page_sizes=_POW2(8, 256), backends=["reference", "flex"], repeats=2),
+    ),
     ("gpu", "full"): dict(
-        models=["llama1b", "smollm2"], contexts=_POW2(128, 32768), warmup=3, steps=10, nocache_steps=3,
+        models=["llama1b", "smollm2"],
+        contexts=_POW2(128, 32768),
+        warmup=3,
+        steps=10,
+        nocache_steps=3,
         # most important first: the time budget skips what comes last
-        prefill_chunk=1024, ladder=["dynamic", "triton", "flex", "none", "static"], check=[], long=100_000,
-        batch=dict(num=256, max_len=8192, mean_len=1024, budget_tokens=65536, steps=10, warmup=3,
-                   backends=["triton", "flex"]),
+        prefill_chunk=1024,
+        ladder=["dynamic", "triton", "flex", "none", "static"],
+        check=[],
+        long=100_000,
+        batch=dict(
+            num=256, max_len=8192, mean_len=1024, budget_tokens=65536, steps=10, warmup=3, backends=["triton", "flex"]
+        ),
         chat=dict(turns=8, user_tokens=256, reply_tokens=32, backend="triton"),
-        sweep=dict(page_sizes=_POW2(8, 256), backends=["triton", "flex"], repeats=20)),
+        sweep=dict(page_sizes=_POW2(8, 256), backends=["triton", "flex"], repeats=20),
+    ),
     ("gpu", "quick"): dict(
-        models=["llama1b"], contexts=[128, 2048, 32768], warmup=3, steps=8, nocache_steps=2,
-        prefill_chunk=1024, ladder=["dynamic", "triton", "flex", "none"], check=[], long=None,
-        batch=dict(num=128, max_len=8192, mean_len=1024, budget_tokens=32768, steps=5, warmup=2,
-                   backends=["triton"]),
+        models=["llama1b"],
+        contexts=[128, 2048, 32768],
+        warmup=3,
+        steps=8,
+        nocache_steps=2,
+        prefill_chunk=1024,
+        ladder=["dynamic", "triton", "flex", "none"],
+        check=[],
+        long=None,
+        batch=dict(num=128, max_len=8192, mean_len=1024, budget_tokens=32768, steps=5, warmup=2, backends=["triton"]),
         chat=dict(turns=4, user_tokens=256, reply_tokens=16, backend="triton"),
-        sweep=dict(page_sizes=[16, 64, 256], backends=["triton", "flex"], repeats=10)),
+        sweep=dict(page_sizes=[16, 64, 256], backends=["triton", "flex"], repeats=10),
+    ),
 }
 #: The tiny test model: same sections, small numbers (tiny_llama's context limit is 1024).
 TINY = dict(
-    contexts=[32, 64], warmup=1, steps=2, nocache_steps=1, prefill_chunk=256, overrides={},
+    contexts=[32, 64],
+    warmup=1,
+    steps=2,
+    nocache_steps=1,
+    prefill_chunk=256,
+    overrides={},
     batch=dict(num=32, max_len=256, mean_len=64, budget_tokens=512, steps=2, warmup=1, backends=["reference"]),
     chat=dict(turns=3, user_tokens=24, reply_tokens=3, backend="reference"),
-    sweep=dict(page_sizes=[8, 16, 256], backends=["reference"], repeats=1))
+    sweep=dict(page_sizes=[8, 16, 256], backends=["reference"], repeats=1),
+)
 
 DECODE_FUNCTIONS = {"reference": paged_attention_reference, "flex": flex_paged_decode, "triton": paged_decode}
 PAGE_SIZE = 16
@@ -139,12 +177,20 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
     cfg = model.config
     res = {"model": {k: v for k, v in info.items() if k != "tokenizer"}, "skipped": [], "errors": []}
     res["model"]["load_s"] = time.monotonic() - t0
-    res["kv_bytes_per_token"] = kv_bytes_per_token(num_layers=geom["num_layers"], num_kv_heads=geom["num_kv_heads"],
-                                                   head_dim=geom["head_dim"],
-                                                   bytes_per_elem=torch.empty((), dtype=geom["dtype"]).element_size())
-    ladder_cfg = LadderConfig(contexts=profile["contexts"], warmup=profile["warmup"], steps=profile["steps"],
-                              nocache_steps=profile["nocache_steps"], prefill_chunk=profile["prefill_chunk"],
-                              page_size=PAGE_SIZE)
+    res["kv_bytes_per_token"] = kv_bytes_per_token(
+        num_layers=geom["num_layers"],
+        num_kv_heads=geom["num_kv_heads"],
+        head_dim=geom["head_dim"],
+        bytes_per_elem=torch.empty((), dtype=geom["dtype"]).element_size(),
+    )
+    ladder_cfg = LadderConfig(
+        contexts=profile["contexts"],
+        warmup=profile["warmup"],
+        steps=profile["steps"],
+        nocache_steps=profile["nocache_steps"],
+        prefill_chunk=profile["prefill_chunk"],
+        page_size=PAGE_SIZE,
+    )
     long = profile.get("long")
     need = max(ladder_cfg.tokens_needed(), (long or 0) + 64, profile["batch"]["max_len"] + 1)
     prompt = prompt_ids(model, info, need)
@@ -161,8 +207,14 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
         if r is not None:
             res["ladder"].append(r)
     for name in profile["check"]:  # correctness only (interpreter): first context, 2 steps
-        check_cfg = LadderConfig(contexts=ladder_cfg.contexts[:1], warmup=0, steps=2, timed=False,
-                                 prefill_chunk=ladder_cfg.prefill_chunk, page_size=PAGE_SIZE)
+        check_cfg = LadderConfig(
+            contexts=ladder_cfg.contexts[:1],
+            warmup=0,
+            steps=2,
+            timed=False,
+            prefill_chunk=ladder_cfg.prefill_chunk,
+            page_size=PAGE_SIZE,
+        )
         _log(f"[scaling] {model_name}: {LABELS[name]} (interpreter: predictions only, not timed)")
         r = _guarded(res, f"check {name}", lambda: run_ladder(model, name, prompt, check_cfg))
         if r is not None:
@@ -181,10 +233,16 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
                 res["skipped"].append(f"long {name}")
                 continue
             _log(f"[scaling] {model_name}: {long}-token sequence, {LABELS[name]}")
-            long_cfg = LadderConfig(contexts=[long], warmup=profile["warmup"], steps=profile["steps"],
-                                    prefill_chunk=profile["prefill_chunk"], page_size=PAGE_SIZE)
-            r = _guarded(res, f"long {name}",
-                         lambda: run_ladder(model, name, prompt, long_cfg, deadline=clock.deadline))
+            long_cfg = LadderConfig(
+                contexts=[long],
+                warmup=profile["warmup"],
+                steps=profile["steps"],
+                prefill_chunk=profile["prefill_chunk"],
+                page_size=PAGE_SIZE,
+            )
+            r = _guarded(
+                res, f"long {name}", lambda: run_ladder(model, name, prompt, long_cfg, deadline=clock.deadline)
+            )
             if r is not None:
                 res["long"].append(r)
 
@@ -195,15 +253,34 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
     if clock.left() > 30:
         _log(f"[scaling] {model_name}: mixed batch")
         backends = [n for n in b["backends"] if not (n == "triton" and INTERPRETED)]
-        batch = _guarded(res, "batch", lambda: batch_throughput(
-            model, prompt, lengths, budget_tokens=b["budget_tokens"], max_len=b["max_len"], page_size=PAGE_SIZE,
-            paged_backends=backends, steps=b["steps"], warmup=b["warmup"], prefill_chunk=profile["prefill_chunk"]))
+        batch = _guarded(
+            res,
+            "batch",
+            lambda: batch_throughput(
+                model,
+                prompt,
+                lengths,
+                budget_tokens=b["budget_tokens"],
+                max_len=b["max_len"],
+                page_size=PAGE_SIZE,
+                paged_backends=backends,
+                steps=b["steps"],
+                warmup=b["warmup"],
+                prefill_chunk=profile["prefill_chunk"],
+            ),
+        )
     if batch is not None:
-        admitted = lengths[:batch["fit"]["paged_allocator"]]
-        batch.update(num_requests=len(lengths), mean_len=sum(lengths) / len(lengths), max_len=b["max_len"],
-                     budget_tokens=b["budget_tokens"], page_size=PAGE_SIZE, lengths=lengths,
-                     overhead_ps16=paged_overhead(admitted, page_size=PAGE_SIZE),
-                     overhead_ps16_workload=paged_overhead(lengths, page_size=PAGE_SIZE))
+        admitted = lengths[: batch["fit"]["paged_allocator"]]
+        batch.update(
+            num_requests=len(lengths),
+            mean_len=sum(lengths) / len(lengths),
+            max_len=b["max_len"],
+            budget_tokens=b["budget_tokens"],
+            page_size=PAGE_SIZE,
+            lengths=lengths,
+            overhead_ps16=paged_overhead(admitted, page_size=PAGE_SIZE),
+            overhead_ps16_workload=paged_overhead(lengths, page_size=PAGE_SIZE),
+        )
         res["batch"] = batch
     elif batch is None and not any(e.startswith("batch") for e in res["errors"]):
         res["skipped"].append("batch")
@@ -211,28 +288,61 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
     c = profile["chat"]
     if clock.left() > 30:
         _log(f"[scaling] {model_name}: growing-context chat")
-        users = [prompt[1000 * t % max(1, prompt.numel() - c["user_tokens"]):][:c["user_tokens"]]
-                 for t in range(c["turns"])]
+        users = [
+            prompt[1000 * t % max(1, prompt.numel() - c["user_tokens"]) :][: c["user_tokens"]]
+            for t in range(c["turns"])
+        ]
         backend = c["backend"] if not (c["backend"] == "triton" and INTERPRETED) else "reference"
-        runs = [_guarded(res, f"chat prefix_caching={pc}", lambda: run_chat(
-            model, users, reply_tokens=c["reply_tokens"], page_size=PAGE_SIZE, prefix_caching=pc, backend=backend,
-            prefill_chunk=profile["prefill_chunk"])) for pc in (False, True)]
+        runs = [
+            _guarded(
+                res,
+                f"chat prefix_caching={pc}",
+                lambda: run_chat(
+                    model,
+                    users,
+                    reply_tokens=c["reply_tokens"],
+                    page_size=PAGE_SIZE,
+                    prefix_caching=pc,
+                    backend=backend,
+                    prefill_chunk=profile["prefill_chunk"],
+                ),
+            )
+            for pc in (False, True)
+        ]
         if None not in runs:
-            res["chat"] = {"runs": runs, "user_tokens": c["user_tokens"], "reply_tokens": c["reply_tokens"],
-                           "replies_identical": runs[0]["replies"] == runs[1]["replies"]}
+            res["chat"] = {
+                "runs": runs,
+                "user_tokens": c["user_tokens"],
+                "reply_tokens": c["reply_tokens"],
+                "replies_identical": runs[0]["replies"] == runs[1]["replies"],
+            }
     else:
         res["skipped"].append("chat")
 
     s = profile["sweep"]
     if clock.left() > 20:
         _log(f"[scaling] {model_name}: page-size sweep")
-        admitted = lengths[:res["batch"]["fit"]["paged_allocator"]] if "batch" in res else lengths[:8]
-        sweep_geom = dict(num_kv_heads=geom["num_kv_heads"], num_q_heads=cfg.num_attention_heads,
-                          head_dim=geom["head_dim"], dtype=geom["dtype"], device=device)
+        admitted = lengths[: res["batch"]["fit"]["paged_allocator"]] if "batch" in res else lengths[:8]
+        sweep_geom = dict(
+            num_kv_heads=geom["num_kv_heads"],
+            num_q_heads=cfg.num_attention_heads,
+            head_dim=geom["head_dim"],
+            dtype=geom["dtype"],
+            device=device,
+        )
         fns = {n: DECODE_FUNCTIONS[n] for n in s["backends"] if not (n == "triton" and INTERPRETED)}
-        sweep = _guarded(res, "sweep", lambda: page_size_sweep(admitted, s["page_sizes"], geometry=sweep_geom,
-                                                               backends=fns, repeats=s["repeats"],
-                                                               deadline=clock.deadline))
+        sweep = _guarded(
+            res,
+            "sweep",
+            lambda: page_size_sweep(
+                admitted,
+                s["page_sizes"],
+                geometry=sweep_geom,
+                backends=fns,
+                repeats=s["repeats"],
+                deadline=clock.deadline,
+            ),
+        )
         if sweep is not None:
             res["sweep"] = sweep
     else:
@@ -277,17 +387,25 @@ def _command(argv) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m paged_ref.bench scaling", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m paged_ref.bench scaling",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--cpu", action="store_true", help="run on the CPU (default without CUDA)")
     where.add_argument("--gpu", action="store_true", help="run on the CUDA GPU (default with CUDA)")
     parser.add_argument("--quick", action="store_true", help="fewer contexts and steps (CI, first GPU look)")
-    parser.add_argument("--model", choices=MODELS, default=None,
-                        help="run one model instead of the profile's (tiny: the test model)")
+    parser.add_argument(
+        "--model", choices=MODELS, default=None, help="run one model instead of the profile's (tiny: the test model)"
+    )
     parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
-    parser.add_argument("--time-budget", type=float, default=None,
-                        help="seconds; sections that would start later are skipped (default 220 on GPU)")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds; sections that would start later are skipped (default 220 on GPU)",
+    )
     args = parser.parse_args(argv)
     gpu = args.gpu or (not args.cpu and torch.cuda.is_available())
     if gpu and not torch.cuda.is_available():
@@ -301,9 +419,17 @@ def main(argv=None) -> dict:
     budget = args.time_budget if args.time_budget is not None else (220.0 if gpu else None)
     clock = _Clock(budget)
     device = torch.device("cuda" if gpu else "cpu")
-    data = {"benchmark": "scaling", "device": kind, "quick": args.quick,
-            "command": _command(argv if argv is not None else sys.argv[1:]),
-            "environment": environment(), "torch_threads": torch.get_num_threads(), "page_size": PAGE_SIZE, "time_budget_s": budget, "models": {}}
+    data = {
+        "benchmark": "scaling",
+        "device": kind,
+        "quick": args.quick,
+        "command": _command(argv if argv is not None else sys.argv[1:]),
+        "environment": environment(),
+        "torch_threads": torch.get_num_threads(),
+        "page_size": PAGE_SIZE,
+        "time_budget_s": budget,
+        "models": {},
+    }
     for name in profile["models"]:
         if clock.left() < 30:
             data.setdefault("skipped_models", []).append(name)

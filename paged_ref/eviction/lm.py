@@ -7,8 +7,9 @@ into one cache sequence per policy (`add_prompt`). Then `decode_step` advances e
 by one token in one batched forward: the linear layers see ``[batch, 1, hidden]``; attention
 gathers each sequence's pages (sequences of equal length together) and runs
 ``scaled_dot_product_attention``; `extend` feeds several tokens per sequence at once (causal
-over the pages), which a policy allows between its actions (`tokens_until_action`). RoPE uses each sequence's absolute position, which the caller keeps
-(eviction shrinks what a sequence holds, never where its next token sits).
+over the pages), which a policy allows between its actions (`tokens_until_action`). RoPE uses
+each sequence's absolute position, which the caller keeps (eviction shrinks what a sequence
+holds, never where its next token sits).
 
 This is the model's computation re-stated layer by layer (embedding, RMSNorm, q/k/v
 projections, rotary embedding, attention, o_proj, MLP, final norm, head) with transformers'
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from .._arith import cdiv
 from ..cache import PagedKVCache
 from ..memory import model_geometry
 from .policies import EvictionPolicy
@@ -53,7 +55,9 @@ class PagedLM:
 
         inner = getattr(model, "model", None)
         if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
-            raise TypeError(f"model must be a Llama-family causal LM (model.model.layers, rotary_emb), got {type(model).__name__}")
+            raise TypeError(
+                f"model must be a Llama-family causal LM (model.model.layers, rotary_emb), got {type(model).__name__}"
+            )
 
         self.model = model
         self.geometry = model_geometry(model)  # num_layers, num_kv_heads, head_dim, dtype, device
@@ -95,8 +99,9 @@ class PagedLM:
         return seq_id
 
     @torch.inference_mode()
-    def decode_step(self, cache: PagedKVCache, seq_ids: list[int], token_ids: torch.Tensor,
-                    positions: torch.Tensor) -> torch.Tensor:
+    def decode_step(
+        self, cache: PagedKVCache, seq_ids: list[int], token_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         """Append one token to each sequence and return the next-token logits.
 
         Args:
@@ -113,8 +118,9 @@ class PagedLM:
         return self.extend(cache, seq_ids, token_ids[:, None], positions)[:, 0]
 
     @torch.inference_mode()
-    def extend(self, cache: PagedKVCache, seq_ids: list[int], token_ids: torch.Tensor,
-               positions: torch.Tensor) -> torch.Tensor:
+    def extend(
+        self, cache: PagedKVCache, seq_ids: list[int], token_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         """Append ``m`` tokens to each sequence (teacher forcing) and return the logits after each.
 
         New token ``i`` of a sequence attends to everything the sequence holds before it plus the
@@ -132,8 +138,10 @@ class PagedLM:
         """
         batch = len(seq_ids)
         if token_ids.dim() != 2 or token_ids.shape[0] != batch or positions.shape != (batch,):
-            raise ValueError(f"token_ids must have shape [{batch}, m] and positions [{batch}], got "
-                             f"{list(token_ids.shape)} and {list(positions.shape)}")
+            raise ValueError(
+                f"token_ids must have shape [{batch}, m] and positions [{batch}], got "
+                f"{list(token_ids.shape)} and {list(positions.shape)}"
+            )
         m = token_ids.shape[1]
         slots = torch.cat([cache.reserve(s, m) for s in seq_ids])  # int64 [batch * m], rows in order
         block_table, seq_lens = cache.block_table(seq_ids)  # int32 [batch, max_pages], [batch]
@@ -172,12 +180,13 @@ class PagedLM:
             groups.setdefault(n, []).append(b)
         for n, rows in groups.items():
             idx = torch.tensor(rows)
-            pages = block_table[idx, : -(-n // ps)].long()  # [g, pages]
+            pages = block_table[idx, : cdiv(n, ps)].long()  # [g, pages]
             k = cache.k_cache[layer][pages].flatten(1, 2)[:, :n].transpose(1, 2)  # [g, Hkv, n, D]
             v = cache.v_cache[layer][pages].flatten(1, 2)[:, :n].transpose(1, 2)  # [g, Hkv, n, D]
             mask = None
             if m > 1:  # new token i sits at n - m + i and sees tokens 0 .. n - m + i
                 mask = torch.arange(n)[None, :] <= (n - m + torch.arange(m))[:, None]  # bool [m, n]
             out[idx] = torch.nn.functional.scaled_dot_product_attention(
-                q[idx], k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+                q[idx], k, v, attn_mask=mask, scale=scale, enable_gqa=True
+            )
         return out

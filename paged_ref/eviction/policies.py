@@ -77,6 +77,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._arith import cdiv
 from .._validate import check_choice, check_int
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
@@ -96,18 +97,27 @@ __all__ = [
     "max_pages_held",
 ]
 
-POLICY_NAMES = ("full", "paged_eviction", "streaming_llm", "token_topk",
-                "inverse_key_norm", "value_norm", "key_norm", "random")
+POLICY_NAMES = (
+    "full",
+    "paged_eviction",
+    "streaming_llm",
+    "token_topk",
+    "inverse_key_norm",
+    "value_norm",
+    "key_norm",
+    "random",
+)
 NO_LIMIT = sys.maxsize  # tokens_until_action of a policy that never acts
 
 
 def max_pages_held(budget: int, page_size: int) -> int:
     """The bound every policy keeps: ``ceil(budget / page_size) + 1`` pages per sequence."""
-    return -(-check_int("budget", budget, min_value=1) // check_int("page_size", page_size, min_value=1)) + 1
+    return cdiv(check_int("budget", budget, min_value=1), check_int("page_size", page_size, min_value=1)) + 1
 
 
-def sequence_scores(cache: PagedKVCache, seq_id: int, method: str, *,
-                    generator: torch.Generator | None = None, layers=None) -> torch.Tensor:
+def sequence_scores(
+    cache: PagedKVCache, seq_id: int, method: str, *, generator: torch.Generator | None = None, layers=None
+) -> torch.Tensor:
     """One score per held token of ``seq_id``: `token_scores` of each layer, averaged over layers.
 
     Args:
@@ -129,8 +139,7 @@ def sequence_scores(cache: PagedKVCache, seq_id: int, method: str, *,
             raise TypeError(f"layers must be None or a list of layer indices, got {layers!r}")
         layers = [check_int("layers[i]", i, min_value=0) for i in layers]
         if not layers or max(layers) >= cache.num_layers:
-            raise ValueError(f"layers must list at least one layer index in [0, {cache.num_layers}), "
-                             f"got {layers}")
+            raise ValueError(f"layers must list at least one layer index in [0, {cache.num_layers}), got {layers}")
     total = torch.zeros(n, dtype=torch.float32, device=cache.device)  # [seq_len]
     for layer in layers:
         k, v = cache.gather(layer, seq_id)  # each [seq_len, num_kv_heads, head_dim]
@@ -278,8 +287,10 @@ class EvictionPolicy:
         else:
             stats = self._stats[seq_id]
         if n < pos.shape[0]:
-            raise ValueError(f"sequence {seq_id} holds {n} tokens, fewer than the {pos.shape[0]} this policy left; "
-                             "it was changed outside the policy")
+            raise ValueError(
+                f"sequence {seq_id} holds {n} tokens, fewer than the {pos.shape[0]} this policy left; "
+                "it was changed outside the policy"
+            )
         new = n - pos.shape[0]
         pos = torch.cat([pos, torch.arange(stats.tokens_seen, stats.tokens_seen + new)])
         stats.tokens_seen += new
@@ -372,7 +383,7 @@ class _PagedDecode(EvictionPolicy):
         protected = torch.zeros(n, dtype=torch.bool)  # [n]
         protected[: self._first * page_size] = True
         if self._last:
-            protected[max(0, n - page_size):] = True
+            protected[max(0, n - page_size) :] = True
         return protected
 
     def _decode_evict(self, cache, seq_id) -> None:
@@ -399,13 +410,26 @@ class PagedEviction(_PagedDecode):
 
     name = "paged_eviction"
 
-    def __init__(self, budget: int, *, method: str = "value_key_ratio", reduce: str = "mean",
-                 protect_first_page: bool = False, protect_last_page: bool = True, seed: int = 0):
+    def __init__(
+        self,
+        budget: int,
+        *,
+        method: str = "value_key_ratio",
+        reduce: str = "mean",
+        protect_first_page: bool = False,
+        protect_last_page: bool = True,
+        seed: int = 0,
+    ):
         for flag, value in (("protect_first_page", protect_first_page), ("protect_last_page", protect_last_page)):
             if not isinstance(value, bool):
                 raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
-        super().__init__(budget, protect_first_pages=int(protect_first_page),
-                         protect_last_page=protect_last_page, method=method, seed=seed)
+        super().__init__(
+            budget,
+            protect_first_pages=int(protect_first_page),
+            protect_last_page=protect_last_page,
+            method=method,
+            seed=seed,
+        )
         self.reduce = check_choice("reduce", reduce, {"mean", "sum"})
 
     def _prefill_evict(self, cache, seq_id) -> None:
@@ -420,8 +444,10 @@ class PagedEviction(_PagedDecode):
         return int(candidates[torch.argmin(scores[candidates])])
 
     def __repr__(self) -> str:
-        return (f"PagedEviction(budget={self.budget}, method={self.method!r}, reduce={self.reduce!r}, "
-                f"protect_first_page={bool(self._first)}, protect_last_page={self._last})")
+        return (
+            f"PagedEviction(budget={self.budget}, method={self.method!r}, reduce={self.reduce!r}, "
+            f"protect_first_page={bool(self._first)}, protect_last_page={self._last})"
+        )
 
 
 class StreamingLLM(_PagedDecode):
@@ -453,7 +479,7 @@ class StreamingLLM(_PagedDecode):
         n = cache.seq_len(seq_id)
         keep = torch.zeros(n, dtype=torch.bool)  # [n]
         keep[: self.sink_tokens] = True
-        keep[n - (self.budget - self.sink_tokens):] = True
+        keep[n - (self.budget - self.sink_tokens) :] = True
         self._compact(cache, seq_id, keep)
 
     def _choose_page(self, cache, seq_id, num_pages: int) -> int:
@@ -481,8 +507,15 @@ class TokenTopK(EvictionPolicy):
 
     name = "token_topk"
 
-    def __init__(self, budget: int, *, method: str = "value_key_ratio", protect_first_page: bool = False,
-                 protect_last_page: bool = True, seed: int = 0):
+    def __init__(
+        self,
+        budget: int,
+        *,
+        method: str = "value_key_ratio",
+        protect_first_page: bool = False,
+        protect_last_page: bool = True,
+        seed: int = 0,
+    ):
         if budget is None:
             raise ValueError("token_topk needs budget=<tokens>, got None")
         super().__init__(budget, method=method, seed=seed)
@@ -492,8 +525,10 @@ class TokenTopK(EvictionPolicy):
         super()._check_cache(cache)
         need = (self._first + int(self._last)) * cache.page_size + 1
         if self.budget < need:
-            raise ValueError(f"budget must be >= {need} with page_size={cache.page_size} and the protected pages, "
-                             f"got budget={self.budget}")
+            raise ValueError(
+                f"budget must be >= {need} with page_size={cache.page_size} and the protected pages, "
+                f"got budget={self.budget}"
+            )
 
     _protected_tokens = PagedEviction._protected_tokens
 
@@ -565,7 +600,9 @@ def resolve_policy(eviction, budget: int | None) -> EvictionPolicy | None:
     """
     if eviction is None:
         if budget is not None:
-            raise ValueError(f"budget={budget!r} was given without eviction=; pass eviction='paged_eviction' (or another policy)")
+            raise ValueError(
+                f"budget={budget!r} was given without eviction=; pass eviction='paged_eviction' (or another policy)"
+            )
         return None
     if isinstance(eviction, EvictionPolicy):
         if budget is not None and budget != eviction.budget:
@@ -573,4 +610,6 @@ def resolve_policy(eviction, budget: int | None) -> EvictionPolicy | None:
         return eviction
     if isinstance(eviction, str):
         return make_policy(eviction, budget)
-    raise TypeError(f"eviction must be None, a policy name {POLICY_NAMES} or an EvictionPolicy, got {type(eviction).__name__}")
+    raise TypeError(
+        f"eviction must be None, a policy name {POLICY_NAMES} or an EvictionPolicy, got {type(eviction).__name__}"
+    )

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from .._arith import cdiv
 from .._validate import check_choice, check_int
 
 __all__ = ["SCORE_METHODS", "EPS", "token_scores", "page_scores"]
@@ -55,8 +56,14 @@ def _check_kv(k, v) -> None:
         raise ValueError(f"k and v must have the same shape, got k {list(k.shape)} and v {list(v.shape)}")
 
 
-def token_scores(k: torch.Tensor, v: torch.Tensor, method: str = "value_key_ratio", *,
-                 generator: torch.Generator | None = None, seed: int | None = None) -> torch.Tensor:
+def token_scores(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    method: str = "value_key_ratio",
+    *,
+    generator: torch.Generator | None = None,
+    seed: int | None = None,
+) -> torch.Tensor:
     """Importance of each cached token; higher = keep.
 
     Args:
@@ -115,12 +122,14 @@ def page_scores(token_scores: torch.Tensor, page_size: int, reduce: str = "mean"
         ``[ceil(num_tokens / page_size)]`` float tensor.
     """
     if not isinstance(token_scores, torch.Tensor) or token_scores.dim() != 1:
-        raise ValueError(f"token_scores must be a 1-D tensor [num_tokens], got "
-                         f"{list(token_scores.shape) if isinstance(token_scores, torch.Tensor) else type(token_scores).__name__}")
+        raise ValueError(
+            f"token_scores must be a 1-D tensor [num_tokens], got "
+            f"{list(token_scores.shape) if isinstance(token_scores, torch.Tensor) else type(token_scores).__name__}"
+        )
     page_size = check_int("page_size", page_size, min_value=1)
     check_choice("reduce", reduce, {"mean", "sum"})
     n = token_scores.shape[0]
-    num_pages = -(-n // page_size)
+    num_pages = cdiv(n, page_size)
     padded = token_scores.new_zeros(num_pages * page_size)
     padded[:n] = token_scores
     sums = padded.view(num_pages, page_size).sum(dim=1)  # [num_pages]

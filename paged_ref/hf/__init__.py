@@ -30,8 +30,16 @@ Example:
     torch.Size([1, 7])
 """
 
-from .attention import (ATTN_IMPLEMENTATION, BACKENDS, auto_backend, paged_attention_forward, register,
-                        resolve_backend)
+from .attention import (
+    ATTN_IMPLEMENTATION,
+    BACKENDS,
+    Backend,
+    auto_backend,
+    get_backend,
+    paged_attention_forward,
+    register,
+    register_backend,
+)
 from .cache import PagedCache, StepPlan
 from .generate import generate, stream
 from .score import log_likelihood, reference_log_likelihood
@@ -48,7 +56,9 @@ __all__ = [
     "paged_attention_forward",
     "reference_log_likelihood",
     "register",
-    "resolve_backend",
+    "get_backend",
+    "Backend",
+    "register_backend",
     "auto_backend",
     "stream",
 ]

@@ -14,7 +14,9 @@ down to the attention function), says where each sequence's K/V live. Because
 against 5.24, the same early exit is in the 5.x sources): causality and sequence lengths are
 the kernels' job.
 
-Backends (decode = one new token per sequence, prefill = several):
+Backends are `Backend` objects (a decode function, a prefill function and a per-forward
+``prepare``) held in `BACKENDS`; `register_backend` adds one. Decode = one new token per
+sequence, prefill = several:
 
 =========== =============================== ===============================
 backend     decode                          prefill
@@ -38,32 +40,87 @@ runs in the interpreter. ``reference`` is the oracle every other backend is test
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["ATTN_IMPLEMENTATION", "AUTO", "BACKENDS", "auto_backend", "resolve_backend", "step_kwargs", "paged_attention_forward", "register"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "AUTO",
+    "Backend",
+    "BACKENDS",
+    "register_backend",
+    "auto_backend",
+    "get_backend",
+    "paged_attention_forward",
+    "register",
+]
 
 ATTN_IMPLEMENTATION = "paged_ref"
-
-# backend -> ((module, decode function), (module, prefill function)); imported lazily so that a
-# missing optional dependency (triton) only matters to the backend that needs it
-BACKENDS: dict[str, tuple[tuple[str, str], tuple[str, str]]] = {
-    "reference": (("paged_ref.attention.reference", "paged_attention_reference"),
-                  ("paged_ref.attention.reference", "paged_prefill_reference")),
-    "flex": (("paged_ref.attention.flex", "flex_paged_decode"), ("paged_ref.attention.flex", "flex_paged_prefill")),
-    "triton": (("paged_ref.attention.triton_decode", "paged_decode"),
-               ("paged_ref.hf.sdpa", "sdpa_paged_prefill")),
-    "sdpa": (("paged_ref.hf.sdpa", "sdpa_paged_decode"), ("paged_ref.hf.sdpa", "sdpa_paged_prefill")),
-    # negative controls (`paged_ref.hf.mistakes`): wrong on purpose, to show what a real bug does
-    "mistake_off_by_one": (("paged_ref.hf.mistakes", "off_by_one_decode"),
-                           ("paged_ref.attention.reference", "paged_prefill_reference")),
-    "mistake_wrong_page": (("paged_ref.hf.mistakes", "wrong_page_decode"),
-                           ("paged_ref.attention.reference", "paged_prefill_reference")),
-}
-
-
 AUTO = "auto"
+
+
+def _no_preparation(plan) -> dict:
+    return {}
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One way of reading K/V from the pages.
+
+    Attributes:
+        name: what ``backend=`` takes.
+        decode, prefill: ``(module, function)`` of the decode (one new token per sequence) and
+            prefill (several) functions, imported on first use, so that a missing optional
+            dependency (triton) only matters to the backend that needs it. Both take
+            ``(q, k_cache, v_cache, block_table, seq_lens[, q_lens], *, scale, **prepared)``.
+        prepare: ``prepare(plan) -> dict``: keywords computed once per forward from its
+            `StepPlan` and passed to every layer's call (masks, slot maps, skipped checks).
+    """
+
+    name: str
+    decode: tuple[str, str]
+    prefill: tuple[str, str]
+    prepare: Callable[..., dict] = field(default=_no_preparation, compare=False)
+
+    def functions(self) -> tuple[Callable, Callable]:
+        """The (decode, prefill) functions.
+
+        Example:
+            >>> decode, prefill = BACKENDS["reference"].functions()
+            >>> decode.__name__, prefill.__name__
+            ('paged_attention_reference', 'paged_prefill_reference')
+        """
+        return tuple(getattr(importlib.import_module(m), f) for m, f in (self.decode, self.prefill))
+
+
+#: Every backend by name; `register_backend` adds one.
+BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend) -> Backend:
+    """Make ``backend`` available as ``backend=backend.name`` (a name may be registered once)."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend must be a paged_ref.hf.attention.Backend, got {type(backend).__name__}")
+    if backend.name in BACKENDS or backend.name == AUTO:
+        raise ValueError(f"backend name {backend.name!r} is taken (registered: {sorted(BACKENDS)})")
+    BACKENDS[backend.name] = backend
+    return backend
+
+
+def get_backend(name: str, device="cpu") -> Backend:
+    """The backend registered as ``name``; ``"auto"`` resolves to `auto_backend` on ``device``.
+
+    Example:
+        >>> get_backend("auto", "cpu").name
+        'sdpa'
+    """
+    if name == AUTO:
+        name = auto_backend(device)
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {[*sorted(BACKENDS), AUTO]}, got {name!r}")
+    return BACKENDS[name]
 
 
 def auto_backend(device) -> str:
@@ -76,53 +133,57 @@ def auto_backend(device) -> str:
     return "triton" if torch.device(device).type == "cuda" else "sdpa"
 
 
-def resolve_backend(backend: str) -> tuple[Callable, Callable]:
-    """The (decode, prefill) attention functions of a backend name.
+# The block table and lengths of a step are the same in all layers, so per-step work happens once
+# per forward in `prepare`, not once per layer. Value checks that copy the block table to the host
+# are skipped per layer (the table comes straight from `PagedKVCache.block_table`); the reference
+# backend, being the oracle, keeps all of its checks.
+def _prepare_flex(plan) -> dict:
+    from ..attention.flex import paged_block_masks
 
-    Example:
-        >>> decode, prefill = resolve_backend("reference")
-        >>> decode.__name__, prefill.__name__
-        ('paged_attention_reference', 'paged_prefill_reference')
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {sorted(BACKENDS)}, got {backend!r}")
-    found = []
-    for module_name, function_name in BACKENDS[backend]:
-        module = importlib.import_module(module_name)
-        found.append(getattr(module, function_name))
-    return found[0], found[1]
+    masks = paged_block_masks(
+        plan.block_table,
+        plan.seq_lens,
+        plan.kv.num_pages,
+        plan.kv.page_size,
+        q_len=plan.max_q_len,
+        q_lens=None if plan.is_decode else plan.q_lens,
+    )
+    # decode keeps its shapes from step to step: compiled flex (block sparse) pays for its compile
+    # on CPU too (`bench scaling --cpu`); prefill shapes change with every prompt: eager on CPU
+    return {"block_mask": masks.physical, "check_values": False, "compiled": True if plan.is_decode else None}
 
 
-def step_kwargs(backend: str, plan) -> dict:
-    """Extra keywords for this step's attention calls, computed once and shared by every layer.
+def _prepare_sdpa(plan) -> dict:
+    from .sdpa import prepare
 
-    The block table and lengths of a step are the same in all layers, so per-step work is done
-    here instead of once per layer: FlexAttention's physical BlockMask and SDPA's slot map are
-    built once (flex decode runs compiled, also on CPU), and the value checks that copy the block table to the host are skipped per layer
-    (for flex, sdpa and triton; the reference backend, being the oracle, keeps all its checks). Skipping is safe
-    because the block table and lengths come straight from `PagedKVCache.block_table`.
-    """
-    if backend == "flex":
-        from paged_ref.attention.flex import paged_block_masks
+    q_lens = None if plan.is_decode else plan.q_lens
+    return {
+        "gather": prepare(plan.block_table, plan.seq_lens, plan.kv.page_size, q_lens, plan.max_q_len),
+        "check_values": False,
+    }
 
-        masks = paged_block_masks(
-            plan.block_table, plan.seq_lens, plan.kv.num_pages, plan.kv.page_size,
-            q_len=plan.max_q_len, q_lens=None if plan.is_decode else plan.q_lens,
-        )
-        # decode keeps its shapes from step to step: compiled flex (block sparse) pays for its
-        # compile on CPU too (`bench scaling --cpu`: 83-108 ms per SmolLM2 step, 345-395 eager);
-        # prefill shapes change with every prompt, so prefill stays eager on CPU
-        return {"block_mask": masks.physical, "validate": False,
-                "compiled": True if plan.is_decode else None}
-    if backend == "sdpa" or (backend == "triton" and not plan.is_decode):
-        from paged_ref.hf.sdpa import prepare
 
-        q_lens = None if plan.is_decode else plan.q_lens
-        gather = prepare(plan.block_table, plan.seq_lens, plan.kv.page_size, q_lens, plan.max_q_len)
-        return {"gather": gather, "validate": False}
-    if backend == "triton" and plan.is_decode:
-        return {"check_values": False}
-    return {}
+def _prepare_triton(plan) -> dict:
+    return {"check_values": False} if plan.is_decode else _prepare_sdpa(plan)  # prefill: SDPA
+
+
+_REFERENCE_PREFILL = ("paged_ref.attention.reference", "paged_prefill_reference")
+_SDPA_PREFILL = ("paged_ref.hf.sdpa", "sdpa_paged_prefill")
+for _backend in (
+    Backend("reference", ("paged_ref.attention.reference", "paged_attention_reference"), _REFERENCE_PREFILL),
+    Backend(
+        "flex",
+        ("paged_ref.attention.flex", "flex_paged_decode"),
+        ("paged_ref.attention.flex", "flex_paged_prefill"),
+        _prepare_flex,
+    ),
+    Backend("triton", ("paged_ref.attention.triton_decode", "paged_decode"), _SDPA_PREFILL, _prepare_triton),
+    Backend("sdpa", ("paged_ref.hf.sdpa", "sdpa_paged_decode"), _SDPA_PREFILL, _prepare_sdpa),
+    # negative controls (`paged_ref.hf.mistakes`): wrong on purpose, to show what a real bug does
+    Backend("mistake_off_by_one", ("paged_ref.hf.mistakes", "off_by_one_decode"), _REFERENCE_PREFILL),
+    Backend("mistake_wrong_page", ("paged_ref.hf.mistakes", "wrong_page_decode"), _REFERENCE_PREFILL),
+):
+    register_backend(_backend)
 
 
 def paged_attention_forward(
@@ -168,11 +229,13 @@ def paged_attention_forward(
     k_cache, v_cache = plan.kv.k_cache[layer], plan.kv.v_cache[layer]  # [num_pages, page_size, Hkv, D]
     if plan.is_decode:
         q = query[:, :, 0, :].contiguous()  # [batch, Hq, D]
-        out = plan.decode(q, k_cache, v_cache, plan.block_table, plan.seq_lens, scale=scaling,
-                          **plan.attn_kwargs)  # [batch, Hq, D]
+        out = plan.decode(
+            q, k_cache, v_cache, plan.block_table, plan.seq_lens, scale=scaling, **plan.attn_kwargs
+        )  # [batch, Hq, D]
         return out.unsqueeze(1), None  # [batch, 1, Hq, D]
-    out = plan.prefill(query, k_cache, v_cache, plan.block_table, plan.seq_lens, plan.q_lens, scale=scaling,
-                       **plan.attn_kwargs)  # [batch, Hq, max_q_len, D]
+    out = plan.prefill(
+        query, k_cache, v_cache, plan.block_table, plan.seq_lens, plan.q_lens, scale=scaling, **plan.attn_kwargs
+    )  # [batch, Hq, max_q_len, D]
     return out.transpose(1, 2), None  # [batch, max_q_len, Hq, D]
 
 

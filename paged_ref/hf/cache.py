@@ -20,8 +20,8 @@ the base class's per-layer storage (``self.layers`` stays empty).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from transformers.cache_utils import Cache
@@ -49,7 +49,7 @@ class StepPlan:
         prefill: attention function for longer rows:
             ``f(q [batch, Hq, max_q_len, D], k_cache, v_cache, block_table, seq_lens, q_lens, *, scale)``.
         max_q_len: width of the rectangle.
-        attn_kwargs: extra keywords for this step's attention calls (see `attention.step_kwargs`).
+        attn_kwargs: extra keywords for this step's attention calls (see `attention.Backend.prepare`).
     """
 
     kv: PagedKVCache
@@ -124,7 +124,7 @@ class PagedCache(Cache):
         else:
             k, v = k[plan.valid], v[plan.valid]  # [num_new, Hkv, D], row-major like slots
         # the slots are the same in every layer: check them once per forward, at layer 0
-        plan.kv.write(layer_idx, plan.slots, k.contiguous(), v.contiguous(), check_slots=layer_idx == 0)
+        plan.kv.write(layer_idx, plan.slots, k.contiguous(), v.contiguous(), check_values=layer_idx == 0)
         return key_states, value_states
 
     # ------------------------------------------------------------------ queries the model makes

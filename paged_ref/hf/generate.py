@@ -25,7 +25,7 @@ Example:
 from __future__ import annotations
 
 import numbers
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -78,8 +78,9 @@ def stream(
         page_size = check_int("page_size", page_size, min_value=1)
         # enough for every sequence at full length: generation never runs out of pages
         num_pages = sum(pages_needed(p.numel() + max_new_tokens, page_size) for p in prompts)
-    session = PagedSession(model, kv=kv_cache, num_pages=num_pages, page_size=page_size, backend=backend,
-                           eviction=eviction, budget=budget)
+    session = PagedSession(
+        model, kv=kv_cache, num_pages=num_pages, page_size=page_size, backend=backend, eviction=eviction, budget=budget
+    )
     return Stream(_greedy_steps(session, prompts, max_new_tokens, eos, pad))
 
 
@@ -90,7 +91,7 @@ class Stream:
         self._steps = steps
         self.closed = False
 
-    def __iter__(self) -> "Stream":
+    def __iter__(self) -> Stream:
         return self
 
     def __next__(self) -> torch.Tensor:
@@ -107,7 +108,7 @@ class Stream:
         self.closed = True
         self._steps.close()
 
-    def __enter__(self) -> "Stream":
+    def __enter__(self) -> Stream:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -192,16 +193,31 @@ def generate(
         TypeError / ValueError: bad arguments (the message names the argument).
         paged_ref.OutOfPagesError: the page pool ran out (every page is freed again).
     """
-    show = progress if progress is not None else check_int("max_new_tokens", max_new_tokens, min_value=1) >= PROGRESS_MIN_TOKENS
+    show = (
+        progress
+        if progress is not None
+        else check_int("max_new_tokens", max_new_tokens, min_value=1) >= PROGRESS_MIN_TOKENS
+    )
     if streamer is not None:
         missing = [m for m in ("put", "end") if not callable(getattr(streamer, m, None))]
         if missing:
-            raise TypeError(f"streamer must have put(tokens) and end() methods (like "
-                            f"transformers.TextStreamer); {type(streamer).__name__} lacks {missing}")
+            raise TypeError(
+                f"streamer must have put(tokens) and end() methods (like "
+                f"transformers.TextStreamer); {type(streamer).__name__} lacks {missing}"
+            )
     steps = stream(
-        model, input_ids, max_new_tokens=max_new_tokens, page_size=page_size, num_pages=num_pages, backend=backend,
-        attention_mask=attention_mask, eviction=eviction, budget=budget, eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id, kv_cache=kv_cache,
+        model,
+        input_ids,
+        max_new_tokens=max_new_tokens,
+        page_size=page_size,
+        num_pages=num_pages,
+        backend=backend,
+        attention_mask=attention_mask,
+        eviction=eviction,
+        budget=budget,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        kv_cache=kv_cache,
     )
     from tqdm.auto import tqdm
 
@@ -232,8 +248,11 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise TypeError(
             "input_ids must be a LongTensor [batch, prompt_len], got "
-            + (f"a tensor of shape {list(input_ids.shape)} and dtype {input_ids.dtype}"
-               if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__)
+            + (
+                f"a tensor of shape {list(input_ids.shape)} and dtype {input_ids.dtype}"
+                if isinstance(input_ids, torch.Tensor)
+                else type(input_ids).__name__
+            )
         )
     batch, length = input_ids.shape
     if batch < 1 or length < 1:
@@ -249,7 +268,11 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
             raise ValueError(
                 f"attention_mask must be a tensor of the shape of input_ids {list(input_ids.shape)}, got "
-                + (str(list(attention_mask.shape)) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__)
+                + (
+                    str(list(attention_mask.shape))
+                    if isinstance(attention_mask, torch.Tensor)
+                    else type(attention_mask).__name__
+                )
             )
         mask = attention_mask.to("cpu")
         if not ((mask == 0) | (mask == 1)).all():
@@ -264,8 +287,10 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad
                 "(tokenizer.padding_side = 'left'), as model.generate expects"
             )
         if int(lengths.min()) < 1:
-            raise ValueError(f"every prompt needs at least one real token; attention_mask row {int(lengths.argmin())} is all 0")
-        prompts = [input_ids[b, length - int(n):].to(device) for b, n in enumerate(lengths)]
+            raise ValueError(
+                f"every prompt needs at least one real token; attention_mask row {int(lengths.argmin())} is all 0"
+            )
+        prompts = [input_ids[b, length - int(n) :].to(device) for b, n in enumerate(lengths)]
     config = getattr(model, "generation_config", None)
     if eos_token_id is None:
         eos_token_id = getattr(config, "eos_token_id", None)
@@ -274,8 +299,7 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad
     if isinstance(eos_token_id, torch.Tensor):
         eos_token_id = eos_token_id.tolist()
     eos_list = [eos_token_id] if _is_int(eos_token_id) else eos_token_id
-    if isinstance(eos_list, (str, bytes)) or not hasattr(eos_list, "__iter__") or \
-            not all(_is_int(e) for e in eos_list):
+    if isinstance(eos_list, (str, bytes)) or not hasattr(eos_list, "__iter__") or not all(_is_int(e) for e in eos_list):
         raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
     eos_list = [int(e) for e in eos_list]
     if any(not 0 <= e < vocab for e in eos_list):
@@ -285,8 +309,7 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad
     if pad_token_id is None:
         pad_token_id = eos_list[0] if eos_list else 0
     if not _is_int(pad_token_id) or not 0 <= int(pad_token_id) < vocab:
-        raise ValueError(f"pad_token_id must be a token id in [0, vocab_size={vocab}) or None, "
-                         f"got {pad_token_id!r}")
+        raise ValueError(f"pad_token_id must be a token id in [0, vocab_size={vocab}) or None, got {pad_token_id!r}")
     eos = torch.tensor(eos_list, dtype=torch.long, device=device)
     return prompts, eos, int(pad_token_id)
 

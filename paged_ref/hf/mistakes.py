@@ -28,16 +28,15 @@ __all__ = ["off_by_one_decode", "wrong_page_decode"]
 def off_by_one_decode(q, k_cache, v_cache, block_table, seq_lens, **kwargs) -> torch.Tensor:
     """Decode that misses each sequence's newest token (lengths one short, as from an
     exclusive/inclusive mix-up); a sequence of one token keeps it. Shapes as the reference's."""
-    return paged_attention_reference(q, k_cache, v_cache, block_table,
-                                     (seq_lens - 1).clamp(min=1), **kwargs)
+    return paged_attention_reference(q, k_cache, v_cache, block_table, (seq_lens - 1).clamp(min=1), **kwargs)
 
 
 def wrong_page_decode(q, k_cache, v_cache, block_table, seq_lens, **kwargs) -> torch.Tensor:
     """Decode that reads each sequence's first two logical pages in swapped order (a block-table
     indexing bug); sequences of one page are unaffected. Shapes as the reference's."""
     page_size = k_cache.shape[1]
-    swapped = block_table.clone()                                         # [batch, max_pages]
-    two = (seq_lens > page_size) & (block_table.shape[1] > 1)             # [batch]
+    swapped = block_table.clone()  # [batch, max_pages]
+    two = (seq_lens > page_size) & (block_table.shape[1] > 1)  # [batch]
     if block_table.shape[1] > 1:
         swapped[two, 0], swapped[two, 1] = block_table[two, 1], block_table[two, 0]
     return paged_attention_reference(q, k_cache, v_cache, swapped, seq_lens, **kwargs)

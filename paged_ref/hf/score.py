@@ -34,8 +34,11 @@ def _check_ids(input_ids) -> torch.Tensor:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise TypeError(
             "input_ids must be a LongTensor [batch, seq_len], got "
-            + (f"shape {list(input_ids.shape)}, dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor)
-               else type(input_ids).__name__)
+            + (
+                f"shape {list(input_ids.shape)}, dtype {input_ids.dtype}"
+                if isinstance(input_ids, torch.Tensor)
+                else type(input_ids).__name__
+            )
         )
     if input_ids.shape[0] < 1 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids needs >= 1 row of >= 2 tokens, got shape {list(input_ids.shape)}")
@@ -77,8 +80,9 @@ def log_likelihood(
     device = next(model.parameters()).device
     ids = input_ids.to(device)
     out = torch.empty(batch, seq_len - 1, dtype=torch.float32, device=device)
-    with PagedSession(model, kv=kv_cache, num_pages=None if kv_cache is not None else num_pages,
-                      page_size=page_size, backend=backend) as session:
+    with PagedSession(
+        model, kv=kv_cache, num_pages=None if kv_cache is not None else num_pages, page_size=page_size, backend=backend
+    ) as session:
         seq_ids = [session.add() for _ in range(batch)]
         starts = [0, *range(prefill_len, seq_len - 1, chunk_size)]
         for start in starts:

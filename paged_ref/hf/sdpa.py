@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .._arith import cdiv
 from ..attention.reference import check_paged_inputs, check_prefill_inputs
 
 __all__ = ["SlotGather", "prepare", "sdpa_paged_decode", "sdpa_paged_prefill"]
@@ -53,8 +54,13 @@ class SlotGather(NamedTuple):
     max_kv: int = 0
 
 
-def prepare(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
-            q_lens: torch.Tensor | None = None, q_len: int = 1) -> SlotGather:
+def prepare(
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    q_lens: torch.Tensor | None = None,
+    q_len: int = 1,
+) -> SlotGather:
     """Slot map and attention mask for one step (decode when ``q_lens`` is None).
 
     Args:
@@ -69,7 +75,7 @@ def prepare(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
     in_seq = t[None, :] < lens[:, None]  # [batch, max_kv]
     if q_lens is None:  # decode reads whole pages (`_attend_decode`): no per-token slot map
         mask = None if bool(in_seq.all()) else in_seq[:, None, None, :]  # [batch, 1, 1, max_kv]
-        n_pages = -(-max_kv // page_size)
+        n_pages = cdiv(max_kv, page_size)
         used = torch.arange(n_pages, device=lens.device)[None, :] < ((lens + page_size - 1) // page_size)[:, None]
         pages = torch.where(used, block_table[:, :n_pages].long(), 0)  # [batch, n_pages]
         start = None
@@ -93,8 +99,9 @@ def _attend(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tens
     flat = (-1, num_kv_heads, head_dim)
     k = k_cache.view(flat)[gather.slots].transpose(1, 2)  # [batch, Hkv, max_kv, D]
     v = v_cache.view(flat)[gather.slots].transpose(1, 2)  # [batch, Hkv, max_kv, D]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=gather.mask, is_causal=gather.causal,
-                                          scale=scale, enable_gqa=q.shape[1] != num_kv_heads)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=gather.mask, is_causal=gather.causal, scale=scale, enable_gqa=q.shape[1] != num_kv_heads
+    )
 
 
 def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tensor:
@@ -111,27 +118,29 @@ def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float) -> tor
     if gather.start is not None:  # in place: SDPA takes the strided [1, Hkv, T, D] view as it is
         k = k_cache.view(-1, num_kv_heads, head_dim)[gather.start : gather.start + max_kv][None]  # [1, T, Hkv, D]
         v = v_cache.view(-1, num_kv_heads, head_dim)[gather.start : gather.start + max_kv][None]
-        out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
-                                             scale=scale, enable_gqa=num_q_heads != num_kv_heads)
-        return out[:, :, 0]                                                           # [1, Hq, D]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale=scale, enable_gqa=num_q_heads != num_kv_heads
+        )
+        return out[:, :, 0]  # [1, Hq, D]
     else:
-        flat = gather.pages.reshape(-1)                                              # [batch * n_pages]
+        flat = gather.pages.reshape(-1)  # [batch * n_pages]
         k = k_cache.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim)[:, :max_kv]  # [B, T, Hkv, D]
         v = v_cache.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim)[:, :max_kv]
-    qg = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)          # [B, Hkv, G, D]
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1))                                   # [B, Hkv, G, T]
+    qg = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1))  # [B, Hkv, G, T]
     if scores.dtype in (torch.float16, torch.bfloat16):
-        scores = scores.float()                                                       # softmax in fp32
+        scores = scores.float()  # softmax in fp32
     scores = scores * scale
     if gather.mask is not None:
-        scores = scores.masked_fill(~gather.mask, float("-inf"))                       # mask [B, 1, 1, T]
+        scores = scores.masked_fill(~gather.mask, float("-inf"))  # mask [B, 1, 1, T]
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v.transpose(1, 2))                                      # [B, Hkv, G, D]
+    out = torch.matmul(probs, v.transpose(1, 2))  # [B, Hkv, G, D]
     return out.reshape(batch, num_q_heads, head_dim)
 
 
-def sdpa_paged_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, gather=None,
-                      validate=True) -> torch.Tensor:
+def sdpa_paged_decode(
+    q, k_cache, v_cache, block_table, seq_lens, *, scale=None, gather=None, check_values=True
+) -> torch.Tensor:
     """Decode attention over the pages (same contract as `paged_attention_reference`).
 
     Args:
@@ -140,19 +149,20 @@ def sdpa_paged_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None,
         block_table: int32 ``[batch, max_pages]``; seq_lens: int32 ``[batch]`` (>= 1).
         scale: default ``head_dim ** -0.5``.
         gather: ``prepare(block_table, seq_lens, page_size)`` built once per step, or None.
-        validate: also check values (copies the block table to the host).
+        check_values: also check values (copies the block table to the host).
 
     Returns:
         ``[batch, num_q_heads, head_dim]``.
     """
-    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=validate)
+    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     if gather is None:
         gather = prepare(block_table, seq_lens, k_cache.shape[1])
     return _attend_decode(q, k_cache, v_cache, gather, scale)
 
 
-def sdpa_paged_prefill(q, k_cache, v_cache, block_table, seq_lens, q_lens, *, scale=None, gather=None,
-                       validate=True) -> torch.Tensor:
+def sdpa_paged_prefill(
+    q, k_cache, v_cache, block_table, seq_lens, q_lens, *, scale=None, gather=None, check_values=True
+) -> torch.Tensor:
     """Causal prefill over the pages (same contract as `paged_prefill_reference`).
 
     Args:
@@ -163,8 +173,9 @@ def sdpa_paged_prefill(q, k_cache, v_cache, block_table, seq_lens, q_lens, *, sc
     Returns:
         ``[batch, num_q_heads, max_q_len, head_dim]``; padding rows are 0.
     """
-    scale = check_prefill_inputs(q, k_cache, v_cache, block_table, seq_lens, q_lens, scale=scale,
-                                 check_values=validate)
+    scale = check_prefill_inputs(
+        q, k_cache, v_cache, block_table, seq_lens, q_lens, scale=scale, check_values=check_values
+    )
     if gather is None:
         gather = prepare(block_table, seq_lens, k_cache.shape[1], q_lens, q.shape[2])
     out = _attend(q, k_cache, v_cache, gather, scale)  # [batch, Hq, max_q_len, D]

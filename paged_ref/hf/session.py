@@ -38,7 +38,7 @@ import torch
 from .._validate import check_choice, check_int
 from ..cache import PagedKVCache
 from ..memory import model_geometry  # noqa: F401  (re-exported: hf.session.model_geometry)
-from .attention import ATTN_IMPLEMENTATION, AUTO, BACKENDS, auto_backend, register, resolve_backend, step_kwargs
+from .attention import ATTN_IMPLEMENTATION, AUTO, BACKENDS, get_backend, register
 from .cache import PagedCache, StepPlan
 
 __all__ = ["PagedSession", "model_geometry"]
@@ -98,15 +98,21 @@ class PagedSession:
         elif not isinstance(kv, PagedKVCache):
             raise TypeError(f"kv must be a paged_ref.PagedKVCache or None, got {type(kv).__name__}")
         else:
-            got = dict(num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
-                       dtype=kv.dtype, device=kv.device)
+            got = dict(
+                num_layers=kv.num_layers,
+                num_kv_heads=kv.num_kv_heads,
+                head_dim=kv.head_dim,
+                dtype=kv.dtype,
+                device=kv.device,
+            )
             if got != geometry:
                 raise ValueError(f"kv does not match the model: the model needs {geometry}, kv has {got}")
         self.model = model
         self.kv = kv
-        self.backend = auto_backend(kv.device) if backend == AUTO else backend
+        self._backend = get_backend(backend, kv.device)
+        self.backend = self._backend.name
         self.eviction, self.budget = eviction, budget
-        self._decode, self._prefill = resolve_backend(self.backend)
+        self._decode, self._prefill = self._backend.functions()
         self._hf_cache = PagedCache(kv)
         self._cache_kw = _cache_keyword(model)
         self._positions: dict[int, int] = {}  # seq_id -> next absolute position
@@ -114,7 +120,7 @@ class PagedSession:
         self.plan_seconds = 0.0  # host time spent laying out forwards (slots, tables, attention inputs)
 
     # ------------------------------------------------------------------ lifetime
-    def open(self) -> "PagedSession":
+    def open(self) -> PagedSession:
         """Register the paged attention and check that the model accepts it (done by ``with``)."""
         if not self._open:
             register()
@@ -132,7 +138,7 @@ class PagedSession:
         for seq_id in list(self._positions):
             self.finish(seq_id)
 
-    def __enter__(self) -> "PagedSession":
+    def __enter__(self) -> PagedSession:
         return self.open()
 
     def __exit__(self, *exc) -> None:
@@ -160,7 +166,9 @@ class PagedSession:
 
     def _check_live(self, seq_id) -> None:
         if seq_id not in self._positions:
-            raise ValueError(f"seq_id {seq_id!r} is not a live sequence of this session (live: {sorted(self._positions)})")
+            raise ValueError(
+                f"seq_id {seq_id!r} is not a live sequence of this session (live: {sorted(self._positions)})"
+            )
 
     @property
     def seq_ids(self) -> list[int]:
@@ -183,7 +191,9 @@ class PagedSession:
         if not self._open:
             raise RuntimeError("PagedSession.extend needs an open session: use `with PagedSession(...) as s:`")
         if len(seq_ids) != len(tokens) or not seq_ids:
-            raise ValueError(f"seq_ids and tokens must be non-empty and of equal length, got {len(seq_ids)} and {len(tokens)}")
+            raise ValueError(
+                f"seq_ids and tokens must be non-empty and of equal length, got {len(seq_ids)} and {len(tokens)}"
+            )
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
         for s in seq_ids:
@@ -246,13 +256,15 @@ class PagedSession:
             except (TypeError, ValueError, RuntimeError):
                 raise TypeError(f"{name} must be a 1-D tensor (or list) of token ids, got {type(t).__name__}") from None
         if t.dtype == torch.bool or t.is_floating_point() or t.is_complex() or t.dim() > 1:
-            raise TypeError(f"{name} must be a 1-D integer tensor of token ids, got shape {list(t.shape)} "
-                            f"and dtype {t.dtype}")
+            raise TypeError(
+                f"{name} must be a 1-D integer tensor of token ids, got shape {list(t.shape)} and dtype {t.dtype}"
+            )
         t = t.reshape(-1).long()
         vocab = self.model.config.vocab_size
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
-            raise ValueError(f"{name} must hold token ids in [0, vocab_size={vocab}), got values in "
-                             f"[{int(t.min())}, {int(t.max())}]")
+            raise ValueError(
+                f"{name} must hold token ids in [0, vocab_size={vocab}), got values in [{int(t.min())}, {int(t.max())}]"
+            )
         return t
 
     def _plan(self, seq_ids, tokens, q_lens_list):
@@ -285,7 +297,7 @@ class PagedSession:
             prefill=self._prefill,
             max_q_len=max_q,
         )
-        plan.attn_kwargs = step_kwargs(self.backend, plan)
+        plan.attn_kwargs = self._backend.prepare(plan)
         return plan, input_ids, position_ids
 
     def _shrink_to(self, seq_ids, old_lens) -> None:

@@ -9,4 +9,6 @@ from __future__ import annotations
 
 def add_note(fig, text: str) -> None:
     """Write a small provenance line (hardware, versions, date, or 'arithmetic') under a figure."""
-    fig.text(0.01, 0.0, text, fontsize=7, color="0.35", ha="left", va="top")  # below the axes; savefig with bbox_inches="tight" keeps it
+    fig.text(
+        0.01, 0.0, text, fontsize=7, color="0.35", ha="left", va="top"
+    )  # below the axes; savefig with bbox_inches="tight" keeps it

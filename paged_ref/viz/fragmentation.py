@@ -16,14 +16,20 @@ from ..memory import reservation_report
 from . import add_note
 
 #: Colors of the memory categories, shared by every fragmentation figure.
-COLORS = {"used": "tab:blue", "future": "#9ecae1", "internal": "tab:orange",
-          "external": "tab:red", "free": "0.88"}
-LABELS = {"used": "used (tokens stored)", "future": "reserved for future tokens",
-          "internal": "internal fragmentation", "external": "external fragmentation",
-          "free": "free"}
-POLICY_NAMES = {"reserve_max": "contiguous, max-length reservation",
-                "exact": "contiguous, exact size (first fit)", "paged": "paged",
-                "paged_pow2": "paged, power-of-two growth"}
+COLORS = {"used": "tab:blue", "future": "#9ecae1", "internal": "tab:orange", "external": "tab:red", "free": "0.88"}
+LABELS = {
+    "used": "used (tokens stored)",
+    "future": "reserved for future tokens",
+    "internal": "internal fragmentation",
+    "external": "external fragmentation",
+    "free": "free",
+}
+POLICY_NAMES = {
+    "reserve_max": "contiguous, max-length reservation",
+    "exact": "contiguous, exact size (first fit)",
+    "paged": "paged",
+    "paged_pow2": "paged, power-of-two growth",
+}
 SIMULATED = "Simulation (paged_ref.fragmentation, seeded); slot counts, no hardware measured."
 
 
@@ -50,9 +56,11 @@ def slot_map_figure(lengths, *, page_size: int, reserved_per_request: int) -> Fi
         ax.set_ylim(0, n)
         ax.set_yticks(np.arange(n) + 0.5, [f"request {i}" for i in reversed(range(n))])
         slots = r.paged_slots if paged else r.reserved_slots
-        ax.set_title((f"paged, {page_size}-token pages" if paged else
-                      f"fixed reservation of {reserved_per_request} slots") +
-                     f": {slots} slots held for {r.used_slots} tokens", fontsize=9)
+        ax.set_title(
+            (f"paged, {page_size}-token pages" if paged else f"fixed reservation of {reserved_per_request} slots")
+            + f": {slots} slots held for {r.used_slots} tokens",
+            fontsize=9,
+        )
     axes[1].set_xlim(0, max(reserved_per_request, max(r.lengths) + page_size) * 1.25)
     axes[1].set_xlabel("token slots")
     add_note(fig, "Slot arithmetic from paged_ref.memory.reservation_report (no hardware measured).")
@@ -66,13 +74,16 @@ def timeline_figure(results: list[SimResult]) -> Figure:
     keys = list(COLORS)
     for ax, res in zip(axes, results):
         steps = np.arange(res.num_steps)
-        ax.stackplot(steps, *[getattr(res, k) / res.budget_slots for k in keys],
-                     colors=[COLORS[k] for k in keys], labels=[LABELS[k] for k in keys])
+        ax.stackplot(
+            steps,
+            *[getattr(res, k) / res.budget_slots for k in keys],
+            colors=[COLORS[k] for k in keys],
+            labels=[LABELS[k] for k in keys],
+        )
         ax.set_ylim(0, 1)
         ax.set_ylabel("share of budget")
         extra = f", {res.page_size}-token pages" if res.policy.startswith("paged") else ""
-        ax.set_title(f"{POLICY_NAMES[res.policy]}{extra}: all requests done at step "
-                     f"{res.num_steps}", fontsize=9)
+        ax.set_title(f"{POLICY_NAMES[res.policy]}{extra}: all requests done at step {res.num_steps}", fontsize=9)
     axes[0].legend(loc="upper right", fontsize=7, ncol=3)
     axes[-1].set_xlabel("step (one token per running request)")
     add_note(fig, SIMULATED)
@@ -83,8 +94,10 @@ def policy_bars_figure(summaries: list[dict]) -> Figure:
     """Mean split of the budget under memory pressure, and how many requests ran at once."""
     fig = Figure(figsize=(8.0, 3.4), layout="constrained")
     ax1, ax2 = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2.2, 1]})
-    names = [POLICY_NAMES[s["policy"]] + (f" ({s['page_size']})" if s["policy"].startswith("paged")
-                                          else "") for s in summaries]
+    names = [
+        POLICY_NAMES[s["policy"]] + (f" ({s['page_size']})" if s["policy"].startswith("paged") else "")
+        for s in summaries
+    ]
     left = np.zeros(len(summaries))
     for key in COLORS:
         vals = np.array([s["utilization" if key == "used" else key] for s in summaries])
@@ -111,21 +124,21 @@ def page_size_sweep_figure(sweep: list[dict]) -> Figure:
     ps = [s["page_size"] for s in sweep]
     fig = Figure(figsize=(8.0, 3.2), layout="constrained")
     ax1, ax2 = fig.subplots(1, 2)
-    ax1.semilogx(ps, [s["internal"] for s in sweep], "o-", base=2, color=COLORS["internal"],
-                 label="internal fragmentation")
-    ax1.semilogx(ps, [s["utilization"] for s in sweep], "s-", base=2, color=COLORS["used"],
-                 label="utilization")
+    ax1.semilogx(
+        ps, [s["internal"] for s in sweep], "o-", base=2, color=COLORS["internal"], label="internal fragmentation"
+    )
+    ax1.semilogx(ps, [s["utilization"] for s in sweep], "s-", base=2, color=COLORS["used"], label="utilization")
     ax1.set_ylim(0, 1)
     ax1.set_xlabel("page size (tokens)")
     ax1.set_ylabel("share of budget (mean under pressure)")
     ax1.legend(fontsize=8)
-    ax2.semilogx(ps, [s["mean_running"] for s in sweep], "o-", base=2, color="tab:green",
-                 label="requests running at once")
+    ax2.semilogx(
+        ps, [s["mean_running"] for s in sweep], "o-", base=2, color="tab:green", label="requests running at once"
+    )
     ax2.set_xlabel("page size (tokens)")
     ax2.set_ylabel("requests running at once")
     ax3 = ax2.twinx()
-    ax3.semilogx(ps, [s["preemptions"] for s in sweep], "x:", base=2, color="0.4",
-                 label="preemptions")
+    ax3.semilogx(ps, [s["preemptions"] for s in sweep], "x:", base=2, color="0.4", label="preemptions")
     ax3.set_ylabel("preemptions (whole run)")
     ax2.legend(handles=ax2.get_lines() + ax3.get_lines(), fontsize=8, loc="center left")
     for ax in (ax1, ax2):
@@ -141,9 +154,12 @@ def budget_sweep_figure(budgets, summaries_by_policy: dict[str, list[dict]]) -> 
     fig = Figure(figsize=(6.4, 3.6), layout="constrained")
     ax = fig.add_subplot()
     for policy, summaries in summaries_by_policy.items():
-        ax.plot(budgets, [s["mean_running"] for s in summaries], "o-",
-                label=POLICY_NAMES[policy] + (f" ({summaries[0]['page_size']})"
-                                              if policy.startswith("paged") else ""))
+        ax.plot(
+            budgets,
+            [s["mean_running"] for s in summaries],
+            "o-",
+            label=POLICY_NAMES[policy] + (f" ({summaries[0]['page_size']})" if policy.startswith("paged") else ""),
+        )
     ax.set_xlabel("memory budget (token slots)")
     ax.set_ylabel("requests running at once\n(mean under pressure)")
     ax.grid(True, alpha=0.3)

@@ -29,8 +29,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 import torch
@@ -42,8 +42,15 @@ from ..provenance import environment
 from . import add_note
 from .pages import PageMap, page_map, page_map_figure, page_map_story, seq_color
 
-__all__ = ["GenerationTrace", "PageTracer", "pages_over_steps_figure", "generation_story_figure",
-           "story_indices", "logprob_figure", "run_note"]
+__all__ = [
+    "GenerationTrace",
+    "PageTracer",
+    "pages_over_steps_figure",
+    "generation_story_figure",
+    "story_indices",
+    "logprob_figure",
+    "run_note",
+]
 
 FINAL = "after generate returned"
 
@@ -153,8 +160,10 @@ class PageTracer:
             new = sorted(set(self.kv.seq_ids) - self._before)  # generate adds rows in order
             batch = int(tokens.numel())
             if len(new) != batch:
-                raise ValueError(f"expected the {batch} sequences of the batch to be new in kv, found {len(new)}; "
-                                 "pass the tracer's kv as generate(kv_cache=...)")
+                raise ValueError(
+                    f"expected the {batch} sequences of the batch to be new in kv, found {len(new)}; "
+                    "pass the tracer's kv as generate(kv_cache=...)"
+                )
             names = self._names or tuple(f"seq {i}" for i in range(batch))
             if len(names) != batch:
                 raise ValueError(f"names has {len(names)} entries but the batch has {batch} rows")
@@ -174,11 +183,16 @@ class PageTracer:
                 self._show(len(self._maps) - 1)
         names = tuple(self._rows.values())
         return GenerationTrace(
-            names=names, seq_ids=tuple(self._rows), steps=tuple(self._steps),
+            names=names,
+            seq_ids=tuple(self._rows),
+            steps=tuple(self._steps),
             pages_held={n: [p[n] for p in self._pages] for n in names},
             tokens_held={n: [t[n] for t in self._tokens] for n in names},
-            free_pages=tuple(self._free), maps=tuple(self._maps),
-            num_pages=self.kv.num_pages, page_size=self.kv.page_size)
+            free_pages=tuple(self._free),
+            maps=tuple(self._maps),
+            num_pages=self.kv.num_pages,
+            page_size=self.kv.page_size,
+        )
 
     def _record(self, step: int | None) -> None:
         live = set(self.kv.seq_ids)
@@ -192,8 +206,11 @@ class PageTracer:
         from IPython.display import display
 
         step, free, total = self._steps[index], self._free[index], self.kv.num_pages
-        title = (f"{FINAL}: {free} of {total} pages free" if step is None
-                 else f"live, step {step}: {total - free} of {total} pages held")
+        title = (
+            f"{FINAL}: {free} of {total} pages free"
+            if step is None
+            else f"live, step {step}: {total - free} of {total} pages held"
+        )
         fig = page_map_figure(self._maps[index], title=title)
         if self._handle is None:
             self._handle = display(fig, display_id=True)
@@ -221,8 +238,14 @@ def pages_over_steps_figure(trace: GenerationTrace, *, note: str | None = None) 
     for k, (name, step) in enumerate(ended):
         i = trace.steps.index(step)
         top.axvline(i, color=colors[trace.names.index(name)], lw=1, ls=":")
-        top.annotate(f"{name} ends: its pages are free", (i, trace.num_pages), xytext=(3, -6 - 11 * k),
-                     textcoords="offset points", fontsize=7, va="top")
+        top.annotate(
+            f"{name} ends: its pages are free",
+            (i, trace.num_pages),
+            xytext=(3, -6 - 11 * k),
+            textcoords="offset points",
+            fontsize=7,
+            va="top",
+        )
     top.set_ylabel("pages held")
     top.set_ylim(0, trace.num_pages * 1.08)
     top.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
@@ -232,15 +255,19 @@ def pages_over_steps_figure(trace: GenerationTrace, *, note: str | None = None) 
     slots = np.sum(stacks, axis=0) * trace.page_size
     bottom.step(x, slots, where="post", color="0.2", label="slots in held pages")
     bottom.step(x, tokens, where="post", color="tab:green", label="tokens stored")
-    bottom.fill_between(x, tokens, slots, step="post", color="tab:red", alpha=0.25,
-                        label="empty slots (< 1 page per live sequence)")
+    bottom.fill_between(
+        x, tokens, slots, step="post", color="tab:red", alpha=0.25, label="empty slots (< 1 page per live sequence)"
+    )
     bottom.set_ylabel("token slots")
     bottom.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
     labels = ["prefill" if s == 0 else ("returned" if s is None else str(s)) for s in trace.steps]
     ticks = sorted(set(np.linspace(0, len(x) - 1, min(len(x), 12)).round().astype(int).tolist()) | {len(x) - 1})
     bottom.set_xticks(ticks, [labels[i] for i in ticks], fontsize=8)
     bottom.set_xlabel("decode step (the cache after each step's forward)")
-    add_note(fig, note or "Recorded from a PagedKVCache after every step of paged_ref.hf.generate (page counts, not timings).")
+    add_note(
+        fig,
+        note or "Recorded from a PagedKVCache after every step of paged_ref.hf.generate (page counts, not timings).",
+    )
     return fig
 
 
@@ -275,8 +302,14 @@ def generation_story_figure(trace: GenerationTrace, indices: Sequence[int] | Non
     return page_map_story([trace.maps[i] for i in indices], [trace.title(i) for i in indices])
 
 
-def logprob_figure(plain: torch.Tensor, paged: Mapping[str, torch.Tensor], *, tolerance: float,
-                   floor: float = 1e-9, note: str | None = None) -> Figure:
+def logprob_figure(
+    plain: torch.Tensor,
+    paged: Mapping[str, torch.Tensor],
+    *,
+    tolerance: float,
+    floor: float = 1e-9,
+    note: str | None = None,
+) -> Figure:
     """Per-token log-probabilities of a text (plain model) and each paged variant's |difference|.
 
     Args:
@@ -305,8 +338,12 @@ def logprob_figure(plain: torch.Tensor, paged: Mapping[str, torch.Tensor], *, to
     top.plot(x, paged[first].numpy(), ls="none", marker=".", ms=3, color="tab:blue", label=f"paged: {first}")
     top.set_ylabel("log p(next token)")
     top.legend(fontsize=8, loc="lower left", frameon=False)
-    top.set_title(f"Per-token log-probabilities of {plain.numel()} tokens of English text, and "
-                  "|paged - plain| of each paged variant (one strip each)", fontsize=10, loc="left")
+    top.set_title(
+        f"Per-token log-probabilities of {plain.numel()} tokens of English text, and "
+        "|paged - plain| of each paged variant (one strip each)",
+        fontsize=10,
+        loc="left",
+    )
     high = max(tolerance * 30, max(float(d.max()) for d in diffs.values()) * 3)
     colors = ("tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:red", "tab:brown")
     for k, (ax, (label, d)) in enumerate(zip(strips, diffs.items())):
@@ -315,8 +352,11 @@ def logprob_figure(plain: torch.Tensor, paged: Mapping[str, torch.Tensor], *, to
         ax.set_yscale("log")
         ax.set_ylim(floor / 3, high)
         ax.set_yticks([floor, 1e-6, tolerance], [f"{floor:g} (= 0)", "1e-06", f"{tolerance:g}"], fontsize=7)
-        ax.set_title(f"{label}: max {d.max():.1e}, mean {d.mean():.1e}, {float((d == 0).mean()):.0%} exactly 0",
-                     fontsize=8, loc="left")
+        ax.set_title(
+            f"{label}: max {d.max():.1e}, mean {d.mean():.1e}, {float((d == 0).mean()):.0%} exactly 0",
+            fontsize=8,
+            loc="left",
+        )
     strips[n // 2].set_ylabel("|paged - plain|  (dashed: tolerance)")
     strips[-1].set_xlabel("token position in the text")
     add_note(fig, note or "float32; exact zeros are drawn at the bottom of each strip.")
@@ -332,8 +372,10 @@ def run_note(what: str) -> str:
     """
     env = environment()
     device = f"GPU {env['gpu']}" if env["gpu"] else f"CPU ({env['platform']})"
-    return (f"{what}; measured on {device}, torch {env['torch']}, transformers {env['transformers']}, "
-            f"{env['date_utc'][:10]}.")
+    return (
+        f"{what}; measured on {device}, torch {env['torch']}, transformers {env['transformers']}, "
+        f"{env['date_utc'][:10]}."
+    )
 
 
 def _as_1d(name: str, values) -> torch.Tensor:

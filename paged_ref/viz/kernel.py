@@ -18,28 +18,49 @@ Example:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 from matplotlib.figure import Figure
 from matplotlib.patches import Polygon, Rectangle
 
+from .._arith import cdiv
 from .._validate import check_int
 from . import add_note
 
-__all__ = ["tile_color", "tile_map_figure", "online_softmax_figure", "split_reduction_figure",
-           "gqa_figure", "kv_bytes_requested", "provenance", "bandwidth_figure"]
+__all__ = [
+    "tile_color",
+    "tile_map_figure",
+    "online_softmax_figure",
+    "split_reduction_figure",
+    "gqa_figure",
+    "kv_bytes_requested",
+    "provenance",
+    "bandwidth_figure",
+]
 
 NOTE = "Drawn from the kernel's indexing rules on CPU (no hardware measured)."
-TILE_PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
-                "tab:pink", "tab:olive", "tab:cyan")
-SPLIT_SHADES = ("#dbe9f6", "#fde5cc", "#d9f0d3", "#f6d5d5", "#e7dcef", "#eadbd6", "#f9dcef",
-                "#eeeecc")
-UNUSED_COLOR = "0.9"      # a physical slot this sequence does not use
-IMPL_COLORS = {"paged_decode": "tab:red", "paged_decode (again)": "#f4a3a3",
-               "paged_decode contiguous": "tab:purple", "flex_paged_decode": "tab:orange",
-               "sdpa contiguous": "tab:blue"}
+TILE_PALETTE = (
+    "tab:blue",
+    "tab:orange",
+    "tab:green",
+    "tab:red",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:olive",
+    "tab:cyan",
+)
+SPLIT_SHADES = ("#dbe9f6", "#fde5cc", "#d9f0d3", "#f6d5d5", "#e7dcef", "#eadbd6", "#f9dcef", "#eeeecc")
+UNUSED_COLOR = "0.9"  # a physical slot this sequence does not use
+IMPL_COLORS = {
+    "paged_decode": "tab:red",
+    "paged_decode (again)": "#f4a3a3",
+    "paged_decode contiguous": "tab:purple",
+    "flex_paged_decode": "tab:orange",
+    "sdpa contiguous": "tab:blue",
+}
 
 
 def tile_color(tile: int) -> str:
@@ -48,8 +69,16 @@ def tile_color(tile: int) -> str:
 
 
 # --------------------------------------------------------------------------- tiles and pages
-def tile_map_figure(block_table_row, seq_len: int, page_size: int, block_n: int, *,
-                    num_splits: int = 1, num_pages: int | None = None, title: str = "") -> Figure:
+def tile_map_figure(
+    block_table_row,
+    seq_len: int,
+    page_size: int,
+    block_n: int,
+    *,
+    num_splits: int = 1,
+    num_pages: int | None = None,
+    title: str = "",
+) -> Figure:
     """One sequence as the kernel walks it, from logical tokens down to physical slots.
 
     Rows, top to bottom: the split-K chunks (one program each); the tiles of ``block_n``
@@ -72,17 +101,18 @@ def tile_map_figure(block_table_row, seq_len: int, page_size: int, block_n: int,
     seq_len = check_int("seq_len", seq_len, min_value=1)
     page_size = check_int("page_size", page_size, min_value=1)
     block_n = check_int("block_n", block_n, min_value=1)
-    table = [int(p) for p in (block_table_row.tolist() if isinstance(block_table_row, torch.Tensor)
-                              else block_table_row)]
-    used = -(-seq_len // page_size)
+    table = [
+        int(p) for p in (block_table_row.tolist() if isinstance(block_table_row, torch.Tensor) else block_table_row)
+    ]
+    used = cdiv(seq_len, page_size)
     if len(table) < used:
-        raise ValueError(f"block_table_row must list at least ceil(seq_len / page_size) = {used} "
-                         f"pages, got {len(table)}")
+        raise ValueError(
+            f"block_table_row must list at least ceil(seq_len / page_size) = {used} pages, got {len(table)}"
+        )
     table = table[:used]
     if min(table) < 0 or len(set(table)) != used:
         raise ValueError(f"block_table_row's used entries must be distinct page ids >= 0, got {table}")
-    num_pages = max(table) + 1 if num_pages is None else check_int("num_pages", num_pages,
-                                                                    min_value=max(table) + 1)
+    num_pages = max(table) + 1 if num_pages is None else check_int("num_pages", num_pages, min_value=max(table) + 1)
     ranges = split_ranges(seq_len, num_splits, block_n=block_n)
 
     logical_width = used * page_size
@@ -93,59 +123,86 @@ def tile_map_figure(block_table_row, seq_len: int, page_size: int, block_n: int,
     y_split, y_tile, y_logical, y_phys, h = 5.0, 3.9, 2.8, 0.0, 0.8
     text = dict(ha="center", va="center", fontsize=7, clip_on=True)
 
-    for s, (a, b) in enumerate(ranges):                          # split-K chunks
+    for s, (a, b) in enumerate(ranges):  # split-K chunks
         if b > a:
-            ax.add_patch(Rectangle((a, y_split), b - a, h, fc=SPLIT_SHADES[s % len(SPLIT_SHADES)],
-                                   ec="k", lw=0.8))
+            ax.add_patch(Rectangle((a, y_split), b - a, h, fc=SPLIT_SHADES[s % len(SPLIT_SHADES)], ec="k", lw=0.8))
             ax.text((a + b) / 2, y_split + h / 2, f"split {s}" if b - a >= 6 else str(s), **text)
     empty = sum(1 for a, b in ranges if a == b)
-    if empty:                                                    # trailing splits with no tokens
-        ax.text(seq_len + 0.005 * width, y_split + h / 2, f" + {empty} empty split"
-                f"{'s' if empty > 1 else ''} (neutral partials)", ha="left", va="center", fontsize=7)
-    n_tiles = -(-seq_len // block_n)
-    for t in range(n_tiles):                                     # tiles
+    if empty:  # trailing splits with no tokens
+        ax.text(
+            seq_len + 0.005 * width,
+            y_split + h / 2,
+            f" + {empty} empty split{'s' if empty > 1 else ''} (neutral partials)",
+            ha="left",
+            va="center",
+            fontsize=7,
+        )
+    n_tiles = cdiv(seq_len, block_n)
+    for t in range(n_tiles):  # tiles
         a, b = t * block_n, min((t + 1) * block_n, seq_len)
         ax.add_patch(Rectangle((a, y_tile), b - a, h, fc=tile_color(t), ec="k", lw=0.6, alpha=0.85))
         if b - a >= 4:
             ax.text((a + b) / 2, y_tile + h / 2, f"T{t}", color="white", **text)
-    for i, p in enumerate(table):                                # logical pages, block table
+    for i, p in enumerate(table):  # logical pages, block table
         a = i * page_size
         filled = min(page_size, seq_len - a)
         ax.add_patch(Rectangle((a, y_logical), filled, h, fc="0.97", ec="k", lw=0.6))
-        if filled < page_size:                                   # the unwritten tail
-            ax.add_patch(Rectangle((a + filled, y_logical), page_size - filled, h, fc="white",
-                                   ec="0.6", lw=0.4, hatch="///"))
+        if filled < page_size:  # the unwritten tail
+            ax.add_patch(
+                Rectangle((a + filled, y_logical), page_size - filled, h, fc="white", ec="0.6", lw=0.4, hatch="///")
+            )
         if page_size >= 3:
-            ax.text(a + page_size / 2, y_logical + h / 2, f"{i}→{p}",
-                    bbox=dict(fc="white", ec="none", pad=0.5), **text)
+            ax.text(a + page_size / 2, y_logical + h / 2, f"{i}→{p}", bbox=dict(fc="white", ec="none", pad=0.5), **text)
         # the block-table arrow: logical page i lands on physical page p
-        ax.add_patch(Polygon([(a, y_logical), (a + page_size, y_logical),
-                              ((p + 1) * page_size, y_phys + h), (p * page_size, y_phys + h)],
-                             closed=True, fc="0.5", ec="none", alpha=0.12))
+        ax.add_patch(
+            Polygon(
+                [
+                    (a, y_logical),
+                    (a + page_size, y_logical),
+                    ((p + 1) * page_size, y_phys + h),
+                    (p * page_size, y_phys + h),
+                ],
+                closed=True,
+                fc="0.5",
+                ec="none",
+                alpha=0.12,
+            )
+        )
     owner = {p: i for i, p in enumerate(table)}
-    for p in range(num_pages):                                   # physical cache
+    for p in range(num_pages):  # physical cache
         for o in range(page_size):
             token = owner[p] * page_size + o if p in owner else None
-            color = (tile_color(token // block_n) if token is not None and token < seq_len
-                     else UNUSED_COLOR)
-            ax.add_patch(Rectangle((p * page_size + o, y_phys), 1, h, fc=color, ec="none",
-                                   alpha=0.85, gid=f"slot {p * page_size + o}"))
+            color = tile_color(token // block_n) if token is not None and token < seq_len else UNUSED_COLOR
+            ax.add_patch(
+                Rectangle(
+                    (p * page_size + o, y_phys), 1, h, fc=color, ec="none", alpha=0.85, gid=f"slot {p * page_size + o}"
+                )
+            )
         ax.add_patch(Rectangle((p * page_size, y_phys), page_size, h, fc="none", ec="k", lw=0.7))
         if page_size >= 3:
             ax.text((p + 0.5) * page_size, y_phys - 0.3, f"P{p}", **text)
-    for label, y in (("splits (programs)", y_split), ("tiles of BLOCK_N", y_tile),
-                     ("logical pages i→block_table[i]", y_logical), ("physical cache", y_phys)):
+    for label, y in (
+        ("splits (programs)", y_split),
+        ("tiles of BLOCK_N", y_tile),
+        ("logical pages i→block_table[i]", y_logical),
+        ("physical cache", y_phys),
+    ):
         ax.text(-0.01 * width, y + h / 2, label, ha="right", va="center", fontsize=8)
     ax.set_xlim(0, width)
     ax.set_ylim(-0.7, y_split + h + 0.2)
     ax.set_yticks([])
-    ax.set_xlabel("token position (logical, top rows) / physical slot = page * page_size + offset"
-                  " (bottom row)", fontsize=8)
+    ax.set_xlabel(
+        "token position (logical, top rows) / physical slot = page * page_size + offset (bottom row)", fontsize=8
+    )
     for side in ("top", "right", "left"):
         ax.spines[side].set_visible(False)
-    ax.set_title(title or f"seq_len {seq_len}, page size {page_size}, BLOCK_N {block_n}, "
-                 f"{num_splits} split{'s' if num_splits > 1 else ''}: {n_tiles} tiles over "
-                 f"{used} pages", fontsize=10)
+    ax.set_title(
+        title
+        or f"seq_len {seq_len}, page size {page_size}, BLOCK_N {block_n}, "
+        f"{num_splits} split{'s' if num_splits > 1 else ''}: {n_tiles} tiles over "
+        f"{used} pages",
+        fontsize=10,
+    )
     add_note(fig, NOTE)
     return fig
 
@@ -170,10 +227,22 @@ def online_softmax_figure(scores, steps, *, row: int = 0) -> Figure:
     ax_s, ax_l = fig.subplots(1, 2)
     for t, st in enumerate(steps):
         ax_s.axvspan(st.start - 0.5, st.end - 0.5, color=tile_color(t), alpha=0.15, lw=0)
-        ax_s.hlines(float(st.m[row]), st.start - 0.5, st.end - 0.5, color="k", lw=2,
-                    label="running max m after the tile" if t == 0 else None)
-        ax_s.text((st.start + st.end - 1) / 2, float(st.m[row]), f" α={float(st.alpha[row]):.3g}",
-                  ha="center", va="bottom", fontsize=8)
+        ax_s.hlines(
+            float(st.m[row]),
+            st.start - 0.5,
+            st.end - 0.5,
+            color="k",
+            lw=2,
+            label="running max m after the tile" if t == 0 else None,
+        )
+        ax_s.text(
+            (st.start + st.end - 1) / 2,
+            float(st.m[row]),
+            f" α={float(st.alpha[row]):.3g}",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax_s.plot(np.arange(len(s)), s, "o", color="0.2", ms=4, label="score s (base 2)")
     ax_s.set_xlabel("token")
     ax_s.set_ylabel("score, base 2")
@@ -185,16 +254,14 @@ def online_softmax_figure(scores, steps, *, row: int = 0) -> Figure:
         carried = l_prev * float(st.alpha[row])
         added = float(st.l[row]) - carried
         ax_l.bar(t, carried, color="0.6", label="old l × α" if t == 0 else None)
-        ax_l.bar(t, added, bottom=carried, color=tile_color(t),
-                 label="this tile's Σ 2^(s-m)" if t == 0 else None)
+        ax_l.bar(t, added, bottom=carried, color=tile_color(t), label="this tile's Σ 2^(s-m)" if t == 0 else None)
         if l_prev > 0:
-            ax_l.plot([t - 0.4, t + 0.4], [l_prev, l_prev], "k:", lw=1,
-                      label="old l before rescaling" if t == 1 else None)
-        ax_l.text(t, float(st.l[row]), f"{float(st.l[row]):.3g}", ha="center", va="bottom",
-                  fontsize=8)
+            ax_l.plot(
+                [t - 0.4, t + 0.4], [l_prev, l_prev], "k:", lw=1, label="old l before rescaling" if t == 1 else None
+            )
+        ax_l.text(t, float(st.l[row]), f"{float(st.l[row]):.3g}", ha="center", va="bottom", fontsize=8)
         l_prev = float(st.l[row])
-    ax_l.set_xticks(range(len(steps)), [f"T{t}\n{st.start}-{st.end - 1}"
-                                        for t, st in enumerate(steps)])
+    ax_l.set_xticks(range(len(steps)), [f"T{t}\n{st.start}-{st.end - 1}" for t, st in enumerate(steps)])
     ax_l.set_ylabel("running sum l")
     ax_l.set_title("l = l_old · 2^(m_old - m) + Σ 2^(s - m)", fontsize=9)
     ax_l.legend(fontsize=7)
@@ -216,11 +283,10 @@ def split_reduction_figure(scores, ranges: Sequence[tuple[int, int]], m, l) -> F
     m = torch.as_tensor(m).double()
     l = torch.as_tensor(l).double()
     if not (len(ranges) == m.numel() == l.numel()):
-        raise ValueError(f"ranges, m and l must have one entry per split, got {len(ranges)}, "
-                         f"{m.numel()}, {l.numel()}")
+        raise ValueError(f"ranges, m and l must have one entry per split, got {len(ranges)}, {m.numel()}, {l.numel()}")
     m_global = float(m.max())
-    w = torch.exp2(m - m_global)                                   # [S]
-    share = (w * l) / (w * l).sum()                                # [S]
+    w = torch.exp2(m - m_global)  # [S]
+    share = (w * l) / (w * l).sum()  # [S]
     fig = Figure(figsize=(10.5, 3.4), layout="constrained")
     ax_s, ax_w = fig.subplots(1, 2, gridspec_kw=dict(width_ratios=(3, 2)))
     for i, (a, b) in enumerate(ranges):
@@ -228,8 +294,7 @@ def split_reduction_figure(scores, ranges: Sequence[tuple[int, int]], m, l) -> F
             continue
         shade = SPLIT_SHADES[i % len(SPLIT_SHADES)]
         ax_s.axvspan(a - 0.5, b - 0.5, color=shade, lw=0)
-        ax_s.hlines(float(m[i]), a - 0.5, b - 0.5, color="k", lw=2,
-                    label="split's own max m_s" if i == 0 else None)
+        ax_s.hlines(float(m[i]), a - 0.5, b - 0.5, color="k", lw=2, label="split's own max m_s" if i == 0 else None)
     ax_s.plot(np.arange(len(s)), s.numpy(), ".", color="0.25", ms=4, label="score (base 2)")
     ax_s.axhline(m_global, color="tab:red", ls="--", lw=1, label="global max M")
     ax_s.set_xlabel("token")
@@ -250,8 +315,9 @@ def split_reduction_figure(scores, ranges: Sequence[tuple[int, int]], m, l) -> F
 
 
 # --------------------------------------------------------------------------- GQA
-def kv_bytes_requested(num_q_heads: int, num_kv_heads: int, seq_len: int, head_dim: int,
-                       bytes_per_elem: int = 2) -> dict[str, int]:
+def kv_bytes_requested(
+    num_q_heads: int, num_kv_heads: int, seq_len: int, head_dim: int, bytes_per_elem: int = 2
+) -> dict[str, int]:
     """K/V bytes the programs of one decode step request for one sequence (arithmetic).
 
     ``per_query_head``: one program per query head, each loading its KV head's K and V (a KV
@@ -262,18 +328,21 @@ def kv_bytes_requested(num_q_heads: int, num_kv_heads: int, seq_len: int, head_d
         >>> kv_bytes_requested(32, 8, 1024, 128)
         {'per_query_head': 16777216, 'per_kv_head': 4194304}
     """
-    for name, v in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads),
-                    ("seq_len", seq_len), ("head_dim", head_dim), ("bytes_per_elem", bytes_per_elem)):
+    for name, v in (
+        ("num_q_heads", num_q_heads),
+        ("num_kv_heads", num_kv_heads),
+        ("seq_len", seq_len),
+        ("head_dim", head_dim),
+        ("bytes_per_elem", bytes_per_elem),
+    ):
         check_int(name, v, min_value=1)
     if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads "
-                         f"({num_kv_heads})")
-    one_head = 2 * seq_len * head_dim * bytes_per_elem                 # K and V of one KV head
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    one_head = 2 * seq_len * head_dim * bytes_per_elem  # K and V of one KV head
     return {"per_query_head": num_q_heads * one_head, "per_kv_head": num_kv_heads * one_head}
 
 
-def gqa_figure(num_q_heads: int, num_kv_heads: int, seq_len: int, head_dim: int, *,
-               bytes_per_elem: int = 2) -> Figure:
+def gqa_figure(num_q_heads: int, num_kv_heads: int, seq_len: int, head_dim: int, *, bytes_per_elem: int = 2) -> Figure:
     """Query heads grouped onto their KV head (one program each), and the bytes it saves."""
     nbytes = kv_bytes_requested(num_q_heads, num_kv_heads, seq_len, head_dim, bytes_per_elem)
     group = num_q_heads // num_kv_heads
@@ -282,21 +351,17 @@ def gqa_figure(num_q_heads: int, num_kv_heads: int, seq_len: int, head_dim: int,
     for h in range(num_kv_heads):
         c = tile_color(h)
         x0 = h * group
-        ax.add_patch(Rectangle((x0 - 0.45, 1.55), group - 0.1, 1.0, fc="none", ec=c, lw=1.5,
-                               ls="--"))
+        ax.add_patch(Rectangle((x0 - 0.45, 1.55), group - 0.1, 1.0, fc="none", ec=c, lw=1.5, ls="--"))
         # one short label per program; the first one spells out what a program is
         label = f"program (b, kv_head={h}):\na [{group}, D] tile" if h == 0 else f"kv_head={h}"
-        ax.text(x0 + group / 2 - 0.5, 2.62, label, ha="center", va="bottom",
-                fontsize=6 if h else 7, color=c)
+        ax.text(x0 + group / 2 - 0.5, 2.62, label, ha="center", va="bottom", fontsize=6 if h else 7, color=c)
         for g in range(group):
             q = x0 + g
             ax.add_patch(Rectangle((q - 0.35, 1.7), 0.7, 0.6, fc=c, alpha=0.7))
-            ax.text(q, 2.0, str(q), ha="center", va="center", fontsize=5 if q >= 10 else 6,
-                    color="white")
+            ax.text(q, 2.0, str(q), ha="center", va="center", fontsize=5 if q >= 10 else 6, color="white")
             ax.plot([q, x0 + group / 2 - 0.5], [1.7, 0.6], color=c, lw=0.8, alpha=0.6)
         ax.add_patch(Rectangle((x0 + group / 2 - 0.5 - 0.6, 0.0), 1.2, 0.6, fc=c))
-        ax.text(x0 + group / 2 - 0.5, 0.3, f"KV {h}", ha="center", va="center", fontsize=6,
-                color="white")
+        ax.text(x0 + group / 2 - 0.5, 0.3, f"KV {h}", ha="center", va="center", fontsize=6, color="white")
     ax.text(-0.9, 2.0, "query\nheads", ha="right", va="center", fontsize=7)
     ax.set_xlim(-2.2, num_q_heads)
     ax.set_ylim(-0.2, 3.4)
@@ -308,8 +373,7 @@ def gqa_figure(num_q_heads: int, num_kv_heads: int, seq_len: int, head_dim: int,
     for i, v in enumerate(vals):
         ax_b.text(i, v, f"{v:,.1f} MiB", ha="center", va="bottom", fontsize=8)
     ax_b.set_ylabel("K/V bytes requested, MiB")
-    ax_b.set_title(f"one sequence of {seq_len:,} tokens, head_dim {head_dim}, "
-                   f"{bytes_per_elem} B/elem", fontsize=8)
+    ax_b.set_title(f"one sequence of {seq_len:,} tokens, head_dim {head_dim}, {bytes_per_elem} B/elem", fontsize=8)
     ax_b.tick_params(axis="x", labelsize=7)
     add_note(fig, "Arithmetic (no hardware measured).")
     return fig
@@ -320,9 +384,11 @@ def provenance(data: dict) -> str:
     """One line: where, with what and when a decode benchmark result was measured."""
     env = data.get("environment") or {}
     where = f"GPU {env['gpu']}" if env.get("gpu") else f"CPU {env.get('cpu') or 'unknown'}"
-    return (f"Measured on {where}, torch {env.get('torch')}, triton {env.get('triton')}, "
-            f"CUDA {env.get('cuda')}, {str(env.get('date_utc', '?'))[:10]} (UTC); "
-            f"{data.get('command') or 'python -m paged_ref.bench decode'}.")
+    return (
+        f"Measured on {where}, torch {env.get('torch')}, triton {env.get('triton')}, "
+        f"CUDA {env.get('cuda')}, {str(env.get('date_utc', '?'))[:10]} (UTC); "
+        f"{data.get('command') or 'python -m paged_ref.bench decode'}."
+    )
 
 
 def bandwidth_figure(data: dict, *, impls: Sequence[str] | None = None) -> Figure:
@@ -340,12 +406,19 @@ def bandwidth_figure(data: dict, *, impls: Sequence[str] | None = None) -> Figur
     if not rows:
         raise ValueError("data['results'] holds no bandwidth measurement")
     present = list(dict.fromkeys(r["impl"] for r in rows))
-    impls = [i for i in IMPL_COLORS if i in present] + [i for i in present if i not in IMPL_COLORS] \
-        if impls is None else list(impls)
+    impls = (
+        [i for i in IMPL_COLORS if i in present] + [i for i in present if i not in IMPL_COLORS]
+        if impls is None
+        else list(impls)
+    )
     shapes = sorted({(r["batch"], r["seq_len"]) for r in rows})
     pages = sorted({r["page_size"] for r in rows if r["page_size"] is not None})
-    cases = [(b, n, p) for b, n in shapes for p in pages
-             if any((r["batch"], r["seq_len"], r["page_size"]) == (b, n, p) for r in rows)]
+    cases = [
+        (b, n, p)
+        for b, n in shapes
+        for p in pages
+        if any((r["batch"], r["seq_len"], r["page_size"]) == (b, n, p) for r in rows)
+    ]
     by = {(r["batch"], r["seq_len"], r["page_size"], r["impl"]): r for r in rows}
     fig = Figure(figsize=(max(7.0, 0.9 * len(cases) + 3), 3.8), layout="constrained")
     ax = fig.add_subplot()
@@ -354,10 +427,9 @@ def bandwidth_figure(data: dict, *, impls: Sequence[str] | None = None) -> Figur
     for j, impl in enumerate(impls):
         vals = []
         for b, n, p in cases:
-            r = by.get((b, n, p, impl)) or by.get((b, n, None, impl))     # SDPA has no page
+            r = by.get((b, n, p, impl)) or by.get((b, n, None, impl))  # SDPA has no page
             vals.append(r["bandwidth_GBps"] if r else np.nan)
-        ax.bar(x + (j - (len(impls) - 1) / 2) * width, vals, width, label=impl,
-               color=IMPL_COLORS.get(impl))
+        ax.bar(x + (j - (len(impls) - 1) / 2) * width, vals, width, label=impl, color=IMPL_COLORS.get(impl))
     copy = data["copy"]["bandwidth_GBps"]
     ax.axhline(copy, color="k", ls="--", lw=1, label=f"device copy {copy:,.0f} GB/s")
     ax.axhline(0.85 * copy, color="k", ls=":", lw=1, label="85% of copy")
@@ -372,7 +444,6 @@ def bandwidth_figure(data: dict, *, impls: Sequence[str] | None = None) -> Figur
     return fig
 
 
-
 # --- what the compiler made of the kernel (figures/data/kernels.json) -------------------------
 def compile_rows(data: dict, *, head_dim: int = 128, group: int = 4) -> list[list]:
     """Table rows of the compile report for one head_dim and GQA group: per target, dtype,
@@ -382,22 +453,42 @@ def compile_rows(data: dict, *, head_dim: int = 128, group: int = 4) -> list[lis
         if e["head_dim"] != head_dim or e["group"] != group or not e["hints"]:
             continue
         if "error" in e:
-            rows.append([f"sm_{e['arch']}", e["dtype"], e["page_size"], e["split"], "ERROR",
-                         "", "", "", "", "", ""])
+            rows.append([f"sm_{e['arch']}", e["dtype"], e["page_size"], e["split"], "ERROR", "", "", "", "", "", ""])
             continue
         path = "one page" if e["page_size"] >= e["tile"]["BLOCK_N"] else "gather"
-        rows.append([f"sm_{e['arch']}", e["dtype"], e["page_size"], "yes" if e["split"] else "no",
-                     path, e["registers"], e["spill_stores"], f"{e['shared_bytes'] / 1024:.1f} KB",
-                     e["async_copies"], "x".join(map(str, e["kv_buffers"])) or "-",
-                     e["programs_per_sm"],
-                     f"{e['kv_bytes_in_flight_per_sm'] / 1024:.0f} / "
-                     f"{e['littles_law_bytes_per_sm'] / 1024:.0f} KB"])
+        rows.append(
+            [
+                f"sm_{e['arch']}",
+                e["dtype"],
+                e["page_size"],
+                "yes" if e["split"] else "no",
+                path,
+                e["registers"],
+                e["spill_stores"],
+                f"{e['shared_bytes'] / 1024:.1f} KB",
+                e["async_copies"],
+                "x".join(map(str, e["kv_buffers"])) or "-",
+                e["programs_per_sm"],
+                f"{e['kv_bytes_in_flight_per_sm'] / 1024:.0f} / {e['littles_law_bytes_per_sm'] / 1024:.0f} KB",
+            ]
+        )
     return rows
 
 
-COMPILE_HEADERS = ["target", "dtype", "page", "split", "tile from", "registers", "spill stores",
-                   "shared", "async copies", "K/V buffers", "programs/SM",
-                   "in flight / Little (per SM)"]
+COMPILE_HEADERS = [
+    "target",
+    "dtype",
+    "page",
+    "split",
+    "tile from",
+    "registers",
+    "spill stores",
+    "shared",
+    "async copies",
+    "K/V buffers",
+    "programs/SM",
+    "in flight / Little (per SM)",
+]
 
 
 def compile_report_figure(data: dict) -> Figure:
@@ -415,16 +506,25 @@ def compile_report_figure(data: dict) -> Figure:
         spill = np.array([e["spill_stores"] + e["spill_loads"] > 0 for e in mine], dtype=bool)
         regs = np.array([e["registers"] for e in mine])
         fly = np.array([e["kv_bytes_in_flight_per_sm"] / 1024 for e in mine])
-        ax_reg.scatter(i + jitter[~spill], regs[~spill], s=8, color="tab:blue", alpha=0.6,
-                       label="no spill" if i == 0 else None)
-        ax_reg.scatter(i + jitter[spill], regs[spill], s=14, color="red", marker="x",
-                       label="spills" if i == 0 else None)
+        ax_reg.scatter(
+            i + jitter[~spill], regs[~spill], s=8, color="tab:blue", alpha=0.6, label="no spill" if i == 0 else None
+        )
+        ax_reg.scatter(
+            i + jitter[spill], regs[spill], s=14, color="red", marker="x", label="spills" if i == 0 else None
+        )
         ax_fly.scatter(i + jitter, fly, s=8, color="tab:green", alpha=0.6)
         law = mine[0]["littles_law_bytes_per_sm"] / 1024
-        ax_fly.plot([i - 0.4, i + 0.4], [law, law], color="k", lw=1.5,
-                    label="Little's law (datasheet bandwidth x 1 us / SMs)" if i == 0 else None)
-    labels = [data["assumptions"]["targets"][str(a)]["name"] if str(a) in
-              data["assumptions"]["targets"] else f"sm_{a}" for a in archs]
+        ax_fly.plot(
+            [i - 0.4, i + 0.4],
+            [law, law],
+            color="k",
+            lw=1.5,
+            label="Little's law (datasheet bandwidth x 1 us / SMs)" if i == 0 else None,
+        )
+    labels = [
+        data["assumptions"]["targets"][str(a)]["name"] if str(a) in data["assumptions"]["targets"] else f"sm_{a}"
+        for a in archs
+    ]
     for ax in (ax_reg, ax_fly):
         ax.set_xticks(range(len(archs)), labels, fontsize=8)
         ax.grid(True, axis="y", alpha=0.3)
@@ -435,7 +535,10 @@ def compile_report_figure(data: dict) -> Figure:
     ax_fly.set_yscale("log")
     ax_fly.set_title("16-bit: K/V bytes in flight per SM vs what memory needs", fontsize=9)
     ax_fly.legend(fontsize=7)
-    add_note(fig, f"Compiled without a GPU by `{data.get('command')}`, triton {data.get('triton')}, "
-                  f"{data['environment']['date_utc'][:10]}; read with cuobjdump "
-                  "(no hardware measured).")
+    add_note(
+        fig,
+        f"Compiled without a GPU by `{data.get('command')}`, triton {data.get('triton')}, "
+        f"{data['environment']['date_utc'][:10]}; read with cuobjdump "
+        "(no hardware measured).",
+    )
     return fig

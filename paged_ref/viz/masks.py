@@ -34,8 +34,8 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -44,18 +44,25 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Polygon, Rectangle
 from torch.nn.attention.flex_attention import BlockMask
 
+from .._arith import cdiv
 from . import add_note
 from .pages import seq_color
 
 NOTE = "Drawn from BlockMasks built on CPU (no hardware measured)."
-LISTED_COLOR = "0.86"     # inside a visited block but masked out by the mask_mod
-LEAK_COLOR = "red"        # added into the softmax although it is not the sequence's token
-MISS_COLOR = "black"      # one of the sequence's tokens that is never added
-FREE_COLOR = "0.8"        # a page no sequence of the batch owns
+LISTED_COLOR = "0.86"  # inside a visited block but masked out by the mask_mod
+LEAK_COLOR = "red"  # added into the softmax although it is not the sequence's token
+MISS_COLOR = "black"  # one of the sequence's tokens that is never added
+FREE_COLOR = "0.8"  # a page no sequence of the batch owns
 
 #: What :func:`trace_position` can conclude about a physical position.
-VERDICTS = ("kept", "past seq_lens", "causal: after the query", "another sequence's page",
-            "not in the batch", "padding query row")
+VERDICTS = (
+    "kept",
+    "past seq_lens",
+    "causal: after the query",
+    "another sequence's page",
+    "not in the batch",
+    "padding query row",
+)
 
 
 # --------------------------------------------------------------------------- ground truth
@@ -63,8 +70,7 @@ def _lens(seq_lens) -> list[int]:
     return [int(n) for n in (seq_lens.tolist() if isinstance(seq_lens, torch.Tensor) else seq_lens)]
 
 
-def page_owners(block_table: torch.Tensor, seq_lens, num_pages: int,
-                page_size: int) -> list[tuple[int, ...]]:
+def page_owners(block_table: torch.Tensor, seq_lens, num_pages: int, page_size: int) -> list[tuple[int, ...]]:
     """For each physical page, the batch rows whose used block-table entries list it.
 
     Args:
@@ -75,13 +81,14 @@ def page_owners(block_table: torch.Tensor, seq_lens, num_pages: int,
     """
     owners: list[list[int]] = [[] for _ in range(num_pages)]
     for b, n in enumerate(_lens(seq_lens)):
-        for page in block_table[b, : -(-n // page_size)].tolist():
+        for page in block_table[b, : cdiv(n, page_size)].tolist():
             owners[page].append(b)
     return [tuple(o) for o in owners]
 
 
-def expected_visible(block_table: torch.Tensor, seq_lens, num_pages: int, page_size: int, *,
-                     q_lens=None, q_len: int = 1) -> torch.Tensor:
+def expected_visible(
+    block_table: torch.Tensor, seq_lens, num_pages: int, page_size: int, *, q_lens=None, q_len: int = 1
+) -> torch.Tensor:
     """Which physical cache slots each query must add into its softmax: the ground truth.
 
     Built *forward*, logical -> physical, by looking up each logical token of each sequence in
@@ -99,11 +106,11 @@ def expected_visible(block_table: torch.Tensor, seq_lens, num_pages: int, page_s
     lens = _lens(seq_lens)
     out = torch.zeros(len(lens), q_len, num_pages * page_size, dtype=torch.bool)
     for b, n in enumerate(lens):
-        pos = torch.arange(n)                                               # logical positions
-        slots = block_table[b, pos // page_size].long() * page_size + pos % page_size   # [n]
+        pos = torch.arange(n)  # logical positions
+        slots = block_table[b, pos // page_size].long() * page_size + pos % page_size  # [n]
         m = 1 if q_lens is None else int(q_lens[b])
         for i in range(min(m, q_len)):
-            sees = n if q_lens is None else n - m + i + 1       # causal: keys up to itself
+            sees = n if q_lens is None else n - m + i + 1  # causal: keys up to itself
             out[b, i, slots[:sees]] = True
     return out
 
@@ -117,7 +124,7 @@ def listed_blocks(block_mask: BlockMask) -> torch.Tensor:
     """
     q_len, kv_len = block_mask.seq_lengths
     q_block, kv_block = block_mask.BLOCK_SIZE
-    dense = block_mask.to_dense()[:, 0].bool()                 # [batch, q_blocks, kv_blocks]
+    dense = block_mask.to_dense()[:, 0].bool()  # [batch, q_blocks, kv_blocks]
     dense = dense.repeat_interleave(q_block, 1)[:, :q_len]
     return dense.repeat_interleave(kv_block, 2)[:, :, :kv_len]
 
@@ -126,20 +133,21 @@ def listed_blocks(block_mask: BlockMask) -> torch.Tensor:
 class PositionTrace:
     """One physical position walked through the mask_mod's translation (see :func:`trace_position`)."""
 
-    physical: int          # position in the cache viewed as one long sequence
-    page: int              # physical // page_size
-    offset: int            # physical % page_size
-    logical_page: int      # p2l[b, page]: the page's index in sequence b, or -1
-    logical: int           # logical_page * page_size + offset (-1 when not b's page)
-    verdict: str           # one of VERDICTS
+    physical: int  # position in the cache viewed as one long sequence
+    page: int  # physical // page_size
+    offset: int  # physical % page_size
+    logical_page: int  # p2l[b, page]: the page's index in sequence b, or -1
+    logical: int  # logical_page * page_size + offset (-1 when not b's page)
+    verdict: str  # one of VERDICTS
 
     @property
     def kept(self) -> bool:
         return self.verdict == "kept"
 
 
-def trace_position(block_table: torch.Tensor, seq_lens, page_size: int, b: int, physical: int,
-                   *, q_lens=None, q_idx: int = 0) -> PositionTrace:
+def trace_position(
+    block_table: torch.Tensor, seq_lens, page_size: int, b: int, physical: int, *, q_lens=None, q_idx: int = 0
+) -> PositionTrace:
     """Follow physical position ``physical`` through the mask_mod of batch row ``b``, step by step.
 
     physical position -> physical page and offset -> logical page in sequence ``b`` (by
@@ -156,14 +164,13 @@ def trace_position(block_table: torch.Tensor, seq_lens, page_size: int, b: int, 
     """
     lens = _lens(seq_lens)
     page, offset = divmod(int(physical), page_size)
-    used = block_table[b, : -(-lens[b] // page_size)].tolist()
+    used = block_table[b, : cdiv(lens[b], page_size)].tolist()
     logical_page = used.index(page) if page in used else -1
     logical = logical_page * page_size + offset if logical_page >= 0 else -1
     if q_lens is not None and q_idx >= int(q_lens[b]):
-        verdict = "padding query row"                     # prefill rows past q_lens see nothing
+        verdict = "padding query row"  # prefill rows past q_lens see nothing
     elif logical_page < 0:
-        others = any(page in block_table[r, : -(-n // page_size)].tolist()
-                     for r, n in enumerate(lens) if r != b)
+        others = any(page in block_table[r, : cdiv(n, page_size)].tolist() for r, n in enumerate(lens) if r != b)
         verdict = "another sequence's page" if others else "not in the batch"
     elif logical >= lens[b]:
         verdict = "past seq_lens"
@@ -176,12 +183,10 @@ def trace_position(block_table: torch.Tensor, seq_lens, page_size: int, b: int, 
 
 def format_traces(traces: Sequence[PositionTrace]) -> str:
     """The traces as a fixed-width table, one row per position."""
-    lines = [f"{'physical':>8}  {'page':>4}  {'offset':>6}  {'p2l[b, page]':>12}  "
-             f"{'logical':>7}  verdict"]
+    lines = [f"{'physical':>8}  {'page':>4}  {'offset':>6}  {'p2l[b, page]':>12}  {'logical':>7}  verdict"]
     for t in traces:
         logical = str(t.logical) if t.logical >= 0 else "-"
-        lines.append(f"{t.physical:>8}  {t.page:>4}  {t.offset:>6}  {t.logical_page:>12}  "
-                     f"{logical:>7}  {t.verdict}")
+        lines.append(f"{t.physical:>8}  {t.page:>4}  {t.offset:>6}  {t.logical_page:>12}  {logical:>7}  {t.verdict}")
     return "\n".join(lines)
 
 
@@ -197,8 +202,9 @@ def _rows(x: torch.Tensor, q_lens, q_len: int) -> tuple[np.ndarray, list[int]]:
     return np.stack(keep), owner
 
 
-def _image(counts: np.ndarray, owner: Sequence[int], listed: np.ndarray | None,
-           expected: np.ndarray | None) -> np.ndarray:
+def _image(
+    counts: np.ndarray, owner: Sequence[int], listed: np.ndarray | None, expected: np.ndarray | None
+) -> np.ndarray:
     """RGB image: the row's sequence color where counted once and expected, red where counted
     but not expected (or counted twice), black where expected and never counted, grey where a
     listed block was masked, white elsewhere."""
@@ -214,10 +220,9 @@ def _image(counts: np.ndarray, owner: Sequence[int], listed: np.ndarray | None,
     return img
 
 
-def _grid(ax, n_rows: int, kv_len: int, page_size: int, kv_block_size: int | None,
-          owner: Sequence[int]) -> None:
+def _grid(ax, n_rows: int, kv_len: int, page_size: int, kv_block_size: int | None, owner: Sequence[int]) -> None:
     """Page boundaries (thin), flex block boundaries (dashed), sequence separators."""
-    if page_size > 1 and kv_len // page_size <= 64:      # page lines, unless they would be a wall
+    if page_size > 1 and kv_len // page_size <= 64:  # page lines, unless they would be a wall
         for x in range(page_size, kv_len, page_size):
             ax.axvline(x - 0.5, color="0.55", lw=0.4)
     if kv_block_size:
@@ -230,8 +235,7 @@ def _grid(ax, n_rows: int, kv_len: int, page_size: int, kv_block_size: int | Non
     ax.set_ylim(n_rows - 0.5, -0.5)
 
 
-def _row_labels(ax, owner: Sequence[int], prefill: bool,
-                names: Sequence[str] | None = None) -> None:
+def _row_labels(ax, owner: Sequence[int], prefill: bool, names: Sequence[str] | None = None) -> None:
     ticks, labels = [], []
     for b in sorted(set(owner)):
         rows = [r for r, o in enumerate(owner) if o == b]
@@ -242,16 +246,22 @@ def _row_labels(ax, owner: Sequence[int], prefill: bool,
         tick.set_color(seq_color(b))
 
 
-def _page_strip(ax, labels: Sequence[str], colors: Sequence[str], page_size: int,
-                kv_len: int) -> None:
+def _page_strip(ax, labels: Sequence[str], colors: Sequence[str], page_size: int, kv_len: int) -> None:
     """A strip of page cells above a panel, each labelled (page id or logical index)."""
     for i, (label, color) in enumerate(zip(labels, colors)):
         x0 = i * page_size - 0.5
-        ax.add_patch(Rectangle((x0, 0), page_size, 1, facecolor=color, edgecolor="white",
-                               lw=0.8, alpha=0.85))
+        ax.add_patch(Rectangle((x0, 0), page_size, 1, facecolor=color, edgecolor="white", lw=0.8, alpha=0.85))
         if len(labels) <= 24:
-            ax.text(x0 + page_size / 2, 0.5, label, ha="center", va="center",
-                    fontsize=6 if len(labels) > 16 else 7, color="white", fontweight="bold")
+            ax.text(
+                x0 + page_size / 2,
+                0.5,
+                label,
+                ha="center",
+                va="center",
+                fontsize=6 if len(labels) > 16 else 7,
+                color="white",
+                fontweight="bold",
+            )
     ax.set_xlim(-0.5, kv_len - 0.5)
     ax.set_ylim(0, 1)
     ax.axis("off")
@@ -259,8 +269,7 @@ def _page_strip(ax, labels: Sequence[str], colors: Sequence[str], page_size: int
 
 def _physical_strip(ax, owners: Sequence[tuple[int, ...]], page_size: int) -> None:
     colors = [seq_color(o[0]) if o else FREE_COLOR for o in owners]
-    _page_strip(ax, [str(p) for p in range(len(owners))], colors, page_size,
-                len(owners) * page_size)
+    _page_strip(ax, [str(p) for p in range(len(owners))], colors, page_size, len(owners) * page_size)
 
 
 def _legend(fig, *, listed: bool, checked: bool) -> None:
@@ -269,23 +278,24 @@ def _legend(fig, *, listed: bool, checked: bool) -> None:
         handles.append(Patch(facecolor=LISTED_COLOR, label="in a visited block, masked by mask_mod"))
     handles.append(Patch(facecolor="white", edgecolor="0.5", label="not visited"))
     if checked:
-        handles += [Patch(facecolor=LEAK_COLOR, label="wrong: not this sequence's token, or added twice"),
-                    Patch(facecolor=MISS_COLOR, label="wrong: this sequence's token, never added")]
-    fig.legend(handles=handles, loc="outside lower right", ncols=min(len(handles), 3),
-               fontsize=7, frameon=False)
+        handles += [
+            Patch(facecolor=LEAK_COLOR, label="wrong: not this sequence's token, or added twice"),
+            Patch(facecolor=MISS_COLOR, label="wrong: this sequence's token, never added"),
+        ]
+    fig.legend(handles=handles, loc="outside lower right", ncols=min(len(handles), 3), fontsize=7, frameon=False)
 
 
 def _strip_axes(fig, n: int, width_ratios: Sequence[float], n_rows: int):
-    grid = fig.add_gridspec(2, n, height_ratios=[1, max(3, min(n_rows, 24))],
-                            width_ratios=width_ratios)
+    grid = fig.add_gridspec(2, n, height_ratios=[1, max(3, min(n_rows, 24))], width_ratios=width_ratios)
     strips = [fig.add_subplot(grid[0, i]) for i in range(n)]
     panels = [fig.add_subplot(grid[1, i]) for i in range(n)]
     return strips, panels
 
 
 # --------------------------------------------------------------------------- figures
-def block_masks_figure(masks, block_table: torch.Tensor, seq_lens, page_size: int, *,
-                       q_lens=None, title: str | None = None) -> Figure:
+def block_masks_figure(
+    masks, block_table: torch.Tensor, seq_lens, page_size: int, *, q_lens=None, title: str | None = None
+) -> Figure:
     """The logical BlockMask (left) next to its physical translation (right), token by token.
 
     Each row is one query (decode: one per sequence; prefill: each sequence's new tokens).
@@ -300,7 +310,7 @@ def block_masks_figure(masks, block_table: torch.Tensor, seq_lens, page_size: in
         block_table: int ``[batch, max_pages]``; seq_lens: int ``[batch]``; q_lens: int
             ``[batch]`` for prefill (as given to ``paged_block_masks``), None for decode.
     """
-    logical, physical = masks.dense()                     # [B, Q, max_pages*P], [B, Q, N*P]
+    logical, physical = masks.dense()  # [B, Q, max_pages*P], [B, Q, N*P]
     q_len = logical.shape[1]
     kv_block = masks.logical.BLOCK_SIZE[1]
     num_pages = physical.shape[-1] // page_size
@@ -313,24 +323,26 @@ def block_masks_figure(masks, block_table: torch.Tensor, seq_lens, page_size: in
     n_rows = len(owner)
     fig = Figure(figsize=(12.0, 1.9 + 0.16 * min(n_rows, 40)), layout="constrained")
     (ls, ps), (la, pa) = _strip_axes(fig, 2, [max_pages, max(num_pages, max_pages)], n_rows)
-    _page_strip(ls, [f"L{i}" for i in range(max_pages)], ["0.45"] * max_pages, page_size,
-                max_pages * page_size)
+    _page_strip(ls, [f"L{i}" for i in range(max_pages)], ["0.45"] * max_pages, page_size, max_pages * page_size)
     _physical_strip(ps, page_owners(block_table, seq_lens, num_pages, page_size), page_size)
-    for ax, counts, listed, kind, width in ((la, lc, ll, "logical", max_pages),
-                                            (pa, pc, pl, "physical", num_pages)):
+    for ax, counts, listed, kind, width in ((la, lc, ll, "logical", max_pages), (pa, pc, pl, "physical", num_pages)):
         ax.imshow(_image(counts, owner, listed, None), aspect="auto", interpolation="nearest")
         _grid(ax, n_rows, width * page_size, page_size, kv_block, owner)
         _row_labels(ax, owner, prefill)
-        ax.set_xlabel(f"{kind} KV position" + (" (each sequence's own tokens)" if kind == "logical"
-                                               else " (the whole cache as one sequence)"),
-                      fontsize=8)
+        ax.set_xlabel(
+            f"{kind} KV position"
+            + (" (each sequence's own tokens)" if kind == "logical" else " (the whole cache as one sequence)"),
+            fontsize=8,
+        )
         ax.tick_params(labelsize=7)
     n_log = int(masks.logical.kv_num_blocks.sum() + _full(masks.logical))
     n_phys = int(masks.physical.kv_num_blocks.sum() + _full(masks.physical))
     la.set_title(f"logical BlockMask: {n_log} block visits", fontsize=9, loc="left")
     pa.set_title(f"physical BlockMask: {n_phys} block visits", fontsize=9, loc="left")
-    fig.suptitle(title or f"page size {page_size}, flex KV block {kv_block}: "
-                 f"{'causal prefill' if prefill else 'decode'}", fontsize=10)
+    fig.suptitle(
+        title or f"page size {page_size}, flex KV block {kv_block}: {'causal prefill' if prefill else 'decode'}",
+        fontsize=10,
+    )
     _legend(fig, listed=True, checked=False)
     add_note(fig, NOTE)
     return fig
@@ -346,19 +358,32 @@ def untranslated_block_mask(masks) -> BlockMask:
         masks: ``paged_block_masks(...)``.
     """
     lg, ph = masks.logical, masks.physical
-    return BlockMask.from_kv_blocks(lg.kv_num_blocks, lg.kv_indices, BLOCK_SIZE=ph.BLOCK_SIZE,
-                                    mask_mod=ph.mask_mod, seq_lengths=ph.seq_lengths,
-                                    compute_q_blocks=False)
+    return BlockMask.from_kv_blocks(
+        lg.kv_num_blocks,
+        lg.kv_indices,
+        BLOCK_SIZE=ph.BLOCK_SIZE,
+        mask_mod=ph.mask_mod,
+        seq_lengths=ph.seq_lengths,
+        compute_q_blocks=False,
+    )
 
 
 def _full(bm: BlockMask) -> int:
     return 0 if bm.full_kv_num_blocks is None else int(bm.full_kv_num_blocks.sum())
 
 
-def mask_views_figure(views: Sequence[tuple[str, torch.Tensor]], block_table: torch.Tensor,
-                      seq_lens, page_size: int, *, expected: torch.Tensor,
-                      kv_block_size: int | None = None, q_lens=None,
-                      names: Sequence[str] | None = None, title: str = "") -> Figure:
+def mask_views_figure(
+    views: Sequence[tuple[str, torch.Tensor]],
+    block_table: torch.Tensor,
+    seq_lens,
+    page_size: int,
+    *,
+    expected: torch.Tensor,
+    kv_block_size: int | None = None,
+    q_lens=None,
+    names: Sequence[str] | None = None,
+    title: str = "",
+) -> Figure:
     """Several physical pictures of one batch side by side, each checked against ``expected``.
 
     Args:
@@ -379,22 +404,23 @@ def mask_views_figure(views: Sequence[tuple[str, torch.Tensor]], block_table: to
     q_len = expected.shape[1]
     ex, owner = _rows(expected, q_lens, q_len)
     n_rows = len(owner)
-    fig = Figure(figsize=(5.2 * len(views) + 0.6, 1.9 + 0.16 * min(n_rows, 40)),
-                 layout="constrained")
+    fig = Figure(figsize=(5.2 * len(views) + 0.6, 1.9 + 0.16 * min(n_rows, 40)), layout="constrained")
     strips, panels = _strip_axes(fig, len(views), [1] * len(views), n_rows)
     owners = page_owners(block_table, seq_lens, num_pages, page_size)
     for strip, ax, (name, counts) in zip(strips, panels, views):
         if tuple(counts.shape) != tuple(expected.shape):
-            raise ValueError(f"counts of view {name!r} must have shape {tuple(expected.shape)}, "
-                             f"got {tuple(counts.shape)}")
+            raise ValueError(
+                f"counts of view {name!r} must have shape {tuple(expected.shape)}, got {tuple(counts.shape)}"
+            )
         c, _ = _rows(counts.int(), q_lens, q_len)
         _physical_strip(strip, owners, page_size)
         ax.imshow(_image(c, owner, None, ex), aspect="auto", interpolation="nearest")
         _grid(ax, n_rows, num_pages * page_size, page_size, kv_block_size, owner)
         _row_labels(ax, owner, q_lens is not None, names)
         wrong = int(((c > 0) & ~ex).sum() + ((c == 0) & ex).sum() + (c > 1).sum())
-        ax.set_title(f"{name}\n" + ("matches the ground truth" if wrong == 0
-                                     else f"{wrong} wrong cells"), fontsize=9, loc="left")
+        ax.set_title(
+            f"{name}\n" + ("matches the ground truth" if wrong == 0 else f"{wrong} wrong cells"), fontsize=9, loc="left"
+        )
         ax.set_xlabel("physical KV position", fontsize=8)
         ax.tick_params(labelsize=7)
     if title:
@@ -404,8 +430,9 @@ def mask_views_figure(views: Sequence[tuple[str, torch.Tensor]], block_table: to
     return fig
 
 
-def translation_figure(block_table: torch.Tensor, seq_lens, num_pages: int, page_size: int,
-                       *, title: str = "") -> Figure:
+def translation_figure(
+    block_table: torch.Tensor, seq_lens, num_pages: int, page_size: int, *, title: str = ""
+) -> Figure:
     """The block table drawn as a map, one panel per sequence: the physical cache on top (the
     sequence's own pages in its color, other rows' pages faint, free pages grey), the
     sequence's logical pages below, and a band joining each physical page to the logical page
@@ -417,39 +444,67 @@ def translation_figure(block_table: torch.Tensor, seq_lens, num_pages: int, page
     """
     lens = _lens(seq_lens)
     owners = page_owners(block_table, seq_lens, num_pages, page_size)
-    max_pages = max(-(-n // page_size) for n in lens)
+    max_pages = max(cdiv(n, page_size) for n in lens)
     width = max(num_pages, max_pages) * page_size
     fig = Figure(figsize=(11.0, 0.6 + 1.25 * len(lens)), layout="constrained")
     axes = fig.subplots(len(lens), 1, squeeze=False)[:, 0]
     gap = 0.08 * page_size
     small = 7 if max(num_pages, max_pages) <= 32 else 5
-    labels = max(num_pages, max_pages) <= 48           # no room for page numbers beyond that
+    labels = max(num_pages, max_pages) <= 48  # no room for page numbers beyond that
     for b, (ax, n) in enumerate(zip(axes, lens)):
-        used = block_table[b, : -(-n // page_size)].tolist()
-        for p, o in enumerate(owners):                            # the physical cache
+        used = block_table[b, : cdiv(n, page_size)].tolist()
+        for p, o in enumerate(owners):  # the physical cache
             mine = b in o
             color = seq_color(b) if mine else (seq_color(o[0]) if o else FREE_COLOR)
-            ax.add_patch(Rectangle((p * page_size, 2.2), page_size - gap, 1, facecolor=color,
-                                   alpha=0.9 if mine else 0.25, edgecolor="none"))
+            ax.add_patch(
+                Rectangle(
+                    (p * page_size, 2.2),
+                    page_size - gap,
+                    1,
+                    facecolor=color,
+                    alpha=0.9 if mine else 0.25,
+                    edgecolor="none",
+                )
+            )
             if labels:
-                ax.text(p * page_size + (page_size - gap) / 2, 2.7, str(p), ha="center",
-                        va="center", fontsize=small, color="white" if mine else "0.3",
-                        fontweight="bold")
-        for i, p in enumerate(used):                              # logical pages and bands
+                ax.text(
+                    p * page_size + (page_size - gap) / 2,
+                    2.7,
+                    str(p),
+                    ha="center",
+                    va="center",
+                    fontsize=small,
+                    color="white" if mine else "0.3",
+                    fontweight="bold",
+                )
+        for i, p in enumerate(used):  # logical pages and bands
             x0, filled = i * page_size, min(page_size, n - i * page_size)
-            ax.add_patch(Rectangle((x0, 0), page_size - gap, 1, facecolor=seq_color(b),
-                                   alpha=0.9, edgecolor="none"))
-            if filled < page_size:                                # unwritten tail
-                ax.add_patch(Rectangle((x0 + filled, 0), page_size - gap - filled, 1,
-                                       facecolor="white", edgecolor=seq_color(b),
-                                       hatch="////", lw=0.5))
+            ax.add_patch(Rectangle((x0, 0), page_size - gap, 1, facecolor=seq_color(b), alpha=0.9, edgecolor="none"))
+            if filled < page_size:  # unwritten tail
+                ax.add_patch(
+                    Rectangle(
+                        (x0 + filled, 0),
+                        page_size - gap - filled,
+                        1,
+                        facecolor="white",
+                        edgecolor=seq_color(b),
+                        hatch="////",
+                        lw=0.5,
+                    )
+                )
             if labels:
-                ax.text(x0 + min(filled, page_size - gap) / 2, 0.5, f"L{i}", ha="center",
-                        va="center", fontsize=small, color="white", fontweight="bold")
-            band = [(p * page_size, 2.2), (p * page_size + page_size - gap, 2.2),
-                    (x0 + page_size - gap, 1), (x0, 1)]
-            ax.add_patch(Polygon(band, closed=True, facecolor=seq_color(b), alpha=0.2,
-                                 edgecolor=seq_color(b), lw=0.5))
+                ax.text(
+                    x0 + min(filled, page_size - gap) / 2,
+                    0.5,
+                    f"L{i}",
+                    ha="center",
+                    va="center",
+                    fontsize=small,
+                    color="white",
+                    fontweight="bold",
+                )
+            band = [(p * page_size, 2.2), (p * page_size + page_size - gap, 2.2), (x0 + page_size - gap, 1), (x0, 1)]
+            ax.add_patch(Polygon(band, closed=True, facecolor=seq_color(b), alpha=0.2, edgecolor=seq_color(b), lw=0.5))
         ax.set_xlim(-0.5, width)
         ax.set_ylim(-0.1, 3.3)
         ax.set_yticks([0.5, 2.7], [f"seq {b}: logical", "physical"], fontsize=7)
@@ -458,15 +513,19 @@ def translation_figure(block_table: torch.Tensor, seq_lens, num_pages: int, page
         for side in ("top", "right", "left"):
             ax.spines[side].set_visible(False)
         row = str(used) if len(used) <= 24 else f"[{used[0]}, {used[1]}, ..., {used[-1]}]"
-        ax.set_title(f"seq {b}: {n} tokens, block table row {row}", fontsize=8, loc="left",
-                     color=seq_color(b))
-    axes[-1].set_xlabel("KV position (physical cache on top, the sequence's logical positions "
-                        "below)", fontsize=8)
+        ax.set_title(f"seq {b}: {n} tokens, block table row {row}", fontsize=8, loc="left", color=seq_color(b))
+    axes[-1].set_xlabel("KV position (physical cache on top, the sequence's logical positions below)", fontsize=8)
     fig.suptitle(title or f"the block table as a map (page size {page_size})", fontsize=10)
-    fig.legend(handles=[Patch(facecolor="white", edgecolor="0.3", hatch="////",
-                              label="slot past seq_lens (no token yet)"),
-                        Patch(facecolor=FREE_COLOR, label="page no sequence of the batch owns")],
-               loc="outside lower right", ncols=2, fontsize=7, frameon=False)
+    fig.legend(
+        handles=[
+            Patch(facecolor="white", edgecolor="0.3", hatch="////", label="slot past seq_lens (no token yet)"),
+            Patch(facecolor=FREE_COLOR, label="page no sequence of the batch owns"),
+        ],
+        loc="outside lower right",
+        ncols=2,
+        fontsize=7,
+        frameon=False,
+    )
     add_note(fig, NOTE)
     return fig
 
@@ -493,7 +552,7 @@ def block_kinds(block_mask: BlockMask, b: int = 0) -> torch.Tensor:
         for qb in range(kinds.shape[0]):
             n = int(num[b, 0, qb])
             kinds[qb, idx[b, 0, qb, :n].long()] = kind
-    return kinds[:, :-(-block_mask.seq_lengths[1] // block_mask.BLOCK_SIZE[1])]
+    return kinds[:, : cdiv(block_mask.seq_lengths[1], block_mask.BLOCK_SIZE[1])]
 
 
 def block_mask_figure(block_mask: BlockMask, dense: torch.Tensor, title: str = "") -> Figure:
@@ -503,7 +562,7 @@ def block_mask_figure(block_mask: BlockMask, dense: torch.Tensor, title: str = "
     q_len, kv_len = dense.shape
     qb, kb = block_mask.BLOCK_SIZE
     kinds = block_kinds(block_mask).numpy()
-    kept = {FULL: "tab:green", PARTIAL: "tab:blue"}           # kept element, by its block's kind
+    kept = {FULL: "tab:green", PARTIAL: "tab:blue"}  # kept element, by its block's kind
     masked = {SKIPPED: "white", PARTIAL: "moccasin", FULL: "white"}
     img = np.ones((q_len, kv_len, 3))
     for i in range(q_len):
@@ -520,11 +579,17 @@ def block_mask_figure(block_mask: BlockMask, dense: torch.Tensor, title: str = "
     ax.set_xlabel("key position")
     ax.set_ylabel("query position")
     ax.set_title(title or f"BlockMask, blocks of {qb} x {kb}", fontsize=9)
-    fig.legend(handles=[Patch(color="tab:green", label="full block: all kept, no mask_mod call"),
-                        Patch(color="tab:blue", label="partial block: kept by the mask_mod"),
-                        Patch(color="moccasin", label="partial block: masked by the mask_mod"),
-                        Patch(facecolor="white", edgecolor="0.3", label="block never visited"),
-                        Patch(color="red", label="kept but not visited (a bug)")],
-               loc="outside lower center", ncol=2, fontsize=7)
+    fig.legend(
+        handles=[
+            Patch(color="tab:green", label="full block: all kept, no mask_mod call"),
+            Patch(color="tab:blue", label="partial block: kept by the mask_mod"),
+            Patch(color="moccasin", label="partial block: masked by the mask_mod"),
+            Patch(facecolor="white", edgecolor="0.3", label="block never visited"),
+            Patch(color="red", label="kept but not visited (a bug)"),
+        ],
+        loc="outside lower center",
+        ncol=2,
+        fontsize=7,
+    )
     add_note(fig, NOTE)
     return fig

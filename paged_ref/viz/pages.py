@@ -24,19 +24,29 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
+from .._arith import cdiv
 from ..block_table import pages_needed
 from . import add_note
 
 #: Sequence colors, picked by ``seq_id % len(PALETTE)`` (grey is left out: it means "free").
-PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
-           "tab:pink", "tab:olive", "tab:cyan")
+PALETTE = (
+    "tab:blue",
+    "tab:orange",
+    "tab:green",
+    "tab:red",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:olive",
+    "tab:cyan",
+)
 RETURNED_COLOR = "0.78"
 NOTE = "Drawn from a PagedKVCache's block tables and allocator state (no hardware measured)."
 
@@ -97,8 +107,7 @@ def page_map(cache, names: Mapping[int, str] | None = None) -> PageMap:
     names = dict(names or {})
     refcount = tuple(alloc.refcount(p) for p in range(n))
     returned = tuple(alloc.is_returned(p) for p in range(n))
-    status = tuple("used" if r else ("returned" if back else "never")
-                   for r, back in zip(refcount, returned))
+    status = tuple("used" if r else ("returned" if back else "never") for r, back in zip(refcount, returned))
     owners: list[list[int]] = [[] for _ in range(n)]
     fill = [0] * n
     tables, lens = {}, {}
@@ -110,10 +119,19 @@ def page_map(cache, names: Mapping[int, str] | None = None) -> PageMap:
             owners[p].append(s)
             fill[p] = max(fill[p], min(ps, max(0, length - i * ps)))
     never = status.count("never")
-    return PageMap(num_pages=n, page_size=ps, status=status, refcount=refcount,
-                   owners=tuple(tuple(sorted(o)) for o in owners), fill=tuple(fill),
-                   tables=tables, seq_lens=lens, names={s: names[s] for s in tables},
-                   bump=n - never, prefix_hits=int(getattr(cache, "prefix_hits", 0)))
+    return PageMap(
+        num_pages=n,
+        page_size=ps,
+        status=status,
+        refcount=refcount,
+        owners=tuple(tuple(sorted(o)) for o in owners),
+        fill=tuple(fill),
+        tables=tables,
+        seq_lens=lens,
+        names={s: names[s] for s in tables},
+        bump=n - never,
+        prefix_hits=int(getattr(cache, "prefix_hits", 0)),
+    )
 
 
 def seq_color(seq_id: int) -> str:
@@ -130,7 +148,7 @@ def page_map_figure(pm: PageMap, *, title: str = "", cols: int | None = None) ->
         cols: cells per grid row (default 16, or 32 for more than 128 pages).
     """
     cols = _cols(pm, cols)
-    rows = -(-pm.num_pages // cols)
+    rows = cdiv(pm.num_pages, cols)
     fig = Figure(figsize=(11.0, 1.3 + 0.42 * rows * 16 / cols), layout="constrained")
     grid, text = fig.subplots(1, 2, width_ratios=[3, 2])
     _draw_grid(grid, pm, cols, title)
@@ -145,7 +163,7 @@ def page_map_story(maps: Sequence[PageMap], titles: Sequence[str], *, cols: int 
     if len(maps) != len(titles) or not maps:
         raise ValueError(f"maps and titles must be non-empty and of equal length, got {len(maps)} and {len(titles)}")
     cols = _cols(maps[0], cols)
-    rows = -(-maps[0].num_pages // cols)
+    rows = cdiv(maps[0].num_pages, cols)
     fig = Figure(figsize=(11.0, 0.4 + len(maps) * (0.7 + 0.42 * rows * 16 / cols)), layout="constrained")
     axes = fig.subplots(len(maps), 2, width_ratios=[3, 2], squeeze=False)
     for (grid, text), pm, title in zip(axes, maps, titles):
@@ -166,7 +184,7 @@ def _cols(pm: PageMap, cols) -> int:
 
 
 def _draw_grid(ax, pm: PageMap, cols: int, title: str) -> None:
-    rows = -(-pm.num_pages // cols)
+    rows = cdiv(pm.num_pages, cols)
     gap, label = 0.08, cols <= 16
     for p in range(pm.num_pages):
         x, y = p % cols, rows - 1 - p // cols
@@ -182,12 +200,22 @@ def _draw_grid(ax, pm: PageMap, cols: int, title: str) -> None:
                 by = y + w - (j + 1) * band
                 color = seq_color(s) if s >= 0 else "0.3"
                 ax.add_patch(Rectangle((x, by), w, band, facecolor=color, alpha=0.25, edgecolor="none"))
-                ax.add_patch(Rectangle((x, by), w * pm.fill[p] / pm.page_size, band, facecolor=color,
-                                       alpha=0.9, edgecolor="none"))
+                ax.add_patch(
+                    Rectangle(
+                        (x, by), w * pm.fill[p] / pm.page_size, band, facecolor=color, alpha=0.9, edgecolor="none"
+                    )
+                )
             if pm.refcount[p] > 1:
                 ax.add_patch(Rectangle((x, y), w, w, facecolor="none", edgecolor="black", lw=1.6))
-                ax.text(x + w - 0.04, y + w - 0.04, f"x{pm.refcount[p]}", ha="right", va="top",
-                        fontsize=6 if label else 4, fontweight="bold")
+                ax.text(
+                    x + w - 0.04,
+                    y + w - 0.04,
+                    f"x{pm.refcount[p]}",
+                    ha="right",
+                    va="top",
+                    fontsize=6 if label else 4,
+                    fontweight="bold",
+                )
         if label:
             ax.text(x + 0.05, y + 0.05, str(p), ha="left", va="bottom", fontsize=6, color="0.15")
     if pm.bump < pm.num_pages:  # the bump pointer: the next never-used page
@@ -209,16 +237,35 @@ def _draw_tables(ax, pm: PageMap) -> None:
     if not pm.tables:
         lines.append(("  (no live sequences)", "0.4"))
     lines.append(("", "black"))
-    lines.append((f"{pm.count('used')} used, {pm.count('returned')} on the free list, "
-                  f"{pm.count('never')} never used; bump pointer "
-                  + (f"at page {pm.bump}" if pm.bump < pm.num_pages else "at the end"), "0.25"))
-    lines.append((f"{pm.stored_tokens} tokens in {pm.held_slots} held slots"
-                  + (f"; {len(pm.shared)} shared page(s)" if pm.shared else "")
-                  + (f"; prefix-cache hits {pm.prefix_hits}" if pm.prefix_hits else ""), "0.25"))
+    lines.append(
+        (
+            f"{pm.count('used')} used, {pm.count('returned')} on the free list, "
+            f"{pm.count('never')} never used; bump pointer "
+            + (f"at page {pm.bump}" if pm.bump < pm.num_pages else "at the end"),
+            "0.25",
+        )
+    )
+    lines.append(
+        (
+            f"{pm.stored_tokens} tokens in {pm.held_slots} held slots"
+            + (f"; {len(pm.shared)} shared page(s)" if pm.shared else "")
+            + (f"; prefix-cache hits {pm.prefix_hits}" if pm.prefix_hits else ""),
+            "0.25",
+        )
+    )
     step = 1.0 / max(len(lines), 7)
     for i, (line, color) in enumerate(lines):
-        ax.text(0.0, 1.0 - i * step, line, transform=ax.transAxes, ha="left", va="top",
-                fontsize=7.5, family="monospace", color=color)
+        ax.text(
+            0.0,
+            1.0 - i * step,
+            line,
+            transform=ax.transAxes,
+            ha="left",
+            va="top",
+            fontsize=7.5,
+            family="monospace",
+            color=color,
+        )
 
 
 def _format_table(pages: Sequence[int], held: int, limit: int = 10) -> str:
@@ -234,8 +281,10 @@ def _format_table(pages: Sequence[int], held: int, limit: int = 10) -> str:
 
 
 def _legend_handles():
-    return [Patch(facecolor="tab:blue", alpha=0.9, label="held by a sequence (bar = tokens stored)"),
-            Patch(facecolor="white", edgecolor="black", lw=1.6, label="shared, refcount > 1 (x2)"),
-            Patch(facecolor=RETURNED_COLOR, label="returned (free list)"),
-            Patch(facecolor="white", edgecolor="0.6", ls="--", label="never used"),
-            Line2D([], [], marker="v", color="black", ls="none", ms=5, label="bump pointer (next never-used page)")]
+    return [
+        Patch(facecolor="tab:blue", alpha=0.9, label="held by a sequence (bar = tokens stored)"),
+        Patch(facecolor="white", edgecolor="black", lw=1.6, label="shared, refcount > 1 (x2)"),
+        Patch(facecolor=RETURNED_COLOR, label="returned (free list)"),
+        Patch(facecolor="white", edgecolor="0.6", ls="--", label="never used"),
+        Line2D([], [], marker="v", color="black", ls="none", ms=5, label="bump pointer (next never-used page)"),
+    ]

@@ -29,8 +29,7 @@ def draw(out: Path, kind: str) -> str:
         fig = kernel.bandwidth_figure(json.loads(decode.read_text()))
         fig.savefig(out / f"decode_{kind}.png", dpi=110, bbox_inches="tight")
     else:
-        notes.append("decode figure: bandwidth needs GPU timings" if kind == "cpu"
-                     else "decode figure: no decode JSON")
+        notes.append("decode figure: bandwidth needs GPU timings" if kind == "cpu" else "decode figure: no decode JSON")
     data_path = out / f"scaling_{kind}.json"
     if data_path.exists():
         data = json.loads(data_path.read_text())

@@ -19,8 +19,16 @@ from matplotlib.figure import Figure
 
 from . import add_note
 
-__all__ = ["provenance", "spread_ms", "latency_figure", "memory_figure", "batch_figure", "chat_figure", "page_size_figure",
-           "alloc_figure"]
+__all__ = [
+    "provenance",
+    "spread_ms",
+    "latency_figure",
+    "memory_figure",
+    "batch_figure",
+    "chat_figure",
+    "page_size_figure",
+    "alloc_figure",
+]
 
 MiB = 2**20
 _STYLE = {  # decoder label -> (color, marker, linestyle)
@@ -40,8 +48,10 @@ def provenance(data: dict) -> str:
     if data.get("torch_threads"):
         where += f" ({data['torch_threads']} threads)"
     mode = " (quick mode)" if data.get("quick") else ""
-    return (f"Measured on {where}{mode}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
-            f"triton {env.get('triton')}, {env.get('date_utc', '?')[:10]} (UTC).")
+    return (
+        f"Measured on {where}{mode}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
+        f"triton {env.get('triton')}, {env.get('date_utc', '?')[:10]} (UTC)."
+    )
 
 
 def spread_ms(point: dict) -> tuple[float, float]:
@@ -76,9 +86,18 @@ def latency_figure(data: dict, model: str) -> Figure:
         y = np.array([p["median_s"] * 1e3 for p in pts])
         lo, hi = np.array([spread_ms(p) for p in pts]).T
         long = r in res.get("long", [])
-        ax.errorbar(x, y, yerr=[y - lo, hi - y], marker=marker, ls="none" if long else ls,
-                    color=color, label=None if long else r["label"], ms=9 if long else 6,
-                    capsize=2, elinewidth=0.8)
+        ax.errorbar(
+            x,
+            y,
+            yerr=[y - lo, hi - y],
+            marker=marker,
+            ls="none" if long else ls,
+            color=color,
+            label=None if long else r["label"],
+            ms=9 if long else 6,
+            capsize=2,
+            elinewidth=0.8,
+        )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")
@@ -150,13 +169,17 @@ def memory_figure(data: dict, model: str) -> Figure:
         b = res.get("batch")
         if b:
             o = b["overhead_ps16"]
-            ax_peak.bar(["tokens held\n(minimum)", f"paged, page {o['page_size']}",
-                         "contiguous max-length\n(same requests)"],
-                        [o["tokens"], o["slots"], b["fit"]["paged_allocator"] * b["max_len"]],
-                        color=["0.5", "tab:orange", "tab:blue"])
+            ax_peak.bar(
+                ["tokens held\n(minimum)", f"paged, page {o['page_size']}", "contiguous max-length\n(same requests)"],
+                [o["tokens"], o["slots"], b["fit"]["paged_allocator"] * b["max_len"]],
+                color=["0.5", "tab:orange", "tab:blue"],
+            )
             ax_peak.set_ylabel("token slots")
-            ax_peak.set_title(f"mixed batch of {b['fit']['paged_allocator']} requests: slots held "
-                              f"(paged overhead {100 * o['overhead']:.1f}%)", fontsize=9)
+            ax_peak.set_title(
+                f"mixed batch of {b['fit']['paged_allocator']} requests: slots held "
+                f"(paged overhead {100 * o['overhead']:.1f}%)",
+                fontsize=9,
+            )
     ax_peak.set_xlabel("context length (tokens)" if peaks else "")
     ax_peak.grid(True, which="both", alpha=0.3)
     fig.suptitle(_title(res), fontsize=10)
@@ -171,8 +194,11 @@ def batch_figure(data: dict, model: str) -> Figure:
     fig = Figure(figsize=(10.5, 3.8), layout="constrained")
     ax_fit, ax_tps, ax_len = fig.subplots(1, 3)
     fit = b["fit"]
-    bars = ax_fit.bar(["contiguous\nmax-length", "paged\n(page 16)"], [fit["reserve_max"], fit["paged_allocator"]],
-                      color=["tab:blue", "tab:orange"])
+    bars = ax_fit.bar(
+        ["contiguous\nmax-length", "paged\n(page 16)"],
+        [fit["reserve_max"], fit["paged_allocator"]],
+        color=["tab:blue", "tab:orange"],
+    )
     ax_fit.bar_label(bars)
     ax_fit.set_ylabel("requests held at once")
     ax_fit.set_title(f"admitted under {b['budget_tokens']} token slots", fontsize=9)
@@ -217,24 +243,38 @@ def chat_figure(data: dict, model: str) -> Figure:
         turns = np.array([t["turn"] for t in run["turns"]])
         label = "prefix caching on" if run["prefix_caching"] else "prefix caching off"
         color = "tab:green" if run["prefix_caching"] else "tab:purple"
-        ax_lat.bar(turns + (i - 0.5) * width, [t["latency_s"] * 1e3 for t in run["turns"]], width,
-                   label=label, color=color)
-        ax_pages.bar(turns + (i - 0.5) * width, [t["pages_allocated"] for t in run["turns"]], width,
-                     label=f"{label}: new pages", color=color)
+        ax_lat.bar(
+            turns + (i - 0.5) * width, [t["latency_s"] * 1e3 for t in run["turns"]], width, label=label, color=color
+        )
+        ax_pages.bar(
+            turns + (i - 0.5) * width,
+            [t["pages_allocated"] for t in run["turns"]],
+            width,
+            label=f"{label}: new pages",
+            color=color,
+        )
         if run["prefix_caching"]:
-            ax_pages.plot(turns, [t["prefix_pages_reused"] for t in run["turns"]], "k.--",
-                          label="pages reused from the prefix cache")
+            ax_pages.plot(
+                turns,
+                [t["prefix_pages_reused"] for t in run["turns"]],
+                "k.--",
+                label="pages reused from the prefix cache",
+            )
     ax_lat.set_xlabel("turn")
     ax_lat.set_ylabel("ms per turn (prefill + reply)")
-    ax_lat.set_title(f"{res['chat']['user_tokens']} user tokens + {res['chat']['reply_tokens']} reply tokens per turn",
-                     fontsize=9)
+    ax_lat.set_title(
+        f"{res['chat']['user_tokens']} user tokens + {res['chat']['reply_tokens']} reply tokens per turn", fontsize=9
+    )
     ax_lat.legend(fontsize=7)
     ax_pages.set_xlabel("turn")
     ax_pages.set_ylabel("pages")
     ax_pages.set_title("pages per request", fontsize=9)
     ax_pages.legend(fontsize=7)
-    fig.suptitle(_title(res) + f" - paged ({res['chat']['runs'][0]['backend']}), page size "
-                 f"{res['chat']['runs'][0]['page_size']}", fontsize=10)
+    fig.suptitle(
+        _title(res) + f" - paged ({res['chat']['runs'][0]['backend']}), page size "
+        f"{res['chat']['runs'][0]['page_size']}",
+        fontsize=10,
+    )
     add_note(fig, provenance(data))
     return fig
 
@@ -279,9 +319,14 @@ def alloc_figure(data: dict, model: str) -> Figure:
     fig = Figure(figsize=(6.4, 3.4), layout="constrained")
     ax = fig.add_subplot()
     x = np.arange(len(ops))
-    for i, (key, label) in enumerate((("median_ns", "median per call"), ("p99_ns", "p99 per call"),
-                                      ("median_ns_per_page", "median per page"),
-                                      ("p99_ns_per_page", "p99 per page"))):
+    for i, (key, label) in enumerate(
+        (
+            ("median_ns", "median per call"),
+            ("p99_ns", "p99 per call"),
+            ("median_ns_per_page", "median per page"),
+            ("p99_ns_per_page", "p99 per page"),
+        )
+    ):
         vals = [res["alloc"][op][key] / 1e3 for op in ops]
         ax.bar(x + (i - 1.5) * 0.2, vals, 0.2, label=label)
     ax.set_xticks(x, [f"{op}\n({res['alloc'][op]['calls']} calls)" for op in ops])

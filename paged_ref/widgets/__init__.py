@@ -30,8 +30,9 @@ def with_static_figure(panel, fig):
     def mimebundle(**kwargs):
         data = live(**kwargs)
         data["image/png"] = png
-        data["text/plain"] = "(interactive panel: run the notebook to move the sliders; " \
-                             "the picture shows its default setting)"
+        data["text/plain"] = (
+            "(interactive panel: run the notebook to move the sliders; the picture shows its default setting)"
+        )
         return data
 
     panel._repr_mimebundle_ = mimebundle

@@ -2,7 +2,7 @@
 
 The K/V are SmolLM2-135M's for a real English passage (`paged_ref.textdata`), computed once per
 process by the model's own forward (`real_kv`); every redraw replays the policies over them in
-a fresh `PagedKVCache` (`paged_ref.viz.eviction.replay`), so a redraw costs milliseconds for
+a fresh `PagedKVCache` (`paged_ref.eviction.replay.replay`), so a redraw costs milliseconds for
 the page-eviction policies and a few seconds for ``token_topk`` (it rescores after every token).
 
 Example:
@@ -22,7 +22,8 @@ import torch
 from matplotlib.figure import Figure
 
 from .._validate import check_choice, check_int
-from ..viz.eviction import MAP_POLICIES, page_map_figure, replay
+from ..eviction.replay import replay
+from ..viz.eviction import MAP_POLICIES, page_map_figure
 from . import with_static_figure
 
 #: Slider and menu choices. Every budget is >= 2 x the largest page size (StreamingLLM's sink
@@ -68,8 +69,9 @@ def real_kv(num_tokens: int = WIDGET_TOKENS, start: int = 0) -> RealKV:
     return RealKV(ks=tuple(ks), vs=tuple(vs), token_ids=ids, text=tok.decode(ids))
 
 
-def kept_pages_view(budget: int, page_size: int, policy: str = "paged_eviction", *, kv=None,
-                    prompt_len: int | None = None) -> Figure:
+def kept_pages_view(
+    budget: int, page_size: int, policy: str = "paged_eviction", *, kv=None, prompt_len: int | None = None
+) -> Figure:
     """The panel's callback: page maps of PagedEviction and ``policy`` at budget C and page size B.
 
     Args:
@@ -97,8 +99,12 @@ def kept_pages_view(budget: int, page_size: int, policy: str = "paged_eviction",
     prompt_len = n // 2 if prompt_len is None else prompt_len
     names = ["paged_eviction"] + ([policy] if policy != "paged_eviction" else [])
     runs = [replay(ks, vs, name, budget=budget, page_size=page_size, prompt_len=prompt_len) for name in names]
-    return page_map_figure(runs, note="K/V: SmolLM2-135M on CPython documentation prose (full-cache forward)"
-                           if kv is None else "K/V: given by the caller")
+    return page_map_figure(
+        runs,
+        note="K/V: SmolLM2-135M on CPython documentation prose (full-cache forward)"
+        if kv is None
+        else "K/V: given by the caller",
+    )
 
 
 def eviction_panel(kv=None, prompt_len: int | None = None):
@@ -107,15 +113,20 @@ def eviction_panel(kv=None, prompt_len: int | None = None):
     from IPython.display import display
 
     style = {"description_width": "initial"}
-    budget = w.SelectionSlider(options=BUDGETS, value=128, description="budget C (tokens)",
-                               continuous_update=False, style=style)
-    page = w.SelectionSlider(options=PAGE_SIZES, value=16, description="page size B",
-                             continuous_update=False, style=style)
+    budget = w.SelectionSlider(
+        options=BUDGETS, value=128, description="budget C (tokens)", continuous_update=False, style=style
+    )
+    page = w.SelectionSlider(
+        options=PAGE_SIZES, value=16, description="page size B", continuous_update=False, style=style
+    )
     policy = w.Dropdown(options=POLICIES, value="token_topk", description="compare with", style=style)
     out = w.interactive_output(
-        lambda budget, page_size, policy: display(kept_pages_view(budget, page_size, policy, kv=kv,
-                                                                  prompt_len=prompt_len)),
-        {"budget": budget, "page_size": page, "policy": policy})
-    return with_static_figure(w.VBox([w.HBox([budget, page, policy]), out]),
-                              kept_pages_view(budget.value, page.value, policy.value, kv=kv,
-                                              prompt_len=prompt_len))
+        lambda budget, page_size, policy: display(
+            kept_pages_view(budget, page_size, policy, kv=kv, prompt_len=prompt_len)
+        ),
+        {"budget": budget, "page_size": page, "policy": policy},
+    )
+    return with_static_figure(
+        w.VBox([w.HBox([budget, page, policy]), out]),
+        kept_pages_view(budget.value, page.value, policy.value, kv=kv, prompt_len=prompt_len),
+    )

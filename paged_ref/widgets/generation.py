@@ -46,7 +46,13 @@ def trace_panel(trace: GenerationTrace, index: int = 0):
     from IPython.display import display
 
     trace_view(trace, index)  # fail here, before any widget is made, on a bad trace or index
-    slider = w.IntSlider(value=index % len(trace.maps), min=0, max=len(trace.maps) - 1, description="snapshot",
-                         continuous_update=False, style={"description_width": "initial"})
+    slider = w.IntSlider(
+        value=index % len(trace.maps),
+        min=0,
+        max=len(trace.maps) - 1,
+        description="snapshot",
+        continuous_update=False,
+        style={"description_width": "initial"},
+    )
     out = w.interactive_output(lambda index: display(trace_view(trace, index)), {"index": slider})
     return with_static_figure(w.VBox([slider, out]), trace_view(trace, slider.value))

@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from matplotlib.figure import Figure
@@ -55,9 +55,16 @@ def check_lengths(lengths) -> tuple[int, ...]:
     return out
 
 
-def churned_cache(lengths: Sequence[int], page_size: int, *, seed: int = 0, spare_pages: int = 2,
-                  num_kv_heads: int = 1, head_dim: int = 1,
-                  dtype: torch.dtype = torch.float32) -> tuple[PagedKVCache, list[int]]:
+def churned_cache(
+    lengths: Sequence[int],
+    page_size: int,
+    *,
+    seed: int = 0,
+    spare_pages: int = 2,
+    num_kv_heads: int = 1,
+    head_dim: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[PagedKVCache, list[int]]:
     """A one-layer cache holding ``len(lengths)`` sequences on scattered pages, with random K/V.
 
     The story, seeded: a short-lived request ``X`` and the first tokens of the others arrive in
@@ -85,14 +92,20 @@ def churned_cache(lengths: Sequence[int], page_size: int, *, seed: int = 0, spar
         raise ValueError("lengths must hold at least one sequence, got none")
     page_size = check_int("page_size", page_size, min_value=1)
     spare_pages = check_int("spare_pages", spare_pages, min_value=0)
-    order = torch.Generator().manual_seed(seed)          # the story: which token comes next
-    values = torch.Generator().manual_seed(seed + 1)     # the K/V drawn for each token
+    order = torch.Generator().manual_seed(seed)  # the story: which token comes next
+    values = torch.Generator().manual_seed(seed + 1)  # the K/V drawn for each token
     need = sum(pages_needed(n, page_size) for n in lengths)
     num_pages = need + spare_pages
     # X takes as many pages as fit next to everyone's first page, up to spare + 2.
     x_pages = min(spare_pages + 2, num_pages - len(lengths))
-    cache = PagedKVCache(num_layers=1, num_pages=num_pages, page_size=page_size,
-                         num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+    cache = PagedKVCache(
+        num_layers=1,
+        num_pages=num_pages,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
 
     def grow(seq_id: int) -> None:
         slots = cache.reserve(seq_id, 1)
@@ -114,8 +127,9 @@ def churned_cache(lengths: Sequence[int], page_size: int, *, seed: int = 0, spar
     return cache, seq_ids
 
 
-def mask_view(page_size: int, kv_block_size: int, lengths=DEFAULT_LENGTHS, *,
-              prefill: bool = False, seed: int = 0) -> Figure:
+def mask_view(
+    page_size: int, kv_block_size: int, lengths=DEFAULT_LENGTHS, *, prefill: bool = False, seed: int = 0
+) -> Figure:
     """The panel's callback: logical vs physical BlockMask of :func:`churned_cache`'s batch.
 
     Decode draws one query per sequence; ``prefill=True`` makes the last ``min(len, 4)`` tokens
@@ -132,17 +146,18 @@ def mask_view(page_size: int, kv_block_size: int, lengths=DEFAULT_LENGTHS, *,
     block_table, seq_lens = cache.block_table(seqs)
     q_lens = torch.tensor([min(n, 4) for n in lengths], dtype=torch.int32) if prefill else None
     q_len = int(q_lens.max()) if prefill else 1
-    masks = paged_block_masks(block_table, seq_lens, cache.num_pages, page_size, q_len=q_len,
-                              q_lens=q_lens, kv_block_size=kv_block_size)
+    masks = paged_block_masks(
+        block_table, seq_lens, cache.num_pages, page_size, q_len=q_len, q_lens=q_lens, kv_block_size=kv_block_size
+    )
     visits = block_mask_visits(masks.physical)[:, 0]
-    truth = expected_visible(block_table, seq_lens, cache.num_pages, page_size, q_lens=q_lens,
-                             q_len=q_len)
+    truth = expected_visible(block_table, seq_lens, cache.num_pages, page_size, q_lens=q_lens, q_len=q_len)
     verdict = "exact" if torch.equal(visits, truth.int()) else "WRONG"
-    title = (f"page size {page_size}, flex KV block {kv_block_size}, lengths "
-             f"{', '.join(map(str, lengths))} ({'causal prefill' if prefill else 'decode'}): "
-             f"physical block lists replayed = ground truth: {verdict}")
-    return block_masks_figure(masks, block_table, seq_lens, page_size, q_lens=q_lens,
-                              title=title)
+    title = (
+        f"page size {page_size}, flex KV block {kv_block_size}, lengths "
+        f"{', '.join(map(str, lengths))} ({'causal prefill' if prefill else 'decode'}): "
+        f"physical block lists replayed = ground truth: {verdict}"
+    )
+    return block_masks_figure(masks, block_table, seq_lens, page_size, q_lens=q_lens, title=title)
 
 
 def mask_panel(page_size: int = 4, kv_block_size: int = 8, lengths: str = "11, 5, 16"):
@@ -152,10 +167,12 @@ def mask_panel(page_size: int = 4, kv_block_size: int = 8, lengths: str = "11, 5
     from IPython.display import display
 
     style = {"description_width": "initial"}
-    size = w.SelectionSlider(options=PAGE_SIZES, value=page_size, description="page size",
-                             continuous_update=False, style=style)
-    block = w.SelectionSlider(options=KV_BLOCK_SIZES, value=kv_block_size,
-                              description="flex KV block", continuous_update=False, style=style)
+    size = w.SelectionSlider(
+        options=PAGE_SIZES, value=page_size, description="page size", continuous_update=False, style=style
+    )
+    block = w.SelectionSlider(
+        options=KV_BLOCK_SIZES, value=kv_block_size, description="flex KV block", continuous_update=False, style=style
+    )
     lens = w.Text(value=lengths, description="lengths", continuous_update=False, style=style)
     mode = w.ToggleButtons(options=["decode", "prefill"], value="decode", style=style)
 
@@ -167,7 +184,7 @@ def mask_panel(page_size: int = 4, kv_block_size: int = 8, lengths: str = "11, 5
             return
         display(fig)
 
-    out = w.interactive_output(show, {"page_size": size, "kv_block_size": block,
-                                      "lengths": lens, "mode": mode})
-    return with_static_figure(w.VBox([w.HBox([size, block]), w.HBox([lens, mode]), out]),
-                              mask_view(page_size, kv_block_size, lengths))
+    out = w.interactive_output(show, {"page_size": size, "kv_block_size": block, "lengths": lens, "mode": mode})
+    return with_static_figure(
+        w.VBox([w.HBox([size, block]), w.HBox([lens, mode]), out]), mask_view(page_size, kv_block_size, lengths)
+    )

@@ -5,8 +5,7 @@ from __future__ import annotations
 from matplotlib.figure import Figure
 
 from .._validate import check_int
-from ..memory import (DTYPE_BYTES, MODEL_PRESETS, dense_scores_bytes, dtype_bytes,
-                      kv_cache_bytes, model_preset)
+from ..memory import DTYPE_BYTES, MODEL_PRESETS, dense_scores_bytes, dtype_bytes, kv_cache_bytes, model_preset
 from ..viz.memory import kv_memory_figure
 from . import with_static_figure
 
@@ -18,12 +17,14 @@ def kv_memory_numbers(model: str, dtype: str, num_tokens: int) -> dict[str, int]
     """Byte counts the panel shows: KV per layer, KV in all layers, one layer's dense scores."""
     cfg, b = model_preset(model), dtype_bytes(dtype)
     num_tokens = check_int("num_tokens", num_tokens, min_value=1)
-    per_layer = kv_cache_bytes(num_tokens, num_layers=1, num_kv_heads=cfg.num_kv_heads,
-                               head_dim=cfg.head_dim, bytes_per_elem=b)
-    return {"kv_per_layer": per_layer,
-            "kv_total": kv_cache_bytes(num_tokens, **cfg.kv_shape, bytes_per_elem=b),
-            "scores_one_layer": dense_scores_bytes(num_tokens, num_heads=cfg.num_q_heads,
-                                                   bytes_per_elem=b)}
+    per_layer = kv_cache_bytes(
+        num_tokens, num_layers=1, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, bytes_per_elem=b
+    )
+    return {
+        "kv_per_layer": per_layer,
+        "kv_total": kv_cache_bytes(num_tokens, **cfg.kv_shape, bytes_per_elem=b),
+        "scores_one_layer": dense_scores_bytes(num_tokens, num_heads=cfg.num_q_heads, bytes_per_elem=b),
+    }
 
 
 def kv_memory_view(model: str, dtype: str, num_tokens: int) -> Figure:
@@ -39,10 +40,11 @@ def kv_memory_panel():
 
     model = w.Dropdown(options=list(MODEL_PRESETS), value="LLaMA-7B", description="model")
     dtype = w.Dropdown(options=list(DTYPE_BYTES), value="float16", description="dtype")
-    tokens = w.SelectionSlider(options=LENGTHS, value=2048, description="tokens",
-                               continuous_update=False)
+    tokens = w.SelectionSlider(options=LENGTHS, value=2048, description="tokens", continuous_update=False)
     out = w.interactive_output(
         lambda model, dtype, num_tokens: display(kv_memory_view(model, dtype, num_tokens)),
-        {"model": model, "dtype": dtype, "num_tokens": tokens})
-    return with_static_figure(w.VBox([w.HBox([model, dtype, tokens]), out]),
-                              kv_memory_view(model.value, dtype.value, tokens.value))
+        {"model": model, "dtype": dtype, "num_tokens": tokens},
+    )
+    return with_static_figure(
+        w.VBox([w.HBox([model, dtype, tokens]), out]), kv_memory_view(model.value, dtype.value, tokens.value)
+    )

@@ -58,8 +58,7 @@ class ScenarioResult:
         return self.page_map.held_slots - self.page_map.stored_tokens
 
 
-def page_scenario(page_size: int, num_seqs: int, seed: int = 0, *,
-                  pool_tokens: int = POOL_TOKENS) -> ScenarioResult:
+def page_scenario(page_size: int, num_seqs: int, seed: int = 0, *, pool_tokens: int = POOL_TOKENS) -> ScenarioResult:
     """Run ``random_scenario(num_seqs, seed)`` on a pool of ``pool_tokens`` slots in pages of ``page_size``.
 
     A fresh cache each call (1 layer, 1 KV head, head_dim 1: the page map needs no more), so
@@ -77,8 +76,14 @@ def page_scenario(page_size: int, num_seqs: int, seed: int = 0, *,
     if page_size > pool_tokens:
         raise ValueError(f"page_size must be <= pool_tokens={pool_tokens}, got {page_size}")
     steps = random_scenario(num_seqs, seed)
-    cache = PagedKVCache(num_layers=1, num_pages=pool_tokens // page_size, page_size=page_size,
-                         num_kv_heads=1, head_dim=1, dtype=torch.float32)
+    cache = PagedKVCache(
+        num_layers=1,
+        num_pages=pool_tokens // page_size,
+        page_size=page_size,
+        num_kv_heads=1,
+        head_dim=1,
+        dtype=torch.float32,
+    )
     player = ScenarioPlayer(cache)
     stopped = None
     for step in steps:
@@ -91,15 +96,19 @@ def page_scenario(page_size: int, num_seqs: int, seed: int = 0, *,
     return ScenarioResult(page_map(cache, player.names), steps, len(player.history), stopped)
 
 
-def page_map_view(page_size: int, num_seqs: int, seed: int = 0, *,
-                  pool_tokens: int = POOL_TOKENS) -> Figure:
+def page_map_view(page_size: int, num_seqs: int, seed: int = 0, *, pool_tokens: int = POOL_TOKENS) -> Figure:
     """The panel's callback: a new page-map Figure for these arguments (no side effects)."""
     r = page_scenario(page_size, num_seqs, seed, pool_tokens=pool_tokens)
     pm = r.page_map
-    head = (f"{pool_tokens}-slot pool in {pm.num_pages} pages of {page_size}: "
-            f"{pm.stored_tokens} tokens, {r.wasted_slots} held slots empty")
-    tail = ("all steps ran" if r.complete else
-            f"POOL FULL at step {r.steps_run + 1}/{len(r.steps)} ({r.stopped_at.describe()})")
+    head = (
+        f"{pool_tokens}-slot pool in {pm.num_pages} pages of {page_size}: "
+        f"{pm.stored_tokens} tokens, {r.wasted_slots} held slots empty"
+    )
+    tail = (
+        "all steps ran"
+        if r.complete
+        else f"POOL FULL at step {r.steps_run + 1}/{len(r.steps)} ({r.stopped_at.describe()})"
+    )
     return page_map_figure(pm, title=f"{head}; {tail}", cols=32 if pm.num_pages > 64 else 16)
 
 
@@ -109,14 +118,15 @@ def page_map_panel(page_size: int = 4, num_seqs: int = 4, seed: int = 0):
     from IPython.display import display
 
     style = {"description_width": "initial"}
-    size = w.SelectionSlider(options=PAGE_SIZES, value=page_size, description="page size",
-                             continuous_update=False, style=style)
-    seqs = w.IntSlider(value=num_seqs, min=1, max=MAX_SEQS, description="requests",
-                       continuous_update=False, style=style)
-    seed_w = w.IntSlider(value=seed, min=0, max=20, description="seed",
-                         continuous_update=False, style=style)
+    size = w.SelectionSlider(
+        options=PAGE_SIZES, value=page_size, description="page size", continuous_update=False, style=style
+    )
+    seqs = w.IntSlider(
+        value=num_seqs, min=1, max=MAX_SEQS, description="requests", continuous_update=False, style=style
+    )
+    seed_w = w.IntSlider(value=seed, min=0, max=20, description="seed", continuous_update=False, style=style)
     out = w.interactive_output(
         lambda page_size, num_seqs, seed: display(page_map_view(page_size, num_seqs, seed)),
-        {"page_size": size, "num_seqs": seqs, "seed": seed_w})
-    return with_static_figure(w.VBox([w.HBox([size, seqs, seed_w]), out]),
-                              page_map_view(page_size, num_seqs, seed))
+        {"page_size": size, "num_seqs": seqs, "seed": seed_w},
+    )
+    return with_static_figure(w.VBox([w.HBox([size, seqs, seed_w]), out]), page_map_view(page_size, num_seqs, seed))
