@@ -304,6 +304,52 @@ class PagedKVCache:
         seq.length -= sum(tokens)
         seq.token_ids, seq.page_hashes = None, []
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Remove the last ``num_tokens`` tokens of a sequence: the inverse of `reserve`.
+
+        Pages left without a token go back to the pool (tail first, reserved-ahead pages too).
+        The vacated slots of the last kept page become zero, like every slot that holds no
+        token; if another sequence shares that page, this sequence first gets its own copy
+        (one page from the pool: `OutOfPagesError`, with nothing changed, when none is free).
+        A page whose tokens may now change stops being offered for prefix reuse; the full pages
+        kept stay cached, so prefix caching goes on for the sequence.
+
+        Example:
+            >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)
+            >>> s = kv.add_sequence()
+            >>> _ = kv.reserve(s, 7)
+            >>> kv.truncate(s, 4)
+            >>> kv.seq_len(s), len(kv.pages(s)), kv.allocator.num_free
+            (3, 1, 3)
+        """
+        seq = self._seq(seq_id)
+        num_tokens = check_int("num_tokens", num_tokens, min_value=0)
+        if num_tokens > seq.length:
+            raise ValueError(f"num_tokens must be <= seq_len={seq.length} for sequence {seq_id}, got {num_tokens}")
+        if num_tokens == 0:
+            return
+        ps = self.page_size
+        new_len = seq.length - num_tokens
+        need = pages_needed(new_len, ps)
+        copy = bool(new_len % ps) and self.allocator.refcount(seq.pages[need - 1]) > 1  # shared, partly kept
+        if copy and not self.allocator.can_allocate(1):
+            released = sum(self.allocator.refcount(p) == 1 for p in set(seq.pages[need:]))
+            if not released:
+                raise OutOfPagesError(1, self.allocator.num_free)
+        self._release(seq.pages[need:])
+        seq.pages = seq.pages[:need]
+        if new_len % ps:  # the last kept page loses slots
+            if copy:
+                self._copy_on_write(seq, [need - 1], self._allocate(1))
+            self._forget_hash(seq.pages[-1])
+            start = (need - 1) * ps + new_len % ps
+            slots = slot_mapping(seq.pages, start=start, num_tokens=need * ps - start, page_size=ps)
+            self._zero_slots(slots.to(self.device))
+        seq.length = new_len
+        if seq.token_ids is not None:
+            seq.token_ids = seq.token_ids[:new_len]
+            seq.page_hashes = seq.page_hashes[: new_len // ps]
+
     def compact(self, seq_id: int, keep: torch.Tensor) -> None:
         """Keep only the tokens where ``keep: bool [seq_len]`` is True, packed in order.
 

@@ -325,3 +325,85 @@ def test_token_ids_must_be_ints_and_free_none_is_refused():
     assert cache.seq_len(s) == 0 and cache.allocator.num_free == 16  # nothing changed
     with pytest.raises(ValueError, match="seq_id None is not a live sequence"):
         cache.free(None)
+
+
+# --------------------------------------------------------------------------- truncate
+def _filled(cache, seq, n, seed, token_ids=None):
+    """Reserve and write ``n`` random tokens; returns their K/V per layer ([n, Hkv, D] each)."""
+    g = torch.Generator().manual_seed(seed)
+    slots = cache.reserve(seq, n, token_ids=token_ids)
+    kvs = []
+    for layer in range(cache.num_layers):
+        k = torch.randn(n, cache.num_kv_heads, cache.head_dim, generator=g)
+        v = torch.randn(n, cache.num_kv_heads, cache.head_dim, generator=g)
+        cache.write(layer, slots, k, v)
+        kvs.append((k, v))
+    return kvs
+
+
+@pytest.mark.parametrize("page_size, before, added", [(4, 5, 7), (4, 4, 4), (1, 3, 2), (8, 0, 13), (16, 9, 1)])
+def test_truncate_undoes_reserve(page_size, before, added):
+    cache = pr.PagedKVCache(num_layers=2, num_pages=8, page_size=page_size, num_kv_heads=2, head_dim=4)
+    seq = cache.add_sequence()
+    kept = _filled(cache, seq, before, seed=1) if before else None
+    pages, free = cache.pages(seq), cache.allocator.num_free
+    _filled(cache, seq, added, seed=2)
+    cache.truncate(seq, added)
+    assert cache.seq_len(seq) == before and cache.pages(seq) == pages and cache.allocator.num_free == free
+    for layer in range(2):
+        k, v = cache.gather(layer, seq)
+        if kept:
+            assert torch.equal(k, kept[layer][0]) and torch.equal(v, kept[layer][1])
+        if before % page_size:  # the vacated slots of the last page are zero again
+            page = pages[-1]
+            assert not cache.k_cache[layer][page, before % page_size :].any()
+    for page in range(cache.num_pages):  # pages given back hold nothing
+        if cache.allocator.refcount(page) == 0:
+            assert not cache.k_cache[0][page].any() and not cache.v_cache[1][page].any()
+
+
+def test_truncate_checks_its_argument_and_changes_nothing_on_error():
+    cache = pr.PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)
+    seq = cache.add_sequence()
+    cache.reserve(seq, 6)
+    with pytest.raises(ValueError, match=r"num_tokens must be <= seq_len=6 for sequence 0, got 7"):
+        cache.truncate(seq, 7)
+    with pytest.raises(ValueError, match="num_tokens"):
+        cache.truncate(seq, -1)
+    with pytest.raises(TypeError, match="num_tokens must be an int"):
+        cache.truncate(seq, 1.0)
+    assert cache.seq_len(seq) == 6 and len(cache.pages(seq)) == 2
+    cache.truncate(seq, 0)
+    assert cache.seq_len(seq) == 6
+
+
+def test_truncate_keeps_prefix_caching_and_never_touches_a_shared_page():
+    cache = pr.PagedKVCache(num_layers=1, num_pages=12, page_size=4, num_kv_heads=1, head_dim=2, prefix_caching=True)
+    prompt = list(range(10, 22))  # 12 tokens: 3 full pages
+    a = cache.add_sequence(token_ids=prompt)
+    kv_a = _filled(cache, a, 12, seed=3, token_ids=prompt)
+    b = cache.add_sequence(token_ids=prompt + [99])  # shares a's first 3 pages (the last token is computed)
+    assert cache.pages(b) == cache.pages(a)[:3] and cache.seq_len(b) == 12
+    cache.truncate(b, 2)  # into a's third page: shared, so b gets its own copy of it
+    assert cache.seq_len(b) == 10 and cache.pages(b)[:2] == cache.pages(a)[:2]
+    assert cache.pages(b)[2] != cache.pages(a)[2] and not cache.k_cache[0][cache.pages(b)[2], 2:].any()
+    k_a, _ = cache.gather(0, a)
+    k_b, _ = cache.gather(0, b)
+    assert torch.equal(k_a, kv_a[0][0]) and torch.equal(k_b, kv_a[0][0][:10])  # a untouched, b its prefix
+    _filled(cache, b, 3, seed=4, token_ids=[7, 8, 9])
+    # b's own tail goes and comes back with other tokens; b's first two pages stay findable
+    cache.truncate(b, 5)
+    c = cache.add_sequence(token_ids=prompt[:8] + [1, 2])
+    assert cache.pages(c)[:2] == cache.pages(a)[:2] and cache.seq_len(c) == 8
+
+
+def test_truncate_into_a_shared_page_without_a_free_page_changes_nothing():
+    cache = pr.PagedKVCache(num_layers=1, num_pages=2, page_size=4, num_kv_heads=1, head_dim=2)
+    a = cache.add_sequence()
+    _filled(cache, a, 6, seed=5)
+    b = cache.fork(a)  # shares both pages; the pool is empty
+    with pytest.raises(pr.OutOfPagesError):
+        cache.truncate(b, 1)  # the second page would need a private copy
+    assert cache.seq_len(b) == 6 and cache.pages(b) == cache.pages(a)
+    cache.truncate(b, 2)  # the shared first page is kept whole: no copy needed
+    assert cache.seq_len(b) == 4 and cache.pages(b) == cache.pages(a)[:1]

@@ -504,3 +504,34 @@ def test_sdpa_decode_reads_consecutive_pages_in_place_and_gathers_scattered_ones
         torch.testing.assert_close(
             sdpa_paged_decode(q, kc, vc, table, lens, gather=gather), paged_attention_reference(q, kc, vc, table, lens)
         )
+
+
+def test_session_prefix_caching_through_the_public_api(model):
+    """A second request with the same prompt starts from the cached pages and gets the same logits."""
+    kv = PagedKVCache(num_pages=16, page_size=4, prefix_caching=True, **model_geometry(model))
+    prompt = _prompt(14, seed=21)[0]  # [14]
+    with hf.PagedSession(model, kv=kv) as session:
+        a = session.add(prompt)
+        assert session.position(a) == 0
+        first = session.extend([a], [prompt])
+        session.finish(a)  # its full pages stay findable
+        b = session.add(prompt)
+        assert session.position(b) == 12 and kv.prefix_hits == 3  # three full pages, the last token computed
+        again = session.extend([b], [prompt[session.position(b) :]])
+        torch.testing.assert_close(again, first, rtol=0, atol=1e-5)
+
+
+def test_a_failed_forward_rolls_back_without_ending_prefix_caching(model):
+    kv = PagedKVCache(num_pages=6, page_size=4, prefix_caching=True, **model_geometry(model))
+    prompt, more = _prompt(8, seed=22)[0], _prompt(4, seed=24)[0]
+    with hf.PagedSession(model, kv=kv) as session:
+        a = session.add(prompt)
+        session.extend([a], [prompt])
+        pages = kv.pages(a)
+        c = session.add()
+        with pytest.raises(OutOfPagesError):  # a's page is reserved, then c's 5 pages do not fit: a rolls back
+            session.extend([a, c], [more, _prompt(20, seed=23)[0]])
+        assert kv.seq_len(a) == 8 and kv.pages(a) == pages and kv.allocator.num_free == 4
+        session.extend([a], [more])  # a third full page, registered because a still hashes its tokens
+        b = session.add(torch.cat([prompt, more, more[:1]]))
+        assert session.position(b) == 12 and kv.pages(b) == kv.pages(a)

@@ -40,36 +40,6 @@ from ._scaling_decoders import AllocationTimer, synchronize
 __all__ = ["run_chat"]
 
 
-class _KnownTokensKV(PagedKVCache):
-    """A `PagedKVCache` told each sequence's token ids ahead of time (``known[seq_id]``).
-
-    `PagedSession` reserves slots without token ids, and a page enters the prefix cache only
-    when `reserve` learns the ids that fill it; this subclass supplies them from ``known``.
-    A stopgap until `PagedSession` passes token ids itself.
-    """
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.known: dict[int, list[int]] = {}
-
-    def reserve(self, seq_id, num_tokens, token_ids=None):
-        if token_ids is None and seq_id in self.known:
-            start = self.seq_len(seq_id)
-            token_ids = self.known[seq_id][start : start + num_tokens]
-        return super().reserve(seq_id, num_tokens, token_ids=token_ids)
-
-
-class _PrefixSession(PagedSession):
-    """`PagedSession` whose new sequences may start from the prefix cache (stopgap, see above)."""
-
-    def add_prompt(self, token_ids: list[int]) -> int:
-        """A new sequence for ``token_ids``; its cached full pages are reused (``kv.seq_len`` tokens)."""
-        seq_id = self.kv.add_sequence(token_ids=token_ids)
-        self.kv.known[seq_id] = list(token_ids)
-        self._positions[seq_id] = self.kv.seq_len(seq_id)  # RoPE continues after the reused tokens
-        return seq_id
-
-
 def run_chat(
     model,
     user_turns,
@@ -103,19 +73,17 @@ def run_chat(
     total = sum(int(u.numel()) for u in user_turns) + reply_tokens * len(user_turns)
     if num_pages is None:
         num_pages = 2 * pages_needed(total, page_size) + len(user_turns) + 2
-    kv = _KnownTokensKV(
-        num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching, **model_geometry(model)
-    )
+    kv = PagedKVCache(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching, **model_geometry(model))
     timer = AllocationTimer(kv.allocator)
     history: list[int] = []
     turns, replies = [], []
-    with _PrefixSession(model, kv=kv, backend=backend) as session:
+    with PagedSession(model, kv=kv, backend=backend) as session:
         for t, user in enumerate(user_turns):
             request = history + [int(x) for x in user]
             calls_before, hits_before = len(timer.calls), kv.prefix_hits
             synchronize(device)
             start = time.perf_counter()
-            seq = session.add_prompt(request)
+            seq = session.add(request)  # with prefix caching: starts holding the cached full pages
             reused = kv.seq_len(seq)
             pos = reused
             while pos < len(request):  # prefill what the cache does not already hold
@@ -128,7 +96,6 @@ def run_chat(
             for _ in range(reply_tokens):
                 token = int(logits[0].argmax())
                 reply.append(token)
-                kv.known[seq].append(token)
                 logits = session.extend([seq], [torch.tensor([token], device=device)])
             synchronize(device)
             done = time.perf_counter()

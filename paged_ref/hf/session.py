@@ -145,10 +145,29 @@ class PagedSession:
         self.close()
 
     # ------------------------------------------------------------------ sequences
-    def add(self) -> int:
-        """Start an empty sequence; returns its id in `kv`."""
-        seq_id = self.kv.add_sequence()
-        self._positions[seq_id] = 0
+    def add(self, token_ids=None) -> int:
+        """Start a sequence; returns its id in `kv`.
+
+        With ``token_ids`` (the prompt, a list or 1-D LongTensor) and a cache made with
+        ``prefix_caching=True``, the full pages of the prompt that the cache already holds are
+        reused: the sequence starts with ``position(seq_id)`` tokens held, and the caller feeds
+        the rest, ``token_ids[position(seq_id):]`` (at least the last token is always left to
+        compute). Without prefix caching the sequence starts empty.
+
+        Example:
+            >>> from paged_ref import PagedKVCache
+            >>> from paged_ref.models import tiny_llama
+            >>> model = tiny_llama()
+            >>> kv = PagedKVCache(num_pages=8, page_size=4, prefix_caching=True, **model_geometry(model))
+            >>> prompt = list(range(5, 15))                                  # 10 tokens
+            >>> with PagedSession(model, kv=kv) as session:
+            ...     a = session.add(prompt); _ = session.extend([a], [torch.tensor(prompt)])
+            ...     b = session.add(prompt + [3])                             # same prompt, one more token
+            ...     session.position(b)                                       # two full pages reused
+            8
+        """
+        seq_id = self.kv.add_sequence(token_ids=token_ids)
+        self._positions[seq_id] = self.kv.seq_len(seq_id)  # RoPE continues after reused tokens
         return seq_id
 
     def finish(self, seq_id: int) -> None:
@@ -271,7 +290,9 @@ class PagedSession:
         """Reserve cache slots for the new tokens and lay them out as a [batch, max_q_len] rectangle."""
         device = self.kv.device
         batch, max_q = len(seq_ids), max(q_lens_list)
-        slots = [self.kv.reserve(s, n) for s, n in zip(seq_ids, q_lens_list)]
+        # with prefix caching the cache learns the token ids, so full pages become findable
+        ids = [t.tolist() for t in tokens] if self.kv.prefix_caching else [None] * batch
+        slots = [self.kv.reserve(s, n, token_ids=i) for s, n, i in zip(seq_ids, q_lens_list, ids)]
         q_lens = torch.tensor(q_lens_list, dtype=torch.int32, device=device)  # [batch]
         start = torch.tensor([self._positions[s] for s in seq_ids], device=device)  # [batch]
         col = torch.arange(max_q, device=device)  # [max_q]
@@ -303,9 +324,7 @@ class PagedSession:
     def _shrink_to(self, seq_ids, old_lens) -> None:
         """Undo reservations: cut each sequence back to its old length (pages return to the pool)."""
         for s, n in zip(seq_ids, old_lens):
-            if self.kv.seq_len(s) > n:
-                keep = torch.arange(self.kv.seq_len(s), device=self.kv.device) < n  # bool [seq_len]
-                self.kv.compact(s, keep)
+            self.kv.truncate(s, max(0, self.kv.seq_len(s) - n))
 
     def _evict(self, seq_id: int, phase: str) -> None:
         """Eviction hook: let the policy shrink ``seq_id``'s cache after a forward (see module docstring)."""
