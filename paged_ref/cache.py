@@ -57,6 +57,7 @@ from ._arith import next_pow2
 from ._validate import check_choice, check_int
 from .allocator import OutOfPagesError, PageAllocator
 from .block_table import pad_block_tables, pages_needed, slot_mapping, to_csr
+from .memory import kv_bytes_per_token
 
 
 @dataclass
@@ -132,7 +133,8 @@ class PagedKVCache:
     def page_bytes(self) -> int:
         """Bytes of one page across K and V of all layers."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * elem
+        shape = dict(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        return self.page_size * kv_bytes_per_token(**shape, bytes_per_elem=elem)
 
     def block_table(self, seq_ids=None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(block_table int32 [batch, max_pages], seq_lens int32 [batch])`` for ``seq_ids``.

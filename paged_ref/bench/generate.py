@@ -40,6 +40,7 @@ from .. import hf, textdata
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..hf.session import model_geometry
+from ..memory import kv_bytes_per_token
 from ._generate_contexts import measure_contexts
 from .common import environment, print_table, write_json
 
@@ -92,7 +93,9 @@ class _PeakRSS:
 def _kv_bytes_per_token(model) -> int:
     g = model_geometry(model)
     elem = torch.empty((), dtype=g["dtype"]).element_size()
-    return 2 * g["num_layers"] * g["num_kv_heads"] * g["head_dim"] * elem
+    return kv_bytes_per_token(
+        num_layers=g["num_layers"], num_kv_heads=g["num_kv_heads"], head_dim=g["head_dim"], bytes_per_elem=elem
+    )
 
 
 def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
