@@ -18,3 +18,8 @@ def test_unknown_attribute_raises():
 def test_package_docstring_example():
     result = doctest.testmod(pr)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_lazy_modules_the_readme_names_resolve():
+    assert pr.stats.wilson(0, 0) == (0.0, 1.0)
+    assert pr.hf.register_backend is not None and "sdpa" in pr.hf.BACKENDS
