@@ -253,3 +253,28 @@ def test_gpu_profile_code_paths_on_cpu(model):
     assert len({p["kv_bytes"] for p in static["points"]}) == 1
     out_of_time = scaling.run_model("tiny", profile, device="cpu", clock=scaling._Clock(0))
     assert out_of_time["ladder"] == [] and "ladder dynamic" in out_of_time["skipped"]
+
+
+def test_noise_summary_from_the_ladder():
+    from paged_ref.bench._scaling_report import noise_summary
+
+    def decoder(backend, label, pts):
+        return {
+            "backend": backend,
+            "label": label,
+            "timed": True,
+            "points": [{"context": c, "median_s": sorted(t)[len(t) // 2], "times_s": t} for c, t in pts],
+        }
+
+    ladder = [
+        decoder("dynamic", "dyn", [(128, [0.010, 0.011, 0.012]), (512, [0.020, 0.022, 0.024])]),
+        decoder("static", "sta", [(128, [0.012] * 3), (512, [0.011] * 3)]),
+        decoder("none", "none", [(128, [0.1]), (512, [1.6])]),
+    ]
+    n = noise_summary(ladder)
+    assert n["steps"] == {"dyn": [3], "sta": [3], "none": [1]}
+    assert n["spread"]["dyn"][512] == pytest.approx([20.0, 21.0, 22.0, 23.0, 24.0])
+    assert n["peer_over_base"] == pytest.approx([0.5, 12 / 11])
+    g = n["no_cache_growth"]
+    assert g["first"] == (128, pytest.approx(100.0)) and g["doublings"] == 2
+    assert g["factor"] == pytest.approx(16.0) and g["per_doubling"] == pytest.approx(4.0)

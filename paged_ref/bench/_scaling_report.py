@@ -8,6 +8,8 @@ Example:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .common import print_table
@@ -76,7 +78,9 @@ def noise_summary(ladder: list[dict], base: str = "dynamic", peer: str = "static
     Returns:
         ``{"steps": {label: timed steps per point}, "spread": {label: {context: [min, p25,
         median, p75, max] ms}}, "peer_over_base": [min, max] of peer median / base median over
-        contexts, "iqr_over_median": {label: largest (p75 - p25) / median over contexts}}``.
+        contexts, "iqr_over_median": {label: largest (p75 - p25) / median over contexts},
+        "no_cache_growth": {"first", "last" (context, ms), "factor", "doublings", "per_doubling"}}``
+        (the last key only when the no-cache decoder ran at two contexts or more).
     """
     timed = {r["backend"]: r for r in ladder if r["timed"]}
     out = {"steps": {}, "spread": {}, "iqr_over_median": {}}
@@ -86,6 +90,17 @@ def noise_summary(ladder: list[dict], base: str = "dynamic", peer: str = "static
         q = {p["context"]: [float(x) * 1e3 for x in np.percentile(p["times_s"], [0, 25, 50, 75, 100])] for p in pts}
         out["spread"][r["label"]] = q
         out["iqr_over_median"][r["label"]] = max((v[3] - v[1]) / v[2] for v in q.values()) if q else None
+    none = [p for p in timed["none"]["points"] if p["median_s"]] if "none" in timed else []
+    if len(none) >= 2:
+        factor = none[-1]["median_s"] / none[0]["median_s"]
+        doublings = math.log2(none[-1]["context"] / none[0]["context"])
+        out["no_cache_growth"] = {
+            "first": (none[0]["context"], none[0]["median_s"] * 1e3),
+            "last": (none[-1]["context"], none[-1]["median_s"] * 1e3),
+            "factor": factor,
+            "doublings": doublings,
+            "per_doubling": factor ** (1 / doublings),
+        }
     if base in timed and peer in timed:
         b = {p["context"]: p["median_s"] for p in timed[base]["points"]}
         ratios = [p["median_s"] / b[p["context"]] for p in timed[peer]["points"] if p["context"] in b]

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._validate import check_choice
+
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "AUTO",
@@ -116,11 +118,8 @@ def get_backend(name: str, device="cpu") -> Backend:
         >>> get_backend("auto", "cpu").name
         'sdpa'
     """
-    if name == AUTO:
-        name = auto_backend(device)
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {[*sorted(BACKENDS), AUTO]}, got {name!r}")
-    return BACKENDS[name]
+    check_choice("backend", name, [*BACKENDS, AUTO])
+    return BACKENDS[auto_backend(device) if name == AUTO else name]
 
 
 def auto_backend(device) -> str:

@@ -35,10 +35,10 @@ import time
 
 import torch
 
-from .._validate import check_choice, check_int
+from .._validate import check_int
 from ..cache import PagedKVCache
 from ..memory import model_geometry  # noqa: F401  (re-exported: hf.session.model_geometry)
-from .attention import ATTN_IMPLEMENTATION, AUTO, BACKENDS, get_backend, register
+from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, register
 from .cache import PagedCache, StepPlan
 
 __all__ = ["PagedSession", "model_geometry"]
@@ -87,8 +87,8 @@ class PagedSession:
         from ..eviction import resolve_policy  # a policy name + budget, or a policy object
 
         eviction = resolve_policy(eviction, budget)
-        check_choice("backend", backend, [*BACKENDS, AUTO])
         geometry = model_geometry(model)
+        backend_ = get_backend(backend, geometry["device"])  # a kv given must match this device (below)
         if kv is None:
             kv = PagedKVCache(
                 num_pages=check_int("num_pages", num_pages, min_value=1),
@@ -109,7 +109,7 @@ class PagedSession:
                 raise ValueError(f"kv does not match the model: the model needs {geometry}, kv has {got}")
         self.model = model
         self.kv = kv
-        self._backend = get_backend(backend, kv.device)
+        self._backend = backend_
         self.backend = self._backend.name
         self.eviction, self.budget = eviction, budget
         self._decode, self._prefill = self._backend.functions()

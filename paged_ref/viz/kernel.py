@@ -28,6 +28,7 @@ from matplotlib.patches import Polygon, Rectangle
 from .._arith import cdiv
 from .._validate import check_int
 from . import add_note
+from .pages import PALETTE
 
 __all__ = [
     "tile_color",
@@ -41,17 +42,7 @@ __all__ = [
 ]
 
 NOTE = "Drawn from the kernel's indexing rules on CPU (no hardware measured)."
-TILE_PALETTE = (
-    "tab:blue",
-    "tab:orange",
-    "tab:green",
-    "tab:red",
-    "tab:purple",
-    "tab:brown",
-    "tab:pink",
-    "tab:olive",
-    "tab:cyan",
-)
+TILE_PALETTE = PALETTE  # the page maps' sequence colors, reused for tiles
 SPLIT_SHADES = ("#dbe9f6", "#fde5cc", "#d9f0d3", "#f6d5d5", "#e7dcef", "#eadbd6", "#f9dcef", "#eeeecc")
 UNUSED_COLOR = "0.9"  # a physical slot this sequence does not use
 IMPL_COLORS = {
