@@ -57,7 +57,7 @@ from ._arith import next_pow2
 from ._validate import check_choice, check_int
 from .allocator import OutOfPagesError, PageAllocator
 from .block_table import pad_block_tables, pages_needed, slot_mapping, to_csr
-from .memory import kv_bytes_per_token
+from .memory import KVGeometry, model_geometry
 
 
 @dataclass
@@ -117,6 +117,31 @@ class PagedKVCache:
         self._pending: dict[int, tuple[bytes, tuple[int, ...], set[int]]] = {}
         self.prefix_hits = 0  # full pages reused from the prefix cache
 
+    @classmethod
+    def for_model(cls, model, *, num_pages: int, page_size: int, **options) -> PagedKVCache:
+        """A cache shaped for a transformers model (its layers, KV heads, head_dim, dtype, device).
+
+        ``options`` are the other keyword arguments (``growth``, ``prefix_caching``, ...).
+
+        Example:
+            >>> from paged_ref.models import tiny_llama
+            >>> kv = PagedKVCache.for_model(tiny_llama(), num_pages=4, page_size=2)
+            >>> kv.geometry.kv_shape
+            {'num_layers': 2, 'num_kv_heads': 2, 'head_dim': 32}
+        """
+        return cls(num_pages=num_pages, page_size=page_size, **model_geometry(model).cache_kwargs, **options)
+
+    @property
+    def geometry(self) -> KVGeometry:
+        """This cache's :class:`~paged_ref.memory.KVGeometry` (no query-head count: the cache has none)."""
+        return KVGeometry(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+
     # ----------------------------------------------------------------- inspection
     @property
     def seq_ids(self) -> list[int]:
@@ -132,9 +157,7 @@ class PagedKVCache:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page across K and V of all layers."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        shape = dict(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
-        return self.page_size * kv_bytes_per_token(**shape, bytes_per_elem=elem)
+        return self.page_size * self.geometry.bytes_per_token
 
     def block_table(self, seq_ids=None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(block_table int32 [batch, max_pages], seq_lens int32 [batch])`` for ``seq_ids``.

@@ -32,37 +32,78 @@ _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KiB": 2**10, "MiB": 2*
 
 
 @dataclass(frozen=True)
-class ModelConfig:
-    """The attention shape of a decoder model, as far as KV memory is concerned.
+class KVGeometry:
+    """The shape of a model's KV cache: the one geometry type of the package.
 
     ``num_q_heads`` and ``num_kv_heads`` differ under grouped-query attention (GQA); the cache
-    is sized by the KV heads.
+    is sized by the KV heads. A geometry read from a loaded model (:func:`model_geometry`) also
+    carries the ``dtype`` and ``device`` of its weights; a published preset leaves them None.
+
+    Example:
+        >>> g = KVGeometry(num_layers=30, num_kv_heads=3, head_dim=64, num_q_heads=9)
+        >>> g.kv_shape, g.group_size
+        ({'num_layers': 30, 'num_kv_heads': 3, 'head_dim': 64}, 3)
     """
 
-    name: str
     num_layers: int
-    num_q_heads: int
     num_kv_heads: int
     head_dim: int
+    num_q_heads: int | None = None  # None: not known (a cache has no query heads) or no GQA
+    name: str = ""
+    dtype: object = None  # torch.dtype of the weights, for a geometry read from a model
+    device: object = None  # torch.device of the weights, likewise
+
+    def __post_init__(self):
+        for arg in ("num_layers", "num_kv_heads", "head_dim"):
+            check_int(arg, getattr(self, arg), min_value=1)
+        if self.num_q_heads is None:
+            return
+        check_int("num_q_heads", self.num_q_heads, min_value=1)
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_q_heads must be a multiple of num_kv_heads (GQA groups), "
+                f"got num_q_heads={self.num_q_heads}, num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (1 without GQA or when ``num_q_heads`` is None)."""
+        return (self.num_q_heads or self.num_kv_heads) // self.num_kv_heads
 
     @property
     def kv_shape(self) -> dict[str, int]:
         """The keyword arguments of :func:`kv_cache_bytes` / :func:`kv_bytes_per_token`."""
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
 
+    @property
+    def bytes_per_token(self) -> int:
+        """:func:`kv_bytes_per_token` at this geometry's ``dtype`` (a geometry read from a model)."""
+        if self.dtype is None:
+            raise ValueError("bytes_per_token needs the geometry's dtype; this one has dtype=None")
+        return kv_bytes_per_token(**self.kv_shape, bytes_per_elem=self.dtype.itemsize)
+
+    @property
+    def cache_kwargs(self) -> dict:
+        """The keyword arguments of a :class:`~paged_ref.cache.PagedKVCache` besides its pages.
+
+        ``kv_shape`` plus ``dtype`` and ``device`` where the geometry carries them.
+        """
+        extra = {k: getattr(self, k) for k in ("dtype", "device") if getattr(self, k) is not None}
+        return {**self.kv_shape, **extra}
+
 
 #: Published configurations (from each model's config.json).
-MODEL_PRESETS: dict[str, ModelConfig] = {
+MODEL_PRESETS: dict[str, KVGeometry] = {
     c.name: c
     for c in (
-        ModelConfig("LLaMA-7B", num_layers=32, num_q_heads=32, num_kv_heads=32, head_dim=128),
-        ModelConfig("Llama-3-8B", num_layers=32, num_q_heads=32, num_kv_heads=8, head_dim=128),
-        ModelConfig("SmolLM2-135M", num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64),
+        KVGeometry(name="LLaMA-7B", num_layers=32, num_q_heads=32, num_kv_heads=32, head_dim=128),
+        KVGeometry(name="Llama-3-8B", num_layers=32, num_q_heads=32, num_kv_heads=8, head_dim=128),
+        KVGeometry(name="SmolLM2-135M", num_layers=30, num_q_heads=9, num_kv_heads=3, head_dim=64),
     )
 }
 
 
-def model_preset(name: str) -> ModelConfig:
+def model_preset(name: str) -> KVGeometry:
     """Look up a model in :data:`MODEL_PRESETS` by name (ValueError lists the known names)."""
     return MODEL_PRESETS[check_choice("name", name, MODEL_PRESETS)]
 
@@ -232,11 +273,11 @@ def reservation_report(
     )
 
 
-def model_geometry(model) -> dict:
-    """Cache geometry of a transformers model: num_layers, num_kv_heads, head_dim, dtype, device.
+def model_geometry(model) -> KVGeometry:
+    """The KV geometry of a transformers model, with the dtype and device of its weights.
 
-    Reads the model's config (no transformers import here): the keyword arguments a
-    :class:`~paged_ref.cache.PagedKVCache` for that model takes besides its pages.
+    Reads the model's config (no transformers import here). ``PagedKVCache.for_model`` builds
+    a cache from it; ``geometry.cache_kwargs`` are that cache's keyword arguments.
     """
     config = getattr(model, "config", None)
     needed = ("num_hidden_layers", "num_attention_heads")
@@ -249,10 +290,12 @@ def model_geometry(model) -> dict:
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_q_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_q_heads
     param = next(model.parameters())
-    return dict(
+    return KVGeometry(
         num_layers=config.num_hidden_layers,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
+        num_q_heads=num_q_heads,
+        name=getattr(config, "name_or_path", "") or "",
         dtype=param.dtype,
         device=param.device,
     )

@@ -25,7 +25,6 @@ from paged_ref.eviction import (
     sequence_scores,
     token_scores,
 )
-from paged_ref.hf.session import model_geometry
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -602,7 +601,7 @@ def tiny1():
 
 
 def _tiny_kv(model, num_pages, page_size):
-    return PagedKVCache(num_pages=num_pages, page_size=page_size, **model_geometry(model))
+    return PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size)
 
 
 @pytest.mark.parametrize("backend", HF_BACKENDS)

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from paged_ref import OutOfPagesError, PagedKVCache, hf
-from paged_ref.hf.session import model_geometry
 from paged_ref.models import tiny_llama
 
 BACKENDS = ["reference", "flex", "triton", "sdpa", "auto"]
@@ -21,7 +20,7 @@ def model():
 
 
 def _kv(model, num_pages, page_size):
-    return PagedKVCache(num_pages=num_pages, page_size=page_size, **model_geometry(model))
+    return PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size)
 
 
 def _prompt(length, seed):
@@ -508,7 +507,7 @@ def test_sdpa_decode_reads_consecutive_pages_in_place_and_gathers_scattered_ones
 
 def test_session_prefix_caching_through_the_public_api(model):
     """A second request with the same prompt starts from the cached pages and gets the same logits."""
-    kv = PagedKVCache(num_pages=16, page_size=4, prefix_caching=True, **model_geometry(model))
+    kv = PagedKVCache.for_model(model, num_pages=16, page_size=4, prefix_caching=True)
     prompt = _prompt(14, seed=21)[0]  # [14]
     with hf.PagedSession(model, kv=kv) as session:
         a = session.add(prompt)
@@ -522,7 +521,7 @@ def test_session_prefix_caching_through_the_public_api(model):
 
 
 def test_a_failed_forward_rolls_back_without_ending_prefix_caching(model):
-    kv = PagedKVCache(num_pages=6, page_size=4, prefix_caching=True, **model_geometry(model))
+    kv = PagedKVCache.for_model(model, num_pages=6, page_size=4, prefix_caching=True)
     prompt, more = _prompt(8, seed=22)[0], _prompt(4, seed=24)[0]
     with hf.PagedSession(model, kv=kv) as session:
         a = session.add(prompt)

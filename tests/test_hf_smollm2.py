@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from paged_ref import PagedKVCache, hf, textdata
-from paged_ref.hf.session import model_geometry
 
 pytestmark = [
     pytest.mark.slow,
@@ -60,7 +59,7 @@ def test_mixed_prompts_equal_model_generate(smol, backend):
     ids, mask = _batch(tok, PROMPTS)
     assert len(set(mask.sum(1).tolist())) == 3  # three different lengths
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False)
-    kv = PagedKVCache(num_pages=24, page_size=4, **model_geometry(model))
+    kv = PagedKVCache.for_model(model, num_pages=24, page_size=4)
     out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=10, kv_cache=kv, backend=backend)
     assert torch.equal(out, expected), tok.batch_decode(out)
     assert kv.allocator.num_free == kv.num_pages and kv.seq_ids == []

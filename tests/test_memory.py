@@ -165,3 +165,44 @@ def test_dense_scores_decode_step_is_linear():
     assert dense_scores_bytes(64, num_heads=2, num_queries=64) == dense_scores_bytes(64, num_heads=2)
     with pytest.raises(ValueError, match="num_queries"):
         dense_scores_bytes(8, num_heads=2, num_queries=-1)
+
+
+def test_kv_geometry_is_the_one_geometry_type():
+    """Presets, a loaded model and a cache all describe their KV shape with one KVGeometry."""
+    import torch
+
+    from paged_ref.cache import PagedKVCache
+    from paged_ref.memory import KVGeometry, model_geometry
+    from paged_ref.models import tiny_llama
+
+    smol = model_preset("SmolLM2-135M")
+    assert isinstance(smol, KVGeometry) and smol.group_size == 3 and smol.dtype is None
+    with pytest.raises(ValueError, match="bytes_per_token needs the geometry's dtype"):
+        smol.bytes_per_token
+    model = tiny_llama()
+    g = model_geometry(model)
+    assert (g.num_layers, g.num_kv_heads, g.num_q_heads, g.dtype) == (
+        model.config.num_hidden_layers,
+        model.config.num_key_value_heads,
+        model.config.num_attention_heads,
+        torch.float32,
+    )
+    assert g.bytes_per_token == kv_bytes_per_token(**g.kv_shape, bytes_per_elem=4)
+    kv = PagedKVCache.for_model(model, num_pages=3, page_size=4, prefix_caching=True)
+    assert kv.geometry.cache_kwargs == g.cache_kwargs and kv.prefix_caching
+    assert kv.page_bytes == 4 * g.bytes_per_token
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_layers=0, num_kv_heads=1, head_dim=8), "num_layers"),
+        (dict(num_layers=1, num_kv_heads=1, head_dim=8.0), "head_dim"),
+        (dict(num_layers=1, num_kv_heads=2, head_dim=8, num_q_heads=3), "multiple of num_kv_heads"),
+    ],
+)
+def test_kv_geometry_rejects_bad_shapes(kwargs, match):
+    from paged_ref.memory import KVGeometry
+
+    with pytest.raises((TypeError, ValueError), match=match):
+        KVGeometry(**kwargs)

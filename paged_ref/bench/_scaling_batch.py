@@ -34,6 +34,7 @@ import torch
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..fragmentation import make_workload, requests_that_fit
+from ..memory import KVGeometry
 from ._scaling_decoders import ContiguousDecoder, PagedDecoder, synchronize
 
 __all__ = ["mixed_lengths", "fit_counts", "paged_overhead", "page_size_sweep", "batch_throughput"]
@@ -87,10 +88,10 @@ def paged_overhead(lengths, *, page_size: int) -> dict:
     }
 
 
-def _attention_time(
-    decode, lengths, *, page_size, num_kv_heads, num_q_heads, head_dim, dtype, device, repeats: int
-) -> float:
+def _attention_time(decode, lengths, *, page_size, geometry: KVGeometry, repeats: int) -> float:
     """Median time of one decode-attention call over the batch held in a shuffled page pool."""
+    num_kv_heads, head_dim, dtype, device = geometry.num_kv_heads, geometry.head_dim, geometry.dtype, geometry.device
+    num_q_heads = geometry.num_q_heads or num_kv_heads
     gen = torch.Generator().manual_seed(0)
     total = sum(pages_needed(n, page_size) for n in lengths)
     perm = torch.randperm(total, generator=gen)  # physical pages in shuffled order
@@ -120,14 +121,14 @@ def _attention_time(
 
 
 def page_size_sweep(
-    lengths, page_sizes, *, geometry: dict, backends: dict, repeats: int = 5, deadline: float | None = None
+    lengths, page_sizes, *, geometry: KVGeometry, backends: dict, repeats: int = 5, deadline: float | None = None
 ) -> list[dict]:
     """Overhead (counted) and decode-attention time (measured) of the batch for each page size.
 
     Args:
         lengths: the batch's sequence lengths.
         page_sizes: e.g. ``[8, 16, 32, 64, 128, 256]``.
-        geometry: ``num_kv_heads, num_q_heads, head_dim, dtype, device`` of one model layer.
+        geometry: the model's KV geometry (heads, head_dim, dtype and device of its layers).
         backends: name -> decode attention function (the common signature).
         repeats: timed calls per point (median kept).
         deadline: ``time.monotonic()`` after which points are no longer timed (None in the result;
@@ -144,7 +145,7 @@ def page_size_sweep(
         for name, fn in backends.items():
             late = deadline is not None and time.monotonic() > deadline
             row["attention_s"][name] = (
-                None if late else _attention_time(fn, lengths, page_size=ps, repeats=repeats, **geometry)
+                None if late else _attention_time(fn, lengths, page_size=ps, geometry=geometry, repeats=repeats)
             )
         rows.append(row)
     return rows

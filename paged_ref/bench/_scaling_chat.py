@@ -34,7 +34,6 @@ import torch
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..hf import PagedSession
-from ..hf.session import model_geometry
 from ._scaling_decoders import AllocationTimer, synchronize
 
 __all__ = ["run_chat"]
@@ -73,7 +72,7 @@ def run_chat(
     total = sum(int(u.numel()) for u in user_turns) + reply_tokens * len(user_turns)
     if num_pages is None:
         num_pages = 2 * pages_needed(total, page_size) + len(user_turns) + 2
-    kv = PagedKVCache(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching, **model_geometry(model))
+    kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
     timer = AllocationTimer(kv.allocator)
     history: list[int] = []
     turns, replies = [], []

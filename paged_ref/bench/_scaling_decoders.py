@@ -49,7 +49,6 @@ import torch
 from .._arith import cdiv
 from ..cache import PagedKVCache
 from ..hf import PagedSession
-from ..hf.session import model_geometry
 
 __all__ = ["NoCacheDecoder", "ContiguousDecoder", "PagedDecoder", "AllocationTimer", "make_decoder", "synchronize"]
 
@@ -266,7 +265,7 @@ class PagedDecoder:
         if kv is None:
             if not isinstance(num_pages, int) or num_pages < 1:
                 raise ValueError(f"num_pages must be a positive int when kv is None, got {num_pages!r}")
-            kv = PagedKVCache(num_pages=num_pages, page_size=page_size, **model_geometry(model))
+            kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size)
         self.kv = kv
         self.backend = backend
         self.name = f"paged ({backend})"

@@ -39,8 +39,7 @@ import torch
 from .. import hf, textdata
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
-from ..hf.session import model_geometry
-from ..memory import kv_bytes_per_token
+from ..memory import model_geometry
 from ._generate_contexts import measure_contexts
 from .common import environment, print_table, write_json
 
@@ -90,14 +89,6 @@ class _PeakRSS:
         return self.peak - self.start
 
 
-def _kv_bytes_per_token(model) -> int:
-    g = model_geometry(model)
-    elem = torch.empty((), dtype=g["dtype"]).element_size()
-    return kv_bytes_per_token(
-        num_layers=g["num_layers"], num_kv_heads=g["num_kv_heads"], head_dim=g["head_dim"], bytes_per_elem=elem
-    )
-
-
 def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -117,7 +108,7 @@ def _methods(model, rows, new, backends, with_generate_batch):
     ids, mask = _left_pad(rows, pad)
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
-    per_token = _kv_bytes_per_token(model)
+    per_token = model_geometry(model).bytes_per_token
     config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
     methods = {}
 
@@ -132,7 +123,7 @@ def _methods(model, rows, new, backends, with_generate_batch):
         state = {}
 
         def paged(backend=backend, num_pages=num_pages, state=state):
-            kv = PagedKVCache(num_pages=num_pages, page_size=PAGE_SIZE, **model_geometry(model))
+            kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=PAGE_SIZE)
             used = [0]
 
             def count(step, tokens):

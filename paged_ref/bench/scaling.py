@@ -42,8 +42,7 @@ import torch
 from ..attention.flex import flex_paged_decode
 from ..attention.reference import paged_attention_reference
 from ..attention.triton_decode import INTERPRETED, paged_decode
-from ..hf.session import model_geometry
-from ..memory import kv_bytes_per_token
+from ..memory import model_geometry
 from ._scaling_batch import batch_throughput, mixed_lengths, page_size_sweep, paged_overhead
 from ._scaling_chat import run_chat
 from ._scaling_latency import LABELS, LadderConfig, agreement, run_ladder
@@ -174,15 +173,9 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
     t0 = time.monotonic()
     model, info = build_model(model_name, device=device)
     geom = model_geometry(model)
-    cfg = model.config
     res = {"model": {k: v for k, v in info.items() if k != "tokenizer"}, "skipped": [], "errors": []}
     res["model"]["load_s"] = time.monotonic() - t0
-    res["kv_bytes_per_token"] = kv_bytes_per_token(
-        num_layers=geom["num_layers"],
-        num_kv_heads=geom["num_kv_heads"],
-        head_dim=geom["head_dim"],
-        bytes_per_elem=torch.empty((), dtype=geom["dtype"]).element_size(),
-    )
+    res["kv_bytes_per_token"] = geom.bytes_per_token
     ladder_cfg = LadderConfig(
         contexts=profile["contexts"],
         warmup=profile["warmup"],
@@ -323,13 +316,6 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
     if clock.left() > 20:
         _log(f"[scaling] {model_name}: page-size sweep")
         admitted = lengths[: res["batch"]["fit"]["paged_allocator"]] if "batch" in res else lengths[:8]
-        sweep_geom = dict(
-            num_kv_heads=geom["num_kv_heads"],
-            num_q_heads=cfg.num_attention_heads,
-            head_dim=geom["head_dim"],
-            dtype=geom["dtype"],
-            device=device,
-        )
         fns = {n: DECODE_FUNCTIONS[n] for n in s["backends"] if not (n == "triton" and INTERPRETED)}
         sweep = _guarded(
             res,
@@ -337,7 +323,7 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
             lambda: page_size_sweep(
                 admitted,
                 s["page_sizes"],
-                geometry=sweep_geom,
+                geometry=geom,
                 backends=fns,
                 repeats=s["repeats"],
                 deadline=clock.deadline,

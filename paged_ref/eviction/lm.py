@@ -60,17 +60,17 @@ class PagedLM:
             )
 
         self.model = model
-        self.geometry = model_geometry(model)  # num_layers, num_kv_heads, head_dim, dtype, device
-        self.num_layers = self.geometry["num_layers"]
-        self.num_q_heads = model.config.num_attention_heads
-        self.num_kv_heads = self.geometry["num_kv_heads"]
-        self.head_dim = self.geometry["head_dim"]
-        self.dtype = self.geometry["dtype"]
+        self.geometry = model_geometry(model)
+        self.num_layers = self.geometry.num_layers
+        self.num_q_heads = self.geometry.num_q_heads
+        self.num_kv_heads = self.geometry.num_kv_heads
+        self.head_dim = self.geometry.head_dim
+        self.dtype = self.geometry.dtype
         self._rope = apply_rotary_pos_emb
 
     def new_cache(self, *, num_pages: int, page_size: int) -> PagedKVCache:
         """An empty cache shaped for this model (float32 K/V, like the model's activations here)."""
-        return PagedKVCache(num_pages=num_pages, page_size=page_size, **self.geometry)
+        return PagedKVCache(num_pages=num_pages, page_size=page_size, **self.geometry.cache_kwargs)
 
     @torch.inference_mode()
     def prompt_kv(self, ids: torch.Tensor):

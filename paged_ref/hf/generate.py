@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from .._arith import cdiv
 from .._validate import check_int
-from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from .session import PagedSession
 
@@ -75,9 +75,10 @@ def stream(
     if kv_cache is not None and num_pages is not None:
         raise ValueError("pass either kv_cache or num_pages, not both (num_pages sizes a cache created here)")
     if kv_cache is None and num_pages is None:
+        # enough for every sequence at full length: generation never runs out of pages. The one
+        # page_size check on this path before the cache's own (the sizing divides by it).
         page_size = check_int("page_size", page_size, min_value=1)
-        # enough for every sequence at full length: generation never runs out of pages
-        num_pages = sum(pages_needed(p.numel() + max_new_tokens, page_size) for p in prompts)
+        num_pages = sum(cdiv(p.numel() + max_new_tokens, page_size) for p in prompts)
     session = PagedSession(
         model, kv=kv_cache, num_pages=num_pages, page_size=page_size, backend=backend, eviction=eviction, budget=budget
     )

@@ -35,13 +35,12 @@ import time
 
 import torch
 
-from .._validate import check_int
 from ..cache import PagedKVCache
-from ..memory import model_geometry  # noqa: F401  (re-exported: hf.session.model_geometry)
+from ..memory import model_geometry
 from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, register
 from .cache import PagedCache, StepPlan
 
-__all__ = ["PagedSession", "model_geometry"]
+__all__ = ["PagedSession"]
 
 
 def _cache_keyword(model) -> str:
@@ -88,25 +87,15 @@ class PagedSession:
 
         eviction = resolve_policy(eviction, budget)
         geometry = model_geometry(model)
-        backend_ = get_backend(backend, geometry["device"])  # a kv given must match this device (below)
+        backend_ = get_backend(backend, geometry.device)  # a kv given must match this device (below)
         if kv is None:
-            kv = PagedKVCache(
-                num_pages=check_int("num_pages", num_pages, min_value=1),
-                page_size=check_int("page_size", page_size, min_value=1),
-                **geometry,
-            )
+            kv = PagedKVCache(num_pages=num_pages, page_size=page_size, **geometry.cache_kwargs)
         elif not isinstance(kv, PagedKVCache):
             raise TypeError(f"kv must be a paged_ref.PagedKVCache or None, got {type(kv).__name__}")
         else:
-            got = dict(
-                num_layers=kv.num_layers,
-                num_kv_heads=kv.num_kv_heads,
-                head_dim=kv.head_dim,
-                dtype=kv.dtype,
-                device=kv.device,
-            )
-            if got != geometry:
-                raise ValueError(f"kv does not match the model: the model needs {geometry}, kv has {got}")
+            need, got = geometry.cache_kwargs, kv.geometry.cache_kwargs
+            if got != need:
+                raise ValueError(f"kv does not match the model: the model needs {need}, kv has {got}")
         self.model = model
         self.kv = kv
         self._backend = backend_
@@ -158,7 +147,7 @@ class PagedSession:
             >>> from paged_ref import PagedKVCache
             >>> from paged_ref.models import tiny_llama
             >>> model = tiny_llama()
-            >>> kv = PagedKVCache(num_pages=8, page_size=4, prefix_caching=True, **model_geometry(model))
+            >>> kv = PagedKVCache.for_model(model, num_pages=8, page_size=4, prefix_caching=True)
             >>> prompt = list(range(5, 15))                                  # 10 tokens
             >>> with PagedSession(model, kv=kv) as session:
             ...     a = session.add(prompt); _ = session.extend([a], [torch.tensor(prompt)])
