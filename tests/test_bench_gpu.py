@@ -44,7 +44,6 @@ def test_a_section_over_budget_is_killed_and_reported(tmp_path):
 
 
 def test_without_a_gpu_the_real_run_refuses_and_points_to_the_dry_run(tmp_path):
-    pytest.importorskip("torch")
     import torch
 
     if torch.cuda.is_available():

@@ -77,7 +77,8 @@ def _free_port() -> int:
 def lab(tmp_path):
     """A JupyterLab server serving a copy of notebook 03; yields (base_url, token, notebook name)."""
     _need_chromium()
-    pytest.importorskip("playwright.sync_api", reason="playwright (test extra) is not installed")
+    import playwright.sync_api  # noqa: F401  (the test extra: missing means a broken install, not a skip)
+
     if not NOTEBOOK.exists():
         pytest.fail(f"{NOTEBOOK.relative_to(REPO)} is missing")
     root = tmp_path / "notebooks"

@@ -22,9 +22,12 @@ H, D, LAYERS = 2, 3, 2
 ADAPTERS = (None, "a", "b")
 
 
-def token_kv(tokens, start, layer, adapter=None):
+def token_kv(tokens, start, layer, adapter=None, positions=None):
+    """K, V ``[n, H, D]`` of tokens at ``start, start + 1, ...`` (or at ``positions``)."""
     t = torch.as_tensor(tokens, dtype=torch.float32)[:, None, None]  # [n, 1, 1]
-    pos = torch.arange(start, start + len(tokens), dtype=torch.float32)[:, None, None]
+    if positions is None:
+        positions = range(start, start + len(tokens))
+    pos = torch.as_tensor(positions, dtype=torch.float32)[:, None, None]  # [n, 1, 1]
     grid = torch.arange(H * D, dtype=torch.float32).view(1, H, D)
     k = t * 1000 + pos + grid / 10 + layer * 7 + 100_000 * ADAPTERS.index(adapter)  # [n, H, D]
     return k, -k * 3
@@ -165,9 +168,9 @@ class CacheMachine(RuleBasedStateMachine):
             for layer in range(LAYERS):
                 k, v = self.cache.gather(layer, seq)
                 if toks:
-                    exp = [token_kv([t], p, layer, self.adapter[seq]) for t, p in toks]
-                    assert torch.equal(k, torch.cat([e[0] for e in exp]))
-                    assert torch.equal(v, torch.cat([e[1] for e in exp]))
+                    tokens, positions = zip(*toks)
+                    exp_k, exp_v = token_kv(tokens, 0, layer, self.adapter[seq], positions=positions)
+                    assert torch.equal(k, exp_k) and torch.equal(v, exp_v)
                 else:
                     assert k.shape == (0, H, D)
 
@@ -188,11 +191,14 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def free_pages_hold_no_stale_kv(self):
         """A page in the pool is all zeros unless it keeps a cached prefix for reuse."""
-        for page in range(self.cache.num_pages):
-            if self.cache.allocator.refcount(page) == 0 and page not in self.cache._page_hash:
-                for layer in range(LAYERS):
-                    assert not self.cache.k_cache[layer][page].any()
-                    assert not self.cache.v_cache[layer][page].any()
+        free = [
+            page
+            for page in range(self.cache.num_pages)
+            if self.cache.allocator.refcount(page) == 0 and page not in self.cache._page_hash
+        ]
+        for layer in range(LAYERS):
+            assert not self.cache.k_cache[layer][free].any(), free
+            assert not self.cache.v_cache[layer][free].any(), free
 
     def teardown(self):
         self._flush()

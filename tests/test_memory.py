@@ -178,7 +178,7 @@ def test_kv_geometry_is_the_one_geometry_type():
     smol = model_preset("SmolLM2-135M")
     assert isinstance(smol, KVGeometry) and smol.group_size == 3 and smol.dtype is None
     with pytest.raises(ValueError, match="bytes_per_token needs the geometry's dtype"):
-        smol.bytes_per_token
+        _ = smol.bytes_per_token
     model = tiny_llama()
     g = model_geometry(model)
     assert (g.num_layers, g.num_kv_heads, g.num_q_heads, g.dtype) == (

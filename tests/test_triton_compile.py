@@ -8,11 +8,10 @@ runs the same compiles over every configuration the launcher can choose.
 """
 
 import pytest
+import triton
+import triton.compiler  # noqa: F401
 
-triton = pytest.importorskip("triton")
-pytest.importorskip("triton.compiler")
-
-from paged_ref.bench import kernels as K  # noqa: E402
+from paged_ref.bench import kernels as K
 
 DEFAULTS = [
     K.KernelConfig(arch, dtype, 128, 4, page, split)

@@ -5,7 +5,6 @@ with the plain-PyTorch reference computed in float64 on fresh random inputs. GPU
 (float16/bfloat16, large sizes) are marked `gpu` and skipped without CUDA.
 """
 
-import math
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_cases import make_decode_case, rel_error
 
 from paged_ref.attention import triton_decode as td
 from paged_ref.attention.reference import paged_attention_reference
@@ -29,134 +29,61 @@ def gpu(test):
     return pytest.mark.gpu(_needs_cuda(test))
 
 
-def make_case(
-    seed, *, page_size, num_q_heads, num_kv_heads, head_dim, seq_lens, dtype=torch.float32, device=DEVICE, spare_pages=3
-):
-    """A random paged batch: shuffled physical pages, garbage in the unused table entries.
-
-    Returns (q, k_cache, v_cache, block_table, seq_lens):
-    q [batch, Hq, D]; caches [num_pages, page_size, Hkv, D];
-    block_table int32 [batch, max_pages]; seq_lens int32 [batch].
-    """
-    gen = torch.Generator().manual_seed(seed)
-    used = [math.ceil(n / page_size) for n in seq_lens]  # pages each sequence uses
-    max_pages = max(used) + 1  # one padding column at least
-    num_pages = sum(used) + spare_pages
-    # Garbage everywhere first: negative and past-the-end ids must never be read.
-    block_table = torch.randint(-7, 3 * num_pages, (len(seq_lens), max_pages), generator=gen)
-    physical = torch.randperm(num_pages, generator=gen).tolist()  # pages handed out shuffled
-    for b, n in enumerate(used):
-        block_table[b, :n] = torch.tensor(physical[:n])
-        physical = physical[n:]
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
-    q = torch.randn(len(seq_lens), num_q_heads, head_dim, generator=gen).to(dtype)
-    lens = torch.tensor(seq_lens, dtype=torch.int32)
-    return (
-        q.to(device),
-        k_cache.to(device),
-        v_cache.to(device),
-        block_table.to(torch.int32).to(device),
-        lens.to(device),
+def make_case(seed, *, page_size, num_q_heads, num_kv_heads, head_dim, seq_lens, dtype=torch.float32):
+    """The shared generator's decode case (`attention_cases`) with its tensors on DEVICE."""
+    case = make_decode_case(
+        seed,
+        len(seq_lens),
+        page_size,
+        num_kv_heads,
+        num_q_heads // num_kv_heads,
+        head_dim,
+        seq_lens=seq_lens,
+        dtype=dtype,
     )
+    for name in ("q", "k_cache", "v_cache", "block_table", "seq_lens"):
+        setattr(case, name, getattr(case, name).to(DEVICE))
+    return case
 
 
-def reference64(q, k_cache, v_cache, block_table, seq_lens, scale=None):
-    """The plain-PyTorch reference, in float64 on the CPU."""
-    return paged_attention_reference(
-        q.cpu().double(), k_cache.cpu().double(), v_cache.cpu().double(), block_table.cpu(), seq_lens.cpu(), scale=scale
-    )
+def reference64(q, k_cache, v_cache, block_table, seq_lens):
+    """The plain-PyTorch reference in float64 on the CPU: the oracle where pages are shared."""
+    args = [t.cpu().double() if t.is_floating_point() else t.cpu() for t in (q, k_cache, v_cache)]
+    return paged_attention_reference(*args, block_table.cpu(), seq_lens.cpu())
 
 
 def rel_err(out, ref):
-    return ((out.cpu().double() - ref).norm() / ref.norm()).item()
-
-
-def ragged_lens(page_size, seed):
-    """Length 1, an exact page multiple, one past it, two pages, and a random one."""
-    extra = int(torch.randint(2, 3 * page_size + 9, (1,), generator=torch.Generator().manual_seed(seed)))
-    return [1, page_size, page_size + 1, 2 * page_size, extra]
-
-
-GQA = {"ratio1": (4, 4), "ratio2": (4, 2), "ratio4": (8, 2), "ratio8": (16, 2), "mqa": (6, 1)}
+    return rel_error(out.cpu(), ref.cpu())
 
 
 # --- agreement with float64 ------------------------------------------------------------------
-@pytest.mark.parametrize("page_size", [1, 8, 16, 64, 128])
-@pytest.mark.parametrize("gqa", list(GQA))
-def test_matches_float64_gqa_and_page_sizes(page_size, gqa):
-    hq, hkv = GQA[gqa]
-    seed = 1000 * page_size + hq * 10 + hkv
-    case = make_case(
-        seed, page_size=page_size, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, seq_lens=ragged_lens(page_size, seed)
-    )
-    out = paged_decode(*case)
-    assert out.shape == case[0].shape and out.dtype == case[0].dtype
-    assert rel_err(out, reference64(*case)) < 1e-5
-
-
-@pytest.mark.parametrize("page_size", [8, 64])  # 1, 16, 128: the shared cases below
-def test_matches_float64_head_dim_128(page_size):
-    seed = 77 + page_size
-    case = make_case(
-        seed, page_size=page_size, num_q_heads=8, num_kv_heads=2, head_dim=128, seq_lens=ragged_lens(page_size, seed)
-    )
-    assert rel_err(paged_decode(*case), reference64(*case)) < 1e-5
-
-
 def test_page_size_256_spans_many_tiles():
     case = make_case(256, page_size=256, num_q_heads=4, num_kv_heads=1, head_dim=64, seq_lens=[1, 256, 257, 600])
-    assert rel_err(paged_decode(*case, num_splits=2), reference64(*case)) < 1e-5
+    assert rel_err(paged_decode(*case.args, num_splits=2), case.expected()) < 1e-5
 
 
 @pytest.mark.parametrize("head_dim", [32, 80])
 def test_other_head_dims(head_dim):
     """80 is not a power of two: the kernel pads the head dimension and masks it."""
     case = make_case(head_dim, page_size=16, num_q_heads=4, num_kv_heads=2, head_dim=head_dim, seq_lens=[3, 50])
-    assert rel_err(paged_decode(*case, num_splits=3), reference64(*case)) < 1e-5
-
-
-def test_custom_scale():
-    case = make_case(5, page_size=8, num_q_heads=4, num_kv_heads=2, head_dim=64, seq_lens=[9, 30])
-    ref = reference64(*case, scale=0.3)
-    assert rel_err(paged_decode(*case, scale=0.3), ref) < 1e-5
-    assert rel_err(paged_decode(*case), ref) > 1e-3  # the scale really is used
+    assert rel_err(paged_decode(*case.args, num_splits=3), case.expected()) < 1e-5
 
 
 def test_shared_pages_between_sequences():
     """Two sequences may point at the same physical pages (prefix sharing)."""
-    q, kc, vc, bt, lens = make_case(9, page_size=8, num_q_heads=4, num_kv_heads=2, head_dim=64, seq_lens=[20, 20])
+    q, kc, vc, bt, lens = make_case(9, page_size=8, num_q_heads=4, num_kv_heads=2, head_dim=64, seq_lens=[20, 20]).args
     bt[1, :2] = bt[0, :2]
     assert rel_err(paged_decode(q, kc, vc, bt, lens), reference64(q, kc, vc, bt, lens)) < 1e-5
 
 
 def test_int64_block_table_and_seq_lens():
     """The common contract also allows int64 tables and lengths; same result as int32."""
-    q, kc, vc, bt, lens = make_case(12, page_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64, seq_lens=[7, 40])
+    case = make_case(12, page_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64, seq_lens=[7, 40])
+    q, kc, vc, bt, lens = case.args
     out32 = paged_decode(q, kc, vc, bt, lens, num_splits=2)
     out64 = paged_decode(q, kc, vc, bt.long(), lens.long(), num_splits=2)
     torch.testing.assert_close(out64, out32, rtol=0, atol=0)
-    assert rel_err(out64, reference64(q, kc, vc, bt, lens)) < 1e-5
-
-
-@pytest.mark.parametrize("i, page_size", list(enumerate([1, 8, 16, 64, 128])))
-def test_shared_cases_with_garbage_in_unowned_slots(i, page_size):
-    """The project's shared generator fills every slot no sequence owns with large garbage and
-    pads the block table with -1, past-the-end and other sequences' page ids."""
-    cases = pytest.importorskip("attention_cases")
-    num_kv_heads, group = cases.HEAD_LAYOUTS[i]
-    case = cases.make_decode_case(
-        seed=900 + i,
-        batch=5,
-        page_size=page_size,
-        num_kv_heads=num_kv_heads,
-        group=group,
-        head_dim=64 if i % 2 else 128,
-    )
-    args = [t.to(DEVICE) for t in case.args]
-    for num_splits in (1, 3):
-        assert cases.rel_error(paged_decode(*args, num_splits=num_splits).cpu(), case.expected()) < 1e-5
+    assert rel_err(out64, case.expected()) < 1e-5
 
 
 # --- split-K ---------------------------------------------------------------------------------
@@ -167,9 +94,9 @@ SPLIT_LENS = [1, 17, 200, 333]
 def test_splits_match_unsplit_and_float64(num_splits):
     """Any split count (also more splits than tiles: empty splits) gives the unsplit result."""
     case = make_case(31, page_size=16, num_q_heads=8, num_kv_heads=2, head_dim=64, seq_lens=SPLIT_LENS)
-    unsplit = paged_decode(*case, num_splits=1)
-    split = paged_decode(*case, num_splits=num_splits)
-    ref = reference64(*case)
+    unsplit = paged_decode(*case.args, num_splits=1)
+    split = paged_decode(*case.args, num_splits=num_splits)
+    ref = case.expected()
     assert rel_err(unsplit, ref) < 1e-5
     assert rel_err(split, ref) < 1e-5
     torch.testing.assert_close(split, unsplit, rtol=1e-5, atol=1e-6)
@@ -207,20 +134,20 @@ def test_choose_num_splits_fills_the_gpu():
 @pytest.mark.parametrize("num_splits", [1, 5])
 def test_poisoned_output_fully_written_and_nothing_past_it(num_splits):
     case = make_case(41, page_size=8, num_q_heads=6, num_kv_heads=2, head_dim=80, seq_lens=[1, 8, 9, 70])
-    q = case[0]
+    q = case.q
     guard = 64
     buf = torch.full((q.numel() + guard,), float("nan"), dtype=q.dtype, device=q.device)
     out = buf[: q.numel()].view(q.shape)  # contiguous, NaN-filled
-    result = paged_decode(*case, num_splits=num_splits, out=out)
+    result = paged_decode(*case.args, num_splits=num_splits, out=out)
     assert result.data_ptr() == out.data_ptr()
     assert not torch.isnan(out).any()
     assert torch.isnan(buf[q.numel() :]).all()  # no write past the end
-    assert rel_err(out, reference64(*case)) < 1e-5
+    assert rel_err(out, case.expected()) < 1e-5
 
 
 # --- validation ------------------------------------------------------------------------------
 def _base_case():
-    return make_case(3, page_size=8, num_q_heads=4, num_kv_heads=2, head_dim=64, seq_lens=[5, 17])
+    return make_case(3, page_size=8, num_q_heads=4, num_kv_heads=2, head_dim=64, seq_lens=[5, 17]).args
 
 
 def _set(i, fn):
@@ -434,13 +361,13 @@ def test_gpu_dtypes(dtype, page_size):
         num_q_heads=32,
         num_kv_heads=8,
         head_dim=128,
-        seq_lens=ragged_lens(page_size, seed) + [3000],
+        seq_lens=[1, page_size, page_size + 1, 2 * page_size, 3000],
         dtype=dtype,
     )
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    ref = reference64(*case)
+    ref = case.expected()
     for num_splits in (1, None, 7):
-        out = paged_decode(*case, num_splits=num_splits)
+        out = paged_decode(*case.args, num_splits=num_splits)
         assert out.dtype == dtype and not torch.isnan(out).any()
         assert rel_err(out, ref) < tol
 
@@ -457,52 +384,7 @@ def test_gpu_large(seq_lens, num_kv_heads):
         seq_lens=seq_lens,
         dtype=torch.bfloat16,
     )
-    out = torch.full_like(case[0], float("nan"))
-    paged_decode(*case, out=out)
+    out = torch.full_like(case.q, float("nan"))
+    paged_decode(*case.args, out=out)
     assert not torch.isnan(out).any()
-    assert rel_err(out, reference64(*case)) < 1e-2
-
-
-# --- the benchmark harness -------------------------------------------------------------------
-def test_bench_dispatcher_lists_and_rejects(capsys):
-    from paged_ref.bench import __main__ as dispatcher
-
-    assert dispatcher.main(["--help"]) == 0
-    listed = capsys.readouterr().out
-    assert "decode" in listed and "common" not in listed
-    assert dispatcher.main(["no_such_bench"]) == 2
-    assert "unknown benchmark 'no_such_bench'" in capsys.readouterr().err
-
-
-def test_bench_decode_cpu_quick(tmp_path):
-    from paged_ref.bench import decode
-
-    decode.main(["--cpu", "--quick", "--out", str(tmp_path)])
-    import json
-
-    data = json.loads((tmp_path / "decode_cpu.json").read_text())
-    assert data["environment"]["torch"] == torch.__version__
-    assert data["results"], "no measurement recorded"
-    for row in data["results"]:
-        assert row["median_s"] > 0 and row["rel_err"] < 1e-4
-
-
-def test_bench_decode_gpu_path_smoke(monkeypatch):
-    """The GPU harness's own logic (layouts, records, ratios, goals) on tiny float32 CPU sizes,
-    with CPU timers standing in for CUDA events."""
-    from paged_ref.bench import common, decode
-
-    monkeypatch.setattr(decode, "gpu_median", lambda fn, **kw: common.cpu_median(fn, warmup=0, repeats=1)["median_s"])
-    monkeypatch.setattr(decode, "copy_bandwidth", lambda: dict(bytes=1, median_s=1.0, bandwidth_GBps=1.0))
-    heads = dict(num_q_heads=4, num_kv_heads=2, head_dim=32)
-    data = decode.run_gpu([(2, 64)], [16, 32], budget_s=60, rep_ms=1, heads=heads, dtype=torch.float32, device="cpu")
-    impls = {r["impl"] for r in data["results"]}
-    assert {"paged_decode", "paged_decode contiguous", "paged_decode (again)", "sdpa contiguous"} <= impls
-    assert all(r["rel_err"] < 1e-4 for r in data["results"]), data["results"]
-    ratios, goals = decode.summarize_gpu(data)
-    assert [(r["batch"], r["seq_len"], r["page_size"]) for r in ratios] == [(2, 64, 16), (2, 64, 32)]
-    assert all(r["paged_over_contiguous"] > 0 and r["sdpa_over_paged"] > 0 for r in ratios)
-    assert any("page sizes" in g["goal"] for g in goals)
-    sweep = decode.run_sweep(1, [(1, 64)], 16, configs=[(32, 4, 2)], heads=heads, dtype=torch.float32, device="cpu")
-    assert len(sweep) == 2 and all(r["rel_err"] < 1e-4 for r in sweep)
-    assert {r["num_splits"] for r in sweep} == {1, 2}
+    assert rel_err(out, case.expected()) < 1e-2

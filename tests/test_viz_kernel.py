@@ -305,6 +305,5 @@ def test_tiling_errors(args, exc):
 
 
 def test_tiling_panel_builds():
-    pytest.importorskip("ipywidgets")
     panel = wk.tiling_panel()
     assert len(panel.children) == 3

@@ -263,7 +263,6 @@ def test_mask_view_errors():
 
 
 def test_mask_panel_builds():
-    pytest.importorskip("ipywidgets")
     panel = mask_panel()
     assert len(panel.children) == 3
 

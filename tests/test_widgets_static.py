@@ -2,14 +2,12 @@
 
 import pytest
 
-pytest.importorskip("ipywidgets")
-
-from paged_ref.fragmentation import make_workload  # noqa: E402
-from paged_ref.widgets import with_static_figure  # noqa: E402
-from paged_ref.widgets.fragmentation import fragmentation_panel  # noqa: E402
-from paged_ref.widgets.masks import mask_panel  # noqa: E402
-from paged_ref.widgets.memory import kv_memory_panel  # noqa: E402
-from paged_ref.widgets.pages import page_map_panel  # noqa: E402
+from paged_ref.fragmentation import make_workload
+from paged_ref.widgets import with_static_figure
+from paged_ref.widgets.fragmentation import fragmentation_panel
+from paged_ref.widgets.masks import mask_panel
+from paged_ref.widgets.memory import kv_memory_panel
+from paged_ref.widgets.pages import page_map_panel
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -55,7 +55,7 @@ import types
 
 import torch
 
-from .._arith import cdiv
+from .._arith import cdiv, next_pow2
 from .reference import check_paged_inputs
 
 try:
@@ -375,10 +375,6 @@ def _reduce_splits_kernel(
 
 
 # --- Launcher --------------------------------------------------------------------------------
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -456,16 +452,16 @@ def _tile_config(
         capability: the GPU's compute capability as ``10 * major + minor`` (90 for H100/H200,
             80 for A100, 75 for T4); ignored by the interpreter.
     """
-    block_d = max(16, _next_pow2(head_dim))
+    block_d = max(16, next_pow2(head_dim))
     if interpret:
         # The interpreter runs each program in numpy: small tiles keep tests quick, and tl.dot
         # has no minimum shape there.
-        return dict(BLOCK_H=_next_pow2(group), BLOCK_D=block_d, BLOCK_N=32, num_warps=1, num_stages=1)
+        return dict(BLOCK_H=next_pow2(group), BLOCK_D=block_d, BLOCK_N=32, num_warps=1, num_stages=1)
     if capability < 80:
         # Turing (T4): Triton computes tl.dot with FMAs there (no MMA instructions were
         # emitted for sm_75) and has no asynchronous copies, so small tiles and no pipeline:
         # with 64-token tiles the compile for sm_75 spilled ~200 registers.
-        block_h = _next_pow2(group)
+        block_h = next_pow2(group)
         return dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=32 if block_h <= 8 else 16, num_warps=4, num_stages=1)
     # Ampere and Hopper: K/V tiles of up to 16 KB and 64 tokens (BLOCK_N = 64 for 16-bit
     # head_dim 128, 32 for head_dim 256); num_stages=3 asks the pipeliner for a ring of two K
@@ -474,7 +470,7 @@ def _tile_config(
     # spilled under that cap, 64-token ones do not (figures/data/kernels.json).
     block_n = min(64, max(16, 16384 // (block_d * dtype.itemsize)))
     return dict(
-        BLOCK_H=max(16, _next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4, num_stages=3, maxnreg=160
+        BLOCK_H=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4, num_stages=3, maxnreg=160
     )
 
 
@@ -680,7 +676,7 @@ def _launch(
                 out.stride(1),
                 HEAD_DIM=head_dim,
                 BLOCK_D=BLOCK_D,
-                BLOCK_S=min(16, _next_pow2(num_splits)),
+                BLOCK_S=min(16, next_pow2(num_splits)),
                 num_warps=1 if interpret else 4,
             )
     return out

@@ -43,6 +43,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from .._arith import next_pow2
 from ..attention import triton_decode as td
 from ..attention.reference import paged_attention_reference
 from .common import copy_bandwidth, cpu_median, environment, gpu_median, print_table, write_json
@@ -296,7 +297,7 @@ def run_sweep(
         scale = heads["head_dim"] ** -0.5
         for (block_n, num_warps, num_stages), num_splits in itertools.product(configs, (splits, 2 * splits)):
             cfg = dict(
-                BLOCK_H=max(16, td._next_pow2(group)),
+                BLOCK_H=max(16, next_pow2(group)),
                 BLOCK_D=heads["head_dim"],
                 BLOCK_N=block_n,
                 num_warps=num_warps,

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .._arith import cdiv
+from .._arith import cdiv, next_pow2
 from .common import environment, print_table, write_json
 
 #: Targets: SMs, per-SM limits and the memory system's datasheet bandwidth. Little's law asks
@@ -167,7 +167,7 @@ def reduce_kernel_source(arch: int, dtype: str, head_dim: int):
     from ..attention import triton_decode as td
 
     kernel = td.compiled_kernels()["_reduce_splits_kernel"]
-    block_d = max(16, td._next_pow2(head_dim))
+    block_d = max(16, next_pow2(head_dim))
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=8)
     ints = dict(num_splits=6, stride_o_batch=NUM_KV_HEADS * 4 * head_dim, stride_o_head=head_dim)
     ptrs = dict(part_m_ptr="fp32", part_l_ptr="fp32", part_acc_ptr="fp32", out_ptr=dtype)

@@ -1,0 +1,47 @@
+"""The benchmark harness of the decode kernel: the dispatcher, the CPU run, the GPU path's logic."""
+
+import json
+
+import torch
+
+
+def test_bench_dispatcher_lists_and_rejects(capsys):
+    from paged_ref.bench import __main__ as dispatcher
+
+    assert dispatcher.main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    assert "decode" in listed and "common" not in listed
+    assert dispatcher.main(["no_such_bench"]) == 2
+    assert "unknown benchmark 'no_such_bench'" in capsys.readouterr().err
+
+
+def test_bench_decode_cpu_quick(tmp_path):
+    from paged_ref.bench import decode
+
+    decode.main(["--cpu", "--quick", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "decode_cpu.json").read_text())
+    assert data["environment"]["torch"] == torch.__version__
+    assert data["results"], "no measurement recorded"
+    for row in data["results"]:
+        assert row["median_s"] > 0 and row["rel_err"] < 1e-4
+
+
+def test_bench_decode_gpu_path_smoke(monkeypatch):
+    """The GPU harness's own logic (layouts, records, ratios, goals) on tiny float32 CPU sizes,
+    with CPU timers standing in for CUDA events."""
+    from paged_ref.bench import common, decode
+
+    monkeypatch.setattr(decode, "gpu_median", lambda fn, **kw: common.cpu_median(fn, warmup=0, repeats=1)["median_s"])
+    monkeypatch.setattr(decode, "copy_bandwidth", lambda: dict(bytes=1, median_s=1.0, bandwidth_GBps=1.0))
+    heads = dict(num_q_heads=4, num_kv_heads=2, head_dim=32)
+    data = decode.run_gpu([(2, 64)], [16, 32], budget_s=60, rep_ms=1, heads=heads, dtype=torch.float32, device="cpu")
+    impls = {r["impl"] for r in data["results"]}
+    assert {"paged_decode", "paged_decode contiguous", "paged_decode (again)", "sdpa contiguous"} <= impls
+    assert all(r["rel_err"] < 1e-4 for r in data["results"]), data["results"]
+    ratios, goals = decode.summarize_gpu(data)
+    assert [(r["batch"], r["seq_len"], r["page_size"]) for r in ratios] == [(2, 64, 16), (2, 64, 32)]
+    assert all(r["paged_over_contiguous"] > 0 and r["sdpa_over_paged"] > 0 for r in ratios)
+    assert any("page sizes" in g["goal"] for g in goals)
+    sweep = decode.run_sweep(1, [(1, 64)], 16, configs=[(32, 4, 2)], heads=heads, dtype=torch.float32, device="cpu")
+    assert len(sweep) == 2 and all(r["rel_err"] < 1e-4 for r in sweep)
+    assert {r["num_splits"] for r in sweep} == {1, 2}
