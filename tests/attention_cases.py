@@ -213,6 +213,25 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm())
 
 
+# the compiled-flex decode case (static shapes: each compiles once per process, so the tests that
+# compile flex share these shapes and page sizes); add seed= and page_size=
+COMPILED_DECODE_CASE = dict(batch=4, page_size=16, num_kv_heads=2, group=4, head_dim=64, seq_lens=[17, 300, 1024, 64])
+
+
+def poison_all_but_one(case, keep: int):
+    """NaN in K, Inf in V of every page sequence ``keep`` does not use (spare pages, other
+    sequences' pages, the pages padding entries name); returns the one-row problem."""
+    num_pages, page_size = case.k_cache.shape[:2]
+    n = int(case.seq_lens[keep])
+    own = case.block_table[keep, : -(-n // page_size)].long()
+    foreign = torch.ones(num_pages, dtype=torch.bool)
+    foreign[own] = False
+    k, v = case.k_cache.clone(), case.v_cache.clone()
+    k[foreign], v[foreign] = float("nan"), float("inf")
+    rows = slice(keep, keep + 1)
+    return k, v, case.block_table[rows], case.seq_lens[rows]
+
+
 # ---- bad inputs: every error names the argument --------------------------------------------
 # Each entry: (name, change to valid_inputs(), error type, words the message must contain).
 

@@ -7,10 +7,10 @@ keeps every slot that holds no token at zero, which covers stale pages and unwri
 
 import pytest
 import torch
-from attention_cases import make_decode_case, make_prefill_case, rel_error
+from attention_cases import COMPILED_DECODE_CASE, make_decode_case, make_prefill_case, poison_all_but_one, rel_error
 
 import paged_ref as pr
-from paged_ref.attention.flex import flex_paged_decode, flex_paged_prefill
+from paged_ref.attention.flex import flex_paged_decode
 from paged_ref.attention.reference import paged_attention_reference, paged_prefill_reference
 from paged_ref.attention.triton_decode import paged_decode
 from paged_ref.hf.sdpa import sdpa_paged_decode, sdpa_paged_prefill
@@ -20,33 +20,15 @@ def compiled(fn):
     return lambda *args, **kw: fn(*args, compiled=True, **kw)
 
 
-DECODERS = {
-    "reference": paged_attention_reference,
-    "flex": compiled(flex_paged_decode),
-    "triton": paged_decode,
-    "sdpa": sdpa_paged_decode,
-}
-PREFILLERS = {"reference": paged_prefill_reference, "flex": compiled(flex_paged_prefill), "sdpa": sdpa_paged_prefill}
+# compiled flex: the same poisoned rows in test_flex_compiled.py, which compiles each shape once
+DECODERS = {"reference": paged_attention_reference, "triton": paged_decode, "sdpa": sdpa_paged_decode}
+PREFILLERS = {"reference": paged_prefill_reference, "sdpa": sdpa_paged_prefill}
 # the cache route also holds for eager flex: nothing stale is left to read
-CACHE_DECODERS = {**DECODERS, "flex eager": flex_paged_decode}
-
-
-def poison_all_but_one(case, keep: int):
-    """NaN in K, Inf in V of every page sequence ``keep`` does not use (spare pages, other
-    sequences' pages, the pages padding entries name); returns the one-row problem."""
-    num_pages, page_size = case.k_cache.shape[:2]
-    n = int(case.seq_lens[keep])
-    own = case.block_table[keep, : -(-n // page_size)].long()
-    foreign = torch.ones(num_pages, dtype=torch.bool)
-    foreign[own] = False
-    k, v = case.k_cache.clone(), case.v_cache.clone()
-    k[foreign], v[foreign] = float("nan"), float("inf")
-    rows = slice(keep, keep + 1)
-    return k, v, case.block_table[rows], case.seq_lens[rows]
+CACHE_DECODERS = {**DECODERS, "flex": compiled(flex_paged_decode), "flex eager": flex_paged_decode}
 
 
 @pytest.mark.parametrize("backend", sorted(DECODERS))
-@pytest.mark.parametrize("page_size", [1, 16, 64])  # flex compiles once per page size
+@pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_decode_ignores_nonfinite_unowned_pages(backend, page_size):
     case = make_decode_case(seed=page_size, batch=4, page_size=page_size, num_kv_heads=2, group=4, head_dim=32)
     expected = case.expected()
@@ -100,7 +82,7 @@ def test_through_the_cache_stale_pages_do_not_leak(backend):
 def test_flex_limits_blocks_larger_than_pages_and_eager_flex_read_foreign_slots():
     """The documented limits: a 128-token block over 16-token pages reads foreign slots, and
     eager flex (CPU) reads the whole cache; a live neighbour's NaN then leaks."""
-    case = make_decode_case(seed=1, batch=4, page_size=16, num_kv_heads=2, group=1, head_dim=32)
+    case = make_decode_case(seed=16, **COMPILED_DECODE_CASE)  # test_flex_compiled's shapes: compiled there
     k, v, table, lens = poison_all_but_one(case, 0)
     args = (case.q[:1], k, v, table, lens)
     assert torch.isfinite(flex_paged_decode(*args, compiled=True)).all()
