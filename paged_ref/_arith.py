@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 
-def cdiv(a: int, b: int) -> int:
-    """``ceil(a / b)`` for ints, ``b > 0``: pages for ``a`` tokens, tiles over ``a`` columns.
+def cdiv(a, b: int):
+    """``ceil(a / b)`` for an int or an integer tensor ``a`` (elementwise), ``b > 0``: pages for
+    ``a`` tokens, tiles over ``a`` columns.
 
     Example:
         >>> cdiv(33, 16), cdiv(32, 16), cdiv(0, 16)
         (3, 2, 0)
+        >>> import torch
+        >>> cdiv(torch.tensor([0, 1, 16, 17]), 16).tolist()
+        [0, 1, 1, 2]
     """
     return -(-a // b)
 

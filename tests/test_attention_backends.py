@@ -119,6 +119,25 @@ def test_prefill_scale_is_used(backend):
     assert rel_error(out, case.expected()) > 1e-2
 
 
+LARGE_SCALE = 20.0  # scores reach hundreds: exp() of them overflows float32 unless the max is subtracted
+
+
+@pytest.mark.parametrize("backend", sorted(DECODERS))
+def test_decode_with_large_scores_stays_finite(backend):
+    case = make_decode_case(seed=9, batch=4, page_size=8, num_kv_heads=2, group=2, head_dim=64)
+    out = DECODERS[backend](*case.args, scale=LARGE_SCALE)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, case.expected(scale=LARGE_SCALE)) < 1e-3
+
+
+@pytest.mark.parametrize("backend", sorted(PREFILLERS))
+def test_prefill_with_large_scores_stays_finite(backend):
+    case = make_prefill_case(seed=10, batch=4, page_size=8, num_kv_heads=2, group=2, head_dim=64)
+    out = PREFILLERS[backend](*case.args, scale=LARGE_SCALE)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, case.expected(scale=LARGE_SCALE)) < 1e-3
+
+
 @pytest.mark.parametrize("backend", sorted(set(DECODERS) - ON_CPU_FLOAT32_ONLY))
 def test_float64_inputs_give_float64_exactly(backend):
     case = make_decode_case(seed=3, batch=4, page_size=8, num_kv_heads=2, group=2, head_dim=64, dtype=torch.float64)

@@ -174,7 +174,7 @@ def logical_block_mask(
 
 
 def _used_pages(seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
-    return (seq_lens.long() + page_size - 1) // page_size  # [batch]
+    return cdiv(seq_lens.long(), page_size)  # [batch]
 
 
 def physical_to_logical(

@@ -76,7 +76,7 @@ def prepare(
     if q_lens is None:  # decode reads whole pages (`_attend_decode`): no per-token slot map
         mask = None if bool(in_seq.all()) else in_seq[:, None, None, :]  # [batch, 1, 1, max_kv]
         n_pages = cdiv(max_kv, page_size)
-        used = torch.arange(n_pages, device=lens.device)[None, :] < ((lens + page_size - 1) // page_size)[:, None]
+        used = torch.arange(n_pages, device=lens.device)[None, :] < cdiv(lens, page_size)[:, None]
         pages = torch.where(used, block_table[:, :n_pages].long(), 0)  # [batch, n_pages]
         start = None
         if pages.shape[0] == 1 and bool((pages[0, 1:] - pages[0, :-1] == 1).all()):
