@@ -122,18 +122,16 @@ def test_prefill_scale_is_used(backend):
 LARGE_SCALE = 20.0  # scores reach hundreds: exp() of them overflows float32 unless the max is subtracted
 
 
-@pytest.mark.parametrize("backend", sorted(DECODERS))
-def test_decode_with_large_scores_stays_finite(backend):
-    case = make_decode_case(seed=9, batch=4, page_size=8, num_kv_heads=2, group=2, head_dim=64)
-    out = DECODERS[backend](*case.args, scale=LARGE_SCALE)
-    assert torch.isfinite(out).all()
-    assert rel_error(out, case.expected(scale=LARGE_SCALE)) < 1e-3
+LARGE_SCORE_CASES = {"decode": (DECODERS, make_decode_case, 9), "prefill": (PREFILLERS, make_prefill_case, 10)}
 
 
-@pytest.mark.parametrize("backend", sorted(PREFILLERS))
-def test_prefill_with_large_scores_stays_finite(backend):
-    case = make_prefill_case(seed=10, batch=4, page_size=8, num_kv_heads=2, group=2, head_dim=64)
-    out = PREFILLERS[backend](*case.args, scale=LARGE_SCALE)
+@pytest.mark.parametrize(
+    "mode, backend", [(mode, b) for mode, (fns, _, _) in LARGE_SCORE_CASES.items() for b in sorted(fns)]
+)
+def test_large_scores_stay_finite(mode, backend):
+    fns, make_case, seed = LARGE_SCORE_CASES[mode]
+    case = make_case(seed=seed, batch=4, page_size=8, num_kv_heads=2, group=2, head_dim=64)
+    out = fns[backend](*case.args, scale=LARGE_SCALE)
     assert torch.isfinite(out).all()
     assert rel_error(out, case.expected(scale=LARGE_SCALE)) < 1e-3
 
