@@ -104,28 +104,73 @@ def _attend(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tens
     )
 
 
+# Tokens per chunk of `attend_chunked`. On 2 CPU cores, SmolLM2's 3 KV heads x 64 at 8192 tokens
+# in place: 1.7-1.9 ms per layer in chunks of 512-1024 against 3.0-4.0 ms in one SDPA call
+# (`python -m paged_ref.bench generate --contexts` measures the whole model).
+DECODE_CHUNK = 512
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunk: int = DECODE_CHUNK):
+    """One query token over one sequence's ``[T, Hkv, D]`` K/V (any strides), split into chunks.
+
+    SDPA on one long strided view runs one work item per KV head (3 for SmolLM2), too few to
+    share between cores, and walks tokens ``Hkv * D`` elements apart. Here the tokens are cut into
+    ``chunk``-token pieces that become SDPA's batch (a strided view: nothing is copied), each
+    piece returns its output and log-sum-exp, and the pieces merge by a softmax over their
+    log-sum-exps, as FlashDecoding's split-K does. The query heads of one KV head ride in SDPA's
+    query-length dimension (GQA without ``enable_gqa``).
+
+    Args:
+        q: ``[Hq, D]``; k, v: ``[T, Hkv, D]`` with ``Hq % Hkv == 0``; scale: softmax scale.
+        chunk: tokens per piece (a tail of ``T % chunk`` tokens is one more piece).
+
+    Returns:
+        ``[Hq, D]``, dtype of ``q``.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    num_q_heads = q.shape[0]
+    qg = q.view(1, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [1, Hkv, G, D]
+    if _FLASH_CPU is None or q.device.type != "cpu" or num_tokens <= chunk:  # one piece: plain SDPA
+        out = F.scaled_dot_product_attention(qg, k[None].transpose(1, 2), v[None].transpose(1, 2), scale=scale)
+        return out.reshape(num_q_heads, head_dim)
+    n = num_tokens // chunk
+    pieces = []
+    for lo, count, size in ((0, n, chunk), (n * chunk, 1, num_tokens - n * chunk)):
+        if size == 0:
+            continue
+        kc = k[lo : lo + count * size].view(count, size, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, C, D]
+        vc = v[lo : lo + count * size].view(count, size, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, C, D]
+        out, lse = _FLASH_CPU(qg.expand(count, -1, -1, -1), kc, vc, scale=scale)[:2]  # [n, Hkv, G, D], [n, Hkv, G]
+        pieces.append((out, lse))
+    out = torch.cat([o for o, _ in pieces])  # [pieces, Hkv, G, D]
+    acc = torch.promote_types(q.dtype, torch.float32)  # merge in float32 (float64 for float64)
+    weight = torch.softmax(torch.cat([lse for _, lse in pieces]).to(acc), dim=0)  # [pieces, Hkv, G]
+    merged = torch.einsum("nhgd,nhg->hgd", out.to(acc), weight)  # [Hkv, G, D]
+    return merged.reshape(num_q_heads, head_dim).to(q.dtype)
+
+
 def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tensor:
     """q: [batch, Hq, D] -> [batch, Hq, D], attention by matmul in the cache's own layout.
 
-    One sequence on consecutive pages is read in place (a strided view handed to SDPA). Otherwise
-    K/V are taken a page at a time (one ``index_select`` of whole pages, not one index per token)
-    and the scores are two batched matmuls on strided views, so the ``[tokens, heads, head_dim]``
-    layout is never transposed into a copy (SDPA on the transposed view would make one).
+    One sequence on consecutive pages is read in place (a strided view, `attend_chunked`).
+    Otherwise K/V are taken a page at a time (one ``index_select`` of whole pages, not one index
+    per token); one sequence then goes through `attend_chunked` too, and a batch through two
+    batched matmuls on strided views, so the ``[tokens, heads, head_dim]`` layout is never
+    transposed into a copy (SDPA on the transposed view would make one).
     """
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     batch, num_q_heads, _ = q.shape
     max_kv = gather.max_kv
-    if gather.start is not None:  # in place: SDPA takes the strided [1, Hkv, T, D] view as it is
-        k = k_cache.view(-1, num_kv_heads, head_dim)[gather.start : gather.start + max_kv][None]  # [1, T, Hkv, D]
-        v = v_cache.view(-1, num_kv_heads, head_dim)[gather.start : gather.start + max_kv][None]
-        out = F.scaled_dot_product_attention(
-            q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), scale=scale, enable_gqa=num_q_heads != num_kv_heads
-        )
-        return out[:, :, 0]  # [1, Hq, D]
-    else:
-        flat = gather.pages.reshape(-1)  # [batch * n_pages]
-        k = k_cache.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim)[:, :max_kv]  # [B, T, Hkv, D]
-        v = v_cache.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim)[:, :max_kv]
+    if gather.start is not None:  # in place: the run of slots viewed as it lies, no copy
+        k = k_cache.view(-1, num_kv_heads, head_dim)[gather.start : gather.start + max_kv]  # [T, Hkv, D]
+        v = v_cache.view(-1, num_kv_heads, head_dim)[gather.start : gather.start + max_kv]  # [T, Hkv, D]
+        return attend_chunked(q[0], k, v, scale)[None]  # [1, Hq, D]
+    flat = gather.pages.reshape(-1)  # [batch * n_pages]
+    k = k_cache.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim)[:, :max_kv]  # [B, T, Hkv, D]
+    v = v_cache.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim)[:, :max_kv]
+    if batch == 1:  # gathered pages of one sequence: the same chunked path as in place
+        return attend_chunked(q[0], k[0], v[0], scale)[None]  # [1, Hq, D]
     qg = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
     scores = torch.matmul(qg, k.permute(0, 2, 3, 1))  # [B, Hkv, G, T]
     if scores.dtype in (torch.float16, torch.bfloat16):
