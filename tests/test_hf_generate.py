@@ -347,7 +347,8 @@ def test_bench_generate_quick_on_the_tiny_model(tmp_path):
         for m, r in row["methods"].items():
             assert r["tokens_match_hf"] and r["prefill_s"] > 0 and r["decode_s_per_token"] > 0
             if m != "hf":
-                assert r["prefill_over_hf"] > 0 and 0 < r["plan_share_of_decode_step"] < 1
+                assert r["prefill_over_hf"] > 0 and r["decode_over_hf_paired"] > 0
+                assert 0 < r["plan_share_of_decode_step"] < 1
 
 
 # ---------------------------------------------------------------------------------- sessions and streams

@@ -16,7 +16,7 @@ HEADS = {"mha": (2, 1), "gqa3": (3, 3), "mqa": (1, 4)}  # (num_kv_heads, group)
 
 
 @pytest.mark.parametrize("heads", sorted(HEADS))
-@pytest.mark.parametrize("num_tokens, chunk", [(5, 8), (8, 8), (9, 8), (64, 8), (65, 16), (100, 7)])
+@pytest.mark.parametrize("num_tokens, chunk", [(5, 8), (15, 8), (16, 8), (17, 8), (64, 8), (65, 16), (100, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_attend_chunked_matches_float64(heads, num_tokens, chunk, dtype):
     num_kv_heads, group = HEADS[heads]

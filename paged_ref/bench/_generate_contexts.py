@@ -1,7 +1,8 @@
 """Prefill and decode apart, at growing prompt lengths: the paged path against transformers'.
 
 For each context length ``n`` (a prompt of ``n`` tokens of real English from pydoc_data; random
-ids without a tokenizer), in one run, methods interleaved in each repeat:
+ids without a tokenizer), in one run, the methods taking turns step by step (each prefills, then
+each takes decode step 1, then step 2, ...) so that a change in the machine's load hits them alike:
 
 * ``hf``: the plain model with transformers' ``DynamicCache`` (SDPA attention): prefill is one
   ``model(prompt, use_cache=True)``; decode is ``decode_steps`` single-token forwards on that cache.
@@ -17,8 +18,9 @@ ids without a tokenizer), in one run, methods interleaved in each repeat:
 tokens alone takes minutes on 2 cores).
 
 Both decode greedily and must produce the same tokens. Reported per method: median prefill
-seconds, median decode seconds per token, the plan's share of a decode step, and the ratios
-paged / hf (1.0 = as fast; < 1 faster).
+seconds, median decode seconds per token, the plan's share of the decode time, and the ratios
+paged / hf (1.0 = as fast; < 1 faster): of the medians, and for decode also the median of the
+ratios of steps taken back to back (``decode_over_hf_paired``, the steadier one on a shared machine).
 """
 
 from __future__ import annotations
@@ -48,31 +50,29 @@ def _prompt(model, tokenizer, n: int) -> torch.Tensor:
         words = int(words * 1.5) + 8
 
 
-@torch.inference_mode()
 def _hf_run(model, prompt, steps):
-    t = time.perf_counter()
-    out = model(prompt[None], use_cache=True, logits_to_keep=1)
-    prefill = time.perf_counter() - t
-    cache = out["cache"] if "cache" in out else out["past_key_values"]
-    token = out.logits[:, -1].argmax(-1)
-    tokens, times = [int(token)], []
+    """Generator: prefill, then one decode step per ``next``; yields ``(seconds, plan_s, token)``."""
+    with torch.inference_mode():
+        t = time.perf_counter()
+        out = model(prompt[None], use_cache=True, logits_to_keep=1)
+        seconds = time.perf_counter() - t
+    key = "cache" if "cache" in out else "past_key_values"  # transformers renamed it
+    cache = out[key]
+    token = out.logits[:, -1].argmax(-1)  # [1]
+    yield seconds, None, int(token)
     for i in range(steps):
         position = torch.tensor([[prompt.numel() + i]])
-        t = time.perf_counter()
-        out = model(
-            token[:, None],
-            use_cache=True,
-            position_ids=position,
-            **{"cache" if "cache" in out else "past_key_values": cache},
-        )
-        times.append(time.perf_counter() - t)
-        cache = out["cache"] if "cache" in out else out["past_key_values"]
+        with torch.inference_mode():
+            t = time.perf_counter()
+            out = model(token[:, None], use_cache=True, position_ids=position, **{key: cache})
+            seconds = time.perf_counter() - t
+        cache = out[key]
         token = out.logits[:, -1].argmax(-1)
-        tokens.append(int(token))
-    return prefill, times, [], tokens
+        yield seconds, None, int(token)
 
 
 def _paged_run(model, prompt, steps, backend, page_size, scattered=False):
+    """The same steps through a `PagedSession`; ``plan_s`` is the time spent building the step's plan."""
     num_pages = cdiv(prompt.numel() + steps + 1, page_size)
     with PagedSession(
         model, num_pages=2 * num_pages if scattered else num_pages, page_size=page_size, backend=backend
@@ -82,20 +82,15 @@ def _paged_run(model, prompt, steps, backend, page_size, scattered=False):
             session.kv.reserve(other, 2 * num_pages * page_size)
             session.kv.drop_pages(other, range(0, 2 * num_pages, 2))
         s = session.add()
-        t = time.perf_counter()
-        logits = session.extend([s], [prompt])
-        prefill = time.perf_counter() - t
-        token = logits.argmax(-1)
-        tokens, times, plans = [int(token)], [], []
-        for _ in range(steps):
+        tokens = [prompt]
+        for _ in range(steps + 1):
             before = session.plan_seconds
             t = time.perf_counter()
-            logits = session.extend([s], [token])
-            times.append(time.perf_counter() - t)
-            plans.append(session.plan_seconds - before)
-            token = logits.argmax(-1)
-            tokens.append(int(token))
-    return prefill, times, plans, tokens
+            logits = session.extend([s], tokens)
+            seconds = time.perf_counter() - t
+            token = logits.argmax(-1)  # [1]
+            tokens = [token]
+            yield seconds, session.plan_seconds - before, int(token)
 
 
 def measure_contexts(
@@ -120,29 +115,37 @@ def measure_contexts(
         )
     warm = _prompt(model, tokenizer, 16)
     for run in methods.values():  # one short warm-up of every path
-        run(warm)
+        for _ in run(warm):
+            pass
     for n in contexts:
         prompt = _prompt(model, tokenizer, n)
         here = {m: run for m, run in methods.items() if n <= skip_above.get(m, n)}
         prefill = {m: [] for m in here}
         decode = {m: [] for m in here}
-        plan_share = {m: [] for m in here}
-        tokens = {}
+        plans = {m: [] for m in here}
+        tokens, tokens_now = {}, {}
         for _ in range(repeats):
-            for m, run in here.items():
-                p, times, plans, toks = run(prompt)
-                prefill[m].append(p)
-                decode[m].extend(times)
-                if plans:
-                    plan_share[m].append(sum(plans) / sum(times))
-                tokens[m] = toks
+            runs = {m: run(prompt) for m, run in here.items()}
+            for _ in range(decode_steps + 1):  # the prefill, then each decode step, method after method
+                for m, steps in runs.items():
+                    seconds, plan, token = next(steps)
+                    tokens_now.setdefault(m, []).append(token)
+                    if len(tokens_now[m]) == 1:
+                        prefill[m].append(seconds)
+                    else:
+                        decode[m].append(seconds)
+                        if plan is not None:
+                            plans[m].append(plan)
+            for m, steps in runs.items():
+                steps.close()  # closes the session (its pool goes back)
+                tokens[m] = tokens_now.pop(m)
         row = {"context": n, "methods": {}}
         for m in here:
             row["methods"][m] = {
                 "prefill_s": _median(prefill[m]),
                 "prefill_times_s": prefill[m],
                 "decode_s_per_token": _median(decode[m]),
-                "plan_share_of_decode_step": _median(plan_share[m]) if plan_share[m] else None,
+                "plan_share_of_decode_step": sum(plans[m]) / sum(decode[m]) if plans[m] else None,
                 "tokens_match_hf": tokens[m] == tokens["hf"],
             }
         hf = row["methods"]["hf"]
@@ -151,12 +154,18 @@ def measure_contexts(
                 r = row["methods"][m]
                 r["prefill_over_hf"] = r["prefill_s"] / hf["prefill_s"]
                 r["decode_over_hf"] = r["decode_s_per_token"] / hf["decode_s_per_token"]
+                r["decode_over_hf_paired"] = _median([a / b for a, b in zip(decode[m], decode["hf"])])
         out["rows"].append(row)
         print(
             f"context {n}: "
             + ", ".join(
                 f"{m} prefill {r['prefill_s']:.3f} s decode {r['decode_s_per_token'] * 1e3:.1f} ms"
-                + (f" ({r['prefill_over_hf']:.2f}x, {r['decode_over_hf']:.2f}x)" if m != "hf" else "")
+                + (
+                    f" ({r['prefill_over_hf']:.2f}x, {r['decode_over_hf']:.2f}x,"
+                    f" paired {r['decode_over_hf_paired']:.2f}x)"
+                    if m != "hf"
+                    else ""
+                )
                 for m, r in row["methods"].items()
             ),
             flush=True,

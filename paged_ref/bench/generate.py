@@ -329,6 +329,7 @@ def main(argv=None):
                 f"{r['decode_s_per_token'] * 1e3:.1f}",
                 f"{r['prefill_over_hf']:.2f}x" if m != "hf" else "-",
                 f"{r['decode_over_hf']:.2f}x" if m != "hf" else "-",
+                f"{r['decode_over_hf_paired']:.2f}x" if m != "hf" else "-",
                 "-" if r["plan_share_of_decode_step"] is None else f"{r['plan_share_of_decode_step']:.1%}",
                 r["tokens_match_hf"],
             ]
@@ -343,6 +344,7 @@ def main(argv=None):
                 "decode ms/token",
                 "prefill ratio",
                 "decode ratio",
+                "paired",
                 "plan share",
                 "same tokens",
             ],

@@ -123,7 +123,8 @@ def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
     Args:
         q: ``[Hq, D]``; k, v: ``[T, Hkv, D]`` with ``Hq % Hkv == 0``; scale: softmax scale.
-        chunk: tokens per piece (a tail of ``T % chunk`` tokens is one more piece).
+        chunk: tokens per piece (a tail of ``T % chunk`` tokens is one more piece); fewer than
+            ``2 * chunk`` tokens go to SDPA in one piece.
 
     Returns:
         ``[Hq, D]``, dtype of ``q``.
@@ -131,7 +132,7 @@ def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     num_tokens, num_kv_heads, head_dim = k.shape
     num_q_heads = q.shape[0]
     qg = q.view(1, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [1, Hkv, G, D]
-    if _FLASH_CPU is None or q.device.type != "cpu" or num_tokens <= chunk:  # one piece: plain SDPA
+    if _FLASH_CPU is None or q.device.type != "cpu" or num_tokens < 2 * chunk:  # one piece: plain SDPA
         out = F.scaled_dot_product_attention(qg, k[None].transpose(1, 2), v[None].transpose(1, 2), scale=scale)
         return out.reshape(num_q_heads, head_dim)
     n = num_tokens // chunk
