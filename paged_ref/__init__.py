@@ -21,7 +21,7 @@ from .cache import PagedKVCache
 
 __version__ = "0.1.0"
 
-_LAZY_MODULES = {"hf", "models", "eviction", "viz", "widgets", "bench", "runmode", "textdata", "stats"}
+_LAZY_MODULES = {"hf", "models", "eviction", "viz", "widgets", "bench", "runmode", "textdata", "stats", "check"}
 _LAZY_ATTRS = {"paged_decode": "paged_ref.attention.triton_decode"}
 
 

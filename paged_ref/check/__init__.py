@@ -1,0 +1,40 @@
+"""Checkers for coursework: a student's implementation against paged_ref's own oracles.
+
+Each ``check_*`` takes the student's class or function, runs cases smallest first (random, from
+a seed) against the reference implementation in this package, and returns a `CheckReport`:
+``report.passed``, and as text the first failing case with what was expected, what came back
+and a hint. A function that still raises ``NotImplementedError`` reports "not implemented yet".
+
+    >>> import paged_ref as pr
+    >>> print(pr.check.check_allocator(pr.PageAllocator))
+    PASS allocator: 200 cases
+
+=====================================  ==============================================
+checker                                what the student writes
+=====================================  ==============================================
+`check_allocator`                      a page allocator class (bump pointer, free list, refcounts)
+`check_slot_mapping`                   ``slot_mapping(pages, *, start, num_tokens, page_size)``
+`check_paged_attention`                decode attention over pages, plain PyTorch
+`check_triton_decode`                  the same as a Triton kernel (interpreter on CPU)
+`check_token_scores`                   PagedEviction's ||V|| / ||K|| token score
+`check_page_scores`                    a page's score from its tokens' scores
+`check_eviction_policy`                a policy with ``after_prefill`` / ``after_append`` hooks
+=====================================  ==============================================
+"""
+
+from .allocator import check_allocator
+from .attention import check_paged_attention, check_slot_mapping, check_triton_decode
+from .eviction import check_eviction_policy, check_page_scores, check_token_scores
+from .report import CheckReport, Failure
+
+__all__ = [
+    "CheckReport",
+    "Failure",
+    "check_allocator",
+    "check_eviction_policy",
+    "check_page_scores",
+    "check_paged_attention",
+    "check_slot_mapping",
+    "check_token_scores",
+    "check_triton_decode",
+]
