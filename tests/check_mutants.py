@@ -1,67 +1,29 @@
 """Student-style solutions for `paged_ref.check`, and broken ones each checker must catch.
 
 `SOLUTIONS` maps a checker name to a correct implementation written from scratch (as a student
-would); `MUTANTS` maps it to deliberately broken variants, each named after its mistake.
+would: the exercise notebooks' reference solutions); `MUTANTS` maps it to deliberately broken
+variants, each named after its mistake.
 """
 
 import math
-from collections import deque
+from pathlib import Path
 
 import torch
 
+from paged_ref.check import load_solutions
 from paged_ref.eviction import make_policy
+
+SOLUTIONS_FILE = Path(__file__).resolve().parents[1] / "notebooks" / "exercises" / "solutions" / "solutions.py"
+_solutions = load_solutions(SOLUTIONS_FILE)
+StudentAllocator = _solutions.StudentAllocator
+student_slot_mapping = _solutions.student_slot_mapping
+_student_attention = _solutions._student_attention
+student_attention = _solutions.student_attention
+student_token_scores = _solutions.student_token_scores
+student_page_scores = _solutions.student_page_scores
 
 
 # ------------------------------------------------------------------------------------ allocators
-class StudentAllocator:
-    """Bump pointer, then a FIFO free list; reference counts; all-or-nothing allocation."""
-
-    def __init__(self, num_pages):
-        self.num_pages = num_pages
-        self.next_fresh = 0
-        self.free_list = deque()
-        self.refs = [0] * num_pages
-
-    @property
-    def num_free(self):
-        return self.num_pages - self.next_fresh + len(self.free_list)
-
-    def allocate(self, n):
-        if n > self.num_free:
-            raise MemoryError(f"asked for {n} pages, {self.num_free} free")
-        pages = []
-        for _ in range(n):
-            if self.next_fresh < self.num_pages:
-                page, self.next_fresh = self.next_fresh, self.next_fresh + 1
-            else:
-                page = self.free_list.popleft()
-            self.refs[page] = 1
-            pages.append(page)
-        return pages
-
-    def share(self, pages):
-        for p in pages:
-            if self.refs[p] == 0:
-                raise ValueError(f"page {p} is not allocated")
-        for p in pages:
-            self.refs[p] += 1
-
-    def free(self, pages):
-        counts = {}
-        for p in pages:
-            counts[p] = counts.get(p, 0) + 1
-        for p, c in counts.items():
-            if self.refs[p] < c:
-                raise ValueError(f"page {p} is not held {c} time(s)")
-        for p in pages:
-            self.refs[p] -= 1
-            if self.refs[p] == 0:
-                self.free_list.append(p)
-
-    def refcount(self, page):
-        return self.refs[page]
-
-
 class NoRefcountAllocator(StudentAllocator):
     """free returns a page at once, ignoring other references (no copy-on-write safety)."""
 
@@ -105,13 +67,6 @@ class NonAtomicAllocator(StudentAllocator):
 
 
 # ------------------------------------------------------------------------------------ slot mapping
-def student_slot_mapping(pages, *, start, num_tokens, page_size):
-    return torch.tensor(
-        [pages[t // page_size] * page_size + t % page_size for t in range(start, start + num_tokens)],
-        dtype=torch.int64,
-    )
-
-
 def off_by_one_slot_mapping(pages, *, start, num_tokens, page_size):
     return torch.tensor(
         [pages[t // page_size] * page_size + t % page_size for t in range(start + 1, start + num_tokens + 1)]
@@ -123,28 +78,6 @@ def logical_slot_mapping(pages, *, start, num_tokens, page_size):
 
 
 # ------------------------------------------------------------------------------------ attention
-def _student_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None, *, extra=0, stable=True, gqa="div"):
-    batch, num_q_heads, head_dim = q.shape
-    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    scale = head_dim**-0.5 if scale is None else scale
-    out = torch.empty_like(q)
-    for b in range(batch):
-        n = int(seq_lens[b]) + extra
-        pages = block_table[b, : math.ceil(n / page_size)].long()
-        k = k_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n]  # [n, Hkv, D]
-        v = v_cache[pages].reshape(-1, num_kv_heads, head_dim)[:n]
-        for h in range(num_q_heads):
-            kv = h // (num_q_heads // num_kv_heads) if gqa == "div" else h % num_kv_heads
-            s = (k[:, kv] @ q[b, h]) * scale  # [n]
-            e = torch.exp(s - s.max()) if stable else torch.exp(s)
-            out[b, h] = (e / e.sum()) @ v[:, kv]
-    return out
-
-
-def student_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
-    return _student_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
-
-
 def short_by_one_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
     return _student_attention(q, k_cache, v_cache, block_table, seq_lens.clamp(min=2), scale, extra=-1)
 
@@ -163,16 +96,8 @@ def wrong_gqa_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
 
 
 # ------------------------------------------------------------------------------------ scores
-def student_token_scores(k, v):
-    return (v.norm(dim=-1) / k.norm(dim=-1)).mean(dim=1)
-
-
 def inverted_token_scores(k, v):
     return (k.norm(dim=-1) / v.norm(dim=-1)).mean(dim=1)
-
-
-def student_page_scores(scores, page_size):
-    return torch.stack([chunk.mean() for chunk in scores.split(page_size)])
 
 
 def full_page_divisor_page_scores(scores, page_size):
@@ -230,7 +155,7 @@ SOLUTIONS = {
     "paged_attention": student_attention,
     "token_scores": student_token_scores,
     "page_scores": student_page_scores,
-    "eviction_policy": lambda budget: make_policy("paged_eviction", budget),
+    "eviction_policy": _solutions.StudentPagedEviction,
 }
 MUTANTS = {
     "allocator": [NoRefcountAllocator, NewestFirstAllocator, NonAtomicAllocator],

@@ -20,12 +20,16 @@ checker                                what the student writes
 `check_page_scores`                    a page's score from its tokens' scores
 `check_eviction_policy`                a policy with ``after_prefill`` / ``after_append`` hooks
 =====================================  ==============================================
+
+The exercise notebooks (``notebooks/exercises/``) draw from the student's code with
+`paged_ref.check.figures` and take an instructor's solutions through `use_solution`.
 """
 
 from .allocator import check_allocator
 from .attention import check_paged_attention, check_slot_mapping, check_triton_decode
 from .eviction import check_eviction_policy, check_page_scores, check_token_scores
 from .report import CheckReport, Failure
+from .solutions import load_solutions, use_solution
 
 __all__ = [
     "CheckReport",
@@ -37,4 +41,6 @@ __all__ = [
     "check_slot_mapping",
     "check_token_scores",
     "check_triton_decode",
+    "load_solutions",
+    "use_solution",
 ]

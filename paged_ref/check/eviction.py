@@ -101,7 +101,7 @@ def check_eviction_policy(
     """
     name = "eviction_policy"
     pool = max_pages_held(budget, page_size) + 64 // page_size + 8
-    prompts = [budget + page_size + 3, 2 * budget + 1, budget // 2 + 1]
+    prompts = [budget + page_size + 3, 2 * budget + 1, 2 * budget, budget // 2 + 1]  # one a page multiple
 
     def run(make, prompt_len, gen):
         """Yields (phase, step, cache, seq_id, written markers) after each hook."""
