@@ -82,6 +82,10 @@ def short_by_one_attention(q, k_cache, v_cache, block_table, seq_lens, scale=Non
     return _student_attention(q, k_cache, v_cache, block_table, seq_lens.clamp(min=2), scale, extra=-1)
 
 
+def long_by_one_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    return _student_attention(q, k_cache, v_cache, block_table, seq_lens, scale, extra=1)
+
+
 def no_block_table_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
     logical = torch.arange(block_table.shape[1]).repeat(block_table.shape[0], 1)
     return _student_attention(q, k_cache, v_cache, logical, seq_lens, scale)
@@ -162,6 +166,7 @@ MUTANTS = {
     "slot_mapping": [off_by_one_slot_mapping, logical_slot_mapping],
     "paged_attention": [
         short_by_one_attention,
+        long_by_one_attention,
         no_block_table_attention,
         unstable_softmax_attention,
         wrong_gqa_attention,

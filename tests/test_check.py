@@ -58,6 +58,7 @@ def test_allocator_failures_shrink_to_a_few_calls(mutant, words):
     "mutant, words",
     [
         ("short_by_one_attention", "one token short"),
+        ("long_by_one_attention", "one token too many"),
         ("no_block_table_attention", "through the block table"),
         ("unstable_softmax_attention", "subtract each row's max"),
         ("wrong_gqa_attention", "h // (num_q_heads // num_kv_heads)"),
@@ -87,6 +88,16 @@ def test_triton_checker_passes_the_kernel_and_catches_a_short_length():
 
     report = check.check_triton_decode(short)
     assert not report.passed and "one token short" in report.failure.hint
+
+
+def test_triton_checker_names_the_interpreter_when_the_call_raises_on_cpu():
+    def raises(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+        raise RuntimeError("0 active drivers ([]). There should only be one.")  # a compiled-mode kernel on CPU
+
+    report = check.check_triton_decode(raises)
+    assert not report.passed and "RuntimeError" in report.failure.got
+    if not torch.cuda.is_available():
+        assert "TRITON_INTERPRET=1" in report.failure.hint
 
 
 def test_eviction_policy_matches_a_named_reference():

@@ -388,3 +388,14 @@ def test_gpu_large(seq_lens, num_kv_heads):
     paged_decode(*case.args, out=out)
     assert not torch.isnan(out).any()
     assert rel_err(out, case.expected()) < 1e-2
+
+
+def test_native_half_is_float16_before_ampere(monkeypatch):
+    """A T4 (sm_75) computes float16, not bfloat16: the GPU benchmarks and notebook 05 take it."""
+    from paged_ref.attention import triton_decode as td
+
+    for capability, dtype in (((7, 5), torch.float16), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert td.native_half("cuda") == dtype
+    with pytest.raises(ValueError, match="device must be a CUDA device"):
+        td.native_half("cpu")

@@ -479,6 +479,15 @@ def _capability(device: torch.device) -> int:
     return 10 * major + minor
 
 
+def native_half(device) -> torch.dtype:
+    """The 16-bit dtype a GPU computes natively: bfloat16 from sm_80 (A100, H100) on, float16
+    before it (a T4 in a free hosted notebook is sm_75: no bfloat16 arithmetic)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"device must be a CUDA device, got {device}")
+    return torch.bfloat16 if _capability(device) >= 80 else torch.float16
+
+
 def _check_kernel_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, out):
     """Checks specific to this kernel, on top of the common `check_paged_inputs`."""
     interpret = interpreted(q.device)

@@ -127,12 +127,15 @@ def _planned_splits(batch, seq_len, heads, dtype, device):
     return td._default_num_splits(batch, heads["num_kv_heads"], seq_len, torch.device(device), cfg)
 
 
-def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=torch.bfloat16, device="cuda"):
+def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None, device="cuda"):
     """Measure every implementation on every (shape, page size); see the module docstring.
 
     ``heads``, ``dtype`` and ``device`` are there so that the harness can be smoke-tested on
-    the CPU with small float32 sizes; the benchmark itself runs with the defaults.
+    the CPU with small float32 sizes; the benchmark itself runs with the defaults (``dtype``
+    None: the GPU's native 16-bit type, bfloat16 from sm_80 on and float16 on a T4).
     """
+    if dtype is None:
+        dtype = td.native_half(device)
     started = time.perf_counter()
     copy = copy_bandwidth()
     print(
@@ -273,7 +276,7 @@ def run_sweep(
     *,
     configs=SWEEP_CONFIGS,
     heads=GPU_HEADS,
-    dtype=torch.bfloat16,
+    dtype=None,
     device="cuda",
 ):
     """Time other tile configurations and split counts of the same kernel on two shapes
@@ -281,8 +284,11 @@ def run_sweep(
 
     ``configs`` lists ``(BLOCK_N, num_warps, num_stages)``: BLOCK_N x pipeline stages at 4 warps
     and 8 warps at the default tile (num_stages=2 keeps one K/V tile in flight, 3 two, 4
-    three), each at the default split count and twice it.
+    three), each at the default split count and twice it. ``dtype`` None: the GPU's native
+    16-bit type (`triton_decode.native_half`).
     """
+    if dtype is None:
+        dtype = td.native_half(device)
     rows = []
     print(f"tile sweep (page {page_size}):", flush=True)
     group = heads["num_q_heads"] // heads["num_kv_heads"]
@@ -583,7 +589,7 @@ def main(argv=None):
             command=command.strip(),
             environment=environment(),
             config=dict(
-                dtype="bfloat16",
+                dtype=str(td.native_half("cuda")).removeprefix("torch."),
                 shapes=shapes,
                 page_sizes=pages,
                 timing="triton.testing.do_bench median (CUDA events, L2 flushed)",

@@ -185,7 +185,7 @@ def _attention_hint(case: AttentionCase, got: torch.Tensor, tol: float) -> str:
     return "compare with a dense softmax over each sequence's gathered K/V, one sequence at a time"
 
 
-def _attention_checker(name: str, fn, cases: list[AttentionCase], tol: float):
+def _attention_checker(name: str, fn, cases: list[AttentionCase], tol: float, error_hint: str):
     def one(case):
         got = fn(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens, scale=case.scale)
         if not isinstance(got, torch.Tensor):
@@ -207,7 +207,7 @@ def _attention_checker(name: str, fn, cases: list[AttentionCase], tol: float):
             _attention_hint(case, got64, tol),
         )
 
-    return run_cases(name, cases, one, AttentionCase.describe, "the call raised: check shapes and dtypes")
+    return run_cases(name, cases, one, AttentionCase.describe, error_hint)
 
 
 def check_paged_attention(fn, *, seed: int = 0, repeats: int = 2):
@@ -218,7 +218,8 @@ def check_paged_attention(fn, *, seed: int = 0, repeats: int = 2):
     a sequence's pages are padding), seq_lens int32 ``[batch]``; returns ``[batch, Hq, D]``.
     Inputs are float64; answers must match the reference to 1e-8.
     """
-    return _attention_checker("paged_attention", fn, make_attention_cases(seed, torch.float64, repeats), 1e-8)
+    cases = make_attention_cases(seed, torch.float64, repeats)
+    return _attention_checker("paged_attention", fn, cases, 1e-8, "the call raised: check shapes and dtypes")
 
 
 def check_triton_decode(fn, *, seed: int = 0, repeats: int = 1):
@@ -234,4 +235,10 @@ def check_triton_decode(fn, *, seed: int = 0, repeats: int = 1):
         for c in cases:
             c.q, c.k_cache, c.v_cache = c.q.cuda(), c.k_cache.cuda(), c.v_cache.cuda()
             c.block_table, c.seq_lens = c.block_table.cuda(), c.seq_lens.cuda()
-    return _attention_checker("triton_decode", fn, cases, 1e-4)
+    hint = "the call raised: check shapes and dtypes"
+    if not torch.cuda.is_available():
+        hint += (
+            "; on a CPU the kernel must run in Triton's interpreter: set TRITON_INTERPRET=1 before triton is "
+            "first imported (restart the kernel/process), then define the @triton.jit kernel"
+        )
+    return _attention_checker("triton_decode", fn, cases, 1e-4, hint)
