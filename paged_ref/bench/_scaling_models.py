@@ -5,8 +5,8 @@
   exactly its shapes is used instead and the result says so: decode timing depends on the
   shapes, not on the weights' values.
 * ``llama1b``: a randomly initialized Llama with Llama-3.2-1B's shapes (16 layers, hidden 2048,
-  32 query heads over 8 KV heads, head_dim 64, vocabulary 128256), bfloat16: a realistic size
-  for timing, no download.
+  32 query heads over 8 KV heads, head_dim 64, vocabulary 128256), in the GPU's native 16-bit
+  type (bfloat16 from sm_80 on, float16 on a T4): a realistic size for timing, no download.
 * ``tiny``: `paged_ref.models.tiny_llama` (tests).
 
 Prompts: real English text (CPython's documentation, `paged_ref.textdata`) tokenized by the real
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..attention.triton_decode import native_half
 from ..models import load_smollm2, tiny_llama
 
 __all__ = ["MODELS", "build_model", "prompt_ids", "LLAMA_1B_SHAPES", "SMOLLM2_SHAPES"]
@@ -78,7 +79,9 @@ def build_model(name: str, *, device="cpu", dtype: torch.dtype | None = None):
     Args:
         name: ``smollm2``, ``llama1b`` or ``tiny``.
         device: where the model runs.
-        dtype: weights' dtype; default float32 on CPU, bfloat16 on CUDA (``tiny``: float32).
+        dtype: weights' dtype; default float32 on CPU, on CUDA the GPU's native 16-bit type
+            (`paged_ref.attention.triton_decode.native_half`: bfloat16 from sm_80 on, float16 on
+            a T4, which has no bfloat16 arithmetic; ``tiny``: float32).
 
     Returns:
         the model in eval mode, and ``info``: ``{"name", "weights": "real"|"random",
@@ -88,7 +91,7 @@ def build_model(name: str, *, device="cpu", dtype: torch.dtype | None = None):
         raise ValueError(f"model must be one of {MODELS}, got {name!r}")
     device = torch.device(device)
     if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" and name != "tiny" else torch.float32
+        dtype = native_half(device) if device.type == "cuda" and name != "tiny" else torch.float32
     info = {"name": name, "weights": "random", "tokenizer": None, "note": None}
     if name == "tiny":
         model = tiny_llama(seed=0).to(device)
