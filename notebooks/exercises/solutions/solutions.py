@@ -10,8 +10,6 @@ from collections import deque
 
 import torch
 
-from paged_ref.eviction import make_policy
-
 
 # ------------------------------------------------------------------ exercise 1: allocator, slot mapping
 class StudentAllocator:
@@ -129,8 +127,3 @@ class StudentPagedEviction:
         n = cache.seq_len(seq_id)
         if n > self.budget and n % cache.page_size == 0:
             self._drop_lowest(cache, seq_id)
-
-
-def paged_eviction_policy(budget):
-    """The package's own PagedEviction, for comparison."""
-    return make_policy("paged_eviction", budget)
