@@ -123,22 +123,22 @@ def measure_contexts(
         prefill = {m: [] for m in here}
         decode = {m: [] for m in here}
         plans = {m: [] for m in here}
-        tokens, tokens_now = {}, {}
+        tokens = {}
         for _ in range(repeats):
             runs = {m: run(prompt) for m, run in here.items()}
-            for _ in range(decode_steps + 1):  # the prefill, then each decode step, method after method
+            tokens = {m: [] for m in here}
+            for step in range(decode_steps + 1):  # the prefill, then each decode step, method after method
                 for m, steps in runs.items():
                     seconds, plan, token = next(steps)
-                    tokens_now.setdefault(m, []).append(token)
-                    if len(tokens_now[m]) == 1:
+                    tokens[m].append(token)
+                    if step == 0:
                         prefill[m].append(seconds)
                     else:
                         decode[m].append(seconds)
                         if plan is not None:
                             plans[m].append(plan)
-            for m, steps in runs.items():
+            for steps in runs.values():
                 steps.close()  # closes the session (its pool goes back)
-                tokens[m] = tokens_now.pop(m)
         row = {"context": n, "methods": {}}
         for m in here:
             row["methods"][m] = {

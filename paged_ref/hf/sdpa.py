@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .._arith import cdiv
+from ..attention.online_softmax import LOG2E, merge_partials
 from ..attention.reference import check_paged_inputs, check_prefill_inputs
 
 __all__ = ["SlotGather", "prepare", "sdpa_paged_decode", "sdpa_paged_prefill"]
@@ -106,7 +107,7 @@ def _attend(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tens
 
 # Tokens per chunk of `attend_chunked`. On 2 CPU cores, SmolLM2's 3 KV heads x 64 at 8192 tokens
 # in place: 1.7-1.9 ms per layer in chunks of 512-1024 against 3.0-4.0 ms in one SDPA call
-# (`python -m paged_ref.bench generate --contexts` measures the whole model).
+# (`python -m paged_ref.bench generate`, its contexts workload, measures the whole model).
 DECODE_CHUNK = 512
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -117,9 +118,9 @@ def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     SDPA on one long strided view runs one work item per KV head (3 for SmolLM2), too few to
     share between cores, and walks tokens ``Hkv * D`` elements apart. Here the tokens are cut into
     ``chunk``-token pieces that become SDPA's batch (a strided view: nothing is copied), each
-    piece returns its output and log-sum-exp, and the pieces merge by a softmax over their
-    log-sum-exps, as FlashDecoding's split-K does. The query heads of one KV head ride in SDPA's
-    query-length dimension (GQA without ``enable_gqa``).
+    piece returns its output and log-sum-exp, and the pieces merge by their log-sum-exps
+    (`online_softmax.merge_partials`, the Triton kernel's split-K reduction). The query heads of
+    one KV head ride in SDPA's query-length dimension (GQA without ``enable_gqa``).
 
     Args:
         q: ``[Hq, D]``; k, v: ``[T, Hkv, D]`` with ``Hq % Hkv == 0``; scale: softmax scale.
@@ -144,11 +145,12 @@ def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
         vc = v[lo : lo + count * size].view(count, size, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, C, D]
         out, lse = _FLASH_CPU(qg.expand(count, -1, -1, -1), kc, vc, scale=scale)[:2]  # [n, Hkv, G, D], [n, Hkv, G]
         pieces.append((out, lse))
-    out = torch.cat([o for o, _ in pieces])  # [pieces, Hkv, G, D]
     acc = torch.promote_types(q.dtype, torch.float32)  # merge in float32 (float64 for float64)
-    weight = torch.softmax(torch.cat([lse for _, lse in pieces]).to(acc), dim=0)  # [pieces, Hkv, G]
-    merged = torch.einsum("nhgd,nhg->hgd", out.to(acc), weight)  # [Hkv, G, D]
-    return merged.reshape(num_q_heads, head_dim).to(q.dtype)
+    out = torch.cat([o for o, _ in pieces]).to(acc).flatten(1, 2)  # [pieces, Hq, D], normalized per piece
+    lse = torch.cat([lse for _, lse in pieces]).to(acc).flatten(1)  # [pieces, Hq]
+    # the split-K reduction of `online_softmax`: a normalized piece is (m = lse in base 2, l = 1, acc = out)
+    merged = merge_partials(lse * LOG2E, torch.ones_like(lse), out)  # [Hq, D]
+    return merged.to(q.dtype)
 
 
 def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tensor:
