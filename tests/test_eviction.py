@@ -16,6 +16,7 @@ from paged_ref.eviction import (
     POLICY_NAMES,
     FullCache,
     PagedEviction,
+    Reserved,
     StreamingLLM,
     TokenTopK,
     make_policy,
@@ -192,7 +193,7 @@ def test_prefill_keeps_top_budget_tokens_in_original_order():
     scores = [5, 1, 7, 2, 9, 3, 8, 0.5, 6, 4]  # top 6: positions 0, 2, 4, 6, 8, 9
     append_scored(cache, s, scores)
     before = cache.gather(0, s)[1]
-    policy = PagedEviction(6, protect_last_page=False)
+    policy = PagedEviction(6, protect_first_page=False, protect_last_page=False)
     policy.after_prefill(cache, s)
     assert policy.positions(s).tolist() == [0, 2, 4, 6, 8, 9]
     torch.testing.assert_close(cache.gather(0, s)[1], before[[0, 2, 4, 6, 8, 9]])
@@ -245,6 +246,56 @@ def test_protect_first_page_skips_page_zero():
     append_scored(cache, s, [4, 4])
     policy.after_append(cache, s)
     assert policy.positions(s).tolist() == [0, 1, 2, 3, 6, 7]  # page 0 (lowest) kept, page 2 (3, 3) dropped
+
+
+def test_default_reserves_first_and_last_page_literal_does_not():
+    # the authors' code keeps the first and the last block; the literal text keeps only the newest
+    for name, expected in (("paged_eviction", [0, 1, 2, 3, 6, 7]), ("paged_eviction_literal", [2, 3, 4, 5, 6, 7])):
+        cache = make_cache(page_size=2, num_kv_heads=1)
+        s = cache.add_sequence()
+        append_scored(cache, s, [0.1, 0.1, 5, 5, 3, 3])
+        policy = make_policy(name, 6)
+        policy.after_prefill(cache, s)
+        append_scored(cache, s, [4, 4])
+        policy.after_append(cache, s)
+        assert policy.positions(s).tolist() == expected, name
+    assert make_policy("paged_eviction", 8).reserved == Reserved(first_pages=1, last_page=True)
+    assert make_policy("paged_eviction_literal", 8).reserved == Reserved(first_pages=0, last_page=True)
+    assert make_policy("token_topk", 8).reserved == Reserved(first_pages=1, last_page=True)
+    with pytest.raises(ValueError, match="fixes protect_first_page"):
+        make_policy("paged_eviction_literal", 8, protect_first_page=True)
+
+
+def test_key_value_ratio_is_the_swapped_score_and_reverses_the_choice():
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(12, 2, 4, generator=g), torch.randn(12, 2, 4, generator=g)
+    one_head = (k[:, :1], v[:, :1])
+    torch.testing.assert_close(
+        token_scores(*one_head, "key_value_ratio"), 1 / token_scores(*one_head, "value_key_ratio")
+    )
+    torch.testing.assert_close(token_scores(k, v, "key_value_ratio"), token_scores(v, k, "value_key_ratio"))
+    cache = make_cache(page_size=2, num_kv_heads=1)
+    s = cache.add_sequence()
+    append_scored(cache, s, [1, 1, 5, 5, 3, 3, 0.5, 0.5])
+    policy = make_policy("key_value_ratio", 6, protect_first_page=False)
+    policy.after_prefill(cache, s)
+    assert policy.positions(s).tolist() == [0, 1, 4, 5, 6, 7]  # the ratio's best (5, 5) goes first
+
+
+def test_reserved_pages_and_tokens():
+    r = Reserved(first_pages=2, last_page=False)
+    assert r.tokens(9, 2).tolist() == [True] * 4 + [False] * 5
+    assert r.candidate_pages(5) == [2, 3, 4] and r.min_budget(2) == 6
+    assert Reserved(0, True).tokens(3, 4).all()  # a sequence shorter than a page is all "newest"
+    # token_topk may run with exactly the reserved tokens as its budget
+    cache = make_cache(page_size=4, num_kv_heads=1)
+    s = cache.add_sequence()
+    append_scored(cache, s, list(range(1, 13)))
+    policy = TokenTopK(8)
+    policy.after_prefill(cache, s)
+    append_scored(cache, s, [0.5])
+    policy.after_append(cache, s)
+    assert policy.positions(s).tolist() == [0, 1, 2, 3, 9, 10, 11, 12]
 
 
 def test_mean_and_sum_choose_the_same_page_at_decode_time():
@@ -372,7 +423,7 @@ def test_token_topk_drops_one_lowest_token_per_step_and_counts_copies():
     cache = make_cache(page_size=4, num_kv_heads=1)
     s = cache.add_sequence()
     append_scored(cache, s, [5, 6, 7, 8, 9, 10, 11, 12])
-    policy = TokenTopK(8, protect_last_page=False)
+    policy = TokenTopK(8, protect_first_page=False, protect_last_page=False)
     policy.after_prefill(cache, s)
     append_scored(cache, s, [1])  # the newest token is the lowest: it goes, nothing moves
     policy.after_append(cache, s)

@@ -104,8 +104,9 @@ def layer_mean(ks, vs, method="value_key_ratio"):
 def test_replay_paged_eviction_prefill_topc_then_whole_pages(seed):
     ks, vs = kv(seed, n=160)
     r = replay(ks, vs, "paged_eviction", budget=32, page_size=8, prompt_len=64)
-    # prefill: the top-32 of the layer-mean ratio over the prompt (the newest page protected)
+    # prefill: the top-32 of the layer-mean ratio over the prompt (the first and newest pages reserved)
     score = layer_mean([k[:64] for k in ks], [v[:64] for v in vs])
+    score[:8] = math.inf
     score[56:] = math.inf
     top = set(torch.sort(score, descending=True, stable=True).indices[:32].tolist())
     assert set(torch.nonzero(r.evicted_at[:64] != 0).flatten().tolist()) == top

@@ -3,7 +3,8 @@
 - `scores`: token scores from cached K/V (``value_key_ratio`` = ||V||/||K||, and the ablations)
   and page scores (mean or sum over a page's tokens).
 - `policies`: eviction policies over a `PagedKVCache` sequence, with the hooks a generation loop
-  calls (`after_prefill`, `after_append`), one shared decision per sequence for all layers.
+  calls (`after_prefill`, `after_append`), one shared decision per sequence for all layers;
+  `Reserved` names the pages a policy never evicts (PagedEviction: the first and the newest).
 
 Example:
     >>> from paged_ref.eviction import make_policy
@@ -17,6 +18,7 @@ from .policies import (
     EvictionStats,
     FullCache,
     PagedEviction,
+    Reserved,
     StreamingLLM,
     TokenTopK,
     make_policy,
@@ -34,6 +36,7 @@ __all__ = [
     "EvictionStats",
     "FullCache",
     "PagedEviction",
+    "Reserved",
     "StreamingLLM",
     "TokenTopK",
     "make_policy",

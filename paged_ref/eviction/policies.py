@@ -36,16 +36,23 @@ teacher-forced evaluation can feed a chunk at once and get exactly the token-by-
 Policies (``make_policy(name, budget, **options)``):
 
 - ``"full"``: never evicts.
-- ``"paged_eviction"`` (PagedEviction): prefill keeps the top-``budget`` tokens by score (in
-  their original order, via `PagedKVCache.compact`); during decode, each time the newest page
-  fills (``seq_len % page_size == 0``) while ``seq_len > budget``, drops the whole page with the
-  lowest page score (`PagedKVCache.drop_pages`). ``method`` picks the score, so the ablations
-  are ``make_policy("paged_eviction", C, method="value_norm")`` etc. (short names
-  ``"inverse_key_norm"``, ``"value_norm"``, ``"key_norm"``, ``"random"`` do the same).
+- ``"paged_eviction"`` (PagedEviction, as its authors run it): prefill keeps the top-``budget``
+  tokens by score (in their original order, via `PagedKVCache.compact`), the first and the last
+  page_size tokens always among them; during decode, each time the newest page fills
+  (``seq_len % page_size == 0``) while ``seq_len > budget``, drops the whole page with the
+  lowest page score (`PagedKVCache.drop_pages`), never page 0 and never the newest page
+  (`Reserved`). ``method`` picks the score, so the ablations are
+  ``make_policy("paged_eviction", C, method="value_norm")`` etc. (short names
+  ``"inverse_key_norm"``, ``"value_norm"``, ``"key_norm"``, ``"key_value_ratio"``, ``"random"``
+  do the same).
+- ``"paged_eviction_literal"``: the paper's text as written, page 0 not reserved. Its score
+  ranks the first token (the attention sink) low, and losing it costs a lot: the evaluation
+  keeps it as a named ablation.
 - ``"streaming_llm"``: the first ``sink_tokens`` plus the most recent tokens; at page
   granularity during decode (the oldest page after the sink pages goes).
 - ``"token_topk"``: unstructured token eviction: after every append beyond the budget, the
-  lowest-scoring token goes and the sequence is compacted. Its stats record the copies that
+  lowest-scoring token goes and the sequence is compacted (with ``method="inverse_key_norm"``
+  the paper's token-level baseline). Its stats record the copies that
   compaction makes and the holes per page the same evictions would leave without compaction.
 
 Each policy holds at most ``ceil(budget / page_size) + 1`` pages per sequence, and evicted
@@ -85,6 +92,7 @@ from .scores import SCORE_METHODS, page_scores, token_scores
 
 __all__ = [
     "POLICY_NAMES",
+    "Reserved",
     "EvictionStats",
     "EvictionPolicy",
     "FullCache",
@@ -100,11 +108,13 @@ __all__ = [
 POLICY_NAMES = (
     "full",
     "paged_eviction",
+    "paged_eviction_literal",
     "streaming_llm",
     "token_topk",
     "inverse_key_norm",
     "value_norm",
     "key_norm",
+    "key_value_ratio",
     "random",
 )
 NO_LIMIT = sys.maxsize  # tokens_until_action of a policy that never acts
@@ -145,6 +155,40 @@ def sequence_scores(
         k, v = cache.gather(layer, seq_id)  # each [seq_len, num_kv_heads, head_dim]
         total += token_scores(k, v, method)
     return (total / len(layers)).cpu()
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """Pages a policy never evicts: the first ``first_pages`` pages and, if ``last_page``, the newest.
+
+    PagedEviction's authors keep the first and the last block at prefill and never evict page 0
+    or the newest page during decode; StreamingLLM reserves the pages that hold its sink tokens.
+    One helper serves every policy, so "protected" means the same thing in all of them.
+
+    Example:
+        >>> r = Reserved(first_pages=1, last_page=True)
+        >>> r.tokens(10, page_size=4).int().tolist(), r.candidate_pages(5), r.min_budget(4)
+        ([1, 1, 1, 1, 0, 0, 1, 1, 1, 1], [1, 2, 3], 8)
+    """
+
+    first_pages: int
+    last_page: bool
+
+    def tokens(self, n: int, page_size: int) -> torch.Tensor:
+        """bool ``[n]``: the tokens of a ``n``-token sequence that must stay (prefill eviction)."""
+        protected = torch.zeros(n, dtype=torch.bool)  # [n]
+        protected[: self.first_pages * page_size] = True
+        if self.last_page:
+            protected[max(0, n - page_size) :] = True
+        return protected
+
+    def candidate_pages(self, num_pages: int) -> list[int]:
+        """Logical pages a decode eviction may drop from a sequence of ``num_pages`` full pages."""
+        return list(range(self.first_pages, num_pages - int(self.last_page)))
+
+    def min_budget(self, page_size: int) -> int:
+        """The smallest budget that leaves one page to evict besides the reserved ones."""
+        return (self.first_pages + 1) * page_size
 
 
 @dataclass
@@ -328,18 +372,20 @@ class EvictionPolicy:
         stats.tokens_evicted += hi - lo
         stats.pages_dropped += 1
 
-    def _top_tokens(self, scores: torch.Tensor, protected: torch.Tensor, keep_count: int) -> torch.Tensor:
-        """bool ``[n]``: the protected tokens plus the best-scoring others, ``keep_count`` in all."""
-        n = scores.shape[0]
-        free_slots = keep_count - int(protected.sum())
+    def _keep_top(self, cache, seq_id, reserved: Reserved) -> None:
+        """Token-level eviction to the budget: the reserved tokens plus the best-scoring others."""
+        n = cache.seq_len(seq_id)
+        scores = self._scores(cache, seq_id)  # [n]
+        protected = reserved.tokens(n, cache.page_size)  # bool [n]
+        free_slots = self.budget - int(protected.sum())
         assert free_slots >= 0, "budget checks guarantee room for the protected tokens"
         ranked = scores.masked_fill(protected, -math.inf)
         # stable sort: among equal scores the older token goes first
         order = torch.sort(ranked, descending=True, stable=True).indices
         keep = protected.clone()
         keep[order[:free_slots]] = True
-        assert int(keep.sum()) == min(keep_count, n)
-        return keep
+        assert int(keep.sum()) == min(self.budget, n)
+        self._compact(cache, seq_id, keep)
 
 
 class FullCache(EvictionPolicy):
@@ -354,57 +400,61 @@ class FullCache(EvictionPolicy):
 
 
 class _PagedDecode(EvictionPolicy):
-    """Shared decode rule: when the newest page fills and the sequence is over budget, drop a page."""
+    """Shared decode rule: when the newest page fills and the sequence is over budget, drop a page.
 
-    def __init__(self, budget: int, *, protect_first_pages: int, protect_last_page: bool, **kwargs):
+    Subclasses say which pages are reserved (`_reserved`) and which candidate goes (`_choose_page`).
+    """
+
+    def __init__(self, budget: int, **kwargs):
         if budget is None:
             raise ValueError(f"{self.name} needs budget=<tokens>, got None")
         super().__init__(budget, **kwargs)
-        self._first = protect_first_pages
-        self._last = bool(protect_last_page)
+
+    def _reserved(self, page_size: int) -> Reserved:
+        raise NotImplementedError
 
     def _check_cache(self, cache) -> None:
         super()._check_cache(cache)
-        need = (self._first + 1) * cache.page_size
+        reserved = self._reserved(cache.page_size)
+        need = reserved.min_budget(cache.page_size)
         if self.budget < need:
             raise ValueError(
-                f"budget must be >= {need} tokens with page_size={cache.page_size} and {self._first} protected "
-                f"first page(s), so that a page can always be evicted; got budget={self.budget}"
+                f"budget must be >= {need} tokens with page_size={cache.page_size} and {reserved.first_pages} "
+                f"reserved first page(s), so that a page can always be evicted; got budget={self.budget}"
             )
 
     def tokens_until_action(self, cache, seq_id, *, _length=None) -> int:
         n = cache.seq_len(seq_id) if _length is None else _length
         return cache.page_size - n % cache.page_size
 
-    def _candidate_pages(self, num_pages: int) -> list[int]:
-        return list(range(self._first, num_pages - (1 if self._last else 0)))
-
-    def _protected_tokens(self, n: int, page_size: int) -> torch.Tensor:
-        protected = torch.zeros(n, dtype=torch.bool)  # [n]
-        protected[: self._first * page_size] = True
-        if self._last:
-            protected[max(0, n - page_size) :] = True
-        return protected
-
     def _decode_evict(self, cache, seq_id) -> None:
         ps = cache.page_size
+        candidates = self._reserved(ps).candidate_pages
         while cache.seq_len(seq_id) > self.budget and cache.seq_len(seq_id) % ps == 0:
-            page = self._choose_page(cache, seq_id, cache.seq_len(seq_id) // ps)
+            page = self._choose_page(cache, seq_id, candidates(cache.seq_len(seq_id) // ps))
             self._drop_page(cache, seq_id, page)
 
 
+def _check_flags(**flags) -> None:
+    for flag, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
+
+
 class PagedEviction(_PagedDecode):
-    """PagedEviction (arXiv 2509.04377) and its score ablations.
+    """PagedEviction (arXiv 2509.04377) as its authors run it, and its ablations.
 
     Args:
         budget: C, tokens kept; must be >= page_size (x2 with protect_first_page).
         method: token score (`SCORE_METHODS`); ``"value_key_ratio"`` is the paper's.
         reduce: page score from token scores, ``"mean"`` (the paper) or ``"sum"``.
-        protect_first_page: never evict the first page_size tokens (attention sinks). The paper
-            does not protect them; default False.
+        protect_first_page: never evict the first page_size tokens (the attention sink). Default
+            True: every public version of the authors' code keeps the first block at prefill
+            and never evicts page 0 in decode, although the paper's text does not say so.
+            ``make_policy("paged_eviction_literal", C)`` is the text without it.
         protect_last_page: never evict the newest page_size tokens; at a decode eviction they are
-            exactly the page that just filled. Default True: the paper leaves it open, and without
-            it the page of the tokens just generated can be the one evicted.
+            exactly the page that just filled. Default True (the authors' code keeps the last
+            block too).
         seed: generator seed for ``method="random"``.
     """
 
@@ -416,37 +466,31 @@ class PagedEviction(_PagedDecode):
         *,
         method: str = "value_key_ratio",
         reduce: str = "mean",
-        protect_first_page: bool = False,
+        protect_first_page: bool = True,
         protect_last_page: bool = True,
         seed: int = 0,
     ):
-        for flag, value in (("protect_first_page", protect_first_page), ("protect_last_page", protect_last_page)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
-        super().__init__(
-            budget,
-            protect_first_pages=int(protect_first_page),
-            protect_last_page=protect_last_page,
-            method=method,
-            seed=seed,
-        )
+        _check_flags(protect_first_page=protect_first_page, protect_last_page=protect_last_page)
+        super().__init__(budget, method=method, seed=seed)
         self.reduce = check_choice("reduce", reduce, {"mean", "sum"})
+        self.reserved = Reserved(int(protect_first_page), protect_last_page)
+
+    def _reserved(self, page_size: int) -> Reserved:
+        return self.reserved
 
     def _prefill_evict(self, cache, seq_id) -> None:
-        n = cache.seq_len(seq_id)
-        keep = self._top_tokens(self._scores(cache, seq_id), self._protected_tokens(n, cache.page_size), self.budget)
-        self._compact(cache, seq_id, keep)
+        self._keep_top(cache, seq_id, self.reserved)
 
-    def _choose_page(self, cache, seq_id, num_pages: int) -> int:
+    def _choose_page(self, cache, seq_id, candidates: list[int]) -> int:
         scores = page_scores(self._scores(cache, seq_id), cache.page_size, self.reduce)  # [num_pages]
-        candidates = torch.tensor(self._candidate_pages(num_pages))
+        candidates = torch.tensor(candidates)
         # argmin returns the first minimum: ties go to the oldest page
         return int(candidates[torch.argmin(scores[candidates])])
 
     def __repr__(self) -> str:
         return (
             f"PagedEviction(budget={self.budget}, method={self.method!r}, reduce={self.reduce!r}, "
-            f"protect_first_page={bool(self._first)}, protect_last_page={self._last})"
+            f"protect_first_page={bool(self.reserved.first_pages)}, protect_last_page={self.reserved.last_page})"
         )
 
 
@@ -467,13 +511,12 @@ class StreamingLLM(_PagedDecode):
 
     def __init__(self, budget: int, *, sink_tokens: int = 4):
         self.sink_tokens = check_int("sink_tokens", sink_tokens, min_value=0)
-        super().__init__(budget, protect_first_pages=0, protect_last_page=True)
+        super().__init__(budget)
         if self.sink_tokens >= self.budget:
             raise ValueError(f"sink_tokens must be < budget={self.budget}, got {self.sink_tokens}")
 
-    def _check_cache(self, cache) -> None:
-        self._first = pages_needed(self.sink_tokens, cache.page_size)
-        super()._check_cache(cache)
+    def _reserved(self, page_size: int) -> Reserved:
+        return Reserved(pages_needed(self.sink_tokens, page_size), last_page=True)
 
     def _prefill_evict(self, cache, seq_id) -> None:
         n = cache.seq_len(seq_id)
@@ -482,8 +525,8 @@ class StreamingLLM(_PagedDecode):
         keep[n - (self.budget - self.sink_tokens) :] = True
         self._compact(cache, seq_id, keep)
 
-    def _choose_page(self, cache, seq_id, num_pages: int) -> int:
-        return self._candidate_pages(num_pages)[0]  # the oldest page that holds no sink
+    def _choose_page(self, cache, seq_id, candidates: list[int]) -> int:
+        return candidates[0]  # the oldest page that holds no sink
 
     def __repr__(self) -> str:
         return f"StreamingLLM(budget={self.budget}, sink_tokens={self.sink_tokens})"
@@ -497,12 +540,13 @@ class TokenTopK(EvictionPolicy):
     and the survivors are packed (`PagedKVCache.compact`), so pages stay dense but every
     eviction copies the tokens behind the hole (`EvictionStats.tokens_moved`). Without
     compaction the holes would stay in their pages (`EvictionStats.max_holes_per_page`).
+    With ``method="inverse_key_norm"`` this is the paper's token-level baseline (1/||K||).
 
     Args:
         budget: C, tokens kept.
         method: token score (`SCORE_METHODS`).
         protect_first_page, protect_last_page: never evict the first / newest ``page_size``
-            tokens (defaults as in `PagedEviction`).
+            tokens (defaults as in `PagedEviction`: both reserved).
     """
 
     name = "token_topk"
@@ -512,41 +556,42 @@ class TokenTopK(EvictionPolicy):
         budget: int,
         *,
         method: str = "value_key_ratio",
-        protect_first_page: bool = False,
+        protect_first_page: bool = True,
         protect_last_page: bool = True,
         seed: int = 0,
     ):
         if budget is None:
             raise ValueError("token_topk needs budget=<tokens>, got None")
+        _check_flags(protect_first_page=protect_first_page, protect_last_page=protect_last_page)
         super().__init__(budget, method=method, seed=seed)
-        self._first, self._last = int(bool(protect_first_page)), bool(protect_last_page)
+        self.reserved = Reserved(int(protect_first_page), protect_last_page)
 
     def _check_cache(self, cache) -> None:
         super()._check_cache(cache)
-        need = (self._first + int(self._last)) * cache.page_size + 1
+        need = (self.reserved.first_pages + int(self.reserved.last_page)) * cache.page_size
         if self.budget < need:
             raise ValueError(
                 f"budget must be >= {need} with page_size={cache.page_size} and the protected pages, "
                 f"got budget={self.budget}"
             )
 
-    _protected_tokens = PagedEviction._protected_tokens
-
     def tokens_until_action(self, cache, seq_id, *, _length=None) -> int:
         n = cache.seq_len(seq_id) if _length is None else _length
         return max(1, self.budget + 1 - n)
 
-    def _evict(self, cache, seq_id) -> None:
-        n = cache.seq_len(seq_id)
-        keep = self._top_tokens(self._scores(cache, seq_id), self._protected_tokens(n, cache.page_size), self.budget)
-        self._compact(cache, seq_id, keep)
+    def _prefill_evict(self, cache, seq_id) -> None:
+        self._keep_top(cache, seq_id, self.reserved)
         self._record_holes(cache.page_size, seq_id)
-
-    _prefill_evict = _evict
 
     def _decode_evict(self, cache, seq_id) -> None:
         if cache.seq_len(seq_id) > self.budget:
-            self._evict(cache, seq_id)
+            self._prefill_evict(cache, seq_id)  # the same top-C rule, now over one token too many
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenTopK(budget={self.budget}, method={self.method!r}, "
+            f"protect_first_page={bool(self.reserved.first_pages)}, protect_last_page={self.reserved.last_page})"
+        )
 
     def _record_holes(self, page_size: int, seq_id: int) -> None:
         """Holes per page if every token had stayed at its original slot (never compacted).
@@ -569,14 +614,17 @@ def make_policy(name: str, budget: int | None = None, **options) -> EvictionPoli
     """A policy by name.
 
     Args:
-        name: one of ``POLICY_NAMES``. ``"inverse_key_norm"``, ``"value_norm"``, ``"key_norm"``
-            and ``"random"`` are PagedEviction (page eviction) with that score, i.e. the ablations.
+        name: one of ``POLICY_NAMES``. ``"inverse_key_norm"``, ``"value_norm"``, ``"key_norm"``,
+            ``"key_value_ratio"`` and ``"random"`` are PagedEviction (page eviction, pages
+            reserved as the authors do) with that score, i.e. the ablations.
+            ``"paged_eviction_literal"`` is the paper's text as written: nothing reserved but the
+            newest page (``protect_first_page=False``).
         budget: C in tokens (required except for ``"full"``).
         **options: keyword options of the policy class.
 
     Example:
         >>> make_policy("value_norm", 256)
-        PagedEviction(budget=256, method='value_norm', reduce='mean', protect_first_page=False, protect_last_page=True)
+        PagedEviction(budget=256, method='value_norm', reduce='mean', protect_first_page=True, protect_last_page=True)
     """
     check_choice("name", name, set(POLICY_NAMES))
     if name == "full":
@@ -585,6 +633,10 @@ def make_policy(name: str, budget: int | None = None, **options) -> EvictionPoli
         return StreamingLLM(budget, **options)
     if name == "token_topk":
         return TokenTopK(budget, **options)
+    if name == "paged_eviction_literal":
+        if "protect_first_page" in options:
+            raise ValueError("'paged_eviction_literal' fixes protect_first_page=False; use 'paged_eviction' instead")
+        return PagedEviction(budget, protect_first_page=False, **options)
     if name != "paged_eviction":
         if "method" in options:
             raise ValueError(f"policy {name!r} fixes method={name!r}; use 'paged_eviction' with method= instead")

@@ -12,14 +12,16 @@ method               score of token i (higher = keep)        role
 ``inverse_key_norm`` mean over KV heads of 1 / ||K_ih||          baseline (K only)
 ``value_norm``       mean over KV heads of ||V_ih||              ablation (V only)
 ``key_norm``         mean over KV heads of ||K_ih||              opposite of the K-only score
+``key_value_ratio``  mean over KV heads of ||K_ih|| / ||V_ih||  the authors' vLLM code (swapped)
 ``random``           uniform in [0, 1), seeded                   ablation (no information)
 ==================== ====================================== =============================
 
 Norms are taken per KV head (each head has its own K/V vector) and then averaged over the
 KV heads, so every head weighs the same. A zero key norm is clamped to ``EPS`` so the ratio
-stays finite. Note the direction: public code of the method once computed ``||K||/||V||``;
-here ``value_key_ratio`` is V over K, and a test checks that swapping K and V changes the
-winner.
+stays finite (a zero value norm likewise for ``key_value_ratio``). Note the direction: public
+code of the method computes ``||K||/||V||`` (its arguments are passed swapped); here
+``value_key_ratio`` is V over K, a test checks that swapping K and V changes the winner, and the
+swapped score is kept as its own ablation, ``key_value_ratio``.
 
 Example:
     >>> import torch
@@ -40,7 +42,7 @@ from .._validate import check_choice, check_int
 
 __all__ = ["SCORE_METHODS", "EPS", "token_scores", "page_scores"]
 
-SCORE_METHODS = ("value_key_ratio", "inverse_key_norm", "value_norm", "key_norm", "random")
+SCORE_METHODS = ("value_key_ratio", "inverse_key_norm", "value_norm", "key_norm", "key_value_ratio", "random")
 EPS = 1e-6  # floor on a key norm before dividing by it
 
 
@@ -101,6 +103,8 @@ def token_scores(
         per_head = 1.0 / k_norm.clamp_min(EPS)
     elif method == "value_norm":
         per_head = v_norm
+    elif method == "key_value_ratio":
+        per_head = k_norm / v_norm.clamp_min(EPS)
     else:  # key_norm
         per_head = k_norm
     return per_head.mean(dim=1)  # [num_tokens]
