@@ -48,46 +48,65 @@ import torch
 from .._arith import cdiv
 from ..eviction import make_policy, max_pages_held, report
 from ..eviction.lm import PagedLM
-from ..stats import wilson
-from .common import environment, print_table, write_json
+from ..stats import mean_ci, wilson
+from .common import environment, write_json
 
 POLICIES = [
     "full",
     "paged_eviction",
-    "paged_eviction_first_page",
+    "paged_eviction_literal",
     "inverse_key_norm",
     "value_norm",
     "key_norm",
+    "key_value_ratio",
     "random",
     "streaming_llm",
     "token_topk",
+    "token_inverse_key_norm",
 ]
 # labels that are a policy with options rather than a policy name
-VARIANTS = {"paged_eviction_first_page": ("paged_eviction", {"protect_first_page": True})}
+VARIANTS = {"token_inverse_key_norm": ("token_topk", {"method": "inverse_key_norm"})}
+TOKEN_LEVEL = ("token_topk", "token_inverse_key_norm")  # act after every token: a batch of their own
+SPEED_POLICIES = ["full", "paged_eviction", "streaming_llm", *TOKEN_LEVEL]  # the ablations run paged_eviction's code
+PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # trial t hides the key at depth PASSKEY_DEPTHS[t % 5]
 QUICK = dict(
     texts=1,
+    text_stride=150,
     context=384,
     continuation=33,
     budgets=[128],
     page_sizes=[16],
+    retention_texts=1,
+    retention_passage=192,
+    retention_other=160,
+    retention_scored=24,
     passkey_trials=2,
     passkey_context=300,
     passkey_budgets=[128],
+    speed_contexts=[384],
+    speed_batches=[1],
     speed_steps=6,
     speed_rounds=1,
     speed_budget=128,
 )
 FULL = dict(
-    texts=2,
+    texts=8,
+    text_stride=45,
     context=2048,
     continuation=128,
     budgets=[128, 256, 512, 1024],
     page_sizes=[16, 32],
+    retention_texts=8,
+    retention_passage=1024,
+    retention_other=1024,
+    retention_scored=128,
     passkey_trials=20,
-    passkey_context=1100,
-    passkey_budgets=[128, 256, 512],
-    speed_steps=16,
-    speed_rounds=5,
+    passkey_context=2048,
+    passkey_budgets=[128, 256, 512, 1024],
+    speed_contexts=[2048, 4096],
+    speed_batches=[1, 8],
+    speed_steps=33,
+    speed_rounds=3,
     speed_budget=256,
 )
 MAX_COPIED = 0.05  # skip texts whose continuation repeats more than this fraction of context 8-grams
@@ -177,19 +196,75 @@ class _Batch:
         assert self.cache.allocator.num_free == self.cache.num_pages
 
 
+# ----------------------------------------------------------------------------- scoring a continuation
+def score_continuation(lm, ids, n_ctx, first_scored, cfg, log, label):
+    """Every policy's NLL on the end of one text, in rows (one per policy, budget and page size).
+
+    ``ids[:n_ctx]`` is prefilled with full attention and each policy evicts down to its budget;
+    then ``ids[n_ctx:-1]`` are fed one token at a time (teacher forcing) while the policies keep
+    evicting, and the NLL per token is averaged over the tokens ``ids[n_ctx + first_scored:]``
+    (``first_scored=1``: the whole continuation but its first token, which the prefill itself
+    predicts, the same for all). KL(full || policy) is averaged over the same predictions.
+
+    Returns:
+        ``(rows, check)``: ``check`` is the full cache's mean |NLL - the model's own forward|.
+    """
+    t0 = time.perf_counter()
+    logits, ks, vs = lm.prompt_kv(ids)  # the model's own forward over the whole text
+    ks, vs = [k[:n_ctx] for k in ks], [v[:n_ctx] for v in vs]
+    log(f"{label}: prefill {ids.numel()} tokens in {time.perf_counter() - t0:.1f} s")
+    ref_lp = torch.log_softmax(logits[n_ctx:-1], -1)  # [n_fed, vocab], the full cache's
+    targets = ids[n_ctx + 1 :]  # [n_fed]: fed token i predicts ids[n_ctx + i + 1]
+    counted = (torch.arange(targets.numel()) >= first_scored - 1).float()  # [n_fed]
+    n_scored = int(counted.sum())
+    # page-granular policies feed chunks; token-level policies act after every token, so they run apart
+    groups = [(ps, _runs(cfg["budgets"], exclude=TOKEN_LEVEL)) for ps in cfg["page_sizes"]]
+    groups.append((cfg["page_sizes"][0], _runs(cfg["budgets"], only=TOKEN_LEVEL)))
+    rows, check = [], math.nan
+    for ps, runs in groups:
+        t0 = time.perf_counter()
+        batch = _Batch(lm, ks, vs, runs, ps, ids.numel())
+        nll = torch.zeros(len(runs))
+        kl = torch.zeros(len(runs))
+        for i, lp in batch.feed(ids[n_ctx:-1]):  # lp: [batch, m, vocab]
+            m = lp.shape[1]
+            w = counted[i : i + m]  # [m]
+            nll -= (lp[:, torch.arange(m), targets[i : i + m]] * w).sum(1)
+            ref = ref_lp[i : i + m]  # [m, vocab]
+            kl += ((ref.exp() * (ref - lp)).sum(-1) * w).sum(-1)  # KL(full || policy)
+        if runs[0][0] == "full":
+            full_nll = -(ref_lp.gather(1, targets[:, None])[:, 0] * counted).sum()
+            check = float((nll[0] - full_nll).abs()) / n_scored
+        for i in range(len(runs)):
+            row = batch.row(i)
+            row.update(nll=float(nll[i]) / n_scored, kl_vs_full=float(kl[i]) / n_scored, scored_tokens=n_scored)
+            rows.append(row)
+        batch.close()
+        log(
+            f"{label}, page size {ps}: {len(runs)} sequences x {targets.numel()} tokens in "
+            f"{time.perf_counter() - t0:.1f} s"
+            + (f"; full-cache |NLL - model| {check:.2e}" if runs[0][0] == "full" else "")
+        )
+    return rows, check
+
+
 # ----------------------------------------------------------------------------- language modelling
 def lm_task(lm, tok, cfg, log):
-    from ..textdata import english_text, paragraphs
+    """Plain continuation of real prose: ``texts`` passages of ``context + continuation`` tokens.
+
+    Mostly a measure of recency: the next sentence of prose depends on the last few hundred
+    tokens and on the attention sink, so a recent window does well here.
+    """
+    from ..textdata import paragraphs
 
     rows, checks, texts = [], [], []
     n_ctx, n_cont = cfg["context"], cfg["continuation"]
-    starts = iter(range(0, len(paragraphs(20)), 150))  # distinct passages, far apart
+    starts = iter(range(0, len(paragraphs(20)), cfg["text_stride"]))  # distinct passages, far apart
     while sum(x["used"] for x in texts) < cfg["texts"]:
         start = next(starts, None)
         if start is None:
             raise RuntimeError(f"fewer than {cfg['texts']} passages without copying: {texts}")
-        text = english_text(int((n_ctx + n_cont) * 1.2), start=start)
-        ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0][: n_ctx + n_cont]
+        ids = _lm_text_ids(tok, start, dict(cfg, context=n_ctx + n_cont))
         assert ids.numel() == n_ctx + n_cont, f"text at paragraph {start} has only {ids.numel()} tokens"
         copied = copy_fraction(ids, n_ctx)
         texts.append(dict(start_paragraph=start, copied_8grams=copied, used=copied <= MAX_COPIED))
@@ -197,37 +272,59 @@ def lm_task(lm, tok, cfg, log):
             log(f"text at paragraph {start} skipped: {copied:.0%} of its continuation's 8-grams are in its context")
             continue
         t = sum(x["used"] for x in texts) - 1  # index among the texts used
-        t0 = time.perf_counter()
-        logits, ks, vs = lm.prompt_kv(ids)  # the model's own forward over context + continuation
-        ks, vs = [k[:n_ctx] for k in ks], [v[:n_ctx] for v in vs]
-        log(f"text {t}: prefill {n_ctx + n_cont} tokens in {time.perf_counter() - t0:.1f} s")
-        ref_lp = torch.log_softmax(logits[n_ctx:-1], -1)  # [n_cont - 1, vocab], the full cache's
-        targets = ids[n_ctx + 1 :]  # [n_cont - 1]
-        # page-granular policies feed chunks; token_topk acts after every token, so it runs apart
-        groups = [(ps, _runs(cfg["budgets"], exclude=("token_topk",))) for ps in cfg["page_sizes"]]
-        groups.append((cfg["page_sizes"][0], _runs(cfg["budgets"], only=("token_topk",))))
-        for ps, runs in groups:
-            t0 = time.perf_counter()
-            batch = _Batch(lm, ks, vs, runs, ps, n_ctx + n_cont)
-            nll = torch.zeros(len(runs))
-            kl = torch.zeros(len(runs))
-            for i, lp in batch.feed(ids[n_ctx:-1]):  # lp: [batch, m, vocab]
-                m = lp.shape[1]
-                nll -= lp[:, torch.arange(m), targets[i : i + m]].sum(1)
-                ref = ref_lp[i : i + m]  # [m, vocab]
-                kl += (ref.exp() * (ref - lp)).sum(-1).sum(-1)  # KL(full || policy)
-            if runs[0][0] == "full":
-                checks.append(float((-nll[0] - ref_lp.gather(1, targets[:, None]).sum()).abs()) / (n_cont - 1))
-            for i in range(len(runs)):
-                row = batch.row(i)
-                row.update(text=t, nll=float(nll[i]) / (n_cont - 1), kl_vs_full=float(kl[i]) / (n_cont - 1))
-                rows.append(row)
-            batch.close()
-            log(
-                f"text {t}, page size {ps}: {len(runs)} sequences x {n_cont - 1} tokens in "
-                f"{time.perf_counter() - t0:.1f} s"
-                + (f"; full-cache mean |NLL - model| {checks[-1]:.2e}" if runs[0][0] == "full" else "")
-            )
+        text_rows, check = score_continuation(lm, ids, n_ctx, 1, cfg, log, f"text {t}")
+        rows += [dict(r, text=t) for r in text_rows]
+        checks.append(check)
+    return rows, max(checks), texts
+
+
+# ----------------------------------------------------------------------------- retention
+def retention_example(tok, start_a: int, start_b: int, cfg):
+    """``(ids, n_ctx, first_scored, info)``: passage A, other prose B, then A's opening again.
+
+    The context is A's first ``retention_passage`` tokens followed by ``retention_other`` tokens
+    of B (another topic); then A's opening sentence is repeated and the next
+    ``retention_scored`` tokens of A are scored. They are in the context verbatim, ~1000 tokens
+    back: the full cache copies them (induction), a recent window holds only B, and a score that
+    kept A's pages can copy them too. Importance, not recency, decides.
+    """
+    from ..textdata import english_text
+
+    n_a, n_b, n_score = cfg["retention_passage"], cfg["retention_other"], cfg["retention_scored"]
+    text_a = english_text(int(n_a * 1.2), start=start_a)
+    enc = tok(text_a, add_special_tokens=False, return_offsets_mapping=True)
+    a = torch.tensor(enc["input_ids"][:n_a])
+    first_sentence_end = text_a.index(". ") + 1
+    opening = sum(1 for _, end in enc["offset_mapping"] if end <= first_sentence_end)  # tokens of sentence 1
+    if not 0 < opening < n_a - n_score:
+        raise ValueError(f"passage at paragraph {start_a}: opening sentence of {opening} tokens does not fit")
+    b = tok(english_text(int(n_b * 1.2), start=start_b), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    b = b[:n_b]
+    assert a.numel() == n_a and b.numel() == n_b, f"passages at paragraphs {start_a}, {start_b} are too short"
+    repeat = a[: opening + n_score]  # A's opening sentence, then the tokens scored
+    ids = torch.cat([a, b, repeat])  # [n_a + n_b + opening + n_score]
+    info = dict(
+        start_paragraph=start_a,
+        other_paragraph=start_b,
+        opening_tokens=opening,
+        scored_tokens=n_score,
+        scored_8grams_in_other=copy_fraction(torch.cat([b, repeat[opening:]]), n_b),
+    )
+    return ids, n_a + n_b, opening, info
+
+
+def retention_task(lm, tok, cfg, log):
+    from ..textdata import paragraphs
+
+    n = len(paragraphs(20))
+    rows, checks, texts = [], [], []
+    for t in range(cfg["retention_texts"]):
+        start_a = (t * cfg["text_stride"] + cfg["text_stride"] // 2) % n
+        ids, n_ctx, opening, info = retention_example(tok, start_a, (start_a + n // 2) % n, cfg)
+        text_rows, check = score_continuation(lm, ids, n_ctx, opening, cfg, log, f"retention text {t}")
+        rows += [dict(r, text=t) for r in text_rows]
+        checks.append(check)
+        texts.append(info)
     return rows, max(checks), texts
 
 
@@ -249,13 +346,14 @@ def copy_fraction(ids: torch.Tensor, n_ctx: int, n: int = 8) -> float:
 
 
 def summarize_lm(rows):
-    """Mean over texts of NLL and KL per (policy, budget, page size); perplexity = exp(mean NLL)."""
+    """Per (policy, budget, page size): mean over texts of NLL and KL, a 95% t interval of the
+    mean NLL, and perplexity = exp(mean NLL) with the interval's ends exponentiated likewise."""
     groups = {}
     for r in rows:
         groups.setdefault((r["policy"], r["budget"], r["page_size"]), []).append(r)
     out = []
     for (policy, c, ps), rs in groups.items():
-        nll = statistics.fmean(r["nll"] for r in rs)
+        nll, lo, hi = mean_ci([r["nll"] for r in rs])
         out.append(
             dict(
                 policy=policy,
@@ -263,7 +361,9 @@ def summarize_lm(rows):
                 page_size=ps,
                 texts=len(rs),
                 nll=nll,
+                nll_ci95=[lo, hi],
                 ppl=math.exp(nll),
+                ppl_ci95=[math.exp(lo), math.exp(hi)],
                 kl_vs_full=statistics.fmean(r["kl_vs_full"] for r in rs),
                 max_pages_held=max(r["max_pages_held"] for r in rs),
                 page_bound=rs[0]["page_bound"],
@@ -276,7 +376,7 @@ def summarize_lm(rows):
 
 
 # ----------------------------------------------------------------------------- pass-key retrieval
-def passkey_prompt(tok, rng: random.Random, target_tokens: int):
+def passkey_prompt(tok, rng: random.Random, target_tokens: int, depth: float | None = None):
     """(context ids, question ids, key, mentions, needle token indices, depth).
 
     ``mentions`` has one dict per mention of the key: token index -> the key's character
@@ -285,7 +385,7 @@ def passkey_prompt(tok, rng: random.Random, target_tokens: int):
     """
     key = str(rng.randint(10000, 99999))
     reps = max(2, int(target_tokens / len(tok(FILLER, add_special_tokens=False).input_ids)))
-    depth = rng.random()
+    depth = rng.random() if depth is None else depth
     before = FILLER * int(reps * depth)
     after = FILLER * (reps - int(reps * depth))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
@@ -352,13 +452,11 @@ def answer_is_correct(text: str, key: str) -> bool:
 
 def passkey_task(lm, tok, cfg, log, answer_tokens=7):
     rows = []
-    groups = [
-        _runs(cfg["passkey_budgets"], exclude=("token_topk",)),
-        _runs(cfg["passkey_budgets"], only=("token_topk",)),
-    ]
+    groups = [_runs(cfg["passkey_budgets"], exclude=TOKEN_LEVEL), _runs(cfg["passkey_budgets"], only=TOKEN_LEVEL)]
     for trial in range(cfg["passkey_trials"]):
         rng = random.Random(1000 + trial)
-        ctx, question, key, mentions, needle_tokens, depth = passkey_prompt(tok, rng, cfg["passkey_context"])
+        depth = PASSKEY_DEPTHS[trial % len(PASSKEY_DEPTHS)]
+        ctx, question, key, mentions, needle_tokens, depth = passkey_prompt(tok, rng, cfg["passkey_context"], depth)
         t0 = time.perf_counter()
         _, ks, vs = lm.prompt_kv(ctx)
         for runs in groups:
@@ -435,46 +533,77 @@ def _mean_or_none(xs):
 
 # ----------------------------------------------------------------------------- speed
 def speed_task(lm, tok, cfg, log):
-    """Decode tokens/s per policy, one sequence each, interleaved rounds; ratio to full."""
+    """Time per output token and tokens/s per policy at each context and batch, as ratios to the
+    full cache measured in the same run (the paper's speed claim: lower time per output token and
+    higher throughput at long context).
+
+    For each (context, batch): ``batch`` copies of one ``context``-token prompt decode together
+    under one policy (hooks included); rounds interleave the policies; the median of the rounds.
+    """
     from ..textdata import english_text
 
-    ids = tok(
-        english_text(int(cfg["context"] * 1.2), start=7), return_tensors="pt", add_special_tokens=False
-    ).input_ids[0][: cfg["context"] + cfg["speed_steps"]]
-    n = cfg["context"]
-    _, ks, vs = lm.prompt_kv(ids[:n])
-    times = {name: [] for name in POLICIES}
-    for _ in range(cfg["speed_rounds"]):
-        for name in POLICIES:
-            c = None if name == "full" else cfg["speed_budget"]
-            runs = [(name, VARIANTS.get(name, (name, {}))[0], c)]
-            batch = _Batch(lm, ks, vs, runs, 16, n + cfg["speed_steps"])
-            batch.step(ids[n : n + 1])  # warm-up
-            t0 = time.perf_counter()
-            for j in range(1, cfg["speed_steps"]):
-                batch.step(ids[n + j : n + j + 1])
-            times[name].append((cfg["speed_steps"] - 1) / (time.perf_counter() - t0))
-            row = batch.row(0)
-            times.setdefault("_bytes_" + name, row["kv_bytes_held"])
-            batch.close()
+    longest = max(cfg["speed_contexts"])
+    steps = cfg["speed_steps"]
+    ids = tok(english_text(int(longest * 1.3), start=7), return_tensors="pt", add_special_tokens=False).input_ids[0]
     out = []
-    full = statistics.median(times["full"])
-    for name in POLICIES:
-        tps = statistics.median(times[name])
-        out.append(
-            dict(
-                policy=name,
-                budget=None if name == "full" else cfg["speed_budget"],
-                page_size=16,
-                context=n,
-                tokens_per_s=tps,
-                tokens_per_s_rounds=times[name],
-                ratio_vs_full=tps / full,
-                kv_bytes_held=times["_bytes_" + name],
-            )
-        )
-    log(f"speed: full {full:.2f} tokens/s")
+    for n in cfg["speed_contexts"]:
+        _, ks, vs = lm.prompt_kv(ids[:n])
+        for batch_size in cfg["speed_batches"]:
+            times = {name: [] for name in SPEED_POLICIES}
+            held = {}
+            for _ in range(cfg["speed_rounds"]):
+                for name in SPEED_POLICIES:
+                    c = None if name == "full" else cfg["speed_budget"]
+                    runs = [(name, VARIANTS.get(name, (name, {}))[0], c)] * batch_size
+                    batch = _Batch(lm, ks, vs, runs, 16, n + steps)
+                    batch.step(ids[n : n + 1].expand(batch_size))  # warm-up
+                    t0 = time.perf_counter()
+                    for j in range(1, steps):
+                        batch.step(ids[n + j : n + j + 1].expand(batch_size))
+                    times[name].append((time.perf_counter() - t0) / (steps - 1))  # seconds per decode step
+                    held[name] = batch.row(0)["kv_bytes_held"]
+                    batch.close()
+            full = statistics.median(times["full"])
+            for name in SPEED_POLICIES:
+                step = statistics.median(times[name])
+                out.append(
+                    dict(
+                        policy=name,
+                        budget=None if name == "full" else cfg["speed_budget"],
+                        page_size=16,
+                        context=n,
+                        batch=batch_size,
+                        ms_per_token=1e3 * step,
+                        tokens_per_s=batch_size / step,
+                        tokens_per_s_rounds=[batch_size / t for t in times[name]],
+                        ratio_vs_full=full / step,
+                        time_per_token_vs_full=step / full,
+                        kv_bytes_held=held[name],
+                    )
+                )
+            log(f"speed at context {n}, batch {batch_size}: full {batch_size / full:.2f} tokens/s")
     return out
+
+
+def lowest_ratio_tokens(lm, tok, ids, count: int = 25) -> dict:
+    """Which tokens the layer-averaged ||V||/||K|| ranks lowest in one text (what the literal
+    PagedEviction evicts first), and where the first token (the attention sink) ranks."""
+    from ..eviction import token_scores
+
+    _, ks, vs = lm.prompt_kv(ids)
+    score = torch.stack([token_scores(k, v) for k, v in zip(ks, vs)]).mean(0)  # [n], as sequence_scores
+    order = torch.argsort(score, stable=True)  # lowest first
+    lowest = [dict(position=int(i), token=tok.decode(ids[i : i + 1]), score=float(score[i])) for i in order[:count]]
+    counts = {}
+    for r in lowest:
+        counts[r["token"]] = counts.get(r["token"], 0) + 1
+    return dict(
+        tokens=int(ids.numel()),
+        lowest=lowest,
+        lowest_token_counts=dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+        first_token_rank=int((score < score[0]).sum()),  # 0 = the lowest of the text
+        median_score=float(score.median()),
+    )
 
 
 # ----------------------------------------------------------------------------- main
@@ -512,20 +641,26 @@ def _run(args):
     lm = PagedLM(model)
     log("model loaded")
     lm_rows, check, texts = lm_task(lm, tok, cfg, log)
+    ret_rows, ret_check, ret_texts = retention_task(lm, tok, cfg, log)
     pk_rows = passkey_task(lm, tok, cfg, log)
     speed = speed_task(lm, tok, cfg, log)
-    lm_summary, pk_summary = summarize_lm(lm_rows), summarize_passkey(pk_rows)
+    first_text = next(i for i, t in enumerate(texts) if t["used"])
+    lowest = lowest_ratio_tokens(lm, tok, _lm_text_ids(tok, texts[first_text]["start_paragraph"], cfg))
     result = dict(
         mode=mode,
         config=cfg,
         environment=dict(environment(), torch_threads=args.threads),
         model="SmolLM2-135M-Instruct (GGUF, float32)",
-        check_max_abs_logprob_diff=check,
+        check_max_abs_logprob_diff=max(check, ret_check),
         texts=texts,
-        language_modelling=lm_summary,
-        passkey=pk_summary,
+        retention_texts=ret_texts,
+        lowest_ratio_tokens=lowest,
+        language_modelling=summarize_lm(lm_rows),
+        retention=summarize_lm(ret_rows),
+        passkey=summarize_passkey(pk_rows),
         speed=speed,
         lm_rows=lm_rows,
+        retention_rows=ret_rows,
         passkey_rows=pk_rows,
         seconds=round(time.perf_counter() - start, 1),
     )
@@ -534,33 +669,30 @@ def _run(args):
     print(
         f"\nLanguage modelling: {cfg['texts']} text(s), context {cfg['context']}, continuation "
         f"{cfg['continuation']} tokens (NLL over the last {cfg['continuation'] - 1}); full-cache check "
-        f"max |log p - model| = {check:.2e}"
+        f"max |log p - model| = {result['check_max_abs_logprob_diff']:.2e}"
     )
-    print_table(
-        ["policy", "C", "B", "NLL", "PPL", "KL vs full", "max pages", "bound", "KV MiB", "tokens moved", "holes/page"],
-        [
-            [
-                r["policy"],
-                r["budget"] or "-",
-                r["page_size"],
-                f"{r['nll']:.4f}",
-                f"{r['ppl']:.3f}",
-                f"{r['kl_vs_full']:.4f}",
-                r["max_pages_held"],
-                r["page_bound"] or "-",
-                f"{r['kv_bytes_held'] / 2**20:.2f}",
-                r["tokens_moved"],
-                f"{r['max_holes_per_page']:.2f}",
-            ]
-            for r in sorted(lm_summary, key=lambda r: (r["page_size"], r["budget"] or 0, POLICIES.index(r["policy"])))
-        ],
+    print(report.lm_table(result))
+    print(
+        f"\nRetention: {cfg['retention_texts']} text(s): {cfg['retention_passage']} tokens of a passage, "
+        f"{cfg['retention_other']} of other prose, the passage's opening sentence again; NLL of the next "
+        f"{cfg['retention_scored']} tokens of the passage"
     )
+    print(report.lm_table(result, task="retention"))
     print(f"\nPass-key retrieval: {cfg['passkey_trials']} trials, ~{cfg['passkey_context']} context tokens, B = 16")
     print(report.passkey_table(result))
-    print(f"\nDecode speed (one sequence, context {cfg['context']}, B = 16, median of {cfg['speed_rounds']} rounds)")
+    print(f"\nDecode speed (B = 16, C = {cfg['speed_budget']}, median of {cfg['speed_rounds']} rounds)")
     print(report.speed_table(result))
+    print(f"\nlowest ||V||/||K|| tokens of text 0: {lowest['lowest_token_counts']}")
     print(f"\nwrote {path} ({result['seconds']} s)")
     return result
+
+
+def _lm_text_ids(tok, start: int, cfg) -> torch.Tensor:
+    """The context of the language-modelling text that starts at paragraph ``start``."""
+    from ..textdata import english_text
+
+    text = english_text(int((cfg["context"] + cfg["continuation"]) * 1.2), start=start)
+    return tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0][: cfg["context"]]
 
 
 if __name__ == "__main__":

@@ -28,8 +28,11 @@ __all__ = [
 ]
 
 
-#: The reviewers' ablation: the ratio against V only, K only (inverse norm), its opposite and random.
-ABLATIONS = ("value_norm", "inverse_key_norm", "key_norm", "random")
+#: The reviewers' ablation: the ratio against V only, K only (inverse norm), its opposite, the
+#: swapped ratio ||K||/||V|| (what the authors' vLLM code computes) and random.
+ABLATIONS = ("value_norm", "inverse_key_norm", "key_norm", "key_value_ratio", "random")
+#: The tasks whose summaries are NLL tables: key in the JSON -> its per-text rows.
+NLL_TASKS = {"language_modelling": "lm_rows", "retention": "retention_rows"}
 
 
 def load_results(data_dir=None):
@@ -64,24 +67,50 @@ def provenance(results: dict) -> str:
 
 
 def policy_order(policy: str) -> int:
-    known = ["full", "paged_eviction", "paged_eviction_first_page", *ABLATIONS, "streaming_llm", "token_topk"]
+    known = [
+        "full",
+        "paged_eviction",
+        "paged_eviction_literal",
+        *ABLATIONS,
+        "streaming_llm",
+        "token_topk",
+        "token_inverse_key_norm",
+    ]
     return known.index(policy) if policy in known else len(known)
 
 
-def lm_table(results: dict) -> str:
-    """The language-modelling summary (mean over texts), one row per (B, C, policy), exact numbers."""
-    rows = sorted(
-        results["language_modelling"], key=lambda r: (r["page_size"], r["budget"] or 0, policy_order(r["policy"]))
-    )
+def lm_table(results: dict, task: str = "language_modelling") -> str:
+    """An NLL task's summary (mean over texts), one row per (B, C, policy), exact numbers.
+
+    ``task``: ``"language_modelling"`` or ``"retention"``. The 95% interval is the t interval of
+    the mean NLL over texts, and the perplexity interval its ends exponentiated.
+    """
+    rows = sorted(results[task], key=lambda r: (r["page_size"], r["budget"] or 0, policy_order(r["policy"])))
     return format_table(
-        ["B", "C", "policy", "NLL", "PPL", "KL vs full", "max pages", "bound", "tokens moved"],
+        [
+            "B",
+            "C",
+            "policy",
+            "texts",
+            "NLL",
+            "NLL 95% CI",
+            "PPL",
+            "PPL 95% CI",
+            "KL vs full",
+            "max pages",
+            "bound",
+            "moved",
+        ],
         [
             [
                 r["page_size"],
                 r["budget"] or "-",
                 r["policy"],
+                r.get("texts", "-"),
                 f"{r['nll']:.4f}",
+                _interval(r.get("nll_ci95"), 4),
                 f"{r['ppl']:.3f}",
+                _interval(r.get("ppl_ci95"), 3),
                 f"{r['kl_vs_full']:.4f}",
                 r["max_pages_held"],
                 r["page_bound"] or "-",
@@ -90,6 +119,12 @@ def lm_table(results: dict) -> str:
             for r in rows
         ],
     )
+
+
+def _interval(ci, digits: int) -> str:
+    if ci is None or any(x is None or math.isnan(x) for x in ci):
+        return "-"
+    return f"{ci[0]:.{digits}f}-{ci[1]:.{digits}f}"
 
 
 def passkey_table(results: dict) -> str:
@@ -137,14 +172,30 @@ def passkey_table(results: dict) -> str:
 
 
 def speed_table(results: dict) -> str:
-    """Decode tokens/s per policy (one sequence, CPU): median and min-max over the rounds, the
-    ratio of medians to the full cache, and the KV bytes held."""
+    """Decode speed per policy, context and batch (CPU): time per output token and tokens/s
+    (median over the rounds, min-max of tokens/s), both as ratios to the full cache of the same
+    context and batch, and the KV bytes one sequence holds."""
     return format_table(
-        ["policy", "C", "tokens/s", "min-max over rounds", "vs full", "KV MiB held"],
+        [
+            "context",
+            "batch",
+            "policy",
+            "C",
+            "ms/token",
+            "vs full",
+            "tokens/s",
+            "min-max over rounds",
+            "vs full",
+            "KV MiB",
+        ],
         [
             [
+                r.get("context", "-"),
+                r.get("batch", 1),
                 r["policy"],
                 r["budget"] or "-",
+                f"{r['ms_per_token']:.1f}" if "ms_per_token" in r else "-",
+                f"{r['time_per_token_vs_full']:.3f}" if "time_per_token_vs_full" in r else "-",
                 f"{r['tokens_per_s']:.2f}",
                 f"{min(r['tokens_per_s_rounds']):.2f}-{max(r['tokens_per_s_rounds']):.2f}",
                 f"{r['ratio_vs_full']:.3f}",
@@ -155,13 +206,13 @@ def speed_table(results: dict) -> str:
     )
 
 
-def lm_pairs(results: dict, a: str, b: str) -> list[dict]:
-    """Language-modelling summary rows of policies ``a`` and ``b`` side by side, per (B, C) both ran.
+def lm_pairs(results: dict, a: str, b: str, task: str = "language_modelling") -> list[dict]:
+    """An NLL task's summary rows of policies ``a`` and ``b`` side by side, per (B, C) both ran.
 
     Returns:
         ``[{"page_size", "budget", "nll_a", "nll_b", "ppl_a", "ppl_b"}]`` sorted by (B, C).
     """
-    rows = {(r["policy"], r["page_size"], r["budget"]): r for r in results["language_modelling"]}
+    rows = {(r["policy"], r["page_size"], r["budget"]): r for r in results.get(task, [])}
     out = []
     for (p, ps, c), ra in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][2] or 0)):
         rb = rows.get((b, ps, c))
@@ -173,39 +224,29 @@ def lm_pairs(results: dict, a: str, b: str) -> list[dict]:
 def ablation(results: dict, reference: str = "paged_eviction", ablations=ABLATIONS) -> list[dict]:
     """The reviewers' ablation, computed from the per-text and per-trial rows of the JSON.
 
-    Language modelling: for each ablated score, the paired difference of NLL per token
-    (ablation - ratio; > 0 means the ratio predicts the text better) over every (text, B, C)
-    cell both ran, its mean and 95% t interval. The cells share texts, so the interval is
-    descriptive rather than a test over independent samples.
+    Language modelling and retention (keys ``lm_*`` and ``retention_*``): for each ablated score,
+    the paired difference of NLL per token (ablation - ratio; > 0 means the ratio predicts the
+    text better) over every (text, B, C) cell both ran, its mean and 95% t interval. The cells
+    share texts, so the interval is descriptive rather than a test over independent samples.
 
     Pass-key: the same trials run under every policy, so the comparison is paired: ``b`` trials
     only the ratio answered, ``c`` only the ablation; exact McNemar p-value; and each one's
     accuracy with a Wilson 95% interval, pooled over budgets.
 
     Returns:
-        one dict per ablation with the numbers and three verdicts, ``lm_verdict`` and
-        ``passkey_verdict``: ``"ratio better"`` / ``"ratio worse"`` when the interval excludes
-        no difference (LM: the t interval of the mean difference; pass-key: the two Wilson
+        one dict per ablation with the numbers and four verdicts, ``lm_verdict``,
+        ``retention_verdict`` and ``passkey_verdict``: ``"ratio better"`` / ``"ratio worse"``
+        when the interval excludes no difference (NLL: the t interval of the mean difference; pass-key: the two Wilson
         intervals do not overlap), else ``"not resolved"``; and ``passkey_paired_verdict``, the
         same from the paired McNemar test at the 5% level (more sensitive than two separate
         intervals; pooled budgets reuse the same prompts, so the trials are not independent).
     """
     out = []
-    lm = {(r["policy"], r["text"], r["page_size"], r["budget"]): r["nll"] for r in results.get("lm_rows", [])}
     pk = {(r["policy"], r["trial"], r["budget"]): bool(r["correct"]) for r in results.get("passkey_rows", [])}
     for abl in ablations:
-        diffs = [
-            lm[(abl,) + key[1:]] - nll for key, nll in lm.items() if key[0] == reference and (abl,) + key[1:] in lm
-        ]
-        row = dict(ablation=abl, lm_cells=len(diffs))
-        if diffs:
-            mean, lo, hi = mean_ci(diffs)
-            row.update(
-                lm_mean_diff=mean,
-                lm_ci95=[lo, hi],
-                lm_ratio_wins=sum(d > 0 for d in diffs),
-                lm_verdict="ratio better" if lo > 0 else "ratio worse" if hi < 0 else "not resolved",
-            )
+        row = dict(ablation=abl)
+        for prefix, key in (("lm", "lm_rows"), ("retention", "retention_rows")):
+            row.update(_paired_nll(results.get(key, []), reference, abl, prefix))
         pairs = [(ok, pk[(abl,) + key[1:]]) for key, ok in pk.items() if key[0] == reference and (abl,) + key[1:] in pk]
         row["passkey_trials"] = len(pairs)
         if pairs:
@@ -235,20 +276,39 @@ def ablation(results: dict, reference: str = "paged_eviction", ablations=ABLATIO
     return out
 
 
+def _paired_nll(rows: list[dict], reference: str, other: str, prefix: str) -> dict:
+    """NLL of ``other`` minus ``reference`` per (text, B, C) cell both ran: mean, t interval, verdict."""
+    nll = {(r["policy"], r["text"], r["page_size"], r["budget"]): r["nll"] for r in rows}
+    diffs = [nll[(other,) + k[1:]] - v for k, v in nll.items() if k[0] == reference and (other,) + k[1:] in nll]
+    out = {f"{prefix}_cells": len(diffs)}
+    if diffs:
+        mean, lo, hi = mean_ci(diffs)
+        out.update(
+            {
+                f"{prefix}_mean_diff": mean,
+                f"{prefix}_ci95": [lo, hi],
+                f"{prefix}_ratio_wins": sum(d > 0 for d in diffs),
+                f"{prefix}_verdict": "ratio better" if lo > 0 else "ratio worse" if hi < 0 else "not resolved",
+            }
+        )
+    return out
+
+
 def ablation_table(rows: list[dict]) -> str:
     """`ablation` output as text: every number the verdicts rest on."""
     lines = []
     for r in rows:
-        ci = ""
-        if r.get("lm_cells"):
-            lo, hi = r["lm_ci95"]
+        nll = {}
+        for prefix in ("lm", "retention"):
+            if not r.get(f"{prefix}_cells"):
+                nll[prefix] = "no cells"
+                continue
+            lo, hi = r[f"{prefix}_ci95"]
             ci = "no interval from 1 cell" if math.isnan(lo) else f"95% CI [{lo:+.4f}, {hi:+.4f}]"
-        lm = (
-            f"mean dNLL {r['lm_mean_diff']:+.4f} nats/token, {ci}, "
-            f"ratio lower NLL in {r['lm_ratio_wins']}/{r['lm_cells']} cells -> {r['lm_verdict']}"
-            if r.get("lm_cells")
-            else "no language-modelling cells"
-        )
+            nll[prefix] = (
+                f"mean dNLL {r[f'{prefix}_mean_diff']:+.4f} nats/token, {ci}, ratio lower NLL in "
+                f"{r[f'{prefix}_ratio_wins']}/{r[f'{prefix}_cells']} cells -> {r[f'{prefix}_verdict']}"
+            )
         pk = (
             f"ratio {r['passkey_ratio'][0]}/{r['passkey_ratio'][1]} "
             f"[{r['passkey_ratio_ci95'][0]:.3f}, {r['passkey_ratio_ci95'][1]:.3f}] vs "
@@ -260,5 +320,8 @@ def ablation_table(rows: list[dict]) -> str:
             if r.get("passkey_trials")
             else "no pass-key trials"
         )
-        lines.append(f"ratio vs {r['ablation']}:\n  language modelling: {lm}\n  pass-key: {pk}")
+        lines.append(
+            f"ratio vs {r['ablation']}:\n  language modelling: {nll['lm']}\n  retention: {nll['retention']}\n"
+            f"  pass-key: {pk}"
+        )
     return "\n".join(lines)
