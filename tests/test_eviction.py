@@ -510,7 +510,7 @@ def test_budget_too_small_for_protected_pages_fails_before_changing_anything():
     with pytest.raises(ValueError, match="budget must be >= 16"):
         policy.after_prefill(cache, s)
     assert cache.seq_len(s) == 20
-    with pytest.raises(TypeError, match="cache must be a paged_ref.PagedKVCache"):
+    with pytest.raises(TypeError, match="needs a paged_ref.PagedKVCache"):
         PagedEviction(12).after_prefill("cache", s)
 
 
@@ -616,9 +616,9 @@ class _WordTokenizer:
 
 
 def test_bench_language_modelling_task_on_the_tiny_model(tiny):
-    from paged_ref.bench.eviction import _runs, lm_task, summarize_lm
+    from paged_ref.bench.eviction import PER_LAYER, TOKEN_LEVEL, _runs, lm_task, summarize_lm
 
-    cfg = dict(texts=1, context=40, continuation=17, budgets=[16], page_sizes=[4, 8])
+    cfg = dict(texts=1, text_stride=150, context=40, continuation=17, budgets=[16], page_sizes=[4, 8])
     rows, check, texts = lm_task(
         __import__("paged_ref.eviction.lm", fromlist=["PagedLM"]).PagedLM(tiny),
         _WordTokenizer(),
@@ -628,7 +628,9 @@ def test_bench_language_modelling_task_on_the_tiny_model(tiny):
     assert check < 1e-4  # the full cache's NLL equals the model's own forward
     assert texts[-1]["used"] and all(t["copied_8grams"] > 0.05 for t in texts[:-1])
     summary = summarize_lm(rows)
-    assert len(summary) == 2 * len(_runs([16], exclude=("token_topk",))) + 1
+    assert len(summary) == 2 * len(_runs([16], exclude=TOKEN_LEVEL)) + len(TOKEN_LEVEL)
+    per_layer = [r for r in summary if r["policy"] in PER_LAYER]
+    assert len(per_layer) == 2 * len(PER_LAYER) and all(r["max_pages_held"] <= r["page_bound"] for r in per_layer)
     for r in summary:
         assert r["page_bound"] is None or r["max_pages_held"] <= r["page_bound"]
         assert r["nll"] > 0 and r["kl_vs_full"] >= -1e-6

@@ -175,8 +175,11 @@ def fake_results(delta_nll=0.1, ratio_correct=18, abl_correct=2, trials=20):
             policy=p,
             budget=c,
             page_size=ps,
+            texts=2,
             nll=3.0,
+            nll_ci95=[2.9, 3.1],
             ppl=math.exp(3.0),
+            ppl_ci95=[math.exp(2.9), math.exp(3.1)],
             kl_vs_full=0.1,
             max_pages_held=9,
             page_bound=9,
@@ -186,6 +189,7 @@ def fake_results(delta_nll=0.1, ratio_correct=18, abl_correct=2, trials=20):
         for ps in (16, 32)
         for c in (128, 256)
     ]
+    retention_rows = [dict(r, nll=r["nll"] - 2.0) for r in lm_rows]  # the same differences, lower NLL
     pk_summary = [
         dict(
             policy=p,
@@ -209,6 +213,10 @@ def fake_results(delta_nll=0.1, ratio_correct=18, abl_correct=2, trials=20):
         dict(
             policy=p,
             budget=None if p == "full" else 128,
+            context=2048,
+            batch=1,
+            ms_per_token=100.0 * (i + 1),
+            time_per_token_vs_full=float(i + 1),
             tokens_per_s=10.0 / (i + 1),
             ratio_vs_full=1 / (i + 1),
             tokens_per_s_rounds=[9.0 / (i + 1), 10.0 / (i + 1), 12.0 / (i + 1)],
@@ -222,8 +230,10 @@ def fake_results(delta_nll=0.1, ratio_correct=18, abl_correct=2, trials=20):
         environment=dict(cpu="x86_64", torch="2", python="3", date_utc="d"),
         seconds=1.0,
         language_modelling=lm_summary,
+        retention=[dict(r, nll=1.0, ppl=math.e) for r in lm_summary],
         passkey=pk_summary,
         lm_rows=lm_rows,
+        retention_rows=retention_rows,
         passkey_rows=pk_rows,
         speed=speed,
     )
@@ -234,6 +244,8 @@ def test_ablation_verdicts_follow_the_numbers():
     r = better["value_norm"]
     assert r["lm_cells"] == 8 and r["lm_mean_diff"] == pytest.approx(0.1) and r["lm_ratio_wins"] == 8
     assert r["lm_verdict"] == "ratio better" and r["passkey_verdict"] == "ratio better"
+    assert r["retention_cells"] == 8 and r["retention_mean_diff"] == pytest.approx(0.1)
+    assert r["retention_verdict"] == "ratio better"
     assert (r["passkey_only_ratio"], r["passkey_only_ablation"]) == (16, 0)
     assert r["passkey_mcnemar_p"] == pytest.approx(2 / 2**16)
     assert r["passkey_paired_verdict"] == "ratio better"
@@ -289,7 +301,12 @@ def test_tables_print_exact_numbers():
     assert "[0.100, 0.500]" in pk and "8/20" in pk and "0.62" in pk and "9/20" in pk
     assert "x86_64" in report.provenance(res) and "quick run" in report.provenance(res)
     speed = report.speed_table(res).splitlines()
-    assert len(speed) == 5 and speed[4].split()[:6] == ["token_topk", "128", "3.33", "3.00-4.00", "0.333", "2.00"]
+    assert len(speed) == 5
+    expected = ["2048", "1", "token_topk", "128", "300.0", "3.000", "3.33", "3.00-4.00", "0.333", "2.00"]
+    assert speed[4].split() == expected
+    assert "2.9000-3.1000" in lm and "texts" in lm
+    ret = report.lm_table(res, task="retention")
+    assert f"{math.e:.3f}" in ret and ret.count("\n") == 1 + len(res["retention"])
 
 
 # --------------------------------------------------------------------------- figures and widget

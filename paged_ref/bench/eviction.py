@@ -55,6 +55,8 @@ POLICIES = [
     "full",
     "paged_eviction",
     "paged_eviction_literal",
+    "paged_eviction_per_layer",
+    "paged_eviction_literal_per_layer",
     "inverse_key_norm",
     "value_norm",
     "key_norm",
@@ -65,9 +67,15 @@ POLICIES = [
     "token_inverse_key_norm",
 ]
 # labels that are a policy with options rather than a policy name
-VARIANTS = {"token_inverse_key_norm": ("token_topk", {"method": "inverse_key_norm"})}
+VARIANTS = {
+    "token_inverse_key_norm": ("token_topk", {"method": "inverse_key_norm"}),
+    "paged_eviction_per_layer": ("paged_eviction", {"decision": "per_layer"}),
+    "paged_eviction_literal_per_layer": ("paged_eviction_literal", {"decision": "per_layer"}),
+}
 TOKEN_LEVEL = ("token_topk", "token_inverse_key_norm")  # act after every token: a batch of their own
-SPEED_POLICIES = ["full", "paged_eviction", "streaming_llm", *TOKEN_LEVEL]  # the ablations run paged_eviction's code
+PER_LAYER = ("paged_eviction_per_layer", "paged_eviction_literal_per_layer")  # a LayeredKVCache of their own
+# the ablations run paged_eviction's code at the same cost
+SPEED_POLICIES = ["full", "paged_eviction", "paged_eviction_per_layer", "streaming_llm", *TOKEN_LEVEL]
 PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # trial t hides the key at depth PASSKEY_DEPTHS[t % 5]
 QUICK = dict(
     texts=1,
@@ -91,7 +99,7 @@ QUICK = dict(
 )
 FULL = dict(
     texts=8,
-    text_stride=45,
+    text_stride=30,
     context=2048,
     continuation=128,
     budgets=[128, 256, 512, 1024],
@@ -121,6 +129,18 @@ def _runs(budgets, exclude=(), only=None):
     return out
 
 
+def _groups(budgets, page_sizes):
+    """``(page_size, runs, per_layer)`` for each batch that decodes together: per page size the
+    shared page-level policies (with the full cache) and the per-layer ones (on a LayeredKVCache);
+    the token-level policies, which act after every token, at the first page size only."""
+    out = []
+    for ps in page_sizes:
+        out.append((ps, _runs(budgets, exclude=TOKEN_LEVEL + PER_LAYER), False))
+        out.append((ps, _runs(budgets, only=PER_LAYER), True))
+    out.append((page_sizes[0], _runs(budgets, only=TOKEN_LEVEL), False))
+    return [g for g in out if g[1]]
+
+
 def _policy(label, budget):
     name, options = VARIANTS.get(label, (label, {}))
     return make_policy(name, budget, **options)
@@ -135,9 +155,10 @@ def _pool_pages(runs, page_size, longest):
 class _Batch:
     """The sequences of one page size, one per (policy, budget), decoding together."""
 
-    def __init__(self, lm, ks, vs, runs, page_size, longest):
+    def __init__(self, lm, ks, vs, runs, page_size, longest, per_layer=False):
         self.lm, self.runs = lm, runs
-        self.cache = lm.new_cache(num_pages=_pool_pages(runs, page_size, longest), page_size=page_size)
+        pages = _pool_pages(runs, page_size, longest)
+        self.cache = lm.new_cache(num_pages=pages, page_size=page_size, per_layer=per_layer)
         self.policies = [_policy(label, c) for label, _, c in runs]
         self.seqs = [lm.add_prompt(self.cache, ks, vs, p) for p in self.policies]
         self.position = ks[0].shape[0]
@@ -170,6 +191,13 @@ class _Batch:
         self.position += tokens.shape[1]
         return torch.log_softmax(logits, dim=-1)  # [batch, m, vocab]
 
+    def region_held(self, i: int, region) -> float:
+        """Share of the original tokens ``region[0] .. region[1]-1`` sequence ``i`` holds now."""
+        lo, hi = region
+        s, p = self.seqs[i], self.policies[i]
+        pos = p.positions(s).reshape(-1, self.cache.seq_len(s))  # [lanes, seq_len]
+        return float(((pos >= lo) & (pos < hi)).sum()) / (pos.shape[0] * (hi - lo))
+
     def row(self, i):
         s, p = self.seqs[i], self.policies[i]
         st = p.stats(s)
@@ -193,11 +221,11 @@ class _Batch:
         for s, p in zip(self.seqs, self.policies):
             self.cache.free(s)
             p.release(s)
-        assert self.cache.allocator.num_free == self.cache.num_pages
+        assert self.cache.allocator.num_free == self.cache.allocator.num_pages
 
 
 # ----------------------------------------------------------------------------- scoring a continuation
-def score_continuation(lm, ids, n_ctx, first_scored, cfg, log, label):
+def score_continuation(lm, ids, n_ctx, first_scored, cfg, log, label, region=None):
     """Every policy's NLL on the end of one text, in rows (one per policy, budget and page size).
 
     ``ids[:n_ctx]`` is prefilled with full attention and each policy evicts down to its budget;
@@ -205,6 +233,9 @@ def score_continuation(lm, ids, n_ctx, first_scored, cfg, log, label):
     evicting, and the NLL per token is averaged over the tokens ``ids[n_ctx + first_scored:]``
     (``first_scored=1``: the whole continuation but its first token, which the prefill itself
     predicts, the same for all). KL(full || policy) is averaged over the same predictions.
+
+    ``region=(lo, hi)``: each row also gets ``region_held``, the share of the context tokens
+    ``lo .. hi-1`` a policy held after its prefill eviction (per-layer: the mean over layers).
 
     Returns:
         ``(rows, check)``: ``check`` is the full cache's mean |NLL - the model's own forward|.
@@ -218,12 +249,11 @@ def score_continuation(lm, ids, n_ctx, first_scored, cfg, log, label):
     counted = (torch.arange(targets.numel()) >= first_scored - 1).float()  # [n_fed]
     n_scored = int(counted.sum())
     # page-granular policies feed chunks; token-level policies act after every token, so they run apart
-    groups = [(ps, _runs(cfg["budgets"], exclude=TOKEN_LEVEL)) for ps in cfg["page_sizes"]]
-    groups.append((cfg["page_sizes"][0], _runs(cfg["budgets"], only=TOKEN_LEVEL)))
     rows, check = [], math.nan
-    for ps, runs in groups:
+    for ps, runs, per_layer in _groups(cfg["budgets"], cfg["page_sizes"]):
         t0 = time.perf_counter()
-        batch = _Batch(lm, ks, vs, runs, ps, ids.numel())
+        batch = _Batch(lm, ks, vs, runs, ps, ids.numel(), per_layer)
+        held = [batch.region_held(i, region) for i in range(len(runs))] if region else [None] * len(runs)
         nll = torch.zeros(len(runs))
         kl = torch.zeros(len(runs))
         for i, lp in batch.feed(ids[n_ctx:-1]):  # lp: [batch, m, vocab]
@@ -238,6 +268,8 @@ def score_continuation(lm, ids, n_ctx, first_scored, cfg, log, label):
         for i in range(len(runs)):
             row = batch.row(i)
             row.update(nll=float(nll[i]) / n_scored, kl_vs_full=float(kl[i]) / n_scored, scored_tokens=n_scored)
+            if region:
+                row["region_held"] = held[i]
             rows.append(row)
         batch.close()
         log(
@@ -321,7 +353,9 @@ def retention_task(lm, tok, cfg, log):
     for t in range(cfg["retention_texts"]):
         start_a = (t * cfg["text_stride"] + cfg["text_stride"] // 2) % n
         ids, n_ctx, opening, info = retention_example(tok, start_a, (start_a + n // 2) % n, cfg)
-        text_rows, check = score_continuation(lm, ids, n_ctx, opening, cfg, log, f"retention text {t}")
+        text_rows, check = score_continuation(
+            lm, ids, n_ctx, opening, cfg, log, f"retention text {t}", region=(0, cfg["retention_passage"])
+        )
         rows += [dict(r, text=t) for r in text_rows]
         checks.append(check)
         texts.append(info)
@@ -372,6 +406,8 @@ def summarize_lm(rows):
                 max_holes_per_page=max(r["max_holes_per_page"] for r in rs),
             )
         )
+        if "region_held" in rs[0]:
+            out[-1]["region_held"] = statistics.fmean(r["region_held"] for r in rs)
     return out
 
 
@@ -452,19 +488,19 @@ def answer_is_correct(text: str, key: str) -> bool:
 
 def passkey_task(lm, tok, cfg, log, answer_tokens=7):
     rows = []
-    groups = [_runs(cfg["passkey_budgets"], exclude=TOKEN_LEVEL), _runs(cfg["passkey_budgets"], only=TOKEN_LEVEL)]
+    groups = _groups(cfg["passkey_budgets"], [16])
     for trial in range(cfg["passkey_trials"]):
         rng = random.Random(1000 + trial)
         depth = PASSKEY_DEPTHS[trial % len(PASSKEY_DEPTHS)]
         ctx, question, key, mentions, needle_tokens, depth = passkey_prompt(tok, rng, cfg["passkey_context"], depth)
         t0 = time.perf_counter()
         _, ks, vs = lm.prompt_kv(ctx)
-        for runs in groups:
-            batch = _Batch(lm, ks, vs, runs, 16, ctx.numel() + question.numel() + answer_tokens)
+        for ps, runs, per_layer in groups:
+            batch = _Batch(lm, ks, vs, runs, ps, ctx.numel() + question.numel() + answer_tokens, per_layer)
             for _ in batch.feed(question[:-1]):
                 pass
-            evidence = [
-                key_evidence(set(p.positions(s).tolist()), mentions, needle_tokens, len(key))
+            evidence = [  # per-layer decisions: a token counts as held when any layer holds it
+                key_evidence(set(p.positions(s).flatten().tolist()), mentions, needle_tokens, len(key))
                 for s, p in zip(batch.seqs, batch.policies)
             ]
             nxt, answers = question[-1].repeat(len(runs)), []
@@ -555,7 +591,7 @@ def speed_task(lm, tok, cfg, log):
                 for name in SPEED_POLICIES:
                     c = None if name == "full" else cfg["speed_budget"]
                     runs = [(name, VARIANTS.get(name, (name, {}))[0], c)] * batch_size
-                    batch = _Batch(lm, ks, vs, runs, 16, n + steps)
+                    batch = _Batch(lm, ks, vs, runs, 16, n + steps, per_layer=name in PER_LAYER)
                     batch.step(ids[n : n + 1].expand(batch_size))  # warm-up
                     t0 = time.perf_counter()
                     for j in range(1, steps):

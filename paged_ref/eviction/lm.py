@@ -36,6 +36,7 @@ import torch
 
 from .._arith import cdiv
 from ..cache import PagedKVCache
+from ..layered_cache import LayeredKVCache
 from ..memory import model_geometry
 from .policies import EvictionPolicy
 
@@ -68,9 +69,14 @@ class PagedLM:
         self.dtype = self.geometry.dtype
         self._rope = apply_rotary_pos_emb
 
-    def new_cache(self, *, num_pages: int, page_size: int) -> PagedKVCache:
-        """An empty cache shaped for this model (float32 K/V, like the model's activations here)."""
-        return PagedKVCache(num_pages=num_pages, page_size=page_size, **self.geometry.cache_kwargs)
+    def new_cache(self, *, num_pages: int, page_size: int, per_layer: bool = False) -> PagedKVCache | LayeredKVCache:
+        """An empty cache shaped for this model (float32 K/V, like the model's activations here).
+
+        ``per_layer=True``: a `LayeredKVCache` (a block table per layer, for per-layer eviction
+        decisions) of the same memory.
+        """
+        cls = LayeredKVCache if per_layer else PagedKVCache
+        return cls(num_pages=num_pages, page_size=page_size, **self.geometry.cache_kwargs)
 
     @torch.inference_mode()
     def prompt_kv(self, ids: torch.Tensor):
@@ -91,9 +97,9 @@ class PagedLM:
         """A new sequence holding a prompt's K/V (``ks[layer]: [n, Hkv, D]``), then ``policy.after_prefill``."""
         n = ks[0].shape[0]
         seq_id = cache.add_sequence()
-        slots = cache.reserve(seq_id, n)  # int64 [n]
+        slots = cache.reserve(seq_id, n)  # int64 [n], or [num_layers, n] with a table per layer
         for layer in range(self.num_layers):
-            cache.write(layer, slots, ks[layer], vs[layer])
+            cache.write(layer, slots[layer] if slots.dim() == 2 else slots, ks[layer], vs[layer])
         if policy is not None:
             policy.after_prefill(cache, seq_id)
         return seq_id
@@ -143,8 +149,12 @@ class PagedLM:
                 f"{list(token_ids.shape)} and {list(positions.shape)}"
             )
         m = token_ids.shape[1]
-        slots = torch.cat([cache.reserve(s, m) for s in seq_ids])  # int64 [batch * m], rows in order
-        block_table, seq_lens = cache.block_table(seq_ids)  # int32 [batch, max_pages], [batch]
+        # int64 [batch * m] (rows in order), or [num_layers, batch * m] with a block table per layer
+        slots = torch.cat([cache.reserve(s, m) for s in seq_ids], dim=-1)
+        if slots.dim() == 2:
+            tables = [cache.block_table(seq_ids, layer=i) for i in range(self.num_layers)]
+        else:
+            tables = [cache.block_table(seq_ids)] * self.num_layers  # int32 [batch, max_pages], [batch]
         inner = self.model.model
         x = inner.embed_tokens(token_ids)  # [batch, m, hidden]
         pos = positions[:, None] + torch.arange(m)[None, :]  # [batch, m]
@@ -157,8 +167,9 @@ class PagedLM:
             k = attn.k_proj(h).view(batch, m, hkv, d).transpose(1, 2)  # [batch, Hkv, m, D]
             v = attn.v_proj(h).view(batch, m, hkv, d)  # [batch, m, Hkv, D]
             q, k = self._rope(q, k, cos, sin)
-            cache.write(i, slots, k.transpose(1, 2).reshape(batch * m, hkv, d), v.reshape(batch * m, hkv, d))
-            o = self._attend(q, cache, i, block_table, seq_lens, attn.scaling)  # [batch, Hq, m, D]
+            layer_slots = slots[i] if slots.dim() == 2 else slots
+            cache.write(i, layer_slots, k.transpose(1, 2).reshape(batch * m, hkv, d), v.reshape(batch * m, hkv, d))
+            o = self._attend(q, cache, i, *tables[i], attn.scaling)  # [batch, Hq, m, D]
             x = x + attn.o_proj(o.transpose(1, 2).reshape(batch, m, hq * d))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.model.lm_head(inner.norm(x)).float()  # [batch, m, vocab]

@@ -88,6 +88,7 @@ from .._arith import cdiv
 from .._validate import check_choice, check_int
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
+from ..layered_cache import LayeredKVCache
 from .scores import SCORE_METHODS, page_scores, token_scores
 
 __all__ = [
@@ -117,6 +118,7 @@ POLICY_NAMES = (
     "key_value_ratio",
     "random",
 )
+DECISIONS = ("shared", "per_layer")  # one eviction decision for all layers, or one per layer
 NO_LIMIT = sys.maxsize  # tokens_until_action of a policy that never acts
 
 
@@ -201,7 +203,8 @@ class EvictionStats:
         pages_dropped: whole pages removed by decode-time page eviction.
         compactions: calls to ``PagedKVCache.compact`` (prefill eviction, token eviction).
         tokens_moved: tokens copied to a new slot by those compactions (each copy is one
-            token's K and V in every layer); tokens already in place are not counted.
+            token's K and V in every layer; per-layer decisions move each layer's tokens apart
+            and count the mean over layers); tokens already in place are not counted.
         max_pages_held: the most pages the sequence held after any hook call (before a hook
             runs, the newest page may already have been added: at most one page more).
         max_holes_per_page: token_topk only: the most evicted slots per held page the same
@@ -229,12 +232,15 @@ class EvictionPolicy:
 
     name = "base"
 
-    def __init__(self, budget: int | None, *, method: str = "value_key_ratio", seed: int = 0):
+    def __init__(self, budget: int | None, *, method: str = "value_key_ratio", seed: int = 0, decision: str = "shared"):
         self.budget = None if budget is None else check_int("budget", budget, min_value=1)
         self.method = check_choice("method", method, SCORE_METHODS)
         self.seed = check_int("seed", seed, min_value=0)
+        self.decision = check_choice("decision", decision, DECISIONS)
         self._generator = torch.Generator().manual_seed(self.seed)
-        self._positions: dict[int, torch.Tensor] = {}  # seq -> int64 [seq_len] original index of each held token
+        # seq -> int64 [lanes, seq_len]: original index of each held token, one row per decision
+        # (one row when shared; one per layer with decision="per_layer")
+        self._positions: dict[int, torch.Tensor] = {}
         self._stats: dict[int, EvictionStats] = {}
 
     # ------------------------------------------------------------------ hooks
@@ -292,8 +298,10 @@ class EvictionPolicy:
 
     # ------------------------------------------------------------------ inspection
     def positions(self, seq_id: int) -> torch.Tensor:
-        """int64 ``[seq_len]``: index (0 = first prompt token) of each token the sequence holds."""
-        return self._positions_of(seq_id).clone()
+        """int64 ``[seq_len]``: index (0 = first prompt token) of each token the sequence holds;
+        ``[num_layers, seq_len]`` (each layer's own) with ``decision="per_layer"``."""
+        pos = self._positions_of(seq_id)
+        return (pos[0] if self.decision == "shared" else pos).clone()
 
     def stats(self, seq_id: int) -> EvictionStats:
         self._positions_of(seq_id)
@@ -311,8 +319,12 @@ class EvictionPolicy:
 
     # ------------------------------------------------------------------ shared machinery
     def _check_cache(self, cache) -> None:
-        if not isinstance(cache, PagedKVCache):
-            raise TypeError(f"cache must be a paged_ref.PagedKVCache, got {type(cache).__name__}")
+        want = PagedKVCache if self.decision == "shared" else LayeredKVCache
+        if not isinstance(cache, want):
+            raise TypeError(
+                f"decision={self.decision!r} needs a paged_ref.{want.__name__} "
+                f"(per-layer decisions need a block table per layer), got {type(cache).__name__}"
+            )
 
     def _positions_of(self, seq_id) -> torch.Tensor:
         if seq_id not in self._positions:
@@ -320,71 +332,87 @@ class EvictionPolicy:
         return self._positions[seq_id]
 
     def _held(self, seq_id) -> int:
-        return int(self._positions_of(seq_id).shape[0])
+        return int(self._positions_of(seq_id).shape[1])
 
     def _sync(self, cache, seq_id) -> None:
         """Extend the position record by the tokens appended since the last hook call."""
         n = cache.seq_len(seq_id)  # raises for an unknown sequence
         pos = self._positions.get(seq_id)
         if pos is None:
-            pos, stats = torch.empty(0, dtype=torch.int64), EvictionStats()
+            lanes = 1 if self.decision == "shared" else cache.num_layers
+            pos, stats = torch.empty(lanes, 0, dtype=torch.int64), EvictionStats()
         else:
             stats = self._stats[seq_id]
-        if n < pos.shape[0]:
+        if n < pos.shape[1]:
             raise ValueError(
-                f"sequence {seq_id} holds {n} tokens, fewer than the {pos.shape[0]} this policy left; "
+                f"sequence {seq_id} holds {n} tokens, fewer than the {pos.shape[1]} this policy left; "
                 "it was changed outside the policy"
             )
-        new = n - pos.shape[0]
-        pos = torch.cat([pos, torch.arange(stats.tokens_seen, stats.tokens_seen + new)])
-        stats.tokens_seen += new
-        self._positions[seq_id], self._stats[seq_id] = pos, stats
+        new = torch.arange(stats.tokens_seen, stats.tokens_seen + n - pos.shape[1])  # [new]
+        stats.tokens_seen += new.numel()
+        self._positions[seq_id] = torch.cat([pos, new.expand(pos.shape[0], -1)], dim=1)  # [lanes, n]
+        self._stats[seq_id] = stats
 
     def _record(self, cache, seq_id) -> None:
         stats = self._stats[seq_id]
         stats.max_pages_held = max(stats.max_pages_held, pages_needed(cache.seq_len(seq_id), cache.page_size))
 
     def _scores(self, cache, seq_id) -> torch.Tensor:
-        return sequence_scores(cache, seq_id, self.method, generator=self._generator)
+        """float32 ``[lanes, seq_len]``: the layer mean (shared) or each layer's own scores."""
+        if self.decision == "shared":
+            return sequence_scores(cache, seq_id, self.method, generator=self._generator)[None]
+        if self.method == "random":
+            return torch.rand(cache.num_layers, cache.seq_len(seq_id), generator=self._generator)
+        per_layer = [token_scores(*cache.gather(layer, seq_id), self.method) for layer in range(cache.num_layers)]
+        return torch.stack(per_layer).cpu()
 
     def _compact(self, cache, seq_id, keep: torch.Tensor) -> None:
-        """Token-level eviction: keep ``keep: bool [seq_len]`` in order, count the copies."""
-        stats = self._stats[seq_id]
-        dropped = (~keep).nonzero()
-        if dropped.numel() == 0:
-            return
-        first_hole = int(dropped[0])
-        stats.tokens_moved += int(keep[first_hole:].sum())  # kept tokens behind the first hole shift
-        stats.tokens_evicted += int((~keep).sum())
-        stats.compactions += 1
-        cache.compact(seq_id, keep)
-        self._positions[seq_id] = self._positions[seq_id][keep]
+        """Token-level eviction: keep ``keep: bool [lanes, seq_len]`` in order, count the copies.
 
-    def _drop_page(self, cache, seq_id, page: int) -> None:
-        """Page-level eviction of logical page ``page`` (all layers; the page goes back to the pool)."""
+        Counts are in tokens of one lane; a per-layer decision moves each layer's tokens apart,
+        so its ``tokens_moved`` is the mean over layers (one token moved in every layer = 1).
+        """
+        stats = self._stats[seq_id]
+        if bool(keep.all()):
+            return
+        moved = 0
+        for row in keep:
+            holes = (~row).nonzero()
+            if holes.numel():
+                moved += int(row[int(holes[0]) :].sum())  # kept tokens behind the first hole shift
+        stats.tokens_moved += moved if keep.shape[0] == 1 else moved / keep.shape[0]
+        stats.tokens_evicted += int((~keep[0]).sum())
+        stats.compactions += 1
+        cache.compact(seq_id, keep[0] if self.decision == "shared" else keep)
+        pos = self._positions[seq_id]
+        self._positions[seq_id] = torch.stack([p[k] for p, k in zip(pos, keep)])
+
+    def _drop_page(self, cache, seq_id, pages: list[int]) -> None:
+        """Page-level eviction of logical page ``pages[i]`` from lane ``i`` (the page goes back to the pool)."""
         ps = cache.page_size
         n = cache.seq_len(seq_id)
         stats = self._stats[seq_id]
-        lo, hi = page * ps, min(n, (page + 1) * ps)
-        cache.drop_pages(seq_id, [page])
+        cache.drop_pages(seq_id, pages if self.decision == "per_layer" else pages[:1])
         pos = self._positions[seq_id]
-        self._positions[seq_id] = torch.cat([pos[:lo], pos[hi:]])
-        stats.tokens_evicted += hi - lo
+        self._positions[seq_id] = torch.stack(
+            [torch.cat([p[: page * ps], p[min(n, (page + 1) * ps) :]]) for p, page in zip(pos, pages)]
+        )
+        stats.tokens_evicted += min(n, (pages[0] + 1) * ps) - pages[0] * ps
         stats.pages_dropped += 1
 
     def _keep_top(self, cache, seq_id, reserved: Reserved) -> None:
         """Token-level eviction to the budget: the reserved tokens plus the best-scoring others."""
         n = cache.seq_len(seq_id)
-        scores = self._scores(cache, seq_id)  # [n]
+        scores = self._scores(cache, seq_id)  # [lanes, n]
         protected = reserved.tokens(n, cache.page_size)  # bool [n]
         free_slots = self.budget - int(protected.sum())
         assert free_slots >= 0, "budget checks guarantee room for the protected tokens"
         ranked = scores.masked_fill(protected, -math.inf)
         # stable sort: among equal scores the older token goes first
-        order = torch.sort(ranked, descending=True, stable=True).indices
-        keep = protected.clone()
-        keep[order[:free_slots]] = True
-        assert int(keep.sum()) == min(self.budget, n)
+        order = torch.sort(ranked, dim=1, descending=True, stable=True).indices  # [lanes, n]
+        keep = protected.expand_as(scores).clone()  # bool [lanes, n]
+        keep.scatter_(1, order[:, :free_slots], True)
+        assert bool((keep.sum(1) == min(self.budget, n)).all())
         self._compact(cache, seq_id, keep)
 
 
@@ -402,7 +430,7 @@ class FullCache(EvictionPolicy):
 class _PagedDecode(EvictionPolicy):
     """Shared decode rule: when the newest page fills and the sequence is over budget, drop a page.
 
-    Subclasses say which pages are reserved (`_reserved`) and which candidate goes (`_choose_page`).
+    Subclasses say which pages are reserved (`_reserved`) and which candidates go (`_choose_pages`).
     """
 
     def __init__(self, budget: int, **kwargs):
@@ -431,8 +459,8 @@ class _PagedDecode(EvictionPolicy):
         ps = cache.page_size
         candidates = self._reserved(ps).candidate_pages
         while cache.seq_len(seq_id) > self.budget and cache.seq_len(seq_id) % ps == 0:
-            page = self._choose_page(cache, seq_id, candidates(cache.seq_len(seq_id) // ps))
-            self._drop_page(cache, seq_id, page)
+            pages = self._choose_pages(cache, seq_id, candidates(cache.seq_len(seq_id) // ps))
+            self._drop_page(cache, seq_id, pages)
 
 
 def _check_flags(**flags) -> None:
@@ -455,6 +483,9 @@ class PagedEviction(_PagedDecode):
         protect_last_page: never evict the newest page_size tokens; at a decode eviction they are
             exactly the page that just filled. Default True (the authors' code keeps the last
             block too).
+        decision: ``"shared"`` (one decision for all layers from the layer-mean score, on a
+            `PagedKVCache`) or ``"per_layer"`` (each layer keeps its own top-C and drops its own
+            lowest page, from its own scores; needs a `LayeredKVCache`, one block table per layer).
         seed: generator seed for ``method="random"``.
     """
 
@@ -468,10 +499,11 @@ class PagedEviction(_PagedDecode):
         reduce: str = "mean",
         protect_first_page: bool = True,
         protect_last_page: bool = True,
+        decision: str = "shared",
         seed: int = 0,
     ):
         _check_flags(protect_first_page=protect_first_page, protect_last_page=protect_last_page)
-        super().__init__(budget, method=method, seed=seed)
+        super().__init__(budget, method=method, seed=seed, decision=decision)
         self.reduce = check_choice("reduce", reduce, {"mean", "sum"})
         self.reserved = Reserved(int(protect_first_page), protect_last_page)
 
@@ -481,16 +513,21 @@ class PagedEviction(_PagedDecode):
     def _prefill_evict(self, cache, seq_id) -> None:
         self._keep_top(cache, seq_id, self.reserved)
 
-    def _choose_page(self, cache, seq_id, candidates: list[int]) -> int:
-        scores = page_scores(self._scores(cache, seq_id), cache.page_size, self.reduce)  # [num_pages]
+    def _choose_pages(self, cache, seq_id, candidates: list[int]) -> list[int]:
+        """The lowest-scoring candidate page of each lane."""
         candidates = torch.tensor(candidates)
-        # argmin returns the first minimum: ties go to the oldest page
-        return int(candidates[torch.argmin(scores[candidates])])
+        pages = []
+        for lane in self._scores(cache, seq_id):  # [seq_len] each
+            scores = page_scores(lane, cache.page_size, self.reduce)  # [num_pages]
+            # argmin returns the first minimum: ties go to the oldest page
+            pages.append(int(candidates[torch.argmin(scores[candidates])]))
+        return pages
 
     def __repr__(self) -> str:
         return (
             f"PagedEviction(budget={self.budget}, method={self.method!r}, reduce={self.reduce!r}, "
-            f"protect_first_page={bool(self.reserved.first_pages)}, protect_last_page={self.reserved.last_page})"
+            f"protect_first_page={bool(self.reserved.first_pages)}, protect_last_page={self.reserved.last_page}"
+            + (", decision='per_layer')" if self.decision == "per_layer" else ")")
         )
 
 
@@ -520,13 +557,13 @@ class StreamingLLM(_PagedDecode):
 
     def _prefill_evict(self, cache, seq_id) -> None:
         n = cache.seq_len(seq_id)
-        keep = torch.zeros(n, dtype=torch.bool)  # [n]
-        keep[: self.sink_tokens] = True
-        keep[n - (self.budget - self.sink_tokens) :] = True
+        keep = torch.zeros(1, n, dtype=torch.bool)  # [lanes=1, n]
+        keep[:, : self.sink_tokens] = True
+        keep[:, n - (self.budget - self.sink_tokens) :] = True
         self._compact(cache, seq_id, keep)
 
-    def _choose_page(self, cache, seq_id, candidates: list[int]) -> int:
-        return candidates[0]  # the oldest page that holds no sink
+    def _choose_pages(self, cache, seq_id, candidates: list[int]) -> list[int]:
+        return candidates[:1]  # the oldest page that holds no sink
 
     def __repr__(self) -> str:
         return f"StreamingLLM(budget={self.budget}, sink_tokens={self.sink_tokens})"
@@ -547,6 +584,7 @@ class TokenTopK(EvictionPolicy):
         method: token score (`SCORE_METHODS`).
         protect_first_page, protect_last_page: never evict the first / newest ``page_size``
             tokens (defaults as in `PagedEviction`: both reserved).
+        decision: ``"shared"`` or ``"per_layer"``, as in `PagedEviction`.
     """
 
     name = "token_topk"
@@ -558,12 +596,13 @@ class TokenTopK(EvictionPolicy):
         method: str = "value_key_ratio",
         protect_first_page: bool = True,
         protect_last_page: bool = True,
+        decision: str = "shared",
         seed: int = 0,
     ):
         if budget is None:
             raise ValueError("token_topk needs budget=<tokens>, got None")
         _check_flags(protect_first_page=protect_first_page, protect_last_page=protect_last_page)
-        super().__init__(budget, method=method, seed=seed)
+        super().__init__(budget, method=method, seed=seed, decision=decision)
         self.reserved = Reserved(int(protect_first_page), protect_last_page)
 
     def _check_cache(self, cache) -> None:
@@ -590,7 +629,8 @@ class TokenTopK(EvictionPolicy):
     def __repr__(self) -> str:
         return (
             f"TokenTopK(budget={self.budget}, method={self.method!r}, "
-            f"protect_first_page={bool(self.reserved.first_pages)}, protect_last_page={self.reserved.last_page})"
+            f"protect_first_page={bool(self.reserved.first_pages)}, protect_last_page={self.reserved.last_page}"
+            + (", decision='per_layer')" if self.decision == "per_layer" else ")")
         )
 
     def _record_holes(self, page_size: int, seq_id: int) -> None:
@@ -600,14 +640,14 @@ class TokenTopK(EvictionPolicy):
         while any of its tokens survives; its holes are its written slots whose token is gone.
         """
         stats = self._stats[seq_id]
-        pos = self._positions[seq_id]  # int64 [seq_len], original index of each survivor
-        held = torch.unique(pos // page_size)  # pages an uncompacted layout would hold
-        written = held.numel() * page_size
-        newest = (stats.tokens_seen - 1) // page_size
-        if int(held[-1]) == newest:  # the newest page is written only up to tokens_seen
-            written -= (newest + 1) * page_size - stats.tokens_seen
-        holes = written - pos.numel()
-        stats.max_holes_per_page = max(stats.max_holes_per_page, holes / held.numel())
+        for pos in self._positions[seq_id]:  # int64 [seq_len] per lane, original index of each survivor
+            held = torch.unique(pos // page_size)  # pages an uncompacted layout would hold
+            written = held.numel() * page_size
+            newest = (stats.tokens_seen - 1) // page_size
+            if int(held[-1]) == newest:  # the newest page is written only up to tokens_seen
+                written -= (newest + 1) * page_size - stats.tokens_seen
+            holes = written - pos.numel()
+            stats.max_holes_per_page = max(stats.max_holes_per_page, holes / held.numel())
 
 
 def make_policy(name: str, budget: int | None = None, **options) -> EvictionPolicy:

@@ -71,6 +71,8 @@ def policy_order(policy: str) -> int:
         "full",
         "paged_eviction",
         "paged_eviction_literal",
+        "paged_eviction_per_layer",
+        "paged_eviction_literal_per_layer",
         *ABLATIONS,
         "streaming_llm",
         "token_topk",
@@ -114,7 +116,7 @@ def lm_table(results: dict, task: str = "language_modelling") -> str:
                 f"{r['kl_vs_full']:.4f}",
                 r["max_pages_held"],
                 r["page_bound"] or "-",
-                r["tokens_moved"],
+                f"{r['tokens_moved']:.0f}",
             ]
             for r in rows
         ],

@@ -1,0 +1,209 @@
+"""A paged KV cache in which every layer keeps its own block table (per-layer eviction).
+
+`PagedKVCache` gives a sequence ONE block table for all layers, as vLLM does: physical page
+``p`` holds the same tokens in every layer, so an eviction decision is shared by all layers.
+A per-layer decision (PagedEviction's authors evict per layer in their Hugging Face code) keeps
+different tokens in different layers, so each layer needs its own table.
+
+`LayeredKVCache` builds that on one single-layer `PagedKVCache` whose pool holds
+``num_layers * num_pages`` *layer pages* (a page of one layer's K and V). Layer ``i`` of a
+sequence is one sequence of that inner cache (a *lane*); every lane draws from the one
+allocator, so the memory is that of ``PagedKVCache(num_layers, num_pages, ...)`` and any free
+layer page can serve any layer. Each lane keeps its own table; an attention call for layer
+``i`` takes ``k_cache[i]`` (the shared pool, ``[num_layers * num_pages, page_size, Hkv, D]``)
+and layer ``i``'s block table, which the attention functions already accept per call.
+
+All lanes of a sequence grow together and an eviction policy removes the same number of tokens
+from each, so every layer holds ``seq_len`` tokens in as many pages; which tokens differs.
+
+Example:
+    >>> import torch
+    >>> cache = LayeredKVCache(num_layers=2, num_pages=4, page_size=2, num_kv_heads=1, head_dim=3)
+    >>> s = cache.add_sequence()
+    >>> slots = cache.reserve(s, 3)                     # int64 [num_layers, 3]: a slot per layer
+    >>> for layer in range(2): cache.write(layer, slots[layer], torch.ones(3, 1, 3), torch.ones(3, 1, 3))
+    >>> cache.compact(s, torch.tensor([[True, False, True], [False, True, True]]))   # a keep mask per layer
+    >>> cache.seq_len(s), [len(cache.pages(s, layer)) for layer in range(2)], cache.allocator.num_free
+    (2, [1, 1], 6)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validate import check_int
+from .allocator import OutOfPagesError
+from .block_table import pages_needed
+from .cache import PagedKVCache
+
+__all__ = ["LayeredKVCache"]
+
+
+class LayeredKVCache:
+    """Per-layer block tables over one allocator (see the module docstring).
+
+    Args:
+        num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device: as for
+            `PagedKVCache`; the pool holds ``num_layers * num_pages`` layer pages, the memory of
+            a `PagedKVCache` with ``num_pages`` pages.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+    ):
+        self.num_layers = check_int("num_layers", num_layers, min_value=1)
+        self.num_pages = check_int("num_pages", num_pages, min_value=1)
+        self.pool = PagedKVCache(
+            num_layers=1,
+            num_pages=num_layers * num_pages,
+            page_size=page_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            dtype=dtype,
+            device=device,
+        )
+        self._lanes: dict[int, list[int]] = {}  # sequence -> the inner sequence of each layer
+        self._next_id = 0
+
+    # ----------------------------------------------------------------- geometry
+    page_size = property(lambda self: self.pool.page_size)
+    num_kv_heads = property(lambda self: self.pool.num_kv_heads)
+    head_dim = property(lambda self: self.pool.head_dim)
+    dtype = property(lambda self: self.pool.dtype)
+    device = property(lambda self: self.pool.device)
+    allocator = property(lambda self: self.pool.allocator)
+
+    @property
+    def k_cache(self) -> list[torch.Tensor]:
+        """Layer ``i``'s K pool: the one shared ``[num_layers * num_pages, page_size, Hkv, D]`` tensor."""
+        return self.pool.k_cache * self.num_layers
+
+    @property
+    def v_cache(self) -> list[torch.Tensor]:
+        return self.pool.v_cache * self.num_layers
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page in every layer (a sequence holds ``len(pages(s))`` of them)."""
+        return self.pool.page_bytes * self.num_layers
+
+    # ----------------------------------------------------------------- inspection
+    @property
+    def seq_ids(self) -> list[int]:
+        return list(self._lanes)
+
+    def seq_len(self, seq_id: int) -> int:
+        """Tokens each layer of the sequence holds (the same number in every layer)."""
+        return self.pool.seq_len(self._lane(seq_id, 0))
+
+    def pages(self, seq_id: int, layer: int = 0) -> list[int]:
+        """Layer ``layer``'s layer pages, in logical order (every layer holds as many)."""
+        return self.pool.pages(self._lane(seq_id, layer))
+
+    def block_table(self, seq_ids=None, device=None, *, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s ``(block_table int32 [batch, max_pages], seq_lens int32 [batch])``."""
+        seq_ids = self.seq_ids if seq_ids is None else seq_ids
+        return self.pool.block_table([self._lane(s, layer) for s in seq_ids], device=device)
+
+    def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s K and V of the sequence, each ``[seq_len, num_kv_heads, head_dim]``."""
+        return self.pool.gather(0, self._lane(seq_id, layer))
+
+    # ----------------------------------------------------------------- growth and eviction
+    def add_sequence(self) -> int:
+        seq_id = self._next_id
+        self._next_id += 1
+        self._lanes[seq_id] = [self.pool.add_sequence() for _ in range(self.num_layers)]
+        return seq_id
+
+    def reserve(self, seq_id: int, num_tokens: int) -> torch.Tensor:
+        """Grow every layer by ``num_tokens``; returns ``int64 [num_layers, num_tokens]`` slots.
+
+        All or nothing: raises OutOfPagesError and changes nothing when the pool is short.
+        """
+        lanes = self._lanes_of(seq_id)
+        num_tokens = check_int("num_tokens", num_tokens, min_value=1)
+        need = sum(
+            max(0, pages_needed(self.pool.seq_len(lane) + num_tokens, self.page_size) - len(self.pool.pages(lane)))
+            for lane in lanes
+        )
+        if need > self.allocator.num_free:
+            raise OutOfPagesError(need, self.allocator.num_free)
+        return torch.stack([self.pool.reserve(lane, num_tokens) for lane in lanes])  # [num_layers, num_tokens]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> None:
+        """Store layer ``layer``'s ``k, v: [num_tokens, Hkv, D]`` at its ``slots`` (a row of `reserve`'s)."""
+        self._check_layer(layer)
+        self.pool.write(0, slots, k, v, **options)
+
+    def compact(self, seq_id: int, keep: torch.Tensor) -> None:
+        """Keep, in each layer ``i``, the tokens where ``keep[i]`` is True (``bool [num_layers, seq_len]``).
+
+        Every row must keep the same number of tokens, so the layers stay the same length.
+        """
+        lanes = self._lanes_of(seq_id)
+        n = self.seq_len(seq_id)
+        if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or tuple(keep.shape) != (len(lanes), n):
+            raise ValueError(
+                f"keep must be a bool tensor of shape [num_layers, seq_len] = [{len(lanes)}, {n}], got "
+                f"{tuple(keep.shape) if isinstance(keep, torch.Tensor) else type(keep).__name__}"
+            )
+        counts = keep.sum(1)
+        if not bool((counts == counts[0]).all()):
+            raise ValueError(f"every layer must keep the same number of tokens, got {counts.tolist()}")
+        for lane, row in zip(lanes, keep):
+            self.pool.compact(lane, row)
+
+    def drop_pages(self, seq_id: int, logical_pages) -> None:
+        """Drop logical page ``logical_pages[i]`` from layer ``i`` (one page per layer).
+
+        All must be full pages or all the same page, so the layers stay the same length.
+        """
+        lanes = self._lanes_of(seq_id)
+        pages = [check_int("logical_pages[i]", p, min_value=0) for p in logical_pages]
+        if len(pages) != len(lanes):
+            raise ValueError(f"logical_pages must name one page per layer ({len(lanes)}), got {len(pages)}")
+        n, ps = self.seq_len(seq_id), self.page_size
+        partial = n // ps  # the one logical page that may hold fewer than page_size tokens
+        if n % ps and any(p == partial for p in pages) and len(set(pages)) > 1:
+            raise ValueError(f"dropping the partial page {partial} in some layers only would make the layers differ")
+        held = pages_needed(n, ps)
+        if max(pages) >= held:
+            raise ValueError(f"logical_pages must be in [0, {held}) for sequence {seq_id}, got {max(pages)}")
+        for lane, page in zip(lanes, pages):
+            self.pool.drop_pages(lane, [page])
+
+    def free(self, seq_id: int) -> None:
+        for lane in self._lanes_of(seq_id):
+            self.pool.free(lane)
+        del self._lanes[seq_id]
+
+    def __repr__(self) -> str:
+        return (
+            f"LayeredKVCache(num_layers={self.num_layers}, num_pages={self.num_pages}, page_size={self.page_size}, "
+            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, sequences={len(self._lanes)}, "
+            f"free_layer_pages={self.allocator.num_free})"
+        )
+
+    # ----------------------------------------------------------------- internals
+    def _lanes_of(self, seq_id) -> list[int]:
+        if seq_id not in self._lanes or isinstance(seq_id, bool):
+            raise ValueError(f"seq_id {seq_id!r} is not a live sequence of this cache (live: {self.seq_ids})")
+        return self._lanes[seq_id]
+
+    def _check_layer(self, layer) -> int:
+        layer = check_int("layer", layer, min_value=0)
+        if layer >= self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        return layer
+
+    def _lane(self, seq_id, layer) -> int:
+        return self._lanes_of(seq_id)[self._check_layer(layer)]

@@ -1,0 +1,178 @@
+"""LayeredKVCache (a block table per layer, one allocator) and per-layer eviction decisions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_ref.allocator import OutOfPagesError
+from paged_ref.cache import PagedKVCache
+from paged_ref.eviction import PagedEviction, TokenTopK, make_policy, max_pages_held, page_scores, token_scores
+from paged_ref.eviction.lm import PagedLM
+from paged_ref.layered_cache import LayeredKVCache
+
+L, HKV, D = 3, 2, 4
+
+
+def layered(num_pages=16, page_size=4):
+    return LayeredKVCache(num_layers=L, num_pages=num_pages, page_size=page_size, num_kv_heads=HKV, head_dim=D)
+
+
+def append(cache, seq, ks, vs):
+    """ks[layer], vs[layer]: [n, Hkv, D], each layer its own."""
+    slots = cache.reserve(seq, ks[0].shape[0])  # [L, n]
+    for layer in range(cache.num_layers):
+        cache.write(layer, slots[layer], ks[layer], vs[layer])
+
+
+def test_each_layer_keeps_its_own_tokens_and_pages_return_to_one_pool():
+    g = torch.Generator().manual_seed(0)
+    cache = layered()
+    model = {}  # seq -> per layer list of (k, v) rows, the tokens a layer holds in order
+    seqs = [cache.add_sequence() for _ in range(2)]
+    for s in seqs:
+        ks = [torch.randn(9, HKV, D, generator=g) for _ in range(L)]
+        vs = [torch.randn(9, HKV, D, generator=g) for _ in range(L)]
+        append(cache, s, ks, vs)
+        model[s] = [(ks[i], vs[i]) for i in range(L)]
+    # layer i keeps its own 5 tokens
+    keep = torch.zeros(L, 9, dtype=torch.bool)
+    for i in range(L):
+        keep[i, torch.randperm(9, generator=g)[:5]] = True
+    cache.compact(seqs[0], keep)
+    model[seqs[0]] = [(k[keep[i]], v[keep[i]]) for i, (k, v) in enumerate(model[seqs[0]])]
+    # then each layer drops a different full page of the other sequence
+    cache.drop_pages(seqs[1], [0, 1, 0])
+    model[seqs[1]] = [
+        (torch.cat([k[: 4 * p], k[4 * p + 4 :]]), torch.cat([v[: 4 * p], v[4 * p + 4 :]]))
+        for p, (k, v) in zip([0, 1, 0], model[seqs[1]])
+    ]
+    held = 0
+    for s in seqs:
+        for layer in range(L):
+            k, v = cache.gather(layer, s)
+            torch.testing.assert_close(k, model[s][layer][0], rtol=0, atol=0)
+            torch.testing.assert_close(v, model[s][layer][1], rtol=0, atol=0)
+            table, lens = cache.block_table([s], layer=layer)
+            assert table[0, : len(cache.pages(s, layer))].tolist() == cache.pages(s, layer)
+            assert int(lens[0]) == cache.seq_len(s) == model[s][layer][0].shape[0]
+            held += len(cache.pages(s, layer))
+    assert cache.allocator.num_free + held == L * 16
+    assert cache.k_cache[0] is cache.k_cache[2] and cache.k_cache[0].shape == (L * 16, 4, HKV, D)
+    one_table = PagedKVCache(num_layers=L, num_pages=1, page_size=4, num_kv_heads=HKV, head_dim=D)
+    assert cache.page_bytes == one_table.page_bytes
+    for s in seqs:
+        cache.free(s)
+    assert cache.allocator.num_free == L * 16
+
+
+def test_bad_calls_change_nothing():
+    cache = layered(num_pages=2, page_size=4)
+    s = cache.add_sequence()
+    append(cache, s, [torch.ones(6, HKV, D)] * L, [torch.ones(6, HKV, D)] * L)
+    free = cache.allocator.num_free
+    with pytest.raises(OutOfPagesError):
+        cache.reserve(s, 8)  # needs 2 pages per layer, the pool has none left
+    assert cache.seq_len(s) == 6 and cache.allocator.num_free == free
+    with pytest.raises(ValueError, match="same number of tokens"):
+        cache.compact(s, torch.tensor([[True] * 6, [True] * 5 + [False], [True] * 6]))
+    with pytest.raises(ValueError, match="shape"):
+        cache.compact(s, torch.ones(6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="partial page"):
+        cache.drop_pages(s, [1, 0, 0])  # page 1 holds 2 tokens, page 0 holds 4
+    with pytest.raises(ValueError, match="one page per layer"):
+        cache.drop_pages(s, [0])
+    with pytest.raises(ValueError, match="layer must be in"):
+        cache.gather(L, s)
+    with pytest.raises(ValueError, match="not a live sequence"):
+        cache.seq_len(99)
+    assert [len(cache.pages(s, i)) for i in range(L)] == [2, 2, 2] and cache.seq_len(s) == 6
+
+
+def random_layers(g, n):
+    ks = [torch.randn(n, HKV, D, generator=g) for _ in range(L)]
+    vs = [torch.randn(n, HKV, D, generator=g) * (1 + i) for i in range(L)]
+    return ks, vs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_per_layer_paged_eviction_decides_from_each_layers_own_scores(seed):
+    g = torch.Generator().manual_seed(seed)
+    ps, budget = 4, 12
+    cache = layered(num_pages=32, page_size=ps)
+    s = cache.add_sequence()
+    ks, vs = random_layers(g, 30)
+    append(cache, s, ks, vs)
+    policy = PagedEviction(budget, decision="per_layer")
+    policy.after_prefill(cache, s)
+    pos = policy.positions(s)  # [L, budget]
+    assert pos.shape == (L, budget)
+    for layer in range(L):  # prefill: the reserved tokens plus this layer's own best
+        score = token_scores(ks[layer], vs[layer])
+        score[:ps] = float("inf")
+        score[-ps:] = float("inf")
+        expected = torch.sort(torch.sort(score, descending=True, stable=True).indices[:budget]).values
+        assert pos[layer].tolist() == expected.tolist()
+        torch.testing.assert_close(cache.gather(layer, s)[0], ks[layer][pos[layer]], rtol=0, atol=0)
+    for step in range(20):  # decode: each layer drops its own lowest candidate page
+        before = [token_scores(*cache.gather(layer, s)) for layer in range(L)]
+        k1, v1 = random_layers(g, 1)
+        append(cache, s, k1, v1)
+        pos_before = torch.cat([policy.positions(s), torch.full((L, 1), 30 + step)], dim=1)  # with the new token
+        policy.after_append(cache, s)
+        n = cache.seq_len(s)
+        if policy.positions(s).shape[1] < pos_before.shape[1]:  # an eviction happened
+            for layer in range(L):
+                scores = page_scores(torch.cat([before[layer], token_scores(k1[layer], v1[layer])]), ps)
+                worst = 1 + int(torch.argmin(scores[1:-1]))
+                kept = torch.cat([pos_before[layer, : worst * ps], pos_before[layer, (worst + 1) * ps :]])
+                assert policy.positions(s)[layer].tolist() == kept.tolist()
+        assert len(cache.pages(s, 0)) <= max_pages_held(budget, ps) and n <= budget + ps
+    held = sum(len(cache.pages(s, layer)) for layer in range(L))
+    assert cache.allocator.num_free + held == L * 32
+    assert "decision='per_layer'" in repr(policy)
+
+
+def test_per_layer_equals_shared_when_every_layer_holds_the_same_kv():
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(40, HKV, D, generator=g), torch.randn(40, HKV, D, generator=g)
+    for name in ("paged_eviction", "token_topk"):
+        shared = PagedKVCache(num_layers=L, num_pages=32, page_size=4, num_kv_heads=HKV, head_dim=D)
+        s0 = shared.add_sequence()
+        per = layered(num_pages=32)
+        s1 = per.add_sequence()
+        p0, p1 = make_policy(name, 12), make_policy(name, 12, decision="per_layer")
+        for lo, hi in ((0, 20), *((i, i + 1) for i in range(20, 40))):
+            slots = shared.reserve(s0, hi - lo)
+            for layer in range(L):
+                shared.write(layer, slots, k[lo:hi], v[lo:hi])
+            append(per, s1, [k[lo:hi]] * L, [v[lo:hi]] * L)
+            (p0.after_prefill if lo == 0 else p0.after_append)(shared, s0)
+            (p1.after_prefill if lo == 0 else p1.after_append)(per, s1)
+            assert (p1.positions(s1) == p0.positions(s0)).all(), (name, hi)
+        assert p0.stats(s0).tokens_moved == p1.stats(s1).tokens_moved
+
+
+def test_decision_needs_the_matching_cache():
+    with pytest.raises(TypeError, match="needs a paged_ref.LayeredKVCache"):
+        PagedEviction(8, decision="per_layer").after_prefill(
+            PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2), 0
+        )
+    with pytest.raises(TypeError, match="needs a paged_ref.PagedKVCache"):
+        TokenTopK(8).after_prefill(layered(), 0)
+    with pytest.raises(ValueError, match="decision"):
+        PagedEviction(8, decision="layer")
+
+
+def test_paged_lm_runs_on_a_layered_cache_with_the_same_logits():
+    from paged_ref.models import tiny_llama
+
+    lm = PagedLM(tiny_llama(seed=0))
+    ids = torch.randint(3, 200, (30,), generator=torch.Generator().manual_seed(0))
+    _, ks, vs = lm.prompt_kv(ids[:20])
+    out = []
+    for per_layer in (False, True):
+        cache = lm.new_cache(num_pages=16, page_size=4, per_layer=per_layer)
+        s = lm.add_prompt(cache, ks, vs, None)
+        out.append(lm.extend(cache, [s], ids[20:][None], torch.tensor([20])))
+    torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
