@@ -183,6 +183,7 @@ def fake_results(delta_nll=0.1, ratio_correct=18, abl_correct=2, trials=20):
             kl_vs_full=0.1,
             max_pages_held=9,
             page_bound=9,
+            kv_bytes_held=2**20 * (9 if p != "full" else 20),
             tokens_moved=0,
         )
         for p in ("full", "paged_eviction", *report.ABLATIONS)
@@ -230,7 +231,7 @@ def fake_results(delta_nll=0.1, ratio_correct=18, abl_correct=2, trials=20):
         environment=dict(cpu="x86_64", torch="2", python="3", date_utc="d"),
         seconds=1.0,
         language_modelling=lm_summary,
-        retention=[dict(r, nll=1.0, ppl=math.e) for r in lm_summary],
+        retention=[dict(r, nll=1.0, ppl=math.e, ppl_ci95=[math.exp(0.9), math.exp(1.1)]) for r in lm_summary],
         passkey=pk_summary,
         lm_rows=lm_rows,
         retention_rows=retention_rows,
@@ -320,8 +321,18 @@ def test_figures_build():
         ve.correlation_figure(analysis.score_correlations(s)),
         ve.agreement_figure(analysis.layer_agreement(s["value_key_ratio"], 16), 16),
         ve.perplexity_figure(res),
+        ve.perplexity_figure(res, "retention", policies=["full", "paged_eviction", "value_norm"]),
         ve.passkey_figure(res),
         ve.ablation_figure(res, report.ablation(res)),
+        ve.cost_figure(res),
+    ]
+    # the default leaves the score ablations to ablation_figure; error bars are the CI of each cell
+    drawn = [t.get_text() for t in figs[4].axes[-1].get_legend().get_texts()]
+    assert "paged_eviction" in drawn and not set(drawn) & set(report.ABLATIONS)
+    assert [t.get_text() for t in figs[5].axes[-1].get_legend().get_texts()] == [
+        "full cache",
+        "paged_eviction",
+        "value_norm",
     ]
     runs = [replay(ks, vs, p, budget=16, page_size=4, prompt_len=32) for p in ("paged_eviction", "token_topk")]
     figs += [ve.page_map_figure(runs), ve.fragmentation_figure(runs)]

@@ -1,34 +1,39 @@
-"""KV eviction on SmolLM2-135M: perplexity, pass-key retrieval, KV bytes and decode speed per policy.
+"""KV eviction on SmolLM2-135M: perplexity, retention, pass-key retrieval, KV bytes and decode speed.
 
     python -m paged_ref.bench eviction [--quick] [--out DIR]
 
 One run measures, on the real model (`paged_ref.models.load_smollm2`, float32, CPU):
 
-* Language modelling: real English (`paged_ref.textdata`, CPython's documentation prose; a
-  text whose continuation copies its context is skipped, see `copy_fraction`). A
-  context of ``context`` tokens is prefilled with full attention, each policy evicts down to
-  its budget C, then the next ``continuation`` tokens are fed one at a time (teacher forcing)
-  while the policy keeps evicting; reported per (policy, C, page size B): mean NLL per token
-  and perplexity of the continuation (its first token, predicted by the prefill itself and so
-  the same for all, is left out), mean KL(full || policy) of the next-token distributions,
-  pages and KV bytes held, and the tokens token-level eviction copies.
-* Pass-key retrieval: a random 5-digit key at a random depth in ``passkey_context`` tokens of
-  filler, in SmolLM2's chat template. The context (instruction + filler + key) is prefilled and
-  evicted first; the question arrives afterwards, token by token through the evicted cache
-  (the policy cannot see it coming), then the model answers greedily. Accuracy over
-  ``trials`` trials with a Wilson 95% interval, and what of the key was still held when the
-  answer began (`key_evidence`): a whole mention ("key held"), every digit in some mention
-  ("key readable"), and the share of the needle sentence's tokens.
-* Speed: decode tokens/s of one sequence per policy after a ``context``-token prompt (hooks
-  included), median of interleaved rounds, as a ratio to the full cache measured in the same run.
+* Language modelling (plain continuation): ``texts`` passages of real English
+  (`paged_ref.textdata`, CPython's documentation prose; a text whose continuation copies its
+  context is skipped, see `copy_fraction`). A context of ``context`` tokens is prefilled with
+  full attention, each policy evicts down to its budget C, then the next ``continuation``
+  tokens are fed one at a time (teacher forcing) while the policy keeps evicting; per
+  (policy, C, page size B): mean NLL per token over texts with a 95% t interval, perplexity,
+  mean KL(full || policy) of the next-token distributions, pages and KV bytes held, and the
+  tokens token-level eviction copies. This mostly measures recency.
+* Retention (`retention_example`): a passage, then other prose, then the passage's opening
+  sentence again; the NLL of the passage's next tokens, which sit verbatim ~1000 tokens back.
+  The full cache copies them, a recent window cannot: importance, not recency, decides.
+  ``region_held`` says how much of the passage each policy still held.
+* Pass-key retrieval: a random 5-digit key at fixed depths (`PASSKEY_DEPTHS`) in
+  ``passkey_context`` tokens of filler, in SmolLM2's chat template. The context is prefilled and
+  evicted first; the question arrives afterwards, token by token through the evicted cache (the
+  policy cannot see it coming), then the model answers greedily. Accuracy with a Wilson 95%
+  interval, and what of the key was still held when the answer began (`key_evidence`).
+* Speed: time per output token and tokens/s at each of ``speed_contexts`` and ``speed_batches``,
+  hooks included, median of interleaved rounds, as ratios to the full cache in the same run.
+* The tokens the layer-averaged ||V||/||K|| ranks lowest in the first text (`lowest_ratio_tokens`).
 
 Policies (`paged_ref.eviction.make_policy`): full; paged_eviction (||V||/||K||, page eviction,
-defaults: newest page protected, first page not); paged_eviction_first_page (the same with
-``protect_first_page=True``: the attention-sink tokens are never evicted); the same page
-eviction scored by inverse_key_norm, value_norm, key_norm or random (the reviewers' ablation:
-only the score changes); streaming_llm; token_topk (token-level, ||V||/||K||).
+the first and the newest page reserved, as the authors' code runs it); paged_eviction_literal
+(the paper's text: page 0 not reserved); both with per-layer decisions (``*_per_layer``, on a
+`paged_ref.layered_cache.LayeredKVCache`); the same page eviction scored by inverse_key_norm,
+value_norm, key_norm, key_value_ratio (the authors' vLLM code's swapped score) or random (the
+reviewers' ablation: only the score changes); streaming_llm; token_topk (token-level,
+||V||/||K||) and token_inverse_key_norm (token-level 1/||K||, the paper's baseline).
 
-All sequences of one page size decode together as one batch (`paged_ref.eviction.lm.PagedLM`);
+The sequences of one page size decode together as one batch (`paged_ref.eviction.lm.PagedLM`);
 the full-cache sequence's log-probs are checked against the model's own forward over the whole
 text (``check_max_abs_logprob_diff`` in the JSON). Results: ``figures/data/eviction_{quick,full}.json``
 and the tables printed; notebook 07 draws the figures from the JSON (`paged_ref.viz.eviction`).

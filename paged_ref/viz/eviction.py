@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 
+import matplotlib
 import numpy as np
 import torch
 from matplotlib.colors import ListedColormap
@@ -25,13 +26,14 @@ from matplotlib.figure import Figure
 
 from .._arith import cdiv
 from ..eviction.replay import Replay, layout_stats
-from ..eviction.report import policy_order
+from ..eviction.report import ABLATIONS, policy_order
 from . import add_note
 
 __all__ = [
     "SCORE_LABELS",
     "MAP_POLICIES",
     "policy_label",
+    "policy_color",
     "score_distribution_figure",
     "score_positions_figure",
     "correlation_figure",
@@ -49,12 +51,26 @@ SCORE_LABELS = {
     "inverse_key_norm": "1 / ||K||",
     "value_norm": "||V||",
     "key_norm": "||K||",
+    "key_value_ratio": "||K|| / ||V||  (swapped)",
     "random": "random",
 }
 
 
 #: Policies drawn in the page map (names of `paged_ref.eviction.make_policy`).
-MAP_POLICIES = ("paged_eviction", "inverse_key_norm", "value_norm", "random", "streaming_llm", "token_topk")
+MAP_POLICIES = (
+    "paged_eviction",
+    "paged_eviction_literal",
+    "inverse_key_norm",
+    "value_norm",
+    "random",
+    "streaming_llm",
+    "token_topk",
+)
+
+
+def policy_color(name: str):
+    """One color per policy, the same in every figure (tab20, in `policy_order`)."""
+    return matplotlib.colormaps["tab20"](policy_order(name) % 20)
 
 
 # page-map cell values and colors: 0 never written, 1 kept, 2 evicted at prefill, 3 evicted during decode
@@ -231,27 +247,42 @@ def fragmentation_figure(replays: list[Replay], *, note: str = "") -> Figure:
     return fig
 
 
-def perplexity_figure(results: dict, *, note: str = "") -> Figure:
-    """Perplexity of the continuation vs budget C, one panel per page size B (from the JSON)."""
-    summary = results["language_modelling"]
+def perplexity_figure(results: dict, task: str = "language_modelling", policies=None, *, note: str = "") -> Figure:
+    """Perplexity vs budget C with the 95% interval over texts, one panel per page size B (from the JSON).
+
+    ``task``: ``"language_modelling"`` (the continuation) or ``"retention"`` (the passage's
+    repeated part). ``policies``: the policies drawn (default: every one but the score
+    ablations, which `ablation_figure` compares).
+    """
+    summary = results[task]
     sizes = sorted({r["page_size"] for r in summary})
     fig = Figure(figsize=(6 * len(sizes), 4.2), layout="constrained")
     axes = np.atleast_1d(fig.subplots(1, len(sizes), sharey=True))
-    policies = sorted({r["policy"] for r in summary} - {"full"}, key=policy_order)
+    if policies is None:
+        policies = {r["policy"] for r in summary} - set(ABLATIONS) - {"random"}
+    policies = sorted(set(policies) - {"full"}, key=policy_order)
     for ax, ps in zip(axes, sizes):
         rows = [r for r in summary if r["page_size"] == ps]
         full = [r for r in rows if r["policy"] == "full"]
         if full:
             ax.axhline(full[0]["ppl"], color="k", ls="--", lw=1, label="full cache")
-        for name in policies:
-            pts = sorted((r["budget"], r["ppl"]) for r in rows if r["policy"] == name)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", lw=2.5 if name == "paged_eviction" else 1.2, label=name)
+        for j, name in enumerate(policies):
+            pts = sorted((r["budget"], r["ppl"], r.get("ppl_ci95")) for r in rows if r["policy"] == name)
+            if not pts:
+                continue
+            x = [c * 2 ** (0.03 * (j - len(policies) / 2)) for c, _, _ in pts]  # dodge the error bars
+            y = [p for _, p, _ in pts]
+            err = None
+            if all(ci is not None and not math.isnan(ci[0]) for _, _, ci in pts):
+                err = [[p - ci[0] for _, p, ci in pts], [ci[1] - p for _, p, ci in pts]]
+            lw = 2.5 if name == "paged_eviction" else 1.2
+            ax.errorbar(x, y, yerr=err, marker="o", ms=3, lw=lw, capsize=2, label=name, color=policy_color(name))
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("budget C (tokens)")
         ax.set_title(f"page size B = {ps}", fontsize=10)
-    axes[0].set_ylabel("perplexity of the continuation")
+    what = "the continuation" if task == "language_modelling" else "the passage's repeated part (retention)"
+    axes[0].set_ylabel(f"perplexity of {what}\n(mean over texts, 95% t interval)")
     axes[-1].legend(fontsize=7)
     add_note(fig, note)
     return fig
@@ -276,7 +307,7 @@ def passkey_figure(results: dict, *, note: str = "") -> Figure:
             err = None
             if key == "accuracy":
                 err = [[r["accuracy"] - r["ci95"][0] for r in rows], [r["ci95"][1] - r["accuracy"] for r in rows]]
-            ax.bar(x, y, width, yerr=err, capsize=2, label=name)
+            ax.bar(x, y, width, yerr=err, capsize=2, label=name, color=policy_color(name))
         ax.set_xticks(range(len(budgets)), [f"C = {c}" for c in budgets])
         ax.set_ylim(0, 1.05)
     n = full[0]["trials"] if full else "?"
@@ -342,7 +373,7 @@ def ablation_figure(results: dict, rows: list[dict], reference: str = "paged_evi
 
 def cost_figure(results: dict, *, note: str = "") -> Figure:
     """Left: KV bytes held per budget (smallest page size). Right: decode tokens/s relative to the
-    full cache, median and min-max over the measured rounds."""
+    full cache of the same context and batch, median and min-max over the measured rounds."""
     lm, speed = results["language_modelling"], results["speed"]
     fig = Figure(figsize=(13, 4.2), layout="constrained")
     a1, a2 = fig.subplots(1, 2)
@@ -370,19 +401,32 @@ def cost_figure(results: dict, *, note: str = "") -> Figure:
     a1.set_ylabel("KV MiB held after the continuation")
     a1.set_title(f"KV bytes held, B = {ps} (pages held x page bytes)", fontsize=10)
     a1.legend(fontsize=8)
-    full_tps = next(r for r in speed if r["policy"] == "full")["tokens_per_s"]
-    names = [r["policy"] for r in speed]
-    ratios = [r["ratio_vs_full"] for r in speed]
-    lo = [q - min(t / full_tps for t in r["tokens_per_s_rounds"]) for q, r in zip(ratios, speed)]
-    hi = [max(t / full_tps for t in r["tokens_per_s_rounds"]) - q for q, r in zip(ratios, speed)]
-    a2.bar(names, ratios, yerr=[lo, hi], capsize=3, color=["k"] + [f"C{i}" for i in range(len(names) - 1)])
+    groups = sorted({(r.get("context", 0), r.get("batch", 1)) for r in speed})
+    names = sorted({r["policy"] for r in speed}, key=policy_order)
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        xs, ratios, lo, hi = [], [], [], []
+        for g, key in enumerate(groups):
+            r = next(
+                (r for r in speed if (r.get("context", 0), r.get("batch", 1)) == key and r["policy"] == name), None
+            )
+            if r is None:
+                continue
+            full_tps = r["tokens_per_s"] / r["ratio_vs_full"]  # the full cache's median in the same group
+            xs.append(g + (j - len(names) / 2 + 0.5) * width)
+            ratios.append(r["ratio_vs_full"])
+            lo.append(max(0.0, r["ratio_vs_full"] - min(r["tokens_per_s_rounds"]) / full_tps))
+            hi.append(max(0.0, max(r["tokens_per_s_rounds"]) / full_tps - r["ratio_vs_full"]))
+        color = "k" if name == "full" else policy_color(name)
+        a2.bar(xs, ratios, width, yerr=[lo, hi], capsize=2, label=name, color=color)
+    a2.set_xticks(range(len(groups)), [f"context {c}\nbatch {b}" for c, b in groups])
     a2.axhline(1, color="k", lw=1)
     a2.set_ylabel("decode tokens/s / full cache's median")
     a2.set_title(
-        f"decode speed, one sequence, C = {speed[-1]['budget']}, context {speed[0]['context']}\n"
+        f"decode speed, C = {speed[-1]['budget']}, B = 16\n"
         f"(median and min-max of {len(speed[0]['tokens_per_s_rounds'])} interleaved rounds)",
         fontsize=10,
     )
-    a2.tick_params(axis="x", rotation=45)
+    a2.legend(fontsize=7)
     add_note(fig, note)
     return fig
