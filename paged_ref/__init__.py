@@ -18,6 +18,7 @@ from .attention.flex import flex_paged_decode, flex_paged_prefill, paged_block_m
 from .attention.reference import paged_attention_reference, paged_prefill_reference
 from .block_table import from_csr, pad_block_tables, pages_needed, slot_mapping, to_csr
 from .cache import PagedKVCache
+from .layered_cache import LayeredKVCache
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,7 @@ def __getattr__(name):
 
 
 __all__ = [
+    "LayeredKVCache",
     "OutOfPagesError",
     "PageAllocator",
     "PagedKVCache",
