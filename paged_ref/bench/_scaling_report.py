@@ -14,7 +14,7 @@ import numpy as np
 
 from .common import print_table
 
-__all__ = ["alloc_summary", "latency_table", "ratios_to", "noise_summary", "print_model_report"]
+__all__ = ["alloc_summary", "decoder_ranges", "latency_table", "ratios_to", "noise_summary", "print_model_report"]
 
 
 def alloc_summary(calls) -> dict:
@@ -105,6 +105,29 @@ def noise_summary(ladder: list[dict], base: str = "dynamic", peer: str = "static
         b = {p["context"]: p["median_s"] for p in timed[base]["points"]}
         ratios = [p["median_s"] / b[p["context"]] for p in timed[peer]["points"] if p["context"] in b]
         out["peer_over_base"] = [min(ratios), max(ratios)] if ratios else None
+    return out
+
+
+def decoder_ranges(ladder: list[dict], base: str = "dynamic") -> dict:
+    """Per timed decoder over the contexts: the range of its median ms per token and of its
+    ratio to ``base``'s median at the same context.
+
+    Returns:
+        ``{label: {"ms": (min, max), "ratio": (min, max) or None (for base itself)}}``.
+    """
+    timed = {r["backend"]: r for r in ladder if r["timed"]}
+    ref = {p["context"]: p["median_s"] for p in timed[base]["points"] if p["median_s"]} if base in timed else {}
+    out = {}
+    for key, r in timed.items():
+        pts = [p for p in r["points"] if p["median_s"]]
+        if not pts:
+            continue
+        ms = [p["median_s"] * 1e3 for p in pts]
+        ratios = [p["median_s"] / ref[p["context"]] for p in pts if p["context"] in ref]
+        out[r["label"]] = {
+            "ms": (min(ms), max(ms)),
+            "ratio": (min(ratios), max(ratios)) if ratios and key != base else None,
+        }
     return out
 
 
