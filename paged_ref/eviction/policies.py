@@ -1,21 +1,19 @@
-"""Eviction policies that keep a `PagedKVCache` sequence within a token budget.
+"""Eviction policies that keep a paged cache sequence within a token budget.
 
 Notation (kept apart on purpose; the paper writes B and C): ``page_size`` = B, tokens per page;
 ``budget`` = C, tokens a sequence may hold after an eviction step.
 
-One shared decision per sequence. A physical page id indexes the same page in every layer and a
-sequence has ONE block table for all layers (as in vLLM), so evicting page ``j`` removes it from
-every layer at once. Each layer still contributes its own evidence: token scores are computed
-per layer from that layer's cached K/V and averaged over layers (`sequence_scores`). The
-alternative, a decision per layer, would keep different tokens in different layers and so would
-need one block table per layer (and per-layer lengths in every attention kernel); paged_ref keeps
-the vLLM layout and pays for it with a coarser decision. Alternatives considered:
-
-- per-layer decisions with per-layer block tables: finer, but every kernel, the allocator
-  (a page id would no longer mean the same tokens in every layer) and prefix sharing change;
-- the decision of one chosen layer: as cheap, but which layer is arbitrary;
-- the average of the per-layer scores (chosen). Raw scores are averaged, so a layer whose
-  ||V||/||K|| runs larger weighs more; averaging ranks instead would weigh layers equally.
+Shared or per-layer decisions (``decision=``). On a `PagedKVCache` a physical page id indexes
+the same page in every layer and a sequence has ONE block table for all layers (as in vLLM), so
+evicting page ``j`` removes it from every layer at once: ``decision="shared"`` (the default).
+Each layer still contributes its own evidence: token scores are computed per layer from that
+layer's cached K/V and averaged over layers (`sequence_scores`). Raw scores are averaged, so a
+layer whose ||V||/||K|| runs larger weighs more; averaging ranks instead would weigh layers
+equally. ``decision="per_layer"`` (what the authors' code does) lets every layer keep its own
+tokens: each layer ranks by its own scores and drops its own page, which needs a block table per
+layer, i.e. a `paged_ref.layered_cache.LayeredKVCache` (every layer holds as many tokens, so the
+page bound is the same per layer). Internally a policy keeps one row of positions per decision
+("lane"): one row when shared, one per layer otherwise.
 
 Two consequences of the decode rule worth knowing: (1) at the moment a decode eviction happens
 every held page is full (the newest just filled), so ``reduce="mean"`` and ``"sum"`` choose
@@ -228,6 +226,8 @@ class EvictionPolicy:
         budget: C, the tokens a sequence may hold (None only for `FullCache`).
         method: score method (see `paged_ref.eviction.scores`).
         seed: seed of the generator used by ``method="random"``.
+        decision: ``"shared"`` (one decision for all layers, on a `PagedKVCache`) or
+            ``"per_layer"`` (on a `LayeredKVCache`); subclasses that support it take it.
     """
 
     name = "base"
