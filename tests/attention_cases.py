@@ -1,6 +1,7 @@
 """Random paged-attention cases and a float64 oracle, shared by the attention tests.
 
-A case is built the way a serving cache ends up after some churn:
+A case is built by `paged_ref.check.cases.scatter_sequences` (the coursework checkers use the
+same generator), the way a serving cache ends up after some churn:
 
 * ragged lengths that always include 1, an exact page multiple and one past it;
 * the pages of all sequences scattered over a shuffled cache, with spare pages nobody owns;
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
+from paged_ref.check.cases import scatter_sequences
 
 # (num_kv_heads, group): query heads = num_kv_heads * group. GQA ratios 1, 2, 4, 8 and MQA.
 HEAD_LAYOUTS = [(2, 1), (2, 2), (2, 4), (2, 8), (1, 4)]
@@ -105,31 +108,18 @@ def ragged_lengths(batch: int, page_size: int, max_len: int, gen: torch.Generato
 
 
 def _fill_cache(seq_lens, page_size, num_kv_heads, head_dim, dtype, gen, spare_pages, pad_cols, garbage):
-    """Scatter random logical K/V over shuffled pages; returns caches, table and logical K/V."""
-    used = [-(-n // page_size) for n in seq_lens]
-    num_pages = sum(used) + spare_pages
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
-    k_cache = (torch.randn(shape, generator=gen, dtype=torch.float64) * garbage).to(dtype)
-    v_cache = (torch.randn(shape, generator=gen, dtype=torch.float64) * garbage).to(dtype)
-    perm = torch.randperm(num_pages, generator=gen)
-    max_pages = max(used) + pad_cols
-    table = torch.empty(len(seq_lens), max_pages, dtype=torch.int32)
-    k_logical, v_logical, start = [], [], 0
-    for b, (n, u) in enumerate(zip(seq_lens, used)):
-        pages = perm[start : start + u]
-        start += u
-        # garbage padding: -1, past-the-end ids, and pages that belong to someone else
-        junk = torch.tensor([-1, num_pages + 7, int(perm[0]), int(perm[-1])], dtype=torch.int32)
-        pad = junk[torch.randint(0, 4, (max_pages - u,), generator=gen)]
-        table[b] = torch.cat([pages.to(torch.int32), pad])
-        k = torch.randn(n, num_kv_heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
-        v = torch.randn(n, num_kv_heads, head_dim, generator=gen, dtype=torch.float64).to(dtype)
-        pos = torch.arange(n)
-        k_cache[pages[pos // page_size], pos % page_size] = k
-        v_cache[pages[pos // page_size], pos % page_size] = v
-        k_logical.append(k.to(torch.float64))
-        v_logical.append(v.to(torch.float64))
-    return k_cache, v_cache, table, k_logical, v_logical
+    """Scatter random logical K/V over shuffled pages (the package's generator, junk padding)."""
+    return scatter_sequences(
+        seq_lens,
+        page_size,
+        num_kv_heads,
+        head_dim,
+        generator=gen,
+        dtype=dtype,
+        spare_pages=spare_pages,
+        pad_cols=pad_cols,
+        garbage=garbage,
+    )
 
 
 def make_decode_case(

@@ -16,6 +16,7 @@ import torch
 
 from ..attention.reference import paged_attention_reference
 from ..block_table import slot_mapping
+from .cases import scatter_sequences
 from .report import Failure, run_cases
 
 __all__ = ["check_paged_attention", "check_slot_mapping", "check_triton_decode", "make_attention_cases"]
@@ -120,22 +121,21 @@ def make_attention_cases(
 def _make_case(gen, batch, page_size, num_kv_heads, group, head_dim, max_len, scale_mult, dtype):
     lens = [int(torch.randint(1, max_len + 1, (1,), generator=gen)) for _ in range(batch)]
     lens[0] = max_len  # one full-length sequence (often a page multiple)
-    used = [-(-n // page_size) for n in lens]
-    num_pages = sum(used) + 2
-    perm = torch.randperm(num_pages, generator=gen)
-    k_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=gen, dtype=torch.float64) * 3
-    v_cache = torch.randn(num_pages, page_size, num_kv_heads, head_dim, generator=gen, dtype=torch.float64) * 3
-    table = torch.empty(batch, max(used) + 1, dtype=torch.int32)  # [batch, max_pages], one padding column at least
-    start = 0
-    for b, u in enumerate(used):
-        own = perm[start : start + u]
-        start += u
-        padding = perm[torch.randint(0, num_pages, (table.shape[1] - u,), generator=gen)]  # someone else's pages
-        table[b] = torch.cat([own, padding]).to(torch.int32)
-    for b, n in enumerate(lens):  # slots past a sequence's end hold large garbage
-        last, fill = table[b, used[b] - 1], n - (used[b] - 1) * page_size
-        k_cache[last, fill:] = 50.0
-        v_cache[last, fill:] = 50.0
+    # valid page ids in the padding (a gather that reads padding gets wrong numbers, not an
+    # index error); garbage of scale 50 in every unowned slot; K/V of scale 3
+    k_cache, v_cache, table, _, _ = scatter_sequences(
+        lens,
+        page_size,
+        num_kv_heads,
+        head_dim,
+        generator=gen,
+        dtype=torch.float64,
+        spare_pages=2,
+        pad_cols=1,
+        garbage=50.0,
+        value_scale=3.0,
+        padding="pages",
+    )
     q = torch.randn(batch, num_kv_heads * group, head_dim, generator=gen, dtype=torch.float64)
     scale = head_dim**-0.5 * scale_mult
     return AttentionCase(
