@@ -347,9 +347,15 @@ def test_widget_view_and_errors():
     assert [ax.get_title().split("\n")[0] for ax in fig.axes] == ["paged_eviction", "token_topk (ratio)"]
     labels = [
         ve.policy_label(replay(ks, vs, name, budget=32, page_size=8, prompt_len=48))
-        for name in ("paged_eviction", "value_norm", "streaming_llm")
+        for name in ("paged_eviction", "paged_eviction_literal", "value_norm", "key_value_ratio", "streaming_llm")
     ]
-    assert labels == ["paged_eviction", "page eviction (||V||)", "streaming_llm"]
+    assert labels == [
+        "paged_eviction",
+        "paged_eviction_literal",
+        "page eviction (||V||)",
+        "page eviction (||K||/||V||)",
+        "streaming_llm",
+    ]
     alone = we.kept_pages_view(32, 8, "paged_eviction", kv=(ks, vs))
     assert len(alone.axes) == 1
     with pytest.raises(ValueError, match="policy"):

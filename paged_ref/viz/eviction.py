@@ -179,11 +179,21 @@ def policy_label(r: Replay) -> str:
     """A short name for a replayed policy (the ablations read 'page eviction (<score>)')."""
     name = r.policy.name
     if name == "paged_eviction":
-        short = {"inverse_key_norm": "1/||K||", "value_norm": "||V||", "key_norm": "||K||", "random": "random"}
-        name = "paged_eviction" if r.policy.method == "value_key_ratio" else f"page eviction ({short[r.policy.method]})"
+        short = {
+            "inverse_key_norm": "1/||K||",
+            "value_norm": "||V||",
+            "key_norm": "||K||",
+            "key_value_ratio": "||K||/||V||",
+            "random": "random",
+        }
+        literal = not r.policy.reserved.first_pages  # the paper's text: page 0 not reserved
+        if r.policy.method == "value_key_ratio":
+            name = "paged_eviction_literal" if literal else "paged_eviction"
+        else:
+            name = f"page eviction ({short[r.policy.method]})" + (", literal" if literal else "")
     elif name == "token_topk":
         name = "token_topk (ratio)"
-    return name
+    return name + (", per layer" if r.policy.decision == "per_layer" else "")
 
 
 def page_map_figure(replays: list[Replay], *, note: str = "") -> Figure:
