@@ -116,18 +116,14 @@ def decoder_ranges(ladder: list[dict], base: str = "dynamic") -> dict:
         ``{label: {"ms": (min, max), "ratio": (min, max) or None (for base itself)}}``.
     """
     timed = {r["backend"]: r for r in ladder if r["timed"]}
-    ref = {p["context"]: p["median_s"] for p in timed[base]["points"] if p["median_s"]} if base in timed else {}
+    ratios = ratios_to(ladder, timed[base]["label"]) if base in timed else {}
     out = {}
-    for key, r in timed.items():
-        pts = [p for p in r["points"] if p["median_s"]]
-        if not pts:
+    for r in timed.values():
+        ms = [p["median_s"] * 1e3 for p in r["points"] if p["median_s"]]
+        if not ms:
             continue
-        ms = [p["median_s"] * 1e3 for p in pts]
-        ratios = [p["median_s"] / ref[p["context"]] for p in pts if p["context"] in ref]
-        out[r["label"]] = {
-            "ms": (min(ms), max(ms)),
-            "ratio": (min(ratios), max(ratios)) if ratios and key != base else None,
-        }
+        rs = list(ratios.get(r["label"], {}).values())
+        out[r["label"]] = {"ms": (min(ms), max(ms)), "ratio": (min(rs), max(rs)) if rs else None}
     return out
 
 

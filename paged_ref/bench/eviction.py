@@ -301,7 +301,7 @@ def lm_task(lm, tok, cfg, log):
         start = next(starts, None)
         if start is None:
             raise RuntimeError(f"fewer than {cfg['texts']} passages without copying: {texts}")
-        ids = _lm_text_ids(tok, start, dict(cfg, context=n_ctx + n_cont))
+        ids = _lm_text_ids(tok, start, cfg)
         assert ids.numel() == n_ctx + n_cont, f"text at paragraph {start} has only {ids.numel()} tokens"
         copied = copy_fraction(ids, n_ctx)
         texts.append(dict(start_paragraph=start, copied_8grams=copied, used=copied <= MAX_COPIED))
@@ -685,8 +685,8 @@ def _run(args):
     ret_rows, ret_check, ret_texts = retention_task(lm, tok, cfg, log)
     pk_rows = passkey_task(lm, tok, cfg, log)
     speed = speed_task(lm, tok, cfg, log)
-    first_text = next(i for i, t in enumerate(texts) if t["used"])
-    lowest = lowest_ratio_tokens(lm, tok, _lm_text_ids(tok, texts[first_text]["start_paragraph"], cfg))
+    first_text = next(t["start_paragraph"] for t in texts if t["used"])
+    lowest = lowest_ratio_tokens(lm, tok, _lm_text_ids(tok, first_text, cfg)[: cfg["context"]])
     result = dict(
         mode=mode,
         config=cfg,
@@ -729,11 +729,11 @@ def _run(args):
 
 
 def _lm_text_ids(tok, start: int, cfg) -> torch.Tensor:
-    """The context of the language-modelling text that starts at paragraph ``start``."""
+    """The ``context + continuation`` tokens of the language-modelling text at paragraph ``start``."""
     from ..textdata import english_text
 
     text = english_text(int((cfg["context"] + cfg["continuation"]) * 1.2), start=start)
-    return tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0][: cfg["context"]]
+    return tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0][: cfg["context"] + cfg["continuation"]]
 
 
 if __name__ == "__main__":
