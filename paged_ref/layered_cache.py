@@ -35,6 +35,7 @@ from ._validate import check_int
 from .allocator import OutOfPagesError
 from .block_table import pages_needed
 from .cache import PagedKVCache
+from .memory import KVGeometry, model_geometry
 
 __all__ = ["LayeredKVCache"]
 
@@ -73,6 +74,13 @@ class LayeredKVCache:
         self._lanes: dict[int, list[int]] = {}  # sequence -> the inner sequence of each layer
         self._next_id = 0
 
+    @classmethod
+    def for_model(cls, model, *, num_pages: int, page_size: int) -> LayeredKVCache:
+        """A cache shaped for a transformers model, like `PagedKVCache.for_model`."""
+        return cls(num_pages=num_pages, page_size=page_size, **model_geometry(model).cache_kwargs)
+
+    prefix_caching = False  # full pages are not shared by token ids here (forks share pages)
+
     # ----------------------------------------------------------------- geometry
     page_size = property(lambda self: self.pool.page_size)
     num_kv_heads = property(lambda self: self.pool.num_kv_heads)
@@ -89,6 +97,17 @@ class LayeredKVCache:
     @property
     def v_cache(self) -> list[torch.Tensor]:
         return self.pool.v_cache * self.num_layers
+
+    @property
+    def geometry(self) -> KVGeometry:
+        """The geometry of the layers this cache serves (`PagedKVCache.geometry`)."""
+        return KVGeometry(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
 
     @property
     def page_bytes(self) -> int:
@@ -118,10 +137,18 @@ class LayeredKVCache:
         return self.pool.gather(0, self._lane(seq_id, layer))
 
     # ----------------------------------------------------------------- growth and eviction
-    def add_sequence(self) -> int:
+    def add_sequence(self, token_ids=None) -> int:
+        """Start a new, empty sequence (``token_ids`` is accepted and unused: no prefix caching)."""
+        return self._new([self.pool.add_sequence() for _ in range(self.num_layers)])
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence sharing every layer's pages of ``seq_id`` (copy-on-write later)."""
+        return self._new([self.pool.fork(lane) for lane in self._lanes_of(seq_id)])
+
+    def _new(self, lanes: list[int]) -> int:
         seq_id = self._next_id
         self._next_id += 1
-        self._lanes[seq_id] = [self.pool.add_sequence() for _ in range(self.num_layers)]
+        self._lanes[seq_id] = lanes
         return seq_id
 
     def reserve(self, seq_id: int, num_tokens: int) -> torch.Tensor:
@@ -138,6 +165,27 @@ class LayeredKVCache:
         if need > self.allocator.num_free:
             raise OutOfPagesError(need, self.allocator.num_free)
         return torch.stack([self.pool.reserve(lane, num_tokens) for lane in lanes])  # [num_layers, num_tokens]
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Remove the last ``num_tokens`` tokens from every layer: the inverse of `reserve`.
+
+        All or nothing: when a layer's last kept page is shared (a fork) it is copied first, and
+        `OutOfPagesError` is raised, with nothing changed, if the pool cannot hold the copies.
+        """
+        lanes = self._lanes_of(seq_id)
+        num_tokens = check_int("num_tokens", num_tokens, min_value=0)
+        if num_tokens > self.seq_len(seq_id):
+            raise ValueError(
+                f"num_tokens must be <= seq_len={self.seq_len(seq_id)} for sequence {seq_id}, got {num_tokens}"
+            )
+        n, ps = self.seq_len(seq_id), self.page_size
+        keep = n - num_tokens
+        if keep % ps:  # a shared last kept page is copied first in each such layer: all or nothing
+            copies = sum(self.allocator.refcount(self.pool.pages(lane)[keep // ps]) > 1 for lane in lanes)
+            if copies > self.allocator.num_free:
+                raise OutOfPagesError(copies, self.allocator.num_free)
+        for lane in lanes:
+            self.pool.truncate(lane, num_tokens)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> None:
         """Store layer ``layer``'s ``k, v: [num_tokens, Hkv, D]`` at its ``slots`` (a row of `reserve`'s)."""

@@ -540,8 +540,6 @@ def test_resolve_policy():
         resolve_policy(p, 64)
     with pytest.raises(TypeError, match="eviction must be None"):
         resolve_policy(3, 32)
-    with pytest.raises(ValueError, match="phase must be one of"):
-        p.evict(make_cache(), 0, phase="decoding")
 
 
 # ----------------------------------------------------------------------------- the decode runner
@@ -552,46 +550,67 @@ def tiny():
     return tiny_llama(seed=0)
 
 
-def test_paged_lm_full_cache_matches_the_model(tiny):
-    from paged_ref.eviction.lm import PagedLM
+def test_session_forks_and_teacher_forced_chunks_match_the_model(tiny):
+    """A prompt prefilled once and forked, then fed token by token and in chunks (causal over the
+    pages), gives the model's own logits."""
+    from paged_ref.hf import PagedSession
 
-    lm = PagedLM(tiny)
     ids = torch.randint(3, 512, (2, 24), generator=torch.Generator().manual_seed(0))
-    cache = lm.new_cache(num_pages=32, page_size=4)
-    policy = FullCache()
-    seqs = []
-    for row in ids:
-        _, ks, vs = lm.prompt_kv(row[:10])
-        seqs.append(lm.add_prompt(cache, ks, vs, policy))
-    got = []
-    for t in range(10, 24):
-        got.append(lm.decode_step(cache, seqs, ids[:, t], torch.full((2,), t)))
-        for s in seqs:
-            policy.after_append(cache, s)
     with torch.inference_mode():
         want = tiny(ids).logits[:, 10:]  # [2, 14, vocab]
-    torch.testing.assert_close(torch.stack(got, 1), want, atol=1e-4, rtol=1e-4)
-    # several tokens per sequence in one forward (causal over the pages) give the same logits
-    cache2 = lm.new_cache(num_pages=32, page_size=4)
-    seqs2 = [lm.add_prompt(cache2, *lm.prompt_kv(row[:10])[1:], None) for row in ids]
-    chunks = [lm.extend(cache2, seqs2, ids[:, a:b], torch.full((2,), a)) for a, b in ((10, 11), (11, 17), (17, 24))]
-    torch.testing.assert_close(torch.cat(chunks, 1), want, atol=1e-4, rtol=1e-4)
+    for chunks in ([(t, t + 1) for t in range(10, 24)], [(10, 11), (11, 17), (17, 24)]):
+        with PagedSession(tiny, num_pages=48, page_size=4) as session:
+            seqs = []
+            for row in ids:
+                root = session.add()
+                session.extend([root], [row[:10]])
+                seqs.append(session.fork(root, eviction=FullCache()))
+                session.finish(root)
+            got = [torch.stack(session.extend(seqs, list(ids[:, a:b]), all_logits=True)) for a, b in chunks]
+            assert [session.position(s) for s in seqs] == [24, 24]
+        torch.testing.assert_close(torch.cat(got, 1), want, atol=1e-4, rtol=1e-4)
 
 
-def test_paged_lm_with_eviction_keeps_positions_and_bound(tiny):
-    from paged_ref.eviction.lm import PagedLM
+@pytest.mark.parametrize("name", ["paged_eviction", "streaming_llm", "token_topk"])
+def test_session_chunks_under_eviction_equal_token_by_token_decode(tiny, name):
+    """Chunks of `tokens_until_action` tokens through the session compute exactly what one token
+    per forward does, with eviction happening in between (the evaluation relies on it)."""
+    from paged_ref.hf import PagedSession
 
-    lm = PagedLM(tiny)
-    ids = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(1))
-    cache = lm.new_cache(num_pages=32, page_size=4)
-    _, ks, vs = lm.prompt_kv(ids[:20])
+    ids = torch.randint(3, 512, (48,), generator=torch.Generator().manual_seed(1))
+    results = []
+    for chunked in (False, True):
+        policy = make_policy(name, 16)
+        with PagedSession(tiny, num_pages=32, page_size=4) as session:
+            s = session.add(eviction=policy)
+            session.extend([s], [ids[:20]])
+            logits, t = [], 20
+            while t < 48:
+                m = min(48 - t, policy.tokens_until_action(session.kv, s)) if chunked else 1
+                logits += session.extend([s], [ids[t : t + m]], all_logits=True)
+                assert len(session.kv.pages(s)) <= max_pages_held(16, 4)
+                t += m
+            results.append((torch.cat(logits), policy.positions(s), policy.stats(s).tokens_evicted))
+            assert session.position(s) == 48 and policy.stats(s).tokens_seen == 48
+    (a, pos_a, ev_a), (b, pos_b, ev_b) = results
+    assert ev_a > 0 and ev_a == ev_b and torch.equal(pos_a, pos_b)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_session_refuses_a_chunk_past_the_policy_action_and_changes_nothing(tiny):
+    from paged_ref.hf import PagedSession
+
     policy = make_policy("paged_eviction", 8)
-    s = lm.add_prompt(cache, ks, vs, policy)
-    for t in range(20, 40):
-        logits = lm.decode_step(cache, [s], ids[t : t + 1], torch.tensor([t]))
-        policy.after_append(cache, s)
-        assert torch.isfinite(logits).all() and len(cache.pages(s)) <= max_pages_held(8, 4)
-    assert policy.stats(s).tokens_seen == 40
+    with PagedSession(tiny, num_pages=32, page_size=4) as session:
+        s = session.add(eviction=policy)
+        session.extend([s], [torch.arange(3, 23)])
+        held, free = session.kv.seq_len(s), session.kv.allocator.num_free
+        limit = policy.tokens_until_action(session.kv, s)
+        with pytest.raises(ValueError, match=r"tokens\[0\] has .* must act after"):
+            session.extend([s], [torch.arange(3, 3 + limit + 1)])
+        assert session.kv.seq_len(s) == held and session.kv.allocator.num_free == free and session.position(s) == 20
+        with pytest.raises(TypeError, match="eviction must be an EvictionPolicy"):
+            session.add(eviction="paged_eviction")
 
 
 # ----------------------------------------------------------------------------- the benchmark's pieces
@@ -619,12 +638,7 @@ def test_bench_language_modelling_task_on_the_tiny_model(tiny):
     from paged_ref.bench.eviction import PER_LAYER, TOKEN_LEVEL, _runs, lm_task, summarize_lm
 
     cfg = dict(texts=1, text_stride=150, context=40, continuation=17, budgets=[16], page_sizes=[4, 8])
-    rows, check, texts = lm_task(
-        __import__("paged_ref.eviction.lm", fromlist=["PagedLM"]).PagedLM(tiny),
-        _WordTokenizer(),
-        cfg,
-        log=lambda msg: None,
-    )
+    rows, check, texts = lm_task(tiny, _WordTokenizer(), cfg, log=lambda msg: None)
     assert check < 1e-4  # the full cache's NLL equals the model's own forward
     assert texts[-1]["used"] and all(t["copied_8grams"] > 0.05 for t in texts[:-1])
     summary = summarize_lm(rows)
@@ -700,30 +714,6 @@ def test_hf_generate_with_budget_above_length_equals_full_cache(tiny1, backend, 
         tiny1, ids, max_new_tokens=new, backend=backend, page_size=4, eos_token_id=[], eviction=eviction, budget=9 + new
     )
     assert torch.equal(evicting, full)
-
-
-def test_hf_generate_evicts_like_the_paged_runner(tiny1):
-    """Two independent forwards (transformers + registered paged attention; PagedLM) under the same
-    policy give the same greedy tokens, with eviction happening (budget 8 < 24 tokens)."""
-    from paged_ref import hf
-    from paged_ref.eviction.lm import PagedLM
-
-    ids = torch.randint(3, 512, (1, 16), generator=torch.Generator().manual_seed(2))
-    out = hf.generate(
-        tiny1, ids, max_new_tokens=8, page_size=4, eos_token_id=[], eviction=make_policy("paged_eviction", 8)
-    )
-    lm = PagedLM(tiny1)
-    cache = lm.new_cache(num_pages=16, page_size=4)
-    policy = make_policy("paged_eviction", 8)
-    logits, ks, vs = lm.prompt_kv(ids[0])
-    s = lm.add_prompt(cache, ks, vs, policy)
-    tokens = [int(logits[-1].argmax())]
-    for t in range(16, 23):
-        nxt = lm.decode_step(cache, [s], torch.tensor(tokens[-1:]), torch.tensor([t]))
-        policy.after_append(cache, s)
-        tokens.append(int(nxt[0].argmax()))
-    assert policy.stats(s).tokens_evicted > 0
-    assert out[0, 16:].tolist() == tokens
 
 
 def test_hf_generate_eviction_argument_errors(tiny1):

@@ -8,7 +8,6 @@ import torch
 from paged_ref.allocator import OutOfPagesError
 from paged_ref.cache import PagedKVCache
 from paged_ref.eviction import PagedEviction, TokenTopK, make_policy, max_pages_held, page_scores, token_scores
-from paged_ref.eviction.lm import PagedLM
 from paged_ref.layered_cache import LayeredKVCache
 
 L, HKV, D = 3, 2, 4
@@ -164,15 +163,75 @@ def test_decision_needs_the_matching_cache():
         PagedEviction(8, decision="layer")
 
 
-def test_paged_lm_runs_on_a_layered_cache_with_the_same_logits():
+def test_session_on_a_layered_cache_gives_the_same_logits():
+    """Every layer attends through its own block table and writes its own slots: with no eviction
+    the logits equal those of a PagedKVCache (reading layer 0's table, or writing layer 0's slots,
+    in every layer would read another layer's K/V)."""
+    from paged_ref.hf import PagedSession
     from paged_ref.models import tiny_llama
 
-    lm = PagedLM(tiny_llama(seed=0))
+    model = tiny_llama(seed=0)
     ids = torch.randint(3, 200, (30,), generator=torch.Generator().manual_seed(0))
-    _, ks, vs = lm.prompt_kv(ids[:20])
     out = []
-    for per_layer in (False, True):
-        cache = lm.new_cache(num_pages=16, page_size=4, per_layer=per_layer)
-        s = lm.add_prompt(cache, ks, vs, None)
-        out.append(lm.extend(cache, [s], ids[20:][None], torch.tensor([20])))
-    torch.testing.assert_close(out[0], out[1], rtol=0, atol=0)
+    for cls in (PagedKVCache, LayeredKVCache):
+        kv = cls.for_model(model, num_pages=16, page_size=4)
+        with PagedSession(model, kv=kv) as session:
+            s = session.add()
+            logits = session.extend([s], [ids[:20]], all_logits=True)
+            for t in range(20, 30):
+                logits += session.extend([s], [ids[t : t + 1]], all_logits=True)
+            out.append(torch.cat(logits))  # [30, vocab]
+    torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
+
+
+def test_session_with_per_layer_eviction_keeps_each_layer_within_the_bound():
+    from paged_ref.hf import PagedSession
+    from paged_ref.models import tiny_llama
+
+    model = tiny_llama(seed=0)
+    kv = LayeredKVCache.for_model(model, num_pages=16, page_size=4)
+    policy = PagedEviction(16, decision="per_layer")
+    ids = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(1))
+    with PagedSession(model, kv=kv) as session:
+        root = session.add()
+        session.extend([root], [ids[:20]])
+        s = session.fork(root, eviction=policy)
+        session.finish(root)
+        for t in range(20, 40):
+            assert torch.isfinite(session.extend([s], [ids[t : t + 1]])).all()
+            assert all(len(kv.pages(s, layer)) <= max_pages_held(16, 4) for layer in range(kv.num_layers))
+        pos = policy.positions(s)  # [num_layers, seq_len]
+        assert pos.shape[0] == 2 and not torch.equal(pos[0], pos[1])  # the layers kept different tokens
+    assert kv.allocator.num_free == kv.allocator.num_pages
+
+
+def test_fork_shares_every_layer_and_truncate_is_the_inverse_of_reserve():
+    cache = layered(num_pages=4, page_size=4)
+    s = cache.add_sequence()
+    slots = cache.reserve(s, 6)
+    for layer in range(L):
+        cache.write(layer, slots[layer], torch.full((6, HKV, D), float(layer)), torch.ones(6, HKV, D))
+    f = cache.fork(s)
+    assert cache.seq_len(f) == 6 and all(cache.pages(f, i) == cache.pages(s, i) for i in range(L))
+    free = cache.allocator.num_free
+    cache.reserve(f, 1)  # the shared partial page is copied in every layer (copy-on-write)
+    assert cache.allocator.num_free == free - L and all(cache.pages(f, i)[1] != cache.pages(s, i)[1] for i in range(L))
+    for layer in range(L):
+        assert torch.equal(cache.gather(layer, f)[0][:6], cache.gather(layer, s)[0])
+    cache.truncate(f, 3)
+    assert cache.seq_len(f) == 4 and cache.allocator.num_free == free and cache.seq_len(s) == 6
+    with pytest.raises(ValueError, match="num_tokens must be <= seq_len=4"):
+        cache.truncate(f, 5)
+    cache.free(f)
+    cache.free(s)
+    assert cache.allocator.num_free == cache.allocator.num_pages
+
+
+def test_truncate_that_needs_copies_the_pool_lacks_changes_nothing():
+    cache = layered(num_pages=2, page_size=4)  # 6 layer pages
+    s = cache.add_sequence()
+    cache.reserve(s, 8)  # two full pages in each of the 3 layers: the pool is full
+    f = cache.fork(s)
+    with pytest.raises(OutOfPagesError):
+        cache.truncate(f, 2)  # each layer's kept page 1 is shared and partly kept: 3 copies, 0 free
+    assert cache.seq_len(f) == 8 and all(cache.pages(f, i) == cache.pages(s, i) for i in range(L))

@@ -33,8 +33,11 @@ value_norm, key_norm, key_value_ratio (the authors' vLLM code's swapped score) o
 reviewers' ablation: only the score changes); streaming_llm; token_topk (token-level,
 ||V||/||K||) and token_inverse_key_norm (token-level 1/||K||, the paper's baseline).
 
-The sequences of one page size decode together as one batch (`paged_ref.eviction.lm.PagedLM`);
-the full-cache sequence's log-probs are checked against the model's own forward over the whole
+Everything runs through `paged_ref.hf.PagedSession` (sdpa backend), the engine under
+`paged_ref.hf.generate`: the prompt is prefilled once per cache, then `PagedSession.fork` gives
+one sequence per (policy, budget), each under its own policy, and the sequences of one page size
+decode together, one forward per step (per-layer policies on a `LayeredKVCache` of their own).
+The full-cache sequence's log-probs are checked against the model's own forward over the whole
 text (``check_max_abs_logprob_diff`` in the JSON). Results: ``figures/data/eviction_{quick,full}.json``
 and the tables printed; notebook 07 draws the figures from the JSON (`paged_ref.viz.eviction`).
 """
@@ -51,8 +54,10 @@ import time
 import torch
 
 from .._arith import cdiv
+from ..cache import PagedKVCache
 from ..eviction import make_policy, max_pages_held, report
-from ..eviction.lm import PagedLM
+from ..hf import PagedSession
+from ..layered_cache import LayeredKVCache
 from ..stats import mean_ci, wilson
 from .common import environment, write_json
 
@@ -157,21 +162,31 @@ def _pool_pages(runs, page_size, longest):
     return need + cdiv(longest, page_size) + 1
 
 
-class _Batch:
-    """The sequences of one page size, one per (policy, budget), decoding together."""
+def _session(model, page_size: int, num_pages: int, per_layer: bool) -> PagedSession:
+    """An open session (sdpa backend) over a fresh cache: a `LayeredKVCache` for per-layer policies."""
+    cls = LayeredKVCache if per_layer else PagedKVCache
+    kv = cls.for_model(model, num_pages=num_pages, page_size=page_size)
+    return PagedSession(model, kv=kv, backend="sdpa").open()
 
-    def __init__(self, lm, ks, vs, runs, page_size, longest, per_layer=False):
-        self.lm, self.runs = lm, runs
-        pages = _pool_pages(runs, page_size, longest)
-        self.cache = lm.new_cache(num_pages=pages, page_size=page_size, per_layer=per_layer)
+
+def _prefill(session: PagedSession, prompt: torch.Tensor) -> int:
+    """A sequence holding ``prompt: [n]`` (no policy): the root every policy's sequence forks from."""
+    root = session.add()
+    session.extend([root], [prompt])
+    return root
+
+
+class _Batch:
+    """One sequence per (policy, budget), forked from a prefilled prompt, decoding together."""
+
+    def __init__(self, session: PagedSession, root: int, runs):
+        self.session, self.cache, self.runs = session, session.kv, runs
         self.policies = [_policy(label, c) for label, _, c in runs]
-        self.seqs = [lm.add_prompt(self.cache, ks, vs, p) for p in self.policies]
-        self.position = ks[0].shape[0]
-        self.max_pages = [len(self.cache.pages(s)) for s in self.seqs]
+        self.seqs = [session.fork(root, eviction=p) for p in self.policies]  # after_prefill runs here
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens: [batch]`` (one per sequence); returns log-probs ``[batch, vocab]``."""
-        return self._extend(tokens[:, None])[:, 0]
+        return self._extend(list(tokens[:, None]))[:, 0]
 
     def feed(self, tokens: torch.Tensor, max_chunk: int = 16):
         """Feed the same ``tokens: [n]`` to every sequence, in chunks no policy must act inside.
@@ -185,16 +200,12 @@ class _Batch:
                 max_chunk,
                 *(p.tokens_until_action(self.cache, s) for s, p in zip(self.seqs, self.policies)),
             )
-            yield i, self._extend(tokens[i : i + m].expand(len(self.seqs), m))
+            yield i, self._extend([tokens[i : i + m]] * len(self.seqs))
             i += m
 
-    def _extend(self, tokens: torch.Tensor) -> torch.Tensor:
-        logits = self.lm.extend(self.cache, self.seqs, tokens, torch.full((len(self.seqs),), self.position))
-        for i, (s, p) in enumerate(zip(self.seqs, self.policies)):
-            self.max_pages[i] = max(self.max_pages[i], len(self.cache.pages(s)))  # before the hook
-            p.after_append(self.cache, s)
-        self.position += tokens.shape[1]
-        return torch.log_softmax(logits, dim=-1)  # [batch, m, vocab]
+    def _extend(self, tokens: list[torch.Tensor]) -> torch.Tensor:
+        logits = self.session.extend(self.seqs, tokens, all_logits=True)  # batch x [m, vocab]; hooks ran
+        return torch.log_softmax(torch.stack(logits), dim=-1)  # [batch, m, vocab]
 
     def region_held(self, i: int, region) -> float:
         """Share of the original tokens ``region[0] .. region[1]-1`` sequence ``i`` holds now."""
@@ -213,7 +224,7 @@ class _Batch:
             page_size=self.cache.page_size,
             tokens_held=self.cache.seq_len(s),
             pages_held=len(self.cache.pages(s)),
-            max_pages_held=self.max_pages[i],
+            max_pages_held=st.max_pages_held,
             page_bound=None if c is None else max_pages_held(c, self.cache.page_size),
             kv_bytes_held=len(self.cache.pages(s)) * self.cache.page_bytes,
             tokens_evicted=st.tokens_evicted,
@@ -223,14 +234,27 @@ class _Batch:
         )
 
     def close(self):
-        for s, p in zip(self.seqs, self.policies):
-            self.cache.free(s)
-            p.release(s)
-        assert self.cache.allocator.num_free == self.cache.allocator.num_pages
+        for s in self.seqs:
+            self.session.finish(s)  # frees its pages and releases it from its policy
+
+
+def _prefilled_batch(model, prompt: torch.Tensor, runs, page_size: int, longest: int, per_layer: bool) -> _Batch:
+    """A session of its own holding ``prompt`` once, forked into one sequence per run."""
+    session = _session(model, page_size, _pool_pages(runs, page_size, longest), per_layer)
+    root = _prefill(session, prompt)
+    batch = _Batch(session, root, runs)
+    session.finish(root)  # the forks keep the prompt's pages they still share
+    return batch
+
+
+def _close_all(batch: _Batch) -> None:
+    batch.close()
+    batch.session.close()
+    assert batch.cache.allocator.num_free == batch.cache.allocator.num_pages
 
 
 # ----------------------------------------------------------------------------- scoring a continuation
-def score_continuation(lm, ids, n_ctx, first_scored, cfg, log, label, region=None):
+def score_continuation(model, ids, n_ctx, first_scored, cfg, log, label, region=None):
     """Every policy's NLL on the end of one text, in rows (one per policy, budget and page size).
 
     ``ids[:n_ctx]`` is prefilled with full attention and each policy evicts down to its budget;
@@ -246,9 +270,9 @@ def score_continuation(lm, ids, n_ctx, first_scored, cfg, log, label, region=Non
         ``(rows, check)``: ``check`` is the full cache's mean |NLL - the model's own forward|.
     """
     t0 = time.perf_counter()
-    logits, ks, vs = lm.prompt_kv(ids)  # the model's own forward over the whole text
-    ks, vs = [k[:n_ctx] for k in ks], [v[:n_ctx] for v in vs]
-    log(f"{label}: prefill {ids.numel()} tokens in {time.perf_counter() - t0:.1f} s")
+    with torch.inference_mode():
+        logits = model(ids.view(1, -1), use_cache=False).logits[0].float()  # the model's own forward [n, vocab]
+    log(f"{label}: the model's forward over {ids.numel()} tokens in {time.perf_counter() - t0:.1f} s")
     ref_lp = torch.log_softmax(logits[n_ctx:-1], -1)  # [n_fed, vocab], the full cache's
     targets = ids[n_ctx + 1 :]  # [n_fed]: fed token i predicts ids[n_ctx + i + 1]
     counted = (torch.arange(targets.numel()) >= first_scored - 1).float()  # [n_fed]
@@ -257,7 +281,7 @@ def score_continuation(lm, ids, n_ctx, first_scored, cfg, log, label, region=Non
     rows, check = [], math.nan
     for ps, runs, per_layer in _groups(cfg["budgets"], cfg["page_sizes"]):
         t0 = time.perf_counter()
-        batch = _Batch(lm, ks, vs, runs, ps, ids.numel(), per_layer)
+        batch = _prefilled_batch(model, ids[:n_ctx], runs, ps, ids.numel(), per_layer)
         held = [batch.region_held(i, region) for i in range(len(runs))] if region else [None] * len(runs)
         nll = torch.zeros(len(runs))
         kl = torch.zeros(len(runs))
@@ -276,7 +300,7 @@ def score_continuation(lm, ids, n_ctx, first_scored, cfg, log, label, region=Non
             if region:
                 row["region_held"] = held[i]
             rows.append(row)
-        batch.close()
+        _close_all(batch)
         log(
             f"{label}, page size {ps}: {len(runs)} sequences x {targets.numel()} tokens in "
             f"{time.perf_counter() - t0:.1f} s"
@@ -286,7 +310,7 @@ def score_continuation(lm, ids, n_ctx, first_scored, cfg, log, label, region=Non
 
 
 # ----------------------------------------------------------------------------- language modelling
-def lm_task(lm, tok, cfg, log):
+def lm_task(model, tok, cfg, log):
     """Plain continuation of real prose: ``texts`` passages of ``context + continuation`` tokens.
 
     Mostly a measure of recency: the next sentence of prose depends on the last few hundred
@@ -309,7 +333,7 @@ def lm_task(lm, tok, cfg, log):
             log(f"text at paragraph {start} skipped: {copied:.0%} of its continuation's 8-grams are in its context")
             continue
         t = sum(x["used"] for x in texts) - 1  # index among the texts used
-        text_rows, check = score_continuation(lm, ids, n_ctx, 1, cfg, log, f"text {t}")
+        text_rows, check = score_continuation(model, ids, n_ctx, 1, cfg, log, f"text {t}")
         rows += [dict(r, text=t) for r in text_rows]
         checks.append(check)
     return rows, max(checks), texts
@@ -350,7 +374,7 @@ def retention_example(tok, start_a: int, start_b: int, cfg):
     return ids, n_a + n_b, opening, info
 
 
-def retention_task(lm, tok, cfg, log):
+def retention_task(model, tok, cfg, log):
     from ..textdata import paragraphs
 
     n = len(paragraphs(20))
@@ -359,7 +383,7 @@ def retention_task(lm, tok, cfg, log):
         start_a = (t * cfg["text_stride"] + cfg["text_stride"] // 2) % n
         ids, n_ctx, opening, info = retention_example(tok, start_a, (start_a + n // 2) % n, cfg)
         text_rows, check = score_continuation(
-            lm, ids, n_ctx, opening, cfg, log, f"retention text {t}", region=(0, cfg["retention_passage"])
+            model, ids, n_ctx, opening, cfg, log, f"retention text {t}", region=(0, cfg["retention_passage"])
         )
         rows += [dict(r, text=t) for r in text_rows]
         checks.append(check)
@@ -491,7 +515,7 @@ def answer_is_correct(text: str, key: str) -> bool:
     return bool(found) and found.group() == key
 
 
-def passkey_task(lm, tok, cfg, log, answer_tokens=7):
+def passkey_task(model, tok, cfg, log, answer_tokens=7):
     rows = []
     groups = _groups(cfg["passkey_budgets"], [16])
     for trial in range(cfg["passkey_trials"]):
@@ -499,9 +523,8 @@ def passkey_task(lm, tok, cfg, log, answer_tokens=7):
         depth = PASSKEY_DEPTHS[trial % len(PASSKEY_DEPTHS)]
         ctx, question, key, mentions, needle_tokens, depth = passkey_prompt(tok, rng, cfg["passkey_context"], depth)
         t0 = time.perf_counter()
-        _, ks, vs = lm.prompt_kv(ctx)
         for ps, runs, per_layer in groups:
-            batch = _Batch(lm, ks, vs, runs, ps, ctx.numel() + question.numel() + answer_tokens, per_layer)
+            batch = _prefilled_batch(model, ctx, runs, ps, ctx.numel() + question.numel() + answer_tokens, per_layer)
             for _ in batch.feed(question[:-1]):
                 pass
             evidence = [  # per-layer decisions: a token counts as held when any layer holds it
@@ -526,7 +549,7 @@ def passkey_task(lm, tok, cfg, log, answer_tokens=7):
                     **evidence[i],
                 )
                 rows.append(row)
-            batch.close()
+            _close_all(batch)
         full = next(r for r in rows[::-1] if r["policy"] == "full")
         log(
             f"pass-key trial {trial}: {ctx.numel()} context tokens, key {key} at depth {depth:.2f}; "
@@ -573,13 +596,14 @@ def _mean_or_none(xs):
 
 
 # ----------------------------------------------------------------------------- speed
-def speed_task(lm, tok, cfg, log):
+def speed_task(model, tok, cfg, log):
     """Time per output token and tokens/s per policy at each context and batch, as ratios to the
     full cache measured in the same run (the paper's speed claim: lower time per output token and
     higher throughput at long context).
 
-    For each (context, batch): ``batch`` copies of one ``context``-token prompt decode together
-    under one policy (hooks included); rounds interleave the policies; the median of the rounds.
+    For each (context, batch): ``batch`` forks of one ``context``-token prompt (prefilled once per
+    context and cache) decode together under one policy (hooks included); rounds interleave the
+    policies; the median of the rounds.
     """
     from ..textdata import english_text
 
@@ -588,15 +612,18 @@ def speed_task(lm, tok, cfg, log):
     ids = tok(english_text(int(longest * 1.3), start=7), return_tensors="pt", add_special_tokens=False).input_ids[0]
     out = []
     for n in cfg["speed_contexts"]:
-        _, ks, vs = lm.prompt_kv(ids[:n])
+        roots = {}  # per_layer -> (session, root): the prompt prefilled once per cache type
+        for per_layer in (False, True):
+            runs = [_speed_run(x, cfg) for x in SPEED_POLICIES if (x in PER_LAYER) == per_layer]
+            pages = max(_pool_pages([r] * max(cfg["speed_batches"]), 16, n + steps) for r in runs)
+            session = _session(model, 16, pages, per_layer)
+            roots[per_layer] = (session, _prefill(session, ids[:n]))
         for batch_size in cfg["speed_batches"]:
             times = {name: [] for name in SPEED_POLICIES}
             held = {}
             for _ in range(cfg["speed_rounds"]):
                 for name in SPEED_POLICIES:
-                    c = None if name == "full" else cfg["speed_budget"]
-                    runs = [(name, VARIANTS.get(name, (name, {}))[0], c)] * batch_size
-                    batch = _Batch(lm, ks, vs, runs, 16, n + steps, per_layer=name in PER_LAYER)
+                    batch = _Batch(*roots[name in PER_LAYER], [_speed_run(name, cfg)] * batch_size)
                     batch.step(ids[n : n + 1].expand(batch_size))  # warm-up
                     t0 = time.perf_counter()
                     for j in range(1, steps):
@@ -623,15 +650,25 @@ def speed_task(lm, tok, cfg, log):
                     )
                 )
             log(f"speed at context {n}, batch {batch_size}: full {batch_size / full:.2f} tokens/s")
+        for session, root in roots.values():
+            session.finish(root)
+            session.close()
+            assert session.kv.allocator.num_free == session.kv.allocator.num_pages
     return out
 
 
-def lowest_ratio_tokens(lm, tok, ids, count: int = 25) -> dict:
+def _speed_run(name: str, cfg):
+    """The (label, policy name, budget) of ``name`` in the speed task."""
+    return (name, VARIANTS.get(name, (name, {}))[0], None if name == "full" else cfg["speed_budget"])
+
+
+def lowest_ratio_tokens(model, tok, ids, count: int = 25) -> dict:
     """Which tokens the layer-averaged ||V||/||K|| ranks lowest in one text (what the literal
     PagedEviction evicts first), and where the first token (the attention sink) ranks."""
     from ..eviction import token_scores
+    from ..hf import prompt_kv
 
-    _, ks, vs = lm.prompt_kv(ids)
+    ks, vs = prompt_kv(model, ids)  # what the paged cache holds for the text
     score = torch.stack([token_scores(k, v) for k, v in zip(ks, vs)]).mean(0)  # [n], as sequence_scores
     order = torch.argsort(score, stable=True)  # lowest first
     lowest = [dict(position=int(i), token=tok.decode(ids[i : i + 1]), score=float(score[i])) for i in order[:count]]
@@ -679,14 +716,13 @@ def _run(args):
     from ..models import load_smollm2
 
     model, tok = load_smollm2()
-    lm = PagedLM(model)
     log("model loaded")
-    lm_rows, check, texts = lm_task(lm, tok, cfg, log)
-    ret_rows, ret_check, ret_texts = retention_task(lm, tok, cfg, log)
-    pk_rows = passkey_task(lm, tok, cfg, log)
-    speed = speed_task(lm, tok, cfg, log)
+    lm_rows, check, texts = lm_task(model, tok, cfg, log)
+    ret_rows, ret_check, ret_texts = retention_task(model, tok, cfg, log)
+    pk_rows = passkey_task(model, tok, cfg, log)
+    speed = speed_task(model, tok, cfg, log)
     first_text = next(t["start_paragraph"] for t in texts if t["used"])
-    lowest = lowest_ratio_tokens(lm, tok, _lm_text_ids(tok, first_text, cfg)[: cfg["context"]])
+    lowest = lowest_ratio_tokens(model, tok, _lm_text_ids(tok, first_text, cfg)[: cfg["context"]])
     result = dict(
         mode=mode,
         config=cfg,

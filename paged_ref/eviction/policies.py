@@ -203,8 +203,9 @@ class EvictionStats:
         tokens_moved: tokens copied to a new slot by those compactions (each copy is one
             token's K and V in every layer; per-layer decisions move each layer's tokens apart
             and count the mean over layers); tokens already in place are not counted.
-        max_pages_held: the most pages the sequence held after any hook call (before a hook
-            runs, the newest page may already have been added: at most one page more).
+        max_pages_held: the most pages the sequence held from `after_prefill` on, counting the
+            tokens appended before each `after_append` evicts (the prompt, held whole until
+            `after_prefill`, is not counted).
         max_holes_per_page: token_topk only: the most evicted slots per held page the same
             evictions would leave if the cache were never compacted (tokens stay where they
             were written; a page is held while any of its tokens survives).
@@ -270,22 +271,8 @@ class EvictionPolicy:
                 f"past {limit} where {self.name} must act; append at most tokens_until_action() tokens between calls"
             )
         self._sync(cache, seq_id)
+        self._record(cache, seq_id)  # the peak: the appended tokens held, before this eviction
         self._decode_evict(cache, seq_id)
-        self._record(cache, seq_id)
-
-    def evict(self, cache: PagedKVCache, seq_id: int, *, budget: int | None = None, phase: str) -> None:
-        """The hook `paged_ref.hf.PagedSession` calls after each forward.
-
-        ``phase="prefill"`` (several new tokens) runs `after_prefill`, ``"decode"`` `after_append`.
-        ``budget`` is the session's and must be None or this policy's own.
-        """
-        check_choice("phase", phase, {"prefill", "decode"})
-        if budget is not None and budget != self.budget:
-            raise ValueError(f"budget={budget!r} disagrees with the policy's own budget={self.budget!r}")
-        if phase == "prefill":
-            self.after_prefill(cache, seq_id)
-        else:
-            self.after_append(cache, seq_id)
 
     def release(self, seq_id: int) -> None:
         """Forget a sequence (call when it is freed from the cache)."""

@@ -42,7 +42,7 @@ from .attention import (
 )
 from .cache import PagedCache, StepPlan
 from .generate import generate, stream
-from .score import log_likelihood, reference_log_likelihood
+from .score import log_likelihood, prompt_kv, reference_log_likelihood
 from .session import PagedSession
 
 __all__ = [
@@ -54,6 +54,7 @@ __all__ = [
     "generate",
     "log_likelihood",
     "paged_attention_forward",
+    "prompt_kv",
     "reference_log_likelihood",
     "register",
     "get_backend",

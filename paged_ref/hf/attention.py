@@ -142,7 +142,7 @@ def _prepare_flex(plan) -> dict:
     masks = paged_block_masks(
         plan.block_table,
         plan.seq_lens,
-        plan.kv.num_pages,
+        plan.kv.k_cache[0].shape[0],  # physical pages (a LayeredKVCache's pool holds every layer's)
         plan.kv.page_size,
         q_len=plan.max_q_len,
         q_lens=None if plan.is_decode else plan.q_lens,
@@ -226,14 +226,15 @@ def paged_attention_forward(
         raise NotImplementedError("paged attention does not support attention sinks")
     layer = module.layer_idx
     k_cache, v_cache = plan.kv.k_cache[layer], plan.kv.v_cache[layer]  # [num_pages, page_size, Hkv, D]
+    block_table, attn_kwargs = plan.layer(layer)  # int32 [batch, max_pages], this layer's keywords
     if plan.is_decode:
         q = query[:, :, 0, :].contiguous()  # [batch, Hq, D]
         out = plan.decode(
-            q, k_cache, v_cache, plan.block_table, plan.seq_lens, scale=scaling, **plan.attn_kwargs
+            q, k_cache, v_cache, block_table, plan.seq_lens, scale=scaling, **attn_kwargs
         )  # [batch, Hq, D]
         return out.unsqueeze(1), None  # [batch, 1, Hq, D]
     out = plan.prefill(
-        query, k_cache, v_cache, plan.block_table, plan.seq_lens, plan.q_lens, scale=scaling, **plan.attn_kwargs
+        query, k_cache, v_cache, block_table, plan.seq_lens, plan.q_lens, scale=scaling, **attn_kwargs
     )  # [batch, Hq, max_q_len, D]
     return out.transpose(1, 2), None  # [batch, max_q_len, Hq, D]
 

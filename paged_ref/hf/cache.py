@@ -27,6 +27,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..cache import PagedKVCache
+from ..layered_cache import LayeredKVCache
 
 __all__ = ["StepPlan", "PagedCache"]
 
@@ -36,13 +37,15 @@ class StepPlan:
     """Everything one forward needs to write and read the paged cache (built once, used by every layer).
 
     Attributes:
-        kv: the paged cache.
+        kv: the paged cache (a `PagedKVCache`, or a `LayeredKVCache` with a block table per layer).
         seq_ids: sequence id of each batch row, ``batch`` ints.
-        slots: int64 ``[num_new]``, flat cache slot of each valid new token, rows in order.
+        slots: int64 ``[num_new]``, flat cache slot of each valid new token, rows in order
+            (``[num_layers, num_new]`` on a `LayeredKVCache`: a row per layer).
         q_lens: int32 ``[batch]``, new tokens in each row (>= 1); ``max_q_len`` is their max.
         valid: bool ``[batch, max_q_len]`` marking the real tokens of the rectangle, or None
             when every row is full (decode, or equal lengths).
-        block_table: int32 ``[batch, max_pages]`` after the new tokens were reserved.
+        block_table: int32 ``[batch, max_pages]`` after the new tokens were reserved (layer 0's on
+            a `LayeredKVCache`).
         seq_lens: int32 ``[batch]``, tokens held per sequence including the new ones.
         decode: attention function for ``max_q_len == 1``:
             ``f(q [batch, Hq, D], k_cache, v_cache, block_table, seq_lens, *, scale)``.
@@ -50,6 +53,8 @@ class StepPlan:
             ``f(q [batch, Hq, max_q_len, D], k_cache, v_cache, block_table, seq_lens, q_lens, *, scale)``.
         max_q_len: width of the rectangle.
         attn_kwargs: extra keywords for this step's attention calls (see `attention.Backend.prepare`).
+        layer_tables: on a `LayeredKVCache`, ``(block_table, attn_kwargs)`` of each layer; else None
+            (every layer reads ``block_table`` with ``attn_kwargs``).
     """
 
     kv: PagedKVCache
@@ -63,6 +68,13 @@ class StepPlan:
     prefill: Callable
     max_q_len: int
     attn_kwargs: dict = field(default_factory=dict)
+    layer_tables: list[tuple[torch.Tensor, dict]] | None = None
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, dict]:
+        """``(block_table, attn_kwargs)`` the attention of layer ``layer_idx`` reads."""
+        if self.layer_tables is None:
+            return self.block_table, self.attn_kwargs
+        return self.layer_tables[layer_idx]
 
     @property
     def is_decode(self) -> bool:
@@ -79,7 +91,7 @@ class PagedCache(Cache):
     to the new tokens only.
 
     Args:
-        kv: the `PagedKVCache` to write into.
+        kv: the `PagedKVCache` (or `LayeredKVCache`) to write into.
 
     Example:
         >>> from paged_ref import PagedKVCache
@@ -89,9 +101,9 @@ class PagedCache(Cache):
         0
     """
 
-    def __init__(self, kv: PagedKVCache):
-        if not isinstance(kv, PagedKVCache):
-            raise TypeError(f"kv must be a paged_ref.PagedKVCache, got {type(kv).__name__}")
+    def __init__(self, kv: PagedKVCache | LayeredKVCache):
+        if not isinstance(kv, (PagedKVCache, LayeredKVCache)):
+            raise TypeError(f"kv must be a paged_ref.PagedKVCache or LayeredKVCache, got {type(kv).__name__}")
         try:
             super().__init__(layers=[])  # transformers >= 4.56: per-layer storage, unused here
         except TypeError:  # pragma: no cover - older base classes take no arguments
@@ -123,8 +135,10 @@ class PagedCache(Cache):
             k, v = k.flatten(0, 1), v.flatten(0, 1)  # [batch * max_q_len, Hkv, D]
         else:
             k, v = k[plan.valid], v[plan.valid]  # [num_new, Hkv, D], row-major like slots
-        # the slots are the same in every layer: check them once per forward, at layer 0
-        plan.kv.write(layer_idx, plan.slots, k.contiguous(), v.contiguous(), check_values=layer_idx == 0)
+        slots = plan.slots if plan.slots.dim() == 1 else plan.slots[layer_idx]  # [num_new]
+        # shared slots are the same in every layer: check them once per forward, at layer 0
+        check = layer_idx == 0 or plan.slots.dim() == 2
+        plan.kv.write(layer_idx, slots, k.contiguous(), v.contiguous(), check_values=check)
         return key_states, value_states
 
     # ------------------------------------------------------------------ queries the model makes

@@ -27,7 +27,7 @@ from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from .session import PagedSession
 
-__all__ = ["log_likelihood", "reference_log_likelihood"]
+__all__ = ["log_likelihood", "prompt_kv", "reference_log_likelihood"]
 
 
 def _check_ids(input_ids) -> torch.Tensor:
@@ -109,3 +109,33 @@ def reference_log_likelihood(model, input_ids: torch.Tensor) -> torch.Tensor:
     logits = model(input_ids=ids, use_cache=False).logits.float()  # [batch, seq_len, vocab]
     logprobs = logits[:, :-1].log_softmax(dim=-1)  # [batch, seq_len - 1, vocab]
     return logprobs.gather(-1, ids[:, 1:, None])[..., 0]
+
+
+@torch.inference_mode()
+def prompt_kv(model, ids: torch.Tensor, *, page_size: int = 16) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The K (after RoPE) and V a paged cache holds for a prompt, read back from its pages.
+
+    One prefill of ``ids: LongTensor [n]`` through a `PagedSession` (default backend), then
+    `PagedKVCache.gather` of every layer: the per-layer lists the eviction analysis takes.
+
+    Returns:
+        ``(ks, vs)`` with ``ks[layer], vs[layer]: [n, num_kv_heads, head_dim]``.
+
+    Example:
+        >>> from paged_ref.models import tiny_llama
+        >>> ks, vs = prompt_kv(tiny_llama(), torch.arange(1, 11))
+        >>> len(ks), ks[0].shape
+        (2, torch.Size([10, 2, 32]))
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() < 1:
+        raise TypeError(f"ids must be a non-empty 1-D LongTensor of token ids, got {_describe(ids)}")
+    num_pages = pages_needed(ids.numel(), check_int("page_size", page_size, min_value=1))
+    with PagedSession(model, num_pages=num_pages, page_size=page_size) as session:
+        s = session.add()
+        session.extend([s], [ids])
+        kv = [session.kv.gather(layer, s) for layer in range(session.kv.num_layers)]
+    return [k for k, _ in kv], [v for _, v in kv]
+
+
+def _describe(x) -> str:
+    return f"shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__

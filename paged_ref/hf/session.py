@@ -10,11 +10,17 @@ Positions vs tokens held. ``position(seq)`` counts every token the sequence has 
 an eviction policy drops tokens; then RoPE must still use the absolute position (the kept keys
 were rotated with theirs when written), which is why the session passes ``position_ids`` itself.
 
-Eviction hook. After every forward, for every sequence it fed, the session calls
-``self._evict(seq_id, phase)`` (phase ``"prefill"`` for a multi-token step, ``"decode"`` for a
-single token), which calls ``policy.evict(kv, seq_id, budget=..., phase=...)`` of the
-`paged_ref.eviction` policy given as ``PagedSession(..., eviction=, budget=)``; the policy may
-call ``kv.drop_pages`` / ``kv.compact`` on that sequence.
+Eviction hooks. Each sequence may have an eviction policy (`paged_ref.eviction`): the session's
+own (``PagedSession(..., eviction=, budget=)``) or one given to `add` / `fork`, so sequences
+under different policies share one forward. After every forward, for every sequence it fed, the
+session calls the policy's hooks and nothing else: ``after_prefill(kv, seq_id)`` after the
+sequence's first forward (its prompt), ``after_append(kv, seq_id)`` after every later one. A
+later forward may feed several tokens (teacher forcing) up to ``policy.tokens_until_action``,
+which is then exactly what as many one-token steps compute. The policy may call
+``kv.drop_pages`` / ``kv.compact`` on that sequence.
+
+Per-layer eviction decisions need a block table per layer: ``kv`` may be a
+`paged_ref.layered_cache.LayeredKVCache`, and then every layer attends through its own table.
 
 Example:
     >>> import torch
@@ -32,10 +38,13 @@ from __future__ import annotations
 
 import inspect
 import time
+from dataclasses import replace
 
 import torch
 
 from ..cache import PagedKVCache
+from ..eviction.policies import EvictionPolicy, resolve_policy
+from ..layered_cache import LayeredKVCache
 from ..memory import model_geometry
 from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, register
 from .cache import PagedCache, StepPlan
@@ -55,15 +64,17 @@ class PagedSession:
     Args:
         model: a transformers causal LM whose attention goes through `AttentionInterface`
             (Llama, Mistral, Qwen2, SmolLM2, ...), in eval mode.
-        kv: a `PagedKVCache` matching the model (layers, KV heads, head_dim, dtype, device), or
-            None to create one with `num_pages` pages of `page_size` tokens.
+        kv: a `PagedKVCache` (or a `LayeredKVCache`, for per-layer eviction decisions) matching
+            the model (layers, KV heads, head_dim, dtype, device), or None to create a
+            `PagedKVCache` with `num_pages` pages of `page_size` tokens.
         num_pages, page_size: size of the cache created when `kv` is None.
         backend: ``"auto"`` (default: ``"triton"`` on CUDA, ``"sdpa"`` elsewhere), ``"reference"``
             (the oracle), ``"flex"``, ``"triton"`` or ``"sdpa"`` (see `paged_ref.hf.attention`);
             ``session.backend`` names the one in use.
-        eviction, budget: KV eviction (`paged_ref.eviction`): a policy name with ``budget`` in
-            tokens (e.g. ``eviction="paged_eviction", budget=256``), or a policy object (which
-            carries its own budget). None: keep every token.
+        eviction, budget: KV eviction (`paged_ref.eviction`) of every sequence not given its own
+            in `add` / `fork`: a policy name with ``budget`` in tokens (e.g.
+            ``eviction="paged_eviction", budget=256``), or a policy object (which carries its own
+            budget). None: keep every token.
 
     The model's attention implementation is ``"paged_ref"`` only for the length of each
     `extend` forward and is restored right after it (also when the forward raises): between
@@ -83,15 +94,13 @@ class PagedSession:
         eviction=None,
         budget: int | None = None,
     ):
-        from ..eviction import resolve_policy  # a policy name + budget, or a policy object
-
         eviction = resolve_policy(eviction, budget)
         geometry = model_geometry(model)
         backend_ = get_backend(backend, geometry.device)  # a kv given must match this device (below)
         if kv is None:
             kv = PagedKVCache(num_pages=num_pages, page_size=page_size, **geometry.cache_kwargs)
-        elif not isinstance(kv, PagedKVCache):
-            raise TypeError(f"kv must be a paged_ref.PagedKVCache or None, got {type(kv).__name__}")
+        elif not isinstance(kv, (PagedKVCache, LayeredKVCache)):
+            raise TypeError(f"kv must be a paged_ref.PagedKVCache, a LayeredKVCache or None, got {type(kv).__name__}")
         else:
             need, got = geometry.cache_kwargs, kv.geometry.cache_kwargs
             if got != need:
@@ -105,6 +114,8 @@ class PagedSession:
         self._hf_cache = PagedCache(kv)
         self._cache_kw = _cache_keyword(model)
         self._positions: dict[int, int] = {}  # seq_id -> next absolute position
+        self._policies: dict[int, EvictionPolicy | None] = {}  # seq_id -> its eviction policy
+        self._prefilled: set[int] = set()  # sequences whose policy has run after_prefill
         self._open = False
         self.plan_seconds = 0.0  # host time spent laying out forwards (slots, tables, attention inputs)
 
@@ -134,8 +145,10 @@ class PagedSession:
         self.close()
 
     # ------------------------------------------------------------------ sequences
-    def add(self, token_ids=None) -> int:
+    def add(self, token_ids=None, *, eviction: EvictionPolicy | None = None) -> int:
         """Start a sequence; returns its id in `kv`.
+
+        ``eviction``: this sequence's own policy object (default: the session's).
 
         With ``token_ids`` (the prompt, a list or 1-D LongTensor) and a cache made with
         ``prefix_caching=True``, the full pages of the prompt that the cache already holds are
@@ -155,17 +168,57 @@ class PagedSession:
             ...     session.position(b)                                       # two full pages reused
             8
         """
+        policy = self._policy_arg(eviction)
         seq_id = self.kv.add_sequence(token_ids=token_ids)
         self._positions[seq_id] = self.kv.seq_len(seq_id)  # RoPE continues after reused tokens
+        self._policies[seq_id] = policy
         return seq_id
+
+    def fork(self, seq_id: int, *, eviction: EvictionPolicy | None = None) -> int:
+        """A new sequence holding ``seq_id``'s tokens (its pages shared, copy-on-write) at its position.
+
+        The fork's tokens are its prompt: its policy (``eviction``, default the session's) runs
+        ``after_prefill`` on it now, so one prefilled prompt serves sequences under different
+        policies without being computed again.
+
+        Example:
+            >>> from paged_ref.eviction import make_policy
+            >>> from paged_ref.models import tiny_llama
+            >>> with PagedSession(tiny_llama(), num_pages=16, page_size=4) as session:
+            ...     root = session.add()
+            ...     _ = session.extend([root], [torch.arange(1, 21)])             # a 20-token prompt
+            ...     s = session.fork(root, eviction=make_policy("streaming_llm", 8))
+            ...     session.kv.seq_len(root), session.kv.seq_len(s), session.position(s)
+            (20, 8, 20)
+        """
+        self._check_live(seq_id)
+        policy = self._policy_arg(eviction)
+        new = self.kv.fork(seq_id)
+        self._positions[new] = self._positions[seq_id]
+        self._policies[new] = policy
+        try:
+            self._after_forward(new, phase_prefill=True)
+        except BaseException:
+            self.finish(new)
+            raise
+        return new
+
+    def _policy_arg(self, eviction) -> EvictionPolicy | None:
+        if eviction is None:
+            return self.eviction
+        if not isinstance(eviction, EvictionPolicy):
+            raise TypeError(f"eviction must be an EvictionPolicy or None, got {type(eviction).__name__}")
+        return eviction
 
     def finish(self, seq_id: int) -> None:
         """Free the sequence's pages (they go back to the allocator at once)."""
         self._check_live(seq_id)
         del self._positions[seq_id]
+        self._prefilled.discard(seq_id)
+        policy = self._policies.pop(seq_id)
         self.kv.free(seq_id)
-        if self.eviction is not None:
-            self.eviction.release(seq_id)
+        if policy is not None:
+            policy.release(seq_id)
 
     def position(self, seq_id: int) -> int:
         """Absolute position the sequence's next token will take (tokens fed so far)."""
@@ -211,6 +264,13 @@ class PagedSession:
         q_lens_list = [t.numel() for t in tokens]
         if min(q_lens_list) < 1:
             raise ValueError(f"each tokens[b] must hold at least one token, got lengths {q_lens_list}")
+        for b, (s, n) in enumerate(zip(seq_ids, q_lens_list)):
+            policy = self._policies[s]
+            if policy is not None and s in self._prefilled and n > policy.tokens_until_action(self.kv, s):
+                raise ValueError(
+                    f"tokens[{b}] has {n} tokens, but sequence {s}'s eviction policy must act after "
+                    f"{policy.tokens_until_action(self.kv, s)}; feed at most tokens_until_action() tokens per forward"
+                )
 
         old_lens = [self.kv.seq_len(s) for s in seq_ids]
         started = time.perf_counter()
@@ -247,7 +307,7 @@ class PagedSession:
         logits = out.logits.float()  # [batch, kept columns, vocab]
         for s, n in zip(seq_ids, q_lens_list):
             self._positions[s] += n
-            self._evict(s, "decode" if n == 1 else "prefill")
+            self._after_forward(s, phase_prefill=s not in self._prefilled)
         if all_logits:
             return [logits[b, :n] for b, n in enumerate(q_lens_list)]
         if isinstance(keep, int):
@@ -280,8 +340,10 @@ class PagedSession:
         device = self.kv.device
         batch, max_q = len(seq_ids), max(q_lens_list)
         # with prefix caching the cache learns the token ids, so full pages become findable
-        ids = [t.tolist() for t in tokens] if self.kv.prefix_caching else [None] * batch
-        slots = [self.kv.reserve(s, n, token_ids=i) for s, n, i in zip(seq_ids, q_lens_list, ids)]
+        if self.kv.prefix_caching:
+            slots = [self.kv.reserve(s, n, token_ids=t.tolist()) for s, n, t in zip(seq_ids, q_lens_list, tokens)]
+        else:
+            slots = [self.kv.reserve(s, n) for s, n in zip(seq_ids, q_lens_list)]  # each [n] or [layers, n]
         q_lens = torch.tensor(q_lens_list, dtype=torch.int32, device=device)  # [batch]
         start = torch.tensor([self._positions[s] for s in seq_ids], device=device)  # [batch]
         col = torch.arange(max_q, device=device)  # [max_q]
@@ -298,7 +360,7 @@ class PagedSession:
         plan = StepPlan(
             kv=self.kv,
             seq_ids=list(seq_ids),
-            slots=torch.cat(slots),
+            slots=torch.cat(slots, dim=-1),  # [num_new], or [num_layers, num_new]
             q_lens=q_lens,
             valid=valid,
             block_table=block_table,
@@ -308,6 +370,11 @@ class PagedSession:
             max_q_len=max_q,
         )
         plan.attn_kwargs = self._backend.prepare(plan)
+        if isinstance(self.kv, LayeredKVCache):  # a block table per layer, each prepared once
+            tables = [self.kv.block_table(seq_ids, layer=i)[0] for i in range(1, self.kv.num_layers)]
+            plan.layer_tables = [(block_table, plan.attn_kwargs)] + [
+                (bt, self._backend.prepare(replace(plan, block_table=bt))) for bt in tables
+            ]
         return plan, input_ids, position_ids
 
     def _shrink_to(self, seq_ids, old_lens) -> None:
@@ -315,10 +382,16 @@ class PagedSession:
         for s, n in zip(seq_ids, old_lens):
             self.kv.truncate(s, max(0, self.kv.seq_len(s) - n))
 
-    def _evict(self, seq_id: int, phase: str) -> None:
-        """Eviction hook: let the policy shrink ``seq_id``'s cache after a forward (see module docstring)."""
-        if self.eviction is not None:
-            self.eviction.evict(self.kv, seq_id, budget=self.budget, phase=phase)
+    def _after_forward(self, seq_id: int, *, phase_prefill: bool) -> None:
+        """The eviction hooks: let the sequence's policy shrink its cache (see the module docstring)."""
+        policy = self._policies[seq_id]
+        self._prefilled.add(seq_id)
+        if policy is None:
+            return
+        if phase_prefill:
+            policy.after_prefill(self.kv, seq_id)
+        else:
+            policy.after_append(self.kv, seq_id)
 
 
 class _paged_attention:

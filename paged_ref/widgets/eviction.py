@@ -49,13 +49,13 @@ def real_kv(num_tokens: int = WIDGET_TOKENS, start: int = 0) -> RealKV:
     """SmolLM2-135M's cached K (after RoPE) and V for ``num_tokens`` tokens of real English.
 
     Loads the bundled model (`paged_ref.models.load_smollm2`, ~25 s the first time in a
-    process) and runs its forward once; the result is cached per argument pair.
+    process) and prefills the passage once through the paged cache; the result is cached per argument pair.
 
     Args:
         num_tokens: tokens of `paged_ref.textdata.english_text` (from paragraph ``start``).
         start: first paragraph of the passage.
     """
-    from ..eviction.lm import PagedLM
+    from ..hf import prompt_kv
     from ..models import load_smollm2
     from ..textdata import english_text
 
@@ -65,7 +65,7 @@ def real_kv(num_tokens: int = WIDGET_TOKENS, start: int = 0) -> RealKV:
     ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0][:num_tokens]  # [num_tokens]
     if ids.numel() < num_tokens:
         raise ValueError(f"the passage gave only {ids.numel()} tokens, fewer than num_tokens={num_tokens}")
-    _, ks, vs = PagedLM(model).prompt_kv(ids)
+    ks, vs = prompt_kv(model, ids)
     return RealKV(ks=tuple(ks), vs=tuple(vs), token_ids=ids, text=tok.decode(ids))
 
 
