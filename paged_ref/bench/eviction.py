@@ -11,7 +11,8 @@ One run measures, on the real model (`paged_ref.models.load_smollm2`, float32, C
   tokens are fed one at a time (teacher forcing) while the policy keeps evicting; per
   (policy, C, page size B): mean NLL per token over texts with a 95% t interval, perplexity,
   mean KL(full || policy) of the next-token distributions, pages and KV bytes held, and the
-  tokens token-level eviction copies. This mostly measures recency.
+  tokens token-level eviction copies. This mostly measures recency. The same again at
+  ``long_context`` tokens (4096; `LONG_POLICIES`, page size 16).
 * Retention (`retention_example`): a passage, then other prose, then the passage's opening
   sentence again; the NLL of the passage's next tokens, which sit verbatim ~1000 tokens back.
   The full cache copies them, a recent window cannot: importance, not recency, decides.
@@ -84,6 +85,16 @@ VARIANTS = {
 }
 TOKEN_LEVEL = ("token_topk", "token_inverse_key_norm")  # act after every token: a batch of their own
 PER_LAYER = ("paged_eviction_per_layer", "paged_eviction_literal_per_layer")  # a LayeredKVCache of their own
+# the long-context continuation: the method as run and as written, per layer, the paper's baselines
+LONG_POLICIES = [
+    "full",
+    "paged_eviction",
+    "paged_eviction_literal",
+    "paged_eviction_per_layer",
+    "inverse_key_norm",
+    "streaming_llm",
+    "token_inverse_key_norm",
+]
 # the ablations run paged_eviction's code at the same cost
 SPEED_POLICIES = ["full", "paged_eviction", "paged_eviction_per_layer", "streaming_llm", *TOKEN_LEVEL]
 PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # trial t hides the key at depth PASSKEY_DEPTHS[t % 5]
@@ -92,6 +103,9 @@ QUICK = dict(
     text_stride=150,
     context=384,
     continuation=33,
+    long_context=512,
+    long_texts=1,
+    long_text_stride=150,
     budgets=[128],
     page_sizes=[16],
     retention_texts=1,
@@ -112,6 +126,9 @@ FULL = dict(
     text_stride=30,
     context=2048,
     continuation=128,
+    long_context=4096,  # SmolLM2-135M takes 8192 positions
+    long_texts=8,
+    long_text_stride=60,  # 8 texts of ~3300 words from ~23,000 words of prose: contexts overlap a little
     budgets=[128, 256, 512, 1024],
     page_sizes=[16, 32],
     retention_texts=8,
@@ -131,23 +148,23 @@ MAX_COPIED = 0.05  # skip texts whose continuation repeats more than this fracti
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
-def _runs(budgets, exclude=(), only=None):
+def _runs(budgets, exclude=(), only=None, policies=POLICIES):
     """(label, policy name, budget) for every policy and budget; the full cache once."""
-    names = [n for n in POLICIES if n not in exclude and (only is None or n in only)]
+    names = [n for n in policies if n not in exclude and (only is None or n in only)]
     out = [("full", "full", None)] if "full" in names else []
     out += [(label, VARIANTS.get(label, (label, {}))[0], c) for c in budgets for label in names if label != "full"]
     return out
 
 
-def _groups(budgets, page_sizes):
+def _groups(budgets, page_sizes, policies=POLICIES):
     """``(page_size, runs, per_layer)`` for each batch that decodes together: per page size the
     shared page-level policies (with the full cache) and the per-layer ones (on a LayeredKVCache);
     the token-level policies, which act after every token, at the first page size only."""
     out = []
     for ps in page_sizes:
-        out.append((ps, _runs(budgets, exclude=TOKEN_LEVEL + PER_LAYER), False))
-        out.append((ps, _runs(budgets, only=PER_LAYER), True))
-    out.append((page_sizes[0], _runs(budgets, only=TOKEN_LEVEL), False))
+        out.append((ps, _runs(budgets, exclude=TOKEN_LEVEL + PER_LAYER, policies=policies), False))
+        out.append((ps, _runs(budgets, only=PER_LAYER, policies=policies), True))
+    out.append((page_sizes[0], _runs(budgets, only=TOKEN_LEVEL, policies=policies), False))
     return [g for g in out if g[1]]
 
 
@@ -254,7 +271,7 @@ def _close_all(batch: _Batch) -> None:
 
 
 # ----------------------------------------------------------------------------- scoring a continuation
-def score_continuation(model, ids, n_ctx, first_scored, cfg, log, label, region=None):
+def score_continuation(model, ids, n_ctx, first_scored, groups, log, label, region=None):
     """Every policy's NLL on the end of one text, in rows (one per policy, budget and page size).
 
     ``ids[:n_ctx]`` is prefilled with full attention and each policy evicts down to its budget;
@@ -263,8 +280,9 @@ def score_continuation(model, ids, n_ctx, first_scored, cfg, log, label, region=
     (``first_scored=1``: the whole continuation but its first token, which the prefill itself
     predicts, the same for all). KL(full || policy) is averaged over the same predictions.
 
-    ``region=(lo, hi)``: each row also gets ``region_held``, the share of the context tokens
-    ``lo .. hi-1`` a policy held after its prefill eviction (per-layer: the mean over layers).
+    ``groups``: the batches to run (`_groups`). ``region=(lo, hi)``: each row also gets
+    ``region_held``, the share of the context tokens ``lo .. hi-1`` a policy held after its
+    prefill eviction (per-layer: the mean over layers).
 
     Returns:
         ``(rows, check)``: ``check`` is the full cache's mean |NLL - the model's own forward|.
@@ -279,7 +297,7 @@ def score_continuation(model, ids, n_ctx, first_scored, cfg, log, label, region=
     n_scored = int(counted.sum())
     # page-granular policies feed chunks; token-level policies act after every token, so they run apart
     rows, check = [], math.nan
-    for ps, runs, per_layer in _groups(cfg["budgets"], cfg["page_sizes"]):
+    for ps, runs, per_layer in groups:
         t0 = time.perf_counter()
         batch = _prefilled_batch(model, ids[:n_ctx], runs, ps, ids.numel(), per_layer)
         held = [batch.region_held(i, region) for i in range(len(runs))] if region else [None] * len(runs)
@@ -310,22 +328,31 @@ def score_continuation(model, ids, n_ctx, first_scored, cfg, log, label, region=
 
 
 # ----------------------------------------------------------------------------- language modelling
-def lm_task(model, tok, cfg, log):
+def lm_task(model, tok, cfg, log, long: bool = False):
     """Plain continuation of real prose: ``texts`` passages of ``context + continuation`` tokens.
 
     Mostly a measure of recency: the next sentence of prose depends on the last few hundred
-    tokens and on the attention sink, so a recent window does well here.
+    tokens and on the attention sink, so a recent window does well here. ``long=True``: the same
+    at ``long_context`` tokens (``long_texts`` texts, ``long_text_stride``), `LONG_POLICIES` at
+    the first page size.
     """
     from ..textdata import paragraphs
 
     rows, checks, texts = [], [], []
-    n_ctx, n_cont = cfg["context"], cfg["continuation"]
-    starts = iter(range(0, len(paragraphs(20)), cfg["text_stride"]))  # distinct passages, far apart
-    while sum(x["used"] for x in texts) < cfg["texts"]:
+    n_cont = cfg["continuation"]
+    if long:
+        n_ctx, n_texts, stride = cfg["long_context"], cfg["long_texts"], cfg["long_text_stride"]
+        groups = _groups(cfg["budgets"], cfg["page_sizes"][:1], LONG_POLICIES)
+    else:
+        n_ctx, n_texts, stride = cfg["context"], cfg["texts"], cfg["text_stride"]
+        groups = _groups(cfg["budgets"], cfg["page_sizes"])
+    label = "long text" if long else "text"
+    starts = iter(range(0, len(paragraphs(20)), stride))  # distinct passages, far apart
+    while sum(x["used"] for x in texts) < n_texts:
         start = next(starts, None)
         if start is None:
-            raise RuntimeError(f"fewer than {cfg['texts']} passages without copying: {texts}")
-        ids = _lm_text_ids(tok, start, cfg)
+            raise RuntimeError(f"fewer than {n_texts} passages without copying: {texts}")
+        ids = _lm_text_ids(tok, start, n_ctx + n_cont)
         assert ids.numel() == n_ctx + n_cont, f"text at paragraph {start} has only {ids.numel()} tokens"
         copied = copy_fraction(ids, n_ctx)
         texts.append(dict(start_paragraph=start, copied_8grams=copied, used=copied <= MAX_COPIED))
@@ -333,7 +360,7 @@ def lm_task(model, tok, cfg, log):
             log(f"text at paragraph {start} skipped: {copied:.0%} of its continuation's 8-grams are in its context")
             continue
         t = sum(x["used"] for x in texts) - 1  # index among the texts used
-        text_rows, check = score_continuation(model, ids, n_ctx, 1, cfg, log, f"text {t}")
+        text_rows, check = score_continuation(model, ids, n_ctx, 1, groups, log, f"{label} {t}")
         rows += [dict(r, text=t) for r in text_rows]
         checks.append(check)
     return rows, max(checks), texts
@@ -383,7 +410,14 @@ def retention_task(model, tok, cfg, log):
         start_a = (t * cfg["text_stride"] + cfg["text_stride"] // 2) % n
         ids, n_ctx, opening, info = retention_example(tok, start_a, (start_a + n // 2) % n, cfg)
         text_rows, check = score_continuation(
-            model, ids, n_ctx, opening, cfg, log, f"retention text {t}", region=(0, cfg["retention_passage"])
+            model,
+            ids,
+            n_ctx,
+            opening,
+            _groups(cfg["budgets"], cfg["page_sizes"]),
+            log,
+            f"retention text {t}",
+            region=(0, cfg["retention_passage"]),
         )
         rows += [dict(r, text=t) for r in text_rows]
         checks.append(check)
@@ -718,25 +752,29 @@ def _run(args):
     model, tok = load_smollm2()
     log("model loaded")
     lm_rows, check, texts = lm_task(model, tok, cfg, log)
+    long_rows, long_check, long_texts = lm_task(model, tok, cfg, log, long=True)
     ret_rows, ret_check, ret_texts = retention_task(model, tok, cfg, log)
     pk_rows = passkey_task(model, tok, cfg, log)
     speed = speed_task(model, tok, cfg, log)
     first_text = next(t["start_paragraph"] for t in texts if t["used"])
-    lowest = lowest_ratio_tokens(model, tok, _lm_text_ids(tok, first_text, cfg)[: cfg["context"]])
+    lowest = lowest_ratio_tokens(model, tok, _lm_text_ids(tok, first_text, cfg["context"]))
     result = dict(
         mode=mode,
         config=cfg,
         environment=dict(environment(), torch_threads=args.threads),
         model="SmolLM2-135M-Instruct (GGUF, float32)",
-        check_max_abs_logprob_diff=max(check, ret_check),
+        check_max_abs_logprob_diff=max(check, long_check, ret_check),
         texts=texts,
+        long_context_texts=long_texts,
         retention_texts=ret_texts,
         lowest_ratio_tokens=lowest,
         language_modelling=summarize_lm(lm_rows),
+        long_context=summarize_lm(long_rows),
         retention=summarize_lm(ret_rows),
         passkey=summarize_passkey(pk_rows),
         speed=speed,
         lm_rows=lm_rows,
+        long_context_rows=long_rows,
         retention_rows=ret_rows,
         passkey_rows=pk_rows,
         seconds=round(time.perf_counter() - start, 1),
@@ -749,6 +787,11 @@ def _run(args):
         f"max |log p - model| = {result['check_max_abs_logprob_diff']:.2e}"
     )
     print(report.lm_table(result))
+    print(
+        f"\nLong context: {cfg['long_texts']} text(s), context {cfg['long_context']}, the same continuation, "
+        f"B = {cfg['page_sizes'][0]}"
+    )
+    print(report.lm_table(result, task="long_context"))
     print(
         f"\nRetention: {cfg['retention_texts']} text(s): {cfg['retention_passage']} tokens of a passage, "
         f"{cfg['retention_other']} of other prose, the passage's opening sentence again; NLL of the next "
@@ -764,12 +807,12 @@ def _run(args):
     return result
 
 
-def _lm_text_ids(tok, start: int, cfg) -> torch.Tensor:
-    """The ``context + continuation`` tokens of the language-modelling text at paragraph ``start``."""
+def _lm_text_ids(tok, start: int, n: int) -> torch.Tensor:
+    """The first ``n`` tokens of the language-modelling text at paragraph ``start``."""
     from ..textdata import english_text
 
-    text = english_text(int((cfg["context"] + cfg["continuation"]) * 1.2), start=start)
-    return tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0][: cfg["context"] + cfg["continuation"]]
+    text = english_text(int(n * 1.2), start=start)
+    return tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0][:n]
 
 
 if __name__ == "__main__":

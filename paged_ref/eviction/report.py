@@ -32,7 +32,7 @@ __all__ = [
 #: swapped ratio ||K||/||V|| (what the authors' vLLM code computes) and random.
 ABLATIONS = ("value_norm", "inverse_key_norm", "key_norm", "key_value_ratio", "random")
 #: The tasks whose summaries are NLL tables: key in the JSON -> its per-text rows.
-NLL_TASKS = {"language_modelling": "lm_rows", "retention": "retention_rows"}
+NLL_TASKS = {"language_modelling": "lm_rows", "long_context": "long_context_rows", "retention": "retention_rows"}
 
 
 def load_results(data_dir=None):
@@ -84,7 +84,7 @@ def policy_order(policy: str) -> int:
 def lm_table(results: dict, task: str = "language_modelling") -> str:
     """An NLL task's summary (mean over texts), one row per (B, C, policy), exact numbers.
 
-    ``task``: ``"language_modelling"`` or ``"retention"``. The 95% interval is the t interval of
+    ``task``: ``"language_modelling"``, ``"long_context"`` or ``"retention"``. The 95% interval is the t interval of
     the mean NLL over texts, and the perplexity interval its ends exponentiated.
     """
     rows = sorted(results[task], key=lambda r: (r["page_size"], r["budget"] or 0, policy_order(r["policy"])))
