@@ -334,6 +334,10 @@ def test_figures_build():
         "paged_eviction",
         "value_norm",
     ]
+    long = ve.perplexity_figure(
+        dict(res, long_context=res["language_modelling"], config={"long_context": 4096}), "long_context"
+    )
+    assert "after 4096 tokens" in long.axes[0].get_ylabel()
     runs = [replay(ks, vs, p, budget=16, page_size=4, prompt_len=32) for p in ("paged_eviction", "token_topk")]
     figs += [ve.page_map_figure(runs), ve.fragmentation_figure(runs)]
     assert all(isinstance(f, Figure) and f.axes for f in figs)

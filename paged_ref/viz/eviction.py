@@ -260,9 +260,9 @@ def fragmentation_figure(replays: list[Replay], *, note: str = "") -> Figure:
 def perplexity_figure(results: dict, task: str = "language_modelling", policies=None, *, note: str = "") -> Figure:
     """Perplexity vs budget C with the 95% interval over texts, one panel per page size B (from the JSON).
 
-    ``task``: ``"language_modelling"`` (the continuation) or ``"retention"`` (the passage's
-    repeated part). ``policies``: the policies drawn (default: every one but the score
-    ablations, which `ablation_figure` compares).
+    ``task``: ``"language_modelling"`` (the continuation), ``"long_context"`` (the same after a
+    longer context) or ``"retention"`` (the passage's repeated part). ``policies``: the policies
+    drawn (default: every one but the score ablations, which `ablation_figure` compares).
     """
     summary = results[task]
     sizes = sorted({r["page_size"] for r in summary})
@@ -291,7 +291,11 @@ def perplexity_figure(results: dict, task: str = "language_modelling", policies=
         ax.set_yscale("log")
         ax.set_xlabel("budget C (tokens)")
         ax.set_title(f"page size B = {ps}", fontsize=10)
-    what = "the continuation" if task == "language_modelling" else "the passage's repeated part (retention)"
+    what = {
+        "language_modelling": "the continuation",
+        "long_context": f"the continuation after {results.get('config', {}).get('long_context', '?')} tokens",
+        "retention": "the passage's repeated part (retention)",
+    }[task]
     axes[0].set_ylabel(f"perplexity of {what}\n(mean over texts, 95% t interval)")
     axes[-1].legend(fontsize=7)
     add_note(fig, note)
