@@ -23,6 +23,7 @@ __all__ = [
     "passkey_table",
     "speed_table",
     "lm_pairs",
+    "paired_nll",
     "ablation",
     "ablation_table",
 ]
@@ -248,7 +249,7 @@ def ablation(results: dict, reference: str = "paged_eviction", ablations=ABLATIO
     for abl in ablations:
         row = dict(ablation=abl)
         for prefix, key in (("lm", "lm_rows"), ("retention", "retention_rows")):
-            row.update(_paired_nll(results.get(key, []), reference, abl, prefix))
+            row.update(paired_nll(results.get(key, []), reference, abl, prefix))
         pairs = [(ok, pk[(abl,) + key[1:]]) for key, ok in pk.items() if key[0] == reference and (abl,) + key[1:] in pk]
         row["passkey_trials"] = len(pairs)
         if pairs:
@@ -278,8 +279,15 @@ def ablation(results: dict, reference: str = "paged_eviction", ablations=ABLATIO
     return out
 
 
-def _paired_nll(rows: list[dict], reference: str, other: str, prefix: str) -> dict:
-    """NLL of ``other`` minus ``reference`` per (text, B, C) cell both ran: mean, t interval, verdict."""
+def paired_nll(rows: list[dict], reference: str, other: str, prefix: str) -> dict:
+    """NLL of ``other`` minus ``reference`` per (text, B, C) cell both ran: mean, t interval, verdict.
+
+    ``rows``: per-text rows of the JSON (e.g. ``results["lm_rows"]``, or those of one budget).
+    Returns ``{prefix}_cells``, and when there are any ``{prefix}_mean_diff``, ``{prefix}_ci95``
+    (95% t interval), ``{prefix}_ratio_wins`` (cells where ``reference`` has the lower NLL) and
+    ``{prefix}_verdict``: ``"ratio better"`` (``reference`` lower, interval above 0), ``"ratio
+    worse"`` or ``"not resolved"``.
+    """
     nll = {(r["policy"], r["text"], r["page_size"], r["budget"]): r["nll"] for r in rows}
     diffs = [nll[(other,) + k[1:]] - v for k, v in nll.items() if k[0] == reference and (other,) + k[1:] in nll]
     out = {f"{prefix}_cells": len(diffs)}

@@ -266,7 +266,7 @@ def perplexity_figure(results: dict, task: str = "language_modelling", policies=
     """
     summary = results[task]
     sizes = sorted({r["page_size"] for r in summary})
-    fig = Figure(figsize=(6 * len(sizes), 4.2), layout="constrained")
+    fig = Figure(figsize=(max(6 * len(sizes), 11), 4.2), layout="constrained")  # room for the note
     axes = np.atleast_1d(fig.subplots(1, len(sizes), sharey=True))
     if policies is None:
         policies = {r["policy"] for r in summary} - set(ABLATIONS) - {"random"}
