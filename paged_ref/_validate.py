@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numbers
 
+import torch
+
 
 def check_int(name: str, value, *, min_value: int | None = None) -> int:
     """Return ``value`` as an int, or raise if it is not an integer >= ``min_value``."""
@@ -24,3 +26,10 @@ def check_choice(name: str, value, choices) -> str:
     if value not in choices:
         raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
     return value
+
+
+def describe(x) -> str:
+    """What was given, for an error message: a tensor's shape and dtype, else the type's name."""
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {list(x.shape)} and dtype {x.dtype}"
+    return f"{type(x).__name__}"

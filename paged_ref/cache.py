@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._arith import next_pow2
-from ._validate import check_choice, check_int
+from ._validate import check_choice, check_int, describe
 from .allocator import OutOfPagesError, PageAllocator
 from .block_table import pad_block_tables, pages_needed, slot_mapping, to_csr
 from .memory import KVGeometry, model_geometry
@@ -247,7 +247,7 @@ class PagedKVCache:
         if layer >= self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
         if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"slots must be a 1-D int32/int64 tensor, got {_describe(slots)}")
+            raise TypeError(f"slots must be a 1-D int32/int64 tensor, got {describe(slots)}")
         expected = (slots.shape[0], self.num_kv_heads, self.head_dim)
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
@@ -384,7 +384,7 @@ class PagedKVCache:
         """
         seq = self._seq(seq_id)
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or tuple(keep.shape) != (seq.length,):
-            raise ValueError(f"keep must be a bool tensor of shape [seq_len] = [{seq.length}], got {_describe(keep)}")
+            raise ValueError(f"keep must be a bool tensor of shape [seq_len] = [{seq.length}], got {describe(keep)}")
         n_keep = int(keep.sum())
         need = pages_needed(n_keep, self.page_size)
         shared = [i for i in range(need) if self.allocator.refcount(seq.pages[i]) > 1]
@@ -524,12 +524,6 @@ class PagedKVCache:
         )
 
 
-def _describe(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"tensor of shape {list(x.shape)} and dtype {x.dtype}"
-    return f"{type(x).__name__}"
-
-
 def _namespace_key(namespace, parent: bytes = b"paged_ref prefix cache v1", name: str = "prefix_namespace") -> bytes:
     """The root of a key chain: a digest of ``parent`` and the tagged namespace fields."""
     if namespace is None:
@@ -559,7 +553,7 @@ def _token_list(name: str, token_ids) -> list[int]:
     """Token ids as a list of Python ints; floats, bools and non-numbers are refused."""
     if isinstance(token_ids, torch.Tensor):
         if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dim() != 1:
-            raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {_describe(token_ids)}")
+            raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {describe(token_ids)}")
         return token_ids.tolist()
     out = []
     for i, t in enumerate(token_ids):

@@ -693,7 +693,7 @@ def speed_task(model, tok, cfg, log):
 
 def _speed_run(name: str, cfg):
     """The (label, policy name, budget) of ``name`` in the speed task."""
-    return (name, VARIANTS.get(name, (name, {}))[0], None if name == "full" else cfg["speed_budget"])
+    return _runs([cfg["speed_budget"]], only=(name,))[0]
 
 
 def lowest_ratio_tokens(model, tok, ids, count: int = 25) -> dict:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validate import check_int
+from .._validate import check_int, describe
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from .session import PagedSession
@@ -128,14 +128,10 @@ def prompt_kv(model, ids: torch.Tensor, *, page_size: int = 16) -> tuple[list[to
         (2, torch.Size([10, 2, 32]))
     """
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() < 1:
-        raise TypeError(f"ids must be a non-empty 1-D LongTensor of token ids, got {_describe(ids)}")
+        raise TypeError(f"ids must be a non-empty 1-D LongTensor of token ids, got {describe(ids)}")
     num_pages = pages_needed(ids.numel(), check_int("page_size", page_size, min_value=1))
     with PagedSession(model, num_pages=num_pages, page_size=page_size) as session:
         s = session.add()
         session.extend([s], [ids])
         kv = [session.kv.gather(layer, s) for layer in range(session.kv.num_layers)]
     return [k for k, _ in kv], [v for _, v in kv]
-
-
-def _describe(x) -> str:
-    return f"shape {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__

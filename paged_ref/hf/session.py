@@ -109,7 +109,7 @@ class PagedSession:
         self.kv = kv
         self._backend = backend_
         self.backend = self._backend.name
-        self.eviction, self.budget = eviction, budget
+        self.eviction = eviction  # the default policy (it carries its own budget)
         self._decode, self._prefill = self._backend.functions()
         self._hf_cache = PagedCache(kv)
         self._cache_kw = _cache_keyword(model)
