@@ -57,7 +57,7 @@ class StepPlan:
             (every layer reads ``block_table`` with ``attn_kwargs``).
     """
 
-    kv: PagedKVCache
+    kv: PagedKVCache | LayeredKVCache
     seq_ids: list[int]
     slots: torch.Tensor
     q_lens: torch.Tensor
