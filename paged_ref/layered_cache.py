@@ -29,6 +29,8 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ._validate import check_int
@@ -100,14 +102,8 @@ class LayeredKVCache:
 
     @property
     def geometry(self) -> KVGeometry:
-        """The geometry of the layers this cache serves (`PagedKVCache.geometry`)."""
-        return KVGeometry(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        """The geometry of the layers this cache serves: the pool's, with ``num_layers`` layers."""
+        return replace(self.pool.geometry, num_layers=self.num_layers)
 
     @property
     def page_bytes(self) -> int:
