@@ -53,7 +53,7 @@ TEST_WORKERS ?= auto
 test: install-test
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 	$(PY) -m pytest -q --nbval-lax notebooks/
 	PAGED_REF_SOLUTIONS=$(CURDIR)/notebooks/exercises/solutions/solutions.py $(PY) -m pytest -q --nbval-lax notebooks/exercises/
 

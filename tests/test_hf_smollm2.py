@@ -1,15 +1,18 @@
 """The real model: SmolLM2-135M generates from the paged cache exactly as model.generate does.
 
-Loads the bundled GGUF once for the module (~25 s). Eager FlexAttention and the Triton
-interpreter are slow on CPU, so their runs are a few tokens long.
+Loads the bundled GGUF once for the module (~15-25 s): every test of the real model lives here,
+so that `make test` (``--dist loadfile``) loads it in one worker only. Eager FlexAttention and the
+Triton interpreter are slow on CPU, so their runs are a few tokens long.
 """
 
 import importlib.util
+import json
 
 import pytest
 import torch
 
 from paged_ref import PagedKVCache, hf, textdata
+from paged_ref.bench import eviction
 
 pytestmark = [
     pytest.mark.slow,
@@ -51,6 +54,11 @@ def test_loaded_model_has_the_expected_shape(smol):
     model, _ = smol
     c = model.config
     assert (c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (30, 9, 3, 64)
+    import gguf  # the load's one-parse shortcut (`models._gguf_parsed_once`) is undone afterwards
+    from gguf import gguf_reader, tensor_mapping
+
+    assert gguf.GGUFReader is gguf_reader.GGUFReader
+    assert gguf.get_tensor_name_map is tensor_mapping.get_tensor_name_map
 
 
 @pytest.mark.parametrize("backend", ["reference", "sdpa"])
@@ -86,3 +94,29 @@ def test_log_likelihood_of_real_english_text_matches_the_plain_model(smol):
     assert plain.mean() > -6  # real text under a real model, not noise (uniform would be -10.8)
     ppl_plain, ppl_paged = plain.mean().neg().exp(), paged.mean().neg().exp()
     assert abs(ppl_paged / ppl_plain - 1) < 1e-4
+
+
+def test_eviction_benchmark_runs_every_task_and_policy_at_toy_sizes(tmp_path):
+    """`bench eviction --smoke`: the evaluation harness end to end (its numbers mean nothing)."""
+    eviction.main(["--smoke", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "eviction_smoke.json").read_text())
+    assert data["mode"] == "smoke"
+    assert data["check_max_abs_logprob_diff"] < 1e-4  # full-cache paged runner == plain model
+    for rows in ("lm_rows", "retention_rows", "passkey_rows"):  # every policy runs in every task
+        assert {r["policy"] for r in data[rows]} == set(eviction.POLICIES), rows
+    for row in data["retention_rows"]:
+        assert 0 <= row["region_held"] <= 1 and (row["policy"] != "full" or row["region_held"] == 1)
+    # the retention task's point: the full cache copies the repeated passage, a recent window cannot
+    ret = {r["policy"]: r["nll"] for r in data["retention"]}
+    assert ret["full"] < ret["streaming_llm"]
+    assert {(r["context"], r["batch"]) for r in data["speed"]} == {(160, 1)}
+    assert {r["policy"] for r in data["speed"]} == set(eviction.SPEED_POLICIES)
+    assert data["lowest_ratio_tokens"]["lowest"] and data["lowest_ratio_tokens"]["first_token_rank"] >= 0
+    for row in data["lm_rows"] + data["retention_rows"] + data["passkey_rows"]:
+        if row["page_bound"] is not None:  # ceil(C / B) + 1 pages at most, every policy
+            assert row["max_pages_held"] <= row["page_bound"]
+    for row in data["passkey_rows"]:
+        assert row["correct"] == eviction.answer_is_correct(row["answer"], row["key"])
+        assert row["key_readable"] or not row["key_held"]  # a whole mention held is readable
+        if row["policy"] == "full":
+            assert row["key_held"] and row["key_readable"] and row["needle_held"] == 1.0

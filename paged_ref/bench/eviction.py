@@ -1,6 +1,6 @@
 """KV eviction on SmolLM2-135M: perplexity, retention, pass-key retrieval, KV bytes and decode speed.
 
-    python -m paged_ref.bench eviction [--quick] [--out DIR]
+    python -m paged_ref.bench eviction [--quick | --smoke] [--out DIR]
 
 One run measures, on the real model (`paged_ref.models.load_smollm2`, float32, CPU):
 
@@ -40,7 +40,8 @@ one sequence per (policy, budget), each under its own policy, and the sequences 
 decode together, one forward per step (per-layer policies on a `LayeredKVCache` of their own).
 The full-cache sequence's log-probs are checked against the model's own forward over the whole
 text (``check_max_abs_logprob_diff`` in the JSON). Results: ``figures/data/eviction_{quick,full}.json``
-and the tables printed; notebook 07 draws the figures from the JSON (`paged_ref.viz.eviction`).
+(``--smoke``: ``eviction_smoke.json``, toy sizes that only show the harness runs) and the tables
+printed; notebook 07 draws the figures from the JSON (`paged_ref.viz.eviction`).
 """
 
 from __future__ import annotations
@@ -120,6 +121,23 @@ QUICK = dict(
     speed_steps=6,
     speed_rounds=1,
     speed_budget=128,
+)
+# every task and policy at toy sizes, in seconds: the harness check the tests run (numbers meaningless)
+SMOKE = dict(
+    QUICK,
+    context=160,
+    continuation=9,
+    long_context=224,
+    budgets=[64],
+    retention_passage=64,
+    retention_other=64,
+    retention_scored=8,
+    passkey_trials=1,
+    passkey_context=160,
+    passkey_budgets=[64],
+    speed_contexts=[160],
+    speed_steps=3,
+    speed_budget=64,
 )
 FULL = dict(
     texts=8,
@@ -721,7 +739,9 @@ def lowest_ratio_tokens(model, tok, ids, count: int = 25) -> dict:
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m paged_ref.bench eviction", description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes (CI, ~2-3 min on 2 cores)")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small sizes (~1 min on 2 cores; notebook 07's quick mode)")
+    size.add_argument("--smoke", action="store_true", help="toy sizes: checks the harness runs (the tests' run)")
     parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data/)")
     parser.add_argument(
         "--threads",
@@ -740,8 +760,8 @@ def main(argv=None):
 
 
 def _run(args):
-    cfg = QUICK if args.quick else FULL
-    mode = "quick" if args.quick else "full"
+    mode = "quick" if args.quick else "smoke" if args.smoke else "full"
+    cfg = {"quick": QUICK, "smoke": SMOKE, "full": FULL}[mode]
     start = time.perf_counter()
 
     def log(msg):
