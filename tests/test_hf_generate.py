@@ -1,5 +1,7 @@
 """paged_ref.hf on a tiny random Llama: same tokens as model.generate, pages freed, log-likelihoods equal."""
 
+import json
+
 import pytest
 import torch
 
@@ -333,7 +335,7 @@ def test_sdpa_backend_rejects_what_the_reference_rejects():
 def test_bench_generate_quick_on_the_tiny_model(tmp_path):
     from paged_ref.bench import generate as bench
 
-    data = bench.main(["--quick", "--model", "tiny", "--out", str(tmp_path)])
+    data = bench.main(["--quick", "--model", "tiny", "--skip-memory", "--out", str(tmp_path)])  # memory: below
     assert (tmp_path / "generate_cpu.json").exists()
     for workload in ("single", "mixed"):
         results = data[workload]["results"]
@@ -535,3 +537,25 @@ def test_a_failed_forward_rolls_back_without_ending_prefix_caching(model):
         session.extend([a], [more])  # a third full page, registered because a still hashes its tokens
         b = session.add(torch.cat([prompt, more, more[:1]]))
         assert session.position(b) == 12 and kv.pages(b) == kv.pages(a)
+
+
+def test_bench_generate_memory_runs_each_method_and_takes_the_median(monkeypatch, capsys):
+    """The memory workload's child (in this process; `bench generate` starts one process per run)."""
+    from paged_ref.bench import _generate_memory as memory
+
+    one = memory.main(["--method", "paged_auto", "--context", "24", "--new", "3", "--model", "tiny"])
+    assert one["generated"] == 3 and one["peak_rss_rise_bytes"] >= 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == one  # the line the parent reads
+    rises = iter([5, 9, 7, 4, 6, 8])  # hf, paged, hf, paged, hf, paged: methods take turns per repeat
+    calls = []
+
+    def fake_child(method, context, new, model, threads):
+        calls.append((method, context, new, model, threads))
+        return {"peak_rss_rise_bytes": next(rises)}
+
+    monkeypatch.setattr(memory, "_child", fake_child)
+    data = memory.measure_memory(contexts=(32,), new=2, repeats=3, model="tiny", threads=1)
+    assert [c[0] for c in calls] == ["hf_generate", "paged_auto"] * 3 and calls[0][1:] == (32, 2, "tiny", 1)
+    hf, paged = data["rows"][0]["methods"]["hf_generate"], data["rows"][0]["methods"]["paged_auto"]
+    assert hf["runs_bytes"] == [5, 7, 6] and hf["peak_rss_rise_bytes"] == 6
+    assert paged["runs_bytes"] == [9, 4, 8] and paged["peak_rss_rise_bytes"] == 8 and paged["over_hf_generate"] == 8 / 6

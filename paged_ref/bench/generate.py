@@ -15,13 +15,17 @@ Three workloads, greedy decoding, EOS ignored so that every method does the same
 * ``contexts``: prefill and decode timed apart at prompts of 128, 512, 2048 and 8192 tokens,
   the default backend (``auto``; also on scattered pages) and the oracle (``reference``, up to
   2048) against ``DynamicCache`` (`paged_ref.bench._generate_contexts`).
+* ``memory``: peak RSS rise of one ``generate`` call at the same prompt lengths, the default
+  backend against ``model.generate``, each run in a fresh process so that no earlier run's freed
+  memory is reused (`paged_ref.bench._generate_memory`).
 
 Per method (single, mixed): median wall time of the whole call (after one warm-up; methods interleaved in each
 repeat so load changes hit them alike), generated tokens/s (ratios given both as the ratio of
 the medians and as the median of the per-repeat ratios, which is steadier on a shared machine), whether the tokens equal
 ``model.generate``'s, KV bytes (``DynamicCache``: its final, padded size; paged_ref: the peak
 pages in use and the pool; generate_batch: its pool) and the peak rise of the process RSS
-during the call (sampled every 2 ms; allocator reuse makes it approximate). Ratios are
+during the call (sampled every 2 ms; in a process that already ran the other methods, allocator
+reuse makes it approximate: the ``memory`` workload is the one to read for memory). Ratios are
 tokens/s over the peer's measured in the same run. JSON: ``figures/data/generate_cpu.json``
 (``generate_gpu.json`` on CUDA). The Triton backend is not timed on CPU (it is the interpreter).
 """
@@ -41,6 +45,7 @@ from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..memory import model_geometry
 from ._generate_contexts import measure_contexts
+from ._generate_memory import measure_memory
 from .common import environment, print_table, write_json
 
 PAGE_SIZE = 16
@@ -55,6 +60,8 @@ CONTEXTS_FULL = dict(
     skip_above={"paged_reference": 2048},
 )
 CONTEXTS_QUICK = dict(contexts=(16, 64), decode_steps=3, repeats=1, backends=("auto", "reference"), scattered=("auto",))
+MEMORY_FULL = dict(contexts=(128, 512, 2048, 8192), new=32, repeats=3)
+MEMORY_QUICK = dict(contexts=(64,), new=4, repeats=1)
 
 
 class _PeakRSS:
@@ -278,6 +285,7 @@ def main(argv=None):
         action="store_true",
         help="leave out the prefill/decode-by-context workload (the longest part)",
     )
+    parser.add_argument("--skip-memory", action="store_true", help="leave out the fresh-process memory workload")
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -297,6 +305,10 @@ def main(argv=None):
     if not args.skip_contexts:
         data["contexts"] = measure_contexts(
             model, tokenizer, page_size=PAGE_SIZE, **(CONTEXTS_QUICK if args.quick else CONTEXTS_FULL)
+        )
+    if not args.skip_memory:
+        data["memory"] = measure_memory(
+            model=args.model, threads=args.threads, **(MEMORY_QUICK if args.quick else MEMORY_FULL)
         )
     data["environment"] = environment()
     for name in ("single", "mixed"):
@@ -350,6 +362,21 @@ def main(argv=None):
             ],
             rows,
         )
+    if "memory" in data:
+        mem = data["memory"]
+        print(f"\nmemory: peak RSS rise of one generate call ({mem['new_tokens']} new tokens), fresh process per run")
+        rows = [
+            [
+                row["context"],
+                m,
+                f"{r['peak_rss_rise_bytes'] / 2**20:.1f}",
+                " ".join(f"{b / 2**20:.1f}" for b in r["runs_bytes"]),
+                f"{r['over_hf_generate']:.2f}x" if "over_hf_generate" in r else "-",
+            ]
+            for row in mem["rows"]
+            for m, r in row["methods"].items()
+        ]
+        print_table(["context", "method", "peak rise MiB (median)", "runs MiB", "vs hf_generate"], rows)
     device = "gpu" if torch.cuda.is_available() else "cpu"
     path = write_json(data, f"generate_{device}.json", out_dir=args.out)
     print(f"wrote {path}")

@@ -1,0 +1,105 @@
+"""Peak memory of one generation, each run in a fresh process: the paged pool against DynamicCache.
+
+Measured inside the process that already ran other methods, an RSS rise says more about which
+freed blocks the C allocator had at hand than about the method (the same call rose by 6.7 MB
+in one run and by 0.004 MB in another). Here every (method, context, repeat) gets a process of
+its own: it loads the model, builds the prompt, then runs one ``generate`` call while
+`_PeakRSS` samples the resident-set size every 2 ms; the rise over the RSS just before the call
+is its peak memory (KV cache plus activations).
+
+    python -m paged_ref.bench._generate_memory --method paged_auto --context 2048 --new 32
+
+prints one JSON line; `measure_memory` runs the processes and takes the median of the repeats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from statistics import median_high as _median  # the upper middle value, as the other benchmarks
+
+__all__ = ["measure_memory"]
+
+METHODS = ("hf_generate", "paged_auto")
+
+
+def measure_memory(*, contexts, new, repeats, model="smollm2", threads=None, methods=METHODS) -> dict:
+    """Peak RSS rise of ``generate`` per method and prompt length, a fresh process per run.
+
+    Args:
+        contexts: prompt lengths in tokens; new: tokens generated per run.
+        repeats: processes per (method, context); methods take turns within each repeat.
+        model: ``"smollm2"`` or ``"tiny"``; threads: torch threads in the children (None: torch's).
+
+    Returns:
+        ``{"contexts", "new_tokens", "repeats", "rows": [{"context", "methods": {m: {...}}}]}`` with,
+        per method, ``peak_rss_rise_bytes`` (median) and ``runs_bytes``; paged methods also
+        ``over_hf_generate`` (their median over ``hf_generate``'s).
+    """
+    rows = []
+    for n in contexts:
+        runs = {m: [] for m in methods}
+        for _ in range(repeats):
+            for m in methods:
+                runs[m].append(_child(m, n, new, model, threads)["peak_rss_rise_bytes"])
+        per_method = {m: {"peak_rss_rise_bytes": _median(r), "runs_bytes": r} for m, r in runs.items()}
+        row = {"context": n, "methods": per_method}
+        hf = row["methods"].get("hf_generate")
+        for m, r in row["methods"].items():
+            if m != "hf_generate" and hf and hf["peak_rss_rise_bytes"]:
+                r["over_hf_generate"] = r["peak_rss_rise_bytes"] / hf["peak_rss_rise_bytes"]
+        rows.append(row)
+        print(
+            f"memory at context {n}: "
+            + ", ".join(f"{m} {r['peak_rss_rise_bytes'] / 2**20:.1f} MiB" for m, r in row["methods"].items()),
+            flush=True,
+        )
+    return {"contexts": list(contexts), "new_tokens": new, "repeats": repeats, "rows": rows}
+
+
+def _child(method, context, new, model, threads) -> dict:
+    cmd = [sys.executable, "-m", __name__, "--method", method, "--context", str(context), "--new", str(new)]
+    cmd += ["--model", model] + ([] if threads is None else ["--threads", str(threads)])
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(prog=f"python -m {__name__}", description=__doc__.split("\n")[0])
+    parser.add_argument("--method", choices=METHODS, required=True)
+    parser.add_argument("--context", type=int, required=True, help="prompt tokens")
+    parser.add_argument("--new", type=int, required=True, help="tokens generated")
+    parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from ._generate_contexts import _prompt
+    from .generate import _methods, _PeakRSS
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.model == "smollm2":
+        from ..models import load_smollm2
+
+        model, tokenizer = load_smollm2()
+    else:
+        from ..models import tiny_llama
+
+        model, tokenizer = tiny_llama(), None
+    prompt = _prompt(model, tokenizer, args.context).tolist()
+    run, _ = _methods(model, [prompt], args.new, ("auto",), with_generate_batch=False)[args.method]
+    with _PeakRSS() as probe:
+        tokens = run()
+    result = dict(vars(args), peak_rss_rise_bytes=probe.rise_bytes, generated=len(tokens[0]))
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
