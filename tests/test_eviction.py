@@ -615,7 +615,7 @@ def test_session_refuses_a_chunk_past_the_policy_action_and_changes_nothing(tiny
 
 # ----------------------------------------------------------------------------- the benchmark's pieces
 def test_wilson_interval_known_values():
-    from paged_ref.bench.eviction import wilson
+    from paged_ref.stats import wilson
 
     lo, hi = wilson(6, 10)
     assert math.isclose(lo, 0.3127, abs_tol=1e-4) and math.isclose(hi, 0.8318, abs_tol=1e-4)

@@ -41,52 +41,70 @@ decode together, one forward per step (per-layer policies on a `LayeredKVCache` 
 The full-cache sequence's log-probs are checked against the model's own forward over the whole
 text (``check_max_abs_logprob_diff`` in the JSON). Results: ``figures/data/eviction_{quick,full}.json``
 (``--smoke``: ``eviction_smoke.json``, toy sizes that only show the harness runs) and the tables
-printed; notebook 07 draws the figures from the JSON (`paged_ref.viz.eviction`).
+printed; notebook 07 draws the figures from the JSON (`paged_ref.viz.eviction`). The engine
+(`paged_ref.bench._eviction_runs`) and the pass-key task (`paged_ref.bench._eviction_passkey`) are
+modules of their own; this one holds the configurations, the other tasks and the command.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import random
-import re
 import statistics
 import time
 
 import torch
 
-from .._arith import cdiv
-from ..cache import PagedKVCache
-from ..eviction import make_policy, max_pages_held, report
-from ..hf import PagedSession
-from ..layered_cache import LayeredKVCache
-from ..stats import mean_ci, wilson
+from ..eviction import report
+from ..stats import mean_ci
+from ._eviction_passkey import (
+    PASSKEY_DEPTHS,
+    answer_is_correct,
+    key_evidence,
+    passkey_prompt,
+    passkey_task,
+    summarize_passkey,
+)
+from ._eviction_runs import (
+    PER_LAYER,
+    POLICIES,
+    TOKEN_LEVEL,
+    VARIANTS,
+    _Batch,
+    _close_all,
+    _groups,
+    _pool_pages,
+    _prefill,
+    _prefilled_batch,
+    _runs,
+    _session,
+)
 from .common import environment, write_json
 
-POLICIES = [
-    "full",
-    "paged_eviction",
-    "paged_eviction_literal",
-    "paged_eviction_per_layer",
-    "paged_eviction_literal_per_layer",
-    "inverse_key_norm",
-    "value_norm",
-    "key_norm",
-    "key_value_ratio",
-    "random",
-    "streaming_llm",
-    "token_topk",
-    "token_inverse_key_norm",
+__all__ = [  # the passkey pieces and the policy lists live in their own modules; named here too
+    "FULL",
+    "LONG_POLICIES",
+    "PASSKEY_DEPTHS",
+    "PER_LAYER",
+    "POLICIES",
+    "QUICK",
+    "SMOKE",
+    "SPEED_POLICIES",
+    "TOKEN_LEVEL",
+    "VARIANTS",
+    "answer_is_correct",
+    "key_evidence",
+    "lm_task",
+    "main",
+    "passkey_prompt",
+    "passkey_task",
+    "retention_task",
+    "score_continuation",
+    "speed_task",
+    "summarize_lm",
+    "summarize_passkey",
 ]
-# labels that are a policy with options rather than a policy name
-VARIANTS = {
-    "token_inverse_key_norm": ("token_topk", {"method": "inverse_key_norm"}),
-    "paged_eviction_per_layer": ("paged_eviction", {"decision": "per_layer"}),
-    "paged_eviction_literal_per_layer": ("paged_eviction_literal", {"decision": "per_layer"}),
-}
-TOKEN_LEVEL = ("token_topk", "token_inverse_key_norm")  # act after every token: a batch of their own
-PER_LAYER = ("paged_eviction_per_layer", "paged_eviction_literal_per_layer")  # a LayeredKVCache of their own
-# the long-context continuation: the method as run and as written, per layer, the paper's baselines
+
 LONG_POLICIES = [
     "full",
     "paged_eviction",
@@ -98,7 +116,6 @@ LONG_POLICIES = [
 ]
 # the ablations run paged_eviction's code at the same cost
 SPEED_POLICIES = ["full", "paged_eviction", "paged_eviction_per_layer", "streaming_llm", *TOKEN_LEVEL]
-PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # trial t hides the key at depth PASSKEY_DEPTHS[t % 5]
 QUICK = dict(
     texts=1,
     text_stride=150,
@@ -163,129 +180,6 @@ FULL = dict(
     speed_budget=256,
 )
 MAX_COPIED = 0.05  # skip texts whose continuation repeats more than this fraction of context 8-grams
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-
-
-def _runs(budgets, exclude=(), only=None, policies=POLICIES):
-    """(label, policy name, budget) for every policy and budget; the full cache once."""
-    names = [n for n in policies if n not in exclude and (only is None or n in only)]
-    out = [("full", "full", None)] if "full" in names else []
-    out += [(label, VARIANTS.get(label, (label, {}))[0], c) for c in budgets for label in names if label != "full"]
-    return out
-
-
-def _groups(budgets, page_sizes, policies=POLICIES):
-    """``(page_size, runs, per_layer)`` for each batch that decodes together: per page size the
-    shared page-level policies (with the full cache) and the per-layer ones (on a LayeredKVCache);
-    the token-level policies, which act after every token, at the first page size only."""
-    out = []
-    for ps in page_sizes:
-        out.append((ps, _runs(budgets, exclude=TOKEN_LEVEL + PER_LAYER, policies=policies), False))
-        out.append((ps, _runs(budgets, only=PER_LAYER, policies=policies), True))
-    out.append((page_sizes[0], _runs(budgets, only=TOKEN_LEVEL, policies=policies), False))
-    return [g for g in out if g[1]]
-
-
-def _policy(label, budget):
-    name, options = VARIANTS.get(label, (label, {}))
-    return make_policy(name, budget, **options)
-
-
-def _pool_pages(runs, page_size, longest):
-    """Pages for all sequences at their bound plus one prompt held whole before its eviction."""
-    need = sum(cdiv(longest, page_size) + 1 if c is None else max_pages_held(c, page_size) for _, _, c in runs)
-    return need + cdiv(longest, page_size) + 1
-
-
-def _session(model, page_size: int, num_pages: int, per_layer: bool) -> PagedSession:
-    """An open session (sdpa backend) over a fresh cache: a `LayeredKVCache` for per-layer policies."""
-    cls = LayeredKVCache if per_layer else PagedKVCache
-    kv = cls.for_model(model, num_pages=num_pages, page_size=page_size)
-    return PagedSession(model, kv=kv, backend="sdpa").open()
-
-
-def _prefill(session: PagedSession, prompt: torch.Tensor) -> int:
-    """A sequence holding ``prompt: [n]`` (no policy): the root every policy's sequence forks from."""
-    root = session.add()
-    session.extend([root], [prompt])
-    return root
-
-
-class _Batch:
-    """One sequence per (policy, budget), forked from a prefilled prompt, decoding together."""
-
-    def __init__(self, session: PagedSession, root: int, runs):
-        self.session, self.cache, self.runs = session, session.kv, runs
-        self.policies = [_policy(label, c) for label, _, c in runs]
-        self.seqs = [session.fork(root, eviction=p) for p in self.policies]  # after_prefill runs here
-
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed ``tokens: [batch]`` (one per sequence); returns log-probs ``[batch, vocab]``."""
-        return self._extend(list(tokens[:, None]))[:, 0]
-
-    def feed(self, tokens: torch.Tensor, max_chunk: int = 16):
-        """Feed the same ``tokens: [n]`` to every sequence, in chunks no policy must act inside.
-
-        Yields ``(offset, log-probs [batch, m, vocab])`` per chunk of ``m`` tokens.
-        """
-        i = 0
-        while i < tokens.numel():
-            m = min(
-                tokens.numel() - i,
-                max_chunk,
-                *(p.tokens_until_action(self.cache, s) for s, p in zip(self.seqs, self.policies)),
-            )
-            yield i, self._extend([tokens[i : i + m]] * len(self.seqs))
-            i += m
-
-    def _extend(self, tokens: list[torch.Tensor]) -> torch.Tensor:
-        logits = self.session.extend(self.seqs, tokens, all_logits=True)  # batch x [m, vocab]; hooks ran
-        return torch.log_softmax(torch.stack(logits), dim=-1)  # [batch, m, vocab]
-
-    def region_held(self, i: int, region) -> float:
-        """Share of the original tokens ``region[0] .. region[1]-1`` sequence ``i`` holds now."""
-        lo, hi = region
-        s, p = self.seqs[i], self.policies[i]
-        pos = p.positions(s).reshape(-1, self.cache.seq_len(s))  # [lanes, seq_len]
-        return float(((pos >= lo) & (pos < hi)).sum()) / (pos.shape[0] * (hi - lo))
-
-    def row(self, i):
-        s, p = self.seqs[i], self.policies[i]
-        st = p.stats(s)
-        label, name, c = self.runs[i]
-        return dict(
-            policy=label,
-            budget=c,
-            page_size=self.cache.page_size,
-            tokens_held=self.cache.seq_len(s),
-            pages_held=len(self.cache.pages(s)),
-            max_pages_held=st.max_pages_held,
-            page_bound=None if c is None else max_pages_held(c, self.cache.page_size),
-            kv_bytes_held=len(self.cache.pages(s)) * self.cache.page_bytes,
-            tokens_evicted=st.tokens_evicted,
-            pages_dropped=st.pages_dropped,
-            tokens_moved=st.tokens_moved,
-            max_holes_per_page=round(st.max_holes_per_page, 4),
-        )
-
-    def close(self):
-        for s in self.seqs:
-            self.session.finish(s)  # frees its pages and releases it from its policy
-
-
-def _prefilled_batch(model, prompt: torch.Tensor, runs, page_size: int, longest: int, per_layer: bool) -> _Batch:
-    """A session of its own holding ``prompt`` once, forked into one sequence per run."""
-    session = _session(model, page_size, _pool_pages(runs, page_size, longest), per_layer)
-    root = _prefill(session, prompt)
-    batch = _Batch(session, root, runs)
-    session.finish(root)  # the forks keep the prompt's pages they still share
-    return batch
-
-
-def _close_all(batch: _Batch) -> None:
-    batch.close()
-    batch.session.close()
-    assert batch.cache.allocator.num_free == batch.cache.allocator.num_pages
 
 
 # ----------------------------------------------------------------------------- scoring a continuation
@@ -490,161 +384,6 @@ def summarize_lm(rows):
         if "region_held" in rs[0]:
             out[-1]["region_held"] = statistics.fmean(r["region_held"] for r in rs)
     return out
-
-
-# ----------------------------------------------------------------------------- pass-key retrieval
-def passkey_prompt(tok, rng: random.Random, target_tokens: int, depth: float | None = None):
-    """(context ids, question ids, key, mentions, needle token indices, depth).
-
-    ``mentions`` has one dict per mention of the key: token index -> the key's character
-    positions that token covers (a token may straddle the key's edge), so a caller can ask both
-    "is a whole mention held" and "can every digit be read from some held token".
-    """
-    key = str(rng.randint(10000, 99999))
-    reps = max(2, int(target_tokens / len(tok(FILLER, add_special_tokens=False).input_ids)))
-    depth = rng.random() if depth is None else depth
-    before = FILLER * int(reps * depth)
-    after = FILLER * (reps - int(reps * depth))
-    needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
-    content = (
-        "There is important information hidden inside a lot of irrelevant text. Find it and "
-        "memorize it. I will quiz you about it.\n\n" + before + needle + after + "\n\nWhat is the pass key?"
-    )
-    text = (
-        tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True)
-        + "The pass key is"
-    )
-    cut = text.index("\n\nWhat is the pass key?")
-    enc = tok(text[:cut], add_special_tokens=False, return_offsets_mapping=True)
-    question = tok(text[cut:], add_special_tokens=False).input_ids
-    offsets = enc["offset_mapping"]
-
-    def covering(start, end):  # token index -> covered character positions, relative to start
-        return {
-            i: range(max(a, start) - start, min(b, end) - start)
-            for i, (a, b) in enumerate(offsets)
-            if a < end and b > start
-        }
-
-    mentions = [covering(m.start(), m.end()) for m in re.finditer(key, text[:cut])]
-    n0 = text.index(needle)
-    needle_tokens = sorted(covering(n0, n0 + len(needle)))
-    return torch.tensor(enc["input_ids"]), torch.tensor(question), key, mentions, needle_tokens, depth
-
-
-def key_evidence(held: set, mentions: list[dict], needle_tokens: list[int], key_len: int) -> dict:
-    """What of the key survives in the held token positions ``held``.
-
-    ``key_held``: every token of at least one mention is held. ``key_readable``: every character
-    of the key is covered by some held token of some mention (digits may survive from different
-    mentions). ``needle_held``: the share of the needle sentence's tokens held.
-
-    Example:
-        >>> m = [{3: range(0, 2), 4: range(2, 3)}, {9: range(0, 1), 10: range(1, 3)}]
-        >>> key_evidence({3, 10}, m, [2, 3, 4, 5], 3)
-        {'key_held': False, 'key_readable': True, 'needle_held': 0.25}
-    """
-    covered = set()
-    for m in mentions:
-        for t, chars in m.items():
-            if t in held:
-                covered.update(chars)
-    return dict(
-        key_held=any(all(t in held for t in m) for m in mentions),
-        key_readable=covered >= set(range(key_len)),
-        needle_held=sum(t in held for t in needle_tokens) / len(needle_tokens),
-    )
-
-
-def answer_is_correct(text: str, key: str) -> bool:
-    """The answer's first run of digits is exactly the key (" 662266" for 66226 is wrong).
-
-    Example:
-        >>> answer_is_correct(" 66226.", "66226"), answer_is_correct(" 662266", "66226")
-        (True, False)
-    """
-    found = re.search(r"\d+", text)
-    return bool(found) and found.group() == key
-
-
-def passkey_task(model, tok, cfg, log, answer_tokens=7):
-    rows = []
-    groups = _groups(cfg["passkey_budgets"], [16])
-    for trial in range(cfg["passkey_trials"]):
-        rng = random.Random(1000 + trial)
-        depth = PASSKEY_DEPTHS[trial % len(PASSKEY_DEPTHS)]
-        ctx, question, key, mentions, needle_tokens, depth = passkey_prompt(tok, rng, cfg["passkey_context"], depth)
-        t0 = time.perf_counter()
-        for ps, runs, per_layer in groups:
-            batch = _prefilled_batch(model, ctx, runs, ps, ctx.numel() + question.numel() + answer_tokens, per_layer)
-            for _ in batch.feed(question[:-1]):
-                pass
-            evidence = [  # per-layer decisions: a token counts as held when any layer holds it
-                key_evidence(set(p.positions(s).flatten().tolist()), mentions, needle_tokens, len(key))
-                for s, p in zip(batch.seqs, batch.policies)
-            ]
-            nxt, answers = question[-1].repeat(len(runs)), []
-            for _ in range(answer_tokens):
-                nxt = batch.step(nxt).argmax(-1)  # [batch]
-                answers.append(nxt)
-            answers = torch.stack(answers, 1)  # [batch, answer_tokens]
-            for i in range(len(runs)):
-                text = tok.decode(answers[i])
-                row = batch.row(i)
-                row.update(
-                    trial=trial,
-                    key=key,
-                    depth=round(depth, 3),
-                    context_tokens=ctx.numel(),
-                    answer=text,
-                    correct=answer_is_correct(text, key),
-                    **evidence[i],
-                )
-                rows.append(row)
-            _close_all(batch)
-        full = next(r for r in rows[::-1] if r["policy"] == "full")
-        log(
-            f"pass-key trial {trial}: {ctx.numel()} context tokens, key {key} at depth {depth:.2f}; "
-            f"full answered {full['answer']!r}; {time.perf_counter() - t0:.1f} s"
-        )
-    return rows
-
-
-def summarize_passkey(rows):
-    groups = {}
-    for r in rows:
-        groups.setdefault((r["policy"], r["budget"]), []).append(r)
-    out = []
-    for (policy, c), rs in groups.items():
-        n, k = len(rs), sum(r["correct"] for r in rs)
-        h = sum(r["key_held"] for r in rs)
-        readable = sum(r["key_readable"] for r in rs)
-        lo, hi = wilson(k, n)
-        out.append(
-            dict(
-                policy=policy,
-                budget=c,
-                trials=n,
-                correct=k,
-                accuracy=k / n,
-                ci95=[lo, hi],
-                key_held=h,
-                key_held_rate=h / n,
-                correct_when_held=sum(r["correct"] for r in rs if r["key_held"]),
-                correct_when_lost=sum(r["correct"] for r in rs if not r["key_held"]),
-                key_readable=readable,
-                correct_when_unreadable=sum(r["correct"] for r in rs if not r["key_readable"]),
-                needle_held_mean=statistics.fmean(r["needle_held"] for r in rs),
-                answered_number=sum(bool(re.search(r"\d", r["answer"])) for r in rs),
-                needle_held_when_correct=_mean_or_none([r["needle_held"] for r in rs if r["correct"]]),
-                needle_held_when_wrong=_mean_or_none([r["needle_held"] for r in rs if not r["correct"]]),
-            )
-        )
-    return out
-
-
-def _mean_or_none(xs):
-    return statistics.fmean(xs) if xs else None
 
 
 # ----------------------------------------------------------------------------- speed

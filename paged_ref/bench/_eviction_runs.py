@@ -1,0 +1,164 @@
+"""The evaluation's engine: one sequence per (policy, budget), forked from one prefilled prompt.
+
+`paged_ref.bench.eviction` runs every task through this: `_groups` splits the policies into the
+batches that decode together (per page size: the page-level policies with the full cache; the
+per-layer ones on a `LayeredKVCache`; the token-level ones, which act after every token), and
+`_Batch` feeds them through one `paged_ref.hf.PagedSession` (sdpa backend), one forward per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._arith import cdiv
+from ..cache import PagedKVCache
+from ..eviction import make_policy, max_pages_held
+from ..hf import PagedSession
+from ..layered_cache import LayeredKVCache
+
+POLICIES = [
+    "full",
+    "paged_eviction",
+    "paged_eviction_literal",
+    "paged_eviction_per_layer",
+    "paged_eviction_literal_per_layer",
+    "inverse_key_norm",
+    "value_norm",
+    "key_norm",
+    "key_value_ratio",
+    "random",
+    "streaming_llm",
+    "token_topk",
+    "token_inverse_key_norm",
+]
+# labels that are a policy with options rather than a policy name
+VARIANTS = {
+    "token_inverse_key_norm": ("token_topk", {"method": "inverse_key_norm"}),
+    "paged_eviction_per_layer": ("paged_eviction", {"decision": "per_layer"}),
+    "paged_eviction_literal_per_layer": ("paged_eviction_literal", {"decision": "per_layer"}),
+}
+TOKEN_LEVEL = ("token_topk", "token_inverse_key_norm")  # act after every token: a batch of their own
+PER_LAYER = ("paged_eviction_per_layer", "paged_eviction_literal_per_layer")  # a LayeredKVCache of their own
+# the long-context continuation: the method as run and as written, per layer, the paper's baselines
+
+
+def _runs(budgets, exclude=(), only=None, policies=POLICIES):
+    """(label, policy name, budget) for every policy and budget; the full cache once."""
+    names = [n for n in policies if n not in exclude and (only is None or n in only)]
+    out = [("full", "full", None)] if "full" in names else []
+    out += [(label, VARIANTS.get(label, (label, {}))[0], c) for c in budgets for label in names if label != "full"]
+    return out
+
+
+def _groups(budgets, page_sizes, policies=POLICIES):
+    """``(page_size, runs, per_layer)`` for each batch that decodes together: per page size the
+    shared page-level policies (with the full cache) and the per-layer ones (on a LayeredKVCache);
+    the token-level policies, which act after every token, at the first page size only."""
+    out = []
+    for ps in page_sizes:
+        out.append((ps, _runs(budgets, exclude=TOKEN_LEVEL + PER_LAYER, policies=policies), False))
+        out.append((ps, _runs(budgets, only=PER_LAYER, policies=policies), True))
+    out.append((page_sizes[0], _runs(budgets, only=TOKEN_LEVEL, policies=policies), False))
+    return [g for g in out if g[1]]
+
+
+def _policy(label, budget):
+    name, options = VARIANTS.get(label, (label, {}))
+    return make_policy(name, budget, **options)
+
+
+def _pool_pages(runs, page_size, longest):
+    """Pages for all sequences at their bound plus one prompt held whole before its eviction."""
+    need = sum(cdiv(longest, page_size) + 1 if c is None else max_pages_held(c, page_size) for _, _, c in runs)
+    return need + cdiv(longest, page_size) + 1
+
+
+def _session(model, page_size: int, num_pages: int, per_layer: bool) -> PagedSession:
+    """An open session (sdpa backend) over a fresh cache: a `LayeredKVCache` for per-layer policies."""
+    cls = LayeredKVCache if per_layer else PagedKVCache
+    kv = cls.for_model(model, num_pages=num_pages, page_size=page_size)
+    return PagedSession(model, kv=kv, backend="sdpa").open()
+
+
+def _prefill(session: PagedSession, prompt: torch.Tensor) -> int:
+    """A sequence holding ``prompt: [n]`` (no policy): the root every policy's sequence forks from."""
+    root = session.add()
+    session.extend([root], [prompt])
+    return root
+
+
+class _Batch:
+    """One sequence per (policy, budget), forked from a prefilled prompt, decoding together."""
+
+    def __init__(self, session: PagedSession, root: int, runs):
+        self.session, self.cache, self.runs = session, session.kv, runs
+        self.policies = [_policy(label, c) for label, _, c in runs]
+        self.seqs = [session.fork(root, eviction=p) for p in self.policies]  # after_prefill runs here
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens: [batch]`` (one per sequence); returns log-probs ``[batch, vocab]``."""
+        return self._extend(list(tokens[:, None]))[:, 0]
+
+    def feed(self, tokens: torch.Tensor, max_chunk: int = 16):
+        """Feed the same ``tokens: [n]`` to every sequence, in chunks no policy must act inside.
+
+        Yields ``(offset, log-probs [batch, m, vocab])`` per chunk of ``m`` tokens.
+        """
+        i = 0
+        while i < tokens.numel():
+            m = min(
+                tokens.numel() - i,
+                max_chunk,
+                *(p.tokens_until_action(self.cache, s) for s, p in zip(self.seqs, self.policies)),
+            )
+            yield i, self._extend([tokens[i : i + m]] * len(self.seqs))
+            i += m
+
+    def _extend(self, tokens: list[torch.Tensor]) -> torch.Tensor:
+        logits = self.session.extend(self.seqs, tokens, all_logits=True)  # batch x [m, vocab]; hooks ran
+        return torch.log_softmax(torch.stack(logits), dim=-1)  # [batch, m, vocab]
+
+    def region_held(self, i: int, region) -> float:
+        """Share of the original tokens ``region[0] .. region[1]-1`` sequence ``i`` holds now."""
+        lo, hi = region
+        s, p = self.seqs[i], self.policies[i]
+        pos = p.positions(s).reshape(-1, self.cache.seq_len(s))  # [lanes, seq_len]
+        return float(((pos >= lo) & (pos < hi)).sum()) / (pos.shape[0] * (hi - lo))
+
+    def row(self, i):
+        s, p = self.seqs[i], self.policies[i]
+        st = p.stats(s)
+        label, name, c = self.runs[i]
+        return dict(
+            policy=label,
+            budget=c,
+            page_size=self.cache.page_size,
+            tokens_held=self.cache.seq_len(s),
+            pages_held=len(self.cache.pages(s)),
+            max_pages_held=st.max_pages_held,
+            page_bound=None if c is None else max_pages_held(c, self.cache.page_size),
+            kv_bytes_held=len(self.cache.pages(s)) * self.cache.page_bytes,
+            tokens_evicted=st.tokens_evicted,
+            pages_dropped=st.pages_dropped,
+            tokens_moved=st.tokens_moved,
+            max_holes_per_page=round(st.max_holes_per_page, 4),
+        )
+
+    def close(self):
+        for s in self.seqs:
+            self.session.finish(s)  # frees its pages and releases it from its policy
+
+
+def _prefilled_batch(model, prompt: torch.Tensor, runs, page_size: int, longest: int, per_layer: bool) -> _Batch:
+    """A session of its own holding ``prompt`` once, forked into one sequence per run."""
+    session = _session(model, page_size, _pool_pages(runs, page_size, longest), per_layer)
+    root = _prefill(session, prompt)
+    batch = _Batch(session, root, runs)
+    session.finish(root)  # the forks keep the prompt's pages they still share
+    return batch
+
+
+def _close_all(batch: _Batch) -> None:
+    batch.close()
+    batch.session.close()
+    assert batch.cache.allocator.num_free == batch.cache.allocator.num_pages
