@@ -3,9 +3,12 @@
 Measured inside the process that already ran other methods, an RSS rise says more about which
 freed blocks the C allocator had at hand than about the method (the same call rose by 6.7 MB
 in one run and by 0.004 MB in another). Here every (method, context, repeat) gets a process of
-its own: it loads the model, builds the prompt, then runs one ``generate`` call while
-`_PeakRSS` samples the resident-set size every 2 ms; the rise over the RSS just before the call
-is its peak memory (KV cache plus activations).
+its own: it loads the model, runs the same method once on an 8-token prompt (lazy imports and
+other first-call costs, which are not the cache's memory), hands the allocator's free memory
+back to the OS (glibc ``malloc_trim``), then runs one ``generate`` call while `_PeakRSS` samples
+the resident-set size every 2 ms. The rise over the RSS just before the call is the memory the
+call took from the OS at its peak: KV cache (the paged pool, or DynamicCache's tensors) plus
+activations.
 
     python -m paged_ref.bench._generate_memory --method paged_auto --context 2048 --new 32
 
@@ -68,6 +71,18 @@ def _child(method, context, new, model, threads) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _release_free_memory() -> None:
+    """Hand the C allocator's free memory back to the OS (glibc ``malloc_trim``; elsewhere a no-op)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog=f"python -m {__name__}", description=__doc__.split("\n")[0])
     parser.add_argument("--method", choices=METHODS, required=True)
@@ -92,6 +107,9 @@ def main(argv=None) -> dict:
         from ..models import tiny_llama
 
         model, tokenizer = tiny_llama(), None
+    warm, _ = _methods(model, [_prompt(model, tokenizer, 8).tolist()], 2, ("auto",), False)[args.method]
+    warm()  # first-call costs (lazy imports, kernel selection) are not the cache's memory
+    _release_free_memory()  # ... and the warm-up's freed blocks must not serve the measured call
     prompt = _prompt(model, tokenizer, args.context).tolist()
     run, _ = _methods(model, [prompt], args.new, ("auto",), with_generate_batch=False)[args.method]
     with _PeakRSS() as probe:
