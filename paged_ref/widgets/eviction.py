@@ -48,7 +48,7 @@ class RealKV:
 def real_kv(num_tokens: int = WIDGET_TOKENS, start: int = 0) -> RealKV:
     """SmolLM2-135M's cached K (after RoPE) and V for ``num_tokens`` tokens of real English.
 
-    Loads the bundled model (`paged_ref.models.load_smollm2`, ~25 s the first time in a
+    Loads the bundled model (`paged_ref.models.load_smollm2`, ~8 s the first time in a
     process) and prefills the passage once through the paged cache; the result is cached per argument pair.
 
     Args:
