@@ -120,3 +120,6 @@ def test_eviction_benchmark_runs_every_task_and_policy_at_toy_sizes(tmp_path):
         assert row["key_readable"] or not row["key_held"]  # a whole mention held is readable
         if row["policy"] == "full":
             assert row["key_held"] and row["key_readable"] and row["needle_held"] == 1.0
+    window = next(r for r in data["passkey_rows"] if r["policy"] == "streaming_llm")
+    assert window["depth"] == 0.1  # a recent window (first page + newest tokens) cannot hold a key this early
+    assert not window["key_held"] and window["needle_held"] < 1
