@@ -49,6 +49,7 @@ lab: install
 # checkers report "not implemented yet") and with the reference solutions plugged in.
 # The unit tests run in one process per core (pytest-xdist), each on one thread: on two cores
 # a cold run took 221 s against 345 s for one process on two threads (many small tensors).
+# --dist loadfile keeps a file in one worker: the SmolLM2 tests (tests/test_hf_smollm2.py) load it once.
 TEST_WORKERS ?= auto
 test: install-test
 	$(PY) -m ruff check .

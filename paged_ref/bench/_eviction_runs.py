@@ -39,7 +39,6 @@ VARIANTS = {
 }
 TOKEN_LEVEL = ("token_topk", "token_inverse_key_norm")  # act after every token: a batch of their own
 PER_LAYER = ("paged_eviction_per_layer", "paged_eviction_literal_per_layer")  # a LayeredKVCache of their own
-# the long-context continuation: the method as run and as written, per layer, the paper's baselines
 
 
 def _runs(budgets, exclude=(), only=None, policies=POLICIES):

@@ -105,6 +105,7 @@ __all__ = [  # the passkey pieces and the policy lists live in their own modules
     "summarize_passkey",
 ]
 
+# the long-context continuation: the method as run and as written, per layer, the paper's baselines
 LONG_POLICIES = [
     "full",
     "paged_eviction",
