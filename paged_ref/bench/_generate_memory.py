@@ -95,18 +95,11 @@ def main(argv=None) -> dict:
     import torch
 
     from ._generate_contexts import _prompt
-    from .generate import _methods, _PeakRSS
+    from .generate import _methods, _PeakRSS, load_model
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.model == "smollm2":
-        from ..models import load_smollm2
-
-        model, tokenizer = load_smollm2()
-    else:
-        from ..models import tiny_llama
-
-        model, tokenizer = tiny_llama(), None
+    model, tokenizer = load_model(args.model)
     warm, _ = _methods(model, [_prompt(model, tokenizer, 8).tolist()], 2, ("auto",), False)[args.method]
     warm()  # first-call costs (lazy imports, kernel selection) are not the cache's memory
     _release_free_memory()  # ... and the warm-up's freed blocks must not serve the measured call

@@ -96,6 +96,17 @@ class _PeakRSS:
         return self.peak - self.start
 
 
+def load_model(name: str):
+    """``(model, tokenizer)`` for ``--model``: the bundled SmolLM2, or the tiny random Llama without a tokenizer."""
+    if name == "smollm2":
+        from ..models import load_smollm2
+
+        return load_smollm2()
+    from ..models import tiny_llama
+
+    return tiny_llama(), None
+
+
 def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
@@ -289,14 +300,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if args.model == "smollm2":
-        from ..models import load_smollm2
-
-        model, tokenizer = load_smollm2()
-    else:
-        from ..models import tiny_llama
-
-        model, tokenizer = tiny_llama(), None
+    model, tokenizer = load_model(args.model)
     sizes = dict(QUICK if args.quick else FULL)
     if args.repeats is not None:
         sizes["repeats"] = args.repeats
