@@ -50,11 +50,13 @@ lab: install
 # The unit tests run in one process per core (pytest-xdist), each on one thread: on two cores
 # a cold run took 221 s against 345 s for one process on two threads (many small tensors).
 # --dist loadfile keeps a file in one worker: the SmolLM2 tests (tests/test_hf_smollm2.py) load it once.
+# --no-loadscope-reorder hands files out in collection order, which tests/conftest.py sets to
+# slowest first, so that the two workers finish together.
 TEST_WORKERS ?= auto
 test: install-test
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 	$(PY) -m pytest -q --nbval-lax notebooks/
 	PAGED_REF_SOLUTIONS=$(CURDIR)/notebooks/exercises/solutions/solutions.py $(PY) -m pytest -q --nbval-lax notebooks/exercises/
 

@@ -707,12 +707,12 @@ def test_hf_generate_with_eviction_keeps_the_page_bound(tiny1, backend, eviction
 def test_hf_generate_with_budget_above_length_equals_full_cache(tiny1, backend, eviction):
     from paged_ref import hf
 
-    ids = torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(1))
+    # two sequences on the pool of the test above: compiled flex reuses that test's decode shapes
+    ids = torch.randint(3, 512, (2, 9), generator=torch.Generator().manual_seed(1))
     new = HF_NEW_TOKENS[backend]
-    full = hf.generate(tiny1, ids, max_new_tokens=new, backend=backend, page_size=4, eos_token_id=[])
-    evicting = hf.generate(
-        tiny1, ids, max_new_tokens=new, backend=backend, page_size=4, eos_token_id=[], eviction=eviction, budget=9 + new
-    )
+    common = dict(max_new_tokens=new, backend=backend, eos_token_id=[])
+    full = hf.generate(tiny1, ids, kv_cache=_tiny_kv(tiny1, 64, 4), **common)
+    evicting = hf.generate(tiny1, ids, kv_cache=_tiny_kv(tiny1, 64, 4), eviction=eviction, budget=9 + new, **common)
     assert torch.equal(evicting, full)
 
 
