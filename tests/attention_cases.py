@@ -23,7 +23,7 @@ Usage:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -208,18 +208,28 @@ def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 COMPILED_DECODE_CASE = dict(batch=4, page_size=16, num_kv_heads=2, group=4, head_dim=64, seq_lens=[17, 300, 1024, 64])
 
 
-def poison_all_but_one(case, keep: int):
-    """NaN in K, Inf in V of every page sequence ``keep`` does not use (spare pages, other
-    sequences' pages, the pages padding entries name); returns the one-row problem."""
+def per_row_copies(case: PagedCase, poison: bool = True) -> PagedCase:
+    """The same problem with one copy of the cache per sequence: row ``b`` reads copy ``b``.
+    With ``poison``, every page of copy ``b`` that row ``b`` does not use (spare pages, other
+    sequences' pages, the pages padding entries name) holds NaN in K and Inf in V: one batched
+    call then shows that no row reads a slot outside its own pages, not even one it masks out."""
     num_pages, page_size = case.k_cache.shape[:2]
-    n = int(case.seq_lens[keep])
-    own = case.block_table[keep, : -(-n // page_size)].long()
-    foreign = torch.ones(num_pages, dtype=torch.bool)
-    foreign[own] = False
-    k, v = case.k_cache.clone(), case.v_cache.clone()
-    k[foreign], v[foreign] = float("nan"), float("inf")
-    rows = slice(keep, keep + 1)
-    return k, v, case.block_table[rows], case.seq_lens[rows]
+    batch = len(case.k_logical)
+    k = case.k_cache.repeat(batch, 1, 1, 1)  # [batch * num_pages, page_size, Hkv, D]
+    v = case.v_cache.repeat(batch, 1, 1, 1)  # [batch * num_pages, page_size, Hkv, D]
+    table = case.block_table.clone()  # int32 [batch, max_pages]
+    for b, n in enumerate(case.seq_lens.tolist()):
+        ids = table[b]
+        own = torch.zeros(batch * num_pages, dtype=torch.bool)
+        own[ids[: -(-n // page_size)].long() + b * num_pages] = True
+        foreign = torch.zeros_like(own)
+        foreign[b * num_pages : (b + 1) * num_pages] = True
+        foreign &= ~own
+        if poison:
+            k[foreign], v[foreign] = float("nan"), float("inf")
+        # valid ids move into copy b; ids past the end of the cache stay past the end
+        table[b] = torch.where(ids < 0, ids, ids + torch.where(ids < num_pages, b, batch - 1) * num_pages)
+    return replace(case, k_cache=k, v_cache=v, block_table=table)
 
 
 # ---- bad inputs: every error names the argument --------------------------------------------

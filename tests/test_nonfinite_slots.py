@@ -1,13 +1,16 @@
 """Slots outside a sequence never reach its output, whatever they hold (vLLM's kernel tests ask
 the same): NaN/Inf in pages nobody owns, in other sequences' pages, in stale freed pages and in
-block-table padding. Every block-sparse backend is immune by itself (flex compiled, with its
-page-aligned default blocks); eager flex on CPU reads the whole cache, and `PagedKVCache`
-keeps every slot that holds no token at zero, which covers stale pages and unwritten tails.
+block-table padding. Each batch runs in one call, every row on its own copy of the cache
+poisoned outside its pages (`attention_cases.per_row_copies`). Every block-sparse backend is
+immune by itself (flex compiled, with its page-aligned default blocks); sdpa gathers whole pages
+and padding, and zeroes the K/V it gathered past each row's length; eager flex on CPU reads the
+whole cache, and `PagedKVCache` keeps every slot that holds no token at zero, which covers stale
+pages and unwritten tails.
 """
 
 import pytest
 import torch
-from attention_cases import COMPILED_DECODE_CASE, make_decode_case, make_prefill_case, poison_all_but_one, rel_error
+from attention_cases import COMPILED_DECODE_CASE, make_decode_case, make_prefill_case, per_row_copies, rel_error
 
 import paged_ref as pr
 from paged_ref.attention.flex import flex_paged_decode
@@ -30,26 +33,35 @@ CACHE_DECODERS = {**DECODERS, "flex": compiled(flex_paged_decode), "flex eager":
 @pytest.mark.parametrize("backend", sorted(DECODERS))
 @pytest.mark.parametrize("page_size", [1, 16, 64])
 def test_decode_ignores_nonfinite_unowned_pages(backend, page_size):
-    case = make_decode_case(seed=page_size, batch=4, page_size=page_size, num_kv_heads=2, group=4, head_dim=32)
-    expected = case.expected()
-    for b in range(4):
-        k, v, table, lens = poison_all_but_one(case, b)
-        out = DECODERS[backend](case.q[b : b + 1], k, v, table, lens)
-        assert torch.isfinite(out).all(), (backend, b)
-        assert rel_error(out, expected[b : b + 1]) < 1e-4
+    case = per_row_copies(
+        make_decode_case(seed=page_size, batch=4, page_size=page_size, num_kv_heads=2, group=4, head_dim=32)
+    )
+    out = DECODERS[backend](*case.args)
+    assert torch.isfinite(out).all(), backend
+    assert rel_error(out, case.expected()) < 1e-4
+
+
+# ragged new tokens after a cached prefix (a masked prefill); whole fresh prompts (sdpa's causal path)
+PREFILL_SHAPES = {
+    "chunks": dict(max_q_len=6),
+    "prompts": dict(seq_lens=[5, 9, 3], q_lens=[5, 9, 3], max_q_len=9),
+}
 
 
 @pytest.mark.parametrize("backend", sorted(PREFILLERS))
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_prefill_ignores_nonfinite_unowned_pages(backend, page_size):
-    case = make_prefill_case(seed=3, batch=3, page_size=page_size, num_kv_heads=2, group=2, head_dim=32, max_q_len=6)
+@pytest.mark.parametrize("shape", sorted(PREFILL_SHAPES))
+def test_prefill_ignores_nonfinite_unowned_pages(backend, page_size, shape):
+    case = per_row_copies(
+        make_prefill_case(
+            seed=3, batch=3, page_size=page_size, num_kv_heads=2, group=2, head_dim=32, **PREFILL_SHAPES[shape]
+        )
+    )
+    out = PREFILLERS[backend](*case.args)
     expected = case.expected()
-    for b in range(3):
-        k, v, table, lens = poison_all_but_one(case, b)
-        m = int(case.q_lens[b])
-        out = PREFILLERS[backend](case.q[b : b + 1], k, v, table, lens, case.q_lens[b : b + 1])
-        assert torch.isfinite(out[:, :, :m]).all(), (backend, b)
-        assert rel_error(out[:, :, :m], expected[b : b + 1, :, :m]) < 1e-4
+    for b, m in enumerate(case.q_lens.tolist()):  # padding rows are unspecified
+        assert torch.isfinite(out[b, :, :m]).all(), (backend, b)
+        assert rel_error(out[b, :, :m], expected[b, :, :m]) < 1e-4, (backend, b)
 
 
 @pytest.mark.parametrize("backend", sorted(CACHE_DECODERS))
@@ -82,9 +94,7 @@ def test_through_the_cache_stale_pages_do_not_leak(backend):
 def test_flex_limits_blocks_larger_than_pages_and_eager_flex_read_foreign_slots():
     """The documented limits: a 128-token block over 16-token pages reads foreign slots, and
     eager flex (CPU) reads the whole cache; a live neighbour's NaN then leaks."""
-    case = make_decode_case(seed=16, **COMPILED_DECODE_CASE)  # test_flex_compiled's shapes: compiled there
-    k, v, table, lens = poison_all_but_one(case, 0)
-    args = (case.q[:1], k, v, table, lens)
-    assert torch.isfinite(flex_paged_decode(*args, compiled=True)).all()
-    assert torch.isnan(flex_paged_decode(*args, kv_block_size=128, compiled=True)).any()
-    assert torch.isnan(flex_paged_decode(*args)).any()
+    case = per_row_copies(make_decode_case(seed=16, **COMPILED_DECODE_CASE))  # test_flex_compiled's shapes
+    assert torch.isfinite(flex_paged_decode(*case.args, compiled=True)).all()
+    assert torch.isnan(flex_paged_decode(*case.args, kv_block_size=128, compiled=True)).any()
+    assert torch.isnan(flex_paged_decode(*case.args)).any()

@@ -44,6 +44,10 @@ class SlotGather(NamedTuple):
     tokens are all its tokens), so query ``i`` sees keys ``0..i`` and a padded key is seen only by
     padding rows; SDPA then skips the upper triangle (half the work of a masked prefill).
     padded_rows: some rows have fewer new tokens than ``q_len`` (their padding rows are zeroed).
+    padding: bool ``[batch, max_kv]``, True where a row's gathered K/V is not its own token (past
+    its length: another sequence's slot, or its last page's unwritten tail), or None when there
+    is none. Those K/V are zeroed after the gather: a masked score gets weight 0, but 0 x Inf
+    or 0 x NaN in a neighbour's V would still be NaN.
     """
 
     slots: torch.Tensor | None
@@ -53,6 +57,7 @@ class SlotGather(NamedTuple):
     pages: torch.Tensor | None = None
     start: int | None = None
     max_kv: int = 0
+    padding: torch.Tensor | None = None
 
 
 def prepare(
@@ -74,32 +79,38 @@ def prepare(
     max_kv = int(lens.max())
     t = torch.arange(max_kv, device=block_table.device)  # [max_kv] logical token index
     in_seq = t[None, :] < lens[:, None]  # [batch, max_kv]
+    padding = None if bool(in_seq.all()) else ~in_seq  # [batch, max_kv]
     if q_lens is None:  # decode reads whole pages (`_attend_decode`): no per-token slot map
-        mask = None if bool(in_seq.all()) else in_seq[:, None, None, :]  # [batch, 1, 1, max_kv]
+        mask = None if padding is None else in_seq[:, None, None, :]  # [batch, 1, 1, max_kv]
         n_pages = cdiv(max_kv, page_size)
         used = torch.arange(n_pages, device=lens.device)[None, :] < cdiv(lens, page_size)[:, None]
         pages = torch.where(used, block_table[:, :n_pages].long(), 0)  # [batch, n_pages]
         start = None
         if pages.shape[0] == 1 and bool((pages[0, 1:] - pages[0, :-1] == 1).all()):
             start = int(pages[0, 0]) * page_size  # consecutive pages: one run of slots
-        return SlotGather(None, mask, pages=pages, start=start, max_kv=max_kv)
+        return SlotGather(None, mask, pages=pages, start=start, max_kv=max_kv, padding=padding)
     page_col = (t // page_size).clamp(max=block_table.shape[1] - 1)
     slots = block_table.long()[:, page_col] * page_size + t % page_size  # [batch, max_kv]
     slots = torch.where(in_seq, slots, 0)  # padding reads slot 0, masked out below
     padded_rows = bool((q_lens < q_len).any())
     if bool((q_lens.long() == lens).all()) and q_len == max_kv:  # whole fresh prompts
-        return SlotGather(slots, None, causal=True, padded_rows=padded_rows)
+        return SlotGather(slots, None, causal=True, padded_rows=padded_rows, padding=padding)
     q_pos = (lens - q_lens.long())[:, None] + torch.arange(q_len, device=lens.device)  # [batch, q_len]
     mask = (t[None, None, :] <= q_pos[:, :, None]) & in_seq[:, None, :]  # [batch, q_len, max_kv]
-    return SlotGather(slots, mask[:, None], padded_rows=padded_rows)  # mask [batch, 1, q_len, max_kv]
+    # mask [batch, 1, q_len, max_kv]
+    return SlotGather(slots, mask[:, None], padded_rows=padded_rows, padding=padding)
 
 
 def _attend(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tensor:
     """q: [batch, Hq, q_len, D] -> [batch, Hq, q_len, D]."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     flat = (-1, num_kv_heads, head_dim)
-    k = k_cache.view(flat)[gather.slots].transpose(1, 2)  # [batch, Hkv, max_kv, D]
-    v = v_cache.view(flat)[gather.slots].transpose(1, 2)  # [batch, Hkv, max_kv, D]
+    k = k_cache.view(flat)[gather.slots]  # [batch, max_kv, Hkv, D], a copy
+    v = v_cache.view(flat)[gather.slots]  # [batch, max_kv, Hkv, D], a copy
+    if gather.padding is not None:
+        k.masked_fill_(gather.padding[:, :, None, None], 0.0)
+        v.masked_fill_(gather.padding[:, :, None, None], 0.0)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # [batch, Hkv, max_kv, D]
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=gather.mask, is_causal=gather.causal, scale=scale, enable_gqa=q.shape[1] != num_kv_heads
     )
@@ -171,6 +182,8 @@ def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float) -> tor
     flat = gather.pages.reshape(-1)  # [batch * n_pages]
     k = k_cache.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim)[:, :max_kv]  # [B, T, Hkv, D]
     v = v_cache.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim)[:, :max_kv]
+    if gather.padding is not None:  # the masked scores are -inf below; their V must be finite
+        v.masked_fill_(gather.padding[:, :, None, None], 0.0)
     if batch == 1:  # gathered pages of one sequence: the same chunked path as in place
         return attend_chunked(q[0], k[0], v[0], scale)[None]  # [1, Hq, D]
     qg = q.view(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
