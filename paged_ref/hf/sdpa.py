@@ -91,7 +91,7 @@ def prepare(
         return SlotGather(None, mask, pages=pages, start=start, max_kv=max_kv, padding=padding)
     page_col = (t // page_size).clamp(max=block_table.shape[1] - 1)
     slots = block_table.long()[:, page_col] * page_size + t % page_size  # [batch, max_kv]
-    slots = torch.where(in_seq, slots, 0)  # padding reads slot 0, masked out below
+    slots = torch.where(in_seq, slots, 0)  # padding reads slot 0: zeroed in `_attend`, masked
     padded_rows = bool((q_lens < q_len).any())
     if bool((q_lens.long() == lens).all()) and q_len == max_kv:  # whole fresh prompts
         return SlotGather(slots, None, causal=True, padded_rows=padded_rows, padding=padding)
