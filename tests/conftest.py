@@ -1,7 +1,7 @@
 """Run order for the test session: the slowest files first.
 
 `make test` spreads whole files over pytest-xdist's workers (`--dist loadfile`) in collection
-order (`--no-loadscopereorder`); handing out the long files first lets the workers finish
+order (`--no-loadscope-reorder`); handing out the long files first lets the workers finish
 together instead of one waiting for a long file that came last.
 """
 
