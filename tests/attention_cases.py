@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
+from paged_ref.block_table import pages_needed
 from paged_ref.check.cases import scatter_sequences
 
 # (num_kv_heads, group): query heads = num_kv_heads * group. GQA ratios 1, 2, 4, 8 and MQA.
@@ -221,7 +222,7 @@ def per_row_copies(case: PagedCase, poison: bool = True) -> PagedCase:
     for b, n in enumerate(case.seq_lens.tolist()):
         ids = table[b]
         own = torch.zeros(batch * num_pages, dtype=torch.bool)
-        own[ids[: -(-n // page_size)].long() + b * num_pages] = True
+        own[ids[: pages_needed(n, page_size)].long() + b * num_pages] = True
         foreign = torch.zeros_like(own)
         foreign[b * num_pages : (b + 1) * num_pages] = True
         foreign &= ~own

@@ -36,7 +36,7 @@ class SlotGather(NamedTuple):
     """Per-step gather plan.
 
     slots: int64 ``[batch, max_kv]`` (prefill; None in decode). mask: bool ``[batch, 1, q_len,
-    max_kv]`` or None. max_kv: the longest sequence (decode).
+    max_kv]`` (prefill) or None (decode masks by ``padding``). max_kv: the longest sequence (decode).
     pages: int64 ``[batch, max_pages_used]`` (decode: gathered a page at a time; padding -> 0).
     start: decode of one sequence whose pages are consecutive: its first slot (its K/V are then
     read in place, no copy); else None.
@@ -80,15 +80,14 @@ def prepare(
     t = torch.arange(max_kv, device=block_table.device)  # [max_kv] logical token index
     in_seq = t[None, :] < lens[:, None]  # [batch, max_kv]
     padding = None if bool(in_seq.all()) else ~in_seq  # [batch, max_kv]
-    if q_lens is None:  # decode reads whole pages (`_attend_decode`): no per-token slot map
-        mask = None if padding is None else in_seq[:, None, None, :]  # [batch, 1, 1, max_kv]
+    if q_lens is None:  # decode reads whole pages (`_attend_decode`), masked by `padding`: no slot map
         n_pages = cdiv(max_kv, page_size)
         used = torch.arange(n_pages, device=lens.device)[None, :] < cdiv(lens, page_size)[:, None]
         pages = torch.where(used, block_table[:, :n_pages].long(), 0)  # [batch, n_pages]
         start = None
         if pages.shape[0] == 1 and bool((pages[0, 1:] - pages[0, :-1] == 1).all()):
             start = int(pages[0, 0]) * page_size  # consecutive pages: one run of slots
-        return SlotGather(None, mask, pages=pages, start=start, max_kv=max_kv, padding=padding)
+        return SlotGather(None, None, pages=pages, start=start, max_kv=max_kv, padding=padding)
     page_col = (t // page_size).clamp(max=block_table.shape[1] - 1)
     slots = block_table.long()[:, page_col] * page_size + t % page_size  # [batch, max_kv]
     slots = torch.where(in_seq, slots, 0)  # padding reads slot 0: zeroed in `_attend`, masked
@@ -191,8 +190,8 @@ def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float) -> tor
     if scores.dtype in (torch.float16, torch.bfloat16):
         scores = scores.float()  # softmax in fp32
     scores = scores * scale
-    if gather.mask is not None:
-        scores = scores.masked_fill(~gather.mask, float("-inf"))  # mask [B, 1, 1, T]
+    if gather.padding is not None:
+        scores = scores.masked_fill(gather.padding[:, None, None, :], float("-inf"))  # padding [B, T]
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     out = torch.matmul(probs, v.transpose(1, 2))  # [B, Hkv, G, D]
     return out.reshape(batch, num_q_heads, head_dim)
