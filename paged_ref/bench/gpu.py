@@ -27,7 +27,8 @@ figures     15 s      PNGs from the two JSON files (``python -m paged_ref.viz.ru
 
 Each budget is 1.5x an estimate of the section's compile and run time (`estimates`: compile
 counts measured without a GPU, times per compile measured on a CPU or stated as assumptions),
-and the plan (budgets + 15 s to start) is checked against 360 s before anything runs. A
+and the plan (budgets + 15 s to start) is checked against 360 s before anything runs. The dry
+run gives each section 4x its GPU budget: a CPU compiles flex far more slowly. A
 section whose JSON lists errors is reported as "errors" (with them) rather than "ok"; one
 killed at its budget keeps what its benchmark had written (benchmarks save as they go, marked
 ``"complete": false``). Where a section cannot run it says why and the next one starts. DIR
@@ -61,6 +62,8 @@ PLAN_LIMIT_S = 360.0  # six minutes: two runs fit a 15-minute loan with its star
 STARTUP_S = 15.0  # interpreter and imports before the first section
 MAX_FILES = 8
 MARGIN = 1.5  # each section's budget over its estimate
+DRY_RUN_SLACK = 4  # the dry run's budgets over the GPU's: a CPU compiles flex through inductor's C++
+#                    template (5-60 s a shape on 2 cores, where the GPU plan assumes 5.4 s)
 
 # What each section's estimate is made of. Counts are measured without a GPU; per-item seconds
 # were measured on the project's 2-core machine (a loaded one) where they can be, else assumed.
@@ -92,8 +95,8 @@ def estimates() -> dict[str, tuple[float, str]]:
     return {
         "compile": (
             REPLAY_RECORD_S + waves * TRITON_COMPILE_S + PYTEST_START_S,
-            f"record {REPLAY_RECORD_S:.0f} s + {compiles} compiles (counted per section) in {waves} waves of {GPU_CORES} x "
-            f"{TRITON_COMPILE_S} s + pytest {PYTEST_START_S:.0f} s",
+            f"record {REPLAY_RECORD_S:.0f} s + {compiles} compiles (counted per section) in {waves} waves of "
+            f"{GPU_CORES} x {TRITON_COMPILE_S} s + pytest {PYTEST_START_S:.0f} s",
         ),
         "tests": (
             TRITON_LAUNCHERS["tests"] * LAUNCHER_S + 21 + PYTEST_START_S,
@@ -141,7 +144,8 @@ def plan(out: Path, *, dry_run: bool) -> list[Section]:
     """The sections of a run writing into ``out`` (toy sizes on the CPU with ``dry_run``).
 
     Budgets are ``MARGIN`` x each section's estimate (`estimates`), rounded up to 5 s. The dry
-    run keeps the GPU plan's budgets and runs the CPU versions of the same commands: the replay
+    run runs the CPU versions of the same commands with ``DRY_RUN_SLACK`` times those budgets
+    (it rehearses the orchestration; only the GPU plan has to fit ``PLAN_LIMIT_S``): the replay
     of the Triton launches without compiling them (CI compiles them in the unit tests), the
     gpu-marked tests (none run without CUDA), the benchmarks at toy sizes.
     """
@@ -165,7 +169,8 @@ def plan(out: Path, *, dry_run: bool) -> list[Section]:
 
     def section(name, command, produces=()):
         estimate = est[name][0]
-        return Section(name, 5 * math.ceil(MARGIN * estimate / 5), command, produces, estimate)
+        budget = 5 * math.ceil(MARGIN * estimate / 5)
+        return Section(name, budget * (DRY_RUN_SLACK if dry_run else 1), command, produces, estimate)
 
     return [
         section("compile", compile_cmd),
@@ -303,11 +308,12 @@ def main(argv=None) -> dict:
     print(_precheck_line(check), flush=True)
     sections = plan(out, dry_run=args.dry_run)
     planned = planned_seconds(sections)
-    if planned > PLAN_LIMIT_S:
+    if planned > PLAN_LIMIT_S and not args.dry_run:
         raise SystemExit(f"plan needs {planned:.0f} s, over the {PLAN_LIMIT_S:.0f} s limit")
     print(
         f"plan: {', '.join(f'{s.name} {s.budget_s:.0f} s' for s in sections)}; "
-        f"{planned:.0f} s of {PLAN_LIMIT_S:.0f} s with start-up"
+        f"{planned:.0f} s with start-up"
+        + (f" (dry run: {DRY_RUN_SLACK}x the GPU budgets)" if args.dry_run else f" of {PLAN_LIMIT_S:.0f} s")
     )
     start = time.monotonic()
     rows, record = [], []
