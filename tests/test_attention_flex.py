@@ -270,6 +270,43 @@ def test_compiled_on_cuda(page_size, dtype, tol):
         assert rel_error(out.cpu(), case.expected()) < tol
 
 
+def _on_cuda(case):
+    return [t.cuda() if isinstance(t, torch.Tensor) else t for t in case.args]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+def test_compiled_prefill_of_128_tokens_and_more_on_16_token_pages(dtype, tol):
+    """128+ query rows: torch's general flex kernel (its decoding kernel takes fewer than 128),
+    whose default tiles do not divide 16-token KV blocks (`cuda_kernel_options`)."""
+    case = make_prefill_case(
+        seed=21,
+        batch=3,
+        page_size=16,
+        num_kv_heads=2,
+        group=4,
+        head_dim=128,
+        max_q_len=200,
+        seq_lens=[200, 300, 129],
+        q_lens=[200, 150, 128],
+        dtype=dtype,
+    )
+    out = flex_paged_prefill(*_on_cuda(case))
+    assert rel_error(out.cpu(), case.expected()) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_decode_as_the_batch_changes():
+    """Batch 1, then 8, then 3: dynamo recompiles with a symbolic batch, and torch's general
+    flex kernel (not its decoding kernel) takes the symbolic batch."""
+    for batch, seed, lens in ((1, 31, [77]), (8, 32, None), (3, 33, None)):
+        case = make_decode_case(seed, batch, 16, 2, 4, 128, seq_lens=lens, dtype=torch.bfloat16)
+        out = flex_paged_decode(*_on_cuda(case))
+        assert rel_error(out.cpu(), case.expected()) < 1e-2, batch
+
+
 # --- reuse of a BlockMask, empty prefill, page ids past the cache --------------------------
 def test_block_mask_built_for_another_table_is_refused():
     case = make_decode_case(seed=5, batch=3, page_size=4, num_kv_heads=1, group=2, head_dim=8)

@@ -10,24 +10,33 @@ from paged_ref.bench import gpu
 
 def test_dry_run_runs_every_section_and_fits_the_plan(tmp_path, capsys):
     data = gpu.main(["--dry-run", "--out", str(tmp_path)])
-    assert data["planned_s"] <= gpu.PLAN_LIMIT_S
+    gpu_plan = gpu.plan(tmp_path, dry_run=False)
+    assert data["planned_s"] - gpu.STARTUP_S == gpu.DRY_RUN_SLACK * (gpu.planned_seconds(gpu_plan) - gpu.STARTUP_S)
     statuses = {s["section"]: s["status"] for s in data["sections"]}
-    assert statuses == {"tests": "ok", "decode": "ok", "scaling": "ok", "figures": "ok"}, data["sections"]
+    assert statuses == {s: "ok" for s in ("compile", "tests", "flex", "decode", "scaling", "figures")}, data["sections"]
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["decode_cpu.json", "gpu.log", "gpu_run.json", "scaling_cpu.json", "scaling_latency_cpu.png"]
     assert len(files) <= gpu.MAX_FILES
     record = json.loads((tmp_path / "gpu_run.json").read_text())
-    assert record["dry_run"] and record["environment"]["torch"]
-    assert "section  status" in capsys.readouterr().out  # the summary table
+    assert record["dry_run"] and record["environment"]["torch"] and record["complete"]
+    assert set(record["precheck"]) == {"driver", "cuda", "torch", "triton", "c_compiler", "python_headers"}
+    for name in ("decode_cpu.json", "scaling_cpu.json"):
+        assert json.loads((tmp_path / name).read_text())["complete"], name
+    printed = capsys.readouterr().out
+    assert "section  status" in printed  # the summary table
+    assert printed.startswith("pre-check: driver ") and "torch " in printed.splitlines()[0]
 
 
 def test_the_gpu_plan_runs_the_full_benchmarks_within_six_minutes(tmp_path):
     sections = gpu.plan(tmp_path, dry_run=False)
     assert gpu.planned_seconds(sections) <= 360
+    for s in sections:  # every budget is at least 1.5x the section's estimated compile + run time
+        assert s.budget_s >= 1.5 * s.estimate_s, (s.name, s.budget_s, s.estimate_s)
     commands = {s.name: s.command for s in sections if s.command}
     assert commands["decode"][3:5] == ["decode", "--budget-s"] and "--quick" not in commands["decode"]
     assert "--gpu" in commands["scaling"] and "--quick" not in commands["scaling"]
-    assert "gpu" in commands["tests"]
+    assert "gpu" in commands["tests"] and "gpu" in commands["flex"]
+    assert "compiles_for_sm_90" in commands["compile"]
     assert [f for s in sections for f in s.produces] == [
         "decode_gpu.json",
         "scaling_gpu.json",
@@ -50,3 +59,23 @@ def test_without_a_gpu_the_real_run_refuses_and_points_to_the_dry_run(tmp_path):
         pytest.skip("a GPU is present")
     with pytest.raises(SystemExit):
         gpu.main(["--out", str(tmp_path)])
+
+
+def test_a_section_whose_json_lists_errors_is_reported_as_errors(tmp_path):
+    (tmp_path / "x.json").write_text(json.dumps({"models": {"m": {"errors": ["ladder flex: ValueError: boom"]}}}))
+    section = gpu.Section("x", 5, [sys.executable, "-c", "pass"], produces=("x.json",))
+    errors, incomplete = gpu._read_errors(tmp_path, section)
+    assert errors == ["x.json: ladder flex: ValueError: boom"] and incomplete == []
+    (tmp_path / "x.json").write_text(json.dumps({"errors": [], "complete": False}))
+    assert gpu._read_errors(tmp_path, section) == ([], ["x.json"])
+
+
+@pytest.mark.parametrize("bad", ["", "file", "file/sub", "x" * 300])
+def test_a_bad_out_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys, bad):
+    """`--out ''`, a file, a folder under a file, a name too long: refused at once (exit 2)."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(gpu, "plan", lambda *a, **k: pytest.fail("planned despite a bad --out"))
+    with pytest.raises(SystemExit) as exit:
+        gpu.main(["--dry-run", "--out", bad])
+    assert exit.value.code == 2 and "--out" in capsys.readouterr().err

@@ -302,7 +302,8 @@ def test_interpreter_runs_even_if_triton_imported_first_and_disabled():
 
 def test_import_and_call_leave_the_process_as_it_was():
     """Importing paged_ref and running the kernel change neither os.environ nor triton.language
-    (its @jit helpers stay the objects they were; the interpreter knob keeps its value)."""
+    (its @jit helpers stay the objects they were; the interpreter knob keeps its value; the
+    interpreter's own `_patch_lang_tensor` is put back and `tl.tensor` has no `__index__` left)."""
     result = _run_python("""
         import os, sys, torch
         import triton, triton.language as tl
@@ -312,8 +313,10 @@ def test_import_and_call_leave_the_process_as_it_was():
                     if m is not None and (n == "triton.language" or n.startswith("triton.language."))}
             return {(n, a): id(v) for n, m in mods.items() for a, v in vars(m).items()}
 
+        from triton.runtime import interpreter
         env, lang = dict(os.environ), snapshot()
         knob = triton.knobs.runtime.interpret if hasattr(triton, "knobs") else None
+        patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
         import paged_ref as pr
         q, kc = torch.randn(2, 4, 16), torch.randn(3, 4, 2, 16)
         bt = torch.tensor([[2, 0], [1, 0]], dtype=torch.int32)
@@ -326,6 +329,8 @@ def test_import_and_call_leave_the_process_as_it_was():
         assert not changed, f"triton.language changed: {changed[:5]}"
         assert (triton.knobs.runtime.interpret if hasattr(triton, "knobs") else None) == knob
         assert not isinstance(tl.max, type(None))
+        assert getattr(interpreter, "_patch_lang_tensor", None) is patch_tensor, "interpreter changed"
+        assert not hasattr(tl.tensor, "__index__"), "tl.tensor kept the interpreter's __index__"
         print("ok")
     """)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -51,7 +51,10 @@ mix pages: then every slot of the cache must hold finite numbers.
 
 On CUDA, ``flex_attention`` is compiled once per process (``torch.compile``) and reused; on
 CPU it runs eagerly unless ``compiled=True`` (inductor's C++ template, block sparse like the
-GPU kernel; seconds to compile per new shape). Eager FlexAttention evaluates the ``mask_mod``
+GPU kernel; seconds to compile per new shape). torch's CUDA kernels walk a BlockMask block in
+tiles of ``BLOCK_M`` queries by ``BLOCK_N`` keys, which must divide the block sizes: its
+default tiles (64 or 128 keys) do not divide a 16-token KV block, so every CUDA call passes
+the tile of :func:`cuda_kernel_options`. Eager FlexAttention evaluates the ``mask_mod``
 on every element and ignores the BlockMask's sparsity, so :func:`block_mask_visits` replays the
 BlockMask the way a block-sparse kernel reads it; the tests use it to check the physical
 BlockMask on CPU. Being dense, eager flex also reads every slot of the cache: it stays finite
@@ -62,6 +65,7 @@ K/V a model wrote as NaN or Inf for some other sequence would leak).
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
@@ -76,11 +80,12 @@ from torch.nn.attention.flex_attention import (
 
 from paged_ref.attention.reference import check_paged_inputs, check_prefill_inputs
 
-from .._arith import cdiv
+from .._arith import cdiv, next_pow2
 
 __all__ = [
     "PagedBlockMasks",
     "block_mask_visits",
+    "cuda_kernel_options",
     "default_kv_block_size",
     "flex_paged_decode",
     "flex_paged_prefill",
@@ -450,16 +455,65 @@ def _flex_for(device: torch.device, compiled: bool | None = None):
         # static shapes: the CPU template's dynamic-shape code does not build (torch 2.13), and a
         # decode step keeps its shapes, so each (batch, cache) shape compiles once
         compiled_flex = torch.compile(flex_attention, dynamic=device.type != "cpu")
+        # Past torch's default of 8 compiles per function, dynamo silently falls back to eager
+        # flex, which is dense (reads every slot). Allow more shapes, and fail loudly rather
+        # than fall back: a caller asking for the compiled path gets it or an error. The patch
+        # is built once per thread and entered on every call (building one per call leaves
+        # objects behind in torch's config machinery; one object may not be entered twice at
+        # once in torch 2.11, hence one per thread).
+        limits = threading.local()
 
         def call(*args, **kwargs):
-            # Past torch's default of 8 compiles per function, dynamo silently falls back to
-            # eager flex, which is dense (reads every slot). Allow more shapes, and fail loudly
-            # rather than fall back: a caller asking for the compiled path gets it or an error.
-            with torch._dynamo.config.patch(recompile_limit=COMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            patch = getattr(limits, "patch", None)
+            if patch is None:
+                patch = limits.patch = torch._dynamo.config.patch(
+                    recompile_limit=COMPILE_LIMIT, fail_on_recompile_limit_hit=True
+                )
+            with patch:
                 return compiled_flex(*args, **kwargs)
 
         _COMPILED_FLEX[device.type] = call
     return _COMPILED_FLEX[device.type]
+
+
+def cuda_kernel_options(
+    dtype: torch.dtype, head_dim: int, q_len: int, group: int, block_size: tuple[int, int]
+) -> dict[str, int]:
+    """The query x key tile (``BLOCK_M`` x ``BLOCK_N``) compiled flex uses on CUDA.
+
+    torch compiles flex into one of two kernels: a decoding kernel (fewer than 128 query rows,
+    static batch and heads, a power-of-two GQA group) that packs ``q_len * group`` query rows
+    of one KV head into a tile, and a general one (everything else, e.g. a prefill chunk or a
+    batch that dynamo made symbolic). Both read a BlockMask block ``(q_block, kv_block)`` in
+    whole tiles, so ``BLOCK_M`` must divide ``q_block`` and ``BLOCK_N`` divide ``kv_block``;
+    the general kernel raises otherwise, and torch's default tiles for sm_80/sm_90 (64 or 128
+    keys) do not divide a 16-token KV block. The tile chosen here divides both block sizes and
+    is never larger than torch's own defaults for 16-bit and float32 inputs up to head_dim 128
+    (so it fits the shared memory theirs fits): ``BLOCK_N`` at most 64 keys (32 for float32,
+    half that past head_dim 128); ``BLOCK_M`` the query rows of one KV head rounded up to a
+    power of two (the decoding kernel's own choice, a multiple of the group), at most 128 (32
+    for float32 or past head_dim 128). ``tests/test_flex_cuda_tiles.py`` checks this against
+    torch's CUDA heuristics for every shape the GPU run uses.
+
+    Args:
+        dtype, head_dim: of the queries.
+        q_len: query rows per sequence (1 for decode).
+        group: query heads per KV head.
+        block_size: the BlockMask's ``(q_block, kv_block)``.
+
+    Example:
+        >>> cuda_kernel_options(torch.bfloat16, 128, 1, 4, (128, 16))
+        {'BLOCK_M': 16, 'BLOCK_N': 16}
+        >>> cuda_kernel_options(torch.bfloat16, 64, 1024, 4, (128, 128))
+        {'BLOCK_M': 128, 'BLOCK_N': 64}
+    """
+    q_block, kv_block = block_size
+    wide = dtype.itemsize <= 2 and head_dim <= 128  # torch's defaults: 128-row tiles here
+    cap_m = 128 if wide else 32
+    cap_n = (64 if dtype.itemsize <= 2 else 32) // (2 if head_dim > 128 else 1)
+    rows = min(next_pow2(q_len * group), cap_m)  # the query rows of one KV head, capped
+    block_m = max(16, next_pow2(group), rows)  # 16: tl.dot's smallest; whole groups for decoding
+    return {"BLOCK_M": min(q_block, block_m), "BLOCK_N": min(kv_block, cap_n)}
 
 
 def _eager_flex(*args, **kwargs):
@@ -511,7 +565,11 @@ def _flex_paged(q4, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_b
     k = k_cache.view(1, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.view(1, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
     flex = _flex_for(q4.device, compiled)
-    return flex(q4, k, v, block_mask=block_mask, scale=scale, enable_gqa=q4.shape[1] != num_kv_heads)
+    options = {}
+    if flex is not _eager_flex and q4.device.type == "cuda":
+        group = q4.shape[1] // num_kv_heads
+        options["kernel_options"] = cuda_kernel_options(q4.dtype, head_dim, q_len, group, block_mask.BLOCK_SIZE)
+    return flex(q4, k, v, block_mask=block_mask, scale=scale, enable_gqa=q4.shape[1] != num_kv_heads, **options)
 
 
 def flex_paged_decode(

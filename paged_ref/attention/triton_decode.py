@@ -124,7 +124,14 @@ def _interpreter():
     afterwards every attribute of triton.language (and the knob, and the TRITON_INTERPRET
     variable that setting the knob writes) is restored. A lock keeps two threads from
     interleaving.
+
+    The interpreter holds a scalar as a 1-element array, and some Triton versions (3.6) turn
+    it into a Python int with ``int(array)``, which numpy 2.4 and later refuse ("only
+    0-dimensional arrays can be converted to Python scalars": ``range(start, end, BLOCK_N)``
+    in the kernel needs it). For the call, the interpreter's patching of ``tl.tensor`` also
+    gives it an ``__index__`` that squeezes the array first; both go when the call returns.
     """
+    from triton.runtime import interpreter
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
@@ -132,7 +139,10 @@ def _interpreter():
         state = _language_state()
         knobs = getattr(triton, "knobs", None)
         knob_scope = knobs.runtime.scope() if knobs is not None else contextlib.nullcontext()
+        patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
         try:
+            if patch_tensor is not None:
+                interpreter._patch_lang_tensor = _index_by_squeezing(patch_tensor)
             with knob_scope:
                 wrappers = {}  # one wrapper per helper object
                 for obj, saved in state:
@@ -145,7 +155,21 @@ def _interpreter():
                     knobs.runtime.interpret = True
                 yield
         finally:
+            if patch_tensor is not None:
+                interpreter._patch_lang_tensor = patch_tensor
             _restore(state)
+
+
+def _index_by_squeezing(patch_tensor):
+    """The interpreter's ``_patch_lang_tensor(tensor, scope)``, then an ``__index__`` that
+    reads a 1-element array of any shape (``int(array.squeeze())``; numpy 2.4 refuses
+    ``int`` of a 1-D array)."""
+
+    def patch(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    return patch
 
 
 _KERNELS: dict[tuple[str, bool], object] = {}

@@ -34,7 +34,7 @@ import torch
 from ..allocator import PageAllocator
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
-from .common import environment, print_table, write_json
+from .common import environment, print_table, result_file
 
 
 def workload(num_seqs: int, max_len: int, page_size: int, seed: int = 0) -> list[int]:
@@ -182,8 +182,10 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a small workload (seconds)")
     parser.add_argument("--out", default=None, help="folder for alloc_cpu.json (default figures/data)")
     args = parser.parse_args(argv)
+    result = result_file(parser, args.out, "alloc_cpu.json")  # checked before anything is measured
     kw = dict(num_seqs=16, max_len=512, repeats=3) if args.quick else {}
     data = measure(**kw)
+    result.save(data)
     data["zeroing"] = zeroing_cost(repeats=3 if args.quick else 5)
     data["environment"] = environment()
     rows = [
@@ -203,7 +205,7 @@ def main(argv=None):
         f"zeroing a page in all {z['geometry']['num_layers']} layers: {z['zero_page_ns']:.0f} ns; "
         f"writing its tokens: {z['write_page_ns']:.0f} ns; ratio {z['zero_over_write']:.2f}"
     )
-    path = write_json(data, "alloc_cpu.json", out_dir=args.out)
+    path = result.save(data, complete=True)
     print(f"wrote {path}")
     return data
 

@@ -8,6 +8,9 @@ Timing rules:
   before each run, median), or plain CUDA events when triton is missing.
 * Every result file carries :func:`environment` (GPU name, versions, date; no host name) and is
   written by :func:`write_json` under ``figures/data/``.
+* A benchmark opens its result file with :func:`result_file` before it measures anything (a bad
+  ``--out`` ends the command at once, with a message) and calls ``save(data)`` as parts finish,
+  so a killed or failed run keeps what it measured (``"complete": false`` until the end).
 
 Example:
     >>> t = cpu_median(lambda: sum(range(1000)), repeats=3)
@@ -17,7 +20,9 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +34,17 @@ from ..provenance import environment
 from ..runmode import data_dir
 from ..texttable import format_table
 
-__all__ = ["cpu_median", "gpu_median", "copy_bandwidth", "environment", "write_json", "print_table", "DATA_DIR"]
+__all__ = [
+    "cpu_median",
+    "gpu_median",
+    "copy_bandwidth",
+    "environment",
+    "write_json",
+    "result_file",
+    "ResultFile",
+    "print_table",
+    "DATA_DIR",
+]
 
 DATA_DIR = data_dir()  # figures/data of the checkout, or of $PAGED_REF_OUTPUT / the current folder
 
@@ -107,6 +122,57 @@ def write_json(data: dict, filename: str, out_dir: str | Path | None = None) -> 
     path = folder / filename
     path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
     return path
+
+
+class ResultFile:
+    """One benchmark's JSON file: checked and created before measuring, rewritten as it grows.
+
+    Creating it makes the folder (parents too) and writes ``{"complete": false}`` to the file,
+    so every way an output path can fail (``--out ''``, a parent that is a file, a name too
+    long, a folder without write permission) fails here, before any measurement. ``save``
+    replaces the file whole (a temporary file renamed over it): a kill mid-write leaves the
+    previous version, never half a file.
+
+    Example:
+        >>> import tempfile
+        >>> result = ResultFile("demo.json", tempfile.mkdtemp())
+        >>> data = {"rows": [1]}
+        >>> _ = result.save(data)                            # a part is measured: on disk now
+        >>> json.loads(result.path.read_text())["complete"]
+        False
+        >>> _ = result.save(data, complete=True)
+        >>> json.loads(result.path.read_text())
+        {'rows': [1], 'complete': True}
+    """
+
+    def __init__(self, filename: str, out_dir: str | Path | None = None):
+        if out_dir is not None and not str(out_dir).strip():
+            raise ValueError("out must name a folder (or be left out for figures/data/), got ''")
+        folder = Path(out_dir) if out_dir is not None else data_dir()
+        if folder.exists() and not folder.is_dir():
+            raise NotADirectoryError(f"out must be a folder, got {str(folder)!r}, which is a file")
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / filename
+        if self.path.is_dir():
+            raise IsADirectoryError(f"the result file {str(self.path)!r} is a folder")
+        self.save({})
+
+    def save(self, data: dict, *, complete: bool = False) -> Path:
+        """Write ``data`` with ``"complete": complete`` (the key is added to ``data`` too)."""
+        data["complete"] = complete
+        partial = self.path.with_name(self.path.name + ".part")
+        partial.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+        os.replace(partial, self.path)
+        return self.path
+
+
+def result_file(parser: argparse.ArgumentParser, out_dir: str | Path | None, filename: str) -> ResultFile:
+    """:class:`ResultFile` for a benchmark's command line: an unusable ``--out`` ends the
+    command through ``parser.error`` (exit status 2, the reason printed), before measuring."""
+    try:
+        return ResultFile(filename, out_dir)
+    except (OSError, ValueError) as err:
+        parser.error(f"--out: {err}")
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from .._arith import next_pow2
 from ..attention import triton_decode as td
 from ..attention.reference import paged_attention_reference
-from .common import copy_bandwidth, cpu_median, environment, gpu_median, print_table, write_json
+from .common import copy_bandwidth, cpu_median, environment, gpu_median, print_table, result_file
 
 try:
     from ..attention.flex import flex_paged_decode
@@ -127,12 +127,14 @@ def _planned_splits(batch, seq_len, heads, dtype, device):
     return td._default_num_splits(batch, heads["num_kv_heads"], seq_len, torch.device(device), cfg)
 
 
-def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None, device="cuda"):
+def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None, device="cuda", checkpoint=None):
     """Measure every implementation on every (shape, page size); see the module docstring.
 
     ``heads``, ``dtype`` and ``device`` are there so that the harness can be smoke-tested on
     the CPU with small float32 sizes; the benchmark itself runs with the defaults (``dtype``
     None: the GPU's native 16-bit type, bfloat16 from sm_80 on and float16 on a T4).
+    ``checkpoint(part)``, if given, receives ``{"copy", "results", "notes", "errors"}`` measured so far
+    after each (shape, page size), to be saved.
     """
     if dtype is None:
         dtype = td.native_half(device)
@@ -143,7 +145,7 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None
         f"({copy['bytes'] / 1e9:.2f} GB in {copy['median_s'] * 1e3:.3f} ms)",
         flush=True,
     )
-    results, notes = [], []
+    results, notes, errors = [], [], []
     flex_kw = {"check_values": False}  # no host-side value checks inside timed loops
     if flex_paged_decode is None:
         notes.append("flex_paged_decode not importable: not measured")
@@ -177,7 +179,7 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None
             out = fn()  # compiles on first use (flex)
             record(batch, seq_len, page_size, impl, gpu_median(fn, rep_ms=rep_ms), out, ref)
         except Exception as exc:
-            notes.append(
+            errors.append(
                 f"{impl} failed at ({batch}, {seq_len}, page {page_size}): {type(exc).__name__}: {str(exc)[:300]}"
             )
             print(f"  {impl} failed: {type(exc).__name__}", flush=True)
@@ -260,10 +262,12 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None
                 num_splits=splits,
             )
             del contiguous, paged
+            if checkpoint is not None:
+                checkpoint(dict(copy=copy, results=results, notes=notes, errors=errors))
         q = k = v = ref = None  # free before the next shape
         if device == "cuda":
             torch.cuda.empty_cache()
-    return dict(copy=copy, results=results, notes=notes, elapsed_s=time.perf_counter() - started)
+    return dict(copy=copy, results=results, notes=notes, errors=errors, elapsed_s=time.perf_counter() - started)
 
 
 SWEEP_CONFIGS = [(bn, 4, st) for bn in (32, 64, 128) for st in (2, 3, 4)] + [(64, 8, 3)]
@@ -278,6 +282,7 @@ def run_sweep(
     heads=GPU_HEADS,
     dtype=None,
     device="cuda",
+    checkpoint=None,
 ):
     """Time other tile configurations and split counts of the same kernel on two shapes
     (20 variants per shape; about two minutes with compilation).
@@ -285,7 +290,8 @@ def run_sweep(
     ``configs`` lists ``(BLOCK_N, num_warps, num_stages)``: BLOCK_N x pipeline stages at 4 warps
     and 8 warps at the default tile (num_stages=2 keeps one K/V tile in flight, 3 two, 4
     three), each at the default split count and twice it. ``dtype`` None: the GPU's native
-    16-bit type (`triton_decode.native_half`).
+    16-bit type (`triton_decode.native_half`). ``checkpoint(rows)``, if given, receives the
+    rows measured so far after each shape.
     """
     if dtype is None:
         dtype = td.native_half(device)
@@ -340,6 +346,8 @@ def run_sweep(
         q = k = v = kc = vc = None  # free before the next shape
         if device == "cuda":
             torch.cuda.empty_cache()
+        if checkpoint is not None:
+            checkpoint(rows)
     return rows
 
 
@@ -462,7 +470,7 @@ def summarize_gpu(data):
 # --- CPU -------------------------------------------------------------------------------------
 def run_cpu(shapes, page_sizes, *, repeats):
     heads = CPU_HEADS
-    results, correctness, notes = [], [], []
+    results, correctness, notes, errors = [], [], [], []
     flex_kw = {"check_values": False}  # no host-side value checks inside timed loops
     if flex_paged_decode is None:
         notes.append("flex_paged_decode not importable: not measured")
@@ -502,7 +510,7 @@ def run_cpu(shapes, page_sizes, *, repeats):
                 out = fn()
                 timing = cpu_median(fn, repeats=repeats)
             except Exception as exc:
-                notes.append(f"{impl} at ({batch}, {seq_len}, page {page_size}) failed: {type(exc).__name__}: {exc}")
+                errors.append(f"{impl} at ({batch}, {seq_len}, page {page_size}) failed: {type(exc).__name__}: {exc}")
                 continue
             results.append(
                 dict(
@@ -531,7 +539,9 @@ def run_cpu(shapes, page_sizes, *, repeats):
     print_table(["batch x len", "page", "implementation", "median ms", "rel err vs fp64"], table)
     for n in notes:
         print("note:", n)
-    return dict(results=results, correctness=correctness, notes=notes)
+    for e in errors:
+        print("error:", e)
+    return dict(results=results, correctness=correctness, notes=notes, errors=errors)
 
 
 # --- entry point -----------------------------------------------------------------------------
@@ -554,6 +564,12 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="output folder (default figures/data)")
     args = parser.parse_args(argv)
     command = "python -m paged_ref.bench decode " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.sweep and not torch.cuda.is_available():
+        parser.error("--sweep needs a CUDA GPU")
+    if not args.cpu and not args.sweep and not torch.cuda.is_available():
+        parser.error("no CUDA GPU: run with --cpu for the CPU harness")
+    filename = "decode_cpu.json" if args.cpu else "decode_sweep_gpu.json" if args.sweep else "decode_gpu.json"
+    result = result_file(parser, args.out, filename)  # checked before anything is measured
     if args.cpu:
         shapes = [(2, 256)] if args.quick else CPU_SHAPES
         pages = [16] if args.quick else CPU_PAGE_SIZES
@@ -565,22 +581,16 @@ def main(argv=None):
             config=dict(dtype="float32", shapes=shapes, page_sizes=pages, **CPU_HEADS),
         )
         data.update(run_cpu(shapes, pages, repeats=3 if args.quick else 7))
-        path = write_json(data, "decode_cpu.json", out_dir=args.out)
     elif args.sweep:
-        if not torch.cuda.is_available():
-            parser.error("--sweep needs a CUDA GPU")
         data = dict(
             benchmark="decode",
             mode="gpu tile sweep",
             command=command.strip(),
             environment=environment(),
             copy=copy_bandwidth(),
-            sweep=run_sweep(rep_ms=50),
         )
-        path = write_json(data, "decode_sweep_gpu.json", out_dir=args.out)
+        data["sweep"] = run_sweep(rep_ms=50, checkpoint=lambda rows: result.save({**data, "sweep": rows}))
     else:
-        if not torch.cuda.is_available():
-            parser.error("no CUDA GPU: run with --cpu for the CPU harness")
         shapes = [(8, 32768), (64, 4096)] if args.quick else GPU_SHAPES
         pages = [16, 128] if args.quick else GPU_PAGE_SIZES
         data = dict(
@@ -599,11 +609,20 @@ def main(argv=None):
                 **GPU_HEADS,
             ),
         )
-        data.update(run_gpu(shapes, pages, budget_s=args.budget_s, rep_ms=50 if args.quick else 100))
+
+        def checkpoint(part):
+            data.update(part)
+            result.save(data)
+
+        data.update(
+            run_gpu(shapes, pages, budget_s=args.budget_s, rep_ms=50 if args.quick else 100, checkpoint=checkpoint)
+        )
         data["ratios"], data["goals"] = summarize_gpu(data)
         for n in data["notes"]:
             print("note:", n)
-        path = write_json(data, "decode_gpu.json", out_dir=args.out)
+        for e in data["errors"]:
+            print("error:", e)
+    path = result.save(data, complete=True)
     print(f"wrote {path}")
     return data
 

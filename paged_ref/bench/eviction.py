@@ -79,7 +79,7 @@ from ._eviction_runs import (
     _runs,
     _session,
 )
-from .common import environment, write_json
+from .common import environment, result_file
 
 __all__ = [  # the passkey pieces and the policy lists live in their own modules; named here too
     "FULL",
@@ -491,16 +491,17 @@ def main(argv=None):
         "stall waiting for a busy core; measured 1.05 s vs 0.16 s per decode step)",
     )
     args = parser.parse_args(argv)
+    mode = "quick" if args.quick else "smoke" if args.smoke else "full"
+    out = result_file(parser, args.out, f"eviction_{mode}.json")  # checked before anything is measured
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        return _run(args)
+        return _run(args, mode, out)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(args):
-    mode = "quick" if args.quick else "smoke" if args.smoke else "full"
+def _run(args, mode, out):
     cfg = {"quick": QUICK, "smoke": SMOKE, "full": FULL}[mode]
     start = time.perf_counter()
 
@@ -511,35 +512,35 @@ def _run(args):
 
     model, tok = load_smollm2()
     log("model loaded")
-    lm_rows, check, texts = lm_task(model, tok, cfg, log)
-    long_rows, long_check, long_texts = lm_task(model, tok, cfg, log, long=True)
-    ret_rows, ret_check, ret_texts = retention_task(model, tok, cfg, log)
-    pk_rows = passkey_task(model, tok, cfg, log)
-    speed = speed_task(model, tok, cfg, log)
-    first_text = next(t["start_paragraph"] for t in texts if t["used"])
-    lowest = lowest_ratio_tokens(model, tok, _lm_text_ids(tok, first_text, cfg["context"]))
     result = dict(
         mode=mode,
         config=cfg,
         environment=dict(environment(), torch_threads=args.threads),
         model="SmolLM2-135M-Instruct (GGUF, float32)",
+    )
+    # each task's rows and summary are saved as soon as it finishes: a run killed later keeps them
+    lm_rows, check, texts = lm_task(model, tok, cfg, log)
+    result.update(texts=texts, language_modelling=summarize_lm(lm_rows), lm_rows=lm_rows)
+    out.save(result)
+    long_rows, long_check, long_texts = lm_task(model, tok, cfg, log, long=True)
+    result.update(long_context_texts=long_texts, long_context=summarize_lm(long_rows), long_context_rows=long_rows)
+    out.save(result)
+    ret_rows, ret_check, ret_texts = retention_task(model, tok, cfg, log)
+    result.update(retention_texts=ret_texts, retention=summarize_lm(ret_rows), retention_rows=ret_rows)
+    out.save(result)
+    pk_rows = passkey_task(model, tok, cfg, log)
+    result.update(passkey=summarize_passkey(pk_rows), passkey_rows=pk_rows)
+    out.save(result)
+    result["speed"] = speed_task(model, tok, cfg, log)
+    out.save(result)
+    first_text = next(t["start_paragraph"] for t in texts if t["used"])
+    result.update(
         check_max_abs_logprob_diff=max(check, long_check, ret_check),
-        texts=texts,
-        long_context_texts=long_texts,
-        retention_texts=ret_texts,
-        lowest_ratio_tokens=lowest,
-        language_modelling=summarize_lm(lm_rows),
-        long_context=summarize_lm(long_rows),
-        retention=summarize_lm(ret_rows),
-        passkey=summarize_passkey(pk_rows),
-        speed=speed,
-        lm_rows=lm_rows,
-        long_context_rows=long_rows,
-        retention_rows=ret_rows,
-        passkey_rows=pk_rows,
+        lowest_ratio_tokens=lowest_ratio_tokens(model, tok, _lm_text_ids(tok, first_text, cfg["context"])),
         seconds=round(time.perf_counter() - start, 1),
     )
-    path = write_json(result, f"eviction_{mode}.json", args.out)
+    lowest = result["lowest_ratio_tokens"]
+    path = out.save(result, complete=True)
 
     print(
         f"\nLanguage modelling: {cfg['texts']} text(s), context {cfg['context']}, continuation "

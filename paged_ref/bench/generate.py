@@ -46,7 +46,7 @@ from ..cache import PagedKVCache
 from ..memory import model_geometry
 from ._generate_contexts import measure_contexts
 from ._generate_memory import measure_memory
-from .common import environment, print_table, write_json
+from .common import environment, print_table, result_file
 
 PAGE_SIZE = 16
 FULL = dict(single_words=96, single_new=48, mixed_prompts=8, mixed_new=32, repeats=3)
@@ -298,6 +298,8 @@ def main(argv=None):
     )
     parser.add_argument("--skip-memory", action="store_true", help="leave out the fresh-process memory workload")
     args = parser.parse_args(argv)
+    device = "gpu" if torch.cuda.is_available() else "cpu"
+    result = result_file(parser, args.out, f"generate_{device}.json")  # checked before anything is measured
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
@@ -305,16 +307,19 @@ def main(argv=None):
     if args.repeats is not None:
         sizes["repeats"] = args.repeats
     data = {"model": args.model, "mode": "quick" if args.quick else "full", "torch_threads": torch.get_num_threads()}
+    data["environment"] = environment()
     data.update(measure(model, tokenizer, **sizes))
+    result.save(data)
     if not args.skip_contexts:
         data["contexts"] = measure_contexts(
             model, tokenizer, page_size=PAGE_SIZE, **(CONTEXTS_QUICK if args.quick else CONTEXTS_FULL)
         )
+        result.save(data)
     if not args.skip_memory:
         data["memory"] = measure_memory(
             model=args.model, threads=args.threads, **(MEMORY_QUICK if args.quick else MEMORY_FULL)
         )
-    data["environment"] = environment()
+        result.save(data)
     for name in ("single", "mixed"):
         w = data[name]
         print(f"\n{name}: prompts {w['workload']['prompt_lens']} tokens, {w['workload']['new_tokens']} new each")
@@ -381,8 +386,7 @@ def main(argv=None):
             for m, r in row["methods"].items()
         ]
         print_table(["context", "method", "peak rise MiB (median)", "runs MiB", "vs hf_generate"], rows)
-    device = "gpu" if torch.cuda.is_available() else "cpu"
-    path = write_json(data, f"generate_{device}.json", out_dir=args.out)
+    path = result.save(data, complete=True)
     print(f"wrote {path}")
     return data
 

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .._arith import cdiv, next_pow2
-from .common import environment, print_table, write_json
+from .common import environment, print_table, result_file
 
 #: Targets: SMs, per-SM limits and the memory system's datasheet bandwidth. Little's law asks
 #: for bandwidth x latency bytes in flight; LATENCY_S is an assumed ~1 us DRAM round trip.
@@ -307,12 +307,22 @@ def all_configs(quick: bool = False) -> list[KernelConfig]:
     ]
 
 
-def run(configs: list[KernelConfig], jobs: int = 2) -> list[dict]:
-    """Compile every config, in ``jobs`` worker processes (compiles are single-threaded)."""
+def run(configs: list[KernelConfig], jobs: int = 2, checkpoint=None, every: int = 32) -> list[dict]:
+    """Compile every config, in ``jobs`` worker processes (compiles are single-threaded).
+    ``checkpoint(entries)``, if given, receives the entries so far every ``every`` configs."""
+    entries = []
+
+    def collect(results):
+        for entry in results:
+            entries.append(entry)
+            if checkpoint is not None and len(entries) % every == 0:
+                checkpoint(entries)
+        return entries
+
     if jobs <= 1:
-        return [compile_config(c) for c in configs]
+        return collect(compile_config(c) for c in configs)
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return list(pool.map(compile_config, configs, chunksize=4))
+        return collect(pool.map(compile_config, configs, chunksize=4))
 
 
 def summary(entries: list[dict]) -> dict:
@@ -349,12 +359,20 @@ def main(argv=None):
     )
     parser.add_argument("--out", default=None, help="folder for kernels.json (default figures/data)")
     args = parser.parse_args(argv)
+    result = result_file(parser, args.out, "kernels.json")  # checked before anything is compiled
     import triton
 
     configs = all_configs(args.quick)
     bare = [KernelConfig(90, "bf16", 128, 4, 16, True, hints=False)]
     start = time.perf_counter()
-    entries = run(configs + bare, jobs=args.jobs)
+    head = dict(
+        benchmark="kernels",
+        quick=args.quick,
+        command="python -m paged_ref.bench kernels" + (" --quick" if args.quick else ""),
+        triton=triton.__version__,
+        environment=environment(),
+    )
+    entries = run(configs + bare, jobs=args.jobs, checkpoint=lambda done: result.save({**head, "split_kernel": done}))
     reduce = [
         compile_reduce(arch, dt, d)
         for arch in (90, 80, 75)
@@ -362,11 +380,7 @@ def main(argv=None):
         for d in ((128,) if args.quick else HEAD_DIMS)
     ]
     data = dict(
-        benchmark="kernels",
-        quick=args.quick,
-        command="python -m paged_ref.bench kernels" + (" --quick" if args.quick else ""),
-        triton=triton.__version__,
-        environment=environment(),
+        **head,
         assumptions=dict(latency_s=LATENCY_S, targets=TARGETS, num_kv_heads=NUM_KV_HEADS, context=CONTEXT),
         elapsed_s=round(time.perf_counter() - start, 1),
         summary=summary(entries),
@@ -394,7 +408,7 @@ def main(argv=None):
         f"{b.get('registers')} registers, {b.get('spill_stores')} spill stores, "
         f"{b.get('async_copies')} async copies"
     )
-    path = write_json(data, "kernels.json", out_dir=args.out)
+    path = result.save(data, complete=True)
     print(f"wrote {path} in {data['elapsed_s']} s")
     return data
 

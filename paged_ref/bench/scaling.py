@@ -48,7 +48,7 @@ from ._scaling_chat import run_chat
 from ._scaling_latency import LABELS, LadderConfig, agreement, run_ladder
 from ._scaling_models import MODELS, build_model, prompt_ids
 from ._scaling_report import alloc_summary, print_model_report, ratios_to
-from .common import environment, write_json
+from .common import environment, result_file
 
 __all__ = ["main", "PROFILES", "run_model"]
 
@@ -168,8 +168,9 @@ def _guarded(res: dict, what: str, fn):
         return None
 
 
-def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
-    """All sections for one model; returns its result dict (see the module docstring)."""
+def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoint=None) -> dict:
+    """All sections for one model; returns its result dict (see the module docstring).
+    ``checkpoint(res)``, if given, receives the result dict after each section, to be saved."""
     t0 = time.monotonic()
     model, info = build_model(model_name, device=device)
     geom = model_geometry(model)
@@ -217,6 +218,8 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
     res["ratios"] = ratios_to(res["ladder"], base)
     ordered = sorted(res["ladder"], key=lambda r: r["label"] != base)
     res["agreement"] = agreement(ordered)
+    if checkpoint is not None:
+        checkpoint(res)
 
     # 1b. one long sequence, paged backends only ------------------------------------------------
     res["long"] = []
@@ -238,6 +241,8 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
             )
             if r is not None:
                 res["long"].append(r)
+            if checkpoint is not None:
+                checkpoint(res)
 
     # 2-3. mixed batch, overhead, page-size sweep -----------------------------------------------
     b = profile["batch"]
@@ -277,6 +282,8 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
         res["batch"] = batch
     elif batch is None and not any(e.startswith("batch") for e in res["errors"]):
         res["skipped"].append("batch")
+    if checkpoint is not None:
+        checkpoint(res)
     # 4. growing chat ---------------------------------------------------------------------------
     c = profile["chat"]
     if clock.left() > 30:
@@ -311,6 +318,8 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
             }
     else:
         res["skipped"].append("chat")
+    if checkpoint is not None:
+        checkpoint(res)
 
     s = profile["sweep"]
     if clock.left() > 20:
@@ -349,6 +358,9 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock) -> dict:
     return res
 
 
+_BULKY = ("alloc_calls", "predictions")
+
+
 def _strip(res: dict) -> None:
     """Drop bulky raw records (per-call timings, predictions) once summarized."""
     for r in res["ladder"] + res["long"]:
@@ -358,6 +370,21 @@ def _strip(res: dict) -> None:
         p.pop("alloc_calls", None)
     for r in res.get("chat", {}).get("runs", []):
         r.pop("alloc_calls", None)
+
+
+def _without_bulk(res: dict) -> dict:
+    """A model's result as far as it got, without the bulky raw records (for a partial save)."""
+
+    def slim(rows):
+        return [{k: v for k, v in r.items() if k not in _BULKY} for r in rows]
+
+    view = {**res, "ladder": slim(res.get("ladder", [])), "long": slim(res.get("long", []))}
+    if "batch" in res:
+        paged = {n: {k: v for k, v in p.items() if k not in _BULKY} for n, p in res["batch"]["paged"].items()}
+        view["batch"] = {**res["batch"], "paged": paged}
+    if "chat" in res:
+        view["chat"] = {**res["chat"], "runs": slim(res["chat"]["runs"])}
+    return view
 
 
 def _command(argv) -> str:
@@ -403,6 +430,8 @@ def main(argv=None) -> dict:
     if args.model == "tiny":
         profile.update(copy.deepcopy(TINY))
     budget = args.time_budget if args.time_budget is not None else (220.0 if gpu else None)
+    filename = f"scaling_{kind}{'_quick' if args.quick and args.out is None else ''}.json"
+    result = result_file(parser, args.out, filename)  # checked before anything is measured
     clock = _Clock(budget)
     device = torch.device("cuda" if gpu else "cpu")
     data = {
@@ -416,20 +445,28 @@ def main(argv=None) -> dict:
         "time_budget_s": budget,
         "models": {},
     }
+    result.save(data)
     for name in profile["models"]:
         if clock.left() < 30:
             data.setdefault("skipped_models", []).append(name)
             continue
         errors = {"errors": []}
-        result = _guarded(errors, f"model {name}", lambda: run_model(name, profile, device=device, clock=clock))
-        if result is None:
-            data.setdefault("errors", []).extend(errors["errors"])
+
+        def checkpoint(res, name=name):
+            data["models"][name] = _without_bulk(res)
+            result.save(data)
+
+        run = lambda: run_model(name, profile, device=device, clock=clock, checkpoint=checkpoint)  # noqa: E731
+        res = _guarded(errors, f"model {name}", run)
+        if res is None:
+            data.setdefault("errors", []).extend(errors["errors"])  # the sections it finished stay
+            result.save(data)
             continue
-        data["models"][name] = result
-        print_model_report(name, result)
+        data["models"][name] = res
+        result.save(data)
+        print_model_report(name, res)
     data["elapsed_s"] = time.monotonic() - clock.start
-    filename = f"scaling_{kind}{'_quick' if args.quick and args.out is None else ''}.json"
-    path = write_json(data, filename, out_dir=args.out)
+    path = result.save(data, complete=True)
     shown = path.name if args.out is not None else f"figures/data/{path.name}"  # no local paths in outputs
     print(f"\nwrote {shown} ({data['elapsed_s']:.0f} s)")
     return data
