@@ -85,14 +85,15 @@ def dense_oracle(q, k_logical, v_logical, q_lens=None, scale=None) -> torch.Tens
     out = torch.zeros_like(q64)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     for b, (k, v) in enumerate(zip(k_logical, v_logical)):
+        k, v = k.to(q64.device), v.to(q64.device)  # the logical K/V are built on the host
         n = k.shape[0]
         m = 1 if decode else int(q_lens[b])
         group = q.shape[1] // k.shape[1]
         kk = k.transpose(0, 1).repeat_interleave(group, 0)  # [Hq, n, D]
         vv = v.transpose(0, 1).repeat_interleave(group, 0)  # [Hq, n, D]
         s = q64[b, :, :m] @ kk.transpose(1, 2) * scale  # [Hq, m, n]
-        q_pos = torch.arange(n - m, n)[:, None]  # decode: [[n - 1]]
-        s = s.masked_fill(torch.arange(n)[None, :] > q_pos, float("-inf"))
+        q_pos = torch.arange(n - m, n, device=q64.device)[:, None]  # decode: [[n - 1]]
+        s = s.masked_fill(torch.arange(n, device=q64.device)[None, :] > q_pos, float("-inf"))
         out[b, :, :m] = torch.softmax(s, -1) @ vv
     return out.squeeze(2) if decode else out
 

@@ -9,7 +9,7 @@ import torch
 
 from paged_ref.allocator import PageAllocator
 from paged_ref.bench import scaling
-from paged_ref.bench._scaling_batch import fit_counts, mixed_lengths, paged_overhead
+from paged_ref.bench._scaling_batch import batch_throughput, fit_counts, mixed_lengths, paged_overhead
 from paged_ref.bench._scaling_chat import run_chat
 from paged_ref.bench._scaling_decoders import (
     AllocationTimer,
@@ -278,3 +278,23 @@ def test_noise_summary_from_the_ladder():
     g = n["no_cache_growth"]
     assert g["first"] == (128, pytest.approx(100.0)) and g["doublings"] == 2
     assert g["factor"] == pytest.approx(16.0) and g["per_doubling"] == pytest.approx(4.0)
+
+
+def test_batch_decodes_only_requests_whose_grown_pages_fit(model):
+    # four 16-token prompts fill a 64-token pool exactly: a decode step would need a fifth page,
+    # so the paged batch decodes the requests that still fit after their timed steps
+    prompt = torch.arange(1, 65)
+    out = batch_throughput(
+        model,
+        prompt,
+        [16, 16, 16, 16],
+        budget_tokens=64,
+        max_len=32,
+        page_size=16,
+        paged_backends=["reference"],
+        steps=2,
+        warmup=1,
+    )
+    assert out["fit"]["paged_allocator"] == 4
+    assert out["decoded"] == 2  # 16 + 3 tokens take two pages each
+    assert out["paged"]["reference"]["batch"] == 2

@@ -194,7 +194,9 @@ def batch_throughput(
     tokens.
 
     Returns:
-        ``{"contiguous": {...}, "paged": {backend: {...}}}``; each with ``batch``,
+        ``{"fit": admission counts at the prompts' lengths, "decoded": requests the paged batch
+        decodes (those whose pages still fit after every timed step), "contiguous": {...},
+        "paged": {backend: {...}}}``; each with ``batch``,
         ``step_s`` (median), ``tokens_per_s``, ``kv_bytes`` held, ``peak_bytes`` (CUDA) and,
         for paged, ``same_batch_step_s`` / ``same_batch_tokens_per_s``.
     """
@@ -208,8 +210,12 @@ def batch_throughput(
             f"({max(lengths)} + {warmup + steps})"
         )
     fit = fit_counts(lengths, budget_tokens=budget_tokens, max_len=max_len, page_size=page_size)
-    n_contig, n_paged = fit["reserve_max"], fit["paged_allocator"]
-    out = {"fit": fit, "paged": {}}
+    n_contig = fit["reserve_max"]
+    # the paged batch decodes the requests whose pages still fit once they have grown by every
+    # timed step (the first n_contig rows grow twice: their same-batch run comes after)
+    grown = [n + (warmup + steps) * (2 if r < n_contig else 1) for r, n in enumerate(lengths)]
+    n_paged = fit_counts(grown, budget_tokens=budget_tokens, max_len=max_len, page_size=page_size)["paged_allocator"]
+    out = {"fit": fit, "decoded": n_paged, "paged": {}}
 
     def peak_reset():
         if device.type == "cuda":
@@ -262,7 +268,7 @@ def batch_throughput(
                 "overhead_after_prefill": pages * page_size / held_tokens - 1,
                 "alloc_calls": list(dec.timer.calls),
             }
-            if n_contig >= 1:
+            if 1 <= n_contig <= n_paged:
                 grown = [n + warmup + steps for n in lengths[:n_contig]]
                 same = _teacher_steps(dec, prompt, grown, steps, warmup, rows=list(range(n_contig)), device=device)
                 entry["same_batch_step_s"] = statistics.median(same)
