@@ -41,7 +41,9 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
 def _check_tables(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size=None):
     """The page lists and lengths as lists, checked: ints, no page twice in a row, and with
     ``page_size`` enough pages for each length."""
-    tables = [check_list(f"tables[{i}]", t, "page ids") for i, t in enumerate(check_list("tables", tables, "page lists"))]
+    tables = [
+        check_list(f"tables[{i}]", t, "page ids") for i, t in enumerate(check_list("tables", tables, "page lists"))
+    ]
     seq_lens = check_list("seq_lens", seq_lens, "token counts")
     if len(tables) != len(seq_lens):
         raise ValueError(f"tables and seq_lens must have the same length, got {len(tables)} and {len(seq_lens)}")

@@ -317,7 +317,11 @@ def test_paged_block_masks_refuses_pages_past_the_cache():
         (dict(page_size=0), ValueError, "page_size must be >= 1, got 0"),
         (dict(num_pages=0), ValueError, "num_pages must be >= 1, got 0"),
         (dict(q_len=0), ValueError, "q_len must be >= 1, got 0"),
-        (dict(block_table=[[0, 1]]), TypeError, r"block_table must be a 2-D integer torch.Tensor \[batch, max_pages\], got list"),
+        (
+            dict(block_table=[[0, 1]]),
+            TypeError,
+            r"block_table must be a 2-D integer torch.Tensor \[batch, max_pages\], got list",
+        ),
         (dict(seq_lens=[8]), TypeError, r"seq_lens must be a 1-D integer torch.Tensor \[batch\], got list"),
         (dict(seq_lens=torch.tensor([8, 8])), ValueError, r"seq_lens must have shape \[batch=1\], got \[2\]"),
         (dict(q_lens=[1]), TypeError, r"q_lens must be None or a 1-D integer torch.Tensor \[batch\], got list"),

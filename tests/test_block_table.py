@@ -124,10 +124,18 @@ def test_pad_block_tables_with_page_size_refuses_rows_that_do_not_cover_their_le
 @pytest.mark.parametrize(
     "call, exc, words",
     [
-        (lambda: slot_mapping([-3], start=0, num_tokens=1, page_size=4), ValueError, r"pages\[0\] must be >= 0, got -3"),
+        (
+            lambda: slot_mapping([-3], start=0, num_tokens=1, page_size=4),
+            ValueError,
+            r"pages\[0\] must be >= 0, got -3",
+        ),
         (lambda: slot_mapping([2, -1], start=4, num_tokens=1, page_size=4), ValueError, r"pages\[1\] must be >= 0"),
         (lambda: slot_mapping([1.0], start=0, num_tokens=1, page_size=4), TypeError, r"pages\[0\] must be an int"),
-        (lambda: slot_mapping(3, start=0, num_tokens=1, page_size=4), TypeError, "pages must be a list of page ids, got int"),
+        (
+            lambda: slot_mapping(3, start=0, num_tokens=1, page_size=4),
+            TypeError,
+            "pages must be a list of page ids, got int",
+        ),
         (lambda: pad_block_tables(3, [1]), TypeError, "tables must be a list of page lists, got int"),
         (lambda: pad_block_tables([[1]], 1), TypeError, "seq_lens must be a list of token counts, got int"),
         (lambda: pad_block_tables([1], [1]), TypeError, r"tables\[0\] must be a list of page ids, got int"),
