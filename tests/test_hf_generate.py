@@ -694,3 +694,32 @@ def test_scalars_where_lists_are_expected_are_named_by_the_session(model):
         with pytest.raises(TypeError, match="token_ids must be a list of ints or a 1-D integer tensor, got int"):
             session.add(5)
         assert session.seq_ids == [s] and session.kv.seq_len(s) == 0
+
+
+def test_a_policy_that_raises_after_the_forward_leaves_every_sequence_counted(model):
+    """The forward is done when the hooks run: every sequence's position counts its new tokens,
+    every other policy still runs, and the first error is raised at the end."""
+    from paged_ref.eviction import FullCache
+
+    class Counting(FullCache):
+        def __init__(self, fail=False):
+            super().__init__()
+            self.fail, self.calls = fail, 0
+
+        def after_append(self, cache, seq_id):
+            self.calls += 1
+            if self.fail:
+                raise RuntimeError("this policy fails")
+            super().after_append(cache, seq_id)
+
+    failing, counting = Counting(fail=True), Counting()
+    with hf.PagedSession(model, num_pages=8, page_size=4) as session:
+        a, b = session.add(eviction=failing), session.add(eviction=counting)
+        session.extend([a, b], [_prompt(5, seed=38)[0], _prompt(6, seed=39)[0]])  # prefill: no after_append
+        with pytest.raises(RuntimeError, match="this policy fails"):
+            session.extend([a, b], [torch.tensor([3]), torch.tensor([4])])
+        assert (session.position(a), session.position(b)) == (6, 7) == (session.kv.seq_len(a), session.kv.seq_len(b))
+        assert (failing.calls, counting.calls) == (1, 1)
+        failing.fail = False
+        session.extend([a, b], [torch.tensor([5]), torch.tensor([6])])
+        assert (session.position(a), session.position(b)) == (7, 8) and counting.positions(b).numel() == 8
