@@ -502,6 +502,8 @@ class PagedKVCache:
 
         Rewind a batch in the reverse of the order it was reserved in: a page one sequence
         copied away may have been written in place by a later one, which must give it back first.
+        Returned pages that kept a prefix for reuse and were handed out since stay forgotten:
+        their K/V were overwritten.
         """
         seq = self._seq(seq_id)
         pages, length, (token_ids, known), (page_hashes, hashed) = mark
