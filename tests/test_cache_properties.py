@@ -396,7 +396,7 @@ def test_paged_cache_interleavings():
         machine = type("M", (CacheMachine,), dict(page_size=page_size, growth=growth, prefix_caching=prefix_caching))
         run(machine, examples=65, steps=50)
     ops = report(CacheMachine.name)
-    assert ops >= 12_500 * SCALE, ops
+    assert ops >= 12_500, ops  # a longer run (PAGED_REF_FUZZ_SCALE) reports its own count
     for op in ("reserve", "reserve_batch", "compact", "truncate", "bad_call"):  # each failure was reached
         assert FAILED[CacheMachine.name, op] > 0, op
 
@@ -593,7 +593,7 @@ def test_layered_cache_interleavings():
     for page_size in (1, 2, 3):
         run(type("L", (LayeredMachine,), dict(page_size=page_size)), examples=55, steps=50)
     ops = report(LayeredMachine.name)
-    assert ops >= 7_000 * SCALE, ops
+    assert ops >= 7_000, ops
     for op in ("reserve", "reserve_batch", "compact", "truncate", "bad_call"):
         assert FAILED[LayeredMachine.name, op] > 0, op
 
@@ -835,6 +835,6 @@ def test_session_interleavings():
     finally:
         torch.set_num_threads(threads)
     ops = report(SessionMachine.name)
-    assert ops >= 1_400 * SCALE, ops
+    assert ops >= 1_400, ops
     for op in ("extend: pool short", "extend: forward failed", "fork", "bad_call"):
         assert FAILED[SessionMachine.name, op] > 0, op
