@@ -11,6 +11,10 @@ serves all layers (as in vLLM). Writing a sequence's tokens is two steps:
 each new token's flat slot ``page * page_size + offset``; then ``write(layer, slots, k, v)``
 stores that layer's K/V there. Every page of a sequence but the last is full.
 
+All or nothing. Every operation counts the pages it needs before it changes anything and
+raises `OutOfPagesError` (or a bad-argument error) with the cache as it was; ``reserve_batch``
+grows a whole batch of sequences that way, as a model's forward needs.
+
 Sharing. ``fork`` makes a second sequence that shares the first's pages (reference counts);
 the first write into a shared page copies it (copy-on-write happens in ``reserve``, which is
 where a write begins, so the slots it returns already point into the private copy). With
