@@ -22,8 +22,11 @@ def check_int(name: str, value, *, min_value: int | None = None) -> int:
 
 
 def check_list(name: str, value, what: str = "ints") -> list:
-    """``value`` as a list (a list, tuple, range, 1-D tensor or array); a scalar, a string, a
-    dict or a 0-d tensor is refused with a message naming ``name`` and what it should hold."""
+    """``value`` as a list (a list, given back as it is; a tuple, range, 1-D tensor or array); a
+    scalar, a string, a dict or a 0-d tensor is refused with a message naming ``name`` and what
+    it should hold."""
+    if type(value) is list:
+        return value
     if isinstance(value, torch.Tensor) and value.dim() == 1:
         return value.tolist()
     if not isinstance(value, (str, bytes, dict, torch.Tensor)):

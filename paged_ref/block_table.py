@@ -57,7 +57,7 @@ def _check_tables(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], page
             raise ValueError(
                 f"tables[{i}] must not list a page twice, got page(s) {dup} more than once in {list(pages)}"
             )
-        if page_size is not None and pages_needed(n, page_size) > len(pages):
+        if page_size is not None and cdiv(n, page_size) > len(pages):  # n checked above
             raise ValueError(
                 f"seq_lens[{i}]={n} needs {pages_needed(n, page_size)} pages of {page_size}, "
                 f"but tables[{i}] has {len(pages)}"
