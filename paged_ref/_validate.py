@@ -21,6 +21,22 @@ def check_int(name: str, value, *, min_value: int | None = None) -> int:
     return value
 
 
+def check_list(name: str, value, what: str = "ints") -> list:
+    """``value`` as a list (a list, given back as it is; a tuple, range, 1-D tensor or array); a
+    scalar, a string, a dict or a 0-d tensor is refused with a message naming ``name`` and what
+    it should hold."""
+    if type(value) is list:
+        return value
+    if isinstance(value, torch.Tensor) and value.dim() == 1:
+        return value.tolist()
+    if not isinstance(value, (str, bytes, dict, torch.Tensor)):
+        try:
+            return list(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be a list of {what}, got {type(value).__name__} ({value!r})")
+
+
 def check_choice(name: str, value, choices) -> str:
     """Raise unless ``value`` is one of ``choices``."""
     if value not in choices:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from ._validate import check_int
+from ._validate import check_int, check_list
 
 
 class OutOfPagesError(MemoryError):
@@ -46,7 +46,13 @@ class PageAllocator:
         self._next_fresh = 0  # bump pointer: pages >= this have never been handed out
         self._free: dict[int, None] = {}  # returned plain pages, insertion-ordered (oldest first)
         self._cached: dict[int, None] = {}  # returned pages holding a cached prefix (LRU first)
-        self._refcount = [0] * self._num_pages  # refcount[page] >= 1 <=> allocated
+        try:
+            self._refcount = [0] * self._num_pages  # refcount[page] >= 1 <=> allocated
+        except MemoryError:
+            raise MemoryError(
+                f"num_pages={num_pages} does not fit in memory: the allocator keeps a reference count "
+                f"per page, {8 * num_pages / 2**30:,.0f} GiB for this many"
+            ) from None
 
     @property
     def num_pages(self) -> int:
@@ -87,6 +93,7 @@ class PageAllocator:
 
     def is_returned(self, page: int) -> bool:
         """True if ``page`` is on the free list (it was used before and is now free)."""
+        page = self._check_page("page", page)
         return page in self._free or page in self._cached
 
     def share(self, pages) -> None:
@@ -131,7 +138,7 @@ class PageAllocator:
         assert 0 <= self._next_fresh <= self._num_pages, "bump pointer out of range"
         for page, count in enumerate(self._refcount):
             fresh = page >= self._next_fresh
-            returned = self.is_returned(page)
+            returned = page in self._free or page in self._cached
             assert not (page in self._free and page in self._cached), f"page {page} is on both free lists"
             assert count >= 0, f"page {page} has negative refcount {count}"
             assert not (fresh and returned), f"page {page} is both never-used and returned"
@@ -147,9 +154,7 @@ class PageAllocator:
         return page
 
     def _check_pages(self, pages, name: str = "pages") -> list[int]:
-        if isinstance(pages, int) or pages is None or isinstance(pages, (str, bytes)):
-            raise TypeError(f"{name} must be a list of page ids, got {pages!r}")
-        return [self._check_page(name, p) for p in pages]
+        return [self._check_page(name, p) for p in check_list(name, pages, "page ids")]
 
     def __repr__(self) -> str:
         return f"PageAllocator(num_pages={self._num_pages}, num_free={self.num_free})"

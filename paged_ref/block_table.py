@@ -12,7 +12,7 @@ Two batch formats:
   ``kv_last_page_len: int32 [batch]`` (tokens in each sequence's last page, 1..page_size).
 
 Example:
-    >>> bt, lens = pad_block_tables([[7, 2], [5]], [20, 3])
+    >>> bt, lens = pad_block_tables([[7, 2], [5]], [20, 3], page_size=16)
     >>> bt.tolist(), lens.tolist()
     ([[7, 2], [5, 0]], [20, 3])
     >>> [t.tolist() for t in to_csr([[7, 2], [5]], [20, 3], page_size=16)]
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from ._arith import cdiv
-from ._validate import check_int
+from ._validate import check_int, check_list
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -39,6 +39,12 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
 
 
 def _check_tables(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size=None):
+    """The page lists and lengths as lists, checked: ints, no page twice in a row, and with
+    ``page_size`` enough pages for each length."""
+    tables = [
+        check_list(f"tables[{i}]", t, "page ids") for i, t in enumerate(check_list("tables", tables, "page lists"))
+    ]
+    seq_lens = check_list("seq_lens", seq_lens, "token counts")
     if len(tables) != len(seq_lens):
         raise ValueError(f"tables and seq_lens must have the same length, got {len(tables)} and {len(seq_lens)}")
     for i, (pages, n) in enumerate(zip(tables, seq_lens)):
@@ -51,22 +57,32 @@ def _check_tables(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], page
             raise ValueError(
                 f"tables[{i}] must not list a page twice, got page(s) {dup} more than once in {list(pages)}"
             )
-        if page_size is not None and pages_needed(n, page_size) > len(pages):
+        if page_size is not None and cdiv(n, page_size) > len(pages):  # n checked above
             raise ValueError(
                 f"seq_lens[{i}]={n} needs {pages_needed(n, page_size)} pages of {page_size}, "
                 f"but tables[{i}] has {len(pages)}"
             )
+    return tables, seq_lens
 
 
 def pad_block_tables(
-    tables: Sequence[Sequence[int]], seq_lens: Sequence[int], *, device=None, pad: int = 0
+    tables: Sequence[Sequence[int]],
+    seq_lens: Sequence[int],
+    *,
+    page_size: int | None = None,
+    device=None,
+    pad: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack per-sequence page lists into ``(block_table int32 [batch, max_pages], seq_lens int32 [batch])``.
 
     Padding entries hold ``pad`` (0 by default: a valid page id, so a kernel that reads one by
-    mistake reads real memory; attention masks everything past ``seq_lens``).
+    mistake reads real memory; attention masks everything past ``seq_lens``). With
+    ``page_size`` every row must list the pages its length needs, as in `to_csr`: a row short
+    of pages would send attention to the padding page. (Without it the lengths are unchecked.)
     """
-    _check_tables(tables, seq_lens)
+    if page_size is not None:
+        page_size = check_int("page_size", page_size, min_value=1)
+    tables, seq_lens = _check_tables(tables, seq_lens, page_size)
     max_pages = max((len(p) for p in tables), default=0)
     block_table = torch.full((len(tables), max(max_pages, 1)), pad, dtype=torch.int32)  # [batch, max_pages]
     for i, pages in enumerate(tables):
@@ -85,7 +101,7 @@ def to_csr(
     than it owns). An empty sequence has zero pages and ``kv_last_page_len`` 0.
     """
     page_size = check_int("page_size", page_size, min_value=1)
-    _check_tables(tables, seq_lens, page_size)
+    tables, seq_lens = _check_tables(tables, seq_lens, page_size)
     counts = [pages_needed(n, page_size) for n in seq_lens]
     indptr = torch.zeros(len(tables) + 1, dtype=torch.int32)  # [batch + 1]
     indptr[1:] = torch.cumsum(torch.as_tensor(counts, dtype=torch.int64), 0).to(torch.int32)
@@ -137,16 +153,22 @@ def from_csr(
 def slot_mapping(pages: Sequence[int], *, start: int, num_tokens: int, page_size: int) -> torch.Tensor:
     """Flat slots ``page * page_size + offset`` of tokens ``start .. start+num_tokens-1``.
 
-    Returns ``int64 [num_tokens]``.
+    Returns ``int64 [num_tokens]``. The pages those tokens land in must be page ids (ints >= 0).
     """
     start = check_int("start", start, min_value=0)
     num_tokens = check_int("num_tokens", num_tokens, min_value=0)
     page_size = check_int("page_size", page_size, min_value=1)
+    if not isinstance(pages, list):
+        pages = check_list("pages", pages, "page ids")
     end = start + num_tokens
     if num_tokens and (end - 1) // page_size >= len(pages):
         raise ValueError(
             f"token {end - 1} needs logical page {(end - 1) // page_size}, but the sequence holds {len(pages)} page(s)"
         )
+    used = range(start // page_size, cdiv(end, page_size))
+    if not all(type(pages[j]) is int and pages[j] >= 0 for j in used):  # the fast path: plain ints
+        for j in used:
+            check_int(f"pages[{j}]", pages[j], min_value=0)
     # plain Python then one tensor: a decode step reserves one token, where torch ops per call
     # would cost more than the arithmetic
     slots = [pages[t // page_size] * page_size + t % page_size for t in range(start, end)]

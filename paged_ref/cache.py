@@ -11,6 +11,10 @@ serves all layers (as in vLLM). Writing a sequence's tokens is two steps:
 each new token's flat slot ``page * page_size + offset``; then ``write(layer, slots, k, v)``
 stores that layer's K/V there. Every page of a sequence but the last is full.
 
+All or nothing. Every operation counts the pages it needs before it changes anything and
+raises `OutOfPagesError` (or a bad-argument error) with the cache as it was; ``reserve_batch``
+grows a whole batch of sequences that way, as a model's forward needs.
+
 Sharing. ``fork`` makes a second sequence that shares the first's pages (reference counts);
 the first write into a shared page copies it (copy-on-write happens in ``reserve``, which is
 where a write begins, so the slots it returns already point into the private copy). With
@@ -54,7 +58,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._arith import next_pow2
-from ._validate import check_choice, check_int, describe
+from ._validate import check_choice, check_int, check_list, describe
 from .allocator import OutOfPagesError, PageAllocator
 from .block_table import pad_block_tables, pages_needed, slot_mapping, to_csr
 from .memory import KVGeometry, model_geometry
@@ -166,7 +170,9 @@ class PagedKVCache:
         """
         seqs = [self._seq(s) for s in self._batch(seq_ids)]
         tables = [s.pages[: pages_needed(s.length, self.page_size)] for s in seqs]
-        return pad_block_tables(tables, [s.length for s in seqs], device=device or self.device)
+        return pad_block_tables(
+            tables, [s.length for s in seqs], page_size=self.page_size, device=device or self.device
+        )
 
     def csr(self, seq_ids=None, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)`` for ``seq_ids``."""
@@ -184,13 +190,13 @@ class PagedKVCache:
         least the last prompt token is left for the caller to compute (it needs its logits).
         ``namespace`` (str -> str, e.g. ``{"adapter": "lora-7"}``) adds this sequence's own
         fields to the cache's ``prefix_namespace``: sequences whose K/V differ for equal tokens
-        (another adapter, another user salt) never share pages.
+        (another adapter, another user salt) never share pages. ``{}`` adds none (as None).
         """
-        seq = _Sequence(
-            root=self._prefix_root
-            if namespace is None
-            else _namespace_key(namespace, parent=self._prefix_root, name="namespace")
-        )
+        root = self._prefix_root
+        if namespace is not None:
+            key = _namespace_key(namespace, parent=root, name="namespace")  # checks it
+            root = key if namespace else root  # {} adds no field: the same as no namespace
+        seq = _Sequence(root=root)
         if token_ids is not None:
             token_ids = _token_list("token_ids", token_ids)
         if self.prefix_caching and token_ids is not None:
@@ -213,26 +219,47 @@ class PagedKVCache:
             token_ids = _token_list("token_ids", token_ids)
             if len(token_ids) != num_tokens:
                 raise ValueError(f"token_ids must have num_tokens={num_tokens} entries, got {len(token_ids)}")
-        ps = self.page_size
-        new_len = seq.length + num_tokens
-        need = pages_needed(new_len, ps)
-        # pages already held that the new tokens land in and that another sequence shares
-        touched = range(seq.length // ps, min(need, len(seq.pages)))
-        shared = [i for i in touched if self.allocator.refcount(seq.pages[i]) > 1]
-        grow = max(0, need - len(seq.pages))
-        if grow and self.growth == "pow2":
-            target = next_pow2(need)
-            if self.allocator.can_allocate(target - len(seq.pages) + len(shared)):
-                grow = target - len(seq.pages)
-        if grow + len(shared) > self.allocator.num_free:
-            raise OutOfPagesError(grow + len(shared), self.allocator.num_free)
-        new_pages = self._allocate(grow + len(shared))
-        self._copy_on_write(seq, shared, new_pages[grow:])
-        seq.pages.extend(new_pages[:grow])
-        slots = slot_mapping(seq.pages, start=seq.length, num_tokens=num_tokens, page_size=ps)
-        seq.length = new_len
-        self._register_full_pages(seq, token_ids)
-        return slots.to(self.device)
+        return self._reserve([(seq, num_tokens, token_ids)])[0]
+
+    def reserve_batch(self, seq_ids, num_tokens, token_ids=None) -> list[torch.Tensor]:
+        """`reserve` for several sequences at once, all or nothing; returns each one's slots.
+
+        The pages the whole batch needs (new pages, and copies of the shared pages its tokens
+        land in) are counted before any is taken: when the pool is short, OutOfPagesError is
+        raised and no sequence changes. With ``growth="pow2"`` a sequence gets its power of two
+        only where the pages the rest of the batch needs stay free. ``token_ids``: None, or one
+        entry (None or ``num_tokens[i]`` ints) per sequence.
+
+        Example:
+            >>> kv = PagedKVCache(num_layers=1, num_pages=2, page_size=4, num_kv_heads=1, head_dim=2)
+            >>> a, b = kv.add_sequence(), kv.add_sequence()
+            >>> kv.reserve_batch([a, b], [3, 5])      # b needs 2 pages: 3 in all, 2 free
+            Traceback (most recent call last):
+            ...
+            paged_ref.allocator.OutOfPagesError: requested 3 page(s) but only 2 of the pool are free
+            >>> kv.seq_len(a), kv.allocator.num_free  # a was not grown either
+            (0, 2)
+        """
+        seq_ids = check_list("seq_ids", seq_ids, "sequence ids")
+        num_tokens = check_list("num_tokens", num_tokens, "token counts")
+        token_ids = [None] * len(seq_ids) if token_ids is None else check_list("token_ids", token_ids, "token-id lists")
+        if not len(seq_ids) == len(num_tokens) == len(token_ids):
+            raise ValueError(
+                f"seq_ids, num_tokens and token_ids must have one entry per sequence, got "
+                f"{len(seq_ids)}, {len(num_tokens)} and {len(token_ids)}"
+            )
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
+        requests = []
+        for i, (seq_id, n, ids) in enumerate(zip(seq_ids, num_tokens, token_ids)):
+            seq = self._seq(seq_id)
+            n = check_int(f"num_tokens[{i}]", n, min_value=1)
+            if ids is not None:
+                ids = _token_list(f"token_ids[{i}]", ids)
+                if len(ids) != n:
+                    raise ValueError(f"token_ids[{i}] must have num_tokens[{i}]={n} entries, got {len(ids)}")
+            requests.append((seq, n, ids))
+        return self._reserve(requests)
 
     def write(
         self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, check_values: bool = True
@@ -318,6 +345,7 @@ class PagedKVCache:
         """
         seq = self._seq(seq_id)
         held = pages_needed(seq.length, self.page_size)
+        logical_pages = check_list("logical_pages", logical_pages, "logical page indices")
         drop = sorted({check_int("logical_pages[i]", i, min_value=0) for i in logical_pages})
         if drop and drop[-1] >= held:
             raise ValueError(f"logical_pages must be in [0, {held}) for sequence {seq_id}, got {drop[-1]}")
@@ -356,11 +384,9 @@ class PagedKVCache:
         ps = self.page_size
         new_len = seq.length - num_tokens
         need = pages_needed(new_len, ps)
-        copy = bool(new_len % ps) and self.allocator.refcount(seq.pages[need - 1]) > 1  # shared, partly kept
-        if copy and not self.allocator.can_allocate(1):
-            released = sum(self.allocator.refcount(p) == 1 for p in set(seq.pages[need:]))
-            if not released:
-                raise OutOfPagesError(1, self.allocator.num_free)
+        copy, released = self._truncate_pages(seq, num_tokens)
+        if copy and not self.allocator.can_allocate(1) and not released:
+            raise OutOfPagesError(1, self.allocator.num_free)
         self._release(seq.pages[need:])
         seq.pages = seq.pages[:need]
         if new_len % ps:  # the last kept page loses slots
@@ -387,8 +413,8 @@ class PagedKVCache:
             raise ValueError(f"keep must be a bool tensor of shape [seq_len] = [{seq.length}], got {describe(keep)}")
         n_keep = int(keep.sum())
         need = pages_needed(n_keep, self.page_size)
-        shared = [i for i in range(need) if self.allocator.refcount(seq.pages[i]) > 1]
-        self._copy_on_write(seq, shared, self._allocate(len(shared)))
+        shared = self._compact_copies(seq, n_keep)
+        self._copy_on_write(seq, shared, self._allocate(len(shared)))  # OutOfPagesError before any change
         for page in seq.pages[:need]:
             self._forget_hash(page)
         all_slots = slot_mapping(seq.pages, start=0, num_tokens=seq.length, page_size=self.page_size)
@@ -414,9 +440,93 @@ class PagedKVCache:
     def _batch(self, seq_ids):
         if seq_ids is None:
             return list(self._seqs)
-        if isinstance(seq_ids, int):
-            raise TypeError(f"seq_ids must be a list of sequence ids, got the int {seq_ids}")
-        return list(seq_ids)
+        return check_list("seq_ids", seq_ids, "sequence ids")
+
+    def _reserve(self, requests: list[tuple[_Sequence, int, list[int] | None]]) -> list[torch.Tensor]:
+        """Grow each ``(sequence, num_tokens, token_ids)`` in order; count every page first."""
+        ps = self.page_size
+        refs: dict[int, int] = {}  # a page's refcount once the requests before have copied it away
+        plans = []  # per request: [logical pages to copy, pages to add]
+        for seq, n, _ in requests:
+            need = pages_needed(seq.length + n, ps)
+            copies = []
+            for i in range(seq.length // ps, min(need, len(seq.pages))):  # held pages the new tokens land in
+                page = seq.pages[i]
+                refs.setdefault(page, self.allocator.refcount(page))
+                if refs[page] > 1:  # shared: this sequence writes into its own copy
+                    copies.append(i)
+                    refs[page] -= 1
+            plans.append([copies, max(0, need - len(seq.pages))])
+        total = sum(len(copies) + grow for copies, grow in plans)
+        if total > self.allocator.num_free:
+            raise OutOfPagesError(total, self.allocator.num_free)
+        if self.growth == "pow2":  # round each up to a power of two while the pages left allow
+            spare = self.allocator.num_free - total
+            for plan, (seq, _, _) in zip(plans, requests):
+                extra = next_pow2(len(seq.pages) + plan[1]) - len(seq.pages) - plan[1] if plan[1] else 0
+                if extra <= spare:
+                    plan[1] += extra
+                    spare -= extra
+        slots = []
+        for (copies, grow), (seq, n, token_ids) in zip(plans, requests):
+            new_pages = self._allocate(grow + len(copies))
+            self._copy_on_write(seq, copies, new_pages[grow:])
+            seq.pages.extend(new_pages[:grow])
+            slots.append(slot_mapping(seq.pages, start=seq.length, num_tokens=n, page_size=ps).to(self.device))
+            seq.length += n
+            self._register_full_pages(seq, token_ids)
+        return slots
+
+    def _truncate_pages(self, seq: _Sequence, num_tokens: int) -> tuple[bool, int]:
+        """What cutting ``num_tokens`` takes and gives: whether the last kept page, shared and
+        partly kept, must be copied first, and how many pages go back to the pool."""
+        new_len = seq.length - num_tokens
+        need = pages_needed(new_len, self.page_size)
+        copy = bool(new_len % self.page_size) and self.allocator.refcount(seq.pages[need - 1]) > 1
+        return copy, sum(self.allocator.refcount(p) == 1 for p in seq.pages[need:])
+
+    def _compact_copies(self, seq: _Sequence, n_keep: int) -> list[int]:
+        """Logical pages that receive kept tokens and are shared: compacting copies them first."""
+        need = pages_needed(n_keep, self.page_size)
+        return [i for i in range(need) if self.allocator.refcount(seq.pages[i]) > 1]
+
+    def _mark(self, seq_id: int) -> tuple:
+        """A sequence as it is now, for `_rewind` (valid while it only reserves and writes): its
+        pages, its length and its prefix-key lists with their lengths (reserve only appends to
+        those lists, or replaces them)."""
+        seq = self._seq(seq_id)
+        known = None if seq.token_ids is None else len(seq.token_ids)
+        return list(seq.pages), seq.length, (seq.token_ids, known), (seq.page_hashes, len(seq.page_hashes))
+
+    def _rewind(self, seq_id: int, mark: tuple) -> None:
+        """Put ``seq_id`` back as `_mark` saw it, undoing the reserves and writes made since (a
+        failed forward's rollback): each shared page that a private copy replaced is shared
+        again, the pages taken since go back to the pool, and the slots written since in the
+        pages it kept are zeroed and no longer offered for prefix reuse.
+
+        Rewind a batch in the reverse of the order it was reserved in: a page one sequence
+        copied away may have been written in place by a later one, which must give it back first.
+        Returned pages that kept a prefix for reuse and were handed out since stay forgotten:
+        their K/V were overwritten.
+        """
+        seq = self._seq(seq_id)
+        pages, length, (token_ids, known), (page_hashes, hashed) = mark
+        ps, before, now = self.page_size, set(pages), set(seq.pages)
+        self.allocator.share([p for p in pages if p not in now])  # raises, changing nothing, if one is gone
+        # tokens written since into pages held before (the partial last page, pages reserved ahead)
+        written = [t for t in range(length, min(seq.length, len(pages) * ps)) if seq.pages[t // ps] == pages[t // ps]]
+        if written:
+            for page in {pages[t // ps] for t in written}:
+                self._forget_hash(page)  # no longer full with those tokens
+            self._zero_slots(torch.tensor([pages[t // ps] * ps + t % ps for t in written], device=self.device))
+        taken = [p for p in seq.pages if p not in before]  # new pages and private copies
+        for page in taken:
+            self._forget_hash(page)  # filled by the failed step: never offered for reuse
+        self._release(taken)
+        if token_ids is not None:
+            del token_ids[known:]
+        del page_hashes[hashed:]
+        seq.pages, seq.length, seq.token_ids, seq.page_hashes = pages, length, token_ids, page_hashes
 
     def _allocate(self, n: int) -> list[int]:
         """Take ``n`` pages from the pool, all zero (a recycled cached page is zeroed here)."""
@@ -556,7 +666,7 @@ def _token_list(name: str, token_ids) -> list[int]:
             raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {describe(token_ids)}")
         return token_ids.tolist()
     out = []
-    for i, t in enumerate(token_ids):
+    for i, t in enumerate(check_list(name, token_ids, "ints or a 1-D integer tensor")):
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
             raise TypeError(f"{name}[{i}] must be an int, got {type(t).__name__} ({t!r})")
         out.append(int(t))

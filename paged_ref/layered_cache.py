@@ -33,7 +33,7 @@ from dataclasses import replace
 
 import torch
 
-from ._validate import check_int
+from ._validate import check_int, check_list
 from .allocator import OutOfPagesError
 from .block_table import pages_needed
 from .cache import PagedKVCache
@@ -125,7 +125,7 @@ class LayeredKVCache:
 
     def block_table(self, seq_ids=None, device=None, *, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s ``(block_table int32 [batch, max_pages], seq_lens int32 [batch])``."""
-        seq_ids = self.seq_ids if seq_ids is None else seq_ids
+        seq_ids = self.seq_ids if seq_ids is None else check_list("seq_ids", seq_ids, "sequence ids")
         return self.pool.block_table([self._lane(s, layer) for s in seq_ids], device=device)
 
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,9 +133,11 @@ class LayeredKVCache:
         return self.pool.gather(0, self._lane(seq_id, layer))
 
     # ----------------------------------------------------------------- growth and eviction
-    def add_sequence(self, token_ids=None) -> int:
-        """Start a new, empty sequence (``token_ids`` is accepted and unused: no prefix caching)."""
-        return self._new([self.pool.add_sequence() for _ in range(self.num_layers)])
+    def add_sequence(self, token_ids=None, *, namespace: dict | None = None) -> int:
+        """Start a new, empty sequence (``token_ids`` and ``namespace`` are checked as
+        `PagedKVCache.add_sequence` checks them, and unused: no prefix caching here)."""
+        first = self.pool.add_sequence(token_ids, namespace=namespace)  # raises, creating nothing, on bad input
+        return self._new([first] + [self.pool.add_sequence() for _ in range(self.num_layers - 1)])
 
     def fork(self, seq_id: int) -> int:
         """A new sequence sharing every layer's pages of ``seq_id`` (copy-on-write later)."""
@@ -150,17 +152,32 @@ class LayeredKVCache:
     def reserve(self, seq_id: int, num_tokens: int) -> torch.Tensor:
         """Grow every layer by ``num_tokens``; returns ``int64 [num_layers, num_tokens]`` slots.
 
-        All or nothing: raises OutOfPagesError and changes nothing when the pool is short.
+        All or nothing: the new pages and the copies of shared pages of every layer are counted
+        first; OutOfPagesError, with nothing changed, when the pool is short.
         """
         lanes = self._lanes_of(seq_id)
         num_tokens = check_int("num_tokens", num_tokens, min_value=1)
-        need = sum(
-            max(0, pages_needed(self.pool.seq_len(lane) + num_tokens, self.page_size) - len(self.pool.pages(lane)))
-            for lane in lanes
-        )
-        if need > self.allocator.num_free:
-            raise OutOfPagesError(need, self.allocator.num_free)
-        return torch.stack([self.pool.reserve(lane, num_tokens) for lane in lanes])  # [num_layers, num_tokens]
+        return torch.stack(self.pool.reserve_batch(lanes, [num_tokens] * len(lanes)))  # [num_layers, num_tokens]
+
+    def reserve_batch(self, seq_ids, num_tokens, token_ids=None) -> list[torch.Tensor]:
+        """`reserve` for several sequences at once, all or nothing (`PagedKVCache.reserve_batch`);
+        returns each one's ``int64 [num_layers, num_tokens[i]]`` slots. ``token_ids`` is unused."""
+        seq_ids = check_list("seq_ids", seq_ids, "sequence ids")
+        num_tokens = check_list("num_tokens", num_tokens, "token counts")
+        if len(seq_ids) != len(num_tokens):
+            raise ValueError(
+                f"seq_ids and num_tokens must have one entry per sequence, got {len(seq_ids)} and {len(num_tokens)}"
+            )
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
+        lanes = [lane for s in seq_ids for lane in self._lanes_of(s)]
+        counts = [
+            check_int(f"num_tokens[{i}]", n, min_value=1)
+            for i, n in enumerate(num_tokens)
+            for _ in range(self.num_layers)
+        ]
+        slots = self.pool.reserve_batch(lanes, counts)
+        return [torch.stack(slots[i : i + self.num_layers]) for i in range(0, len(slots), self.num_layers)]
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Remove the last ``num_tokens`` tokens from every layer: the inverse of `reserve`.
@@ -174,13 +191,16 @@ class LayeredKVCache:
             raise ValueError(
                 f"num_tokens must be <= seq_len={self.seq_len(seq_id)} for sequence {seq_id}, got {num_tokens}"
             )
-        n, ps = self.seq_len(seq_id), self.page_size
-        keep = n - num_tokens
-        if keep % ps:  # a shared last kept page is copied first in each such layer: all or nothing
-            copies = sum(self.allocator.refcount(self.pool.pages(lane)[keep // ps]) > 1 for lane in lanes)
-            if copies > self.allocator.num_free:
-                raise OutOfPagesError(copies, self.allocator.num_free)
-        for lane in lanes:
+        if num_tokens == 0:
+            return
+        # A layer whose last kept page is shared copies it after giving back its cut pages.
+        # Layers that only give back go first, then the copying ones, those giving back most
+        # first: each then finds its copy's page free whenever the totals allow.
+        cost = {lane: self.pool._truncate_pages(self.pool._seq(lane), num_tokens) for lane in lanes}
+        copies, released = sum(c for c, _ in cost.values()), sum(r for _, r in cost.values())
+        if copies > self.allocator.num_free + released:
+            raise OutOfPagesError(copies - released, self.allocator.num_free)
+        for lane in sorted(lanes, key=lambda lane: (cost[lane][0], -cost[lane][1])):
             self.pool.truncate(lane, num_tokens)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> None:
@@ -203,6 +223,10 @@ class LayeredKVCache:
         counts = keep.sum(1)
         if not bool((counts == counts[0]).all()):
             raise ValueError(f"every layer must keep the same number of tokens, got {counts.tolist()}")
+        # every layer copies its shared pages before giving any page back: count all copies first
+        copies = sum(len(self.pool._compact_copies(self.pool._seq(lane), int(counts[0]))) for lane in lanes)
+        if copies > self.allocator.num_free:
+            raise OutOfPagesError(copies, self.allocator.num_free)
         for lane, row in zip(lanes, keep):
             self.pool.compact(lane, row)
 
@@ -212,6 +236,7 @@ class LayeredKVCache:
         All must be full pages or all the same page, so the layers stay the same length.
         """
         lanes = self._lanes_of(seq_id)
+        logical_pages = check_list("logical_pages", logical_pages, "logical page indices")
         pages = [check_int("logical_pages[i]", p, min_value=0) for p in logical_pages]
         if len(pages) != len(lanes):
             raise ValueError(f"logical_pages must name one page per layer ({len(lanes)}), got {len(pages)}")
@@ -238,6 +263,15 @@ class LayeredKVCache:
         )
 
     # ----------------------------------------------------------------- internals
+    def _mark(self, seq_id: int) -> list[tuple]:
+        """Every layer of the sequence as it is now, for `_rewind` (`PagedKVCache._mark`)."""
+        return [self.pool._mark(lane) for lane in self._lanes_of(seq_id)]
+
+    def _rewind(self, seq_id: int, marks: list[tuple]) -> None:
+        """Put every layer of the sequence back as `_mark` saw it, last layer first (`PagedKVCache._rewind`)."""
+        for lane, mark in reversed(list(zip(self._lanes_of(seq_id), marks))):
+            self.pool._rewind(lane, mark)
+
     def _lanes_of(self, seq_id) -> list[int]:
         if seq_id not in self._lanes or isinstance(seq_id, bool):
             raise ValueError(f"seq_id {seq_id!r} is not a live sequence of this cache (live: {self.seq_ids})")

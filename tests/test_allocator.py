@@ -84,3 +84,21 @@ def test_check_detects_corruption():
     alloc._free[2] = None  # corrupt: a never-used page on the free list
     with pytest.raises(AssertionError, match="both never-used and returned"):
         alloc.check()
+
+
+def test_scalars_huge_pools_and_unknown_pages_are_named():
+    import numpy as np
+
+    alloc = pr.PageAllocator(4)
+    alloc.allocate(2)
+    with pytest.raises(TypeError, match="pages must be a list of page ids, got int64"):
+        alloc.free(np.int64(3))
+    with pytest.raises(TypeError, match="pages must be a list of page ids"):
+        alloc.share(np.int64(1))
+    with pytest.raises(ValueError, match=r"page must be in \[0, 4\), got 99"):
+        alloc.is_returned(99)  # as refcount(99) does
+    with pytest.raises(ValueError, match=r"page must be in \[0, 4\), got 99"):
+        alloc.refcount(99)
+    assert alloc.num_free == 2 and [alloc.refcount(p) for p in range(4)] == [1, 1, 0, 0]
+    with pytest.raises(MemoryError, match="num_pages=10000000000000"):
+        pr.PageAllocator(10**13)

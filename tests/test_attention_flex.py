@@ -346,3 +346,25 @@ def test_paged_block_masks_refuses_pages_past_the_cache():
     with pytest.raises(ValueError, match=r"must be in \[0, num_pages=4\), got values in \[0, 5\]"):
         paged_block_masks(table, torch.tensor([8]), num_pages=4, page_size=4)
     paged_block_masks(table, torch.tensor([4]), num_pages=4, page_size=4)  # 5 is padding here
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(page_size=0), ValueError, "page_size must be >= 1, got 0"),
+        (dict(num_pages=0), ValueError, "num_pages must be >= 1, got 0"),
+        (dict(q_len=0), ValueError, "q_len must be >= 1, got 0"),
+        (
+            dict(block_table=[[0, 1]]),
+            TypeError,
+            r"block_table must be a 2-D integer torch.Tensor \[batch, max_pages\], got list",
+        ),
+        (dict(seq_lens=[8]), TypeError, r"seq_lens must be a 1-D integer torch.Tensor \[batch\], got list"),
+        (dict(seq_lens=torch.tensor([8, 8])), ValueError, r"seq_lens must have shape \[batch=1\], got \[2\]"),
+        (dict(q_lens=[1]), TypeError, r"q_lens must be None or a 1-D integer torch.Tensor \[batch\], got list"),
+    ],
+)
+def test_paged_block_masks_names_the_argument_at_fault(kwargs, exc, words):
+    args = dict(block_table=torch.tensor([[0, 1]]), seq_lens=torch.tensor([8]), num_pages=4, page_size=4) | kwargs
+    with pytest.raises(exc, match=words):
+        paged_block_masks(**args)

@@ -110,3 +110,38 @@ def test_pages_needed_rejects_negative_and_zero():
     with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
         pages_needed(5, 0)
     assert pages_needed(0, 4) == 0 and pages_needed(5, 4) == 2
+
+
+def test_pad_block_tables_with_page_size_refuses_rows_that_do_not_cover_their_length():
+    with pytest.raises(ValueError, match=r"seq_lens\[0\]=9 needs 2 pages of 8, but tables\[0\] has 1"):
+        pad_block_tables([[3]], [9], page_size=8)  # attention would read padding page 0 for tokens 8
+    bt, lens = pad_block_tables([[3, 4]], [9], page_size=8)
+    assert bt.tolist() == [[3, 4]] and lens.tolist() == [9]
+    with pytest.raises(ValueError, match="page_size must be >= 1, got 0"):
+        pad_block_tables([[3]], [1], page_size=0)
+
+
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (
+            lambda: slot_mapping([-3], start=0, num_tokens=1, page_size=4),
+            ValueError,
+            r"pages\[0\] must be >= 0, got -3",
+        ),
+        (lambda: slot_mapping([2, -1], start=4, num_tokens=1, page_size=4), ValueError, r"pages\[1\] must be >= 0"),
+        (lambda: slot_mapping([1.0], start=0, num_tokens=1, page_size=4), TypeError, r"pages\[0\] must be an int"),
+        (
+            lambda: slot_mapping(3, start=0, num_tokens=1, page_size=4),
+            TypeError,
+            "pages must be a list of page ids, got int",
+        ),
+        (lambda: pad_block_tables(3, [1]), TypeError, "tables must be a list of page lists, got int"),
+        (lambda: pad_block_tables([[1]], 1), TypeError, "seq_lens must be a list of token counts, got int"),
+        (lambda: pad_block_tables([1], [1]), TypeError, r"tables\[0\] must be a list of page ids, got int"),
+        (lambda: to_csr([[1]], 5, page_size=4), TypeError, "seq_lens must be a list of token counts, got int"),
+    ],
+)
+def test_scalars_and_negative_pages_are_named(call, exc, words):
+    with pytest.raises(exc, match=words):
+        call()

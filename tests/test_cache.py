@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -407,3 +408,38 @@ def test_truncate_into_a_shared_page_without_a_free_page_changes_nothing():
     assert cache.seq_len(b) == 6 and cache.pages(b) == cache.pages(a)
     cache.truncate(b, 2)  # the shared first page is kept whole: no copy needed
     assert cache.seq_len(b) == 4 and cache.pages(b) == cache.pages(a)[:1]
+
+
+def test_an_empty_namespace_is_no_namespace():
+    cache = _prefix_cache()
+    prompt = list(range(40))
+    _cached(cache, prompt)
+    assert cache.seq_len(cache.add_sequence(token_ids=prompt, namespace={})) == 32
+    assert cache.seq_len(cache.add_sequence(token_ids=prompt, namespace=None)) == 32
+    assert cache.seq_len(cache.add_sequence(token_ids=prompt, namespace={"adapter": "x"})) == 0
+
+
+@pytest.mark.parametrize(
+    "call, exc, msg",
+    [
+        (lambda c, s: c.drop_pages(s, 0), TypeError, "logical_pages must be a list of logical page indices, got int"),
+        (
+            lambda c, s: c.add_sequence(token_ids=5),
+            TypeError,
+            "token_ids must be a list of ints or a 1-D integer tensor, got int",
+        ),
+        (lambda c, s: c.reserve(s, 1, token_ids=5), TypeError, "token_ids must be a list"),
+        (lambda c, s: c.block_table(np.int64(0)), TypeError, "seq_ids must be a list of sequence ids"),
+        (lambda c, s: c.csr(s), TypeError, "seq_ids must be a list of sequence ids"),
+    ],
+)
+def test_scalars_where_lists_are_expected_are_named(call, exc, msg):
+    from cache_state import snapshot
+
+    cache = make()
+    s = cache.add_sequence()
+    fill(cache, s, 5)
+    before = snapshot(cache)
+    with pytest.raises(exc, match=msg):
+        call(cache, s)
+    assert snapshot(cache) == before

@@ -559,3 +559,167 @@ def test_bench_generate_memory_runs_each_method_and_takes_the_median(monkeypatch
     hf, paged = data["rows"][0]["methods"]["hf_generate"], data["rows"][0]["methods"]["paged_auto"]
     assert hf["runs_bytes"] == [5, 7, 6] and hf["peak_rss_rise_bytes"] == 6
     assert paged["runs_bytes"] == [9, 4, 8] and paged["peak_rss_rise_bytes"] == 8 and paged["over_hf_generate"] == 8 / 6
+
+
+def test_an_extend_the_pool_cannot_hold_keeps_no_copy_on_write_copy(model):
+    """The first sequence's write lands in a page it shares with its fork's parent; the second
+    sequence does not fit: nothing is reserved at all, so no private copy is left behind."""
+    from cache_state import snapshot
+
+    with hf.PagedSession(model, num_pages=6, page_size=4) as session:
+        root = session.add()
+        session.extend([root], [_prompt(10, seed=30)[0]])  # 3 pages, the last one partial
+        a = session.fork(root)
+        b = session.add()
+        before = snapshot(session.kv)
+        with pytest.raises(OutOfPagesError):  # a copies its shared page 2 (1 page), b needs 3: 3 are free
+            session.extend([a, b], [torch.tensor([7]), _prompt(12, seed=31)[0]])
+        after = snapshot(session.kv)
+        assert after == before, after.diff(before)
+        assert [session.kv.allocator.refcount(p) for p in session.kv.pages(a)] == [2, 2, 2]
+        assert (session.position(a), session.position(b)) == (10, 0)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_a_forward_that_fails_midway_gives_back_copies_and_pages(model, prefix_caching):
+    """The forward raises after layer 0 wrote its K/V: the rollback removes the new tokens, gives
+    the shared page back in place of its private copy and forgets the pages filled meanwhile."""
+    from cache_state import snapshot
+
+    kv = PagedKVCache.for_model(model, num_pages=12, page_size=4, prefix_caching=prefix_caching)
+    with hf.PagedSession(model, kv=kv) as session:
+        root = session.add()
+        session.extend([root], [_prompt(10, seed=32)[0]])
+        a = session.fork(root)
+        b = session.add()
+        session.extend([b], [_prompt(3, seed=33)[0]])
+        before = snapshot(kv, exact=False)
+
+        def boom(module, args):
+            raise RuntimeError("layer 1 fails")
+
+        hook = model.model.layers[1].register_forward_pre_hook(boom)
+        try:
+            with pytest.raises(RuntimeError, match="layer 1 fails"):  # a copies page 2, b fills its page and grows
+                session.extend([a, b], [_prompt(3, seed=34)[0], _prompt(6, seed=35)[0]])
+        finally:
+            hook.remove()
+        after = snapshot(kv, exact=False)
+        assert after == before, after.diff(before)
+        assert (session.position(a), session.position(b)) == (10, 3)
+        session.extend([a, b], [_prompt(3, seed=34)[0], _prompt(6, seed=35)[0]])  # and it works again
+
+
+def test_namespaces_per_sequence_through_the_session_and_generate(model):
+    """Pages computed under one adapter are found under that adapter only; ``{}`` is no namespace."""
+    kv = PagedKVCache.for_model(model, num_pages=32, page_size=4, prefix_caching=True)
+    prompt = _prompt(9, seed=36)
+    hf.generate(model, prompt, max_new_tokens=2, kv_cache=kv, namespace={"adapter": "a"})
+    with hf.PagedSession(model, kv=kv) as session:
+        assert session.position(session.add(prompt[0], namespace={"adapter": "a"})) == 8
+        assert session.position(session.add(prompt[0], namespace={"adapter": "b"})) == 0
+        assert session.position(session.add(prompt[0])) == 0
+        with pytest.raises(TypeError, match="namespace must be None or a dict"):
+            session.add(prompt[0], namespace="a")
+    hf.generate(model, prompt, max_new_tokens=2, kv_cache=kv, namespace=[{}])  # one per row; {} is none
+    with hf.PagedSession(model, kv=kv) as session:
+        assert session.position(session.add(prompt[0], namespace={})) == 8
+    with pytest.raises(ValueError, match=r"namespace must be None, a dict or a list of one per row \(1\), got 2"):
+        hf.generate(model, prompt, max_new_tokens=2, kv_cache=kv, namespace=[{}, {}])
+    assert kv.seq_ids == [] and kv.allocator.num_free == 32
+
+
+def test_a_closed_session_takes_no_new_sequence(model):
+    session = hf.PagedSession(model, num_pages=4, page_size=4)
+    with session:
+        s = session.add()
+    with pytest.raises(RuntimeError, match="closed"):
+        session.add()
+    with pytest.raises(ValueError, match="not a live sequence"):
+        session.fork(s)
+    assert session.kv.seq_ids == [] and session.kv.allocator.num_free == 4
+    with session:  # opened again, it works again
+        session.finish(session.add())
+
+
+class _Forwards:
+    """Counts the model's forwards (a pre-hook on the decoder)."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self.hook = model.model.register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        self.calls += 1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.hook.remove()
+
+
+@pytest.mark.parametrize(
+    "call, exc, match",
+    [
+        (lambda m, ids: hf.generate(m, ids, max_new_tokens=64, callback=5), TypeError, "callback must be callable"),
+        (lambda m, ids: hf.generate(None, ids, max_new_tokens=4), TypeError, "model must be a transformers"),
+        (lambda m, ids: hf.stream(None, ids, max_new_tokens=4), TypeError, "model must be a transformers"),
+        (lambda m, ids: hf.log_likelihood(None, ids), TypeError, "model must be a transformers"),
+        (
+            lambda m, ids: hf.log_likelihood(m, torch.cat([ids, torch.tensor([[10**6]])], 1)),
+            ValueError,
+            r"input_ids must hold token ids in \[0, vocab_size=\d+\), got values in \[\d+, 1000000\]",
+        ),
+        (
+            lambda m, ids: hf.reference_log_likelihood(m, torch.cat([ids, torch.tensor([[-1]])], 1)),
+            ValueError,
+            r"input_ids must hold token ids in \[0, vocab_size",
+        ),
+    ],
+)
+def test_arguments_are_checked_before_any_forward(model, call, exc, match):
+    with _Forwards(model) as forwards, pytest.raises(exc, match=match):
+        call(model, _prompt(20, seed=37))
+    assert forwards.calls == 0 and model.config._attn_implementation == "sdpa"
+
+
+def test_scalars_where_lists_are_expected_are_named_by_the_session(model):
+    with hf.PagedSession(model, num_pages=4, page_size=4) as session:
+        s = session.add()
+        with pytest.raises(TypeError, match="seq_ids must be a list of sequence ids, got int"):
+            session.extend(s, [torch.tensor([1])])
+        with pytest.raises(TypeError, match="tokens must be a list of token-id tensors, got int"):
+            session.extend([s], 5)
+        with pytest.raises(TypeError, match="token_ids must be a list of ints or a 1-D integer tensor, got int"):
+            session.add(5)
+        assert session.seq_ids == [s] and session.kv.seq_len(s) == 0
+
+
+def test_a_policy_that_raises_after_the_forward_leaves_every_sequence_counted(model):
+    """The forward is done when the hooks run: every sequence's position counts its new tokens,
+    every other policy still runs, and the first error is raised at the end."""
+    from paged_ref.eviction import FullCache
+
+    class Counting(FullCache):
+        def __init__(self, fail=False):
+            super().__init__()
+            self.fail, self.calls = fail, 0
+
+        def after_append(self, cache, seq_id):
+            self.calls += 1
+            if self.fail:
+                raise RuntimeError("this policy fails")
+            super().after_append(cache, seq_id)
+
+    failing, counting = Counting(fail=True), Counting()
+    with hf.PagedSession(model, num_pages=8, page_size=4) as session:
+        a, b = session.add(eviction=failing), session.add(eviction=counting)
+        session.extend([a, b], [_prompt(5, seed=38)[0], _prompt(6, seed=39)[0]])  # prefill: no after_append
+        with pytest.raises(RuntimeError, match="this policy fails"):
+            session.extend([a, b], [torch.tensor([3]), torch.tensor([4])])
+        assert (session.position(a), session.position(b)) == (6, 7) == (session.kv.seq_len(a), session.kv.seq_len(b))
+        assert (failing.calls, counting.calls) == (1, 1)
+        failing.fail = False
+        session.extend([a, b], [torch.tensor([5]), torch.tensor([6])])
+        assert (session.position(a), session.position(b)) == (7, 8) and counting.positions(b).numel() == 8

@@ -237,3 +237,88 @@ def test_truncate_that_needs_copies_the_pool_lacks_changes_nothing():
     with pytest.raises(OutOfPagesError):
         cache.truncate(f, 2)  # each layer's kept page 1 is shared and partly kept: 3 copies, 0 free
     assert cache.seq_len(f) == 8 and all(cache.pages(f, i) == cache.pages(s, i) for i in range(L))
+
+
+def _a_fork_and_one_free_layer_page():
+    """Two layers, page_size 2: ``f`` forks ``s`` (3 tokens: a full and a partial page per
+    layer, all shared) and the pool has exactly one free layer page left (an uneven count,
+    made by dropping a different page in each layer of another fork pair)."""
+    cache = LayeredKVCache(num_layers=2, num_pages=4, page_size=2, num_kv_heads=HKV, head_dim=D)
+    q = cache.add_sequence()
+    append(cache, q, [torch.ones(4, HKV, D)] * 2, [torch.ones(4, HKV, D)] * 2)
+    q2 = cache.fork(q)
+    cache.drop_pages(q, [0, 1])  # q keeps A1 | B0; q2 alone holds A0 and B1
+    cache.drop_pages(q2, [1, 1])  # q2 gives back A1 (q keeps it) and B1 (freed): one page
+    s = cache.add_sequence()
+    append(cache, s, [torch.randn(3, HKV, D) for _ in range(2)], [torch.randn(3, HKV, D) for _ in range(2)])
+    f = cache.fork(s)
+    assert cache.allocator.num_free == 1
+    return cache, s, f
+
+
+def test_a_compaction_whose_copies_the_pool_lacks_changes_no_layer():
+    from cache_state import snapshot
+
+    cache, s, f = _a_fork_and_one_free_layer_page()
+    before = snapshot(cache)
+    with pytest.raises(OutOfPagesError):  # one copy per layer of the shared page 0: 2 pages, 1 free
+        cache.compact(f, torch.tensor([[True, False, True], [False, True, True]]))
+    after = snapshot(cache)
+    assert after == before, after.diff(before)
+    assert [len(cache.pages(f, i)) for i in range(2)] == [2, 2] and cache.seq_len(f) == 3
+
+
+def test_a_reserve_whose_copies_the_pool_lacks_changes_no_layer():
+    """Writing into a shared partial page copies it in every layer: the copies count too."""
+    from cache_state import snapshot
+
+    cache, s, f = _a_fork_and_one_free_layer_page()
+    before = snapshot(cache)
+    with pytest.raises(OutOfPagesError):
+        cache.reserve(f, 1)  # no new page, but one copy per layer: 2 pages, 1 free
+    after = snapshot(cache)
+    assert after == before, after.diff(before)
+
+
+def test_a_session_whose_compaction_runs_out_of_pages_keeps_every_layer_alike():
+    """A fork under token_topk appends past its budget; compacting it needs a copy of each shared
+    page in each layer, more than the pool holds: the compaction changes no layer, the extend
+    raises with every layer and the position counting the new tokens, and once the parent is
+    finished (its pages no longer shared) the next step evicts as usual."""
+    from paged_ref.hf import PagedSession
+    from paged_ref.models import tiny_llama
+
+    model = tiny_llama(seed=0)
+    kv = LayeredKVCache.for_model(model, num_pages=6, page_size=4)  # 12 layer pages
+    ids = torch.randint(3, 200, (14,), generator=torch.Generator().manual_seed(2))
+    policy = make_policy("token_topk", 12, decision="per_layer")
+    with PagedSession(model, kv=kv) as session:
+        root = session.add()
+        session.extend([root], [ids[:10]])  # 3 pages in each of 2 layers
+        s = session.fork(root, eviction=policy)  # 10 <= 12: nothing evicted, every page shared
+        with pytest.raises(OutOfPagesError):  # 13 tokens: 2 copies + 2 new pages; then 4 copies, 2 free
+            session.extend([s], [ids[10:13]])
+        assert [len(kv.pages(s, i)) for i in range(2)] == [4, 4] and kv.seq_len(s) == 13 == session.position(s)
+        assert [int(n) for n in (kv.block_table([s], layer=i)[1][0] for i in range(2))] == [13, 13]
+        assert policy.stats(s).compactions == 0 and policy.stats(s).tokens_evicted == 0  # nothing was evicted
+        session.finish(root)
+        session.extend([s], [ids[13:14]])
+        assert kv.seq_len(s) == 12 and session.position(s) == 14 and policy.positions(s).shape == (2, 12)
+        assert policy.stats(s).compactions == 1 and policy.stats(s).tokens_evicted == 2
+
+
+def test_scalars_where_lists_are_expected_are_named():
+    from cache_state import snapshot
+
+    cache = layered(num_pages=4, page_size=4)
+    s = cache.add_sequence()
+    append(cache, s, [torch.ones(6, HKV, D)] * L, [torch.ones(6, HKV, D)] * L)
+    before = snapshot(cache)
+    with pytest.raises(TypeError, match="logical_pages must be a list of logical page indices, got int"):
+        cache.drop_pages(s, 0)
+    with pytest.raises(TypeError, match="seq_ids must be a list of sequence ids"):
+        cache.block_table(s)
+    with pytest.raises(TypeError, match="namespace must be None or a dict"):
+        cache.add_sequence(namespace="lora")
+    assert snapshot(cache) == before
+    cache.free(cache.add_sequence(namespace={"adapter": "lora"}))  # taken like PagedKVCache's (no prefix caching)

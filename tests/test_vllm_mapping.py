@@ -70,7 +70,7 @@ def test_block_table_is_padded_int32():
     assert table.dtype == lens.dtype == torch.int32
     assert table.tolist() == [[0, 1, 6], [2, 3, 5], [4, 7, 0]] and lens.tolist() == [9, 12, 5]
     assert table[2, 2] == 0  # padding: page 0, masked by seq_lens
-    padded, plens = pr.pad_block_tables([cache.pages(s) for s in seqs], lens.tolist())
+    padded, plens = pr.pad_block_tables([cache.pages(s) for s in seqs], lens.tolist(), page_size=4)
     assert torch.equal(padded, table) and torch.equal(plens, lens)
 
 

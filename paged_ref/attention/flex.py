@@ -81,6 +81,7 @@ from torch.nn.attention.flex_attention import (
 from paged_ref.attention.reference import check_paged_inputs, check_prefill_inputs
 
 from .._arith import cdiv, next_pow2
+from .._validate import check_int
 
 __all__ = [
     "PagedBlockMasks",
@@ -360,6 +361,7 @@ def paged_block_masks(
         ...                                      m.physical.kv_num_blocks[:, 0, 0])]
         [[1, 3], [0]]
     """
+    _check_mask_arguments(block_table, seq_lens, q_lens, num_pages, page_size, q_len)
     if kv_block_size is None:
         kv_block_size = default_kv_block_size(page_size, block_table.device)
     _check_block_size(kv_block_size)
@@ -377,10 +379,28 @@ def paged_block_masks(
     return PagedBlockMasks(logical, physical)
 
 
+def _check_mask_arguments(block_table, seq_lens, q_lens, num_pages, page_size, q_len) -> None:
+    """The types and shapes `paged_block_masks` takes, each named in its error."""
+    check_int("num_pages", num_pages, min_value=1)
+    check_int("page_size", page_size, min_value=1)
+    check_int("q_len", q_len, min_value=1)
+    for name, t, dims, layout in (
+        ("block_table", block_table, 2, "[batch, max_pages]"),
+        ("seq_lens", seq_lens, 1, "[batch]"),
+        ("q_lens", q_lens, 1, "[batch]"),
+    ):
+        if name == "q_lens" and t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dim() != dims or t.is_floating_point() or t.is_complex():
+            what = f"shape {list(t.shape)} and dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            optional = "None or " if name == "q_lens" else ""
+            raise TypeError(f"{name} must be {optional}a {dims}-D integer torch.Tensor {layout}, got {what}")
+        if name != "block_table" and tuple(t.shape) != (block_table.shape[0],):
+            raise ValueError(f"{name} must have shape [batch={block_table.shape[0]}], got {list(t.shape)}")
+
+
 def _check_table_pages(block_table, seq_lens, num_pages: int, page_size: int) -> None:
     """The pages each sequence uses must exist in the cache (copies the used entries to the host)."""
-    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
-        raise TypeError(f"block_table must be a 2-D int tensor [batch, max_pages], got {block_table!r}")
     used = (
         torch.arange(block_table.shape[1], device=block_table.device)[None, :]
         < _used_pages(seq_lens, page_size)[:, None]

@@ -362,6 +362,7 @@ class EvictionPolicy:
         stats = self._stats[seq_id]
         if bool(keep.all()):
             return
+        cache.compact(seq_id, keep[0] if self.decision == "shared" else keep)  # first: it may raise
         moved = 0
         for row in keep:
             holes = (~row).nonzero()
@@ -370,7 +371,6 @@ class EvictionPolicy:
         stats.tokens_moved += moved if keep.shape[0] == 1 else moved / keep.shape[0]
         stats.tokens_evicted += int((~keep[0]).sum())
         stats.compactions += 1
-        cache.compact(seq_id, keep[0] if self.decision == "shared" else keep)
         pos = self._positions[seq_id]
         self._positions[seq_id] = torch.stack([p[k] for p, k in zip(pos, keep)])
 

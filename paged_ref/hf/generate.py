@@ -32,6 +32,7 @@ import torch
 from .._arith import cdiv
 from .._validate import check_int
 from ..cache import PagedKVCache
+from ..memory import model_geometry
 from .session import PagedSession
 
 __all__ = ["Stream", "generate", "stream"]
@@ -53,6 +54,7 @@ def stream(
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     kv_cache: PagedKVCache | None = None,
+    namespace: dict | list | None = None,
 ) -> Iterator[torch.Tensor]:
     """Greedy decoding that yields each step's new tokens as they are produced.
 
@@ -72,6 +74,7 @@ def stream(
         (torch.Size([1]), True)
     """
     prompts, eos, pad = _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+    namespaces = _namespaces(namespace, len(prompts))
     if kv_cache is not None and num_pages is not None:
         raise ValueError("pass either kv_cache or num_pages, not both (num_pages sizes a cache created here)")
     if kv_cache is None and num_pages is None:
@@ -82,7 +85,7 @@ def stream(
     session = PagedSession(
         model, kv=kv_cache, num_pages=num_pages, page_size=page_size, backend=backend, eviction=eviction, budget=budget
     )
-    return Stream(_greedy_steps(session, prompts, max_new_tokens, eos, pad))
+    return Stream(_greedy_steps(session, prompts, max_new_tokens, eos, pad, namespaces))
 
 
 class Stream:
@@ -116,10 +119,10 @@ class Stream:
         self.close()
 
 
-def _greedy_steps(session: PagedSession, prompts, max_new_tokens: int, eos: torch.Tensor, pad: int):
+def _greedy_steps(session: PagedSession, prompts, max_new_tokens: int, eos: torch.Tensor, pad: int, namespaces):
     """The decoding loop behind `stream` (a generator, so arguments are checked before it starts)."""
     with session:  # paged attention on; on exit every sequence is freed and attention restored
-        seq_ids = [session.add() for _ in prompts]
+        seq_ids = [session.add(namespace=ns) for ns in namespaces]
         active = list(range(len(prompts)))  # batch rows still generating
         logits = session.extend(seq_ids, prompts)  # prefill: [batch, vocab]
         for step in range(max_new_tokens):
@@ -158,6 +161,7 @@ def generate(
     callback: Callable[[int, torch.Tensor], None] | None = None,
     progress: bool | None = None,
     kv_cache: PagedKVCache | None = None,
+    namespace: dict | list | None = None,
 ) -> torch.Tensor:
     """Greedy generation with every layer's K/V in a paged cache; same tokens as ``model.generate``.
 
@@ -186,6 +190,9 @@ def generate(
         progress: show a tqdm bar; default (None): only from 128 new tokens on.
         kv_cache: use this `PagedKVCache` (e.g. to inspect its pages from the callback) instead
             of creating one; the sequences added are freed before returning.
+        namespace: the prefix-cache namespace (str -> str, e.g. ``{"adapter": "lora-7"}``) of
+            every sequence, or a list of one per row (None or a dict each); see
+            `PagedSession.add`.
 
     Returns:
         LongTensor ``[batch, prompt_len + steps]``, the input followed by the generated tokens.
@@ -199,6 +206,8 @@ def generate(
         if progress is not None
         else check_int("max_new_tokens", max_new_tokens, min_value=1) >= PROGRESS_MIN_TOKENS
     )
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable as callback(step, tokens) or None, got {type(callback).__name__}")
     if streamer is not None:
         missing = [m for m in ("put", "end") if not callable(getattr(streamer, m, None))]
         if missing:
@@ -219,6 +228,7 @@ def generate(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         kv_cache=kv_cache,
+        namespace=namespace,
     )
     from tqdm.auto import tqdm
 
@@ -245,6 +255,7 @@ def generate(
 
 def _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id):
     """Validate the inputs; return (prompts: list of LongTensor [len_b], eos: LongTensor [k], pad: int)."""
+    model_geometry(model)  # a transformers decoder, else a TypeError naming what it lacks
     check_int("max_new_tokens", max_new_tokens, min_value=1)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise TypeError(
@@ -313,6 +324,16 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad
         raise ValueError(f"pad_token_id must be a token id in [0, vocab_size={vocab}) or None, got {pad_token_id!r}")
     eos = torch.tensor(eos_list, dtype=torch.long, device=device)
     return prompts, eos, int(pad_token_id)
+
+
+def _namespaces(namespace, batch: int) -> list:
+    """One prefix-cache namespace per row (each checked by the cache when its sequence is added)."""
+    if namespace is None or isinstance(namespace, dict):
+        return [namespace] * batch
+    if not isinstance(namespace, (list, tuple)) or len(namespace) != batch:
+        got = len(namespace) if isinstance(namespace, (list, tuple)) else type(namespace).__name__
+        raise ValueError(f"namespace must be None, a dict or a list of one per row ({batch}), got {got}")
+    return list(namespace)
 
 
 def _is_int(x) -> bool:

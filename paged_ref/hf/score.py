@@ -25,12 +25,16 @@ import torch
 from .._validate import check_int, describe
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
+from ..memory import model_geometry
 from .session import PagedSession
 
 __all__ = ["log_likelihood", "prompt_kv", "reference_log_likelihood"]
 
 
-def _check_ids(input_ids) -> torch.Tensor:
+def _check_ids(input_ids, model) -> torch.Tensor:
+    """``input_ids`` checked against the model before any forward: a LongTensor [batch, seq_len]
+    of token ids in its vocabulary."""
+    model_geometry(model)  # a transformers decoder, else a TypeError naming what it lacks
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
         raise TypeError(
             "input_ids must be a LongTensor [batch, seq_len], got "
@@ -42,6 +46,10 @@ def _check_ids(input_ids) -> torch.Tensor:
         )
     if input_ids.shape[0] < 1 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids needs >= 1 row of >= 2 tokens, got shape {list(input_ids.shape)}")
+    vocab = model.config.vocab_size
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"input_ids must hold token ids in [0, vocab_size={vocab}), got values in [{lo}, {hi}]")
     return input_ids
 
 
@@ -71,7 +79,7 @@ def log_likelihood(
     Returns:
         float32 ``[batch, seq_len - 1]``: entry ``t`` is ``log p(input_ids[:, t+1] | input_ids[:, :t+1])``.
     """
-    input_ids = _check_ids(input_ids)
+    input_ids = _check_ids(input_ids, model)
     chunk_size = check_int("chunk_size", chunk_size, min_value=1)
     prefill_len = chunk_size if prefill_len is None else check_int("prefill_len", prefill_len, min_value=1)
     batch, seq_len = input_ids.shape
@@ -103,7 +111,7 @@ def reference_log_likelihood(model, input_ids: torch.Tensor) -> torch.Tensor:
     Returns:
         float32 ``[batch, seq_len - 1]``, laid out like `log_likelihood`.
     """
-    input_ids = _check_ids(input_ids)
+    input_ids = _check_ids(input_ids, model)
     device = next(model.parameters()).device
     ids = input_ids.to(device)
     logits = model(input_ids=ids, use_cache=False).logits.float()  # [batch, seq_len, vocab]

@@ -42,6 +42,7 @@ from dataclasses import replace
 
 import torch
 
+from .._validate import check_list
 from ..cache import PagedKVCache
 from ..eviction.policies import EvictionPolicy, resolve_policy
 from ..layered_cache import LayeredKVCache
@@ -117,6 +118,7 @@ class PagedSession:
         self._policies: dict[int, EvictionPolicy | None] = {}  # seq_id -> its eviction policy
         self._prefilled: set[int] = set()  # sequences whose policy has run after_prefill
         self._open = False
+        self._closed = False  # close() freed every sequence; add() waits for open() again
         self.plan_seconds = 0.0  # host time spent laying out forwards (slots, tables, attention inputs)
 
     # ------------------------------------------------------------------ lifetime
@@ -130,11 +132,14 @@ class PagedSession:
             finally:
                 _set_attn_implementation(self.model, previous)
             self._open = True
+            self._closed = False
         return self
 
     def close(self) -> None:
-        """Free every sequence still held (the model's attention was never left switched)."""
+        """Free every sequence still held (the model's attention was never left switched); `add`
+        is refused until the session is opened again."""
         self._open = False
+        self._closed = True
         for seq_id in list(self._positions):
             self.finish(seq_id)
 
@@ -145,10 +150,13 @@ class PagedSession:
         self.close()
 
     # ------------------------------------------------------------------ sequences
-    def add(self, token_ids=None, *, eviction: EvictionPolicy | None = None) -> int:
+    def add(self, token_ids=None, *, eviction: EvictionPolicy | None = None, namespace: dict | None = None) -> int:
         """Start a sequence; returns its id in `kv`.
 
         ``eviction``: this sequence's own policy object (default: the session's).
+        ``namespace``: this sequence's prefix-cache fields (str -> str, e.g.
+        ``{"adapter": "lora-7"}``, see `PagedKVCache.add_sequence`): it shares pages only with
+        sequences of the same namespace.
 
         With ``token_ids`` (the prompt, a list or 1-D LongTensor) and a cache made with
         ``prefix_caching=True``, the full pages of the prompt that the cache already holds are
@@ -168,8 +176,12 @@ class PagedSession:
             ...     session.position(b)                                       # two full pages reused
             8
         """
+        if self._closed:
+            raise RuntimeError(
+                "PagedSession.add on a closed session: open it again (`with session:`) or make a new one"
+            )
         policy = self._policy_arg(eviction)
-        seq_id = self.kv.add_sequence(token_ids=token_ids)
+        seq_id = self.kv.add_sequence(token_ids=token_ids, namespace=namespace)
         self._positions[seq_id] = self.kv.seq_len(seq_id)  # RoPE continues after reused tokens
         self._policies[seq_id] = policy
         return seq_id
@@ -248,9 +260,20 @@ class PagedSession:
         Returns:
             all_logits False: ``[batch, vocab]`` float32, logits after each sequence's last new token.
             all_logits True: a list of ``[n_b, vocab]`` float32 tensors.
+
+        Up to the forward's end it is all or nothing: bad arguments, a pool short of the pages
+        the whole batch needs (counted before any is taken) or a forward that raises leave every
+        sequence as it was. Then the new tokens are fed (positions count them) and every
+        sequence's eviction policy runs; a policy that raises (e.g. `OutOfPagesError` when a
+        compaction must copy pages still shared with a fork's parent) changes nothing itself,
+        the others still run, and its error is raised at the end.
         """
         if not self._open:
             raise RuntimeError("PagedSession.extend needs an open session: use `with PagedSession(...) as s:`")
+        seq_ids = check_list("seq_ids", seq_ids, "sequence ids")
+        if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
+            tokens = list(tokens)  # [batch, n]: one row per sequence
+        tokens = check_list("tokens", tokens, "token-id tensors")
         if len(seq_ids) != len(tokens) or not seq_ids:
             raise ValueError(
                 f"seq_ids and tokens must be non-empty and of equal length, got {len(seq_ids)} and {len(tokens)}"
@@ -272,12 +295,12 @@ class PagedSession:
                     f"{policy.tokens_until_action(self.kv, s)}; feed at most tokens_until_action() tokens per forward"
                 )
 
-        old_lens = [self.kv.seq_len(s) for s in seq_ids]
+        marks = [self.kv._mark(s) for s in seq_ids]
         started = time.perf_counter()
         try:
             plan, input_ids, position_ids = self._plan(seq_ids, tokens, q_lens_list)
-        except BaseException:  # e.g. OutOfPagesError on the third sequence: undo the first two
-            self._shrink_to(seq_ids, old_lens)
+        except BaseException:  # the reservation is all or nothing; what comes after it may fail
+            self._rewind(seq_ids, marks)
             raise
         self.plan_seconds += time.perf_counter() - started
         # logits are needed only at each row's last new token: ask for those columns only
@@ -300,14 +323,22 @@ class PagedSession:
                     **{self._cache_kw: self._hf_cache},
                 )
         except BaseException:  # leave the cache as it was: drop the half-written new tokens
-            self._shrink_to(seq_ids, old_lens)
+            self._rewind(seq_ids, marks)
             raise
         finally:
             self._hf_cache.plan = None
         logits = out.logits.float()  # [batch, kept columns, vocab]
+        prefill = [s not in self._prefilled for s in seq_ids]
         for s, n in zip(seq_ids, q_lens_list):
-            self._positions[s] += n
-            self._after_forward(s, phase_prefill=s not in self._prefilled)
+            self._positions[s] += n  # fed: the cache holds them
+        error = None
+        for s, first in zip(seq_ids, prefill):
+            try:
+                self._after_forward(s, phase_prefill=first)
+            except Exception as e:  # the other policies still run
+                error = error or e
+        if error is not None:
+            raise error
         if all_logits:
             return [logits[b, :n] for b, n in enumerate(q_lens_list)]
         if isinstance(keep, int):
@@ -340,10 +371,8 @@ class PagedSession:
         device = self.kv.device
         batch, max_q = len(seq_ids), max(q_lens_list)
         # with prefix caching the cache learns the token ids, so full pages become findable
-        if self.kv.prefix_caching:
-            slots = [self.kv.reserve(s, n, token_ids=t.tolist()) for s, n, t in zip(seq_ids, q_lens_list, tokens)]
-        else:
-            slots = [self.kv.reserve(s, n) for s, n in zip(seq_ids, q_lens_list)]  # each [n] or [layers, n]
+        token_ids = [t.tolist() for t in tokens] if self.kv.prefix_caching else None
+        slots = self.kv.reserve_batch(seq_ids, q_lens_list, token_ids)  # each [n] or [layers, n]; all or nothing
         q_lens = torch.tensor(q_lens_list, dtype=torch.int32, device=device)  # [batch]
         start = torch.tensor([self._positions[s] for s in seq_ids], device=device)  # [batch]
         col = torch.arange(max_q, device=device)  # [max_q]
@@ -377,10 +406,11 @@ class PagedSession:
             ]
         return plan, input_ids, position_ids
 
-    def _shrink_to(self, seq_ids, old_lens) -> None:
-        """Undo reservations: cut each sequence back to its old length (pages return to the pool)."""
-        for s, n in zip(seq_ids, old_lens):
-            self.kv.truncate(s, max(0, self.kv.seq_len(s) - n))
+    def _rewind(self, seq_ids, marks) -> None:
+        """Undo a step's reservations and writes: each sequence back to its mark, the last first
+        (its pages, private copies given back for the shared pages they replaced, length)."""
+        for s, mark in reversed(list(zip(seq_ids, marks))):
+            self.kv._rewind(s, mark)
 
     def _after_forward(self, seq_id: int, *, phase_prefill: bool) -> None:
         """The eviction hooks: let the sequence's policy shrink its cache (see the module docstring)."""
