@@ -6,6 +6,7 @@ variants, each named after its mistake.
 """
 
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -66,6 +67,68 @@ class NonAtomicAllocator(StudentAllocator):
         return pages
 
 
+class NonAtomicFreeAllocator(StudentAllocator):
+    """free drops references page by page and raises at the first page that is not held,
+    keeping the references it already dropped."""
+
+    def free(self, pages):
+        for p in pages:
+            if self.refs[p] == 0:
+                raise ValueError(f"page {p} is not allocated")
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free_list.append(p)
+
+
+class AllocateReturnsNoneAllocator(StudentAllocator):
+    """Takes the right pages but forgets to return them."""
+
+    def allocate(self, n):
+        super().allocate(n)
+
+
+class NumFreeFreshOnlyAllocator(StudentAllocator):
+    """num_free counts the never-used pages only and forgets the returned ones."""
+
+    @property
+    def num_free(self):
+        return self.num_pages - self.next_fresh
+
+
+class ShareUnheldAllocator(StudentAllocator):
+    """share adds a reference to any page, held or not."""
+
+    def share(self, pages):
+        for p in pages:
+            self.refs[p] += 1
+
+
+class LoopingAllocator(StudentAllocator):
+    """Loops forever once it must reuse a returned page (a `while` whose condition never changes)."""
+
+    def allocate(self, n):
+        if n > self.num_free:
+            raise MemoryError("out of pages")
+        pages = []
+        while len(pages) < n:
+            if self.next_fresh < self.num_pages:
+                pages.append(self.next_fresh)
+                self.next_fresh += 1
+        for p in pages:
+            self.refs[p] = 1
+        return pages
+
+
+class SlowAllocator(StudentAllocator):
+    """Correct, but every allocate takes `delay` seconds."""
+
+    delay = 0.05
+
+    def allocate(self, n):
+        time.sleep(self.delay)
+        return super().allocate(n)
+
+
 # ------------------------------------------------------------------------------------ slot mapping
 def off_by_one_slot_mapping(pages, *, start, num_tokens, page_size):
     return torch.tensor(
@@ -75,6 +138,26 @@ def off_by_one_slot_mapping(pages, *, start, num_tokens, page_size):
 
 def logical_slot_mapping(pages, *, start, num_tokens, page_size):
     return torch.arange(start, start + num_tokens)
+
+
+def float_slot_mapping(pages, *, start, num_tokens, page_size):
+    return student_slot_mapping(pages, start=start, num_tokens=num_tokens, page_size=page_size) + 0.5
+
+
+def none_slot_mapping(pages, *, start, num_tokens, page_size):
+    [pages[t // page_size] * page_size + t % page_size for t in range(start, start + num_tokens)]  # no return
+
+
+def list_slot_mapping(pages, *, start, num_tokens, page_size):
+    return [pages[t // page_size] * page_size + t % page_size for t in range(start, start + num_tokens)]
+
+
+def numpy_slot_mapping(pages, *, start, num_tokens, page_size):
+    return student_slot_mapping(pages, start=start, num_tokens=num_tokens, page_size=page_size).numpy()
+
+
+def int32_slot_mapping(pages, *, start, num_tokens, page_size):
+    return student_slot_mapping(pages, start=start, num_tokens=num_tokens, page_size=page_size).to(torch.int32)
 
 
 # ------------------------------------------------------------------------------------ attention
@@ -97,6 +180,52 @@ def unstable_softmax_attention(q, k_cache, v_cache, block_table, seq_lens, scale
 
 def wrong_gqa_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
     return _student_attention(q, k_cache, v_cache, block_table, seq_lens, scale, gqa="mod")
+
+
+def float32_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    """Correct, computed and returned in float32 (the inputs are float64)."""
+    return _student_attention(q.float(), k_cache.float(), v_cache.float(), block_table, seq_lens, scale)
+
+
+def inplace_scale_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    """Right output, but scales the caller's q in place (q *= scale) and then uses scale 1."""
+    q.mul_(q.shape[-1] ** -0.5 if scale is None else scale)
+    return _student_attention(q, k_cache, v_cache, block_table, seq_lens, 1.0)
+
+
+def zero_kv_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    """Zeroes K and V in place and returns zeros: with the oracle run afterwards, on the same
+    tensors, the expected output was zeros as well."""
+    k_cache.zero_()
+    v_cache.zero_()
+    return torch.zeros_like(q)
+
+
+def overwrite_table_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    """Writes logical page ids into the caller's block table, then reads through it."""
+    block_table.copy_(torch.arange(block_table.shape[1]).repeat(block_table.shape[0], 1))
+    return _student_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
+
+
+def meta_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    """Returns a tensor with a shape and no data."""
+    return torch.empty(q.shape, dtype=q.dtype, device="meta")
+
+
+def ignores_scale_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    """Always uses head_dim ** -0.5, whatever scale is passed."""
+    return _student_attention(q, k_cache, v_cache, block_table, seq_lens, None)
+
+
+def unscaled_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    """Forgets the scale: softmax(q . k)."""
+    return _student_attention(q, k_cache, v_cache, block_table, seq_lens, 1.0)
+
+
+def reads_padding_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    """Attends to every slot of every block-table entry, padding included."""
+    every_slot = torch.full_like(seq_lens, block_table.shape[1] * k_cache.shape[1])
+    return _student_attention(q, k_cache, v_cache, block_table, every_slot, scale)
 
 
 # ------------------------------------------------------------------------------------ scores
@@ -151,6 +280,44 @@ class DropsNewestPolicy:
     def after_append(self, cache, seq_id):
         while len(cache.pages(seq_id)) > math.ceil(self.budget / cache.page_size) + 1:
             cache.drop_pages(seq_id, [len(cache.pages(seq_id)) - 1])
+
+
+class ArgmaxPolicy(_solutions.StudentPagedEviction):
+    """Evicts the highest-scoring candidate page instead of the lowest."""
+
+    def _drop_lowest(self, cache, seq_id):
+        scores = self._page_scores(cache, seq_id)
+        cache.drop_pages(seq_id, [1 + int(scores[1:-1].argmax())])
+
+
+class FifoPolicy(_solutions.StudentPagedEviction):
+    """First in, first out: drops the oldest page (logical page 0), never looks at a score."""
+
+    def _drop_lowest(self, cache, seq_id):
+        cache.drop_pages(seq_id, [0])
+
+
+class KeepNewestOnlyPolicy:
+    """Over budget, drops every page but the newest."""
+
+    def __init__(self, budget):
+        self.budget = budget
+
+    def after_prefill(self, cache, seq_id):
+        self.after_append(cache, seq_id)
+
+    def after_append(self, cache, seq_id):
+        if cache.seq_len(seq_id) > self.budget:
+            cache.drop_pages(seq_id, list(range(len(cache.pages(seq_id)) - 1)))
+
+
+class PageBudgetPolicy(_solutions.StudentPagedEviction):
+    """Reads the budget as pages: after the prefill it keeps ceil(budget / page_size) + 1 pages,
+    more than budget tokens."""
+
+    def after_prefill(self, cache, seq_id):
+        while len(cache.pages(seq_id)) > math.ceil(self.budget / cache.page_size) + 1:
+            self._drop_lowest(cache, seq_id)
 
 
 SOLUTIONS = {
