@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from paged_ref.check import load_solutions
-from paged_ref.eviction import make_policy
 
 SOLUTIONS_FILE = Path(__file__).resolve().parents[1] / "notebooks" / "exercises" / "solutions" / "solutions.py"
 _solutions = load_solutions(SOLUTIONS_FILE)
@@ -238,14 +237,8 @@ def full_page_divisor_page_scores(scores, page_size):
 
 
 # ------------------------------------------------------------------------------------ policies
-class OverBudgetPolicy:
+class OverBudgetPolicy(_solutions.StudentPagedEviction):
     """Evicts at prefill but never during decode: the sequence grows past the budget."""
-
-    def __init__(self, budget):
-        self.inner = make_policy("paged_eviction", budget)
-
-    def after_prefill(self, cache, seq_id):
-        self.inner.after_prefill(cache, seq_id)
 
     def after_append(self, cache, seq_id):
         pass
@@ -297,6 +290,14 @@ class FifoPolicy(_solutions.StudentPagedEviction):
         cache.drop_pages(seq_id, [0])
 
 
+class UnreservedSinkPolicy(_solutions.StudentPagedEviction):
+    """Lets page 0 (the attention sink) be evicted: the candidates are pages 0 .. n-2."""
+
+    def _drop_lowest(self, cache, seq_id):
+        scores = self._page_scores(cache, seq_id)
+        cache.drop_pages(seq_id, [int(scores[:-1].argmin())])
+
+
 class KeepNewestOnlyPolicy:
     """Over budget, drops every page but the newest."""
 
@@ -320,6 +321,28 @@ class PageBudgetPolicy(_solutions.StudentPagedEviction):
             self._drop_lowest(cache, seq_id)
 
 
+class SumScoresPolicy:
+    """Correct, written with the package's scores: the layer mean of `pr.eviction.token_scores`,
+    page sums instead of means (the same order on full pages: candidates are always full)."""
+
+    def __init__(self, budget):
+        self.budget = budget
+
+    def _drop_lowest(self, cache, seq_id):
+        from paged_ref.eviction import page_scores, sequence_scores
+
+        scores = page_scores(sequence_scores(cache, seq_id, "value_key_ratio"), cache.page_size, "sum")
+        cache.drop_pages(seq_id, [1 + int(scores[1:-1].argmin())])
+
+    def after_prefill(self, cache, seq_id):
+        while cache.seq_len(seq_id) > self.budget and len(cache.pages(seq_id)) > 2:
+            self._drop_lowest(cache, seq_id)
+
+    def after_append(self, cache, seq_id):
+        if cache.seq_len(seq_id) > self.budget and cache.seq_len(seq_id) % cache.page_size == 0:
+            self._drop_lowest(cache, seq_id)
+
+
 SOLUTIONS = {
     "allocator": StudentAllocator,
     "slot_mapping": student_slot_mapping,
@@ -328,17 +351,54 @@ SOLUTIONS = {
     "page_scores": student_page_scores,
     "eviction_policy": _solutions.StudentPagedEviction,
 }
+# other correct attempts, each of which must pass too
+ALSO_CORRECT = {
+    "paged_attention": [float32_attention],
+    "eviction_policy": [SumScoresPolicy],
+}
 MUTANTS = {
-    "allocator": [NoRefcountAllocator, NewestFirstAllocator, NonAtomicAllocator],
-    "slot_mapping": [off_by_one_slot_mapping, logical_slot_mapping],
+    "allocator": [
+        NoRefcountAllocator,
+        NewestFirstAllocator,
+        NonAtomicAllocator,
+        NonAtomicFreeAllocator,
+        AllocateReturnsNoneAllocator,
+        NumFreeFreshOnlyAllocator,
+        ShareUnheldAllocator,
+    ],
+    "slot_mapping": [
+        off_by_one_slot_mapping,
+        logical_slot_mapping,
+        float_slot_mapping,
+        none_slot_mapping,
+        list_slot_mapping,
+        numpy_slot_mapping,
+        int32_slot_mapping,
+    ],
     "paged_attention": [
         short_by_one_attention,
         long_by_one_attention,
         no_block_table_attention,
         unstable_softmax_attention,
         wrong_gqa_attention,
+        inplace_scale_attention,
+        zero_kv_attention,
+        overwrite_table_attention,
+        meta_attention,
+        ignores_scale_attention,
+        unscaled_attention,
+        reads_padding_attention,
     ],
     "token_scores": [inverted_token_scores],
     "page_scores": [full_page_divisor_page_scores],
-    "eviction_policy": [OverBudgetPolicy, LeakyPolicy, DropsNewestPolicy],
+    "eviction_policy": [
+        OverBudgetPolicy,
+        LeakyPolicy,
+        DropsNewestPolicy,
+        ArgmaxPolicy,
+        FifoPolicy,
+        KeepNewestOnlyPolicy,
+        PageBudgetPolicy,
+        UnreservedSinkPolicy,
+    ],
 }
