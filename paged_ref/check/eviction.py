@@ -325,8 +325,9 @@ def _decision_hint(before, kept, want, scores, budget, page_size, prefill) -> tu
                 expected,
                 got,
                 (
-                    f"budget is in tokens: after the prefill hold at most budget={budget} tokens (you hold {len(kept)}); "
-                    "ceil(budget / page_size) + 1 pages is the bound during decode, not the prefill's target"
+                    f"budget is in tokens: after the prefill hold at most budget={budget} tokens "
+                    f"(you hold {len(kept)}); ceil(budget / page_size) + 1 pages is the bound during decode, "
+                    "not the prefill's target"
                 ),
             )
         return (
@@ -357,8 +358,8 @@ def _decision_hint(before, kept, want, scores, budget, page_size, prefill) -> tu
                 expected,
                 got,
                 (
-                    "you evicted the oldest page(s) (first in, first out), whatever their score: evict the lowest-scoring "
-                    "candidate; and page 0, the attention sink, is reserved"
+                    "you evicted the oldest page(s) (first in, first out), whatever their score: evict the "
+                    "lowest-scoring candidate; and page 0, the attention sink, is reserved"
                 ),
             )
         return (
