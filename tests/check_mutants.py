@@ -6,12 +6,12 @@ variants, each named after its mistake.
 """
 
 import math
+import time
 from pathlib import Path
 
 import torch
 
 from paged_ref.check import load_solutions
-from paged_ref.eviction import make_policy
 
 SOLUTIONS_FILE = Path(__file__).resolve().parents[1] / "notebooks" / "exercises" / "solutions" / "solutions.py"
 _solutions = load_solutions(SOLUTIONS_FILE)
@@ -66,6 +66,68 @@ class NonAtomicAllocator(StudentAllocator):
         return pages
 
 
+class NonAtomicFreeAllocator(StudentAllocator):
+    """free drops references page by page and raises at the first page that is not held,
+    keeping the references it already dropped."""
+
+    def free(self, pages):
+        for p in pages:
+            if self.refs[p] == 0:
+                raise ValueError(f"page {p} is not allocated")
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free_list.append(p)
+
+
+class AllocateReturnsNoneAllocator(StudentAllocator):
+    """Takes the right pages but forgets to return them."""
+
+    def allocate(self, n):
+        super().allocate(n)
+
+
+class NumFreeFreshOnlyAllocator(StudentAllocator):
+    """num_free counts the never-used pages only and forgets the returned ones."""
+
+    @property
+    def num_free(self):
+        return self.num_pages - self.next_fresh
+
+
+class ShareUnheldAllocator(StudentAllocator):
+    """share adds a reference to any page, held or not."""
+
+    def share(self, pages):
+        for p in pages:
+            self.refs[p] += 1
+
+
+class LoopingAllocator(StudentAllocator):
+    """Loops forever once it must reuse a returned page (a `while` whose condition never changes)."""
+
+    def allocate(self, n):
+        if n > self.num_free:
+            raise MemoryError("out of pages")
+        pages = []
+        while len(pages) < n:
+            if self.next_fresh < self.num_pages:
+                pages.append(self.next_fresh)
+                self.next_fresh += 1
+        for p in pages:
+            self.refs[p] = 1
+        return pages
+
+
+class SlowAllocator(StudentAllocator):
+    """Correct, but every allocate takes `delay` seconds."""
+
+    delay = 0.05
+
+    def allocate(self, n):
+        time.sleep(self.delay)
+        return super().allocate(n)
+
+
 # ------------------------------------------------------------------------------------ slot mapping
 def off_by_one_slot_mapping(pages, *, start, num_tokens, page_size):
     return torch.tensor(
@@ -75,6 +137,26 @@ def off_by_one_slot_mapping(pages, *, start, num_tokens, page_size):
 
 def logical_slot_mapping(pages, *, start, num_tokens, page_size):
     return torch.arange(start, start + num_tokens)
+
+
+def float_slot_mapping(pages, *, start, num_tokens, page_size):
+    return student_slot_mapping(pages, start=start, num_tokens=num_tokens, page_size=page_size) + 0.5
+
+
+def none_slot_mapping(pages, *, start, num_tokens, page_size):
+    [pages[t // page_size] * page_size + t % page_size for t in range(start, start + num_tokens)]  # no return
+
+
+def list_slot_mapping(pages, *, start, num_tokens, page_size):
+    return [pages[t // page_size] * page_size + t % page_size for t in range(start, start + num_tokens)]
+
+
+def numpy_slot_mapping(pages, *, start, num_tokens, page_size):
+    return student_slot_mapping(pages, start=start, num_tokens=num_tokens, page_size=page_size).numpy()
+
+
+def int32_slot_mapping(pages, *, start, num_tokens, page_size):
+    return student_slot_mapping(pages, start=start, num_tokens=num_tokens, page_size=page_size).to(torch.int32)
 
 
 # ------------------------------------------------------------------------------------ attention
@@ -99,6 +181,52 @@ def wrong_gqa_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
     return _student_attention(q, k_cache, v_cache, block_table, seq_lens, scale, gqa="mod")
 
 
+def float32_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    """Correct, computed and returned in float32 (the inputs are float64)."""
+    return _student_attention(q.float(), k_cache.float(), v_cache.float(), block_table, seq_lens, scale)
+
+
+def inplace_scale_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    """Right output, but scales the caller's q in place (q *= scale) and then uses scale 1."""
+    q.mul_(q.shape[-1] ** -0.5 if scale is None else scale)
+    return _student_attention(q, k_cache, v_cache, block_table, seq_lens, 1.0)
+
+
+def zero_kv_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    """Zeroes K and V in place and returns zeros: with the oracle run afterwards, on the same
+    tensors, the expected output was zeros as well."""
+    k_cache.zero_()
+    v_cache.zero_()
+    return torch.zeros_like(q)
+
+
+def overwrite_table_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    """Writes logical page ids into the caller's block table, then reads through it."""
+    block_table.copy_(torch.arange(block_table.shape[1]).repeat(block_table.shape[0], 1))
+    return _student_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
+
+
+def meta_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    """Returns a tensor with a shape and no data."""
+    return torch.empty(q.shape, dtype=q.dtype, device="meta")
+
+
+def ignores_scale_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    """Always uses head_dim ** -0.5, whatever scale is passed."""
+    return _student_attention(q, k_cache, v_cache, block_table, seq_lens, None)
+
+
+def unscaled_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    """Forgets the scale: softmax(q . k)."""
+    return _student_attention(q, k_cache, v_cache, block_table, seq_lens, 1.0)
+
+
+def reads_padding_attention(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+    """Attends to every slot of every block-table entry, padding included."""
+    every_slot = torch.full_like(seq_lens, block_table.shape[1] * k_cache.shape[1])
+    return _student_attention(q, k_cache, v_cache, block_table, every_slot, scale)
+
+
 # ------------------------------------------------------------------------------------ scores
 def inverted_token_scores(k, v):
     return (k.norm(dim=-1) / v.norm(dim=-1)).mean(dim=1)
@@ -109,14 +237,8 @@ def full_page_divisor_page_scores(scores, page_size):
 
 
 # ------------------------------------------------------------------------------------ policies
-class OverBudgetPolicy:
+class OverBudgetPolicy(_solutions.StudentPagedEviction):
     """Evicts at prefill but never during decode: the sequence grows past the budget."""
-
-    def __init__(self, budget):
-        self.inner = make_policy("paged_eviction", budget)
-
-    def after_prefill(self, cache, seq_id):
-        self.inner.after_prefill(cache, seq_id)
 
     def after_append(self, cache, seq_id):
         pass
@@ -153,6 +275,74 @@ class DropsNewestPolicy:
             cache.drop_pages(seq_id, [len(cache.pages(seq_id)) - 1])
 
 
+class ArgmaxPolicy(_solutions.StudentPagedEviction):
+    """Evicts the highest-scoring candidate page instead of the lowest."""
+
+    def _drop_lowest(self, cache, seq_id):
+        scores = self._page_scores(cache, seq_id)
+        cache.drop_pages(seq_id, [1 + int(scores[1:-1].argmax())])
+
+
+class FifoPolicy(_solutions.StudentPagedEviction):
+    """First in, first out: drops the oldest page (logical page 0), never looks at a score."""
+
+    def _drop_lowest(self, cache, seq_id):
+        cache.drop_pages(seq_id, [0])
+
+
+class UnreservedSinkPolicy(_solutions.StudentPagedEviction):
+    """Lets page 0 (the attention sink) be evicted: the candidates are pages 0 .. n-2."""
+
+    def _drop_lowest(self, cache, seq_id):
+        scores = self._page_scores(cache, seq_id)
+        cache.drop_pages(seq_id, [int(scores[:-1].argmin())])
+
+
+class KeepNewestOnlyPolicy:
+    """Over budget, drops every page but the newest."""
+
+    def __init__(self, budget):
+        self.budget = budget
+
+    def after_prefill(self, cache, seq_id):
+        self.after_append(cache, seq_id)
+
+    def after_append(self, cache, seq_id):
+        if cache.seq_len(seq_id) > self.budget:
+            cache.drop_pages(seq_id, list(range(len(cache.pages(seq_id)) - 1)))
+
+
+class PageBudgetPolicy(_solutions.StudentPagedEviction):
+    """Reads the budget as pages: after the prefill it keeps ceil(budget / page_size) + 1 pages,
+    more than budget tokens."""
+
+    def after_prefill(self, cache, seq_id):
+        while len(cache.pages(seq_id)) > math.ceil(self.budget / cache.page_size) + 1:
+            self._drop_lowest(cache, seq_id)
+
+
+class SumScoresPolicy:
+    """Correct, written with the package's scores: the layer mean of `pr.eviction.token_scores`,
+    page sums instead of means (the same order on full pages: candidates are always full)."""
+
+    def __init__(self, budget):
+        self.budget = budget
+
+    def _drop_lowest(self, cache, seq_id):
+        from paged_ref.eviction import page_scores, sequence_scores
+
+        scores = page_scores(sequence_scores(cache, seq_id, "value_key_ratio"), cache.page_size, "sum")
+        cache.drop_pages(seq_id, [1 + int(scores[1:-1].argmin())])
+
+    def after_prefill(self, cache, seq_id):
+        while cache.seq_len(seq_id) > self.budget and len(cache.pages(seq_id)) > 2:
+            self._drop_lowest(cache, seq_id)
+
+    def after_append(self, cache, seq_id):
+        if cache.seq_len(seq_id) > self.budget and cache.seq_len(seq_id) % cache.page_size == 0:
+            self._drop_lowest(cache, seq_id)
+
+
 SOLUTIONS = {
     "allocator": StudentAllocator,
     "slot_mapping": student_slot_mapping,
@@ -161,17 +351,54 @@ SOLUTIONS = {
     "page_scores": student_page_scores,
     "eviction_policy": _solutions.StudentPagedEviction,
 }
+# other correct attempts, each of which must pass too
+ALSO_CORRECT = {
+    "paged_attention": [float32_attention],
+    "eviction_policy": [SumScoresPolicy],
+}
 MUTANTS = {
-    "allocator": [NoRefcountAllocator, NewestFirstAllocator, NonAtomicAllocator],
-    "slot_mapping": [off_by_one_slot_mapping, logical_slot_mapping],
+    "allocator": [
+        NoRefcountAllocator,
+        NewestFirstAllocator,
+        NonAtomicAllocator,
+        NonAtomicFreeAllocator,
+        AllocateReturnsNoneAllocator,
+        NumFreeFreshOnlyAllocator,
+        ShareUnheldAllocator,
+    ],
+    "slot_mapping": [
+        off_by_one_slot_mapping,
+        logical_slot_mapping,
+        float_slot_mapping,
+        none_slot_mapping,
+        list_slot_mapping,
+        numpy_slot_mapping,
+        int32_slot_mapping,
+    ],
     "paged_attention": [
         short_by_one_attention,
         long_by_one_attention,
         no_block_table_attention,
         unstable_softmax_attention,
         wrong_gqa_attention,
+        inplace_scale_attention,
+        zero_kv_attention,
+        overwrite_table_attention,
+        meta_attention,
+        ignores_scale_attention,
+        unscaled_attention,
+        reads_padding_attention,
     ],
     "token_scores": [inverted_token_scores],
     "page_scores": [full_page_divisor_page_scores],
-    "eviction_policy": [OverBudgetPolicy, LeakyPolicy, DropsNewestPolicy],
+    "eviction_policy": [
+        OverBudgetPolicy,
+        LeakyPolicy,
+        DropsNewestPolicy,
+        ArgmaxPolicy,
+        FifoPolicy,
+        KeepNewestOnlyPolicy,
+        PageBudgetPolicy,
+        UnreservedSinkPolicy,
+    ],
 }

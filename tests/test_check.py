@@ -1,8 +1,13 @@
 """paged_ref.check: every checker passes a correct solution and catches every listed mutant."""
 
+import re
+import signal
+import threading
+import time
+
 import pytest
 import torch
-from check_mutants import MUTANTS, SOLUTIONS
+from check_mutants import ALSO_CORRECT, MUTANTS, SOLUTIONS
 
 import paged_ref as pr
 from paged_ref import check
@@ -25,6 +30,22 @@ def test_a_correct_solution_passes(name):
 
 
 @pytest.mark.parametrize(
+    "name, attempt", [pytest.param(n, a, id=f"{n}-{a.__name__}") for n, As in sorted(ALSO_CORRECT.items()) for a in As]
+)
+def test_other_correct_attempts_pass(name, attempt):
+    report = CHECKERS[name](attempt)
+    assert report.passed, str(report)
+
+
+def test_a_float32_answer_passes_and_says_to_what_precision():
+    import check_mutants
+
+    report = check.check_paged_attention(check_mutants.float32_attention)
+    assert report.passed and "checked to float32 precision" in str(report)
+    assert "note" not in str(check.check_paged_attention(SOLUTIONS["paged_attention"]))
+
+
+@pytest.mark.parametrize(
     "name, mutant", [pytest.param(n, m, id=f"{n}-{m.__name__}") for n, ms in sorted(MUTANTS.items()) for m in ms]
 )
 def test_every_mutant_is_caught_with_a_case_and_a_hint(name, mutant):
@@ -43,6 +64,10 @@ def test_every_mutant_is_caught_with_a_case_and_a_hint(name, mutant):
         ("NoRefcountAllocator", "free drops one"),
         ("NewestFirstAllocator", "oldest returned first"),
         ("NonAtomicAllocator", "must take nothing"),
+        ("NonAtomicFreeAllocator", "a failing free must change nothing"),
+        ("AllocateReturnsNoneAllocator", "allocate returned None"),
+        ("NumFreeFreshOnlyAllocator", "num_free is wrong although every refcount is right"),
+        ("ShareUnheldAllocator", "sharing a page that is not held"),
     ],
 )
 def test_allocator_failures_shrink_to_a_few_calls(mutant, words):
@@ -65,6 +90,26 @@ def test_allocator_failures_shrink_to_a_few_calls(mutant, words):
         ("inverted_token_scores", "inverted"),
         ("full_page_divisor_page_scores", "last page may hold fewer"),
         ("logical_slot_mapping", "logical positions"),
+        ("float_slot_mapping", "whole numbers"),
+        ("none_slot_mapping", "returned None"),
+        ("list_slot_mapping", "return an int64 tensor"),
+        ("numpy_slot_mapping", "return an int64 tensor"),
+        ("int32_slot_mapping", "return int64 slots"),
+        ("inplace_scale_attention", "must only read its inputs"),
+        ("zero_kv_attention", "changed k_cache, v_cache in place"),
+        ("overwrite_table_attention", "changed block_table in place"),
+        ("meta_attention", "meta device"),
+        ("ignores_scale_attention", "scale argument is ignored"),
+        ("unscaled_attention", "not scaled"),
+        ("reads_padding_attention", "block table's padding"),
+        ("ArgmaxPolicy", "highest-scoring page"),
+        ("FifoPolicy", "first in, first out"),
+        ("KeepNewestOnlyPolicy", "kept only the newest page"),
+        ("PageBudgetPolicy", "budget is in tokens"),
+        ("OverBudgetPolicy", "drop the lowest-scoring candidate page in this after_append"),
+        ("LeakyPolicy", "back to the allocator"),
+        ("DropsNewestPolicy", "never evict the page just written"),
+        ("UnreservedSinkPolicy", "attention sink and is reserved"),
     ],
 )
 def test_hints_name_the_mistake(mutant, words):
@@ -109,6 +154,125 @@ def test_eviction_policy_matches_a_named_reference():
     assert not other.passed and "paged_eviction" in other.failure.expected
 
 
+def test_the_reference_mode_says_what_the_reference_does():
+    """The exercise's own policy (page-level prefill) is not the package's paged_eviction (token-level
+    prefill): asked to equal it, the hint says what the reference does at prefill and that page 0 is kept."""
+    report = check.check_eviction_policy(SOLUTIONS["eviction_policy"], reference="paged_eviction")
+    assert not report.passed
+    assert "top-budget tokens" in report.failure.hint and "page 0 and the newest page reserved" in report.failure.hint
+
+
+def test_the_constructed_kv_make_the_scores_decide():
+    """Every token of a page has its page's ratio ||V||/||K|| (distinct levels), while ||K|| varies
+    token by token; in the last prompt page 0 scores lowest (the task keeps it: the sink)."""
+    from paged_ref.check.eviction import _Driver, _page_scores
+
+    for sink_lowest in (False, True):
+        d = _Driver(None, 24, 8, 48, 0, 16, seed=5, sink_lowest=sink_lowest)
+        d.write(0, 48)
+        scores = _page_scores(d.cache, d.seq)  # [6]
+        assert torch.allclose(scores.double(), d.levels[:6], rtol=1e-4)
+        assert len(set(scores.tolist())) == 6 and (int(scores.argmin()) == 0) == sink_lowest
+        assert d.kept() == list(range(48))
+        k_norms = d.cache.gather(0, d.seq)[0].norm(dim=-1)
+        assert float(k_norms.std()) > 0.3  # ||K|| alone does not give the order
+
+
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (lambda: check.check_allocator(SOLUTIONS["allocator"], cases=0), "cases must be >= 1"),
+        (lambda: check.check_allocator(SOLUTIONS["allocator"], cases=-3), "cases must be >= 1"),
+        (lambda: check.check_allocator(SOLUTIONS["allocator"], ops_per_case=0), "ops_per_case must be >= 1"),
+        (lambda: check.check_slot_mapping(SOLUTIONS["slot_mapping"], cases=0), "cases must be >= 3"),
+        (lambda: check.check_paged_attention(SOLUTIONS["paged_attention"], repeats=0), "repeats must be >= 1"),
+        (lambda: check.check_eviction_policy(SOLUTIONS["eviction_policy"], steps=0), "steps must be >= 1"),
+        (lambda: check.check_eviction_policy(SOLUTIONS["eviction_policy"], budget=8), "budget must be >= 2 * page"),
+        (lambda: check.check_eviction_policy(SOLUTIONS["eviction_policy"], reference="bogus"), "reference must be"),
+        (lambda: check.check_page_scores(SOLUTIONS["page_scores"], time_limit=0), "time_limit must be"),
+    ],
+)
+def test_a_graders_wrong_argument_raises_instead_of_judging_the_student(call, words):
+    with pytest.raises((ValueError, TypeError), match=re.escape(words)):
+        call()
+
+
+def test_an_endless_loop_fails_its_case_at_the_time_limit():
+    import check_mutants
+
+    start = time.perf_counter()
+    report = check.check_allocator(check_mutants.LoopingAllocator, time_limit=0.3)
+    assert time.perf_counter() - start < 5
+    assert not report.passed and "time limit of 0.3 s" in report.failure.expected and "<- here" in report.failure.case
+
+    def stubborn(q, k_cache, v_cache, block_table, seq_lens, scale=None):
+        while True:  # a loop whose own `except Exception` swallows everything it can
+            try:
+                time.sleep(0.01)
+            except Exception:
+                pass
+
+    report = check.check_paged_attention(stubborn, time_limit=0.3)
+    assert not report.passed and "still running" in report.failure.got
+
+
+def test_a_graders_own_alarm_reaches_the_grader():
+    """A grader's timer that fires inside a looping attempt: its exception propagates (the old checker
+    took it for the student's failure and then ran the looping attempt again, forever)."""
+    import check_mutants
+
+    class GraderAlarm(Exception):
+        pass
+
+    def on_alarm(signum, frame):
+        raise GraderAlarm()
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    start = time.perf_counter()
+    try:
+        with pytest.raises(GraderAlarm):
+            check.check_allocator(check_mutants.LoopingAllocator)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert time.perf_counter() - start < 5
+
+
+def test_off_the_main_thread_a_slow_case_is_measured_after_it_returns():
+    def slow(k, v):
+        time.sleep(0.3)
+        return SOLUTIONS["token_scores"](k, v)
+
+    reports = []
+    worker = threading.Thread(target=lambda: reports.append(check.check_token_scores(slow, time_limit=0.1)))
+    worker.start()
+    worker.join()
+    assert not reports[0].passed and "time limit of 0.1 s" in reports[0].failure.expected
+
+
+def test_a_slow_attempt_shows_a_progress_line(monkeypatch, capsys):
+    import check_mutants
+
+    from paged_ref.check import report as report_module
+
+    monkeypatch.setattr(report_module, "PROGRESS_AFTER_S", 0.0)
+    monkeypatch.setattr(check_mutants.SlowAllocator, "delay", 0.001)
+    assert check.check_allocator(check_mutants.SlowAllocator, cases=5).passed
+    err = capsys.readouterr().err
+    assert "allocator: case 1 of 5" in err and err.rstrip().endswith("allocator: PASS after 0 s")
+    monkeypatch.undo()  # the default threshold: a fast attempt prints nothing
+    assert check.check_allocator(SOLUTIONS["allocator"], cases=5).passed
+    assert capsys.readouterr().err == ""
+
+
+def test_token_score_cases_show_values():
+    import check_mutants
+
+    case = check.check_token_scores(check_mutants.inverted_token_scores).failure.case
+    assert "k = [[[" in case and "v = [[[" in case
+
+
 @pytest.mark.parametrize("name", sorted(CHECKERS))
 def test_a_skeleton_reports_not_implemented_yet(name):
     class Skeleton:
@@ -121,6 +285,13 @@ def test_a_skeleton_reports_not_implemented_yet(name):
     report = CHECKERS[name](Skeleton if name in ("allocator", "eviction_policy") else skeleton)
     assert report.not_implemented and not report.passed
     assert str(report) == f"TODO {name}: not implemented yet (the function raised NotImplementedError)"
+
+
+def test_a_meta_tensor_is_a_wrong_return_not_a_missing_implementation():
+    import check_mutants
+
+    report = check.check_paged_attention(check_mutants.meta_attention)
+    assert not report.not_implemented and "meta device" in report.failure.got
 
 
 def test_other_exceptions_are_failures_of_a_case():

@@ -4,6 +4,8 @@ Each ``check_*`` takes the student's class or function, runs cases smallest firs
 a seed) against the reference implementation in this package, and returns a `CheckReport`:
 ``report.passed``, and as text the first failing case with what was expected, what came back
 and a hint. A function that still raises ``NotImplementedError`` reports "not implemented yet".
+The oracle runs first and the student's code gets copies of the inputs; every case has a time
+limit (``time_limit=``, seconds) and a slow check shows a progress line (`paged_ref.check.report`).
 
     >>> import paged_ref as pr
     >>> print(pr.check.check_allocator(pr.PageAllocator))
@@ -18,11 +20,14 @@ checker                                what the student writes
 `check_triton_decode`                  the same as a Triton kernel (interpreter on CPU)
 `check_token_scores`                   PagedEviction's ||V|| / ||K|| token score
 `check_page_scores`                    a page's score from its tokens' scores
-`check_eviction_policy`                a policy with ``after_prefill`` / ``after_append`` hooks
+`check_eviction_policy`                exercise 4's policy (`paged_ref.check.eviction.TASK`), hooks
+                                       ``after_prefill`` / ``after_append``
 =====================================  ==============================================
 
 The exercise notebooks (``notebooks/exercises/``) draw from the student's code with
 `paged_ref.check.figures` and take an instructor's solutions through `use_solution`.
+``python -m paged_ref.check.grade FOLDER --out grades.csv`` runs every checker on a folder of
+submitted notebooks or modules (`paged_ref.check.grade`).
 """
 
 from .allocator import check_allocator

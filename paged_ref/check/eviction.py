@@ -1,15 +1,37 @@
-"""Checkers for PagedEviction's scores and for an eviction policy driven on a real cache."""
+"""Checkers for PagedEviction's scores and for an eviction policy driven on a real cache.
+
+`check_eviction_policy` checks the policy exercise 4 defines (`TASK`), decision by decision,
+on K/V built so that the scores decide: every token of original page ``p`` has the same
+ratio ||V||/||K|| in every KV head and layer, a level drawn per page (all levels distinct, in a
+random order, so the lowest-scoring page is rarely the oldest or the newest), while ||K|| and
+||V|| themselves vary token by token (a score of ||V|| or 1/||K|| alone ranks the pages
+differently). Each token's position is written into the direction of its key (its norm stays
+the one drawn), so the checker reads back which tokens a policy kept.
+"""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from .._arith import cdiv
 from ..cache import PagedKVCache
-from ..eviction.policies import make_policy, max_pages_held
+from ..eviction.policies import POLICY_NAMES, Reserved, make_policy, max_pages_held, sequence_scores
 from ..eviction.scores import page_scores, token_scores
-from .report import CheckReport, Failure, run_cases
+from .report import (
+    DEFAULT_TIME_LIMIT_S,
+    CheckReport,
+    Failure,
+    NotImplementedYet,
+    OverTime,
+    Run,
+    StudentError,
+    check_count,
+    run_cases,
+)
 
-__all__ = ["check_eviction_policy", "check_page_scores", "check_token_scores"]
+__all__ = ["REFERENCE_DOES", "TASK", "check_eviction_policy", "check_page_scores", "check_token_scores"]
 
 
 def _kv_cases(seed: int):
@@ -25,20 +47,49 @@ def _kv_cases(seed: int):
 
 def _describe_kv(case) -> str:
     k, v = case
-    return f"k, v of shape {list(k.shape)} [num_tokens, num_kv_heads, head_dim]"
+    lines = [f"k, v of shape {list(k.shape)} [num_tokens, num_kv_heads, head_dim]"]
+    if k.numel() <= 8:
+        lines += [f"k = {_round(k)}", f"v = {_round(v)}"]
+    else:  # the per-head norms of the first tokens: what the score is made of
+        shown = min(3, k.shape[0])
+        lines += [
+            f"||k|| per head, tokens 0..{shown - 1}: {_round(k[:shown].norm(dim=-1))}",
+            f"||v|| per head, tokens 0..{shown - 1}: {_round(v[:shown].norm(dim=-1))}",
+        ]
+    return "\n".join(lines)
+
+
+def _round(t: torch.Tensor) -> list:
+    return torch.round(t.detach().float() * 1e4).div(1e4).tolist()
 
 
 def _fmt(t: torch.Tensor) -> str:
     return str([round(x, 4) for x in t.flatten()[:6].tolist()]) + (" ..." if t.numel() > 6 else "")
 
 
-def check_token_scores(fn, *, seed: int = 0):
-    """Check ``fn(k, v) -> [num_tokens]``: PagedEviction's ||V|| / ||K|| per head, averaged over heads."""
+def _score_tensor(out, n: int):
+    """The student's scores as a float tensor, or a (got, hint) pair saying why not."""
+    if out is None:
+        return "None", "the function returned None: does it end without `return`?"
+    if isinstance(out, torch.Tensor) and out.device.type == "meta":
+        return "a tensor on the meta device", "compute the scores from the inputs: a meta tensor holds no numbers"
+    if not isinstance(out, torch.Tensor):
+        return f"a {type(out).__name__}", f"return a float tensor [{n}]"
+    return out.detach().float().cpu()
 
-    def one(case):
+
+def check_token_scores(fn, *, seed: int = 0, time_limit: float | None = DEFAULT_TIME_LIMIT_S):
+    """Check ``fn(k, v) -> [num_tokens]``: PagedEviction's ||V|| / ||K|| per head, averaged over heads.
+
+    Tolerance: relative 1e-4 (float32 inputs).
+    """
+
+    def one(case, run):
         k, v = case
         want = token_scores(k, v, "value_key_ratio")
-        got = torch.as_tensor(fn(k, v)).float().cpu()
+        got = _score_tensor(run.call(fn, k.clone(), v.clone()), k.shape[0])
+        if isinstance(got, tuple):
+            return Failure(_describe_kv(case), _fmt(want), *got)
         if got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-6):
             return None
         if got.shape == want.shape and torch.allclose(got, token_scores(v, k, "value_key_ratio"), rtol=1e-4):
@@ -53,11 +104,21 @@ def check_token_scores(fn, *, seed: int = 0):
             hint = "per token and head: ||v|| / ||k|| over head_dim; then the mean over the heads"
         return Failure(_describe_kv(case), _fmt(want), _fmt(got), hint)
 
-    return run_cases("token_scores", _kv_cases(seed), one, _describe_kv, "fn(k, v) returns a [num_tokens] tensor")
+    return run_cases(
+        "token_scores",
+        _kv_cases(seed),
+        one,
+        _describe_kv,
+        "fn(k, v) returns a [num_tokens] tensor",
+        time_limit=time_limit,
+    )
 
 
-def check_page_scores(fn, *, seed: int = 0):
-    """Check ``fn(token_scores, page_size) -> [num_pages]``: the mean score of the tokens each page holds."""
+def check_page_scores(fn, *, seed: int = 0, time_limit: float | None = DEFAULT_TIME_LIMIT_S):
+    """Check ``fn(token_scores, page_size) -> [num_pages]``: the mean score of the tokens each page holds.
+
+    Tolerance: relative 1e-5 (float32 inputs).
+    """
     gen = torch.Generator().manual_seed(seed)
     cases = [(torch.rand(n, generator=gen), p) for n, p in ((1, 1), (4, 2), (5, 2), (7, 4), (16, 4), (33, 8), (50, 16))]
 
@@ -65,10 +126,12 @@ def check_page_scores(fn, *, seed: int = 0):
         scores, page_size = case
         return f"token_scores={_fmt(scores)} ({scores.numel()} tokens), page_size={page_size}"
 
-    def one(case):
+    def one(case, run):
         scores, page_size = case
         want = page_scores(scores, page_size)
-        got = torch.as_tensor(fn(scores.clone(), page_size)).float()
+        got = _score_tensor(run.call(fn, scores.clone(), page_size), want.shape[0])
+        if isinstance(got, tuple):
+            return Failure(describe(case), _fmt(want), *got)
         if got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-7):
             return None
         if got.shape != want.shape:
@@ -77,11 +140,273 @@ def check_page_scores(fn, *, seed: int = 0):
             hint = "average each page over the tokens it holds: the last page may hold fewer than page_size"
         return Failure(describe(case), _fmt(want), _fmt(got), hint)
 
-    return run_cases("page_scores", cases, one, describe, "fn(token_scores, page_size) returns a [num_pages] tensor")
+    return run_cases(
+        "page_scores",
+        cases,
+        one,
+        describe,
+        "fn(token_scores, page_size) returns a [num_pages] tensor",
+        time_limit=time_limit,
+    )
+
+
+# ------------------------------------------------------------------------------------ the policy
+TASK = """\
+budget C is in tokens; page_size B. A page's score is the mean ||V||/||K|| of its tokens (per KV
+head, averaged over heads, then over layers). Page 0 (the attention sink) and the newest page are
+reserved; every other page is a candidate.
+after_prefill: while the sequence holds more than C tokens, drop the lowest-scoring candidate page.
+after_append:  when the newest page has just filled (seq_len % B == 0) and the sequence holds more
+               than C tokens, drop the lowest-scoring candidate page (one page).
+So after the prefill at most C tokens are held, and never more than ceil(C / B) + 1 pages."""
+
+# What each `make_policy` name does, for the hint of ``reference=`` mode.
+_PAGED_DECODE = (
+    "in decode, each time the newest page fills while over budget, it drops the lowest-mean page among "
+    "pages 1 .. n-2 (page 0 and the newest page reserved)"
+)
+REFERENCE_DOES = {
+    "paged_eviction": "at prefill it keeps the top-budget tokens by ||V||/||K||, token by token (cache.compact), "
+    "the first and the last page_size tokens always among them; " + _PAGED_DECODE,
+    "paged_eviction_literal": "at prefill it keeps the top-budget tokens by ||V||/||K||, token by token "
+    "(cache.compact), the last page_size tokens always among them (page 0 is NOT reserved); in decode, each time "
+    "the newest page fills while over budget, it drops the lowest-mean page among pages 0 .. n-2",
+    "streaming_llm": "at prefill it keeps the first 4 tokens and the newest budget - 4 (cache.compact); in decode, "
+    "each time the newest page fills while over budget, it drops the oldest page after the first (sink) page",
+    "token_topk": "after the prefill and after every append over budget it keeps the top-budget tokens by "
+    "||V||/||K|| (cache.compact), the first and the last page_size tokens always among them",
+    "full": "it never evicts",
+}
+for _name, _what in (
+    ("inverse_key_norm", "1/||K||"),
+    ("value_norm", "||V||"),
+    ("key_norm", "||K||"),
+    ("key_value_ratio", "||K||/||V||"),
+    ("random", "a random number"),
+):
+    REFERENCE_DOES[_name] = REFERENCE_DOES["paged_eviction"].replace("||V||/||K||", _what)
+assert set(REFERENCE_DOES) == set(POLICY_NAMES)
+
+
+def _page_scores(cache: PagedKVCache, seq_id: int) -> torch.Tensor:
+    """The task's page scores: mean ||V||/||K|| per page, averaged over layers, ``[num_pages]``."""
+    return page_scores(sequence_scores(cache, seq_id, "value_key_ratio"), cache.page_size)
+
+
+class _TaskPolicy:
+    """The policy `TASK` defines: the oracle of `check_eviction_policy`."""
+
+    reserved = Reserved(first_pages=1, last_page=True)
+
+    def __init__(self, budget: int):
+        self.budget = budget
+
+    def _drop_lowest(self, cache, seq_id) -> None:
+        candidates = self.reserved.candidate_pages(len(cache.pages(seq_id)))
+        scores = _page_scores(cache, seq_id)[candidates]
+        cache.drop_pages(seq_id, [candidates[int(scores.argmin())]])
+
+    def after_prefill(self, cache, seq_id) -> None:
+        while cache.seq_len(seq_id) > self.budget and self.reserved.candidate_pages(len(cache.pages(seq_id))):
+            self._drop_lowest(cache, seq_id)
+
+    def after_append(self, cache, seq_id) -> None:
+        n = cache.seq_len(seq_id)
+        if n > self.budget and n % cache.page_size == 0:
+            self._drop_lowest(cache, seq_id)
+
+
+class _Driver:
+    """One case: a cache, a policy, a prompt and ``steps`` decode steps of constructed K/V."""
+
+    NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 4
+
+    def __init__(self, make, budget, page_size, prompt_len, steps, pool, seed, sink_lowest):
+        self.cache = PagedKVCache(
+            num_layers=self.NUM_LAYERS,
+            num_pages=pool,
+            page_size=page_size,
+            num_kv_heads=self.NUM_KV_HEADS,
+            head_dim=self.HEAD_DIM,
+        )
+        self.seq = self.cache.add_sequence()
+        self.make, self.budget, self.prompt_len, self.steps = make, budget, prompt_len, steps
+        self.gen = torch.Generator().manual_seed(seed)
+        last = prompt_len + steps - 1
+        self.angle_step = (math.pi / 2) / (last + 1)  # position p: a key at angle p * angle_step
+        pages = last // page_size + 1
+        order = torch.randperm(pages, generator=self.gen)  # distinct levels, random order
+        self.levels = 0.5 * 1.25 ** order.double()  # ratio of every token of original page p
+        if sink_lowest:
+            self.levels[0] = 0.5 * self.levels.min()
+        self.policy = None  # set by the caller: the student's through run.call
+
+    def write(self, start: int, n: int) -> None:
+        slots = self.cache.reserve(self.seq, n)
+        position = torch.arange(start, start + n)  # [n]
+        angle = position.double() * self.angle_step
+        ratio = self.levels[position // self.cache.page_size]  # [n]
+        shape = (n, self.NUM_KV_HEADS, self.HEAD_DIM)
+        for layer in range(self.NUM_LAYERS):
+            k_norm = 1 + 3 * torch.rand(n, self.NUM_KV_HEADS, 1, generator=self.gen, dtype=torch.float64)
+            k = torch.zeros(shape, dtype=torch.float64)
+            k[:, :, 0], k[:, :, 1] = angle.cos()[:, None], angle.sin()[:, None]
+            v = torch.randn(shape, generator=self.gen, dtype=torch.float64)
+            v = v / v.norm(dim=-1, keepdim=True) * ratio[:, None, None]
+            self.cache.write(layer, slots, (k * k_norm).float(), (v * k_norm).float())
+
+    def kept(self) -> list[int]:
+        k = self.cache.gather(0, self.seq)[0][:, 0].double()  # [seq_len, head_dim]
+        return torch.round(torch.atan2(k[:, 1], k[:, 0]) / self.angle_step).long().tolist()
+
+    def step(self, step: int, call) -> int:
+        """Write step ``step``'s tokens (0: the prompt) and call the hook; returns the newest position."""
+        start, n = (0, self.prompt_len) if step == 0 else (self.prompt_len + step - 1, 1)
+        self.write(start, n)
+        call(self.policy.after_prefill if step == 0 else self.policy.after_append, self.cache, self.seq)
+        return start + n - 1
+
+
+def _own(fn, *args):
+    return fn(*args)
+
+
+def _before(driver: _Driver, step: int) -> list[int]:
+    """Positions held just before hook ``step``: what was kept, plus the tokens written since."""
+    return list(range(driver.prompt_len)) if step == 0 else driver.kept() + [driver.prompt_len + step - 1]
+
+
+def _where(budget, page_size, prompt_len, step) -> str:
+    hook = "after the prefill" if step == 0 else f"after decode step {step} (position {prompt_len + step - 1} written)"
+    return (
+        f"budget C={budget} tokens, page_size B={page_size}, a prompt of {prompt_len} tokens "
+        f"(positions 0..{prompt_len - 1}), {hook}"
+    )
+
+
+def _pages_of(positions: list[int], page_size: int) -> list[list[int]]:
+    return [positions[i : i + page_size] for i in range(0, len(positions), page_size)]
+
+
+def _decision_hint(before, kept, want, scores, budget, page_size, prefill) -> tuple[str, str, str]:
+    """(expected, got, hint) for a hook whose kept tokens differ from the task's policy.
+
+    ``before``: positions held before the hook (the same for the student and the oracle, as
+    every earlier hook agreed); ``scores``: the oracle's page scores of ``before``.
+    """
+    pages = _pages_of(before, page_size)
+    newest = len(pages) - 1
+    candidates = list(range(1, newest))
+    dropped = sorted({i // page_size for i, p in enumerate(before) if p not in set(kept)})
+    expect = sorted({i // page_size for i, p in enumerate(before) if p not in set(want)})
+    shown = ", ".join(f"{j}: {float(scores[j]):.3g}" for j in range(len(pages)))
+    expected = (
+        f"drop logical page(s) {expect} (the lowest-scoring candidate(s) of pages 1..{newest - 1}); "
+        f"page scores {{{shown}}}; held {len(want)} tokens"
+        if expect
+        else f"no eviction here ({len(before)} tokens held, budget {budget}); page scores {{{shown}}}"
+    )
+    got = f"dropped logical page(s) {dropped}; held {len(kept)} tokens"
+    partial = [j for j in dropped if any(p in set(kept) for p in pages[j])]
+    if partial:
+        return expected, got, "evict whole pages with cache.drop_pages(seq_id, [logical_page]): no single tokens"
+    if not expect:
+        return (
+            expected,
+            got,
+            (
+                "evicted although the rule does not: drop pages only while the sequence holds more than budget tokens "
+                "(after the prefill) or when the newest page has just filled over budget (decode)"
+            ),
+        )
+    if len(dropped) < len(expect):
+        if prefill:
+            return (
+                expected,
+                got,
+                (
+                    f"budget is in tokens: after the prefill hold at most budget={budget} tokens "
+                    f"(you hold {len(kept)}); ceil(budget / page_size) + 1 pages is the bound during decode, "
+                    "not the prefill's target"
+                ),
+            )
+        return (
+            expected,
+            got,
+            (
+                f"the newest page has just filled while {len(before)} tokens > budget={budget} are held: "
+                "drop the lowest-scoring candidate page in this after_append"
+            ),
+        )
+    if len(dropped) > len(expect):
+        only_newest = len(kept) <= page_size and newest not in dropped
+        return (
+            expected,
+            got,
+            (
+                ("you kept only the newest page: " if only_newest else "")
+                + "drop one page at a time, the lowest-scoring candidate, and only until the rule is met "
+                "(prefill: at most budget tokens held; decode: one page when the newest fills over budget)"
+            ),
+        )
+    k = len(expect)
+    by_score = sorted(candidates, key=lambda j: float(scores[j]))
+    if 0 in dropped:
+        lowest_overall = min(range(len(pages)), key=lambda j: float(scores[j])) == 0
+        if sorted(dropped) == list(range(k)) and not lowest_overall:
+            return (
+                expected,
+                got,
+                (
+                    "you evicted the oldest page(s) (first in, first out), whatever their score: evict the "
+                    "lowest-scoring candidate; and page 0, the attention sink, is reserved"
+                ),
+            )
+        return (
+            expected,
+            got,
+            (
+                "page 0 holds the attention sink and is reserved (notebook 07): never evict it, even when its score "
+                "is the lowest; the candidates are pages 1 .. n-2"
+            ),
+        )
+    if sorted(dropped) == sorted(by_score[-k:]):
+        return (
+            expected,
+            got,
+            (
+                "you evicted the highest-scoring page: PagedEviction keeps high ||V||/||K|| and evicts the lowest "
+                "(argmin, not argmax; or is the ratio inverted, ||K||/||V||?)"
+            ),
+        )
+    if sorted(dropped) == candidates[:k]:
+        return (
+            expected,
+            got,
+            (
+                "you evicted the oldest candidate page(s) (first in, first out), whatever their score: evict the "
+                "lowest-scoring candidate"
+            ),
+        )
+    return (
+        expected,
+        got,
+        (
+            "evict the candidate with the lowest page score: the mean over its tokens of ||V||/||K|| (per KV head, "
+            "averaged over heads), averaged over layers; candidates are pages 1 .. n-2"
+        ),
+    )
 
 
 def check_eviction_policy(
-    factory, *, budget: int = 24, page_size: int = 8, reference: str | None = None, seed: int = 0, steps: int = 40
+    factory,
+    *,
+    budget: int = 24,
+    page_size: int = 8,
+    reference: str | None = None,
+    seed: int = 0,
+    steps: int = 40,
+    time_limit: float | None = DEFAULT_TIME_LIMIT_S,
 ) -> CheckReport:
     """Drive a student's policy on a real `PagedKVCache`: prefill, then ``steps`` decode steps.
 
@@ -90,93 +415,125 @@ def check_eviction_policy(
             ``after_prefill(cache, seq_id)`` and ``after_append(cache, seq_id)`` (see
             `paged_ref.eviction.policies`); it evicts through the cache's ``drop_pages`` /
             ``compact``.
-        budget, page_size: C and B.
-        reference: optionally a `make_policy` name (e.g. ``"paged_eviction"``) whose kept tokens
-            the student's must equal, step by step, on the same K/V.
-        seed, steps: the random K/V and the decode length.
+        budget, page_size: C (tokens) and B; ``budget >= 2 * page_size``.
+        reference: None to check the policy exercise 4 defines (`TASK`), or a `make_policy`
+            name (e.g. ``"paged_eviction"``) whose kept tokens the student's must equal, hook by
+            hook, on the same K/V (`REFERENCE_DOES` says what each does).
+        seed, steps: the constructed K/V and the decode length.
+        time_limit: seconds per case (a prompt and its decode steps), or None.
 
     After every hook: pages held <= ``max_pages_held(budget, page_size)``, every page the
     sequence gave up is back in the allocator (free + held = pool), the kept tokens are written
-    tokens in their original order, and the newest token is kept.
+    tokens in their original order with the newest among them, and the kept tokens are the ones
+    the task's policy (or the reference) keeps. Five prompts: longer than C by a page and a bit,
+    2C + 1, 2C (a page multiple), C/2 + 1 (no prefill eviction), and 2C with page 0 scoring
+    lowest (it must stay: the attention sink).
     """
     name = "eviction_policy"
-    pool = max_pages_held(budget, page_size) + 64 // page_size + 8
-    prompts = [budget + page_size + 3, 2 * budget + 1, 2 * budget, budget // 2 + 1]  # one a page multiple
-
-    def run(make, prompt_len, gen):
-        """Yields (phase, step, cache, seq_id, written markers) after each hook."""
-        cache = PagedKVCache(num_layers=2, num_pages=pool, page_size=page_size, num_kv_heads=2, head_dim=4)
-        s = cache.add_sequence()
-        policy = make(budget)
-        for step in range(steps + 1):
-            n = prompt_len if step == 0 else 1
-            slots = cache.reserve(s, n)
-            position = torch.arange(n) + (0 if step == 0 else prompt_len + step - 1)  # [n]
-            for layer in range(2):
-                k = torch.randn(n, 2, 4, generator=gen) * (1 + torch.rand(n, 1, 1, generator=gen) * 3)  # [n, Hkv, D]
-                v = torch.randn(n, 2, 4, generator=gen) * (1 + torch.rand(n, 1, 1, generator=gen) * 3)
-                k[:, 0, 0] = position.float()  # the token's position, readable back from the pages
-                cache.write(layer, slots, k, v)
-            (policy.after_prefill if step == 0 else policy.after_append)(cache, s)
-            yield ("prefill" if step == 0 else "decode", step, cache, s, int(position[-1]))
-
-    def kept(cache, s):
-        return [int(x) for x in cache.gather(0, s)[0][:, 0, 0].round().tolist()]
-
-    for case, prompt_len in enumerate(prompts, start=1):
-        gen, twin = torch.Generator().manual_seed(seed + case), torch.Generator().manual_seed(seed + case)
-        ref_run = run(lambda c: make_policy(reference, c), prompt_len, twin) if reference else None
+    budget = check_count("budget", budget)
+    page_size = check_count("page_size", page_size)
+    steps = check_count("steps", steps)
+    if reference is None and budget < 2 * page_size:
+        raise ValueError(
+            f"budget must be >= 2 * page_size = {2 * page_size} (page 0 and the newest page are reserved), got {budget}"
+        )
+    if reference is not None and reference not in POLICY_NAMES:
+        raise ValueError(f"reference must be None or one of {sorted(POLICY_NAMES)}, got {reference!r}")
+    prompts = [
+        (budget + page_size + 3, False),
+        (2 * budget + 1, False),
+        (2 * budget, False),
+        (budget // 2 + 1, False),
+        (2 * budget, True),
+    ]
+    pool = cdiv(max(p for p, _ in prompts) + steps, page_size) + 8  # room for all, so over budget is not out of pages
+    limit = max_pages_held(budget, page_size)
+    if reference is None:
+        make_oracle = _TaskPolicy
+    elif reference == "full":
+        make_oracle = lambda c: make_policy("full")  # noqa: E731
+    else:
+        make_oracle = lambda c: make_policy(reference, c)  # noqa: E731
+    run = Run(name, len(prompts), time_limit)
+    for case, (prompt_len, sink_lowest) in enumerate(prompts, start=1):
+        mine = _Driver(factory, budget, page_size, prompt_len, steps, pool, seed + case, sink_lowest)
+        oracle = _Driver(make_oracle, budget, page_size, prompt_len, steps, pool, seed + case, sink_lowest)
+        oracle.policy = make_oracle(budget)
+        step = 0
         try:
-            for _, step, cache, s, newest in run(factory, prompt_len, gen):
-                where = (
-                    f"budget={budget}, page_size={page_size}, prompt of {prompt_len} tokens, "
-                    f"after {'the prefill' if step == 0 else f'decode step {step}'}"
-                )
-                held, positions = cache.pages(s), kept(cache, s)
-                limit = max_pages_held(budget, page_size)
-                problem = None
-                if len(held) > limit:
-                    problem = (
-                        f"<= {limit} pages held",
-                        f"{len(held)} pages ({cache.seq_len(s)} tokens)",
-                        "evict whole pages until at most ceil(budget / page_size) + 1 are held",
-                    )
-                elif cache.allocator.num_free + len(held) != pool:
-                    problem = (
-                        f"{pool - len(held)} free pages (pool {pool} - {len(held)} held)",
-                        f"{cache.allocator.num_free} free",
-                        "give evicted pages back to the allocator (cache.drop_pages / cache.compact do)",
-                    )
-                elif positions != sorted(set(positions)) or not positions or positions[-1] != newest:
-                    problem = (
-                        f"kept positions increasing and ending with the newest token {newest}",
-                        f"{positions[:8]}{' ...' if len(positions) > 8 else ''} (last {positions[-1:]})",
-                        "never evict the token just written; keep the kept tokens in their original order",
-                    )
-                elif ref_run is not None:
-                    _, _, ref_cache, ref_s, _ = next(ref_run)
-                    want = kept(ref_cache, ref_s)
-                    if want != positions:
-                        gone = sorted(set(want) - set(positions))[:6]
-                        problem = (
-                            f"the tokens {reference!r} keeps: {want[:10]} ...",
-                            f"{positions[:10]} ... (you dropped {gone} which it keeps)",
-                            "evict the page with the lowest mean score among those not protected",
-                        )
-                if problem is not None:
-                    return CheckReport(name, False, case, Failure(where, *problem))
-        except NotImplementedError:
-            return CheckReport(name, False, case, not_implemented=True)
-        except Exception as error:
-            return CheckReport(
-                name,
-                False,
-                case,
-                Failure(
-                    f"budget={budget}, page_size={page_size}, prompt of {prompt_len} tokens",
-                    "no exception",
-                    f"{type(error).__name__}: {error}",
-                    "the hooks take (cache, seq_id); evict with cache.drop_pages(seq_id, logical_pages)",
-                ),
+            with run.case(case):
+                mine.policy = run.call(factory, budget)
+                for step in range(steps + 1):
+                    before = _before(oracle, step)  # every earlier hook agreed: the student's too
+                    newest = mine.step(step, run.call)
+                    scores = None
+                    if reference is None:  # the oracle's page scores before its hook, for the hint
+                        oracle.write(*((0, prompt_len) if step == 0 else (newest, 1)))
+                        scores = _page_scores(oracle.cache, oracle.seq)
+                        hook = oracle.policy.after_prefill if step == 0 else oracle.policy.after_append
+                        hook(oracle.cache, oracle.seq)
+                    else:
+                        oracle.step(step, _own)
+                    problem = _check_hook(mine, newest, limit, pool)
+                    want, got = oracle.kept(), mine.kept()
+                    if problem is None and want != got:
+                        if reference is None:
+                            problem = _decision_hint(before, got, want, scores, budget, page_size, step == 0)
+                        else:
+                            gone, extra = sorted(set(want) - set(got))[:6], sorted(set(got) - set(want))[:6]
+                            differ = [f"you dropped {gone}, which it keeps"] if gone else []
+                            differ += [f"you keep {extra}, which it drops"] if extra else []
+                            problem = (
+                                f"the tokens {reference!r} keeps: {_short(want)}",
+                                f"{_short(got)} ({'; '.join(differ)})",
+                                f"reference={reference!r} asks for exactly what that policy does: "
+                                f"{REFERENCE_DOES[reference]}",
+                            )
+                    if problem is not None:
+                        where = _where(budget, page_size, prompt_len, step)
+                        return run.finish(CheckReport(name, False, case, Failure(where, *problem)))
+        except NotImplementedYet:
+            return run.finish(CheckReport(name, False, case, not_implemented=True))
+        except OverTime:
+            where = _where(budget, page_size, prompt_len, step)
+            return run.finish(CheckReport(name, False, case, run.over_time(where)))
+        except StudentError as raised:
+            failure = Failure(
+                _where(budget, page_size, prompt_len, step) + " (during this hook)",
+                "no exception",
+                str(raised),
+                "the hooks take (cache, seq_id); evict with cache.drop_pages(seq_id, logical_pages)",
             )
-    return CheckReport(name, True, len(prompts))
+            return run.finish(CheckReport(name, False, case, failure))
+    return run.finish(CheckReport(name, True, len(prompts)))
+
+
+def _short(positions: list[int]) -> str:
+    return f"{positions[:10]}{' ...' if len(positions) > 10 else ''} ({len(positions)} tokens)"
+
+
+def _check_hook(mine: _Driver, newest: int, limit: int, pool: int):
+    """The safety checks after a hook: (expected, got, hint) of the first that fails, else None."""
+    cache, s = mine.cache, mine.seq
+    held, positions = cache.pages(s), mine.kept()
+    if len(held) > limit:
+        return (
+            f"<= {limit} pages held (ceil(budget / page_size) + 1)",
+            f"{len(held)} pages ({cache.seq_len(s)} tokens)",
+            "evict whole pages: after the prefill hold at most budget tokens; in decode drop a page each time "
+            "the newest page fills over budget",
+        )
+    if cache.allocator.num_free + len(held) != pool:
+        return (
+            f"{pool - len(held)} free pages (pool {pool} - {len(held)} held)",
+            f"{cache.allocator.num_free} free",
+            "give evicted pages back to the allocator (cache.drop_pages / cache.compact do)",
+        )
+    if positions != sorted(set(positions)) or not positions or positions[-1] != newest:
+        return (
+            f"kept positions increasing and ending with the newest token {newest}",
+            f"{positions[:8]}{' ...' if len(positions) > 8 else ''} (last {positions[-1:]})",
+            "never evict the page just written (the newest page is reserved); keep the kept tokens in their "
+            "original order",
+        )
+    return None

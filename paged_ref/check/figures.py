@@ -60,18 +60,29 @@ def attention_figure(fn, seed: int = 0):
 
 
 def scores_figure(token_fn, page_fn, page_size: int = 8, seed: int = 0):
-    """Page scores of 5.5 pages of random K/V from the student's functions; the lowest is the next to go."""
+    """Page scores of 5.5 pages of random K/V from the student's functions, and the page that goes next.
+
+    Page 0 (the attention sink) and the newest page are reserved, as in notebook 07 and exercise
+    4: the page evicted next is the lowest-scoring of the others (red); reserved pages are grey.
+    """
     gen = torch.Generator().manual_seed(seed)
     n = page_size * 5 + page_size // 2
     k = torch.randn(n, 2, 16, generator=gen) * torch.rand(n, 1, 1, generator=gen) * 3 + 0.01  # [T, Hkv, D]
     v = torch.randn(n, 2, 16, generator=gen) * torch.rand(n, 1, 1, generator=gen) * 3 + 0.01
-    pages = torch.as_tensor(page_fn(torch.as_tensor(token_fn(k, v)), page_size))  # [num_pages]
-    fig, ax = plt.subplots(figsize=(5, 2.6))
-    colors = ["tab:red" if i == int(pages.argmin()) else "tab:blue" for i in range(len(pages))]
+    pages = torch.as_tensor(page_fn(torch.as_tensor(token_fn(k, v)), page_size)).float()  # [num_pages]
+    candidates = list(range(1, len(pages) - 1))
+    evict = candidates[int(pages[candidates].argmin())]
+    colors = ["0.7" if i in (0, len(pages) - 1) else "tab:red" if i == evict else "tab:blue" for i in range(len(pages))]
+    fig, ax = plt.subplots(figsize=(5.5, 2.8))
     ax.bar(range(len(pages)), pages.tolist(), color=colors)
+    for i in (0, len(pages) - 1):
+        ax.annotate("reserved", (i, float(pages[i])), ha="center", va="bottom", fontsize=7, color="0.35")
     ax.set_xlabel(f"logical page ({page_size} tokens each; the last is partial)")
     ax.set_ylabel("page score")
-    ax.set_title("red: the page PagedEviction would evict (lowest mean ||V||/||K||)")
+    ax.set_title(
+        "red: the page PagedEviction evicts next\n(lowest mean ||V||/||K|| among pages 1..n-2; grey: reserved)",
+        fontsize=9,
+    )
     fig.tight_layout()
     return fig
 
@@ -88,12 +99,19 @@ def policy_figure(factory, budget: int = 24, page_size: int = 8, steps: int = 48
         cache.write(0, slots, torch.randn(n, 1, 4, generator=gen), torch.randn(n, 1, 4, generator=gen))
         (policy.after_prefill if step == 0 else policy.after_append)(cache, s)
         held.append((cache.seq_len(s), len(cache.pages(s))))
-    fig, ax = plt.subplots(figsize=(6, 2.6))
-    ax.plot([h[0] for h in held], label="tokens held")
-    ax.plot([h[1] * page_size for h in held], label="pages held x page_size", ls="--")
-    ax.axhline(limit * page_size, color="gray", lw=0.8, label="page bound x page_size")
-    ax.set_xlabel("decode step (0 = after the prefill)")
-    ax.legend(fontsize=8)
-    ax.set_title(f"budget {budget}, page size {page_size}")
+    x = range(len(held))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.5, 4.0), sharex=True)
+    top.axhline(budget, color="tab:green", lw=1.2, ls="--", label=f"budget C = {budget}")
+    top.plot(x, [h[0] for h in held], color="tab:blue", marker=".", ms=3, label="tokens held")
+    top.set_ylim(0, max(max(h[0] for h in held), budget) * 1.3)
+    top.set_ylabel("tokens")
+    top.legend(fontsize=7, loc="lower right")
+    bottom.axhline(limit, color="0.5", lw=1.2, ls="--", label=f"bound ceil(C/B) + 1 = {limit}")
+    bottom.step(x, [h[1] for h in held], where="post", color="tab:orange", label="pages held")
+    bottom.set_ylim(0, max(max(h[1] for h in held), limit) + 1.5)
+    bottom.set_ylabel("pages")
+    bottom.set_xlabel("decode step (0 = after the prefill)")
+    bottom.legend(fontsize=7, loc="lower right")
+    top.set_title(f"budget {budget}, page size {page_size}: a prefill of {2 * budget} tokens, then decode", fontsize=9)
     fig.tight_layout()
     return fig

@@ -303,34 +303,65 @@ def perplexity_figure(results: dict, task: str = "language_modelling", policies=
 
 
 def passkey_figure(results: dict, *, note: str = "") -> Figure:
-    """Pass-key accuracy with Wilson 95% intervals, and the share of trials whose key was held."""
+    """Pass-key accuracy with Wilson 95% intervals, one panel per budget, one row per policy; and
+    the share of trials whose key was held, as a table of numbers (policy x budget).
+
+    One row per policy, named on the axis (not a legend of a dozen pale colors), so every policy
+    can be read at every budget.
+    """
     summary = results["passkey"]
     budgets = sorted({r["budget"] for r in summary if r["budget"] is not None})
     policies = sorted({r["policy"] for r in summary} - {"full"}, key=policy_order)
-    full = [r for r in summary if r["policy"] == "full"]
-    fig = Figure(figsize=(13, 4.2), layout="constrained")
-    axes = fig.subplots(1, 2)
-    width = 0.8 / max(1, len(policies))
-    for ax, key in zip(axes, ("accuracy", "key_held_rate")):
-        if full:
-            ax.axhline(full[0][key], color="k", ls="--", lw=1, label="full cache")
-        for j, name in enumerate(policies):
-            rows = sorted((r for r in summary if r["policy"] == name), key=lambda r: r["budget"])
-            x = [budgets.index(r["budget"]) + (j - len(policies) / 2 + 0.5) * width for r in rows]
-            y = [r[key] for r in rows]
-            err = None
-            if key == "accuracy":
-                err = [[r["accuracy"] - r["ci95"][0] for r in rows], [r["ci95"][1] - r["accuracy"] for r in rows]]
-            ax.bar(x, y, width, yerr=err, capsize=2, label=name, color=policy_color(name))
-        ax.set_xticks(range(len(budgets)), [f"C = {c}" for c in budgets])
-        ax.set_ylim(0, 1.05)
-    n = full[0]["trials"] if full else "?"
-    axes[0].set_title(f"pass-key accuracy ({n} trials per bar, Wilson 95%)", fontsize=10)
-    axes[1].set_title("key's tokens still held when the answer starts", fontsize=10)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside right upper", fontsize=7)
+    full = next((r for r in summary if r["policy"] == "full"), None)
+    cell = {(r["policy"], r["budget"]): r for r in summary}
+    fig = Figure(figsize=(13, 0.3 * len(policies) + 2.2), layout="constrained")
+    axes = fig.subplots(1, len(budgets) + 1, sharey=True, width_ratios=[1] * len(budgets) + [1.3])
+    rows = np.arange(len(policies))
+    for ax, c in zip(axes, budgets):
+        if full is not None:
+            ax.axvline(full["accuracy"], color="k", ls="--", lw=1, label="full cache")
+        for y, name in zip(rows, policies):
+            r = cell.get((name, c))
+            if r is None:
+                continue
+            ax.errorbar(
+                r["accuracy"],
+                y,
+                xerr=[[r["accuracy"] - r["ci95"][0]], [r["ci95"][1] - r["accuracy"]]],
+                fmt="o",
+                color=policy_color(name),
+                ecolor="0.4",
+                capsize=2,
+                ms=5,
+            )
+        ax.set_xlim(-0.05, 1.05)
+        ax.set_title(f"C = {c}", fontsize=9)
+        ax.set_xlabel("accuracy")
+        ax.grid(axis="x", color="0.9")
+    axes[0].set_yticks(rows, policies, fontsize=8)
+    axes[0].invert_yaxis()
+    held = np.array([[cell[(p, c)]["key_held_rate"] if (p, c) in cell else np.nan for c in budgets] for p in policies])
+    last = axes[-1]
+    last.imshow(held, cmap="Greens", vmin=0, vmax=1, aspect="auto")
+    for (i, j), v in np.ndenumerate(held):
+        if not np.isnan(v):
+            last.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7, color="white" if v > 0.6 else "black")
+    last.set_xticks(range(len(budgets)), [f"C={c}" for c in budgets], fontsize=8)
+    last.set_title("key's tokens held when the answer starts", fontsize=9)
+    n = full["trials"] if full else "?"
+    extra = f"; dashed: the full cache, {full['accuracy']:.2f}" if full else ""
+    fig.suptitle(f"pass-key accuracy ({n} trials per point, Wilson 95%){extra}", fontsize=10)
     add_note(fig, note)
     return fig
+
+
+_ABLATION_LABELS = {
+    "value_norm": "||V||\n(value_norm)",
+    "inverse_key_norm": "1/||K||\n(inverse_key_norm)",
+    "key_norm": "||K||\n(key_norm)",
+    "key_value_ratio": "||K||/||V||\n(key_value_ratio)",
+    "random": "random",
+}
 
 
 def ablation_figure(results: dict, rows: list[dict], reference: str = "paged_eviction", *, note: str = "") -> Figure:
@@ -357,7 +388,7 @@ def ablation_figure(results: dict, rows: list[dict], reference: str = "paged_evi
                 capsize=4,
             )
     a1.axhline(0, color="k", lw=0.8)
-    a1.set_xticks(range(len(rows)), [r["ablation"] for r in rows])
+    a1.set_xticks(range(len(rows)), [_ABLATION_LABELS.get(r["ablation"], r["ablation"]) for r in rows], fontsize=8)
     a1.set_ylabel("NLL(ablation) - NLL(ratio), nats/token")
     a1.set_title(
         "language modelling: > 0 means the ratio is better\n(dots: (text, B, C) cells; black: mean, 95% t CI)",
@@ -377,7 +408,7 @@ def ablation_figure(results: dict, rows: list[dict], reference: str = "paged_evi
                 capsize=3,
                 label=label,
             )
-        a2.set_xticks(x[: len(have)], [r["ablation"] for r in have])
+        a2.set_xticks(x[: len(have)], [_ABLATION_LABELS.get(r["ablation"], r["ablation"]) for r in have], fontsize=8)
         a2.set_ylim(0, 1.05)
         a2.legend(fontsize=8)
     a2.set_title("pass-key accuracy, same trials, pooled over budgets (Wilson 95%)", fontsize=9)

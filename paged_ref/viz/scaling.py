@@ -191,8 +191,8 @@ def batch_figure(data: dict, model: str) -> Figure:
     """Mixed batch under one KV budget: requests admitted, and tokens/s, contiguous vs paged."""
     res = _model(data, model)
     b = res["batch"]
-    fig = Figure(figsize=(10.5, 3.8), layout="constrained")
-    ax_fit, ax_tps, ax_len = fig.subplots(1, 3)
+    fig = Figure(figsize=(11.5, 3.8), layout="constrained")
+    ax_fit, ax_tps, ax_len = fig.subplots(1, 3, width_ratios=[0.8, 1.4, 1.1])
     fit = b["fit"]
     bars = ax_fit.bar(
         ["contiguous\nmax-length", "paged\n(page 16)"],
@@ -205,23 +205,27 @@ def batch_figure(data: dict, model: str) -> Figure:
     labels, values, colors = [], [], []
     if "contiguous" in b:
         c = b["contiguous"]
-        labels.append(f"contiguous\nbatch {c['batch']}")
+        labels.append(f"contiguous, batch {c['batch']}")
         values.append(c["tokens_per_s"])
         colors.append("tab:blue")
     for p in b["paged"].values():
         name = p["label"].replace("paged ", "")
         if "same_batch_tokens_per_s" in p:
-            labels.append(f"paged {name}\nbatch {fit['reserve_max']}")
+            labels.append(f"paged {name}, batch {fit['reserve_max']}")
             values.append(p["same_batch_tokens_per_s"])
             colors.append("navajowhite")
-        labels.append(f"paged {name}\nbatch {p['batch']}")
+        labels.append(f"paged {name}, batch {p['batch']}")
         values.append(p["tokens_per_s"])
         colors.append(_STYLE.get(p["label"], ("tab:orange",))[0])
-    bars = ax_tps.bar(labels, values, color=colors)
-    ax_tps.bar_label(bars, labels=[f"{v:.1f}" for v in values], fontsize=8)
-    ax_tps.set_ylabel("generated tokens / s (whole batch)")
+    # horizontal bars: one label per line, none overlapping whatever the backends' names
+    rows = np.arange(len(labels))
+    bars = ax_tps.barh(rows, values, color=colors)
+    ax_tps.set_yticks(rows, labels, fontsize=8)
+    ax_tps.invert_yaxis()
+    ax_tps.bar_label(bars, labels=[f"{v:.1f}" for v in values], fontsize=8, padding=2)
+    ax_tps.set_xlim(0, max(values) * 1.18)
+    ax_tps.set_xlabel("generated tokens / s (whole batch)")
     ax_tps.set_title("decode throughput", fontsize=9)
-    ax_tps.tick_params(axis="x", labelsize=7)
     ax_len.hist(b["lengths"], bins=30, color="0.6")
     ax_len.axvline(b["max_len"], color="tab:blue", ls="--", label=f"max_len {b['max_len']} (reserved each)")
     ax_len.set_xlabel("request length (tokens)")

@@ -102,25 +102,30 @@ def student_page_scores(scores, page_size):
 
 # ------------------------------------------------------------------ exercise 4: an eviction policy
 class StudentPagedEviction:
-    """PagedEviction at page granularity: a page's score is the mean ||V||/||K|| of its tokens,
-    averaged over layers; the newest page is never evicted. After the prefill, the lowest pages
-    go until at most ``budget`` tokens are held; during decode, each time the newest page fills
-    while the sequence holds more than ``budget`` tokens, the lowest page goes. So at most
-    ceil(budget / page_size) + 1 pages are ever held."""
+    """PagedEviction at page granularity, as exercise 4 defines it. A page's score is the mean
+    ||V||/||K|| of its tokens, averaged over layers. Page 0 (the attention sink) and the newest
+    page are reserved; the other pages are the candidates. After the prefill, the lowest-scoring
+    candidate goes, one page at a time, while the sequence holds more than ``budget`` tokens;
+    during decode, each time the newest page fills while the sequence holds more than ``budget``
+    tokens, the lowest-scoring candidate goes. So at most ceil(budget / page_size) + 1 pages are
+    ever held."""
 
     def __init__(self, budget):
         self.budget = budget
 
-    def _drop_lowest(self, cache, seq_id):
+    def _page_scores(self, cache, seq_id):
         scores = 0
         for layer in range(cache.num_layers):
             k, v = cache.gather(layer, seq_id)  # [T, Hkv, D]
             scores = scores + student_token_scores(k, v) / cache.num_layers
-        pages = student_page_scores(scores, cache.page_size)[:-1]  # the newest page is protected
-        cache.drop_pages(seq_id, [int(pages.argmin())])
+        return student_page_scores(scores, cache.page_size)  # [num_pages]
+
+    def _drop_lowest(self, cache, seq_id):
+        candidates = self._page_scores(cache, seq_id)[1:-1]  # pages 1 .. n-2
+        cache.drop_pages(seq_id, [1 + int(candidates.argmin())])
 
     def after_prefill(self, cache, seq_id):
-        while cache.seq_len(seq_id) > self.budget and len(cache.pages(seq_id)) > 1:
+        while cache.seq_len(seq_id) > self.budget and len(cache.pages(seq_id)) > 2:
             self._drop_lowest(cache, seq_id)
 
     def after_append(self, cache, seq_id):

@@ -1,0 +1,103 @@
+"""The one-day course: the core path adds up, each notebook's header agrees with the README, the
+sections are numbered once, and the README's teaching claims agree with the data they describe."""
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import nbformat
+from check_mutants import MUTANTS
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+HEADER = re.compile(r"> \*\*One-day course:\*\* core, about (\d+) min: .*?Optional(?:, about (\d+) min)?: ")
+# notebooks that carry the header (03, 08 and 09 get theirs where they are maintained)
+WITH_HEADER = [
+    "01_kv_cache_memory",
+    "02_allocator_and_block_tables",
+    "04_flexattention_paged",
+    "05_triton_decode_kernel",
+    "06_latency_scaling",
+    "07_paged_eviction",
+    "exercises/ex1_allocator_and_slots",
+    "exercises/ex2_paged_attention",
+    "exercises/ex3_eviction_scores",
+    "exercises/ex4_eviction_policy",
+]
+
+
+def _core_table() -> dict[str, int]:
+    """README's core path: notebook path (no suffix) -> core minutes."""
+    block = README[README.index("## A one-day core path") : README.index("## Teaching with it")]
+    rows = re.findall(r"^\| \[[^\]]+\]\(notebooks/([^)]+)\.ipynb\)[^|]*\| (\d+) min \|", block, re.M)
+    return {name: int(minutes) for name, minutes in rows}
+
+
+def _header(name: str):
+    cell = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4).cells[0].source
+    return HEADER.search(cell)
+
+
+def test_the_core_path_fits_in_a_day_and_matches_each_notebook():
+    table = _core_table()
+    total = re.search(r"\*\*total\*\* \| \*\*(\d+) min = (\d+) h (\d+) min\*\*", README)
+    assert total and int(total[1]) == sum(table.values()) == 60 * int(total[2]) + int(total[3])
+    assert sum(table.values()) <= 8 * 60
+    for name in WITH_HEADER:
+        found = _header(name)
+        assert found, f"{name}: no one-day course header"
+        assert int(found[1]) == table[name], (name, found[1], table[name])
+    for name in table:  # every notebook of the path exists; any header it has agrees
+        assert (ROOT / "notebooks" / f"{name}.ipynb").exists(), name
+        found = _header(name)
+        assert found is None or int(found[1]) == table[name], name
+
+
+def test_graduate_sections_are_marked_optional():
+    for name, heading in [
+        ("04_flexattention_paged", "## Aside (torch 2.13.0)"),
+        ("05_triton_decode_kernel", "## 7. What the compiler made of the kernel"),
+        ("07_paged_eviction", "## 7. The evaluation"),
+        ("07_paged_eviction", "## 8. The reviewers' ablation"),
+        ("07_paged_eviction", "## 9. The K/V swap"),
+    ]:
+        cells = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4).cells
+        line = next(line for c in cells for line in c.source.splitlines() if line.startswith(heading))
+        assert "optional, graduate" in line, (name, line)
+
+
+def test_sections_are_numbered_once_and_the_contents_list_agrees():
+    for path in sorted((ROOT / "notebooks").glob("0[1-7]_*.ipynb")):
+        cells = nbformat.read(path, as_version=4).cells
+        numbers = [
+            int(m[1]) for c in cells if c.cell_type == "markdown" for m in re.finditer(r"^## (\d+)[.·]", c.source, re.M)
+        ]
+        assert numbers == list(range(1, len(numbers) + 1)), (path.name, numbers)
+    intro = nbformat.read(ROOT / "notebooks" / "05_triton_decode_kernel.ipynb", as_version=4).cells
+    items = re.findall(r"^(\d+)\. \*\*([^*]+)\*\*", intro[0].source, re.M)
+    headings = {int(m[1]): m[2] for c in intro for m in re.finditer(r"^## (\d+)\. (.*)$", c.source, re.M)}
+    assert [int(n) for n, _ in items] == sorted(headings)[: len(items)]
+    for n, words in items:  # the list names each section by a word of its heading
+        assert any(w.lower() in headings[int(n)].lower() for w in re.findall(r"[A-Za-z-]{3,}", words)), (n, words)
+
+
+def test_the_readme_programs_per_sm_claim_is_the_json():
+    report = json.loads((ROOT / "figures" / "data" / "kernels.json").read_text())
+    counts = {90: Counter(), 80: Counter()}
+    for e in report["split_kernel"]:
+        if e["hints"] and e["dtype"] in ("fp16", "bf16") and e["arch"] in counts:
+            counts[e["arch"]][e["programs_per_sm"]] += 1
+    total = {arch: sum(c.values()) for arch, c in counts.items()}
+    assert total == {90: 256, 80: 256}
+    sm90, sm80 = counts[90], counts[80]
+    claim = (
+        f"{' or '.join(map(str, sorted(sm90)))} programs per SM on sm_90 ({max(sm90)} in {sm90[max(sm90)]} of the "
+        f"{total[90]}) and {' or '.join(map(str, sorted(sm80)))} on sm_80 ({min(sm80)} in {sm80[min(sm80)]} of the "
+        f"{total[80]})"
+    )
+    assert claim in README, claim
+
+
+def test_the_readme_counts_the_mutants():
+    assert f"`tests/check_mutants.py`: {sum(len(m) for m in MUTANTS.values())} of\nthem" in README
