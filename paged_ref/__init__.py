@@ -22,7 +22,19 @@ from .layered_cache import LayeredKVCache
 
 __version__ = "0.1.0"
 
-_LAZY_MODULES = {"hf", "models", "eviction", "serve", "viz", "widgets", "bench", "runmode", "textdata", "stats", "check"}
+_LAZY_MODULES = {
+    "hf",
+    "models",
+    "eviction",
+    "serve",
+    "viz",
+    "widgets",
+    "bench",
+    "runmode",
+    "textdata",
+    "stats",
+    "check",
+}
 _LAZY_ATTRS = {"paged_decode": "paged_ref.attention.triton_decode"}
 
 

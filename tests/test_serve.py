@@ -70,7 +70,7 @@ def _check_pool(engine):
 
 def _drive(engine):
     """Step to the end, checking the pool after every step; returns the outputs in submission order."""
-    while engine.scheduler.has_work or engine._pending:
+    while engine.has_unfinished_requests():
         engine.step()
         _check_pool(engine)
     outs = engine.run()

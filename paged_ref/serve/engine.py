@@ -387,6 +387,10 @@ class Engine:
         )
         return outs
 
+    def has_unfinished_requests(self) -> bool:
+        """True while a request added is not finished: waiting, running, swapped or yet to arrive."""
+        return self.scheduler.has_work or bool(self._pending)
+
     def run(self, *, progress: bool = False) -> list[RequestOutput]:
         """Step until every added request is done; their outputs in submission order.
 
@@ -396,7 +400,7 @@ class Engine:
         from tqdm.auto import tqdm
 
         with tqdm(total=len(self._unreturned), disable=not progress, desc="serve", unit="req") as bar:
-            while self.scheduler.has_work or self._pending:
+            while self.has_unfinished_requests():
                 bar.update(len(self.step()))
         outs = [self._requests[i].output() for i in self._unreturned]
         self._unreturned = []

@@ -42,7 +42,9 @@ def summarize(outputs: Sequence[RequestOutput]) -> dict:
 
     Returns ``requests``, ``tokens`` (generated), ``span_s`` (first arrival to last finish),
     ``tokens_per_s`` (generated tokens over the span), ``ttft_p50_s``/``ttft_p90_s``,
-    ``tpot_p50_s``/``tpot_p90_s`` and ``latency_p50_s``/``latency_p90_s`` (arrival to finish).
+    ``tpot_p50_s``/``tpot_p90_s``, ``latency_p50_s``/``latency_p90_s`` (arrival to finish) and
+    ``normalized_latency_s``: the mean over requests of latency per generated token (the vLLM
+    paper's measure of a serving system under load).
     """
     done = [o for o in outputs if o.finish_reason != "abort"]
     if not done:
@@ -63,4 +65,5 @@ def summarize(outputs: Sequence[RequestOutput]) -> dict:
         "tpot_p90_s": percentile(tpot, 90),
         "latency_p50_s": percentile(latency, 50),
         "latency_p90_s": percentile(latency, 90),
+        "normalized_latency_s": sum(t / len(o.token_ids) for t, o in zip(latency, done)) / len(done),
     }
