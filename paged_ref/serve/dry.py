@@ -11,7 +11,7 @@ seconds. Eviction policies need real K/V and are refused here.
 Example:
     >>> dry = DrySession(num_pages=4, page_size=2)
     >>> s = dry.add()
-    >>> dry.extend([s], [torch.tensor([7, 8, 9])]).shape, dry.kv.pages(s), dry.position(s)
+    >>> dry.extend([s], [[7, 8, 9]]).shape, dry.kv.pages(s), dry.position(s)
     (torch.Size([1, 1]), [0, 1], 3)
 """
 
@@ -62,11 +62,11 @@ class DrySession:
         del self._positions[seq_id]
         self.kv.free(seq_id)
 
-    def extend(self, seq_ids: list[int], tokens: list[torch.Tensor]) -> torch.Tensor:
-        """Reserve every row's new tokens (and write zeros: prefix caching offers a page once written);
-        returns logits ``[batch, 1]`` (every row samples token 0)."""
+    def extend(self, seq_ids: list[int], tokens: list) -> torch.Tensor:
+        """Reserve every row's new tokens (lists or 1-D tensors of ids; zeros are written: prefix caching
+        offers a page once written); returns logits ``[batch, 1]`` (every row samples token 0)."""
         for s, t in zip(seq_ids, tokens):
-            ids = t.tolist() if self.kv.prefix_caching else None
+            ids = (t.tolist() if isinstance(t, torch.Tensor) else list(t)) if self.kv.prefix_caching else None
             slots = self.kv.reserve(s, len(t), token_ids=ids)
             if ids is not None:
                 zeros = torch.zeros(len(t), 1, 1)

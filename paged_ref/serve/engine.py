@@ -316,10 +316,10 @@ class Engine:
         pages_used = self.kv.num_pages - self.kv.allocator.num_free + sched.new_pages
         decode_rows = sum(1 for r, _ in sched.items if r.remaining == 1)
         running = len(self.scheduler.running)
-        chunks = []
+        chunks = []  # each row's new token ids (lists: the session makes the tensors)
         for r, n in sched.items:
             start = r.num_computed
-            chunks.append(torch.tensor(r.token_ids[start : start + n], dtype=torch.long))
+            chunks.append(r.tokens(start, start + n))
             self._counts["recomputed_tokens"] += max(0, min(r.high_water, start + n) - start)
             self._counts["prompt_tokens"] += max(0, min(len(r.prompt_ids), start + n) - max(start, r.high_water))
         logits = self.session.extend([r.seq_id for r, _ in sched.items], chunks)  # [rows, vocab]
@@ -340,9 +340,9 @@ class Engine:
         owners = fill = None
         if self.trace:
             owners, fill = self._page_owners()
-        committed = pages_used + sum(
-            max(0, r.reserved_pages - len(self.kv.pages(r.seq_id))) for r in self.scheduler.running
-        )
+        committed = pages_used
+        if self.scheduler.reservation != "paged":  # pages committed to requests but not yet filled
+            committed += sum(max(0, r.reserved_pages - len(self.kv.pages(r.seq_id))) for r in self.scheduler.running)
         for r, _ in finished:
             self.scheduler.remove(r)
         ended = time.perf_counter()

@@ -14,8 +14,8 @@ Example:
     >>> r = Request(request_id=0, prompt_ids=[5, 6, 7], max_new_tokens=2, arrival_s=0.0)
     >>> r.num_tokens, r.remaining, r.peak_tokens      # the last sampled token is never fed
     (3, 3, 4)
-    >>> r.num_computed = 3; r.output_ids.append(9); r.remaining
-    1
+    >>> r.num_computed = 3; r.output_ids.append(9); r.remaining, r.tokens(2, 4)
+    (1, [7, 9])
 """
 
 from __future__ import annotations
@@ -71,6 +71,13 @@ class Request:
     def token_ids(self) -> list[int]:
         """Prompt followed by the output so far."""
         return self.prompt_ids + self.output_ids
+
+    def tokens(self, start: int, stop: int) -> list[int]:
+        """``token_ids[start:stop]`` without building the whole list."""
+        p = len(self.prompt_ids)
+        if stop <= p:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.output_ids[max(0, start - p) : stop - p]
 
     @property
     def num_tokens(self) -> int:

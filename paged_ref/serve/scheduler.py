@@ -50,6 +50,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
+from .._arith import cdiv
 from .._validate import check_choice, check_int
 from ..block_table import pages_needed
 from ..eviction.policies import max_pages_held
@@ -323,7 +324,7 @@ class Scheduler:
 
     def _grow(self, r: Request, n: int) -> int:
         """New pages ``r`` takes to hold ``n`` more tokens."""
-        return max(0, pages_needed(self.kv.seq_len(r.seq_id) + n, self.page_size) - self._held(r))
+        return max(0, cdiv(self.kv.seq_len(r.seq_id) + n, self.page_size) - self._held(r))
 
     def _fit(self, r: Request, pages: int) -> int:
         """How many more tokens ``r`` can hold with ``pages`` more pages."""

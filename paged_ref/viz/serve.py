@@ -75,7 +75,7 @@ def page_timeline_figure(history: Sequence, *, title: str = "", width: float = 9
     num_pages = owners.shape[0]
     cmap = ListedColormap([_FREE] + _REQUEST_COLORS)
     index = np.where(owners < 0, 0, owners % len(_REQUEST_COLORS) + 1)
-    fig = Figure(figsize=(width, 1.2 + 0.12 * num_pages))
+    fig = Figure(figsize=(width, min(6.0, 1.5 + 0.08 * num_pages)))
     ax = fig.add_subplot()
     ax.imshow(index, aspect="auto", cmap=cmap, vmin=0, vmax=len(_REQUEST_COLORS), interpolation="nearest")
     for x, h in enumerate(steps):
