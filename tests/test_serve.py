@@ -291,6 +291,26 @@ def test_reservation_changes_admission_only(model):
     assert running["max_len"] == 24 // 12 < running["exact"] <= running["paged"]
 
 
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "triton"])
+def test_a_packed_forward_gives_the_rectangles_logits(model, backend):
+    """The engine's forward: rows of different lengths packed into one row (no padding computed)."""
+    logits = {}
+    for packed in (False, True):
+        with pr.hf.PagedSession(model, num_pages=32, page_size=PAGE, backend=backend) as s:
+            a, b, c, d = (s.add() for _ in range(4))
+            first = s.extend([a, b], [torch.arange(3, 13), torch.arange(20, 27)], packed=packed)  # two prompts
+            decodes = list(first.argmax(-1)[:, None])
+            mixed = s.extend(
+                [a, c, b, d], [decodes[0], torch.arange(40, 49), decodes[1], torch.arange(60, 62)], packed=packed
+            )
+            every = s.extend([c, d], [mixed[1].argmax()[None], torch.arange(70, 75)], packed=packed, all_logits=True)
+            logits[packed] = (first, mixed, *every)
+            assert s.kv.seq_len(c) == 10 and s.kv.seq_len(d) == 7
+    for x, y in zip(logits[False], logits[True]):
+        assert x.shape == y.shape
+        torch.testing.assert_close(y, x, rtol=0, atol=1e-4)
+
+
 # ---------------------------------------------------------------------- the scheduler alone (dry)
 def _sched(num_pages, budget, **kw):
     session = DrySession(num_pages=num_pages, page_size=PAGE)

@@ -55,6 +55,12 @@ class StepPlan:
         attn_kwargs: extra keywords for this step's attention calls (see `attention.Backend.prepare`).
         layer_tables: on a `LayeredKVCache`, ``(block_table, attn_kwargs)`` of each layer; else None
             (every layer reads ``block_table`` with ``attn_kwargs``).
+        parts: a packed forward (``PagedSession.extend(..., packed=True)`` over rows of different
+            lengths): the model sees one row holding every new token, rows one after the other
+            (``valid`` is then None), so no padding is computed; attention reads it in parts,
+            ``(index, plan)`` pairs: ``index`` int64 ``[n]`` the positions in the packed row of the
+            tokens of ``plan``'s rows (the decode rows, then the longer rows), each with its own
+            block table, lengths and ``attn_kwargs``. None: the rectangle as described above.
     """
 
     kv: PagedKVCache | LayeredKVCache
@@ -69,6 +75,7 @@ class StepPlan:
     max_q_len: int
     attn_kwargs: dict = field(default_factory=dict)
     layer_tables: list[tuple[torch.Tensor, dict]] | None = None
+    parts: list[tuple[torch.Tensor, StepPlan]] | None = None
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, dict]:
         """``(block_table, attn_kwargs)`` the attention of layer ``layer_idx`` reads."""

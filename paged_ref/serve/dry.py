@@ -62,9 +62,10 @@ class DrySession:
         del self._positions[seq_id]
         self.kv.free(seq_id)
 
-    def extend(self, seq_ids: list[int], tokens: list) -> torch.Tensor:
+    def extend(self, seq_ids: list[int], tokens: list, *, packed: bool = False) -> torch.Tensor:
         """Reserve every row's new tokens (lists or 1-D tensors of ids; zeros are written: prefix caching
-        offers a page once written); returns logits ``[batch, 1]`` (every row samples token 0)."""
+        offers a page once written); returns logits ``[batch, 1]`` (every row samples token 0).
+        ``packed`` is accepted for the engine's call and changes nothing here."""
         for s, t in zip(seq_ids, tokens):
             ids = (t.tolist() if isinstance(t, torch.Tensor) else list(t)) if self.kv.prefix_caching else None
             slots = self.kv.reserve(s, len(t), token_ids=ids)
