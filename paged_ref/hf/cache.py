@@ -10,7 +10,10 @@ and the block table and lengths the attention kernels need.
 Layout of a forward (a "rectangle"): row ``b`` of ``input_ids: [batch, max_q_len]`` holds the
 ``q_lens[b]`` new tokens of sequence ``seq_ids[b]`` left-aligned; the rest of the row is
 padding. Padding never reaches the cache: ``update`` writes only the valid tokens, so pages hold
-real tokens only. A decode step is the rectangle with ``max_q_len == 1``.
+real tokens only. A decode step is the rectangle with ``max_q_len == 1``. A *packed* forward
+(``PagedSession.extend(..., packed=True)`` over rows of different lengths) is a rectangle of one
+row, every row's tokens one after the other, so no padding is computed; ``StepPlan.parts`` tells
+attention where each row's tokens are.
 
 Version note: transformers 5.24 passes the cache as ``cache=`` and calls
 ``update(k, v, layer_idx, kwargs=...)``; 5.17 passes ``past_key_values=`` and calls
