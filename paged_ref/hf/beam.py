@@ -67,8 +67,10 @@ class BeamStep:
         copied: beam -> physical pages it received by copy-on-write in this forward.
         tokens, parents: LongTensor ``[batch, num_beams]``: the token each next beam appends and
             the index of the beam it continues (transformers' beam order).
-        cut: beams no next beam continues: finished here (their pages returned).
-        freed: physical pages that went back to the pool when the cut beams were freed.
+        cut: beams no next beam continues: freed here.
+        released: beams freed because their prompt is done (its finished hypotheses can no longer
+            change) or the search ends here.
+        freed: physical pages that went back to the pool when those beams were freed.
         forked: new beam -> the beam it was forked from (sharing its pages).
         beams: ``[batch][num_beams]`` sequence ids of the next step's beams (``[]`` for a prompt
             that is done, and everywhere after the last step).
@@ -81,6 +83,7 @@ class BeamStep:
     tokens: torch.Tensor
     parents: torch.Tensor
     cut: list[int] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
     freed: list[int] = field(default_factory=list)
     forked: dict[int, int] = field(default_factory=dict)
     beams: list[list[int]] = field(default_factory=list)
@@ -277,10 +280,10 @@ def _search(session, input_ids, prompts, max_new_tokens, eos, pad, decoding, cal
 
         # the pages follow the selection: cut, keep or fork each beam
         tokens = running[:, :, cur_len - 1]  # [batch, k]
-        cut, forked, next_beams = [], {}, [[] for _ in range(batch)]
+        cut, released, forked, next_beams = [], [], {}, [[] for _ in range(batch)]
         for b in list(live):
             if stop or not bool(can_improve[b]):  # nothing this prompt runs can change its result
-                cut += sorted(set(beams[b]))
+                released += list(dict.fromkeys(beams[b]))
                 live.remove(b)
                 continue
             children: dict[int, list[int]] = {}
@@ -293,8 +296,8 @@ def _search(session, input_ids, prompts, max_new_tokens, eos, pad, decoding, cal
                 for j in js[1:]:
                     next_beams[b][j] = forked_seq = session.fork(seq)
                     forked[forked_seq] = seq
-        cut_pages = {p for s in cut for p in kv.pages(s)}
-        for s in cut:
+        cut_pages = {p for s in cut + released for p in kv.pages(s)}
+        for s in cut + released:
             session.finish(s)
         still_held = {p for b in live for s in next_beams[b] for p in kv.pages(s)}
         if callback is not None:
@@ -307,6 +310,7 @@ def _search(session, input_ids, prompts, max_new_tokens, eos, pad, decoding, cal
                     tokens=tokens.clone(),
                     parents=parents.clone(),
                     cut=cut,
+                    released=released,
                     freed=sorted(cut_pages - still_held),
                     forked=forked,
                     beams=[list(next_beams[b]) for b in range(batch)],
