@@ -10,7 +10,10 @@ together instead of one waiting for a long file that came last.
 SLOWEST_FIRST = [
     "test_hf_generate.py",
     "test_hf_smollm2.py",
+    "test_hf_sharing_smollm2.py",
     "test_eviction.py",
+    "test_hf_sampling.py",
+    "test_hf_beam.py",
     "test_flex_compiled.py",
     "test_bench_gpu.py",
     "test_browser.py",

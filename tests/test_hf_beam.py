@@ -154,3 +154,21 @@ def test_paged_cache_refuses_reordering_and_names_the_paged_way():
     cache = PagedCache(PagedKVCache(num_layers=1, num_pages=2, page_size=2, num_kv_heads=1, head_dim=2))
     with pytest.raises(NotImplementedError, match="num_beams=k"):
         cache.reorder_cache(torch.tensor([0]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "flex"])  # auto is the Triton decode kernel on CUDA
+def test_on_cuda_samples_and_beams_equal_model_generate(backend):
+    cuda = tiny_llama(seed=0).cuda()
+    ids, mask = (t.cuda() for t in _left_padded([3, 9, 5], seed=1))
+    sample = dict(attention_mask=mask, do_sample=True, num_return_sequences=4, max_new_tokens=10, top_p=0.9)
+    torch.manual_seed(0)
+    expected = cuda.generate(ids, **sample)
+    torch.manual_seed(0)
+    assert torch.equal(hf.generate(cuda, ids, backend=backend, **sample), expected)
+    beams = dict(attention_mask=mask, num_beams=4, num_return_sequences=2, max_new_tokens=10)
+    expected = cuda.generate(ids, do_sample=False, output_scores=True, return_dict_in_generate=True, **beams)
+    out = hf.beam_search(cuda, ids, backend=backend, page_size=4, **beams)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert (out.sequences_scores - expected.sequences_scores).abs().max() < 1e-4
