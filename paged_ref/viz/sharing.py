@@ -54,7 +54,10 @@ def beam_page_map_figure(steps: Sequence, *, batch_row: int = 0, title: str = ""
     if not steps:
         raise ValueError("steps must hold at least one BeamStep")
     k = steps[0].tokens.shape[1]
-    fig = Figure(figsize=(13, 5.5), layout="constrained")
+    used = sorted(
+        {p for st in steps for pages in st.pages.values() for p in pages} | {p for st in steps for p in st.freed}
+    )
+    fig = Figure(figsize=(13, max(5.0, 2.0 + 0.13 * len(used))), layout="constrained")
     tree, pool = fig.subplots(1, 2, width_ratios=[1, 2.2])
     # ------------------------------------------------------------------ left: the beams
     slots = {s: 0 for s in steps[0].pages}  # beam (seq id) -> its row on the left panel
@@ -64,7 +67,7 @@ def beam_page_map_figure(steps: Sequence, *, batch_row: int = 0, title: str = ""
         current = list(slots)
         for j, seq in enumerate(nxt):
             parent_seq = current[parents[j]] if len(current) > parents[j] else current[0]
-            tree.plot([st.step, st.step + 1], [slots[parent_seq], j], color=seq_color(seq), lw=2)
+            tree.plot([st.step, st.step + 1], [slots[parent_seq], j], color=seq_color(seq), lw=1.5)
             if seq in st.forked:
                 tree.plot(st.step + 1, j, "o", color=seq_color(seq), ms=6, mec="black")
         for seq in st.cut:
@@ -77,9 +80,6 @@ def beam_page_map_figure(steps: Sequence, *, batch_row: int = 0, title: str = ""
     tree.invert_yaxis()
     tree.set_title("beams: a line = a beam continued, o = forked, x = cut", fontsize=9)
     # ------------------------------------------------------------------ right: the pool
-    used = sorted(
-        {p for st in steps for pages in st.pages.values() for p in pages} | {p for st in steps for p in st.freed}
-    )
     row = {p: i for i, p in enumerate(used)}
     for st in steps:
         holders: dict[int, list[int]] = {}
