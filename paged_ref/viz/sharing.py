@@ -145,13 +145,13 @@ def sharing_figure(data: dict, *, width: int = 4, prompt: str = "long") -> Figur
             if not mine:
                 continue
             tokens = mine[0]["prompt_tokens"]
+            color = f"C{sorted({r['prompt'] for r in runs}).index(name)}"  # one color per prompt, a style per design
             for design, (label, style) in _DESIGNS.items():
                 if design == "no_sharing":
                     continue
                 values = [100 * r["saving_vs_no_sharing"][design]["over_steps"] for r in mine]
-                ax.plot(
-                    [r["width"] for r in mine], values, style, marker="o", label=f"{label[:3]} {tokens}-token prompt"
-                )
+                widths = [r["width"] for r in mine]
+                ax.plot(widths, values, style, marker="o", color=color, label=f"{label[:3]} {tokens}-token prompt")
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r["width"] for r in runs}), [str(w) for w in sorted({r["width"] for r in runs})])
         ax.set_xlabel("samples per prompt" if kind == "sample" else "beams")
