@@ -175,8 +175,10 @@ class PagedCache(Cache):
     # ------------------------------------------------------------------ unsupported generate() features
     def _unsupported(self, what: str):
         raise NotImplementedError(
-            f"PagedCache does not support {what} (beam search / assisted decoding); "
-            "paged_ref.hf.generate is greedy. Sequences are forked with PagedKVCache.fork instead."
+            f"PagedCache does not support {what}: model.generate's beam search and assisted decoding "
+            "reorder or crop a cache in place, while paged sequences share pages instead. Use "
+            "paged_ref.hf.generate(model, ids, num_beams=k) or paged_ref.hf.beam_search (beams fork their "
+            "pages, copy-on-write) and do_sample/num_return_sequences there (samples fork the prompt's pages)."
         )
 
     def reorder_cache(self, beam_idx):
