@@ -37,7 +37,7 @@ from .. import hf, textdata
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..sharing import computed_tokens, no_sharing_pages, prefix_caching_pages
-from .common import environment, print_table, write_json
+from .common import environment, print_table, result_file
 from .generate import load_model
 
 PAGE_SIZE = 16
@@ -276,6 +276,8 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=None, help="timed pairs per run (default 5; quick 1)")
     parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
     args = parser.parse_args(argv)
+    device = "gpu" if torch.cuda.is_available() else "cpu"
+    result = result_file(parser, args.out, f"sharing_{device}.json")  # checked before anything is measured
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
@@ -330,8 +332,7 @@ def main(argv=None):
             f"goal, {clock} time paged / model.generate <= {speed['goal']} in every run: worst "
             f"{speed['worst_ratio']:.2f}x: {'met' if speed['met'] else 'NOT met'}"
         )
-    device = "gpu" if torch.cuda.is_available() else "cpu"
-    path = write_json(data, f"sharing_{device}.json", out_dir=args.out)
+    path = result.save(data, complete=True)
     print(f"wrote {path}")
     return data
 
