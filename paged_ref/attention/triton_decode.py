@@ -30,17 +30,17 @@ and records registers, spills, shared memory, asynchronous copies and MMA instru
 On CPU tensors the very same kernel functions run through Triton's interpreter (float32 only),
 chosen per call (:mod:`paged_ref.attention._triton_interpreter`): nothing is set for the
 process. Without Triton at all (macOS, Windows) the module still imports and
-:func:`paged_decode` raises ``ImportError``.
+:func:`triton_paged_decode` raises ``ImportError``.
 
 Example:
     >>> import torch
-    >>> from paged_ref.attention.triton_decode import paged_decode
+    >>> from paged_ref.attention.triton_decode import triton_paged_decode
     >>> k_cache = torch.randn(6, 16, 2, 64)          # [num_pages, page_size, num_kv_heads, head_dim]
     >>> v_cache = torch.randn(6, 16, 2, 64)
     >>> q = torch.randn(2, 8, 64)                    # [batch, num_q_heads, head_dim]: GQA 4
     >>> block_table = torch.tensor([[4, 1, 0], [5, 2, 0]], dtype=torch.int32)
     >>> seq_lens = torch.tensor([40, 17], dtype=torch.int32)
-    >>> paged_decode(q, k_cache, v_cache, block_table, seq_lens).shape
+    >>> triton_paged_decode(q, k_cache, v_cache, block_table, seq_lens).shape
     torch.Size([2, 8, 64])
 """
 
@@ -49,9 +49,9 @@ import types
 import torch
 
 from .._arith import cdiv, next_pow2
+from ._checks import check_paged_inputs, check_triton_inputs
 from ._triton_interpreter import interpreted, interpreter, runnable
 from .online_softmax import LOG2E
-from .reference import check_paged_inputs
 
 try:
     import triton
@@ -63,7 +63,7 @@ except ImportError:  # no Triton wheel for this platform: the module imports, ca
     tl = types.SimpleNamespace(constexpr=None)  # only for the `tl.constexpr` annotations below
     _HAVE_TRITON = False
 
-__all__ = ["paged_decode", "choose_num_splits", "compiled_kernels", "interpreted"]
+__all__ = ["choose_num_splits", "compiled_kernels", "interpreted", "native_half", "paged_decode", "triton_paged_decode"]
 
 _MAX_SPLITS = 256  # upper bound for the heuristic (partials stay a few MB)
 _MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism gained
@@ -339,7 +339,7 @@ def choose_num_splits(
 
 
 def _default_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device, cfg: dict) -> int:
-    """The split count `paged_decode(num_splits=None)` uses: a split is at least 4 tiles."""
+    """The split count `triton_paged_decode(num_splits=None)` uses: a split is at least 4 tiles."""
     return choose_num_splits(batch, num_kv_heads, max_len, _num_sms(device), min_tokens_per_split=4 * cfg["BLOCK_N"])
 
 
@@ -388,46 +388,7 @@ def native_half(device) -> torch.dtype:
     return torch.bfloat16 if _capability(device) >= 80 else torch.float16
 
 
-def _check_kernel_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, out):
-    """Checks specific to this kernel, on top of the common `check_paged_inputs`."""
-    interpret = interpreted(q.device)
-    allowed = (torch.float32,) if interpret else (torch.float16, torch.bfloat16, torch.float32)
-    if q.dtype not in allowed:
-        where = "Triton's interpreter (used for CPU tensors; float32 only)" if interpret else "the compiled kernel"
-        raise TypeError(f"q must have dtype in {[str(d) for d in allowed]} for {where}, got {q.dtype}")
-    for name, t in (
-        ("q", q),
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("block_table", block_table),
-        ("seq_lens", seq_lens),
-    ):
-        if not t.is_contiguous():
-            raise ValueError(
-                f"{name} must be contiguous (call .contiguous()), "
-                f"got strides {tuple(t.stride())} for shape {tuple(t.shape)}"
-            )
-    page_size, head_dim = k_cache.shape[1], k_cache.shape[3]
-    if page_size & (page_size - 1) or page_size > 256:
-        raise ValueError(f"k_cache page_size (dim 1) must be a power of two in [1, 256], got {page_size}")
-    if head_dim > 256:
-        raise ValueError(f"head_dim must be at most 256, got {head_dim}")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be None or a torch.Tensor, got {type(out).__name__}")
-        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-            raise ValueError(
-                f"out must match q (shape {tuple(q.shape)}, dtype {q.dtype}, device "
-                f"{q.device}), got shape {tuple(out.shape)}, dtype {out.dtype}, "
-                f"device {out.device}"
-            )
-        if not out.is_contiguous():
-            raise ValueError(f"out must be contiguous, got strides {tuple(out.stride())}")
-
-
-def paged_decode(
+def triton_paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -443,7 +404,7 @@ def paged_decode(
 
     Query ``b`` attends to the first ``seq_lens[b]`` tokens of sequence ``b``, whose pages are
     listed in ``block_table[b]``; the same function as
-    :func:`paged_ref.attention.reference.paged_attention_reference`.
+    :func:`paged_ref.attention.reference.reference_paged_decode`.
 
     Args:
         q: ``[batch, num_q_heads, head_dim]``, float16/bfloat16/float32 on CUDA
@@ -471,8 +432,8 @@ def paged_decode(
         >>> kc, vc = torch.randn(4, 8, 1, 64), torch.randn(4, 8, 1, 64)
         >>> q = torch.randn(1, 4, 64)                            # MQA: 4 query heads, 1 KV head
         >>> bt = torch.tensor([[2, 0, 3]], dtype=torch.int32)
-        >>> o1 = paged_decode(q, kc, vc, bt, torch.tensor([20], dtype=torch.int32), num_splits=1)
-        >>> o3 = paged_decode(q, kc, vc, bt, torch.tensor([20], dtype=torch.int32), num_splits=3)
+        >>> o1 = triton_paged_decode(q, kc, vc, bt, torch.tensor([20], dtype=torch.int32), num_splits=1)
+        >>> o3 = triton_paged_decode(q, kc, vc, bt, torch.tensor([20], dtype=torch.int32), num_splits=3)
         >>> torch.allclose(o1, o3, atol=1e-5)
         True
     """
@@ -482,12 +443,12 @@ def paged_decode(
             "pip install triton, or use paged_attention_reference instead"
         )
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
-    _check_kernel_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, out)
+    interpret = interpreted(q.device)
+    check_triton_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, out, interpret=interpret)
 
     batch, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    interpret = interpreted(q.device)
     cfg = _tile_config(
         q.dtype, head_dim, group, interpret=interpret, capability=90 if interpret else _capability(q.device)
     )
@@ -589,3 +550,8 @@ def _launch(
                 num_warps=1 if interpret else 4,
             )
     return out
+
+
+# The name this function had before the attention entry points followed one scheme
+# (``<backend>_paged_decode``); kept so existing code still runs.
+paged_decode = triton_paged_decode
