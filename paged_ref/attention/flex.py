@@ -74,7 +74,6 @@ import torch
 from torch.nn.attention.flex_attention import (
     BlockMask,
     create_block_mask,
-    create_mask,
     flex_attention,
 )
 
@@ -89,6 +88,7 @@ from ._checks import (
     check_table_pages,
     version,
 )
+from .flex_inspect import block_mask_visits
 
 __all__ = [
     "PagedBlockMasks",
@@ -400,38 +400,6 @@ def _table_source(block_table, seq_lens, q_lens) -> tuple:
         tuple(version(t) for t in tensors),
         tuple(None if t is None else t.detach().clone() for t in tensors),
     )
-
-
-def block_mask_visits(block_mask: BlockMask) -> torch.Tensor:
-    """How many times a block-sparse kernel adds each (query, key) pair into the softmax.
-
-    Replays the BlockMask: every listed partial block contributes where its mask_mod is True,
-    every listed full block contributes everywhere. A correct mask gives only 0 and 1; a block
-    listed twice would show up as 2 (double counting), a missing block as 0.
-
-    Returns:
-        int32 ``[batch, heads, q_len, kv_len]`` (heads as stored in the mask, usually 1).
-    """
-    batch, heads, q_blocks, _ = block_mask.kv_indices.shape
-    q_len, kv_len = block_mask.seq_lengths
-    q_block, kv_block = block_mask.BLOCK_SIZE
-    n_kv_blocks = cdiv(kv_len, kv_block)
-
-    def per_token(num, idx):  # int32 [batch, heads, q_len, kv_len]
-        counts = torch.zeros(batch, heads, q_blocks, n_kv_blocks + 1, dtype=torch.int32, device=idx.device)
-        listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
-        counts.scatter_add_(
-            -1, torch.where(listed, idx.long().clamp(max=n_kv_blocks), n_kv_blocks), listed.to(torch.int32)
-        )
-        counts = counts[..., :n_kv_blocks]
-        counts = counts.repeat_interleave(q_block, 2)[:, :, :q_len]
-        return counts.repeat_interleave(kv_block, 3)[..., :kv_len]
-
-    mask = create_mask(block_mask.mask_mod, batch, heads, q_len, kv_len, device=block_mask.kv_indices.device)
-    visits = per_token(block_mask.kv_num_blocks, block_mask.kv_indices) * mask
-    if block_mask.full_kv_num_blocks is not None:
-        visits = visits + per_token(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-    return visits
 
 
 # --------------------------------------------------------------------------------------------
