@@ -6,7 +6,7 @@
     1073741824
 
 The paging core, memory arithmetic and attention functions are imported here. Modules with
-heavy dependencies (``hf`` and ``models`` import transformers; ``paged_decode`` imports
+heavy dependencies (``hf`` and ``models`` import transformers; ``triton_paged_decode`` imports
 triton; ``eviction``; ``serve``) load on first use, so ``import paged_ref`` stays fast.
 """
 
@@ -15,7 +15,12 @@ import importlib
 from . import fragmentation, memory
 from .allocator import OutOfPagesError, PageAllocator
 from .attention.flex import flex_paged_decode, flex_paged_prefill, paged_block_masks
-from .attention.reference import paged_attention_reference, paged_prefill_reference
+from .attention.reference import (
+    paged_attention_reference,
+    paged_prefill_reference,
+    reference_paged_decode,
+    reference_paged_prefill,
+)
 from .block_table import from_csr, pad_block_tables, pages_needed, slot_mapping, to_csr
 from .cache import PagedKVCache
 from .layered_cache import LayeredKVCache
@@ -35,7 +40,10 @@ _LAZY_MODULES = {
     "stats",
     "check",
 }
-_LAZY_ATTRS = {"paged_decode": "paged_ref.attention.triton_decode"}
+_LAZY_ATTRS = {
+    "paged_decode": "paged_ref.attention.triton_decode",
+    "triton_paged_decode": "paged_ref.attention.triton_decode",
+}
 
 
 def __getattr__(name):
@@ -62,7 +70,10 @@ __all__ = [
     "paged_decode",
     "paged_prefill_reference",
     "pages_needed",
+    "reference_paged_decode",
+    "reference_paged_prefill",
     "slot_mapping",
     "to_csr",
+    "triton_paged_decode",
     *sorted(_LAZY_MODULES),
 ]

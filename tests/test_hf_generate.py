@@ -297,7 +297,7 @@ def test_rope_uses_absolute_positions_after_pages_are_dropped(model):
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 def test_sdpa_backend_matches_the_reference_on_random_paged_inputs(page_size, num_q_heads, num_kv_heads):
     from paged_ref.attention.reference import paged_attention_reference, paged_prefill_reference
-    from paged_ref.hf.sdpa import sdpa_paged_decode, sdpa_paged_prefill
+    from paged_ref.attention.sdpa import sdpa_paged_decode, sdpa_paged_prefill
 
     g = torch.Generator().manual_seed(page_size * 100 + num_q_heads)
     lens = [1, page_size, page_size + 1, 3 * page_size + 2]  # 1, a page exactly, one past, ragged
@@ -323,7 +323,7 @@ def test_sdpa_backend_matches_the_reference_on_random_paged_inputs(page_size, nu
 
 
 def test_sdpa_backend_rejects_what_the_reference_rejects():
-    from paged_ref.hf.sdpa import sdpa_paged_decode
+    from paged_ref.attention.sdpa import sdpa_paged_decode
 
     kc = torch.zeros(4, 4, 2, 8)
     with pytest.raises(ValueError, match="seq_lens"):
@@ -494,7 +494,7 @@ def test_negative_controls_move_log_probs_far_beyond_the_tolerance(model, mistak
 
 def test_sdpa_decode_reads_consecutive_pages_in_place_and_gathers_scattered_ones():
     from paged_ref.attention.reference import paged_attention_reference
-    from paged_ref.hf.sdpa import prepare, sdpa_paged_decode
+    from paged_ref.attention.sdpa import prepare, sdpa_paged_decode
 
     g = torch.Generator().manual_seed(3)
     kc, vc = torch.randn(8, 4, 2, 16, generator=g), torch.randn(8, 4, 2, 16, generator=g)

@@ -15,8 +15,8 @@ from attention_cases import COMPILED_DECODE_CASE, make_decode_case, make_prefill
 import paged_ref as pr
 from paged_ref.attention.flex import flex_paged_decode
 from paged_ref.attention.reference import paged_attention_reference, paged_prefill_reference
+from paged_ref.attention.sdpa import sdpa_paged_decode, sdpa_paged_prefill
 from paged_ref.attention.triton_decode import paged_decode
-from paged_ref.hf.sdpa import sdpa_paged_decode, sdpa_paged_prefill
 
 
 def compiled(fn):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from attention_cases import dense_oracle, make_decode_case, rel_error
 
-from paged_ref.hf.sdpa import DECODE_CHUNK, attend_chunked, prepare, sdpa_paged_decode
+from paged_ref.attention.sdpa import DECODE_CHUNK, attend_chunked, prepare, sdpa_paged_decode
 
 HEADS = {"mha": (2, 1), "gqa3": (3, 3), "mqa": (1, 4)}  # (num_kv_heads, group)
 

@@ -102,10 +102,10 @@ def test_splits_match_unsplit_and_float64(num_splits):
     torch.testing.assert_close(split, unsplit, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.skipif(not td.INTERPRETED, reason="on a GPU these lengths are too short to split")
+@pytest.mark.skipif(not td.interpreted(torch.device(DEVICE)), reason="on a GPU these lengths are too short to split")
 def test_heuristic_splits_in_the_cases_above():
     """num_splits=None must really split the long case above (on CPU: a pretend 8-SM GPU)."""
-    cfg = td._tile_config(torch.float32, 64, 4)
+    cfg = td._tile_config(torch.float32, 64, 4, interpret=td.interpreted(torch.device(DEVICE)))
     chosen = choose_num_splits(
         len(SPLIT_LENS), 2, max(SPLIT_LENS), td._num_sms(torch.device(DEVICE)), min_tokens_per_split=4 * cfg["BLOCK_N"]
     )

@@ -74,14 +74,21 @@ import torch
 from torch.nn.attention.flex_attention import (
     BlockMask,
     create_block_mask,
-    create_mask,
     flex_attention,
 )
 
-from paged_ref.attention.reference import check_paged_inputs, check_prefill_inputs
-
 from .._arith import cdiv, next_pow2
-from .._validate import check_int
+from ._checks import (
+    check_block_size,
+    check_contiguous,
+    check_mask_arguments,
+    check_mask_source,
+    check_paged_inputs,
+    check_prefill_inputs,
+    check_table_pages,
+    version,
+)
+from .flex_inspect import block_mask_visits
 
 __all__ = [
     "PagedBlockMasks",
@@ -361,12 +368,17 @@ def paged_block_masks(
         ...                                      m.physical.kv_num_blocks[:, 0, 0])]
         [[1, 3], [0]]
     """
-    _check_mask_arguments(block_table, seq_lens, q_lens, num_pages, page_size, q_len)
+    check_mask_arguments(block_table, seq_lens, q_lens, num_pages, page_size, q_len)
     if kv_block_size is None:
         kv_block_size = default_kv_block_size(page_size, block_table.device)
-    _check_block_size(kv_block_size)
-    _check_block_size(q_block_size, "q_block_size")
-    _check_table_pages(block_table, seq_lens, num_pages, page_size)
+    check_block_size(kv_block_size)
+    check_block_size(q_block_size, "q_block_size")
+    check_table_pages(block_table, seq_lens, num_pages, page_size)
+    return _block_masks(block_table, seq_lens, num_pages, page_size, q_len, q_lens, kv_block_size, q_block_size)
+
+
+def _block_masks(block_table, seq_lens, num_pages, page_size, q_len, q_lens, kv_block_size, q_block_size):
+    """`paged_block_masks` on arguments already checked."""
     logical = logical_block_mask(
         seq_lens,
         block_table.shape[1] * page_size,
@@ -379,81 +391,15 @@ def paged_block_masks(
     return PagedBlockMasks(logical, physical)
 
 
-def _check_mask_arguments(block_table, seq_lens, q_lens, num_pages, page_size, q_len) -> None:
-    """The types and shapes `paged_block_masks` takes, each named in its error."""
-    check_int("num_pages", num_pages, min_value=1)
-    check_int("page_size", page_size, min_value=1)
-    check_int("q_len", q_len, min_value=1)
-    for name, t, dims, layout in (
-        ("block_table", block_table, 2, "[batch, max_pages]"),
-        ("seq_lens", seq_lens, 1, "[batch]"),
-        ("q_lens", q_lens, 1, "[batch]"),
-    ):
-        if name == "q_lens" and t is None:
-            continue
-        if not isinstance(t, torch.Tensor) or t.dim() != dims or t.is_floating_point() or t.is_complex():
-            what = f"shape {list(t.shape)} and dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
-            optional = "None or " if name == "q_lens" else ""
-            raise TypeError(f"{name} must be {optional}a {dims}-D integer torch.Tensor {layout}, got {what}")
-        if name != "block_table" and tuple(t.shape) != (block_table.shape[0],):
-            raise ValueError(f"{name} must have shape [batch={block_table.shape[0]}], got {list(t.shape)}")
-
-
-def _check_table_pages(block_table, seq_lens, num_pages: int, page_size: int) -> None:
-    """The pages each sequence uses must exist in the cache (copies the used entries to the host)."""
-    used = (
-        torch.arange(block_table.shape[1], device=block_table.device)[None, :]
-        < _used_pages(seq_lens, page_size)[:, None]
-    )  # [batch, max_pages]
-    ids = block_table[used]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
-        raise ValueError(
-            f"block_table: the pages sequences use must be in [0, num_pages={num_pages}), "
-            f"got values in [{int(ids.min())}, {int(ids.max())}]"
-        )
-
-
 def _table_source(block_table, seq_lens, q_lens) -> tuple:
     """What a physical BlockMask was built from: the tensors, their in-place version counters
-    and cheap copies of their values (checked on reuse, see `_check_mask_source`)."""
+    and cheap copies of their values (checked on reuse, see `check_mask_source`)."""
     tensors = (block_table, seq_lens, q_lens)
     return (
         tensors,
-        tuple(_version(t) for t in tensors),
+        tuple(version(t) for t in tensors),
         tuple(None if t is None else t.detach().clone() for t in tensors),
     )
-
-
-def block_mask_visits(block_mask: BlockMask) -> torch.Tensor:
-    """How many times a block-sparse kernel adds each (query, key) pair into the softmax.
-
-    Replays the BlockMask: every listed partial block contributes where its mask_mod is True,
-    every listed full block contributes everywhere. A correct mask gives only 0 and 1; a block
-    listed twice would show up as 2 (double counting), a missing block as 0.
-
-    Returns:
-        int32 ``[batch, heads, q_len, kv_len]`` (heads as stored in the mask, usually 1).
-    """
-    batch, heads, q_blocks, _ = block_mask.kv_indices.shape
-    q_len, kv_len = block_mask.seq_lengths
-    q_block, kv_block = block_mask.BLOCK_SIZE
-    n_kv_blocks = cdiv(kv_len, kv_block)
-
-    def per_token(num, idx):  # int32 [batch, heads, q_len, kv_len]
-        counts = torch.zeros(batch, heads, q_blocks, n_kv_blocks + 1, dtype=torch.int32, device=idx.device)
-        listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
-        counts.scatter_add_(
-            -1, torch.where(listed, idx.long().clamp(max=n_kv_blocks), n_kv_blocks), listed.to(torch.int32)
-        )
-        counts = counts[..., :n_kv_blocks]
-        counts = counts.repeat_interleave(q_block, 2)[:, :, :q_len]
-        return counts.repeat_interleave(kv_block, 3)[..., :kv_len]
-
-    mask = create_mask(block_mask.mask_mod, batch, heads, q_len, kv_len, device=block_mask.kv_indices.device)
-    visits = per_token(block_mask.kv_num_blocks, block_mask.kv_indices) * mask
-    if block_mask.full_kv_num_blocks is not None:
-        visits = visits + per_token(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-    return visits
 
 
 # --------------------------------------------------------------------------------------------
@@ -546,26 +492,24 @@ def _eager_flex(*args, **kwargs):
 def _kv_block(kv_block_size, k_cache: torch.Tensor) -> int:
     if kv_block_size is None:
         return default_kv_block_size(k_cache.shape[1], k_cache.device)
-    _check_block_size(kv_block_size)
-    return kv_block_size
+    return check_block_size(kv_block_size)
 
 
-def _check_block_size(size: int, name: str = "kv_block_size") -> None:
-    if isinstance(size, bool) or not isinstance(size, int):
-        raise TypeError(f"{name} must be an int, got {type(size).__name__}")
-    if size < 1 or size & (size - 1):
-        raise ValueError(f"{name} must be a positive power of two, got {size}")
-
-
-def _flex_paged(q4, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_block_size, block_mask, compiled=None):
-    """q4: [batch, Hq, q_len, D] -> [batch, Hq, q_len, D] over the physical cache."""
+def _flex_paged(
+    q4, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_block_size, block_mask, compiled, check_values
+):
+    """q4: [batch, Hq, q_len, D] -> [batch, Hq, q_len, D] over the physical cache, on inputs
+    `check_paged_inputs` has checked (with ``check_values`` it has read the used block-table
+    entries already; without, the mask checks the page ids it reads)."""
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     batch, _, q_len, _ = q4.shape
     if q_len == 0:  # nothing to attend from (max_q_len 0)
         return q4.new_zeros(q4.shape)
     if block_mask is None:
-        block_mask = paged_block_masks(
-            block_table, seq_lens, num_pages, page_size, q_len=q_len, q_lens=q_lens, kv_block_size=kv_block_size
+        if not check_values:
+            check_table_pages(block_table, seq_lens, num_pages, page_size)
+        block_mask = _block_masks(
+            block_table, seq_lens, num_pages, page_size, q_len, q_lens, kv_block_size, DEFAULT_Q_BLOCK_SIZE
         ).physical
     elif not isinstance(block_mask, BlockMask):
         raise TypeError(
@@ -579,7 +523,7 @@ def _flex_paged(q4, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_b
             f"batch {block_mask.kv_num_blocks.shape[0]}, seq_lengths {block_mask.seq_lengths}"
         )
     else:
-        _check_mask_source(block_mask, block_table, seq_lens, q_lens)
+        check_mask_source(block_mask, block_table, seq_lens, q_lens)
     # [num_pages, page_size, Hkv, D] -> [1, Hkv, num_pages * page_size, D]: a strided view,
     # broadcast over the batch (the BlockMask carries the batch dimension).
     k = k_cache.view(1, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
@@ -620,7 +564,7 @@ def flex_paged_decode(
             keep it >= 16 (Triton's smallest tile).
         block_mask: ``paged_block_masks(block_table, seq_lens, num_pages, page_size).physical``
             built once and reused, e.g. by every layer of one decode step; None builds it here.
-            It must describe the same block_table and seq_lens (checked: see `_check_mask_source`).
+            It must describe the same block_table and seq_lens (checked: see `check_mask_source`).
         check_values: check values too (copies ``seq_lens`` and ``block_table`` to the host).
         compiled: run ``torch.compile(flex_attention)`` (block sparse: only listed blocks are
             read) or eager flex (every block evaluated, then masked); None: compiled on CUDA,
@@ -638,9 +582,19 @@ def flex_paged_decode(
     """
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     kv_block_size = _kv_block(kv_block_size, k_cache)
-    _check_contiguous(k_cache, v_cache)
+    check_contiguous(k_cache, v_cache)
     out = _flex_paged(
-        q.unsqueeze(2), k_cache, v_cache, block_table, seq_lens, None, scale, kv_block_size, block_mask, compiled
+        q.unsqueeze(2),
+        k_cache,
+        v_cache,
+        block_table,
+        seq_lens,
+        None,
+        scale,
+        kv_block_size,
+        block_mask,
+        compiled,
+        check_values,
     )  # [batch, Hq, 1, D]
     return out.squeeze(2)
 
@@ -687,52 +641,7 @@ def flex_paged_prefill(
         q, k_cache, v_cache, block_table, seq_lens, q_lens, scale=scale, check_values=check_values
     )
     kv_block_size = _kv_block(kv_block_size, k_cache)
-    _check_contiguous(k_cache, v_cache)
-    return _flex_paged(q, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_block_size, block_mask, compiled)
-
-
-def _version(t) -> int | None:
-    """In-place version counter (inference-mode tensors have none: their identity is trusted)."""
-    return None if t is None or t.is_inference() else t._version
-
-
-def _check_mask_source(block_mask: BlockMask, block_table, seq_lens, q_lens) -> None:
-    """A reused BlockMask must come from this block table and these lengths.
-
-    Same tensors, unmodified since (their version counters; inference-mode tensors, which have
-    none, by identity alone): accepted without reading them.
-    Other tensors: their values are compared with the ones the mask was built from (a host
-    sync); a mask built for another table would silently read the wrong pages.
-    """
-    source = getattr(block_mask, "paged_ref_source", None)
-    if source is None:
-        raise ValueError(
-            "block_mask must come from paged_block_masks(...).physical (or "
-            "to_physical_block_mask): a BlockMask of unknown origin cannot be "
-            "checked against this block_table"
-        )
-    tensors, versions, values = source
-    now = (block_table, seq_lens, q_lens)
-    if all(a is b and _version(a) == v for a, b, v in zip(now, tensors, versions)):
-        return
-    for name, given, built in zip(("block_table", "seq_lens", "q_lens"), now, values):
-        same = (given is None and built is None) or (
-            given is not None
-            and built is not None
-            and given.shape == built.shape
-            and torch.equal(given.to(built.device, built.dtype), built)
-        )
-        if not same:
-            raise ValueError(
-                f"block_mask was built for another {name} than the one given: build it "
-                f"with paged_block_masks(...) from this block_table and seq_lens"
-            )
-
-
-def _check_contiguous(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not t.is_contiguous():
-            raise ValueError(
-                f"{name} must be contiguous (it is viewed as one long physical "
-                f"sequence), got strides {t.stride()} for shape {tuple(t.shape)}"
-            )
+    check_contiguous(k_cache, v_cache)
+    return _flex_paged(
+        q, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_block_size, block_mask, compiled, check_values
+    )

@@ -35,7 +35,7 @@ import torch
 
 from .._arith import cdiv
 from .._validate import check_int
-from .reference import check_paged_inputs
+from ._checks import check_paged_inputs
 
 __all__ = [
     "LOG2E",

@@ -28,179 +28,43 @@ and records registers, spills, shared memory, asynchronous copies and MMA instru
 ``figures/data/kernels.json`` (notebook 05, "what the compiler made of the kernel").
 
 On CPU tensors the very same kernel functions run through Triton's interpreter (float32 only),
-chosen per call: nothing is set for the process. During an interpreted call the interpreter
-knob is on and triton.language's own ``@jit`` helpers (``tl.max``, ``tl.sum``, ...) are swapped
-for interpreted ones (as the interpreter itself patches triton.language while it runs); both
-are restored when the call returns, so ``os.environ`` and ``triton.language`` are left as they
-were. Without Triton at all (macOS, Windows) the module still imports and
-:func:`paged_decode` raises ``ImportError``.
+chosen per call (:mod:`paged_ref.attention._triton_interpreter`): nothing is set for the
+process. Without Triton at all (macOS, Windows) the module still imports and
+:func:`triton_paged_decode` raises ``ImportError``.
 
 Example:
     >>> import torch
-    >>> from paged_ref.attention.triton_decode import paged_decode
+    >>> from paged_ref.attention.triton_decode import triton_paged_decode
     >>> k_cache = torch.randn(6, 16, 2, 64)          # [num_pages, page_size, num_kv_heads, head_dim]
     >>> v_cache = torch.randn(6, 16, 2, 64)
     >>> q = torch.randn(2, 8, 64)                    # [batch, num_q_heads, head_dim]: GQA 4
     >>> block_table = torch.tensor([[4, 1, 0], [5, 2, 0]], dtype=torch.int32)
     >>> seq_lens = torch.tensor([40, 17], dtype=torch.int32)
-    >>> paged_decode(q, k_cache, v_cache, block_table, seq_lens).shape
+    >>> triton_paged_decode(q, k_cache, v_cache, block_table, seq_lens).shape
     torch.Size([2, 8, 64])
 """
 
-import contextlib
-import os
-import sys
-import threading
 import types
 
 import torch
 
 from .._arith import cdiv, next_pow2
-from .reference import check_paged_inputs
+from ._checks import check_paged_inputs, check_triton_inputs
+from ._triton_interpreter import interpreted, interpreter, runnable
+from .online_softmax import LOG2E
 
 try:
     import triton
     import triton.language as tl
-except ImportError:  # no Triton wheel for this platform: import still works, calls fail clearly
-    triton = None
+
+    _HAVE_TRITON = True
+except ImportError:  # no Triton wheel for this platform: the module imports, calls fail clearly
+    triton = types.SimpleNamespace(jit=lambda fn: fn)  # the kernels stay plain functions
     tl = types.SimpleNamespace(constexpr=None)  # only for the `tl.constexpr` annotations below
+    _HAVE_TRITON = False
 
-# True where CPU tensors are all this process can give the kernel (no CUDA), or where the user
-# asked for the interpreter everywhere (TRITON_INTERPRET=1, for debugging). Read, never set.
-INTERPRETED = not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"
+__all__ = ["choose_num_splits", "compiled_kernels", "interpreted", "native_half", "paged_decode", "triton_paged_decode"]
 
-
-def interpreted(device: torch.device) -> bool:
-    """Whether a call on tensors of ``device`` runs in Triton's interpreter (CPU, or forced)."""
-    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-_INTERPRETER_LOCK = threading.Lock()
-
-
-def _language_state() -> list[tuple[object, dict]]:
-    """A copy of the namespace of every triton.language module and of every class defined there.
-
-    Triton's interpreter patches these while it runs (builtins, ``tensor`` methods, ``range``),
-    and leaves some patches behind after a kernel calls a ``@jit`` helper; taking a copy before
-    an interpreted call lets :func:`_interpreter` put every attribute back afterwards.
-    """
-    modules = [
-        m
-        for name, m in list(sys.modules.items())
-        if m is not None and (name == "triton.language" or name.startswith("triton.language."))
-    ]
-    classes = {
-        v
-        for m in modules
-        for v in list(vars(m).values())
-        if isinstance(v, type) and getattr(v, "__module__", "").startswith("triton.language")
-    }
-    return [(obj, dict(vars(obj))) for obj in (*modules, *classes)]
-
-
-def _restore(state: list[tuple[object, dict]]) -> None:
-    """Put back every attribute that ``state`` recorded and remove those added to a class.
-    Names the interpreter *added* to a module stay: its cached rewrites of triton.language's
-    helpers look them up later."""
-    for obj, saved in state:
-        current = vars(obj)
-        if isinstance(obj, type):
-            for name in [n for n in current if n not in saved]:
-                delattr(obj, name)
-        for name, value in saved.items():
-            if current.get(name, _restore) is not value:
-                setattr(obj, name, value)
-
-
-@contextlib.contextmanager
-def _interpreter():
-    """Run Triton's interpreter for the duration of one call, then put everything back.
-
-    Triton picks compile or interpret mode when ``@triton.jit`` decorates a function, so its
-    own helpers in triton.language (``tl.max``, ``tl.sum``, ``tl.cdiv``, ...) were decorated
-    for compiling when triton was imported, and the interpreter refuses to call those. For the
-    call they are swapped for interpreted wrappers and the interpreter knob is switched on;
-    afterwards every attribute of triton.language (and the knob, and the TRITON_INTERPRET
-    variable that setting the knob writes) is restored. A lock keeps two threads from
-    interleaving.
-
-    The interpreter holds a scalar as a 1-element array, and some Triton versions (3.6) turn
-    it into a Python int with ``int(array)``, which numpy 2.4 and later refuse ("only
-    0-dimensional arrays can be converted to Python scalars": ``range(start, end, BLOCK_N)``
-    in the kernel needs it). For the call, the interpreter's patching of ``tl.tensor`` also
-    gives it an ``__index__`` that squeezes the array first; both go when the call returns.
-    """
-    from triton.runtime import interpreter
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    with _INTERPRETER_LOCK:
-        state = _language_state()
-        knobs = getattr(triton, "knobs", None)
-        knob_scope = knobs.runtime.scope() if knobs is not None else contextlib.nullcontext()
-        patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
-        try:
-            if patch_tensor is not None:
-                interpreter._patch_lang_tensor = _index_by_squeezing(patch_tensor)
-            with knob_scope:
-                wrappers = {}  # one wrapper per helper object
-                for obj, saved in state:
-                    for attr, value in saved.items():
-                        if isinstance(value, JITFunction):
-                            if id(value) not in wrappers:
-                                wrappers[id(value)] = InterpretedFunction(value.fn)
-                            setattr(obj, attr, wrappers[id(value)])
-                if knobs is not None:
-                    knobs.runtime.interpret = True
-                yield
-        finally:
-            if patch_tensor is not None:
-                interpreter._patch_lang_tensor = patch_tensor
-            _restore(state)
-
-
-def _index_by_squeezing(patch_tensor):
-    """The interpreter's ``_patch_lang_tensor(tensor, scope)``, then an ``__index__`` that
-    reads a 1-element array of any shape (``int(array.squeeze())``; numpy 2.4 refuses
-    ``int`` of a 1-D array)."""
-
-    def patch(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
-
-    return patch
-
-
-_KERNELS: dict[tuple[str, bool], object] = {}
-
-
-def _kernel(fn, interpret: bool):
-    """``fn`` as a compiled-mode JITFunction or as an InterpretedFunction (built once each)."""
-    key = (fn.__name__, interpret)
-    if key not in _KERNELS:
-        if interpret:
-            from triton.runtime.interpreter import InterpretedFunction
-
-            _KERNELS[key] = InterpretedFunction(fn)
-        else:
-            from triton.runtime.jit import JITFunction
-
-            _KERNELS[key] = JITFunction(fn)
-    return _KERNELS[key]
-
-
-def compiled_kernels() -> dict[str, object]:
-    """The two kernels as compiled-mode JITFunctions, for ahead-of-time compilation
-    (``triton.compile(ASTSource(fn=...), target=...)``: see ``paged_ref.bench.kernels``)."""
-    if triton is None:
-        raise ImportError("compiling the kernels needs the `triton` package")
-    return {fn.__name__: _kernel(fn, interpret=False) for fn in (_paged_decode_split_kernel, _reduce_splits_kernel)}
-
-
-__all__ = ["paged_decode", "choose_num_splits", "compiled_kernels", "interpreted", "INTERPRETED"]
-
-_LOG2E = 1.4426950408889634
 _MAX_SPLITS = 256  # upper bound for the heuristic (partials stay a few MB)
 _MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism gained
 _INTERPRETER_SMS = 8  # a pretend SM count so the split path is exercised on CPU too
@@ -208,6 +72,7 @@ _PROGRAMS_PER_SM = 3  # programs per Hopper SM of the head_dim-128 config (kerne
 
 
 # --- Kernel 1: attention over one chunk of one sequence, all query heads of one KV head ------
+@triton.jit
 def _paged_decode_split_kernel(
     q_ptr,  # [batch, num_q_heads, head_dim]
     k_cache_ptr,  # [num_pages, page_size, num_kv_heads, head_dim]
@@ -346,6 +211,7 @@ def _paged_decode_split_kernel(
 
 
 # --- Kernel 2: merge the splits of one (sequence, query head) --------------------------------
+@triton.jit
 def _reduce_splits_kernel(
     part_m_ptr,  # fp32 [batch, num_q_heads, num_splits]
     part_l_ptr,  # fp32 [batch, num_q_heads, num_splits]
@@ -396,6 +262,18 @@ def _reduce_splits_kernel(
     tl.store(
         out_ptr + batch * stride_o_batch + head * stride_o_head + offs_d, out.to(out_ptr.dtype.element_ty), mask=mask_d
     )
+
+
+# --- Which kernel object a call runs ----------------------------------------------------------
+_kernel = runnable  # (kernel, interpret) -> the kernel as compiled JITFunction or interpreted
+
+
+def compiled_kernels() -> dict[str, object]:
+    """The two kernels as compiled-mode JITFunctions, for ahead-of-time compilation
+    (``triton.compile(ASTSource(fn=...), target=...)``: see ``paged_ref.bench.kernels``)."""
+    if not _HAVE_TRITON:
+        raise ImportError("compiling the kernels needs the `triton` package")
+    return {k.fn.__name__: _kernel(k, interpret=False) for k in (_paged_decode_split_kernel, _reduce_splits_kernel)}
 
 
 # --- Launcher --------------------------------------------------------------------------------
@@ -461,13 +339,11 @@ def choose_num_splits(
 
 
 def _default_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device, cfg: dict) -> int:
-    """The split count `paged_decode(num_splits=None)` uses: a split is at least 4 tiles."""
+    """The split count `triton_paged_decode(num_splits=None)` uses: a split is at least 4 tiles."""
     return choose_num_splits(batch, num_kv_heads, max_len, _num_sms(device), min_tokens_per_split=4 * cfg["BLOCK_N"])
 
 
-def _tile_config(
-    dtype: torch.dtype, head_dim: int, group: int, *, interpret: bool = INTERPRETED, capability: int = 90
-) -> dict:
+def _tile_config(dtype: torch.dtype, head_dim: int, group: int, *, interpret: bool, capability: int = 90) -> dict:
     """Tile sizes and launch options for one call (a fixed choice per target;
     `python -m paged_ref.bench kernels` reports what each compiles to, and
     `python -m paged_ref.bench decode --sweep` times the alternatives on a GPU).
@@ -512,46 +388,7 @@ def native_half(device) -> torch.dtype:
     return torch.bfloat16 if _capability(device) >= 80 else torch.float16
 
 
-def _check_kernel_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, out):
-    """Checks specific to this kernel, on top of the common `check_paged_inputs`."""
-    interpret = interpreted(q.device)
-    allowed = (torch.float32,) if interpret else (torch.float16, torch.bfloat16, torch.float32)
-    if q.dtype not in allowed:
-        where = "Triton's interpreter (used for CPU tensors; float32 only)" if interpret else "the compiled kernel"
-        raise TypeError(f"q must have dtype in {[str(d) for d in allowed]} for {where}, got {q.dtype}")
-    for name, t in (
-        ("q", q),
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("block_table", block_table),
-        ("seq_lens", seq_lens),
-    ):
-        if not t.is_contiguous():
-            raise ValueError(
-                f"{name} must be contiguous (call .contiguous()), "
-                f"got strides {tuple(t.stride())} for shape {tuple(t.shape)}"
-            )
-    page_size, head_dim = k_cache.shape[1], k_cache.shape[3]
-    if page_size & (page_size - 1) or page_size > 256:
-        raise ValueError(f"k_cache page_size (dim 1) must be a power of two in [1, 256], got {page_size}")
-    if head_dim > 256:
-        raise ValueError(f"head_dim must be at most 256, got {head_dim}")
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
-    if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be None or a torch.Tensor, got {type(out).__name__}")
-        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-            raise ValueError(
-                f"out must match q (shape {tuple(q.shape)}, dtype {q.dtype}, device "
-                f"{q.device}), got shape {tuple(out.shape)}, dtype {out.dtype}, "
-                f"device {out.device}"
-            )
-        if not out.is_contiguous():
-            raise ValueError(f"out must be contiguous, got strides {tuple(out.stride())}")
-
-
-def paged_decode(
+def triton_paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -567,7 +404,7 @@ def paged_decode(
 
     Query ``b`` attends to the first ``seq_lens[b]`` tokens of sequence ``b``, whose pages are
     listed in ``block_table[b]``; the same function as
-    :func:`paged_ref.attention.reference.paged_attention_reference`.
+    :func:`paged_ref.attention.reference.reference_paged_decode`.
 
     Args:
         q: ``[batch, num_q_heads, head_dim]``, float16/bfloat16/float32 on CUDA
@@ -595,23 +432,23 @@ def paged_decode(
         >>> kc, vc = torch.randn(4, 8, 1, 64), torch.randn(4, 8, 1, 64)
         >>> q = torch.randn(1, 4, 64)                            # MQA: 4 query heads, 1 KV head
         >>> bt = torch.tensor([[2, 0, 3]], dtype=torch.int32)
-        >>> o1 = paged_decode(q, kc, vc, bt, torch.tensor([20], dtype=torch.int32), num_splits=1)
-        >>> o3 = paged_decode(q, kc, vc, bt, torch.tensor([20], dtype=torch.int32), num_splits=3)
+        >>> o1 = triton_paged_decode(q, kc, vc, bt, torch.tensor([20], dtype=torch.int32), num_splits=1)
+        >>> o3 = triton_paged_decode(q, kc, vc, bt, torch.tensor([20], dtype=torch.int32), num_splits=3)
         >>> torch.allclose(o1, o3, atol=1e-5)
         True
     """
-    if triton is None:
+    if not _HAVE_TRITON:
         raise ImportError(
             "paged_decode needs the `triton` package (Linux only): "
             "pip install triton, or use paged_attention_reference instead"
         )
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
-    _check_kernel_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, out)
+    interpret = interpreted(q.device)
+    check_triton_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, out, interpret=interpret)
 
     batch, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
-    interpret = interpreted(q.device)
     cfg = _tile_config(
         q.dtype, head_dim, group, interpret=interpret, capability=90 if interpret else _capability(q.device)
     )
@@ -662,7 +499,7 @@ def _launch(
     reduce_kernel = _kernel(_reduce_splits_kernel, interpret)
     # Triton launches on the current CUDA device: make it the inputs' device. The interpreter
     # is switched on for this call only.
-    scope = _interpreter() if interpret else torch.cuda.device(q.device)
+    scope = interpreter() if interpret else torch.cuda.device(q.device)
     with scope:
         # Grid: one program per (sequence, KV head, split).
         split_kernel[(batch, num_kv_heads, num_splits)](
@@ -675,7 +512,7 @@ def _launch(
             part_m,
             part_l,
             part_acc,
-            scale * _LOG2E,
+            scale * LOG2E,
             num_splits,
             q.stride(0),
             q.stride(1),
@@ -713,3 +550,8 @@ def _launch(
                 num_warps=1 if interpret else 4,
             )
     return out
+
+
+# The name this function had before the attention entry points followed one scheme
+# (``<backend>_paged_decode``); kept so existing code still runs.
+paged_decode = triton_paged_decode

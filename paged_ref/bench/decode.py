@@ -123,8 +123,9 @@ def _sdpa(q, k4, v4, num_q_heads, num_kv_heads):
 def _planned_splits(batch, seq_len, heads, dtype, device):
     """The split count paged_decode(num_splits=None, check_values=False) picks here."""
     group = heads["num_q_heads"] // heads["num_kv_heads"]
-    cfg = td._tile_config(dtype, heads["head_dim"], group)
-    return td._default_num_splits(batch, heads["num_kv_heads"], seq_len, torch.device(device), cfg)
+    device = torch.device(device)
+    cfg = td._tile_config(dtype, heads["head_dim"], group, interpret=td.interpreted(device))
+    return td._default_num_splits(batch, heads["num_kv_heads"], seq_len, device, cfg)
 
 
 def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None, device="cuda", checkpoint=None):

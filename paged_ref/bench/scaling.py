@@ -41,7 +41,7 @@ import torch
 
 from ..attention.flex import flex_paged_decode
 from ..attention.reference import paged_attention_reference
-from ..attention.triton_decode import INTERPRETED, paged_decode
+from ..attention.triton_decode import interpreted, paged_decode
 from ..memory import model_geometry
 from ._scaling_batch import batch_throughput, mixed_lengths, page_size_sweep, paged_overhead
 from ._scaling_chat import run_chat
@@ -250,7 +250,7 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
     lengths = mixed_lengths(b["num"], max_len=b["max_len"] - b["warmup"] - b["steps"] - 1, mean_len=b["mean_len"])
     if clock.left() > 30:
         _log(f"[scaling] {model_name}: mixed batch")
-        backends = [n for n in b["backends"] if not (n == "triton" and INTERPRETED)]
+        backends = [n for n in b["backends"] if not (n == "triton" and interpreted(torch.device(device)))]
         batch = _guarded(
             res,
             "batch",
@@ -292,7 +292,7 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
             prompt[1000 * t % max(1, prompt.numel() - c["user_tokens"]) :][: c["user_tokens"]]
             for t in range(c["turns"])
         ]
-        backend = c["backend"] if not (c["backend"] == "triton" and INTERPRETED) else "reference"
+        backend = c["backend"] if not (c["backend"] == "triton" and interpreted(torch.device(device))) else "reference"
         runs = [
             _guarded(
                 res,
@@ -325,7 +325,9 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
     if clock.left() > 20:
         _log(f"[scaling] {model_name}: page-size sweep")
         admitted = lengths[: res["batch"]["fit"]["paged_allocator"]] if "batch" in res else lengths[:8]
-        fns = {n: DECODE_FUNCTIONS[n] for n in s["backends"] if not (n == "triton" and INTERPRETED)}
+        fns = {
+            n: DECODE_FUNCTIONS[n] for n in s["backends"] if not (n == "triton" and interpreted(torch.device(device)))
+        }
         sweep = _guarded(
             res,
             "sweep",

@@ -21,9 +21,9 @@ sequence, prefill = several:
 =========== =============================== ===============================
 backend     decode                          prefill
 =========== =============================== ===============================
-reference   paged_attention_reference       paged_prefill_reference
+reference   reference_paged_decode          reference_paged_prefill
 flex        flex_paged_decode               flex_paged_prefill
-triton      paged_decode (Triton kernel)    sdpa_paged_prefill
+triton      triton_paged_decode             sdpa_paged_prefill
 sdpa        sdpa_paged_decode               sdpa_paged_prefill
 auto        ``triton`` on CUDA, ``sdpa`` elsewhere (the default)
 =========== =============================== ===============================
@@ -32,7 +32,7 @@ Two more, ``mistake_off_by_one`` and ``mistake_wrong_page``, are wrong on purpos
 controls that show how far a real bug moves the results (`paged_ref.hf.mistakes`).
 
 Triton has no prefill kernel here: prefill is compute-bound and runs once per prompt, so the
-``triton`` backend prefills through SDPA. ``sdpa`` (`paged_ref.hf.sdpa`) gathers the batch's
+``triton`` backend prefills through SDPA. ``sdpa`` (`paged_ref.attention.sdpa`) gathers the batch's
 tokens by slot and calls PyTorch's SDPA: the fast path on a CPU, where the Triton kernel only
 runs in the interpreter. ``reference`` is the oracle every other backend is tested against.
 """
@@ -92,7 +92,7 @@ class Backend:
         Example:
             >>> decode, prefill = BACKENDS["reference"].functions()
             >>> decode.__name__, prefill.__name__
-            ('paged_attention_reference', 'paged_prefill_reference')
+            ('reference_paged_decode', 'reference_paged_prefill')
         """
         return tuple(getattr(importlib.import_module(m), f) for m, f in (self.decode, self.prefill))
 
@@ -153,7 +153,7 @@ def _prepare_flex(plan) -> dict:
 
 
 def _prepare_sdpa(plan) -> dict:
-    from .sdpa import prepare
+    from ..attention.sdpa import prepare
 
     q_lens = None if plan.is_decode else plan.q_lens
     return {
@@ -166,18 +166,18 @@ def _prepare_triton(plan) -> dict:
     return {"check_values": False} if plan.is_decode else _prepare_sdpa(plan)  # prefill: SDPA
 
 
-_REFERENCE_PREFILL = ("paged_ref.attention.reference", "paged_prefill_reference")
-_SDPA_PREFILL = ("paged_ref.hf.sdpa", "sdpa_paged_prefill")
+_REFERENCE_PREFILL = ("paged_ref.attention.reference", "reference_paged_prefill")
+_SDPA_PREFILL = ("paged_ref.attention.sdpa", "sdpa_paged_prefill")
 for _backend in (
-    Backend("reference", ("paged_ref.attention.reference", "paged_attention_reference"), _REFERENCE_PREFILL),
+    Backend("reference", ("paged_ref.attention.reference", "reference_paged_decode"), _REFERENCE_PREFILL),
     Backend(
         "flex",
         ("paged_ref.attention.flex", "flex_paged_decode"),
         ("paged_ref.attention.flex", "flex_paged_prefill"),
         _prepare_flex,
     ),
-    Backend("triton", ("paged_ref.attention.triton_decode", "paged_decode"), _SDPA_PREFILL, _prepare_triton),
-    Backend("sdpa", ("paged_ref.hf.sdpa", "sdpa_paged_decode"), _SDPA_PREFILL, _prepare_sdpa),
+    Backend("triton", ("paged_ref.attention.triton_decode", "triton_paged_decode"), _SDPA_PREFILL, _prepare_triton),
+    Backend("sdpa", ("paged_ref.attention.sdpa", "sdpa_paged_decode"), _SDPA_PREFILL, _prepare_sdpa),
     # negative controls (`paged_ref.hf.mistakes`): wrong on purpose, to show what a real bug does
     Backend("mistake_off_by_one", ("paged_ref.hf.mistakes", "off_by_one_decode"), _REFERENCE_PREFILL),
     Backend("mistake_wrong_page", ("paged_ref.hf.mistakes", "wrong_page_decode"), _REFERENCE_PREFILL),

@@ -1,0 +1,317 @@
+"""The checks at the door of every public attention function.
+
+Each raises ``TypeError`` for a wrong type or dtype and ``ValueError`` for a wrong shape,
+device or value, with a message naming the argument, what was expected and what was given.
+Every backend runs :func:`check_paged_inputs` (or :func:`check_prefill_inputs`) first, so all
+of them reject the same bad inputs with the same message; the rest are one backend's own rules.
+The package's internal calls between these functions skip what was already checked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from .._arith import cdiv
+from .._validate import check_int
+
+__all__ = [
+    "INT_DTYPES",
+    "check_block_size",
+    "check_contiguous",
+    "check_mask_arguments",
+    "check_mask_source",
+    "check_paged_inputs",
+    "check_prefill_inputs",
+    "check_table_pages",
+    "check_triton_inputs",
+    "version",
+]
+
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return str(tuple(t.shape))
+
+
+def check_paged_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    q_ndim: int = 3,
+    check_values: bool = True,
+) -> float:
+    """Validate the common paged-attention arguments and return the softmax scale to use.
+
+    Raises ``TypeError`` for a wrong type or dtype and ``ValueError`` for a wrong shape, device
+    or value; each message names the argument, what was expected and what was given.
+
+    Args:
+        q: ``[batch, num_q_heads, head_dim]`` (``q_ndim=3``, decode) or
+            ``[batch, num_q_heads, max_q_len, head_dim]`` (``q_ndim=4``, prefill); floating point.
+        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``, same dtype and
+            device as ``q``; ``num_q_heads`` must be a multiple of ``num_kv_heads``.
+        block_table: int32/int64 ``[batch, max_pages]``; the entries a sequence uses must be
+            distinct valid page ids, the rest are ignored.
+        seq_lens: int32/int64 ``[batch]``, each in ``[1, max_pages * page_size]``.
+        scale: ``None`` (meaning ``head_dim ** -0.5``) or a finite real number.
+        check_values: also check values that need reading the tensors (``seq_lens`` range and
+            the used block-table entries). This copies them to the host; a GPU fast path may
+            turn it off.
+
+    Returns:
+        The scale as a Python float.
+
+    Example:
+        >>> q = torch.randn(2, 4, 8)
+        >>> kc = torch.randn(3, 4, 2, 8)
+        >>> check_paged_inputs(q, kc, kc, torch.tensor([[0, 1], [2, 0]]), torch.tensor([5, 3]))
+        0.3535533905932738
+    """
+    for name, t in (
+        ("q", q),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+    ):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    layout = "[batch, num_q_heads, head_dim]" if q_ndim == 3 else "[batch, num_q_heads, max_q_len, head_dim]"
+    if q.dim() != q_ndim:
+        raise ValueError(f"q must have shape {layout} ({q_ndim} dims), got shape {_shape(q)}")
+    if not q.is_floating_point():
+        raise TypeError(f"q must be a floating-point tensor, got dtype {q.dtype}")
+    if k_cache.dim() != 4:
+        raise ValueError(
+            f"k_cache must have shape [num_pages, page_size, num_kv_heads, head_dim], got shape {_shape(k_cache)}"
+        )
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have the same shape as k_cache {_shape(k_cache)}, got {_shape(v_cache)}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {t.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table), ("seq_lens", seq_lens)):
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
+    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    batch, num_q_heads = q.shape[0], q.shape[1]
+    if num_pages < 1 or page_size < 1 or num_kv_heads < 1 or head_dim < 1:
+        raise ValueError(f"k_cache must have no empty dimension, got shape {_shape(k_cache)}")
+    if q.shape[-1] != head_dim:
+        raise ValueError(f"q head_dim (last dim) must equal k_cache head_dim {head_dim}, got q shape {_shape(q)}")
+    if num_q_heads < 1 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads}) of k_cache"
+        )
+    if batch < 1:
+        raise ValueError(f"q must hold at least one sequence, got batch {batch}")
+    if block_table.dtype not in INT_DTYPES:
+        raise TypeError(f"block_table must be int32 or int64, got dtype {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
+        raise ValueError(f"block_table must have shape [batch={batch}, max_pages>=1], got shape {_shape(block_table)}")
+    if seq_lens.dtype not in INT_DTYPES:
+        raise TypeError(f"seq_lens must be int32 or int64, got dtype {seq_lens.dtype}")
+    if seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens must have shape [batch={batch}], got shape {_shape(seq_lens)}")
+    if scale is None:
+        scale = head_dim**-0.5
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be None or a real number, got {type(scale).__name__}")
+    elif not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    if check_values:
+        max_pages = block_table.shape[1]
+        lens = seq_lens.tolist()
+        for b, n in enumerate(lens):
+            if not 1 <= n <= max_pages * page_size:
+                raise ValueError(
+                    f"seq_lens[{b}] must be in [1, max_pages * page_size = {max_pages} * {page_size}], got {n}"
+                )
+        table = block_table.tolist()
+        for b, n in enumerate(lens):
+            used = table[b][: cdiv(n, page_size)]
+            bad = [p for p in used if not 0 <= p < num_pages]
+            if bad:
+                raise ValueError(
+                    f"block_table[{b}] uses page ids outside [0, num_pages={num_pages}) "
+                    f"within its first {len(used)} entries (seq_lens[{b}]={n}): {bad[:4]}"
+                )
+            if len(set(used)) != len(used):
+                # One physical page cannot hold two logical pages of the same sequence; a
+                # repeat is a corrupted table (pages shared *between* sequences are fine).
+                twice = sorted({p for p in used if used.count(p) > 1})
+                raise ValueError(
+                    f"block_table[{b}] lists page ids {twice[:4]} more than once within its "
+                    f"first {len(used)} entries (seq_lens[{b}]={n})"
+                )
+    return float(scale)
+
+
+def check_prefill_inputs(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    q_lens: torch.Tensor,
+    *,
+    scale: float | None = None,
+    check_values: bool = True,
+) -> float:
+    """:func:`check_paged_inputs` for prefill, plus ``q_lens``: int ``[batch]`` with
+    ``0 <= q_lens[b] <= min(seq_lens[b], max_q_len)``. Returns the scale."""
+    scale = check_paged_inputs(
+        q, k_cache, v_cache, block_table, seq_lens, scale=scale, q_ndim=4, check_values=check_values
+    )
+    if not isinstance(q_lens, torch.Tensor):
+        raise TypeError(f"q_lens must be a torch.Tensor, got {type(q_lens).__name__}")
+    if q_lens.dtype not in INT_DTYPES:
+        raise TypeError(f"q_lens must be int32 or int64, got dtype {q_lens.dtype}")
+    if q_lens.shape != seq_lens.shape:
+        raise ValueError(f"q_lens must have shape [batch={q.shape[0]}], got {_shape(q_lens)}")
+    if q_lens.device != q.device:
+        raise ValueError(f"q_lens must be on the same device as q ({q.device}), got {q_lens.device}")
+    if check_values:
+        max_q_len = q.shape[2]
+        for b, (m, n) in enumerate(zip(q_lens.tolist(), seq_lens.tolist())):
+            if not 0 <= m <= min(n, max_q_len):
+                raise ValueError(f"q_lens[{b}] must be in [0, min(seq_lens[{b}]={n}, max_q_len={max_q_len})], got {m}")
+    return scale
+
+
+# --- the Triton kernel's own rules ----------------------------------------------------------
+def check_triton_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, out, *, interpret: bool):
+    """Checks specific to the Triton kernel, on top of the common `check_paged_inputs`;
+    ``interpret``: the call runs in Triton's interpreter (float32 only)."""
+    allowed = (torch.float32,) if interpret else (torch.float16, torch.bfloat16, torch.float32)
+    if q.dtype not in allowed:
+        where = "Triton's interpreter (used for CPU tensors; float32 only)" if interpret else "the compiled kernel"
+        raise TypeError(f"q must have dtype in {[str(d) for d in allowed]} for {where}, got {q.dtype}")
+    for name, t in (
+        ("q", q),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("block_table", block_table),
+        ("seq_lens", seq_lens),
+    ):
+        if not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be contiguous (call .contiguous()), "
+                f"got strides {tuple(t.stride())} for shape {tuple(t.shape)}"
+            )
+    page_size, head_dim = k_cache.shape[1], k_cache.shape[3]
+    if page_size & (page_size - 1) or page_size > 256:
+        raise ValueError(f"k_cache page_size (dim 1) must be a power of two in [1, 256], got {page_size}")
+    if head_dim > 256:
+        raise ValueError(f"head_dim must be at most 256, got {head_dim}")
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be None or a torch.Tensor, got {type(out).__name__}")
+        if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(
+                f"out must match q (shape {tuple(q.shape)}, dtype {q.dtype}, device "
+                f"{q.device}), got shape {tuple(out.shape)}, dtype {out.dtype}, "
+                f"device {out.device}"
+            )
+        if not out.is_contiguous():
+            raise ValueError(f"out must be contiguous, got strides {tuple(out.stride())}")
+
+
+# --- FlexAttention's own rules --------------------------------------------------------------
+def check_mask_arguments(block_table, seq_lens, q_lens, num_pages, page_size, q_len) -> None:
+    """The types and shapes `paged_block_masks` takes, each named in its error."""
+    check_int("num_pages", num_pages, min_value=1)
+    check_int("page_size", page_size, min_value=1)
+    check_int("q_len", q_len, min_value=1)
+    for name, t, dims, layout in (
+        ("block_table", block_table, 2, "[batch, max_pages]"),
+        ("seq_lens", seq_lens, 1, "[batch]"),
+        ("q_lens", q_lens, 1, "[batch]"),
+    ):
+        if name == "q_lens" and t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dim() != dims or t.is_floating_point() or t.is_complex():
+            what = f"shape {list(t.shape)} and dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            optional = "None or " if name == "q_lens" else ""
+            raise TypeError(f"{name} must be {optional}a {dims}-D integer torch.Tensor {layout}, got {what}")
+        if name != "block_table" and tuple(t.shape) != (block_table.shape[0],):
+            raise ValueError(f"{name} must have shape [batch={block_table.shape[0]}], got {list(t.shape)}")
+
+
+def check_table_pages(block_table, seq_lens, num_pages: int, page_size: int) -> None:
+    """The pages each sequence uses must exist in the cache (copies the used entries to the host)."""
+    used = (
+        torch.arange(block_table.shape[1], device=block_table.device)[None, :]
+        < cdiv(seq_lens.long(), page_size)[:, None]
+    )  # [batch, max_pages]
+    ids = block_table[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
+        raise ValueError(
+            f"block_table: the pages sequences use must be in [0, num_pages={num_pages}), "
+            f"got values in [{int(ids.min())}, {int(ids.max())}]"
+        )
+
+
+def check_block_size(size: int, name: str = "kv_block_size") -> int:
+    """A FlexAttention tile size: a positive power of two."""
+    size = check_int(name, size)
+    if size < 1 or size & (size - 1):
+        raise ValueError(f"{name} must be a positive power of two, got {size}")
+    return size
+
+
+def version(t) -> int | None:
+    """In-place version counter (inference-mode tensors have none: their identity is trusted)."""
+    return None if t is None or t.is_inference() else t._version
+
+
+def check_mask_source(block_mask: BlockMask, block_table, seq_lens, q_lens) -> None:
+    """A reused BlockMask must come from this block table and these lengths.
+
+    Same tensors, unmodified since (their version counters; inference-mode tensors, which have
+    none, by identity alone): accepted without reading them.
+    Other tensors: their values are compared with the ones the mask was built from (a host
+    sync); a mask built for another table would silently read the wrong pages.
+    """
+    source = getattr(block_mask, "paged_ref_source", None)
+    if source is None:
+        raise ValueError(
+            "block_mask must come from paged_block_masks(...).physical (or "
+            "to_physical_block_mask): a BlockMask of unknown origin cannot be "
+            "checked against this block_table"
+        )
+    tensors, versions, values = source
+    now = (block_table, seq_lens, q_lens)
+    if all(a is b and version(a) == v for a, b, v in zip(now, tensors, versions)):
+        return
+    for name, given, built in zip(("block_table", "seq_lens", "q_lens"), now, values):
+        same = (given is None and built is None) or (
+            given is not None
+            and built is not None
+            and given.shape == built.shape
+            and torch.equal(given.to(built.device, built.dtype), built)
+        )
+        if not same:
+            raise ValueError(
+                f"block_mask was built for another {name} than the one given: build it "
+                f"with paged_block_masks(...) from this block_table and seq_lens"
+            )
+
+
+def check_contiguous(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be contiguous (it is viewed as one long physical "
+                f"sequence), got strides {t.stride()} for shape {tuple(t.shape)}"
+            )

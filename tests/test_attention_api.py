@@ -1,0 +1,71 @@
+"""The attention package's front door: one naming scheme, the old names as aliases, checks once."""
+
+import pytest
+import torch
+from attention_cases import valid_inputs
+
+import paged_ref as pr
+from paged_ref import attention
+from paged_ref.attention import _checks, flex, reference, sdpa, triton_decode
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def test_every_name_of_the_front_door_resolves():
+    for name in attention.__all__:
+        assert callable(getattr(attention, name)), name
+
+
+def test_old_names_are_the_new_functions():
+    assert reference.paged_attention_reference is reference.reference_paged_decode
+    assert reference.paged_prefill_reference is reference.reference_paged_prefill
+    assert triton_decode.paged_decode is triton_decode.triton_paged_decode
+    assert attention.paged_decode is attention.triton_paged_decode is triton_decode.triton_paged_decode
+    assert pr.paged_attention_reference is pr.reference_paged_decode
+    assert pr.paged_decode is pr.triton_paged_decode
+
+
+def test_hf_sdpa_still_imports_the_moved_module():
+    from paged_ref.hf import sdpa as old
+
+    assert old.sdpa_paged_decode is sdpa.sdpa_paged_decode
+    assert old.prepare is sdpa.prepare
+
+
+def test_triton_kernels_are_jit_functions_at_definition():
+    from triton.runtime.jit import JITFunction
+
+    assert isinstance(triton_decode._paged_decode_split_kernel, JITFunction)
+    assert isinstance(triton_decode._reduce_splits_kernel, JITFunction)
+    assert triton_decode.compiled_kernels()["_paged_decode_split_kernel"] is triton_decode._paged_decode_split_kernel
+
+
+@pytest.mark.parametrize("check_values", [True, False])
+def test_a_flex_call_checks_the_block_table_once(monkeypatch, check_values):
+    """check_paged_inputs reads the used entries when check_values is on; the mask builder then
+    trusts them. With check_values off, the mask builder's page-range check is the one check."""
+    calls = {"inputs": 0, "pages": 0}
+    inputs, pages = _checks.check_paged_inputs, _checks.check_table_pages
+
+    def count_inputs(*args, **kwargs):
+        calls["inputs"] += 1
+        return inputs(*args, **kwargs)
+
+    def count_pages(*args, **kwargs):
+        calls["pages"] += 1
+        return pages(*args, **kwargs)
+
+    monkeypatch.setattr(flex, "check_paged_inputs", count_inputs)
+    monkeypatch.setattr(flex, "check_table_pages", count_pages)
+    args = valid_inputs(decode=True)
+    out = flex.flex_paged_decode(*args.values(), check_values=check_values)
+    torch.testing.assert_close(out, reference.reference_paged_decode(*args.values()), atol=1e-5, rtol=1e-5)
+    assert calls == {"inputs": 1, "pages": 0 if check_values else 1}
+
+
+def test_flex_without_value_checks_still_rejects_a_page_outside_the_cache():
+    args = valid_inputs(decode=True)
+    args["block_table"] = args["block_table"].clone()
+    args["block_table"][0, 0] = args["k_cache"].shape[0]
+    with pytest.raises(ValueError, match="block_table: the pages sequences use must be in"):
+        flex.flex_paged_decode(*args.values(), check_values=False)
