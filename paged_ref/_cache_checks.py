@@ -13,6 +13,21 @@ import torch
 from ._validate import check_int, check_list, describe
 
 
+def check_dtype(dtype) -> torch.dtype:
+    """``dtype``, a floating torch.dtype (the cache's storage type)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype (float32, float16, bfloat16, float64), got {dtype!r}")
+    return dtype
+
+
+def check_device(device) -> torch.device:
+    """``device`` as a torch.device that holds real memory (not ``meta``)."""
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError("device must hold real memory (cpu, cuda, ...), got 'meta'")
+    return device
+
+
 def check_layer(layer, num_layers: int) -> int:
     """``layer`` as an int in ``[0, num_layers)``."""
     layer = check_int("layer", layer, min_value=0)

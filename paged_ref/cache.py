@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._arith import cdiv
-from ._cache_checks import batch_lists, check_layer, check_write, growth_request, token_list
+from ._cache_checks import batch_lists, check_device, check_dtype, check_layer, check_write, growth_request, token_list
 from ._validate import check_choice, check_int, check_list, describe
 from .allocator import OutOfPagesError, PageAllocator
 from .block_table import flat_slots, pack_csr, pack_padded
@@ -95,19 +95,13 @@ class PagedKVCache:
         self.page_size = check_int("page_size", page_size, min_value=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, min_value=1)
         self.head_dim = check_int("head_dim", head_dim, min_value=1)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(
-                f"dtype must be a floating torch.dtype (float32, float16, bfloat16, float64), got {dtype!r}"
-            )
+        self.dtype = check_dtype(dtype)
         self.growth = check_choice("growth", growth, {"page", "pow2"})
         if not isinstance(prefix_caching, bool):
             raise TypeError(f"prefix_caching must be True or False, got {prefix_caching!r}")
         self.prefix_caching = prefix_caching
         self._prefix_root = namespace_key(prefix_namespace)
-        self.dtype = dtype
-        self.device = torch.device(device)
-        if self.device.type == "meta":
-            raise ValueError("device must hold real memory (cpu, cuda, ...), got 'meta'")
+        self.device = check_device(device)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
@@ -159,11 +153,14 @@ class PagedKVCache:
         """Bytes of one page across K and V of all layers."""
         return self.page_size * self.geometry.bytes_per_token
 
-    def block_table(self, seq_ids=None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(block_table int32 [batch, max_pages], seq_lens int32 [batch])`` for ``seq_ids``.
+    tables_per_layer = False  # one block table serves every layer (`paged_ref.cache_interface`)
 
-        Lists the pages that hold tokens; padding entries are 0. Defaults to every sequence.
+    def block_table(self, seq_ids=None, device=None, *, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(block_table int32 [batch, max_pages], seq_lens int32 [batch])`` for ``seq_ids``, the
+        same for every ``layer``. Lists the pages that hold tokens; padding entries are 0.
+        Defaults to every sequence.
         """
+        check_layer(layer, self.num_layers)
         seqs = [self._seq(s) for s in self._batch(seq_ids)]
         tables = [s.pages[: cdiv(s.length, self.page_size)] for s in seqs]  # well formed: no re-check
         return pack_padded(tables, [s.length for s in seqs], device=device or self.device)
@@ -251,6 +248,10 @@ class PagedKVCache:
         self.v_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
         if self._prefix.pending and slots.numel():
             self._prefix.written(layer, torch.unique(slots // self.page_size).tolist())
+
+    def layer_slots(self, slots: torch.Tensor, layer: int) -> torch.Tensor:
+        """The slots ``layer`` writes out of ``reserve``'s: the same ones in every layer."""
+        return slots
 
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's K and V of ``layer`` as contiguous ``[seq_len, num_kv_heads, head_dim]``."""

@@ -129,6 +129,12 @@ class LayeredKVCache:
         seq_ids = self.seq_ids if seq_ids is None else check_list("seq_ids", seq_ids, "sequence ids")
         return self.pool.block_table([self._lane(s, layer) for s in seq_ids], device=device)
 
+    tables_per_layer = True  # each layer reads its own block table (`paged_ref.cache_interface`)
+
+    def layer_slots(self, slots: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s row of ``reserve``'s ``[num_layers, num_new]`` slots."""
+        return slots[layer]
+
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V of the sequence, each ``[seq_len, num_kv_heads, head_dim]``."""
         return self.pool.gather(0, self._lane(seq_id, layer))

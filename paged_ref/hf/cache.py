@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache
 
-from ..cache import PagedKVCache
-from ..layered_cache import LayeredKVCache
+from ..cache_interface import KVCache
 
 __all__ = ["StepPlan", "PagedCache"]
 
@@ -40,7 +39,8 @@ class StepPlan:
     """Everything one forward needs to write and read the paged cache (built once, used by every layer).
 
     Attributes:
-        kv: the paged cache (a `PagedKVCache`, or a `LayeredKVCache` with a block table per layer).
+        kv: the paged cache (a `KVCache`: a `PagedKVCache`, or a `LayeredKVCache` with a block table
+            per layer).
         seq_ids: sequence id of each batch row, ``batch`` ints.
         slots: int64 ``[num_new]``, flat cache slot of each valid new token, rows in order
             (``[num_layers, num_new]`` on a `LayeredKVCache`: a row per layer).
@@ -66,7 +66,7 @@ class StepPlan:
             block table, lengths and ``attn_kwargs``. None: the rectangle as described above.
     """
 
-    kv: PagedKVCache | LayeredKVCache
+    kv: KVCache
     seq_ids: list[int]
     slots: torch.Tensor
     q_lens: torch.Tensor
@@ -101,7 +101,7 @@ class PagedCache(Cache):
     to the new tokens only.
 
     Args:
-        kv: the `PagedKVCache` (or `LayeredKVCache`) to write into.
+        kv_cache: the `KVCache` (`PagedKVCache` or `LayeredKVCache`) to write into.
 
     Example:
         >>> from paged_ref import PagedKVCache
@@ -111,14 +111,16 @@ class PagedCache(Cache):
         0
     """
 
-    def __init__(self, kv: PagedKVCache | LayeredKVCache):
-        if not isinstance(kv, (PagedKVCache, LayeredKVCache)):
-            raise TypeError(f"kv must be a paged_ref.PagedKVCache or LayeredKVCache, got {type(kv).__name__}")
+    def __init__(self, kv_cache: KVCache):
+        if not isinstance(kv_cache, KVCache):
+            raise TypeError(
+                f"kv_cache must be a paged_ref.PagedKVCache or LayeredKVCache, got {type(kv_cache).__name__}"
+            )
         try:
             super().__init__(layers=[])  # transformers >= 4.56: per-layer storage, unused here
         except TypeError:  # pragma: no cover - older base classes take no arguments
             super().__init__()
-        self.kv = kv
+        self.kv = kv_cache
         self.plan: StepPlan | None = None
 
     # ------------------------------------------------------------------ the one real method
@@ -145,9 +147,9 @@ class PagedCache(Cache):
             k, v = k.flatten(0, 1), v.flatten(0, 1)  # [batch * max_q_len, Hkv, D]
         else:
             k, v = k[plan.valid], v[plan.valid]  # [num_new, Hkv, D], row-major like slots
-        slots = plan.slots if plan.slots.dim() == 1 else plan.slots[layer_idx]  # [num_new]
-        # shared slots are the same in every layer: check them once per forward, at layer 0
-        check = layer_idx == 0 or plan.slots.dim() == 2
+        slots = plan.kv.layer_slots(plan.slots, layer_idx)  # [num_new]
+        # slots shared by every layer are checked once per forward, at layer 0
+        check = layer_idx == 0 or plan.kv.tables_per_layer
         plan.kv.write(layer_idx, slots, k.contiguous(), v.contiguous(), check_values=check)
         return key_states, value_states
 

@@ -44,13 +44,20 @@ import torch
 
 from .._validate import check_list
 from ..cache import PagedKVCache
+from ..cache_interface import KVCache
 from ..eviction.policies import EvictionPolicy, resolve_policy
-from ..layered_cache import LayeredKVCache
 from ..memory import model_geometry
 from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, register
 from .cache import PagedCache, StepPlan
 
 __all__ = ["PagedSession"]
+
+
+def _cache_argument(kv_cache, kv) -> tuple[str, KVCache | None]:
+    """The cache passed as ``kv_cache=`` or under its older name ``kv=``, with the name used."""
+    if kv is not None and kv_cache is not None:
+        raise TypeError("pass the cache as kv_cache= or as kv= (its older name), not both")
+    return ("kv", kv) if kv is not None else ("kv_cache", kv_cache)
 
 
 def _cache_keyword(model) -> str:
@@ -65,10 +72,11 @@ class PagedSession:
     Args:
         model: a transformers causal LM whose attention goes through `AttentionInterface`
             (Llama, Mistral, Qwen2, SmolLM2, ...), in eval mode.
-        kv: a `PagedKVCache` (or a `LayeredKVCache`, for per-layer eviction decisions) matching
-            the model (layers, KV heads, head_dim, dtype, device), or None to create a
-            `PagedKVCache` with `num_pages` pages of `page_size` tokens.
-        num_pages, page_size: size of the cache created when `kv` is None.
+        kv_cache: a `KVCache` (`PagedKVCache`, or `LayeredKVCache` for per-layer eviction
+            decisions) matching the model (layers, KV heads, head_dim, dtype, device), or None to
+            create a `PagedKVCache` with `num_pages` pages of `page_size` tokens. ``kv=`` is the
+            same argument under its older name (still accepted; pass one of the two).
+        num_pages, page_size: size of the cache created when `kv_cache` is None.
         backend: ``"auto"`` (default: ``"triton"`` on CUDA, ``"sdpa"`` elsewhere), ``"reference"``
             (the oracle), ``"flex"``, ``"triton"`` or ``"sdpa"`` (see `paged_ref.hf.attention`);
             ``session.backend`` names the one in use.
@@ -88,24 +96,28 @@ class PagedSession:
         self,
         model,
         *,
-        kv: PagedKVCache | None = None,
+        kv_cache: KVCache | None = None,
         num_pages: int | None = None,
         page_size: int = 16,
         backend: str = AUTO,
         eviction=None,
         budget: int | None = None,
+        kv: KVCache | None = None,
     ):
+        name, kv = _cache_argument(kv_cache, kv)
         eviction = resolve_policy(eviction, budget)
         geometry = model_geometry(model)
         backend_ = get_backend(backend, geometry.device)  # a kv given must match this device (below)
         if kv is None:
             kv = PagedKVCache(num_pages=num_pages, page_size=page_size, **geometry.cache_kwargs)
-        elif not isinstance(kv, (PagedKVCache, LayeredKVCache)):
-            raise TypeError(f"kv must be a paged_ref.PagedKVCache, a LayeredKVCache or None, got {type(kv).__name__}")
+        elif not isinstance(kv, KVCache):
+            raise TypeError(
+                f"{name} must be a paged_ref.PagedKVCache, a LayeredKVCache or None, got {type(kv).__name__}"
+            )
         else:
             need, got = geometry.cache_kwargs, kv.geometry.cache_kwargs
             if got != need:
-                raise ValueError(f"kv does not match the model: the model needs {need}, kv has {got}")
+                raise ValueError(f"{name} does not match the model: the model needs {need}, {name} has {got}")
         self.model = model
         self.kv = kv
         self._backend = backend_
@@ -170,7 +182,7 @@ class PagedSession:
             >>> model = tiny_llama()
             >>> kv = PagedKVCache.for_model(model, num_pages=8, page_size=4, prefix_caching=True)
             >>> prompt = list(range(5, 15))                                  # 10 tokens
-            >>> with PagedSession(model, kv=kv) as session:
+            >>> with PagedSession(model, kv_cache=kv) as session:
             ...     a = session.add(prompt); _ = session.extend([a], [torch.tensor(prompt)])
             ...     b = session.add(prompt + [3])                             # same prompt, one more token
             ...     session.position(b)                                       # two full pages reused
@@ -407,10 +419,10 @@ class PagedSession:
             prefill=self._prefill,
             max_q_len=max_q,
         )
-        if packed and valid is not None and not isinstance(self.kv, LayeredKVCache):
+        if packed and valid is not None and not self.kv.tables_per_layer:
             return (plan, *self._pack(plan, input_ids, position_ids))
         plan.attn_kwargs = self._backend.prepare(plan)
-        if isinstance(self.kv, LayeredKVCache):  # a block table per layer, each prepared once
+        if self.kv.tables_per_layer:  # a block table per layer, each prepared once
             tables = [self.kv.block_table(seq_ids, layer=i)[0] for i in range(1, self.kv.num_layers)]
             plan.layer_tables = [(block_table, plan.attn_kwargs)] + [
                 (bt, self._backend.prepare(replace(plan, block_table=bt))) for bt in tables
