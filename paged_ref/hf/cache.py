@@ -24,14 +24,14 @@ the base class's per-layer storage (``self.layers`` stays empty).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.cache_utils import Cache
 
 from ..cache_interface import KVCache
 
-__all__ = ["StepPlan", "PagedCache"]
+__all__ = ["StepPlan", "PagedCache", "pack_rows"]
 
 
 @dataclass
@@ -197,3 +197,40 @@ class PagedCache(Cache):
 
     def __repr__(self) -> str:
         return f"PagedCache({self.kv!r})"
+
+
+def pack_rows(plan: StepPlan, input_ids, position_ids, prepare: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn ``plan``'s rectangle into one row of its valid tokens, split in parts for attention.
+
+    Returns ``(input_ids, position_ids)``, each ``[1, num_new]``, and sets ``plan.parts``: the
+    decode rows (one new token each) and the longer rows, each part with its own block table,
+    lengths and attention keywords prepared by ``prepare(sub_plan)`` (`StepPlan.parts`).
+    """
+    device = plan.kv.device
+    q_lens = plan.q_lens.tolist()
+    starts = [0]
+    for n in q_lens[:-1]:
+        starts.append(starts[-1] + n)
+    parts = []
+    for rows in ([b for b, n in enumerate(q_lens) if n == 1], [b for b, n in enumerate(q_lens) if n > 1]):
+        if not rows:
+            continue
+        index = torch.cat([torch.arange(starts[b], starts[b] + q_lens[b]) for b in rows]).to(device)  # [n]
+        sub_q = plan.q_lens[rows]  # [rows]
+        max_q = max(q_lens[b] for b in rows)
+        sub = replace(
+            plan,
+            seq_ids=[plan.seq_ids[b] for b in rows],
+            q_lens=sub_q,
+            valid=None
+            if all(q_lens[b] == max_q for b in rows)
+            else torch.arange(max_q, device=device)[None, :] < sub_q[:, None],  # [rows, max_q]
+            block_table=plan.block_table[rows],
+            seq_lens=plan.seq_lens[rows],
+            max_q_len=max_q,
+        )
+        sub.attn_kwargs = prepare(sub)
+        parts.append((index, sub))
+    valid = plan.valid
+    plan.parts, plan.valid = parts, None  # the cache writes the packed row's tokens in order
+    return input_ids[valid][None], position_ids[valid][None]  # [1, num_new] each

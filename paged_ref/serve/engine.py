@@ -155,7 +155,7 @@ class Engine:
             from ..hf.session import PagedSession  # transformers is imported only for a real model
 
             kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
-            self.session = PagedSession(model, kv=kv, backend=backend).open()
+            self.session = PagedSession(model, kv_cache=kv, backend=backend).open()
             self.vocab_size = model.config.vocab_size
             eos = eos_token_id
             if eos is None:
