@@ -128,8 +128,16 @@ class Reserved:
         """Logical pages a decode eviction may drop from a sequence of ``num_pages`` full pages."""
         return list(range(self.first_pages, num_pages - int(self.last_page)))
 
-    def min_budget(self, page_size: int) -> int:
-        """The smallest budget that leaves one page to evict besides the reserved ones."""
+    def flags(self) -> dict[str, bool]:
+        """The ``protect_first_page`` / ``protect_last_page`` arguments these reserved pages come from."""
+        return {"protect_first_page": bool(self.first_pages), "protect_last_page": self.last_page}
+
+    def min_budget(self, page_size: int, *, unit: str = "page") -> int:
+        """The smallest budget a policy evicting ``unit`` at a time can keep: room for the reserved
+        first pages and one page to evict (``"page"``), or for the reserved pages themselves
+        (``"token"``: any other token may go)."""
+        if unit == "token":
+            return (self.first_pages + int(self.last_page)) * page_size
         return (self.first_pages + 1) * page_size
 
 
@@ -241,7 +249,14 @@ class EvictionPolicy:
         return self._stats[seq_id]
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(budget={self.budget}, method={self.method!r})"
+        fields = self._repr_fields()
+        if self.decision != "shared":
+            fields["decision"] = self.decision
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+
+    def _repr_fields(self) -> dict:
+        """The constructor arguments `__repr__` shows (a subclass adds or replaces its own)."""
+        return {"budget": self.budget, "method": self.method}
 
     # ------------------------------------------------------------------ subclass interface
     def _prefill_evict(self, cache, seq_id) -> None:

@@ -200,12 +200,8 @@ class PagedEviction(_PagedDecode):
             pages.append(int(candidates[torch.argmin(scores[candidates])]))
         return pages
 
-    def __repr__(self) -> str:
-        return (
-            f"PagedEviction(budget={self.budget}, method={self.method!r}, reduce={self.reduce!r}, "
-            f"protect_first_page={bool(self.reserved.first_pages)}, protect_last_page={self.reserved.last_page}"
-            + (", decision='per_layer')" if self.decision == "per_layer" else ")")
-        )
+    def _repr_fields(self) -> dict:
+        return {**super()._repr_fields(), "reduce": self.reduce, **self.reserved.flags()}
 
 
 class StreamingLLM(_PagedDecode):
@@ -242,8 +238,8 @@ class StreamingLLM(_PagedDecode):
     def _choose_pages(self, cache, seq_id, candidates: list[int]) -> list[int]:
         return candidates[:1]  # the oldest page that holds no sink
 
-    def __repr__(self) -> str:
-        return f"StreamingLLM(budget={self.budget}, sink_tokens={self.sink_tokens})"
+    def _repr_fields(self) -> dict:
+        return {"budget": self.budget, "sink_tokens": self.sink_tokens}
 
 
 class TokenTopK(EvictionPolicy):
@@ -284,7 +280,7 @@ class TokenTopK(EvictionPolicy):
 
     def _check_cache(self, cache) -> None:
         super()._check_cache(cache)
-        need = (self.reserved.first_pages + int(self.reserved.last_page)) * cache.page_size
+        need = self.reserved.min_budget(cache.page_size, unit="token")
         if self.budget < need:
             raise ValueError(
                 f"budget must be >= {need} with page_size={cache.page_size} and the protected pages, "
@@ -302,12 +298,8 @@ class TokenTopK(EvictionPolicy):
         if cache.seq_len(seq_id) > self.budget:
             self._prefill_evict(cache, seq_id)  # the same top-C rule, now over one token too many
 
-    def __repr__(self) -> str:
-        return (
-            f"TokenTopK(budget={self.budget}, method={self.method!r}, "
-            f"protect_first_page={bool(self.reserved.first_pages)}, protect_last_page={self.reserved.last_page}"
-            + (", decision='per_layer')" if self.decision == "per_layer" else ")")
-        )
+    def _repr_fields(self) -> dict:
+        return {**super()._repr_fields(), **self.reserved.flags()}
 
     def _record_holes(self, page_size: int, seq_id: int) -> None:
         """Holes per page if every token had stayed at its original slot (never compacted).
