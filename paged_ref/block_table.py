@@ -38,6 +38,47 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
     return cdiv(num_tokens, page_size)
 
 
+def flat_slots(pages: list[int], start: int, num_tokens: int, page_size: int) -> torch.Tensor:
+    """Flat slots ``page * page_size + offset`` of tokens ``start .. start+num_tokens-1``, ``int64``.
+
+    No checks: for tables the caller built itself (the cache's own); `slot_mapping` checks its
+    arguments and calls this.
+    """
+    # plain Python then one tensor: a decode step reserves one token, where torch ops per call
+    # would cost more than the arithmetic
+    slots = [pages[t // page_size] * page_size + t % page_size for t in range(start, start + num_tokens)]
+    return torch.tensor(slots, dtype=torch.int64)  # [num_tokens]
+
+
+def pack_padded(tables: list[list[int]], seq_lens: list[int], *, device=None, pad: int = 0):
+    """``(block_table int32 [batch, max_pages], seq_lens int32 [batch])`` from well-formed page
+    lists, unchecked (`pad_block_tables` checks them and calls this)."""
+    max_pages = max((len(p) for p in tables), default=0)
+    block_table = torch.full((len(tables), max(max_pages, 1)), pad, dtype=torch.int32)  # [batch, max_pages]
+    for i, pages in enumerate(tables):
+        if pages:
+            block_table[i, : len(pages)] = torch.as_tensor(list(pages), dtype=torch.int32)
+    lens = torch.as_tensor(list(seq_lens), dtype=torch.int32)  # [batch]
+    return block_table.to(device), lens.to(device)
+
+
+def pack_csr(tables: list[list[int]], seq_lens: list[int], *, page_size: int, device=None):
+    """``(kv_indptr, kv_indices, kv_last_page_len)`` from well-formed page lists, unchecked
+    (`to_csr` checks them and calls this)."""
+    counts = [cdiv(n, page_size) for n in seq_lens]
+    indptr = torch.zeros(len(tables) + 1, dtype=torch.int32)  # [batch + 1]
+    indptr[1:] = torch.cumsum(torch.as_tensor(counts, dtype=torch.int64), 0).to(torch.int32)
+    flat = [p for pages, c in zip(tables, counts) for p in list(pages)[:c]]
+    indices = torch.as_tensor(flat, dtype=torch.int32)  # [total_pages]
+    last = torch.as_tensor(
+        [n - (c - 1) * page_size if c else 0 for n, c in zip(seq_lens, counts)], dtype=torch.int32
+    )  # [batch]
+    return indptr.to(device), indices.to(device), last.to(device)
+
+
+# ----------------------------------------------------------------- checked entry points
+
+
 def _check_tables(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size=None):
     """The page lists and lengths as lists, checked: ints, no page twice in a row, and with
     ``page_size`` enough pages for each length."""
@@ -83,13 +124,7 @@ def pad_block_tables(
     if page_size is not None:
         page_size = check_int("page_size", page_size, min_value=1)
     tables, seq_lens = _check_tables(tables, seq_lens, page_size)
-    max_pages = max((len(p) for p in tables), default=0)
-    block_table = torch.full((len(tables), max(max_pages, 1)), pad, dtype=torch.int32)  # [batch, max_pages]
-    for i, pages in enumerate(tables):
-        if pages:
-            block_table[i, : len(pages)] = torch.as_tensor(list(pages), dtype=torch.int32)
-    lens = torch.as_tensor(list(seq_lens), dtype=torch.int32)  # [batch]
-    return block_table.to(device), lens.to(device)
+    return pack_padded(tables, seq_lens, device=device, pad=pad)
 
 
 def to_csr(
@@ -102,15 +137,7 @@ def to_csr(
     """
     page_size = check_int("page_size", page_size, min_value=1)
     tables, seq_lens = _check_tables(tables, seq_lens, page_size)
-    counts = [pages_needed(n, page_size) for n in seq_lens]
-    indptr = torch.zeros(len(tables) + 1, dtype=torch.int32)  # [batch + 1]
-    indptr[1:] = torch.cumsum(torch.as_tensor(counts, dtype=torch.int64), 0).to(torch.int32)
-    flat = [p for pages, c in zip(tables, counts) for p in list(pages)[:c]]
-    indices = torch.as_tensor(flat, dtype=torch.int32)  # [total_pages]
-    last = torch.as_tensor(
-        [n - (c - 1) * page_size if c else 0 for n, c in zip(seq_lens, counts)], dtype=torch.int32
-    )  # [batch]
-    return indptr.to(device), indices.to(device), last.to(device)
+    return pack_csr(tables, seq_lens, page_size=page_size, device=device)
 
 
 def from_csr(
@@ -169,7 +196,4 @@ def slot_mapping(pages: Sequence[int], *, start: int, num_tokens: int, page_size
     if not all(type(pages[j]) is int and pages[j] >= 0 for j in used):  # the fast path: plain ints
         for j in used:
             check_int(f"pages[{j}]", pages[j], min_value=0)
-    # plain Python then one tensor: a decode step reserves one token, where torch ops per call
-    # would cost more than the arithmetic
-    slots = [pages[t // page_size] * page_size + t % page_size for t in range(start, end)]
-    return torch.tensor(slots, dtype=torch.int64)  # [num_tokens]
+    return flat_slots(pages, start, num_tokens, page_size)

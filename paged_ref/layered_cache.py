@@ -38,6 +38,7 @@ from .allocator import OutOfPagesError
 from .block_table import pages_needed
 from .cache import PagedKVCache
 from .memory import KVGeometry, model_geometry
+from .page_plan import compact_copies, truncate_cost
 
 __all__ = ["LayeredKVCache"]
 
@@ -128,6 +129,12 @@ class LayeredKVCache:
         seq_ids = self.seq_ids if seq_ids is None else check_list("seq_ids", seq_ids, "sequence ids")
         return self.pool.block_table([self._lane(s, layer) for s in seq_ids], device=device)
 
+    tables_per_layer = True  # each layer reads its own block table (`paged_ref.cache_interface`)
+
+    def layer_slots(self, slots: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s row of ``reserve``'s ``[num_layers, num_new]`` slots."""
+        return slots[layer]
+
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s K and V of the sequence, each ``[seq_len, num_kv_heads, head_dim]``."""
         return self.pool.gather(0, self._lane(seq_id, layer))
@@ -196,7 +203,11 @@ class LayeredKVCache:
         # A layer whose last kept page is shared copies it after giving back its cut pages.
         # Layers that only give back go first, then the copying ones, those giving back most
         # first: each then finds its copy's page free whenever the totals allow.
-        cost = {lane: self.pool._truncate_pages(self.pool._seq(lane), num_tokens) for lane in lanes}
+        refcount, ps = self.allocator.refcount, self.page_size
+        cost = {
+            lane: truncate_cost(self.pool.pages(lane), self.pool.seq_len(lane), num_tokens, refcount, page_size=ps)
+            for lane in lanes
+        }
         copies, released = sum(c for c, _ in cost.values()), sum(r for _, r in cost.values())
         if copies > self.allocator.num_free + released:
             raise OutOfPagesError(copies - released, self.allocator.num_free)
@@ -224,7 +235,10 @@ class LayeredKVCache:
         if not bool((counts == counts[0]).all()):
             raise ValueError(f"every layer must keep the same number of tokens, got {counts.tolist()}")
         # every layer copies its shared pages before giving any page back: count all copies first
-        copies = sum(len(self.pool._compact_copies(self.pool._seq(lane), int(counts[0]))) for lane in lanes)
+        n_keep, refcount = int(counts[0]), self.allocator.refcount
+        copies = sum(
+            len(compact_copies(self.pool.pages(lane), n_keep, refcount, page_size=self.page_size)) for lane in lanes
+        )
         if copies > self.allocator.num_free:
             raise OutOfPagesError(copies, self.allocator.num_free)
         for lane, row in zip(lanes, keep):

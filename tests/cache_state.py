@@ -97,10 +97,10 @@ def snapshot(cache, *, tensors: bool = True, exact: bool = True) -> Snapshot:
         "free": tuple(alloc._free) if exact else (),
         "cached": tuple(alloc._cached) if exact else tuple(sorted(alloc._cached)),
         "next_fresh": alloc._next_fresh if exact else None,
-        "prefix_index": dict(cache._prefix_index),
-        "page_hash": dict(cache._page_hash),
-        "page_tokens": dict(cache._page_tokens),
-        "pending": {p: (k, t, tuple(sorted(layers))) for p, (k, t, layers) in cache._pending.items()},
+        "prefix_index": dict(cache._prefix.page_of),
+        "page_hash": dict(cache._prefix.key_of),
+        "page_tokens": dict(cache._prefix.tokens_of),
+        "pending": {p: (k, t, tuple(sorted(layers))) for p, (k, t, layers) in cache._prefix.pending.items()},
         "prefix_hits": cache.prefix_hits,
     }
     return Snapshot(fields, tuple(t.clone() for t in (*cache.k_cache, *cache.v_cache)) if tensors else ())

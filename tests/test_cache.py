@@ -284,8 +284,8 @@ def test_equal_tokens_hit_within_a_namespace_and_miss_across():
     # another model (or adapter) writes different K/V for the same tokens: no reuse
     b = _prefix_cache(prefix_namespace={"model": "m1", "adapter": "lora-7"})
     _cached(b, prompt)
-    keys_b = set(b._prefix_index)
-    assert not keys_b & set(a._prefix_index)
+    keys_b = set(b._prefix.page_of)
+    assert not keys_b & set(a._prefix.page_of)
     # fields are tagged: moving text between fields gives another namespace
     c1 = _prefix_cache(prefix_namespace={"model": "ab", "adapter": "c"})
     c2 = _prefix_cache(prefix_namespace={"model": "a", "adapter": "bc"})
@@ -295,8 +295,8 @@ def test_equal_tokens_hit_within_a_namespace_and_miss_across():
 def test_a_key_alone_is_not_trusted():
     cache = _prefix_cache()
     _cached(cache, list(range(17)))
-    page = next(iter(cache._prefix_index.values()))
-    cache._page_tokens[page] = tuple(range(100, 116))  # as if another prefix sat there
+    page = next(iter(cache._prefix.page_of.values()))
+    cache._prefix.tokens_of[page] = tuple(range(100, 116))  # as if another prefix sat there
     assert cache.seq_len(cache.add_sequence(token_ids=list(range(17)))) == 0
 
 

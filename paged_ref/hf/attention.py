@@ -55,8 +55,10 @@ __all__ = [
     "register_backend",
     "auto_backend",
     "get_backend",
+    "paged_attention_active",
     "paged_attention_forward",
     "register",
+    "set_attn_implementation",
 ]
 
 ATTN_IMPLEMENTATION = "paged_ref"
@@ -285,3 +287,39 @@ def register() -> str:
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     return ATTN_IMPLEMENTATION
+
+
+class paged_attention_active:
+    """Within the ``with`` block the model's attention is ``"paged_ref"``; the previous one is
+    restored on exit, whatever happens (nested and concurrent sessions each restore their own).
+
+    It sets the config attribute the attention layers read (its setter recurses into sub-configs);
+    ``open`` has already checked once, with ``set_attn_implementation``, that the model accepts
+    the implementation. (``set_attn_implementation`` walks every module, which would happen
+    twice per forward.)
+    """
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.previous = self.model.config._attn_implementation
+        self.model.config._attn_implementation = ATTN_IMPLEMENTATION
+
+    def __exit__(self, *exc) -> None:
+        self.model.config._attn_implementation = self.previous
+
+
+def set_attn_implementation(model, name: str) -> None:
+    """Set ``model``'s attention implementation to ``name``, or raise if the model does not take it."""
+    setter = getattr(model, "set_attn_implementation", None)
+    if setter is not None:
+        setter(name)
+    else:  # pragma: no cover - transformers without set_attn_implementation
+        model.config._attn_implementation = name
+    if model.config._attn_implementation != name:  # e.g. a model that hard-codes its attention
+        raise TypeError(
+            f"{type(model).__name__} did not accept attn_implementation={name!r} (it stays "
+            f"{model.config._attn_implementation!r}); paged_ref.hf needs a model whose attention goes "
+            "through transformers.AttentionInterface (Llama, Mistral, Qwen2, SmolLM2, ...)"
+        )

@@ -50,7 +50,7 @@ import torch
 from .._validate import check_int
 from ..cache import PagedKVCache
 from .decoding import Decoding, resolve
-from .generate import _namespaces, _prepare, open_session
+from .inputs import open_session, prepare_inputs, prompt_namespaces
 
 __all__ = ["BeamStep", "BeamSearchOutput", "beam_search", "run_beam_search"]
 
@@ -200,8 +200,8 @@ def run_beam_search(
 ) -> BeamSearchOutput:
     """`beam_search` with its decoding arguments already resolved (also `generate`'s beam path)."""
     check_int("max_new_tokens", max_new_tokens, min_value=1)
-    prompts, eos, pad = _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
-    namespaces = _namespaces(namespace, len(prompts))
+    prompts, eos, pad = prepare_inputs(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+    namespaces = prompt_namespaces(namespace, len(prompts))
     session = open_session(model, prompts, max_new_tokens, decoding.num_beams, **pool)
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable, got {type(callback).__name__}")

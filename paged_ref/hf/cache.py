@@ -24,15 +24,14 @@ the base class's per-layer storage (``self.layers`` stays empty).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers.cache_utils import Cache
 
-from ..cache import PagedKVCache
-from ..layered_cache import LayeredKVCache
+from ..cache_interface import KVCache
 
-__all__ = ["StepPlan", "PagedCache"]
+__all__ = ["StepPlan", "PagedCache", "pack_rows"]
 
 
 @dataclass
@@ -40,7 +39,8 @@ class StepPlan:
     """Everything one forward needs to write and read the paged cache (built once, used by every layer).
 
     Attributes:
-        kv: the paged cache (a `PagedKVCache`, or a `LayeredKVCache` with a block table per layer).
+        kv: the paged cache (a `KVCache`: a `PagedKVCache`, or a `LayeredKVCache` with a block table
+            per layer).
         seq_ids: sequence id of each batch row, ``batch`` ints.
         slots: int64 ``[num_new]``, flat cache slot of each valid new token, rows in order
             (``[num_layers, num_new]`` on a `LayeredKVCache`: a row per layer).
@@ -66,7 +66,7 @@ class StepPlan:
             block table, lengths and ``attn_kwargs``. None: the rectangle as described above.
     """
 
-    kv: PagedKVCache | LayeredKVCache
+    kv: KVCache
     seq_ids: list[int]
     slots: torch.Tensor
     q_lens: torch.Tensor
@@ -101,7 +101,7 @@ class PagedCache(Cache):
     to the new tokens only.
 
     Args:
-        kv: the `PagedKVCache` (or `LayeredKVCache`) to write into.
+        kv_cache: the `KVCache` (`PagedKVCache` or `LayeredKVCache`) to write into.
 
     Example:
         >>> from paged_ref import PagedKVCache
@@ -111,14 +111,16 @@ class PagedCache(Cache):
         0
     """
 
-    def __init__(self, kv: PagedKVCache | LayeredKVCache):
-        if not isinstance(kv, (PagedKVCache, LayeredKVCache)):
-            raise TypeError(f"kv must be a paged_ref.PagedKVCache or LayeredKVCache, got {type(kv).__name__}")
+    def __init__(self, kv_cache: KVCache):
+        if not isinstance(kv_cache, KVCache):
+            raise TypeError(
+                f"kv_cache must be a paged_ref.PagedKVCache or LayeredKVCache, got {type(kv_cache).__name__}"
+            )
         try:
             super().__init__(layers=[])  # transformers >= 4.56: per-layer storage, unused here
         except TypeError:  # pragma: no cover - older base classes take no arguments
             super().__init__()
-        self.kv = kv
+        self.kv = kv_cache
         self.plan: StepPlan | None = None
 
     # ------------------------------------------------------------------ the one real method
@@ -145,9 +147,9 @@ class PagedCache(Cache):
             k, v = k.flatten(0, 1), v.flatten(0, 1)  # [batch * max_q_len, Hkv, D]
         else:
             k, v = k[plan.valid], v[plan.valid]  # [num_new, Hkv, D], row-major like slots
-        slots = plan.slots if plan.slots.dim() == 1 else plan.slots[layer_idx]  # [num_new]
-        # shared slots are the same in every layer: check them once per forward, at layer 0
-        check = layer_idx == 0 or plan.slots.dim() == 2
+        slots = plan.kv.layer_slots(plan.slots, layer_idx)  # [num_new]
+        # slots shared by every layer are checked once per forward, at layer 0
+        check = layer_idx == 0 or plan.kv.tables_per_layer
         plan.kv.write(layer_idx, slots, k.contiguous(), v.contiguous(), check_values=check)
         return key_states, value_states
 
@@ -195,3 +197,40 @@ class PagedCache(Cache):
 
     def __repr__(self) -> str:
         return f"PagedCache({self.kv!r})"
+
+
+def pack_rows(plan: StepPlan, input_ids, position_ids, prepare: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn ``plan``'s rectangle into one row of its valid tokens, split in parts for attention.
+
+    Returns ``(input_ids, position_ids)``, each ``[1, num_new]``, and sets ``plan.parts``: the
+    decode rows (one new token each) and the longer rows, each part with its own block table,
+    lengths and attention keywords prepared by ``prepare(sub_plan)`` (`StepPlan.parts`).
+    """
+    device = plan.kv.device
+    q_lens = plan.q_lens.tolist()
+    starts = [0]
+    for n in q_lens[:-1]:
+        starts.append(starts[-1] + n)
+    parts = []
+    for rows in ([b for b, n in enumerate(q_lens) if n == 1], [b for b, n in enumerate(q_lens) if n > 1]):
+        if not rows:
+            continue
+        index = torch.cat([torch.arange(starts[b], starts[b] + q_lens[b]) for b in rows]).to(device)  # [n]
+        sub_q = plan.q_lens[rows]  # [rows]
+        max_q = max(q_lens[b] for b in rows)
+        sub = replace(
+            plan,
+            seq_ids=[plan.seq_ids[b] for b in rows],
+            q_lens=sub_q,
+            valid=None
+            if all(q_lens[b] == max_q for b in rows)
+            else torch.arange(max_q, device=device)[None, :] < sub_q[:, None],  # [rows, max_q]
+            block_table=plan.block_table[rows],
+            seq_lens=plan.seq_lens[rows],
+            max_q_len=max_q,
+        )
+        sub.attn_kwargs = prepare(sub)
+        parts.append((index, sub))
+    valid = plan.valid
+    plan.parts, plan.valid = parts, None  # the cache writes the packed row's tokens in order
+    return input_ids[valid][None], position_ids[valid][None]  # [1, num_new] each

@@ -44,13 +44,20 @@ import torch
 
 from .._validate import check_list
 from ..cache import PagedKVCache
+from ..cache_interface import KVCache
 from ..eviction.policies import EvictionPolicy, resolve_policy
-from ..layered_cache import LayeredKVCache
 from ..memory import model_geometry
-from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, register
-from .cache import PagedCache, StepPlan
+from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, paged_attention_active, register, set_attn_implementation
+from .cache import PagedCache, StepPlan, pack_rows
 
 __all__ = ["PagedSession"]
+
+
+def _cache_argument(kv_cache, kv) -> tuple[str, KVCache | None]:
+    """The cache passed as ``kv_cache=`` or under its older name ``kv=``, with the name used."""
+    if kv is not None and kv_cache is not None:
+        raise TypeError("pass the cache as kv_cache= or as kv= (its older name), not both")
+    return ("kv", kv) if kv is not None else ("kv_cache", kv_cache)
 
 
 def _cache_keyword(model) -> str:
@@ -65,10 +72,11 @@ class PagedSession:
     Args:
         model: a transformers causal LM whose attention goes through `AttentionInterface`
             (Llama, Mistral, Qwen2, SmolLM2, ...), in eval mode.
-        kv: a `PagedKVCache` (or a `LayeredKVCache`, for per-layer eviction decisions) matching
-            the model (layers, KV heads, head_dim, dtype, device), or None to create a
-            `PagedKVCache` with `num_pages` pages of `page_size` tokens.
-        num_pages, page_size: size of the cache created when `kv` is None.
+        kv_cache: a `KVCache` (`PagedKVCache`, or `LayeredKVCache` for per-layer eviction
+            decisions) matching the model (layers, KV heads, head_dim, dtype, device), or None to
+            create a `PagedKVCache` with `num_pages` pages of `page_size` tokens. ``kv=`` is the
+            same argument under its older name (still accepted; pass one of the two).
+        num_pages, page_size: size of the cache created when `kv_cache` is None.
         backend: ``"auto"`` (default: ``"triton"`` on CUDA, ``"sdpa"`` elsewhere), ``"reference"``
             (the oracle), ``"flex"``, ``"triton"`` or ``"sdpa"`` (see `paged_ref.hf.attention`);
             ``session.backend`` names the one in use.
@@ -88,24 +96,28 @@ class PagedSession:
         self,
         model,
         *,
-        kv: PagedKVCache | None = None,
+        kv_cache: KVCache | None = None,
         num_pages: int | None = None,
         page_size: int = 16,
         backend: str = AUTO,
         eviction=None,
         budget: int | None = None,
+        kv: KVCache | None = None,
     ):
+        name, kv = _cache_argument(kv_cache, kv)
         eviction = resolve_policy(eviction, budget)
         geometry = model_geometry(model)
         backend_ = get_backend(backend, geometry.device)  # a kv given must match this device (below)
         if kv is None:
             kv = PagedKVCache(num_pages=num_pages, page_size=page_size, **geometry.cache_kwargs)
-        elif not isinstance(kv, (PagedKVCache, LayeredKVCache)):
-            raise TypeError(f"kv must be a paged_ref.PagedKVCache, a LayeredKVCache or None, got {type(kv).__name__}")
+        elif not isinstance(kv, KVCache):
+            raise TypeError(
+                f"{name} must be a paged_ref.PagedKVCache, a LayeredKVCache or None, got {type(kv).__name__}"
+            )
         else:
             need, got = geometry.cache_kwargs, kv.geometry.cache_kwargs
             if got != need:
-                raise ValueError(f"kv does not match the model: the model needs {need}, kv has {got}")
+                raise ValueError(f"{name} does not match the model: the model needs {need}, {name} has {got}")
         self.model = model
         self.kv = kv
         self._backend = backend_
@@ -128,9 +140,9 @@ class PagedSession:
             register()
             previous = self.model.config._attn_implementation
             try:  # the full switch once: raises TypeError if the model refuses the implementation
-                _set_attn_implementation(self.model, ATTN_IMPLEMENTATION)
+                set_attn_implementation(self.model, ATTN_IMPLEMENTATION)
             finally:
-                _set_attn_implementation(self.model, previous)
+                set_attn_implementation(self.model, previous)
             self._open = True
             self._closed = False
         return self
@@ -170,7 +182,7 @@ class PagedSession:
             >>> model = tiny_llama()
             >>> kv = PagedKVCache.for_model(model, num_pages=8, page_size=4, prefix_caching=True)
             >>> prompt = list(range(5, 15))                                  # 10 tokens
-            >>> with PagedSession(model, kv=kv) as session:
+            >>> with PagedSession(model, kv_cache=kv) as session:
             ...     a = session.add(prompt); _ = session.extend([a], [torch.tensor(prompt)])
             ...     b = session.add(prompt + [3])                             # same prompt, one more token
             ...     session.position(b)                                       # two full pages reused
@@ -258,7 +270,8 @@ class PagedSession:
             all_logits: return the logits of every new token instead of only the last.
             packed: when the rows have different lengths (a prompt chunk next to decodes), feed the
                 model one row of all the new tokens instead of a ``[batch, max_n_b]`` rectangle, so
-                that the padding is not computed (`_pack`); same logits. Not on a `LayeredKVCache`.
+                that the padding is not computed (`paged_ref.hf.cache.pack_rows`); same logits. Not
+                on a `LayeredKVCache`.
 
         Returns:
             all_logits False: ``[batch, vocab]`` float32, logits after each sequence's last new token.
@@ -319,7 +332,7 @@ class PagedSession:
             keep = torch.tensor(last, device=device)
         self._hf_cache.plan = plan
         try:
-            with _paged_attention(self.model):
+            with paged_attention_active(self.model):
                 out = self.model(
                     input_ids=input_ids,
                     position_ids=position_ids,
@@ -407,10 +420,10 @@ class PagedSession:
             prefill=self._prefill,
             max_q_len=max_q,
         )
-        if packed and valid is not None and not isinstance(self.kv, LayeredKVCache):
-            return (plan, *self._pack(plan, input_ids, position_ids))
+        if packed and valid is not None and not self.kv.tables_per_layer:
+            return (plan, *pack_rows(plan, input_ids, position_ids, self._backend.prepare))
         plan.attn_kwargs = self._backend.prepare(plan)
-        if isinstance(self.kv, LayeredKVCache):  # a block table per layer, each prepared once
+        if self.kv.tables_per_layer:  # a block table per layer, each prepared once
             tables = [self.kv.block_table(seq_ids, layer=i)[0] for i in range(1, self.kv.num_layers)]
             plan.layer_tables = [(block_table, plan.attn_kwargs)] + [
                 (bt, self._backend.prepare(replace(plan, block_table=bt))) for bt in tables
@@ -423,42 +436,6 @@ class PagedSession:
         for s, mark in reversed(list(zip(seq_ids, marks))):
             self.kv._rewind(s, mark)
 
-    def _pack(self, plan: StepPlan, input_ids, position_ids):
-        """Turn ``plan``'s rectangle into one row of its valid tokens, split in parts for attention.
-
-        Returns ``(input_ids, position_ids)``, each ``[1, num_new]``, and sets ``plan.parts``: the
-        decode rows (one new token each) and the longer rows, each part with its own block table,
-        lengths and prepared attention keywords (`StepPlan.parts`).
-        """
-        device = self.kv.device
-        q_lens = plan.q_lens.tolist()
-        starts = [0]
-        for n in q_lens[:-1]:
-            starts.append(starts[-1] + n)
-        parts = []
-        for rows in ([b for b, n in enumerate(q_lens) if n == 1], [b for b, n in enumerate(q_lens) if n > 1]):
-            if not rows:
-                continue
-            index = torch.cat([torch.arange(starts[b], starts[b] + q_lens[b]) for b in rows]).to(device)  # [n]
-            sub_q = plan.q_lens[rows]  # [rows]
-            max_q = max(q_lens[b] for b in rows)
-            sub = replace(
-                plan,
-                seq_ids=[plan.seq_ids[b] for b in rows],
-                q_lens=sub_q,
-                valid=None
-                if all(q_lens[b] == max_q for b in rows)
-                else torch.arange(max_q, device=device)[None, :] < sub_q[:, None],  # [rows, max_q]
-                block_table=plan.block_table[rows],
-                seq_lens=plan.seq_lens[rows],
-                max_q_len=max_q,
-            )
-            sub.attn_kwargs = self._backend.prepare(sub)
-            parts.append((index, sub))
-        valid = plan.valid
-        plan.parts, plan.valid = parts, None  # the cache writes the packed row's tokens in order
-        return input_ids[valid][None], position_ids[valid][None]  # [1, num_new] each
-
     def _after_forward(self, seq_id: int, *, phase_prefill: bool) -> None:
         """The eviction hooks: let the sequence's policy shrink its cache (see the module docstring)."""
         policy = self._policies[seq_id]
@@ -469,38 +446,3 @@ class PagedSession:
             policy.after_prefill(self.kv, seq_id)
         else:
             policy.after_append(self.kv, seq_id)
-
-
-class _paged_attention:
-    """Within the ``with`` block the model's attention is ``"paged_ref"``; the previous one is
-    restored on exit, whatever happens (nested and concurrent sessions each restore their own).
-
-    It sets the config attribute the attention layers read (its setter recurses into sub-configs);
-    ``open`` has already checked once, with ``set_attn_implementation``, that the model accepts
-    the implementation. (``set_attn_implementation`` walks every module, which would happen
-    twice per forward.)
-    """
-
-    def __init__(self, model):
-        self.model = model
-
-    def __enter__(self):
-        self.previous = self.model.config._attn_implementation
-        self.model.config._attn_implementation = ATTN_IMPLEMENTATION
-
-    def __exit__(self, *exc) -> None:
-        self.model.config._attn_implementation = self.previous
-
-
-def _set_attn_implementation(model, name: str) -> None:
-    setter = getattr(model, "set_attn_implementation", None)
-    if setter is not None:
-        setter(name)
-    else:  # pragma: no cover - transformers without set_attn_implementation
-        model.config._attn_implementation = name
-    if model.config._attn_implementation != name:  # e.g. a model that hard-codes its attention
-        raise TypeError(
-            f"{type(model).__name__} did not accept attn_implementation={name!r} (it stays "
-            f"{model.config._attn_implementation!r}); paged_ref.hf needs a model whose attention goes "
-            "through transformers.AttentionInterface (Llama, Mistral, Qwen2, SmolLM2, ...)"
-        )

@@ -42,7 +42,6 @@ import heapq
 import math
 import numbers
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -50,48 +49,13 @@ from .._validate import check_choice, check_int
 from ..cache import PagedKVCache
 from ..eviction.policies import EvictionPolicy
 from .dry import DrySession
+from .metrics import StepRecord, engine_stats
 from .request import FINISHED, PENDING, Request, RequestOutput
 from .scheduler import PREEMPTIONS, RESERVATIONS, Scheduler
 
 __all__ = ["CLOCKS", "Engine", "StepRecord"]
 
 CLOCKS = ("simulated", "real", "steps")
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """What one step did (``Engine.history``). Times in seconds of wall time, whatever the clock.
-
-    ``owners``/``fill`` (with ``Engine(trace=True)``): per physical page, the request holding it
-    (-1: free; a page shared by several requests names the oldest) and the tokens stored in it,
-    right after the step's forward.
-    """
-
-    step: int
-    now: float  # the engine's clock after the step
-    rows: int  # requests in the forward
-    decode_rows: int  # of which decoding one token
-    tokens: int  # tokens fed (decodes + prefill chunks)
-    pages_used: int  # pages held during the forward (before eviction hooks and finishes)
-    committed_pages: int  # pages held or committed to running requests (reservations)
-    running: int
-    waiting: int
-    swapped: int
-    preempted: tuple[int, ...]  # request ids preempted while planning this step
-    admitted: tuple[int, ...]
-    finished: tuple[int, ...]
-    step_s: float
-    schedule_s: float  # planning the step: queues, admission, preemption, swaps
-    plan_s: float  # the session laying out the forward (slots, block table, attention inputs)
-    forward_s: float  # the model's forward, plan excluded
-    post_s: float  # sampling and finishing requests
-    owners: tuple[int, ...] | None = None
-    fill: tuple[int, ...] | None = None
-
-    @property
-    def overhead_s(self) -> float:
-        """The engine's own time in the step: everything but the model's forward."""
-        return self.schedule_s + self.plan_s + self.post_s
 
 
 class Engine:
@@ -155,7 +119,7 @@ class Engine:
             from ..hf.session import PagedSession  # transformers is imported only for a real model
 
             kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
-            self.session = PagedSession(model, kv=kv, backend=backend).open()
+            self.session = PagedSession(model, kv_cache=kv, backend=backend).open()
             self.vocab_size = model.config.vocab_size
             eos = eos_token_id
             if eos is None:
@@ -454,43 +418,15 @@ class Engine:
         or committed to running requests (``"exact"``/``"max_len"``); ``overhead_share``: the engine's
         own time (scheduling, laying out the forward, sampling) over the steps' wall time.
         """
-        done = [r for r in self._requests if r.status == FINISHED and r.finish_reason != "abort"]
-        span = 0.0
-        if done:
-            span = max(r.finish_s for r in done) - min(r.arrival_s for r in done)
-        h = self.history
-        busy = sum(s.step_s for s in h)
-        overhead = sum(s.overhead_s for s in h)
-        c = self._counts
-        return {
-            "clock": self.clock,
-            "steps": len(h),
-            "tokens": c["generated"],
-            "tokens_per_s": c["generated"] / span if span > 0 else None,
-            "span_s": span,
-            "busy_s": busy,
-            "prompt_tokens": c["prompt_tokens"],
-            "recomputed_tokens": c["recomputed_tokens"],
-            "prefix_hit_tokens": c["prefix_hit_tokens"],
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "swapped": len(self.scheduler.swapped),
-            "pending": len(self._pending),
-            "peak_running": c["peak_running"],
-            "mean_running": sum(s.rows for s in h) / len(h) if h else 0.0,
-            "peak_pages": c["peak_pages"],
-            "peak_committed_pages": c["peak_committed_pages"],
-            "free_pages": self.kv.allocator.num_free,
-            "num_pages": self.kv.num_pages,
-            "preemptions": self.scheduler.preemptions,
-            "swapped_out_tokens": self.scheduler.swap.swapped_out_tokens,
-            "swapped_in_tokens": self.scheduler.swap.swapped_in_tokens,
-            "schedule_s": sum(s.schedule_s for s in h),
-            "plan_s": sum(s.plan_s for s in h),
-            "forward_s": sum(s.forward_s for s in h),
-            "post_s": sum(s.post_s for s in h),
-            "overhead_share": overhead / busy if busy > 0 else None,
-        }
+        return engine_stats(
+            clock=self.clock,
+            requests=self._requests,
+            history=self.history,
+            counts=self._counts,
+            scheduler=self.scheduler,
+            pending=len(self._pending),
+            kv=self.kv,
+        )
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

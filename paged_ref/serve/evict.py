@@ -28,7 +28,7 @@ Example:
 
 from __future__ import annotations
 
-from ..eviction.policies import NO_LIMIT, EvictionPolicy
+from ..eviction.base import NO_LIMIT, EvictionPolicy
 
 __all__ = ["AfterPrompt"]
 
@@ -49,23 +49,23 @@ class AfterPrompt(EvictionPolicy):
         self.name = inner.name
         self._started: set[int] = set()  # sequences whose prompt `inner` has seen
 
-    def after_prefill(self, cache, seq_id: int) -> None:
-        self._hook(cache, seq_id)
+    def after_prefill(self, kv_cache, seq_id: int) -> None:
+        self._hook(kv_cache, seq_id)
 
-    def after_append(self, cache, seq_id: int) -> None:
-        self._hook(cache, seq_id)
+    def after_append(self, kv_cache, seq_id: int) -> None:
+        self._hook(kv_cache, seq_id)
 
-    def _hook(self, cache, seq_id: int) -> None:
+    def _hook(self, kv_cache, seq_id: int) -> None:
         if seq_id in self._started:
-            self.inner.after_append(cache, seq_id)
-        elif cache.seq_len(seq_id) >= self.prompt_len:  # the whole prompt is in: evict it as generate would
+            self.inner.after_append(kv_cache, seq_id)
+        elif kv_cache.seq_len(seq_id) >= self.prompt_len:  # the whole prompt is in: evict it as generate would
             self._started.add(seq_id)
-            self.inner.after_prefill(cache, seq_id)
+            self.inner.after_prefill(kv_cache, seq_id)
 
-    def tokens_until_action(self, cache, seq_id: int, *, _length: int | None = None) -> int:
+    def tokens_until_action(self, kv_cache, seq_id: int) -> int:
         if seq_id not in self._started:
             return NO_LIMIT
-        return self.inner.tokens_until_action(cache, seq_id, _length=_length)
+        return self.inner.tokens_until_action(kv_cache, seq_id)
 
     def release(self, seq_id: int) -> None:
         self._started.discard(seq_id)

@@ -55,17 +55,19 @@ class SwapSpace:
     def bytes(self) -> int:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self._held.values())
 
-    def swap_out(self, kv: PagedKVCache, seq_id: int) -> None:
+    def swap_out(self, kv_cache: PagedKVCache, seq_id: int) -> None:
         """Copy ``seq_id``'s K/V to host memory and give its pages back (it keeps 0 tokens)."""
-        layers = [kv.gather(layer, seq_id) for layer in range(kv.num_layers)]  # each ([n, Hkv, D], [n, Hkv, D])
+        layers = [
+            kv_cache.gather(layer, seq_id) for layer in range(kv_cache.num_layers)
+        ]  # each ([n, Hkv, D], [n, Hkv, D])
         k = torch.stack([k for k, _ in layers]).cpu()  # [layers, n, Hkv, D]
         v = torch.stack([v for _, v in layers]).cpu()
-        kv.truncate(seq_id, kv.seq_len(seq_id))
+        kv_cache.truncate(seq_id, kv_cache.seq_len(seq_id))
         self._held[seq_id] = (k, v)
         self.swapped_out_tokens += k.shape[1]
         self.peak_bytes = max(self.peak_bytes, self.bytes)
 
-    def swap_in(self, kv: PagedKVCache, seq_id: int, token_ids: list[int] | None = None) -> None:
+    def swap_in(self, kv_cache: PagedKVCache, seq_id: int, token_ids: list[int] | None = None) -> None:
         """Write ``seq_id``'s K/V back into fresh pages (raises `OutOfPagesError`, keeping the copy, if short).
 
         ``token_ids``: the held tokens' ids, so that a prefix-caching cache offers the pages again.
@@ -74,9 +76,11 @@ class SwapSpace:
         if not k.shape[1]:  # swapped out before it held a token
             del self._held[seq_id]
             return
-        slots = kv.reserve(seq_id, k.shape[1], token_ids=token_ids)  # [n]
-        for layer in range(kv.num_layers):
-            kv.write(layer, slots, k[layer].to(kv.device), v[layer].to(kv.device), check_values=layer == 0)
+        slots = kv_cache.reserve(seq_id, k.shape[1], token_ids=token_ids)  # [n]
+        for layer in range(kv_cache.num_layers):
+            kv_cache.write(
+                layer, slots, k[layer].to(kv_cache.device), v[layer].to(kv_cache.device), check_values=layer == 0
+            )
         del self._held[seq_id]
         self.swapped_in_tokens += k.shape[1]
 

@@ -1,0 +1,97 @@
+"""`KVCache`: what the model glue (`paged_ref.hf`), eviction and serving ask of a paged KV cache.
+
+Two classes implement it: `paged_ref.cache.PagedKVCache` (one block table per sequence serves
+every layer, as in vLLM) and `paged_ref.layered_cache.LayeredKVCache` (a block table per
+layer, for per-layer eviction decisions). Code written against `KVCache` never asks which one
+it holds: the per-layer questions are methods.
+
+- ``tables_per_layer``: False when one block table serves every layer, True when each layer
+  has its own (then ``block_table(..., layer=i)`` differs per layer and an eviction policy
+  may decide per layer).
+- ``block_table(seq_ids, device, layer=i)``: layer ``i``'s table (the same for every ``i``
+  when ``tables_per_layer`` is False).
+- ``layer_slots(slots, layer)``: the slots layer ``layer`` writes, out of what ``reserve`` /
+  ``reserve_batch`` returned (``[num_new]`` shared by every layer, or ``[num_layers, num_new]``).
+
+Example:
+    >>> from paged_ref import LayeredKVCache, PagedKVCache
+    >>> shape = dict(num_layers=2, num_pages=4, page_size=2, num_kv_heads=1, head_dim=2)
+    >>> for kv in (PagedKVCache(**shape), LayeredKVCache(**shape)):
+    ...     s = kv.add_sequence()
+    ...     slots = kv.reserve(s, 3)
+    ...     print(isinstance(kv, KVCache), kv.tables_per_layer, kv.layer_slots(slots, 1).tolist())
+    True False [0, 1, 2]
+    True True [4, 5, 6]
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from .allocator import PageAllocator
+from .memory import KVGeometry
+
+__all__ = ["KVCache"]
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """The paged KV cache interface (see the module docstring); all-or-nothing operations."""
+
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    allocator: PageAllocator
+    prefix_caching: bool
+    tables_per_layer: bool
+
+    @property
+    def k_cache(self) -> list[torch.Tensor]:
+        """Layer ``i``'s K pages ``[pages, page_size, num_kv_heads, head_dim]`` (``v_cache`` alike)."""
+
+    @property
+    def v_cache(self) -> list[torch.Tensor]: ...
+
+    @property
+    def geometry(self) -> KVGeometry: ...
+
+    @property
+    def seq_ids(self) -> list[int]: ...
+
+    def seq_len(self, seq_id: int) -> int: ...
+
+    def block_table(self, seq_ids=None, device=None, *, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s ``(block_table int32 [batch, max_pages], seq_lens int32 [batch])``."""
+
+    def layer_slots(self, slots: torch.Tensor, layer: int) -> torch.Tensor:
+        """The ``int64 [num_new]`` slots layer ``layer`` writes, out of a step's reserved slots."""
+
+    def add_sequence(self, token_ids=None, *, namespace: dict | None = None) -> int: ...
+
+    def fork(self, seq_id: int) -> int: ...
+
+    def reserve(self, seq_id: int, num_tokens: int) -> torch.Tensor: ...
+
+    def reserve_batch(self, seq_ids, num_tokens, token_ids=None) -> list[torch.Tensor]: ...
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> None: ...
+
+    def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def truncate(self, seq_id: int, num_tokens: int) -> None: ...
+
+    def compact(self, seq_id: int, keep: torch.Tensor) -> None: ...
+
+    def drop_pages(self, seq_id: int, logical_pages) -> None: ...
+
+    def free(self, seq_id: int) -> None: ...
+
+    # a failed forward's rollback (`paged_ref.cache_rollback`): the session marks, then rewinds
+    def _mark(self, seq_id: int): ...
+
+    def _rewind(self, seq_id: int, saved) -> None: ...

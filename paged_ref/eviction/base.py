@@ -1,0 +1,365 @@
+"""The eviction policy base class: the hooks a generation loop calls, and the helpers every policy shares.
+
+Shared or per-layer decisions (``decision=``). On a `PagedKVCache` a physical page id indexes
+the same page in every layer and a sequence has ONE block table for all layers (as in vLLM), so
+evicting page ``j`` removes it from every layer at once: ``decision="shared"`` (the default).
+Each layer still contributes its own evidence: token scores are computed per layer from that
+layer's cached K/V and averaged over layers (`sequence_scores`). Raw scores are averaged, so a
+layer whose ||V||/||K|| runs larger weighs more; averaging ranks instead would weigh layers
+equally. ``decision="per_layer"`` (what the authors' code does) lets every layer keep its own
+tokens: each layer ranks by its own scores and drops its own page, which needs a block table per
+layer, i.e. a `paged_ref.layered_cache.LayeredKVCache` (every layer holds as many tokens, so the
+page bound is the same per layer). Internally a policy keeps one row of positions per decision
+("lane"): one row when shared, one per layer otherwise.
+
+Two consequences of the decode rule worth knowing: (1) at the moment a decode eviction happens
+every held page is full (the newest just filled), so ``reduce="mean"`` and ``"sum"`` choose
+the same page; they differ only on partial pages. (2) The prompt is held whole between its
+prefill and `after_prefill`, so the page bound applies from `after_prefill` on.
+
+The hooks a generation loop calls (`paged_ref.hf` does):
+
+    policy.after_prefill(cache, seq_id)   # once, after the prompt's K/V are written
+    policy.after_append(cache, seq_id)    # after every decode step's K/V are written
+    policy.release(seq_id)                # when the sequence is freed
+
+The caller tracks RoPE positions (a cached K already carries its rotation, so evicting tokens
+never changes the positions of the tokens that stay or of the tokens to come).
+`tokens_until_action` says how many tokens may be appended before the next hook call, so a
+teacher-forced evaluation can feed a chunk at once and get exactly the token-by-token result.
+
+`EvictionPolicy` tracks each sequence's original token positions and its `EvictionStats`;
+a subclass (`paged_ref.eviction.policies`) decides what to evict. `Reserved` names the pages a
+policy never evicts; `sequence_scores` averages a token score over layers; `max_pages_held` is
+the page bound every policy keeps.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .._arith import cdiv
+from .._validate import check_choice, check_int
+from ..block_table import pages_needed
+from ..cache_interface import KVCache
+from .scores import SCORE_METHODS, token_scores
+
+__all__ = [
+    "DECISIONS",
+    "NO_LIMIT",
+    "EvictionPolicy",
+    "EvictionStats",
+    "Reserved",
+    "max_pages_held",
+    "sequence_scores",
+]
+
+DECISIONS = ("shared", "per_layer")  # one eviction decision for all layers, or one per layer
+NO_LIMIT = sys.maxsize  # tokens_until_action of a policy that never acts
+
+
+def max_pages_held(budget: int, page_size: int) -> int:
+    """The bound every policy keeps: ``ceil(budget / page_size) + 1`` pages per sequence."""
+    return cdiv(check_int("budget", budget, min_value=1), check_int("page_size", page_size, min_value=1)) + 1
+
+
+def sequence_scores(
+    cache: KVCache, seq_id: int, method: str, *, generator: torch.Generator | None = None, layers=None
+) -> torch.Tensor:
+    """One score per held token of ``seq_id``: `token_scores` of each layer, averaged over layers.
+
+    Args:
+        cache, seq_id: the sequence to score.
+        method: a `SCORE_METHODS` name; ``"random"`` draws once (not per layer) from ``generator``.
+        layers: layer indices to average over (default: all).
+
+    Returns:
+        float32 ``[seq_len]`` in the sequence's logical order.
+    """
+    check_choice("method", method, SCORE_METHODS)
+    n = cache.seq_len(seq_id)
+    if method == "random":
+        return torch.rand(n, generator=generator)  # [seq_len]
+    if layers is None:
+        layers = range(cache.num_layers)
+    else:
+        if isinstance(layers, (int, str)) or not hasattr(layers, "__iter__"):
+            raise TypeError(f"layers must be None or a list of layer indices, got {layers!r}")
+        layers = [check_int("layers[i]", i, min_value=0) for i in layers]
+        if not layers or max(layers) >= cache.num_layers:
+            raise ValueError(f"layers must list at least one layer index in [0, {cache.num_layers}), got {layers}")
+    total = torch.zeros(n, dtype=torch.float32, device=cache.device)  # [seq_len]
+    for layer in layers:
+        k, v = cache.gather(layer, seq_id)  # each [seq_len, num_kv_heads, head_dim]
+        total += token_scores(k, v, method)
+    return (total / len(layers)).cpu()
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """Pages a policy never evicts: the first ``first_pages`` pages and, if ``last_page``, the newest.
+
+    PagedEviction's authors keep the first and the last block at prefill and never evict page 0
+    or the newest page during decode; StreamingLLM reserves the pages that hold its sink tokens.
+    One helper serves every policy, so "protected" means the same thing in all of them.
+
+    Example:
+        >>> r = Reserved(first_pages=1, last_page=True)
+        >>> r.tokens(10, page_size=4).int().tolist(), r.candidate_pages(5), r.min_budget(4)
+        ([1, 1, 1, 1, 0, 0, 1, 1, 1, 1], [1, 2, 3], 8)
+    """
+
+    first_pages: int
+    last_page: bool
+
+    def tokens(self, n: int, page_size: int) -> torch.Tensor:
+        """bool ``[n]``: the tokens of a ``n``-token sequence that must stay (prefill eviction)."""
+        protected = torch.zeros(n, dtype=torch.bool)  # [n]
+        protected[: self.first_pages * page_size] = True
+        if self.last_page:
+            protected[max(0, n - page_size) :] = True
+        return protected
+
+    def candidate_pages(self, num_pages: int) -> list[int]:
+        """Logical pages a decode eviction may drop from a sequence of ``num_pages`` full pages."""
+        return list(range(self.first_pages, num_pages - int(self.last_page)))
+
+    def flags(self) -> dict[str, bool]:
+        """The ``protect_first_page`` / ``protect_last_page`` arguments these reserved pages come from."""
+        return {"protect_first_page": bool(self.first_pages), "protect_last_page": self.last_page}
+
+    def min_budget(self, page_size: int, *, unit: str = "page") -> int:
+        """The smallest budget a policy evicting ``unit`` at a time can keep: room for the reserved
+        first pages and one page to evict (``"page"``), or for the reserved pages themselves
+        (``"token"``: any other token may go)."""
+        if unit == "token":
+            return (self.first_pages + int(self.last_page)) * page_size
+        return (self.first_pages + 1) * page_size
+
+
+@dataclass
+class EvictionStats:
+    """What a policy did to one sequence (all counts cumulative).
+
+    Attributes:
+        tokens_seen: tokens ever appended to the sequence (prompt + decode).
+        tokens_evicted: tokens removed (by compaction or with their page).
+        pages_dropped: whole pages removed by decode-time page eviction.
+        compactions: calls to ``PagedKVCache.compact`` (prefill eviction, token eviction).
+        tokens_moved: tokens copied to a new slot by those compactions (each copy is one
+            token's K and V in every layer; per-layer decisions move each layer's tokens apart
+            and count the mean over layers); tokens already in place are not counted.
+        max_pages_held: the most pages the sequence held from `after_prefill` on, counting the
+            tokens appended before each `after_append` evicts (the prompt, held whole until
+            `after_prefill`, is not counted).
+        max_holes_per_page: token_topk only: the most evicted slots per held page the same
+            evictions would leave if the cache were never compacted (tokens stay where they
+            were written; a page is held while any of its tokens survives).
+    """
+
+    tokens_seen: int = 0
+    tokens_evicted: int = 0
+    pages_dropped: int = 0
+    compactions: int = 0
+    tokens_moved: int = 0
+    max_pages_held: int = 0
+    max_holes_per_page: float = 0.0
+
+
+class EvictionPolicy:
+    """Base class: tracks each sequence's token positions and stats; subclasses evict.
+
+    Args:
+        budget: C, the tokens a sequence may hold (None only for `FullCache`).
+        method: score method (see `paged_ref.eviction.scores`).
+        seed: seed of the generator used by ``method="random"``.
+        decision: ``"shared"`` (one decision for all layers, on a `PagedKVCache`) or
+            ``"per_layer"`` (on a `LayeredKVCache`); subclasses that support it take it.
+    """
+
+    name = "base"
+
+    def __init__(self, budget: int | None, *, method: str = "value_key_ratio", seed: int = 0, decision: str = "shared"):
+        self.budget = None if budget is None else check_int("budget", budget, min_value=1)
+        self.method = check_choice("method", method, SCORE_METHODS)
+        self.seed = check_int("seed", seed, min_value=0)
+        self.decision = check_choice("decision", decision, DECISIONS)
+        self._generator = torch.Generator().manual_seed(self.seed)
+        # seq -> int64 [lanes, seq_len]: original index of each held token, one row per decision
+        # (one row when shared; one per layer with decision="per_layer")
+        self._positions: dict[int, torch.Tensor] = {}
+        self._stats: dict[int, EvictionStats] = {}
+
+    # ------------------------------------------------------------------ hooks
+    def after_prefill(self, kv_cache: KVCache, seq_id: int) -> None:
+        """Call once the prompt's K/V are written: evicts down to the budget (token level)."""
+        self._check_cache(kv_cache)
+        self._sync(kv_cache, seq_id)
+        if self.budget is not None and kv_cache.seq_len(seq_id) > self.budget:
+            self._prefill_evict(kv_cache, seq_id)
+        self._record(kv_cache, seq_id)
+
+    def after_append(self, kv_cache: KVCache, seq_id: int) -> None:
+        """Call after each decode step's K/V are written (or a chunk of `tokens_until_action`).
+
+        The first hook call for a sequence is always a prefill: on a sequence this policy has
+        not seen yet (e.g. a one-token prompt), this runs `after_prefill`.
+        """
+        self._check_cache(kv_cache)
+        if seq_id not in self._positions:
+            self.after_prefill(kv_cache, seq_id)
+            return
+        before = self._held(seq_id)
+        limit = before + self._room(kv_cache.page_size, before)
+        if kv_cache.seq_len(seq_id) > limit:
+            raise ValueError(
+                f"sequence {seq_id} grew from {before} to {kv_cache.seq_len(seq_id)} tokens since the last hook call, "
+                f"past {limit} where {self.name} must act; append at most tokens_until_action() tokens between calls"
+            )
+        self._sync(kv_cache, seq_id)
+        self._record(kv_cache, seq_id)  # the peak: the appended tokens held, before this eviction
+        self._decode_evict(kv_cache, seq_id)
+
+    def release(self, seq_id: int) -> None:
+        """Forget a sequence (call when it is freed from the cache)."""
+        self._positions.pop(seq_id, None)
+        self._stats.pop(seq_id, None)
+
+    def tokens_until_action(self, kv_cache: KVCache, seq_id: int) -> int:
+        """How many tokens may be appended to ``seq_id`` before `after_append` must be called."""
+        return self._room(kv_cache.page_size, kv_cache.seq_len(seq_id))
+
+    def _room(self, page_size: int, held: int) -> int:
+        """`tokens_until_action` for a sequence holding ``held`` tokens (what subclasses define)."""
+        return NO_LIMIT
+
+    # ------------------------------------------------------------------ inspection
+    def positions(self, seq_id: int) -> torch.Tensor:
+        """int64 ``[seq_len]``: index (0 = first prompt token) of each token the sequence holds;
+        ``[num_layers, seq_len]`` (each layer's own) with ``decision="per_layer"``."""
+        pos = self._positions_of(seq_id)
+        return (pos[0] if self.decision == "shared" else pos).clone()
+
+    def stats(self, seq_id: int) -> EvictionStats:
+        self._positions_of(seq_id)
+        return self._stats[seq_id]
+
+    def __repr__(self) -> str:
+        fields = self._repr_fields()
+        if self.decision != "shared":
+            fields["decision"] = self.decision
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+
+    def _repr_fields(self) -> dict:
+        """The constructor arguments `__repr__` shows (a subclass adds or replaces its own)."""
+        return {"budget": self.budget, "method": self.method}
+
+    # ------------------------------------------------------------------ subclass interface
+    def _prefill_evict(self, cache, seq_id) -> None:
+        raise NotImplementedError
+
+    def _decode_evict(self, cache, seq_id) -> None:
+        pass
+
+    # ------------------------------------------------------------------ shared machinery
+    def _check_cache(self, cache) -> None:
+        per_layer = self.decision == "per_layer"
+        if getattr(cache, "tables_per_layer", None) is not per_layer:  # not a KVCache, or the other kind
+            want = "LayeredKVCache" if per_layer else "PagedKVCache"
+            raise TypeError(
+                f"decision={self.decision!r} needs a paged_ref.{want} "
+                f"(per-layer decisions need a block table per layer), got {type(cache).__name__}"
+            )
+
+    def _positions_of(self, seq_id) -> torch.Tensor:
+        if seq_id not in self._positions:
+            raise ValueError(f"seq_id {seq_id!r} has not been seen by this policy (call after_prefill first)")
+        return self._positions[seq_id]
+
+    def _held(self, seq_id) -> int:
+        return int(self._positions_of(seq_id).shape[1])
+
+    def _sync(self, cache, seq_id) -> None:
+        """Extend the position record by the tokens appended since the last hook call."""
+        n = cache.seq_len(seq_id)  # raises for an unknown sequence
+        pos = self._positions.get(seq_id)
+        if pos is None:
+            lanes = 1 if self.decision == "shared" else cache.num_layers
+            pos, stats = torch.empty(lanes, 0, dtype=torch.int64), EvictionStats()
+        else:
+            stats = self._stats[seq_id]
+        if n < pos.shape[1]:
+            raise ValueError(
+                f"sequence {seq_id} holds {n} tokens, fewer than the {pos.shape[1]} this policy left; "
+                "it was changed outside the policy"
+            )
+        new = torch.arange(stats.tokens_seen, stats.tokens_seen + n - pos.shape[1])  # [new]
+        stats.tokens_seen += new.numel()
+        self._positions[seq_id] = torch.cat([pos, new.expand(pos.shape[0], -1)], dim=1)  # [lanes, n]
+        self._stats[seq_id] = stats
+
+    def _record(self, cache, seq_id) -> None:
+        stats = self._stats[seq_id]
+        stats.max_pages_held = max(stats.max_pages_held, pages_needed(cache.seq_len(seq_id), cache.page_size))
+
+    def _scores(self, cache, seq_id) -> torch.Tensor:
+        """float32 ``[lanes, seq_len]``: the layer mean (shared) or each layer's own scores."""
+        if self.decision == "shared":
+            return sequence_scores(cache, seq_id, self.method, generator=self._generator)[None]
+        if self.method == "random":
+            return torch.rand(cache.num_layers, cache.seq_len(seq_id), generator=self._generator)
+        per_layer = [token_scores(*cache.gather(layer, seq_id), self.method) for layer in range(cache.num_layers)]
+        return torch.stack(per_layer).cpu()
+
+    def _compact(self, cache, seq_id, keep: torch.Tensor) -> None:
+        """Token-level eviction: keep ``keep: bool [lanes, seq_len]`` in order, count the copies.
+
+        Counts are in tokens of one lane; a per-layer decision moves each layer's tokens apart,
+        so its ``tokens_moved`` is the mean over layers (one token moved in every layer = 1).
+        """
+        stats = self._stats[seq_id]
+        if bool(keep.all()):
+            return
+        cache.compact(seq_id, keep[0] if self.decision == "shared" else keep)  # first: it may raise
+        moved = 0
+        for row in keep:
+            holes = (~row).nonzero()
+            if holes.numel():
+                moved += int(row[int(holes[0]) :].sum())  # kept tokens behind the first hole shift
+        stats.tokens_moved += moved if keep.shape[0] == 1 else moved / keep.shape[0]
+        stats.tokens_evicted += int((~keep[0]).sum())
+        stats.compactions += 1
+        pos = self._positions[seq_id]
+        self._positions[seq_id] = torch.stack([p[k] for p, k in zip(pos, keep)])
+
+    def _drop_page(self, cache, seq_id, pages: list[int]) -> None:
+        """Page-level eviction of logical page ``pages[i]`` from lane ``i`` (the page goes back to the pool)."""
+        ps = cache.page_size
+        n = cache.seq_len(seq_id)
+        stats = self._stats[seq_id]
+        cache.drop_pages(seq_id, pages if self.decision == "per_layer" else pages[:1])
+        pos = self._positions[seq_id]
+        self._positions[seq_id] = torch.stack(
+            [torch.cat([p[: page * ps], p[min(n, (page + 1) * ps) :]]) for p, page in zip(pos, pages)]
+        )
+        stats.tokens_evicted += min(n, (pages[0] + 1) * ps) - pages[0] * ps
+        stats.pages_dropped += 1
+
+    def _keep_top(self, cache, seq_id, reserved: Reserved) -> None:
+        """Token-level eviction to the budget: the reserved tokens plus the best-scoring others."""
+        n = cache.seq_len(seq_id)
+        scores = self._scores(cache, seq_id)  # [lanes, n]
+        protected = reserved.tokens(n, cache.page_size)  # bool [n]
+        free_slots = self.budget - int(protected.sum())
+        assert free_slots >= 0, "budget checks guarantee room for the protected tokens"
+        ranked = scores.masked_fill(protected, -math.inf)
+        # stable sort: among equal scores the older token goes first
+        order = torch.sort(ranked, dim=1, descending=True, stable=True).indices  # [lanes, n]
+        keep = protected.expand_as(scores).clone()  # bool [lanes, n]
+        keep.scatter_(1, order[:, :free_slots], True)
+        assert bool((keep.sum(1) == min(self.budget, n)).all())
+        self._compact(cache, seq_id, keep)

@@ -1,0 +1,136 @@
+"""Prefix caching: which physical page already holds a given full page of tokens.
+
+Two prompts that start with the same tokens have the same K/V there, so a second sequence can
+share the first one's full pages instead of computing them again. Each full page gets a key:
+
+    key(page i) = SHA-256(key(page i - 1), token ids of page i),   key(page -1) = the root
+
+The chain makes a key stand for the whole prefix up to and including its page, not just that
+page's tokens. The root is a digest of a namespace (model, adapter, user salt: tagged fields),
+so K/V computed by another model or adapter never matches. A key is never trusted alone: a hit
+is confirmed by comparing the page's token ids themselves.
+
+The rule this module keeps: a page is offered for reuse only once its K/V is in EVERY layer.
+`PrefixIndex.offer` records a page that just filled up; `PrefixIndex.written` counts the
+layers a write has stored; the page is published when the last layer lands. A sequence added
+in between (another request admitted mid-forward) computes its own K/V instead of reading a
+page that is still half written. `PrefixIndex.forget` withdraws a page whose contents change
+(handed out again, truncated, compacted, rolled back).
+
+The index only knows keys and pages; the cache (`paged_ref.cache.PagedKVCache`) owns the pages,
+their reference counts and the sequences, and calls these four methods.
+
+Example:
+    >>> index = PrefixIndex(num_layers=2, page_size=2)
+    >>> root = namespace_key({"model": "m"})
+    >>> key = page_key(root, (5, 6))
+    >>> index.offer(page=3, key=key, tokens=(5, 6))
+    >>> index.match(root, [5, 6, 7])            # offered, but layer 1 is not written yet
+    []
+    >>> index.written(0, [3]); index.written(1, [3])
+    >>> index.match(root, [5, 6, 7]) == [(3, key)]
+    True
+    >>> index.match(root, [5, 6])               # the last token is left for the caller to compute
+    []
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+__all__ = ["PrefixIndex", "namespace_key", "page_key"]
+
+ROOT = b"paged_ref prefix cache v1"
+
+
+def namespace_key(namespace, parent: bytes = ROOT, name: str = "prefix_namespace") -> bytes:
+    """The root of a key chain: a digest of ``parent`` and the tagged namespace fields.
+
+    ``namespace``: None or a dict of str -> str (e.g. ``{"model": ..., "adapter": ...}``);
+    ``name`` is the argument named in the error when it is neither.
+    """
+    if namespace is None:
+        namespace = {}
+    if not isinstance(namespace, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in namespace.items()
+    ):
+        raise TypeError(
+            f"{name} must be None or a dict of str -> str (e.g. {{'model': ..., 'adapter': ...}}), got {namespace!r}"
+        )
+    h = hashlib.sha256(parent)
+    for k, v in sorted(namespace.items()):  # each field tagged with its length: {"ab": "c"} != {"a": "bc"}
+        for part in (k, v):
+            data = part.encode()
+            h.update(len(data).to_bytes(8, "little") + data)
+    return h.digest()
+
+
+def page_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """SHA-256 over the parent page's key and this page's token ids (any Python ints)."""
+    h = hashlib.sha256(parent)
+    h.update(repr(tokens).encode())
+    return h.digest()
+
+
+class PrefixIndex:
+    """Key -> physical page for full pages whose K/V every layer holds (see the module docstring)."""
+
+    def __init__(self, *, num_layers: int, page_size: int):
+        self.num_layers = num_layers
+        self.page_size = page_size
+        self.page_of: dict[bytes, int] = {}  # key -> physical page
+        self.key_of: dict[int, bytes] = {}  # physical page -> its key (the reverse of page_of)
+        self.tokens_of: dict[int, tuple[int, ...]] = {}  # physical page -> its token ids
+        # filled pages waiting for their K/V: page -> (key, token ids, layers written so far)
+        self.pending: dict[int, tuple[bytes, tuple[int, ...], set[int]]] = {}
+
+    def match(self, root: bytes, token_ids: list[int]) -> list[tuple[int, bytes]]:
+        """``(page, key)`` of each leading full page of ``token_ids`` the index holds, in order.
+
+        Stops at the first miss, and always leaves at least the last token out: the caller
+        needs that token's logits, so it must compute it.
+        """
+        ps, prev, found = self.page_size, root, []
+        for i in range((len(token_ids) - 1) // ps):
+            tokens = tuple(token_ids[i * ps : (i + 1) * ps])
+            key = page_key(prev, tokens)
+            page = self.page_of.get(key)
+            if page is None or self.tokens_of.get(page) != tokens:  # confirm, never trust a key alone
+                break
+            found.append((page, key))
+            prev = key
+        return found
+
+    def offer(self, page: int, key: bytes, tokens: tuple[int, ...]) -> None:
+        """``page`` just filled with ``tokens`` (chained key ``key``): publish it once every
+        layer's K/V is written, unless another page already serves that key."""
+        if key not in self.page_of:
+            self.forget(page)
+            self.pending[page] = (key, tokens, set())
+
+    def written(self, layer: int, pages) -> None:
+        """``layer``'s K/V is now stored in ``pages``; publish those every layer has written."""
+        for page in pages:
+            entry = self.pending.get(page)
+            if entry is None:
+                continue
+            key, tokens, layers = entry
+            layers.add(layer)
+            if len(layers) == self.num_layers:
+                del self.pending[page]
+                if key not in self.page_of:
+                    self.page_of[key] = page
+                    self.key_of[page] = key
+                    self.tokens_of[page] = tokens
+
+    def forget(self, page: int) -> None:
+        """``page``'s contents change: it is no longer offered for reuse, nor waiting to be."""
+        key = self.key_of.pop(page, None)
+        self.tokens_of.pop(page, None)
+        self.pending.pop(page, None)
+        if key is not None and self.page_of.get(key) == page:
+            del self.page_of[key]
+
+    def __contains__(self, page: int) -> bool:
+        """Whether ``page`` holds a published prefix (its K/V is worth keeping when freed)."""
+        return page in self.key_of

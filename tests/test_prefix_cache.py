@@ -1,0 +1,43 @@
+"""PrefixIndex on its own: a page is offered only once every layer wrote it, and never on a key alone."""
+
+from paged_ref.prefix_cache import PrefixIndex, namespace_key, page_key
+
+
+def _published(index, root, tokens, page):
+    key = page_key(root, tuple(tokens))
+    index.offer(page, key, tuple(tokens))
+    for layer in range(index.num_layers):
+        index.written(layer, [page])
+    return key
+
+
+def test_published_after_the_last_layer_and_withdrawn_by_forget():
+    index, root = PrefixIndex(num_layers=3, page_size=2), namespace_key(None)
+    key = page_key(root, (1, 2))
+    index.offer(7, key, (1, 2))
+    index.written(0, [7])
+    index.written(0, [7])  # the same layer twice still counts once
+    index.written(1, [7])
+    assert index.match(root, [1, 2, 3]) == [] and 7 not in index
+    index.written(2, [7])
+    assert index.match(root, [1, 2, 3]) == [(7, key)] and 7 in index
+    index.forget(7)
+    assert index.match(root, [1, 2, 3]) == [] and 7 not in index and not index.pending
+
+
+def test_chain_stops_at_the_first_miss_and_a_key_is_confirmed_by_its_tokens():
+    index, root = PrefixIndex(num_layers=1, page_size=2), namespace_key({"model": "m"})
+    k0 = _published(index, root, [1, 2], page=0)
+    _published(index, k0, [3, 4], page=1)
+    assert [p for p, _ in index.match(root, [1, 2, 3, 4, 5])] == [0, 1]
+    assert [p for p, _ in index.match(root, [1, 2, 9, 9, 5])] == [0]
+    assert index.match(namespace_key({"model": "other"}), [1, 2, 3, 4, 5]) == []
+    index.tokens_of[0] = (8, 8)  # as if another prefix sat in page 0 under the same key
+    assert index.match(root, [1, 2, 3, 4, 5]) == []
+
+
+def test_a_second_page_with_a_published_key_is_not_offered():
+    index, root = PrefixIndex(num_layers=1, page_size=2), namespace_key(None)
+    key = _published(index, root, [1, 2], page=0)
+    index.offer(5, key, (1, 2))  # another sequence filled the same tokens into page 5
+    assert 5 not in index.pending and index.page_of[key] == 0
