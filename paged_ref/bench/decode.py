@@ -1,7 +1,6 @@
 """Decode attention over a paged KV cache: the Triton kernel against its peers.
 
     python -m paged_ref.bench decode [--quick] [--out DIR]          (CUDA GPU, < 4 min)
-    python -m paged_ref.bench decode --sweep [--out DIR]            (CUDA GPU, tile sweep)
     python -m paged_ref.bench decode --cpu [--quick] [--out DIR]    (no GPU, seconds)
 
 GPU (bfloat16, head_dim 128, 32 query heads over 8 KV heads; batch x length in
@@ -20,8 +19,7 @@ For each: median time (``triton.testing.do_bench``: CUDA events, L2 flushed befo
 achieved bandwidth = bytes of K and V read / time, its ratio to the copy bandwidth, the error
 against a float32 computation, and ratios between implementations. ``paged_decode`` is timed
 twice (first and last) to show the run-to-run spread. JSON goes to
-``figures/data/decode_gpu.json``. ``--sweep`` instead times other tile configurations of the
-kernel (BLOCK_N, warps, pipeline stages) and writes ``decode_sweep_gpu.json``.
+``figures/data/decode_gpu.json``.
 
 What to expect (the floor, before measuring): each token costs 2 x 8 x 128 x 2 B = 4096 B of
 K and V and 4 x 32 x 128 = 16384 FLOP, 4 FLOP per byte, far below the ~200 FLOP/byte at which
@@ -36,14 +34,12 @@ interpreter's speed means nothing). JSON goes to ``figures/data/decode_cpu.json`
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from .._arith import next_pow2
 from ..attention import triton_decode as td
 from ..attention.reference import paged_attention_reference
 from .common import copy_bandwidth, cpu_median, environment, gpu_median, print_table, result_file
@@ -270,87 +266,6 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None
     return dict(copy=copy, results=results, notes=notes, errors=errors, elapsed_s=time.perf_counter() - started)
 
 
-SWEEP_CONFIGS = [(bn, 4, st) for bn in (32, 64, 128) for st in (2, 3, 4)] + [(64, 8, 3)]
-
-
-def run_sweep(
-    rep_ms,
-    shapes=((1, 131072), (8, 32768)),
-    page_size=16,
-    *,
-    configs=SWEEP_CONFIGS,
-    heads=GPU_HEADS,
-    dtype=None,
-    device="cuda",
-    checkpoint=None,
-):
-    """Time other tile configurations and split counts of the same kernel on two shapes
-    (20 variants per shape; about two minutes with compilation).
-
-    ``configs`` lists ``(BLOCK_N, num_warps, num_stages)``: BLOCK_N x pipeline stages at 4 warps
-    and 8 warps at the default tile (num_stages=2 keeps one K/V tile in flight, 3 two, 4
-    three), each at the default split count and twice it. ``dtype`` None: the GPU's native
-    16-bit type (`triton_decode.native_half`). ``checkpoint(rows)``, if given, receives the
-    rows measured so far after each shape.
-    """
-    if dtype is None:
-        dtype = td.native_half(device)
-    rows = []
-    print(f"tile sweep (page {page_size}):", flush=True)
-    group = heads["num_q_heads"] // heads["num_kv_heads"]
-    for batch, seq_len in shapes:
-        q, k, v = make_inputs(batch, seq_len, dtype=dtype, device=device, **heads)
-        ref = reference_attention(q, k, v, batch, seq_len)
-        lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
-        _, (kc, vc, bt) = page_layouts(k, v, batch, seq_len, page_size)
-        td.paged_decode(q, kc, vc, bt, lens)  # checks the inputs once
-        splits = _planned_splits(batch, seq_len, heads, dtype, device)
-        kv_bytes = 2 * batch * seq_len * heads["num_kv_heads"] * heads["head_dim"] * dtype.itemsize
-        scale = heads["head_dim"] ** -0.5
-        for (block_n, num_warps, num_stages), num_splits in itertools.product(configs, (splits, 2 * splits)):
-            cfg = dict(
-                BLOCK_H=max(16, next_pow2(group)),
-                BLOCK_D=heads["head_dim"],
-                BLOCK_N=block_n,
-                num_warps=num_warps,
-                num_stages=num_stages,
-            )
-            out = torch.empty_like(q)
-            fn = lambda: td._launch(q, kc, vc, bt, lens, out, scale, num_splits, **cfg)  # noqa: E731
-            try:
-                fn()
-                seconds = gpu_median(fn, rep_ms=rep_ms)
-            except Exception as exc:  # e.g. out of shared memory
-                print(f"  {cfg} splits {num_splits}: {type(exc).__name__}", flush=True)
-                continue
-            rows.append(
-                dict(
-                    batch=batch,
-                    seq_len=seq_len,
-                    page_size=page_size,
-                    num_splits=num_splits,
-                    block_n=block_n,
-                    num_warps=num_warps,
-                    num_stages=num_stages,
-                    median_s=seconds,
-                    bandwidth_GBps=kv_bytes / seconds / 1e9,
-                    rel_err=rel_err(out, ref),
-                )
-            )
-            print(
-                f"  ({batch}, {seq_len}) BLOCK_N {block_n:3d} warps {num_warps} "
-                f"stages {num_stages} splits {num_splits:3d}: {seconds * 1e6:8.1f} us "
-                f"{rows[-1]['bandwidth_GBps']:6.0f} GB/s rel_err {rows[-1]['rel_err']:.1e}",
-                flush=True,
-            )
-        q = k = v = kc = vc = None  # free before the next shape
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        if checkpoint is not None:
-            checkpoint(rows)
-    return rows
-
-
 def summarize_gpu(data):
     """Ratios between implementations per case, and the benchmark's targets against the numbers."""
     by = {(r["batch"], r["seq_len"], r["page_size"], r["impl"]): r for r in data["results"]}
@@ -554,21 +469,14 @@ def main(argv=None):
     parser.add_argument("--cpu", action="store_true", help="small float32 sizes on the CPU (reference, flex, SDPA)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes, shorter timing")
     parser.add_argument(
-        "--sweep",
-        action="store_true",
-        help="GPU: instead, time other tile configurations of the kernel (writes decode_sweep_gpu.json)",
-    )
-    parser.add_argument(
         "--budget-s", type=float, default=150.0, help="GPU: stop starting flex measurements after this many seconds"
     )
     parser.add_argument("--out", default=None, help="output folder (default figures/data)")
     args = parser.parse_args(argv)
     command = "python -m paged_ref.bench decode " + " ".join(argv if argv is not None else sys.argv[1:])
-    if args.sweep and not torch.cuda.is_available():
-        parser.error("--sweep needs a CUDA GPU")
-    if not args.cpu and not args.sweep and not torch.cuda.is_available():
+    if not args.cpu and not torch.cuda.is_available():
         parser.error("no CUDA GPU: run with --cpu for the CPU harness")
-    filename = "decode_cpu.json" if args.cpu else "decode_sweep_gpu.json" if args.sweep else "decode_gpu.json"
+    filename = "decode_cpu.json" if args.cpu else "decode_gpu.json"
     result = result_file(parser, args.out, filename)  # checked before anything is measured
     if args.cpu:
         shapes = [(2, 256)] if args.quick else CPU_SHAPES
@@ -581,15 +489,6 @@ def main(argv=None):
             config=dict(dtype="float32", shapes=shapes, page_sizes=pages, **CPU_HEADS),
         )
         data.update(run_cpu(shapes, pages, repeats=3 if args.quick else 7))
-    elif args.sweep:
-        data = dict(
-            benchmark="decode",
-            mode="gpu tile sweep",
-            command=command.strip(),
-            environment=environment(),
-            copy=copy_bandwidth(),
-        )
-        data["sweep"] = run_sweep(rep_ms=50, checkpoint=lambda rows: result.save({**data, "sweep": rows}))
     else:
         shapes = [(8, 32768), (64, 4096)] if args.quick else GPU_SHAPES
         pages = [16, 128] if args.quick else GPU_PAGE_SIZES
