@@ -37,8 +37,8 @@ from .. import hf, textdata
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..sharing import computed_tokens, no_sharing_pages, prefix_caching_pages
+from ._generate_methods import load_model
 from .common import environment, print_table, result_file
-from .generate import load_model
 
 PAGE_SIZE = 16
 SEED = 0
