@@ -55,8 +55,8 @@ import time
 
 import torch
 
+from ..eviction import report
 from ..stats import mean_ci
-from ..viz import eviction_report as report
 from ._eviction_passkey import (
     PASSKEY_DEPTHS,
     answer_is_correct,

@@ -26,8 +26,8 @@ from matplotlib.figure import Figure
 
 from .._arith import cdiv
 from ..eviction.replay import Replay, layout_stats
+from ..eviction.report import ABLATIONS, policy_order
 from . import add_note
-from .eviction_report import ABLATIONS, policy_order
 
 __all__ = [
     "SCORE_LABELS",
