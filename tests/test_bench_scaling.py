@@ -19,9 +19,9 @@ from paged_ref.bench._scaling_decoders import (
     make_decoder,
 )
 from paged_ref.bench._scaling_latency import LadderConfig, run_ladder
+from paged_ref.bench.scaling_report import alloc_summary, fit_counts, mixed_lengths, paged_overhead, ratios_to
 from paged_ref.fragmentation import requests_that_fit
 from paged_ref.models import tiny_llama
-from paged_ref.viz.scaling_report import alloc_summary, fit_counts, mixed_lengths, paged_overhead, ratios_to
 
 
 @pytest.fixture(scope="module")
@@ -256,7 +256,7 @@ def test_gpu_profile_code_paths_on_cpu(model):
 
 
 def test_noise_summary_from_the_ladder():
-    from paged_ref.viz.scaling_report import noise_summary
+    from paged_ref.bench.scaling_report import noise_summary
 
     def decoder(backend, label, pts):
         return {

@@ -1,4 +1,4 @@
-"""Old home of :mod:`paged_ref.viz.scaling_report`, kept importable until notebook 06 imports the new one."""
+"""Re-exports :mod:`paged_ref.bench.scaling_report` for notebook 06, which imports this path."""
 
-from ..viz.scaling_report import *  # noqa: F403
-from ..viz.scaling_report import __all__  # noqa: F401
+from .scaling_report import *  # noqa: F403
+from .scaling_report import __all__  # noqa: F401

@@ -43,12 +43,12 @@ from ..attention.flex import flex_paged_decode
 from ..attention.reference import paged_attention_reference
 from ..attention.triton_decode import INTERPRETED, paged_decode
 from ..memory import model_geometry
-from ..viz.scaling_report import alloc_summary, mixed_lengths, paged_overhead, print_model_report, ratios_to
 from ._scaling_batch import batch_throughput, page_size_sweep
 from ._scaling_chat import run_chat
 from ._scaling_latency import LABELS, LadderConfig, agreement, run_ladder
 from ._scaling_models import MODELS, build_model, prompt_ids
 from .common import environment, result_file
+from .scaling_report import alloc_summary, mixed_lengths, paged_overhead, print_model_report, ratios_to
 
 __all__ = ["main", "PROFILES", "run_model"]
 
