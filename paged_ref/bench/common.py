@@ -43,6 +43,7 @@ __all__ = [
     "result_file",
     "ResultFile",
     "print_table",
+    "bench_parser",
     "DATA_DIR",
 ]
 
@@ -178,3 +179,13 @@ def result_file(parser: argparse.ArgumentParser, out_dir: str | Path | None, fil
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     """Print rows under headers as aligned text columns (`paged_ref.texttable.format_table`)."""
     print(format_table(headers, rows))
+
+
+def bench_parser(name: str, doc: str) -> argparse.ArgumentParser:
+    """The command line of ``python -m paged_ref.bench <name>``: the module's docstring as its
+    help, and ``--out`` (the folder for the JSON; default ``figures/data/``) that every benchmark takes."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m paged_ref.bench {name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
+    return parser

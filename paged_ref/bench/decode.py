@@ -33,7 +33,6 @@ interpreter's speed means nothing). JSON goes to ``figures/data/decode_cpu.json`
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 from ..attention import triton_decode as td
 from ..attention.reference import paged_attention_reference
 from ._decode_report import summarize_gpu
-from .common import copy_bandwidth, cpu_median, environment, gpu_median, print_table, result_file
+from .common import bench_parser, copy_bandwidth, cpu_median, environment, gpu_median, print_table, result_file
 
 try:
     from ..attention.flex import flex_paged_decode
@@ -346,17 +345,12 @@ def run_cpu(shapes, page_sizes, *, repeats):
 
 # --- entry point -----------------------------------------------------------------------------
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m paged_ref.bench decode",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser("decode", __doc__)
     parser.add_argument("--cpu", action="store_true", help="small float32 sizes on the CPU (reference, flex, SDPA)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes, shorter timing")
     parser.add_argument(
         "--budget-s", type=float, default=150.0, help="GPU: stop starting flex measurements after this many seconds"
     )
-    parser.add_argument("--out", default=None, help="output folder (default figures/data)")
     args = parser.parse_args(argv)
     command = "python -m paged_ref.bench decode " + " ".join(argv if argv is not None else sys.argv[1:])
     if not args.cpu and not torch.cuda.is_available():

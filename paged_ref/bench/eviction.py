@@ -48,7 +48,6 @@ modules of their own; this one holds the configurations, the other tasks and the
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
@@ -77,7 +76,7 @@ from ._eviction_runs import (
     prefilled_batch,
 )
 from ._eviction_speed import SPEED_POLICIES, speed_task
-from .common import environment, result_file
+from .common import bench_parser, environment, result_file
 
 __all__ = [  # the passkey pieces and the policy lists live in their own modules; named here too
     "FULL",
@@ -386,11 +385,10 @@ def summarize_lm(rows):
 
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m paged_ref.bench eviction", description=__doc__.split("\n")[0])
+    parser = bench_parser("eviction", __doc__)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="small sizes (~1 min on 2 cores; notebook 07's quick mode)")
     size.add_argument("--smoke", action="store_true", help="toy sizes: checks the harness runs (the tests' run)")
-    parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data/)")
     parser.add_argument(
         "--threads",
         type=int,

@@ -32,7 +32,6 @@ tokens/s over the peer's measured in the same run. JSON: ``figures/data/generate
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -41,7 +40,7 @@ from .. import textdata
 from ._generate_contexts import measure_contexts
 from ._generate_memory import measure_memory
 from ._generate_methods import PAGE_SIZE, PeakRSS, generation_methods, load_model
-from .common import environment, print_table, result_file
+from .common import bench_parser, environment, print_table, result_file
 
 FULL = dict(single_words=96, single_new=48, mixed_prompts=8, mixed_new=32, repeats=3)
 QUICK = dict(single_words=24, single_new=8, mixed_prompts=3, mixed_new=6, repeats=1)
@@ -138,11 +137,7 @@ def measure(
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m paged_ref.bench generate",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser("generate", __doc__)
     parser.add_argument("--quick", action="store_true", help="short prompts, few tokens, one repeat")
     parser.add_argument(
         "--model",
@@ -152,7 +147,6 @@ def main(argv=None):
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per method (default 3; quick 1)")
-    parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
     parser.add_argument(
         "--skip-contexts",
         action="store_true",

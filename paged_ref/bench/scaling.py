@@ -31,7 +31,6 @@ GPU) skips what would not finish in time and records what was skipped.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import time
@@ -47,7 +46,7 @@ from ._scaling_batch import batch_throughput, page_size_sweep
 from ._scaling_chat import run_chat
 from ._scaling_latency import LABELS, LadderConfig, agreement, run_ladder
 from ._scaling_models import MODELS, build_model, prompt_ids
-from .common import environment, result_file
+from .common import bench_parser, environment, result_file
 from .scaling_report import alloc_summary, mixed_lengths, paged_overhead, print_model_report, ratios_to
 
 __all__ = ["main", "PROFILES", "run_model"]
@@ -400,11 +399,7 @@ def _command(argv) -> str:
 
 
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        prog="python -m paged_ref.bench scaling",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser("scaling", __doc__)
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--cpu", action="store_true", help="run on the CPU (default without CUDA)")
     where.add_argument("--gpu", action="store_true", help="run on the CUDA GPU (default with CUDA)")
@@ -412,7 +407,6 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--model", choices=MODELS, default=None, help="run one model instead of the profile's (tiny: the test model)"
     )
-    parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
     parser.add_argument(
         "--time-budget",
         type=float,

@@ -35,7 +35,6 @@ mode), with the machine's load average before and after each section. ``--gpu``:
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
@@ -52,7 +51,7 @@ from ..serve import Engine, summarize
 from ._scaling_models import build_model
 from ._serve_peer import run_peer
 from ._serve_report import POLICIES, check_goals, eviction_quality, format_rate_table, print_rate
-from .common import environment, print_table, result_file
+from .common import bench_parser, environment, print_table, result_file
 
 __all__ = ["PROFILES", "POLICIES", "make_requests", "run_rate", "check_goals", "format_rate_table", "main"]
 
@@ -317,11 +316,7 @@ def run_pools(model, cfg, requests, arrivals, rate: float) -> list[dict]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m paged_ref.bench serve",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser("serve", __doc__)
     parser.add_argument(
         "--quick", action="store_true", help="toy sizes on the tiny random model (the tests' harness check)"
     )
@@ -329,7 +324,6 @@ def main(argv=None):
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (default 1: steadier on a shared machine)"
     )
-    parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
     parser.add_argument("--skip-peer", action="store_true", help="leave out transformers' continuous batching")
     parser.add_argument("--skip-pools", action="store_true", help="leave out the pool-size sweep")
     parser.add_argument("--requests", type=int, default=None, help="override the profile's number of requests")
