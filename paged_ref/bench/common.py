@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,6 +45,7 @@ __all__ = [
     "ResultFile",
     "print_table",
     "bench_parser",
+    "command_line",
     "DATA_DIR",
 ]
 
@@ -189,3 +191,21 @@ def bench_parser(name: str, doc: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
     return parser
+
+
+def command_line(name: str, argv: Sequence[str] | None) -> str:
+    """The command that reproduces a run of benchmark ``name`` (``argv`` None: this process's),
+    without ``--out DIR``: no local paths in results.
+
+    Example:
+        >>> command_line("scaling", ["--cpu", "--out", "/tmp/x", "--quick"])
+        'python -m paged_ref.bench scaling --cpu --quick'
+    """
+    args, skip = [], False
+    for a in sys.argv[1:] if argv is None else argv:
+        if skip or a == "--out":
+            skip = not skip
+            continue
+        if not a.startswith("--out="):
+            args.append(a)
+    return " ".join([f"python -m paged_ref.bench {name}", *args])

@@ -33,7 +33,6 @@ interpreter's speed means nothing). JSON goes to ``figures/data/decode_cpu.json`
 
 from __future__ import annotations
 
-import sys
 import time
 
 import torch
@@ -42,7 +41,16 @@ import torch.nn.functional as F
 from ..attention import triton_decode as td
 from ..attention.reference import paged_attention_reference
 from ._decode_report import summarize_gpu
-from .common import bench_parser, copy_bandwidth, cpu_median, environment, gpu_median, print_table, result_file
+from .common import (
+    bench_parser,
+    command_line,
+    copy_bandwidth,
+    cpu_median,
+    environment,
+    gpu_median,
+    print_table,
+    result_file,
+)
 
 try:
     from ..attention.flex import flex_paged_decode
@@ -352,7 +360,7 @@ def main(argv=None):
         "--budget-s", type=float, default=150.0, help="GPU: stop starting flex measurements after this many seconds"
     )
     args = parser.parse_args(argv)
-    command = "python -m paged_ref.bench decode " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("decode", argv)
     if not args.cpu and not torch.cuda.is_available():
         parser.error("no CUDA GPU: run with --cpu for the CPU harness")
     filename = "decode_cpu.json" if args.cpu else "decode_gpu.json"
@@ -363,7 +371,7 @@ def main(argv=None):
         data = dict(
             benchmark="decode",
             mode="cpu",
-            command=command.strip(),
+            command=command,
             environment=environment(),
             config=dict(dtype="float32", shapes=shapes, page_sizes=pages, **CPU_HEADS),
         )
@@ -374,7 +382,7 @@ def main(argv=None):
         data = dict(
             benchmark="decode",
             mode="gpu",
-            command=command.strip(),
+            command=command,
             environment=environment(),
             config=dict(
                 dtype=str(td.native_half("cuda")).removeprefix("torch."),

@@ -46,7 +46,7 @@ from ._scaling_batch import batch_throughput, page_size_sweep
 from ._scaling_chat import run_chat
 from ._scaling_latency import LABELS, LadderConfig, agreement, run_ladder
 from ._scaling_models import MODELS, build_model, prompt_ids
-from .common import bench_parser, environment, result_file
+from .common import bench_parser, command_line, environment, result_file
 from .scaling_report import alloc_summary, mixed_lengths, paged_overhead, print_model_report, ratios_to
 
 __all__ = ["main", "PROFILES", "run_model"]
@@ -386,18 +386,6 @@ def _without_bulk(res: dict) -> dict:
     return view
 
 
-def _command(argv) -> str:
-    """The command line that reproduces a run, without ``--out DIR`` (no local paths in results)."""
-    args, skip = [], False
-    for a in argv:
-        if skip or a == "--out":
-            skip = not skip
-            continue
-        if not a.startswith("--out="):
-            args.append(a)
-    return " ".join(["python -m paged_ref.bench scaling"] + args)
-
-
 def main(argv=None) -> dict:
     parser = bench_parser("scaling", __doc__)
     where = parser.add_mutually_exclusive_group()
@@ -432,7 +420,7 @@ def main(argv=None) -> dict:
         "benchmark": "scaling",
         "device": kind,
         "quick": args.quick,
-        "command": _command(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("scaling", argv),
         "environment": environment(),
         "torch_threads": torch.get_num_threads(),
         "page_size": PAGE_SIZE,
