@@ -57,13 +57,14 @@ def describe(data: dict) -> str:
     """One line: where, with what and when the benchmark result ``data`` was measured.
 
     Reads ``data["environment"]`` (as `environment` made it) and, where present, the run's
-    ``torch_threads``, quick mode (``quick`` true or ``mode == "quick"``), ``command`` and
-    ``clock``; versions that are not installed are left out.
+    ``torch_threads`` (in ``data`` or its environment), quick mode (``quick`` true or
+    ``mode == "quick"``), ``command`` and ``clock``; versions not installed are left out.
     """
     env = data.get("environment") or {}
     where = f"GPU {env['gpu']}" if env.get("gpu") else f"CPU {env.get('cpu') or 'unknown'}"
-    if data.get("torch_threads"):
-        where += f" ({data['torch_threads']} threads)"
+    threads = data.get("torch_threads") or env.get("torch_threads")
+    if threads:
+        where += f" ({threads} thread{'s' if threads != 1 else ''})"
     if data.get("quick") or data.get("mode") == "quick":
         where += " (quick mode)"
     names = (("torch", "torch"), ("transformers", "transformers"), ("triton", "triton"), ("CUDA", "cuda"))
