@@ -4,6 +4,7 @@
 batches that decode together (per page size: the page-level policies with the full cache; the
 per-layer ones on a `LayeredKVCache`; the token-level ones, which act after every token), and
 `Batch` feeds them through one `paged_ref.hf.PagedSession` (sdpa backend), one forward per step.
+`lowest_ratio_tokens` reads which tokens of one text the ratio ranks lowest (evicted first).
 """
 
 from __future__ import annotations
