@@ -2,8 +2,8 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# The CPU build of torch taken where no CUDA GPU is present (this pin lies on the project's
-# machines' disk; elsewhere point pip at PyTorch's CPU wheel index, e.g. via PIP_EXTRA_INDEX_URL).
+# The CPU build of torch taken where no CUDA GPU is present (where pip's index lacks it, point
+# pip at PyTorch's CPU wheel index, e.g. via PIP_EXTRA_INDEX_URL).
 TORCH_CPU ?= torch==2.13.0
 HAS_CUDA  := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
@@ -47,8 +47,8 @@ lab: install
 
 # The notebooks run under nbval; the exercise notebooks twice: as handed out (skeletons: their
 # checkers report "not implemented yet") and with the reference solutions plugged in.
-# The unit tests run in one process per core (pytest-xdist), each on one thread: on two cores
-# a cold run took 221 s against 345 s for one process on two threads (many small tensors).
+# The unit tests run in one process per core (pytest-xdist), each on one thread: the tests make
+# many small tensors, which one thread per process handles better than threads sharing a process.
 # --dist loadfile keeps a file in one worker: the SmolLM2 tests (tests/test_hf_smollm2.py) load it once.
 # --no-loadscope-reorder hands files out in collection order, which tests/conftest.py sets to
 # slowest first, so that the two workers finish together.

@@ -42,6 +42,3 @@ def test_bench_decode_gpu_path_smoke(monkeypatch):
     assert [(r["batch"], r["seq_len"], r["page_size"]) for r in ratios] == [(2, 64, 16), (2, 64, 32)]
     assert all(r["paged_over_contiguous"] > 0 and r["sdpa_over_paged"] > 0 for r in ratios)
     assert any("page sizes" in g["goal"] for g in goals)
-    sweep = decode.run_sweep(1, [(1, 64)], 16, configs=[(32, 4, 2)], heads=heads, dtype=torch.float32, device="cpu")
-    assert len(sweep) == 2 and all(r["rel_err"] < 1e-4 for r in sweep)
-    assert {r["num_splits"] for r in sweep} == {1, 2}

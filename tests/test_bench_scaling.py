@@ -9,7 +9,7 @@ import torch
 
 from paged_ref.allocator import PageAllocator
 from paged_ref.bench import scaling
-from paged_ref.bench._scaling_batch import batch_throughput, fit_counts, mixed_lengths, paged_overhead
+from paged_ref.bench._scaling_batch import batch_throughput
 from paged_ref.bench._scaling_chat import run_chat
 from paged_ref.bench._scaling_decoders import (
     AllocationTimer,
@@ -19,7 +19,7 @@ from paged_ref.bench._scaling_decoders import (
     make_decoder,
 )
 from paged_ref.bench._scaling_latency import LadderConfig, run_ladder
-from paged_ref.bench._scaling_report import alloc_summary, ratios_to
+from paged_ref.bench.scaling_report import alloc_summary, fit_counts, mixed_lengths, paged_overhead, ratios_to
 from paged_ref.fragmentation import requests_that_fit
 from paged_ref.models import tiny_llama
 
@@ -256,7 +256,7 @@ def test_gpu_profile_code_paths_on_cpu(model):
 
 
 def test_noise_summary_from_the_ladder():
-    from paged_ref.bench._scaling_report import noise_summary
+    from paged_ref.bench.scaling_report import noise_summary
 
     def decoder(backend, label, pts):
         return {

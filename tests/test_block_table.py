@@ -43,7 +43,7 @@ def test_errors():
         pr.to_csr([[1]], [1], page_size=0)
 
 
-# --- inputs that used to be accepted (wrapping, silent padding reads, ZeroDivisionError) -----
+# --- inputs that must be refused (they would wrap, read padding silently or divide by zero) ---
 @pytest.mark.parametrize(
     "args, words",
     [

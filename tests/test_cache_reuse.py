@@ -57,7 +57,7 @@ def test_vllm_prefill_scenario_keeps_the_common_prefix():
     c.free(other)
     c.prefix_hits = 0
     prefill(c, common + [7])
-    assert c.prefix_hits == 3  # vLLM: 3 (it was 0 of 3 before)
+    assert c.prefix_hits == 3  # as vLLM: 3
 
 
 def test_vllm_evict_scenario_evicts_chains_from_the_tail():
@@ -75,7 +75,7 @@ def test_vllm_evict_scenario_evicts_chains_from_the_tail():
     c.free(touch)
     c.prefix_hits = 0
     prefill(c, r0)
-    assert c.prefix_hits == 5  # vLLM: 5 (it was 2 of 5 before)
+    assert c.prefix_hits == 5  # as vLLM: 5
 
 
 def test_a_page_is_offered_for_reuse_only_after_its_kv_is_written():

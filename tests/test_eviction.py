@@ -635,14 +635,14 @@ class _WordTokenizer:
 
 
 def test_bench_language_modelling_task_on_the_tiny_model(tiny):
-    from paged_ref.bench.eviction import PER_LAYER, TOKEN_LEVEL, _runs, lm_task, summarize_lm
+    from paged_ref.bench.eviction import PER_LAYER, TOKEN_LEVEL, lm_task, policy_runs, summarize_lm
 
     cfg = dict(texts=1, text_stride=150, context=40, continuation=17, budgets=[16], page_sizes=[4, 8])
     rows, check, texts = lm_task(tiny, _WordTokenizer(), cfg, log=lambda msg: None)
     assert check < 1e-4  # the full cache's NLL equals the model's own forward
     assert texts[-1]["used"] and all(t["copied_8grams"] > 0.05 for t in texts[:-1])
     summary = summarize_lm(rows)
-    assert len(summary) == 2 * len(_runs([16], exclude=TOKEN_LEVEL)) + len(TOKEN_LEVEL)
+    assert len(summary) == 2 * len(policy_runs([16], exclude=TOKEN_LEVEL)) + len(TOKEN_LEVEL)
     per_layer = [r for r in summary if r["policy"] in PER_LAYER]
     assert len(per_layer) == 2 * len(PER_LAYER) and all(r["max_pages_held"] <= r["page_bound"] for r in per_layer)
     for r in summary:

@@ -17,7 +17,7 @@ def test_coursework_example_runs():
 def test_layout_block_matches_the_tree():
     """Every module the README's layout names exists, and every module of the package is named."""
     text = README.read_text()
-    block = text[text.index("## Layout") :]
+    block = text[text.index("## Read the code in this order") :]
     block = block[block.index("```") + 3 :]
     block = block[: block.index("```")]
     package = README.parent / "paged_ref"

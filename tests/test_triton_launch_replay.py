@@ -40,9 +40,9 @@ from triton.runtime.jit import create_function_from_signature
 from paged_ref._arith import cdiv
 from paged_ref.attention import triton_decode as td
 from paged_ref.bench import decode, gpu
-from paged_ref.bench._scaling_batch import mixed_lengths
 from paged_ref.bench._scaling_models import LLAMA_1B_SHAPES
 from paged_ref.bench.scaling import PAGE_SIZE, PROFILES
+from paged_ref.bench.scaling_report import mixed_lengths
 
 TARGET = GPUTarget("cuda", 90, 32)
 H200_SMS = 132

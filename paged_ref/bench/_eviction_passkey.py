@@ -15,7 +15,7 @@ import time
 import torch
 
 from ..stats import wilson
-from ._eviction_runs import _close_all, _groups, _prefilled_batch
+from ._eviction_runs import close_all, policy_groups, prefilled_batch
 
 PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # trial t hides the key at depth PASSKEY_DEPTHS[t % 5]
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -97,14 +97,14 @@ def answer_is_correct(text: str, key: str) -> bool:
 
 def passkey_task(model, tok, cfg, log, answer_tokens=7):
     rows = []
-    groups = _groups(cfg["passkey_budgets"], [16])
+    groups = policy_groups(cfg["passkey_budgets"], [16])
     for trial in range(cfg["passkey_trials"]):
         rng = random.Random(1000 + trial)
         depth = PASSKEY_DEPTHS[trial % len(PASSKEY_DEPTHS)]
         ctx, question, key, mentions, needle_tokens, depth = passkey_prompt(tok, rng, cfg["passkey_context"], depth)
         t0 = time.perf_counter()
         for ps, runs, per_layer in groups:
-            batch = _prefilled_batch(model, ctx, runs, ps, ctx.numel() + question.numel() + answer_tokens, per_layer)
+            batch = prefilled_batch(model, ctx, runs, ps, ctx.numel() + question.numel() + answer_tokens, per_layer)
             for _ in batch.feed(question[:-1]):
                 pass
             evidence = [  # per-layer decisions: a token counts as held when any layer holds it
@@ -129,7 +129,7 @@ def passkey_task(model, tok, cfg, log, answer_tokens=7):
                     **evidence[i],
                 )
                 rows.append(row)
-            _close_all(batch)
+            close_all(batch)
         full = next(r for r in rows[::-1] if r["policy"] == "full")
         log(
             f"pass-key trial {trial}: {ctx.numel()} context tokens, key {key} at depth {depth:.2f}; "

@@ -1,9 +1,10 @@
 """The evaluation's engine: one sequence per (policy, budget), forked from one prefilled prompt.
 
-`paged_ref.bench.eviction` runs every task through this: `_groups` splits the policies into the
+`paged_ref.bench.eviction` runs every task through this: `policy_groups` splits the policies into the
 batches that decode together (per page size: the page-level policies with the full cache; the
 per-layer ones on a `LayeredKVCache`; the token-level ones, which act after every token), and
-`_Batch` feeds them through one `paged_ref.hf.PagedSession` (sdpa backend), one forward per step.
+`Batch` feeds them through one `paged_ref.hf.PagedSession` (sdpa backend), one forward per step.
+`lowest_ratio_tokens` reads which tokens of one text the ratio ranks lowest (evicted first).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ TOKEN_LEVEL = ("token_topk", "token_inverse_key_norm")  # act after every token:
 PER_LAYER = ("paged_eviction_per_layer", "paged_eviction_literal_per_layer")  # a LayeredKVCache of their own
 
 
-def _runs(budgets, exclude=(), only=None, policies=POLICIES):
+def policy_runs(budgets, exclude=(), only=None, policies=POLICIES):
     """(label, policy name, budget) for every policy and budget; the full cache once."""
     names = [n for n in policies if n not in exclude and (only is None or n in only)]
     out = [("full", "full", None)] if "full" in names else []
@@ -49,15 +50,15 @@ def _runs(budgets, exclude=(), only=None, policies=POLICIES):
     return out
 
 
-def _groups(budgets, page_sizes, policies=POLICIES):
+def policy_groups(budgets, page_sizes, policies=POLICIES):
     """``(page_size, runs, per_layer)`` for each batch that decodes together: per page size the
     shared page-level policies (with the full cache) and the per-layer ones (on a LayeredKVCache);
     the token-level policies, which act after every token, at the first page size only."""
     out = []
     for ps in page_sizes:
-        out.append((ps, _runs(budgets, exclude=TOKEN_LEVEL + PER_LAYER, policies=policies), False))
-        out.append((ps, _runs(budgets, only=PER_LAYER, policies=policies), True))
-    out.append((page_sizes[0], _runs(budgets, only=TOKEN_LEVEL, policies=policies), False))
+        out.append((ps, policy_runs(budgets, exclude=TOKEN_LEVEL + PER_LAYER, policies=policies), False))
+        out.append((ps, policy_runs(budgets, only=PER_LAYER, policies=policies), True))
+    out.append((page_sizes[0], policy_runs(budgets, only=TOKEN_LEVEL, policies=policies), False))
     return [g for g in out if g[1]]
 
 
@@ -66,27 +67,27 @@ def _policy(label, budget):
     return make_policy(name, budget, **options)
 
 
-def _pool_pages(runs, page_size, longest):
+def pool_pages(runs, page_size, longest):
     """Pages for all sequences at their bound plus one prompt held whole before its eviction."""
     need = sum(cdiv(longest, page_size) + 1 if c is None else max_pages_held(c, page_size) for _, _, c in runs)
     return need + cdiv(longest, page_size) + 1
 
 
-def _session(model, page_size: int, num_pages: int, per_layer: bool) -> PagedSession:
+def make_session(model, page_size: int, num_pages: int, per_layer: bool) -> PagedSession:
     """An open session (sdpa backend) over a fresh cache: a `LayeredKVCache` for per-layer policies."""
     cls = LayeredKVCache if per_layer else PagedKVCache
     kv = cls.for_model(model, num_pages=num_pages, page_size=page_size)
     return PagedSession(model, kv=kv, backend="sdpa").open()
 
 
-def _prefill(session: PagedSession, prompt: torch.Tensor) -> int:
+def prefill_root(session: PagedSession, prompt: torch.Tensor) -> int:
     """A sequence holding ``prompt: [n]`` (no policy): the root every policy's sequence forks from."""
     root = session.add()
     session.extend([root], [prompt])
     return root
 
 
-class _Batch:
+class Batch:
     """One sequence per (policy, budget), forked from a prefilled prompt, decoding together."""
 
     def __init__(self, session: PagedSession, root: int, runs):
@@ -148,16 +149,38 @@ class _Batch:
             self.session.finish(s)  # frees its pages and releases it from its policy
 
 
-def _prefilled_batch(model, prompt: torch.Tensor, runs, page_size: int, longest: int, per_layer: bool) -> _Batch:
+def prefilled_batch(model, prompt: torch.Tensor, runs, page_size: int, longest: int, per_layer: bool) -> Batch:
     """A session of its own holding ``prompt`` once, forked into one sequence per run."""
-    session = _session(model, page_size, _pool_pages(runs, page_size, longest), per_layer)
-    root = _prefill(session, prompt)
-    batch = _Batch(session, root, runs)
+    session = make_session(model, page_size, pool_pages(runs, page_size, longest), per_layer)
+    root = prefill_root(session, prompt)
+    batch = Batch(session, root, runs)
     session.finish(root)  # the forks keep the prompt's pages they still share
     return batch
 
 
-def _close_all(batch: _Batch) -> None:
+def close_all(batch: Batch) -> None:
     batch.close()
     batch.session.close()
     assert batch.cache.allocator.num_free == batch.cache.allocator.num_pages
+
+
+def lowest_ratio_tokens(model, tok, ids, count: int = 25) -> dict:
+    """Which tokens the layer-averaged ||V||/||K|| ranks lowest in one text (what the literal
+    PagedEviction evicts first), and where the first token (the attention sink) ranks."""
+    from ..eviction import token_scores
+    from ..hf import prompt_kv
+
+    ks, vs = prompt_kv(model, ids)  # what the paged cache holds for the text
+    score = torch.stack([token_scores(k, v) for k, v in zip(ks, vs)]).mean(0)  # [n], as sequence_scores
+    order = torch.argsort(score, stable=True)  # lowest first
+    lowest = [dict(position=int(i), token=tok.decode(ids[i : i + 1]), score=float(score[i])) for i in order[:count]]
+    counts = {}
+    for r in lowest:
+        counts[r["token"]] = counts.get(r["token"], 0) + 1
+    return dict(
+        tokens=int(ids.numel()),
+        lowest=lowest,
+        lowest_token_counts=dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+        first_token_rank=int((score < score[0]).sum()),  # 0 = the lowest of the text
+        median_score=float(score.median()),
+    )

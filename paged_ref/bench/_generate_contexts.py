@@ -30,24 +30,11 @@ from statistics import median_high as _median  # the upper middle value, as the 
 
 import torch
 
-from .. import textdata
 from .._arith import cdiv
 from ..hf import PagedSession
+from ._generate_methods import prompt_tokens
 
 __all__ = ["measure_contexts"]
-
-
-def _prompt(model, tokenizer, n: int) -> torch.Tensor:
-    """LongTensor ``[n]``: real text when a tokenizer is given, else seeded random ids."""
-    if tokenizer is None:
-        g = torch.Generator().manual_seed(n)
-        return torch.randint(3, model.config.vocab_size, (n,), generator=g)
-    words = n
-    while True:  # pydoc prose tokenizes to ~1.3 tokens per word: grow until long enough
-        ids = tokenizer(textdata.english_text(words)).input_ids
-        if len(ids) >= n:
-            return torch.tensor(ids[:n])
-        words = int(words * 1.5) + 8
 
 
 def _hf_run(model, prompt, steps):
@@ -113,12 +100,12 @@ def measure_contexts(
         methods[f"paged_{b}_scattered"] = lambda p, b=b: _paged_run(
             model, p, decode_steps, b, page_size, scattered=True
         )
-    warm = _prompt(model, tokenizer, 16)
+    warm = prompt_tokens(model, tokenizer, 16)
     for run in methods.values():  # one short warm-up of every path
         for _ in run(warm):
             pass
     for n in contexts:
-        prompt = _prompt(model, tokenizer, n)
+        prompt = prompt_tokens(model, tokenizer, n)
         here = {m: run for m, run in methods.items() if n <= skip_above.get(m, n)}
         prefill = {m: [] for m in here}
         decode = {m: [] for m in here}

@@ -5,7 +5,7 @@ freed blocks the C allocator had at hand than about the method (the same call ro
 in one run and by 0.004 MB in another). Here every (method, context, repeat) gets a process of
 its own: it loads the model, runs the same method once on an 8-token prompt (lazy imports and
 other first-call costs, which are not the cache's memory), hands the allocator's free memory
-back to the OS (glibc ``malloc_trim``), then runs one ``generate`` call while `_PeakRSS` samples
+back to the OS (glibc ``malloc_trim``), then runs one ``generate`` call while `PeakRSS` samples
 the resident-set size every 2 ms. The rise over the RSS just before the call is the memory the
 call took from the OS at its peak: KV cache (the paged pool, or DynamicCache's tensors) plus
 activations.
@@ -94,18 +94,17 @@ def main(argv=None) -> dict:
 
     import torch
 
-    from ._generate_contexts import _prompt
-    from .generate import _methods, _PeakRSS, load_model
+    from ._generate_methods import PeakRSS, generation_methods, load_model, prompt_tokens
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    warm, _ = _methods(model, [_prompt(model, tokenizer, 8).tolist()], 2, ("auto",), False)[args.method]
+    warm, _ = generation_methods(model, [prompt_tokens(model, tokenizer, 8).tolist()], 2, ("auto",), False)[args.method]
     warm()  # first-call costs (lazy imports, kernel selection) are not the cache's memory
     _release_free_memory()  # ... and the warm-up's freed blocks must not serve the measured call
-    prompt = _prompt(model, tokenizer, args.context).tolist()
-    run, _ = _methods(model, [prompt], args.new, ("auto",), with_generate_batch=False)[args.method]
-    with _PeakRSS() as probe:
+    prompt = prompt_tokens(model, tokenizer, args.context).tolist()
+    run, _ = generation_methods(model, [prompt], args.new, ("auto",), with_generate_batch=False)[args.method]
+    with PeakRSS() as probe:
         tokens = run()
     result = dict(vars(args), peak_rss_rise_bytes=probe.rise_bytes, generated=len(tokens[0]))
     print(json.dumps(result))

@@ -14,14 +14,6 @@ Memory overhead of the paged cache = slots held / tokens held - 1, counted from 
 Throughput = tokens decoded per second by the whole batch (one token per request per step),
 measured with the model on the admitted batches, and on the same (smaller) batch for a
 like-for-like step time.
-
-Example:
-    >>> lengths = mixed_lengths(40, max_len=1024, mean_len=256, seed=0)
-    >>> fit = fit_counts(lengths, budget_tokens=4096, max_len=1024, page_size=16)
-    >>> fit["reserve_max"], fit["paged"] > fit["reserve_max"]
-    (4, True)
-    >>> 0 <= paged_overhead(lengths[:10], page_size=16)["overhead"] < 0.2
-    True
 """
 
 from __future__ import annotations
@@ -32,60 +24,11 @@ import time
 import torch
 
 from ..block_table import pages_needed
-from ..cache import PagedKVCache
-from ..fragmentation import make_workload, requests_that_fit
 from ..memory import KVGeometry
 from ._scaling_decoders import ContiguousDecoder, PagedDecoder, synchronize
+from .scaling_report import fit_counts, mixed_lengths, paged_overhead  # noqa: F401 (notebook 06 imports all three here)
 
-__all__ = ["mixed_lengths", "fit_counts", "paged_overhead", "page_size_sweep", "batch_throughput"]
-
-
-def mixed_lengths(num: int, *, max_len: int, mean_len: float, seed: int = 0) -> list[int]:
-    """Final lengths (prompt + output) of ``num`` requests; mean about ``mean_len``, each <= ``max_len``."""
-    wl = make_workload(num, seed=seed, mean_prompt=mean_len / 2, mean_output=mean_len / 2, max_len=max_len)
-    return [int(n) for n in wl.total_len]
-
-
-def fit_counts(lengths, *, budget_tokens: int, max_len: int, page_size: int) -> dict:
-    """Requests (taken in order) that fit in ``budget_tokens`` slots: max-length reservation vs paged.
-
-    Returns ``{"reserve_max", "exact", "paged"}`` counts (:func:`requests_that_fit`) and the
-    paged count confirmed on a real `PagedKVCache` of ``budget_tokens // page_size`` pages
-    (``"paged_allocator"``, reserve until the pool says no).
-    """
-    fit = requests_that_fit(lengths, budget_slots=budget_tokens, page_size=page_size, reserved_per_request=max_len)
-    kv = PagedKVCache(
-        num_layers=1, num_pages=budget_tokens // page_size, page_size=page_size, num_kv_heads=1, head_dim=1
-    )
-    count = 0
-    for n in lengths:
-        if not kv.allocator.can_allocate(pages_needed(n, page_size)):
-            break
-        kv.reserve(kv.add_sequence(), n)
-        count += 1
-    fit["paged_allocator"] = count
-    return fit
-
-
-def paged_overhead(lengths, *, page_size: int) -> dict:
-    """Slots a real `PagedKVCache` holds for ``lengths`` vs the tokens themselves (counts, not bytes).
-
-    Returns ``{"page_size", "tokens", "pages", "slots", "overhead"}`` with
-    ``overhead = slots / tokens - 1`` (the same ratio in bytes: every slot costs the same).
-    """
-    total_pages = sum(pages_needed(n, page_size) for n in lengths)
-    kv = PagedKVCache(num_layers=1, num_pages=total_pages, page_size=page_size, num_kv_heads=1, head_dim=1)
-    for n in lengths:
-        kv.reserve(kv.add_sequence(), n)
-    pages = kv.allocator.num_pages - kv.allocator.num_free
-    tokens = sum(lengths)
-    return {
-        "page_size": page_size,
-        "tokens": tokens,
-        "pages": pages,
-        "slots": pages * page_size,
-        "overhead": pages * page_size / tokens - 1,
-    }
+__all__ = ["page_size_sweep", "batch_throughput"]
 
 
 def _attention_time(decode, lengths, *, page_size, geometry: KVGeometry, repeats: int) -> float:

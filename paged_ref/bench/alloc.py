@@ -25,7 +25,6 @@ which every page gets once anyway.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import numpy as np
@@ -34,7 +33,7 @@ import torch
 from ..allocator import PageAllocator
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
-from .common import environment, print_table, result_file
+from .common import bench_parser, environment, print_table, result_file
 
 
 def workload(num_seqs: int, max_len: int, page_size: int, seed: int = 0) -> list[int]:
@@ -174,13 +173,8 @@ def zeroing_cost(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, pages
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m paged_ref.bench alloc",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser("alloc", __doc__)
     parser.add_argument("--quick", action="store_true", help="a small workload (seconds)")
-    parser.add_argument("--out", default=None, help="folder for alloc_cpu.json (default figures/data)")
     args = parser.parse_args(argv)
     result = result_file(parser, args.out, "alloc_cpu.json")  # checked before anything is measured
     kw = dict(num_seqs=16, max_len=512, repeats=3) if args.quick else {}

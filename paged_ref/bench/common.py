@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -43,6 +44,8 @@ __all__ = [
     "result_file",
     "ResultFile",
     "print_table",
+    "bench_parser",
+    "command_line",
     "DATA_DIR",
 ]
 
@@ -178,3 +181,31 @@ def result_file(parser: argparse.ArgumentParser, out_dir: str | Path | None, fil
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     """Print rows under headers as aligned text columns (`paged_ref.texttable.format_table`)."""
     print(format_table(headers, rows))
+
+
+def bench_parser(name: str, doc: str) -> argparse.ArgumentParser:
+    """The command line of ``python -m paged_ref.bench <name>``: the module's docstring as its
+    help, and ``--out`` (the folder for the JSON; default ``figures/data/``) that every benchmark takes."""
+    parser = argparse.ArgumentParser(
+        prog=f"python -m paged_ref.bench {name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
+    return parser
+
+
+def command_line(name: str, argv: Sequence[str] | None) -> str:
+    """The command that reproduces a run of benchmark ``name`` (``argv`` None: this process's),
+    without ``--out DIR``: no local paths in results.
+
+    Example:
+        >>> command_line("scaling", ["--cpu", "--out", "/tmp/x", "--quick"])
+        'python -m paged_ref.bench scaling --cpu --quick'
+    """
+    args, skip = [], False
+    for a in sys.argv[1:] if argv is None else argv:
+        if skip or a == "--out":
+            skip = not skip
+            continue
+        if not a.startswith("--out="):
+            args.append(a)
+    return " ".join([f"python -m paged_ref.bench {name}", *args])

@@ -1,7 +1,6 @@
 """Decode attention over a paged KV cache: the Triton kernel against its peers.
 
     python -m paged_ref.bench decode [--quick] [--out DIR]          (CUDA GPU, < 4 min)
-    python -m paged_ref.bench decode --sweep [--out DIR]            (CUDA GPU, tile sweep)
     python -m paged_ref.bench decode --cpu [--quick] [--out DIR]    (no GPU, seconds)
 
 GPU (bfloat16, head_dim 128, 32 query heads over 8 KV heads; batch x length in
@@ -20,8 +19,7 @@ For each: median time (``triton.testing.do_bench``: CUDA events, L2 flushed befo
 achieved bandwidth = bytes of K and V read / time, its ratio to the copy bandwidth, the error
 against a float32 computation, and ratios between implementations. ``paged_decode`` is timed
 twice (first and last) to show the run-to-run spread. JSON goes to
-``figures/data/decode_gpu.json``. ``--sweep`` instead times other tile configurations of the
-kernel (BLOCK_N, warps, pipeline stages) and writes ``decode_sweep_gpu.json``.
+``figures/data/decode_gpu.json``.
 
 What to expect (the floor, before measuring): each token costs 2 x 8 x 128 x 2 B = 4096 B of
 K and V and 4 x 32 x 128 = 16384 FLOP, 4 FLOP per byte, far below the ~200 FLOP/byte at which
@@ -35,18 +33,24 @@ interpreter's speed means nothing). JSON goes to ``figures/data/decode_cpu.json`
 
 from __future__ import annotations
 
-import argparse
-import itertools
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-from .._arith import next_pow2
 from ..attention import triton_decode as td
 from ..attention.reference import paged_attention_reference
-from .common import copy_bandwidth, cpu_median, environment, gpu_median, print_table, result_file
+from ._decode_report import summarize_gpu
+from .common import (
+    bench_parser,
+    command_line,
+    copy_bandwidth,
+    cpu_median,
+    environment,
+    gpu_median,
+    print_table,
+    result_file,
+)
 
 try:
     from ..attention.flex import flex_paged_decode
@@ -271,203 +275,6 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None
     return dict(copy=copy, results=results, notes=notes, errors=errors, elapsed_s=time.perf_counter() - started)
 
 
-SWEEP_CONFIGS = [(bn, 4, st) for bn in (32, 64, 128) for st in (2, 3, 4)] + [(64, 8, 3)]
-
-
-def run_sweep(
-    rep_ms,
-    shapes=((1, 131072), (8, 32768)),
-    page_size=16,
-    *,
-    configs=SWEEP_CONFIGS,
-    heads=GPU_HEADS,
-    dtype=None,
-    device="cuda",
-    checkpoint=None,
-):
-    """Time other tile configurations and split counts of the same kernel on two shapes
-    (20 variants per shape; about two minutes with compilation).
-
-    ``configs`` lists ``(BLOCK_N, num_warps, num_stages)``: BLOCK_N x pipeline stages at 4 warps
-    and 8 warps at the default tile (num_stages=2 keeps one K/V tile in flight, 3 two, 4
-    three), each at the default split count and twice it. ``dtype`` None: the GPU's native
-    16-bit type (`triton_decode.native_half`). ``checkpoint(rows)``, if given, receives the
-    rows measured so far after each shape.
-    """
-    if dtype is None:
-        dtype = td.native_half(device)
-    rows = []
-    print(f"tile sweep (page {page_size}):", flush=True)
-    group = heads["num_q_heads"] // heads["num_kv_heads"]
-    for batch, seq_len in shapes:
-        q, k, v = make_inputs(batch, seq_len, dtype=dtype, device=device, **heads)
-        ref = reference_attention(q, k, v, batch, seq_len)
-        lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
-        _, (kc, vc, bt) = page_layouts(k, v, batch, seq_len, page_size)
-        td.paged_decode(q, kc, vc, bt, lens)  # checks the inputs once
-        splits = _planned_splits(batch, seq_len, heads, dtype, device)
-        kv_bytes = 2 * batch * seq_len * heads["num_kv_heads"] * heads["head_dim"] * dtype.itemsize
-        scale = heads["head_dim"] ** -0.5
-        for (block_n, num_warps, num_stages), num_splits in itertools.product(configs, (splits, 2 * splits)):
-            cfg = dict(
-                BLOCK_H=max(16, next_pow2(group)),
-                BLOCK_D=heads["head_dim"],
-                BLOCK_N=block_n,
-                num_warps=num_warps,
-                num_stages=num_stages,
-            )
-            out = torch.empty_like(q)
-            fn = lambda: td._launch(q, kc, vc, bt, lens, out, scale, num_splits, **cfg)  # noqa: E731
-            try:
-                fn()
-                seconds = gpu_median(fn, rep_ms=rep_ms)
-            except Exception as exc:  # e.g. out of shared memory
-                print(f"  {cfg} splits {num_splits}: {type(exc).__name__}", flush=True)
-                continue
-            rows.append(
-                dict(
-                    batch=batch,
-                    seq_len=seq_len,
-                    page_size=page_size,
-                    num_splits=num_splits,
-                    block_n=block_n,
-                    num_warps=num_warps,
-                    num_stages=num_stages,
-                    median_s=seconds,
-                    bandwidth_GBps=kv_bytes / seconds / 1e9,
-                    rel_err=rel_err(out, ref),
-                )
-            )
-            print(
-                f"  ({batch}, {seq_len}) BLOCK_N {block_n:3d} warps {num_warps} "
-                f"stages {num_stages} splits {num_splits:3d}: {seconds * 1e6:8.1f} us "
-                f"{rows[-1]['bandwidth_GBps']:6.0f} GB/s rel_err {rows[-1]['rel_err']:.1e}",
-                flush=True,
-            )
-        q = k = v = kc = vc = None  # free before the next shape
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        if checkpoint is not None:
-            checkpoint(rows)
-    return rows
-
-
-def summarize_gpu(data):
-    """Ratios between implementations per case, and the benchmark's targets against the numbers."""
-    by = {(r["batch"], r["seq_len"], r["page_size"], r["impl"]): r for r in data["results"]}
-    ratios, table = [], []
-    shapes = sorted({(r["batch"], r["seq_len"]) for r in data["results"]}, key=lambda s: s[0])
-    for batch, seq_len in shapes:
-        pages = sorted(
-            {
-                r["page_size"]
-                for r in data["results"]
-                if (r["batch"], r["seq_len"]) == (batch, seq_len) and r["page_size"]
-            }
-        )
-        sdpa = by.get((batch, seq_len, None, "sdpa contiguous"))
-        for page in pages:
-            paged = by.get((batch, seq_len, page, "paged_decode"))
-            again = by.get((batch, seq_len, page, "paged_decode (again)"))
-            contig = by.get((batch, seq_len, page, "paged_decode contiguous"))
-            flex = by.get((batch, seq_len, page, "flex_paged_decode"))
-            if paged is None:
-                continue
-            t = paged["median_s"]
-            row = dict(
-                batch=batch,
-                seq_len=seq_len,
-                page_size=page,
-                paged_frac_of_copy=paged["frac_of_copy"],
-                paged_over_contiguous=t / contig["median_s"] if contig else None,
-                flex_over_paged=flex["median_s"] / t if flex else None,
-                sdpa_over_paged=sdpa["median_s"] / t if sdpa else None,
-                repeat_spread=abs(again["median_s"] - t) / t if again else None,
-            )
-            ratios.append(row)
-            fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
-            table.append(
-                [
-                    f"({batch}, {seq_len})",
-                    page,
-                    f"{t * 1e6:.1f}",
-                    f"{paged['bandwidth_GBps']:.0f}",
-                    fmt(paged["frac_of_copy"], "{:.0%}"),
-                    fmt(row["paged_over_contiguous"]),
-                    fmt(row["flex_over_paged"]),
-                    fmt(row["sdpa_over_paged"]),
-                    fmt(row["repeat_spread"], "{:.1%}"),
-                ]
-            )
-    print()
-    print_table(
-        [
-            "batch x len",
-            "page",
-            "paged us",
-            "GB/s",
-            "of copy",
-            "paged/contig",
-            "flex/paged",
-            "sdpa/paged",
-            "rerun spread",
-        ],
-        table,
-    )
-
-    goals = []
-    head = [r for r in ratios if (r["batch"], r["seq_len"]) == (8, 32768)]
-    if head:
-        worst = min(r["paged_frac_of_copy"] for r in head)
-        goals.append(
-            dict(
-                goal=">= 85% of copy bandwidth at (8, 32768)",
-                measured=f"{worst:.1%} (worst page size)",
-                met=worst >= 0.85,
-            )
-        )
-    within = [r["paged_over_contiguous"] for r in ratios if r["paged_over_contiguous"]]
-    if within:
-        goals.append(
-            dict(
-                goal="paged within 5% of its own contiguous run",
-                measured=f"worst paged/contiguous {max(within):.3f}",
-                met=max(within) <= 1.05,
-            )
-        )
-    spreads = []
-    for batch, seq_len in shapes:
-        times = [
-            r["median_s"]
-            for r in data["results"]
-            if (r["batch"], r["seq_len"], r["impl"]) == (batch, seq_len, "paged_decode")
-        ]
-        if len(times) > 1:
-            spreads.append(max(times) / min(times))
-    if spreads:
-        goals.append(
-            dict(
-                goal="page sizes 16..128 within 5% of each other",
-                measured=f"worst slowest/fastest {max(spreads):.3f}",
-                met=max(spreads) <= 1.05,
-            )
-        )
-    for peer, key in (("compiled flex paged", "flex_over_paged"), ("SDPA on a contiguous cache", "sdpa_over_paged")):
-        vals = [r[key] for r in ratios if r[key] is not None]
-        if vals:
-            goals.append(
-                dict(
-                    goal=f"faster than {peer}",
-                    measured=f"{peer} / paged_decode from {min(vals):.2f} to {max(vals):.2f}",
-                    met=min(vals) > 1.0,
-                )
-            )
-    print()
-    for g in goals:
-        print(f"{'met    ' if g['met'] else 'NOT met'}  {g['goal']}: {g['measured']}")
-    return ratios, goals
-
-
 # --- CPU -------------------------------------------------------------------------------------
 def run_cpu(shapes, page_sizes, *, repeats):
     heads = CPU_HEADS
@@ -547,29 +354,17 @@ def run_cpu(shapes, page_sizes, *, repeats):
 
 # --- entry point -----------------------------------------------------------------------------
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m paged_ref.bench decode",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser("decode", __doc__)
     parser.add_argument("--cpu", action="store_true", help="small float32 sizes on the CPU (reference, flex, SDPA)")
     parser.add_argument("--quick", action="store_true", help="fewer sizes, shorter timing")
     parser.add_argument(
-        "--sweep",
-        action="store_true",
-        help="GPU: instead, time other tile configurations of the kernel (writes decode_sweep_gpu.json)",
-    )
-    parser.add_argument(
         "--budget-s", type=float, default=150.0, help="GPU: stop starting flex measurements after this many seconds"
     )
-    parser.add_argument("--out", default=None, help="output folder (default figures/data)")
     args = parser.parse_args(argv)
-    command = "python -m paged_ref.bench decode " + " ".join(argv if argv is not None else sys.argv[1:])
-    if args.sweep and not torch.cuda.is_available():
-        parser.error("--sweep needs a CUDA GPU")
-    if not args.cpu and not args.sweep and not torch.cuda.is_available():
+    command = command_line("decode", argv)
+    if not args.cpu and not torch.cuda.is_available():
         parser.error("no CUDA GPU: run with --cpu for the CPU harness")
-    filename = "decode_cpu.json" if args.cpu else "decode_sweep_gpu.json" if args.sweep else "decode_gpu.json"
+    filename = "decode_cpu.json" if args.cpu else "decode_gpu.json"
     result = result_file(parser, args.out, filename)  # checked before anything is measured
     if args.cpu:
         shapes = [(2, 256)] if args.quick else CPU_SHAPES
@@ -577,27 +372,18 @@ def main(argv=None):
         data = dict(
             benchmark="decode",
             mode="cpu",
-            command=command.strip(),
+            command=command,
             environment=environment(),
             config=dict(dtype="float32", shapes=shapes, page_sizes=pages, **CPU_HEADS),
         )
         data.update(run_cpu(shapes, pages, repeats=3 if args.quick else 7))
-    elif args.sweep:
-        data = dict(
-            benchmark="decode",
-            mode="gpu tile sweep",
-            command=command.strip(),
-            environment=environment(),
-            copy=copy_bandwidth(),
-        )
-        data["sweep"] = run_sweep(rep_ms=50, checkpoint=lambda rows: result.save({**data, "sweep": rows}))
     else:
         shapes = [(8, 32768), (64, 4096)] if args.quick else GPU_SHAPES
         pages = [16, 128] if args.quick else GPU_PAGE_SIZES
         data = dict(
             benchmark="decode",
             mode="gpu",
-            command=command.strip(),
+            command=command,
             environment=environment(),
             config=dict(
                 dtype=str(td.native_half("cuda")).removeprefix("torch."),

@@ -48,7 +48,6 @@ modules of their own; this one holds the configurations, the other tasks and the
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
@@ -70,16 +69,14 @@ from ._eviction_runs import (
     POLICIES,
     TOKEN_LEVEL,
     VARIANTS,
-    _Batch,
-    _close_all,
-    _groups,
-    _pool_pages,
-    _prefill,
-    _prefilled_batch,
-    _runs,
-    _session,
+    close_all,
+    lowest_ratio_tokens,
+    policy_groups,
+    policy_runs,
+    prefilled_batch,
 )
-from .common import environment, result_file
+from ._eviction_speed import SPEED_POLICIES, speed_task
+from .common import bench_parser, environment, result_file
 
 __all__ = [  # the passkey pieces and the policy lists live in their own modules; named here too
     "FULL",
@@ -98,6 +95,7 @@ __all__ = [  # the passkey pieces and the policy lists live in their own modules
     "main",
     "passkey_prompt",
     "passkey_task",
+    "policy_runs",
     "retention_task",
     "score_continuation",
     "speed_task",
@@ -115,8 +113,6 @@ LONG_POLICIES = [
     "streaming_llm",
     "token_inverse_key_norm",
 ]
-# the ablations run paged_eviction's code at the same cost
-SPEED_POLICIES = ["full", "paged_eviction", "paged_eviction_per_layer", "streaming_llm", *TOKEN_LEVEL]
 QUICK = dict(
     texts=1,
     text_stride=150,
@@ -193,7 +189,7 @@ def score_continuation(model, ids, n_ctx, first_scored, groups, log, label, regi
     (``first_scored=1``: the whole continuation but its first token, which the prefill itself
     predicts, the same for all). KL(full || policy) is averaged over the same predictions.
 
-    ``groups``: the batches to run (`_groups`). ``region=(lo, hi)``: each row also gets
+    ``groups``: the batches to run (`policy_groups`). ``region=(lo, hi)``: each row also gets
     ``region_held``, the share of the context tokens ``lo .. hi-1`` a policy held after its
     prefill eviction (per-layer: the mean over layers).
 
@@ -212,7 +208,7 @@ def score_continuation(model, ids, n_ctx, first_scored, groups, log, label, regi
     rows, check = [], math.nan
     for ps, runs, per_layer in groups:
         t0 = time.perf_counter()
-        batch = _prefilled_batch(model, ids[:n_ctx], runs, ps, ids.numel(), per_layer)
+        batch = prefilled_batch(model, ids[:n_ctx], runs, ps, ids.numel(), per_layer)
         held = [batch.region_held(i, region) for i in range(len(runs))] if region else [None] * len(runs)
         nll = torch.zeros(len(runs))
         kl = torch.zeros(len(runs))
@@ -231,7 +227,7 @@ def score_continuation(model, ids, n_ctx, first_scored, groups, log, label, regi
             if region:
                 row["region_held"] = held[i]
             rows.append(row)
-        _close_all(batch)
+        close_all(batch)
         log(
             f"{label}, page size {ps}: {len(runs)} sequences x {targets.numel()} tokens in "
             f"{time.perf_counter() - t0:.1f} s"
@@ -255,10 +251,10 @@ def lm_task(model, tok, cfg, log, long: bool = False):
     n_cont = cfg["continuation"]
     if long:
         n_ctx, n_texts, stride = cfg["long_context"], cfg["long_texts"], cfg["long_text_stride"]
-        groups = _groups(cfg["budgets"], cfg["page_sizes"][:1], LONG_POLICIES)
+        groups = policy_groups(cfg["budgets"], cfg["page_sizes"][:1], LONG_POLICIES)
     else:
         n_ctx, n_texts, stride = cfg["context"], cfg["texts"], cfg["text_stride"]
-        groups = _groups(cfg["budgets"], cfg["page_sizes"])
+        groups = policy_groups(cfg["budgets"], cfg["page_sizes"])
     label = "long text" if long else "text"
     starts = iter(range(0, len(paragraphs(20)), stride))  # distinct passages, far apart
     while sum(x["used"] for x in texts) < n_texts:
@@ -327,7 +323,7 @@ def retention_task(model, tok, cfg, log):
             ids,
             n_ctx,
             opening,
-            _groups(cfg["budgets"], cfg["page_sizes"]),
+            policy_groups(cfg["budgets"], cfg["page_sizes"]),
             log,
             f"retention text {t}",
             region=(0, cfg["retention_passage"]),
@@ -387,102 +383,12 @@ def summarize_lm(rows):
     return out
 
 
-# ----------------------------------------------------------------------------- speed
-def speed_task(model, tok, cfg, log):
-    """Time per output token and tokens/s per policy at each context and batch, as ratios to the
-    full cache measured in the same run (the paper's speed claim: lower time per output token and
-    higher throughput at long context).
-
-    For each (context, batch): ``batch`` forks of one ``context``-token prompt (prefilled once per
-    context and cache) decode together under one policy (hooks included); rounds interleave the
-    policies; the median of the rounds.
-    """
-    from ..textdata import english_text
-
-    longest = max(cfg["speed_contexts"])
-    steps = cfg["speed_steps"]
-    ids = tok(english_text(int(longest * 1.3), start=7), return_tensors="pt", add_special_tokens=False).input_ids[0]
-    out = []
-    for n in cfg["speed_contexts"]:
-        roots = {}  # per_layer -> (session, root): the prompt prefilled once per cache type
-        for per_layer in (False, True):
-            runs = [_speed_run(x, cfg) for x in SPEED_POLICIES if (x in PER_LAYER) == per_layer]
-            pages = max(_pool_pages([r] * max(cfg["speed_batches"]), 16, n + steps) for r in runs)
-            session = _session(model, 16, pages, per_layer)
-            roots[per_layer] = (session, _prefill(session, ids[:n]))
-        for batch_size in cfg["speed_batches"]:
-            times = {name: [] for name in SPEED_POLICIES}
-            held = {}
-            for _ in range(cfg["speed_rounds"]):
-                for name in SPEED_POLICIES:
-                    batch = _Batch(*roots[name in PER_LAYER], [_speed_run(name, cfg)] * batch_size)
-                    batch.step(ids[n : n + 1].expand(batch_size))  # warm-up
-                    t0 = time.perf_counter()
-                    for j in range(1, steps):
-                        batch.step(ids[n + j : n + j + 1].expand(batch_size))
-                    times[name].append((time.perf_counter() - t0) / (steps - 1))  # seconds per decode step
-                    held[name] = batch.row(0)["kv_bytes_held"]
-                    batch.close()
-            full = statistics.median(times["full"])
-            for name in SPEED_POLICIES:
-                step = statistics.median(times[name])
-                out.append(
-                    dict(
-                        policy=name,
-                        budget=None if name == "full" else cfg["speed_budget"],
-                        page_size=16,
-                        context=n,
-                        batch=batch_size,
-                        ms_per_token=1e3 * step,
-                        tokens_per_s=batch_size / step,
-                        tokens_per_s_rounds=[batch_size / t for t in times[name]],
-                        ratio_vs_full=full / step,
-                        time_per_token_vs_full=step / full,
-                        kv_bytes_held=held[name],
-                    )
-                )
-            log(f"speed at context {n}, batch {batch_size}: full {batch_size / full:.2f} tokens/s")
-        for session, root in roots.values():
-            session.finish(root)
-            session.close()
-            assert session.kv.allocator.num_free == session.kv.allocator.num_pages
-    return out
-
-
-def _speed_run(name: str, cfg):
-    """The (label, policy name, budget) of ``name`` in the speed task."""
-    return _runs([cfg["speed_budget"]], only=(name,))[0]
-
-
-def lowest_ratio_tokens(model, tok, ids, count: int = 25) -> dict:
-    """Which tokens the layer-averaged ||V||/||K|| ranks lowest in one text (what the literal
-    PagedEviction evicts first), and where the first token (the attention sink) ranks."""
-    from ..eviction import token_scores
-    from ..hf import prompt_kv
-
-    ks, vs = prompt_kv(model, ids)  # what the paged cache holds for the text
-    score = torch.stack([token_scores(k, v) for k, v in zip(ks, vs)]).mean(0)  # [n], as sequence_scores
-    order = torch.argsort(score, stable=True)  # lowest first
-    lowest = [dict(position=int(i), token=tok.decode(ids[i : i + 1]), score=float(score[i])) for i in order[:count]]
-    counts = {}
-    for r in lowest:
-        counts[r["token"]] = counts.get(r["token"], 0) + 1
-    return dict(
-        tokens=int(ids.numel()),
-        lowest=lowest,
-        lowest_token_counts=dict(sorted(counts.items(), key=lambda kv: -kv[1])),
-        first_token_rank=int((score < score[0]).sum()),  # 0 = the lowest of the text
-        median_score=float(score.median()),
-    )
-
-
 # ----------------------------------------------------------------------------- main
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m paged_ref.bench eviction", description=__doc__.split("\n")[0])
+    parser = bench_parser("eviction", __doc__)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="small sizes (~1 min on 2 cores; notebook 07's quick mode)")
     size.add_argument("--smoke", action="store_true", help="toy sizes: checks the harness runs (the tests' run)")
-    parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data/)")
     parser.add_argument(
         "--threads",
         type=int,

@@ -32,23 +32,16 @@ tokens/s over the peer's measured in the same run. JSON: ``figures/data/generate
 
 from __future__ import annotations
 
-import argparse
-import inspect
-import os
-import threading
 import time
 
 import torch
 
-from .. import hf, textdata
-from ..block_table import pages_needed
-from ..cache import PagedKVCache
-from ..memory import model_geometry
+from .. import textdata
 from ._generate_contexts import measure_contexts
 from ._generate_memory import measure_memory
-from .common import environment, print_table, result_file
+from ._generate_methods import PAGE_SIZE, PeakRSS, generation_methods, load_model
+from .common import bench_parser, environment, print_table, result_file
 
-PAGE_SIZE = 16
 FULL = dict(single_words=96, single_new=48, mixed_prompts=8, mixed_new=32, repeats=3)
 QUICK = dict(single_words=24, single_new=8, mixed_prompts=3, mixed_new=6, repeats=1)
 CONTEXTS_FULL = dict(
@@ -64,146 +57,14 @@ MEMORY_FULL = dict(contexts=(128, 512, 2048, 8192), new=32, repeats=3)
 MEMORY_QUICK = dict(contexts=(64,), new=4, repeats=1)
 
 
-class _PeakRSS:
-    """Peak resident-set size of this process while the block runs, sampled every 2 ms (Linux)."""
-
-    def __enter__(self):
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        self.start = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _rss(self) -> int:
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * self.page
-        except OSError:  # not Linux: no sampling
-            return 0
-
-    def _sample(self):
-        while not self._stop.wait(0.002):
-            self.peak = max(self.peak, self._rss())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._rss())
-
-    @property
-    def rise_bytes(self) -> int:
-        return self.peak - self.start
-
-
-def load_model(name: str):
-    """``(model, tokenizer)`` for ``--model``: the bundled SmolLM2, or the tiny random Llama without a tokenizer."""
-    if name == "smollm2":
-        from ..models import load_smollm2
-
-        return load_smollm2()
-    from ..models import tiny_llama
-
-    return tiny_llama(), None
-
-
-def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for b, r in enumerate(rows):
-        ids[b, width - len(r) :] = torch.tensor(r)
-        mask[b, width - len(r) :] = 1
-    return ids, mask
-
-
-def _methods(model, rows, new, backends, with_generate_batch):
-    """name -> (run() -> list of generated token lists, kv_bytes() -> dict) for one workload."""
-    from transformers import GenerationConfig
-
-    pad = model.generation_config.pad_token_id
-    pad = 0 if pad is None else pad
-    ids, mask = _left_pad(rows, pad)
-    device = next(model.parameters()).device
-    ids, mask = ids.to(device), mask.to(device)
-    per_token = model_geometry(model).bytes_per_token
-    config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
-    methods = {}
-
-    def hf_default():
-        out = model.generate(ids, attention_mask=mask, generation_config=config)
-        return [row[ids.shape[1] :].tolist() for row in out]
-
-    methods["hf_generate"] = (hf_default, lambda: {"kv_bytes": len(rows) * (ids.shape[1] + new) * per_token})
-
-    for backend in backends:
-        num_pages = sum(pages_needed(len(r) + new, PAGE_SIZE) for r in rows)
-        state = {}
-
-        def paged(backend=backend, num_pages=num_pages, state=state):
-            kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=PAGE_SIZE)
-            used = [0]
-
-            def count(step, tokens):
-                used[0] = max(used[0], kv.num_pages - kv.allocator.num_free)
-
-            out = hf.generate(
-                model,
-                ids,
-                attention_mask=mask,
-                max_new_tokens=new,
-                backend=backend,
-                eos_token_id=[],
-                kv_cache=kv,
-                callback=count,
-                progress=False,
-            )
-            state.update(peak_pages=used[0], page_bytes=kv.page_bytes, pool_pages=kv.num_pages)
-            return [row[ids.shape[1] :].tolist() for row in out]
-
-        methods[f"paged_{backend}"] = (
-            paged,
-            lambda state=state: {
-                "kv_bytes": state["peak_pages"] * state["page_bytes"],
-                "kv_pool_bytes": state["pool_pages"] * state["page_bytes"],
-            },
-        )
-
-    if with_generate_batch:
-        from transformers import ContinuousBatchingConfig
-
-        blocks = sum(pages_needed(len(r) + new, PAGE_SIZE) for r in rows)
-
-        # the page size is `page_size` in transformers 5.24 and `block_size` in 5.17
-        params = inspect.signature(ContinuousBatchingConfig.__init__).parameters
-        size_kw = {"page_size" if "page_size" in params else "block_size": PAGE_SIZE}
-
-        def cb():
-            cfg = ContinuousBatchingConfig(
-                **size_kw,
-                num_blocks=blocks,
-                max_batch_tokens=sum(len(r) for r in rows),
-                use_cuda_graph=False,
-                use_async_batching=False,
-            )
-            res = model.generate_batch(
-                rows, generation_config=config, continuous_batching_config=cfg, warmup=False, progress_bar=False
-            )
-            order = sorted(res.values(), key=lambda o: int(o.request_id.split("_")[-1]))
-            return [list(o.generated_tokens) for o in order]
-
-        methods["hf_generate_batch"] = (cb, lambda: {"kv_bytes": blocks * PAGE_SIZE * per_token})
-    return methods
-
-
 def _run_workload(name, model, rows, new, backends, repeats, with_generate_batch):
-    methods = _methods(model, rows, new, backends, with_generate_batch)
+    methods = generation_methods(model, rows, new, backends, with_generate_batch)
     tokens, times, rss = {}, {m: [] for m in methods}, {}
     for m, (run, _) in methods.items():  # warm-up, and the tokens to compare
         tokens[m] = run()
     for _ in range(repeats):
         for m, (run, _) in methods.items():
-            with _PeakRSS() as probe:
+            with PeakRSS() as probe:
                 start = time.perf_counter()
                 run()
                 times[m].append(time.perf_counter() - start)
@@ -276,11 +137,7 @@ def measure(
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m paged_ref.bench generate",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser("generate", __doc__)
     parser.add_argument("--quick", action="store_true", help="short prompts, few tokens, one repeat")
     parser.add_argument(
         "--model",
@@ -290,7 +147,6 @@ def main(argv=None):
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per method (default 3; quick 1)")
-    parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
     parser.add_argument(
         "--skip-contexts",
         action="store_true",

@@ -1,4 +1,4 @@
-"""Everything a GPU should measure, in one command that fits a short GPU loan (<= 6 minutes).
+"""Everything a GPU should measure, in one command for anyone with a CUDA GPU (<= 6 minutes).
 
     python -m paged_ref.bench gpu --out DIR            (CUDA GPU: about 6 minutes at most)
     python -m paged_ref.bench gpu --out DIR --dry-run  (no GPU: the same steps at toy sizes)
@@ -58,7 +58,7 @@ from .common import environment, print_table, result_file
 
 __all__ = ["PLAN_LIMIT_S", "STARTUP_S", "Section", "plan", "precheck", "section_errors", "main"]
 
-PLAN_LIMIT_S = 360.0  # six minutes: two runs fit a 15-minute loan with its start-up
+PLAN_LIMIT_S = 360.0  # six minutes: the whole plan, so that a failed run can be repeated at once
 STARTUP_S = 15.0  # interpreter and imports before the first section
 MAX_FILES = 8
 MARGIN = 1.5  # each section's budget over its estimate
@@ -66,16 +66,16 @@ DRY_RUN_SLACK = 4  # the dry run's budgets over the GPU's: a CPU compiles flex t
 #                    template (5-60 s a shape on 2 cores, where the GPU plan assumes 5.4 s)
 
 # What each section's estimate is made of. Counts are measured without a GPU; per-item seconds
-# were measured on the project's 2-core machine (a loaded one) where they can be, else assumed.
+# are measured on a 2-core CPU where they can be, else assumed (each says which).
 #: Distinct Triton compiles for sm_90 per section (tests/test_triton_launch_replay.py replays
 #: every launch through Triton's binding and checks these counts).
 TRITON_COMPILES = {"tests": 32, "decode": 11, "scaling": 14}
 #: Distinct C launchers Triton builds for those (one per argument signature; same test).
 TRITON_LAUNCHERS = {"tests": 9, "decode": 3, "scaling": 3}
 TRITON_COMPILE_S = 2.0  # median sm_90 compile of the decode kernel (figures/data/kernels.json, 385 configs)
-LAUNCHER_S = 1.0  # gcc building one launcher: 0.82 s measured (without linking libcuda, absent here)
-REPLAY_RECORD_S = 15.0  # recording and binding the launches of the replay: 11-13 s measured here
-GPU_CORES = 16  # the loaned machine's: the compile section compiles in that many processes
+LAUNCHER_S = 1.0  # gcc building one launcher, rounded up from a CPU measurement (without linking libcuda)
+REPLAY_RECORD_S = 15.0  # recording and binding the launches of the replay, rounded up from a CPU measurement
+GPU_CORES = 16  # CPU cores assumed beside the GPU: the compile section compiles in that many processes
 #: Compiled-flex graphs of the flex section: its two tests, fp32 and bf16 prefill of 128+
 #: tokens (2) and a decode at batch 1 then 8 and 3 (2: static, then one dynamic batch).
 FLEX_COMPILES = 4

@@ -26,7 +26,6 @@ anyone can recompile it. Output: ``figures/data/kernels.json``.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import re
@@ -39,7 +38,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .._arith import cdiv, next_pow2
-from .common import environment, print_table, result_file
+from .common import bench_parser, environment, print_table, result_file
 
 #: Targets: SMs, per-SM limits and the memory system's datasheet bandwidth. Little's law asks
 #: for bandwidth x latency bytes in flight; LATENCY_S is an assumed ~1 us DRAM round trip.
@@ -348,16 +347,11 @@ def summary(entries: list[dict]) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m paged_ref.bench kernels",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser("kernels", __doc__)
     parser.add_argument("--quick", action="store_true", help="the default configurations only")
     parser.add_argument(
         "--jobs", type=int, default=os.cpu_count() or 1, help="compile processes (default: one per core)"
     )
-    parser.add_argument("--out", default=None, help="folder for kernels.json (default figures/data)")
     args = parser.parse_args(argv)
     result = result_file(parser, args.out, "kernels.json")  # checked before anything is compiled
     import triton

@@ -31,7 +31,6 @@ GPU) skips what would not finish in time and records what was skipped.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 import time
@@ -43,12 +42,12 @@ from ..attention.flex import flex_paged_decode
 from ..attention.reference import paged_attention_reference
 from ..attention.triton_decode import interpreted, paged_decode
 from ..memory import model_geometry
-from ._scaling_batch import batch_throughput, mixed_lengths, page_size_sweep, paged_overhead
+from ._scaling_batch import batch_throughput, page_size_sweep
 from ._scaling_chat import run_chat
 from ._scaling_latency import LABELS, LadderConfig, agreement, run_ladder
 from ._scaling_models import MODELS, build_model, prompt_ids
-from ._scaling_report import alloc_summary, print_model_report, ratios_to
-from .common import environment, result_file
+from .common import bench_parser, command_line, environment, result_file
+from .scaling_report import alloc_summary, mixed_lengths, paged_overhead, print_model_report, ratios_to
 
 __all__ = ["main", "PROFILES", "run_model"]
 
@@ -389,24 +388,8 @@ def _without_bulk(res: dict) -> dict:
     return view
 
 
-def _command(argv) -> str:
-    """The command line that reproduces a run, without ``--out DIR`` (no local paths in results)."""
-    args, skip = [], False
-    for a in argv:
-        if skip or a == "--out":
-            skip = not skip
-            continue
-        if not a.startswith("--out="):
-            args.append(a)
-    return " ".join(["python -m paged_ref.bench scaling"] + args)
-
-
 def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(
-        prog="python -m paged_ref.bench scaling",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser("scaling", __doc__)
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--cpu", action="store_true", help="run on the CPU (default without CUDA)")
     where.add_argument("--gpu", action="store_true", help="run on the CUDA GPU (default with CUDA)")
@@ -414,7 +397,6 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--model", choices=MODELS, default=None, help="run one model instead of the profile's (tiny: the test model)"
     )
-    parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
     parser.add_argument(
         "--time-budget",
         type=float,
@@ -440,7 +422,7 @@ def main(argv=None) -> dict:
         "benchmark": "scaling",
         "device": kind,
         "quick": args.quick,
-        "command": _command(argv if argv is not None else sys.argv[1:]),
+        "command": command_line("scaling", argv),
         "environment": environment(),
         "torch_threads": torch.get_num_threads(),
         "page_size": PAGE_SIZE,

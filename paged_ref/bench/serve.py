@@ -35,7 +35,6 @@ mode), with the machine's load average before and after each section. ``--gpu``:
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
@@ -48,16 +47,14 @@ from .. import textdata
 from ..eviction import make_policy
 from ..fragmentation import make_workload
 from ..memory import model_geometry
-from ..runmode import data_dir
 from ..serve import Engine, summarize
-from ..texttable import format_table
 from ._scaling_models import build_model
 from ._serve_peer import run_peer
-from .common import environment, print_table, result_file
+from ._serve_report import POLICIES, check_goals, eviction_quality, format_rate_table, print_rate
+from .common import bench_parser, environment, print_table, result_file
 
 __all__ = ["PROFILES", "POLICIES", "make_requests", "run_rate", "check_goals", "format_rate_table", "main"]
 
-POLICIES = ("paged", "exact", "max_len", "paged_eviction")
 
 #: What each mode runs. Lengths: lognormal with these means and shape ``sigma``, clipped so that
 #: prompt + output <= max_model_len; prompts at least ``min_prompt`` tokens.
@@ -318,110 +315,8 @@ def run_pools(model, cfg, requests, arrivals, rate: float) -> list[dict]:
     return rows
 
 
-def check_goals(data: dict) -> dict:
-    """The issue's goals, from this run's numbers: each ``{"met": bool, ...the numbers}``."""
-    goals = {}
-    top = data["rates"][-1]["policies"] if data.get("rates") else None
-    if top:
-        p, ex, ml, ev = (top[k] for k in POLICIES)
-        goals["paged_vs_max_len_throughput_2x"] = {
-            "ratio": p["tokens_per_s"] / ml["tokens_per_s"],
-            "met": p["tokens_per_s"] >= 2 * ml["tokens_per_s"],
-        }
-        goals["paged_vs_exact_throughput_1.2x"] = {
-            "ratio": p["tokens_per_s"] / ex["tokens_per_s"],
-            "met": p["tokens_per_s"] >= 1.2 * ex["tokens_per_s"],
-        }
-        goals["paged_p90_ttft_no_worse"] = {
-            "paged_s": p["ttft_p90_s"],
-            "exact_s": ex["ttft_p90_s"],
-            "max_len_s": ml["ttft_p90_s"],
-            "met": p["ttft_p90_s"] <= min(ex["ttft_p90_s"], ml["ttft_p90_s"]),
-        }
-        goals["eviction_admits_more"] = {
-            "mean_running": [ev["mean_running"], p["mean_running"]],
-            "peak_running": [ev["peak_running"], p["peak_running"]],
-            "throughput_ratio": ev["tokens_per_s"] / p["tokens_per_s"],
-            "requests_with_paged_tokens": ev["requests_with_paged_tokens"],
-            "met": ev["mean_running"] > p["mean_running"],
-        }
-    if "peer" in data:
-        peer = data["peer"]
-        goals["peer_throughput_1x_identical_tokens"] = {
-            "ratio_median": peer["throughput_ratio_median"],
-            "identical": f"{peer['requests_with_identical_tokens']}/{peer['requests']}",
-            "met": peer["throughput_ratio_median"] >= 1.0
-            and peer["requests_with_identical_tokens"] == peer["requests"],
-        }
-    if "overhead" in data:
-        o = data["overhead"]
-        goals["overhead_5pct_at_batch_16"] = {
-            "share": o["overhead_share_median"],
-            "met": o["overhead_share_median"] <= 0.05,
-        }
-    return goals
-
-
-def eviction_quality(budget: int) -> dict | None:
-    """Notebook 07's measured cost of PagedEviction at ``budget`` (`bench eviction`'s JSON), if present."""
-    import json
-
-    path = data_dir() / "eviction_full.json"
-    if not path.exists():
-        return None
-    rows = json.loads(path.read_text())["language_modelling"]
-    pick = {
-        r["policy"]: r
-        for r in rows
-        if r["page_size"] == 16 and r["budget"] in (None, budget) and r["policy"] in ("full", "paged_eviction")
-    }
-    if len(pick) < 2:
-        return None
-    return {
-        "source": "figures/data/eviction_full.json (bench eviction: continuation of 2048-token texts)",
-        "budget": budget,
-        "ppl_full": pick["full"]["ppl"],
-        "ppl_paged_eviction": pick["paged_eviction"]["ppl"],
-        "ppl_paged_eviction_ci95": pick["paged_eviction"]["ppl_ci95"],
-    }
-
-
-def _print_rate(row: dict) -> None:
-    load = f"load {row['load_before'][0]:.1f} -> {row['load_after'][0]:.1f}"
-    print(f"\nrate {row['rate']:g} req/s ({row['wall_s']:.0f} s wall, {load})")
-    print(format_rate_table(row["policies"]))
-
-
-def format_rate_table(results: dict) -> str:
-    """One rate's results (policy -> numbers) as the text table ``bench serve`` prints."""
-    ms = lambda x: "-" if x is None else f"{x * 1e3:.0f}"  # noqa: E731
-    headers = ["policy", "tok/s", "TTFT p50/p90 ms", "TPOT p50/p90 ms", "norm lat s/tok", "running mean/peak"]
-    headers += ["preempt", "recomputed", "peak pages"]
-    rows = []
-    for name, r in results.items():
-        committed = r["peak_committed_pages"]
-        rows.append(
-            [
-                name,
-                f"{r['tokens_per_s']:.1f}",
-                f"{ms(r['ttft_p50_s'])}/{ms(r['ttft_p90_s'])}",
-                f"{ms(r['tpot_p50_s'])}/{ms(r['tpot_p90_s'])}",
-                f"{r['normalized_latency_s']:.3f}",
-                f"{r['mean_running']:.1f}/{r['peak_running']}",
-                r["preemptions"],
-                r["recomputed_tokens"],
-                f"{r['peak_pages']}" + (f" ({committed} committed)" if committed != r["peak_pages"] else ""),
-            ]
-        )
-    return format_table(headers, rows)
-
-
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m paged_ref.bench serve",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser("serve", __doc__)
     parser.add_argument(
         "--quick", action="store_true", help="toy sizes on the tiny random model (the tests' harness check)"
     )
@@ -429,7 +324,6 @@ def main(argv=None):
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (default 1: steadier on a shared machine)"
     )
-    parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
     parser.add_argument("--skip-peer", action="store_true", help="leave out transformers' continuous batching")
     parser.add_argument("--skip-pools", action="store_true", help="leave out the pool-size sweep")
     parser.add_argument("--requests", type=int, default=None, help="override the profile's number of requests")
@@ -487,7 +381,7 @@ def main(argv=None):
     for rate in cfg["rates"]:
         row = run_rate(model, cfg, requests, arrivals, rate)
         data["rates"].append(row)
-        _print_rate(row)
+        print_rate(row)
         save()
     data["overhead"] = run_overhead(model, cfg, requests)
     o = data["overhead"]

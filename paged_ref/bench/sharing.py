@@ -28,7 +28,6 @@ JSON: ``figures/data/sharing_cpu.json`` (``sharing_gpu.json`` on CUDA); figure:
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -37,8 +36,8 @@ from .. import hf, textdata
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..sharing import computed_tokens, no_sharing_pages, prefix_caching_pages
-from .common import environment, print_table, result_file
-from .generate import load_model
+from ._generate_methods import load_model
+from .common import bench_parser, environment, print_table, result_file
 
 PAGE_SIZE = 16
 SEED = 0
@@ -263,18 +262,13 @@ def _goals(runs) -> dict:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        prog="python -m paged_ref.bench sharing",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = bench_parser("sharing", __doc__)
     parser.add_argument("--quick", action="store_true", help="short prompts, few tokens, one repeat")
     parser.add_argument(
         "--model", choices=["smollm2", "tiny"], default="smollm2", help="SmolLM2-135M (default) or the tiny Llama"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=None, help="timed pairs per run (default 5; quick 1)")
-    parser.add_argument("--out", default=None, help="folder for the JSON (default figures/data)")
     args = parser.parse_args(argv)
     device = "gpu" if torch.cuda.is_available() else "cpu"
     result = result_file(parser, args.out, f"sharing_{device}.json")  # checked before anything is measured

@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+from ..provenance import describe
 from ..stats import mcnemar_p, mean_ci, wilson
 from ..texttable import format_table
 
@@ -56,15 +57,10 @@ def load_results(data_dir=None):
 
 
 def provenance(results: dict) -> str:
-    """One line: how and where the numbers were measured (mode, model, hardware, versions, date)."""
-    env = results.get("environment", {})
-    hw = env.get("gpu") or f"CPU ({env.get('cpu', '?')}, {env.get('torch_threads', '?')} torch thread(s))"
-    return (
-        f"{results.get('mode', '?')} run of `python -m paged_ref.bench eviction`: {results.get('model', '?')} "
-        f"on {hw}, {env.get('platform', '?')}; Python {env.get('python', '?')}, torch {env.get('torch', '?')}, "
-        f"transformers {env.get('transformers', '?')}; {env.get('date_utc', '?')}; "
-        f"{results.get('seconds', '?')} s"
-    )
+    """One line: which run it was (mode, model, seconds), then where, with what and when it ran."""
+    run = f"{results.get('mode', '?')} run of `python -m paged_ref.bench eviction`, {results.get('model', '?')}"
+    where = describe({k: v for k, v in results.items() if k != "mode"})
+    return f"{run}, {results.get('seconds', '?')} s. {where}"
 
 
 def policy_order(policy: str) -> int:

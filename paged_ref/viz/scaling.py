@@ -9,7 +9,7 @@ Example:
     ...                         "date_utc": "2026-12-02T13:00:00+00:00"}, "device": "cpu", "quick": True,
     ...         "models": {}}
     >>> provenance(data)
-    'Measured on CPU x86_64 (quick mode), torch 2.13.0, transformers 5.24.0, triton None, 2026-12-02 (UTC).'
+    'Measured on CPU x86_64 (quick mode), torch 2.13.0, transformers 5.24.0, 2026-12-02 (UTC).'
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.figure import Figure
 
+from ..provenance import describe as provenance
 from . import add_note
 
 __all__ = [
@@ -39,19 +40,6 @@ _STYLE = {  # decoder label -> (color, marker, linestyle)
     "paged (flex)": ("tab:orange", "^", "-"),
     "paged (triton)": ("tab:red", "D", "-"),
 }
-
-
-def provenance(data: dict) -> str:
-    """One line: where, with what and when ``data`` was measured."""
-    env = data["environment"]
-    where = f"GPU {env['gpu']}" if env.get("gpu") else f"CPU {env.get('cpu') or 'unknown'}"
-    if data.get("torch_threads"):
-        where += f" ({data['torch_threads']} threads)"
-    mode = " (quick mode)" if data.get("quick") else ""
-    return (
-        f"Measured on {where}{mode}, torch {env.get('torch')}, transformers {env.get('transformers')}, "
-        f"triton {env.get('triton')}, {env.get('date_utc', '?')[:10]} (UTC)."
-    )
 
 
 def spread_ms(point: dict) -> tuple[float, float]:

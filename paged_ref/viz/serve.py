@@ -25,8 +25,8 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from ..provenance import describe as provenance
 from . import add_note
-from .scaling import provenance as _provenance
 
 __all__ = ["POLICY_STYLE", "provenance", "page_timeline_figure", "step_figure", "rate_figure", "pool_figure"]
 
@@ -49,11 +49,6 @@ _REQUEST_COLORS = [
     "tab:cyan",
 ]
 _FREE = "0.93"
-
-
-def provenance(data: dict) -> str:
-    """Where, with what and when a ``bench serve`` result was measured."""
-    return _provenance({**data, "quick": data.get("mode") == "quick"}) + f" Clock: {data.get('clock', '?')}."
 
 
 def _traced(history) -> list:
