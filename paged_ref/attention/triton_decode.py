@@ -345,8 +345,7 @@ def _default_num_splits(batch: int, num_kv_heads: int, max_len: int, device: tor
 
 def _tile_config(dtype: torch.dtype, head_dim: int, group: int, *, interpret: bool, capability: int = 90) -> dict:
     """Tile sizes and launch options for one call (a fixed choice per target;
-    `python -m paged_ref.bench kernels` reports what each compiles to, and
-    `python -m paged_ref.bench decode --sweep` times the alternatives on a GPU).
+    `python -m paged_ref.bench kernels` reports what each compiles to).
 
     Args:
         capability: the GPU's compute capability as ``10 * major + minor`` (90 for H100/H200,
@@ -480,7 +479,7 @@ def _launch(
     num_stages,
     **options,
 ):
-    """Launch both kernels on checked inputs (also used by the benchmark's tile sweep)."""
+    """Launch both kernels on checked inputs."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     write_partials = num_splits > 1
