@@ -14,7 +14,8 @@ matplotlib.use("Agg")
 import paged_ref.viz.eviction as ve  # noqa: E402
 import paged_ref.widgets.eviction as we  # noqa: E402
 from paged_ref import stats  # noqa: E402
-from paged_ref.eviction import analysis, report, token_scores  # noqa: E402
+from paged_ref.bench import eviction_report as report  # noqa: E402
+from paged_ref.eviction import analysis, token_scores  # noqa: E402
 from paged_ref.eviction.replay import layout_stats, replay  # noqa: E402
 
 

@@ -54,8 +54,8 @@ import time
 
 import torch
 
-from ..eviction import report
 from ..stats import mean_ci
+from . import eviction_report as report
 from ._eviction_passkey import (
     PASSKEY_DEPTHS,
     answer_is_correct,

@@ -78,6 +78,8 @@ __all__ = [
     "resolve_policy",
     "sequence_scores",
     "max_pages_held",
+    "ABLATIONS",
+    "policy_order",
 ]
 
 POLICY_NAMES = (
@@ -92,6 +94,27 @@ POLICY_NAMES = (
     "key_value_ratio",
     "random",
 )
+
+#: The reviewers' ablation: the ratio against V only, K only (inverse norm), its opposite, the
+#: swapped ratio ||K||/||V|| (what the authors' vLLM code computes) and random.
+ABLATIONS = ("value_norm", "inverse_key_norm", "key_norm", "key_value_ratio", "random")
+
+
+def policy_order(policy: str) -> int:
+    """Where ``policy`` goes in tables and legends: the full cache, PagedEviction's variants, the
+    ablations, then the token-level baselines; names not listed last."""
+    known = [
+        "full",
+        "paged_eviction",
+        "paged_eviction_literal",
+        "paged_eviction_per_layer",
+        "paged_eviction_literal_per_layer",
+        *ABLATIONS,
+        "streaming_llm",
+        "token_topk",
+        "token_inverse_key_norm",
+    ]
+    return known.index(policy) if policy in known else len(known)
 
 
 class FullCache(EvictionPolicy):

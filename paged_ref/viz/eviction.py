@@ -1,7 +1,7 @@
 """Notebook 07's figures (PagedEviction): scores on real K/V, which pages go, and the evaluation.
 
 The numbers come from elsewhere: `paged_ref.eviction.analysis` (scores per layer),
-`paged_ref.eviction.replay` (which tokens a policy evicts) and `paged_ref.eviction.report`
+`paged_ref.eviction.replay` (which tokens a policy evicts) and `paged_ref.bench.eviction_report`
 (the evaluation's JSON). Every ``*_figure`` function returns a new
 ``matplotlib.figure.Figure`` and draws nothing it did not receive.
 
@@ -25,8 +25,8 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
 from .._arith import cdiv
+from ..eviction.policies import ABLATIONS, policy_order
 from ..eviction.replay import Replay, layout_stats
-from ..eviction.report import ABLATIONS, policy_order
 from . import add_note
 
 __all__ = [

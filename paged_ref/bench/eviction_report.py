@@ -11,6 +11,7 @@ import json
 import math
 from pathlib import Path
 
+from ..eviction.policies import ABLATIONS, policy_order
 from ..provenance import describe
 from ..stats import mcnemar_p, mean_ci, wilson
 from ..texttable import format_table
@@ -30,9 +31,6 @@ __all__ = [
 ]
 
 
-#: The reviewers' ablation: the ratio against V only, K only (inverse norm), its opposite, the
-#: swapped ratio ||K||/||V|| (what the authors' vLLM code computes) and random.
-ABLATIONS = ("value_norm", "inverse_key_norm", "key_norm", "key_value_ratio", "random")
 #: The tasks whose summaries are NLL tables: key in the JSON -> its per-text rows.
 NLL_TASKS = {"language_modelling": "lm_rows", "long_context": "long_context_rows", "retention": "retention_rows"}
 
@@ -61,21 +59,6 @@ def provenance(results: dict) -> str:
     run = f"{results.get('mode', '?')} run of `python -m paged_ref.bench eviction`, {results.get('model', '?')}"
     where = describe({k: v for k, v in results.items() if k != "mode"})
     return f"{run}, {results.get('seconds', '?')} s. {where}"
-
-
-def policy_order(policy: str) -> int:
-    known = [
-        "full",
-        "paged_eviction",
-        "paged_eviction_literal",
-        "paged_eviction_per_layer",
-        "paged_eviction_literal_per_layer",
-        *ABLATIONS,
-        "streaming_llm",
-        "token_topk",
-        "token_inverse_key_norm",
-    ]
-    return known.index(policy) if policy in known else len(known)
 
 
 def lm_table(results: dict, task: str = "language_modelling") -> str:
