@@ -68,7 +68,8 @@ test: install-test
 VENV_COMPAT ?= .venv-compat
 COMPAT_PINS := $(TORCH_CPU) triton==3.6.0 transformers==5.17.0 accelerate==1.15.0 numpy==2.4.6
 COMPAT_TESTS := tests/test_triton_decode.py tests/test_triton_compile.py tests/test_attention_flex.py \
-                tests/test_attention_reference.py tests/test_hf_generate.py tests/test_cache.py tests/test_layers.py \
+                tests/test_attention_reference.py tests/test_hf_generate.py tests/test_hf_sampling.py tests/test_hf_beam.py \
+                tests/test_cache.py tests/test_layers.py \
                 tests/test_flex_compiled.py tests/test_bench_gpu.py tests/test_flex_cuda_tiles.py \
                 tests/test_triton_launch_replay.py
 

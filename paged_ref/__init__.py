@@ -7,7 +7,7 @@
 
 The paging core, memory arithmetic and attention functions are imported here. Modules with
 heavy dependencies (``hf`` and ``models`` import transformers; ``paged_decode`` imports
-triton; ``eviction``) load on first use, so ``import paged_ref`` stays fast.
+triton; ``eviction``; ``serve``) load on first use, so ``import paged_ref`` stays fast.
 """
 
 import importlib
@@ -22,7 +22,19 @@ from .layered_cache import LayeredKVCache
 
 __version__ = "0.1.0"
 
-_LAZY_MODULES = {"hf", "models", "eviction", "viz", "widgets", "bench", "runmode", "textdata", "stats", "check"}
+_LAZY_MODULES = {
+    "hf",
+    "models",
+    "eviction",
+    "serve",
+    "viz",
+    "widgets",
+    "bench",
+    "runmode",
+    "textdata",
+    "stats",
+    "check",
+}
 _LAZY_ATTRS = {"paged_decode": "paged_ref.attention.triton_decode"}
 
 

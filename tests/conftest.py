@@ -10,7 +10,11 @@ together instead of one waiting for a long file that came last.
 SLOWEST_FIRST = [
     "test_hf_generate.py",
     "test_hf_smollm2.py",
+    "test_serve_smollm2.py",
+    "test_hf_sharing_smollm2.py",
     "test_eviction.py",
+    "test_hf_sampling.py",
+    "test_hf_beam.py",
     "test_flex_compiled.py",
     "test_bench_gpu.py",
     "test_generate_heap.py",
@@ -20,6 +24,8 @@ SLOWEST_FIRST = [
     "test_cache_properties.py",
     "test_attention_backends.py",
     "test_nonfinite_slots.py",
+    "test_serve.py",
+    "test_bench_serve.py",
     "test_triton_decode.py",
 ]
 

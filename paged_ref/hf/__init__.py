@@ -15,8 +15,12 @@ How it hooks into transformers (no model code is copied):
 
 Public entry points:
 
-* `generate(model, input_ids, max_new_tokens=...)`: greedy decoding, same tokens as
-  ``model.generate(do_sample=False)``; `stream` yields the tokens step by step.
+* `generate(model, input_ids, max_new_tokens=...)`: the same tokens as ``model.generate`` with the
+  same arguments: greedy, seeded sampling (``do_sample``, ``temperature``, ``top_k``, ``top_p``,
+  ``num_return_sequences``: the samples of a prompt share its pages) and beam search
+  (``num_beams``: beams share pages copy-on-write); `stream` yields the tokens step by step.
+* `beam_search(model, input_ids, num_beams=k, ...)`: beam search with its sequence scores and a
+  record of every step's pages (`paged_ref.hf.beam`).
 * `log_likelihood(model, input_ids, chunk_size=...)`: teacher-forced per-token log-probs
   through the paged cache; `reference_log_likelihood` is the plain model's.
 
@@ -40,6 +44,7 @@ from .attention import (
     register,
     register_backend,
 )
+from .beam import BeamSearchOutput, BeamStep, beam_search
 from .cache import PagedCache, StepPlan
 from .generate import generate, stream
 from .score import log_likelihood, prompt_kv, reference_log_likelihood
@@ -48,9 +53,12 @@ from .session import PagedSession
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "BACKENDS",
+    "BeamSearchOutput",
+    "BeamStep",
     "PagedCache",
     "PagedSession",
     "StepPlan",
+    "beam_search",
     "generate",
     "log_likelihood",
     "paged_attention_forward",

@@ -225,6 +225,8 @@ def paged_attention_forward(
     if getattr(module, "sinks", None) is not None:
         raise NotImplementedError("paged attention does not support attention sinks")
     layer = module.layer_idx
+    if plan.parts is not None:
+        return _packed_attention(plan, layer, query, scaling), None
     k_cache, v_cache = plan.kv.k_cache[layer], plan.kv.v_cache[layer]  # [num_pages, page_size, Hkv, D]
     block_table, attn_kwargs = plan.layer(layer)  # int32 [batch, max_pages], this layer's keywords
     if plan.is_decode:
@@ -237,6 +239,44 @@ def paged_attention_forward(
         query, k_cache, v_cache, block_table, plan.seq_lens, plan.q_lens, scale=scaling, **attn_kwargs
     )  # [batch, Hq, max_q_len, D]
     return out.transpose(1, 2), None  # [batch, max_q_len, Hq, D]
+
+
+def _packed_attention(plan, layer: int, query: torch.Tensor, scaling) -> torch.Tensor:
+    """Attention of a packed forward (``plan.parts``): each part's tokens through its own kernel.
+
+    ``query: [1, Hq, total, D]``, every row's new tokens one after the other. A part of decode rows
+    (one token each) goes to the decode function as ``[rows, Hq, D]``; a part of longer rows is laid
+    out as its own rectangle ``[rows, Hq, max_q_len, D]`` for the prefill function. Returns
+    ``[1, total, Hq, D]``.
+    """
+    k_cache, v_cache = plan.kv.k_cache[layer], plan.kv.v_cache[layer]  # [num_pages, page_size, Hkv, D]
+    tokens = query[0].transpose(0, 1)  # [total, Hq, D]
+    out = torch.empty_like(tokens)  # [total, Hq, D]
+    for index, part in plan.parts:
+        q = tokens[index]  # [n, Hq, D]
+        if part.is_decode:
+            out[index] = part.decode(
+                q, k_cache, v_cache, part.block_table, part.seq_lens, scale=scaling, **part.attn_kwargs
+            )  # [rows, Hq, D]
+            continue
+        shape = (len(part.seq_ids), part.max_q_len, *q.shape[1:])  # [rows, max_q_len, Hq, D]
+        if part.valid is None:  # rows of one length: the tokens fill the rectangle
+            rows = q.view(shape)
+        else:
+            rows = q.new_zeros(shape)
+            rows[part.valid] = q
+        o = part.prefill(
+            rows.transpose(1, 2),
+            k_cache,
+            v_cache,
+            part.block_table,
+            part.seq_lens,
+            part.q_lens,
+            scale=scaling,
+            **part.attn_kwargs,
+        ).transpose(1, 2)  # [rows, max_q_len, Hq, D]
+        out[index] = o.flatten(0, 1) if part.valid is None else o[part.valid]
+    return out[None]  # [1, total, Hq, D]
 
 
 def register() -> str:

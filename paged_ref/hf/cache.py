@@ -10,7 +10,10 @@ and the block table and lengths the attention kernels need.
 Layout of a forward (a "rectangle"): row ``b`` of ``input_ids: [batch, max_q_len]`` holds the
 ``q_lens[b]`` new tokens of sequence ``seq_ids[b]`` left-aligned; the rest of the row is
 padding. Padding never reaches the cache: ``update`` writes only the valid tokens, so pages hold
-real tokens only. A decode step is the rectangle with ``max_q_len == 1``.
+real tokens only. A decode step is the rectangle with ``max_q_len == 1``. A *packed* forward
+(``PagedSession.extend(..., packed=True)`` over rows of different lengths) is a rectangle of one
+row, every row's tokens one after the other, so no padding is computed; ``StepPlan.parts`` tells
+attention where each row's tokens are.
 
 Version note: transformers 5.24 passes the cache as ``cache=`` and calls
 ``update(k, v, layer_idx, kwargs=...)``; 5.17 passes ``past_key_values=`` and calls
@@ -55,6 +58,12 @@ class StepPlan:
         attn_kwargs: extra keywords for this step's attention calls (see `attention.Backend.prepare`).
         layer_tables: on a `LayeredKVCache`, ``(block_table, attn_kwargs)`` of each layer; else None
             (every layer reads ``block_table`` with ``attn_kwargs``).
+        parts: a packed forward (``PagedSession.extend(..., packed=True)`` over rows of different
+            lengths): the model sees one row holding every new token, rows one after the other
+            (``valid`` is then None), so no padding is computed; attention reads it in parts,
+            ``(index, plan)`` pairs: ``index`` int64 ``[n]`` the positions in the packed row of the
+            tokens of ``plan``'s rows (the decode rows, then the longer rows), each with its own
+            block table, lengths and ``attn_kwargs``. None: the rectangle as described above.
     """
 
     kv: PagedKVCache | LayeredKVCache
@@ -69,6 +78,7 @@ class StepPlan:
     max_q_len: int
     attn_kwargs: dict = field(default_factory=dict)
     layer_tables: list[tuple[torch.Tensor, dict]] | None = None
+    parts: list[tuple[torch.Tensor, StepPlan]] | None = None
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, dict]:
         """``(block_table, attn_kwargs)`` the attention of layer ``layer_idx`` reads."""
@@ -165,8 +175,10 @@ class PagedCache(Cache):
     # ------------------------------------------------------------------ unsupported generate() features
     def _unsupported(self, what: str):
         raise NotImplementedError(
-            f"PagedCache does not support {what} (beam search / assisted decoding); "
-            "paged_ref.hf.generate is greedy. Sequences are forked with PagedKVCache.fork instead."
+            f"PagedCache does not support {what}: model.generate's beam search and assisted decoding "
+            "reorder or crop a cache in place, while paged sequences share pages instead. Use "
+            "paged_ref.hf.generate(model, ids, num_beams=k) or paged_ref.hf.beam_search (beams fork their "
+            "pages, copy-on-write) and do_sample/num_return_sequences there (samples fork the prompt's pages)."
         )
 
     def reorder_cache(self, beam_idx):

@@ -1,4 +1,15 @@
-"""Greedy generation from a paged KV cache: `generate` and its iterator form `stream`.
+"""Generation from a paged KV cache: `generate` and its iterator form `stream`.
+
+Decoding as ``model.generate`` does it, with its argument names, defaults and checks
+(`paged_ref.hf.decoding`): greedy by default; ``do_sample=True`` with ``temperature``, ``top_k``,
+``top_p`` draws the same tokens as ``model.generate`` after the same ``torch.manual_seed``
+(`paged_ref.hf.sampling`); ``num_beams=k`` is beam search over forked pages (`paged_ref.hf.beam`).
+
+Sharing pages. ``num_return_sequences=n`` samples n sequences per prompt: the prompt is
+prefilled once and *forked* n - 1 times, so the n rows share its pages (reference counts); the
+first token a row writes into a shared page copies that page first (copy-on-write), full pages
+stay shared to the end. The output has ``batch * n`` rows, prompt ``b``'s samples in rows
+``b * n .. b * n + n - 1``, as ``model.generate`` lays them out.
 
 Mixed-length batches: pass the prompts left-padded with an ``attention_mask`` (what
 ``tokenizer(..., padding=True)`` gives with ``padding_side="left"``, and what
@@ -20,6 +31,10 @@ Example:
     torch.Size([1, 9])
     >>> bool((out == model.generate(ids, max_new_tokens=5, do_sample=False)).all())
     True
+    >>> _ = torch.manual_seed(0); mine = generate(model, ids, max_new_tokens=5, do_sample=True, num_return_sequences=3)
+    >>> _ = torch.manual_seed(0); theirs = model.generate(ids, max_new_tokens=5, do_sample=True, num_return_sequences=3)
+    >>> mine.shape, torch.equal(mine, theirs)
+    (torch.Size([3, 9]), True)
 """
 
 from __future__ import annotations
@@ -33,6 +48,8 @@ from .._arith import cdiv
 from .._validate import check_int
 from ..cache import PagedKVCache
 from ..memory import model_geometry
+from .decoding import Decoding, resolve
+from .sampling import choose
 from .session import PagedSession
 
 __all__ = ["Stream", "generate", "stream"]
@@ -45,6 +62,11 @@ def stream(
     input_ids: torch.Tensor,
     *,
     max_new_tokens: int,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    num_return_sequences: int | None = None,
     page_size: int = 16,
     num_pages: int | None = None,
     backend: str = "auto",
@@ -56,11 +78,12 @@ def stream(
     kv_cache: PagedKVCache | None = None,
     namespace: dict | list | None = None,
 ) -> Iterator[torch.Tensor]:
-    """Greedy decoding that yields each step's new tokens as they are produced.
+    """Greedy or sampled decoding that yields each step's new tokens as they are produced.
 
-    Same arguments as `generate`. Yields LongTensor ``[batch]`` per step (``pad_token_id`` in
-    rows already finished). Pages are freed when a sequence finishes, and all of them when the
-    stream is exhausted, closed (``close()``) or left as a context manager: use
+    Same arguments as `generate` (beam search excepted: its sequences are known only at the end).
+    Yields LongTensor ``[batch * num_return_sequences]`` per step (``pad_token_id`` in rows
+    already finished). Pages are freed when a sequence finishes, and all of them when the stream
+    is exhausted, closed (``close()``) or left as a context manager: use
     ``with stream(...) as steps:`` to leave early (``break``) and free everything at once. A
     stream kept in a variable and left with ``break`` holds its pages until it is closed or
     garbage collected; the model itself is never left switched (its attention is "paged_ref"
@@ -73,19 +96,74 @@ def stream(
         >>> first.shape, steps.closed
         (torch.Size([1]), True)
     """
-    prompts, eos, pad = _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
-    namespaces = _namespaces(namespace, len(prompts))
+    decoding = resolve(
+        model,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        num_return_sequences=num_return_sequences,
+    )
+    if decoding.mode == "beam":
+        raise ValueError(
+            f"stream yields tokens step by step, but the model's generation_config asks for beam search "
+            f"(num_beams={decoding.num_beams}), whose sequences are chosen only at the end; use "
+            "paged_ref.hf.generate or paged_ref.hf.beam_search"
+        )
+    return Stream(
+        _steps(
+            model,
+            input_ids,
+            decoding,
+            max_new_tokens=max_new_tokens,
+            page_size=page_size,
+            num_pages=num_pages,
+            backend=backend,
+            attention_mask=attention_mask,
+            eviction=eviction,
+            budget=budget,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            kv_cache=kv_cache,
+            namespace=namespace,
+        )
+    )
+
+
+def open_session(model, prompts, max_new_tokens, copies, *, kv_cache, num_pages, page_size, backend, eviction, budget):
+    """The `PagedSession` for a generation (checked here, before a page is taken).
+
+    The pool created when neither ``kv_cache`` nor ``num_pages`` is given holds every sequence at
+    full length with its prompt's full pages shared by its ``copies`` rows (samples or beams):
+    per prompt of P tokens, ``P // page_size`` shared pages plus, per row, the pages that
+    positions ``P // page_size * page_size .. P + max_new_tokens`` span. Generation never runs
+    out of pages there (a beam continued twice shares everything before its partial last page).
+    """
     if kv_cache is not None and num_pages is not None:
         raise ValueError("pass either kv_cache or num_pages, not both (num_pages sizes a cache created here)")
+    if copies > 1 and (eviction is not None or budget is not None):
+        raise NotImplementedError(
+            "KV eviction with sequences that share pages (num_return_sequences > 1 or num_beams > 1) is not "
+            "implemented; pass eviction=None"
+        )
     if kv_cache is None and num_pages is None:
-        # enough for every sequence at full length: generation never runs out of pages. The one
-        # page_size check on this path before the cache's own (the sizing divides by it).
+        # the one page_size check on this path before the cache's own (the sizing divides by it)
         page_size = check_int("page_size", page_size, min_value=1)
-        num_pages = sum(cdiv(p.numel() + max_new_tokens, page_size) for p in prompts)
-    session = PagedSession(
+        num_pages = sum(
+            p.numel() // page_size + copies * cdiv(p.numel() % page_size + max_new_tokens, page_size) for p in prompts
+        )
+    return PagedSession(
         model, kv=kv_cache, num_pages=num_pages, page_size=page_size, backend=backend, eviction=eviction, budget=budget
     )
-    return Stream(_greedy_steps(session, prompts, max_new_tokens, eos, pad, namespaces))
+
+
+def _steps(model, input_ids, decoding: Decoding, *, max_new_tokens, attention_mask, eos_token_id, pad_token_id, **pool):
+    """Check everything, then return the decoding loop (a generator: it starts on the first ``next``)."""
+    namespace = pool.pop("namespace")
+    prompts, eos, pad = _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+    namespaces = _namespaces(namespace, len(prompts))
+    session = open_session(model, prompts, max_new_tokens, decoding.num_return_sequences, **pool)
+    return _decode_steps(session, prompts, max_new_tokens, eos, pad, decoding, namespaces)
 
 
 class Stream:
@@ -119,17 +197,25 @@ class Stream:
         self.close()
 
 
-def _greedy_steps(session: PagedSession, prompts, max_new_tokens: int, eos: torch.Tensor, pad: int, namespaces):
-    """The decoding loop behind `stream` (a generator, so arguments are checked before it starts)."""
+def _decode_steps(
+    session: PagedSession, prompts, max_new_tokens: int, eos: torch.Tensor, pad: int, decoding, namespaces
+):
+    """The decoding loop behind `stream`: greedy or sampled, ``num_return_sequences`` rows per prompt."""
+    n = decoding.num_return_sequences
     with session:  # paged attention on; on exit every sequence is freed and attention restored
-        seq_ids = [session.add(namespace=ns) for ns in namespaces]
-        active = list(range(len(prompts)))  # batch rows still generating
-        logits = session.extend(seq_ids, prompts)  # prefill: [batch, vocab]
+        roots = [session.add(namespace=ns) for ns in namespaces]
+        logits = session.extend(roots, prompts)  # prefill, once per prompt: [batch, vocab]
+        # the n rows of a prompt: the prefilled sequence and n - 1 forks sharing its pages
+        seq_ids = [s for root in roots for s in [root] + [session.fork(root) for _ in range(n - 1)]]
+        if n > 1:
+            logits = logits.repeat_interleave(n, dim=0)  # [batch * n, vocab]
+        rows = len(seq_ids)
+        active = list(range(rows))  # rows still generating
         for step in range(max_new_tokens):
-            next_tokens = logits.argmax(dim=-1)  # [num_active]
-            row_tokens = torch.full((len(prompts),), pad, dtype=torch.long, device=logits.device)
+            next_tokens = choose(logits, decoding, rows=rows, active=active)  # [num_active]
+            row_tokens = torch.full((rows,), pad, dtype=torch.long, device=logits.device)
             row_tokens[active] = next_tokens
-            yield row_tokens  # [batch]
+            yield row_tokens  # [rows]
             if step == max_new_tokens - 1:
                 break  # the last token needs no forward of its own
             done = torch.isin(next_tokens, eos).tolist()
@@ -149,6 +235,14 @@ def generate(
     input_ids: torch.Tensor,
     *,
     max_new_tokens: int,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    num_return_sequences: int | None = None,
+    num_beams: int | None = None,
+    length_penalty: float | None = None,
+    early_stopping: bool | str | None = None,
     page_size: int = 16,
     num_pages: int | None = None,
     backend: str = "auto",
@@ -158,47 +252,54 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     pad_token_id: int | None = None,
     streamer=None,
-    callback: Callable[[int, torch.Tensor], None] | None = None,
+    callback: Callable[[int, object], None] | None = None,
     progress: bool | None = None,
     kv_cache: PagedKVCache | None = None,
     namespace: dict | list | None = None,
 ) -> torch.Tensor:
-    """Greedy generation with every layer's K/V in a paged cache; same tokens as ``model.generate``.
+    """Generation with every layer's K/V in a paged cache; same tokens as ``model.generate``.
 
     Args:
         model: a transformers causal LM (Llama family; attention through `AttentionInterface`).
         input_ids: LongTensor ``[batch, prompt_len]``, left-padded when lengths differ.
         max_new_tokens: most tokens to add per sequence (>= 1).
+        do_sample, temperature, top_k, top_p, num_return_sequences, num_beams, length_penalty,
+            early_stopping: as in ``model.generate`` (transformers' `GenerationConfig`): None
+            takes the model's ``generation_config`` value, else transformers' default (greedy;
+            ``top_k=50`` when sampling). See `paged_ref.hf.decoding`.
         page_size: tokens per page of the cache created here.
         num_pages: pages of the cache created here; default: enough for every sequence at full
-            length. A smaller pool raises `OutOfPagesError` when it runs out.
+            length (rows of one prompt sharing its full pages). A smaller pool raises
+            `OutOfPagesError` when it runs out.
         backend: which paged attention reads the pages: ``"auto"`` (default: ``"triton"`` on
             CUDA, ``"sdpa"`` elsewhere, the fastest tested paths), ``"reference"`` (the oracle),
             ``"flex"``, ``"triton"`` or ``"sdpa"`` (table in `paged_ref.hf.attention`).
         attention_mask: ``[batch, prompt_len]`` of 0/1, 1 on real tokens, padding on the left.
         eviction, budget: KV eviction (`paged_ref.eviction`): a policy name and a budget in
             tokens (``eviction="paged_eviction", budget=256``), or a policy object. The default
-            pool still holds every sequence at full length.
+            pool still holds every sequence at full length. One sequence per prompt only.
         eos_token_id: int or list of ints that end a sequence; default: the model's
             ``generation_config.eos_token_id``. Pass ``[]`` to never stop early.
         pad_token_id: fills finished rows; default: ``generation_config.pad_token_id``, else
             the first EOS id.
         streamer: an object with ``put(LongTensor)`` and ``end()`` (e.g.
             ``transformers.TextStreamer``), called as ``model.generate`` calls it: the prompt
-            first, then each step's tokens ``[batch]``, then ``end()``.
-        callback: ``callback(step, tokens)`` after each step, ``tokens: LongTensor [batch]``.
+            first, then each step's tokens ``[batch]``, then ``end()``. Not with beam search.
+        callback: ``callback(step, tokens)`` after each step, ``tokens: LongTensor [rows]``; with
+            beam search ``callback(step, beam_step)``, a `paged_ref.hf.beam.BeamStep`.
         progress: show a tqdm bar; default (None): only from 128 new tokens on.
         kv_cache: use this `PagedKVCache` (e.g. to inspect its pages from the callback) instead
             of creating one; the sequences added are freed before returning.
         namespace: the prefix-cache namespace (str -> str, e.g. ``{"adapter": "lora-7"}``) of
-            every sequence, or a list of one per row (None or a dict each); see
+            every prompt, or a list of one per prompt (None or a dict each); see
             `PagedSession.add`.
 
     Returns:
-        LongTensor ``[batch, prompt_len + steps]``, the input followed by the generated tokens.
+        LongTensor ``[batch * num_return_sequences, prompt_len + steps]``, each row its prompt
+        followed by the generated tokens.
 
     Raises:
-        TypeError / ValueError: bad arguments (the message names the argument).
+        TypeError / ValueError: bad arguments (the message names the argument); nothing is allocated.
         paged_ref.OutOfPagesError: the page pool ran out (every page is freed again).
     """
     show = (
@@ -206,19 +307,29 @@ def generate(
         if progress is not None
         else check_int("max_new_tokens", max_new_tokens, min_value=1) >= PROGRESS_MIN_TOKENS
     )
+    decoding = resolve(
+        model,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        num_return_sequences=num_return_sequences,
+        num_beams=num_beams,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+    )
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable as callback(step, tokens) or None, got {type(callback).__name__}")
     if streamer is not None:
+        if decoding.mode == "beam":
+            raise ValueError("streamer cannot be used with beam search (num_beams > 1), as in model.generate")
         missing = [m for m in ("put", "end") if not callable(getattr(streamer, m, None))]
         if missing:
             raise TypeError(
                 f"streamer must have put(tokens) and end() methods (like "
                 f"transformers.TextStreamer); {type(streamer).__name__} lacks {missing}"
             )
-    steps = stream(
-        model,
-        input_ids,
-        max_new_tokens=max_new_tokens,
+    pool = dict(
         page_size=page_size,
         num_pages=num_pages,
         backend=backend,
@@ -230,14 +341,22 @@ def generate(
         kv_cache=kv_cache,
         namespace=namespace,
     )
+    if decoding.mode == "beam":
+        from .beam import run_beam_search
+
+        return run_beam_search(
+            model, input_ids, decoding, max_new_tokens=max_new_tokens, callback=callback, progress=show, **pool
+        ).sequences
+    steps = Stream(_steps(model, input_ids, decoding, max_new_tokens=max_new_tokens, **pool))
     from tqdm.auto import tqdm
 
+    n = decoding.num_return_sequences
     new_tokens = []
     bar = tqdm(total=max_new_tokens, disable=not show, desc="paged generate", unit="tok")
     try:
         for step, tokens in enumerate(steps):
             if step == 0 and streamer is not None:
-                streamer.put(input_ids.cpu())
+                streamer.put(input_ids.repeat_interleave(n, dim=0).cpu())
             new_tokens.append(tokens)
             if streamer is not None:
                 streamer.put(tokens.cpu())
@@ -249,8 +368,8 @@ def generate(
         bar.close()
         if streamer is not None:
             streamer.end()
-    generated = torch.stack(new_tokens, dim=1).to(input_ids.device)  # [batch, steps]
-    return torch.cat([input_ids, generated], dim=1)
+    generated = torch.stack(new_tokens, dim=1).to(input_ids.device)  # [rows, steps]
+    return torch.cat([input_ids.repeat_interleave(n, dim=0), generated], dim=1)
 
 
 def _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id):
@@ -327,7 +446,7 @@ def _prepare(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad
 
 
 def _namespaces(namespace, batch: int) -> list:
-    """One prefix-cache namespace per row (each checked by the cache when its sequence is added)."""
+    """One prefix-cache namespace per prompt (each checked by the cache when its sequence is added)."""
     if namespace is None or isinstance(namespace, dict):
         return [namespace] * batch
     if not isinstance(namespace, (list, tuple)) or len(namespace) != batch:

@@ -249,13 +249,16 @@ class PagedSession:
 
     # ------------------------------------------------------------------ the forward
     @torch.inference_mode()
-    def extend(self, seq_ids: list[int], tokens: list[torch.Tensor], *, all_logits: bool = False):
+    def extend(self, seq_ids: list[int], tokens: list[torch.Tensor], *, all_logits: bool = False, packed: bool = False):
         """Feed new tokens to some sequences in one forward and return their logits.
 
         Args:
             seq_ids: the sequences (distinct, live), one per batch row.
             tokens: for each, a LongTensor ``[n_b]`` (n_b >= 1) of new token ids.
             all_logits: return the logits of every new token instead of only the last.
+            packed: when the rows have different lengths (a prompt chunk next to decodes), feed the
+                model one row of all the new tokens instead of a ``[batch, max_n_b]`` rectangle, so
+                that the padding is not computed (`_pack`); same logits. Not on a `LayeredKVCache`.
 
         Returns:
             all_logits False: ``[batch, vocab]`` float32, logits after each sequence's last new token.
@@ -298,13 +301,16 @@ class PagedSession:
         marks = [self.kv._mark(s) for s in seq_ids]
         started = time.perf_counter()
         try:
-            plan, input_ids, position_ids = self._plan(seq_ids, tokens, q_lens_list)
+            plan, input_ids, position_ids = self._plan(seq_ids, tokens, q_lens_list, packed=packed)
         except BaseException:  # the reservation is all or nothing; what comes after it may fail
             self._rewind(seq_ids, marks)
             raise
         self.plan_seconds += time.perf_counter() - started
         # logits are needed only at each row's last new token: ask for those columns only
-        if all_logits:
+        if plan.parts is not None:  # one packed row: each sequence's last token, or all of them
+            ends = torch.cumsum(plan.q_lens, 0) - 1  # [batch]
+            keep = 0 if all_logits else ends.to(device)
+        elif all_logits:
             keep = 0
         elif plan.max_q_len == 1:
             keep = 1
@@ -339,6 +345,8 @@ class PagedSession:
                 error = error or e
         if error is not None:
             raise error
+        if plan.parts is not None:
+            return list(logits[0].split(q_lens_list)) if all_logits else logits[0]  # [batch, vocab]
         if all_logits:
             return [logits[b, :n] for b, n in enumerate(q_lens_list)]
         if isinstance(keep, int):
@@ -366,8 +374,9 @@ class PagedSession:
             )
         return t
 
-    def _plan(self, seq_ids, tokens, q_lens_list):
-        """Reserve cache slots for the new tokens and lay them out as a [batch, max_q_len] rectangle."""
+    def _plan(self, seq_ids, tokens, q_lens_list, packed=False):
+        """Reserve cache slots for the new tokens and lay them out as a [batch, max_q_len] rectangle
+        (or, ``packed`` and of different lengths, as one row: `_pack`)."""
         device = self.kv.device
         batch, max_q = len(seq_ids), max(q_lens_list)
         # with prefix caching the cache learns the token ids, so full pages become findable
@@ -398,6 +407,8 @@ class PagedSession:
             prefill=self._prefill,
             max_q_len=max_q,
         )
+        if packed and valid is not None and not isinstance(self.kv, LayeredKVCache):
+            return (plan, *self._pack(plan, input_ids, position_ids))
         plan.attn_kwargs = self._backend.prepare(plan)
         if isinstance(self.kv, LayeredKVCache):  # a block table per layer, each prepared once
             tables = [self.kv.block_table(seq_ids, layer=i)[0] for i in range(1, self.kv.num_layers)]
@@ -411,6 +422,42 @@ class PagedSession:
         (its pages, private copies given back for the shared pages they replaced, length)."""
         for s, mark in reversed(list(zip(seq_ids, marks))):
             self.kv._rewind(s, mark)
+
+    def _pack(self, plan: StepPlan, input_ids, position_ids):
+        """Turn ``plan``'s rectangle into one row of its valid tokens, split in parts for attention.
+
+        Returns ``(input_ids, position_ids)``, each ``[1, num_new]``, and sets ``plan.parts``: the
+        decode rows (one new token each) and the longer rows, each part with its own block table,
+        lengths and prepared attention keywords (`StepPlan.parts`).
+        """
+        device = self.kv.device
+        q_lens = plan.q_lens.tolist()
+        starts = [0]
+        for n in q_lens[:-1]:
+            starts.append(starts[-1] + n)
+        parts = []
+        for rows in ([b for b, n in enumerate(q_lens) if n == 1], [b for b, n in enumerate(q_lens) if n > 1]):
+            if not rows:
+                continue
+            index = torch.cat([torch.arange(starts[b], starts[b] + q_lens[b]) for b in rows]).to(device)  # [n]
+            sub_q = plan.q_lens[rows]  # [rows]
+            max_q = max(q_lens[b] for b in rows)
+            sub = replace(
+                plan,
+                seq_ids=[plan.seq_ids[b] for b in rows],
+                q_lens=sub_q,
+                valid=None
+                if all(q_lens[b] == max_q for b in rows)
+                else torch.arange(max_q, device=device)[None, :] < sub_q[:, None],  # [rows, max_q]
+                block_table=plan.block_table[rows],
+                seq_lens=plan.seq_lens[rows],
+                max_q_len=max_q,
+            )
+            sub.attn_kwargs = self._backend.prepare(sub)
+            parts.append((index, sub))
+        valid = plan.valid
+        plan.parts, plan.valid = parts, None  # the cache writes the packed row's tokens in order
+        return input_ids[valid][None], position_ids[valid][None]  # [1, num_new] each
 
     def _after_forward(self, seq_id: int, *, phase_prefill: bool) -> None:
         """The eviction hooks: let the sequence's policy shrink its cache (see the module docstring)."""

@@ -1,0 +1,212 @@
+"""How tokens are chosen: transformers' `GenerationConfig` decoding arguments, resolved and checked.
+
+`generate`, `stream` and `beam_search` take the arguments ``model.generate`` takes to choose
+tokens, with the same names, defaults and precedence: an argument passed wins, then the model's
+own ``generation_config`` (a checkpoint may ship ``do_sample=True, temperature=0.6``), then
+transformers' global defaults (`DEFAULTS`). The mode follows as in transformers:
+
+==========  =============================  ===========================================
+mode        arguments                      what chooses each token
+==========  =============================  ===========================================
+greedy      ``num_beams=1``                the argmax of the logits
+sample      ``num_beams=1, do_sample``     temperature, top-k, top-p, then one draw
+beam        ``num_beams=k > 1``            the k best continuations (`paged_ref.hf.beam`)
+==========  =============================  ===========================================
+
+Everything is checked here, before a page is taken, and a bad value is refused the way
+transformers refuses it (``num_return_sequences > num_beams``, ``temperature <= 0`` when
+sampling), plus ``top_p`` outside (0, 1], which transformers refuses below 0 and ignores above 1.
+A model whose ``generation_config`` asks for a logits processor paged_ref does not implement
+(``repetition_penalty``, ``min_p``, ...) is refused by name rather than decoded differently.
+
+Example:
+    >>> from paged_ref.models import tiny_llama
+    >>> d = resolve(tiny_llama(), do_sample=True, num_return_sequences=3)
+    >>> d.mode, d.top_k, d.top_p, d.num_return_sequences
+    ('sample', 50, 1.0, 3)
+    >>> resolve(tiny_llama(), num_beams=2, num_return_sequences=3)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: num_return_sequences must be <= num_beams ..., got num_return_sequences=3 with num_beams=2
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+from .._validate import check_int
+
+__all__ = ["DEFAULTS", "Decoding", "resolve"]
+
+# transformers' global defaults (`GenerationConfig._get_default_generation_params`) for these names
+DEFAULTS = {
+    "do_sample": False,
+    "temperature": 1.0,
+    "top_k": 50,
+    "top_p": 1.0,
+    "num_return_sequences": 1,
+    "num_beams": 1,
+    "length_penalty": 1.0,
+    "early_stopping": False,
+}
+
+# generation_config settings that would add a logits processor paged_ref does not implement,
+# each with the values that leave the logits alone (transformers' own tests for "off")
+_OFF = {
+    "repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "bad_words_ids": (None,),
+    "min_length": (None, 0),
+    "min_new_tokens": (None, 0),
+    "forced_bos_token_id": (None,),
+    "forced_eos_token_id": (None,),
+    "suppress_tokens": (None,),
+    "begin_suppress_tokens": (None,),
+    "sequence_bias": (None,),
+    "guidance_scale": (None, 1.0),
+    "exponential_decay_length_penalty": (None,),
+    "remove_invalid_values": (None, False),
+    "renormalize_logits": (None, False),
+    "watermarking_config": (None,),
+    "num_beam_groups": (None, 1),
+    "low_memory": (None, False),
+}
+_OFF_WHEN_SAMPLING = {  # warpers transformers applies only with do_sample
+    "min_p": (None,),
+    "top_h": (None,),
+    "typical_p": (None, 1.0),
+    "epsilon_cutoff": (None, 0.0),
+    "eta_cutoff": (None, 0.0),
+}
+
+
+@dataclass(frozen=True)
+class Decoding:
+    """The resolved decoding arguments (names and meanings as in transformers' `GenerationConfig`).
+
+    Attributes:
+        do_sample: draw tokens instead of taking the most likely one.
+        temperature: logits are divided by it before sampling (> 0; 1.0 leaves them alone).
+        top_k: sample among the ``top_k`` most likely tokens only (0: no limit).
+        top_p: sample among the smallest set of most likely tokens whose probabilities add up to
+            at least ``top_p`` (1.0: no limit).
+        num_return_sequences: sequences returned per prompt (sampling: independent samples that
+            share the prompt's pages; beam search: the best of the ``num_beams`` finished beams).
+        num_beams: beams per prompt (1: no beam search).
+        length_penalty: a finished beam's score is its summed log-probability divided by
+            ``generated_length ** length_penalty``.
+        early_stopping: when beam search stops: ``True`` as soon as ``num_beams`` beams have
+            finished; ``False`` when no running beam can beat the finished ones (judged at the
+            current length); ``"never"`` only when none can at any length.
+    """
+
+    do_sample: bool
+    temperature: float
+    top_k: int
+    top_p: float
+    num_return_sequences: int
+    num_beams: int
+    length_penalty: float
+    early_stopping: bool | str
+
+    @property
+    def mode(self) -> str:
+        """``"greedy"``, ``"sample"`` or ``"beam"``."""
+        if self.num_beams > 1:
+            return "beam"
+        return "sample" if self.do_sample else "greedy"
+
+
+def resolve(model, **given) -> Decoding:
+    """The decoding arguments for ``model``: ``given`` (None = not given) over the model's
+    ``generation_config`` over `DEFAULTS`; checked, with errors naming the argument.
+
+    Raises:
+        TypeError / ValueError: a bad value or combination (the message names the argument).
+        NotImplementedError: beam sampling (``num_beams > 1`` with ``do_sample``), or a
+            ``generation_config`` that asks for a logits processor paged_ref does not implement.
+    """
+    unknown = set(given) - set(DEFAULTS)
+    if unknown:
+        raise TypeError(f"unknown decoding arguments {sorted(unknown)}; expected some of {sorted(DEFAULTS)}")
+    config = getattr(model, "generation_config", None)
+    values = {}
+    for name, default in DEFAULTS.items():
+        value = given.get(name)
+        if value is None:
+            value = getattr(config, name, None)
+        values[name] = default if value is None else value
+
+    do_sample = values["do_sample"]
+    if not isinstance(do_sample, bool):
+        raise TypeError(f"do_sample must be True or False, got {do_sample!r}")
+    num_beams = check_int("num_beams", values["num_beams"], min_value=1)
+    n = check_int("num_return_sequences", values["num_return_sequences"], min_value=1)
+    temperature = _real("temperature", values["temperature"])
+    top_p = _real("top_p", values["top_p"])
+    top_k = check_int("top_k", values["top_k"])
+    length_penalty = _real("length_penalty", values["length_penalty"])
+    early_stopping = values["early_stopping"]
+    if (
+        early_stopping not in (True, False, "never")
+        or isinstance(early_stopping, numbers.Number)
+        and not isinstance(early_stopping, bool)
+    ):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
+
+    if do_sample:  # the warpers' own checks (transformers makes them only when it samples)
+        if not temperature > 0:
+            hint = "; for greedy decoding pass do_sample=False" if temperature == 0 else ""
+            raise ValueError(f"temperature must be > 0 when sampling (do_sample=True), got {temperature}{hint}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 when sampling (0: no top-k limit), got {top_k}")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] when sampling (1: no top-p limit), got {top_p}")
+    if num_beams == 1 and not do_sample and n > 1:
+        raise ValueError(
+            f"greedy decoding (do_sample=False, num_beams=1) gives one sequence per prompt: num_return_sequences "
+            f"must be 1, got {n}; pass do_sample=True for {n} samples or num_beams>={n} for {n} beams"
+        )
+    if num_beams > 1 and n > num_beams:
+        raise ValueError(
+            "num_return_sequences must be <= num_beams (the beams are the candidates returned), "
+            f"got num_return_sequences={n} with num_beams={num_beams}"
+        )
+    if num_beams > 1 and do_sample:
+        raise NotImplementedError(
+            f"beam sampling (num_beams={num_beams} with do_sample=True) is not implemented in paged_ref.hf; "
+            "use do_sample=False for beam search or num_beams=1 for sampling"
+        )
+    _check_processors(config, do_sample)
+    return Decoding(
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        num_return_sequences=n,
+        num_beams=num_beams,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+    )
+
+
+def _real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite real number, got {value!r}")
+    return float(value)
+
+
+def _check_processors(config, do_sample: bool) -> None:
+    """Refuse a generation_config that turns on a logits processor not implemented here."""
+    if config is None:
+        return
+    checks = {**_OFF, **(_OFF_WHEN_SAMPLING if do_sample else {})}
+    for name, off in checks.items():
+        value = getattr(config, name, None)
+        if not any(value is v or (v is not None and value == v) for v in off):
+            raise NotImplementedError(
+                f"the model's generation_config sets {name}={value!r}, a logits processor paged_ref.hf does not "
+                f"implement; generate on a model whose generation_config leaves it at {off[-1]!r}"
+            )

@@ -1,0 +1,100 @@
+"""Choosing the next token from the logits, as transformers' ``generate`` does.
+
+Greedy decoding takes the argmax. Sampling (``do_sample=True``) passes the logits through three
+warpers, in transformers' order, then draws one token per row from their softmax:
+
+1. ``temperature``: divide the logits (below 1 sharpens the distribution, above 1 flattens it);
+2. ``top_k``: keep the ``top_k`` largest logits (ties with the k-th kept too), the rest -> -inf;
+3. ``top_p``: keep the smallest set of most likely tokens whose probabilities add up to at least
+   ``top_p``; computed as transformers computes it (sort ascending, cumulative softmax, drop the
+   tokens whose cumulative probability is <= 1 - top_p, always keep the most likely one), so
+   that a token on the boundary falls on the same side.
+
+The same random draws. With ``torch.manual_seed(s)`` before each call, `paged_ref.hf.generate`
+samples the same tokens as ``model.generate``: one ``torch.multinomial`` call per step over
+*every* row of the batch (``num_return_sequences`` rows per prompt, rows already finished
+included), as transformers makes it. A finished row's pages are free and it has no logits any
+more, so `choose` gives it a placeholder distribution: torch's one-sample ``multinomial`` is
+``argmax(p / q)`` with ``q ~ Exp(1)`` drawn for the whole ``[rows, vocab]`` tensor, so each row's
+draw depends only on its own probabilities and its own slice of the random stream, and the
+placeholder changes no other row's token (``tests/test_hf_sampling.py`` checks it).
+
+Example:
+    >>> import dataclasses, torch
+    >>> from paged_ref.hf.decoding import Decoding
+    >>> d = Decoding(do_sample=True, temperature=1.0, top_k=2, top_p=1.0, num_return_sequences=1,
+    ...              num_beams=1, length_penalty=1.0, early_stopping=False)
+    >>> warp(torch.tensor([[0.0, 3.0, 1.0, 2.0]]), d)        # top_k=2 keeps the two largest
+    tensor([[-inf, 3., -inf, 2.]])
+    >>> torch.manual_seed(0) and None
+    >>> choose(torch.tensor([[0.0, 3.0, 1.0, 2.0]]), d)                 # drawn from tokens 1 and 3 only
+    tensor([1])
+    >>> choose(torch.tensor([[0.0, 3.0, 1.0, 2.0]]), dataclasses.replace(d, do_sample=False))  # greedy
+    tensor([1])
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .decoding import Decoding
+
+__all__ = ["temperature_warp", "top_k_warp", "top_p_warp", "warp", "choose"]
+
+
+def temperature_warp(scores: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``scores / temperature``; ``scores: [rows, vocab]``."""
+    return scores / temperature
+
+
+def top_k_warp(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep each row's ``top_k`` largest scores (and any equal to the k-th); the rest become -inf."""
+    k = min(top_k, scores.shape[-1])
+    kth = torch.topk(scores, k).values[..., -1:]  # [rows, 1]: the k-th largest score
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
+def top_p_warp(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens holding at least ``top_p`` of the probability."""
+    ascending, order = torch.sort(scores, descending=False)  # [rows, vocab], least likely first
+    below = ascending.softmax(dim=-1).cumsum(dim=-1)  # probability of this token and all less likely ones
+    drop_sorted = below <= (1 - top_p)  # these together hold at most 1 - top_p: the tail to cut
+    drop_sorted[..., -1:] = False  # the most likely token always stays
+    drop = drop_sorted.scatter(1, order, drop_sorted)  # back to vocabulary order
+    return scores.masked_fill(drop, float("-inf"))
+
+
+def warp(logits: torch.Tensor, decoding: Decoding) -> torch.Tensor:
+    """The sampling warpers transformers applies for ``decoding``, in its order; ``[rows, vocab]``."""
+    scores = logits
+    if decoding.temperature != 1.0:
+        scores = temperature_warp(scores, decoding.temperature)
+    if decoding.top_k != 0:
+        scores = top_k_warp(scores, decoding.top_k)
+    if decoding.top_p < 1.0:
+        scores = top_p_warp(scores, decoding.top_p)
+    return scores
+
+
+def choose(
+    logits: torch.Tensor, decoding: Decoding, *, rows: int | None = None, active: list[int] | None = None
+) -> torch.Tensor:
+    """The next token of each row: LongTensor ``[len(active)]`` (``[rows]`` when all are active).
+
+    Args:
+        logits: float32 ``[len(active), vocab]``, the logits of the rows still generating.
+        decoding: greedy (argmax) or sampling (warpers, softmax, one multinomial draw).
+        rows, active: the batch has ``rows`` rows and ``logits`` belongs to rows ``active`` (in
+            order); the draw is made over all ``rows``, finished ones with a placeholder
+            distribution, so that the random stream is consumed as transformers consumes it.
+            Default: every row is active.
+    """
+    if not decoding.do_sample:
+        return logits.argmax(dim=-1)
+    probs = warp(logits, decoding).softmax(dim=-1)  # [num_active, vocab]
+    if rows is None or active is None or len(active) == rows:
+        return torch.multinomial(probs, num_samples=1)[:, 0]
+    full = torch.ones(rows, probs.shape[-1], dtype=probs.dtype, device=probs.device)  # [rows, vocab]
+    index = torch.tensor(active, device=probs.device)
+    full[index] = probs
+    return torch.multinomial(full, num_samples=1)[index, 0]

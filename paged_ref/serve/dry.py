@@ -1,0 +1,76 @@
+"""A dry session: the page pool and the calls the engine makes, with no model behind them.
+
+`DrySession` answers the five calls the engine makes of a `paged_ref.hf.PagedSession` (``add``,
+``position``, ``extend``, ``finish`` and its ``kv``) over a real `PagedKVCache` whose pages hold
+one number per token. ``extend`` reserves the new tokens' slots (so pages are taken, shared and
+freed exactly as in a real run) and returns logits that always pick token 0. The engine's
+scheduler then runs unchanged at the cost of its own bookkeeping: ``Engine(None, ...)`` is a dry
+run, what notebook 09's widget and notebook 03's charged replay use to play thousands of steps in
+seconds. Eviction policies need real K/V and are refused here.
+
+Example:
+    >>> dry = DrySession(num_pages=4, page_size=2)
+    >>> s = dry.add()
+    >>> dry.extend([s], [[7, 8, 9]]).shape, dry.kv.pages(s), dry.position(s)
+    (torch.Size([1, 1]), [0, 1], 3)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import PagedKVCache
+
+__all__ = ["DrySession"]
+
+
+class DrySession:
+    """The engine's view of a `PagedSession`, over a pool of ``num_pages`` pages and no model."""
+
+    backend = "dry"
+
+    def __init__(self, *, num_pages: int, page_size: int, prefix_caching: bool = False):
+        self.kv = PagedKVCache(
+            num_layers=1,
+            num_pages=num_pages,
+            page_size=page_size,
+            num_kv_heads=1,
+            head_dim=1,
+            prefix_caching=prefix_caching,
+        )
+        self._positions: dict[int, int] = {}
+        self.plan_seconds = 0.0
+
+    def open(self) -> DrySession:
+        return self
+
+    def close(self) -> None:
+        for seq_id in list(self._positions):
+            self.finish(seq_id)
+
+    def add(self, token_ids=None, *, eviction=None) -> int:
+        if eviction is not None:
+            raise ValueError("a dry run has no K/V to score: eviction policies need a model (Engine(model, ...))")
+        seq_id = self.kv.add_sequence(token_ids=token_ids)
+        self._positions[seq_id] = self.kv.seq_len(seq_id)
+        return seq_id
+
+    def position(self, seq_id: int) -> int:
+        return self._positions[seq_id]
+
+    def finish(self, seq_id: int) -> None:
+        del self._positions[seq_id]
+        self.kv.free(seq_id)
+
+    def extend(self, seq_ids: list[int], tokens: list, *, packed: bool = False) -> torch.Tensor:
+        """Reserve every row's new tokens (lists or 1-D tensors of ids; zeros are written: prefix caching
+        offers a page once written); returns logits ``[batch, 1]`` (every row samples token 0).
+        ``packed`` is accepted for the engine's call and changes nothing here."""
+        for s, t in zip(seq_ids, tokens):
+            ids = (t.tolist() if isinstance(t, torch.Tensor) else list(t)) if self.kv.prefix_caching else None
+            slots = self.kv.reserve(s, len(t), token_ids=ids)
+            if ids is not None:
+                zeros = torch.zeros(len(t), 1, 1)
+                self.kv.write(0, slots, zeros, zeros, check_values=False)
+            self._positions[s] += len(t)
+        return torch.zeros(len(seq_ids), 1)

@@ -1,0 +1,531 @@
+"""The engine: a stream of requests served from one page pool, one forward per step.
+
+`Engine` owns a `paged_ref.hf.PagedSession` over a `PagedKVCache` of ``num_pages`` pages and a
+`Scheduler` over its queues. Each `Engine.step`:
+
+1. moves the requests that have arrived (``arrival_s <= now``) into the waiting queue;
+2. asks the scheduler for the step's plan: preemptions, swaps, admissions, and for each running
+   request the tokens to feed (a decode's one token, a prefill chunk);
+3. runs **one** ``session.extend`` over all of them: decode rows and prefill chunks side by side,
+   packed into one row of tokens (``packed=True``: no padding is computed for rows of different
+   lengths; attention reads the decode rows and the chunks with their own kernels);
+4. for every request whose tokens are now all computed, appends the greedy token of its last
+   logits and finishes it on ``max_new_tokens`` or an EOS token (its pages go back at once).
+
+Clocks (``clock=``): ``"simulated"`` (the default with a model) advances by each step's measured
+wall time and jumps over idle gaps to the next arrival, so the metrics are the steps' real time
+without the waiting a real server would sleep through; ``"real"`` reads the wall clock (seconds
+since the engine was made) and sleeps when idle; ``"steps"`` (the default of a dry run,
+``model=None``) counts one unit per step. ``stats()["clock"]`` says which one the times use.
+
+Example:
+    >>> import torch
+    >>> from paged_ref.models import tiny_llama
+    >>> from paged_ref import hf
+    >>> model = tiny_llama()
+    >>> engine = Engine(model, num_pages=6, page_size=4, max_num_seqs=4, max_batched_tokens=8, eos_token_id=[])
+    >>> a = engine.add_request([1, 5, 9, 4, 7], max_new_tokens=6)
+    >>> b = engine.add_request([3, 8], max_new_tokens=4, arrival_s=0.5)
+    >>> outs = engine.run()
+    >>> [o.request_id for o in outs], [len(o.token_ids) for o in outs]
+    ([0, 1], [6, 4])
+    >>> alone = hf.generate(model, torch.tensor([[1, 5, 9, 4, 7]]), max_new_tokens=6, eos_token_id=[])
+    >>> outs[0].token_ids == alone[0, 5:].tolist()
+    True
+    >>> engine.stats()["free_pages"]
+    6
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import numbers
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .._validate import check_choice, check_int
+from ..cache import PagedKVCache
+from ..eviction.policies import EvictionPolicy
+from .dry import DrySession
+from .request import FINISHED, PENDING, Request, RequestOutput
+from .scheduler import PREEMPTIONS, RESERVATIONS, Scheduler
+
+__all__ = ["CLOCKS", "Engine", "StepRecord"]
+
+CLOCKS = ("simulated", "real", "steps")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step did (``Engine.history``). Times in seconds of wall time, whatever the clock.
+
+    ``owners``/``fill`` (with ``Engine(trace=True)``): per physical page, the request holding it
+    (-1: free; a page shared by several requests names the oldest) and the tokens stored in it,
+    right after the step's forward.
+    """
+
+    step: int
+    now: float  # the engine's clock after the step
+    rows: int  # requests in the forward
+    decode_rows: int  # of which decoding one token
+    tokens: int  # tokens fed (decodes + prefill chunks)
+    pages_used: int  # pages held during the forward (before eviction hooks and finishes)
+    committed_pages: int  # pages held or committed to running requests (reservations)
+    running: int
+    waiting: int
+    swapped: int
+    preempted: tuple[int, ...]  # request ids preempted while planning this step
+    admitted: tuple[int, ...]
+    finished: tuple[int, ...]
+    step_s: float
+    schedule_s: float  # planning the step: queues, admission, preemption, swaps
+    plan_s: float  # the session laying out the forward (slots, block table, attention inputs)
+    forward_s: float  # the model's forward, plan excluded
+    post_s: float  # sampling and finishing requests
+    owners: tuple[int, ...] | None = None
+    fill: tuple[int, ...] | None = None
+
+    @property
+    def overhead_s(self) -> float:
+        """The engine's own time in the step: everything but the model's forward."""
+        return self.schedule_s + self.plan_s + self.post_s
+
+
+class Engine:
+    """Continuous batching over one page pool; see the module docstring.
+
+    Args:
+        model: a transformers causal LM (as for `paged_ref.hf.PagedSession`), or None for a dry
+            run (`paged_ref.serve.dry`: the same pool and scheduler, every token counted, none computed).
+        num_pages, page_size: the pool: ``num_pages`` pages of ``page_size`` tokens.
+        max_num_seqs: most requests running at once.
+        max_batched_tokens: most tokens one forward feeds, decodes and prefill chunks together.
+        reservation: ``"paged"``, ``"exact"`` or ``"max_len"`` (`paged_ref.serve.scheduler`).
+        preemption: ``"recompute"`` or ``"swap"``.
+        prefix_caching: share full prompt pages between requests (``PagedKVCache(prefix_caching=True)``).
+        backend: the session's attention backend (``"auto"``, ``"sdpa"``, ``"reference"``, ...).
+        watermark: share of the pool admission leaves free (vLLM's default 0.01; pages rounded down).
+        max_model_len: longest request (prompt + max_new_tokens) and what ``"max_len"`` reserves;
+            default the model's ``max_position_embeddings`` (a dry run: the whole pool).
+        eos_token_id: int or list of ints that end a request; default the model's
+            ``generation_config.eos_token_id``; ``[]`` never stops early.
+        clock: ``"simulated"``, ``"real"`` or ``"steps"`` (default: ``"simulated"``, ``"steps"`` for a dry run).
+        trace: record every page's owner after every step (``history[i].owners``), for page maps.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        num_pages: int,
+        page_size: int = 16,
+        max_num_seqs: int = 64,
+        max_batched_tokens: int = 512,
+        reservation: str = "paged",
+        preemption: str = "recompute",
+        prefix_caching: bool = False,
+        backend: str = "auto",
+        watermark: float = 0.01,
+        max_model_len: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        clock: str | None = None,
+        trace: bool = False,
+    ):
+        num_pages = check_int("num_pages", num_pages, min_value=1)
+        page_size = check_int("page_size", page_size, min_value=1)
+        check_choice("reservation", reservation, RESERVATIONS)
+        check_choice("preemption", preemption, PREEMPTIONS)
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        if not isinstance(watermark, numbers.Real) or isinstance(watermark, bool) or not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be a share of the pool in [0, 1), got {watermark!r}")
+        watermark_pages = int(watermark * num_pages)
+        if watermark_pages >= num_pages:
+            raise ValueError(f"watermark={watermark} keeps all {num_pages} pages free: nothing could be admitted")
+        self.clock = check_choice("clock", clock or ("steps" if model is None else "simulated"), CLOCKS)
+        if model is None:
+            self.session = DrySession(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
+            self.vocab_size = None
+            eos = [] if eos_token_id is None else eos_token_id
+            default_len = num_pages * page_size
+        else:
+            from ..hf.session import PagedSession  # transformers is imported only for a real model
+
+            kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
+            self.session = PagedSession(model, kv=kv, backend=backend).open()
+            self.vocab_size = model.config.vocab_size
+            eos = eos_token_id
+            if eos is None:
+                eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+            default_len = getattr(model.config, "max_position_embeddings", None) or num_pages * page_size
+        self.eos = _eos_set(eos, self.vocab_size)
+        self.model = model
+        self.kv = self.session.kv
+        self.backend = self.session.backend
+        self.scheduler = Scheduler(
+            self.session,
+            max_num_seqs=max_num_seqs,
+            max_batched_tokens=max_batched_tokens,
+            reservation=reservation,
+            preemption=preemption,
+            watermark_pages=watermark_pages,
+            max_model_len=default_len if max_model_len is None else max_model_len,
+        )
+        if not isinstance(trace, bool):
+            raise TypeError(f"trace must be True or False, got {trace!r}")
+        self.trace = trace
+        self.history: list[StepRecord] = []
+        self._requests: list[Request] = []  # every request ever added, by id
+        self._pending: list[tuple[float, int]] = []  # heap of (arrival_s, request_id) not arrived yet
+        self._unreturned: list[int] = []  # ids `run` has not returned yet
+        self._origin = time.perf_counter()
+        self._now = 0.0
+        self._counts = dict.fromkeys(
+            ("generated", "prompt_tokens", "recomputed_tokens", "prefix_hit_tokens", "peak_running", "peak_pages"), 0
+        )
+        self._counts["peak_committed_pages"] = 0
+
+    # ------------------------------------------------------------------ requests in
+    @property
+    def now(self) -> float:
+        """The engine's clock (see the module docstring)."""
+        return time.perf_counter() - self._origin if self.clock == "real" else self._now
+
+    def add_request(self, prompt_ids, *, max_new_tokens: int, arrival_s: float | None = None, eviction=None) -> int:
+        """Queue a request; returns its id (0, 1, 2, ... in submission order).
+
+        Args:
+            prompt_ids: 1-D LongTensor or list of token ids (at least one).
+            max_new_tokens: tokens to generate at most (>= 1).
+            arrival_s: when the request arrives on the engine's clock (default: now); until then
+                the scheduler does not see it.
+            eviction: an `paged_ref.eviction.EvictionPolicy` for this request's K/V (e.g.
+                ``make_policy("paged_eviction", 256)``; one object can serve many requests), or None.
+
+        Raises:
+            TypeError / ValueError: bad arguments, or a request that could never be served in this
+                pool (too long for ``max_model_len``, more pages than the pool has); nothing is queued.
+        """
+        prompt = self._prompt_ids(prompt_ids)
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens, min_value=1)
+        now = self.now
+        if arrival_s is None:
+            arrival_s = now
+        if not isinstance(arrival_s, numbers.Real) or isinstance(arrival_s, bool) or not math.isfinite(arrival_s):
+            raise TypeError(f"arrival_s must be a finite number of seconds or None, got {arrival_s!r}")
+        if eviction is not None and not isinstance(eviction, EvictionPolicy):
+            raise TypeError(
+                f"eviction must be a paged_ref.eviction.EvictionPolicy (make_policy(...)) or None, "
+                f"got {type(eviction).__name__}"
+            )
+        if eviction is not None and self.model is None:
+            raise ValueError("eviction needs a model: a dry run (Engine(None, ...)) has no K/V to score")
+        r = Request(
+            request_id=len(self._requests),
+            prompt_ids=prompt,
+            max_new_tokens=max_new_tokens,
+            arrival_s=float(arrival_s),
+            eviction=eviction,
+        )
+        why = self.scheduler.refusal(r)
+        if why is not None:
+            raise ValueError(f"add_request: this request can never be served: {why}")
+        self._requests.append(r)
+        self._unreturned.append(r.request_id)
+        if r.arrival_s <= now:
+            self.scheduler.add(r)
+        else:
+            heapq.heappush(self._pending, (r.arrival_s, r.request_id))
+        return r.request_id
+
+    def _prompt_ids(self, prompt_ids) -> list[int]:
+        if isinstance(prompt_ids, torch.Tensor):
+            if prompt_ids.dim() != 1 or prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool:
+                raise TypeError(
+                    f"prompt_ids must be a 1-D integer tensor or a list of ints, got a tensor of shape "
+                    f"{list(prompt_ids.shape)} and dtype {prompt_ids.dtype}"
+                )
+            prompt = prompt_ids.tolist()
+        elif isinstance(prompt_ids, (list, tuple)):
+            prompt = list(prompt_ids)
+            for i, t in enumerate(prompt):
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                    raise TypeError(f"prompt_ids[{i}] must be an int, got {type(t).__name__} ({t!r})")
+            prompt = [int(t) for t in prompt]
+        else:
+            raise TypeError(f"prompt_ids must be a 1-D tensor or a list of token ids, got {type(prompt_ids).__name__}")
+        if not prompt:
+            raise ValueError("prompt_ids must hold at least one token, got an empty prompt")
+        hi = self.vocab_size
+        if min(prompt) < 0 or (hi is not None and max(prompt) >= hi):
+            raise ValueError(
+                f"prompt_ids must be token ids in [0, {hi if hi is not None else 'inf'}), "
+                f"got values in [{min(prompt)}, {max(prompt)}]"
+            )
+        return prompt
+
+    def abort(self, request_id: int) -> RequestOutput:
+        """Stop a request that has not finished: its pages (or host copy) are freed at once.
+
+        Returns its `RequestOutput` (``finish_reason="abort"``, the tokens generated so far).
+        """
+        r = self._request(request_id)
+        if r.status == FINISHED:
+            raise ValueError(f"request {request_id} has already finished ({r.finish_reason}); nothing to abort")
+        if r.status == PENDING:
+            self._pending.remove((r.arrival_s, r.request_id))
+            heapq.heapify(self._pending)
+        self.scheduler.remove(r)
+        self._finish(r, "abort")
+        return r.output()
+
+    def _request(self, request_id) -> Request:
+        if isinstance(request_id, bool) or not isinstance(request_id, numbers.Integral):
+            raise TypeError(f"request_id must be an int from add_request, got {type(request_id).__name__}")
+        if not 0 <= request_id < len(self._requests):
+            raise ValueError(
+                f"request_id must be one that add_request returned, in [0, {len(self._requests)}), got {request_id}"
+            )
+        return self._requests[request_id]
+
+    # ------------------------------------------------------------------ steps
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step and one forward; returns the requests that finished in it.
+
+        With nothing to serve yet but requests still to arrive, the clock first moves to the
+        next arrival. With nothing at all, returns [] and does nothing.
+        """
+        self._arrive()
+        if not self.scheduler.has_work:
+            if not self._pending:
+                return []
+            self._idle_until(self._pending[0][0])
+            self._arrive()
+        started = time.perf_counter()
+        plan_before = self.session.plan_seconds
+        sched = self.scheduler.schedule()
+        scheduled = time.perf_counter()
+        if not sched.items:
+            raise RuntimeError(
+                f"the scheduler planned no tokens with {len(self.scheduler.waiting)} waiting, "
+                f"{len(self.scheduler.running)} running and {len(self.scheduler.swapped)} swapped requests"
+            )
+        for r in sched.admitted:
+            self._counts["prefix_hit_tokens"] += r.num_computed
+        pages_used = self.kv.num_pages - self.kv.allocator.num_free + sched.new_pages
+        decode_rows = sum(1 for r, _ in sched.items if r.remaining == 1)
+        running = len(self.scheduler.running)
+        chunks = []  # each row's new token ids (lists: the session makes the tensors)
+        for r, n in sched.items:
+            start = r.num_computed
+            chunks.append(r.tokens(start, start + n))
+            self._counts["recomputed_tokens"] += max(0, min(r.high_water, start + n) - start)
+            self._counts["prompt_tokens"] += max(0, min(len(r.prompt_ids), start + n) - max(start, r.high_water))
+        # one forward; packed: a prompt chunk next to decode rows computes no padding
+        logits = self.session.extend([r.seq_id for r, _ in sched.items], chunks, packed=True)  # [rows, vocab]
+        forwarded = time.perf_counter()
+        next_tokens = logits.argmax(dim=-1).tolist()
+        sampled, finished = [], []
+        for (r, n), token in zip(sched.items, next_tokens):
+            r.num_computed += n
+            r.high_water = max(r.high_water, r.num_computed)
+            if r.num_computed < r.num_tokens:  # mid-prefill: these logits are not needed
+                continue
+            r.output_ids.append(token)
+            sampled.append(r)
+            if token in self.eos:
+                finished.append((r, "stop"))
+            elif len(r.output_ids) == r.max_new_tokens:
+                finished.append((r, "length"))
+        owners = fill = None
+        if self.trace:
+            owners, fill = self._page_owners()
+        committed = pages_used
+        if self.scheduler.reservation != "paged":  # pages committed to requests but not yet filled
+            committed += sum(max(0, r.reserved_pages - len(self.kv.pages(r.seq_id))) for r in self.scheduler.running)
+        for r, _ in finished:
+            self.scheduler.remove(r)
+        ended = time.perf_counter()
+        self._advance(ended - started)
+        now = self.now
+        for r in sampled:
+            if r.first_token_s is None:
+                r.first_token_s = now
+        outs = []
+        for r, reason in finished:
+            self._finish(r, reason, now)
+            outs.append(r.output())
+        plan_s = self.session.plan_seconds - plan_before
+        counts = self._counts
+        counts["generated"] += len(sampled)
+        counts["peak_running"] = max(counts["peak_running"], len(sched.items))
+        counts["peak_pages"] = max(counts["peak_pages"], pages_used)
+        counts["peak_committed_pages"] = max(counts["peak_committed_pages"], committed)
+        self.history.append(
+            StepRecord(
+                step=len(self.history),
+                now=now,
+                rows=len(sched.items),
+                decode_rows=decode_rows,
+                tokens=sched.num_tokens,
+                pages_used=pages_used,
+                committed_pages=committed,
+                running=running,
+                waiting=len(self.scheduler.waiting),
+                swapped=len(self.scheduler.swapped),
+                preempted=tuple(r.request_id for r in sched.preempted),
+                admitted=tuple(r.request_id for r in sched.admitted),
+                finished=tuple(r.request_id for r, _ in finished),
+                step_s=ended - started,
+                schedule_s=scheduled - started,
+                plan_s=plan_s,
+                forward_s=forwarded - scheduled - plan_s,
+                post_s=ended - forwarded,
+                owners=owners,
+                fill=fill,
+            )
+        )
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request added is not finished: waiting, running, swapped or yet to arrive."""
+        return self.scheduler.has_work or bool(self._pending)
+
+    def run(self, *, progress: bool = False) -> list[RequestOutput]:
+        """Step until every added request is done; their outputs in submission order.
+
+        Returns the requests added since the last `run` (aborted ones included).
+        ``progress``: a tqdm bar of finished requests.
+        """
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(self._unreturned), disable=not progress, desc="serve", unit="req") as bar:
+            while self.has_unfinished_requests():
+                bar.update(len(self.step()))
+        outs = [self._requests[i].output() for i in self._unreturned]
+        self._unreturned = []
+        return outs
+
+    def _arrive(self) -> None:
+        now = self.now
+        while self._pending and self._pending[0][0] <= now:
+            _, rid = heapq.heappop(self._pending)
+            self.scheduler.add(self._requests[rid])
+
+    def _idle_until(self, t: float) -> None:
+        if self.clock == "real":
+            time.sleep(max(0.0, t - self.now))
+        else:
+            self._now = max(self._now, t)
+
+    def _advance(self, seconds: float) -> None:
+        if self.clock == "simulated":
+            self._now += seconds
+        elif self.clock == "steps":
+            self._now += 1.0
+
+    def _finish(self, r: Request, reason: str, now: float | None = None) -> None:
+        r.status = FINISHED
+        r.finish_reason = reason
+        r.finish_s = self.now if now is None else now
+
+    def _page_owners(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        owners = [-1] * self.kv.num_pages
+        fill = [0] * self.kv.num_pages
+        for r in reversed(self.scheduler.running):  # the oldest written last: a shared page names it
+            pages, n = self.kv.pages(r.seq_id), self.kv.seq_len(r.seq_id)
+            for i, page in enumerate(pages):
+                owners[page] = r.request_id
+                fill[page] = max(0, min(self.kv.page_size, n - i * self.kv.page_size))
+        return tuple(owners), tuple(fill)
+
+    # ------------------------------------------------------------------ what happened
+    def stats(self) -> dict:
+        """Counters of the run so far (times on ``clock``; ``*_s`` shares of wall time).
+
+        ``tokens``: generated tokens; ``tokens_per_s``: generated tokens over the span from the
+        first arrival to the last finish (per step on the ``"steps"`` clock); ``prompt_tokens``:
+        prompt tokens computed the first time; ``recomputed_tokens``: tokens fed again after a
+        preemption; ``prefix_hit_tokens``: prompt tokens reused from the prefix cache;
+        ``peak_pages``: most pages held during a forward; ``peak_committed_pages``: most pages held
+        or committed to running requests (``"exact"``/``"max_len"``); ``overhead_share``: the engine's
+        own time (scheduling, laying out the forward, sampling) over the steps' wall time.
+        """
+        done = [r for r in self._requests if r.status == FINISHED and r.finish_reason != "abort"]
+        span = 0.0
+        if done:
+            span = max(r.finish_s for r in done) - min(r.arrival_s for r in done)
+        h = self.history
+        busy = sum(s.step_s for s in h)
+        overhead = sum(s.overhead_s for s in h)
+        c = self._counts
+        return {
+            "clock": self.clock,
+            "steps": len(h),
+            "tokens": c["generated"],
+            "tokens_per_s": c["generated"] / span if span > 0 else None,
+            "span_s": span,
+            "busy_s": busy,
+            "prompt_tokens": c["prompt_tokens"],
+            "recomputed_tokens": c["recomputed_tokens"],
+            "prefix_hit_tokens": c["prefix_hit_tokens"],
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "swapped": len(self.scheduler.swapped),
+            "pending": len(self._pending),
+            "peak_running": c["peak_running"],
+            "mean_running": sum(s.rows for s in h) / len(h) if h else 0.0,
+            "peak_pages": c["peak_pages"],
+            "peak_committed_pages": c["peak_committed_pages"],
+            "free_pages": self.kv.allocator.num_free,
+            "num_pages": self.kv.num_pages,
+            "preemptions": self.scheduler.preemptions,
+            "swapped_out_tokens": self.scheduler.swap.swapped_out_tokens,
+            "swapped_in_tokens": self.scheduler.swap.swapped_in_tokens,
+            "schedule_s": sum(s.schedule_s for s in h),
+            "plan_s": sum(s.plan_s for s in h),
+            "forward_s": sum(s.forward_s for s in h),
+            "post_s": sum(s.post_s for s in h),
+            "overhead_share": overhead / busy if busy > 0 else None,
+        }
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Abort every request in flight and free its pages."""
+        for r in self._requests:
+            if r.status != FINISHED:
+                self.abort(r.request_id)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        s = self.scheduler
+        return (
+            f"Engine(num_pages={self.kv.num_pages}, page_size={self.kv.page_size}, reservation={s.reservation!r}, "
+            f"preemption={s.preemption!r}, running={len(s.running)}, waiting={len(s.waiting)}, "
+            f"swapped={len(s.swapped)}, free_pages={self.kv.allocator.num_free})"
+        )
+
+
+def _eos_set(eos, vocab: int | None) -> frozenset[int]:
+    """EOS ids as a set: an int, a list of ints, or None/[] (never stop early)."""
+    if eos is None:
+        return frozenset()
+    if isinstance(eos, torch.Tensor):
+        eos = eos.tolist()
+    items = [eos] if isinstance(eos, numbers.Integral) and not isinstance(eos, bool) else eos
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
+    out = set()
+    for e in items:
+        if isinstance(e, bool) or not isinstance(e, numbers.Integral) or e < 0 or (vocab is not None and e >= vocab):
+            raise ValueError(f"eos_token_id must be token ids in [0, {vocab or 'inf'}), got {eos!r}")
+        out.add(int(e))
+    return frozenset(out)

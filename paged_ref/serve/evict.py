@@ -1,0 +1,81 @@
+"""Eviction under chunked prefill: a request's policy first acts once its whole prompt is held.
+
+`paged_ref.hf.PagedSession` calls a sequence's eviction hooks after every forward that feeds it:
+``after_prefill`` after the first, ``after_append`` after the others. A prompt the scheduler splits
+into chunks would then be evicted after its first chunk, which `paged_ref.hf.generate` (one
+prefill, then eviction) never does. `AfterPrompt` wraps the request's policy and holds its hooks
+back until the sequence holds the whole prompt: then ``after_prefill`` runs on all of it, and
+every later forward (decode, or output recomputed after a preemption, in chunks no longer than
+``tokens_until_action``) goes to ``after_append`` as usual. The scheduler ends every chunk of an
+evicting request at the prompt's last token, so the policy sees exactly the prompt first.
+
+One policy object may serve many requests (it keeps its state per sequence); each request gets
+its own `AfterPrompt`.
+
+Example:
+    >>> import torch
+    >>> from paged_ref.cache import PagedKVCache
+    >>> from paged_ref.eviction import make_policy
+    >>> kv = PagedKVCache(num_layers=1, num_pages=8, page_size=4, num_kv_heads=1, head_dim=4)
+    >>> s = kv.add_sequence(); policy = AfterPrompt(make_policy("streaming_llm", 8), prompt_len=20)
+    >>> for chunk in (12, 8):                     # the prompt in two chunks
+    ...     slots = kv.reserve(s, chunk); kv.write(0, slots, torch.randn(chunk, 1, 4), torch.randn(chunk, 1, 4))
+    ...     policy.after_append(kv, s) if chunk == 8 else policy.after_prefill(kv, s)
+    ...     print(kv.seq_len(s))
+    12
+    8
+"""
+
+from __future__ import annotations
+
+from ..eviction.policies import NO_LIMIT, EvictionPolicy
+
+__all__ = ["AfterPrompt"]
+
+
+class AfterPrompt(EvictionPolicy):
+    """``inner``'s hooks, held back until the sequence holds ``prompt_len`` tokens (see the module docstring).
+
+    Args:
+        inner: the request's eviction policy.
+        prompt_len: tokens of the request's prompt.
+    """
+
+    def __init__(self, inner: EvictionPolicy, prompt_len: int):
+        # the state lives in `inner`; this object only decides when its hooks run
+        self.inner = inner
+        self.prompt_len = prompt_len
+        self.budget = inner.budget
+        self.name = inner.name
+        self._started: set[int] = set()  # sequences whose prompt `inner` has seen
+
+    def after_prefill(self, cache, seq_id: int) -> None:
+        self._hook(cache, seq_id)
+
+    def after_append(self, cache, seq_id: int) -> None:
+        self._hook(cache, seq_id)
+
+    def _hook(self, cache, seq_id: int) -> None:
+        if seq_id in self._started:
+            self.inner.after_append(cache, seq_id)
+        elif cache.seq_len(seq_id) >= self.prompt_len:  # the whole prompt is in: evict it as generate would
+            self._started.add(seq_id)
+            self.inner.after_prefill(cache, seq_id)
+
+    def tokens_until_action(self, cache, seq_id: int, *, _length: int | None = None) -> int:
+        if seq_id not in self._started:
+            return NO_LIMIT
+        return self.inner.tokens_until_action(cache, seq_id, _length=_length)
+
+    def release(self, seq_id: int) -> None:
+        self._started.discard(seq_id)
+        self.inner.release(seq_id)
+
+    def positions(self, seq_id: int):
+        return self.inner.positions(seq_id)
+
+    def stats(self, seq_id: int):
+        return self.inner.stats(seq_id)
+
+    def __repr__(self) -> str:
+        return f"AfterPrompt({self.inner!r}, prompt_len={self.prompt_len})"

@@ -1,0 +1,356 @@
+"""The scheduler: which requests the next forward feeds, and how many tokens each.
+
+One call to `Scheduler.schedule` plans one step, in vLLM's order (first come, first served):
+
+1. **Running requests**, oldest admission first. A decoding request takes 1 token; one still
+   prefilling (a long prompt, or prompt + output being recomputed after a preemption) takes the
+   next **chunk**: whatever is left of the step's token budget (``max_batched_tokens``) after
+   every decode of the step has been counted, so decodes are served first. If its pages cannot
+   come from the pool, the most recently admitted running request is **preempted**, and again,
+   until they can (a prefill chunk first shrinks to the pages there are); if it is the most
+   recent itself, it is the one preempted. ``"recompute"``: the victim's pages go back and it
+   waits at the head of the queue, to prefill prompt + output again; ``"swap"``: its K/V go to
+   host memory (`SwapSpace`) and come back later into new pages.
+2. **Swapped requests** come back, oldest first, while their pages fit.
+3. **Waiting requests**, in arrival order, are admitted while ``max_num_seqs`` and the budget
+   allow and the pool covers the request's first chunk plus a **watermark** of pages kept free
+   (vLLM's guard against admitting a request only to preempt it at the next decode). The first
+   request that does not fit stops admission (no overtaking). Nothing is admitted in a step that
+   preempted or while a request is swapped out.
+
+Reservation (``reservation=``) changes only step 3, so that paging is the only difference between
+runs on the same engine and kernels: ``"paged"`` admits against the pages the first chunk needs
+(pages are taken as tokens arrive); ``"exact"`` commits pages for the request's whole life up front
+(prompt + max_new_tokens - 1 tokens: every token whose K/V it will hold, what a contiguous cache
+that knew the output length would reserve); ``"max_len"`` commits ``max_model_len`` tokens per
+request (what servers reserved before paging). A committed page is counted as taken by admission
+even before a token fills it, so a committed request never needs preemption. Committing pages is
+contiguous allocation's memory cost without its external fragmentation (notebook 03 measures that
+loss on top): an upper bound on what a contiguous server could do.
+
+A request with an eviction policy runs it through `AfterPrompt`: its chunks stop at the prompt's
+end, the policy acts once on the whole prompt (as in `paged_ref.hf.generate`), and output recomputed
+after a preemption goes in chunks no longer than ``policy.tokens_until_action``, which is what
+one-token steps would have done.
+
+Example (a dry session: the same pool and scheduler, no model):
+    >>> from paged_ref.serve.dry import DrySession
+    >>> from paged_ref.serve.request import Request
+    >>> session = DrySession(num_pages=4, page_size=4)
+    >>> sched = Scheduler(session, max_num_seqs=8, max_batched_tokens=6)
+    >>> for i, n in enumerate((5, 7)):
+    ...     sched.add(Request(request_id=i, prompt_ids=list(range(n)), max_new_tokens=4, arrival_s=0.0))
+    >>> [(r.request_id, n) for r, n in sched.schedule().items]      # 6 tokens: all of A, a chunk of B
+    [(0, 5), (1, 1)]
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from .._arith import cdiv
+from .._validate import check_choice, check_int
+from ..block_table import pages_needed
+from ..eviction.policies import max_pages_held
+from .evict import AfterPrompt
+from .request import RUNNING, SWAPPED, WAITING, Request
+from .swap import SwapSpace
+
+__all__ = ["RESERVATIONS", "PREEMPTIONS", "Schedule", "Scheduler"]
+
+RESERVATIONS = ("paged", "exact", "max_len")
+PREEMPTIONS = ("recompute", "swap")
+
+
+@dataclass
+class Schedule:
+    """One step's plan.
+
+    Attributes:
+        items: the forward's rows, oldest admission first: ``(request, tokens to feed)``.
+        preempted: requests preempted while planning (their pages are already back).
+        swapped_in: requests whose K/V came back from host memory.
+        admitted: requests admitted from the waiting queue.
+        new_pages: pages the forward will take from the pool.
+    """
+
+    items: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    swapped_in: list[Request] = field(default_factory=list)
+    admitted: list[Request] = field(default_factory=list)
+    new_pages: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+
+class Scheduler:
+    """Waiting, running and swapped queues over one session's page pool; see the module docstring.
+
+    Args:
+        session: a `paged_ref.hf.PagedSession` (or a `DrySession`): the scheduler adds, finishes and
+            swaps its sequences; its ``kv`` is the pool.
+        max_num_seqs: most requests running at once.
+        max_batched_tokens: most tokens one forward feeds (decodes and prefill chunks together).
+        reservation: ``"paged"``, ``"exact"`` or ``"max_len"``.
+        preemption: ``"recompute"`` or ``"swap"``.
+        watermark_pages: pages admission leaves free.
+        max_model_len: tokens a ``"max_len"`` request reserves (default: the whole pool).
+    """
+
+    def __init__(
+        self,
+        session,
+        *,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        reservation: str = "paged",
+        preemption: str = "recompute",
+        watermark_pages: int = 0,
+        max_model_len: int | None = None,
+    ):
+        self.session = session
+        self.kv = session.kv
+        self.page_size = self.kv.page_size
+        self.max_num_seqs = check_int("max_num_seqs", max_num_seqs, min_value=1)
+        self.max_batched_tokens = check_int("max_batched_tokens", max_batched_tokens, min_value=1)
+        self.reservation = check_choice("reservation", reservation, RESERVATIONS)
+        self.preemption = check_choice("preemption", preemption, PREEMPTIONS)
+        self.watermark_pages = check_int("watermark_pages", watermark_pages, min_value=0)
+        if max_model_len is None:
+            max_model_len = self.kv.num_pages * self.page_size
+        self.max_model_len = check_int("max_model_len", max_model_len, min_value=1)
+        self.waiting: deque[Request] = deque()  # arrival order; preempted requests go back to the front
+        self.running: list[Request] = []  # admission order, oldest first
+        self.swapped: list[Request] = []  # admission order
+        self.swap = SwapSpace()
+        self.preemptions = 0
+        self._admissions = 0
+        self._planned: dict[int, int] = {}  # request_id -> pages its row takes in the step being planned
+        self._hooks: dict[int, AfterPrompt] = {}  # request_id -> its policy, as the session runs it
+
+    # ------------------------------------------------------------------ what a request costs
+    def committed_pages(self, r: Request) -> int:
+        """Pages admission commits to ``r`` up front: 0 for ``"paged"`` (pages come as tokens do)."""
+        if self.reservation == "max_len":
+            return pages_needed(self.max_model_len, self.page_size)
+        if self.reservation == "exact":
+            return self.peak_pages(r)
+        return 0
+
+    def peak_pages(self, r: Request) -> int:
+        """The most pages ``r`` can hold at once: its whole K/V, or an eviction policy's bound
+        (the prompt is held whole until the policy first acts)."""
+        whole = pages_needed(r.peak_tokens, self.page_size)
+        budget = None if r.eviction is None else r.eviction.budget
+        if budget is None:
+            return whole
+        return min(whole, max(pages_needed(len(r.prompt_ids), self.page_size), max_pages_held(budget, self.page_size)))
+
+    def refusal(self, r: Request) -> str | None:
+        """Why ``r`` could never run in this pool (None if it can): checked before a request is queued."""
+        ps, pool = self.page_size, self.kv.num_pages
+        prompt = len(r.prompt_ids)
+        if r.peak_tokens + 1 > self.max_model_len:
+            return (
+                f"prompt ({prompt} tokens) + max_new_tokens ({r.max_new_tokens}) = {r.peak_tokens + 1} exceeds "
+                f"max_model_len={self.max_model_len}"
+            )
+        need = max(self.peak_pages(r), self.committed_pages(r))
+        first = need if self.reservation != "paged" else 1  # pages admission must find (+ the watermark)
+        if need > pool or first + self.watermark_pages > pool:
+            return (
+                f"it needs {max(need, first + self.watermark_pages)} pages of {ps} tokens "
+                f"({'committed up front' if self.reservation != 'paged' else 'at its longest'}"
+                f"{', plus the watermark' if first + self.watermark_pages > pool else ''}) and the pool has {pool}"
+            )
+        return None
+
+    def add(self, r: Request) -> None:
+        """Queue ``r`` (it has arrived). Raises ValueError, queueing nothing, if it can never run."""
+        why = self.refusal(r)
+        if why is not None:
+            raise ValueError(f"request {r.request_id} can never be served: {why}")
+        r.status = WAITING
+        self.waiting.append(r)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> Schedule:
+        """Plan the next forward (see the module docstring); preemptions and swaps happen here."""
+        out = Schedule()
+        self._planned = {}
+        budget = self.max_batched_tokens
+        decodes = sum(r.remaining == 1 for r in self.running)  # tokens kept back for decodes not yet planned
+        i = 0
+        while i < len(self.running):
+            r = self.running[i]
+            if r.remaining == 1:
+                decodes -= 1
+                want = 1
+            else:
+                want = min(self._limit(r), budget - decodes)
+            if want > 0 and budget > 0:
+                n = self._make_room(r, want, out)
+                if r.status != RUNNING:  # it was the most recent and preempted itself: nothing after it
+                    break
+                self._plan(r, n, out)
+                budget -= n
+            i += 1
+        if out.preempted:
+            return out
+        for r in list(self.swapped):  # oldest first
+            want = min(self._limit(r), budget)
+            if len(self.running) >= self.max_num_seqs or want < 1:
+                break
+            held = self.swap.tokens(r.seq_id)
+            need = max(pages_needed(held + want, self.page_size), self.committed_pages(r))
+            if need > self._available(None):
+                break
+            self.swapped.remove(r)
+            self.swap.swap_in(self.kv, r.seq_id, self._hashable(r, held))
+            r.reserved_pages = self.committed_pages(r)
+            r.status = RUNNING
+            self._insert_running(r)
+            out.swapped_in.append(r)
+            self._plan(r, want, out)
+            budget -= want
+        if self.swapped:
+            return out
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            r = self.waiting[0]
+            if not self._admit(r, budget, out):
+                break
+            self.waiting.popleft()
+            budget -= out.items[-1][1]
+        return out
+
+    def _admit(self, r: Request, budget: int, out: Schedule) -> bool:
+        """Give ``r`` a sequence and plan its first chunk, if the pool covers it plus the watermark."""
+        hooks = None if r.eviction is None else AfterPrompt(r.eviction, len(r.prompt_ids))
+        # an evicting request's policy must see the prompt alone first: only the prompt may match
+        tokens = r.prompt_ids if hooks is not None else r.token_ids
+        r.seq_id = self.session.add(tokens if self.kv.prefix_caching else None, eviction=hooks)
+        r.num_computed = self.session.position(r.seq_id)  # > 0 after a prefix-cache hit
+        if hooks is not None:
+            self._hooks[r.request_id] = hooks
+        want = min(self._limit(r), budget)
+        spare = self._available(None) - self.watermark_pages
+        need = max(0, self.committed_pages(r) - self._held(r)) or self._grow(r, want)  # a commitment is whole
+        n = want if need <= spare else 0
+        if n < 1:  # undo: the next step tries again
+            self._release(r)
+            return False
+        r.reserved_pages = self.committed_pages(r)
+        r.status = RUNNING
+        r.admitted = self._admissions
+        self._admissions += 1
+        self.running.append(r)
+        out.admitted.append(r)
+        self._plan(r, n, out)
+        return True
+
+    def _make_room(self, r: Request, want: int, out: Schedule) -> int:
+        """Tokens ``r`` can take this step (<= want), preempting the most recent requests if needed."""
+        while True:
+            avail = self._available(r)
+            if self._grow(r, want) <= avail:
+                return want
+            if r.remaining > 1:  # a prefill chunk shrinks to the pages there are
+                fit = min(want, self._fit(r, avail))
+                if fit > 0:
+                    return fit
+            victim = self.running[-1]
+            self.preempt(victim, out)
+            if victim is r:
+                return 0
+
+    def preempt(self, r: Request, out: Schedule | None = None) -> None:
+        """Take ``r``'s pages back: recompute (back to the head of the queue) or swap (to host memory)."""
+        self.running.remove(r)
+        r.num_preemptions += 1
+        self.preemptions += 1
+        r.reserved_pages = 0
+        if self.preemption == "swap":
+            self.swap.swap_out(self.kv, r.seq_id)
+            r.status = SWAPPED
+            keys = [s.admitted for s in self.swapped]
+            self.swapped.insert(bisect.bisect(keys, r.admitted), r)
+        else:
+            self._release(r)
+            r.status = WAITING
+            self.waiting.appendleft(r)
+        if out is not None:
+            out.preempted.append(r)
+
+    def remove(self, r: Request) -> None:
+        """Take ``r`` out of every queue and free its sequence (it finished or was aborted)."""
+        if r in self.running:
+            self.running.remove(r)
+        elif r in self.swapped:
+            self.swapped.remove(r)
+            self.swap.drop(r.seq_id)
+        elif r in self.waiting:
+            self.waiting.remove(r)
+        if r.seq_id is not None:
+            self._release(r)
+
+    def _release(self, r: Request) -> None:
+        """Finish ``r``'s sequence: its pages go back, its policy forgets it."""
+        self.session.finish(r.seq_id)
+        self._hooks.pop(r.request_id, None)
+        r.seq_id, r.num_computed = None, 0
+
+    def _limit(self, r: Request) -> int:
+        """Most tokens ``r`` may feed in one forward: all it has left, except that an evicting request's
+        chunks end at its prompt's last token and then at its policy's next action."""
+        if r.eviction is None:
+            return r.remaining
+        prompt = len(r.prompt_ids)
+        if r.num_computed < prompt:
+            return prompt - r.num_computed
+        hooks = self._hooks[r.request_id]
+        return min(r.remaining, hooks.tokens_until_action(self.kv, r.seq_id))
+
+    # ------------------------------------------------------------------ page arithmetic
+    def _held(self, r: Request) -> int:
+        return len(self.kv.pages(r.seq_id))
+
+    def _grow(self, r: Request, n: int) -> int:
+        """New pages ``r`` takes to hold ``n`` more tokens."""
+        return max(0, cdiv(self.kv.seq_len(r.seq_id) + n, self.page_size) - self._held(r))
+
+    def _fit(self, r: Request, pages: int) -> int:
+        """How many more tokens ``r`` can hold with ``pages`` more pages."""
+        return max(0, (self._held(r) + pages) * self.page_size - self.kv.seq_len(r.seq_id))
+
+    def _available(self, r: Request | None) -> int:
+        """Free pages that neither this step's plan nor another request's commitment has claimed."""
+        avail = self.kv.allocator.num_free - sum(self._planned.values())
+        if self.reservation != "paged":
+            for o in self.running:
+                if o is not r:
+                    avail -= max(0, o.reserved_pages - self._held(o) - self._planned.get(o.request_id, 0))
+        return avail
+
+    def _plan(self, r: Request, n: int, out: Schedule) -> None:
+        grow = self._grow(r, n)
+        self._planned[r.request_id] = grow
+        out.new_pages += grow
+        out.items.append((r, n))
+
+    def _insert_running(self, r: Request) -> None:
+        keys = [s.admitted for s in self.running]
+        self.running.insert(bisect.bisect(keys, r.admitted), r)
+
+    def _hashable(self, r: Request, held: int) -> list[int] | None:
+        """The held tokens' ids for a prefix-caching cache (None under eviction: its pages stop being shared)."""
+        if self.kv.prefix_caching and r.eviction is None:
+            return r.token_ids[:held]
+        return None

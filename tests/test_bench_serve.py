@@ -1,0 +1,47 @@
+"""`python -m paged_ref.bench serve --quick`: the harness at toy sizes on the tiny model, and its figures."""
+
+import json
+
+import pytest
+
+from paged_ref.bench import serve
+from paged_ref.viz import serve as viz
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve")
+    data = serve.main(["--quick", "--out", str(out)])
+    return data, json.loads((out / "serve_cpu_quick.json").read_text())
+
+
+def test_quick_run_writes_every_section(quick):
+    data, saved = quick
+    assert saved["mode"] == "quick" and saved["clock"] == "simulated" and saved["environment"]["torch"]
+    assert [r["rate"] for r in saved["rates"]] == list(serve.PROFILES["quick"]["rates"])
+    n = saved["workload"]["requests"]
+    for row in saved["rates"]:
+        res = row["policies"]
+        assert set(res) == set(serve.POLICIES)
+        for name in ("paged", "exact", "max_len"):  # admission differs, tokens do not
+            assert res[name]["requests_with_paged_tokens"] == n and res[name]["requests"] == n
+        assert res["max_len"]["peak_running"] <= serve.PROFILES["quick"]["num_pages"] // 16
+        assert res["exact"]["preemptions"] == res["max_len"]["preemptions"] == 0
+        for r in res.values():
+            assert r["tokens"] == sum(saved["workload"]["output_lens"])
+            assert r["peak_pages"] <= r["peak_committed_pages"] <= serve.PROFILES["quick"]["num_pages"]
+            assert r["ttft_p50_s"] <= r["ttft_p90_s"]
+    peer = saved["peer"]
+    assert peer["requests_with_identical_tokens"] == peer["requests"] == n
+    assert peer["transformers"][0]["num_blocks"] in (None, serve.PROFILES["quick"]["num_pages"])
+    assert {r["num_pages"] for r in saved["pools"]} == set(serve.PROFILES["quick"]["pools"])
+    assert set(saved["goals"]) >= {"paged_vs_max_len_throughput_2x", "overhead_5pct_at_batch_16"}
+    assert all(isinstance(g["met"], bool) for g in saved["goals"].values())
+    assert data["goals"] == saved["goals"]
+
+
+def test_figures_draw_from_the_json(quick):
+    _, saved = quick
+    for fig in (viz.rate_figure(saved), viz.pool_figure(saved)):
+        assert fig.axes and "Measured on CPU" in fig.texts[-1].get_text()
+    print(serve.format_rate_table(saved["rates"][-1]["policies"]))
