@@ -77,16 +77,16 @@ def missing_section(data: dict, model: str, section: str) -> str | None:
         >>> data = {"models": {"m": {"ladder": [], "skipped": ["chat"],
         ...                          "errors": ["batch: OutOfPagesError: 0 of the pool are free"]}}}
         >>> missing_section(data, "m", "batch"), missing_section(data, "m", "chat")
-        ('failed in this run: OutOfPagesError: 0 of the pool are free', 'skipped: the run's time budget was used')
+        ('failed in this run: OutOfPagesError: 0 of the pool are free', "skipped by the run's time budget")
     """
     res = _model(data, model)
     if res.get(section):
         return None
-    failed = [e.split(": ", 1)[1] for e in res.get("errors", []) if e.split(":", 1)[0].split(" ")[0] == section]
+    failed = [e.split(": ", 1)[1] for e in res.get("errors", []) if e.split(":", 1)[0] == section]
     if failed:
         return "failed in this run: " + "; ".join(failed)
     if any(s.split(" ")[0] == section for s in res.get("skipped", [])):
-        return "skipped: the run's time budget was used"
+        return "skipped by the run's time budget"
     return "not in this result"
 
 
