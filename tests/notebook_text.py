@@ -67,12 +67,12 @@ def gpu_claims(text: str) -> list[str]:
 
 DATA_DIR = ROOT / "figures" / "data"
 GPU_JSON = re.compile(r"\b\w*_gpu\w*\.json\b")
-NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?")  # not the 200 of H200, the 16 of bf16
+NUMBER = re.compile(r"(?<![\w.-])\d[\d,]*(?:\.\d+)?")  # not the 200 of H200, the 16 of bf16, the 3.2 of Llama-3.2
 
 
 def numbers(text: str) -> set[str]:
     """The numbers in ``text``, thousands separators dropped ("4,150" and "4150" are one number);
-    digits inside a name (H200, bf16, sm_90) are no number."""
+    digits inside a name (H200, bf16, sm_90, Llama-3.2-1B) are no number."""
     return {n.rstrip(",").replace(",", "") for n in NUMBER.findall(text)}
 
 
@@ -88,42 +88,22 @@ def _parse(src: str) -> ast.Module:
 
 def gpu_data_cells(cells: list[dict], data_dir: Path = DATA_DIR) -> set[int]:
     """Indices of the code cells that draw committed GPU data: a cell that names a GPU JSON file
-    present in ``data_dir`` (``decode_gpu.json``), and every later cell that uses a name bound,
-    in such a cell, to that file or to what was loaded from it (``gpu = json.loads(...)``,
-    ``res = gpu["models"][...]``, ``for row in gpu["results"]``)."""
-    bound: set[str] = set()
+    present in ``data_dir`` (``decode_gpu.json``), and every later cell that uses a name such a
+    cell assigned (``gpu = json.loads(...)``); names assigned in those later cells do not spread
+    it further, so a cell that reuses ``res`` or ``fig`` for other data is not counted."""
+    loaded: set[str] = set()
     found = set()
     for i, cell in enumerate(cells):
         if cell["cell_type"] != "code":
             continue
         src = "".join(cell["source"])
-        names_file = any((data_dir / f).is_file() for f in GPU_JSON.findall(src))
         tree = _parse(src)
-        if not names_file and not {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} & bound:
-            continue
-        found.add(i)
-
-        def from_data(expr: ast.AST) -> bool:
-            return any(
-                (isinstance(n, ast.Name) and n.id in bound)
-                or (
-                    isinstance(n, ast.Constant)
-                    and isinstance(n.value, str)
-                    and any((data_dir / f).is_file() for f in GPU_JSON.findall(n.value))
-                )
-                for n in ast.walk(expr)
-            )
-
-        pairs = [(t, node.value) for node in ast.walk(tree) if isinstance(node, ast.Assign) for t in node.targets]
-        pairs += [(node.target, node.iter) for node in ast.walk(tree) if isinstance(node, (ast.For, ast.comprehension))]
-        grew = True
-        while grew:  # a binding may use one made later in the cell's walk order
-            grew = False
-            for target, value in pairs:
-                new = {n.id for n in ast.walk(target) if isinstance(n, ast.Name)} - bound
-                if new and from_data(value):
-                    bound |= new
-                    grew = True
+        if any((data_dir / f).is_file() for f in GPU_JSON.findall(src)):
+            found.add(i)
+            assigned = [t for node in ast.walk(tree) if isinstance(node, ast.Assign) for t in node.targets]
+            loaded |= {t.id for t in assigned if isinstance(t, ast.Name)}
+        elif {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} & loaded:
+            found.add(i)
     return found
 
 
