@@ -48,3 +48,45 @@ def test_compiled_prefill_matches_the_oracle_and_skips_other_pages(page_size):
         if m:
             assert torch.isfinite(out[b, :, :m]).all(), b
             assert rel_error(out[b, :, :m], expected[b, :, :m]) < TOL, b
+
+
+# One process compiles the decode kernel with one thread, a second one with two threads finds
+# it in inductor's on-disk cache. torch 2.11 leaves the thread count out of that cache's key: the
+# second process got the first one's per-thread scratch buffers and wrote past them (`double free
+# or corruption`) until paged_ref put the count into the key (`flex._compile_key`). torch 2.13
+# keys its cache by the thread count itself, so the check (two compiles, ~30 s) runs only on
+# older torch: `make gpu-image` (torch 2.11) runs it.
+_TWO_PROCESSES = """
+import torch
+from paged_ref.attention.flex import flex_paged_decode
+from paged_ref.attention.reference import paged_attention_reference
+
+gen = torch.Generator().manual_seed(0)
+k, v = torch.randn(5, 16, 2, 32, generator=gen), torch.randn(5, 16, 2, 32, generator=gen)  # [pages, 16, Hkv, D]
+table, lens = torch.arange(5, dtype=torch.int32)[None], torch.tensor([70], dtype=torch.int32)
+for _ in range(20):
+    q = torch.randn(1, 4, 32, generator=gen)  # [batch, Hq, D]
+    out = flex_paged_decode(q, k, v, table, lens, compiled=True)
+    torch.testing.assert_close(out, paged_attention_reference(q, k, v, table, lens), rtol=1e-4, atol=1e-4)
+print("threads", torch.get_num_threads())
+"""
+
+
+@pytest.mark.skipif(torch.__version__ >= "2.13", reason="torch >= 2.13 keys inductor's cache by the thread count")
+def test_a_kernel_compiled_with_fewer_threads_is_not_reused_with_more(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for threads in (1, 2):
+        env = {
+            **os.environ,
+            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+            "OMP_NUM_THREADS": str(threads),
+            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+        }
+        run = subprocess.run([sys.executable, "-c", _TWO_PROCESSES], env=env, capture_output=True, text=True)
+        assert run.returncode == 0, (threads, run.returncode, run.stderr[-2000:])
+        assert run.stdout.split()[-1] == str(threads)

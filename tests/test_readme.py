@@ -1,5 +1,6 @@
 """The README's coursework example runs as written."""
 
+import json
 import re
 from pathlib import Path
 
@@ -33,3 +34,56 @@ def test_layout_block_matches_the_tree():
     for name in named:
         path = package / (name + ".py") if "/" not in name else package / f"{name}.py"
         assert path.exists(), f"the README layout names {path.relative_to(README.parent)}, which does not exist"
+
+
+def _gpu_facts() -> list[str]:
+    """Every number the README's GPU rows quote, formatted as they are quoted, computed from the
+    committed GPU run (figures/data/decode_gpu.json, scaling_gpu.json, gpu_run.json)."""
+    data = README.parent / "figures" / "data"
+    decode = json.loads((data / "decode_gpu.json").read_text())
+    scaling = json.loads((data / "scaling_gpu.json").read_text())
+    run = json.loads((data / "gpu_run.json").read_text())
+    env = decode["environment"]
+    big = [r for r in decode["ratios"] if r["batch"] >= 8]
+    one = sorted((r for r in decode["ratios"] if r["batch"] == 1), key=lambda r: r["page_size"])
+    flex = [r["flex_over_paged"] for r in decode["ratios"] if r["flex_over_paged"] is not None]
+
+    def span(values, fmt):
+        return f"{fmt.format(min(values))}-{fmt.format(max(values))}"
+
+    res = scaling["models"]["llama1b"]
+    ratios = res["ratios"]
+    static = ratios["contiguous (StaticCache)"]
+    assert all(s["status"] == "ok" for s in run["sections"])
+    assert len(flex) == 1 and [e.split(":")[0] for e in res["errors"]] == ["batch"]
+    return [
+        env["gpu"],
+        f"torch {env['torch']}",
+        f"triton {env['triton']}",
+        env["date_utc"][:10],
+        f"{decode['copy']['bandwidth_GBps']:.0f} GB/s",
+        f"{span([r['paged_frac_of_copy'] * 100 for r in big], '{:.0f}')}% of the copy",
+        f"{span([r['paged_over_contiguous'] for r in big], '{:.3f}')}x",
+        f"SDPA on a contiguous cache takes {span([r['sdpa_over_paged'] for r in big], '{:.2f}')}x",
+        " / ".join(f"{r['paged_frac_of_copy']:.0%}" for r in one) + " of the copy",
+        "SDPA " + " / ".join(f"{r['sdpa_over_paged']:.2f}x" for r in one),
+        f"differed by {one[0]['repeat_spread']:.0%}",
+        f"compiled flex {flex[0]:.1f}x",
+        f"skipped {sum('flex skipped' in n for n in decode['notes'])} others",
+        f"paged (triton) {span(ratios['paged (triton)'].values(), '{:.2f}')}x",
+        f"StaticCache {span(static.values(), '{:.2f}')}x",
+        f"paged (flex) {span(ratios['paged (flex)'].values(), '{:.2f}')}x",
+        f"no cache {span(ratios['no cache (recompute)'].values(), '{:.2f}')}x",
+        f"paged (triton) over StaticCache {span([ratios['paged (triton)'][c] / static[c] for c in static], '{:.2f}')}x",
+        res["errors"][0].split(": ")[1],
+        f"--time-budget {scaling['time_budget_s']:.0f}",
+    ]
+
+
+def test_gpu_rows_quote_the_committed_gpu_run():
+    """Each GPU number in "Measured so far" is the one the committed JSON gives."""
+    text = README.read_text()
+    section = text[text.index("Measured so far") : text.index("## On a GPU")]
+    missing = [fact for fact in _gpu_facts() if fact not in section]
+    assert not missing, f"README's GPU rows do not quote these, computed from figures/data/*gpu*.json: {missing}"
+    assert "no GPU has been lent" not in section

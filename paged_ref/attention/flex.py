@@ -406,8 +406,22 @@ def _table_source(block_table, seq_lens, q_lens) -> tuple:
 # The attention calls.
 # --------------------------------------------------------------------------------------------
 
-_COMPILED_FLEX = {}  # device type -> torch.compile(flex_attention), built on first use
+_COMPILED_FLEX = {}  # device type (and CPU thread count) -> torch.compile(flex_attention), built on first use
 COMPILE_LIMIT = 256  # distinct shapes one process may compile flex_attention for
+
+
+def _compile_key(device: torch.device) -> tuple:
+    """What one compiled flex_attention is built for: the device type, and on CPU the thread count.
+
+    Inductor's CPU flex kernel allocates its scratch buffers for the thread count it was compiled
+    under and runs on however many threads the process has. torch 2.11 leaves that count out of
+    the key of inductor's on-disk FX graph cache (2.13 has it), so there a kernel compiled by a
+    one-thread process (the tests run with ``OMP_NUM_THREADS=1``) and loaded from the cache by a
+    two-thread one writes past its buffers (heap corruption: ``double free or corruption``).
+    Compiling with ``cpp.threads`` set to the current count puts the count into the cache key on
+    any version, and a process that changes its count gets a callable compiled for the new one.
+    """
+    return (device.type, torch.get_num_threads()) if device.type == "cpu" else (device.type,)
 
 
 def _flex_for(device: torch.device, compiled: bool | None = None):
@@ -417,10 +431,14 @@ def _flex_for(device: torch.device, compiled: bool | None = None):
         compiled = device.type == "cuda"
     if not compiled:
         return _eager_flex
-    if device.type not in _COMPILED_FLEX:
+    key = _compile_key(device)
+    if key not in _COMPILED_FLEX:
         # static shapes: the CPU template's dynamic-shape code does not build (torch 2.13), and a
         # decode step keeps its shapes, so each (batch, cache) shape compiles once
-        compiled_flex = torch.compile(flex_attention, dynamic=device.type != "cpu")
+        if device.type == "cpu":
+            compiled_flex = torch.compile(flex_attention, dynamic=False, options={"cpp.threads": key[1]})
+        else:
+            compiled_flex = torch.compile(flex_attention, dynamic=True)
         # Past torch's default of 8 compiles per function, dynamo silently falls back to eager
         # flex, which is dense (reads every slot). Allow more shapes, and fail loudly rather
         # than fall back: a caller asking for the compiled path gets it or an error. The patch
@@ -438,8 +456,8 @@ def _flex_for(device: torch.device, compiled: bool | None = None):
             with patch:
                 return compiled_flex(*args, **kwargs)
 
-        _COMPILED_FLEX[device.type] = call
-    return _COMPILED_FLEX[device.type]
+        _COMPILED_FLEX[key] = call
+    return _COMPILED_FLEX[key]
 
 
 def cuda_kernel_options(

@@ -21,7 +21,9 @@ from ..provenance import describe as provenance
 from . import add_note
 
 __all__ = [
+    "FIGURES",
     "provenance",
+    "missing_section",
     "spread_ms",
     "latency_figure",
     "memory_figure",
@@ -54,6 +56,35 @@ def _model(data: dict, model: str) -> dict:
     return data["models"][model]
 
 
+def missing_section(data: dict, model: str, section: str) -> str | None:
+    """Why a model's result has no ``section`` (``ladder``, ``batch``, ``chat``, ``sweep``,
+    ``alloc``): the error the run recorded for it, or that its time budget skipped it; None when
+    the section is there.
+
+    Example:
+        >>> data = {"models": {"m": {"ladder": [], "skipped": ["chat"],
+        ...                          "errors": ["batch: OutOfPagesError: 0 of the pool are free"]}}}
+        >>> missing_section(data, "m", "batch"), missing_section(data, "m", "chat")
+        ('failed in this run: OutOfPagesError: 0 of the pool are free', "skipped by the run's time budget")
+    """
+    res = _model(data, model)
+    if res.get(section):
+        return None
+    failed = [e.split(": ", 1)[1] for e in res.get("errors", []) if e.split(":", 1)[0] == section]
+    if failed:
+        return "failed in this run: " + "; ".join(failed)
+    if any(s.split(" ")[0] == section for s in res.get("skipped", [])):
+        return "skipped by the run's time budget"
+    return "not in this result"
+
+
+def _section(data: dict, model: str, section: str):
+    why = missing_section(data, model, section)
+    if why is not None:
+        raise ValueError(f"model {model!r} has no {section!r} section to draw: {why}")
+    return data["models"][model][section]
+
+
 def _title(res: dict) -> str:
     m = res["model"]
     return f"{m.get('note') or m['name']}, {m['dtype']}"
@@ -62,6 +93,7 @@ def _title(res: dict) -> str:
 def latency_figure(data: dict, model: str) -> Figure:
     """Per-token decode latency vs context (log-log) per decoder, and each over the contiguous cache."""
     res = _model(data, model)
+    _section(data, model, "ladder")
     fig = Figure(figsize=(10.5, 4.0), layout="constrained")
     ax, ax_ratio = fig.subplots(1, 2)
     runs = [r for r in res["ladder"] if r["timed"]] + [r for r in res.get("long", []) if r["timed"]]
@@ -118,6 +150,7 @@ def latency_figure(data: dict, model: str) -> Figure:
 def memory_figure(data: dict, model: str) -> Figure:
     """KV bytes held per decoder vs context, against the minimum (tokens held x bytes per token)."""
     res = _model(data, model)
+    _section(data, model, "ladder")
     fig = Figure(figsize=(10.5, 4.0), layout="constrained")
     ax, ax_peak = fig.subplots(1, 2)
     per_token = res["kv_bytes_per_token"]
@@ -178,7 +211,7 @@ def memory_figure(data: dict, model: str) -> Figure:
 def batch_figure(data: dict, model: str) -> Figure:
     """Mixed batch under one KV budget: requests admitted, and tokens/s, contiguous vs paged."""
     res = _model(data, model)
-    b = res["batch"]
+    b = _section(data, model, "batch")
     fig = Figure(figsize=(11.5, 3.8), layout="constrained")
     ax_fit, ax_tps, ax_len = fig.subplots(1, 3, width_ratios=[0.8, 1.4, 1.1])
     fit = b["fit"]
@@ -228,6 +261,7 @@ def batch_figure(data: dict, model: str) -> Figure:
 def chat_figure(data: dict, model: str) -> Figure:
     """Growing chat: latency and pages allocated per turn, with and without prefix caching."""
     res = _model(data, model)
+    _section(data, model, "chat")
     fig = Figure(figsize=(10.5, 3.6), layout="constrained")
     ax_lat, ax_pages = fig.subplots(1, 2)
     width = 0.38
@@ -274,7 +308,7 @@ def chat_figure(data: dict, model: str) -> Figure:
 def page_size_figure(data: dict, model: str) -> Figure:
     """Page-size sweep on the mixed batch: overhead over the minimum, and decode-attention time."""
     res = _model(data, model)
-    rows = res["sweep"]
+    rows = _section(data, model, "sweep")
     ps = [r["page_size"] for r in rows]
     fig = Figure(figsize=(10.5, 3.6), layout="constrained")
     ax_o, ax_t = fig.subplots(1, 2)
@@ -307,7 +341,7 @@ def page_size_figure(data: dict, model: str) -> Figure:
 def alloc_figure(data: dict, model: str) -> Figure:
     """Allocator cost per page operation during the run: median and p99 per call and per page."""
     res = _model(data, model)
-    ops = list(res["alloc"])
+    ops = list(_section(data, model, "alloc"))
     fig = Figure(figsize=(6.4, 3.4), layout="constrained")
     ax = fig.add_subplot()
     x = np.arange(len(ops))
@@ -330,3 +364,14 @@ def alloc_figure(data: dict, model: str) -> Figure:
     fig.suptitle(_title(res), fontsize=10)
     add_note(fig, provenance(data))
     return fig
+
+
+#: Each figure of a model's run and the section of its result that it draws.
+FIGURES = {
+    "latency": ("ladder", latency_figure),
+    "memory": ("ladder", memory_figure),
+    "batch": ("batch", batch_figure),
+    "chat": ("chat", chat_figure),
+    "page_size": ("sweep", page_size_figure),
+    "alloc": ("alloc", alloc_figure),
+}
