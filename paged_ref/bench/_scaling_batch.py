@@ -26,7 +26,7 @@ import torch
 from ..block_table import pages_needed
 from ..memory import KVGeometry
 from ._scaling_decoders import ContiguousDecoder, PagedDecoder, synchronize
-from .scaling_report import fit_counts, mixed_lengths, paged_overhead  # noqa: F401 (notebook 06 imports all three here)
+from .scaling_report import fit_counts, paged_overhead
 
 __all__ = ["page_size_sweep", "batch_throughput"]
 
