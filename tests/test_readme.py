@@ -87,3 +87,38 @@ def test_gpu_rows_quote_the_committed_gpu_run():
     missing = [fact for fact in _gpu_facts() if fact not in section]
     assert not missing, f"README's GPU rows do not quote these, computed from figures/data/*gpu*.json: {missing}"
     assert "no GPU has been lent" not in section
+
+
+def _serve_facts() -> list[str]:
+    """Every number the README's serving row quotes, formatted as quoted, computed from the
+    committed run (figures/data/serve_cpu.json) at its highest request rate."""
+    data = json.loads((README.parent / "figures" / "data" / "serve_cpu.json").read_text())
+    top = max(data["rates"], key=lambda r: r["rate"])
+    paged, exact, max_len, evict = (top["policies"][k] for k in ("paged", "exact", "max_len", "paged_eviction"))
+    tps = {name: f"{policy['tokens_per_s']:.1f}" for name, policy in top["policies"].items()}
+    running = {name: f"{policy['mean_running']:.1f}" for name, policy in top["policies"].items()}
+    peer = data["peer"]
+    loads = [x for r in data["rates"] for x in r["load_before"] + r["load_after"]]
+    return [
+        f"at {top['rate']:.0f} requests/s: paged {paged['tokens_per_s']:.1f} tokens/s",
+        f"{paged['tokens_per_s'] / max_len['tokens_per_s']:.2f}x max-length reservation ({tps['max_len']})",
+        f"{paged['tokens_per_s'] / exact['tokens_per_s']:.2f}x the exact reservation ({exact['tokens_per_s']:.1f},",
+        f"p90 TTFT {paged['ttft_p90_s']:.1f} s vs {exact['ttft_p90_s']:.1f} s and {max_len['ttft_p90_s']:.1f} s",
+        f"{running['paged']} requests at once vs {running['exact']} and {running['max_len']}",
+        f"{paged['preemptions']} preemptions that recompute {paged['recomputed_tokens']} tokens "
+        f"({paged['recomputed_tokens'] / paged['prompt_tokens']:.0%} of the prompt tokens)",
+        f"{evict['tokens_per_s']:.1f} tokens/s with {evict['mean_running']:.1f} at once, "
+        f"{evict['requests_with_paged_tokens']} of {evict['requests']} requests with unchanged tokens",
+        f"decode step {data['overhead']['overhead_share_median']:.2%}",
+        " and ".join(f"{r:.2f}x" for r in peer["throughput_ratio_paired"]) + " in two repeats",
+        f"median {peer['throughput_ratio_median']:.2f}x",
+        f"identical greedy tokens in {peer['requests_with_identical_tokens']} of {peer['requests']} requests",
+        f"{data['torch_threads']} thread, load average {min(loads):.1f}-{max(loads):.1f}",
+        f"{data['seconds']:.0f} s, {data['environment']['date_utc'][:10]}",
+    ]
+
+
+def test_serving_row_quotes_the_committed_serve_run():
+    row = next(line for line in README.read_text().splitlines() if line.startswith("| serving a stream"))
+    missing = [fact for fact in _serve_facts() if fact not in row]
+    assert not missing, f"README's serving row does not quote these, computed from serve_cpu.json: {missing}"
