@@ -23,6 +23,7 @@ from .attention.reference import (
 )
 from .block_table import from_csr, pad_block_tables, pages_needed, slot_mapping, to_csr
 from .cache import PagedKVCache
+from .cache_interface import KVCache
 from .layered_cache import LayeredKVCache
 
 __version__ = "0.1.0"
@@ -55,6 +56,7 @@ def __getattr__(name):
 
 
 __all__ = [
+    "KVCache",
     "LayeredKVCache",
     "OutOfPagesError",
     "PageAllocator",
