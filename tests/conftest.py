@@ -11,7 +11,6 @@ SLOWEST_FIRST = [
     "test_hf_generate.py",
     "test_hf_smollm2.py",
     "test_serve_smollm2.py",
-    "test_hf_sharing_smollm2.py",
     "test_eviction.py",
     "test_hf_sampling.py",
     "test_hf_beam.py",

@@ -5,6 +5,7 @@ Also run under the GPU image's transformers (5.17) by `make test-compat`.
 
 import pytest
 import torch
+from prompts import left_padded
 
 from paged_ref import PagedKVCache, hf
 from paged_ref.hf.cache import PagedCache
@@ -17,17 +18,6 @@ def model():
     torch.set_num_threads(1)
     yield tiny_llama(seed=0)
     torch.set_num_threads(threads)
-
-
-def _left_padded(lengths, seed=0, pad=0):
-    width = max(lengths)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.full((len(lengths), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        ids[b, width - n :] = torch.randint(3, 512, (n,), generator=g)
-        mask[b, width - n :] = 1
-    return ids, mask
 
 
 def _ends(model, ids, mask, k):
@@ -49,7 +39,7 @@ SETTINGS = [  # (num_beams, length_penalty, early_stopping, num_return_sequences
 
 @pytest.mark.parametrize(("k", "length_penalty", "early_stopping", "n"), SETTINGS)
 def test_beams_and_scores_equal_model_generate(model, k, length_penalty, early_stopping, n):
-    ids, mask = _left_padded([3, 9, 5], seed=k)
+    ids, mask = left_padded([3, 9, 5], seed=k)
     args = dict(
         attention_mask=mask,
         num_beams=k,
@@ -71,7 +61,7 @@ def test_beams_and_scores_equal_model_generate(model, k, length_penalty, early_s
 
 
 def test_some_hypotheses_end_early_and_are_filled_like_model_generate(model):
-    ids, mask = _left_padded([4, 7], seed=3)
+    ids, mask = left_padded([4, 7], seed=3)
     eos = _ends(model, ids, mask, 4)
     args = dict(attention_mask=mask, num_beams=4, num_return_sequences=4, max_new_tokens=12, eos_token_id=eos)
     args["length_penalty"] = 0.0  # scores are plain sums of log-probabilities: short hypotheses win
@@ -119,7 +109,7 @@ def test_pages_follow_the_selection(model):
 
 
 def test_a_prompt_that_is_done_frees_its_beams_while_the_batch_goes_on(model):
-    ids, mask = _left_padded([5, 8], seed=11)
+    ids, mask = left_padded([5, 8], seed=11)
     eos = _ends(model, ids, mask, 2)
     steps = []
     args = dict(attention_mask=mask, num_beams=2, max_new_tokens=12, eos_token_id=eos, length_penalty=0.0)
@@ -161,7 +151,7 @@ def test_paged_cache_refuses_reordering_and_names_the_paged_way():
 @pytest.mark.parametrize("backend", ["auto", "sdpa", "flex"])  # auto is the Triton decode kernel on CUDA
 def test_on_cuda_samples_and_beams_equal_model_generate(backend):
     cuda = tiny_llama(seed=0).cuda()
-    ids, mask = (t.cuda() for t in _left_padded([3, 9, 5], seed=1))
+    ids, mask = (t.cuda() for t in left_padded([3, 9, 5], seed=1))
     sample = dict(attention_mask=mask, do_sample=True, num_return_sequences=4, max_new_tokens=10, top_p=0.9)
     torch.manual_seed(0)
     expected = cuda.generate(ids, **sample)

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from prompts import left_padded
 
 from paged_ref import OutOfPagesError, PagedKVCache, hf
 from paged_ref.models import tiny_llama
@@ -29,18 +30,6 @@ def _prompt(length, seed):
     return torch.randint(3, 512, (1, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _left_padded(lengths, seed=0, pad=0):
-    """Random prompts of the given lengths, left-padded: (input_ids, attention_mask) [batch, max_len]."""
-    width = max(lengths)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.full((len(lengths), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        ids[b, width - n :] = torch.randint(3, 512, (n,), generator=g)
-        mask[b, width - n :] = 1
-    return ids, mask
-
-
 # ---------------------------------------------------------------------------------- same tokens
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("page_size", [1, 4, 16, 64])  # 64 > prompt + new tokens: a single page
@@ -58,7 +47,7 @@ def test_greedy_tokens_equal_model_generate(model, backend, page_size):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mixed_length_batch_equals_model_generate(model, backend):
-    ids, mask = _left_padded([3, 13, 1, 8], seed=1)
+    ids, mask = left_padded([3, 13, 1, 8], seed=1)
     new = NEW_TOKENS[backend]
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False)
     out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=new, page_size=4, backend=backend)
@@ -66,7 +55,7 @@ def test_mixed_length_batch_equals_model_generate(model, backend):
 
 
 def test_eos_stops_rows_pads_them_and_frees_their_pages_early(model):
-    ids, mask = _left_padded([5, 9, 2], seed=2)
+    ids, mask = left_padded([5, 9, 2], seed=2)
     free = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=[])
     eos = int(free[1, ids.shape[1] + 3])  # a token row 1 emits at step 3: make it the end token
     expected = model.generate(
@@ -106,7 +95,7 @@ def test_default_eos_and_pad_come_from_generation_config(model):
 
 # ---------------------------------------------------------------------------------- streaming
 def test_stream_yields_the_generated_columns(model):
-    ids, mask = _left_padded([4, 7], seed=4)
+    ids, mask = left_padded([4, 7], seed=4)
     out = hf.generate(model, ids, attention_mask=mask, max_new_tokens=6)
     steps = list(hf.stream(model, ids, attention_mask=mask, max_new_tokens=6))
     assert torch.equal(torch.stack(steps, dim=1), out[:, ids.shape[1] :])

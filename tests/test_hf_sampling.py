@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from prompts import left_padded
 
 from paged_ref import PagedKVCache, hf
 from paged_ref.hf.decoding import resolve
@@ -20,17 +21,6 @@ def model():
     torch.set_num_threads(1)
     yield tiny_llama(seed=0)
     torch.set_num_threads(threads)
-
-
-def _left_padded(lengths, seed=0, pad=0):
-    width = max(lengths)
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.full((len(lengths), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(lengths), width, dtype=torch.long)
-    for b, n in enumerate(lengths):
-        ids[b, width - n :] = torch.randint(3, 512, (n,), generator=g)
-        mask[b, width - n :] = 1
-    return ids, mask
 
 
 def _seeded(fn, seed, *args, **kwargs):
@@ -60,7 +50,7 @@ WARPERS = {
     ],
 )
 def test_seeded_samples_equal_model_generate(model, n, warpers):
-    ids, mask = _left_padded([3, 9, 5], seed=n)
+    ids, mask = left_padded([3, 9, 5], seed=n)
     args = dict(attention_mask=mask, do_sample=True, num_return_sequences=n, max_new_tokens=14, **WARPERS[warpers])
     free = _seeded(model.generate, n, ids, eos_token_id=[], **args)
     eos = int(free[0, ids.shape[1] + 2])  # a token row 0 samples at step 2: some rows now finish early

@@ -1,7 +1,8 @@
 """The real model: SmolLM2-135M generates from the paged cache exactly as model.generate does.
 
-Loads the bundled GGUF once for the module (~8 s): every test of the real model lives here,
-so that `make test` (``--dist loadfile``) loads it in one worker only. Eager FlexAttention and the
+Loads the bundled GGUF once for the module (`load_smollm2` keeps it for the process): the
+`paged_ref.hf` tests of the real model live here, so that `make test` (``--dist loadfile``) loads
+it in one worker for them. Eager FlexAttention and the
 Triton interpreter are slow on CPU, so their runs are a few tokens long.
 """
 
@@ -123,3 +124,37 @@ def test_eviction_benchmark_runs_every_task_and_policy_at_toy_sizes(tmp_path):
     window = next(r for r in data["passkey_rows"] if r["policy"] == "streaming_llm")
     assert window["depth"] == 0.1  # a recent window (first page + newest tokens) cannot hold a key this early
     assert not window["key_held"] and window["needle_held"] < 1
+
+
+# Seeded sampling and beam search from shared pages: model.generate's tokens (and beam scores).
+SHARING_NEW = 12
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_beam_search_equals_model_generate(smol, k):
+    model, tok = smol
+    ids, mask = _batch(tok, PROMPTS)
+    args = dict(attention_mask=mask, num_beams=k, num_return_sequences=min(k, 3), max_new_tokens=SHARING_NEW)
+    expected = model.generate(ids, do_sample=False, output_scores=True, return_dict_in_generate=True, **args)
+    kv = PagedKVCache.for_model(model, num_pages=3 * k * 3, page_size=16)
+    steps = []
+    out = hf.beam_search(model, ids, kv_cache=kv, callback=lambda step, st: steps.append(st), **args)
+    assert torch.equal(out.sequences, expected.sequences)
+    assert (out.sequences_scores - expected.sequences_scores).abs().max() < 1e-4
+    # the prompts' pages are held once: k beams of one prompt never hold k copies of it
+    assert max(out.pages_held) < 3 * k * 2
+    assert steps[1].pages_held < sum(len(st) for st in steps[1].pages.values())
+    assert kv.seq_ids == [] and kv.allocator.num_free == kv.num_pages
+
+
+@pytest.mark.parametrize(("n", "warpers"), [(2, {}), (4, {"temperature": 0.8, "top_p": 0.9}), (8, {"top_k": 10})])
+def test_seeded_samples_equal_model_generate(smol, n, warpers):
+    model, tok = smol
+    ids, mask = _batch(tok, PROMPTS)
+    args = dict(attention_mask=mask, do_sample=True, num_return_sequences=n, max_new_tokens=SHARING_NEW, **warpers)
+    torch.manual_seed(n)
+    expected = model.generate(ids, **args)
+    torch.manual_seed(n)
+    out = hf.generate(model, ids, **args)
+    assert torch.equal(out, expected)
+    assert len({tuple(row) for row in out[:n, ids.shape[1] :].tolist()}) > 1  # the samples differ

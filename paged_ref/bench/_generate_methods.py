@@ -17,7 +17,7 @@ from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..memory import model_geometry
 
-__all__ = ["PAGE_SIZE", "PeakRSS", "generation_methods", "load_model", "prompt_tokens"]
+__all__ = ["PAGE_SIZE", "PeakRSS", "generation_methods", "load_model", "prompt_tokens", "start_run"]
 
 PAGE_SIZE = 16
 
@@ -76,6 +76,20 @@ def load_model(name: str):
     from ..models import tiny_llama
 
     return tiny_llama(), None
+
+
+def start_run(args, quick: dict, full: dict):
+    """The start the model benchmarks (generate, sharing) share: ``--threads``, the ``--model``,
+    the sizes of ``--quick`` or the full run with ``--repeats`` over the profile's, and the
+    JSON's first keys. Returns ``(model, tokenizer, sizes, data)``."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    sizes = dict(quick if args.quick else full)
+    if args.repeats is not None:
+        sizes["repeats"] = args.repeats
+    data = {"model": args.model, "mode": "quick" if args.quick else "full", "torch_threads": torch.get_num_threads()}
+    return model, tokenizer, sizes, data
 
 
 def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:

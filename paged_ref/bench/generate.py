@@ -39,7 +39,7 @@ import torch
 from .. import textdata
 from ._generate_contexts import measure_contexts
 from ._generate_memory import measure_memory
-from ._generate_methods import PAGE_SIZE, PeakRSS, generation_methods, load_model
+from ._generate_methods import PAGE_SIZE, PeakRSS, generation_methods, start_run
 from .common import bench_parser, environment, print_table, result_file
 
 FULL = dict(single_words=96, single_new=48, mixed_prompts=8, mixed_new=32, repeats=3)
@@ -156,13 +156,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = "gpu" if torch.cuda.is_available() else "cpu"
     result = result_file(parser, args.out, f"generate_{device}.json")  # checked before anything is measured
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model)
-    sizes = dict(QUICK if args.quick else FULL)
-    if args.repeats is not None:
-        sizes["repeats"] = args.repeats
-    data = {"model": args.model, "mode": "quick" if args.quick else "full", "torch_threads": torch.get_num_threads()}
+    model, tokenizer, sizes, data = start_run(args, QUICK, FULL)
     data["environment"] = environment()
     data.update(measure(model, tokenizer, **sizes))
     result.save(data)

@@ -36,7 +36,7 @@ from .. import hf, textdata
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..sharing import computed_tokens, no_sharing_pages, prefix_caching_pages
-from ._generate_methods import load_model
+from ._generate_methods import start_run
 from .common import bench_parser, environment, print_table, result_file
 
 PAGE_SIZE = 16
@@ -272,13 +272,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     device = "gpu" if torch.cuda.is_available() else "cpu"
     result = result_file(parser, args.out, f"sharing_{device}.json")  # checked before anything is measured
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model)
-    sizes = dict(QUICK if args.quick else FULL)
-    if args.repeats is not None:
-        sizes["repeats"] = args.repeats
-    data = {"model": args.model, "mode": "quick" if args.quick else "full", "torch_threads": torch.get_num_threads()}
+    model, tokenizer, sizes, data = start_run(args, QUICK, FULL)
     data.update(measure(model, tokenizer, **sizes))
     data["environment"] = environment()
     print(f"\npages held (pages of {PAGE_SIZE}): (a) fork + copy-on-write, (b) prefix caching, (c) no sharing")

@@ -27,6 +27,7 @@ from matplotlib.patches import Rectangle
 
 from ..provenance import describe as provenance
 from . import add_note
+from .pages import PALETTE, seq_color
 
 __all__ = ["POLICY_STYLE", "provenance", "page_timeline_figure", "step_figure", "rate_figure", "pool_figure"]
 
@@ -37,17 +38,6 @@ POLICY_STYLE = {
     "max_len": ("tab:red", "v", "max_len reservation"),
     "paged_eviction": ("tab:purple", "^", "paged + PagedEviction"),
 }
-_REQUEST_COLORS = [
-    "tab:blue",
-    "tab:orange",
-    "tab:green",
-    "tab:red",
-    "tab:purple",
-    "tab:brown",
-    "tab:pink",
-    "tab:olive",
-    "tab:cyan",
-]
 _FREE = "0.93"
 
 
@@ -58,21 +48,17 @@ def _traced(history) -> list:
     return steps
 
 
-def request_color(request_id: int) -> str:
-    return _REQUEST_COLORS[request_id % len(_REQUEST_COLORS)]
-
-
 def page_timeline_figure(history: Sequence, *, title: str = "", width: float = 9.0) -> Figure:
     """Pages (rows) by steps (columns), each cell colored by the request holding the page after that
     step's forward (light grey: free). Red ticks on top mark steps that preempted a request."""
     steps = _traced(history)
     owners = np.array([h.owners for h in steps]).T  # [num_pages, steps]
     num_pages = owners.shape[0]
-    cmap = ListedColormap([_FREE] + _REQUEST_COLORS)
-    index = np.where(owners < 0, 0, owners % len(_REQUEST_COLORS) + 1)
+    cmap = ListedColormap([_FREE, *PALETTE])
+    index = np.where(owners < 0, 0, owners % len(PALETTE) + 1)
     fig = Figure(figsize=(width, min(6.0, 1.5 + 0.08 * num_pages)))
     ax = fig.add_subplot()
-    ax.imshow(index, aspect="auto", cmap=cmap, vmin=0, vmax=len(_REQUEST_COLORS), interpolation="nearest")
+    ax.imshow(index, aspect="auto", cmap=cmap, vmin=0, vmax=len(PALETTE), interpolation="nearest")
     for x, h in enumerate(steps):
         if h.preempted:
             ax.plot([x], [-0.9], marker="v", color="red", markersize=5, clip_on=False)
@@ -100,7 +86,7 @@ def step_figure(history: Sequence, index: int, *, names: dict | None = None) -> 
     ax = fig.add_subplot(grid[0])
     for p, (owner, fill) in enumerate(zip(h.owners, h.fill)):
         x, y = p % cols, rows - 1 - p // cols
-        color = _FREE if owner < 0 else request_color(owner)
+        color = _FREE if owner < 0 else seq_color(owner)
         ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9, 0.9, facecolor=color, edgecolor="0.5", alpha=0.85))
         if owner >= 0:
             ax.add_patch(Rectangle((x + 0.05, y + 0.05), 0.9 * fill / page_size, 0.12, facecolor="black"))
