@@ -110,7 +110,8 @@ def _serve_facts() -> list[str]:
         f"{evict['tokens_per_s']:.1f} tokens/s with {evict['mean_running']:.1f} at once, "
         f"{evict['requests_with_paged_tokens']} of {evict['requests']} requests with unchanged tokens",
         f"decode step {data['overhead']['overhead_share_median']:.2%}",
-        " and ".join(f"{r:.2f}x" for r in peer["throughput_ratio_paired"]) + " in two repeats",
+        ", ".join(f"{r:.2f}x" for r in peer["throughput_ratio_paired"])
+        + f" in {len(peer['throughput_ratio_paired'])} repeats",
         f"median {peer['throughput_ratio_median']:.2f}x",
         f"identical greedy tokens in {peer['requests_with_identical_tokens']} of {peer['requests']} requests",
         f"{data['torch_threads']} thread, load average {min(loads):.1f}-{max(loads):.1f}",

@@ -13,9 +13,10 @@ One workload, one run, ratios measured side by side (`paged_ref.serve.Engine` on
   four admission policies: ``paged``, ``exact`` (prompt + output reserved up front: an oracle that
   knows the output length), ``max_len`` (``max_model_len`` reserved per request) and
   ``paged_eviction`` (paged, each request's cache bounded by PagedEviction at ``eviction_budget``
-  tokens). The four engines take turns step by step, so a change in the machine's load hits them
-  alike; each keeps its own clock, the **simulated clock**: advanced by each of its steps' measured
-  wall time, idle gaps jumped (no sleeping), so the latencies are measured compute time.
+  tokens); ``paged`` admission keeps a ``watermark`` of the pool free. The four engines take turns
+  step by step, so a change in the machine's load hits them alike; each keeps its own clock, the
+  **simulated clock**: advanced by each of its steps' measured wall time, idle gaps jumped (no
+  sleeping), so the latencies are measured compute time.
 * **Overhead**: an offline batch of 16 equal requests; the engine's own share (scheduling, laying
   out the forward, sampling) of each decode step with 16 rows.
 * **Peer**: the same requests all at once (offline) through ``paged`` and through transformers'
@@ -57,25 +58,30 @@ __all__ = ["PROFILES", "POLICIES", "make_requests", "run_rate", "check_goals", "
 
 
 #: What each mode runs. Lengths: lognormal with these means and shape ``sigma``, clipped so that
-#: prompt + output <= max_model_len; prompts at least ``min_prompt`` tokens.
+#: prompt + output <= max_model_len; prompts at least ``min_prompt`` tokens. Outputs twice as long
+#: as prompts on average, as in the chat traces serving papers replay (ShareGPT: 161 prompt and 338
+#: output tokens). ``watermark``: the share of the pool that ``paged`` admission keeps free for the
+#: running requests to grow into (1%, vLLM's default, is no page at all of a 64-page pool); the
+#: committed policies keep none, since their commitment already covers every request's growth.
 PROFILES = {
     "cpu": dict(
         model="smollm2",
         device="cpu",
         requests=64,
-        mean_prompt=64,
-        mean_output=32,
+        mean_prompt=32,
+        mean_output=64,
         sigma=1.0,
         min_prompt=8,
         max_model_len=512,
         rates=(1.0, 2.0, 4.0),
         page_size=16,
         num_pages=64,
+        watermark=0.1,
         max_num_seqs=32,
         max_batched_tokens=512,
         eviction_budget=128,
         pools=(128, 256),
-        peer_repeats=2,
+        peer_repeats=3,
         overhead=dict(batch=16, prompt=64, new=24),
     ),
     "quick": dict(
@@ -90,6 +96,7 @@ PROFILES = {
         rates=(100.0, 2000.0),
         page_size=4,
         num_pages=40,
+        watermark=0.1,
         max_num_seqs=8,
         max_batched_tokens=32,
         eviction_budget=16,
@@ -109,6 +116,7 @@ PROFILES = {
         rates=(8.0, 16.0, 32.0, 64.0),
         page_size=16,
         num_pages=2048,
+        watermark=0.01,
         max_num_seqs=128,
         max_batched_tokens=2048,
         eviction_budget=256,
@@ -151,13 +159,15 @@ def make_requests(model, tokenizer, *, requests, mean_prompt, mean_output, sigma
 
 
 def _engine(model, cfg, policy, *, num_pages=None, device_clock="simulated"):
+    paged = policy in ("paged", "paged_eviction")
     return Engine(
         model,
         num_pages=num_pages or cfg["num_pages"],
         page_size=cfg["page_size"],
         max_num_seqs=cfg["max_num_seqs"],
         max_batched_tokens=cfg["max_batched_tokens"],
-        reservation="paged" if policy in ("paged", "paged_eviction") else policy,
+        reservation="paged" if paged else policy,
+        watermark=cfg["watermark"] if paged else 0.0,
         max_model_len=cfg["max_model_len"],
         eos_token_id=[],
         clock=device_clock,
