@@ -45,3 +45,13 @@ def test_figures_draw_from_the_json(quick):
     for fig in (viz.rate_figure(saved), viz.pool_figure(saved)):
         assert fig.axes and "Measured on CPU" in fig.texts[-1].get_text()
     print(serve.format_rate_table(saved["rates"][-1]["policies"]))
+
+
+def test_only_paged_admission_keeps_the_watermark():
+    from paged_ref.models import tiny_llama
+
+    cfg = serve.PROFILES["quick"]
+    model = tiny_llama()
+    pages = {name: serve._engine(model, cfg, name).scheduler.watermark_pages for name in serve.POLICIES}
+    assert pages["paged"] == pages["paged_eviction"] == int(cfg["watermark"] * cfg["num_pages"]) > 0
+    assert pages["exact"] == pages["max_len"] == 0
