@@ -20,20 +20,11 @@ import torch
 
 from paged_ref import hf
 from paged_ref.hf.attention import BACKENDS
-from paged_ref.models import tiny_llama
 
 WARMUP, MEASURED, NEW_TOKENS = 20, 20, 8
 # the Triton interpreter runs each program in numpy (~0.75 s a generate here) and keeps no cache
 RUNS = {"triton": (3, 5, 3)}
 MAX_BLOCKS_PER_GENERATE = 20
-
-
-@pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_llama(seed=0)
-    torch.set_num_threads(threads)
 
 
 def _blocks() -> int:

@@ -12,14 +12,6 @@ from paged_ref.hf.cache import PagedCache
 from paged_ref.models import tiny_llama
 
 
-@pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_llama(seed=0)
-    torch.set_num_threads(threads)
-
-
 def _ends(model, ids, mask, k):
     """Two tokens the best beams generate at steps 3 and 5: as EOS ids they end hypotheses early."""
     free = model.generate(

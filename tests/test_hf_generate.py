@@ -7,19 +7,10 @@ import torch
 from prompts import left_padded
 
 from paged_ref import OutOfPagesError, PagedKVCache, hf
-from paged_ref.models import tiny_llama
 
 BACKENDS = ["reference", "flex", "triton", "sdpa", "auto"]
 # new tokens per backend: eager FlexAttention (~0.2 s a call on CPU) and the Triton interpreter are slow
 NEW_TOKENS = {"reference": 12, "flex": 5, "triton": 5, "sdpa": 12, "auto": 12}
-
-
-@pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: thread hand-offs cost more than they give
-    yield tiny_llama(seed=0)
-    torch.set_num_threads(threads)
 
 
 def _kv(model, num_pages, page_size):

@@ -12,15 +12,6 @@ from prompts import left_padded
 from paged_ref import PagedKVCache, hf
 from paged_ref.hf.decoding import resolve
 from paged_ref.hf.sampling import choose, warp
-from paged_ref.models import tiny_llama
-
-
-@pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_llama(seed=0)
-    torch.set_num_threads(threads)
 
 
 def _seeded(fn, seed, *args, **kwargs):

@@ -22,14 +22,6 @@ from paged_ref.serve.request import Request
 PAGE = 4
 
 
-@pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield tiny_llama()
-    torch.set_num_threads(threads)
-
-
 @functools.cache
 def _alone(prompt: tuple, n: int, eviction: str | None = None, budget: int | None = None) -> list[int]:
     model = tiny_llama()  # the same seeded weights as the fixture's
