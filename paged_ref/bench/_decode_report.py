@@ -1,9 +1,4 @@
-"""The decode benchmark's summary of a GPU run: ratios between implementations and its goals.
-
-`summarize_gpu` reads the rows `decode.run_gpu` measured and returns ``(ratios, goals)``: per
-(batch, length, page size) the paged kernel's share of the copy bandwidth and each peer's time
-over its own, and each target of the benchmark against those numbers (met or not, computed).
-"""
+"""The decode benchmark's summary of a GPU run: ratios between implementations and its goals."""
 
 from __future__ import annotations
 
@@ -11,22 +6,31 @@ from .common import print_table
 
 __all__ = ["summarize_gpu"]
 
+RATIO_COLUMNS = [  # (header, key of a ratios row, format) after the paged kernel's time and bandwidth
+    ("of copy", "paged_frac_of_copy", "{:.0%}"),
+    ("paged/contig", "paged_over_contiguous", "{:.2f}"),
+    ("flex/paged", "flex_over_paged", "{:.2f}"),
+    ("sdpa/paged", "sdpa_over_paged", "{:.2f}"),
+    ("rerun spread", "repeat_spread", "{:.1%}"),
+]
+
 
 def summarize_gpu(data):
-    """Ratios between implementations per case, and the benchmark's targets against the numbers."""
+    """Print and return ``(ratios, goals)`` for the rows `decode.run_gpu` measured.
+
+    ``ratios``: per (batch, length, page size), the paged kernel's share of the copy bandwidth
+    and each peer's time over its own; ``goals``: each target against those numbers (met or not).
+    """
     by = {(r["batch"], r["seq_len"], r["page_size"], r["impl"]): r for r in data["results"]}
-    ratios, table = [], []
+    ratios, table, spreads = [], [], []
     shapes = sorted({(r["batch"], r["seq_len"]) for r in data["results"]}, key=lambda s: s[0])
     for batch, seq_len in shapes:
-        pages = sorted(
-            {
-                r["page_size"]
-                for r in data["results"]
-                if (r["batch"], r["seq_len"]) == (batch, seq_len) and r["page_size"]
-            }
-        )
+        same = [r for r in data["results"] if (r["batch"], r["seq_len"]) == (batch, seq_len)]
+        times = [r["median_s"] for r in same if r["impl"] == "paged_decode"]
+        if len(times) > 1:
+            spreads.append(max(times) / min(times))
         sdpa = by.get((batch, seq_len, None, "sdpa contiguous"))
-        for page in pages:
+        for page in sorted({r["page_size"] for r in same if r["page_size"]}):
             paged = by.get((batch, seq_len, page, "paged_decode"))
             again = by.get((batch, seq_len, page, "paged_decode (again)"))
             contig = by.get((batch, seq_len, page, "paged_decode contiguous"))
@@ -45,83 +49,31 @@ def summarize_gpu(data):
                 repeat_spread=abs(again["median_s"] - t) / t if again else None,
             )
             ratios.append(row)
-            fmt = lambda x, f="{:.2f}": "-" if x is None else f.format(x)  # noqa: E731
-            table.append(
-                [
-                    f"({batch}, {seq_len})",
-                    page,
-                    f"{t * 1e6:.1f}",
-                    f"{paged['bandwidth_GBps']:.0f}",
-                    fmt(paged["frac_of_copy"], "{:.0%}"),
-                    fmt(row["paged_over_contiguous"]),
-                    fmt(row["flex_over_paged"]),
-                    fmt(row["sdpa_over_paged"]),
-                    fmt(row["repeat_spread"], "{:.1%}"),
-                ]
-            )
+            cells = ["-" if row[key] is None else fmt.format(row[key]) for _, key, fmt in RATIO_COLUMNS]
+            table.append([f"({batch}, {seq_len})", page, f"{t * 1e6:.1f}", f"{paged['bandwidth_GBps']:.0f}", *cells])
     print()
-    print_table(
-        [
-            "batch x len",
-            "page",
-            "paged us",
-            "GB/s",
-            "of copy",
-            "paged/contig",
-            "flex/paged",
-            "sdpa/paged",
-            "rerun spread",
-        ],
-        table,
-    )
+    print_table(["batch x len", "page", "paged us", "GB/s", *(header for header, _, _ in RATIO_COLUMNS)], table)
 
     goals = []
-    head = [r for r in ratios if (r["batch"], r["seq_len"]) == (8, 32768)]
+
+    def goal(text, measured, met):
+        goals.append(dict(goal=text, measured=measured, met=met))
+
+    head = [r["paged_frac_of_copy"] for r in ratios if (r["batch"], r["seq_len"]) == (8, 32768)]
     if head:
-        worst = min(r["paged_frac_of_copy"] for r in head)
-        goals.append(
-            dict(
-                goal=">= 85% of copy bandwidth at (8, 32768)",
-                measured=f"{worst:.1%} (worst page size)",
-                met=worst >= 0.85,
-            )
-        )
+        goal(">= 85% of copy bandwidth at (8, 32768)", f"{min(head):.1%} (worst page size)", min(head) >= 0.85)
     within = [r["paged_over_contiguous"] for r in ratios if r["paged_over_contiguous"]]
     if within:
-        goals.append(
-            dict(
-                goal="paged within 5% of its own contiguous run",
-                measured=f"worst paged/contiguous {max(within):.3f}",
-                met=max(within) <= 1.05,
-            )
-        )
-    spreads = []
-    for batch, seq_len in shapes:
-        times = [
-            r["median_s"]
-            for r in data["results"]
-            if (r["batch"], r["seq_len"], r["impl"]) == (batch, seq_len, "paged_decode")
-        ]
-        if len(times) > 1:
-            spreads.append(max(times) / min(times))
+        worst = max(within)
+        goal("paged within 5% of its own contiguous run", f"worst paged/contiguous {worst:.3f}", worst <= 1.05)
     if spreads:
-        goals.append(
-            dict(
-                goal="page sizes 16..128 within 5% of each other",
-                measured=f"worst slowest/fastest {max(spreads):.3f}",
-                met=max(spreads) <= 1.05,
-            )
-        )
+        worst = max(spreads)
+        goal("page sizes 16..128 within 5% of each other", f"worst slowest/fastest {worst:.3f}", worst <= 1.05)
     for peer, key in (("compiled flex paged", "flex_over_paged"), ("SDPA on a contiguous cache", "sdpa_over_paged")):
         vals = [r[key] for r in ratios if r[key] is not None]
         if vals:
-            goals.append(
-                dict(
-                    goal=f"faster than {peer}",
-                    measured=f"{peer} / paged_decode from {min(vals):.2f} to {max(vals):.2f}",
-                    met=min(vals) > 1.0,
-                )
-            )
+            measured = f"{peer} / paged_decode from {min(vals):.2f} to {max(vals):.2f}"
+            goal(f"faster than {peer}", measured, min(vals) > 1.0)
     print()
     for g in goals:
         print(f"{'met    ' if g['met'] else 'NOT met'}  {g['goal']}: {g['measured']}")

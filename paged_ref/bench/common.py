@@ -1,16 +1,12 @@
 """Shared helpers for the benchmarks: timing, the environment record, tables and JSON.
 
-Timing rules:
-
-* CPU: :func:`cpu_median` runs a function a few times after a warm-up and keeps the median of
-  wall-clock times.
-* GPU: :func:`gpu_median` uses ``triton.testing.do_bench`` (CUDA events, warm-up, the L2 flushed
-  before each run, median), or plain CUDA events when triton is missing.
-* Every result file carries :func:`environment` (GPU name, versions, date; no host name) and is
-  written by :func:`write_json` under ``figures/data/``.
-* A benchmark opens its result file with :func:`result_file` before it measures anything (a bad
-  ``--out`` ends the command at once, with a message) and calls ``save(data)`` as parts finish,
-  so a killed or failed run keeps what it measured (``"complete": false`` until the end).
+* CPU: :func:`cpu_median` keeps the median wall-clock time of a few runs after a warm-up.
+* GPU: :func:`gpu_median` is ``triton.testing.do_bench``'s median (CUDA events, warm-up, the L2
+  flushed before each run).
+* A benchmark opens its JSON with :func:`result_file` before measuring (a bad ``--out`` ends
+  the command at once) and saves as parts finish (``"complete": false`` until the end), so a
+  killed run keeps what it measured. Every file carries :func:`environment` (GPU, versions,
+  date; no host name) and goes under ``figures/data/`` unless ``--out`` says otherwise.
 
 Example:
     >>> t = cpu_median(lambda: sum(range(1000)), repeats=3)
@@ -71,44 +67,16 @@ def cpu_median(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5) -
 
 
 def gpu_median(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> float:
-    """Median time in seconds of ``fn()`` on the current CUDA device.
+    """Median seconds of ``fn()`` on the current CUDA device (``triton.testing.do_bench``: warm-up
+    for ``warmup_ms``, the L2 cleared before each run, CUDA events, runs for about ``rep_ms``)."""
+    import triton.testing
 
-    ``triton.testing.do_bench`` does the work when triton is installed: it warms up for
-    ``warmup_ms``, clears the L2 cache before each run, times each run with CUDA events and
-    repeats for about ``rep_ms``. Without triton: CUDA events around each of as many runs.
-    """
-    try:
-        import triton.testing
-    except ImportError:
-        triton = None
-    if triton is not None:
-        return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    torch.cuda.synchronize()
-    estimate_ms = max(start.elapsed_time(end), 1e-3)
-    for _ in range(max(1, int(warmup_ms / estimate_ms))):
-        fn()
-    times = []
-    for _ in range(max(5, int(rep_ms / estimate_ms))):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e-3)
-    return statistics.median(times)
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, device: str = "cuda") -> dict:
-    """The memory-bandwidth ceiling: a device-to-device copy of ``nbytes`` of random data.
-
-    Bandwidth counts the bytes read plus the bytes written. Returns
-    ``{"bytes": int, "median_s": float, "bandwidth_GBps": float}``.
-    """
+    """The bandwidth ceiling: a device-to-device copy of ``nbytes`` of random data, counting the
+    bytes read plus written. Returns ``{"bytes": int, "median_s": float, "bandwidth_GBps": float}``."""
     numel = nbytes // 2
     src = torch.randn(numel, dtype=torch.bfloat16, device=device)  # random: never time zeros
     dst = torch.empty_like(src)
@@ -118,8 +86,7 @@ def copy_bandwidth(nbytes: int = 2 << 30, device: str = "cuda") -> dict:
 
 
 def write_json(data: dict, filename: str, out_dir: str | Path | None = None) -> Path:
-    """Write ``data`` as indented JSON to ``out_dir/filename`` (default ``figures/data/`` of
-    :func:`paged_ref.runmode.output_root`: never inside an installed package)."""
+    """Write ``data`` as indented JSON to ``out_dir/filename`` (default: ``figures/data/``)."""
     folder = Path(out_dir) if out_dir is not None else data_dir()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / filename
@@ -130,11 +97,9 @@ def write_json(data: dict, filename: str, out_dir: str | Path | None = None) -> 
 class ResultFile:
     """One benchmark's JSON file: checked and created before measuring, rewritten as it grows.
 
-    Creating it makes the folder (parents too) and writes ``{"complete": false}`` to the file,
-    so every way an output path can fail (``--out ''``, a parent that is a file, a name too
-    long, a folder without write permission) fails here, before any measurement. ``save``
-    replaces the file whole (a temporary file renamed over it): a kill mid-write leaves the
-    previous version, never half a file.
+    Creating it makes the folder and writes ``{"complete": false}``, so a bad output path
+    fails here, before any measurement. ``save`` writes a temporary file and renames it over
+    the old one: a kill mid-write leaves the previous version, never half a file.
 
     Example:
         >>> import tempfile
@@ -170,8 +135,7 @@ class ResultFile:
 
 
 def result_file(parser: argparse.ArgumentParser, out_dir: str | Path | None, filename: str) -> ResultFile:
-    """:class:`ResultFile` for a benchmark's command line: an unusable ``--out`` ends the
-    command through ``parser.error`` (exit status 2, the reason printed), before measuring."""
+    """:class:`ResultFile` for a command line: an unusable ``--out`` ends it through ``parser.error``."""
     try:
         return ResultFile(filename, out_dir)
     except (OSError, ValueError) as err:
@@ -184,8 +148,7 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> Non
 
 
 def bench_parser(name: str, doc: str) -> argparse.ArgumentParser:
-    """The command line of ``python -m paged_ref.bench <name>``: the module's docstring as its
-    help, and ``--out`` (the folder for the JSON; default ``figures/data/``) that every benchmark takes."""
+    """The parser of ``python -m paged_ref.bench <name>``: ``doc`` as its help, and ``--out``."""
     parser = argparse.ArgumentParser(
         prog=f"python -m paged_ref.bench {name}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -194,8 +157,7 @@ def bench_parser(name: str, doc: str) -> argparse.ArgumentParser:
 
 
 def command_line(name: str, argv: Sequence[str] | None) -> str:
-    """The command that reproduces a run of benchmark ``name`` (``argv`` None: this process's),
-    without ``--out DIR``: no local paths in results.
+    """The command that reproduces a run (``argv`` None: this process's), without ``--out DIR``.
 
     Example:
         >>> command_line("scaling", ["--cpu", "--out", "/tmp/x", "--quick"])

@@ -3,37 +3,33 @@
     python -m paged_ref.bench decode [--quick] [--out DIR]          (CUDA GPU, < 4 min)
     python -m paged_ref.bench decode --cpu [--quick] [--out DIR]    (no GPU, seconds)
 
-GPU (bfloat16, head_dim 128, 32 query heads over 8 KV heads; batch x length in
-(1, 131072), (8, 32768), (64, 4096), (256, 2048); page sizes 16, 64, 128), in one run:
+GPU (bfloat16, head_dim 128, 32 query heads over 8 KV heads; batch x length in (1, 131072),
+(8, 32768), (64, 4096), (256, 2048); page sizes 16, 64, 128), in this order per case:
 
-* ``copy``: a device-to-device copy, the bandwidth ceiling (bytes read + written / time);
+* ``copy`` (once): a device-to-device copy, the bandwidth ceiling (bytes read + written / time);
+* ``sdpa contiguous``: SDPA on a contiguous ``[batch, kv_heads, length, head_dim]`` cache;
 * ``paged_decode``: the Triton kernel on a paged cache whose pages are shuffled;
-* ``paged_decode contiguous``: the same kernel on the same data laid out in order (identity
-  block table: each sequence's K/V is one contiguous run), the cost of paging itself;
-* ``flex_paged_decode``: FlexAttention over the pages, compiled (its call builds the
-  BlockMask each time, as a user's call does);
-* ``sdpa contiguous``: ``torch.nn.functional.scaled_dot_product_attention`` on a contiguous
-  ``[batch, kv_heads, length, head_dim]`` cache (no paging at all).
+* ``paged_decode contiguous``: the same kernel and data on an identity block table (the cost
+  of paging itself);
+* ``flex_paged_decode``: compiled FlexAttention over the pages, building its BlockMask per call
+  as a user's call does (only while ``--budget-s`` lasts);
+* ``paged_decode (again)``: the kernel timed a second time, the run-to-run spread.
 
-For each: median time (``triton.testing.do_bench``: CUDA events, L2 flushed before each run),
-achieved bandwidth = bytes of K and V read / time, its ratio to the copy bandwidth, the error
-against a float32 computation, and ratios between implementations. ``paged_decode`` is timed
-twice (first and last) to show the run-to-run spread. JSON goes to
-``figures/data/decode_gpu.json``.
+Each: median time (``triton.testing.do_bench``: CUDA events, L2 flushed before each run),
+bandwidth = bytes of K and V read / time and its share of the copy's, the error against a
+float32 computation, and the ratios between implementations (`summarize_gpu`). At 4 FLOP per
+byte of K and V, decode is memory bound: time = bytes / bandwidth is the floor to expect.
+JSON: ``figures/data/decode_gpu.json``.
 
-What to expect (the floor, before measuring): each token costs 2 x 8 x 128 x 2 B = 4096 B of
-K and V and 4 x 32 x 128 = 16384 FLOP, 4 FLOP per byte, far below the ~200 FLOP/byte at which
-an H200 stops being memory bound. So time = bytes / bandwidth: (8, 32768) moves 1.07 GB, about
-250 us at the ~4.3 TB/s a copy reaches on an H200; the arithmetic needs ~5 us of tensor cores.
-
-CPU (``--cpu``): small float32 sizes; the reference, eager FlexAttention and SDPA are timed;
-the Triton kernel runs once through the interpreter for correctness but is not timed (the
-interpreter's speed means nothing). JSON goes to ``figures/data/decode_cpu.json``.
+CPU (``--cpu``): small float32 sizes; the reference, eager FlexAttention and SDPA are timed
+(`cpu_median`); the Triton kernel runs once through the interpreter for correctness, untimed.
+JSON: ``figures/data/decode_cpu.json``.
 """
 
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -63,15 +59,12 @@ GPU_HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 CPU_SHAPES = [(1, 2048), (8, 512)]
 CPU_PAGE_SIZES = [16, 64]
 CPU_HEADS = dict(num_q_heads=8, num_kv_heads=2, head_dim=64)
+FLEX_KW = {"check_values": False}  # no host-side value checks inside timed loops
 
 
-# --- inputs ----------------------------------------------------------------------------------
 def make_inputs(batch, seq_len, *, num_q_heads, num_kv_heads, head_dim, dtype, device, seed=0):
-    """One logical batch of equal-length sequences (random data, never zeros).
-
-    Returns q: [batch, Hq, D] and k, v: [batch * seq_len, Hkv, D], sequence b's tokens in
-    rows b*seq_len .. (b+1)*seq_len - 1 (a contiguous cache).
-    """
+    """Random q: [batch, Hq, D] and a contiguous k, v: [batch * seq_len, Hkv, D] (sequence b in
+    rows b*seq_len .. (b+1)*seq_len - 1)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     q = torch.randn(batch, num_q_heads, head_dim, generator=gen, device=device, dtype=dtype)
     k = torch.randn(batch * seq_len, num_kv_heads, head_dim, generator=gen, device=device, dtype=dtype)
@@ -80,11 +73,8 @@ def make_inputs(batch, seq_len, *, num_q_heads, num_kv_heads, head_dim, dtype, d
 
 
 def page_layouts(k, v, batch, seq_len, page_size, seed=0):
-    """The same K/V as pages, twice: in order (identity block table) and shuffled.
-
-    Returns (contiguous, paged), each a tuple (k_cache, v_cache, block_table):
-    caches [num_pages, page_size, Hkv, D], block_table int32 [batch, seq_len // page_size].
-    """
+    """The same K/V as pages in order (identity block table) and shuffled: two tuples
+    (k_cache, v_cache, block_table), caches [num_pages, page_size, Hkv, D], tables int32."""
     num_pages = batch * seq_len // page_size
     k_pages = k.view(num_pages, page_size, *k.shape[1:])  # a view: no copy
     v_pages = v.view(num_pages, page_size, *v.shape[1:])
@@ -100,10 +90,7 @@ def page_layouts(k, v, batch, seq_len, page_size, seed=0):
 
 
 def reference_attention(q, k, v, batch, seq_len, dtype=torch.float32):
-    """Attention of equal-length sequences from the contiguous K/V, computed in ``dtype``.
-
-    q: [batch, Hq, D]; k, v: [batch * seq_len, Hkv, D]. Returns [batch, Hq, D] in ``dtype``.
-    """
+    """Attention of equal-length sequences from the contiguous K/V, in ``dtype``: [batch, Hq, D]."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     group = q.shape[1] // num_kv_heads
     qg = q.to(dtype).view(batch, num_kv_heads, group, head_dim)  # [B, Hkv, G, D]
@@ -123,7 +110,11 @@ def _sdpa(q, k4, v4, num_q_heads, num_kv_heads):
     return F.scaled_dot_product_attention(q.unsqueeze(2), k4, v4, enable_gqa=num_q_heads != num_kv_heads).squeeze(2)
 
 
-# --- GPU -------------------------------------------------------------------------------------
+def _contiguous_4d(k, v, batch, seq_len):
+    """k, v as [B, Hkv, L, D] copies, SDPA's layout."""
+    return [t.view(batch, seq_len, *t.shape[1:]).transpose(1, 2).contiguous() for t in (k, v)]
+
+
 def _planned_splits(batch, seq_len, heads, dtype, device):
     """The split count paged_decode(num_splits=None, check_values=False) picks here."""
     group = heads["num_q_heads"] // heads["num_kv_heads"]
@@ -133,13 +124,11 @@ def _planned_splits(batch, seq_len, heads, dtype, device):
 
 
 def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None, device="cuda", checkpoint=None):
-    """Measure every implementation on every (shape, page size); see the module docstring.
+    """Measure every implementation on every (shape, page size), in the module docstring's order.
 
-    ``heads``, ``dtype`` and ``device`` are there so that the harness can be smoke-tested on
-    the CPU with small float32 sizes; the benchmark itself runs with the defaults (``dtype``
-    None: the GPU's native 16-bit type, bfloat16 from sm_80 on and float16 on a T4).
-    ``checkpoint(part)``, if given, receives ``{"copy", "results", "notes", "errors"}`` measured so far
-    after each (shape, page size), to be saved.
+    ``heads``, ``dtype`` (None: the GPU's native 16-bit type) and ``device`` let tests run the
+    harness on small CPU sizes. ``checkpoint(part)``, if given, receives ``{"copy", "results",
+    "notes", "errors"}`` measured so far after each (shape, page size).
     """
     if dtype is None:
         dtype = td.native_half(device)
@@ -151,42 +140,32 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None
         flush=True,
     )
     results, notes, errors = [], [], []
-    flex_kw = {"check_values": False}  # no host-side value checks inside timed loops
     if flex_paged_decode is None:
         notes.append("flex_paged_decode not importable: not measured")
     elem = torch.empty((), dtype=dtype).element_size()
 
-    def record(batch, seq_len, page_size, impl, seconds, out, ref, **extra):
+    def measure(page_size, impl, fn, out=None, **extra):
+        """Time ``fn`` for the current (batch, seq_len); check ``out`` (None: ``fn()`` after timing)."""
+        seconds = gpu_median(fn, rep_ms=rep_ms)
+        out = fn() if out is None else out
         kv_bytes = 2 * batch * seq_len * heads["num_kv_heads"] * heads["head_dim"] * elem
-        row = dict(
-            batch=batch,
-            seq_len=seq_len,
-            page_size=page_size,
-            impl=impl,
-            median_s=seconds,
-            kv_bytes=kv_bytes,
-            bandwidth_GBps=kv_bytes / seconds / 1e9,
-            frac_of_copy=kv_bytes / seconds / 1e9 / copy["bandwidth_GBps"],
-            rel_err=rel_err(out, ref),
-            **extra,
-        )
-        results.append(row)
+        bandwidth = kv_bytes / seconds / 1e9
+        row = dict(batch=batch, seq_len=seq_len, page_size=page_size, impl=impl, median_s=seconds, kv_bytes=kv_bytes)
+        row.update(bandwidth_GBps=bandwidth, frac_of_copy=bandwidth / copy["bandwidth_GBps"], rel_err=rel_err(out, ref))
+        results.append(row | extra)
         print(
-            f"  {impl:<24} page {str(page_size):>4}: {seconds * 1e6:9.1f} us "
-            f"{row['bandwidth_GBps']:7.0f} GB/s ({row['frac_of_copy']:.0%} of copy) "
-            f"rel_err {row['rel_err']:.1e}",
+            f"  {impl:<24} page {str(page_size):>4}: {seconds * 1e6:9.1f} us {bandwidth:7.0f} GB/s "
+            f"({row['frac_of_copy']:.0%} of copy) rel_err {row['rel_err']:.1e}",
             flush=True,
         )
 
-    def peer(batch, seq_len, page_size, impl, fn):
-        """Time a peer implementation; a failure is noted and the run goes on."""
+    def peer(page_size, impl, fn):
+        """Time a peer implementation after a first call (flex compiles); a failure is noted."""
         try:
-            out = fn()  # compiles on first use (flex)
-            record(batch, seq_len, page_size, impl, gpu_median(fn, rep_ms=rep_ms), out, ref)
+            measure(page_size, impl, fn, out=fn())
         except Exception as exc:
-            errors.append(
-                f"{impl} failed at ({batch}, {seq_len}, page {page_size}): {type(exc).__name__}: {str(exc)[:300]}"
-            )
+            where = f"({batch}, {seq_len}, page {page_size})"
+            errors.append(f"{impl} failed at {where}: {type(exc).__name__}: {str(exc)[:300]}")
             print(f"  {impl} failed: {type(exc).__name__}", flush=True)
 
     for batch, seq_len in shapes:
@@ -194,79 +173,25 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None
         q, k, v = make_inputs(batch, seq_len, dtype=dtype, device=device, **heads)
         ref = reference_attention(q, k, v, batch, seq_len)  # float32
         lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
-
-        # SDPA on a contiguous [B, Hkv, L, D] cache: independent of the page size.
-        k4 = k.view(batch, seq_len, *k.shape[1:]).transpose(1, 2).contiguous()
-        v4 = v.view(batch, seq_len, *v.shape[1:]).transpose(1, 2).contiguous()
-        peer(
-            batch,
-            seq_len,
-            None,
-            "sdpa contiguous",
-            lambda: _sdpa(q, k4, v4, heads["num_q_heads"], heads["num_kv_heads"]),
-        )
+        k4, v4 = _contiguous_4d(k, v, batch, seq_len)  # SDPA: independent of the page size
+        peer(None, "sdpa contiguous", lambda: _sdpa(q, k4, v4, heads["num_q_heads"], heads["num_kv_heads"]))
         k4 = v4 = None  # free the contiguous copies before the paged runs
-
         splits = _planned_splits(batch, seq_len, heads, dtype, device)
         for page_size in page_sizes:
             contiguous, paged = page_layouts(k, v, batch, seq_len, page_size)
-
-            def triton_on(layout):
-                kc, vc, bt = layout
-                return lambda: td.paged_decode(q, kc, vc, bt, lens, check_values=False)
-
-            # Values checked once, untimed; the timed calls skip the host-side checks.
-            paged_out = td.paged_decode(q, *paged, lens)
-            run_paged = triton_on(paged)
-            record(
-                batch,
-                seq_len,
-                page_size,
-                "paged_decode",
-                gpu_median(run_paged, rep_ms=rep_ms),
-                paged_out,
-                ref,
-                num_splits=splits,
-            )
-            run_contig = triton_on(contiguous)
-            record(
-                batch,
-                seq_len,
-                page_size,
-                "paged_decode contiguous",
-                gpu_median(run_contig, rep_ms=rep_ms),
-                run_contig(),
-                ref,
-                num_splits=splits,
-            )
-
+            paged_out = td.paged_decode(q, *paged, lens)  # values checked once, untimed
+            run_paged = partial(td.paged_decode, q, *paged, lens, check_values=False)
+            run_contig = partial(td.paged_decode, q, *contiguous, lens, check_values=False)
+            measure(page_size, "paged_decode", run_paged, out=paged_out, num_splits=splits)
+            measure(page_size, "paged_decode contiguous", run_contig, num_splits=splits)
             if flex_paged_decode is not None:
                 if time.perf_counter() - started > budget_s:
-                    notes.append(
-                        f"flex skipped at ({batch}, {seq_len}, page {page_size}): time budget {budget_s:.0f} s used"
-                    )
+                    where = f"({batch}, {seq_len}, page {page_size})"
+                    notes.append(f"flex skipped at {where}: time budget {budget_s:.0f} s used")
                 else:
-                    kc, vc, bt = paged
-                    peer(
-                        batch,
-                        seq_len,
-                        page_size,
-                        "flex_paged_decode",
-                        lambda: flex_paged_decode(q, kc, vc, bt, lens, **flex_kw),
-                    )
-
-            # Second timing of the headline kernel: the spread between the two is the noise.
-            record(
-                batch,
-                seq_len,
-                page_size,
-                "paged_decode (again)",
-                gpu_median(run_paged, rep_ms=rep_ms),
-                run_paged(),
-                ref,
-                num_splits=splits,
-            )
-            del contiguous, paged
+                    peer(page_size, "flex_paged_decode", partial(flex_paged_decode, q, *paged, lens, **FLEX_KW))
+            measure(page_size, "paged_decode (again)", run_paged, num_splits=splits)  # the spread is the noise
+            del contiguous, paged, run_paged, run_contig
             if checkpoint is not None:
                 checkpoint(dict(copy=copy, results=results, notes=notes, errors=errors))
         q = k = v = ref = None  # free before the next shape
@@ -275,44 +200,27 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None
     return dict(copy=copy, results=results, notes=notes, errors=errors, elapsed_s=time.perf_counter() - started)
 
 
-# --- CPU -------------------------------------------------------------------------------------
 def run_cpu(shapes, page_sizes, *, repeats):
     heads = CPU_HEADS
     results, correctness, notes, errors = [], [], [], []
-    flex_kw = {"check_values": False}  # no host-side value checks inside timed loops
     if flex_paged_decode is None:
         notes.append("flex_paged_decode not importable: not measured")
     for batch, seq_len in shapes:
         q, k, v = make_inputs(batch, seq_len, dtype=torch.float32, device="cpu", **heads)
         ref = reference_attention(q, k, v, batch, seq_len, torch.float64)
         lens = torch.full((batch,), seq_len, dtype=torch.int32)
-        k4 = k.view(batch, seq_len, *k.shape[1:]).transpose(1, 2).contiguous()
-        v4 = v.view(batch, seq_len, *v.shape[1:]).transpose(1, 2).contiguous()
-        impls = [("sdpa contiguous", None, lambda: _sdpa(q, k4, v4, heads["num_q_heads"], heads["num_kv_heads"]))]
+        k4, v4 = _contiguous_4d(k, v, batch, seq_len)
+        impls = [("sdpa contiguous", None, partial(_sdpa, q, k4, v4, heads["num_q_heads"], heads["num_kv_heads"]))]
         for page_size in page_sizes:
-            _, (kc, vc, bt) = page_layouts(k, v, batch, seq_len, page_size)
-            impls.append(
-                ("reference", page_size, lambda kc=kc, vc=vc, bt=bt: paged_attention_reference(q, kc, vc, bt, lens))
-            )
+            _, paged = page_layouts(k, v, batch, seq_len, page_size)
+            impls.append(("reference", page_size, partial(paged_attention_reference, q, *paged, lens)))
             if flex_paged_decode is not None:
                 impls.append(
-                    (
-                        "flex_paged_decode (eager)",
-                        page_size,
-                        lambda kc=kc, vc=vc, bt=bt: flex_paged_decode(q, kc, vc, bt, lens, **flex_kw),
-                    )
+                    ("flex_paged_decode (eager)", page_size, partial(flex_paged_decode, q, *paged, lens, **FLEX_KW))
                 )
-            # The interpreter: once, for correctness only.
-            out = td.paged_decode(q, kc, vc, bt, lens)
-            correctness.append(
-                dict(
-                    batch=batch,
-                    seq_len=seq_len,
-                    page_size=page_size,
-                    impl="paged_decode (interpreter)",
-                    rel_err=rel_err(out, ref),
-                )
-            )
+            out = td.paged_decode(q, *paged, lens)  # the interpreter: once, for correctness only
+            case = dict(batch=batch, seq_len=seq_len, page_size=page_size)
+            correctness.append(dict(case, impl="paged_decode (interpreter)", rel_err=rel_err(out, ref)))
         for impl, page_size, fn in impls:
             try:
                 out = fn()
@@ -320,39 +228,22 @@ def run_cpu(shapes, page_sizes, *, repeats):
             except Exception as exc:
                 errors.append(f"{impl} at ({batch}, {seq_len}, page {page_size}) failed: {type(exc).__name__}: {exc}")
                 continue
-            results.append(
-                dict(
-                    batch=batch,
-                    seq_len=seq_len,
-                    page_size=page_size,
-                    impl=impl,
-                    median_s=timing["median_s"],
-                    rel_err=rel_err(out, ref),
-                )
-            )
+            case = dict(batch=batch, seq_len=seq_len, page_size=page_size, impl=impl)
+            results.append(dict(case, median_s=timing["median_s"], rel_err=rel_err(out, ref)))
     table = [
         [
             f"({r['batch']}, {r['seq_len']})",
             r["page_size"] or "-",
             r["impl"],
-            f"{r['median_s'] * 1e3:.2f}",
+            f"{r['median_s'] * 1e3:.2f}" if "median_s" in r else "not timed",
             f"{r['rel_err']:.1e}",
         ]
-        for r in results
-    ]
-    table += [
-        [f"({r['batch']}, {r['seq_len']})", r["page_size"], r["impl"], "not timed", f"{r['rel_err']:.1e}"]
-        for r in correctness
+        for r in results + correctness
     ]
     print_table(["batch x len", "page", "implementation", "median ms", "rel err vs fp64"], table)
-    for n in notes:
-        print("note:", n)
-    for e in errors:
-        print("error:", e)
     return dict(results=results, correctness=correctness, notes=notes, errors=errors)
 
 
-# --- entry point -----------------------------------------------------------------------------
 def main(argv=None):
     parser = bench_parser("decode", __doc__)
     parser.add_argument("--cpu", action="store_true", help="small float32 sizes on the CPU (reference, flex, SDPA)")
@@ -364,51 +255,36 @@ def main(argv=None):
     command = command_line("decode", argv)
     if not args.cpu and not torch.cuda.is_available():
         parser.error("no CUDA GPU: run with --cpu for the CPU harness")
-    filename = "decode_cpu.json" if args.cpu else "decode_gpu.json"
-    result = result_file(parser, args.out, filename)  # checked before anything is measured
+    result = result_file(parser, args.out, "decode_cpu.json" if args.cpu else "decode_gpu.json")
+    data = dict(benchmark="decode", mode="cpu" if args.cpu else "gpu", command=command, environment=environment())
     if args.cpu:
-        shapes = [(2, 256)] if args.quick else CPU_SHAPES
-        pages = [16] if args.quick else CPU_PAGE_SIZES
-        data = dict(
-            benchmark="decode",
-            mode="cpu",
-            command=command,
-            environment=environment(),
-            config=dict(dtype="float32", shapes=shapes, page_sizes=pages, **CPU_HEADS),
-        )
+        shapes, pages = ([(2, 256)], [16]) if args.quick else (CPU_SHAPES, CPU_PAGE_SIZES)
+        data["config"] = dict(dtype="float32", shapes=shapes, page_sizes=pages, **CPU_HEADS)
         data.update(run_cpu(shapes, pages, repeats=3 if args.quick else 7))
     else:
-        shapes = [(8, 32768), (64, 4096)] if args.quick else GPU_SHAPES
-        pages = [16, 128] if args.quick else GPU_PAGE_SIZES
-        data = dict(
-            benchmark="decode",
-            mode="gpu",
-            command=command,
-            environment=environment(),
-            config=dict(
-                dtype=str(td.native_half("cuda")).removeprefix("torch."),
-                shapes=shapes,
-                page_sizes=pages,
-                timing="triton.testing.do_bench median (CUDA events, L2 flushed)",
-                bandwidth="bytes of K and V read / median time",
-                paged_decode_call="check_values=False, num_splits=None",
-                flex_call="flex_paged_decode as a user calls it: builds the BlockMask on every call",
-                **GPU_HEADS,
-            ),
+        shapes, pages = ([(8, 32768), (64, 4096)], [16, 128]) if args.quick else (GPU_SHAPES, GPU_PAGE_SIZES)
+        data["config"] = dict(
+            dtype=str(td.native_half("cuda")).removeprefix("torch."),
+            shapes=shapes,
+            page_sizes=pages,
+            timing="triton.testing.do_bench median (CUDA events, L2 flushed)",
+            bandwidth="bytes of K and V read / median time",
+            paged_decode_call="check_values=False, num_splits=None",
+            flex_call="flex_paged_decode as a user calls it: builds the BlockMask on every call",
+            **GPU_HEADS,
         )
 
         def checkpoint(part):
             data.update(part)
             result.save(data)
 
-        data.update(
-            run_gpu(shapes, pages, budget_s=args.budget_s, rep_ms=50 if args.quick else 100, checkpoint=checkpoint)
-        )
+        rep_ms = 50 if args.quick else 100
+        data.update(run_gpu(shapes, pages, budget_s=args.budget_s, rep_ms=rep_ms, checkpoint=checkpoint))
         data["ratios"], data["goals"] = summarize_gpu(data)
-        for n in data["notes"]:
-            print("note:", n)
-        for e in data["errors"]:
-            print("error:", e)
+    for n in data["notes"]:
+        print("note:", n)
+    for e in data["errors"]:
+        print("error:", e)
     path = result.save(data, complete=True)
     print(f"wrote {path}")
     return data
