@@ -2,26 +2,19 @@
 
     python -m paged_ref.bench kernels [--quick] [--jobs N] [--out DIR]
 
-Triton compiles ahead of time for a named target on a machine with no GPU
-(``triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))``), and the wheel ships
-``cuobjdump`` to read the machine code. For every configuration the launcher can choose on a
-GPU (dtype, head_dim, GQA group, page size, split or not: the tile sizes and launch options
-come from ``triton_decode._tile_config``, exactly as ``paged_decode`` picks them) and for each
-target (sm_90: H100/H200, sm_80: A100, sm_75: T4, fp16 only) it records:
+Triton compiles ahead of time for a named target (``triton.compile(ASTSource(...),
+target=GPUTarget("cuda", 90, 32))``) and its wheel ships ``cuobjdump`` to read the machine code.
+For every configuration the launcher can choose (dtype, head_dim, GQA group, page size, split
+or not; tiles and launch options from ``triton_decode._tile_config``, as ``paged_decode`` picks
+them) and each target (sm_90: H100/H200, sm_80: A100, sm_75: T4, fp16 only) it records registers,
+stack, spills (``STL``/``LDL``), shared memory, asynchronous copies (``LDGSTS``, ``UTMALDG``),
+MMA instructions, the K/V buffer ring (from the TTGIR), programs per SM and the K/V bytes in
+flight per SM against what Little's law asks of the target.
 
-* registers per thread, stack bytes, spill stores and loads (``STL``/``LDL`` in the SASS),
-  shared memory;
-* asynchronous copies (``LDGSTS``: cp.async; ``UTMALDG``: TMA) and MMA instructions
-  (``HMMA``, ``HGMMA``), and the K/V buffer ring the pipeliner allocated (from the TTGIR);
-* programs per SM allowed by registers, shared memory, warps and the block limit, and the K/V
-  bytes in flight per SM against what Little's law asks of the target's memory system.
-
-The signature is specialised the way Triton's JIT specialises a real launch: pointers to fresh
-torch tensors are 16-byte aligned, integer arguments divisible by 16 are marked so, arguments
-equal to 1 become constants. A compile of the bare signature (no alignment known) is also
-recorded for one configuration, to show what the kernel becomes when alignment cannot be
-proven. Each entry keeps the kernel name, signature, constexprs, attributes and options, so
-anyone can recompile it. Output: ``figures/data/kernels.json``.
+Signatures are specialised as Triton's JIT does for a real launch (pointers 16-byte aligned,
+integers divisible by 16 marked so, integers equal to 1 made constants); one configuration is
+also compiled bare (no alignment known). Each entry keeps what it takes to recompile it.
+Output: ``figures/data/kernels.json``.
 """
 
 from __future__ import annotations
@@ -49,6 +42,7 @@ TARGETS = {
     ),
     75: dict(name="sm_75 (T4)", sms=40, regs=65536, max_warps=32, max_blocks=16, smem=64 * 1024, bandwidth=320e9),
 }
+TARGET_DTYPES = {90: ("fp16", "bf16", "fp32"), 80: ("fp16", "bf16", "fp32"), 75: ("fp16",)}
 LATENCY_S = 1e-6
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 HEAD_DIMS = (64, 80, 128, 256)
@@ -72,135 +66,80 @@ class KernelConfig:
     hints: bool = True  # alignment specialisation as the JIT does it (False: bare signature)
 
 
-def _cuobjdump() -> str:
-    import triton
-
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-
-def _signature(kernel, consts: dict, ints: dict, ptr_types: dict, floats: dict, hints: bool):
-    """(signature, constexprs, attrs) for ASTSource, specialised like a JIT launch."""
-    sig, attrs, constexprs = {}, {}, dict(consts)
-    for i, name in enumerate(kernel.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in ptr_types:
-            sig[name] = "*" + ptr_types[name]
-            if hints:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in floats:
-            sig[name] = floats[name]
-        elif hints and ints[name] == 1:
-            sig[name], constexprs[name] = "constexpr", 1  # the JIT turns a 1 into a constant
-        else:
-            sig[name] = "i32"
-            if hints and ints[name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return sig, constexprs, attrs
-
-
-def split_kernel_source(cfg: KernelConfig):
-    """The ASTSource and launch options ``paged_decode`` would compile for ``cfg``."""
+def _source(name: str, consts: dict, ints: dict, ptr_types: dict, floats: dict, hints: bool, options: dict):
+    """(ASTSource, options, record) of kernel ``name``, its signature specialised like a JIT launch."""
     from triton.compiler import ASTSource
 
     from ..attention import triton_decode as td
 
-    kernel = td.compiled_kernels()["_paged_decode_split_kernel"]
+    kernel = td.compiled_kernels()[name]
+    sig, attrs, constexprs = {}, {}, dict(consts)
+    for i, arg in enumerate(kernel.arg_names):
+        if arg in consts:
+            sig[arg] = "constexpr"
+        elif arg in ptr_types:
+            sig[arg] = "*" + ptr_types[arg]
+            if hints:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif arg in floats:
+            sig[arg] = floats[arg]
+        elif hints and ints[arg] == 1:
+            sig[arg], constexprs[arg] = "constexpr", 1  # the JIT turns a 1 into a constant
+        else:
+            sig[arg] = "i32"
+            if hints and ints[arg] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    indexed = {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}
+    src = ASTSource(fn=kernel, signature=sig, attrs=attrs, constexprs=indexed)
+    attrs = {str(k[0]): v for k, v in attrs.items()}
+    record = dict(kernel=kernel.fn.__name__, signature=sig, constexprs=constexprs, attrs=attrs, options=options)
+    return src, options, record
+
+
+def split_kernel_source(cfg: KernelConfig):
+    """The ASTSource, launch options and record ``paged_decode`` would compile for ``cfg``."""
+    from ..attention import triton_decode as td
+
     tile = td._tile_config(DTYPES[cfg.dtype], cfg.head_dim, cfg.group, interpret=False, capability=cfg.arch)
     d, hq = cfg.head_dim, cfg.group * NUM_KV_HEADS
-    consts = dict(
-        HEAD_DIM=d,
-        BLOCK_D=tile["BLOCK_D"],
-        GROUP=cfg.group,
-        BLOCK_H=tile["BLOCK_H"],
-        PAGE_SIZE=cfg.page_size,
-        BLOCK_N=tile["BLOCK_N"],
-        WRITE_PARTIALS=cfg.split,
-        DOT_PRECISION="ieee" if cfg.dtype == "fp32" else "tf32",
-    )
-    ints = dict(
-        num_splits=6 if cfg.split else 1,
-        stride_q_batch=hq * d,
-        stride_q_head=d,
-        stride_cache_page=cfg.page_size * NUM_KV_HEADS * d,
-        stride_cache_token=NUM_KV_HEADS * d,
-        stride_cache_head=d,
-        stride_bt_batch=cdiv(CONTEXT, cfg.page_size),
-        stride_o_batch=hq * d,
-        stride_o_head=d,
-    )
-    ptrs = dict(
-        q_ptr=cfg.dtype,
-        k_cache_ptr=cfg.dtype,
-        v_cache_ptr=cfg.dtype,
-        out_ptr=cfg.dtype,
-        block_table_ptr="i32",
-        seq_lens_ptr="i32",
-        part_m_ptr="fp32",
-        part_l_ptr="fp32",
-        part_acc_ptr="fp32",
-    )
-    sig, constexprs, attrs = _signature(kernel, consts, ints, ptrs, {"scale_log2": "fp32"}, cfg.hints)
+    consts = dict(HEAD_DIM=d, BLOCK_D=tile["BLOCK_D"], GROUP=cfg.group, BLOCK_H=tile["BLOCK_H"])
+    consts.update(PAGE_SIZE=cfg.page_size, BLOCK_N=tile["BLOCK_N"], WRITE_PARTIALS=cfg.split)
+    consts["DOT_PRECISION"] = "ieee" if cfg.dtype == "fp32" else "tf32"
+    ints = dict(num_splits=6 if cfg.split else 1, stride_q_batch=hq * d, stride_q_head=d)
+    ints.update(stride_cache_page=cfg.page_size * NUM_KV_HEADS * d, stride_cache_token=NUM_KV_HEADS * d)
+    ints.update(stride_cache_head=d, stride_bt_batch=cdiv(CONTEXT, cfg.page_size), stride_o_batch=hq * d)
+    ints["stride_o_head"] = d
+    ptrs = dict.fromkeys(("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"), cfg.dtype)
+    ptrs.update(dict.fromkeys(("block_table_ptr", "seq_lens_ptr"), "i32"))
+    ptrs.update(dict.fromkeys(("part_m_ptr", "part_l_ptr", "part_acc_ptr"), "fp32"))
     options = {k: v for k, v in tile.items() if not k.startswith("BLOCK_")}
-    src = ASTSource(
-        fn=kernel,
-        signature=sig,
-        attrs=attrs,
-        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
-    )
-    record = dict(
-        kernel=kernel.fn.__name__,
-        signature=sig,
-        constexprs=constexprs,
-        attrs={str(k[0]): v for k, v in attrs.items()},
-        options=options,
-        tile=tile,
-    )
-    return src, options, record
+    floats = {"scale_log2": "fp32"}
+    src, options, record = _source("_paged_decode_split_kernel", consts, ints, ptrs, floats, cfg.hints, options)
+    return src, options, dict(record, tile=tile)
 
 
 def reduce_kernel_source(arch: int, dtype: str, head_dim: int):
     """The reduction kernel as ``paged_decode`` launches it after a split run."""
-    from triton.compiler import ASTSource
-
-    from ..attention import triton_decode as td
-
-    kernel = td.compiled_kernels()["_reduce_splits_kernel"]
-    block_d = max(16, next_pow2(head_dim))
-    consts = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=8)
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_S=8)
     ints = dict(num_splits=6, stride_o_batch=NUM_KV_HEADS * 4 * head_dim, stride_o_head=head_dim)
     ptrs = dict(part_m_ptr="fp32", part_l_ptr="fp32", part_acc_ptr="fp32", out_ptr=dtype)
-    sig, constexprs, attrs = _signature(kernel, consts, ints, ptrs, {}, True)
-    options = dict(num_warps=4)
-    src = ASTSource(
-        fn=kernel,
-        signature=sig,
-        attrs=attrs,
-        constexprs={(kernel.arg_names.index(k),): v for k, v in constexprs.items()},
-    )
-    return (
-        src,
-        options,
-        dict(
-            kernel=kernel.fn.__name__,
-            signature=sig,
-            constexprs=constexprs,
-            attrs={str(k[0]): v for k, v in attrs.items()},
-            options=options,
-        ),
-    )
+    return _source("_reduce_splits_kernel", consts, ints, ptrs, {}, True, dict(num_warps=4))
 
 
 def read_cubin(cubin: bytes) -> dict:
     """Registers, stack, spills and instruction counts of one compiled kernel (cuobjdump)."""
+    import triton
+
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
         path = f.name
+
+    def dump(flag):
+        return subprocess.run([cuobjdump, flag, path], check=True, capture_output=True, text=True).stdout
+
     try:
-        usage = subprocess.run(
-            [_cuobjdump(), "--dump-resource-usage", path], check=True, capture_output=True, text=True
-        ).stdout
-        sass = subprocess.run([_cuobjdump(), "--dump-sass", path], check=True, capture_output=True, text=True).stdout
+        usage, sass = dump("--dump-resource-usage"), dump("--dump-sass")
     finally:
         os.unlink(path)
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
@@ -242,22 +181,30 @@ def littles_law_bytes(arch: int) -> int:
     return int(t["bandwidth"] * LATENCY_S / t["sms"])
 
 
-def compile_config(cfg: KernelConfig) -> dict:
-    """Compile ``cfg`` for its target and read what came out."""
+def _compile(arch: int, source) -> tuple[dict, object]:
+    """(record, compiled kernel or None, with the error in the record) of one source for ``arch``."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    src, options, record = split_kernel_source(cfg)
-    start = time.perf_counter()
+    src, options, record = source
     try:
-        ck = triton.compile(src, target=GPUTarget("cuda", cfg.arch, 32), options=options)
+        return record, triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
     except Exception as err:  # a compile error is a result
-        return dict(asdict(cfg), **record, error=f"{type(err).__name__}: {err}"[:2000])
+        return dict(record, error=f"{type(err).__name__}: {err}"[:2000]), None
+
+
+def compile_config(cfg: KernelConfig) -> dict:
+    """Compile ``cfg`` for its target and read what came out."""
+    source = split_kernel_source(cfg)
+    start = time.perf_counter()
+    record, ck = _compile(cfg.arch, source)
+    if ck is None:
+        return dict(asdict(cfg), **record)
     entry = dict(asdict(cfg), **record, compile_s=round(time.perf_counter() - start, 2))
     entry.update(read_cubin(ck.asm["cubin"]))
     entry["shared_bytes"] = ck.metadata.shared
     entry["kv_buffers"] = kv_buffers(ck.asm["ttgir"])
-    entry.update(occupancy(cfg.arch, entry["registers"], entry["shared_bytes"], options["num_warps"]))
+    entry.update(occupancy(cfg.arch, entry["registers"], entry["shared_bytes"], record["options"]["num_warps"]))
     tile = record["tile"]
     tile_bytes = tile["BLOCK_N"] * tile["BLOCK_D"] * DTYPES[cfg.dtype].itemsize
     # With an asynchronous ring of depth k per K and V, k - 1 tiles of each are loading while
@@ -272,32 +219,20 @@ def compile_config(cfg: KernelConfig) -> dict:
 
 
 def compile_reduce(arch: int, dtype: str, head_dim: int) -> dict:
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    src, options, record = reduce_kernel_source(arch, dtype, head_dim)
-    try:
-        ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-    except Exception as err:
-        return dict(arch=arch, dtype=dtype, head_dim=head_dim, **record, error=f"{type(err).__name__}: {err}"[:2000])
-    return dict(
-        arch=arch,
-        dtype=dtype,
-        head_dim=head_dim,
-        **record,
-        shared_bytes=ck.metadata.shared,
-        **read_cubin(ck.asm["cubin"]),
-    )
+    record, ck = _compile(arch, reduce_kernel_source(arch, dtype, head_dim))
+    entry = dict(arch=arch, dtype=dtype, head_dim=head_dim, **record)
+    if ck is not None:
+        entry.update(shared_bytes=ck.metadata.shared, **read_cubin(ck.asm["cubin"]))
+    return entry
 
 
 def all_configs(quick: bool = False) -> list[KernelConfig]:
     """Every configuration the launcher can choose on each target (``quick``: the defaults)."""
-    dtypes = {90: ("fp16", "bf16", "fp32"), 80: ("fp16", "bf16", "fp32"), 75: ("fp16",)}
     head_dims, groups, pages = ((128,), (4,), (16, 64)) if quick else (HEAD_DIMS, GROUPS, PAGE_SIZES)
     return [
         KernelConfig(arch, dt, d, g, p, split)
-        for arch in (90, 80, 75)
-        for dt in dtypes[arch]
+        for arch, dtypes in TARGET_DTYPES.items()
+        for dt in dtypes
         if not (quick and dt == "fp32")
         for d in head_dims
         for g in groups
@@ -307,21 +242,19 @@ def all_configs(quick: bool = False) -> list[KernelConfig]:
 
 
 def run(configs: list[KernelConfig], jobs: int = 2, checkpoint=None, every: int = 32) -> list[dict]:
-    """Compile every config, in ``jobs`` worker processes (compiles are single-threaded).
+    """Compile every config in ``jobs`` worker processes (compiles are single-threaded);
     ``checkpoint(entries)``, if given, receives the entries so far every ``every`` configs."""
+    pool = ProcessPoolExecutor(max_workers=jobs) if jobs > 1 else None
     entries = []
-
-    def collect(results):
-        for entry in results:
+    try:
+        for entry in pool.map(compile_config, configs, chunksize=4) if pool else map(compile_config, configs):
             entries.append(entry)
             if checkpoint is not None and len(entries) % every == 0:
                 checkpoint(entries)
-        return entries
-
-    if jobs <= 1:
-        return collect(compile_config(c) for c in configs)
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
-        return collect(pool.map(compile_config, configs, chunksize=4))
+    finally:
+        if pool is not None:
+            pool.shutdown()
+    return entries
 
 
 def summary(entries: list[dict]) -> dict:
@@ -346,6 +279,16 @@ def summary(entries: list[dict]) -> dict:
     return out
 
 
+SUMMARY_COLUMNS = [  # (header, cell of a summary row)
+    ("configs", "{configs}"),
+    ("errors", "{errors}"),
+    ("16-bit spilling", "{spilling_16bit}"),
+    ("max regs", "{max_registers}"),
+    ("16-bit async", "{asynchronous_16bit}"),
+    ("page>=BLOCK_N at Little", "{large_pages_meeting_littles_law}/{large_pages_16bit}"),
+]
+
+
 def main(argv=None):
     parser = bench_parser("kernels", __doc__)
     parser.add_argument("--quick", action="store_true", help="the default configurations only")
@@ -356,8 +299,7 @@ def main(argv=None):
     result = result_file(parser, args.out, "kernels.json")  # checked before anything is compiled
     import triton
 
-    configs = all_configs(args.quick)
-    bare = [KernelConfig(90, "bf16", 128, 4, 16, True, hints=False)]
+    configs = all_configs(args.quick) + [KernelConfig(90, "bf16", 128, 4, 16, True, hints=False)]  # + one bare
     start = time.perf_counter()
     head = dict(
         benchmark="kernels",
@@ -366,13 +308,9 @@ def main(argv=None):
         triton=triton.__version__,
         environment=environment(),
     )
-    entries = run(configs + bare, jobs=args.jobs, checkpoint=lambda done: result.save({**head, "split_kernel": done}))
-    reduce = [
-        compile_reduce(arch, dt, d)
-        for arch in (90, 80, 75)
-        for dt in (("fp16",) if arch == 75 else ("fp16", "bf16", "fp32"))
-        for d in ((128,) if args.quick else HEAD_DIMS)
-    ]
+    entries = run(configs, jobs=args.jobs, checkpoint=lambda done: result.save({**head, "split_kernel": done}))
+    head_dims = (128,) if args.quick else HEAD_DIMS
+    reduce = [compile_reduce(a, dt, d) for a, dtypes in TARGET_DTYPES.items() for dt in dtypes for d in head_dims]
     data = dict(
         **head,
         assumptions=dict(latency_s=LATENCY_S, targets=TARGETS, num_kv_heads=NUM_KV_HEADS, context=CONTEXT),
@@ -381,21 +319,8 @@ def main(argv=None):
         split_kernel=entries,
         reduce_kernel=reduce,
     )
-    rows = [
-        [
-            name,
-            s["configs"],
-            s["errors"],
-            s["spilling_16bit"],
-            s["max_registers"],
-            f"{s['asynchronous_16bit']}",
-            f"{s['large_pages_meeting_littles_law']}/{s['large_pages_16bit']}",
-        ]
-        for name, s in data["summary"].items()
-    ]
-    print_table(
-        ["target", "configs", "errors", "16-bit spilling", "max regs", "16-bit async", "page>=BLOCK_N at Little"], rows
-    )
+    rows = [[name] + [cell.format(**s) for _, cell in SUMMARY_COLUMNS] for name, s in data["summary"].items()]
+    print_table(["target"] + [header for header, _ in SUMMARY_COLUMNS], rows)
     b = entries[-1]
     print(
         f"bare signature (no alignment known), {b['dtype']} page {b['page_size']} sm_90: "
