@@ -3,41 +3,26 @@
     python -m paged_ref.bench gpu --out DIR            (CUDA GPU: about 6 minutes at most)
     python -m paged_ref.bench gpu --out DIR --dry-run  (no GPU: the same steps at toy sizes)
 
-First a pre-check line: the driver, CUDA, torch and triton versions, and whether a C compiler
-and Python's headers are there (Triton builds its launchers with them). Then sections, run one
-after another, each in its own process with a time budget it cannot overrun (the process
-group is killed at the budget, and the section is reported as such):
+A pre-check line first (driver, CUDA, torch and triton versions, and whether a C compiler and
+Python's headers are there: Triton builds its launchers with them), then the sections, one after
+another, each in its own process group, killed at its budget:
 
-==========  ========  ==========================================================================
-section     budget    what runs
-==========  ========  ==========================================================================
-compile     45 s      every Triton launch of the run replayed and compiled for sm_90 in one
-                      process per core (tests/test_triton_launch_replay.py): Triton's cache then
-                      holds all 55 kernels before the sections below launch them
-tests       55 s      the ``gpu``-marked tests of the Triton kernel
-flex        70 s      the ``gpu``-marked compiled-flex tests of a 128+-token prefill on
-                      16-token pages and a decode whose batch changes
-decode      85 s      ``bench decode``: four shapes, pages 16/64/128, paged vs its contiguous
-                      run vs SDPA, and the copy ceiling; compiled flex only where started in
-                      the first 10 s (a compile costs seconds per shape)
-scaling     75 s      ``bench scaling --gpu``: random-weight 1B-class Llama in bf16 (sections
-                      that would start after 32 s are skipped and recorded as skipped)
-figures     15 s      PNGs from the two JSON files (``python -m paged_ref.viz.run_figures``)
-==========  ========  ==========================================================================
+* ``compile``: every Triton launch of the run replayed and compiled for sm_90 in one process per
+  core (tests/test_triton_launch_replay.py), so that Triton's cache holds them;
+* ``tests`` and ``flex``: the ``gpu``-marked tests of the Triton kernel and of compiled flex;
+* ``decode``: ``bench decode`` (compiled flex only where it starts in the first 10 s);
+* ``scaling``: ``bench scaling --gpu`` (what would start after 32 s is skipped and recorded);
+* ``figures``: PNGs from the two JSON files (``python -m paged_ref.viz.run_figures``).
 
-Each budget is 1.5x an estimate of the section's compile and run time (`estimates`: compile
-counts measured without a GPU, times per compile measured on a CPU or stated as assumptions),
-and the plan (budgets + 15 s to start) is checked against 360 s before anything runs. The dry
-run gives each section 4x its GPU budget: a CPU compiles flex far more slowly. A
-section whose JSON lists errors is reported as "errors" (with them) rather than "ok"; one
-killed at its budget keeps what its benchmark had written (benchmarks save as they go, marked
-``"complete": false``). Where a section cannot run it says why and the next one starts. DIR
-receives at most 8 files: ``decode_gpu.json``, ``scaling_gpu.json``, ``decode_gpu.png``,
-``scaling_latency_gpu.png``, ``gpu_run.json`` (pre-check, sections, status, seconds, errors,
-environment) and ``gpu.log`` (every section's output). Copy the JSON files to
-``figures/data/``: notebooks 05 and 06 read them from there unchanged. ``--dry-run`` runs the
-same orchestration on the CPU (``bench decode --cpu --quick``, ``bench scaling --cpu --quick
---model tiny``; file names then end in ``_cpu``), which CI tests.
+Each budget is 1.5x the section's estimated compile and run time (`estimates`); the plan (15 s
+start-up + budgets) is checked against 360 s before anything runs. A section is "ok", "errors"
+(its JSON lists some), "failed", "over budget" (it keeps what its benchmark saved, marked
+``"complete": false``) or "not run". DIR receives at most 8 files: ``decode_gpu.json``,
+``scaling_gpu.json``, their two PNGs, ``gpu_run.json`` (pre-check, sections, status, seconds,
+errors, environment) and ``gpu.log`` (every section's output); copy the JSON files to
+``figures/data/``. ``--dry-run`` runs the same orchestration on the CPU with 4x the budgets
+(``bench decode --cpu --quick``, ``bench scaling --cpu --quick --model tiny``; files end in
+``_cpu``), which CI tests.
 """
 
 from __future__ import annotations
@@ -52,21 +37,22 @@ import subprocess
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .common import environment, print_table, result_file
 
 __all__ = ["PLAN_LIMIT_S", "STARTUP_S", "Section", "plan", "precheck", "section_errors", "main"]
 
-PLAN_LIMIT_S = 360.0  # six minutes: the whole plan, so that a failed run can be repeated at once
+PLAN_LIMIT_S = 360.0  # the whole plan: six minutes
 STARTUP_S = 15.0  # interpreter and imports before the first section
 MAX_FILES = 8
 MARGIN = 1.5  # each section's budget over its estimate
 DRY_RUN_SLACK = 4  # the dry run's budgets over the GPU's: a CPU compiles flex through inductor's C++
 #                    template (5-60 s a shape on 2 cores, where the GPU plan assumes 5.4 s)
 
-# What each section's estimate is made of. Counts are measured without a GPU; per-item seconds
-# are measured on a 2-core CPU where they can be, else assumed (each says which).
+# What the estimates are made of: counts measured without a GPU, seconds measured on a 2-core
+# CPU where they can be, else assumed (each says which).
 #: Distinct Triton compiles for sm_90 per section (tests/test_triton_launch_replay.py replays
 #: every launch through Triton's binding and checks these counts).
 TRITON_COMPILES = {"tests": 32, "decode": 11, "scaling": 14}
@@ -87,102 +73,69 @@ DECODE_FLEX_WINDOW_S = 10  # `bench decode --budget-s`: compiled flex is started
 SCALING_TIME_BUDGET_S = 32  # `bench scaling --time-budget`: sections that would start later are skipped
 
 
-def estimates() -> dict[str, tuple[float, str]]:
-    """Each GPU section's estimated compile + run seconds, with how it was reached."""
-    compiles = sum(TRITON_COMPILES.values())
-    waves = -(-compiles // GPU_CORES)
+def estimates() -> dict[str, float]:
+    """Each GPU section's estimated compile + run seconds."""
+    waves = -(-sum(TRITON_COMPILES.values()) // GPU_CORES)  # rounds of GPU_CORES parallel compiles
     decode_flex = DECODE_FLEX_WINDOW_S + FLEX_FIRST_S + FLEX_COMPILE_S  # the window, then one more compile
     return {
-        "compile": (
-            REPLAY_RECORD_S + waves * TRITON_COMPILE_S + PYTEST_START_S,
-            f"record {REPLAY_RECORD_S:.0f} s + {compiles} compiles (counted per section) in {waves} waves of "
-            f"{GPU_CORES} x {TRITON_COMPILE_S} s + pytest {PYTEST_START_S:.0f} s",
-        ),
-        "tests": (
-            TRITON_LAUNCHERS["tests"] * LAUNCHER_S + 21 + PYTEST_START_S,
-            f"{TRITON_LAUNCHERS['tests']} launchers x {LAUNCHER_S} s (kernels already compiled) + 21 s making "
-            f"the cases on the host (65k-token caches; as long as the replay took to make them here) + "
-            f"pytest {PYTEST_START_S:.0f} s",
-        ),
-        "flex": (
-            FLEX_FIRST_S + FLEX_COMPILES * FLEX_COMPILE_S + 3 + PYTEST_START_S,
-            f"{FLEX_FIRST_S:.0f} s first compile set-up + {FLEX_COMPILES} compiles x {FLEX_COMPILE_S} s + "
-            f"3 s running + pytest {PYTEST_START_S:.0f} s",
-        ),
-        "decode": (
-            TRITON_LAUNCHERS["decode"] * LAUNCHER_S + 13 + 10 + decode_flex,
-            f"{TRITON_LAUNCHERS['decode']} launchers + 13 s timing (52 do_bench medians x 0.25 s) + 10 s inputs "
-            f"and references + flex window {DECODE_FLEX_WINDOW_S} s, its set-up {FLEX_FIRST_S:.0f} s and one "
-            f"compile past it {FLEX_COMPILE_S} s",
-        ),
-        "scaling": (
-            SCALING_TIME_BUDGET_S + 2 * FLEX_COMPILE_S + 5,
-            f"its time budget {SCALING_TIME_BUDGET_S} s + the section started last, at most a ladder point "
-            f"with a flex compile and a prefill compile ({2 * FLEX_COMPILE_S:.1f} s) + 5 s writing",
-        ),
-        "figures": (10.0, "9 s measured in the dry run, which draws the same two figures from smaller JSON"),
+        "compile": REPLAY_RECORD_S + waves * TRITON_COMPILE_S + PYTEST_START_S,
+        # launchers (kernels already compiled) + 21 s making the cases on the host (65k-token
+        # caches; as long as the replay took to make them here)
+        "tests": TRITON_LAUNCHERS["tests"] * LAUNCHER_S + 21 + PYTEST_START_S,
+        "flex": FLEX_FIRST_S + FLEX_COMPILES * FLEX_COMPILE_S + 3 + PYTEST_START_S,  # + 3 s running
+        # launchers + 13 s timing (52 do_bench medians x 0.25 s) + 10 s inputs and references + the
+        # flex window, its set-up and one compile past it
+        "decode": TRITON_LAUNCHERS["decode"] * LAUNCHER_S + 13 + 10 + decode_flex,
+        # its time budget + the section started last (at most a ladder point with a flex and a
+        # prefill compile) + 5 s writing
+        "scaling": SCALING_TIME_BUDGET_S + 2 * FLEX_COMPILE_S + 5,
+        "figures": 10.0,  # 9 s measured in the dry run, which draws the same two figures from smaller JSON
     }
 
 
+@dataclass
 class Section:
-    """One step of the run: a command run in its own process, with the files it should write,
-    its budget and the estimate that budget was sized from (seconds)."""
+    """One step of the run: a command in its own process, the files it should write, its budget
+    and the estimate that budget was sized from (seconds)."""
 
-    def __init__(
-        self,
-        name: str,
-        budget_s: float,
-        command: list[str],
-        produces: tuple[str, ...] = (),
-        estimate_s: float | None = None,
-    ):
-        self.name, self.budget_s, self.command, self.produces = name, budget_s, command, produces
-        self.estimate_s = estimate_s
+    name: str
+    budget_s: float
+    command: list[str]
+    produces: tuple[str, ...] = ()
+    estimate_s: float | None = None
 
 
 def plan(out: Path, *, dry_run: bool) -> list[Section]:
-    """The sections of a run writing into ``out`` (toy sizes on the CPU with ``dry_run``).
-
-    Budgets are ``MARGIN`` x each section's estimate (`estimates`), rounded up to 5 s. The dry
-    run runs the CPU versions of the same commands with ``DRY_RUN_SLACK`` times those budgets
-    (it rehearses the orchestration; only the GPU plan has to fit ``PLAN_LIMIT_S``): the replay
-    of the Triton launches without compiling them (CI compiles them in the unit tests), the
-    gpu-marked tests (none run without CUDA), the benchmarks at toy sizes.
-    """
+    """The sections of a run writing into ``out``; budgets ``MARGIN`` x each estimate, rounded
+    up to 5 s. The dry run runs the CPU versions with ``DRY_RUN_SLACK`` x those budgets: the
+    replay without compiling (the unit tests compile it), the gpu-marked tests (none run without
+    CUDA), the benchmarks at toy sizes."""
     py = sys.executable
     kind = "cpu" if dry_run else "gpu"
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
-    replay = "tests/test_triton_launch_replay.py"
-    compile_cmd = pytest + [replay, "-k", "split_counts" if dry_run else "compiles_for_sm_90"]
-    tests = pytest + ["-m", "gpu", "tests/test_triton_decode.py"]
-    flex = pytest + ["-m", "gpu", "-k", "128_tokens or batch_changes", "tests/test_attention_flex.py"]
+    bench = [py, "-m", "paged_ref.bench"]
     if dry_run:
-        decode = [py, "-m", "paged_ref.bench", "decode", "--cpu", "--quick", "--out", str(out)]
-        scaling = [py, "-m", "paged_ref.bench", "scaling", "--cpu", "--quick", "--model", "tiny", "--out", str(out)]
+        decode = bench + ["decode", "--cpu", "--quick", "--out", str(out)]
+        scaling = bench + ["scaling", "--cpu", "--quick", "--model", "tiny", "--out", str(out)]
     else:
-        decode = [py, "-m", "paged_ref.bench", "decode", "--budget-s", str(DECODE_FLEX_WINDOW_S), "--out", str(out)]
-        scaling = [
-            py, "-m", "paged_ref.bench", "scaling", "--gpu", "--time-budget", str(SCALING_TIME_BUDGET_S),
-            "--out", str(out),
-        ]  # fmt: skip
+        decode = bench + ["decode", "--budget-s", str(DECODE_FLEX_WINDOW_S), "--out", str(out)]
+        scaling = bench + ["scaling", "--gpu", "--time-budget", str(SCALING_TIME_BUDGET_S), "--out", str(out)]
     est = estimates()
 
     def section(name, command, produces=()):
-        estimate = est[name][0]
-        budget = 5 * math.ceil(MARGIN * estimate / 5)
-        return Section(name, budget * (DRY_RUN_SLACK if dry_run else 1), command, produces, estimate)
+        budget = 5 * math.ceil(MARGIN * est[name] / 5)
+        return Section(name, budget * (DRY_RUN_SLACK if dry_run else 1), command, produces, est[name])
 
+    replay = ["tests/test_triton_launch_replay.py", "-k", "split_counts" if dry_run else "compiles_for_sm_90"]
+    flex = ["-m", "gpu", "-k", "128_tokens or batch_changes", "tests/test_attention_flex.py"]
+    figures = [py, "-m", "paged_ref.viz.run_figures", str(out), kind]
     return [
-        section("compile", compile_cmd),
-        section("tests", tests),
-        section("flex", flex),
+        section("compile", pytest + replay),
+        section("tests", pytest + ["-m", "gpu", "tests/test_triton_decode.py"]),
+        section("flex", pytest + flex),
         section("decode", decode, (f"decode_{kind}.json",)),
         section("scaling", scaling, (f"scaling_{kind}.json",)),
-        section(
-            "figures",
-            [py, "-m", "paged_ref.viz.run_figures", str(out), kind],
-            (f"decode_{kind}.png", f"scaling_latency_{kind}.png"),
-        ),
+        section("figures", figures, (f"decode_{kind}.png", f"scaling_latency_{kind}.png")),
     ]
 
 
@@ -191,9 +144,8 @@ def planned_seconds(sections: list[Section]) -> float:
 
 
 def precheck() -> dict:
-    """What the run stands on: driver, CUDA, torch and triton versions, and whether a C compiler
-    and Python's headers are present (Triton builds each kernel's launcher with them: without
-    either, every Triton section fails at its first launch)."""
+    """Driver, CUDA, torch and triton versions, and the C compiler and Python headers Triton
+    builds each kernel's launcher with (without either, every Triton section fails)."""
     import torch
 
     from ..provenance import package_version
@@ -234,10 +186,7 @@ def section_errors(data) -> list[str]:
     found = []
     if isinstance(data, dict):
         for key, value in data.items():
-            if key == "errors" and isinstance(value, list):
-                found += [str(e) for e in value]
-            else:
-                found += section_errors(value)
+            found += [str(e) for e in value] if key == "errors" and isinstance(value, list) else section_errors(value)
     elif isinstance(data, list):
         for value in data:
             found += section_errors(value)
@@ -263,13 +212,12 @@ def _read_errors(out: Path, section: Section) -> tuple[list[str], list[str]]:
 
 
 def _run_command(section: Section, log) -> tuple[str, str]:
-    """Run one command in its own process group; kill the group at the budget."""
+    """Run one command in its own process group, from the repository's root; kill the group at the budget."""
     log.write(f"\n===== {section.name}: {' '.join(section.command)}\n")
     log.flush()
+    root = Path(__file__).resolve().parents[2]
     try:
-        proc = subprocess.Popen(
-            section.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=_repo_root()
-        )
+        proc = subprocess.Popen(section.command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=root)
     except OSError as err:
         return "not run", f"{type(err).__name__}: {err}"
     try:
@@ -283,10 +231,6 @@ def _run_command(section: Section, log) -> tuple[str, str]:
     if section.name in ("tests", "flex") and rc == 5:
         return "ok", "no gpu test selected (none collected)"
     return "failed", f"exit status {rc} (see gpu.log)"
-
-
-def _repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
 
 
 def main(argv=None) -> dict:
@@ -317,15 +261,8 @@ def main(argv=None) -> dict:
     )
     start = time.monotonic()
     rows, record = [], []
-    data = dict(
-        benchmark="gpu",
-        dry_run=args.dry_run,
-        planned_s=planned,
-        limit_s=PLAN_LIMIT_S,
-        precheck=check,
-        sections=record,
-        environment=environment(),
-    )
+    data = dict(benchmark="gpu", dry_run=args.dry_run, planned_s=planned, limit_s=PLAN_LIMIT_S, precheck=check)
+    data.update(sections=record, environment=environment())
     with open(out / "gpu.log", "w") as log:
         for section in sections:
             t = time.monotonic()
@@ -336,23 +273,11 @@ def main(argv=None) -> dict:
             if errors and status == "ok":
                 status, why = "errors", f"{len(errors)} listed: {errors[0][:200]}"
             if incomplete:
-                why = f"{why}; " if why else ""
-                why += f"kept what it measured: {', '.join(incomplete)} incomplete"
-            record.append(
-                dict(
-                    section=section.name,
-                    status=status,
-                    why=why,
-                    errors=errors,
-                    seconds=round(seconds, 1),
-                    budget_s=section.budget_s,
-                    estimate_s=section.estimate_s,
-                    files=made,
-                )
-            )
-            rows.append(
-                [section.name, status, f"{seconds:.0f}", f"{section.budget_s:.0f}", ", ".join(made) or "-", why or "-"]
-            )
+                why = (f"{why}; " if why else "") + f"kept what it measured: {', '.join(incomplete)} incomplete"
+            entry = dict(section=section.name, status=status, why=why, errors=errors, seconds=round(seconds, 1))
+            record.append(dict(entry, budget_s=section.budget_s, estimate_s=section.estimate_s, files=made))
+            budget = f"{section.budget_s:.0f}"
+            rows.append([section.name, status, f"{seconds:.0f}", budget, ", ".join(made) or "-", why or "-"])
             print(f"{section.name}: {status} in {seconds:.0f} s {why}", flush=True)
             data["elapsed_s"] = round(time.monotonic() - start, 1)
             record_file.save(data)  # a run cut short keeps the sections it finished
