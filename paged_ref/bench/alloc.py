@@ -2,25 +2,19 @@
 
     python -m paged_ref.bench alloc [--quick] [--out DIR]
 
-One workload, two implementations, one run: ``num_seqs`` sequences (lengths drawn from a
-seeded lognormal, capped at ``max_len``) grow one page at a time in round-robin order (as
-decode does), then all are released. Timed per call with ``perf_counter_ns``:
+One workload: ``num_seqs`` sequences (seeded lognormal lengths, capped at ``max_len``) grow one
+page at a time in round-robin order, as decode does, then all are released. Each call is timed
+with ``perf_counter_ns``:
 
 - ``paged_ref.PageAllocator``: ``allocate(1)`` per page, ``free(pages)`` per sequence;
-- ``paged_ref.PagedKVCache``: ``reserve(seq, page_size)`` per page, ``free(seq)`` per sequence
-  (block table bookkeeping included, as in the peer);
-- ``torch.nn.attention.experimental._paged_attention.PagedAttention``: ``reserve(batch_idx,
-  seq_len)`` per page, ``erase(batch_idx)`` per sequence (it keeps its page table and
-  physical->logical map as tensors, so each call runs small tensor ops).
+- ``paged_ref.PagedKVCache``: ``reserve(seq, page_size)`` per page, ``free(seq)`` per sequence;
+- torch's ``PagedAttention``: ``reserve(batch_idx, seq_len)`` per page, ``erase(batch_idx)`` per
+  sequence (page table and maps kept as tensors).
 
-Reported: nanoseconds per page operation (the run's total time / pages allocated, median over
-repeats), median and p99 of individual calls, and the ratio peer / paged_ref.
-
-Also measured (``zeroing``): what keeping free slots at zero costs. `PagedKVCache` zeroes a page
-when it returns to the pool without a cached prefix (and a recycled cached page when it is
-handed out). Timed on SmolLM2-135M's geometry (30 layers, 3 KV heads, head_dim 64, float32):
-zeroing one page in every layer, against writing that page's tokens (``write`` in every layer),
-which every page gets once anyway.
+Reported: ns per page operation (the run's total / pages, median over repeats), median and p99
+of single calls, and peer / paged_ref. ``zeroing``: zeroing one page in every layer (as
+`PagedKVCache` does for a freed page) against writing its tokens once, on SmolLM2-135M's
+geometry (30 layers, 3 KV heads, head_dim 64, float32). JSON: ``figures/data/alloc_cpu.json``.
 """
 
 from __future__ import annotations
@@ -125,24 +119,14 @@ def measure(num_seqs=64, max_len=2048, page_size=16, repeats=5, seed=0) -> dict:
     peer = results["torch PagedAttention"]["ns_per_page_op"]
     for r in results.values():
         r["torch_over_this"] = peer / r["ns_per_page_op"]
-    return {
-        "workload": {
-            "num_seqs": num_seqs,
-            "max_len": max_len,
-            "page_size": page_size,
-            "total_pages": total,
-            "repeats": repeats,
-            "seed": seed,
-        },
-        "results": results,
-    }
+    sizes = dict(num_seqs=num_seqs, max_len=max_len, page_size=page_size, total_pages=total, repeats=repeats)
+    return {"workload": dict(sizes, seed=seed), "results": results}
 
 
 def zeroing_cost(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, pages=64, repeats=5) -> dict:
     """Median ns to zero one page in every layer vs to write its ``page_size`` tokens."""
-    cache = PagedKVCache(
-        num_layers=num_layers, num_pages=pages, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim
-    )
+    geometry = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size)
+    cache = PagedKVCache(num_pages=pages, **geometry)
     seq = cache.add_sequence()
     slots = cache.reserve(seq, pages * page_size).view(pages, page_size)  # [pages, page_size]
     k = torch.randn(page_size, num_kv_heads, head_dim)  # one page of tokens
@@ -159,17 +143,19 @@ def zeroing_cost(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, pages
         zero.append((time.perf_counter_ns() - t) / pages)
     z, w = float(np.median(zero)), float(np.median(write))
     return {
-        "geometry": {
-            "num_layers": num_layers,
-            "num_kv_heads": num_kv_heads,
-            "head_dim": head_dim,
-            "page_size": page_size,
-            "dtype": "float32",
-        },
+        "geometry": dict(geometry, dtype="float32"),
         "zero_page_ns": z,
         "write_page_ns": w,
         "zero_over_write": z / w,
     }
+
+
+COLUMNS = [  # (header, cell of a results row)
+    ("ns/page op", "{ns_per_page_op:.0f}"),
+    ("call median ns", "{call_median_ns:.0f}"),
+    ("call p99 ns", "{call_p99_ns:.0f}"),
+    ("torch / this", "{torch_over_this:.2f}x"),
+]
 
 
 def main(argv=None):
@@ -177,23 +163,13 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a small workload (seconds)")
     args = parser.parse_args(argv)
     result = result_file(parser, args.out, "alloc_cpu.json")  # checked before anything is measured
-    kw = dict(num_seqs=16, max_len=512, repeats=3) if args.quick else {}
-    data = measure(**kw)
+    data = measure(**(dict(num_seqs=16, max_len=512, repeats=3) if args.quick else {}))
     result.save(data)
     data["zeroing"] = zeroing_cost(repeats=3 if args.quick else 5)
     data["environment"] = environment()
-    rows = [
-        [
-            name,
-            f"{r['ns_per_page_op']:.0f}",
-            f"{r['call_median_ns']:.0f}",
-            f"{r['call_p99_ns']:.0f}",
-            f"{r['torch_over_this']:.2f}x",
-        ]
-        for name, r in data["results"].items()
-    ]
     print(f"workload: {data['workload']}")
-    print_table(["implementation", "ns/page op", "call median ns", "call p99 ns", "torch / this"], rows)
+    rows = [[name] + [cell.format(**r) for _, cell in COLUMNS] for name, r in data["results"].items()]
+    print_table(["implementation"] + [header for header, _ in COLUMNS], rows)
     z = data["zeroing"]
     print(
         f"zeroing a page in all {z['geometry']['num_layers']} layers: {z['zero_page_ns']:.0f} ns; "
