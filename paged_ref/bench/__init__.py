@@ -1,10 +1,6 @@
-"""Benchmarks, run as ``python -m paged_ref.bench <name> [args]``.
-
-Each benchmark is a public module ``paged_ref/bench/<name>.py`` with a ``main(argv)`` function;
-``python -m paged_ref.bench --help`` lists them with the first line of their docstring.
-Shared timing, environment and JSON helpers live in :mod:`paged_ref.bench.common`; results go
-to ``figures/data/<name>_{cpu,gpu}.json``. Public modules without ``main`` (``common``,
-``scaling_report``) are helpers that notebooks may import.
+"""Benchmarks, run as ``python -m paged_ref.bench <name> [args]``: each is a public module with a
+``main(argv)``; results go to ``figures/data/``. Public modules without ``main`` (``common``, the
+reports) are helpers that notebooks may import.
 """
 
 import ast
@@ -15,9 +11,7 @@ __all__ = ["available"]
 
 
 def available() -> dict[str, str]:
-    """Benchmark names -> first line of each module's docstring (read without importing it).
-
-    A benchmark is a public module of this folder that defines ``main``.
+    """Benchmarks (public modules of this folder defining ``main``) -> their docstring's first line.
 
     Example:
         >>> "decode" in available()

@@ -2,18 +2,13 @@
 
     python -m paged_ref.bench alloc [--quick] [--out DIR]
 
-One workload: ``num_seqs`` sequences (seeded lognormal lengths, capped at ``max_len``) grow one
-page at a time in round-robin order, as decode does, then all are released. Each call is timed
-with ``perf_counter_ns``:
-
-- ``paged_ref.PageAllocator``: ``allocate(1)`` per page, ``free(pages)`` per sequence;
-- ``paged_ref.PagedKVCache``: ``reserve(seq, page_size)`` per page, ``free(seq)`` per sequence;
-- torch's ``PagedAttention``: ``reserve(batch_idx, seq_len)`` per page, ``erase(batch_idx)`` per
-  sequence (page table and maps kept as tensors).
-
-Reported: ns per page operation (the run's total / pages, median over repeats), median and p99
-of single calls, and peer / paged_ref. ``zeroing``: zeroing one page in every layer (as
-`PagedKVCache` does for a freed page) against writing its tokens once, on SmolLM2-135M's
+``num_seqs`` sequences (seeded lognormal lengths up to ``max_len``) grow one page at a time in
+round-robin order, as decode does, then are released; each call timed with ``perf_counter_ns``:
+``PageAllocator.allocate(1)`` / ``free(pages)``, ``PagedKVCache.reserve(seq, page_size)`` /
+``free(seq)`` (block tables included), torch ``PagedAttention.reserve(batch_idx, seq_len)`` /
+``erase(batch_idx)``. Reported: ns per page operation (total / pages, median over repeats),
+median and p99 of single calls, peer / paged_ref; and ``zeroing``: zeroing one page in every
+layer (as `PagedKVCache` does for a freed page) vs writing its tokens once, on SmolLM2-135M's
 geometry (30 layers, 3 KV heads, head_dim 64, float32). JSON: ``figures/data/alloc_cpu.json``.
 """
 

@@ -1,12 +1,7 @@
-"""Shared helpers for the benchmarks: timing, the environment record, tables and JSON.
-
-* CPU: :func:`cpu_median` keeps the median wall-clock time of a few runs after a warm-up.
-* GPU: :func:`gpu_median` is ``triton.testing.do_bench``'s median (CUDA events, warm-up, the L2
-  flushed before each run).
-* A benchmark opens its JSON with :func:`result_file` before measuring (a bad ``--out`` ends
-  the command at once) and saves as parts finish (``"complete": false`` until the end), so a
-  killed run keeps what it measured. Every file carries :func:`environment` (GPU, versions,
-  date; no host name) and goes under ``figures/data/`` unless ``--out`` says otherwise.
+"""Shared helpers for the benchmarks: timing (:func:`cpu_median`: median wall-clock time after a
+warm-up; :func:`gpu_median`: ``triton.testing.do_bench``'s median), the environment record,
+tables and JSON. A benchmark opens its JSON with :func:`result_file` before measuring and saves
+it as parts finish (``"complete": false`` until the end), so a killed run keeps what it measured.
 
 Example:
     >>> t = cpu_median(lambda: sum(range(1000)), repeats=3)
@@ -95,11 +90,8 @@ def write_json(data: dict, filename: str, out_dir: str | Path | None = None) -> 
 
 
 class ResultFile:
-    """One benchmark's JSON file: checked and created before measuring, rewritten as it grows.
-
-    Creating it makes the folder and writes ``{"complete": false}``, so a bad output path
-    fails here, before any measurement. ``save`` writes a temporary file and renames it over
-    the old one: a kill mid-write leaves the previous version, never half a file.
+    """One benchmark's JSON file: created (so a bad path fails before measuring), then replaced
+    whole on each ``save`` (a temporary file renamed over it: never half a file).
 
     Example:
         >>> import tempfile

@@ -3,23 +3,15 @@
     python -m paged_ref.bench decode [--quick] [--out DIR]          (CUDA GPU, < 4 min)
     python -m paged_ref.bench decode --cpu [--quick] [--out DIR]    (no GPU, seconds)
 
-GPU (bfloat16, head_dim 128, 32 query heads over 8 KV heads; batch x length in (1, 131072),
-(8, 32768), (64, 4096), (256, 2048); page sizes 16, 64, 128), in this order per case:
-
-* ``copy`` (once): a device-to-device copy, the bandwidth ceiling (bytes read + written / time);
-* ``sdpa contiguous``: SDPA on a contiguous ``[batch, kv_heads, length, head_dim]`` cache;
-* ``paged_decode``: the Triton kernel on a paged cache whose pages are shuffled;
-* ``paged_decode contiguous``: the same kernel and data on an identity block table (the cost
-  of paging itself);
-* ``flex_paged_decode``: compiled FlexAttention over the pages, building its BlockMask per call
-  as a user's call does (only while ``--budget-s`` lasts);
-* ``paged_decode (again)``: the kernel timed a second time, the run-to-run spread.
-
-Each: median time (``triton.testing.do_bench``: CUDA events, L2 flushed before each run),
-bandwidth = bytes of K and V read / time and its share of the copy's, the error against a
-float32 computation, and the ratios between implementations (`summarize_gpu`). At 4 FLOP per
-byte of K and V, decode is memory bound: time = bytes / bandwidth is the floor to expect.
-JSON: ``figures/data/decode_gpu.json``.
+GPU (bfloat16, 32 query heads over 8 KV heads of 128; batch x length (1, 131072), (8, 32768),
+(64, 4096), (256, 2048); pages of 16, 64, 128). A device-to-device copy first (the bandwidth
+ceiling: bytes read + written / time), then per case, in this order: SDPA on a contiguous cache;
+``paged_decode`` on shuffled pages; the same kernel on an identity block table (the cost of
+paging itself); compiled ``flex_paged_decode`` building its BlockMask per call, as a user's call
+does (while ``--budget-s`` lasts); ``paged_decode`` again (the run-to-run spread). Each: median
+time (``triton.testing.do_bench``: CUDA events, L2 flushed before each run), bandwidth = bytes
+of K and V read / time, its share of the copy's, the error against float32, and the ratios
+between implementations (`summarize_gpu`). JSON: ``figures/data/decode_gpu.json``.
 
 CPU (``--cpu``): small float32 sizes; the reference, eager FlexAttention and SDPA are timed
 (`cpu_median`); the Triton kernel runs once through the interpreter for correctness, untimed.
@@ -59,6 +51,12 @@ GPU_HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 CPU_SHAPES = [(1, 2048), (8, 512)]
 CPU_PAGE_SIZES = [16, 64]
 CPU_HEADS = dict(num_q_heads=8, num_kv_heads=2, head_dim=64)
+GPU_CALLS = dict(  # how the GPU run times and calls, recorded in its config
+    timing="triton.testing.do_bench median (CUDA events, L2 flushed)",
+    bandwidth="bytes of K and V read / median time",
+    paged_decode_call="check_values=False, num_splits=None",
+    flex_call="flex_paged_decode as a user calls it: builds the BlockMask on every call",
+)
 FLEX_KW = {"check_values": False}  # no host-side value checks inside timed loops
 
 
@@ -230,16 +228,10 @@ def run_cpu(shapes, page_sizes, *, repeats):
                 continue
             case = dict(batch=batch, seq_len=seq_len, page_size=page_size, impl=impl)
             results.append(dict(case, median_s=timing["median_s"], rel_err=rel_err(out, ref)))
-    table = [
-        [
-            f"({r['batch']}, {r['seq_len']})",
-            r["page_size"] or "-",
-            r["impl"],
-            f"{r['median_s'] * 1e3:.2f}" if "median_s" in r else "not timed",
-            f"{r['rel_err']:.1e}",
-        ]
-        for r in results + correctness
-    ]
+    table = []
+    for r in results + correctness:
+        ms = f"{r['median_s'] * 1e3:.2f}" if "median_s" in r else "not timed"
+        table.append([f"({r['batch']}, {r['seq_len']})", r["page_size"] or "-", r["impl"], ms, f"{r['rel_err']:.1e}"])
     print_table(["batch x len", "page", "implementation", "median ms", "rel err vs fp64"], table)
     return dict(results=results, correctness=correctness, notes=notes, errors=errors)
 
@@ -263,16 +255,8 @@ def main(argv=None):
         data.update(run_cpu(shapes, pages, repeats=3 if args.quick else 7))
     else:
         shapes, pages = ([(8, 32768), (64, 4096)], [16, 128]) if args.quick else (GPU_SHAPES, GPU_PAGE_SIZES)
-        data["config"] = dict(
-            dtype=str(td.native_half("cuda")).removeprefix("torch."),
-            shapes=shapes,
-            page_sizes=pages,
-            timing="triton.testing.do_bench median (CUDA events, L2 flushed)",
-            bandwidth="bytes of K and V read / median time",
-            paged_decode_call="check_values=False, num_splits=None",
-            flex_call="flex_paged_decode as a user calls it: builds the BlockMask on every call",
-            **GPU_HEADS,
-        )
+        dtype = str(td.native_half("cuda")).removeprefix("torch.")
+        data["config"] = dict(dtype=dtype, shapes=shapes, page_sizes=pages, **GPU_CALLS, **GPU_HEADS)
 
         def checkpoint(part):
             data.update(part)

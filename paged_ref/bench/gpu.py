@@ -3,26 +3,19 @@
     python -m paged_ref.bench gpu --out DIR            (CUDA GPU: about 6 minutes at most)
     python -m paged_ref.bench gpu --out DIR --dry-run  (no GPU: the same steps at toy sizes)
 
-A pre-check line first (driver, CUDA, torch and triton versions, and whether a C compiler and
-Python's headers are there: Triton builds its launchers with them), then the sections, one after
-another, each in its own process group, killed at its budget:
-
-* ``compile``: every Triton launch of the run replayed and compiled for sm_90 in one process per
-  core (tests/test_triton_launch_replay.py), so that Triton's cache holds them;
-* ``tests`` and ``flex``: the ``gpu``-marked tests of the Triton kernel and of compiled flex;
-* ``decode``: ``bench decode`` (compiled flex only where it starts in the first 10 s);
-* ``scaling``: ``bench scaling --gpu`` (what would start after 32 s is skipped and recorded);
-* ``figures``: PNGs from the two JSON files (``python -m paged_ref.viz.run_figures``).
-
-Each budget is 1.5x the section's estimated compile and run time (`estimates`); the plan (15 s
-start-up + budgets) is checked against 360 s before anything runs. A section is "ok", "errors"
-(its JSON lists some), "failed", "over budget" (it keeps what its benchmark saved, marked
-``"complete": false``) or "not run". DIR receives at most 8 files: ``decode_gpu.json``,
-``scaling_gpu.json``, their two PNGs, ``gpu_run.json`` (pre-check, sections, status, seconds,
-errors, environment) and ``gpu.log`` (every section's output); copy the JSON files to
-``figures/data/``. ``--dry-run`` runs the same orchestration on the CPU with 4x the budgets
-(``bench decode --cpu --quick``, ``bench scaling --cpu --quick --model tiny``; files end in
-``_cpu``), which CI tests.
+A pre-check line (driver, CUDA, torch, triton, and the C compiler and Python headers Triton
+builds its launchers with), then sections, each in its own process group killed at its budget:
+``compile`` (every Triton launch of the run replayed and compiled for sm_90, one process per
+core, so Triton's cache holds them), ``tests`` and ``flex`` (the ``gpu``-marked tests of the
+kernel and of compiled flex), ``decode`` (``bench decode``, flex only where it starts in the
+first 10 s), ``scaling`` (``bench scaling --gpu``, what would start after 32 s skipped) and
+``figures`` (``python -m paged_ref.viz.run_figures``). Budgets are 1.5x each section's estimate
+(`estimates`); the plan is checked against 360 s first. A section ends "ok", "errors" (its JSON
+lists some), "failed", "over budget" (keeping what its benchmark saved) or "not run". DIR gets
+at most 8 files: ``decode_gpu.json``, ``scaling_gpu.json``, their PNGs, ``gpu_run.json``
+(pre-check, sections, environment) and ``gpu.log``; copy the JSON to ``figures/data/``. The dry
+run (CI's) runs the CPU commands (``bench decode --cpu --quick``, ``bench scaling --cpu --quick
+--model tiny``) with 4x the budgets.
 """
 
 from __future__ import annotations
@@ -48,25 +41,18 @@ PLAN_LIMIT_S = 360.0  # the whole plan: six minutes
 STARTUP_S = 15.0  # interpreter and imports before the first section
 MAX_FILES = 8
 MARGIN = 1.5  # each section's budget over its estimate
-DRY_RUN_SLACK = 4  # the dry run's budgets over the GPU's: a CPU compiles flex through inductor's C++
-#                    template (5-60 s a shape on 2 cores, where the GPU plan assumes 5.4 s)
+DRY_RUN_SLACK = 4  # the dry run's budgets over the GPU's: a CPU compiles flex in 5-60 s a shape
 
-# What the estimates are made of: counts measured without a GPU, seconds measured on a 2-core
-# CPU where they can be, else assumed (each says which).
-#: Distinct Triton compiles for sm_90 per section (tests/test_triton_launch_replay.py replays
-#: every launch through Triton's binding and checks these counts).
+# The estimates: counts measured without a GPU, seconds measured on a 2-core CPU or assumed.
+#: Distinct sm_90 compiles and C launchers per section (tests/test_triton_launch_replay.py checks them).
 TRITON_COMPILES = {"tests": 32, "decode": 11, "scaling": 14}
-#: Distinct C launchers Triton builds for those (one per argument signature; same test).
 TRITON_LAUNCHERS = {"tests": 9, "decode": 3, "scaling": 3}
 TRITON_COMPILE_S = 2.0  # median sm_90 compile of the decode kernel (figures/data/kernels.json, 385 configs)
 LAUNCHER_S = 1.0  # gcc building one launcher, rounded up from a CPU measurement (without linking libcuda)
 REPLAY_RECORD_S = 15.0  # recording and binding the launches of the replay, rounded up from a CPU measurement
 GPU_CORES = 16  # CPU cores assumed beside the GPU: the compile section compiles in that many processes
-#: Compiled-flex graphs of the flex section: its two tests, fp32 and bf16 prefill of 128+
-#: tokens (2) and a decode at batch 1 then 8 and 3 (2: static, then one dynamic batch).
-FLEX_COMPILES = 4
-FLEX_COMPILE_S = 5.4  # a new flex shape through inductor on the CPU (the fastest of 4 measured; a
-#                       proxy: the CUDA path compiles a Triton template instead, not measurable here)
+FLEX_COMPILES = 4  # the flex tests' graphs: fp32 and bf16 prefill, a decode static then dynamic
+FLEX_COMPILE_S = 5.4  # a new flex shape through inductor on the CPU, fastest of 4: a proxy for CUDA's
 FLEX_FIRST_S = 15.0  # assumed: dynamo and inductor imports and set-up before a process's first compile
 PYTEST_START_S = 5.0  # pytest collecting one test file with torch and triton imported
 DECODE_FLEX_WINDOW_S = 10  # `bench decode --budget-s`: compiled flex is started only in the first 10 s
@@ -79,15 +65,12 @@ def estimates() -> dict[str, float]:
     decode_flex = DECODE_FLEX_WINDOW_S + FLEX_FIRST_S + FLEX_COMPILE_S  # the window, then one more compile
     return {
         "compile": REPLAY_RECORD_S + waves * TRITON_COMPILE_S + PYTEST_START_S,
-        # launchers (kernels already compiled) + 21 s making the cases on the host (65k-token
-        # caches; as long as the replay took to make them here)
+        # launchers (kernels compiled) + 21 s making the 65k-token cases on the host (as in the replay)
         "tests": TRITON_LAUNCHERS["tests"] * LAUNCHER_S + 21 + PYTEST_START_S,
         "flex": FLEX_FIRST_S + FLEX_COMPILES * FLEX_COMPILE_S + 3 + PYTEST_START_S,  # + 3 s running
-        # launchers + 13 s timing (52 do_bench medians x 0.25 s) + 10 s inputs and references + the
-        # flex window, its set-up and one compile past it
+        # launchers + 13 s timing (52 do_bench medians x 0.25 s) + 10 s inputs and references + flex
         "decode": TRITON_LAUNCHERS["decode"] * LAUNCHER_S + 13 + 10 + decode_flex,
-        # its time budget + the section started last (at most a ladder point with a flex and a
-        # prefill compile) + 5 s writing
+        # its time budget + the last section started (a flex and a prefill compile) + 5 s writing
         "scaling": SCALING_TIME_BUDGET_S + 2 * FLEX_COMPILE_S + 5,
         "figures": 10.0,  # 9 s measured in the dry run, which draws the same two figures from smaller JSON
     }
@@ -106,10 +89,8 @@ class Section:
 
 
 def plan(out: Path, *, dry_run: bool) -> list[Section]:
-    """The sections of a run writing into ``out``; budgets ``MARGIN`` x each estimate, rounded
-    up to 5 s. The dry run runs the CPU versions with ``DRY_RUN_SLACK`` x those budgets: the
-    replay without compiling (the unit tests compile it), the gpu-marked tests (none run without
-    CUDA), the benchmarks at toy sizes."""
+    """The sections of a run writing into ``out``, budgets ``MARGIN`` x each estimate rounded up
+    to 5 s (x ``DRY_RUN_SLACK`` in the dry run, which replays without compiling)."""
     py = sys.executable
     kind = "cpu" if dry_run else "gpu"
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider"]

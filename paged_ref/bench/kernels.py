@@ -3,18 +3,12 @@
     python -m paged_ref.bench kernels [--quick] [--jobs N] [--out DIR]
 
 Triton compiles ahead of time for a named target (``triton.compile(ASTSource(...),
-target=GPUTarget("cuda", 90, 32))``) and its wheel ships ``cuobjdump`` to read the machine code.
-For every configuration the launcher can choose (dtype, head_dim, GQA group, page size, split
-or not; tiles and launch options from ``triton_decode._tile_config``, as ``paged_decode`` picks
-them) and each target (sm_90: H100/H200, sm_80: A100, sm_75: T4, fp16 only) it records registers,
-stack, spills (``STL``/``LDL``), shared memory, asynchronous copies (``LDGSTS``, ``UTMALDG``),
-MMA instructions, the K/V buffer ring (from the TTGIR), programs per SM and the K/V bytes in
-flight per SM against what Little's law asks of the target.
-
-Signatures are specialised as Triton's JIT does for a real launch (pointers 16-byte aligned,
-integers divisible by 16 marked so, integers equal to 1 made constants); one configuration is
-also compiled bare (no alignment known). Each entry keeps what it takes to recompile it.
-Output: ``figures/data/kernels.json``.
+target=GPUTarget("cuda", 90, 32))``) and ships ``cuobjdump``. For every configuration the
+launcher can choose (tiles and options from ``triton_decode._tile_config``) on sm_90, sm_80 and
+sm_75 (fp16 only), with the signature specialised as the JIT does for a real launch (and once
+bare, no alignment known), it records registers, spills, shared memory, asynchronous copies, MMA
+instructions, the K/V buffer ring, programs per SM and the K/V bytes in flight per SM against
+Little's law, and what it takes to recompile the entry. Output: ``figures/data/kernels.json``.
 """
 
 from __future__ import annotations
@@ -118,14 +112,6 @@ def split_kernel_source(cfg: KernelConfig):
     return src, options, dict(record, tile=tile)
 
 
-def reduce_kernel_source(arch: int, dtype: str, head_dim: int):
-    """The reduction kernel as ``paged_decode`` launches it after a split run."""
-    consts = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_S=8)
-    ints = dict(num_splits=6, stride_o_batch=NUM_KV_HEADS * 4 * head_dim, stride_o_head=head_dim)
-    ptrs = dict(part_m_ptr="fp32", part_l_ptr="fp32", part_acc_ptr="fp32", out_ptr=dtype)
-    return _source("_reduce_splits_kernel", consts, ints, ptrs, {}, True, dict(num_warps=4))
-
-
 def read_cubin(cubin: bytes) -> dict:
     """Registers, stack, spills and instruction counts of one compiled kernel (cuobjdump)."""
     import triton
@@ -142,19 +128,11 @@ def read_cubin(cubin: bytes) -> dict:
         usage, sass = dump("--dump-resource-usage"), dump("--dump-sass")
     finally:
         os.unlink(path)
-    m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    registers, stack, _, local = map(int, re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage).groups())
     counts = {op: len(re.findall(rf"\b{op}(?=[.\s])", sass)) for op in SASS_OPS}
-    return dict(
-        registers=int(m.group(1)),
-        stack_bytes=int(m.group(2)),
-        local_bytes=int(m.group(4)),
-        spill_stores=counts.pop("STL"),
-        spill_loads=counts.pop("LDL"),
-        async_copies=counts.pop("LDGSTS"),
-        tma_loads=counts.pop("UTMALDG"),
-        mma=counts.pop("HMMA") + counts.pop("HGMMA"),
-        sass=counts,
-    )
+    entry = dict(registers=registers, stack_bytes=stack, local_bytes=local, spill_stores=counts.pop("STL"))
+    entry.update(spill_loads=counts.pop("LDL"), async_copies=counts.pop("LDGSTS"), tma_loads=counts.pop("UTMALDG"))
+    return dict(entry, mma=counts.pop("HMMA") + counts.pop("HGMMA"), sass=counts)
 
 
 def kv_buffers(ttgir: str) -> list[int]:
@@ -219,7 +197,11 @@ def compile_config(cfg: KernelConfig) -> dict:
 
 
 def compile_reduce(arch: int, dtype: str, head_dim: int) -> dict:
-    record, ck = _compile(arch, reduce_kernel_source(arch, dtype, head_dim))
+    """Compile the reduction kernel as ``paged_decode`` launches it after a split run."""
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_S=8)
+    ints = dict(num_splits=6, stride_o_batch=NUM_KV_HEADS * 4 * head_dim, stride_o_head=head_dim)
+    ptrs = dict(part_m_ptr="fp32", part_l_ptr="fp32", part_acc_ptr="fp32", out_ptr=dtype)
+    record, ck = _compile(arch, _source("_reduce_splits_kernel", consts, ints, ptrs, {}, True, dict(num_warps=4)))
     entry = dict(arch=arch, dtype=dtype, head_dim=head_dim, **record)
     if ck is not None:
         entry.update(shared_bytes=ck.metadata.shared, **read_cubin(ck.asm["cubin"]))
@@ -265,16 +247,13 @@ def summary(entries: list[dict]) -> dict:
         ok = [e for e in mine if "error" not in e]
         half = [e for e in ok if e["dtype"] != "fp32"]
         big = [e for e in half if e["page_size"] >= e["tile"]["BLOCK_N"]]
-        out[TARGETS[arch]["name"]] = dict(
-            configs=len(mine),
-            errors=len(mine) - len(ok),
-            spilling_16bit=sum(e["spill_stores"] + e["spill_loads"] > 0 for e in half),
-            max_registers=max((e["registers"] for e in ok), default=None),
-            asynchronous_16bit=sum(e["async_copies"] + e["tma_loads"] > 0 for e in half),
-            large_pages_16bit=len(big),
-            large_pages_meeting_littles_law=sum(
-                e["kv_bytes_in_flight_per_sm"] >= e["littles_law_bytes_per_sm"] for e in big
-            ),
+        row = out[TARGETS[arch]["name"]] = dict(configs=len(mine), errors=len(mine) - len(ok))
+        row["spilling_16bit"] = sum(e["spill_stores"] + e["spill_loads"] > 0 for e in half)
+        row["max_registers"] = max((e["registers"] for e in ok), default=None)
+        row["asynchronous_16bit"] = sum(e["async_copies"] + e["tma_loads"] > 0 for e in half)
+        row["large_pages_16bit"] = len(big)
+        row["large_pages_meeting_littles_law"] = sum(
+            e["kv_bytes_in_flight_per_sm"] >= e["littles_law_bytes_per_sm"] for e in big
         )
     return out
 
@@ -301,24 +280,15 @@ def main(argv=None):
 
     configs = all_configs(args.quick) + [KernelConfig(90, "bf16", 128, 4, 16, True, hints=False)]  # + one bare
     start = time.perf_counter()
-    head = dict(
-        benchmark="kernels",
-        quick=args.quick,
-        command="python -m paged_ref.bench kernels" + (" --quick" if args.quick else ""),
-        triton=triton.__version__,
-        environment=environment(),
-    )
+    command = "python -m paged_ref.bench kernels" + (" --quick" if args.quick else "")
+    head = dict(benchmark="kernels", quick=args.quick, command=command, triton=triton.__version__)
+    head["environment"] = environment()
     entries = run(configs, jobs=args.jobs, checkpoint=lambda done: result.save({**head, "split_kernel": done}))
     head_dims = (128,) if args.quick else HEAD_DIMS
     reduce = [compile_reduce(a, dt, d) for a, dtypes in TARGET_DTYPES.items() for dt in dtypes for d in head_dims]
-    data = dict(
-        **head,
-        assumptions=dict(latency_s=LATENCY_S, targets=TARGETS, num_kv_heads=NUM_KV_HEADS, context=CONTEXT),
-        elapsed_s=round(time.perf_counter() - start, 1),
-        summary=summary(entries),
-        split_kernel=entries,
-        reduce_kernel=reduce,
-    )
+    assumptions = dict(latency_s=LATENCY_S, targets=TARGETS, num_kv_heads=NUM_KV_HEADS, context=CONTEXT)
+    data = dict(head, assumptions=assumptions, elapsed_s=round(time.perf_counter() - start, 1))
+    data.update(summary=summary(entries), split_kernel=entries, reduce_kernel=reduce)
     rows = [[name] + [cell.format(**s) for _, cell in SUMMARY_COLUMNS] for name, s in data["summary"].items()]
     print_table(["target"] + [header for header, _ in SUMMARY_COLUMNS], rows)
     b = entries[-1]
