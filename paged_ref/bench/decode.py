@@ -79,10 +79,8 @@ def page_layouts(k, v, batch, seq_len, page_size, seed=0):
     identity = torch.arange(num_pages, dtype=torch.int32, device=k.device).view(batch, -1)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     where = torch.randperm(num_pages, generator=gen).to(k.device)  # logical page i -> where[i]
-    k_shuffled = torch.empty_like(k_pages)
-    v_shuffled = torch.empty_like(v_pages)
-    k_shuffled[where] = k_pages
-    v_shuffled[where] = v_pages
+    k_shuffled, v_shuffled = torch.empty_like(k_pages), torch.empty_like(v_pages)
+    k_shuffled[where], v_shuffled[where] = k_pages, v_pages
     shuffled = where.to(torch.int32).view(batch, -1)
     return (k_pages, v_pages, identity), (k_shuffled, v_shuffled, shuffled)
 

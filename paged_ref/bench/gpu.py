@@ -127,10 +127,6 @@ def planned_seconds(sections: list[Section]) -> float:
 def precheck() -> dict:
     """Driver, CUDA, torch and triton versions, and the C compiler and Python headers Triton
     builds each kernel's launcher with (without either, every Triton section fails)."""
-    import torch
-
-    from ..provenance import package_version
-
     driver = None
     if shutil.which("nvidia-smi"):
         try:
@@ -140,14 +136,11 @@ def precheck() -> dict:
             driver = None
     compiler = os.environ.get("CC") or next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
     headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
-    return dict(
-        driver=driver or None,
-        cuda=torch.version.cuda,
-        torch=torch.__version__,
-        triton=package_version("triton"),
-        c_compiler=shutil.which(compiler) if compiler else None,
-        python_headers=str(headers) if headers.exists() else None,
-    )
+    env = environment()  # the versions, as every result file records them
+    check = dict(driver=driver or None, cuda=env["cuda"], torch=env["torch"], triton=env["triton"])
+    check["c_compiler"] = shutil.which(compiler) if compiler else None
+    check["python_headers"] = str(headers) if headers.exists() else None
+    return check
 
 
 def _precheck_line(check: dict) -> str:
