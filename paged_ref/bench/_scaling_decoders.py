@@ -1,28 +1,12 @@
-"""Four ways to run decode steps of one transformers model, behind one small interface.
+"""Ways to run decode steps of one transformers model, behind one interface.
 
-The scaling benchmark compares KV-cache strategies on the *same* model and the *same* tokens,
-so each strategy is wrapped as a decoder with the same three methods:
-
-* ``feed(chunks, predict=True)``: append ``chunks[b]`` (LongTensor ``[n_b]``) to sequence ``b``
-  in one forward and return the greedy prediction after each row's last token,
-  LongTensor ``[batch]`` (``None`` when ``predict=False`` and the decoder can skip the work);
-* ``kv_bytes()``: bytes of K/V storage this decoder holds right now;
-* ``close()``: release the storage.
-
-Decoders:
-
-=====================  ====================================================================
-``NoCacheDecoder``     no KV cache: every step recomputes the whole prefix
-                       (``model(ids, use_cache=False)``) -- what the IBM paper compared with
-``ContiguousDecoder``  transformers' own contiguous cache: ``DynamicCache`` (grows by
-                       concatenation) or ``StaticCache`` (reserves ``max_len`` up front)
-``PagedDecoder``       paged_ref's paged cache through :class:`paged_ref.hf.PagedSession`,
-                       with the ``flex``, ``triton`` or ``reference`` attention backend
-=====================  ====================================================================
-
-Decode here is *teacher-forced*: the benchmark feeds the prompt's next token rather than the
-model's own prediction, so every decoder sees exactly the same history and their predictions
-can be compared position by position; the work per step is the same as free generation.
+Each decoder has ``feed(chunks, predict=True)`` (append ``chunks[b]``, LongTensor ``[n_b]``, to
+sequence ``b`` in one forward; return the greedy token after each row's last one, LongTensor
+``[batch]``, or ``None`` when ``predict=False``), ``kv_bytes()`` (K/V storage held now) and
+``close()``. `NoCacheDecoder` recomputes the whole prefix each step, `ContiguousDecoder` uses
+transformers' ``DynamicCache`` or ``StaticCache``, `PagedDecoder` the paged cache through
+:class:`paged_ref.hf.PagedSession`. The benchmark feeds the prompt's next token (teacher forcing),
+so every decoder sees the same history and their predictions compare position by position.
 
 Example:
     >>> import torch
@@ -42,50 +26,63 @@ Example:
 
 from __future__ import annotations
 
+import inspect
 import time
 
 import torch
 
 from .._arith import cdiv
 from ..cache import PagedKVCache
-from ..hf import PagedSession
+from ..hf import BACKENDS, PagedSession
 
 __all__ = ["NoCacheDecoder", "ContiguousDecoder", "PagedDecoder", "AllocationTimer", "make_decoder", "synchronize"]
 
 
 def synchronize(device) -> None:
-    """Wait for queued device work (CUDA), so that a host clock read after it is meaningful."""
+    """Wait for queued CUDA work, so that a host clock read after it is meaningful."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def reset_peak(device) -> int | None:
+    """Reset CUDA's peak-memory counter; returns the bytes allocated now (None off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def peak_bytes(device) -> int | None:
+    """CUDA's peak allocated bytes since `reset_peak` (None off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return None
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
 
 
 def _check_chunks(chunks, batch: int | None) -> list[torch.Tensor]:
     if not isinstance(chunks, (list, tuple)) or not chunks:
         raise TypeError(f"chunks must be a non-empty list of 1-D LongTensors, got {type(chunks).__name__}")
-    out = []
     for i, c in enumerate(chunks):
         if not isinstance(c, torch.Tensor) or c.dim() != 1 or c.numel() < 1 or c.dtype != torch.long:
             raise ValueError(
                 f"chunks[{i}] must be a non-empty 1-D LongTensor, got "
                 f"{getattr(c, 'shape', type(c).__name__)} {getattr(c, 'dtype', '')}"
             )
-        out.append(c)
-    if batch is not None and len(out) != batch:
-        raise ValueError(f"chunks must have one entry per sequence ({batch}), got {len(out)}")
-    return out
+    if batch is not None and len(chunks) != batch:
+        raise ValueError(f"chunks must have one entry per sequence ({batch}), got {len(chunks)}")
+    return list(chunks)
 
 
 def _predict(logits: torch.Tensor) -> torch.Tensor:
-    """logits: [batch, vocab] -> greedy token LongTensor [batch] on the host."""
-    return logits.argmax(-1).cpu()
+    return logits.argmax(-1).cpu()  # [batch, vocab] -> [batch] on the host
 
 
 class NoCacheDecoder:
-    """Recompute the whole prefix every step: ``model(ids, use_cache=False)`` (no KV storage).
+    """``model(ids, use_cache=False)`` over the whole prefix at every prediction (no KV storage).
 
-    ``feed(..., predict=False)`` only appends tokens: without a cache there is nothing to
-    compute until a prediction is asked for. Rows must grow by equal amounts after the first
-    feed (batch 1 in the benchmark).
+    ``feed(..., predict=False)`` only appends tokens; rows grow by equal amounts.
     """
 
     name = "no cache"
@@ -115,18 +112,11 @@ class NoCacheDecoder:
 
 
 class ContiguousDecoder:
-    """transformers' own contiguous KV cache: ``DynamicCache`` or ``StaticCache``.
+    """transformers' contiguous KV cache: ``kind="dynamic"`` (``DynamicCache``, grows with
+    ``torch.cat``) or ``"static"`` (``StaticCache`` reserving ``max_len`` tokens per row up front).
 
-    Args:
-        model: a transformers causal LM.
-        kind: ``"dynamic"`` (grows with ``torch.cat``; holds exactly the tokens fed) or
-            ``"static"`` (allocates ``[batch, kv_heads, max_len, head_dim]`` per layer up front:
-            the contiguous max-length reservation).
-        max_len: tokens reserved per sequence by the static cache (required for ``"static"``).
-
-    Rows of different lengths are accepted on the first feed only (left padding with an
-    attention mask, as ``model.generate`` does); later feeds give every row the same number
-    of tokens.
+    Rows of different lengths are accepted on the first feed only (left padding with an attention
+    mask, as ``model.generate`` does); later feeds give every row the same number of tokens.
     """
 
     def __init__(self, model, kind: str = "dynamic", max_len: int | None = None):
@@ -140,15 +130,7 @@ class ContiguousDecoder:
         self.cache = None
         self.mask: torch.Tensor | None = None  # [batch, tokens so far] 1 = real, 0 = left padding
         self.next_pos: torch.Tensor | None = None  # [batch] position of each row's next token
-        self._cache_kw = "cache" if "cache" in _forward_params(model) else "past_key_values"
-
-    def _new_cache(self, batch: int):
-        from transformers import DynamicCache, StaticCache
-
-        if self.kind == "dynamic":
-            return DynamicCache(config=self.model.config)
-        cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)
-        return cache
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     @torch.inference_mode()
     def feed(self, chunks, predict: bool = True):
@@ -165,7 +147,12 @@ class ContiguousDecoder:
             new_mask[b, width - c.numel() :] = 1
         ids, new_mask = ids.to(self.device), new_mask.to(self.device)
         if first:
-            self.cache = self._new_cache(batch)
+            from transformers import DynamicCache, StaticCache
+
+            if self.kind == "dynamic":
+                self.cache = DynamicCache(config=self.model.config)
+            else:
+                self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)
             self.mask = new_mask
             self.next_pos = torch.zeros(batch, dtype=torch.long, device=self.device)
         else:
@@ -185,25 +172,17 @@ class ContiguousDecoder:
         return _predict(out.logits[:, -1]) if predict else None
 
     def kv_bytes(self) -> int:
-        if self.cache is None:
-            return 0
-        total = 0
-        for layer in getattr(self.cache, "layers", []):
-            for name in ("keys", "values"):
-                t = getattr(layer, name, None)
-                if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
-        return total
+        layers = getattr(self.cache, "layers", [])
+        tensors = [getattr(layer, name, None) for layer in layers for name in ("keys", "values")]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
     def close(self) -> None:
         self.cache = self.mask = self.next_pos = None
 
 
 class AllocationTimer:
-    """Times every page operation of a `PageAllocator` while it is attached.
-
-    Wraps the allocator instance's ``allocate``, ``free`` and ``share`` (the instance, not the
-    class: other caches are not affected) and records, per call, nanoseconds and pages.
+    """Records ``(op, nanoseconds, pages)`` for every ``allocate``, ``free`` and ``share`` call of
+    one `PageAllocator` instance (its methods are wrapped; other allocators are not affected).
 
     Example:
         >>> from paged_ref.allocator import PageAllocator
@@ -235,56 +214,29 @@ class AllocationTimer:
         return timed
 
 
-def _forward_params(model):
-    import inspect
-
-    return inspect.signature(model.forward).parameters
-
-
 class PagedDecoder:
-    """paged_ref's paged KV cache through `PagedSession`, with one attention backend.
+    """paged_ref's paged KV cache through `PagedSession` with one attention backend, in a pool of
+    ``num_pages`` pages whose allocator an `AllocationTimer` (``self.timer``) watches."""
 
-    Args:
-        model: a transformers causal LM.
-        backend: ``"flex"``, ``"triton"`` or ``"reference"``.
-        num_pages, page_size: the page pool (created here unless ``kv`` is given).
-        kv: an existing `PagedKVCache` to use instead (e.g. with ``prefix_caching=True``).
-        timer: attach an `AllocationTimer` to the pool's allocator (``self.timer``).
-    """
-
-    def __init__(
-        self,
-        model,
-        *,
-        backend: str = "flex",
-        num_pages: int | None = None,
-        page_size: int = 16,
-        kv: PagedKVCache | None = None,
-        timer: bool = True,
-    ):
-        if kv is None:
-            if not isinstance(num_pages, int) or num_pages < 1:
-                raise ValueError(f"num_pages must be a positive int when kv is None, got {num_pages!r}")
-            kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size)
-        self.kv = kv
+    def __init__(self, model, *, backend: str = "flex", num_pages: int | None = None, page_size: int = 16):
+        if not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        self.kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size)
         self.backend = backend
         self.name = f"paged ({backend})"
-        self.timer = AllocationTimer(kv.allocator) if timer else None
+        self.timer = AllocationTimer(self.kv.allocator)
         # opened at the first feed: while open, the model's attention reads pages only, so
         # decoders run one after another, never interleaved
-        self.session = PagedSession(model, kv=kv, backend=backend)
+        self.session = PagedSession(model, kv=self.kv, backend=backend)
         self.seq_ids: list[int] | None = None
 
     def start(self, num_rows: int) -> None:
-        """Open the session and add ``num_rows`` empty sequences (done by the first `feed` otherwise)."""
+        """Open the session with ``num_rows`` empty sequences (the first `feed` does it otherwise)."""
         self.session.open()
         self.seq_ids = [self.session.add() for _ in range(num_rows)]
 
     def feed(self, chunks, predict: bool = True, rows: list[int] | None = None):
-        """As the other decoders' `feed`; ``rows`` feeds only those sequences (row indices).
-
-        Rows of different lengths are fine at any time (each sequence keeps its own length).
-        """
+        """As the other decoders' `feed`; ``rows`` feeds only those sequences, of any lengths."""
         if self.seq_ids is None:
             self.start(len(chunks))
         rows = list(range(len(self.seq_ids))) if rows is None else list(rows)
@@ -294,7 +246,6 @@ class PagedDecoder:
         return _predict(logits) if predict else None  # logits: [len(rows), vocab]
 
     def pages_held(self) -> int:
-        """Physical pages in use (all sequences of the pool)."""
         return self.kv.allocator.num_pages - self.kv.allocator.num_free
 
     def kv_bytes(self) -> int:
@@ -305,21 +256,15 @@ class PagedDecoder:
         self.seq_ids = None
 
 
-def make_decoder(model, name: str, *, max_len: int, page_size: int = 16, num_pages: int | None = None):
-    """A decoder by short name: ``none``, ``dynamic``, ``static``, or a paged backend (``flex``, ``triton``, ...).
-
-    ``max_len`` sizes the static cache; ``num_pages`` (default: enough for ``max_len`` tokens)
-    sizes the page pool.
-    """
+def make_decoder(model, name: str, *, max_len: int, page_size: int = 16):
+    """``none``, ``dynamic``, ``static`` or a paged backend; ``max_len`` tokens size the static
+    cache and the page pool."""
     if name == "none":
         return NoCacheDecoder(model)
     if name in ("dynamic", "static"):
         return ContiguousDecoder(model, name, max_len=max_len)
-    from ..hf import BACKENDS
-
     if name in BACKENDS:
-        pages = num_pages if num_pages is not None else cdiv(max_len, page_size)
-        return PagedDecoder(model, backend=name, num_pages=pages, page_size=page_size)
+        return PagedDecoder(model, backend=name, num_pages=cdiv(max_len, page_size), page_size=page_size)
     raise ValueError(
         f"decoder name must be none, dynamic, static or a paged_ref.hf backend {sorted(BACKENDS)}; got {name!r}"
     )

@@ -1,17 +1,15 @@
 """Per-token decode latency vs context length, one decoder at a time, on one shared prompt.
 
-A *ladder* of context lengths (e.g. 128, 256, ..., 2048) is climbed by each decoder in turn:
+Each decoder climbs a ladder of contexts (ascending) with one prefill in all:
 
-    for each context L (ascending):
+    for each context L:
         feed prompt[pos:L] in prefill chunks                (untimed: sets the context)
         feed `warmup` single tokens                          (untimed)
         feed `steps` single tokens, timing each one          (decode at context ~L)
 
-Every decoder sees the same tokens (the prompt's own next token is fed, not the prediction),
-so the greedy predictions at each position are comparable across decoders; the work per step is
-that of free generation. One prefill of the longest context per decoder is enough for the
-whole ladder. The no-cache decoder has nothing to prefill (it recomputes the prefix each step),
-so it takes fewer timed steps (``nocache_steps``), its cost per step being a full prefill.
+The prompt's own next token is fed (not the prediction), so every decoder's greedy predictions
+compare position by position. The no-cache decoder pays a whole prefill per step, so it takes
+``nocache_steps`` timed steps and one warm-up at its first context only.
 
 Example:
     >>> import torch
@@ -28,12 +26,11 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..block_table import pages_needed
-from ._scaling_decoders import PagedDecoder, make_decoder, synchronize
+from ._scaling_decoders import PagedDecoder, make_decoder, peak_bytes, reset_peak, synchronize
 
 __all__ = ["LadderConfig", "run_ladder", "agreement"]
 
@@ -51,19 +48,9 @@ LABELS = {
 
 @dataclass
 class LadderConfig:
-    """How a ladder is climbed.
-
-    Attributes:
-        contexts: context lengths, ascending; consecutive ones must differ by more than
-            ``warmup + steps`` (the decode steps themselves add tokens).
-        warmup, steps: untimed and timed single-token steps per context.
-        nocache_steps: timed steps per context for the no-cache decoder (one warm-up step is
-            taken at its first context only).
-        prefill_chunk: tokens per prefill forward (bounds prefill memory at long contexts).
-        page_size: page size of the paged decoders.
-        timed: False for a correctness-only pass (e.g. the Triton interpreter on CPU): the
-            steps run and predictions are kept, but no times are reported.
-    """
+    """How a ladder is climbed: ``warmup`` untimed and ``steps`` timed single-token steps per
+    context (``nocache_steps`` for the no-cache decoder), prefill in ``prefill_chunk``-token
+    forwards. ``timed=False``: a correctness-only pass (predictions kept, no times reported)."""
 
     contexts: list[int]
     warmup: int = 2
@@ -72,7 +59,6 @@ class LadderConfig:
     prefill_chunk: int = 2048
     page_size: int = 16
     timed: bool = True
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.contexts or any(c < 1 for c in self.contexts):
@@ -89,38 +75,16 @@ class LadderConfig:
         return self.contexts[-1] + self.warmup + max(self.steps, self.nocache_steps + 1) + 1
 
 
-def _peak_reset(device) -> int:
-    if device.type != "cuda":
-        return 0
-    synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
-
-
-def _peak(device) -> int | None:
-    if device.type != "cuda":
-        return None
-    synchronize(device)
-    return torch.cuda.max_memory_allocated(device)
-
-
 def run_ladder(model, name: str, prompt: torch.Tensor, cfg: LadderConfig, *, deadline: float | None = None) -> dict:
-    """Climb the context ladder with one decoder; see the module docstring.
-
-    Args:
-        model: a transformers causal LM (eval mode).
-        name: decoder short name (``none``, ``dynamic``, ``static``, ``flex``, ``triton``, ``reference``).
-        prompt: LongTensor ``[>= cfg.tokens_needed()]`` of token ids.
-        cfg: the ladder.
-        deadline: ``time.monotonic()`` value after which no further context is started
-            (the remaining ones are listed in ``skipped``).
+    """Climb the ladder with decoder ``name`` (`make_decoder`); contexts not started by
+    ``deadline`` (``time.monotonic()``) are listed in ``skipped``.
 
     Returns:
-        ``{"backend", "label", "points": [{"context", "tokens_held", "median_s", "times_s", "kv_bytes",
-        "peak_bytes", "weights_bytes"}], "predictions": {position: token},
-        "alloc_calls": [(op, ns, pages)], "skipped": [contexts], "timed": bool}``.
-        ``peak_bytes`` is the device's peak allocated memory during the timed steps (CUDA only,
-        weights included); ``kv_bytes`` the K/V storage the decoder holds after them.
+        ``{"backend", "label", "timed", "points": [{"context", "tokens_held", "median_s", "times_s",
+        "kv_bytes", "peak_bytes", "weights_bytes", "allocated_before_bytes"}], "predictions":
+        {position: token}, "alloc_calls": [(op, ns, pages)], "skipped": [contexts]}``, and for a
+        paged decoder ``pages_held``, ``page_bytes``, ``pool_bytes``. ``peak_bytes``: CUDA's peak
+        during the timed steps (weights included); ``kv_bytes``: K/V held after them.
     """
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.dtype != torch.long:
         raise TypeError(f"prompt must be a 1-D LongTensor, got {getattr(prompt, 'shape', type(prompt).__name__)}")
@@ -130,10 +94,7 @@ def run_ladder(model, name: str, prompt: torch.Tensor, cfg: LadderConfig, *, dea
         )
     device = next(model.parameters()).device
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    max_len = cfg.tokens_needed()
-    dec = make_decoder(
-        model, name, max_len=max_len, page_size=cfg.page_size, num_pages=pages_needed(max_len, cfg.page_size)
-    )
+    dec = make_decoder(model, name, max_len=cfg.tokens_needed(), page_size=cfg.page_size)
     result = {
         "backend": name,
         "label": LABELS.get(name, name),
@@ -158,7 +119,7 @@ def run_ladder(model, name: str, prompt: torch.Tensor, cfg: LadderConfig, *, dea
             for _ in range(warm):  # untimed, but its predictions are compared too
                 result["predictions"][pos] = int(dec.feed([prompt[pos : pos + 1]])[0])
                 pos += 1
-            base = _peak_reset(device)
+            base = reset_peak(device)
             times = []
             for _ in range(cfg.nocache_steps if nocache else cfg.steps):
                 synchronize(device)
@@ -167,7 +128,6 @@ def run_ladder(model, name: str, prompt: torch.Tensor, cfg: LadderConfig, *, dea
                 times.append(time.perf_counter() - start)
                 result["predictions"][pos] = int(pred[0])
                 pos += 1
-            peak = _peak(device)
             result["points"].append(
                 {
                     "context": context,
@@ -175,9 +135,9 @@ def run_ladder(model, name: str, prompt: torch.Tensor, cfg: LadderConfig, *, dea
                     "median_s": statistics.median(times) if cfg.timed else None,
                     "times_s": times if cfg.timed else None,
                     "kv_bytes": dec.kv_bytes(),
-                    "peak_bytes": peak,
+                    "peak_bytes": peak_bytes(device),
                     "weights_bytes": weights,
-                    "allocated_before_bytes": base if device.type == "cuda" else None,
+                    "allocated_before_bytes": base,
                 }
             )
         if isinstance(dec, PagedDecoder):
@@ -191,11 +151,8 @@ def run_ladder(model, name: str, prompt: torch.Tensor, cfg: LadderConfig, *, dea
 
 
 def agreement(results: list[dict]) -> dict:
-    """Greedy predictions compared position by position against the first decoder's.
-
-    Returns ``{label: {"compared": n, "equal": k}}`` for every other decoder (positions both
-    decoded).
-    """
+    """``{label: {"against", "compared", "equal"}}``: each decoder's greedy predictions against the
+    first's, at the positions both decoded."""
     if not results:
         return {}
     base = results[0]["predictions"]

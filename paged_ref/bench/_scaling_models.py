@@ -1,16 +1,12 @@
 """The models and prompts the scaling benchmark runs on.
 
-* ``smollm2``: SmolLM2-135M-Instruct, real weights (`paged_ref.models.load_smollm2`). Where its
-  GGUF file or the ``gguf`` package is missing (the GPU image), a randomly initialized Llama of
-  exactly its shapes is used instead and the result says so: decode timing depends on the
-  shapes, not on the weights' values.
-* ``llama1b``: a randomly initialized Llama with Llama-3.2-1B's shapes (16 layers, hidden 2048,
-  32 query heads over 8 KV heads, head_dim 64, vocabulary 128256), in the GPU's native 16-bit
-  type (bfloat16 from sm_80 on, float16 on a T4): a realistic size for timing, no download.
+* ``smollm2``: SmolLM2-135M-Instruct, real weights (`paged_ref.models.load_smollm2`); where its GGUF
+  file or ``gguf`` is missing, a random-weight Llama of its shapes, and the result says so.
+* ``llama1b``: random weights in Llama-3.2-1B's shapes, in the GPU's native 16-bit type.
 * ``tiny``: `paged_ref.models.tiny_llama` (tests).
 
-Prompts: real English text (CPython's documentation, `paged_ref.textdata`) tokenized by the real
-tokenizer; seeded random token ids for random-weight models.
+Prompts: English prose (`paged_ref.textdata`) through the real tokenizer; seeded random ids for
+random weights.
 
 Example:
     >>> model, info = build_model("tiny", device="cpu")
@@ -29,37 +25,35 @@ __all__ = ["MODELS", "build_model", "prompt_ids", "LLAMA_1B_SHAPES", "SMOLLM2_SH
 
 MODELS = ("smollm2", "llama1b", "tiny")
 
-#: LlamaConfig fields of Llama-3.2-1B (public config), used with random weights.
-LLAMA_1B_SHAPES = dict(
-    vocab_size=128256,
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
+_LLAMA = dict(
     head_dim=64,
-    rope_theta=500000.0,
     max_position_embeddings=131072,
     tie_word_embeddings=True,
     bos_token_id=1,
     eos_token_id=2,
     pad_token_id=0,
 )
+#: LlamaConfig fields of Llama-3.2-1B (public config), used with random weights.
+LLAMA_1B_SHAPES = dict(
+    _LLAMA,
+    vocab_size=128256,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    rope_theta=500000.0,
+)
 #: LlamaConfig fields of SmolLM2-135M (public config), for the random-weight stand-in.
 SMOLLM2_SHAPES = dict(
+    _LLAMA,
     vocab_size=49152,
     hidden_size=576,
     intermediate_size=1536,
     num_hidden_layers=30,
     num_attention_heads=9,
     num_key_value_heads=3,
-    head_dim=64,
     rope_theta=100000.0,
-    max_position_embeddings=131072,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
 )
 
 
@@ -74,18 +68,11 @@ def _random_llama(fields: dict, dtype: torch.dtype, device) -> torch.nn.Module:
 
 
 def build_model(name: str, *, device="cpu", dtype: torch.dtype | None = None):
-    """``(model, info)`` for a model name in :data:`MODELS`.
+    """``(model in eval mode, info)`` for a name in :data:`MODELS`; ``info``: ``{"name", "weights":
+    "real"|"random", "tokenizer" (None for random weights), "note", "dtype", "params"}``.
 
-    Args:
-        name: ``smollm2``, ``llama1b`` or ``tiny``.
-        device: where the model runs.
-        dtype: weights' dtype; default float32 on CPU, on CUDA the GPU's native 16-bit type
-            (`paged_ref.attention.triton_decode.native_half`: bfloat16 from sm_80 on, float16 on
-            a T4, which has no bfloat16 arithmetic; ``tiny``: float32).
-
-    Returns:
-        the model in eval mode, and ``info``: ``{"name", "weights": "real"|"random",
-        "dtype", "params", "tokenizer"}`` (tokenizer None for random weights).
+    ``dtype`` defaults to float32 on CPU (and for ``tiny``), on CUDA to the GPU's native 16-bit
+    type (`paged_ref.attention.triton_decode.native_half`).
     """
     if name not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {name!r}")
