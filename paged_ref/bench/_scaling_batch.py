@@ -17,7 +17,7 @@ import torch
 
 from ..block_table import pack_padded, pages_needed
 from ..memory import KVGeometry
-from ._scaling_decoders import ContiguousDecoder, PagedDecoder, peak_bytes, reset_peak, synchronize
+from ._scaling_latency import ContiguousDecoder, PagedDecoder, peak_bytes, reset_peak, synchronize
 from .scaling_report import fit_counts, paged_overhead
 
 __all__ = ["page_size_sweep", "batch_throughput"]

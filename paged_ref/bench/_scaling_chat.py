@@ -27,7 +27,7 @@ import torch
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..hf import PagedSession
-from ._scaling_decoders import AllocationTimer, synchronize
+from ._scaling_latency import AllocationTimer, synchronize
 
 __all__ = ["run_chat"]
 
@@ -60,7 +60,7 @@ def run_chat(
     timer = AllocationTimer(kv.allocator)
     history: list[int] = []
     turns, replies = [], []
-    with PagedSession(model, kv=kv, backend=backend) as session:
+    with PagedSession(model, kv_cache=kv, backend=backend) as session:
         for t, user in enumerate(user_turns):
             request = history + [int(x) for x in user]
             calls_before, hits_before = len(timer.calls), kv.prefix_hits

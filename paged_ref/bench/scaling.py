@@ -5,23 +5,20 @@
 
 On one model and the same tokens, in one run:
 
-1. Per-token decode latency vs context (`_scaling_latency`: batch 1, teacher-forced single-token
-   steps after one prefill, median of the timed steps) of no cache, ``DynamicCache``,
-   ``StaticCache`` and the paged cache (``paged_ref.hf.PagedSession``, each backend). On CPU the
-   Triton kernel runs in its interpreter: checked (same predictions), not timed. GPU: also one
-   100k-token sequence for the paged backends.
-2. A mixed-length batch under one KV budget (`_scaling_batch`): requests admitted by a contiguous
-   max-length reservation vs the paged pool, and tokens/s of each.
+1. Per-token decode latency vs context, batch 1 (`_scaling_latency`), of no cache,
+   ``DynamicCache``, ``StaticCache`` and the paged cache with each backend; on CPU the Triton
+   kernel runs in its interpreter: checked, not timed. GPU: also a 100k-token sequence, paged only.
+2. A mixed-length batch in one KV budget (`_scaling_batch`): requests admitted and tokens/s under
+   a contiguous max-length reservation vs the paged pool.
 3. Memory: KV bytes held (CPU) or peak device memory (GPU) against tokens held x bytes per token;
-   the paged overhead at page size 16 (goal <= 5%); a page-size sweep of overhead and
-   decode-attention time.
+   the paged overhead at page size 16 (goal <= 5%); a page-size sweep of overhead and attention time.
 4. A growing-context chat with and without prefix caching (`_scaling_chat`).
-5. Allocation latency: every page operation of every paged pool in the run (median, p99).
+5. The latency of every page operation of every paged pool in the run (median, p99).
 
 Greedy predictions of every decoder are compared with ``DynamicCache``'s position by position.
-Output: printed tables and ``figures/data/scaling_{cpu,gpu}.json`` (``_quick`` in quick mode) with
-the environment. ``--time-budget`` (default 220 s on GPU) skips what would not finish in time and
-records what it skipped.
+Output: tables and ``figures/data/scaling_{cpu,gpu}.json`` (``_quick`` in quick mode) with the
+environment. ``--time-budget`` (default 220 s on GPU) skips sections that would start later and
+records them.
 """
 
 from __future__ import annotations
@@ -172,8 +169,9 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
     res = {"model": {k: v for k, v in info.items() if k != "tokenizer"}, "skipped": [], "errors": []}
     res["model"]["load_s"] = time.monotonic() - t0
     res["kv_bytes_per_token"] = geom.bytes_per_token
+    chunk = profile["prefill_chunk"]
     steps = dict(warmup=profile["warmup"], steps=profile["steps"])
-    shared = dict(prefill_chunk=profile["prefill_chunk"], page_size=PAGE_SIZE)
+    shared = dict(prefill_chunk=chunk, page_size=PAGE_SIZE)
     ladder_cfg = LadderConfig(profile["contexts"], **steps, nocache_steps=profile["nocache_steps"], **shared)
     long = profile.get("long")
     need = max(ladder_cfg.tokens_needed(), (long or 0) + 64, profile["batch"]["max_len"] + 1)
@@ -218,7 +216,8 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
 
     # 1b. one long sequence, paged backends only
     res["long"] = []
-    for name in [n for n in profile["ladder"] if n in DECODE_FUNCTIONS] if long else []:
+    paged = [n for n in profile["ladder"] if n in DECODE_FUNCTIONS] if long else []
+    for name in paged:
         cfg = LadderConfig([long], **steps, **shared)
         log = f"{long}-token sequence, {LABELS[name]}"
         r = section(f"long {name}", 60, log, run_ladder, model, name, prompt, cfg, deadline=clock.deadline)
@@ -229,22 +228,9 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
     # 2-3. mixed batch and its paged overhead at PAGE_SIZE
     b = profile["batch"]
     lengths = mixed_lengths(b["num"], max_len=b["max_len"] - b["warmup"] - b["steps"] - 1, mean_len=b["mean_len"])
-    batch = section(
-        "batch",
-        30,
-        "mixed batch",
-        batch_throughput,
-        model,
-        prompt,
-        lengths,
-        budget_tokens=b["budget_tokens"],
-        max_len=b["max_len"],
-        page_size=PAGE_SIZE,
-        paged_backends=timed_here(b["backends"]),
-        steps=b["steps"],
-        warmup=b["warmup"],
-        prefill_chunk=profile["prefill_chunk"],
-    )
+    kwargs = {k: b[k] for k in ("budget_tokens", "max_len", "steps", "warmup")}
+    kwargs.update(page_size=PAGE_SIZE, paged_backends=timed_here(b["backends"]), prefill_chunk=chunk)
+    batch = section("batch", 30, "mixed batch", batch_throughput, model, prompt, lengths, **kwargs)
     if batch is not None:
         batch.update(
             num_requests=len(lengths),
@@ -268,9 +254,7 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
         span = max(1, prompt.numel() - c["user_tokens"])
         users = [prompt[1000 * t % span :][: c["user_tokens"]] for t in range(c["turns"])]
         backend = "reference" if c["backend"] == "triton" and interpreter else c["backend"]
-        kwargs = dict(
-            reply_tokens=c["reply_tokens"], page_size=PAGE_SIZE, backend=backend, prefill_chunk=profile["prefill_chunk"]
-        )
+        kwargs = dict(reply_tokens=c["reply_tokens"], page_size=PAGE_SIZE, backend=backend, prefill_chunk=chunk)
         runs = [
             _guarded(res, f"chat prefix_caching={pc}", run_chat, model, users, prefix_caching=pc, **kwargs)
             for pc in (False, True)
@@ -287,35 +271,22 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
     # 3b. page-size sweep over the admitted batch
     s = profile["sweep"]
     admitted = lengths[: res["batch"]["fit"]["paged_allocator"]] if "batch" in res else lengths[:8]
-    sweep = section(
-        "sweep",
-        20,
-        "page-size sweep",
-        page_size_sweep,
-        admitted,
-        s["page_sizes"],
-        geometry=geom,
-        backends={n: DECODE_FUNCTIONS[n] for n in timed_here(s["backends"])},
-        repeats=s["repeats"],
-        deadline=clock.deadline,
-    )
+    backends = {n: DECODE_FUNCTIONS[n] for n in timed_here(s["backends"])}
+    kwargs = dict(geometry=geom, backends=backends, repeats=s["repeats"], deadline=clock.deadline)
+    sweep = section("sweep", 20, "page-size sweep", page_size_sweep, admitted, s["page_sizes"], **kwargs)
     if sweep is not None:
         res["sweep"] = sweep
 
     # 5. allocation latency over every paged pool of the run
-    res["alloc"] = alloc_summary([call for r in _records(res) for call in r.get("alloc_calls", [])])
+    pools = res["ladder"] + res["long"] + list(res.get("batch", {}).get("paged", {}).values())
+    pools += res.get("chat", {}).get("runs", [])
+    res["alloc"] = alloc_summary([call for r in pools for call in r.get("alloc_calls", [])])
     res = _without_bulk(res)
     res["elapsed_s"] = time.monotonic() - t0
     model = None  # free the weights before the next model loads
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return res
-
-
-def _records(res: dict) -> list[dict]:
-    """The per-run records of a result: ladder, long, batch's paged runs, chat runs."""
-    batch_runs = list(res.get("batch", {}).get("paged", {}).values())
-    return res.get("ladder", []) + res.get("long", []) + batch_runs + res.get("chat", {}).get("runs", [])
 
 
 def _without_bulk(res: dict) -> dict:

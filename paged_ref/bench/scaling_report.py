@@ -34,7 +34,6 @@ __all__ = [
     "paged_overhead",
     "alloc_summary",
     "decoder_ranges",
-    "latency_table",
     "ratios_to",
     "noise_summary",
     "print_model_report",
@@ -110,20 +109,9 @@ def ratios_to(ladder: list[dict], base: str) -> dict:
     }
 
 
-def latency_table(ladder: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Headers and rows: ms per token of each timed decoder (columns) at each context (rows)."""
-    timed = [r for r in ladder if r["timed"]]
-    contexts = sorted({p["context"] for r in timed for p in r["points"]})
-    medians = [{p["context"]: p["median_s"] for p in r["points"]} for r in timed]
-    rows = [[str(c)] + [_ms(m.get(c), 2) for m in medians] for c in contexts]
-    return ["context"] + [r["label"] for r in timed], rows
-
-
 def noise_summary(ladder: list[dict], base: str = "dynamic", peer: str = "static") -> dict:
-    """What a run's timings can tell apart: each point's spread and two baselines' own gap.
-
-    ``base``, ``peer``: backends of two contiguous caches; their ratio is a difference no paging
-    causes, a floor on what the run resolves.
+    """What a run's timings can tell apart: each point's spread and the gap between two contiguous
+    caches (``base``, ``peer``), a difference no paging causes.
 
     Returns:
         ``{"steps": {label: timed steps per point}, "spread": {label: {context: [min, p25,
@@ -191,7 +179,12 @@ def print_model_report(name: str, res: dict) -> None:
         print(f"  ERROR: {err}")
     if res.get("ladder"):
         print("\nper-token decode latency, ms (median of timed steps; teacher-forced, batch 1)")
-        print_table(*latency_table(res["ladder"]))
+        timed = [r for r in res["ladder"] if r["timed"]]
+        medians = [{p["context"]: p["median_s"] for p in r["points"]} for r in timed]
+        contexts = sorted({c for m in medians for c in m})
+        print_table(
+            ["context"] + [r["label"] for r in timed], [[c] + [_ms(m.get(c), 2) for m in medians] for c in contexts]
+        )
         for label, pts in res.get("ratios", {}).items():
             print(f"  {label} / {res['ratio_base']}: " + ", ".join(f"{c}: {r:.2f}x" for c, r in pts.items()))
         for label, a in res.get("agreement", {}).items():
