@@ -69,8 +69,7 @@ def page_size_sweep(
 
 
 def _teacher_steps(decoder, prompt, lengths, steps, warmup, device, rows=None) -> list[float]:
-    """Feed each row (``rows`` of a paged decoder, default all) its next prompt token for ``warmup``
-    + ``steps`` steps; the times of the last ``steps``."""
+    """Times of ``steps`` steps after ``warmup``, each feeding every row (or ``rows``) its next token."""
     pos = list(lengths)
     kwargs = {} if rows is None else {"rows": rows}
     times = []
@@ -111,11 +110,9 @@ def batch_throughput(
     warmup: int,
     prefill_chunk: int = 2048,
 ) -> dict:
-    """Tokens/s of the contiguous max-length reservation vs the paged cache in one KV budget.
-
-    The contiguous run prefills its rows in one left-padded forward; each paged run (a pool of
-    ``budget_tokens // page_size`` pages) prefills each request on its own. Row ``r`` holds
-    ``prompt[:lengths[r]]`` and is fed ``prompt[lengths[r] + i]`` at step ``i``.
+    """Tokens/s of the contiguous max-length reservation vs the paged cache in one KV budget. Row ``r``
+    holds ``prompt[:lengths[r]]`` (contiguous: one left-padded prefill; paged: one per request) and
+    is fed ``prompt[lengths[r] + i]`` at step ``i``.
 
     Returns:
         ``{"fit": admission counts at the prompts' lengths (`fit_counts`), "decoded": requests the

@@ -1,13 +1,10 @@
 """Per-token decode latency vs context, one decoder at a time, on one shared prompt.
 
-Decoders: `NoCacheDecoder` (``model(ids, use_cache=False)`` over the whole prefix every step),
-`ContiguousDecoder` (transformers' ``DynamicCache`` or ``StaticCache``), `PagedDecoder` (the paged
-cache through :class:`paged_ref.hf.PagedSession`). Each has ``feed(chunks, predict=True)``
-(append ``chunks[b]``, LongTensor ``[n_b]``, to sequence ``b`` in one forward; return the greedy
-token after each row's last one, LongTensor ``[batch]``, or None when ``predict=False``),
-``kv_bytes()`` (K/V storage held now) and ``close()``.
-
-Each decoder climbs a ladder of contexts (ascending) with one prefill in all:
+Decoders: `NoCacheDecoder` (``model(ids, use_cache=False)`` over the whole prefix), `ContiguousDecoder`
+(``DynamicCache`` or ``StaticCache``), `PagedDecoder` (`paged_ref.hf.PagedSession`). Each has
+``feed(chunks, predict=True)`` (append ``chunks[b]``, LongTensor ``[n_b]``, to sequence ``b`` in one
+forward; the greedy token after each row's last one, LongTensor ``[batch]``, or None),
+``kv_bytes()`` (K/V storage held now) and ``close()``. Each climbs a ladder of contexts:
 
     for each context L:
         feed prompt[pos:L] in prefill chunks                (untimed: sets the context)
@@ -55,7 +52,7 @@ __all__ = [
 
 
 def synchronize(device) -> None:
-    """Wait for queued CUDA work, so that a host clock read after it is meaningful."""
+    """Wait for queued CUDA work: a host clock read after it is meaningful."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -96,10 +93,7 @@ def _predict(logits: torch.Tensor) -> torch.Tensor:
 
 
 class NoCacheDecoder:
-    """``model(ids, use_cache=False)`` over the whole prefix at every prediction (no KV storage).
-
-    ``feed(..., predict=False)`` only appends tokens; rows grow by equal amounts.
-    """
+    """The whole prefix at every prediction; ``feed(..., predict=False)`` only appends tokens."""
 
     def __init__(self, model):
         self.model = model
@@ -126,12 +120,9 @@ class NoCacheDecoder:
 
 
 class ContiguousDecoder:
-    """transformers' contiguous KV cache: ``kind="dynamic"`` (``DynamicCache``, grows with
-    ``torch.cat``) or ``"static"`` (``StaticCache`` reserving ``max_len`` tokens per row up front).
-
-    Rows of different lengths are accepted on the first feed only (left padding with an attention
-    mask, as ``model.generate`` does); later feeds give every row the same number of tokens.
-    """
+    """``DynamicCache`` (``kind="dynamic"``: grows with ``torch.cat``) or ``StaticCache`` (reserves
+    ``max_len`` tokens per row). Rows of different lengths on the first feed only (left padding with
+    an attention mask, as ``model.generate`` does)."""
 
     def __init__(self, model, kind: str = "dynamic", max_len: int | None = None):
         if kind not in ("dynamic", "static"):
@@ -228,8 +219,7 @@ class AllocationTimer:
 
 
 class PagedDecoder:
-    """paged_ref's paged KV cache through `PagedSession` with one attention backend, in a pool of
-    ``num_pages`` pages whose allocator an `AllocationTimer` (``self.timer``) watches."""
+    """`PagedSession` with one backend on a pool of ``num_pages`` pages, timed by ``self.timer``."""
 
     def __init__(self, model, *, backend: str = "flex", num_pages: int | None = None, page_size: int = 16):
         if not isinstance(num_pages, int) or num_pages < 1:
@@ -280,8 +270,7 @@ LABELS = {
 
 
 def make_decoder(model, name: str, *, max_len: int, page_size: int = 16):
-    """``none``, ``dynamic``, ``static`` or a paged backend; ``max_len`` tokens size the static
-    cache and the page pool."""
+    """``none``, ``dynamic``, ``static`` or a paged backend, with room for ``max_len`` tokens."""
     if name == "none":
         return NoCacheDecoder(model)
     if name in ("dynamic", "static"):
@@ -323,15 +312,13 @@ class LadderConfig:
 
 
 def run_ladder(model, name: str, prompt: torch.Tensor, cfg: LadderConfig, *, deadline: float | None = None) -> dict:
-    """Climb the ladder with decoder ``name`` (`make_decoder`); contexts not started by
-    ``deadline`` (``time.monotonic()``) are listed in ``skipped``.
+    """Climb the ladder with decoder ``name``; contexts not started by ``deadline`` are ``skipped``.
 
     Returns:
         ``{"backend", "label", "timed", "points": [{"context", "tokens_held", "median_s", "times_s",
-        "kv_bytes", "peak_bytes", "weights_bytes", "allocated_before_bytes"}], "predictions":
-        {position: token}, "alloc_calls": [(op, ns, pages)], "skipped": [contexts]}``, and for a
-        paged decoder ``pages_held``, ``page_bytes``, ``pool_bytes``. ``peak_bytes``: CUDA's peak
-        during the timed steps (weights included); ``kv_bytes``: K/V held after them.
+        "kv_bytes" (held after the timed steps), "peak_bytes" (CUDA, during them, weights included),
+        "weights_bytes", "allocated_before_bytes"}], "predictions": {position: token}, "alloc_calls",
+        "skipped": [contexts]}``, and for a paged decoder ``pages_held``, ``page_bytes``, ``pool_bytes``.
     """
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.dtype != torch.long:
         raise TypeError(f"prompt must be a 1-D LongTensor, got {getattr(prompt, 'shape', type(prompt).__name__)}")
@@ -398,8 +385,7 @@ def run_ladder(model, name: str, prompt: torch.Tensor, cfg: LadderConfig, *, dea
 
 
 def agreement(results: list[dict]) -> dict:
-    """``{label: {"against", "compared", "equal"}}``: each decoder's greedy predictions against the
-    first's, at the positions both decoded."""
+    """``{label: {"against", "compared", "equal"}}``: greedy predictions against the first decoder's."""
     if not results:
         return {}
     base = results[0]["predictions"]

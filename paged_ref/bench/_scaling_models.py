@@ -25,35 +25,37 @@ __all__ = ["MODELS", "build_model", "prompt_ids", "LLAMA_1B_SHAPES", "SMOLLM2_SH
 
 MODELS = ("smollm2", "llama1b", "tiny")
 
-_LLAMA = dict(
-    head_dim=64,
-    max_position_embeddings=131072,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
 #: LlamaConfig fields of Llama-3.2-1B (public config), used with random weights.
 LLAMA_1B_SHAPES = dict(
-    _LLAMA,
     vocab_size=128256,
     hidden_size=2048,
     intermediate_size=8192,
     num_hidden_layers=16,
     num_attention_heads=32,
     num_key_value_heads=8,
+    head_dim=64,
     rope_theta=500000.0,
+    max_position_embeddings=131072,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
 )
 #: LlamaConfig fields of SmolLM2-135M (public config), for the random-weight stand-in.
 SMOLLM2_SHAPES = dict(
-    _LLAMA,
     vocab_size=49152,
     hidden_size=576,
     intermediate_size=1536,
     num_hidden_layers=30,
     num_attention_heads=9,
     num_key_value_heads=3,
+    head_dim=64,
     rope_theta=100000.0,
+    max_position_embeddings=131072,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
 )
 
 
@@ -68,12 +70,9 @@ def _random_llama(fields: dict, dtype: torch.dtype, device) -> torch.nn.Module:
 
 
 def build_model(name: str, *, device="cpu", dtype: torch.dtype | None = None):
-    """``(model in eval mode, info)`` for a name in :data:`MODELS`; ``info``: ``{"name", "weights":
-    "real"|"random", "tokenizer" (None for random weights), "note", "dtype", "params"}``.
-
-    ``dtype`` defaults to float32 on CPU (and for ``tiny``), on CUDA to the GPU's native 16-bit
-    type (`paged_ref.attention.triton_decode.native_half`).
-    """
+    """``(model in eval mode, info)``; ``info``: ``{"name", "weights": "real"|"random", "tokenizer"
+    (None for random weights), "note", "dtype", "params"}``. ``dtype`` defaults to float32 on CPU
+    and for ``tiny``, else the GPU's native 16-bit type (`triton_decode.native_half`)."""
     if name not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {name!r}")
     device = torch.device(device)

@@ -148,8 +148,7 @@ def _log(msg: str) -> None:
 
 
 def _guarded(res: dict, what: str, fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``, or None with the error recorded in ``res["errors"]`` (one failure
-    must not lose a whole GPU run)."""
+    """``fn(*args, **kwargs)``, or None with the error in ``res["errors"]``: one failure must not lose a run."""
     try:
         return fn(*args, **kwargs)
     except Exception as err:  # noqa: BLE001 - recorded and printed, never swallowed silently
@@ -182,8 +181,7 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
         return [n for n in names if not (n == "triton" and interpreter)]
 
     def section(what: str, need_s: float, log: str, fn, *args, **kwargs):
-        """``fn(*args, **kwargs)`` (None if it failed), or None and ``what`` skipped with fewer
-        than ``need_s`` seconds of the time budget left."""
+        """`_guarded` ``fn(*args, **kwargs)``, or None and ``what`` skipped with under ``need_s`` s left."""
         if clock.left() < need_s:
             res["skipped"].append(what)
             return None
@@ -310,14 +308,9 @@ def main(argv=None) -> dict:
     where.add_argument("--cpu", action="store_true", help="run on the CPU (default without CUDA)")
     where.add_argument("--gpu", action="store_true", help="run on the CUDA GPU (default with CUDA)")
     parser.add_argument("--quick", action="store_true", help="fewer contexts and steps (CI, first GPU look)")
+    parser.add_argument("--model", choices=MODELS, help="run one model instead of the profile's (tiny: the test model)")
     parser.add_argument(
-        "--model", choices=MODELS, default=None, help="run one model instead of the profile's (tiny: the test model)"
-    )
-    parser.add_argument(
-        "--time-budget",
-        type=float,
-        default=None,
-        help="seconds; sections that would start later are skipped (default 220 on GPU)",
+        "--time-budget", type=float, help="seconds; sections that would start later are skipped (default 220 on GPU)"
     )
     args = parser.parse_args(argv)
     gpu = args.gpu or (not args.cpu and torch.cuda.is_available())
