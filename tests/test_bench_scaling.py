@@ -11,14 +11,15 @@ from paged_ref.allocator import PageAllocator
 from paged_ref.bench import scaling
 from paged_ref.bench._scaling_batch import batch_throughput
 from paged_ref.bench._scaling_chat import run_chat
-from paged_ref.bench._scaling_decoders import (
+from paged_ref.bench._scaling_latency import (
     AllocationTimer,
     ContiguousDecoder,
+    LadderConfig,
     NoCacheDecoder,
     PagedDecoder,
     make_decoder,
+    run_ladder,
 )
-from paged_ref.bench._scaling_latency import LadderConfig, run_ladder
 from paged_ref.bench.scaling_report import alloc_summary, fit_counts, mixed_lengths, paged_overhead, ratios_to
 from paged_ref.fragmentation import requests_that_fit
 from paged_ref.models import tiny_llama

@@ -1,19 +1,11 @@
-"""Mixed-length batches under a fixed KV budget: how many fit, how much memory is wasted, tokens/s.
+"""Mixed-length batches under a fixed KV budget of ``budget_tokens`` slots: how many fit, tokens/s.
 
-A batch of requests is drawn from a realistic length distribution (lognormal prompt and output
-lengths, :func:`paged_ref.fragmentation.make_workload`) and held at once in a KV budget of
-``budget_tokens`` token slots. Two ways to hold it:
-
-* **contiguous max-length reservation**: each request reserves ``max_len`` slots up front (a
-  ``StaticCache`` of ``max_len`` per row), so ``budget_tokens // max_len`` requests fit;
-* **paged**: each request holds ``ceil(len / page_size)`` pages, so requests fit until the pool's
-  pages run out (counted by the real allocator).
-
-Memory overhead of the paged cache = slots held / tokens held - 1, counted from a real
-`PagedKVCache` (the theoretical minimum is the KV bytes of the tokens actually held).
-Throughput = tokens decoded per second by the whole batch (one token per request per step),
-measured with the model on the admitted batches, and on the same (smaller) batch for a
-like-for-like step time.
+The lengths come from `scaling_report.mixed_lengths` (lognormal prompts and outputs). A
+contiguous max-length reservation (a ``StaticCache`` of ``max_len`` per row) admits
+``budget_tokens // max_len`` requests; the paged pool admits requests until its pages run out
+(counted by the real allocator). Throughput: tokens decoded per second by the whole batch (one
+token per request per step, median step), on each admitted batch and, for paged, also on the
+contiguous run's smaller batch (same rows) for a like-for-like step time.
 """
 
 from __future__ import annotations
@@ -23,9 +15,9 @@ import time
 
 import torch
 
-from ..block_table import pages_needed
+from ..block_table import pack_padded, pages_needed
 from ..memory import KVGeometry
-from ._scaling_decoders import ContiguousDecoder, PagedDecoder, synchronize
+from ._scaling_latency import ContiguousDecoder, PagedDecoder, peak_bytes, reset_peak, synchronize
 from .scaling_report import fit_counts, paged_overhead
 
 __all__ = ["page_size_sweep", "batch_throughput"]
@@ -37,20 +29,14 @@ def _attention_time(decode, lengths, *, page_size, geometry: KVGeometry, repeats
     num_q_heads = geometry.num_q_heads or num_kv_heads
     gen = torch.Generator().manual_seed(0)
     total = sum(pages_needed(n, page_size) for n in lengths)
-    perm = torch.randperm(total, generator=gen)  # physical pages in shuffled order
+    perm = torch.randperm(total, generator=gen).tolist()  # physical pages in shuffled order
     k_cache = torch.randn(total, page_size, num_kv_heads, head_dim, generator=gen).to(device, dtype)
     v_cache = torch.randn(total, page_size, num_kv_heads, head_dim, generator=gen).to(device, dtype)
     tables, start = [], 0
     for n in lengths:
-        p = pages_needed(n, page_size)
-        tables.append(perm[start : start + p])
-        start += p
-    width = max(len(t) for t in tables)
-    block_table = torch.zeros(len(lengths), width, dtype=torch.int32)  # [batch, max_pages]
-    for b, t in enumerate(tables):
-        block_table[b, : len(t)] = t
-    block_table = block_table.to(device)
-    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)  # [batch]
+        tables.append(perm[start : start + pages_needed(n, page_size)])
+        start += len(tables[-1])
+    block_table, seq_lens = pack_padded(tables, lengths, device=device)  # [batch, max_pages], [batch]
     q = torch.randn(len(lengths), num_q_heads, head_dim, generator=gen).to(device, dtype)  # [batch, Hq, D]
     decode(q, k_cache, v_cache, block_table, seq_lens)  # warm-up (and compile on GPU)
     times = []
@@ -66,21 +52,9 @@ def _attention_time(decode, lengths, *, page_size, geometry: KVGeometry, repeats
 def page_size_sweep(
     lengths, page_sizes, *, geometry: KVGeometry, backends: dict, repeats: int = 5, deadline: float | None = None
 ) -> list[dict]:
-    """Overhead (counted) and decode-attention time (measured) of the batch for each page size.
-
-    Args:
-        lengths: the batch's sequence lengths.
-        page_sizes: e.g. ``[8, 16, 32, 64, 128, 256]``.
-        geometry: the model's KV geometry (heads, head_dim, dtype and device of its layers).
-        backends: name -> decode attention function (the common signature).
-        repeats: timed calls per point (median kept).
-        deadline: ``time.monotonic()`` after which points are no longer timed (None in the result;
-            a compiled backend may compile once per page size).
-
-    Returns:
-        one dict per page size: `paged_overhead` plus ``attention_s: {backend: seconds or None}``
-        (one layer, the whole batch).
-    """
+    """Per page size: `paged_overhead` of ``lengths`` plus ``attention_s: {backend: seconds}``, the
+    median of ``repeats`` decode-attention calls (one layer of ``geometry``, the whole batch) of
+    each ``backends`` function; None once ``time.monotonic()`` is past ``deadline``."""
     rows = []
     for ps in page_sizes:
         row = paged_overhead(lengths, page_size=ps)
@@ -94,23 +68,33 @@ def page_size_sweep(
     return rows
 
 
-def _teacher_steps(decoder, prompt, lengths, steps, warmup, rows=None, device="cpu"):
-    """Feed each row its next prompt token for ``warmup`` + ``steps`` steps; time the last ``steps``."""
-    rows = list(range(len(lengths))) if rows is None else rows
-    pos = [lengths[r] for r in rows]
+def _teacher_steps(decoder, prompt, lengths, steps, warmup, device, rows=None) -> list[float]:
+    """Times of ``steps`` steps after ``warmup``, each feeding every row (or ``rows``) its next token."""
+    pos = list(lengths)
+    kwargs = {} if rows is None else {"rows": rows}
     times = []
     for i in range(warmup + steps):
         chunks = [prompt[p : p + 1] for p in pos]
         synchronize(device)
         t = time.perf_counter()
-        if isinstance(decoder, PagedDecoder):
-            decoder.feed(chunks, rows=rows)
-        else:
-            decoder.feed(chunks)
+        decoder.feed(chunks, **kwargs)
         if i >= warmup:
             times.append(time.perf_counter() - t)
         pos = [p + 1 for p in pos]
     return times
+
+
+def _run(label: str, batch: int, times: list[float], dec, device) -> dict:
+    step = statistics.median(times)
+    return {
+        "label": label,
+        "batch": batch,
+        "step_s": step,
+        "tokens_per_s": batch / step,
+        "times_s": times,
+        "kv_bytes": dec.kv_bytes(),
+        "peak_bytes": peak_bytes(device),
+    }
 
 
 def batch_throughput(
@@ -126,22 +110,16 @@ def batch_throughput(
     warmup: int,
     prefill_chunk: int = 2048,
 ) -> dict:
-    """Tokens/s of the contiguous max-length reservation vs the paged cache, same KV budget.
-
-    The contiguous run holds the first ``budget_tokens // max_len`` requests in a StaticCache of
-    ``max_len`` per row (prefilled in one left-padded forward); each paged run holds as many
-    requests as its pool of ``budget_tokens // page_size`` pages admits (each prefilled on its
-    own), then decodes all of them together, and also times the contiguous run's smaller batch
-    (same rows) for a step-for-step comparison. Row ``r`` holds ``prompt[:lengths[r]]`` and is
-    fed ``prompt[lengths[r] + i]`` at step ``i`` (teacher forcing), so every run decodes the same
-    tokens.
+    """Tokens/s of the contiguous max-length reservation vs the paged cache in one KV budget. Row ``r``
+    holds ``prompt[:lengths[r]]`` (contiguous: one left-padded prefill; paged: one per request) and
+    is fed ``prompt[lengths[r] + i]`` at step ``i``.
 
     Returns:
-        ``{"fit": admission counts at the prompts' lengths, "decoded": requests the paged batch
-        decodes (those whose pages still fit after every timed step), "contiguous": {...},
-        "paged": {backend: {...}}}``; each with ``batch``,
-        ``step_s`` (median), ``tokens_per_s``, ``kv_bytes`` held, ``peak_bytes`` (CUDA) and,
-        for paged, ``same_batch_step_s`` / ``same_batch_tokens_per_s``.
+        ``{"fit": admission counts at the prompts' lengths (`fit_counts`), "decoded": requests the
+        paged batch decodes (those whose pages still fit after every timed step), "contiguous":
+        {...}, "paged": {backend: {...}}}``; each run with ``batch``, ``step_s`` (median),
+        ``tokens_per_s``, ``times_s``, ``kv_bytes``, ``peak_bytes`` (CUDA) and, for paged, the pages
+        after prefill and ``same_batch_step_s`` / ``same_batch_tokens_per_s``.
     """
     device = next(model.parameters()).device
     need = max(lengths) + warmup + steps + 1
@@ -159,61 +137,36 @@ def batch_throughput(
     grown = [n + (warmup + steps) * (2 if r < n_contig else 1) for r, n in enumerate(lengths)]
     n_paged = fit_counts(grown, budget_tokens=budget_tokens, max_len=max_len, page_size=page_size)["paged_allocator"]
     out = {"fit": fit, "decoded": n_paged, "paged": {}}
-
-    def peak_reset():
-        if device.type == "cuda":
-            synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
-
-    def peak():
-        return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-
     if n_contig >= 1:
         dec = ContiguousDecoder(model, "static", max_len=max_len)
         try:
-            peak_reset()
+            reset_peak(device)
             dec.feed([prompt[:n] for n in lengths[:n_contig]], predict=False)
-            times = _teacher_steps(dec, prompt, lengths[:n_contig], steps, warmup, device=device)
-            step = statistics.median(times)
-            out["contiguous"] = {
-                "label": "contiguous max-length reservation (StaticCache)",
-                "batch": n_contig,
-                "step_s": step,
-                "tokens_per_s": n_contig / step,
-                "times_s": times,
-                "kv_bytes": dec.kv_bytes(),
-                "peak_bytes": peak(),
-            }
+            times = _teacher_steps(dec, prompt, lengths[:n_contig], steps, warmup, device)
+            out["contiguous"] = _run("contiguous max-length reservation (StaticCache)", n_contig, times, dec, device)
         finally:
             dec.close()
     for backend in paged_backends:
         dec = PagedDecoder(model, backend=backend, num_pages=budget_tokens // page_size, page_size=page_size)
         try:
-            peak_reset()
+            reset_peak(device)
             dec.start(n_paged)
             for r, n in enumerate(lengths[:n_paged]):  # one request at a time: no padding in prefill
                 for s in range(0, n, prefill_chunk):
                     dec.feed([prompt[s : min(n, s + prefill_chunk)]], predict=False, rows=[r])
             held_tokens = sum(lengths[:n_paged])
             pages = dec.pages_held()
-            times = _teacher_steps(dec, prompt, lengths[:n_paged], steps, warmup, device=device)
-            step = statistics.median(times)
-            entry = {
-                "label": f"paged ({backend})",
-                "batch": n_paged,
-                "step_s": step,
-                "tokens_per_s": n_paged / step,
-                "times_s": times,
-                "kv_bytes": dec.kv_bytes(),
-                "peak_bytes": peak(),
-                "pages_after_prefill": pages,
-                "tokens_after_prefill": held_tokens,
-                "overhead_after_prefill": pages * page_size / held_tokens - 1,
-                "alloc_calls": list(dec.timer.calls),
-            }
+            times = _teacher_steps(dec, prompt, lengths[:n_paged], steps, warmup, device)
+            entry = _run(f"paged ({backend})", n_paged, times, dec, device)
+            entry.update(
+                pages_after_prefill=pages,
+                tokens_after_prefill=held_tokens,
+                overhead_after_prefill=pages * page_size / held_tokens - 1,
+                alloc_calls=list(dec.timer.calls),
+            )
             if 1 <= n_contig <= n_paged:
                 grown = [n + warmup + steps for n in lengths[:n_contig]]
-                same = _teacher_steps(dec, prompt, grown, steps, warmup, rows=list(range(n_contig)), device=device)
+                same = _teacher_steps(dec, prompt, grown, steps, warmup, device, rows=list(range(n_contig)))
                 entry["same_batch_step_s"] = statistics.median(same)
                 entry["same_batch_tokens_per_s"] = n_contig / entry["same_batch_step_s"]
             out["paged"][backend] = entry

@@ -1,18 +1,11 @@
-"""A growing-context chat: each turn is a new request holding the whole conversation so far.
+"""A growing-context chat: turn ``t`` is a new request holding the whole conversation so far.
 
-Turn ``t`` sends ``history + user_t`` (every earlier user message and reply, then the new user
-message) and greedily generates ``reply_tokens`` tokens, which join the history. Served two ways
-from one paged pool:
-
-* **without prefix caching**: every request prefills its whole history again and allocates
-  pages for all of it;
-* **with prefix caching** (``PagedKVCache(prefix_caching=True)``): the request starts from the
-  full pages the previous turn left in the pool (matched by a hash chained over their token
-  ids), so only the tokens past the last full cached page are prefilled and given new pages.
-
-Per turn: latency (prefill + all reply tokens), tokens prefilled, pages newly allocated, prefix
-pages reused (turn t reuses the full pages of the tokens turn t-1 held: 41 // 8 = 5, then 65 // 8 = 8
-below). Both runs must produce the same replies (checked by the caller).
+Each turn sends every earlier user message and reply plus the new user message and greedily
+generates ``reply_tokens`` tokens, which join the history. Served from one paged pool without
+prefix caching (every turn prefills its whole history) and with it (the turn starts from the
+full pages the previous one left, `PagedKVCache(prefix_caching=True)`). Per turn: latency
+(prefill + reply), tokens prefilled, pages allocated, prefix pages reused. Both runs must produce
+the same replies (checked by the caller).
 
 Example:
     >>> import torch
@@ -34,7 +27,7 @@ import torch
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..hf import PagedSession
-from ._scaling_decoders import AllocationTimer, synchronize
+from ._scaling_latency import AllocationTimer, synchronize
 
 __all__ = ["run_chat"]
 
@@ -47,36 +40,27 @@ def run_chat(
     page_size: int = 16,
     prefix_caching: bool,
     backend: str = "flex",
-    num_pages: int | None = None,
     prefill_chunk: int = 2048,
 ) -> dict:
-    """Serve the conversation turn by turn; see the module docstring.
-
-    Args:
-        model: a transformers causal LM.
-        user_turns: LongTensor ``[n_t]`` per turn, the user's message.
-        reply_tokens: tokens generated per turn (greedy).
-        page_size, backend: of the paged pool / attention.
-        prefix_caching: reuse the previous turns' full pages.
-        num_pages: pool size (default: the whole conversation twice over, so freed pages of the
-            previous turn are not reused for new ones before the next turn can find them).
+    """Serve ``user_turns`` (LongTensor ``[n_t]`` each) turn by turn; see the module docstring.
 
     Returns:
-        ``{"prefix_caching", "turns": [{"turn", "context", "prefilled", "latency_s", "prefill_s",
-        "decode_s", "pages_allocated", "prefix_pages_reused", "pages_held"}], "replies": [[ids]],
-        "alloc_calls": [(op, ns, pages)]}``.
+        ``{"prefix_caching", "backend", "page_size", "turns": [{"turn", "context", "prefilled",
+        "latency_s", "prefill_s", "decode_s", "pages_allocated", "prefix_pages_reused",
+        "pages_held"}], "replies": [[ids]], "alloc_calls": [(op, ns, pages)]}``.
     """
     if not user_turns:
         raise ValueError("user_turns must hold at least one turn")
     device = next(model.parameters()).device
     total = sum(int(u.numel()) for u in user_turns) + reply_tokens * len(user_turns)
-    if num_pages is None:
-        num_pages = 2 * pages_needed(total, page_size) + len(user_turns) + 2
+    # the whole conversation twice over: the previous turn's freed pages are not reused for new
+    # ones before the next turn can find them
+    num_pages = 2 * pages_needed(total, page_size) + len(user_turns) + 2
     kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
     timer = AllocationTimer(kv.allocator)
     history: list[int] = []
     turns, replies = [], []
-    with PagedSession(model, kv=kv, backend=backend) as session:
+    with PagedSession(model, kv_cache=kv, backend=backend) as session:
         for t, user in enumerate(user_turns):
             request = history + [int(x) for x in user]
             calls_before, hits_before = len(timer.calls), kv.prefix_hits

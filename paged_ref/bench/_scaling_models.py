@@ -1,16 +1,12 @@
 """The models and prompts the scaling benchmark runs on.
 
-* ``smollm2``: SmolLM2-135M-Instruct, real weights (`paged_ref.models.load_smollm2`). Where its
-  GGUF file or the ``gguf`` package is missing (the GPU image), a randomly initialized Llama of
-  exactly its shapes is used instead and the result says so: decode timing depends on the
-  shapes, not on the weights' values.
-* ``llama1b``: a randomly initialized Llama with Llama-3.2-1B's shapes (16 layers, hidden 2048,
-  32 query heads over 8 KV heads, head_dim 64, vocabulary 128256), in the GPU's native 16-bit
-  type (bfloat16 from sm_80 on, float16 on a T4): a realistic size for timing, no download.
+* ``smollm2``: SmolLM2-135M-Instruct, real weights (`paged_ref.models.load_smollm2`); where its GGUF
+  file or ``gguf`` is missing, a random-weight Llama of its shapes, and the result says so.
+* ``llama1b``: random weights in Llama-3.2-1B's shapes, in the GPU's native 16-bit type.
 * ``tiny``: `paged_ref.models.tiny_llama` (tests).
 
-Prompts: real English text (CPython's documentation, `paged_ref.textdata`) tokenized by the real
-tokenizer; seeded random token ids for random-weight models.
+Prompts: English prose (`paged_ref.textdata`) through the real tokenizer; seeded random ids for
+random weights.
 
 Example:
     >>> model, info = build_model("tiny", device="cpu")
@@ -74,19 +70,9 @@ def _random_llama(fields: dict, dtype: torch.dtype, device) -> torch.nn.Module:
 
 
 def build_model(name: str, *, device="cpu", dtype: torch.dtype | None = None):
-    """``(model, info)`` for a model name in :data:`MODELS`.
-
-    Args:
-        name: ``smollm2``, ``llama1b`` or ``tiny``.
-        device: where the model runs.
-        dtype: weights' dtype; default float32 on CPU, on CUDA the GPU's native 16-bit type
-            (`paged_ref.attention.triton_decode.native_half`: bfloat16 from sm_80 on, float16 on
-            a T4, which has no bfloat16 arithmetic; ``tiny``: float32).
-
-    Returns:
-        the model in eval mode, and ``info``: ``{"name", "weights": "real"|"random",
-        "dtype", "params", "tokenizer"}`` (tokenizer None for random weights).
-    """
+    """``(model in eval mode, info)``; ``info``: ``{"name", "weights": "real"|"random", "tokenizer"
+    (None for random weights), "note", "dtype", "params"}``. ``dtype`` defaults to float32 on CPU
+    and for ``tiny``, else the GPU's native 16-bit type (`triton_decode.native_half`)."""
     if name not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {name!r}")
     device = torch.device(device)

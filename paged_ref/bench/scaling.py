@@ -3,30 +3,22 @@
     python -m paged_ref.bench scaling --cpu [--quick] [--model smollm2|tiny] [--out DIR]
     python -m paged_ref.bench scaling --gpu [--quick] [--model llama1b|smollm2] [--out DIR]
 
-What the IBM paper compared was a paged cache against *no cache at all*; any KV cache removes
-that recomputation. This benchmark measures, on the same model and the same tokens in one run:
+On one model and the same tokens, in one run:
 
-1. **Per-token decode latency vs context** (batch 1, teacher-forced single-token steps after one
-   prefill; median of the timed steps), for: no KV cache (``model(ids, use_cache=False)`` every
-   step), transformers' contiguous caches (``DynamicCache``; ``StaticCache`` reserving the
-   ladder's longest context up front), and the paged cache through ``paged_ref.hf.PagedSession``
-   with the ``flex`` and ``triton`` backends (and ``reference`` on CPU). On CPU the Triton kernel
-   runs in the interpreter: it is checked (same predictions) but not timed. GPU: a
-   100k-token sequence for the paged backends as well.
-2. **Mixed-length batch** under one KV budget: requests admitted by a contiguous max-length
-   reservation vs the paged pool, and tokens/s of each (`_scaling_batch`).
-3. **Memory**: KV bytes held per decoder (CPU) or peak device memory (GPU) against the
-   theoretical minimum (tokens held x bytes per token); the paged overhead on the mixed batch
-   at page size 16 (goal <= 5%); a page-size sweep 8..256 of overhead and decode-attention time.
-4. **Growing-context chat**: latency and pages per turn with and without prefix caching
-   (`_scaling_chat`).
-5. **Allocation latency**: every page operation of every paged pool in the run, timed
-   (median and p99 per call and per page).
+1. Per-token decode latency vs context, batch 1 (`_scaling_latency`), of no cache,
+   ``DynamicCache``, ``StaticCache`` and the paged cache with each backend; on CPU the Triton
+   kernel runs in its interpreter: checked, not timed. GPU: also a 100k-token sequence, paged only.
+2. A mixed-length batch in one KV budget (`_scaling_batch`): requests admitted and tokens/s under
+   a contiguous max-length reservation vs the paged pool.
+3. Memory: KV bytes held (CPU) or peak device memory (GPU) against tokens held x bytes per token;
+   the paged overhead at page size 16 (goal <= 5%); a page-size sweep of overhead and attention time.
+4. A growing-context chat with and without prefix caching (`_scaling_chat`).
+5. The latency of every page operation of every paged pool in the run (median, p99).
 
-Greedy predictions of every decoder are compared position by position with the contiguous
-cache's. Output: printed tables and ``figures/data/scaling_{cpu,gpu}.json`` (``_quick`` added in
-quick mode) with the environment (hardware, versions, date). ``--time-budget`` (default 220 s on
-GPU) skips what would not finish in time and records what was skipped.
+Greedy predictions of every decoder are compared with ``DynamicCache``'s position by position.
+Output: tables and ``figures/data/scaling_{cpu,gpu}.json`` (``_quick`` in quick mode) with the
+environment. ``--time-budget`` (default 220 s on GPU) skips sections that would start later and
+records them.
 """
 
 from __future__ import annotations
@@ -35,6 +27,7 @@ import copy
 import sys
 import time
 import traceback
+from dataclasses import replace
 
 import torch
 
@@ -154,11 +147,10 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _guarded(res: dict, what: str, fn):
-    """``fn()``, or None with the error recorded in ``res["errors"]`` (one failure must not
-    lose a whole GPU run); the tests assert that a run has no errors."""
+def _guarded(res: dict, what: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, or None with the error in ``res["errors"]``: one failure must not lose a run."""
     try:
-        return fn()
+        return fn(*args, **kwargs)
     except Exception as err:  # noqa: BLE001 - recorded and printed, never swallowed silently
         res["errors"].append(f"{what}: {type(err).__name__}: {err}")
         _log(f"[scaling] ERROR in {what}:\n{traceback.format_exc()}")
@@ -176,98 +168,68 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
     res = {"model": {k: v for k, v in info.items() if k != "tokenizer"}, "skipped": [], "errors": []}
     res["model"]["load_s"] = time.monotonic() - t0
     res["kv_bytes_per_token"] = geom.bytes_per_token
-    ladder_cfg = LadderConfig(
-        contexts=profile["contexts"],
-        warmup=profile["warmup"],
-        steps=profile["steps"],
-        nocache_steps=profile["nocache_steps"],
-        prefill_chunk=profile["prefill_chunk"],
-        page_size=PAGE_SIZE,
-    )
+    chunk = profile["prefill_chunk"]
+    steps = dict(warmup=profile["warmup"], steps=profile["steps"])
+    shared = dict(prefill_chunk=chunk, page_size=PAGE_SIZE)
+    ladder_cfg = LadderConfig(profile["contexts"], **steps, nocache_steps=profile["nocache_steps"], **shared)
     long = profile.get("long")
     need = max(ladder_cfg.tokens_needed(), (long or 0) + 64, profile["batch"]["max_len"] + 1)
     prompt = prompt_ids(model, info, need)
+    interpreter = interpreted(torch.device(device))  # Triton on CPU: checked in the ladder, never timed
 
-    # 1. latency ladder ------------------------------------------------------------------------
+    def timed_here(names):
+        return [n for n in names if not (n == "triton" and interpreter)]
+
+    def section(what: str, need_s: float, log: str, fn, *args, **kwargs):
+        """`_guarded` ``fn(*args, **kwargs)``, or None and ``what`` skipped with under ``need_s`` s left."""
+        if clock.left() < need_s:
+            res["skipped"].append(what)
+            return None
+        _log(f"[scaling] {model_name}: {log}")
+        return _guarded(res, what, fn, *args, **kwargs)
+
+    def save():
+        if checkpoint is not None:
+            checkpoint(res)
+
+    # 1. latency ladder, then the check-only decoders (first context, 2 untimed steps)
     res["ladder"] = []
     for name in profile["ladder"]:
-        if clock.left() < 20:
-            res["skipped"].append(f"ladder {name}")
-            continue
-        _log(f"[scaling] {model_name}: ladder {LABELS[name]}")
-        cfg_n = LadderConfig(**{**ladder_cfg.__dict__, **profile.get("overrides", {}).get(name, {})})
-        r = _guarded(res, f"ladder {name}", lambda: run_ladder(model, name, prompt, cfg_n, deadline=clock.deadline))
+        cfg = replace(ladder_cfg, **profile.get("overrides", {}).get(name, {}))
+        what, log = f"ladder {name}", f"ladder {LABELS[name]}"
+        r = section(what, 20, log, run_ladder, model, name, prompt, cfg, deadline=clock.deadline)
         if r is not None:
             res["ladder"].append(r)
-    for name in profile["check"]:  # correctness only (interpreter): first context, 2 steps
-        check_cfg = LadderConfig(
-            contexts=ladder_cfg.contexts[:1],
-            warmup=0,
-            steps=2,
-            timed=False,
-            prefill_chunk=ladder_cfg.prefill_chunk,
-            page_size=PAGE_SIZE,
-        )
+    for name in profile["check"]:
+        cfg = LadderConfig(ladder_cfg.contexts[:1], warmup=0, steps=2, timed=False, **shared)
         _log(f"[scaling] {model_name}: {LABELS[name]} (interpreter: predictions only, not timed)")
-        r = _guarded(res, f"check {name}", lambda: run_ladder(model, name, prompt, check_cfg))
+        r = _guarded(res, f"check {name}", run_ladder, model, name, prompt, cfg)
         if r is not None:
             res["ladder"].append(r)
     base = LABELS["dynamic"]
     res["ratio_base"] = base
     res["ratios"] = ratios_to(res["ladder"], base)
-    ordered = sorted(res["ladder"], key=lambda r: r["label"] != base)
-    res["agreement"] = agreement(ordered)
-    if checkpoint is not None:
-        checkpoint(res)
+    res["agreement"] = agreement(sorted(res["ladder"], key=lambda r: r["label"] != base))
+    save()
 
-    # 1b. one long sequence, paged backends only ------------------------------------------------
+    # 1b. one long sequence, paged backends only
     res["long"] = []
-    if long:
-        for name in [n for n in profile["ladder"] if n in DECODE_FUNCTIONS]:
-            if clock.left() < 60:
-                res["skipped"].append(f"long {name}")
-                continue
-            _log(f"[scaling] {model_name}: {long}-token sequence, {LABELS[name]}")
-            long_cfg = LadderConfig(
-                contexts=[long],
-                warmup=profile["warmup"],
-                steps=profile["steps"],
-                prefill_chunk=profile["prefill_chunk"],
-                page_size=PAGE_SIZE,
-            )
-            r = _guarded(
-                res, f"long {name}", lambda: run_ladder(model, name, prompt, long_cfg, deadline=clock.deadline)
-            )
-            if r is not None:
-                res["long"].append(r)
-            if checkpoint is not None:
-                checkpoint(res)
+    paged = [n for n in profile["ladder"] if n in DECODE_FUNCTIONS] if long else []
+    for name in paged:
+        cfg = LadderConfig([long], **steps, **shared)
+        log = f"{long}-token sequence, {LABELS[name]}"
+        r = section(f"long {name}", 60, log, run_ladder, model, name, prompt, cfg, deadline=clock.deadline)
+        if r is not None:
+            res["long"].append(r)
+        save()
 
-    # 2-3. mixed batch, overhead, page-size sweep -----------------------------------------------
+    # 2-3. mixed batch and its paged overhead at PAGE_SIZE
     b = profile["batch"]
-    batch = None
     lengths = mixed_lengths(b["num"], max_len=b["max_len"] - b["warmup"] - b["steps"] - 1, mean_len=b["mean_len"])
-    if clock.left() > 30:
-        _log(f"[scaling] {model_name}: mixed batch")
-        backends = [n for n in b["backends"] if not (n == "triton" and interpreted(torch.device(device)))]
-        batch = _guarded(
-            res,
-            "batch",
-            lambda: batch_throughput(
-                model,
-                prompt,
-                lengths,
-                budget_tokens=b["budget_tokens"],
-                max_len=b["max_len"],
-                page_size=PAGE_SIZE,
-                paged_backends=backends,
-                steps=b["steps"],
-                warmup=b["warmup"],
-                prefill_chunk=profile["prefill_chunk"],
-            ),
-        )
+    kwargs = {k: b[k] for k in ("budget_tokens", "max_len", "steps", "warmup")}
+    kwargs.update(page_size=PAGE_SIZE, paged_backends=timed_here(b["backends"]), prefill_chunk=chunk)
+    batch = section("batch", 30, "mixed batch", batch_throughput, model, prompt, lengths, **kwargs)
     if batch is not None:
-        admitted = lengths[: batch["fit"]["paged_allocator"]]
         batch.update(
             num_requests=len(lengths),
             mean_len=sum(lengths) / len(lengths),
@@ -275,37 +237,24 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
             budget_tokens=b["budget_tokens"],
             page_size=PAGE_SIZE,
             lengths=lengths,
-            overhead_ps16=paged_overhead(admitted, page_size=PAGE_SIZE),
+            overhead_ps16=paged_overhead(lengths[: batch["fit"]["paged_allocator"]], page_size=PAGE_SIZE),
             overhead_ps16_workload=paged_overhead(lengths, page_size=PAGE_SIZE),
         )
         res["batch"] = batch
-    elif batch is None and not any(e.startswith("batch") for e in res["errors"]):
-        res["skipped"].append("batch")
-    if checkpoint is not None:
-        checkpoint(res)
-    # 4. growing chat ---------------------------------------------------------------------------
+    save()
+
+    # 4. growing chat, without and with prefix caching
     c = profile["chat"]
-    if clock.left() > 30:
+    if clock.left() < 30:
+        res["skipped"].append("chat")
+    else:
         _log(f"[scaling] {model_name}: growing-context chat")
-        users = [
-            prompt[1000 * t % max(1, prompt.numel() - c["user_tokens"]) :][: c["user_tokens"]]
-            for t in range(c["turns"])
-        ]
-        backend = c["backend"] if not (c["backend"] == "triton" and interpreted(torch.device(device))) else "reference"
+        span = max(1, prompt.numel() - c["user_tokens"])
+        users = [prompt[1000 * t % span :][: c["user_tokens"]] for t in range(c["turns"])]
+        backend = "reference" if c["backend"] == "triton" and interpreter else c["backend"]
+        kwargs = dict(reply_tokens=c["reply_tokens"], page_size=PAGE_SIZE, backend=backend, prefill_chunk=chunk)
         runs = [
-            _guarded(
-                res,
-                f"chat prefix_caching={pc}",
-                lambda: run_chat(
-                    model,
-                    users,
-                    reply_tokens=c["reply_tokens"],
-                    page_size=PAGE_SIZE,
-                    prefix_caching=pc,
-                    backend=backend,
-                    prefill_chunk=profile["prefill_chunk"],
-                ),
-            )
+            _guarded(res, f"chat prefix_caching={pc}", run_chat, model, users, prefix_caching=pc, **kwargs)
             for pc in (False, True)
         ]
         if None not in runs:
@@ -315,43 +264,22 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
                 "reply_tokens": c["reply_tokens"],
                 "replies_identical": runs[0]["replies"] == runs[1]["replies"],
             }
-    else:
-        res["skipped"].append("chat")
-    if checkpoint is not None:
-        checkpoint(res)
+    save()
 
+    # 3b. page-size sweep over the admitted batch
     s = profile["sweep"]
-    if clock.left() > 20:
-        _log(f"[scaling] {model_name}: page-size sweep")
-        admitted = lengths[: res["batch"]["fit"]["paged_allocator"]] if "batch" in res else lengths[:8]
-        fns = {
-            n: DECODE_FUNCTIONS[n] for n in s["backends"] if not (n == "triton" and interpreted(torch.device(device)))
-        }
-        sweep = _guarded(
-            res,
-            "sweep",
-            lambda: page_size_sweep(
-                admitted,
-                s["page_sizes"],
-                geometry=geom,
-                backends=fns,
-                repeats=s["repeats"],
-                deadline=clock.deadline,
-            ),
-        )
-        if sweep is not None:
-            res["sweep"] = sweep
-    else:
-        res["skipped"].append("sweep")
+    admitted = lengths[: res["batch"]["fit"]["paged_allocator"]] if "batch" in res else lengths[:8]
+    backends = {n: DECODE_FUNCTIONS[n] for n in timed_here(s["backends"])}
+    kwargs = dict(geometry=geom, backends=backends, repeats=s["repeats"], deadline=clock.deadline)
+    sweep = section("sweep", 20, "page-size sweep", page_size_sweep, admitted, s["page_sizes"], **kwargs)
+    if sweep is not None:
+        res["sweep"] = sweep
 
-    # 5. allocation latency over every paged pool of the run ------------------------------------
-    calls = [call for r in res["ladder"] + res["long"] for call in r.get("alloc_calls", [])]
-    if "batch" in res:
-        calls += [call for p in res["batch"]["paged"].values() for call in p.get("alloc_calls", [])]
-    if "chat" in res:
-        calls += [call for r in res["chat"]["runs"] for call in r["alloc_calls"]]
-    res["alloc"] = alloc_summary(calls)
-    _strip(res)
+    # 5. allocation latency over every paged pool of the run
+    pools = res["ladder"] + res["long"] + list(res.get("batch", {}).get("paged", {}).values())
+    pools += res.get("chat", {}).get("runs", [])
+    res["alloc"] = alloc_summary([call for r in pools for call in r.get("alloc_calls", [])])
+    res = _without_bulk(res)
     res["elapsed_s"] = time.monotonic() - t0
     model = None  # free the weights before the next model loads
     if torch.device(device).type == "cuda":
@@ -359,30 +287,16 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
     return res
 
 
-_BULKY = ("alloc_calls", "predictions")
-
-
-def _strip(res: dict) -> None:
-    """Drop bulky raw records (per-call timings, predictions) once summarized."""
-    for r in res["ladder"] + res["long"]:
-        r.pop("alloc_calls", None)
-        r.pop("predictions", None)
-    for p in res.get("batch", {}).get("paged", {}).values():
-        p.pop("alloc_calls", None)
-    for r in res.get("chat", {}).get("runs", []):
-        r.pop("alloc_calls", None)
-
-
 def _without_bulk(res: dict) -> dict:
-    """A model's result as far as it got, without the bulky raw records (for a partial save)."""
+    """A copy of a model's result without the raw per-call timings and predictions."""
 
     def slim(rows):
-        return [{k: v for k, v in r.items() if k not in _BULKY} for r in rows]
+        return [{k: v for k, v in r.items() if k not in ("alloc_calls", "predictions")} for r in rows]
 
     view = {**res, "ladder": slim(res.get("ladder", [])), "long": slim(res.get("long", []))}
     if "batch" in res:
-        paged = {n: {k: v for k, v in p.items() if k not in _BULKY} for n, p in res["batch"]["paged"].items()}
-        view["batch"] = {**res["batch"], "paged": paged}
+        paged = res["batch"]["paged"]
+        view["batch"] = {**res["batch"], "paged": dict(zip(paged, slim(paged.values())))}
     if "chat" in res:
         view["chat"] = {**res["chat"], "runs": slim(res["chat"]["runs"])}
     return view
@@ -394,14 +308,9 @@ def main(argv=None) -> dict:
     where.add_argument("--cpu", action="store_true", help="run on the CPU (default without CUDA)")
     where.add_argument("--gpu", action="store_true", help="run on the CUDA GPU (default with CUDA)")
     parser.add_argument("--quick", action="store_true", help="fewer contexts and steps (CI, first GPU look)")
+    parser.add_argument("--model", choices=MODELS, help="run one model instead of the profile's (tiny: the test model)")
     parser.add_argument(
-        "--model", choices=MODELS, default=None, help="run one model instead of the profile's (tiny: the test model)"
-    )
-    parser.add_argument(
-        "--time-budget",
-        type=float,
-        default=None,
-        help="seconds; sections that would start later are skipped (default 220 on GPU)",
+        "--time-budget", type=float, help="seconds; sections that would start later are skipped (default 220 on GPU)"
     )
     args = parser.parse_args(argv)
     gpu = args.gpu or (not args.cpu and torch.cuda.is_available())
@@ -440,8 +349,9 @@ def main(argv=None) -> dict:
             data["models"][name] = _without_bulk(res)
             result.save(data)
 
-        run = lambda: run_model(name, profile, device=device, clock=clock, checkpoint=checkpoint)  # noqa: E731
-        res = _guarded(errors, f"model {name}", run)
+        res = _guarded(
+            errors, f"model {name}", run_model, name, profile, device=device, clock=clock, checkpoint=checkpoint
+        )
         if res is None:
             data.setdefault("errors", []).extend(errors["errors"])  # the sections it finished stay
             result.save(data)

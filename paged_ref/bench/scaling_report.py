@@ -1,11 +1,8 @@
 """What notebook 06 reports from `python -m paged_ref.bench scaling`: batch-fit counts and a run's tables.
 
-The counts hold a mixed-length batch in a fixed KV budget on a real `PagedKVCache`:
-:func:`mixed_lengths` draws the lengths, :func:`fit_counts` counts the requests that fit under
-max-length reservation and under paging, :func:`paged_overhead` counts the slots paging holds
-beyond the tokens. The summaries (:func:`alloc_summary`, :func:`ratios_to`,
-:func:`noise_summary`, :func:`decoder_ranges`) and :func:`print_model_report` are pure
-functions over the benchmark's result dicts.
+:func:`mixed_lengths` draws a batch's lengths, :func:`fit_counts` counts the requests that fit a
+KV budget under max-length reservation and under paging, :func:`paged_overhead` the slots paging
+holds beyond the tokens. The rest are pure functions over the benchmark's result dicts.
 
 Examples:
     >>> lengths = mixed_lengths(40, max_len=1024, mean_len=256, seed=0)
@@ -28,7 +25,8 @@ import numpy as np
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..fragmentation import make_workload, requests_that_fit
-from ..texttable import format_table
+from ..memory import reservation_report
+from .common import print_table
 
 __all__ = [
     "mixed_lengths",
@@ -36,7 +34,6 @@ __all__ = [
     "paged_overhead",
     "alloc_summary",
     "decoder_ranges",
-    "latency_table",
     "ratios_to",
     "noise_summary",
     "print_model_report",
@@ -50,12 +47,9 @@ def mixed_lengths(num: int, *, max_len: int, mean_len: float, seed: int = 0) -> 
 
 
 def fit_counts(lengths, *, budget_tokens: int, max_len: int, page_size: int) -> dict:
-    """Requests (taken in order) that fit in ``budget_tokens`` slots: max-length reservation vs paged.
-
-    Returns ``{"reserve_max", "exact", "paged"}`` counts (:func:`requests_that_fit`) and the
-    paged count confirmed on a real `PagedKVCache` of ``budget_tokens // page_size`` pages
-    (``"paged_allocator"``, reserve until the pool says no).
-    """
+    """Requests (in order) that fit ``budget_tokens`` slots: :func:`requests_that_fit`'s
+    ``{"reserve_max", "exact", "paged"}``, and ``"paged_allocator"``, the paged count on a real
+    `PagedKVCache` of ``budget_tokens // page_size`` pages (reserve until the pool says no)."""
     fit = requests_that_fit(lengths, budget_slots=budget_tokens, page_size=page_size, reserved_per_request=max_len)
     kv = PagedKVCache(
         num_layers=1, num_pages=budget_tokens // page_size, page_size=page_size, num_kv_heads=1, head_dim=1
@@ -71,32 +65,21 @@ def fit_counts(lengths, *, budget_tokens: int, max_len: int, page_size: int) -> 
 
 
 def paged_overhead(lengths, *, page_size: int) -> dict:
-    """Slots a real `PagedKVCache` holds for ``lengths`` vs the tokens themselves (counts, not bytes).
-
-    Returns ``{"page_size", "tokens", "pages", "slots", "overhead"}`` with
-    ``overhead = slots / tokens - 1`` (the same ratio in bytes: every slot costs the same).
-    """
-    total_pages = sum(pages_needed(n, page_size) for n in lengths)
-    kv = PagedKVCache(num_layers=1, num_pages=total_pages, page_size=page_size, num_kv_heads=1, head_dim=1)
-    for n in lengths:
-        kv.reserve(kv.add_sequence(), n)
-    pages = kv.allocator.num_pages - kv.allocator.num_free
-    tokens = sum(lengths)
+    """``{"page_size", "tokens", "pages", "slots", "overhead"}`` of whole pages holding ``lengths``;
+    ``overhead = slots / tokens - 1`` (the same ratio in bytes: every slot costs the same)."""
+    r = reservation_report(lengths, page_size=page_size, reserved_per_request=max(lengths))
     return {
         "page_size": page_size,
-        "tokens": tokens,
-        "pages": pages,
-        "slots": pages * page_size,
-        "overhead": pages * page_size / tokens - 1,
+        "tokens": r.used_slots,
+        "pages": r.paged_slots // page_size,
+        "slots": r.paged_slots,
+        "overhead": r.paged_slots / r.used_slots - 1,
     }
 
 
 def alloc_summary(calls) -> dict:
-    """Per page operation: calls, pages, median and p99 nanoseconds per call and per page.
-
-    Args:
-        calls: ``(op, nanoseconds, pages)`` tuples as recorded by `AllocationTimer`.
-    """
+    """Per page operation of ``(op, nanoseconds, pages)`` calls (`AllocationTimer`): calls, pages,
+    median and p99 nanoseconds per call and per page."""
     out = {}
     for op in sorted({c[0] for c in calls}):
         ns = np.array([c[1] for c in calls if c[0] == op], dtype=float)
@@ -116,7 +99,7 @@ def alloc_summary(calls) -> dict:
 def ratios_to(ladder: list[dict], base: str) -> dict:
     """``{label: {context: median / base median}}`` for every timed decoder against ``base``."""
     by_label = {r["label"]: {p["context"]: p["median_s"] for p in r["points"]} for r in ladder if r["timed"]}
-    ref = next((v for k, v in by_label.items() if k == base), None)
+    ref = by_label.get(base)
     if ref is None:
         return {}
     return {
@@ -126,28 +109,9 @@ def ratios_to(ladder: list[dict], base: str) -> dict:
     }
 
 
-def latency_table(ladder: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """Headers and rows: ms per token of each decoder (columns) at each context (rows)."""
-    timed = [r for r in ladder if r["timed"]]
-    contexts = sorted({p["context"] for r in timed for p in r["points"]})
-    headers = ["context"] + [r["label"] for r in timed]
-    rows = []
-    for c in contexts:
-        row = [str(c)]
-        for r in timed:
-            t = next((p["median_s"] for p in r["points"] if p["context"] == c), None)
-            row.append("-" if t is None else f"{t * 1e3:.2f}")
-        rows.append(row)
-    return headers, rows
-
-
 def noise_summary(ladder: list[dict], base: str = "dynamic", peer: str = "static") -> dict:
-    """What a run's timings can tell apart: the spread of each point and two baselines' own gap.
-
-    Args:
-        ladder: the ``ladder`` list of a scaling result.
-        base, peer: backends of two contiguous caches (DynamicCache, StaticCache): their ratio
-            is a difference no paging causes, i.e. a floor on what the run resolves.
+    """What a run's timings can tell apart: each point's spread and the gap between two contiguous
+    caches (``base``, ``peer``), a difference no paging causes.
 
     Returns:
         ``{"steps": {label: timed steps per point}, "spread": {label: {context: [min, p25,
@@ -183,12 +147,8 @@ def noise_summary(ladder: list[dict], base: str = "dynamic", peer: str = "static
 
 
 def decoder_ranges(ladder: list[dict], base: str = "dynamic") -> dict:
-    """Per timed decoder over the contexts: the range of its median ms per token and of its
-    ratio to ``base``'s median at the same context.
-
-    Returns:
-        ``{label: {"ms": (min, max), "ratio": (min, max) or None (for base itself)}}``.
-    """
+    """``{label: {"ms": (min, max), "ratio": (min, max) or None for base}}`` per timed decoder over
+    the contexts: its median ms per token and its ratio to ``base``'s median at the same context."""
     timed = {r["backend"]: r for r in ladder if r["timed"]}
     ratios = ratios_to(ladder, timed[base]["label"]) if base in timed else {}
     out = {}
@@ -201,27 +161,30 @@ def decoder_ranges(ladder: list[dict], base: str = "dynamic") -> dict:
     return out
 
 
-def _print_table(headers, rows) -> None:
-    print(format_table(headers, rows))
-
-
 def _mib(n) -> str:
     return "-" if n is None else f"{n / 2**20:.2f}"
 
 
+def _ms(seconds, digits: int) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.{digits}f}"
+
+
 def print_model_report(name: str, res: dict) -> None:
     """Print the tables of one model's results (latency, memory, batch, chat, sweep, allocation)."""
-    print(
-        f"\n=== {name}: {res['model']['note'] or res['model']['name']} ({res['model']['dtype']}, "
-        f"{res['model']['params'] / 1e6:.0f}M parameters) ==="
-    )
+    m = res["model"]
+    print(f"\n=== {name}: {m['note'] or m['name']} ({m['dtype']}, {m['params'] / 1e6:.0f}M parameters) ===")
     for what in res.get("skipped", []):
         print(f"  skipped (time budget): {what}")
     for err in res.get("errors", []):
         print(f"  ERROR: {err}")
     if res.get("ladder"):
         print("\nper-token decode latency, ms (median of timed steps; teacher-forced, batch 1)")
-        _print_table(*latency_table(res["ladder"]))
+        timed = [r for r in res["ladder"] if r["timed"]]
+        medians = [{p["context"]: p["median_s"] for p in r["points"]} for r in timed]
+        contexts = sorted({c for m in medians for c in m})
+        print_table(
+            ["context"] + [r["label"] for r in timed], [[c] + [_ms(m.get(c), 2) for m in medians] for c in contexts]
+        )
         for label, pts in res.get("ratios", {}).items():
             print(f"  {label} / {res['ratio_base']}: " + ", ".join(f"{c}: {r:.2f}x" for c, r in pts.items()))
         for label, a in res.get("agreement", {}).items():
@@ -229,18 +192,11 @@ def print_model_report(name: str, res: dict) -> None:
         print("\nKV memory held after the timed steps, MiB (peak device memory where CUDA)")
         rows = []
         for r in res["ladder"]:
+            per_token = 0 if r["backend"] == "none" else res["kv_bytes_per_token"]  # the minimum: tokens x bytes
             for p in r["points"]:
-                rows.append(
-                    [
-                        r["label"],
-                        p["context"],
-                        p["tokens_held"],
-                        _mib(p["kv_bytes"]),
-                        _mib(p["tokens_held"] * res["kv_bytes_per_token"] if r["backend"] != "none" else 0),
-                        _mib(p["peak_bytes"]),
-                    ]
-                )
-        _print_table(["decoder", "context", "tokens", "KV held", "minimum", "peak"], rows)
+                held = [p["kv_bytes"], p["tokens_held"] * per_token, p["peak_bytes"]]
+                rows.append([r["label"], p["context"], p["tokens_held"], *map(_mib, held)])
+        print_table(["decoder", "context", "tokens", "KV held", "minimum", "peak"], rows)
     if res.get("long"):
         print("\nlong sequence (paged only)")
         for r in res["long"]:
@@ -264,30 +220,12 @@ def print_model_report(name: str, res: dict) -> None:
             f"({fit['paged_allocator'] / max(fit['reserve_max'], 1):.2f}x)"
         )
         rows = []
-        if "contiguous" in b:
-            c = b["contiguous"]
+        for r in ([b["contiguous"]] if "contiguous" in b else []) + list(b["paged"].values()):
+            same = "-" if r is b.get("contiguous") else f"{r.get('same_batch_tokens_per_s', float('nan')):.1f}"
             rows.append(
-                [
-                    c["label"],
-                    c["batch"],
-                    f"{c['step_s'] * 1e3:.1f}",
-                    f"{c['tokens_per_s']:.1f}",
-                    "-",
-                    _mib(c["kv_bytes"]),
-                ]
+                [r["label"], r["batch"], _ms(r["step_s"], 1), f"{r['tokens_per_s']:.1f}", same, _mib(r["kv_bytes"])]
             )
-        for p in b["paged"].values():
-            rows.append(
-                [
-                    p["label"],
-                    p["batch"],
-                    f"{p['step_s'] * 1e3:.1f}",
-                    f"{p['tokens_per_s']:.1f}",
-                    f"{p.get('same_batch_tokens_per_s', float('nan')):.1f}",
-                    _mib(p["kv_bytes"]),
-                ]
-            )
-        _print_table(["cache", "batch", "step ms", "tokens/s", "tokens/s same batch", "KV held MiB"], rows)
+        print_table(["cache", "batch", "step ms", "tokens/s", "tokens/s same batch", "KV held MiB"], rows)
         o = b["overhead_ps16"]
         print(
             f"  paged overhead over the minimum at page size {o['page_size']}: {o['slots']} slots for "
@@ -305,43 +243,25 @@ def print_model_report(name: str, res: dict) -> None:
         )
         names = list(res["sweep"][0]["attention_s"])
         rows = [
-            [r["page_size"], f"{100 * r['overhead']:.2f}"]
-            + ["-" if r["attention_s"][n] is None else f"{r['attention_s'][n] * 1e3:.3f}" for n in names]
+            [r["page_size"], f"{100 * r['overhead']:.2f}"] + [_ms(r["attention_s"][n], 3) for n in names]
             for r in res["sweep"]
         ]
-        _print_table(["page size", "overhead %"] + [f"{n} ms" for n in names], rows)
+        print_table(["page size", "overhead %"] + [f"{n} ms" for n in names], rows)
     if res.get("chat"):
         print("\ngrowing-context chat (one new request per turn holding the whole history)")
         rows = []
-        for mode in res["chat"]["runs"]:
-            for t in mode["turns"]:
+        for run in res["chat"]["runs"]:
+            on = "on" if run["prefix_caching"] else "off"
+            for t in run["turns"]:
+                ms = _ms(t["latency_s"], 0)
                 rows.append(
-                    [
-                        "on" if mode["prefix_caching"] else "off",
-                        t["turn"],
-                        t["context"],
-                        t["prefilled"],
-                        f"{t['latency_s'] * 1e3:.0f}",
-                        t["pages_allocated"],
-                        t["prefix_pages_reused"],
-                    ]
+                    [on, t["turn"], t["context"], t["prefilled"], ms, t["pages_allocated"], t["prefix_pages_reused"]]
                 )
-        _print_table(
-            ["prefix cache", "turn", "context", "prefilled", "latency ms", "pages allocated", "pages reused"], rows
-        )
+        headers = ["prefix cache", "turn", "context", "prefilled", "latency ms", "pages allocated", "pages reused"]
+        print_table(headers, rows)
         print(f"  replies identical with and without prefix caching: {res['chat']['replies_identical']}")
     if res.get("alloc"):
         print("\nallocator cost per page operation during the run (perf_counter_ns around each call)")
-        rows = [
-            [
-                op,
-                s["calls"],
-                s["pages"],
-                f"{s['median_ns']:.0f}",
-                f"{s['p99_ns']:.0f}",
-                f"{s['median_ns_per_page']:.0f}",
-                f"{s['p99_ns_per_page']:.0f}",
-            ]
-            for op, s in res["alloc"].items()
-        ]
-        _print_table(["op", "calls", "pages", "median ns", "p99 ns", "median ns/page", "p99 ns/page"], rows)
+        keys = ["median_ns", "p99_ns", "median_ns_per_page", "p99_ns_per_page"]
+        rows = [[op, s["calls"], s["pages"], *(f"{s[k]:.0f}" for k in keys)] for op, s in res["alloc"].items()]
+        print_table(["op", "calls", "pages", "median ns", "p99 ns", "median ns/page", "p99 ns/page"], rows)
