@@ -1,19 +1,13 @@
 """Prefill and decode apart, at growing prompt lengths: the paged path against transformers'.
 
-For each context length ``n`` (``n`` tokens of English prose; random ids without a tokenizer), the
-methods take turns step by step (each prefills, then each takes decode step 1, then step 2, ...):
-
-* ``hf``: the model with ``DynamicCache``: one ``model(prompt, use_cache=True)``, then ``decode_steps``
-  single-token forwards on that cache.
-* ``paged_<backend>``: the same steps through a `PagedSession` whose pool just fits (consecutive
-  pages, which ``sdpa`` reads in place); the time spent building each step's plan is timed apart.
-* ``paged_<backend>_scattered``: the same on a pool twice as large where another sequence holds every
-  other page, so no two of the sequence's pages are neighbours.
-
-``skip_above`` leaves a method out above a length. All decode greedily and must give the same tokens.
-Per method: median prefill seconds, median decode seconds per token, the plan's share of the decode
-time, and paged / hf ratios (< 1 faster) of the medians and, for decode, the median of the ratios of
-steps taken back to back (``decode_over_hf_paired``).
+At each context length (English prose; random ids without a tokenizer) the methods take turns step by
+step (each prefills, then each takes decode step 1, then step 2, ...), all greedy, same tokens expected:
+``hf``, the model on ``DynamicCache``; ``paged_<backend>``, a `PagedSession` whose pool just fits (its
+pages consecutive), the time spent building each step's plan timed apart; ``paged_<backend>_scattered``,
+the same where another sequence holds every other page of a pool twice as large. ``skip_above`` leaves
+a method out above a length. Per method: median prefill seconds and decode seconds per token, the
+plan's share of decode, and paged / hf ratios (< 1 faster) of the medians and, for decode, the median
+of the ratios of steps taken back to back (``decode_over_hf_paired``).
 """
 
 from __future__ import annotations

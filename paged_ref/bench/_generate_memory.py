@@ -1,11 +1,9 @@
-"""Peak memory of one generation, each run in a fresh process: the paged pool against DynamicCache.
+"""Peak memory of one generation, a fresh process per run: the paged pool against DynamicCache.
 
-An RSS rise measured in a process that ran other methods says more about the C allocator's free blocks
-than about the method, so every (method, context, repeat) gets a process of its own: it loads the
-model, runs the same method once on an 8-token prompt (first-call costs), hands the allocator's free
-memory back to the OS (glibc ``malloc_trim``), then runs one ``generate`` call while `PeakRSS` samples
-the RSS every 2 ms. The rise over the RSS just before the call is the memory the call took at its
-peak: KV cache plus activations.
+In a process that ran other methods, an RSS rise says more about the allocator's free blocks than about
+the method. So each (method, context, repeat) process loads the model, runs the method once on an
+8-token prompt (first-call costs), hands free memory back to the OS (glibc ``malloc_trim``), then runs
+one ``generate`` call while `PeakRSS` samples the RSS every 2 ms: the rise is KV cache plus activations.
 
     python -m paged_ref.bench._generate_memory --method paged_auto --context 2048 --new 32
 
@@ -32,8 +30,7 @@ METHODS = ("hf_generate", "paged_auto")
 
 
 def measure_memory(*, contexts, new, repeats, model="smollm2", threads=None, methods=METHODS) -> dict:
-    """Peak RSS rise of ``generate`` per method and prompt length, a fresh process per run, the methods
-    taking turns within each repeat; ``threads``: torch threads in the children (None: torch's).
+    """Peak RSS rise of ``generate`` per method and prompt length, the methods taking turns in each repeat.
 
     Returns:
         ``{"contexts", "new_tokens", "repeats", "rows": [{"context", "methods": {m: {...}}}]}`` with,
@@ -80,7 +77,7 @@ def main(argv=None) -> dict:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    warm, _ = generation_methods(model, [prompt_tokens(model, tokenizer, 8).tolist()], 2, ("auto",), False)[args.method]
+    warm = generation_methods(model, [prompt_tokens(model, tokenizer, 8).tolist()], 2, ("auto",), False)[args.method]
     warm()  # first-call costs (lazy imports, kernel selection) are not the cache's memory
     gc.collect()  # ... and the warm-up's freed blocks must not serve the measured call
     try:
@@ -88,9 +85,9 @@ def main(argv=None) -> dict:
     except (OSError, AttributeError):  # not glibc
         pass
     prompt = prompt_tokens(model, tokenizer, args.context).tolist()
-    run, _ = generation_methods(model, [prompt], args.new, ("auto",), with_generate_batch=False)[args.method]
+    run = generation_methods(model, [prompt], args.new, ("auto",), with_generate_batch=False)[args.method]
     with PeakRSS() as probe:
-        tokens = run()
+        tokens, _ = run()
     result = dict(vars(args), peak_rss_rise_bytes=probe.rise_bytes, generated=len(tokens[0]))
     print(json.dumps(result))
     return result

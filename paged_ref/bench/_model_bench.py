@@ -3,6 +3,7 @@ a peak-RSS probe, the median of per-pair ratios and tables built from (header, f
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import threading
@@ -10,7 +11,7 @@ from statistics import median_high
 
 import torch
 
-from .. import hf, textdata
+from .. import hf, models, textdata
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..memory import model_geometry
@@ -54,8 +55,8 @@ def _cell(fmt: str, row: dict) -> str:
 
 
 def table(columns, rows) -> str:
-    """``rows`` (dicts) as a text table; ``columns``: ``[(header, format)]``, each format filled from
-    one row (``"{peak[paged]:.1f}"``); a value the row lacks, or None, prints as ``-``."""
+    """``rows`` (dicts) as a text table; ``columns``: ``[(header, format)]``, a format filled from one row
+    (``"{peak[paged]:.1f}"``); a value the row lacks, or None, prints as ``-``."""
     return format_table([h for h, _ in columns], [[_cell(f, r) for _, f in columns] for r in rows])
 
 
@@ -93,13 +94,7 @@ class PeakRSS:
 
 def load_model(name: str):
     """``(model, tokenizer)``: the bundled SmolLM2, or the tiny random Llama without a tokenizer."""
-    if name == "smollm2":
-        from ..models import load_smollm2
-
-        return load_smollm2()
-    from ..models import tiny_llama
-
-    return tiny_llama(), None
+    return models.load_smollm2() if name == "smollm2" else (models.tiny_llama(), None)
 
 
 def model_parser(name: str, doc: str, *, repeats: str):
@@ -141,57 +136,45 @@ def cb_config(page_size: int, **kwargs):
 
 
 def generation_methods(model, rows, new, backends, with_generate_batch):
-    """name -> (run() -> list of generated token lists, kv_bytes() -> dict) for one workload."""
+    """name -> run() -> ``(generated token lists, {"kv_bytes": ...})`` for one workload (greedy, EOS off)."""
     from transformers import GenerationConfig
 
     pad = model.generation_config.pad_token_id
     pad = 0 if pad is None else pad
     width = max(len(r) for r in rows)  # left padding
-    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])  # [B, width]
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])  # [B, width]
     device = next(model.parameters()).device
-    ids, mask = ids.to(device), mask.to(device)
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=device)  # [B, width]
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)  # [B, width]
     per_token = model_geometry(model).bytes_per_token
     num_pages = sum(pages_needed(len(r) + new, PAGE_SIZE) for r in rows)
     config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad)
-
-    def hf_default():
-        out = model.generate(ids, attention_mask=mask, generation_config=config)
-        return [row[width:].tolist() for row in out]
-
     same = dict(attention_mask=mask, max_new_tokens=new, eos_token_id=[], progress=False)
-    methods = {"hf_generate": (hf_default, lambda: {"kv_bytes": len(rows) * (width + new) * per_token})}
-    for backend in backends:
-        state = {}
 
-        def paged(backend=backend, state=state):
-            kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=PAGE_SIZE)
-            used = [0]
+    def hf_generate():
+        out = model.generate(ids, attention_mask=mask, generation_config=config)
+        return [row[width:].tolist() for row in out], {"kv_bytes": len(rows) * (width + new) * per_token}
 
-            def count(step, tokens):
-                used[0] = max(used[0], kv.num_pages - kv.allocator.num_free)
+    def paged(backend):
+        kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=PAGE_SIZE)
+        used = [0]
 
-            out = hf.generate(model, ids, backend=backend, kv_cache=kv, callback=count, **same)
-            state.update(peak_pages=used[0], page_bytes=kv.page_bytes, pool_pages=kv.num_pages)
-            return [row[width:].tolist() for row in out]
+        def count(step, tokens):
+            used[0] = max(used[0], kv.num_pages - kv.allocator.num_free)
 
-        def kv_bytes(state=state):
-            return {
-                "kv_bytes": state["peak_pages"] * state["page_bytes"],
-                "kv_pool_bytes": state["pool_pages"] * state["page_bytes"],
-            }
+        out = hf.generate(model, ids, backend=backend, kv_cache=kv, callback=count, **same)
+        pool = {"kv_bytes": used[0] * kv.page_bytes, "kv_pool_bytes": kv.num_pages * kv.page_bytes}
+        return [row[width:].tolist() for row in out], pool
 
-        methods[f"paged_{backend}"] = (paged, kv_bytes)
+    def hf_generate_batch():
+        cfg = cb_config(PAGE_SIZE, num_blocks=num_pages, max_batch_tokens=sum(len(r) for r in rows))
+        res = model.generate_batch(
+            rows, generation_config=config, continuous_batching_config=cfg, warmup=False, progress_bar=False
+        )
+        order = sorted(res.values(), key=lambda o: int(o.request_id.split("_")[-1]))
+        return [list(o.generated_tokens) for o in order], {"kv_bytes": num_pages * PAGE_SIZE * per_token}
 
+    methods = {"hf_generate": hf_generate}
+    methods.update({f"paged_{b}": functools.partial(paged, b) for b in backends})
     if with_generate_batch:
-
-        def cb():
-            cfg = cb_config(PAGE_SIZE, num_blocks=num_pages, max_batch_tokens=sum(len(r) for r in rows))
-            res = model.generate_batch(
-                rows, generation_config=config, continuous_batching_config=cfg, warmup=False, progress_bar=False
-            )
-            order = sorted(res.values(), key=lambda o: int(o.request_id.split("_")[-1]))
-            return [list(o.generated_tokens) for o in order]
-
-        methods["hf_generate_batch"] = (cb, lambda: {"kv_bytes": num_pages * PAGE_SIZE * per_token})
+        methods["hf_generate_batch"] = hf_generate_batch
     return methods

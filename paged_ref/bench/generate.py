@@ -2,22 +2,18 @@
 
     python -m paged_ref.bench generate [--quick] [--threads N] [--model smollm2|tiny] [--out DIR]
 
-Greedy decoding, EOS ignored so that every method does the same work. Workloads:
-
-* ``single``: one prompt of English prose -> ``pr.hf.generate`` with the ``reference``, ``flex`` and
-  ``sdpa`` backends against ``model.generate`` (``DynamicCache``, SDPA attention).
-* ``mixed``: prompts of different lengths -> the same, plus transformers' ``model.generate_batch``
-  (16-token pages, just enough blocks, no CUDA graphs).
-* ``contexts``: prefill and decode timed apart at 128 to 8192 prompt tokens (`._generate_contexts`).
-* ``memory``: peak RSS rise of one ``generate`` call, a fresh process per run (`._generate_memory`).
+Greedy, EOS ignored so that every method does the same work. ``single``: one prompt of English prose
+-> ``pr.hf.generate`` per backend against ``model.generate`` (``DynamicCache``, SDPA). ``mixed``: prompts
+of different lengths -> the same, plus ``model.generate_batch`` (16-token pages, just enough blocks).
+``contexts``: prefill and decode timed apart at 128 to 8192 tokens (`._generate_contexts`). ``memory``:
+the peak RSS rise of one call, a fresh process per run (`._generate_memory`).
 
 Per method (single, mixed): median wall time of the whole call after one warm-up, the methods
-interleaved in each repeat; generated tokens/s and its ratio to each peer's, both of the medians and
-as the median of the per-repeat ratios; whether the tokens equal ``model.generate``'s; KV bytes
-(``DynamicCache``: its padded size; paged: peak pages in use and the pool; generate_batch: its pool);
-the peak RSS rise during the call (sampled every 2 ms; approximate in a process that ran the other
-methods). JSON: ``figures/data/generate_cpu.json`` (``generate_gpu.json`` on CUDA). The Triton backend
-is not timed on CPU (it is the interpreter).
+interleaved in each repeat; tokens/s and its ratio to each peer's, of the medians and as the median of
+per-repeat ratios; whether the tokens equal ``model.generate``'s; KV bytes (``DynamicCache``: padded
+size; paged: peak pages in use and the pool; generate_batch: its pool); the peak RSS rise (sampled
+every 2 ms; approximate in a process that ran the other methods). JSON: ``figures/data/generate_cpu.json``
+(``_gpu`` on CUDA). The Triton backend is not timed on CPU (it is the interpreter).
 """
 
 from __future__ import annotations
@@ -46,6 +42,7 @@ CONTEXTS_FULL = dict(
 CONTEXTS_QUICK = dict(contexts=(16, 64), decode_steps=3, repeats=1, backends=("auto", "reference"), scattered=("auto",))
 MEMORY_FULL = dict(contexts=(128, 512, 2048, 8192), new=32, repeats=3)
 MEMORY_QUICK = dict(contexts=(64,), new=4, repeats=1)
+BACKENDS = ("auto", "reference", "flex", "sdpa")
 
 METHOD_COLUMNS = [
     ("method", "{method}"),
@@ -77,19 +74,19 @@ MEMORY_COLUMNS = [
 
 def _run_workload(name, model, rows, new, backends, repeats, with_generate_batch):
     methods = generation_methods(model, rows, new, backends, with_generate_batch)
-    tokens = {m: run() for m, (run, _) in methods.items()}  # warm-up, and the tokens to compare
-    times, rss = {m: [] for m in methods}, dict.fromkeys(methods, 0)
+    tokens = {m: run()[0] for m, run in methods.items()}  # warm-up, and the tokens to compare
+    times, rss, kv = {m: [] for m in methods}, dict.fromkeys(methods, 0), {}
     for _ in range(repeats):
-        for m, (run, _) in methods.items():
+        for m, run in methods.items():
             with PeakRSS() as probe:
                 start = time.perf_counter()
-                run()
+                _, kv[m] = run()
                 times[m].append(time.perf_counter() - start)
             rss[m] = max(rss[m], probe.rise_bytes)
     expected = tokens["hf_generate"]
     generated = sum(len(t) for t in expected)
     results = {}
-    for m, (_, kv) in methods.items():
+    for m in methods:
         median = median_high(times[m])
         results[m] = {
             "median_s": median,
@@ -97,7 +94,7 @@ def _run_workload(name, model, rows, new, backends, repeats, with_generate_batch
             "tokens_per_s": generated / median,
             "tokens_match_hf_generate": tokens[m] == expected,
             "peak_rss_rise_bytes": rss[m],
-            **kv(),
+            **kv[m],
         }
     ratios, paired = {}, {}
     for m in methods:
@@ -115,17 +112,7 @@ def _run_workload(name, model, rows, new, backends, repeats, with_generate_batch
     }
 
 
-def measure(
-    model,
-    tokenizer=None,
-    *,
-    single_words,
-    single_new,
-    mixed_prompts,
-    mixed_new,
-    repeats,
-    backends=("auto", "reference", "flex", "sdpa"),
-) -> dict:
+def measure(model, tokenizer=None, *, single_words, single_new, mixed_prompts, mixed_new, repeats, backends=BACKENDS):
     """Run both workloads on ``model``; without a tokenizer, prompts are seeded random ids."""
     if tokenizer is not None:
         single = [tokenizer(textdata.english_text(single_words)).input_ids]
@@ -178,11 +165,7 @@ def _report(data: dict) -> None:
 
 def main(argv=None):
     parser = model_parser("generate", __doc__, repeats="timed repeats per method (default 3; quick 1)")
-    parser.add_argument(
-        "--skip-contexts",
-        action="store_true",
-        help="leave out the prefill/decode-by-context workload (the longest part)",
-    )
+    parser.add_argument("--skip-contexts", action="store_true", help="leave out the prefill/decode-by-context workload")
     parser.add_argument("--skip-memory", action="store_true", help="leave out the fresh-process memory workload")
     args = parser.parse_args(argv)
     device = "gpu" if torch.cuda.is_available() else "cpu"

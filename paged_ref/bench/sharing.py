@@ -2,21 +2,17 @@
 
     python -m paged_ref.bench sharing [--quick] [--threads N] [--model smollm2|tiny] [--repeats R] [--out DIR]
 
-n = 2, 4, 8 seeded samples (``do_sample=True``) and k = 2, 4, 8 beams (all k returned) of a short and a
-512-token prompt of English prose, EOS ignored, pages of 16:
+n = 2, 4, 8 seeded samples and k = 2, 4, 8 beams (all returned) of a short and a 512-token prompt of
+English prose, EOS ignored, pages of 16. **Memory**: pages held after every forward under (a) fork +
+copy-on-write, measured in the paged run (`pr.hf.generate` / `pr.hf.beam_search`), (b) a request per
+sample or beam with prefix caching (vLLM) and (c) no sharing, both counted from the same run's tokens
+(`paged_ref.sharing`); the peak, the saving ``1 - held / held without sharing`` at the peak and over the
+steps, pages copied, tokens computed. **Speed**: the same call against ``model.generate``, wall and CPU
+time over ``repeats`` pairs (the recorded runs are the first pair, then the order alternates), the
+median of the per-pair ratios paged / transformers (goal <= 1.10; CPU time is steadier with
+``--threads 1``), and whether the tokens (and beam scores, within 1e-4) are the same.
 
-* **memory**, pages held after every forward under three designs (`paged_ref.sharing`): (a) fork +
-  copy-on-write, measured in the real paged run (`pr.hf.generate` / `pr.hf.beam_search`); (b) one
-  request per sample or beam with prefix caching (vLLM); (c) no sharing; (b) and (c) counted from the
-  same run's tokens. Also the peak, the saving ``1 - held / held without sharing`` at the peak and summed
-  over the steps, the pages copied and the tokens each design computes;
-* **speed**, the same call against ``model.generate`` with the same arguments: wall and CPU time over
-  ``repeats`` pairs (the recorded run and the comparison run are the first pair; then the order
-  alternates), the median of the per-pair ratios paged / transformers (goal <= 1.10), and whether the
-  tokens (and beam scores, within 1e-4) are the same. With ``--threads 1`` CPU time is the steadier measure.
-
-JSON: ``figures/data/sharing_cpu.json`` (``sharing_gpu.json`` on CUDA); figure:
-`paged_ref.viz.sharing.sharing_figure` (notebook 08).
+JSON: ``figures/data/sharing_cpu.json`` (``_gpu`` on CUDA); figure: `paged_ref.viz.sharing.sharing_figure`.
 """
 
 from __future__ import annotations
@@ -60,24 +56,17 @@ def _pad_id(model) -> int:
     return pad if pad else 1
 
 
-def _sample_run(model, ids, n, new):
+def _sample_run(model, ids, args):
     """The paged sampling run, recorded: pages per step (a), the tokens for (b) and (c), copies."""
-    width = ids.shape[1]
+    width, n, new = ids.shape[1], args["num_return_sequences"], args["max_new_tokens"]
     kv = PagedKVCache.for_model(model, num_pages=n * pages_needed(width + new, PAGE_SIZE), page_size=PAGE_SIZE)
     snapshots = []
+
+    def snapshot(step, tokens):
+        snapshots.append({s: kv.pages(s) for s in kv.seq_ids})
+
     torch.manual_seed(SEED)
-    out = hf.generate(
-        model,
-        ids,
-        max_new_tokens=new,
-        do_sample=True,
-        num_return_sequences=n,
-        eos_token_id=[],
-        pad_token_id=_pad_id(model),
-        page_size=PAGE_SIZE,
-        kv_cache=kv,
-        callback=lambda step, tokens: snapshots.append({s: kv.pages(s) for s in kv.seq_ids}),
-    )
+    out = hf.generate(model, ids, page_size=PAGE_SIZE, kv_cache=kv, callback=snapshot, **args)
     rows = out.tolist()
     pages = {d: [] for d in DESIGNS}
     copies = 0
@@ -98,21 +87,11 @@ def _sample_run(model, ids, n, new):
     return out, pages, {"fork_cow": copies, "prefix_caching": 0, "no_sharing": 0}, computed
 
 
-def _beam_run(model, ids, k, new):
+def _beam_run(model, ids, args):
     """The paged beam search, recorded through its `BeamStep`s."""
-    width = ids.shape[1]
+    width, k = ids.shape[1], args["num_beams"]
     steps = []
-    out = hf.beam_search(
-        model,
-        ids,
-        max_new_tokens=new,
-        num_beams=k,
-        num_return_sequences=k,
-        eos_token_id=[],
-        pad_token_id=_pad_id(model),
-        page_size=PAGE_SIZE,
-        callback=lambda step, beam_step: steps.append(beam_step),
-    )
+    out = hf.beam_search(model, ids, page_size=PAGE_SIZE, callback=lambda step, s: steps.append(s), **args)
     pages = {d: [] for d in DESIGNS}
     copies = dict.fromkeys(DESIGNS, 0)
     computed = dict.fromkeys(DESIGNS, width)
@@ -172,9 +151,9 @@ def measure_one(model, ids, kind: str, width: int, new: int, repeats: int) -> di
     """One workload: memory under the three designs, and speed against ``model.generate``."""
     common = dict(max_new_tokens=new, eos_token_id=[], pad_token_id=_pad_id(model))
     if kind == "sample":
-        with _Clock() as recorded:
-            out, pages, copies, computed = _sample_run(model, ids, width, new)
         args = dict(do_sample=True, num_return_sequences=width, **common)
+        with _Clock() as recorded:
+            out, pages, copies, computed = _sample_run(model, ids, args)
         torch.manual_seed(SEED)
         with _Clock() as compared:
             expected = model.generate(ids, **args)
@@ -188,9 +167,9 @@ def measure_one(model, ids, kind: str, width: int, new: int, repeats: int) -> di
             torch.manual_seed(SEED)
             model.generate(ids, **args)
     else:
-        with _Clock() as recorded:
-            out, pages, copies, computed = _beam_run(model, ids, width, new)
         args = dict(num_beams=width, num_return_sequences=width, **common)
+        with _Clock() as recorded:
+            out, pages, copies, computed = _beam_run(model, ids, args)
         with _Clock() as compared:
             expected = model.generate(ids, do_sample=False, output_scores=True, return_dict_in_generate=True, **args)
         same = {"tokens": torch.equal(out.sequences, expected.sequences)}
