@@ -102,10 +102,7 @@ def model_parser(name: str, doc: str, *, repeats: str):
     parser = bench_parser(name, doc)
     parser.add_argument("--quick", action="store_true", help="short prompts, few tokens, one repeat")
     parser.add_argument(
-        "--model",
-        choices=["smollm2", "tiny"],
-        default="smollm2",
-        help="the bundled SmolLM2-135M (default) or the tiny random Llama (harness check)",
+        "--model", choices=["smollm2", "tiny"], default="smollm2", help="SmolLM2-135M or the tiny Llama"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--repeats", type=int, default=None, help=repeats)

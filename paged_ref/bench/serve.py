@@ -162,10 +162,9 @@ def run_rate(model, cfg, requests, arrivals, rate: float) -> dict:
     policy = make_policy("paged_eviction", cfg["eviction_budget"])
     for name in POLICIES:
         e = engines[name] = _engine(model, cfg, name)
+        eviction = policy if "eviction" in name else None
         for (prompt, new), t in zip(requests, arrivals):
-            e.add_request(
-                prompt, max_new_tokens=new, arrival_s=t / rate, eviction=policy if "eviction" in name else None
-            )
+            e.add_request(prompt, max_new_tokens=new, arrival_s=t / rate, eviction=eviction)
     load = os.getloadavg()
     start = time.perf_counter()
     outs = _lockstep(engines, f"rate {rate:g}/s")
@@ -333,13 +332,9 @@ def _report_peer(p: dict) -> None:
 
 def main(argv=None):
     parser = bench_parser("serve", __doc__)
-    parser.add_argument(
-        "--quick", action="store_true", help="toy sizes on the tiny random model (the tests' harness check)"
-    )
+    parser.add_argument("--quick", action="store_true", help="toy sizes on the tiny random model (the tests' check)")
     parser.add_argument("--gpu", action="store_true", help="the random-weight 1B Llama on CUDA, larger workload")
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch CPU threads (default 1: steadier on a shared machine)"
-    )
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steadier when shared)")
     parser.add_argument("--skip-peer", action="store_true", help="leave out transformers' continuous batching")
     parser.add_argument("--skip-pools", action="store_true", help="leave out the pool-size sweep")
     parser.add_argument("--requests", type=int, default=None, help="override the profile's number of requests")
