@@ -100,13 +100,14 @@ def measure_contexts(
                 steps.close()  # closes the session (its pool goes back)
         row = {"context": n, "methods": {}}
         for m in here:
-            r = row["methods"][m] = {
+            r = {
                 "prefill_s": median_high(prefill[m]),
                 "prefill_times_s": prefill[m],
                 "decode_s_per_token": median_high(decode[m]),
                 "plan_share_of_decode_step": sum(plans[m]) / sum(decode[m]) if plans[m] else None,
                 "tokens_match_hf": tokens[m] == tokens["hf"],
             }
+            row["methods"][m] = r
             if m != "hf":
                 hf = row["methods"]["hf"]
                 r["prefill_over_hf"] = r["prefill_s"] / hf["prefill_s"]
