@@ -1,38 +1,25 @@
 """Prefill and decode apart, at growing prompt lengths: the paged path against transformers'.
 
-For each context length ``n`` (a prompt of ``n`` tokens of real English from pydoc_data; random
-ids without a tokenizer), in one run, the methods taking turns step by step (each prefills, then
-each takes decode step 1, then step 2, ...) so that a change in the machine's load hits them alike:
-
-* ``hf``: the plain model with transformers' ``DynamicCache`` (SDPA attention): prefill is one
-  ``model(prompt, use_cache=True)``; decode is ``decode_steps`` single-token forwards on that cache.
-* ``paged_<backend>``: a `PagedSession` with a pool just large enough: prefill is one
-  ``session.extend`` over the prompt; decode the same single-token steps. The time the session
-  spends building each step's plan (slots, block table, attention inputs) is timed apart. A
-  fresh pool hands one sequence consecutive pages, which the ``sdpa`` decoder reads in place;
-* ``paged_<backend>_scattered``: the same on a pool twice as large where another sequence holds
-  every other page, so no two of the sequence's pages are neighbours (the general case: pages
-  gathered a page at a time).
-
-``skip_above``: a method left out at contexts above a length (the reference's prefill at 8192
-tokens alone takes minutes on 2 cores).
-
-Both decode greedily and must produce the same tokens. Reported per method: median prefill
-seconds, median decode seconds per token, the plan's share of the decode time, and the ratios
-paged / hf (1.0 = as fast; < 1 faster): of the medians, and for decode also the median of the
-ratios of steps taken back to back (``decode_over_hf_paired``, the steadier one on a shared machine).
+At each context length (English prose; random ids without a tokenizer) the methods take turns step by
+step (each prefills, then each takes decode step 1, then step 2, ...), all greedy, same tokens expected:
+``hf``, the model on ``DynamicCache``; ``paged_<backend>``, a `PagedSession` whose pool just fits (its
+pages consecutive), the time spent building each step's plan timed apart; ``paged_<backend>_scattered``,
+the same where another sequence holds every other page of a pool twice as large. ``skip_above`` leaves
+a method out above a length. Per method: median prefill seconds and decode seconds per token, the
+plan's share of decode, and paged / hf ratios (< 1 faster) of the medians and, for decode, the median
+of the ratios of steps taken back to back (``decode_over_hf_paired``).
 """
 
 from __future__ import annotations
 
 import time
-from statistics import median_high as _median  # the upper middle value, as the other benchmarks
+from statistics import median_high
 
 import torch
 
 from .._arith import cdiv
 from ..hf import PagedSession
-from ._generate_methods import prompt_tokens
+from ._model_bench import paired_ratio, prompt_tokens
 
 __all__ = ["measure_contexts"]
 
@@ -61,9 +48,8 @@ def _hf_run(model, prompt, steps):
 def _paged_run(model, prompt, steps, backend, page_size, scattered=False):
     """The same steps through a `PagedSession`; ``plan_s`` is the time spent building the step's plan."""
     num_pages = cdiv(prompt.numel() + steps + 1, page_size)
-    with PagedSession(
-        model, num_pages=2 * num_pages if scattered else num_pages, page_size=page_size, backend=backend
-    ) as session:
+    pool = 2 * num_pages if scattered else num_pages
+    with PagedSession(model, num_pages=pool, page_size=page_size, backend=backend) as session:
         if scattered:  # another sequence takes the whole pool, then gives back every other page
             other = session.kv.add_sequence()
             session.kv.reserve(other, 2 * num_pages * page_size)
@@ -85,21 +71,13 @@ def measure_contexts(
 ):
     """Prefill and per-token decode of the paged backends vs ``DynamicCache`` at each context."""
     skip_above = dict(skip_above or {})
-    out = {
-        "contexts": list(contexts),
-        "decode_steps": decode_steps,
-        "repeats": repeats,
-        "page_size": page_size,
-        "skip_above": skip_above,
-        "rows": [],
-    }
+    out = dict(contexts=list(contexts), decode_steps=decode_steps, repeats=repeats, page_size=page_size)
+    out.update(skip_above=skip_above, rows=[])
     methods = {"hf": lambda p: _hf_run(model, p, decode_steps)}
     for b in backends:
         methods[f"paged_{b}"] = lambda p, b=b: _paged_run(model, p, decode_steps, b, page_size)
     for b in scattered:
-        methods[f"paged_{b}_scattered"] = lambda p, b=b: _paged_run(
-            model, p, decode_steps, b, page_size, scattered=True
-        )
+        methods[f"paged_{b}_scattered"] = lambda p, b=b: _paged_run(model, p, decode_steps, b, page_size, True)
     warm = prompt_tokens(model, tokenizer, 16)
     for run in methods.values():  # one short warm-up of every path
         for _ in run(warm):
@@ -107,10 +85,7 @@ def measure_contexts(
     for n in contexts:
         prompt = prompt_tokens(model, tokenizer, n)
         here = {m: run for m, run in methods.items() if n <= skip_above.get(m, n)}
-        prefill = {m: [] for m in here}
-        decode = {m: [] for m in here}
-        plans = {m: [] for m in here}
-        tokens = {}
+        prefill, decode, plans = ({m: [] for m in here} for _ in range(3))
         for _ in range(repeats):
             runs = {m: run(prompt) for m, run in here.items()}
             tokens = {m: [] for m in here}
@@ -118,43 +93,32 @@ def measure_contexts(
                 for m, steps in runs.items():
                     seconds, plan, token = next(steps)
                     tokens[m].append(token)
-                    if step == 0:
-                        prefill[m].append(seconds)
-                    else:
-                        decode[m].append(seconds)
-                        if plan is not None:
-                            plans[m].append(plan)
+                    (decode if step else prefill)[m].append(seconds)
+                    if step and plan is not None:
+                        plans[m].append(plan)
             for steps in runs.values():
                 steps.close()  # closes the session (its pool goes back)
         row = {"context": n, "methods": {}}
         for m in here:
-            row["methods"][m] = {
-                "prefill_s": _median(prefill[m]),
+            r = {
+                "prefill_s": median_high(prefill[m]),
                 "prefill_times_s": prefill[m],
-                "decode_s_per_token": _median(decode[m]),
+                "decode_s_per_token": median_high(decode[m]),
                 "plan_share_of_decode_step": sum(plans[m]) / sum(decode[m]) if plans[m] else None,
                 "tokens_match_hf": tokens[m] == tokens["hf"],
             }
-        hf = row["methods"]["hf"]
-        for m in here:
+            row["methods"][m] = r
             if m != "hf":
-                r = row["methods"][m]
+                hf = row["methods"]["hf"]
                 r["prefill_over_hf"] = r["prefill_s"] / hf["prefill_s"]
                 r["decode_over_hf"] = r["decode_s_per_token"] / hf["decode_s_per_token"]
-                r["decode_over_hf_paired"] = _median([a / b for a, b in zip(decode[m], decode["hf"])])
+                r["decode_over_hf_paired"] = paired_ratio(decode[m], decode["hf"])
         out["rows"].append(row)
-        print(
-            f"context {n}: "
-            + ", ".join(
-                f"{m} prefill {r['prefill_s']:.3f} s decode {r['decode_s_per_token'] * 1e3:.1f} ms"
-                + (
-                    f" ({r['prefill_over_hf']:.2f}x, {r['decode_over_hf']:.2f}x,"
-                    f" paired {r['decode_over_hf_paired']:.2f}x)"
-                    if m != "hf"
-                    else ""
-                )
-                for m, r in row["methods"].items()
-            ),
-            flush=True,
-        )
+        summary = []
+        for m, r in row["methods"].items():
+            summary.append(f"{m} prefill {r['prefill_s']:.3f} s decode {r['decode_s_per_token'] * 1e3:.1f} ms")
+            if m != "hf":
+                ratios = f"{r['prefill_over_hf']:.2f}x, {r['decode_over_hf']:.2f}x"
+                summary[-1] += f" ({ratios}, paired {r['decode_over_hf_paired']:.2f}x)"
+        print(f"context {n}: " + ", ".join(summary), flush=True)
     return out

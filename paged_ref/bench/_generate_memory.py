@@ -1,14 +1,9 @@
-"""Peak memory of one generation, each run in a fresh process: the paged pool against DynamicCache.
+"""Peak memory of one generation, a fresh process per run: the paged pool against DynamicCache.
 
-Measured inside the process that already ran other methods, an RSS rise says more about which
-freed blocks the C allocator had at hand than about the method (the same call rose by 6.7 MB
-in one run and by 0.004 MB in another). Here every (method, context, repeat) gets a process of
-its own: it loads the model, runs the same method once on an 8-token prompt (lazy imports and
-other first-call costs, which are not the cache's memory), hands the allocator's free memory
-back to the OS (glibc ``malloc_trim``), then runs one ``generate`` call while `PeakRSS` samples
-the resident-set size every 2 ms. The rise over the RSS just before the call is the memory the
-call took from the OS at its peak: KV cache (the paged pool, or DynamicCache's tensors) plus
-activations.
+In a process that ran other methods, an RSS rise says more about the allocator's free blocks than about
+the method. So each (method, context, repeat) process loads the model, runs the method once on an
+8-token prompt (first-call costs), hands free memory back to the OS (glibc ``malloc_trim``), then runs
+one ``generate`` call while `PeakRSS` samples the RSS every 2 ms: the rise is KV cache plus activations.
 
     python -m paged_ref.bench._generate_memory --method paged_auto --context 2048 --new 32
 
@@ -18,10 +13,16 @@ prints one JSON line; `measure_memory` runs the processes and takes the median o
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import subprocess
 import sys
-from statistics import median_high as _median  # the upper middle value, as the other benchmarks
+from statistics import median_high
+
+import torch
+
+from ._model_bench import PeakRSS, generation_methods, load_model, prompt_tokens
 
 __all__ = ["measure_memory"]
 
@@ -29,12 +30,7 @@ METHODS = ("hf_generate", "paged_auto")
 
 
 def measure_memory(*, contexts, new, repeats, model="smollm2", threads=None, methods=METHODS) -> dict:
-    """Peak RSS rise of ``generate`` per method and prompt length, a fresh process per run.
-
-    Args:
-        contexts: prompt lengths in tokens; new: tokens generated per run.
-        repeats: processes per (method, context); methods take turns within each repeat.
-        model: ``"smollm2"`` or ``"tiny"``; threads: torch threads in the children (None: torch's).
+    """Peak RSS rise of ``generate`` per method and prompt length, the methods taking turns in each repeat.
 
     Returns:
         ``{"contexts", "new_tokens", "repeats", "rows": [{"context", "methods": {m: {...}}}]}`` with,
@@ -47,18 +43,17 @@ def measure_memory(*, contexts, new, repeats, model="smollm2", threads=None, met
         for _ in range(repeats):
             for m in methods:
                 runs[m].append(_child(m, n, new, model, threads)["peak_rss_rise_bytes"])
-        per_method = {m: {"peak_rss_rise_bytes": _median(r), "runs_bytes": r} for m, r in runs.items()}
-        row = {"context": n, "methods": per_method}
+        row = {
+            "context": n,
+            "methods": {m: {"peak_rss_rise_bytes": median_high(r), "runs_bytes": r} for m, r in runs.items()},
+        }
         hf = row["methods"].get("hf_generate")
         for m, r in row["methods"].items():
             if m != "hf_generate" and hf and hf["peak_rss_rise_bytes"]:
                 r["over_hf_generate"] = r["peak_rss_rise_bytes"] / hf["peak_rss_rise_bytes"]
         rows.append(row)
-        print(
-            f"memory at context {n}: "
-            + ", ".join(f"{m} {r['peak_rss_rise_bytes'] / 2**20:.1f} MiB" for m, r in row["methods"].items()),
-            flush=True,
-        )
+        rises = ", ".join(f"{m} {r['peak_rss_rise_bytes'] / 2**20:.1f} MiB" for m, r in row["methods"].items())
+        print(f"memory at context {n}: {rises}", flush=True)
     return {"contexts": list(contexts), "new_tokens": new, "repeats": repeats, "rows": rows}
 
 
@@ -71,18 +66,6 @@ def _child(method, context, new, model, threads) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _release_free_memory() -> None:
-    """Hand the C allocator's free memory back to the OS (glibc ``malloc_trim``; elsewhere a no-op)."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
-
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(prog=f"python -m {__name__}", description=__doc__.split("\n")[0])
     parser.add_argument("--method", choices=METHODS, required=True)
@@ -91,21 +74,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
-
-    import torch
-
-    from ._generate_methods import PeakRSS, generation_methods, load_model, prompt_tokens
-
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     model, tokenizer = load_model(args.model)
-    warm, _ = generation_methods(model, [prompt_tokens(model, tokenizer, 8).tolist()], 2, ("auto",), False)[args.method]
+    warm = generation_methods(model, [prompt_tokens(model, tokenizer, 8).tolist()], 2, ("auto",), False)[args.method]
     warm()  # first-call costs (lazy imports, kernel selection) are not the cache's memory
-    _release_free_memory()  # ... and the warm-up's freed blocks must not serve the measured call
+    gc.collect()  # ... and the warm-up's freed blocks must not serve the measured call
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
     prompt = prompt_tokens(model, tokenizer, args.context).tolist()
-    run, _ = generation_methods(model, [prompt], args.new, ("auto",), with_generate_batch=False)[args.method]
+    run = generation_methods(model, [prompt], args.new, ("auto",), with_generate_batch=False)[args.method]
     with PeakRSS() as probe:
-        tokens = run()
+        tokens, _ = run()
     result = dict(vars(args), peak_rss_rise_bytes=probe.rise_bytes, generated=len(tokens[0]))
     print(json.dumps(result))
     return result

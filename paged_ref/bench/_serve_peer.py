@@ -1,42 +1,36 @@
 """transformers' own continuous batching on the same requests: the peer of ``bench serve``.
 
-``model.generate_batch`` is a loop around transformers' ``ContinuousBatchingManager``: it adds the
-prompts, then collects results. It takes one ``max_new_tokens`` for every prompt, so this runs the
-same manager directly (``continuous_batching_context_manager``) and adds each request with its own
-``max_new_tokens``, all at once (offline), EOS disabled (``eos_token_id=-1``) as in our runs. The
-manager is sized like our pool: ``page_size`` tokens per page, ``num_blocks`` = our pages (a block
-holds a page of every layer: equal KV memory), the same token budget per step and the same
-``max_requests_per_batch``; CUDA graphs and async batching off, prefix sharing off (our runs do
-not share prefixes either). Times come from the manager's own per-token timestamps.
+``model.generate_batch`` takes one ``max_new_tokens`` for every prompt, so this runs the manager it
+wraps (``continuous_batching_context_manager``) and adds each request with its own ``max_new_tokens``,
+all at once (offline), EOS disabled. The manager is sized like our pool: ``num_blocks`` = our pages of
+``page_size`` tokens (equal KV memory), the same token budget per step and ``max_requests_per_batch``;
+CUDA graphs, async batching and prefix sharing off. Times come from its own per-token timestamps.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
+
+from ..serve.metrics import percentile
+from ._model_bench import cb_config
 
 __all__ = ["run_peer"]
 
 
-def run_peer(model, requests, *, page_size: int, num_pages: int, max_batched_tokens: int, max_num_seqs: int) -> dict:
+def run_peer(model, requests, *, page_size: int, num_pages: int, max_batched_tokens: int, max_num_seqs: int):
     """Serve ``requests`` (``[(prompt_ids, max_new_tokens)]``) offline with transformers' manager.
 
-    Returns ``{"tokens": [[ids] per request], "wall_s", "first_token_s": [...], "finish_s": [...],
-    "num_blocks": the manager's own count of its cache}`` (times from the submission of the first
-    request, in seconds).
+    Returns ``(tokens, summary)``: the generated ids per request, and ``{"tokens", "wall_s",
+    "wall_tokens_per_s", "ttft_p50_s", ..., "tpot_p90_s", "num_blocks"}`` (the manager's count of its cache).
     """
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers import GenerationConfig
 
-    params = inspect.signature(ContinuousBatchingConfig.__init__).parameters
-    size_kw = {"page_size" if "page_size" in params else "block_size": page_size}  # renamed in 5.24
-    cfg = ContinuousBatchingConfig(
-        **size_kw,
+    cfg = cb_config(
+        page_size,
         num_blocks=num_pages,
         max_batch_tokens=max_batched_tokens,
         max_requests_per_batch=max_num_seqs,
         allow_block_sharing=False,
-        use_cuda_graph=False,
-        use_async_batching=False,
     )
     pad = model.generation_config.pad_token_id
     gen = GenerationConfig(do_sample=False, max_new_tokens=1, pad_token_id=0 if pad is None else pad, eos_token_id=-1)
@@ -56,16 +50,18 @@ def run_peer(model, requests, *, page_size: int, num_pages: int, max_batched_tok
             elif out is None and not manager.is_running():
                 raise RuntimeError(f"transformers' manager stopped with {len(results)} of {len(requests)} results")
         wall = time.perf_counter() - start
-        cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
-        num_blocks = getattr(cache, "num_blocks", None)
+        num_blocks = getattr(getattr(getattr(manager, "batch_processor", None), "cache", None), "num_blocks", None)
     outs = [results[f"r{i}"] for i in range(len(requests))]
     for o in outs:
         if o.error is not None:
             raise RuntimeError(f"transformers' manager failed request {o.request_id}: {o.error}")
-    return {
-        "tokens": [list(o.generated_tokens) for o in outs],
-        "wall_s": wall,
-        "first_token_s": [o.timestamps[0] - start if o.timestamps else None for o in outs],
-        "finish_s": [o.timestamps[-1] - start if o.timestamps else None for o in outs],
-        "num_blocks": num_blocks,
-    }
+    tokens = [list(o.generated_tokens) for o in outs]
+    ttft = [o.timestamps[0] - start for o in outs if o.timestamps]
+    tpot = [
+        (o.timestamps[-1] - o.timestamps[0]) / (len(t) - 1) for o, t in zip(outs, tokens) if o.timestamps and len(t) > 1
+    ]
+    n = sum(len(t) for t in tokens)
+    summary = {"tokens": n, "wall_s": wall, "wall_tokens_per_s": n / wall}
+    for name, values in (("ttft", ttft), ("tpot", tpot)):
+        summary.update({f"{name}_p50_s": percentile(values, 50), f"{name}_p90_s": percentile(values, 90)})
+    return tokens, {**summary, "num_blocks": num_blocks}

@@ -2,40 +2,25 @@
 
     python -m paged_ref.bench serve [--quick] [--gpu] [--threads N] [--out DIR] [--skip-peer] [--skip-pools]
 
-One workload, one run, ratios measured side by side (`paged_ref.serve.Engine` on SmolLM2, CPU):
-
-* **Requests**: ``requests`` prompts of real English (CPython's documentation, `paged_ref.textdata`,
-  tokenized by the model's tokenizer; random ids for a random-weight model) with heavy-tailed
-  lengths (lognormal prompt and output lengths, `paged_ref.fragmentation.make_workload`), each
-  generating exactly its drawn output length (EOS ignored, so every policy does the same work),
-  arriving as a Poisson process. The same requests at every rate (gaps scaled by 1 / rate).
-* **Rates**: at each request rate, the same engine, kernels and pool of ``num_pages`` pages under
-  four admission policies: ``paged``, ``exact`` (prompt + output reserved up front: an oracle that
-  knows the output length), ``max_len`` (``max_model_len`` reserved per request) and
-  ``paged_eviction`` (paged, each request's cache bounded by PagedEviction at ``eviction_budget``
-  tokens); ``paged`` admission keeps a ``watermark`` of the pool free. The four engines take turns
-  step by step, so a change in the machine's load hits them alike; each keeps its own clock, the
-  **simulated clock**: advanced by each of its steps' measured wall time, idle gaps jumped (no
-  sleeping), so the latencies are measured compute time.
-* **Overhead**: an offline batch of 16 equal requests; the engine's own share (scheduling, laying
-  out the forward, sampling) of each decode step with 16 rows.
-* **Peer**: the same requests all at once (offline) through ``paged`` and through transformers'
-  continuous batching (`paged_ref.bench._serve_peer`: the manager ``generate_batch`` runs, with its
-  paged cache of equal size), taking turns ``peer_repeats`` times; throughput is generated tokens
-  over real wall time, and the tokens are compared request by request.
-* **Pools**: throughput vs pool size at the highest rate, ``paged``/``exact``/``max_len``.
-
-Reported per run: generated tokens/s, TTFT and TPOT (p50, p90), normalized latency (seconds per
-generated token, the vLLM paper's measure), requests running at once (mean over steps and peak),
-preemptions, recomputed tokens, peak pages. The goals of the issue are checked at the end from
-this run's numbers (met or not, with the ratios). The JSON is written after every section, so an
-interrupted run keeps what it measured: ``figures/data/serve_{cpu,gpu}.json`` (``_quick`` in quick
-mode), with the machine's load average before and after each section. ``--gpu``: the random-weight
-1B Llama of ``bench scaling --gpu`` in bf16 on CUDA, larger workload.
+Requests: prompts of English prose (random ids for a random-weight model) with lognormal prompt and
+output lengths (`paged_ref.fragmentation.make_workload`), each generating exactly its drawn length (EOS
+ignored), arriving as a Poisson process; the same requests at every rate. At each rate, one pool of
+``num_pages`` pages under the four admission policies of `POLICIES`: ``paged`` (keeping a ``watermark``
+free), ``exact`` (prompt + output reserved: an oracle), ``max_len`` and ``paged_eviction`` (PagedEviction
+at ``eviction_budget`` tokens). The engines take turns step by step, each on a simulated clock advanced
+by its steps' measured wall time (idle gaps jumped). Also: the engine's own share of a decode step
+(overhead); all requests at once through ``paged`` and transformers' continuous batching (`._serve_peer`,
+equal KV memory), taking turns, throughput over real wall time, tokens compared; throughput vs pool size
+at the highest rate. Per run: tokens/s, TTFT and TPOT (p50, p90), normalized latency (seconds per
+generated token), requests running (mean, peak), preemptions, recomputed tokens, peak pages; then the
+goals, from this run's numbers. JSON, saved after every section with the load average around it:
+``figures/data/serve_{cpu,gpu}.json`` (``_quick`` in quick mode). ``--gpu``: the random-weight 1B Llama
+of ``bench scaling --gpu`` in bf16 on CUDA, larger workload.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import statistics
@@ -48,83 +33,70 @@ from .. import textdata
 from ..eviction import make_policy
 from ..fragmentation import make_workload
 from ..memory import model_geometry
+from ..runmode import data_dir
 from ..serve import Engine, summarize
+from ._model_bench import table, text_ids
 from ._scaling_models import build_model
 from ._serve_peer import run_peer
-from ._serve_report import POLICIES, check_goals, eviction_quality, format_rate_table, print_rate
-from .common import bench_parser, environment, print_table, result_file
+from .common import bench_parser, environment, result_file
 
 __all__ = ["PROFILES", "POLICIES", "make_requests", "run_rate", "check_goals", "format_rate_table", "main"]
 
+#: The reservation policies every rate runs, in the order the goals read them.
+POLICIES = ("paged", "exact", "max_len", "paged_eviction")
 
-#: What each mode runs. Lengths: lognormal with these means and shape ``sigma``, clipped so that
-#: prompt + output <= max_model_len; prompts at least ``min_prompt`` tokens. Outputs twice as long
-#: as prompts on average, as in the chat traces serving papers replay (ShareGPT: 161 prompt and 338
-#: output tokens). ``watermark``: the share of the pool that ``paged`` admission keeps free for the
-#: running requests to grow into (1%, vLLM's default, is no page at all of a 64-page pool); the
-#: committed policies keep none, since their commitment already covers every request's growth.
-PROFILES = {
-    "cpu": dict(
-        model="smollm2",
-        device="cpu",
-        requests=64,
-        mean_prompt=32,
-        mean_output=64,
-        sigma=1.0,
-        min_prompt=8,
-        max_model_len=512,
-        rates=(1.0, 2.0, 4.0),
-        page_size=16,
-        num_pages=64,
-        watermark=0.1,
-        max_num_seqs=32,
-        max_batched_tokens=512,
-        eviction_budget=128,
-        pools=(128, 256),
-        peer_repeats=3,
-        overhead=dict(batch=16, prompt=64, new=24),
-    ),
-    "quick": dict(
-        model="tiny",
-        device="cpu",
-        requests=10,
-        mean_prompt=24,
-        mean_output=12,
-        sigma=1.0,
-        min_prompt=4,
-        max_model_len=64,
-        rates=(100.0, 2000.0),
-        page_size=4,
-        num_pages=40,
-        watermark=0.1,
-        max_num_seqs=8,
-        max_batched_tokens=32,
-        eviction_budget=16,
-        pools=(24,),
-        peer_repeats=1,
-        overhead=dict(batch=4, prompt=8, new=4),
-    ),
-    "gpu": dict(
-        model="llama1b",
-        device="cuda",
-        requests=256,
-        mean_prompt=512,
-        mean_output=128,
-        sigma=1.0,
-        min_prompt=16,
-        max_model_len=4096,
-        rates=(8.0, 16.0, 32.0, 64.0),
-        page_size=16,
-        num_pages=2048,
-        watermark=0.01,
-        max_num_seqs=128,
-        max_batched_tokens=2048,
-        eviction_budget=256,
-        pools=(1024, 4096),
-        peer_repeats=2,
-        overhead=dict(batch=16, prompt=256, new=64),
-    ),
-}
+#: What each mode runs, one column per mode. Lengths: lognormal with these means and shape ``sigma``,
+#: clipped so that prompt + output <= max_model_len; prompts at least ``min_prompt`` tokens; outputs
+#: twice as long as prompts on average, as in the chat traces serving papers replay (ShareGPT).
+#: ``watermark``: the share of the pool ``paged`` admission keeps free for running requests to grow
+#: into (vLLM's 1% is no page of a 64-page pool); the committed policies keep none.
+_PROFILE_COLUMNS = dict(  # cpu, quick, gpu
+    model=("smollm2", "tiny", "llama1b"),
+    device=("cpu", "cpu", "cuda"),
+    requests=(64, 10, 256),
+    mean_prompt=(32, 24, 512),
+    mean_output=(64, 12, 128),
+    sigma=(1.0, 1.0, 1.0),
+    min_prompt=(8, 4, 16),
+    max_model_len=(512, 64, 4096),
+    rates=((1.0, 2.0, 4.0), (100.0, 2000.0), (8.0, 16.0, 32.0, 64.0)),
+    page_size=(16, 4, 16),
+    num_pages=(64, 40, 2048),
+    watermark=(0.1, 0.1, 0.01),
+    max_num_seqs=(32, 8, 128),
+    max_batched_tokens=(512, 32, 2048),
+    eviction_budget=(128, 16, 256),
+    pools=((128, 256), (24,), (1024, 4096)),
+    peer_repeats=(3, 1, 2),
+    overhead=(dict(batch=16, prompt=64, new=24), dict(batch=4, prompt=8, new=4), dict(batch=16, prompt=256, new=64)),
+)
+PROFILES = {mode: {k: v[i] for k, v in _PROFILE_COLUMNS.items()} for i, mode in enumerate(("cpu", "quick", "gpu"))}
+
+RATE_COLUMNS = [
+    ("policy", "{policy}"),
+    ("tok/s", "{tokens_per_s:.1f}"),
+    ("TTFT p50/p90 ms", "{ttft_p50_ms}/{ttft_p90_ms}"),
+    ("TPOT p50/p90 ms", "{tpot_p50_ms}/{tpot_p90_ms}"),
+    ("norm lat s/tok", "{normalized_latency_s:.3f}"),
+    ("running mean/peak", "{mean_running:.1f}/{peak_running}"),
+    ("preempt", "{preemptions}"),
+    ("recomputed", "{recomputed_tokens}"),
+    ("peak pages", "{peak_pages}{committed}"),
+]
+PEER_COLUMNS = [
+    ("engine", "{engine}"),
+    ("tok/s (wall)", "{tokens_per_s}"),
+    ("wall s", "{wall}"),
+    ("TTFT p50/p90 s", "{last[ttft_p50_s]:.2f}/{last[ttft_p90_s]:.2f}"),
+    ("TPOT p50/p90 ms", "{tpot_ms}"),
+]
+POOL_COLUMNS = [
+    ("pages", "{num_pages}"),
+    ("policy", "{policy}"),
+    ("tok/s", "{tok}"),
+    ("running mean/peak", "{mean_running:.1f}/{peak_running}"),
+    ("preempt", "{preemptions}"),
+]
 
 
 def make_requests(model, tokenizer, *, requests, mean_prompt, mean_output, sigma, min_prompt, max_model_len, seed=0):
@@ -144,13 +116,7 @@ def make_requests(model, tokenizer, *, requests, mean_prompt, mean_output, sigma
         if tokenizer is None:
             ids = torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist()
         else:
-            words, start = n, i % len(textdata.paragraphs(20))
-            while True:  # about 1.3 tokens per word: grow the passage until it is long enough
-                ids = tokenizer(textdata.english_text(words, start=start)).input_ids
-                if len(ids) >= n:
-                    break
-                words = int(words * 1.5) + 8
-            ids = ids[:n]
+            ids = text_ids(tokenizer, n, start=i % len(textdata.paragraphs(20)))
         out.append((ids, int(new)))
     rng = np.random.default_rng(seed + 1)
     arrivals = np.cumsum(rng.exponential(1.0, requests))
@@ -160,17 +126,10 @@ def make_requests(model, tokenizer, *, requests, mean_prompt, mean_output, sigma
 
 def _engine(model, cfg, policy, *, num_pages=None, device_clock="simulated"):
     paged = policy in ("paged", "paged_eviction")
+    sizes = {k: cfg[k] for k in ("page_size", "max_num_seqs", "max_batched_tokens", "max_model_len")}
+    admission = dict(reservation="paged" if paged else policy, watermark=cfg["watermark"] if paged else 0.0)
     return Engine(
-        model,
-        num_pages=num_pages or cfg["num_pages"],
-        page_size=cfg["page_size"],
-        max_num_seqs=cfg["max_num_seqs"],
-        max_batched_tokens=cfg["max_batched_tokens"],
-        reservation="paged" if paged else policy,
-        watermark=cfg["watermark"] if paged else 0.0,
-        max_model_len=cfg["max_model_len"],
-        eos_token_id=[],
-        clock=device_clock,
+        model, num_pages=num_pages or cfg["num_pages"], eos_token_id=[], clock=device_clock, **sizes, **admission
     )
 
 
@@ -190,17 +149,10 @@ def _result(engine, outs, reference_tokens=None) -> dict:
     """A run's numbers: `summarize` of its outputs plus the engine's counters."""
     s = engine.stats()
     r = summarize(outs)
-    r.update(
-        {k: s[k] for k in ("steps", "mean_running", "peak_running", "preemptions", "recomputed_tokens")},
-        peak_pages=s["peak_pages"],
-        peak_committed_pages=s["peak_committed_pages"],
-        prompt_tokens=s["prompt_tokens"],
-        busy_s=s["busy_s"],
-        overhead_share=s["overhead_share"],
-    )
+    r.update({k: s[k] for k in ("steps", "mean_running", "peak_running", "preemptions", "recomputed_tokens")})
+    r.update({k: s[k] for k in ("peak_pages", "peak_committed_pages", "prompt_tokens", "busy_s", "overhead_share")})
     if reference_tokens is not None:
-        same = [o.token_ids == t for o, t in zip(outs, reference_tokens)]
-        r["requests_with_paged_tokens"] = sum(same)
+        r["requests_with_paged_tokens"] = sum(o.token_ids == t for o, t in zip(outs, reference_tokens))
     return r
 
 
@@ -209,12 +161,10 @@ def run_rate(model, cfg, requests, arrivals, rate: float) -> dict:
     engines = {}
     policy = make_policy("paged_eviction", cfg["eviction_budget"])
     for name in POLICIES:
-        e = _engine(model, cfg, name)
+        e = engines[name] = _engine(model, cfg, name)
+        eviction = policy if "eviction" in name else None
         for (prompt, new), t in zip(requests, arrivals):
-            e.add_request(
-                prompt, max_new_tokens=new, arrival_s=t / rate, eviction=policy if "eviction" in name else None
-            )
-        engines[name] = e
+            e.add_request(prompt, max_new_tokens=new, arrival_s=t / rate, eviction=eviction)
     load = os.getloadavg()
     start = time.perf_counter()
     outs = _lockstep(engines, f"rate {rate:g}/s")
@@ -234,22 +184,16 @@ def run_overhead(model, cfg, requests) -> dict:
     e.run()
     steps = [h for h in e.history if h.rows == h.decode_rows == o["batch"]]
     shares = [h.overhead_s / h.step_s for h in steps]
-    return {
-        "batch": o["batch"],
-        "decode_steps": len(steps),
-        "step_ms_median": statistics.median(h.step_s for h in steps) * 1e3,
-        "schedule_ms_median": statistics.median(h.schedule_s for h in steps) * 1e3,
-        "plan_ms_median": statistics.median(h.plan_s for h in steps) * 1e3,
-        "post_ms_median": statistics.median(h.post_s for h in steps) * 1e3,
-        "overhead_share_median": statistics.median(shares),
-        "overhead_share_max": max(shares),
-    }
+    out = {"batch": o["batch"], "decode_steps": len(steps)}
+    for part in ("step", "schedule", "plan", "post"):
+        out[f"{part}_ms_median"] = statistics.median(getattr(h, f"{part}_s") for h in steps) * 1e3
+    out.update(overhead_share_median=statistics.median(shares), overhead_share_max=max(shares))
+    return out
 
 
 def run_peer_comparison(model, cfg, requests) -> dict:
     """``paged`` offline vs transformers' continuous batching offline, taking turns ``peer_repeats`` times."""
     ours, theirs = [], []
-    ours_tokens = theirs_tokens = None
     for _ in range(cfg["peer_repeats"]):
         e = _engine(model, cfg, "paged", device_clock="real")
         for prompt, new in requests:
@@ -261,36 +205,9 @@ def run_peer_comparison(model, cfg, requests) -> dict:
         r = summarize(outs)
         r.update(wall_s=wall, wall_tokens_per_s=r["tokens"] / wall, preemptions=e.stats()["preemptions"])
         ours.append(r)
-        peer = run_peer(
-            model,
-            requests,
-            page_size=cfg["page_size"],
-            num_pages=cfg["num_pages"],
-            max_batched_tokens=cfg["max_batched_tokens"],
-            max_num_seqs=cfg["max_num_seqs"],
-        )
-        theirs_tokens = peer["tokens"]
-        tokens = sum(len(t) for t in peer["tokens"])
-        ttft = [t for t in peer["first_token_s"] if t is not None]
-        tpot = [
-            (f - t) / (len(toks) - 1)
-            for t, f, toks in zip(peer["first_token_s"], peer["finish_s"], peer["tokens"])
-            if t is not None and len(toks) > 1
-        ]
-        from ..serve.metrics import percentile
-
-        theirs.append(
-            {
-                "tokens": tokens,
-                "wall_s": peer["wall_s"],
-                "wall_tokens_per_s": tokens / peer["wall_s"],
-                "ttft_p50_s": percentile(ttft, 50),
-                "ttft_p90_s": percentile(ttft, 90),
-                "tpot_p50_s": percentile(tpot, 50),
-                "tpot_p90_s": percentile(tpot, 90),
-                "num_blocks": peer["num_blocks"],
-            }
-        )
+        sizes = {k: cfg[k] for k in ("page_size", "num_pages", "max_batched_tokens", "max_num_seqs")}
+        theirs_tokens, summary = run_peer(model, requests, **sizes)
+        theirs.append(summary)
     paired = [a["wall_tokens_per_s"] / b["wall_tokens_per_s"] for a, b in zip(ours, theirs)]
     same = [a == b for a, b in zip(ours_tokens, theirs_tokens)]
     return {
@@ -325,15 +242,99 @@ def run_pools(model, cfg, requests, arrivals, rate: float) -> list[dict]:
     return rows
 
 
+def check_goals(data: dict) -> dict:
+    """The benchmark's goals, from this run's numbers: each ``{"met": bool, ...the numbers}``."""
+    goals = {}
+    if data.get("rates"):
+        p, ex, ml, ev = (data["rates"][-1]["policies"][k] for k in POLICIES)
+        for name, peer, factor in (("max_len", ml, 2), ("exact", ex, 1.2)):
+            met = p["tokens_per_s"] >= factor * peer["tokens_per_s"]
+            goals[f"paged_vs_{name}_throughput_{factor}x"] = {
+                "ratio": p["tokens_per_s"] / peer["tokens_per_s"],
+                "met": met,
+            }
+        goals["paged_p90_ttft_no_worse"] = {
+            "paged_s": p["ttft_p90_s"],
+            "exact_s": ex["ttft_p90_s"],
+            "max_len_s": ml["ttft_p90_s"],
+            "met": p["ttft_p90_s"] <= min(ex["ttft_p90_s"], ml["ttft_p90_s"]),
+        }
+        goals["eviction_admits_more"] = {
+            "mean_running": [ev["mean_running"], p["mean_running"]],
+            "peak_running": [ev["peak_running"], p["peak_running"]],
+            "throughput_ratio": ev["tokens_per_s"] / p["tokens_per_s"],
+            "requests_with_paged_tokens": ev["requests_with_paged_tokens"],
+            "met": ev["mean_running"] > p["mean_running"],
+        }
+    if "peer" in data:
+        peer = data["peer"]
+        identical = peer["requests_with_identical_tokens"] == peer["requests"]
+        goals["peer_throughput_1x_identical_tokens"] = {
+            "ratio_median": peer["throughput_ratio_median"],
+            "identical": f"{peer['requests_with_identical_tokens']}/{peer['requests']}",
+            "met": peer["throughput_ratio_median"] >= 1.0 and identical,
+        }
+    if "overhead" in data:
+        share = data["overhead"]["overhead_share_median"]
+        goals["overhead_5pct_at_batch_16"] = {"share": share, "met": share <= 0.05}
+    return goals
+
+
+def eviction_quality(budget: int) -> dict | None:
+    """Notebook 07's measured cost of PagedEviction at ``budget`` (`bench eviction`'s JSON), if present."""
+    path = data_dir() / "eviction_full.json"
+    if not path.exists():
+        return None
+    pick = {
+        r["policy"]: r
+        for r in json.loads(path.read_text())["language_modelling"]
+        if r["page_size"] == 16 and r["budget"] in (None, budget) and r["policy"] in ("full", "paged_eviction")
+    }
+    if len(pick) < 2:
+        return None
+    return {
+        "source": "figures/data/eviction_full.json (bench eviction: continuation of 2048-token texts)",
+        "budget": budget,
+        "ppl_full": pick["full"]["ppl"],
+        "ppl_paged_eviction": pick["paged_eviction"]["ppl"],
+        "ppl_paged_eviction_ci95": pick["paged_eviction"]["ppl_ci95"],
+    }
+
+
+def format_rate_table(results: dict) -> str:
+    """One rate's results (policy -> numbers) as the text table ``bench serve`` prints."""
+    rows = []
+    for name, r in results.items():
+        row = {"policy": name, **r, "committed": ""}
+        for k in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"):
+            row[f"{k}_ms"] = "-" if r[f"{k}_s"] is None else f"{r[f'{k}_s'] * 1e3:.0f}"
+        if r["peak_committed_pages"] != r["peak_pages"]:
+            row["committed"] = f" ({r['peak_committed_pages']} committed)"
+        rows.append(row)
+    return table(RATE_COLUMNS, rows)
+
+
+def _report_peer(p: dict) -> None:
+    print(f"\noffline, all {p['requests']} requests at once: paged vs transformers continuous batching")
+    rows = []
+    for engine in ("paged", "transformers"):
+        row = {"engine": engine, "last": p[engine][-1]}
+        row["tokens_per_s"] = " ".join(f"{r['wall_tokens_per_s']:.1f}" for r in p[engine])
+        row["wall"] = " ".join(f"{r['wall_s']:.1f}" for r in p[engine])
+        row["tpot_ms"] = f"{row['last']['tpot_p50_s'] * 1e3:.0f}/{row['last']['tpot_p90_s'] * 1e3:.0f}"
+        rows.append(row)
+    print(table(PEER_COLUMNS, rows))
+    print(
+        f"  ratio paged / transformers {p['throughput_ratio_median']:.2f}x (median of per-repeat ratios); "
+        f"identical tokens {p['requests_with_identical_tokens']}/{p['requests']}"
+    )
+
+
 def main(argv=None):
     parser = bench_parser("serve", __doc__)
-    parser.add_argument(
-        "--quick", action="store_true", help="toy sizes on the tiny random model (the tests' harness check)"
-    )
+    parser.add_argument("--quick", action="store_true", help="toy sizes on the tiny random model (the tests' check)")
     parser.add_argument("--gpu", action="store_true", help="the random-weight 1B Llama on CUDA, larger workload")
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch CPU threads (default 1: steadier on a shared machine)"
-    )
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steadier when shared)")
     parser.add_argument("--skip-peer", action="store_true", help="leave out transformers' continuous batching")
     parser.add_argument("--skip-pools", action="store_true", help="leave out the pool-size sweep")
     parser.add_argument("--requests", type=int, default=None, help="override the profile's number of requests")
@@ -354,12 +355,9 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     model, info = build_model(cfg["model"], device=cfg["device"])
-    requests, arrivals = make_requests(
-        model,
-        info["tokenizer"],
-        **{k: cfg[k] for k in ("requests", "mean_prompt", "mean_output", "sigma", "min_prompt", "max_model_len")},
-    )
-    geometry = model_geometry(model)
+    lengths = {k: cfg[k] for k in ("requests", "mean_prompt", "mean_output", "sigma", "min_prompt", "max_model_len")}
+    requests, arrivals = make_requests(model, info["tokenizer"], **lengths)
+    per_token = model_geometry(model).bytes_per_token
     data = {
         "mode": mode,
         "model": {k: info[k] for k in ("name", "weights", "dtype", "params", "note")},
@@ -367,14 +365,14 @@ def main(argv=None):
         "clock": "simulated",
         "clock_note": "each engine's clock advances by its own steps' measured wall time; idle gaps are jumped "
         "(the peer comparison uses real wall time)",
-        "config": {k: v for k, v in cfg.items()},
+        "config": dict(cfg),
         "workload": {
             "requests": len(requests),
             "prompt_lens": [len(p) for p, _ in requests],
             "output_lens": [n for _, n in requests],
             "unit_arrivals_s": arrivals,
-            "kv_bytes_per_token": geometry.bytes_per_token,
-            "pool_bytes": cfg["num_pages"] * cfg["page_size"] * geometry.bytes_per_token,
+            "kv_bytes_per_token": per_token,
+            "pool_bytes": cfg["num_pages"] * cfg["page_size"] * per_token,
         },
         "eviction_quality_nb07": eviction_quality(cfg["eviction_budget"]),
         "rates": [],
@@ -387,69 +385,38 @@ def main(argv=None):
         f"(sum {sum(w['output_lens'])}); "
         f"pool {cfg['num_pages']} pages of {cfg['page_size']} ({w['pool_bytes'] / 2**20:.0f} MiB)"
     )
-    save = lambda: result.save(data)  # noqa: E731
     for rate in cfg["rates"]:
         row = run_rate(model, cfg, requests, arrivals, rate)
         data["rates"].append(row)
-        print_rate(row)
-        save()
-    data["overhead"] = run_overhead(model, cfg, requests)
-    o = data["overhead"]
+        load = f"load {row['load_before'][0]:.1f} -> {row['load_after'][0]:.1f}"
+        print(f"\nrate {row['rate']:g} req/s ({row['wall_s']:.0f} s wall, {load})")
+        print(format_rate_table(row["policies"]))
+        result.save(data)
+    o = data["overhead"] = run_overhead(model, cfg, requests)
     print(
         f"\noverhead at batch {o['batch']}: {o['overhead_share_median']:.2%} of a {o['step_ms_median']:.0f} ms "
         f"decode step (median of {o['decode_steps']})"
     )
-    save()
+    result.save(data)
     if not args.skip_peer:
         data["peer"] = run_peer_comparison(model, cfg, requests)
-        p = data["peer"]
-        print(f"\noffline, all {p['requests']} requests at once: paged vs transformers continuous batching")
-        print_table(
-            ["engine", "tok/s (wall)", "wall s", "TTFT p50/p90 s", "TPOT p50/p90 ms"],
-            [
-                [
-                    eng,
-                    " ".join(f"{r['wall_tokens_per_s']:.1f}" for r in p[eng]),
-                    " ".join(f"{r['wall_s']:.1f}" for r in p[eng]),
-                    f"{p[eng][-1]['ttft_p50_s']:.2f}/{p[eng][-1]['ttft_p90_s']:.2f}",
-                    f"{p[eng][-1]['tpot_p50_s'] * 1e3:.0f}/{p[eng][-1]['tpot_p90_s'] * 1e3:.0f}",
-                ]
-                for eng in ("paged", "transformers")
-            ],
-        )
-        print(
-            f"  ratio paged / transformers {p['throughput_ratio_median']:.2f}x (median of per-repeat ratios); "
-            f"identical tokens {p['requests_with_identical_tokens']}/{p['requests']}"
-        )
-        save()
+        _report_peer(data["peer"])
+        result.save(data)
     if not args.skip_pools:
         data["pools"] = run_pools(model, cfg, requests, arrivals, cfg["rates"][-1])
         print(
             f"\nthroughput vs pool size at {cfg['rates'][-1]:g} req/s "
             f"(the {cfg['num_pages']}-page pool is the rate table above)"
         )
-        print_table(
-            ["pages", "policy", "tok/s", "running mean/peak", "preempt"],
-            [
-                [
-                    r["num_pages"],
-                    r["policy"],
-                    "skipped" if "skipped" in r else f"{r['tokens_per_s']:.1f}",
-                    "-" if "skipped" in r else f"{r['mean_running']:.1f}/{r['peak_running']}",
-                    r.get("preemptions", "-"),
-                ]
-                for r in data["pools"]
-            ],
-        )
-        save()
+        rows = [{**r, "tok": "skipped" if "skipped" in r else f"{r['tokens_per_s']:.1f}"} for r in data["pools"]]
+        print(table(POOL_COLUMNS, rows))
+        result.save(data)
     data["goals"] = check_goals(data)
     data["seconds"] = time.perf_counter() - started
     print("\ngoals (this run):")
     for goal, g in data["goals"].items():
-        print(
-            f"  {'met    ' if g['met'] else 'NOT met'}  {goal}: "
-            + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in g.items() if k != "met")
-        )
+        numbers = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in g.items() if k != "met")
+        print(f"  {'met    ' if g['met'] else 'NOT met'}  {goal}: {numbers}")
     path = result.save(data, complete=True)
     print(f"wrote {path} ({data['seconds']:.0f} s)")
     return data

@@ -2,42 +2,32 @@
 
     python -m paged_ref.bench sharing [--quick] [--threads N] [--model smollm2|tiny] [--repeats R] [--out DIR]
 
-For n = 2, 4, 8 samples of one prompt (``do_sample=True``, transformers' defaults, seeded) and
-k = 2, 4, 8 beams (``num_beams=k``, all k hypotheses returned), on a short and a 512-token prompt
-of English prose (EOS ignored, so that every design and method does the same work), pages of 16:
+n = 2, 4, 8 seeded samples and k = 2, 4, 8 beams (all returned) of a short and a 512-token prompt of
+English prose, EOS ignored, pages of 16. **Memory**: pages held after every forward under (a) fork +
+copy-on-write, measured in the paged run (`pr.hf.generate` / `pr.hf.beam_search`), (b) a request per
+sample or beam with prefix caching (vLLM) and (c) no sharing, both counted from the same run's tokens
+(`paged_ref.sharing`); the peak, the saving ``1 - held / held without sharing`` at the peak and over the
+steps, pages copied, tokens computed. **Speed**: the same call against ``model.generate``, wall and CPU
+time over ``repeats`` pairs (the recorded runs are the first pair, then the order alternates), the
+median of the per-pair ratios paged / transformers (goal <= 1.10; CPU time is steadier with
+``--threads 1``), and whether the tokens (and beam scores, within 1e-4) are the same.
 
-* **memory**, pages held after every forward under three designs (`paged_ref.sharing`):
-  (a) fork + copy-on-write, measured: the distinct pages the live sequences of the real paged
-  run hold (`pr.hf.generate` / `pr.hf.beam_search`); (b) one request per sample or beam with
-  prefix caching, today's vLLM (its beam search admits every beam again at each step); (c) no
-  sharing. (b) and (c) are counted from the same run's tokens. Also the peak, the saving
-  ``1 - held / held without sharing`` at the peak and summed over the steps (the vLLM paper's
-  measure), the pages copied (a: copy-on-write, measured; c: the least a design without sharing
-  copies, each extra child of a beam getting all its pages) and the tokens each design computes;
-* **speed**, the same call against ``model.generate`` with the same arguments: wall time and this
-  process's CPU time over ``repeats`` pairs (the recorded paged run and the comparison run are the
-  first pair; then the order alternates), the median of the per-pair ratios paged / transformers
-  (the goal: <= 1.10; with the same tokens, the ratio of times per token), and whether the tokens
-  (and beam scores, within 1e-4) are the same. On a machine shared with other work, wall time
-  swings from call to call; with one torch thread (``--threads 1``) the CPU time is the steadier
-  measure of what a call costs.
-
-JSON: ``figures/data/sharing_cpu.json`` (``sharing_gpu.json`` on CUDA); figure:
-`paged_ref.viz.sharing.sharing_figure` (notebook 08).
+JSON: ``figures/data/sharing_cpu.json`` (``_gpu`` on CUDA); figure: `paged_ref.viz.sharing.sharing_figure`.
 """
 
 from __future__ import annotations
 
 import time
+from statistics import median_high
 
 import torch
 
-from .. import hf, textdata
+from .. import hf
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..sharing import computed_tokens, no_sharing_pages, prefix_caching_pages
-from ._generate_methods import start_run
-from .common import bench_parser, environment, print_table, result_file
+from ._model_bench import model_parser, paired_ratio, prompt_tokens, start_run, table
+from .common import environment, result_file
 
 PAGE_SIZE = 16
 SEED = 0
@@ -45,15 +35,19 @@ FULL = dict(prompts={"short": 40, "long": 512}, widths=(2, 4, 8), new_tokens=64,
 QUICK = dict(prompts={"short": 9, "long": 40}, widths=(2, 4), new_tokens=6, repeats=1)
 GOAL_PEAK_RATIO = 0.6  # beam search, k = 4, 512-token prompt: (a) holds <= 0.6x the pages of (c)
 GOAL_SPEED_RATIO = 1.10  # paged time <= 1.10x model.generate's, same arguments
-
-
-def _prompt(model, tokenizer, length: int, start: int) -> torch.Tensor:
-    """LongTensor ``[1, length]``: English prose (SmolLM2) or seeded random ids (tiny model)."""
-    if tokenizer is None:
-        g = torch.Generator().manual_seed(length)
-        return torch.randint(3, model.config.vocab_size, (1, length), generator=g)
-    ids = tokenizer(textdata.english_text(length, start=start), return_tensors="pt").input_ids
-    return ids[:, :length]
+DESIGNS = ("fork_cow", "prefix_caching", "no_sharing")
+COLUMNS = [
+    ("prompt", "{prompt} ({prompt_tokens})"),
+    ("run", "{kind} {width}"),
+    ("peak a / b / c", "{peak[fork_cow]} / {peak[prefix_caching]} / {peak[no_sharing]}"),
+    ("saved at peak a / b", "{saved[fork_cow][at_peak]:.1%} / {saved[prefix_caching][at_peak]:.1%}"),
+    ("saved over steps a / b", "{saved[fork_cow][over_steps]:.1%} / {saved[prefix_caching][over_steps]:.1%}"),
+    ("copied a / c", "{pages_copied[fork_cow]} / {pages_copied[no_sharing]}"),
+    ("tokens computed a / b / c", "{computed[fork_cow]} / {computed[prefix_caching]} / {computed[no_sharing]}"),
+    ("same tokens", "{same_as_transformers[tokens]}"),
+    ("wall paged / hf", "{time[wall][ratio_paged_over_transformers]:.2f}x"),
+    ("CPU paged / hf", "{time[cpu][ratio_paged_over_transformers]:.2f}x"),
+]
 
 
 def _pad_id(model) -> int:
@@ -62,26 +56,19 @@ def _pad_id(model) -> int:
     return pad if pad else 1
 
 
-def _sample_run(model, ids, n, new):
+def _sample_run(model, ids, args):
     """The paged sampling run, recorded: pages per step (a), the tokens for (b) and (c), copies."""
-    width = ids.shape[1]
+    width, n, new = ids.shape[1], args["num_return_sequences"], args["max_new_tokens"]
     kv = PagedKVCache.for_model(model, num_pages=n * pages_needed(width + new, PAGE_SIZE), page_size=PAGE_SIZE)
     snapshots = []
+
+    def snapshot(step, tokens):
+        snapshots.append({s: kv.pages(s) for s in kv.seq_ids})
+
     torch.manual_seed(SEED)
-    out = hf.generate(
-        model,
-        ids,
-        max_new_tokens=new,
-        do_sample=True,
-        num_return_sequences=n,
-        eos_token_id=[],
-        pad_token_id=_pad_id(model),
-        page_size=PAGE_SIZE,
-        kv_cache=kv,
-        callback=lambda step, tokens: snapshots.append({s: kv.pages(s) for s in kv.seq_ids}),
-    )
+    out = hf.generate(model, ids, page_size=PAGE_SIZE, kv_cache=kv, callback=snapshot, **args)
     rows = out.tolist()
-    pages = {"fork_cow": [], "prefix_caching": [], "no_sharing": []}
+    pages = {d: [] for d in DESIGNS}
     copies = 0
     for step, snap in enumerate(snapshots):  # step s: after the forward that fed s generated tokens
         held = [row[: width + step] for row in rows]
@@ -100,30 +87,19 @@ def _sample_run(model, ids, n, new):
     return out, pages, {"fork_cow": copies, "prefix_caching": 0, "no_sharing": 0}, computed
 
 
-def _beam_run(model, ids, k, new):
+def _beam_run(model, ids, args):
     """The paged beam search, recorded through its `BeamStep`s."""
-    width = ids.shape[1]
+    width, k = ids.shape[1], args["num_beams"]
     steps = []
-    out = hf.beam_search(
-        model,
-        ids,
-        max_new_tokens=new,
-        num_beams=k,
-        num_return_sequences=k,
-        eos_token_id=[],
-        pad_token_id=_pad_id(model),
-        page_size=PAGE_SIZE,
-        callback=lambda step, beam_step: steps.append(beam_step),
-    )
-    pages = {"fork_cow": [], "prefix_caching": [], "no_sharing": []}
-    copies = {"fork_cow": 0, "prefix_caching": 0, "no_sharing": 0}
-    computed = {"fork_cow": width, "prefix_caching": width, "no_sharing": width}
+    out = hf.beam_search(model, ids, page_size=PAGE_SIZE, callback=lambda step, s: steps.append(s), **args)
+    pages = {d: [] for d in DESIGNS}
+    copies = dict.fromkeys(DESIGNS, 0)
+    computed = dict.fromkeys(DESIGNS, width)
     running = [ids[0].tolist()]  # the beams' tokens held after each forward (one sequence after the prefill)
     for beam_step in steps:
         pages["fork_cow"].append(beam_step.pages_held)
-        pages["prefix_caching"].append(
-            prefix_caching_pages(running, admitted=[len(r) for r in running], page_size=PAGE_SIZE)
-        )
+        admitted = [len(r) for r in running]
+        pages["prefix_caching"].append(prefix_caching_pages(running, admitted=admitted, page_size=PAGE_SIZE))
         pages["no_sharing"].append(no_sharing_pages(running, page_size=PAGE_SIZE))
         copies["fork_cow"] += sum(len(c) for c in beam_step.copied.values())
         if not beam_step.beams[0]:
@@ -136,15 +112,6 @@ def _beam_run(model, ids, k, new):
         computed["no_sharing"] += k
         computed["prefix_caching"] += sum(computed_tokens(len(r), page_size=PAGE_SIZE) for r in running)
     return out, pages, copies, computed
-
-
-def _savings(pages: dict) -> dict:
-    base_peak, base_sum = max(pages["no_sharing"]), sum(pages["no_sharing"])
-    return {
-        design: {"at_peak": 1 - max(held) / base_peak, "over_steps": 1 - sum(held) / base_sum}
-        for design, held in pages.items()
-        if design != "no_sharing"
-    }
 
 
 class _Clock:
@@ -172,11 +139,10 @@ def _timed(paged, theirs, repeats, first) -> dict:
     out = {}
     for kind in ("wall", "cpu"):
         times = {name: [getattr(c, kind) for c in cs] for name, cs in clocks.items()}
-        ratios = sorted(p / t for p, t in zip(times["paged"], times["transformers"]))
         out[kind] = {
             "seconds": times,
-            "median_s": {name: sorted(t)[len(t) // 2] for name, t in times.items()},
-            "ratio_paged_over_transformers": ratios[len(ratios) // 2],  # median of the per-pair ratios
+            "median_s": {name: median_high(t) for name, t in times.items()},
+            "ratio_paged_over_transformers": paired_ratio(times["paged"], times["transformers"]),
         }
     return out
 
@@ -185,9 +151,9 @@ def measure_one(model, ids, kind: str, width: int, new: int, repeats: int) -> di
     """One workload: memory under the three designs, and speed against ``model.generate``."""
     common = dict(max_new_tokens=new, eos_token_id=[], pad_token_id=_pad_id(model))
     if kind == "sample":
-        with _Clock() as recorded:
-            out, pages, copies, computed = _sample_run(model, ids, width, new)
         args = dict(do_sample=True, num_return_sequences=width, **common)
+        with _Clock() as recorded:
+            out, pages, copies, computed = _sample_run(model, ids, args)
         torch.manual_seed(SEED)
         with _Clock() as compared:
             expected = model.generate(ids, **args)
@@ -201,9 +167,9 @@ def measure_one(model, ids, kind: str, width: int, new: int, repeats: int) -> di
             torch.manual_seed(SEED)
             model.generate(ids, **args)
     else:
-        with _Clock() as recorded:
-            out, pages, copies, computed = _beam_run(model, ids, width, new)
         args = dict(num_beams=width, num_return_sequences=width, **common)
+        with _Clock() as recorded:
+            out, pages, copies, computed = _beam_run(model, ids, args)
         with _Clock() as compared:
             expected = model.generate(ids, do_sample=False, output_scores=True, return_dict_in_generate=True, **args)
         same = {"tokens": torch.equal(out.sequences, expected.sequences)}
@@ -216,7 +182,10 @@ def measure_one(model, ids, kind: str, width: int, new: int, repeats: int) -> di
         def theirs():
             model.generate(ids, do_sample=False, **args)
 
-    # the recorded run and the comparison run are the first timed pair (their extras cost little)
+    base_peak, base_sum = max(pages["no_sharing"]), sum(pages["no_sharing"])
+    savings = {
+        d: {"at_peak": 1 - max(pages[d]) / base_peak, "over_steps": 1 - sum(pages[d]) / base_sum} for d in DESIGNS[:2]
+    }
     return {
         "kind": kind,
         "width": width,
@@ -224,11 +193,11 @@ def measure_one(model, ids, kind: str, width: int, new: int, repeats: int) -> di
         "new_tokens": new,
         "pages": pages,
         "peak": {design: max(held) for design, held in pages.items()},
-        "saving_vs_no_sharing": _savings(pages),
+        "saving_vs_no_sharing": savings,
         "pages_copied": copies,
         "tokens_computed": computed,
         "same_as_transformers": same,
-        "time": _timed(paged, theirs, repeats, first=(recorded, compared)),
+        "time": _timed(paged, theirs, repeats, first=(recorded, compared)),  # the recorded runs: the first pair
     }
 
 
@@ -242,7 +211,7 @@ def measure(model, tokenizer, *, prompts, widths, new_tokens, repeats) -> dict:
     runs = []
     jobs = [(name, kind, w) for name in prompts for kind in ("sample", "beam") for w in widths]
     for name, kind, w in tqdm(jobs, desc="bench sharing", unit="run"):
-        ids = _prompt(model, tokenizer, prompts[name], start=3 * list(prompts).index(name))
+        ids = prompt_tokens(model, tokenizer, prompts[name], start=3 * list(prompts).index(name))[None]  # [1, n]
         runs.append({"prompt": name, **measure_one(model, ids, kind, w, new_tokens, repeats)})
     return {"page_size": PAGE_SIZE, "seed": SEED, "repeats": repeats, "runs": runs, "goals": _goals(runs)}
 
@@ -251,8 +220,7 @@ def _goals(runs) -> dict:
     goal = [r for r in runs if r["kind"] == "beam" and r["width"] == 4 and r["prompt_tokens"] == 512]
     peak = None
     if goal:
-        r = goal[0]
-        ratio = r["peak"]["fork_cow"] / r["peak"]["no_sharing"]
+        ratio = goal[0]["peak"]["fork_cow"] / goal[0]["peak"]["no_sharing"]
         peak = {"ratio": ratio, "goal": GOAL_PEAK_RATIO, "met": ratio <= GOAL_PEAK_RATIO}
     speed = {}
     for clock in ("wall", "cpu"):
@@ -262,13 +230,7 @@ def _goals(runs) -> dict:
 
 
 def main(argv=None):
-    parser = bench_parser("sharing", __doc__)
-    parser.add_argument("--quick", action="store_true", help="short prompts, few tokens, one repeat")
-    parser.add_argument(
-        "--model", choices=["smollm2", "tiny"], default="smollm2", help="SmolLM2-135M (default) or the tiny Llama"
-    )
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed pairs per run (default 5; quick 1)")
+    parser = model_parser("sharing", __doc__, repeats="timed pairs per run (default 5; quick 1)")
     args = parser.parse_args(argv)
     device = "gpu" if torch.cuda.is_available() else "cpu"
     result = result_file(parser, args.out, f"sharing_{device}.json")  # checked before anything is measured
@@ -276,46 +238,15 @@ def main(argv=None):
     data.update(measure(model, tokenizer, **sizes))
     data["environment"] = environment()
     print(f"\npages held (pages of {PAGE_SIZE}): (a) fork + copy-on-write, (b) prefix caching, (c) no sharing")
-    rows = []
-    for r in data["runs"]:
-        peak, save = r["peak"], r["saving_vs_no_sharing"]
-        rows.append(
-            [
-                f"{r['prompt']} ({r['prompt_tokens']})",
-                f"{r['kind']} {r['width']}",
-                f"{peak['fork_cow']} / {peak['prefix_caching']} / {peak['no_sharing']}",
-                f"{save['fork_cow']['at_peak']:.1%} / {save['prefix_caching']['at_peak']:.1%}",
-                f"{save['fork_cow']['over_steps']:.1%} / {save['prefix_caching']['over_steps']:.1%}",
-                f"{r['pages_copied']['fork_cow']} / {r['pages_copied']['no_sharing']}",
-                " / ".join(str(r["tokens_computed"][d]) for d in ("fork_cow", "prefix_caching", "no_sharing")),
-                r["same_as_transformers"]["tokens"],
-                f"{r['time']['wall']['ratio_paged_over_transformers']:.2f}x",
-                f"{r['time']['cpu']['ratio_paged_over_transformers']:.2f}x",
-            ]
-        )
-    print_table(
-        [
-            "prompt",
-            "run",
-            "peak a / b / c",
-            "saved at peak a / b",
-            "saved over steps a / b",
-            "copied a / c",
-            "tokens computed a / b / c",
-            "same tokens",
-            "wall paged / hf",
-            "CPU paged / hf",
-        ],
-        rows,
-    )
-    goals = data["goals"]
-    peak = goals["beam4_prompt512_peak_fork_cow_over_no_sharing"]
+    rows = [{**r, "saved": r["saving_vs_no_sharing"], "computed": r["tokens_computed"]} for r in data["runs"]]
+    print(table(COLUMNS, rows))
+    peak = data["goals"]["beam4_prompt512_peak_fork_cow_over_no_sharing"]
     if peak is not None:
         print(
             f"goal, beam search k=4 on the 512-token prompt: (a) holds {peak['ratio']:.3f}x the pages of (c) at "
             f"peak (goal <= {peak['goal']}): {'met' if peak['met'] else 'NOT met'}"
         )
-    for clock, speed in goals["speed"].items():
+    for clock, speed in data["goals"]["speed"].items():
         print(
             f"goal, {clock} time paged / model.generate <= {speed['goal']} in every run: worst "
             f"{speed['worst_ratio']:.2f}x: {'met' if speed['met'] else 'NOT met'}"
