@@ -60,6 +60,13 @@ SPEED_COLUMNS = [
     ("vs full", "{ratio_vs_full:.3f}"),
     ("KV MiB", "{kv_mib:.2f}"),
 ]
+# the pass-key line of `ablation_table`
+PASSKEY_LINE = (
+    "ratio {passkey_ratio[0]}/{passkey_ratio[1]} [{passkey_ratio_ci95[0]:.3f}, {passkey_ratio_ci95[1]:.3f}] vs "
+    "{passkey_ablation[0]}/{passkey_ablation[1]} [{passkey_ablation_ci95[0]:.3f}, {passkey_ablation_ci95[1]:.3f}]; "
+    "only ratio right {passkey_only_ratio}, only ablation right {passkey_only_ablation}, McNemar p = "
+    "{passkey_mcnemar_p:.2g} -> {passkey_verdict} (Wilson intervals), {passkey_paired_verdict} (paired)"
+)
 
 
 def load_results(data_dir=None):
@@ -120,11 +127,8 @@ def speed_table(results: dict) -> str:
 
 
 def lm_pairs(results: dict, a: str, b: str, task: str = "language_modelling") -> list[dict]:
-    """An NLL task's summary rows of policies ``a`` and ``b`` side by side, per (B, C) both ran.
-
-    Returns:
-        ``[{"page_size", "budget", "nll_a", "nll_b", "ppl_a", "ppl_b"}]`` sorted by (B, C).
-    """
+    """``[{"page_size", "budget", "nll_a", "nll_b", "ppl_a", "ppl_b"}]``: an NLL task's summary rows of
+    policies ``a`` and ``b`` side by side, per (B, C) both ran, sorted by (B, C)."""
     rows = {(r["policy"], r["page_size"], r["budget"]): r for r in results.get(task, [])}
     out = []
     for (p, ps, c), ra in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][2] or 0)):
@@ -139,20 +143,13 @@ def _verdict(better: bool, worse: bool) -> str:
 
 
 def ablation(results: dict, reference: str = "paged_eviction", ablations=ABLATIONS) -> list[dict]:
-    """The reviewers' ablation, from the per-text and per-trial rows of the JSON.
+    """The reviewers' ablation: one dict per ablated score with the numbers and their verdicts.
 
-    Language modelling and retention (keys ``lm_*``, ``retention_*``): `paired_nll` of each
-    ablated score against ``reference`` over every (text, B, C) cell both ran (the cells share
-    texts: the interval is descriptive, not a test over independent samples). Pass-key: the same
-    trials under every policy, pooled over budgets: ``b`` trials only the ratio answered, ``c``
-    only the ablation, the exact McNemar p-value, and each accuracy with a Wilson 95% interval.
-
-    Returns:
-        one dict per ablation with the numbers and the verdicts ``lm_verdict``,
-        ``retention_verdict``, ``passkey_verdict`` (``"ratio better"`` / ``"ratio worse"`` when
-        the interval excludes no difference, for pass-key when the two Wilson intervals do not
-        overlap, else ``"not resolved"``) and ``passkey_paired_verdict`` (the McNemar test at 5%,
-        more sensitive; pooled budgets reuse the same prompts, so trials are not independent).
+    ``lm_*``, ``retention_*``: `paired_nll` against ``reference`` over every (text, B, C) cell both
+    ran (the cells share texts: the interval is descriptive). Pass-key, the same trials pooled over
+    budgets: ``passkey_verdict`` from the two accuracies' Wilson 95% intervals (resolved when they do
+    not overlap); ``passkey_paired_verdict`` from the exact McNemar test at 5% on the trials only one
+    of them answered (more sensitive; pooled budgets reuse prompts, so trials are not independent).
     """
     out = []
     pk = {(r["policy"], r["trial"], r["budget"]): bool(r["correct"]) for r in results.get("passkey_rows", [])}
@@ -184,14 +181,9 @@ def ablation(results: dict, reference: str = "paged_eviction", ablations=ABLATIO
 
 
 def paired_nll(rows: list[dict], reference: str, other: str, prefix: str) -> dict:
-    """NLL of ``other`` minus ``reference`` per (text, B, C) cell both ran: mean, t interval, verdict.
-
-    ``rows``: per-text rows of the JSON (e.g. ``results["lm_rows"]``, or those of one budget).
-    Returns ``{prefix}_cells``, and when there are any ``{prefix}_mean_diff``, ``{prefix}_ci95``
-    (95% t interval), ``{prefix}_ratio_wins`` (cells where ``reference`` has the lower NLL) and
-    ``{prefix}_verdict``: ``"ratio better"`` (``reference`` lower, interval above 0), ``"ratio
-    worse"`` or ``"not resolved"``.
-    """
+    """NLL of ``other`` minus ``reference`` per (text, B, C) cell both ran, in per-text ``rows``:
+    ``{prefix}_cells`` and, if any, ``{prefix}_mean_diff``, ``_ci95`` (95% t interval), ``_ratio_wins``
+    (cells where ``reference`` is lower) and ``_verdict`` (``"ratio better"`` when the interval is above 0)."""
     nll = {(r["policy"], r["text"], r["page_size"], r["budget"]): r["nll"] for r in rows}
     diffs = [nll[(other,) + k[1:]] - v for k, v in nll.items() if k[0] == reference and (other,) + k[1:] in nll]
     out = {f"{prefix}_cells": len(diffs)}
@@ -212,30 +204,16 @@ def ablation_table(rows: list[dict]) -> str:
     """`ablation` output as text: every number the verdicts rest on."""
     lines = []
     for r in rows:
-        nll = {}
-        for prefix in ("lm", "retention"):
+        lines.append(f"ratio vs {r['ablation']}:")
+        for prefix, task in (("lm", "language modelling"), ("retention", "retention")):
             if not r.get(f"{prefix}_cells"):
-                nll[prefix] = "no cells"
+                lines.append(f"  {task}: no cells")
                 continue
             lo, hi = r[f"{prefix}_ci95"]
             ci = "no interval from 1 cell" if math.isnan(lo) else f"95% CI [{lo:+.4f}, {hi:+.4f}]"
-            nll[prefix] = (
-                f"mean dNLL {r[f'{prefix}_mean_diff']:+.4f} nats/token, {ci}, ratio lower NLL in "
+            lines.append(
+                f"  {task}: mean dNLL {r[f'{prefix}_mean_diff']:+.4f} nats/token, {ci}, ratio lower NLL in "
                 f"{r[f'{prefix}_ratio_wins']}/{r[f'{prefix}_cells']} cells -> {r[f'{prefix}_verdict']}"
             )
-        pk = (
-            f"ratio {r['passkey_ratio'][0]}/{r['passkey_ratio'][1]} "
-            f"[{r['passkey_ratio_ci95'][0]:.3f}, {r['passkey_ratio_ci95'][1]:.3f}] vs "
-            f"{r['passkey_ablation'][0]}/{r['passkey_ablation'][1]} "
-            f"[{r['passkey_ablation_ci95'][0]:.3f}, {r['passkey_ablation_ci95'][1]:.3f}]; only ratio right "
-            f"{r['passkey_only_ratio']}, only ablation right {r['passkey_only_ablation']}, McNemar p = "
-            f"{r['passkey_mcnemar_p']:.2g} -> {r['passkey_verdict']} (Wilson intervals), "
-            f"{r['passkey_paired_verdict']} (paired)"
-            if r.get("passkey_trials")
-            else "no pass-key trials"
-        )
-        lines.append(
-            f"ratio vs {r['ablation']}:\n  language modelling: {nll['lm']}\n  retention: {nll['retention']}\n"
-            f"  pass-key: {pk}"
-        )
+        lines.append(f"  pass-key: {PASSKEY_LINE.format(**r) if r.get('passkey_trials') else 'no pass-key trials'}")
     return "\n".join(lines)
