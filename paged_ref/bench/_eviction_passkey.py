@@ -25,8 +25,7 @@ def passkey_prompt(tok, rng: random.Random, target_tokens: int, depth: float):
     """
     key = str(rng.randint(10000, 99999))
     reps = max(2, int(target_tokens / len(tok(FILLER, add_special_tokens=False).input_ids)))
-    before = FILLER * int(reps * depth)
-    after = FILLER * (reps - int(reps * depth))
+    before, after = FILLER * int(reps * depth), FILLER * (reps - int(reps * depth))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
     content = (
         "There is important information hidden inside a lot of irrelevant text. Find it and "
@@ -55,11 +54,9 @@ def passkey_prompt(tok, rng: random.Random, target_tokens: int, depth: float):
 
 
 def key_evidence(held: set, mentions: list[dict], needle_tokens: list[int], key_len: int) -> dict:
-    """What of the key survives in the held token positions ``held``.
-
-    ``key_held``: every token of at least one mention is held. ``key_readable``: every character
-    of the key is covered by some held token of some mention (digits may survive from different
-    mentions). ``needle_held``: the share of the needle sentence's tokens held.
+    """What of the key survives in the held token positions ``held``: ``key_held``, every token of
+    some mention; ``key_readable``, every digit in some held token of some mention; ``needle_held``,
+    the share of the needle sentence's tokens.
 
     Example:
         >>> m = [{3: range(0, 2), 4: range(2, 3)}, {9: range(0, 1), 10: range(1, 3)}]
@@ -142,6 +139,8 @@ def summarize_passkey(rows):
     out = []
     for (policy, c), rs in groups.items():
         n, k, held = len(rs), sum(r["correct"] for r in rs), sum(r["key_held"] for r in rs)
+        when_right = [r["needle_held"] for r in rs if r["correct"]]
+        when_wrong = [r["needle_held"] for r in rs if not r["correct"]]
         out.append(
             dict(
                 policy=policy,
@@ -158,12 +157,8 @@ def summarize_passkey(rows):
                 correct_when_unreadable=sum(r["correct"] for r in rs if not r["key_readable"]),
                 needle_held_mean=statistics.fmean(r["needle_held"] for r in rs),
                 answered_number=sum(bool(re.search(r"\d", r["answer"])) for r in rs),
-                needle_held_when_correct=_mean_or_none([r["needle_held"] for r in rs if r["correct"]]),
-                needle_held_when_wrong=_mean_or_none([r["needle_held"] for r in rs if not r["correct"]]),
+                needle_held_when_correct=statistics.fmean(when_right) if when_right else None,
+                needle_held_when_wrong=statistics.fmean(when_wrong) if when_wrong else None,
             )
         )
     return out
-
-
-def _mean_or_none(xs):
-    return statistics.fmean(xs) if xs else None

@@ -1,10 +1,5 @@
-"""The eviction benchmark's engine: one sequence per (policy, budget), forked from one prefilled prompt.
-
-`policy_groups` splits the policies into the batches that decode together (per page size: the
-page-level policies with the full cache; the per-layer ones on a `LayeredKVCache`; the token-level
-ones, which act after every token); a `Batch` feeds them through one `paged_ref.hf.PagedSession`
-(sdpa backend), one forward per step.
-"""
+"""The eviction benchmark's engine: one sequence per (policy, budget), forked from one prefilled prompt,
+in the batches `policy_groups` makes; a `Batch` decodes them together, one `PagedSession` forward a step."""
 
 from __future__ import annotations
 
@@ -14,8 +9,8 @@ import torch
 
 from .._arith import cdiv
 from ..cache import PagedKVCache
-from ..eviction import make_policy, max_pages_held
-from ..hf import PagedSession
+from ..eviction import make_policy, max_pages_held, token_scores
+from ..hf import PagedSession, prompt_kv
 from ..layered_cache import LayeredKVCache
 
 PER_LAYER = ("paged_eviction_per_layer", "paged_eviction_literal_per_layer")  # a LayeredKVCache of their own
@@ -85,11 +80,8 @@ class Batch:
         """
         i = 0
         while i < tokens.numel():
-            m = min(
-                tokens.numel() - i,
-                max_chunk,
-                *(p.tokens_until_action(self.cache, s) for s, p in zip(self.seqs, self.policies)),
-            )
+            room = min(p.tokens_until_action(self.cache, s) for s, p in zip(self.seqs, self.policies))
+            m = min(tokens.numel() - i, max_chunk, room)
             yield i, self._extend([tokens[i : i + m]] * len(self.seqs))
             i += m
 
@@ -143,9 +135,6 @@ def prefilled_batch(model, prompt: torch.Tensor, runs, page_size: int, longest: 
 def lowest_ratio_tokens(model, tok, ids, count: int = 25) -> dict:
     """Which tokens the layer-averaged ||V||/||K|| ranks lowest in one text (what the literal
     PagedEviction evicts first), and where the first token (the attention sink) ranks."""
-    from ..eviction import token_scores
-    from ..hf import prompt_kv
-
     ks, vs = prompt_kv(model, ids)  # what the paged cache holds for the text
     score = torch.stack([token_scores(k, v) for k, v in zip(ks, vs)]).mean(0)  # [n], as sequence_scores
     order = torch.argsort(score, stable=True)  # lowest first

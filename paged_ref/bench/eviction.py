@@ -34,21 +34,11 @@ import time
 import torch
 
 from ..stats import mean_ci
+from ..textdata import english_text, paragraphs
+from . import _eviction_runs as engine
 from . import eviction_report as report
 from ._eviction_passkey import answer_is_correct, passkey_task, summarize_passkey
-from ._eviction_runs import (
-    PER_LAYER,
-    POLICIES,
-    TOKEN_LEVEL,
-    Batch,
-    close_session,
-    lowest_ratio_tokens,
-    policy_groups,
-    policy_runs,
-    pool_pages,
-    prefilled_batch,
-    prefilled_root,
-)
+from ._eviction_runs import PER_LAYER, POLICIES, TOKEN_LEVEL, policy_groups, policy_runs
 from .common import bench_parser, environment, result_file
 
 __all__ = ["FULL", "LONG_POLICIES", "QUICK", "SMOKE", "SPEED_POLICIES", "lm_task", "main", "retention_task"]
@@ -109,10 +99,9 @@ def score_continuation(model, ids, n_ctx, first_scored, groups, log, label, regi
     rows, check = [], math.nan
     for ps, runs, per_layer in groups:
         t0 = time.perf_counter()
-        batch = prefilled_batch(model, ids[:n_ctx], runs, ps, ids.numel(), per_layer)
-        held = [batch.region_held(i, region) for i in range(len(runs))] if region else [None] * len(runs)
-        nll = torch.zeros(len(runs))
-        kl = torch.zeros(len(runs))
+        batch = engine.prefilled_batch(model, ids[:n_ctx], runs, ps, ids.numel(), per_layer)
+        held = [{"region_held": batch.region_held(i, region)} if region else {} for i in range(len(runs))]
+        nll, kl = torch.zeros(len(runs)), torch.zeros(len(runs))
         for i, lp in batch.feed(ids[n_ctx:-1]):  # lp: [batch, m, vocab]
             m = lp.shape[1]
             w = counted[i : i + m]  # [m]
@@ -123,25 +112,18 @@ def score_continuation(model, ids, n_ctx, first_scored, groups, log, label, regi
             full_nll = -(ref_lp.gather(1, targets[:, None])[:, 0] * counted).sum()
             check = float((nll[0] - full_nll).abs()) / n_scored
         for i in range(len(runs)):
-            row = batch.row(i)
-            row.update(nll=float(nll[i]) / n_scored, kl_vs_full=float(kl[i]) / n_scored, scored_tokens=n_scored)
-            if region:
-                row["region_held"] = held[i]
-            rows.append(row)
-        close_session(batch.session)
-        log(
-            f"{label}, page size {ps}: {len(runs)} sequences x {targets.numel()} tokens in "
-            f"{time.perf_counter() - t0:.1f} s"
-            + (f"; full-cache |NLL - model| {check:.2e}" if runs[0][0] == "full" else "")
-        )
+            nll_i, kl_i = float(nll[i]) / n_scored, float(kl[i]) / n_scored
+            rows.append(dict(batch.row(i), nll=nll_i, kl_vs_full=kl_i, scored_tokens=n_scored, **held[i]))
+        engine.close_session(batch.session)
+        full = f"; full-cache |NLL - model| {check:.2e}" if runs[0][0] == "full" else ""
+        took = f"{len(runs)} sequences x {targets.numel()} tokens in {time.perf_counter() - t0:.1f} s"
+        log(f"{label}, page size {ps}: {took}{full}")
     return rows, check
 
 
 def lm_task(model, tok, cfg, log, long: bool = False):
     """``(rows, check, texts)``: `score_continuation` on ``texts`` passages (``long=True``: ``long_texts``
     at ``long_context``, `LONG_POLICIES` at the first page size), the largest check, every passage tried."""
-    from ..textdata import paragraphs
-
     rows, checks, texts = [], [], []
     n_cont = cfg["continuation"]
     if long:
@@ -170,48 +152,42 @@ def lm_task(model, tok, cfg, log, long: bool = False):
     return rows, max(checks), texts
 
 
-def retention_example(tok, start_a: int, start_b: int, cfg):
-    """``(ids, n_ctx, first_scored, info)``: ``retention_passage`` tokens of passage A,
-    ``retention_other`` tokens of other prose B, then A's opening sentence again, followed by the
-    ``retention_scored`` tokens of A that are scored (in the context verbatim, ~1000 tokens back)."""
-    from ..textdata import english_text
-
-    n_a, n_b, n_score = cfg["retention_passage"], cfg["retention_other"], cfg["retention_scored"]
-    text_a = english_text(int(n_a * 1.2), start=start_a)
-    enc = tok(text_a, add_special_tokens=False, return_offsets_mapping=True)
-    a = torch.tensor(enc["input_ids"][:n_a])
-    first_sentence_end = text_a.index(". ") + 1
-    opening = sum(1 for _, end in enc["offset_mapping"] if end <= first_sentence_end)  # tokens of sentence 1
-    if not 0 < opening < n_a - n_score:
-        raise ValueError(f"passage at paragraph {start_a}: opening sentence of {opening} tokens does not fit")
-    b = _lm_text_ids(tok, start_b, n_b)
-    assert a.numel() == n_a and b.numel() == n_b, f"passages at paragraphs {start_a}, {start_b} are too short"
-    repeat = a[: opening + n_score]  # A's opening sentence, then the tokens scored
-    ids = torch.cat([a, b, repeat])  # [n_a + n_b + opening + n_score]
-    info = dict(
-        start_paragraph=start_a,
-        other_paragraph=start_b,
-        opening_tokens=opening,
-        scored_tokens=n_score,
-        scored_8grams_in_other=copy_fraction(torch.cat([b, repeat[opening:]]), n_b),
-    )
-    return ids, n_a + n_b, opening, info
-
-
 def retention_task(model, tok, cfg, log):
-    """`retention_example` for ``retention_texts`` passages; returns ``(rows, check, texts)`` as `lm_task`."""
-    from ..textdata import paragraphs
-
+    """``(rows, check, texts)`` as `lm_task`, for ``retention_texts`` contexts of ``retention_passage``
+    tokens of a passage A and ``retention_other`` of other prose B, then A's opening sentence again;
+    the ``retention_scored`` tokens of A that follow it are scored (in the context verbatim)."""
     n = len(paragraphs(20))
-    groups, region = policy_groups(cfg["budgets"], cfg["page_sizes"]), (0, cfg["retention_passage"])
+    n_a, n_b, n_score = cfg["retention_passage"], cfg["retention_other"], cfg["retention_scored"]
+    groups = policy_groups(cfg["budgets"], cfg["page_sizes"])
     rows, checks, texts = [], [], []
     for t in range(cfg["retention_texts"]):
         start_a = (t * cfg["text_stride"] + cfg["text_stride"] // 2) % n
-        ids, n_ctx, opening, info = retention_example(tok, start_a, (start_a + n // 2) % n, cfg)
-        text_rows, check = score_continuation(model, ids, n_ctx, opening, groups, log, f"retention text {t}", region)
+        start_b = (start_a + n // 2) % n
+        text_a = english_text(int(n_a * 1.2), start=start_a)
+        enc = tok(text_a, add_special_tokens=False, return_offsets_mapping=True)
+        a = torch.tensor(enc["input_ids"][:n_a])
+        first_sentence_end = text_a.index(". ") + 1
+        opening = sum(1 for _, end in enc["offset_mapping"] if end <= first_sentence_end)  # tokens of sentence 1
+        if not 0 < opening < n_a - n_score:
+            raise ValueError(f"passage at paragraph {start_a}: opening sentence of {opening} tokens does not fit")
+        b = _lm_text_ids(tok, start_b, n_b)
+        assert a.numel() == n_a and b.numel() == n_b, f"passages at paragraphs {start_a}, {start_b} are too short"
+        repeat = a[: opening + n_score]  # A's opening sentence, then the tokens scored
+        ids = torch.cat([a, b, repeat])  # [n_a + n_b + opening + n_score]
+        text_rows, check = score_continuation(
+            model, ids, n_a + n_b, opening, groups, log, f"retention text {t}", (0, n_a)
+        )
         rows += [dict(r, text=t) for r in text_rows]
         checks.append(check)
-        texts.append(info)
+        texts.append(
+            dict(
+                start_paragraph=start_a,
+                other_paragraph=start_b,
+                opening_tokens=opening,
+                scored_tokens=n_score,
+                scored_8grams_in_other=copy_fraction(torch.cat([b, repeat[opening:]]), n_b),
+            )
+        )
     return rows, max(checks), texts
 
 
@@ -266,8 +242,6 @@ def speed_task(model, tok, cfg, log):
     """Per (context n, batch b), B = 16: b forks of one n-token prompt (prefilled once per n and cache
     type) decode ``speed_steps`` tokens under one policy, the first a warm-up; each round runs every
     policy of `SPEED_POLICIES` in turn; the median over rounds, against the full cache."""
-    from ..textdata import english_text
-
     steps = cfg["speed_steps"]
     text = english_text(int(max(cfg["speed_contexts"]) * 1.3), start=7)
     ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
@@ -277,14 +251,13 @@ def speed_task(model, tok, cfg, log):
         roots = {}  # per_layer -> (session, root): the prompt prefilled once per cache type
         for per_layer in (False, True):
             runs = [run[x] for x in SPEED_POLICIES if (x in PER_LAYER) == per_layer]
-            pages = max(pool_pages([r] * max(cfg["speed_batches"]), 16, n + steps) for r in runs)
-            roots[per_layer] = prefilled_root(model, ids[:n], 16, pages, per_layer)
+            pages = max(engine.pool_pages([r] * max(cfg["speed_batches"]), 16, n + steps) for r in runs)
+            roots[per_layer] = engine.prefilled_root(model, ids[:n], 16, pages, per_layer)
         for batch_size in cfg["speed_batches"]:
-            times = {name: [] for name in SPEED_POLICIES}
-            held = {}
+            times, held = {name: [] for name in SPEED_POLICIES}, {}
             for _ in range(cfg["speed_rounds"]):
                 for name in SPEED_POLICIES:
-                    batch = Batch(*roots[name in PER_LAYER], [run[name]] * batch_size)
+                    batch = engine.Batch(*roots[name in PER_LAYER], [run[name]] * batch_size)
                     batch.step(ids[n : n + 1].expand(batch_size))  # warm-up
                     t0 = time.perf_counter()
                     for j in range(1, steps):
@@ -312,7 +285,7 @@ def speed_task(model, tok, cfg, log):
                 )
             log(f"speed at context {n}, batch {batch_size}: full {batch_size / full:.2f} tokens/s")
         for session, _ in roots.values():
-            close_session(session)
+            engine.close_session(session)
     return out
 
 
@@ -369,7 +342,7 @@ def _run(args, mode, out, cfg):
     first_text = next(t["start_paragraph"] for t in texts if t["used"])
     result.update(
         check_max_abs_logprob_diff=max(check, long_check, ret_check),
-        lowest_ratio_tokens=lowest_ratio_tokens(model, tok, _lm_text_ids(tok, first_text, cfg["context"])),
+        lowest_ratio_tokens=engine.lowest_ratio_tokens(model, tok, _lm_text_ids(tok, first_text, cfg["context"])),
         seconds=round(time.perf_counter() - start, 1),
     )
     path = out.save(result, complete=True)
@@ -401,8 +374,6 @@ def _run(args, mode, out, cfg):
 
 
 def _lm_text_ids(tok, start: int, n: int) -> torch.Tensor:
-    from ..textdata import english_text
-
     text = english_text(int(n * 1.2), start=start)
     return tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0][:n]
 

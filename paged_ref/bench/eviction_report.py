@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..eviction.policies import ABLATIONS, policy_order
 from ..provenance import describe
+from ..runmode import figures_dir
 from ..stats import mcnemar_p, mean_ci, wilson
 from ..texttable import format_table
 
@@ -72,8 +73,6 @@ PASSKEY_LINE = (
 def load_results(data_dir=None):
     """``(file name, dict)`` of ``eviction_full.json`` if present, else of ``eviction_quick.json``,
     in ``data_dir`` (default: the repository's ``figures/data/``); ``(None, None)`` if neither exists."""
-    from ..runmode import figures_dir
-
     folder = Path(data_dir) if data_dir is not None else figures_dir() / "data"
     for name in ("eviction_full.json", "eviction_quick.json"):
         path = folder / name
