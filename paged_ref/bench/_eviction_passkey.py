@@ -108,9 +108,8 @@ def passkey_task(model, tok, cfg, log, answer_tokens=7):
             for _ in range(answer_tokens):
                 nxt = batch.step(nxt).argmax(-1)  # [batch]
                 answers.append(nxt)
-            answers = torch.stack(answers, 1)  # [batch, answer_tokens]
-            for i in range(len(runs)):
-                text = tok.decode(answers[i])
+            for i, answer in enumerate(torch.stack(answers, 1)):  # answer: [answer_tokens]
+                text = tok.decode(answer)
                 row = batch.row(i)
                 row.update(
                     trial=trial,

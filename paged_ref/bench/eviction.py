@@ -2,12 +2,11 @@
 
     python -m paged_ref.bench eviction [--quick | --smoke] [--out DIR] [--threads N]
 
-Every policy of `POLICIES` (the full cache; PagedEviction as its authors run it and as the paper
-writes it, shared and per layer; the same page eviction under other scores, the reviewers'
-ablation; StreamingLLM; token-level baselines) runs on SmolLM2 (float32, CPU) through
-`paged_ref.hf.PagedSession` (sdpa): a prompt is prefilled once, `PagedSession.fork` gives one
-sequence per (policy, budget C) that evicts down to C, and the sequences of one page size B decode
-together. The full cache's log-probs are checked against the model's own forward over the text.
+Every policy of `POLICIES` (PagedEviction as run and as written, shared and per layer, its score
+ablations, StreamingLLM, token-level baselines, the full cache) runs on SmolLM2 (float32, CPU) through
+`paged_ref.hf.PagedSession` (sdpa): a prompt is prefilled once, `PagedSession.fork` gives one sequence
+per (policy, budget C) that evicts down to C, and those of one page size B decode together. The full
+cache's log-probs are checked against the model's own forward over the text.
 
 * Language modelling: ``context`` tokens of prose prefilled and evicted, then ``continuation``
   tokens fed one at a time (teacher forcing) while the policy keeps evicting: mean NLL per token
@@ -21,8 +20,8 @@ together. The full cache's log-probs are checked against the model's own forward
   the median over rounds is compared with the full cache of the same run.
 * The tokens the layer-averaged ||V||/||K|| ranks lowest in the first text.
 
-Results: ``figures/data/eviction_{quick,full}.json`` (``--smoke``: ``eviction_smoke.json``, toy
-sizes that only show the harness runs) and the tables printed; notebook 07 draws them.
+Results: ``figures/data/eviction_{quick,full,smoke}.json`` (smoke: toy sizes, only a harness check)
+and the tables printed; notebook 07 draws them.
 """
 
 from __future__ import annotations
