@@ -1,9 +1,4 @@
-"""Pass-key retrieval for the eviction evaluation: a 5-digit key hidden in filler, asked for at the end.
-
-`passkey_prompt` builds a trial, `passkey_task` runs every policy on it through the evaluation's
-engine (`paged_ref.bench._eviction_runs`) and records, next to the answer, which mentions of the
-key each policy still held; `summarize_passkey` gives accuracy with Wilson intervals per cell.
-"""
+"""The eviction benchmark's pass-key retrieval: a 5-digit key hidden in filler, asked for at the end."""
 
 from __future__ import annotations
 
@@ -15,14 +10,14 @@ import time
 import torch
 
 from ..stats import wilson
-from ._eviction_runs import close_all, policy_groups, prefilled_batch
+from ._eviction_runs import close_session, policy_groups, prefilled_batch
 
 PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # trial t hides the key at depth PASSKEY_DEPTHS[t % 5]
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 
 
-def passkey_prompt(tok, rng: random.Random, target_tokens: int, depth: float | None = None):
-    """(context ids, question ids, key, mentions, needle token indices, depth).
+def passkey_prompt(tok, rng: random.Random, target_tokens: int, depth: float):
+    """(context ids, question ids, key, mentions, needle token indices): the key at ``depth`` (0..1).
 
     ``mentions`` has one dict per mention of the key: token index -> the key's character
     positions that token covers (a token may straddle the key's edge), so a caller can ask both
@@ -30,9 +25,7 @@ def passkey_prompt(tok, rng: random.Random, target_tokens: int, depth: float | N
     """
     key = str(rng.randint(10000, 99999))
     reps = max(2, int(target_tokens / len(tok(FILLER, add_special_tokens=False).input_ids)))
-    depth = rng.random() if depth is None else depth
-    before = FILLER * int(reps * depth)
-    after = FILLER * (reps - int(reps * depth))
+    before, after = FILLER * int(reps * depth), FILLER * (reps - int(reps * depth))
     needle = f"The pass key is {key}. Remember it. {key} is the pass key. "
     content = (
         "There is important information hidden inside a lot of irrelevant text. Find it and "
@@ -57,15 +50,13 @@ def passkey_prompt(tok, rng: random.Random, target_tokens: int, depth: float | N
     mentions = [covering(m.start(), m.end()) for m in re.finditer(key, text[:cut])]
     n0 = text.index(needle)
     needle_tokens = sorted(covering(n0, n0 + len(needle)))
-    return torch.tensor(enc["input_ids"]), torch.tensor(question), key, mentions, needle_tokens, depth
+    return torch.tensor(enc["input_ids"]), torch.tensor(question), key, mentions, needle_tokens
 
 
 def key_evidence(held: set, mentions: list[dict], needle_tokens: list[int], key_len: int) -> dict:
-    """What of the key survives in the held token positions ``held``.
-
-    ``key_held``: every token of at least one mention is held. ``key_readable``: every character
-    of the key is covered by some held token of some mention (digits may survive from different
-    mentions). ``needle_held``: the share of the needle sentence's tokens held.
+    """What of the key survives in the held token positions ``held``: ``key_held``, every token of
+    some mention; ``key_readable``, every digit in some held token of some mention; ``needle_held``,
+    the share of the needle sentence's tokens.
 
     Example:
         >>> m = [{3: range(0, 2), 4: range(2, 3)}, {9: range(0, 1), 10: range(1, 3)}]
@@ -96,12 +87,14 @@ def answer_is_correct(text: str, key: str) -> bool:
 
 
 def passkey_task(model, tok, cfg, log, answer_tokens=7):
+    """Every policy on ``passkey_trials`` prompts: the context prefilled and evicted, the question fed
+    through the evicted cache, then ``answer_tokens`` greedy tokens; one row per (trial, policy, budget)."""
     rows = []
     groups = policy_groups(cfg["passkey_budgets"], [16])
     for trial in range(cfg["passkey_trials"]):
         rng = random.Random(1000 + trial)
         depth = PASSKEY_DEPTHS[trial % len(PASSKEY_DEPTHS)]
-        ctx, question, key, mentions, needle_tokens, depth = passkey_prompt(tok, rng, cfg["passkey_context"], depth)
+        ctx, question, key, mentions, needle_tokens = passkey_prompt(tok, rng, cfg["passkey_context"], depth)
         t0 = time.perf_counter()
         for ps, runs, per_layer in groups:
             batch = prefilled_batch(model, ctx, runs, ps, ctx.numel() + question.numel() + answer_tokens, per_layer)
@@ -115,9 +108,8 @@ def passkey_task(model, tok, cfg, log, answer_tokens=7):
             for _ in range(answer_tokens):
                 nxt = batch.step(nxt).argmax(-1)  # [batch]
                 answers.append(nxt)
-            answers = torch.stack(answers, 1)  # [batch, answer_tokens]
-            for i in range(len(runs)):
-                text = tok.decode(answers[i])
+            for i, answer in enumerate(torch.stack(answers, 1)):  # answer: [answer_tokens]
+                text = tok.decode(answer)
                 row = batch.row(i)
                 row.update(
                     trial=trial,
@@ -129,7 +121,7 @@ def passkey_task(model, tok, cfg, log, answer_tokens=7):
                     **evidence[i],
                 )
                 rows.append(row)
-            close_all(batch)
+            close_session(batch.session)
         full = next(r for r in rows[::-1] if r["policy"] == "full")
         log(
             f"pass-key trial {trial}: {ctx.numel()} context tokens, key {key} at depth {depth:.2f}; "
@@ -139,15 +131,15 @@ def passkey_task(model, tok, cfg, log, answer_tokens=7):
 
 
 def summarize_passkey(rows):
+    """Per (policy, budget): accuracy with its Wilson 95% interval, and what of the key was held."""
     groups = {}
     for r in rows:
         groups.setdefault((r["policy"], r["budget"]), []).append(r)
     out = []
     for (policy, c), rs in groups.items():
-        n, k = len(rs), sum(r["correct"] for r in rs)
-        h = sum(r["key_held"] for r in rs)
-        readable = sum(r["key_readable"] for r in rs)
-        lo, hi = wilson(k, n)
+        n, k, held = len(rs), sum(r["correct"] for r in rs), sum(r["key_held"] for r in rs)
+        when_right = [r["needle_held"] for r in rs if r["correct"]]
+        when_wrong = [r["needle_held"] for r in rs if not r["correct"]]
         out.append(
             dict(
                 policy=policy,
@@ -155,21 +147,17 @@ def summarize_passkey(rows):
                 trials=n,
                 correct=k,
                 accuracy=k / n,
-                ci95=[lo, hi],
-                key_held=h,
-                key_held_rate=h / n,
+                ci95=list(wilson(k, n)),
+                key_held=held,
+                key_held_rate=held / n,
                 correct_when_held=sum(r["correct"] for r in rs if r["key_held"]),
                 correct_when_lost=sum(r["correct"] for r in rs if not r["key_held"]),
-                key_readable=readable,
+                key_readable=sum(r["key_readable"] for r in rs),
                 correct_when_unreadable=sum(r["correct"] for r in rs if not r["key_readable"]),
                 needle_held_mean=statistics.fmean(r["needle_held"] for r in rs),
                 answered_number=sum(bool(re.search(r"\d", r["answer"])) for r in rs),
-                needle_held_when_correct=_mean_or_none([r["needle_held"] for r in rs if r["correct"]]),
-                needle_held_when_wrong=_mean_or_none([r["needle_held"] for r in rs if not r["correct"]]),
+                needle_held_when_correct=statistics.fmean(when_right) if when_right else None,
+                needle_held_when_wrong=statistics.fmean(when_wrong) if when_wrong else None,
             )
         )
     return out
-
-
-def _mean_or_none(xs):
-    return statistics.fmean(xs) if xs else None

@@ -1,45 +1,28 @@
-"""The evaluation's engine: one sequence per (policy, budget), forked from one prefilled prompt.
-
-`paged_ref.bench.eviction` runs every task through this: `policy_groups` splits the policies into the
-batches that decode together (per page size: the page-level policies with the full cache; the
-per-layer ones on a `LayeredKVCache`; the token-level ones, which act after every token), and
-`Batch` feeds them through one `paged_ref.hf.PagedSession` (sdpa backend), one forward per step.
-`lowest_ratio_tokens` reads which tokens of one text the ratio ranks lowest (evicted first).
-"""
+"""The eviction benchmark's engine: one sequence per (policy, budget), forked from one prefilled prompt,
+in the batches `policy_groups` makes; a `Batch` decodes them together, one `PagedSession` forward a step."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 
 from .._arith import cdiv
 from ..cache import PagedKVCache
-from ..eviction import make_policy, max_pages_held
-from ..hf import PagedSession
+from ..eviction import make_policy, max_pages_held, token_scores
+from ..hf import PagedSession, prompt_kv
 from ..layered_cache import LayeredKVCache
 
-POLICIES = [
-    "full",
-    "paged_eviction",
-    "paged_eviction_literal",
-    "paged_eviction_per_layer",
-    "paged_eviction_literal_per_layer",
-    "inverse_key_norm",
-    "value_norm",
-    "key_norm",
-    "key_value_ratio",
-    "random",
-    "streaming_llm",
-    "token_topk",
-    "token_inverse_key_norm",
-]
+PER_LAYER = ("paged_eviction_per_layer", "paged_eviction_literal_per_layer")  # a LayeredKVCache of their own
+TOKEN_LEVEL = ("token_topk", "token_inverse_key_norm")  # act after every token: a batch of their own
+_SCORES = ["inverse_key_norm", "value_norm", "key_norm", "key_value_ratio", "random"]  # the same page eviction
+POLICIES = ["full", "paged_eviction", "paged_eviction_literal", *PER_LAYER, *_SCORES, "streaming_llm", *TOKEN_LEVEL]
 # labels that are a policy with options rather than a policy name
 VARIANTS = {
     "token_inverse_key_norm": ("token_topk", {"method": "inverse_key_norm"}),
     "paged_eviction_per_layer": ("paged_eviction", {"decision": "per_layer"}),
     "paged_eviction_literal_per_layer": ("paged_eviction_literal", {"decision": "per_layer"}),
 }
-TOKEN_LEVEL = ("token_topk", "token_inverse_key_norm")  # act after every token: a batch of their own
-PER_LAYER = ("paged_eviction_per_layer", "paged_eviction_literal_per_layer")  # a LayeredKVCache of their own
 
 
 def policy_runs(budgets, exclude=(), only=None, policies=POLICIES):
@@ -51,9 +34,8 @@ def policy_runs(budgets, exclude=(), only=None, policies=POLICIES):
 
 
 def policy_groups(budgets, page_sizes, policies=POLICIES):
-    """``(page_size, runs, per_layer)`` for each batch that decodes together: per page size the
-    shared page-level policies (with the full cache) and the per-layer ones (on a LayeredKVCache);
-    the token-level policies, which act after every token, at the first page size only."""
+    """``(page_size, runs, per_layer)`` for each batch that decodes together; the token-level
+    policies at the first page size only."""
     out = []
     for ps in page_sizes:
         out.append((ps, policy_runs(budgets, exclude=TOKEN_LEVEL + PER_LAYER, policies=policies), False))
@@ -62,29 +44,21 @@ def policy_groups(budgets, page_sizes, policies=POLICIES):
     return [g for g in out if g[1]]
 
 
-def _policy(label, budget):
-    name, options = VARIANTS.get(label, (label, {}))
-    return make_policy(name, budget, **options)
-
-
 def pool_pages(runs, page_size, longest):
     """Pages for all sequences at their bound plus one prompt held whole before its eviction."""
     need = sum(cdiv(longest, page_size) + 1 if c is None else max_pages_held(c, page_size) for _, _, c in runs)
     return need + cdiv(longest, page_size) + 1
 
 
-def make_session(model, page_size: int, num_pages: int, per_layer: bool) -> PagedSession:
-    """An open session (sdpa backend) over a fresh cache: a `LayeredKVCache` for per-layer policies."""
+def prefilled_root(model, prompt: torch.Tensor, page_size: int, num_pages: int, per_layer: bool):
+    """``(session, root)``: an open session (sdpa) over a fresh cache (a `LayeredKVCache` for
+    per-layer policies) holding ``prompt: [n]`` in a sequence without a policy, to fork from."""
     cls = LayeredKVCache if per_layer else PagedKVCache
     kv = cls.for_model(model, num_pages=num_pages, page_size=page_size)
-    return PagedSession(model, kv=kv, backend="sdpa").open()
-
-
-def prefill_root(session: PagedSession, prompt: torch.Tensor) -> int:
-    """A sequence holding ``prompt: [n]`` (no policy): the root every policy's sequence forks from."""
+    session = PagedSession(model, kv=kv, backend="sdpa").open()
     root = session.add()
     session.extend([root], [prompt])
-    return root
+    return session, root
 
 
 class Batch:
@@ -92,7 +66,7 @@ class Batch:
 
     def __init__(self, session: PagedSession, root: int, runs):
         self.session, self.cache, self.runs = session, session.kv, runs
-        self.policies = [_policy(label, c) for label, _, c in runs]
+        self.policies = [make_policy(name, c, **VARIANTS.get(label, (label, {}))[1]) for label, name, c in runs]
         self.seqs = [session.fork(root, eviction=p) for p in self.policies]  # after_prefill runs here
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -106,11 +80,8 @@ class Batch:
         """
         i = 0
         while i < tokens.numel():
-            m = min(
-                tokens.numel() - i,
-                max_chunk,
-                *(p.tokens_until_action(self.cache, s) for s, p in zip(self.seqs, self.policies)),
-            )
+            room = min(p.tokens_until_action(self.cache, s) for s, p in zip(self.seqs, self.policies))
+            m = min(tokens.numel() - i, max_chunk, room)
             yield i, self._extend([tokens[i : i + m]] * len(self.seqs))
             i += m
 
@@ -121,14 +92,12 @@ class Batch:
     def region_held(self, i: int, region) -> float:
         """Share of the original tokens ``region[0] .. region[1]-1`` sequence ``i`` holds now."""
         lo, hi = region
-        s, p = self.seqs[i], self.policies[i]
-        pos = p.positions(s).reshape(-1, self.cache.seq_len(s))  # [lanes, seq_len]
+        pos = self.policies[i].positions(self.seqs[i]).reshape(-1, self.cache.seq_len(self.seqs[i]))  # [lanes, n]
         return float(((pos >= lo) & (pos < hi)).sum()) / (pos.shape[0] * (hi - lo))
 
     def row(self, i):
-        s, p = self.seqs[i], self.policies[i]
-        st = p.stats(s)
-        label, name, c = self.runs[i]
+        s, st = self.seqs[i], self.policies[i].stats(self.seqs[i])
+        label, _, c = self.runs[i]
         return dict(
             policy=label,
             budget=c,
@@ -149,38 +118,31 @@ class Batch:
             self.session.finish(s)  # frees its pages and releases it from its policy
 
 
+def close_session(session: PagedSession) -> None:
+    """Close ``session`` (finishing every sequence it holds) and check that every page came back."""
+    session.close()
+    assert session.kv.allocator.num_free == session.kv.allocator.num_pages
+
+
 def prefilled_batch(model, prompt: torch.Tensor, runs, page_size: int, longest: int, per_layer: bool) -> Batch:
     """A session of its own holding ``prompt`` once, forked into one sequence per run."""
-    session = make_session(model, page_size, pool_pages(runs, page_size, longest), per_layer)
-    root = prefill_root(session, prompt)
+    session, root = prefilled_root(model, prompt, page_size, pool_pages(runs, page_size, longest), per_layer)
     batch = Batch(session, root, runs)
     session.finish(root)  # the forks keep the prompt's pages they still share
     return batch
 
 
-def close_all(batch: Batch) -> None:
-    batch.close()
-    batch.session.close()
-    assert batch.cache.allocator.num_free == batch.cache.allocator.num_pages
-
-
 def lowest_ratio_tokens(model, tok, ids, count: int = 25) -> dict:
     """Which tokens the layer-averaged ||V||/||K|| ranks lowest in one text (what the literal
     PagedEviction evicts first), and where the first token (the attention sink) ranks."""
-    from ..eviction import token_scores
-    from ..hf import prompt_kv
-
     ks, vs = prompt_kv(model, ids)  # what the paged cache holds for the text
     score = torch.stack([token_scores(k, v) for k, v in zip(ks, vs)]).mean(0)  # [n], as sequence_scores
     order = torch.argsort(score, stable=True)  # lowest first
     lowest = [dict(position=int(i), token=tok.decode(ids[i : i + 1]), score=float(score[i])) for i in order[:count]]
-    counts = {}
-    for r in lowest:
-        counts[r["token"]] = counts.get(r["token"], 0) + 1
     return dict(
         tokens=int(ids.numel()),
         lowest=lowest,
-        lowest_token_counts=dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+        lowest_token_counts=dict(Counter(r["token"] for r in lowest).most_common()),  # ties: first seen first
         first_token_rank=int((score < score[0]).sum()),  # 0 = the lowest of the text
         median_score=float(score.median()),
     )

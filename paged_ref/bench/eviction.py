@@ -1,49 +1,27 @@
 """KV eviction on SmolLM2-135M: perplexity, retention, pass-key retrieval, KV bytes and decode speed.
 
-    python -m paged_ref.bench eviction [--quick | --smoke] [--out DIR]
+    python -m paged_ref.bench eviction [--quick | --smoke] [--out DIR] [--threads N]
 
-One run measures, on the real model (`paged_ref.models.load_smollm2`, float32, CPU):
+Every policy of `POLICIES` (PagedEviction as run and as written, shared and per layer, its score
+ablations, StreamingLLM, token-level baselines, the full cache) runs on SmolLM2 (float32, CPU) through
+`paged_ref.hf.PagedSession` (sdpa): a prompt is prefilled once, `PagedSession.fork` gives one sequence
+per (policy, budget C) that evicts down to C, and those of one page size B decode together. The full
+cache's log-probs are checked against the model's own forward over the text.
 
-* Language modelling (plain continuation): ``texts`` passages of real English
-  (`paged_ref.textdata`, CPython's documentation prose; a text whose continuation copies its
-  context is skipped, see `copy_fraction`). A context of ``context`` tokens is prefilled with
-  full attention, each policy evicts down to its budget C, then the next ``continuation``
-  tokens are fed one at a time (teacher forcing) while the policy keeps evicting; per
-  (policy, C, page size B): mean NLL per token over texts with a 95% t interval, perplexity,
-  mean KL(full || policy) of the next-token distributions, pages and KV bytes held, and the
-  tokens token-level eviction copies. This mostly measures recency. The same again at
-  ``long_context`` tokens (4096; `LONG_POLICIES`, page size 16).
-* Retention (`retention_example`): a passage, then other prose, then the passage's opening
-  sentence again; the NLL of the passage's next tokens, which sit verbatim ~1000 tokens back.
-  The full cache copies them, a recent window cannot: importance, not recency, decides.
-  ``region_held`` says how much of the passage each policy still held.
-* Pass-key retrieval: a random 5-digit key at fixed depths (`PASSKEY_DEPTHS`) in
-  ``passkey_context`` tokens of filler, in SmolLM2's chat template. The context is prefilled and
-  evicted first; the question arrives afterwards, token by token through the evicted cache (the
-  policy cannot see it coming), then the model answers greedily. Accuracy with a Wilson 95%
-  interval, and what of the key was still held when the answer began (`key_evidence`).
-* Speed: time per output token and tokens/s at each of ``speed_contexts`` and ``speed_batches``,
-  hooks included, median of interleaved rounds, as ratios to the full cache in the same run.
-* The tokens the layer-averaged ||V||/||K|| ranks lowest in the first text (`lowest_ratio_tokens`).
+* Language modelling: ``context`` tokens of prose prefilled and evicted, then ``continuation``
+  tokens fed one at a time (teacher forcing) while the policy keeps evicting: mean NLL per token
+  over ``texts`` with a 95% t interval, perplexity, KL(full || policy), pages and KV bytes held;
+  again at ``long_context`` tokens. Texts whose continuation copies their context are skipped.
+* Retention: a passage, other prose, then the passage's opening sentence again; the NLL of the
+  passage's next tokens, which are in the context verbatim.
+* Pass-key: a 5-digit key at fixed depths in filler; the question is fed through the evicted
+  cache, then the model answers greedily: accuracy (Wilson 95% interval), what of the key was held.
+* Speed: time per output token and tokens/s, hooks included; rounds interleave the policies and
+  the median over rounds is compared with the full cache of the same run.
+* The tokens the layer-averaged ||V||/||K|| ranks lowest in the first text.
 
-Policies (`paged_ref.eviction.make_policy`): full; paged_eviction (||V||/||K||, page eviction,
-the first and the newest page reserved, as the authors' code runs it); paged_eviction_literal
-(the paper's text: page 0 not reserved); both with per-layer decisions (``*_per_layer``, on a
-`paged_ref.layered_cache.LayeredKVCache`); the same page eviction scored by inverse_key_norm,
-value_norm, key_norm, key_value_ratio (the authors' vLLM code's swapped score) or random (the
-reviewers' ablation: only the score changes); streaming_llm; token_topk (token-level,
-||V||/||K||) and token_inverse_key_norm (token-level 1/||K||, the paper's baseline).
-
-Everything runs through `paged_ref.hf.PagedSession` (sdpa backend), the engine under
-`paged_ref.hf.generate`: the prompt is prefilled once per cache, then `PagedSession.fork` gives
-one sequence per (policy, budget), each under its own policy, and the sequences of one page size
-decode together, one forward per step (per-layer policies on a `LayeredKVCache` of their own).
-The full-cache sequence's log-probs are checked against the model's own forward over the whole
-text (``check_max_abs_logprob_diff`` in the JSON). Results: ``figures/data/eviction_{quick,full}.json``
-(``--smoke``: ``eviction_smoke.json``, toy sizes that only show the harness runs) and the tables
-printed; notebook 07 draws the figures from the JSON (`paged_ref.viz.eviction`). The engine
-(`paged_ref.bench._eviction_runs`) and the pass-key task (`paged_ref.bench._eviction_passkey`) are
-modules of their own; this one holds the configurations, the other tasks and the command.
+Results: ``figures/data/eviction_{quick,full,smoke}.json`` (smoke: toy sizes, only a harness check)
+and the tables printed; notebook 07 draws them.
 """
 
 from __future__ import annotations
@@ -55,143 +33,56 @@ import time
 import torch
 
 from ..stats import mean_ci
+from ..textdata import english_text, paragraphs
+from . import _eviction_runs as engine
 from . import eviction_report as report
-from ._eviction_passkey import (
-    PASSKEY_DEPTHS,
-    answer_is_correct,
-    key_evidence,
-    passkey_prompt,
-    passkey_task,
-    summarize_passkey,
-)
-from ._eviction_runs import (
-    PER_LAYER,
-    POLICIES,
-    TOKEN_LEVEL,
-    VARIANTS,
-    close_all,
-    lowest_ratio_tokens,
-    policy_groups,
-    policy_runs,
-    prefilled_batch,
-)
-from ._eviction_speed import SPEED_POLICIES, speed_task
+from ._eviction_passkey import answer_is_correct, passkey_task, summarize_passkey
+from ._eviction_runs import PER_LAYER, POLICIES, TOKEN_LEVEL, policy_groups, policy_runs
 from .common import bench_parser, environment, result_file
 
-__all__ = [  # the passkey pieces and the policy lists live in their own modules; named here too
-    "FULL",
-    "LONG_POLICIES",
-    "PASSKEY_DEPTHS",
-    "PER_LAYER",
-    "POLICIES",
-    "QUICK",
-    "SMOKE",
-    "SPEED_POLICIES",
-    "TOKEN_LEVEL",
-    "VARIANTS",
-    "answer_is_correct",
-    "key_evidence",
-    "lm_task",
-    "main",
-    "passkey_prompt",
-    "passkey_task",
-    "policy_runs",
-    "retention_task",
-    "score_continuation",
-    "speed_task",
-    "summarize_lm",
-    "summarize_passkey",
-]
+__all__ = ["FULL", "LONG_POLICIES", "QUICK", "SMOKE", "SPEED_POLICIES", "lm_task", "main", "retention_task"]
+__all__ += ["score_continuation", "speed_task", "summarize_lm"]
+__all__ += ["PER_LAYER", "POLICIES", "TOKEN_LEVEL", "answer_is_correct", "policy_runs"]  # from its parts
 
-# the long-context continuation: the method as run and as written, per layer, the paper's baselines
-LONG_POLICIES = [
-    "full",
-    "paged_eviction",
-    "paged_eviction_literal",
-    "paged_eviction_per_layer",
-    "inverse_key_norm",
-    "streaming_llm",
-    "token_inverse_key_norm",
-]
-QUICK = dict(
-    texts=1,
-    text_stride=150,
-    context=384,
-    continuation=33,
-    long_context=512,
-    long_texts=1,
-    long_text_stride=150,
-    budgets=[128],
-    page_sizes=[16],
-    retention_texts=1,
-    retention_passage=192,
-    retention_other=160,
-    retention_scored=24,
-    passkey_trials=2,
-    passkey_context=300,
-    passkey_budgets=[128],
-    speed_contexts=[384],
-    speed_batches=[1],
-    speed_steps=6,
-    speed_rounds=1,
-    speed_budget=128,
+# the long-context continuation: the method as run and as written, per layer; the paper's baselines
+LONG_POLICIES = ["full", "paged_eviction", "paged_eviction_literal", "paged_eviction_per_layer"]
+LONG_POLICIES += ["inverse_key_norm", "streaming_llm", "token_inverse_key_norm"]
+# the ablations run paged_eviction's code at the same cost
+SPEED_POLICIES = ["full", "paged_eviction", "paged_eviction_per_layer", "streaming_llm", *TOKEN_LEVEL]
+# each setting as (quick, smoke, full): quick is notebook 07's small run; smoke runs every task and
+# policy at toy sizes in seconds, the tests' harness check (its numbers mean nothing)
+_SIZES = dict(
+    texts=(1, 1, 8),
+    text_stride=(150, 150, 30),
+    context=(384, 160, 2048),
+    continuation=(33, 9, 128),
+    long_context=(512, 224, 4096),  # SmolLM2-135M takes 8192 positions
+    long_texts=(1, 1, 8),
+    long_text_stride=(150, 150, 60),  # full: 8 texts of ~3300 words from ~23,000 words, overlapping a little
+    budgets=([128], [64], [128, 256, 512, 1024]),
+    page_sizes=([16], [16], [16, 32]),
+    retention_texts=(1, 1, 8),
+    retention_passage=(192, 64, 1024),
+    retention_other=(160, 64, 1024),
+    retention_scored=(24, 8, 128),
+    passkey_trials=(2, 1, 20),
+    passkey_context=(300, 160, 1100),  # SmolLM2-135M retrieves the key at ~1100 tokens, not at ~2000
+    passkey_budgets=([128], [64], [128, 256, 512, 1024]),
+    speed_contexts=([384], [160], [2048, 4096]),
+    speed_batches=([1], [1], [1, 8]),
+    speed_steps=(6, 3, 33),
+    speed_rounds=(1, 1, 3),
+    speed_budget=(128, 64, 256),
 )
-# every task and policy at toy sizes, in seconds: the harness check the tests run (numbers meaningless)
-SMOKE = dict(
-    QUICK,
-    context=160,
-    continuation=9,
-    long_context=224,
-    budgets=[64],
-    retention_passage=64,
-    retention_other=64,
-    retention_scored=8,
-    passkey_trials=1,
-    passkey_context=160,
-    passkey_budgets=[64],
-    speed_contexts=[160],
-    speed_steps=3,
-    speed_budget=64,
-)
-FULL = dict(
-    texts=8,
-    text_stride=30,
-    context=2048,
-    continuation=128,
-    long_context=4096,  # SmolLM2-135M takes 8192 positions
-    long_texts=8,
-    long_text_stride=60,  # 8 texts of ~3300 words from ~23,000 words of prose: contexts overlap a little
-    budgets=[128, 256, 512, 1024],
-    page_sizes=[16, 32],
-    retention_texts=8,
-    retention_passage=1024,
-    retention_other=1024,
-    retention_scored=128,
-    passkey_trials=20,
-    passkey_context=1100,  # SmolLM2-135M retrieves the key at ~1100 tokens; at ~2000 the full cache fails
-    passkey_budgets=[128, 256, 512, 1024],
-    speed_contexts=[2048, 4096],
-    speed_batches=[1, 8],
-    speed_steps=33,
-    speed_rounds=3,
-    speed_budget=256,
-)
+QUICK, SMOKE, FULL = ({key: values[i] for key, values in _SIZES.items()} for i in range(3))
 MAX_COPIED = 0.05  # skip texts whose continuation repeats more than this fraction of context 8-grams
 
 
-# ----------------------------------------------------------------------------- scoring a continuation
 def score_continuation(model, ids, n_ctx, first_scored, groups, log, label, region=None):
-    """Every policy's NLL on the end of one text, in rows (one per policy, budget and page size).
-
-    ``ids[:n_ctx]`` is prefilled with full attention and each policy evicts down to its budget;
-    then ``ids[n_ctx:-1]`` are fed one token at a time (teacher forcing) while the policies keep
-    evicting, and the NLL per token is averaged over the tokens ``ids[n_ctx + first_scored:]``
-    (``first_scored=1``: the whole continuation but its first token, which the prefill itself
-    predicts, the same for all). KL(full || policy) is averaged over the same predictions.
-
-    ``groups``: the batches to run (`policy_groups`). ``region=(lo, hi)``: each row also gets
-    ``region_held``, the share of the context tokens ``lo .. hi-1`` a policy held after its
-    prefill eviction (per-layer: the mean over layers).
+    """Every policy's NLL on one text, one row per (policy, budget, page size): ``ids[:n_ctx]``
+    prefilled and evicted, ``ids[n_ctx:-1]`` fed one by one, NLL and KL(full || policy) averaged
+    over the predictions of ``ids[n_ctx + first_scored:]``. ``region=(lo, hi)``: rows also get
+    ``region_held``, the share of context tokens ``lo .. hi-1`` held after the prefill eviction.
 
     Returns:
         ``(rows, check)``: ``check`` is the full cache's mean |NLL - the model's own forward|.
@@ -204,14 +95,12 @@ def score_continuation(model, ids, n_ctx, first_scored, groups, log, label, regi
     targets = ids[n_ctx + 1 :]  # [n_fed]: fed token i predicts ids[n_ctx + i + 1]
     counted = (torch.arange(targets.numel()) >= first_scored - 1).float()  # [n_fed]
     n_scored = int(counted.sum())
-    # page-granular policies feed chunks; token-level policies act after every token, so they run apart
     rows, check = [], math.nan
     for ps, runs, per_layer in groups:
         t0 = time.perf_counter()
-        batch = prefilled_batch(model, ids[:n_ctx], runs, ps, ids.numel(), per_layer)
-        held = [batch.region_held(i, region) for i in range(len(runs))] if region else [None] * len(runs)
-        nll = torch.zeros(len(runs))
-        kl = torch.zeros(len(runs))
+        batch = engine.prefilled_batch(model, ids[:n_ctx], runs, ps, ids.numel(), per_layer)
+        held = [{"region_held": batch.region_held(i, region)} if region else {} for i in range(len(runs))]
+        nll, kl = torch.zeros(len(runs)), torch.zeros(len(runs))
         for i, lp in batch.feed(ids[n_ctx:-1]):  # lp: [batch, m, vocab]
             m = lp.shape[1]
             w = counted[i : i + m]  # [m]
@@ -222,31 +111,18 @@ def score_continuation(model, ids, n_ctx, first_scored, groups, log, label, regi
             full_nll = -(ref_lp.gather(1, targets[:, None])[:, 0] * counted).sum()
             check = float((nll[0] - full_nll).abs()) / n_scored
         for i in range(len(runs)):
-            row = batch.row(i)
-            row.update(nll=float(nll[i]) / n_scored, kl_vs_full=float(kl[i]) / n_scored, scored_tokens=n_scored)
-            if region:
-                row["region_held"] = held[i]
-            rows.append(row)
-        close_all(batch)
-        log(
-            f"{label}, page size {ps}: {len(runs)} sequences x {targets.numel()} tokens in "
-            f"{time.perf_counter() - t0:.1f} s"
-            + (f"; full-cache |NLL - model| {check:.2e}" if runs[0][0] == "full" else "")
-        )
+            nll_i, kl_i = float(nll[i]) / n_scored, float(kl[i]) / n_scored
+            rows.append(dict(batch.row(i), nll=nll_i, kl_vs_full=kl_i, scored_tokens=n_scored, **held[i]))
+        engine.close_session(batch.session)
+        full = f"; full-cache |NLL - model| {check:.2e}" if runs[0][0] == "full" else ""
+        took = f"{len(runs)} sequences x {targets.numel()} tokens in {time.perf_counter() - t0:.1f} s"
+        log(f"{label}, page size {ps}: {took}{full}")
     return rows, check
 
 
-# ----------------------------------------------------------------------------- language modelling
 def lm_task(model, tok, cfg, log, long: bool = False):
-    """Plain continuation of real prose: ``texts`` passages of ``context + continuation`` tokens.
-
-    Mostly a measure of recency: the next sentence of prose depends on the last few hundred
-    tokens and on the attention sink, so a recent window does well here. ``long=True``: the same
-    at ``long_context`` tokens (``long_texts`` texts, ``long_text_stride``), `LONG_POLICIES` at
-    the first page size.
-    """
-    from ..textdata import paragraphs
-
+    """``(rows, check, texts)``: `score_continuation` on ``texts`` passages (``long=True``: ``long_texts``
+    at ``long_context``, `LONG_POLICIES` at the first page size), the largest check, every passage tried."""
     rows, checks, texts = [], [], []
     n_cont = cfg["continuation"]
     if long:
@@ -275,70 +151,48 @@ def lm_task(model, tok, cfg, log, long: bool = False):
     return rows, max(checks), texts
 
 
-# ----------------------------------------------------------------------------- retention
-def retention_example(tok, start_a: int, start_b: int, cfg):
-    """``(ids, n_ctx, first_scored, info)``: passage A, other prose B, then A's opening again.
-
-    The context is A's first ``retention_passage`` tokens followed by ``retention_other`` tokens
-    of B (another topic); then A's opening sentence is repeated and the next
-    ``retention_scored`` tokens of A are scored. They are in the context verbatim, ~1000 tokens
-    back: the full cache copies them (induction), a recent window holds only B, and a score that
-    kept A's pages can copy them too. Importance, not recency, decides.
-    """
-    from ..textdata import english_text
-
-    n_a, n_b, n_score = cfg["retention_passage"], cfg["retention_other"], cfg["retention_scored"]
-    text_a = english_text(int(n_a * 1.2), start=start_a)
-    enc = tok(text_a, add_special_tokens=False, return_offsets_mapping=True)
-    a = torch.tensor(enc["input_ids"][:n_a])
-    first_sentence_end = text_a.index(". ") + 1
-    opening = sum(1 for _, end in enc["offset_mapping"] if end <= first_sentence_end)  # tokens of sentence 1
-    if not 0 < opening < n_a - n_score:
-        raise ValueError(f"passage at paragraph {start_a}: opening sentence of {opening} tokens does not fit")
-    b = tok(english_text(int(n_b * 1.2), start=start_b), return_tensors="pt", add_special_tokens=False).input_ids[0]
-    b = b[:n_b]
-    assert a.numel() == n_a and b.numel() == n_b, f"passages at paragraphs {start_a}, {start_b} are too short"
-    repeat = a[: opening + n_score]  # A's opening sentence, then the tokens scored
-    ids = torch.cat([a, b, repeat])  # [n_a + n_b + opening + n_score]
-    info = dict(
-        start_paragraph=start_a,
-        other_paragraph=start_b,
-        opening_tokens=opening,
-        scored_tokens=n_score,
-        scored_8grams_in_other=copy_fraction(torch.cat([b, repeat[opening:]]), n_b),
-    )
-    return ids, n_a + n_b, opening, info
-
-
 def retention_task(model, tok, cfg, log):
-    from ..textdata import paragraphs
-
+    """``(rows, check, texts)`` as `lm_task`, for ``retention_texts`` contexts of ``retention_passage``
+    tokens of a passage A and ``retention_other`` of other prose B, then A's opening sentence again;
+    the ``retention_scored`` tokens of A that follow it are scored (in the context verbatim)."""
     n = len(paragraphs(20))
+    n_a, n_b, n_score = cfg["retention_passage"], cfg["retention_other"], cfg["retention_scored"]
+    groups = policy_groups(cfg["budgets"], cfg["page_sizes"])
     rows, checks, texts = [], [], []
     for t in range(cfg["retention_texts"]):
         start_a = (t * cfg["text_stride"] + cfg["text_stride"] // 2) % n
-        ids, n_ctx, opening, info = retention_example(tok, start_a, (start_a + n // 2) % n, cfg)
+        start_b = (start_a + n // 2) % n
+        text_a = english_text(int(n_a * 1.2), start=start_a)
+        enc = tok(text_a, add_special_tokens=False, return_offsets_mapping=True)
+        a = torch.tensor(enc["input_ids"][:n_a])
+        first_sentence_end = text_a.index(". ") + 1
+        opening = sum(1 for _, end in enc["offset_mapping"] if end <= first_sentence_end)  # tokens of sentence 1
+        if not 0 < opening < n_a - n_score:
+            raise ValueError(f"passage at paragraph {start_a}: opening sentence of {opening} tokens does not fit")
+        b = _lm_text_ids(tok, start_b, n_b)
+        assert a.numel() == n_a and b.numel() == n_b, f"passages at paragraphs {start_a}, {start_b} are too short"
+        repeat = a[: opening + n_score]  # A's opening sentence, then the tokens scored
+        ids = torch.cat([a, b, repeat])  # [n_a + n_b + opening + n_score]
         text_rows, check = score_continuation(
-            model,
-            ids,
-            n_ctx,
-            opening,
-            policy_groups(cfg["budgets"], cfg["page_sizes"]),
-            log,
-            f"retention text {t}",
-            region=(0, cfg["retention_passage"]),
+            model, ids, n_a + n_b, opening, groups, log, f"retention text {t}", (0, n_a)
         )
         rows += [dict(r, text=t) for r in text_rows]
         checks.append(check)
-        texts.append(info)
+        texts.append(
+            dict(
+                start_paragraph=start_a,
+                other_paragraph=start_b,
+                opening_tokens=opening,
+                scored_tokens=n_score,
+                scored_8grams_in_other=copy_fraction(torch.cat([b, repeat[opening:]]), n_b),
+            )
+        )
     return rows, max(checks), texts
 
 
 def copy_fraction(ids: torch.Tensor, n_ctx: int, n: int = 8) -> float:
-    """Fraction of the continuation's token n-grams that also occur in the context.
-
-    CPython's documentation repeats whole paragraphs across topics; a continuation copied from
-    its context measures copying (retrieval), not language modelling, so such texts are skipped.
+    """Fraction of the continuation's token n-grams that also occur in the context (copying, not
+    language modelling: CPython's documentation repeats whole paragraphs).
 
     Example:
         >>> copy_fraction(torch.tensor([1, 2, 3, 1, 2, 3]), 3, n=2)
@@ -383,18 +237,64 @@ def summarize_lm(rows):
     return out
 
 
-# ----------------------------------------------------------------------------- main
+def speed_task(model, tok, cfg, log):
+    """Per (context n, batch b), B = 16: b forks of one n-token prompt (prefilled once per n and cache
+    type) decode ``speed_steps`` tokens under one policy, the first a warm-up; each round runs every
+    policy of `SPEED_POLICIES` in turn; the median over rounds, against the full cache."""
+    steps = cfg["speed_steps"]
+    text = english_text(int(max(cfg["speed_contexts"]) * 1.3), start=7)
+    ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    run = {name: policy_runs([cfg["speed_budget"]], only=(name,))[0] for name in SPEED_POLICIES}
+    out = []
+    for n in cfg["speed_contexts"]:
+        roots = {}  # per_layer -> (session, root): the prompt prefilled once per cache type
+        for per_layer in (False, True):
+            runs = [run[x] for x in SPEED_POLICIES if (x in PER_LAYER) == per_layer]
+            pages = max(engine.pool_pages([r] * max(cfg["speed_batches"]), 16, n + steps) for r in runs)
+            roots[per_layer] = engine.prefilled_root(model, ids[:n], 16, pages, per_layer)
+        for batch_size in cfg["speed_batches"]:
+            times, held = {name: [] for name in SPEED_POLICIES}, {}
+            for _ in range(cfg["speed_rounds"]):
+                for name in SPEED_POLICIES:
+                    batch = engine.Batch(*roots[name in PER_LAYER], [run[name]] * batch_size)
+                    batch.step(ids[n : n + 1].expand(batch_size))  # warm-up
+                    t0 = time.perf_counter()
+                    for j in range(1, steps):
+                        batch.step(ids[n + j : n + j + 1].expand(batch_size))
+                    times[name].append((time.perf_counter() - t0) / (steps - 1))  # seconds per decode step
+                    held[name] = batch.row(0)["kv_bytes_held"]
+                    batch.close()
+            full = statistics.median(times["full"])
+            for name in SPEED_POLICIES:
+                step = statistics.median(times[name])
+                out.append(
+                    dict(
+                        policy=name,
+                        budget=run[name][2],
+                        page_size=16,
+                        context=n,
+                        batch=batch_size,
+                        ms_per_token=1e3 * step,
+                        tokens_per_s=batch_size / step,
+                        tokens_per_s_rounds=[batch_size / t for t in times[name]],
+                        ratio_vs_full=full / step,
+                        time_per_token_vs_full=step / full,
+                        kv_bytes_held=held[name],
+                    )
+                )
+            log(f"speed at context {n}, batch {batch_size}: full {batch_size / full:.2f} tokens/s")
+        for session, _ in roots.values():
+            engine.close_session(session)
+    return out
+
+
 def main(argv=None):
     parser = bench_parser("eviction", __doc__)
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="small sizes (~1 min on 2 cores; notebook 07's quick mode)")
     size.add_argument("--smoke", action="store_true", help="toy sizes: checks the harness runs (the tests' run)")
     parser.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch CPU threads (default 1: on a shared 2-core machine, multi-threaded small ops "
-        "stall waiting for a busy core; measured 1.05 s vs 0.16 s per decode step)",
+        "--threads", type=int, default=1, help="torch CPU threads (default 1: threaded small ops stall on busy cores)"
     )
     args = parser.parse_args(argv)
     mode = "quick" if args.quick else "smoke" if args.smoke else "full"
@@ -402,13 +302,12 @@ def main(argv=None):
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        return _run(args, mode, out)
+        return _run(args, mode, out, {"quick": QUICK, "smoke": SMOKE, "full": FULL}[mode])
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(args, mode, out):
-    cfg = {"quick": QUICK, "smoke": SMOKE, "full": FULL}[mode]
+def _run(args, mode, out, cfg):
     start = time.perf_counter()
 
     def log(msg):
@@ -442,10 +341,9 @@ def _run(args, mode, out):
     first_text = next(t["start_paragraph"] for t in texts if t["used"])
     result.update(
         check_max_abs_logprob_diff=max(check, long_check, ret_check),
-        lowest_ratio_tokens=lowest_ratio_tokens(model, tok, _lm_text_ids(tok, first_text, cfg["context"])),
+        lowest_ratio_tokens=engine.lowest_ratio_tokens(model, tok, _lm_text_ids(tok, first_text, cfg["context"])),
         seconds=round(time.perf_counter() - start, 1),
     )
-    lowest = result["lowest_ratio_tokens"]
     path = out.save(result, complete=True)
 
     print(
@@ -469,15 +367,12 @@ def _run(args, mode, out):
     print(report.passkey_table(result))
     print(f"\nDecode speed (B = 16, C = {cfg['speed_budget']}, median of {cfg['speed_rounds']} rounds)")
     print(report.speed_table(result))
-    print(f"\nlowest ||V||/||K|| tokens of text 0: {lowest['lowest_token_counts']}")
+    print(f"\nlowest ||V||/||K|| tokens of text 0: {result['lowest_ratio_tokens']['lowest_token_counts']}")
     print(f"\nwrote {path} ({result['seconds']} s)")
     return result
 
 
 def _lm_text_ids(tok, start: int, n: int) -> torch.Tensor:
-    """The first ``n`` tokens of the language-modelling text at paragraph ``start``."""
-    from ..textdata import english_text
-
     text = english_text(int(n * 1.2), start=start)
     return tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0][:n]
 
