@@ -55,7 +55,7 @@ def prefilled_root(model, prompt: torch.Tensor, page_size: int, num_pages: int, 
     per-layer policies) holding ``prompt: [n]`` in a sequence without a policy, to fork from."""
     cls = LayeredKVCache if per_layer else PagedKVCache
     kv = cls.for_model(model, num_pages=num_pages, page_size=page_size)
-    session = PagedSession(model, kv=kv, backend="sdpa").open()
+    session = PagedSession(model, kv_cache=kv, backend="sdpa").open()
     root = session.add()
     session.extend([root], [prompt])
     return session, root

@@ -89,7 +89,11 @@ def log_likelihood(
     ids = input_ids.to(device)
     out = torch.empty(batch, seq_len - 1, dtype=torch.float32, device=device)
     with PagedSession(
-        model, kv=kv_cache, num_pages=None if kv_cache is not None else num_pages, page_size=page_size, backend=backend
+        model,
+        kv_cache=kv_cache,
+        num_pages=None if kv_cache is not None else num_pages,
+        page_size=page_size,
+        backend=backend,
     ) as session:
         seq_ids = [session.add() for _ in range(batch)]
         starts = [0, *range(prefill_len, seq_len - 1, chunk_size)]
