@@ -15,11 +15,10 @@ from .. import hf, models, textdata
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..memory import model_geometry
-from ..texttable import format_table
 from .common import bench_parser
 
 __all__ = ["PAGE_SIZE", "PeakRSS", "cb_config", "generation_methods", "load_model", "paired_ratio", "prompt_tokens"]
-__all__ += ["model_parser", "start_run", "table", "text_ids"]
+__all__ += ["model_parser", "start_run", "text_ids"]
 
 PAGE_SIZE = 16
 
@@ -45,19 +44,6 @@ def prompt_tokens(model, tokenizer, n: int, start: int = 0) -> torch.Tensor:
 def paired_ratio(numerators, denominators) -> float:
     """The median (upper middle) of the ratios of values measured side by side, pair by pair."""
     return median_high([a / b for a, b in zip(numerators, denominators)])
-
-
-def _cell(fmt: str, row: dict) -> str:
-    try:
-        return fmt.format_map(row)
-    except (KeyError, TypeError):  # a value the row lacks, or None
-        return "-"
-
-
-def table(columns, rows) -> str:
-    """``rows`` (dicts) as a text table; ``columns``: ``[(header, format)]``, a format filled from one row
-    (``"{peak[paged]:.1f}"``); a value the row lacks, or None, prints as ``-``."""
-    return format_table([h for h, _ in columns], [[_cell(f, r) for _, f in columns] for r in rows])
 
 
 class PeakRSS:

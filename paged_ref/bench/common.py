@@ -35,6 +35,7 @@ __all__ = [
     "result_file",
     "ResultFile",
     "print_table",
+    "table",
     "bench_parser",
     "command_line",
     "DATA_DIR",
@@ -137,6 +138,19 @@ def result_file(parser: argparse.ArgumentParser, out_dir: str | Path | None, fil
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
     """Print rows under headers as aligned text columns (`paged_ref.texttable.format_table`)."""
     print(format_table(headers, rows))
+
+
+def _cell(fmt: str, row: dict) -> str:
+    try:
+        return fmt.format_map(row)
+    except (KeyError, TypeError):  # a value the row lacks, or None
+        return "-"
+
+
+def table(columns, rows) -> str:
+    """``rows`` (dicts) as a text table; ``columns``: ``[(header, format)]``, a format filled from one row
+    (``"{peak[paged]:.1f}"``); a value the row lacks, or None, prints as ``-``."""
+    return format_table([h for h, _ in columns], [[_cell(f, r) for _, f in columns] for r in rows])
 
 
 def bench_parser(name: str, doc: str) -> argparse.ArgumentParser:

@@ -15,7 +15,7 @@ from ..eviction.policies import ABLATIONS, policy_order
 from ..provenance import describe
 from ..runmode import figures_dir
 from ..stats import mcnemar_p, mean_ci, wilson
-from ..texttable import format_table
+from .common import table
 
 __all__ = ["ABLATIONS", "load_results", "provenance", "policy_order", "lm_table", "passkey_table", "speed_table"]
 __all__ += ["lm_pairs", "paired_nll", "ablation", "ablation_table"]
@@ -89,8 +89,7 @@ def provenance(results: dict) -> str:
 
 
 def _table(columns, rows) -> str:
-    rows = [dict(r, C=r["budget"] or "-", bound=r.get("page_bound") or "-") for r in rows]
-    return format_table([h for h, _ in columns], [[f.format(**r) for _, f in columns] for r in rows])
+    return table(columns, [dict(r, C=r["budget"] or "-", bound=r.get("page_bound") or "-") for r in rows])
 
 
 def lm_table(results: dict, task: str = "language_modelling") -> str:

@@ -26,8 +26,8 @@ import torch
 from .. import textdata
 from ._generate_contexts import measure_contexts
 from ._generate_memory import measure_memory
-from ._model_bench import PAGE_SIZE, PeakRSS, generation_methods, model_parser, paired_ratio, start_run, table
-from .common import environment, result_file
+from ._model_bench import PAGE_SIZE, PeakRSS, generation_methods, model_parser, paired_ratio, start_run
+from .common import environment, result_file, table
 
 FULL = dict(single_words=96, single_new=48, mixed_prompts=8, mixed_new=32, repeats=3)
 QUICK = dict(single_words=24, single_new=8, mixed_prompts=3, mixed_new=6, repeats=1)

@@ -35,10 +35,10 @@ from ..fragmentation import make_workload
 from ..memory import model_geometry
 from ..runmode import data_dir
 from ..serve import Engine, summarize
-from ._model_bench import table, text_ids
+from ._model_bench import text_ids
 from ._scaling_models import build_model
 from ._serve_peer import run_peer
-from .common import bench_parser, environment, result_file
+from .common import bench_parser, environment, result_file, table
 
 __all__ = ["PROFILES", "POLICIES", "make_requests", "run_rate", "check_goals", "format_rate_table", "main"]
 

@@ -26,8 +26,8 @@ from .. import hf
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
 from ..sharing import computed_tokens, no_sharing_pages, prefix_caching_pages
-from ._model_bench import model_parser, paired_ratio, prompt_tokens, start_run, table
-from .common import environment, result_file
+from ._model_bench import model_parser, paired_ratio, prompt_tokens, start_run
+from .common import environment, result_file, table
 
 PAGE_SIZE = 16
 SEED = 0
