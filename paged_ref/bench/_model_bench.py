@@ -1,5 +1,5 @@
 """What the model benchmarks (generate, sharing, serve) share: the run's start, prompts, generation methods,
-a peak-RSS probe, the median of per-pair ratios and tables built from (header, format) columns."""
+a peak-RSS probe and the median of per-pair ratios."""
 
 from __future__ import annotations
 
