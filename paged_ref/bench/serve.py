@@ -111,12 +111,13 @@ def make_requests(model, tokenizer, *, requests, mean_prompt, mean_output, sigma
     prompt_lens = np.maximum(wl.prompt_len, min_prompt)
     output_lens = np.minimum(wl.output_len, max_model_len - prompt_lens)
     gen = torch.Generator().manual_seed(seed)
+    passages = len(textdata.paragraphs(20))  # english_text's starts
     out = []
     for i, (n, new) in enumerate(zip(prompt_lens.tolist(), output_lens.tolist())):
         if tokenizer is None:
             ids = torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist()
         else:
-            ids = text_ids(tokenizer, n, start=i % len(textdata.paragraphs(20)))
+            ids = text_ids(tokenizer, n, start=i % passages)
         out.append((ids, int(new)))
     rng = np.random.default_rng(seed + 1)
     arrivals = np.cumsum(rng.exponential(1.0, requests))
