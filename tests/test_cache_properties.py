@@ -797,7 +797,7 @@ class SessionMachine(Checked):
         it holds (only layer 0 where tokens were computed after an eviction), then all freed."""
         from transformers import DynamicCache
 
-        from paged_ref.hf.session import _cache_keyword
+        from paged_ref.hf.session import cache_keyword
 
         kv, session = self.kv_, self.session
         for s, tokens in self.history.items():
@@ -805,7 +805,7 @@ class SessionMachine(Checked):
                 continue
             with torch.inference_mode():
                 plain = DynamicCache(config=self.model_.config)
-                self.model_(input_ids=torch.tensor([tokens]), use_cache=True, **{_cache_keyword(self.model_): plain})
+                self.model_(input_ids=torch.tensor([tokens]), use_cache=True, **{cache_keyword(self.model_): plain})
             for layer in range(1 if s in self.evicted else kv.num_layers):
                 kept = torch.tensor(self.origin[s][layer if self.layered else 0], dtype=torch.long)
                 k, v = kv.gather(layer, s)

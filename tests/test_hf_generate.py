@@ -248,9 +248,9 @@ def test_rope_uses_absolute_positions_after_pages_are_dropped(model):
     tokens cut from its front, and the absolute position passed explicitly."""
     from transformers import DynamicCache
 
-    from paged_ref.hf.session import _cache_keyword
+    from paged_ref.hf.session import cache_keyword
 
-    kw = _cache_keyword(model)  # "cache" (transformers 5.24) or "past_key_values" (5.17)
+    kw = cache_keyword(model)  # "cache" (transformers 5.24) or "past_key_values" (5.17)
     ids = _prompt(12, seed=10)
     nxt = torch.tensor([[77]])
     with hf.PagedSession(model, num_pages=8, page_size=4) as session:

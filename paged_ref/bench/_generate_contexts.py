@@ -19,6 +19,7 @@ import torch
 
 from .._arith import cdiv
 from ..hf import PagedSession
+from ..hf.session import cache_keyword
 from ._model_bench import paired_ratio, prompt_tokens
 
 __all__ = ["measure_contexts"]
@@ -30,7 +31,7 @@ def _hf_run(model, prompt, steps):
         t = time.perf_counter()
         out = model(prompt[None], use_cache=True, logits_to_keep=1)
         seconds = time.perf_counter() - t
-    key = "cache" if "cache" in out else "past_key_values"  # transformers renamed it
+    key = cache_keyword(model)
     cache = out[key]
     token = out.logits[:, -1].argmax(-1)  # [1]
     yield seconds, None, int(token)

@@ -28,7 +28,6 @@ Example:
 
 from __future__ import annotations
 
-import inspect
 import statistics
 import time
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ import torch
 from .._arith import cdiv
 from ..cache import PagedKVCache
 from ..hf import BACKENDS, PagedSession
+from ..hf.session import cache_keyword
 
 __all__ = [
     "NoCacheDecoder",
@@ -134,7 +134,7 @@ class ContiguousDecoder:
         self.cache = None
         self.mask: torch.Tensor | None = None  # [batch, tokens so far] 1 = real, 0 = left padding
         self.next_pos: torch.Tensor | None = None  # [batch] position of each row's next token
-        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_kw = cache_keyword(model)
 
     @torch.inference_mode()
     def feed(self, chunks, predict: bool = True):

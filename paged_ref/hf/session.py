@@ -50,7 +50,7 @@ from ..memory import model_geometry
 from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, paged_attention_active, register, set_attn_implementation
 from .cache import PagedCache, StepPlan, pack_rows
 
-__all__ = ["PagedSession"]
+__all__ = ["PagedSession", "cache_keyword"]
 
 
 def _cache_argument(kv_cache, kv) -> tuple[str, KVCache | None]:
@@ -60,7 +60,7 @@ def _cache_argument(kv_cache, kv) -> tuple[str, KVCache | None]:
     return ("kv", kv) if kv is not None else ("kv_cache", kv_cache)
 
 
-def _cache_keyword(model) -> str:
+def cache_keyword(model) -> str:
     """Name of the forward argument taking the cache: ``cache`` (5.24) or ``past_key_values`` (5.17)."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
@@ -125,7 +125,7 @@ class PagedSession:
         self.eviction = eviction  # the default policy (it carries its own budget)
         self._decode, self._prefill = self._backend.functions()
         self._hf_cache = PagedCache(kv)
-        self._cache_kw = _cache_keyword(model)
+        self._cache_kw = cache_keyword(model)
         self._positions: dict[int, int] = {}  # seq_id -> next absolute position
         self._policies: dict[int, EvictionPolicy | None] = {}  # seq_id -> its eviction policy
         self._prefilled: set[int] = set()  # sequences whose policy has run after_prefill
