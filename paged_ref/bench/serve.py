@@ -49,7 +49,7 @@ POLICIES = ("paged", "exact", "max_len", "paged_eviction")
 #: clipped so that prompt + output <= max_model_len; prompts at least ``min_prompt`` tokens; outputs
 #: twice as long as prompts on average, as in the chat traces serving papers replay (ShareGPT).
 #: ``watermark``: the share of the pool ``paged`` admission keeps free for running requests to grow
-#: into (vLLM's 1% is no page of a 64-page pool); the committed policies keep none.
+#: into (vLLM's 1% is no page of a 64-page pool); the reserving policies (exact, max_len) keep none.
 _PROFILE_COLUMNS = dict(  # cpu, quick, gpu
     model=("smollm2", "tiny", "llama1b"),
     device=("cpu", "cpu", "cuda"),
