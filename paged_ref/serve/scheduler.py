@@ -14,7 +14,8 @@ One call to `Scheduler.schedule` plans one step, in vLLM's order (first come, fi
 2. **Swapped requests** come back, oldest first, while their pages fit.
 3. **Waiting requests**, in arrival order, are admitted while ``max_num_seqs`` and the budget
    allow and the pool covers the request's first chunk plus a **watermark** of pages kept free
-   (vLLM's guard against admitting a request only to preempt it at the next decode). The first
+   while other requests run (vLLM's guard against admitting a request only to preempt it at the
+   next decode; with nothing running there is no decode to guard). The first
    request that does not fit stops admission (no overtaking). Nothing is admitted in a step that
    preempted or while a request is swapped out.
 
@@ -241,7 +242,8 @@ class Scheduler:
         if hooks is not None:
             self._hooks[r.request_id] = hooks
         want = min(self._limit(r), budget)
-        spare = self._available(None) - self.watermark_pages
+        # the watermark guards running requests' growth: with none running there is nothing to guard
+        spare = self._available(None) - (self.watermark_pages if self.running else 0)
         need = max(0, self.committed_pages(r) - self._held(r)) or self._grow(r, want)  # a commitment is whole
         n = want if need <= spare else 0
         if n < 1:  # undo: the next step tries again
