@@ -13,17 +13,19 @@ One call to `Scheduler.schedule` plans one step, in vLLM's order (first come, fi
    host memory (`SwapSpace`) and come back later into new pages.
 2. **Swapped requests** come back, oldest first, while their pages fit.
 3. **Waiting requests**, in arrival order, are admitted while ``max_num_seqs`` and the budget
-   allow and the pool covers the request's first chunk plus a **watermark** of pages kept free
+   allow and the pool covers the request's whole sequence (only its first chunk's pages are taken
+   now; the rest come as its chunks do) plus a **watermark** of pages kept free
    while other requests run (vLLM's guard against admitting a request only to preempt it at the
    next decode; with nothing running there is no decode to guard). The first
    request that does not fit stops admission (no overtaking). Nothing is admitted in a step that
    preempted or while a request is swapped out.
 
 Reservation (``reservation=``) changes only step 3, so that paging is the only difference between
-runs on the same engine and kernels: ``"paged"`` admits against the pages the first chunk needs
-(pages are taken as tokens arrive); ``"exact"`` commits pages for the request's whole life up front
-(prompt + max_new_tokens - 1 tokens: every token whose K/V it will hold, what a contiguous cache
-that knew the output length would reserve); ``"max_len"`` commits ``max_model_len`` tokens per
+runs on the same engine and kernels: ``"paged"`` admits against the pages the request's sequence
+needs but takes them as tokens arrive (they are not held for it: a running request may take them
+first); ``"exact"`` commits pages for the request's whole life up front (prompt + max_new_tokens - 1
+tokens: every token whose K/V it will hold, what a contiguous cache that knew the output length
+would reserve); ``"max_len"`` commits ``max_model_len`` tokens per
 request (what servers reserved before paging). A committed page is counted as taken by admission
 even before a token fills it, so a committed request never needs preemption. Committing pages is
 contiguous allocation's memory cost without its external fragmentation (notebook 03 measures that
@@ -244,7 +246,10 @@ class Scheduler:
         want = min(self._limit(r), budget)
         # the watermark guards running requests' growth: with none running there is nothing to guard
         spare = self._available(None) - (self.watermark_pages if self.running else 0)
-        need = max(0, self.committed_pages(r) - self._held(r)) or self._grow(r, want)  # a commitment is whole
+        # a commitment is whole; "paged" admits a request only if all it has to compute fits, though it is
+        # fed in chunks (vLLM's scheduler_reserve_full_isl): one admitted while its last chunk cannot fit
+        # would be preempted before it is done
+        need = max(0, self.committed_pages(r) - self._held(r)) or self._grow(r, self._limit(r))
         n = want if need <= spare else 0
         if n < 1:  # undo: the next step tries again
             self._release(r)
