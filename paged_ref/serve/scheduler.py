@@ -7,7 +7,8 @@ One call to `Scheduler.schedule` plans one step, in vLLM's order (first come, fi
    next **chunk**: whatever is left of the step's token budget (``max_batched_tokens``) after
    every decode of the step has been counted, so decodes are served first. If its pages cannot
    come from the pool, the most recently admitted running request is **preempted**, and again,
-   until they can (a prefill chunk first shrinks to the pages there are); if it is the most
+   until they can (a prefill chunk keeps its length: vLLM does not shrink it to the pages there
+   are); if it is the most
    recent itself, it is the one preempted. ``"recompute"``: the victim's pages go back and it
    waits at the head of the queue, to prefill prompt + output again; ``"swap"``: its K/V go to
    host memory (`SwapSpace`) and come back later into new pages.
@@ -269,10 +270,6 @@ class Scheduler:
             avail = self._available(r)
             if self._grow(r, want) <= avail:
                 return want
-            if r.remaining > 1:  # a prefill chunk shrinks to the pages there are
-                fit = min(want, self._fit(r, avail))
-                if fit > 0:
-                    return fit
             victim = self.running[-1]
             self.preempt(victim, out)
             if victim is r:
@@ -332,10 +329,6 @@ class Scheduler:
     def _grow(self, r: Request, n: int) -> int:
         """New pages ``r`` takes to hold ``n`` more tokens."""
         return max(0, cdiv(self.kv.seq_len(r.seq_id) + n, self.page_size) - self._held(r))
-
-    def _fit(self, r: Request, pages: int) -> int:
-        """How many more tokens ``r`` can hold with ``pages`` more pages."""
-        return max(0, (self._held(r) + pages) * self.page_size - self.kv.seq_len(r.seq_id))
 
     def _available(self, r: Request | None) -> int:
         """Free pages that neither this step's plan nor another request's commitment has claimed."""
