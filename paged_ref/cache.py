@@ -197,6 +197,13 @@ class PagedKVCache:
         self._seqs[seq_id] = seq
         return seq_id
 
+    def cached_prefix(self, token_ids) -> list[int]:
+        """The cached pages ``add_sequence(token_ids)`` would start with, in order; nothing is taken
+        (a scheduler asks before it admits, so a refused request leaves the pool's order alone)."""
+        if not self.prefix_caching:
+            return []
+        return [page for page, _ in self._prefix.match(self._prefix_root, token_list("token_ids", token_ids))]
+
     def reserve(self, seq_id: int, num_tokens: int, token_ids=None) -> torch.Tensor:
         """Grow ``seq_id`` by ``num_tokens`` and return their flat slots, ``int64 [num_tokens]``.
 

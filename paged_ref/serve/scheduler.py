@@ -236,32 +236,34 @@ class Scheduler:
         return out
 
     def _admit(self, r: Request, budget: int, out: Schedule) -> bool:
-        """Give ``r`` a sequence and plan its first chunk, if the pool covers it plus the watermark."""
+        """Give ``r`` a sequence and plan its first chunk, if the pool covers it plus the watermark.
+
+        Decided before the sequence is made, as vLLM does: a refused request takes no page, so the
+        cached pages it would have reused keep their place in the pool's reuse order."""
         hooks = None if r.eviction is None else AfterPrompt(r.eviction, len(r.prompt_ids))
         # an evicting request's policy must see the prompt alone first: only the prompt may match
         tokens = r.prompt_ids if hooks is not None else r.token_ids
+        hit = self.kv.cached_prefix(tokens) if self.kv.prefix_caching else []  # the pages it would start with
+        revived = sum(self.kv.allocator.refcount(p) == 0 for p in hit)  # cached but free: they leave the pool
+        # the watermark guards running requests' growth: with none running there is nothing to guard
+        spare = self._available(None) - revived - (self.watermark_pages if self.running else 0)
+        # a commitment is whole; "paged" admits a request only if all it has to compute fits, though it is
+        # fed in chunks (vLLM's scheduler_reserve_full_isl): one admitted while its last chunk cannot fit
+        # would be preempted before it is done
+        need = max(0, self.committed_pages(r) - len(hit)) or pages_needed(len(tokens), self.page_size) - len(hit)
+        if need > spare:  # the next step tries again
+            return False
         r.seq_id = self.session.add(tokens if self.kv.prefix_caching else None, eviction=hooks)
         r.num_computed = self.session.position(r.seq_id)  # > 0 after a prefix-cache hit
         if hooks is not None:
             self._hooks[r.request_id] = hooks
-        want = min(self._limit(r), budget)
-        # the watermark guards running requests' growth: with none running there is nothing to guard
-        spare = self._available(None) - (self.watermark_pages if self.running else 0)
-        # a commitment is whole; "paged" admits a request only if all it has to compute fits, though it is
-        # fed in chunks (vLLM's scheduler_reserve_full_isl): one admitted while its last chunk cannot fit
-        # would be preempted before it is done
-        need = max(0, self.committed_pages(r) - self._held(r)) or self._grow(r, self._limit(r))
-        n = want if need <= spare else 0
-        if n < 1:  # undo: the next step tries again
-            self._release(r)
-            return False
         r.reserved_pages = self.committed_pages(r)
         r.status = RUNNING
         r.admitted = self._admissions
         self._admissions += 1
         self.running.append(r)
         out.admitted.append(r)
-        self._plan(r, n, out)
+        self._plan(r, min(self._limit(r), budget), out)
         return True
 
     def _make_room(self, r: Request, want: int, out: Schedule) -> int:
