@@ -64,3 +64,17 @@ def test_the_peer_refuses_what_vllm_cannot_run(monkeypatch):
     monkeypatch.setattr(_vllm_peer.importlib.metadata, "version", lambda dist: "0.31.0")
     with pytest.raises(RuntimeError, match=r"vLLM 0\.32\.0, found 0\.31\.0"):
         _vllm_peer.check_vllm()
+
+
+def test_bench_serve_with_vllm_as_its_peer(tmp_path):
+    """``bench serve --quick --peer vllm``: vLLM in its own process beside the engine, tokens compared."""
+    import json
+
+    from paged_ref.bench import serve
+
+    serve.main(["--quick", "--peer", "vllm", "--skip-pools", "--out", str(tmp_path)])
+    v = json.loads((tmp_path / "serve_cpu_quick.json").read_text())["peer_vllm"]
+    assert v["requests_with_identical_tokens"] == v["requests"] == serve.PROFILES["quick"]["requests"]
+    assert v["config"]["page_size"] == 32 and v["vllm_version"] == "0.32.0"
+    assert v["paged"][0]["preemptions"] == v["vllm"][0]["preemptions"]
+    assert v["vllm"][0]["wall_tokens_per_s"] > 0 and v["vllm"][0]["ttft_p50_s"] is not None

@@ -91,6 +91,7 @@ def run_vllm(
         enforce_eager=True,
         gpu_memory_utilization=0.1,  # on CPU: the share of memory it checks is free; the pool is fixed above
         disable_log_stats=False,  # per-request timestamps and preemptions
+        skip_tokenizer_init=True,  # token ids in and out: the folder needs no tokenizer
         seed=0,
     )
     init_s = time.perf_counter() - started
