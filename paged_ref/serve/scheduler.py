@@ -32,6 +32,23 @@ even before a token fills it, so a committed request never needs preemption. Com
 contiguous allocation's memory cost without its external fragmentation (notebook 03 measures that
 loss on top): an upper bound on what a contiguous server could do.
 
+Against vLLM: in vLLM's configuration (reservation ``"paged"``, watermark 0, preemption
+``"recompute"``, chunked prefill) this scheduler makes vLLM 0.32's decisions step by step: the same
+requests with the same numbers of tokens, the same preemptions, the same free pages, the same
+prefix-cache hits (``tests/test_vllm_scheduler.py``, ``tests/test_vllm_prefix_cache.py``, run by
+``make test-vllm``). It differs on purpose in:
+
+- the **watermark**: a share of the pool kept free at admission (vLLM 0.32's default is 0);
+- the reservations ``"exact"`` and ``"max_len"``, which vLLM does not have;
+- **swap**: vLLM's V1 scheduler only recomputes. A swapped-in request rejoins the running queue in
+  its admission order, so a prefill chunk may come before decodes; a chunk leaves them their
+  tokens (with recompute no decode ever follows a prefilling request, so this changes nothing);
+- **when pages are taken**: vLLM allocates a row's blocks when it schedules the row (and caches
+  them at once, so a request admitted later in the same step can reuse blocks an earlier row is
+  about to fill); here the forward reserves them, and a page is offered for prefix reuse once
+  its K/V is written (`paged_ref.prefix_cache`). With prefix caching the two can then find
+  different hits; without it the decisions are the same.
+
 A request with an eviction policy runs it through `AfterPrompt`: its chunks stop at the prompt's
 end, the policy acts once on the whole prompt (as in `paged_ref.hf.generate`), and output recomputed
 after a preemption goes in chunks no longer than ``policy.tokens_until_action``, which is what
