@@ -12,7 +12,7 @@ triton; ``eviction``; ``serve``) load on first use, so ``import paged_ref`` stay
 
 import importlib
 
-from . import fragmentation, memory
+from . import memory
 from .allocator import OutOfPagesError, PageAllocator
 from .attention.flex import flex_paged_decode, flex_paged_prefill, paged_block_masks
 from .attention.reference import (
@@ -28,19 +28,7 @@ from .layered_cache import LayeredKVCache
 
 __version__ = "0.1.0"
 
-_LAZY_MODULES = {
-    "hf",
-    "models",
-    "eviction",
-    "serve",
-    "viz",
-    "widgets",
-    "bench",
-    "runmode",
-    "textdata",
-    "stats",
-    "check",
-}
+_LAZY_MODULES = {"hf", "models", "eviction", "serve", "lab"}
 _LAZY_ATTRS = {
     "paged_decode": "paged_ref.attention.triton_decode",
     "triton_paged_decode": "paged_ref.attention.triton_decode",
@@ -63,7 +51,6 @@ __all__ = [
     "PagedKVCache",
     "flex_paged_decode",
     "flex_paged_prefill",
-    "fragmentation",
     "from_csr",
     "memory",
     "pad_block_tables",

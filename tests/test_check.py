@@ -1,4 +1,4 @@
-"""paged_ref.check: every checker passes a correct solution and catches every listed mutant."""
+"""paged_ref.lab.check: every checker passes a correct solution and catches every listed mutant."""
 
 import re
 import signal
@@ -10,7 +10,7 @@ import torch
 from check_mutants import ALSO_CORRECT, MUTANTS, SOLUTIONS
 
 import paged_ref as pr
-from paged_ref import check
+from paged_ref.lab import check
 
 CHECKERS = {
     "allocator": check.check_allocator,
@@ -165,7 +165,7 @@ def test_the_reference_mode_says_what_the_reference_does():
 def test_the_constructed_kv_make_the_scores_decide():
     """Every token of a page has its page's ratio ||V||/||K|| (distinct levels), while ||K|| varies
     token by token; in the last prompt page 0 scores lowest (the task keeps it: the sink)."""
-    from paged_ref.check.eviction import _Driver, _page_scores
+    from paged_ref.lab.check.eviction import _Driver, _page_scores
 
     for sink_lowest in (False, True):
         d = _Driver(None, 24, 8, 48, 0, 16, seed=5, sink_lowest=sink_lowest)
@@ -254,7 +254,7 @@ def test_off_the_main_thread_a_slow_case_is_measured_after_it_returns():
 def test_a_slow_attempt_shows_a_progress_line(monkeypatch, capsys):
     import check_mutants
 
-    from paged_ref.check import report as report_module
+    from paged_ref.lab.check import report as report_module
 
     monkeypatch.setattr(report_module, "PROGRESS_AFTER_S", 0.0)
     monkeypatch.setattr(check_mutants.SlowAllocator, "delay", 0.001)

@@ -313,7 +313,7 @@ def test_sdpa_backend_rejects_what_the_reference_rejects():
 
 
 def test_bench_generate_quick_on_the_tiny_model(tmp_path):
-    from paged_ref.bench import generate as bench
+    from paged_ref.lab.bench import generate as bench
 
     data = bench.main(["--quick", "--model", "tiny", "--skip-memory", "--out", str(tmp_path)])  # memory: below
     assert (tmp_path / "generate_cpu.json").exists()
@@ -521,7 +521,7 @@ def test_a_failed_forward_rolls_back_without_ending_prefix_caching(model):
 
 def test_bench_generate_memory_runs_each_method_and_takes_the_median(monkeypatch, capsys):
     """The memory workload's child (in this process; `bench generate` starts one process per run)."""
-    from paged_ref.bench import _generate_memory as memory
+    from paged_ref.lab.bench import _generate_memory as memory
 
     one = memory.main(["--method", "paged_auto", "--context", "24", "--new", "3", "--model", "tiny"])
     assert one["generated"] == 3 and one["peak_rss_rise_bytes"] >= 0

@@ -17,7 +17,7 @@ reruns fast). Recorded calls:
   sequence, the mixed batch's sizes, the page-size sweep) rather than recorded from a run of a
   1B model on this CPU.
 
-The counts feed `paged_ref.bench.gpu`'s budgets (`gpu.TRITON_COMPILES`), checked here.
+The counts feed `paged_ref.lab.bench.gpu`'s budgets (`gpu.TRITON_COMPILES`), checked here.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from triton.runtime.jit import create_function_from_signature
 
 from paged_ref._arith import cdiv
 from paged_ref.attention import triton_decode as td
-from paged_ref.bench import decode, gpu
-from paged_ref.bench._scaling_models import LLAMA_1B_SHAPES
-from paged_ref.bench.scaling import PAGE_SIZE, PROFILES
-from paged_ref.bench.scaling_report import mixed_lengths
+from paged_ref.lab.bench import decode, gpu
+from paged_ref.lab.bench._scaling_models import LLAMA_1B_SHAPES
+from paged_ref.lab.bench.scaling import PAGE_SIZE, PROFILES
+from paged_ref.lab.bench.scaling_report import mixed_lengths
 
 TARGET = GPUTarget("cuda", 90, 32)
 H200_SMS = 132

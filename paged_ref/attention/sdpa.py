@@ -116,7 +116,7 @@ def _attend(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tens
 
 
 # Tokens per chunk of `attend_chunked`. With it, SmolLM2's decode step at 8192 tokens on 2 CPU cores
-# went from 1.53x to 0.94x of DynamicCache's (`python -m paged_ref.bench generate`, contexts workload).
+# went from 1.53x to 0.94x of DynamicCache's (`python -m paged_ref.lab.bench generate`, contexts workload).
 DECODE_CHUNK = 512
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 

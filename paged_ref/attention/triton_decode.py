@@ -22,7 +22,7 @@ is therefore to stream K and V from the paged cache at close to copy bandwidth:
   programs; each writes a partial ``(m, l, acc)`` and a second, tiny kernel merges them.
   ``num_splits=None`` picks the count from batch, heads, length and the SM count.
 
-What the compiler makes of it is measured, not assumed: ``python -m paged_ref.bench kernels``
+What the compiler makes of it is measured, not assumed: ``python -m paged_ref.lab.bench kernels``
 compiles every configuration the launcher can choose for sm_90, sm_80 and sm_75 without a GPU
 and records registers, spills, shared memory, asynchronous copies and MMA instructions in
 ``figures/data/kernels.json`` (notebook 05, "what the compiler made of the kernel").
@@ -270,7 +270,7 @@ _kernel = runnable  # (kernel, interpret) -> the kernel as compiled JITFunction 
 
 def compiled_kernels() -> dict[str, object]:
     """The two kernels as compiled-mode JITFunctions, for ahead-of-time compilation
-    (``triton.compile(ASTSource(fn=...), target=...)``: see ``paged_ref.bench.kernels``)."""
+    (``triton.compile(ASTSource(fn=...), target=...)``: see ``paged_ref.lab.bench.kernels``)."""
     if not _HAVE_TRITON:
         raise ImportError("compiling the kernels needs the `triton` package")
     return {k.fn.__name__: _kernel(k, interpret=False) for k in (_paged_decode_split_kernel, _reduce_splits_kernel)}
@@ -345,7 +345,7 @@ def _default_num_splits(batch: int, num_kv_heads: int, max_len: int, device: tor
 
 def _tile_config(dtype: torch.dtype, head_dim: int, group: int, *, interpret: bool, capability: int = 90) -> dict:
     """Tile sizes and launch options for one call (a fixed choice per target;
-    `python -m paged_ref.bench kernels` reports what each compiles to).
+    `python -m paged_ref.lab.bench kernels` reports what each compiles to).
 
     Args:
         capability: the GPU's compute capability as ``10 * major + minor`` (90 for H100/H200,
