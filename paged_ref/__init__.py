@@ -16,8 +16,6 @@ from . import memory
 from .allocator import OutOfPagesError, PageAllocator
 from .attention.flex import flex_paged_decode, flex_paged_prefill, paged_block_masks
 from .attention.reference import (
-    paged_attention_reference,
-    paged_prefill_reference,
     reference_paged_decode,
     reference_paged_prefill,
 )
@@ -30,7 +28,6 @@ __version__ = "0.1.0"
 
 _LAZY_MODULES = {"hf", "models", "eviction", "serve", "lab"}
 _LAZY_ATTRS = {
-    "paged_decode": "paged_ref.attention.triton_decode",
     "triton_paged_decode": "paged_ref.attention.triton_decode",
 }
 
@@ -54,10 +51,7 @@ __all__ = [
     "from_csr",
     "memory",
     "pad_block_tables",
-    "paged_attention_reference",
     "paged_block_masks",
-    "paged_decode",
-    "paged_prefill_reference",
     "pages_needed",
     "reference_paged_decode",
     "reference_paged_prefill",
