@@ -102,7 +102,7 @@ def reservation_bars_figure(summaries: list[dict]) -> Figure:
         ax1.text(0.01, i, f"{s['used']:.0%} used", va="center", fontsize=8, color="w")
     ax1.set_xlim(0, 1)
     ax1.invert_yaxis()
-    ax1.set_xlabel(f"share of a {summaries[0]['pool_slots']:,}-slot pool (mean under pressure)")
+    ax1.set_xlabel(f"share of a {summaries[0]['pool_slots']:,}-slot pool\n(mean under pressure)")
     ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3)
     bars = ax2.barh(names, [s["mean_running"] for s in summaries], color="tab:green")
     ax2.bar_label(
