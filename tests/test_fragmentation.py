@@ -134,7 +134,7 @@ def test_dry_run_errors():
     with pytest.raises(TypeError, match="workload must be a paged_ref.lab.fragmentation.Workload"):
         serve_dry([(1, 2)], num_pages=8)
     with pytest.raises(ValueError, match="reservation must be one of"):
-        serve_dry(wl, num_pages=64, reservation="reserve_max")
+        serve_dry(wl, num_pages=64, reservation="buddy")
     with pytest.raises(ValueError, match="budget_slots must be a multiple of page_size = 16, got 2050"):
         compare_reservations(wl, budget_slots=2050)
     with pytest.raises(TypeError, match="budget_slots must be an int"):
