@@ -149,7 +149,7 @@ def make_workload(
 
 
 def _slots_after_step(engine: Engine) -> tuple[int, int, int, int, int, int, int]:
-    """``(used, last_page, future, waste, free, running, waiting)`` of the engine's pool now, in slots."""
+    """The pool's split now in slots, ``(used, last_page, future, waste, free)``, then ``(running, waiting)``."""
     kv, sched = engine.kv, engine.scheduler
     ps = kv.page_size
     used = future = waste = 0
@@ -189,11 +189,12 @@ class DryRun:
         """Memory under pressure and what the run served.
 
         Memory: ``used``, ``last_page``, ``future``, ``waste``, ``free`` (shares of the pool) and
-        ``mean_running``, averaged over the steps after which a request waited (memory was the
-        bottleneck; all steps if none did); ``last_page_over_used``: empty slots of last pages per
-        token stored. Served (times in steps): `paged_ref.serve.summarize` plus ``makespan`` (first
-        arrival to last finish), ``steps`` (forwards), ``tokens_per_step`` (generated tokens over
-        the makespan), ``peak_running``, ``preemptions``, ``recomputed_tokens``, ``recompute_share``
+        ``running_under_pressure`` (requests running), averaged over the steps after which a request
+        waited (memory was the bottleneck; all steps if none did); ``last_page_over_used``: empty slots
+        of last pages per token stored. Served (times in steps): `paged_ref.serve.summarize` plus
+        ``makespan`` (first arrival to last finish), ``steps`` (forwards), ``tokens_per_step`` (generated
+        tokens over the makespan), ``mean_running`` and ``peak_running`` (rows per forward, over all
+        steps), ``preemptions``, ``recomputed_tokens``, ``recompute_share``
         (recomputed tokens per token of the workload) and ``computed_share`` (tokens fed to the model
         per token the workload must feed: prompt + output - 1 per request).
         """
@@ -207,7 +208,7 @@ class DryRun:
             "page_size": kv.page_size,
             "pool_slots": pool,
             **{k: float(getattr(self, k)[mask].mean() / pool) for k in CATEGORIES},
-            "mean_running": float(self.running[mask].mean()),
+            "running_under_pressure": float(self.running[mask].mean()),
             "pressure_steps": int(mask.sum()),
             "last_page_over_used": float(self.last_page[mask].mean() / self.used[mask].mean()),
         }
@@ -216,6 +217,7 @@ class DryRun:
             makespan=out["span_s"],
             steps=s["steps"],
             tokens_per_step=out["tokens"] / out["span_s"],
+            mean_running=s["mean_running"],
             peak_running=s["peak_running"],
             preemptions=s["preemptions"],
             recomputed_tokens=s["recomputed_tokens"],

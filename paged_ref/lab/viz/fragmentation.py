@@ -104,9 +104,11 @@ def reservation_bars_figure(summaries: list[dict]) -> Figure:
     ax1.invert_yaxis()
     ax1.set_xlabel(f"share of a {summaries[0]['pool_slots']:,}-slot pool\n(mean under pressure)")
     ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3)
-    bars = ax2.barh(names, [s["mean_running"] for s in summaries], color="tab:green")
+    bars = ax2.barh(names, [s["running_under_pressure"] for s in summaries], color="tab:green")
     ax2.bar_label(
-        bars, labels=[f"{s['mean_running']:.1f} ({s['tokens_per_step']:.1f} tok/step)" for s in summaries], fontsize=8
+        bars,
+        labels=[f"{s['running_under_pressure']:.1f} ({s['tokens_per_step']:.1f} tok/step)" for s in summaries],
+        fontsize=8,
     )
     ax2.set_yticks([])
     ax2.invert_yaxis()
@@ -130,7 +132,12 @@ def page_size_sweep_figure(sweep: list[dict]) -> Figure:
     ax1.set_ylabel("share of pool (mean under pressure)")
     ax1.legend(fontsize=8)
     ax2.semilogx(
-        ps, [s["mean_running"] for s in sweep], "o-", base=2, color="tab:green", label="requests running at once"
+        ps,
+        [s["running_under_pressure"] for s in sweep],
+        "o-",
+        base=2,
+        color="tab:green",
+        label="requests running at once",
     )
     ax2.set_xlabel("page size (tokens)")
     ax2.set_ylabel("requests running at once")
@@ -152,7 +159,7 @@ def budget_sweep_figure(budgets, summaries_by_reservation: dict[str, list[dict]]
     ax1, ax2 = fig.subplots(1, 2)
     for reservation, summaries in summaries_by_reservation.items():
         label = RESERVATION_NAMES[reservation] + f" ({summaries[0]['page_size']})"
-        ax1.plot(budgets, [s["mean_running"] for s in summaries], "o-", label=label)
+        ax1.plot(budgets, [s["running_under_pressure"] for s in summaries], "o-", label=label)
         ax2.plot(budgets, [s["tokens_per_step"] for s in summaries], "o-", label=label)
     ax1.set_ylabel("requests running at once\n(mean under pressure)")
     ax2.set_ylabel("generated tokens per step")
