@@ -2,7 +2,7 @@
 .venv-vllm: `make test-vllm`).
 
 A few of ``bench serve``'s requests (SmolLM2, English prompts, outputs cut short for CI time) go
-through ``vllm.LLM.generate`` (`paged_ref.bench._vllm_peer`, the engine core in this process) and
+through ``vllm.LLM.generate`` (`paged_ref.lab.bench._vllm_peer`, the engine core in this process) and
 through `paged_ref.serve.Engine`, on the same pool (blocks of 32 tokens, small enough to preempt),
 the same ``max_num_seqs`` and token budget, float32, EOS ignored, in vLLM's configuration (watermark
 0). Both must generate the same tokens, request by request, and preempt as often.
@@ -20,7 +20,7 @@ LIMITS = dict(max_num_seqs=32, max_batched_tokens=512)
 
 @pytest.fixture(scope="module")
 def workload(tmp_path_factory):
-    from paged_ref.bench.serve import PROFILES, make_requests
+    from paged_ref.lab.bench.serve import PROFILES, make_requests
     from paged_ref.models import load_smollm2, save_smollm2
 
     model, tok = load_smollm2()
@@ -34,7 +34,7 @@ def workload(tmp_path_factory):
 
 
 def test_vllm_and_the_engine_generate_the_same_tokens(workload):
-    from paged_ref.bench._vllm_peer import run_vllm
+    from paged_ref.lab.bench._vllm_peer import run_vllm
     from paged_ref.serve import Engine
 
     model, folder, requests, pool = workload
@@ -57,7 +57,7 @@ def test_vllm_and_the_engine_generate_the_same_tokens(workload):
 
 
 def test_the_peer_refuses_what_vllm_cannot_run(monkeypatch):
-    from paged_ref.bench import _vllm_peer
+    from paged_ref.lab.bench import _vllm_peer
 
     with pytest.raises(ValueError, match="multiple of 32"):
         _vllm_peer.check_page_size(16)
@@ -70,7 +70,7 @@ def test_bench_serve_with_vllm_as_its_peer(tmp_path):
     """``bench serve --quick --peer vllm``: vLLM in its own process beside the engine, tokens compared."""
     import json
 
-    from paged_ref.bench import serve
+    from paged_ref.lab.bench import serve
 
     serve.main(["--quick", "--peer", "vllm", "--skip-pools", "--out", str(tmp_path)])
     v = json.loads((tmp_path / "serve_cpu_quick.json").read_text())["peer_vllm"]

@@ -29,8 +29,8 @@ tokens: every token whose K/V it will hold, what a contiguous cache that knew th
 would reserve); ``"max_len"`` commits ``max_model_len`` tokens per
 request (what servers reserved before paging). A committed page is counted as taken by admission
 even before a token fills it, so a committed request never needs preemption. Committing pages is
-contiguous allocation's memory cost without its external fragmentation (notebook 03 measures that
-loss on top): an upper bound on what a contiguous server could do.
+contiguous allocation's memory cost without its external fragmentation (free memory in holes too
+small for the next request): an upper bound on what a contiguous server could do.
 
 Against vLLM: in vLLM's configuration (reservation ``"paged"``, watermark 0, preemption
 ``"recompute"``, chunked prefill) this scheduler makes vLLM 0.32's decisions step by step: the same
