@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from ._arith import cdiv, next_pow2
 
-__all__ = ["compact_copies", "plan_growth", "round_to_pow2", "truncate_cost"]
+__all__ = ["compact_copies", "plan_growth", "rollback_plan", "round_to_pow2", "truncate_cost"]
 
 
 def plan_growth(requests, refcount: Callable[[int], int], *, page_size: int) -> list[list]:
@@ -65,3 +65,25 @@ def truncate_cost(pages: list[int], length: int, num_tokens: int, refcount, *, p
 def compact_copies(pages: list[int], n_keep: int, refcount, *, page_size: int) -> list[int]:
     """Logical pages that receive kept tokens and are shared: compacting copies them first."""
     return [i for i in range(cdiv(n_keep, page_size)) if refcount(pages[i]) > 1]
+
+
+def rollback_plan(saved: list[int], saved_len: int, pages: list[int], length: int, *, page_size: int):
+    """What putting a sequence back from ``pages``/``length`` to ``saved``/``saved_len`` (its pages
+    and length before some reserves and writes) takes and gives: ``(pages to share again: the
+    shared pages private copies replaced, slots written since in pages it keeps, pages to give
+    back: new pages and private copies)``.
+
+    Example:
+        >>> rollback_plan([0], 2, [3, 4], 6, page_size=4)  # page 0 was copied to 3, then page 4 added
+        ([0], [], [3, 4])
+        >>> rollback_plan([0], 2, [0, 4], 6, page_size=4)  # written in place: slots 2 and 3 of page 0
+        ([], [2, 3], [4])
+    """
+    before, now = set(saved), set(pages)
+    kept = range(saved_len, min(length, len(saved) * page_size))  # tokens since, in pages held before
+    written = [
+        saved[t // page_size] * page_size + t % page_size
+        for t in kept
+        if pages[t // page_size] == saved[t // page_size]
+    ]
+    return [p for p in saved if p not in now], written, [p for p in pages if p not in before]

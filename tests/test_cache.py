@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import paged_ref as pr
+from paged_ref.cache import PageCopy
 
 H, D = 2, 4
 
@@ -70,6 +71,7 @@ def test_fork_copy_on_write():
     assert cache.pages(b) == [0, 1] and cache.allocator.refcount(1) == 2
     kb, _ = fill(cache, b, 1, start=100.0)
     assert cache.pages(b)[0] == 0 and cache.pages(b)[1] not in (0, 1)  # page 1 copied
+    assert cache.last_copies == (PageCopy(seq_id=b, logical_page=1, source=1, page=cache.pages(b)[1]),)
     assert cache.allocator.refcount(1) == 1 and cache.allocator.refcount(0) == 2
     assert torch.equal(cache.gather(0, a)[0], ka)  # the parent is untouched
     assert torch.equal(cache.gather(0, b)[0], torch.cat([ka, kb]))
