@@ -310,7 +310,8 @@ class PagedKVCache:
 
     # ----------------------------------------------------------------- sharing and release
     def fork(self, seq_id: int) -> int:
-        """A new sequence sharing ``seq_id``'s pages (reference counts; copy-on-write later)."""
+        """A new sequence sharing ``seq_id``'s pages (reference counts). Nothing is copied here:
+        a write into a shared page copies it first, in `reserve`, which lists it in ``last_copies``."""
         src = self._seq(seq_id)
         held = src.pages[: cdiv(src.length, self.page_size)]
         self.allocator.share(held)
@@ -455,9 +456,9 @@ class PagedKVCache:
             >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)
             >>> a = kv.add_sequence(); _ = kv.reserve(a, 2); b = kv.fork(a)
             >>> snap = kv.snapshot(b)
-            >>> _ = kv.reserve(b, 3)                 # copies shared page 0, takes page 2
+            >>> _ = kv.reserve(b, 3)                 # copies shared page 0 to page 2, adds page 1
             >>> kv.pages(b), kv.allocator.refcount(0)
-            ([1, 2], 1)
+            ([2, 1], 1)
             >>> kv.rollback(b, snap)                 # as if that reserve never happened
             >>> kv.pages(b), kv.seq_len(b), kv.allocator.refcount(0), kv.allocator.num_free
             ([0], 2, 2, 3)

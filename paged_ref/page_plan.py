@@ -68,10 +68,10 @@ def compact_copies(pages: list[int], n_keep: int, refcount, *, page_size: int) -
 
 
 def rollback_plan(saved: list[int], saved_len: int, pages: list[int], length: int, *, page_size: int):
-    """What putting a sequence back from ``pages``/``length`` to ``saved``/``saved_len`` (its pages
-    and length before some reserves and writes) takes and gives: ``(pages to share again: the
-    shared pages private copies replaced, slots written since in pages it keeps, pages to give
-    back: new pages and private copies)``.
+    """What rolling a sequence back takes and gives: it holds ``pages`` and ``length`` tokens now,
+    ``saved`` and ``saved_len`` before some reserves and writes. Returns ``(share, written,
+    release)``: the shared pages its private copies replaced (to share again), the slots written
+    since in pages it held before (to zero), the pages taken since (new pages, private copies).
 
     Example:
         >>> rollback_plan([0], 2, [3, 4], 6, page_size=4)  # page 0 was copied to 3, then page 4 added

@@ -445,3 +445,17 @@ def test_scalars_where_lists_are_expected_are_named(call, exc, msg):
     with pytest.raises(exc, match=msg):
         call(cache, s)
     assert snapshot(cache) == before
+
+
+def test_rollback_takes_only_the_sequences_own_snapshot():
+    cache = make()
+    a, b = cache.add_sequence(), cache.add_sequence()
+    snap = cache.snapshot(a)
+    cache.reserve(a, 3)
+    with pytest.raises(ValueError, match="snapshot must be a SeqSnapshot of sequence 1"):
+        cache.rollback(b, snap)
+    with pytest.raises(ValueError, match="snapshot must be a SeqSnapshot of sequence 0, got tuple"):
+        cache.rollback(a, ())
+    assert cache.seq_len(a) == 3
+    cache.rollback(a, snap)
+    assert cache.seq_len(a) == 0 and cache.pages(a) == [] and cache.allocator.num_free == 8
