@@ -329,20 +329,17 @@ def _prefill(session, prompts, namespaces, k: int):
 
 
 def _follow_selection(session, beams: list[list[int]], parents: list[list[int]], done: list[bool]) -> dict:
-    """Make the pages follow one selection: cut, keep or fork each running beam; free what is left.
-
-    ``beams[b][j]`` is the sequence of prompt ``b``'s beam ``j`` (``[]`` once the prompt is done),
-    ``parents[b][j]`` the beam next beam ``j`` continues, ``done[b]`` whether prompt ``b`` stops
-    here (all its beams are released). A beam no next beam continues is cut; the first next beam
-    that continues a beam takes over its sequence (its pages, nothing copied); every further one
-    is a fork of it (all its pages shared).
+    """The pages follow one selection: each running beam is cut, kept or forked (the module
+    docstring), then the beams left behind are freed. ``beams[b][j]``: prompt ``b``'s beam ``j``
+    (``[]`` once the prompt is done); ``parents[b][j]``: the beam next beam ``j`` continues;
+    ``done[b]``: prompt ``b`` stops here (its beams are released).
 
     Fork before free: every fork of the step is made before any beam is freed, the order vLLM's
     scheduler keeps (it forks the new sequences before it frees the old ones). A fork adds a
     reference to each page of its source, a free removes one; forking first means that a page a
     next beam needs carries that beam's reference before any old beam lets go of it, so it never
     drops to zero on the way: it is never returned to the pool (zeroed, free to be handed out)
-    only to be recomputed or copied back. Freeing first breaks as soon as a freed beam is also a
+    while a next beam still needs its K/V. Freeing first breaks as soon as a freed beam is also a
     fork's source (in vLLM, a parent whose own continuation just finished); here the first child
     keeps its parent's sequence, which is a fork of the parent followed by its free, done as
     nothing. The frees also all come before the next forward, so the reservation then sees only
