@@ -31,8 +31,8 @@ vacates. A kernel that reads more than a sequence's own tokens (FlexAttention re
 blocks; eager FlexAttention on CPU reads the whole cache) then adds ``0 * v`` there, never
 ``0 * nan`` left over from another sequence.
 
-Rollback. ``snapshot(seq_id)`` before a model's forward and ``rollback(seq_id, snap)`` after
-it failed put a sequence back as it was: what `paged_ref.hf.PagedSession.extend` does when a
+Rewind. ``mark(seq_id)`` before a model's forward and ``rewind(seq_id, mark)`` after it
+failed put a sequence back as it was: what `paged_ref.hf.PagedSession.extend` does when a
 forward raises after its slots were reserved.
 
 Growth. ``growth="page"`` takes one page at a time; ``growth="pow2"`` reserves so that a
@@ -64,7 +64,7 @@ from ._validate import check_choice, check_int, check_list, describe
 from .allocator import OutOfPagesError, PageAllocator
 from .block_table import flat_slots, pack_csr, pack_padded
 from .memory import KVGeometry, model_geometry
-from .page_plan import compact_copies, plan_growth, rollback_plan, round_to_pow2, truncate_cost
+from .page_plan import compact_copies, plan_growth, rewind_plan, round_to_pow2, truncate_cost
 from .prefix_cache import PrefixIndex, namespace_key, page_key
 
 
@@ -92,8 +92,8 @@ class PageCopy:
 
 
 @dataclass(frozen=True)
-class SeqSnapshot:
-    """A sequence as `PagedKVCache.snapshot` saw it, for `PagedKVCache.rollback`: its pages and
+class SequenceMark:
+    """A sequence as `PagedKVCache.mark` saw it, for `PagedKVCache.rewind`: its pages and
     length, and its prefix-key lists with their lengths then (``reserve`` only appends to those
     lists, or replaces them)."""
 
@@ -143,7 +143,7 @@ class PagedKVCache:
         self._next_id = 0
         self._prefix = PrefixIndex(num_layers=self.num_layers, page_size=self.page_size)
         self.prefix_hits = 0  # full pages reused from the prefix cache
-        # the `PageCopy`s of the latest reserve, reserve_batch, truncate or compact (rollback clears it)
+        # the `PageCopy`s of the latest reserve, reserve_batch, truncate or compact (rewind clears it)
         self.last_copies: tuple[PageCopy, ...] = ()
 
     @classmethod
@@ -432,22 +432,22 @@ class PagedKVCache:
         seq.token_ids, seq.page_hashes = None, []
         self.last_copies = tuple(copies)
 
-    # ----------------------------------------------------------------- rollback
-    def snapshot(self, seq_id: int) -> SeqSnapshot:
-        """The sequence as it is now, for `rollback`; valid while the sequence only reserves and writes."""
+    # ----------------------------------------------------------------- rewind after a failed forward
+    def mark(self, seq_id: int) -> SequenceMark:
+        """The sequence as it is now, for `rewind`; valid while the sequence only reserves and writes."""
         seq = self._seq(seq_id)
         known = None if seq.token_ids is None else len(seq.token_ids)
-        return SeqSnapshot(
+        return SequenceMark(
             seq_id, tuple(seq.pages), seq.length, seq.token_ids, known, seq.page_hashes, len(seq.page_hashes)
         )
 
-    def rollback(self, seq_id: int, snapshot: SeqSnapshot) -> None:
-        """Put the sequence back as `snapshot` saw it, undoing the reserves and writes made since.
+    def rewind(self, seq_id: int, mark: SequenceMark) -> None:
+        """Put the sequence back as `mark` saw it, undoing the reserves and writes made since.
 
         What a failed forward needs: each shared page a private copy replaced is shared again,
         the pages taken since (new pages, private copies) go back to the pool, and the slots
         written since in the pages it kept are zeroed and no longer offered for prefix reuse.
-        Roll a batch back in the reverse of the order it was reserved in: a page one sequence
+        Rewind a batch in the reverse of the order it was reserved in: a page one sequence
         copied away may have been written in place by a later one, which must give it back
         first. Returned pages that kept a prefix for reuse and were handed out since stay
         forgotten: their K/V were overwritten. Clears ``last_copies``.
@@ -455,32 +455,30 @@ class PagedKVCache:
         Example:
             >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)
             >>> a = kv.add_sequence(); _ = kv.reserve(a, 2); b = kv.fork(a)
-            >>> snap = kv.snapshot(b)
+            >>> m = kv.mark(b)
             >>> _ = kv.reserve(b, 3)                 # copies shared page 0 to page 2, adds page 1
             >>> kv.pages(b), kv.allocator.refcount(0)
             ([2, 1], 1)
-            >>> kv.rollback(b, snap)                 # as if that reserve never happened
+            >>> kv.rewind(b, m)                      # as if that reserve never happened
             >>> kv.pages(b), kv.seq_len(b), kv.allocator.refcount(0), kv.allocator.num_free
             ([0], 2, 2, 3)
         """
         seq = self._seq(seq_id)
-        if not isinstance(snapshot, SeqSnapshot) or snapshot.seq_id != seq_id:
-            raise ValueError(f"snapshot must be a SeqSnapshot of sequence {seq_id}, got {describe(snapshot)}")
+        if not isinstance(mark, SequenceMark) or mark.seq_id != seq_id:
+            raise ValueError(f"mark must be a SequenceMark of sequence {seq_id}, got {describe(mark)}")
         ps = self.page_size
-        share, written, taken = rollback_plan(
-            list(snapshot.pages), snapshot.length, seq.pages, seq.length, page_size=ps
-        )
+        share, written, taken = rewind_plan(list(mark.pages), mark.length, seq.pages, seq.length, page_size=ps)
         self.allocator.share(share)  # raises, changing nothing, if one went back to the pool since
         for page in {slot // ps for slot in written} | set(taken):
             self._prefix.forget(page)  # its tokens changed, or were written by the failed step
         if written:
             self._zero_slots(torch.tensor(written, device=self.device))
         self._release(taken)
-        if snapshot.token_ids is not None:
-            del snapshot.token_ids[snapshot.known :]
-        del snapshot.page_hashes[snapshot.hashed :]
-        seq.pages, seq.length = list(snapshot.pages), snapshot.length
-        seq.token_ids, seq.page_hashes = snapshot.token_ids, snapshot.page_hashes
+        if mark.token_ids is not None:
+            del mark.token_ids[mark.known :]
+        del mark.page_hashes[mark.hashed :]
+        seq.pages, seq.length = list(mark.pages), mark.length
+        seq.token_ids, seq.page_hashes = mark.token_ids, mark.page_hashes
         self.last_copies = ()
 
     # ----------------------------------------------------------------- internals

@@ -14,7 +14,7 @@ it holds: the per-layer questions are methods.
   ``reserve_batch`` returned (``[num_new]`` shared by every layer, or ``[num_layers, num_new]``).
 - ``last_copies``: the pages the latest call copied on write, as `~paged_ref.cache.PageCopy`
   records (each with its ``layer`` when each layer has its own pages).
-- ``snapshot(seq_id)`` / ``rollback(seq_id, snap)``: put a sequence back after a failed forward.
+- ``mark(seq_id)`` / ``rewind(seq_id, mark)``: put a sequence back after a failed forward.
 
 Example:
     >>> from paged_ref import LayeredKVCache, PagedKVCache
@@ -98,8 +98,8 @@ class KVCache(Protocol):
     last_copies: tuple[PageCopy, ...]
     """The copies-on-write (`~paged_ref.cache.PageCopy`) of the latest reserve, reserve_batch, truncate or compact."""
 
-    def snapshot(self, seq_id: int):
-        """The sequence as it is now, for `rollback` (what a forward that may fail takes first)."""
+    def mark(self, seq_id: int):
+        """The sequence as it is now, for `rewind` (what a forward that may fail takes first)."""
 
-    def rollback(self, seq_id: int, snapshot) -> None:
-        """Undo the reserves and writes made since `snapshot` (roll a batch back last sequence first)."""
+    def rewind(self, seq_id: int, mark) -> None:
+        """Undo the reserves and writes made since `mark` (rewind a batch last sequence first)."""

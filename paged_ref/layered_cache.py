@@ -36,7 +36,7 @@ import torch
 from ._validate import check_int, check_list
 from .allocator import OutOfPagesError
 from .block_table import pages_needed
-from .cache import PageCopy, PagedKVCache, SeqSnapshot
+from .cache import PageCopy, PagedKVCache, SequenceMark
 from .memory import KVGeometry, model_geometry
 from .page_plan import compact_copies, truncate_cost
 
@@ -287,19 +287,19 @@ class LayeredKVCache:
             f"free_layer_pages={self.allocator.num_free})"
         )
 
-    # ----------------------------------------------------------------- rollback
-    def snapshot(self, seq_id: int) -> tuple[SeqSnapshot, ...]:
-        """Every layer of the sequence as it is now, for `rollback` (`PagedKVCache.snapshot`)."""
-        return tuple(self.pool.snapshot(lane) for lane in self._lanes_of(seq_id))
+    # ----------------------------------------------------------------- rewind after a failed forward
+    def mark(self, seq_id: int) -> tuple[SequenceMark, ...]:
+        """Every layer of the sequence as it is now, for `rewind` (`PagedKVCache.mark`)."""
+        return tuple(self.pool.mark(lane) for lane in self._lanes_of(seq_id))
 
-    def rollback(self, seq_id: int, snapshot: tuple[SeqSnapshot, ...]) -> None:
-        """Put every layer of the sequence back as `snapshot` saw it, last layer first
-        (`PagedKVCache.rollback`). Clears ``last_copies``."""
+    def rewind(self, seq_id: int, mark: tuple[SequenceMark, ...]) -> None:
+        """Put every layer of the sequence back as `mark` saw it, last layer first
+        (`PagedKVCache.rewind`). Clears ``last_copies``."""
         lanes = self._lanes_of(seq_id)
-        if not isinstance(snapshot, tuple) or len(snapshot) != len(lanes):
-            raise ValueError(f"snapshot must be the tuple snapshot({seq_id}) returned, got {type(snapshot).__name__}")
-        for lane, snap in reversed(list(zip(lanes, snapshot))):
-            self.pool.rollback(lane, snap)
+        if not isinstance(mark, tuple) or len(mark) != len(lanes):
+            raise ValueError(f"mark must be the tuple mark({seq_id}) returned, got {type(mark).__name__}")
+        for lane, lane_mark in reversed(list(zip(lanes, mark))):
+            self.pool.rewind(lane, lane_mark)
         self.last_copies = ()
 
     # ----------------------------------------------------------------- internals

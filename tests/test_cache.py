@@ -447,15 +447,15 @@ def test_scalars_where_lists_are_expected_are_named(call, exc, msg):
     assert snapshot(cache) == before
 
 
-def test_rollback_takes_only_the_sequences_own_snapshot():
+def test_rewind_takes_only_the_sequences_own_mark():
     cache = make()
     a, b = cache.add_sequence(), cache.add_sequence()
-    snap = cache.snapshot(a)
+    mark = cache.mark(a)
     cache.reserve(a, 3)
-    with pytest.raises(ValueError, match="snapshot must be a SeqSnapshot of sequence 1"):
-        cache.rollback(b, snap)
-    with pytest.raises(ValueError, match="snapshot must be a SeqSnapshot of sequence 0, got tuple"):
-        cache.rollback(a, ())
+    with pytest.raises(ValueError, match="mark must be a SequenceMark of sequence 1"):
+        cache.rewind(b, mark)
+    with pytest.raises(ValueError, match="mark must be a SequenceMark of sequence 0, got tuple"):
+        cache.rewind(a, ())
     assert cache.seq_len(a) == 3
-    cache.rollback(a, snap)
+    cache.rewind(a, mark)
     assert cache.seq_len(a) == 0 and cache.pages(a) == [] and cache.allocator.num_free == 8

@@ -4,7 +4,7 @@ Three hypothesis state machines, derandomized in CI:
 
 * `CacheMachine` drives a `PagedKVCache`: add (with namespaces), reserve one sequence or a
   batch (`reserve_batch`), write (sometimes lagging behind the next addition), fork, free,
-  drop_pages, compact, truncate, a failed forward's rollback (`snapshot` / `rollback`) and bad calls.
+  drop_pages, compact, truncate, a failed forward's rewind (`mark` / `rewind`) and bad calls.
   Each token's K/V is a function of (token id, position, layer, adapter), so a page reused
   through prefix caching must hold exactly what the new sequence would have written, and two
   adapters (namespaces) that shared a page would show up as a wrong gather.
@@ -305,7 +305,7 @@ class CacheMachine(Checked):
         self._flush()
         seqs = sorted({self._live(i), self._live(j)})
         before, kept = snapshot(self.cache, exact=False), set(self.cache.allocator._cached)
-        snaps = [self.cache.snapshot(s) for s in seqs]
+        marks = [self.cache.mark(s) for s in seqs]
         tokens = [[(t + k) % 3 for t in range(n)] for k, n in enumerate((a, b)[: len(seqs)])]
         ids = tokens if self.prefix_caching else None
         ok, slots = self.attempt("reserve_batch", lambda: self.cache.reserve_batch(seqs, [len(t) for t in tokens], ids))
@@ -315,9 +315,9 @@ class CacheMachine(Checked):
         for seq, s, t in zip(seqs, slots, tokens):
             start = len(self.model[seq])
             self.cache.write(0, s, *token_kv(t, start, 0, self.adapter[seq]))
-        self.count("rollback")
-        for seq, snap in reversed(list(zip(seqs, snaps))):
-            self.cache.rollback(seq, snap)
+        self.count("rewind")
+        for seq, mark in reversed(list(zip(seqs, marks))):
+            self.cache.rewind(seq, mark)
         assert self.cache.last_copies == ()
         after, before = snapshot(self.cache, exact=False), before.without_prefix_pages(recycled)
         assert after == before, after.diff(before)
@@ -504,7 +504,7 @@ class LayeredMachine(Checked):
     def failed_forward(self, i, j, a, b):
         seqs = sorted({self._live(i), self._live(j)})
         before = snapshot(self.cache, exact=False)
-        snaps = [self.cache.snapshot(s) for s in seqs]
+        marks = [self.cache.mark(s) for s in seqs]
         ok, slots = self.attempt("reserve_batch", lambda: self.cache.reserve_batch(seqs, [a, b][: len(seqs)]))
         if not ok:
             return
@@ -512,9 +512,9 @@ class LayeredMachine(Checked):
             start = self.cache.seq_len(seq) - s.shape[1]
             self.cache.write(0, s[0], *token_kv([1] * s.shape[1], start, 0))
             self.cache.write(1, s[1], *token_kv([2] * s.shape[1], start, 1))
-        self.count("rollback")
-        for seq, snap in reversed(list(zip(seqs, snaps))):
-            self.cache.rollback(seq, snap)
+        self.count("rewind")
+        for seq, mark in reversed(list(zip(seqs, marks))):
+            self.cache.rewind(seq, mark)
         after = snapshot(self.cache, exact=False)
         assert after == before, after.diff(before)
 

@@ -302,12 +302,12 @@ class PagedSession:
                     f"{policy.tokens_until_action(self.kv, s)}; feed at most tokens_until_action() tokens per forward"
                 )
 
-        snapshots = [self.kv.snapshot(s) for s in seq_ids]
+        marks = [self.kv.mark(s) for s in seq_ids]
         started = time.perf_counter()
         try:
             plan, input_ids, position_ids = self._plan(seq_ids, tokens, q_lens_list, packed=packed)
         except BaseException:  # the reservation is all or nothing; what comes after it may fail
-            self._rollback(seq_ids, snapshots)
+            self._rewind(seq_ids, marks)
             raise
         self.plan_seconds += time.perf_counter() - started
         # logits are needed only at each row's last new token: ask for those columns only
@@ -333,7 +333,7 @@ class PagedSession:
                     **{self._cache_kw: self._hf_cache},
                 )
         except BaseException:  # leave the cache as it was: drop the half-written new tokens
-            self._rollback(seq_ids, snapshots)
+            self._rewind(seq_ids, marks)
             raise
         finally:
             self._hf_cache.plan = None
@@ -421,11 +421,11 @@ class PagedSession:
             ]
         return plan, input_ids, position_ids
 
-    def _rollback(self, seq_ids, snapshots) -> None:
-        """Undo a step's reservations and writes: each sequence back to its snapshot, the last
-        first (`PagedKVCache.rollback`)."""
-        for s, snap in reversed(list(zip(seq_ids, snapshots))):
-            self.kv.rollback(s, snap)
+    def _rewind(self, seq_ids, marks) -> None:
+        """Undo a step's reservations and writes: each sequence back to its mark, the last first
+        (its pages, private copies given back for the shared pages they replaced, length)."""
+        for s, mark in reversed(list(zip(seq_ids, marks))):
+            self.kv.rewind(s, mark)
 
     def _after_forward(self, seq_id: int, *, phase_prefill: bool) -> None:
         """The eviction hooks: let the sequence's policy shrink its cache (see the module docstring)."""
