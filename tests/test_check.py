@@ -110,6 +110,15 @@ def test_allocator_failures_shrink_to_a_few_calls(mutant, words):
         ("LeakyPolicy", "back to the allocator"),
         ("DropsNewestPolicy", "never evict the page just written"),
         ("UnreservedSinkPolicy", "attention sink and is reserved"),
+        ("ValueNormPolicy", "by ||V|| alone"),
+        ("InverseKeyNormPolicy", "by 1/||K|| alone"),
+        ("FirstLayerPolicy", "from layer 0 only"),
+        ("LastLayerPolicy", "from the last layer only"),
+        ("AllHeadsNormPolicy", "one norm over all KV heads together"),
+        ("RatioOfMeansPolicy", "a ratio of means"),
+        ("FreesSequencePolicy", "never the whole sequence"),
+        ("StaleIndicesPolicy", "computed before the first drop_pages call"),
+        ("PhysicalIdsPolicy", "you passed physical page ids"),
     ],
 )
 def test_hints_name_the_mistake(mutant, words):
