@@ -165,6 +165,7 @@ class _Driver:
         levels = 0.5 * 1.25 ** order.double()  # the task's score of original page p
         if sink_lowest:
             levels[0] = 0.5 * levels.min()
+        self.levels = levels  # [pages]
         layers_heads = (self.NUM_LAYERS, self.NUM_KV_HEADS)
         shape = (pages, page_size, *layers_heads)  # per original page, token in the page, layer, KV head
         head_scale = torch.tensor([3.0, 0.3], dtype=torch.float64)  # ||K|| of head 0 ten times head 1's
