@@ -178,7 +178,7 @@ class _Driver:
         self.ratio = (levels[:, None, None, None] * per_head * per_token).flatten(0, 1)  # [tokens, layers, heads]
         self.k_norm = (k_page * k_token).flatten(0, 1)
         self.policy = None  # set by the caller: the student's through run.call
-        self.record = False  # set by the caller: keep the page scores before each hook
+        self.record = False  # set by `_later_decisions`: keep the page scores before each hook
 
     def _spread(self, shape, width, dims=()) -> torch.Tensor:
         """Log-uniform factors in exp(+-width), scaled to mean 1 over ``dims`` (none: as drawn)."""
@@ -472,12 +472,16 @@ def check_eviction_policy(
         seed, steps: the constructed K/V and the decode length.
         time_limit: seconds per case (a prompt and its decode steps), or None.
 
-    After every hook: pages held <= ``max_pages_held(budget, page_size)``, every page the
-    sequence gave up is back in the allocator (free + held = pool), the kept tokens are written
-    tokens in their original order with the newest among them, and the kept tokens are the ones
-    the task's policy (or the reference) keeps. Five prompts: longer than C by a page and a bit,
-    2C + 1, 2C (a page multiple), C/2 + 1 (no prefill eviction), and 2C with page 0 scoring
-    lowest (it must stay: the attention sink).
+    After every hook: the sequence is still in the cache, pages held <= ``max_pages_held(budget,
+    page_size)``, every page the sequence gave up is back in the allocator (free + held = pool,
+    less the pages of a neighbour sequence that makes physical page ids differ from logical
+    ones), the kept tokens are written tokens in their original order with the newest among them,
+    and the kept tokens are the ones the task's policy (or the reference) keeps. Five prompts:
+    longer than C by a page and a bit, 2C + 1, 2C (a page multiple), C/2 + 1 (no prefill
+    eviction), and 2C with page 0 scoring lowest (it must stay: the attention sink). When a
+    decision differs from the task's, the student's policy also runs on to the end of that case
+    and through the other cases, and the hint names the wrong score (`_SCORE_MISTAKES`), argmax or
+    first-in-first-out that makes all of its decisions, or the wrong indices (`_index_mistake`).
     """
     name = "eviction_policy"
     budget = check_count("budget", budget)
