@@ -131,14 +131,14 @@ def test_hints_name_the_mistake(mutant, words):
 def test_package_reference_passes_its_own_checkers():
     assert check.check_allocator(pr.PageAllocator).passed
     assert check.check_slot_mapping(pr.slot_mapping).passed
-    assert check.check_paged_attention(pr.paged_attention_reference).passed
+    assert check.check_paged_attention(pr.reference_paged_decode).passed
 
 
 def test_triton_checker_passes_the_kernel_and_catches_a_short_length():
-    assert check.check_triton_decode(pr.paged_decode).passed
+    assert check.check_triton_decode(pr.triton_paged_decode).passed
 
     def short(q, k_cache, v_cache, block_table, seq_lens, scale=None):
-        return pr.paged_decode(q, k_cache, v_cache, block_table, (seq_lens - 1).clamp(min=1), scale=scale)
+        return pr.triton_paged_decode(q, k_cache, v_cache, block_table, (seq_lens - 1).clamp(min=1), scale=scale)
 
     report = check.check_triton_decode(short)
     assert not report.passed and "one token short" in report.failure.hint

@@ -3,7 +3,7 @@
 A kernel launch compiles once per *specialization*: Triton's argument binding turns each call's
 arguments into a key (dtypes, constexprs, and for integers and pointers whether they equal 1 or
 are multiples of 16), and every new key is a compile on the GPU. Here the GPU run's calls of
-`paged_decode` are recorded on the CPU with the launcher told it is on an H200 (tile sizes and
+`triton_paged_decode` are recorded on the CPU with the launcher told it is on an H200 (tile sizes and
 split counts as on sm_90 with 132 SMs, nothing launched), passed through Triton's own binder
 for a CUDA sm_90 target, and every distinct key is compiled for sm_90 (Triton's cache makes
 reruns fast). Recorded calls:
@@ -172,7 +172,7 @@ def record_scaling(monkeypatch):
         table = torch.zeros(len(lengths), max(widths), dtype=torch.int32)
         seq_lens = torch.tensor(lengths, dtype=torch.int32)
         q = torch.empty(len(lengths), heads, head_dim, dtype=torch.bfloat16)
-        td.paged_decode(q, cache, cache, table, seq_lens, check_values=False)
+        td.triton_paged_decode(q, cache, cache, table, seq_lens, check_values=False)
     return recorder.launches
 
 

@@ -65,11 +65,11 @@ def test_spec_float64_inputs_are_exact_to_rounding_and_custom_scale():
 
 
 def test_spec_matches_the_triton_kernel_split_for_split():
-    from paged_ref.attention.triton_decode import paged_decode
+    from paged_ref.attention.triton_decode import triton_paged_decode
 
     case = make_decode_case(seed=3, batch=2, page_size=8, num_kv_heads=2, group=2, head_dim=16, seq_lens=[70, 9])
     for num_splits in (1, 3):
-        kernel = paged_decode(*case.args, num_splits=num_splits)
+        kernel = triton_paged_decode(*case.args, num_splits=num_splits)
         spec = paged_decode_spec(*case.args, num_splits=num_splits, block_n=32)
         assert rel_error(kernel, spec.double()) < 1e-6
 

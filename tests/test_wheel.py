@@ -29,7 +29,7 @@ EXAMPLE = textwrap.dedent(
         cache.write(0, slots, ks[seq], vs[seq])
     table, lens = cache.block_table([a, b])
     q = torch.randn(2, 8, 64)  # [batch, Hq, D]
-    out = pr.paged_attention_reference(q, cache.k_cache[0], cache.v_cache[0], table, lens)
+    out = pr.reference_paged_decode(q, cache.k_cache[0], cache.v_cache[0], table, lens)
     for i, seq in enumerate((a, b)):
         k = ks[seq].repeat_interleave(4, dim=1).transpose(0, 1)  # [Hq, n, D]
         v = vs[seq].repeat_interleave(4, dim=1).transpose(0, 1)

@@ -63,7 +63,7 @@ except ImportError:  # no Triton wheel for this platform: the module imports, ca
     tl = types.SimpleNamespace(constexpr=None)  # only for the `tl.constexpr` annotations below
     _HAVE_TRITON = False
 
-__all__ = ["choose_num_splits", "compiled_kernels", "interpreted", "native_half", "paged_decode", "triton_paged_decode"]
+__all__ = ["choose_num_splits", "compiled_kernels", "interpreted", "native_half", "triton_paged_decode"]
 
 _MAX_SPLITS = 256  # upper bound for the heuristic (partials stay a few MB)
 _MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism gained
@@ -438,8 +438,8 @@ def triton_paged_decode(
     """
     if not _HAVE_TRITON:
         raise ImportError(
-            "paged_decode needs the `triton` package (Linux only): "
-            "pip install triton, or use paged_attention_reference instead"
+            "triton_paged_decode needs the `triton` package (Linux only): "
+            "pip install triton, or use reference_paged_decode instead"
         )
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     interpret = interpreted(q.device)
@@ -549,8 +549,3 @@ def _launch(
                 num_warps=1 if interpret else 4,
             )
     return out
-
-
-# The name this function had before the attention entry points followed one scheme
-# (``<backend>_paged_decode``); kept so existing code still runs.
-paged_decode = triton_paged_decode

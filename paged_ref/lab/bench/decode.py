@@ -6,9 +6,9 @@
 GPU (bfloat16, 32 query heads over 8 KV heads of 128; batch x length (1, 131072), (8, 32768),
 (64, 4096), (256, 2048); pages of 16, 64, 128). A device-to-device copy first (the bandwidth
 ceiling: bytes read + written / time), then per case, in this order: SDPA on a contiguous cache;
-``paged_decode`` on shuffled pages; the same kernel on an identity block table (the cost of
+``triton_paged_decode`` on shuffled pages; the same kernel on an identity block table (the cost of
 paging itself); compiled ``flex_paged_decode`` building its BlockMask per call, as a user's call
-does (while ``--budget-s`` lasts); ``paged_decode`` again (the run-to-run spread). Each: median
+does (while ``--budget-s`` lasts); ``triton_paged_decode`` again (the run-to-run spread). Each: median
 time (``triton.testing.do_bench``: CUDA events, L2 flushed before each run), bandwidth = bytes
 of K and V read / time, its share of the copy's, the error against float32, and the ratios
 between implementations (`summarize_gpu`). JSON: ``figures/data/decode_gpu.json``.
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ...attention import triton_decode as td
-from ...attention.reference import paged_attention_reference
+from ...attention.reference import reference_paged_decode
 from ._decode_report import summarize_gpu
 from .common import (
     bench_parser,
@@ -112,7 +112,7 @@ def _contiguous_4d(k, v, batch, seq_len):
 
 
 def _planned_splits(batch, seq_len, heads, dtype, device):
-    """The split count paged_decode(num_splits=None, check_values=False) picks here."""
+    """The split count triton_paged_decode(num_splits=None, check_values=False) picks here."""
     group = heads["num_q_heads"] // heads["num_kv_heads"]
     device = torch.device(device)
     cfg = td._tile_config(dtype, heads["head_dim"], group, interpret=td.interpreted(device))
@@ -175,9 +175,9 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None
         splits = _planned_splits(batch, seq_len, heads, dtype, device)
         for page_size in page_sizes:
             contiguous, paged = page_layouts(k, v, batch, seq_len, page_size)
-            paged_out = td.paged_decode(q, *paged, lens)  # values checked once, untimed
-            run_paged = partial(td.paged_decode, q, *paged, lens, check_values=False)
-            run_contig = partial(td.paged_decode, q, *contiguous, lens, check_values=False)
+            paged_out = td.triton_paged_decode(q, *paged, lens)  # values checked once, untimed
+            run_paged = partial(td.triton_paged_decode, q, *paged, lens, check_values=False)
+            run_contig = partial(td.triton_paged_decode, q, *contiguous, lens, check_values=False)
             measure(page_size, "paged_decode", run_paged, out=paged_out, num_splits=splits)
             measure(page_size, "paged_decode contiguous", run_contig, num_splits=splits)
             if flex_paged_decode is not None:
@@ -209,12 +209,12 @@ def run_cpu(shapes, page_sizes, *, repeats):
         impls = [("sdpa contiguous", None, partial(_sdpa, q, k4, v4, heads["num_q_heads"], heads["num_kv_heads"]))]
         for page_size in page_sizes:
             _, paged = page_layouts(k, v, batch, seq_len, page_size)
-            impls.append(("reference", page_size, partial(paged_attention_reference, q, *paged, lens)))
+            impls.append(("reference", page_size, partial(reference_paged_decode, q, *paged, lens)))
             if flex_paged_decode is not None:
                 impls.append(
                     ("flex_paged_decode (eager)", page_size, partial(flex_paged_decode, q, *paged, lens, **FLEX_KW))
                 )
-            out = td.paged_decode(q, *paged, lens)  # the interpreter: once, for correctness only
+            out = td.triton_paged_decode(q, *paged, lens)  # the interpreter: once, for correctness only
             case = dict(batch=batch, seq_len=seq_len, page_size=page_size)
             correctness.append(dict(case, impl="paged_decode (interpreter)", rel_err=rel_err(out, ref)))
         for impl, page_size, fn in impls:

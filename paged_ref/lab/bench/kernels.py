@@ -91,7 +91,7 @@ def _source(name: str, consts: dict, ints: dict, ptr_types: dict, floats: dict, 
 
 
 def split_kernel_source(cfg: KernelConfig):
-    """The ASTSource, launch options and record ``paged_decode`` would compile for ``cfg``."""
+    """The ASTSource, launch options and record ``triton_paged_decode`` would compile for ``cfg``."""
     from ...attention import triton_decode as td
 
     tile = td._tile_config(DTYPES[cfg.dtype], cfg.head_dim, cfg.group, interpret=False, capability=cfg.arch)
@@ -197,7 +197,7 @@ def compile_config(cfg: KernelConfig) -> dict:
 
 
 def compile_reduce(arch: int, dtype: str, head_dim: int) -> dict:
-    """Compile the reduction kernel as ``paged_decode`` launches it after a split run."""
+    """Compile the reduction kernel as ``triton_paged_decode`` launches it after a split run."""
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_S=8)
     ints = dict(num_splits=6, stride_o_batch=NUM_KV_HEADS * 4 * head_dim, stride_o_head=head_dim)
     ptrs = dict(part_m_ptr="fp32", part_l_ptr="fp32", part_acc_ptr="fp32", out_ptr=dtype)

@@ -32,8 +32,8 @@ from dataclasses import replace
 import torch
 
 from ...attention.flex import flex_paged_decode
-from ...attention.reference import paged_attention_reference
-from ...attention.triton_decode import interpreted, paged_decode
+from ...attention.reference import reference_paged_decode
+from ...attention.triton_decode import interpreted, triton_paged_decode
 from ...memory import model_geometry
 from ._scaling_batch import batch_throughput, page_size_sweep
 from ._scaling_chat import run_chat
@@ -128,7 +128,7 @@ TINY = dict(
     sweep=dict(page_sizes=[8, 16, 256], backends=["reference"], repeats=1),
 )
 
-DECODE_FUNCTIONS = {"reference": paged_attention_reference, "flex": flex_paged_decode, "triton": paged_decode}
+DECODE_FUNCTIONS = {"reference": reference_paged_decode, "flex": flex_paged_decode, "triton": triton_paged_decode}
 PAGE_SIZE = 16
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..._arith import cdiv
-from ...attention.reference import paged_attention_reference
+from ...attention.reference import reference_paged_decode
 from ...block_table import slot_mapping
 from .cases import scatter_sequences
 from .report import DEFAULT_TIME_LIMIT_S, Failure, check_count, run_cases
@@ -221,7 +221,7 @@ def _make_case(gen, batch, page_size, num_kv_heads, group, head_dim, max_len, sc
 
 def _reference(case: AttentionCase, *, lens=None, table=None, q=None, scale=None) -> torch.Tensor:
     f64 = (case.q if q is None else q).double().cpu(), case.k_cache.double().cpu(), case.v_cache.double().cpu()
-    return paged_attention_reference(
+    return reference_paged_decode(
         *f64,
         (case.block_table if table is None else table).cpu(),
         (case.seq_lens if lens is None else lens).cpu(),
@@ -242,7 +242,7 @@ def _tolerance(case: AttentionCase, dtype: torch.dtype, want: torch.Tensor) -> f
     if dtype == torch.float64:
         return tol
     inputs = [t.cpu().to(dtype) for t in (case.q, case.k_cache, case.v_cache)]
-    own = paged_attention_reference(
+    own = reference_paged_decode(
         *inputs, case.block_table.cpu(), case.seq_lens.cpu(), scale=case.scale, check_values=False
     )
     return max(tol, 8 * float((own.double() - want).abs().max()))
@@ -376,7 +376,7 @@ def _attention_checker(name: str, fn, cases: list[AttentionCase], error_hint: st
 def check_paged_attention(fn, *, seed: int = 0, repeats: int = 2, time_limit: float | None = DEFAULT_TIME_LIMIT_S):
     """Check a paged decode attention ``fn(q, k_cache, v_cache, block_table, seq_lens, scale=...)``.
 
-    Same contract as `paged_ref.paged_attention_reference`: q ``[batch, Hq, D]``, caches
+    Same contract as `paged_ref.reference_paged_decode`: q ``[batch, Hq, D]``, caches
     ``[num_pages, page_size, Hkv, D]``, block_table int32 ``[batch, max_pages]`` (entries past
     a sequence's pages are padding), seq_lens int32 ``[batch]``; returns ``[batch, Hq, D]`` and
     changes none of its inputs. Inputs are float64; the answer must match the float64 oracle to

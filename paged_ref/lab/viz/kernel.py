@@ -311,7 +311,7 @@ def kv_bytes_requested(
 
     ``per_query_head``: one program per query head, each loading its KV head's K and V (a KV
     head is loaded ``group`` times). ``per_kv_head``: one program per KV head serving all its
-    query heads (``paged_decode``): each byte once.
+    query heads (``triton_paged_decode``): each byte once.
 
     Example:
         >>> kv_bytes_requested(32, 8, 1024, 128)

@@ -20,7 +20,7 @@ from matplotlib.figure import Figure
 from ..._arith import cdiv
 from ..._validate import check_int
 from ...attention.online_softmax import paged_decode_spec, split_ranges
-from ...attention.reference import paged_attention_reference
+from ...attention.reference import reference_paged_decode
 from ..viz.kernel import tile_map_figure
 from . import with_static_figure
 
@@ -64,7 +64,7 @@ def tiling_numbers(page_size: int, block_n: int, num_splits: int, seq_len: int =
     look up their pages one by one, tokens of one page hit the same entry), ``splits`` (each
     split's ``(start, end)``), ``empty_splits``, and ``rel_err``: the spec of the kernel
     (``paged_decode_spec``, 4 query heads over 2 KV heads, head_dim 8, float64) with these
-    settings against ``paged_attention_reference`` on the same random inputs.
+    settings against ``reference_paged_decode`` on the same random inputs.
     """
     _check(page_size, block_n, num_splits, seq_len)
     table, num_pages = shuffled_table(seq_len, page_size, seed=seed)
@@ -78,7 +78,7 @@ def tiling_numbers(page_size: int, block_n: int, num_splits: int, seq_len: int =
     q = torch.randn(1, 4, 8, generator=gen, dtype=torch.float64)  # [batch, Hq, D]: GQA 2
     bt, lens = table[None], torch.tensor([seq_len], dtype=torch.int32)
     out = paged_decode_spec(q, k_cache, v_cache, bt, lens, num_splits=num_splits, block_n=block_n)
-    ref = paged_attention_reference(q, k_cache, v_cache, bt, lens)
+    ref = reference_paged_decode(q, k_cache, v_cache, bt, lens)
     return {
         "tiles": len(tile_pages),
         "pages": len(table),
