@@ -58,7 +58,7 @@ from ._cache_checks import batch_lists, check_device, check_dtype, check_layer, 
 from ._validate import check_choice, check_int, check_list, describe
 from .allocator import OutOfPagesError, PageAllocator
 from .block_table import flat_slots, pack_csr, pack_padded
-from .cache_rollback import mark, rewind
+from .cache_rollback import Checkpoint, mark, rewind
 from .memory import KVGeometry, model_geometry
 from .page_plan import compact_copies, plan_growth, round_to_pow2, truncate_cost
 from .prefix_cache import PrefixIndex, namespace_key, page_key
@@ -110,6 +110,7 @@ class PagedKVCache:
         self._next_id = 0
         self._prefix = PrefixIndex(num_layers=self.num_layers, page_size=self.page_size)
         self.prefix_hits = 0  # full pages reused from the prefix cache
+        self._checkpoint: Checkpoint | None = None  # open while a step may still be undone
 
     @classmethod
     def for_model(cls, model, *, num_pages: int, page_size: int, **options) -> PagedKVCache:
@@ -197,6 +198,14 @@ class PagedKVCache:
         self._seqs[seq_id] = seq
         return seq_id
 
+    def cached_prefix(self, token_ids) -> list[int]:
+        """The pages ``add_sequence(token_ids)`` would reuse (none without prefix caching), taking nothing:
+        what admission asks before it adds. Those with ``allocator.refcount(page) == 0`` would be
+        taken back from the pool."""
+        if not self.prefix_caching:
+            return []
+        return [page for page, _ in self._prefix.match(self._prefix_root, token_list("token_ids", token_ids))]
+
     def reserve(self, seq_id: int, num_tokens: int, token_ids=None) -> torch.Tensor:
         """Grow ``seq_id`` by ``num_tokens`` and return their flat slots, ``int64 [num_tokens]``.
 
@@ -244,6 +253,7 @@ class PagedKVCache:
         """
         layer = check_write(self, layer, slots, k, v, check_values)
         slots = slots.to(device=self.device, dtype=torch.int64)
+        self._saving((layer,), slots)
         self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
         self.v_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
         if self._prefix.pending and slots.numel():
@@ -368,6 +378,7 @@ class PagedKVCache:
         src = all_slots[keep.cpu()].to(self.device)
         dst = all_slots[:n_keep].to(self.device)
         flat = (-1, self.num_kv_heads, self.head_dim)
+        self._saving(range(self.num_layers), dst)
         for cache in (*self.k_cache, *self.v_cache):
             view = cache.view(flat)
             view.index_copy_(0, dst, view[src])  # view[src] is a copy taken before the writes
@@ -409,6 +420,41 @@ class PagedKVCache:
             self._offer_full_pages(seq, token_ids)
         return slots
 
+    def checkpoint(self) -> None:
+        """Start a change that `rollback` can undo whole: sequences, pool, prefix index and K/V.
+
+        Until `commit` or `rollback`, the cache keeps the old contents of every slot it changes
+        (`paged_ref.cache_rollback.Checkpoint`). One checkpoint at a time.
+
+        Example:
+            >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=2, num_kv_heads=1, head_dim=1)
+            >>> s = kv.add_sequence(); kv.write(0, kv.reserve(s, 3), torch.ones(3, 1, 1), torch.ones(3, 1, 1))
+            >>> kv.checkpoint()
+            >>> kv.free(s); t = kv.add_sequence(); _ = kv.reserve(t, 8)   # the whole pool, zeroed
+            >>> kv.rollback()
+            >>> kv.seq_ids, kv.seq_len(s), kv.gather(0, s)[0].flatten().tolist(), kv.allocator.num_free
+            ([0], 3, [1.0, 1.0, 1.0], 2)
+        """
+        if self._checkpoint is not None:
+            raise RuntimeError("PagedKVCache.checkpoint: one is already open (commit or roll it back first)")
+        self._checkpoint = Checkpoint(self)
+
+    def commit(self) -> None:
+        """Keep every change since `checkpoint` (and stop recording)."""
+        self._checkpoint = None
+
+    def rollback(self) -> None:
+        """Undo every change since `checkpoint`: the cache is exactly as it was then."""
+        checkpoint, self._checkpoint = self._checkpoint, None
+        if checkpoint is None:
+            raise RuntimeError("PagedKVCache.rollback: no checkpoint is open")
+        checkpoint.restore(self)
+
+    def _saving(self, layers, slots: torch.Tensor) -> None:
+        """Before ``slots`` of ``layers`` change: an open checkpoint keeps their contents."""
+        if self._checkpoint is not None and slots.numel():
+            self._checkpoint.save(self, tuple(layers), slots.to(device=self.device, dtype=torch.int64))
+
     def _mark(self, seq_id: int) -> tuple:
         """The sequence as it is now, for `_rewind` (`paged_ref.cache_rollback.mark`)."""
         return mark(self._seq(seq_id))
@@ -438,15 +484,20 @@ class PagedKVCache:
     def _zero_pages(self, pages: list[int]) -> None:
         if pages:
             index = torch.tensor(pages, device=self.device)  # int64 [n]
+            if self._checkpoint is not None:
+                self._saving(range(self.num_layers), flat_slots(pages, 0, len(pages) * self.page_size, self.page_size))
             for cache in (*self.k_cache, *self.v_cache):
                 cache.index_fill_(0, index, 0)
 
     def _zero_slots(self, slots: torch.Tensor) -> None:
         flat = (-1, self.num_kv_heads, self.head_dim)
+        self._saving(range(self.num_layers), slots)
         for cache in (*self.k_cache, *self.v_cache):
             cache.view(flat).index_fill_(0, slots, 0)
 
     def _copy_page(self, src: int, dst: int) -> None:
+        if self._checkpoint is not None:
+            self._saving(range(self.num_layers), flat_slots([dst], 0, self.page_size, self.page_size))
         for cache in (*self.k_cache, *self.v_cache):
             cache[dst].copy_(cache[src])
 

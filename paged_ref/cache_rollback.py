@@ -1,4 +1,5 @@
-"""Undoing a failed forward: put a sequence back as it was before its reserves and writes.
+"""Undoing a failed forward: put a sequence back as it was before its reserves and writes; or
+the whole cache back as it was at a checkpoint.
 
 A model's forward reserves slots for every sequence of the batch, then writes K/V layer by
 layer. If it fails half way (an error in a layer, pages running out for a later sequence), the
@@ -13,11 +14,22 @@ may have been written in place by a later one, which must give it back first. Re
 that kept a prefix for reuse and were handed out since stay forgotten: their K/V were
 overwritten. `PagedKVCache._mark` and `PagedKVCache._rewind` call these with one of the
 cache's own sequences; they work on the cache's internals (its pool, prefix index and tensors).
+
+A serving step does more than one forward's reserves and writes: it preempts (pages freed or
+swapped out), admits (prefix pages shared or revived), runs eviction hooks (pages dropped,
+sequences compacted) and may fail in any of them. `Checkpoint` undoes all of that: it copies
+the cache's small bookkeeping (every sequence's block table and length, the pool's reference
+counts and free lists, the prefix index) and, while it is open, the cache hands it the old
+contents of every K/V slot before changing it (`Checkpoint.save`); `Checkpoint.restore` writes
+those back, newest first, and puts the bookkeeping back. Its cost is the slots changed, not the
+pool: a decode step saves the one slot per sequence and layer it writes.
 """
 
 from __future__ import annotations
 
 import torch
+
+__all__ = ["Checkpoint", "mark", "rewind"]
 
 
 def mark(seq) -> tuple:
@@ -46,3 +58,39 @@ def rewind(cache, seq, saved: tuple) -> None:
         del token_ids[known:]
     del page_hashes[hashed:]
     seq.pages, seq.length, seq.token_ids, seq.page_hashes = pages, length, token_ids, page_hashes
+
+
+class Checkpoint:
+    """The whole cache as it was when made, and the old contents of every slot changed since."""
+
+    def __init__(self, cache):
+        self.seqs = {seq_id: (seq, mark(seq)) for seq_id, seq in cache._seqs.items()}
+        self.next_id, self.prefix_hits = cache._next_id, cache.prefix_hits
+        self.pool = cache.allocator.snapshot()
+        self.prefix = cache._prefix.snapshot()
+        self.undo: list[tuple] = []  # (layers, slots int64 [n], k [layers, n, Hkv, D], v): oldest first
+
+    def save(self, cache, layers, slots: torch.Tensor) -> None:
+        """Keep the contents of ``slots`` (flat, int64 [n]) in ``layers`` before the cache changes them."""
+        flat = (-1, cache.num_kv_heads, cache.head_dim)
+        k = torch.stack([cache.k_cache[i].view(flat)[slots] for i in layers])  # [layers, n, Hkv, D]
+        v = torch.stack([cache.v_cache[i].view(flat)[slots] for i in layers])
+        self.undo.append((layers, slots, k, v))
+
+    def restore(self, cache) -> None:
+        """Put the cache back as it was when this checkpoint was made."""
+        flat = (-1, cache.num_kv_heads, cache.head_dim)
+        for layers, slots, k, v in reversed(self.undo):
+            for j, i in enumerate(layers):
+                cache.k_cache[i].view(flat).index_copy_(0, slots, k[j])
+                cache.v_cache[i].view(flat).index_copy_(0, slots, v[j])
+        for seq, saved in self.seqs.values():
+            pages, length, (token_ids, known), (page_hashes, hashed) = saved
+            if token_ids is not None:
+                del token_ids[known:]
+            del page_hashes[hashed:]
+            seq.pages, seq.length, seq.token_ids, seq.page_hashes = list(pages), length, token_ids, page_hashes
+        cache._seqs = {seq_id: seq for seq_id, (seq, _) in self.seqs.items()}
+        cache._next_id, cache.prefix_hits = self.next_id, self.prefix_hits
+        cache.allocator.restore(self.pool)
+        cache._prefix.restore(self.prefix)

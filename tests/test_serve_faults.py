@@ -254,12 +254,13 @@ def test_swap_with_a_watermark_never_stalls(engine_kw):
     rng = random.Random(48)
     engine = Engine(None, **engine_kw)
     accepted = 0
-    for i in range(40):
+    for _ in range(40):
+        prompt = [rng.randrange(50) for _ in range(rng.randint(1, 20))]
         try:
-            engine.add_request([rng.randrange(50) for _ in range(rng.randint(1, 40))], max_new_tokens=rng.randint(1, 30))
+            engine.add_request(prompt, max_new_tokens=rng.randint(1, 20))
             accepted += 1
         except ValueError as e:
             assert "can never be served" in str(e)
     outs = engine.run()
-    assert accepted > 20 and all(o.finish_reason == "length" for o in outs)
+    assert accepted >= 30 and all(o.finish_reason == "length" for o in outs)
     assert engine.kv.allocator.num_free == engine.kv.num_pages
