@@ -68,13 +68,13 @@ class Checkpoint:
         self.next_id, self.prefix_hits = cache._next_id, cache.prefix_hits
         self.pool = cache.allocator.snapshot()
         self.prefix = cache._prefix.snapshot()
-        self.undo: list[tuple] = []  # (layers, slots int64 [n], k [layers, n, Hkv, D], v): oldest first
+        self.undo: list[tuple] = []  # (layers, slots int64 [n], k and v: per layer [n, Hkv, D]): oldest first
 
     def save(self, cache, layers, slots: torch.Tensor) -> None:
         """Keep the contents of ``slots`` (flat, int64 [n]) in ``layers`` before the cache changes them."""
         flat = (-1, cache.num_kv_heads, cache.head_dim)
-        k = torch.stack([cache.k_cache[i].view(flat)[slots] for i in layers])  # [layers, n, Hkv, D]
-        v = torch.stack([cache.v_cache[i].view(flat)[slots] for i in layers])
+        k = [cache.k_cache[i].view(flat)[slots] for i in layers]  # each [n, Hkv, D], a copy
+        v = [cache.v_cache[i].view(flat)[slots] for i in layers]
         self.undo.append((layers, slots, k, v))
 
     def restore(self, cache) -> None:

@@ -29,6 +29,7 @@ class DrySession:
     """The engine's view of a `PagedSession`, over a pool of ``num_pages`` pages and no model."""
 
     backend = "dry"
+    evicts = False  # no K/V to score: the engine refuses eviction policies at the door
 
     def __init__(self, *, num_pages: int, page_size: int, prefix_caching: bool = False):
         self.kv = PagedKVCache(

@@ -39,6 +39,7 @@ Example:
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import numbers
 import time
@@ -193,7 +194,7 @@ class Engine:
                 f"eviction must be a paged_ref.eviction.EvictionPolicy (make_policy(...)) or None, "
                 f"got {type(eviction).__name__}"
             )
-        if eviction is not None and self.model is None:
+        if eviction is not None and not getattr(self.session, "evicts", True):
             raise ValueError("eviction needs a model: a dry run (Engine(None, ...)) has no K/V to score")
         r = Request(
             request_id=len(self._requests),
@@ -275,24 +276,26 @@ class Engine:
         """
         if not self.has_unfinished_requests():
             return []
+        self._arrive(idle=True)  # requests come whatever the step does
         saved, sched = self._checkpoint(), None
-        t = [time.perf_counter(), self.session.plan_seconds]
+        started, plan_before = time.perf_counter(), self.session.plan_seconds
         try:
-            self._arrive(idle=True)
             sched = self.scheduler.schedule()  # 1. schedule: preemptions, swaps, admissions, rows
             if not sched.items:
                 raise RuntimeError(f"the scheduler planned no tokens: {self.scheduler.queues()}")
-            t += [time.perf_counter(), self.kv.num_pages - self.kv.allocator.num_free + sched.new_pages]
+            scheduled = time.perf_counter()
+            pages_used = self.kv.num_pages - self.kv.allocator.num_free + sched.new_pages  # during the forward
             seq_ids = [r.seq_id for r, _ in sched.items]
             chunks = [r.tokens(r.num_computed, r.num_computed + n) for r, n in sched.items]
             logits = self.session.extend(seq_ids, chunks, packed=True)  # 2. one forward: [rows, vocab]
-            t.append(time.perf_counter())
+            forwarded = time.perf_counter()
             next_tokens = logits.argmax(dim=-1).tolist()  # 3. sample (greedy)
         except BaseException as error:
             return self._undo(saved, sched, error)
         self.session.commit()
         finished = self._advance_requests(sched, next_tokens)  # 4. finish: EOS or max_new_tokens
-        return self._record(sched, finished, t)
+        times = started, scheduled, forwarded, self.session.plan_seconds - plan_before
+        return self._record(sched, finished, pages_used, times)
 
     def _advance_requests(self, sched, next_tokens: list[int]) -> list[tuple[Request, str]]:
         """Count each row's tokens as computed; a row that completed its tokens takes its next token."""
@@ -316,9 +319,9 @@ class Engine:
                 finished.append((r, "length"))
         return finished
 
-    def _record(self, sched, finished, t: list[float]) -> list[RequestOutput]:
+    def _record(self, sched, finished, pages_used: int, times: tuple) -> list[RequestOutput]:
         """The step's bookkeeping: finish requests (their pages go back), the clock, counts, history."""
-        started, plan_before, scheduled, pages_used, forwarded = t  # pages_used: held during the forward
+        started, scheduled, forwarded, plan_s = times
         owners = fill = None
         if self.trace:
             owners, fill = self._page_owners()
@@ -336,7 +339,6 @@ class Engine:
         for r, reason in finished:
             self._finish(r, reason, now)
             outs.append(r.output())
-        plan_s = self.session.plan_seconds - plan_before
         counts = self._counts
         counts["peak_running"] = max(counts["peak_running"], len(sched.items))
         counts["peak_pages"] = max(counts["peak_pages"], pages_used)
@@ -368,13 +370,14 @@ class Engine:
         return outs
 
     def _checkpoint(self):
-        """What a step may change, saved (`paged_ref.serve.undo`); the session opens its own checkpoint."""
+        """What a step may change, saved (`paged_ref.serve.undo`); the session opens its own checkpoint.
+
+        The requests a step may change: running and swapped ones, and the waiting ones it may admit."""
         s = self.scheduler
-        arriving = [self._requests[i] for _, i in self._pending]
-        requests = [*s.waiting, *s.running, *s.swapped, *arriving]
+        requests = [*s.running, *s.swapped, *itertools.islice(s.waiting, s.max_num_seqs)]
         policies = [r.eviction for r in requests if r.eviction is not None] + s.hooks()
         self.session.checkpoint()
-        return (self._now, list(self._pending)), undo.save([s, s.swap, *requests], policies)
+        return undo.save([s, s.swap], requests, policies)
 
     def _undo(self, saved, sched, error: BaseException) -> list[RequestOutput]:
         """A step raised: put everything back, then re-raise naming the requests concerned, or finish
@@ -382,8 +385,7 @@ class Engine:
         culprits = self.scheduler.failed_hooks()
         rows = [r for r, _ in sched.items] if sched is not None else []
         self.session.rollback()
-        (self._now, self._pending), fields = saved
-        undo.restore(fields)
+        undo.restore(saved)
         names = ", ".join(f"request {r.request_id}" for r in culprits or rows) or "no request planned yet"
         where = "whose own eviction hook raised" if culprits else "in the step's planning or forward"
         error.add_note(f"Engine.step was undone, nothing changed: {names} ({where})")

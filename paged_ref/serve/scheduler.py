@@ -135,6 +135,7 @@ class Scheduler:
         self.preemptions = 0
         self._admissions = 0
         self._planned: dict[int, int] = {}  # request_id -> pages its row takes in the step being planned
+        self._compacting: set[int] = set()  # pages a policy packs kept tokens into after this step's forward
         self._hooks: dict[int, AfterPrompt] = {}  # request_id -> its policy, as the session runs it
 
     # ------------------------------------------------------------------ what a request costs
@@ -203,7 +204,7 @@ class Scheduler:
     def schedule(self) -> Schedule:
         """Plan the next forward (see the module docstring); preemptions and swaps happen here."""
         out = Schedule()
-        self._planned = {}
+        self._planned, self._compacting = {}, set()
         budget = self.max_batched_tokens
         decodes = sum(r.remaining == 1 for r in self.running)  # tokens kept back for decodes not yet planned
         i = 0
@@ -256,12 +257,16 @@ class Scheduler:
         reused = self.kv.cached_prefix(tokens)  # asked first: pages the prefix cache would share or revive
         computed = len(reused) * self.page_size
         want = min(len(tokens) - computed, budget)
-        revived = sum(self.kv.allocator.refcount(p) == 0 for p in reused)
         grow = pages_needed(computed + want, self.page_size) - len(reused)
-        need = revived + max(self.committed_pages(r) - len(reused), grow)  # a commitment is whole
+        need = max(self.committed_pages(r) - len(reused), grow)  # new pages; a commitment is whole
         if r.eviction is not None and computed + want == len(tokens):  # the policy acts after this chunk
             need += sum(self.kv.allocator.refcount(p) > 0 for p in reused[: self._kept_pages(r)])
-        if need > self._available(None) - self.watermark_pages:
+        shares = sum(p in self._compacting for p in reused)  # pages another row's policy then copies
+        need += shares
+        # cached pages taken back hold its own K/V: they must be free, but the watermark guards new pages
+        revived = sum(self.kv.allocator.refcount(p) == 0 for p in reused)
+        avail = self._available(None)
+        if revived + need > avail or need > avail - self.watermark_pages:
             return False
         hooks = None if r.eviction is None else AfterPrompt(r.eviction, len(r.prompt_ids))
         r.seq_id = self.session.add(tokens if self.kv.prefix_caching else None, eviction=hooks)
@@ -275,6 +280,7 @@ class Scheduler:
         self.running.append(r)
         out.admitted.append(r)
         self._plan(r, want, out)
+        self._planned[r.request_id] += shares
         return True
 
     def _make_room(self, r: Request, want: int, out: Schedule) -> int:
@@ -379,13 +385,17 @@ class Scheduler:
         return avail
 
     def _plan(self, r: Request, n: int, out: Schedule) -> None:
-        grow = self._grow(r, n)
-        self._planned[r.request_id] = grow + self._copies(r, n)
+        grow, copies = self._grow(r, n), self._copies(r, n)
+        self._planned[r.request_id] = grow + copies
+        if r.eviction is not None and n == self._limit(r):  # its policy acts: a sequence admitted later
+            self._compacting.update(self.kv.pages(r.seq_id)[: self._kept_pages(r)])  # sharing these adds copies
         out.new_pages += grow
         out.items.append((r, n))
 
     def unfilled_commitments(self) -> int:
         """Pages committed to running requests that no token fills yet (0 under ``"paged"``)."""
+        if not self.reservation.commits:
+            return 0
         return sum(max(0, r.reserved_pages - self._held(r)) for r in self.running)
 
     def _insert_running(self, r: Request) -> None:
