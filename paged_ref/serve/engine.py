@@ -12,6 +12,15 @@
 4. for every request whose tokens are now all computed, appends the greedy token of its last
    logits and finishes it on ``max_new_tokens`` or an EOS token (its pages go back at once).
 
+A step is all or nothing. Steps 2 and 3 change a lot (pages preempted, swapped, shared, taken;
+eviction hooks dropping and compacting pages after the forward) and any of it may raise: the
+engine saves first what the step may change (`paged_ref.serve.undo`, and the session's and
+cache's checkpoint), and if the step raises it puts every request, page, swap entry, count and
+policy record back, adds a note naming the requests concerned, and re-raises. Running on gives
+every request the tokens it would get alone. A request whose own eviction hook raises in
+`Engine.HOOK_TRIES` steps is finished instead, with ``finish_reason="error"`` and the error in its
+`RequestOutput` (vLLM aborts such a request), so that one bad request cannot stop the others.
+
 Clocks (``clock=``): ``"simulated"`` (the default with a model) advances by each step's measured
 wall time and jumps over idle gaps to the next arrival, so the metrics are the steps' real time
 without the waiting a real server would sleep through; ``"real"`` reads the wall clock (seconds
@@ -276,10 +285,10 @@ class Engine:
         """
         if not self.has_unfinished_requests():
             return []
-        self._arrive(idle=True)  # requests come whatever the step does
         saved, sched = self._checkpoint(), None
         started, plan_before = time.perf_counter(), self.session.plan_seconds
         try:
+            self._arrive(idle=True)
             sched = self.scheduler.schedule()  # 1. schedule: preemptions, swaps, admissions, rows
             if not sched.items:
                 raise RuntimeError(f"the scheduler planned no tokens: {self.scheduler.queues()}")
@@ -372,12 +381,15 @@ class Engine:
     def _checkpoint(self):
         """What a step may change, saved (`paged_ref.serve.undo`); the session opens its own checkpoint.
 
-        The requests a step may change: running and swapped ones, and the waiting ones it may admit."""
+        The requests a step may change: running and swapped ones, the waiting ones it may admit, and
+        those arriving by the time it plans (the next arrival, if nothing is queued)."""
         s = self.scheduler
-        requests = [*s.running, *s.swapped, *itertools.islice(s.waiting, s.max_num_seqs)]
+        horizon = max(self.now, self._pending[0][0]) if self._pending and not s.has_work else self.now
+        arriving = [self._requests[i] for t, i in self._pending if t <= horizon]
+        requests = [*s.running, *s.swapped, *itertools.islice(s.waiting, s.max_num_seqs), *arriving]
         policies = [r.eviction for r in requests if r.eviction is not None] + s.hooks()
         self.session.checkpoint()
-        return undo.save([s, s.swap], requests, policies)
+        return (self._now, list(self._pending)), undo.save([s, s.swap], requests, policies)
 
     def _undo(self, saved, sched, error: BaseException) -> list[RequestOutput]:
         """A step raised: put everything back, then re-raise naming the requests concerned, or finish
@@ -385,7 +397,8 @@ class Engine:
         culprits = self.scheduler.failed_hooks()
         rows = [r for r, _ in sched.items] if sched is not None else []
         self.session.rollback()
-        undo.restore(saved)
+        (self._now, self._pending), fields = saved
+        undo.restore(fields)
         names = ", ".join(f"request {r.request_id}" for r in culprits or rows) or "no request planned yet"
         where = "whose own eviction hook raised" if culprits else "in the step's planning or forward"
         error.add_note(f"Engine.step was undone, nothing changed: {names} ({where})")

@@ -15,10 +15,11 @@ One call to `Scheduler.schedule` plans one step, in vLLM's order (first come, fi
 3. **Waiting requests**, in arrival order, are admitted while ``max_num_seqs`` and the budget
    allow and the pool covers the request's first chunk plus a **watermark** of pages kept free
    (vLLM's guard against admitting a request only to preempt it at the next decode). Admission
-   asks before it adds (nano-vllm's ``can_allocate`` before ``allocate``): the pages the prefix
-   cache would reuse, the chunk's new pages, and only then a sequence. The first request that
-   does not fit stops admission (no overtaking). Nothing is admitted in a step that preempted or
-   while a request is swapped out.
+   asks before it adds (nano-vllm's ``can_allocate`` before ``allocate``): which pages the prefix
+   cache would reuse (a cached page taken back from the pool must be free, but holds the
+   request's own K/V, so the watermark guards only the new pages), the chunk's new pages, and
+   only then a sequence. The first request that does not fit stops admission (no overtaking).
+   Nothing is admitted in a step that preempted or while a request is swapped out.
 
 Reservation (``reservation=``, `paged_ref.serve.reservation`) changes only step 3: ``"paged"``
 admits against the pages the first chunk needs; ``"exact"`` and ``"max_len"`` commit pages up front.
