@@ -26,10 +26,6 @@ and, from the reference on a second branch:
 :mod:`.sdpa` is the CPU fast path: gather the batch's K/V by slot, then PyTorch's
 ``scaled_dot_product_attention`` (:func:`sdpa_paged_decode`, :func:`sdpa_paged_prefill`).
 
-Former names, kept as aliases: ``paged_attention_reference`` (= :func:`reference_paged_decode`),
-``paged_prefill_reference`` (= :func:`reference_paged_prefill`), ``paged_decode``
-(= :func:`triton_paged_decode`), and the module ``paged_ref.hf.sdpa`` (= :mod:`.sdpa`).
-
 :mod:`.triton_decode` imports triton, so its names load on first use.
 
 Example:
@@ -50,14 +46,12 @@ from .flex import flex_paged_decode, flex_paged_prefill, paged_block_masks
 from .online_softmax import paged_decode_spec
 from .reference import (
     gather_sequence,
-    paged_attention_reference,
-    paged_prefill_reference,
     reference_paged_decode,
     reference_paged_prefill,
 )
 from .sdpa import sdpa_paged_decode, sdpa_paged_prefill
 
-_LAZY = {"triton_paged_decode", "paged_decode"}  # in .triton_decode, which imports triton
+_LAZY = {"triton_paged_decode"}  # in .triton_decode, which imports triton
 
 
 def __getattr__(name):
@@ -70,11 +64,8 @@ __all__ = [
     "flex_paged_decode",
     "flex_paged_prefill",
     "gather_sequence",
-    "paged_attention_reference",
     "paged_block_masks",
-    "paged_decode",
     "paged_decode_spec",
-    "paged_prefill_reference",
     "reference_paged_decode",
     "reference_paged_prefill",
     "sdpa_paged_decode",

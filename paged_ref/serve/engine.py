@@ -129,7 +129,7 @@ class Engine:
             eos = [] if eos_token_id is None else eos_token_id
             default_len = num_pages * page_size
         else:
-            from ..hf.session import PagedSession  # transformers is imported only for a real model
+            from ..hf.session import PagedSession
 
             kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
             self.session = PagedSession(model, kv_cache=kv, backend=backend).open()
@@ -509,7 +509,7 @@ class Engine:
     def __repr__(self) -> str:
         s = self.scheduler
         return (
-            f"Engine(num_pages={self.kv.num_pages}, page_size={self.kv.page_size}, reservation={s.reservation.name!r}, "
+            f"Engine(num_pages={self.kv.num_pages}, page_size={self.kv.page_size}, reservation={s.reservation!r}, "
             f"preemption={s.preemption!r}, running={len(s.running)}, waiting={len(s.waiting)}, "
             f"swapped={len(s.swapped)}, free_pages={self.kv.allocator.num_free})"
         )

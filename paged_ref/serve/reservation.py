@@ -27,7 +27,7 @@ class Reservation:
     """``"paged"``: nothing committed up front. Subclasses commit more."""
 
     name = "paged"
-    commits = False  # whether admission commits pages before tokens fill them
+    up_front = False  # whether admission commits pages before tokens fill them
 
     def pages(self, *, peak_pages: int, max_len_pages: int) -> int:
         """Pages committed to a request that holds at most ``peak_pages`` (``max_len_pages``: max_model_len's)."""
@@ -38,14 +38,14 @@ class Reservation:
 
 
 class Exact(Reservation):
-    name, commits = "exact", True
+    name, up_front = "exact", True
 
     def pages(self, *, peak_pages: int, max_len_pages: int) -> int:
         return peak_pages
 
 
 class MaxLen(Reservation):
-    name, commits = "max_len", True
+    name, up_front = "max_len", True
 
     def pages(self, *, peak_pages: int, max_len_pages: int) -> int:
         return max_len_pages

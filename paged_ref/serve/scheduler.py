@@ -24,7 +24,8 @@ One call to `Scheduler.schedule` plans one step, in vLLM's order (first come, fi
 Reservation (``reservation=``, `paged_ref.serve.reservation`) changes only step 3: ``"paged"``
 admits against the pages the first chunk needs; ``"exact"`` and ``"max_len"`` commit pages up front.
 Committing pages is contiguous allocation's memory cost without its external fragmentation
-(notebook 03 measures that loss on top): an upper bound on what a contiguous server could do.
+(free memory in holes too small for the next request): an upper bound on what a contiguous server
+could do.
 
 Never stuck. `Scheduler.refusal` turns away, before it is queued, every request this admission
 could never admit into an empty pool (its longest first chunk or its commitment plus the
@@ -122,7 +123,8 @@ class Scheduler:
         self.page_size = self.kv.page_size
         self.max_num_seqs = check_int("max_num_seqs", max_num_seqs, min_value=1)
         self.max_batched_tokens = check_int("max_batched_tokens", max_batched_tokens, min_value=1)
-        self.reservation = reservation_policy(reservation)
+        self.commitment = reservation_policy(reservation)  # what admission commits up front
+        self.reservation = self.commitment.name
         self.preemption = check_choice("preemption", preemption, PREEMPTIONS)
         self.watermark_pages = check_int("watermark_pages", watermark_pages, min_value=0)
         if max_model_len is None:
@@ -142,7 +144,7 @@ class Scheduler:
     # ------------------------------------------------------------------ what a request costs
     def committed_pages(self, r: Request) -> int:
         """Pages admission commits to ``r`` up front: 0 for ``"paged"`` (pages come as tokens do)."""
-        return self.reservation.pages(peak_pages=self.peak_pages(r), max_len_pages=self._max_len_pages)
+        return self.commitment.pages(peak_pages=self.peak_pages(r), max_len_pages=self._max_len_pages)
 
     def peak_pages(self, r: Request) -> int:
         """The most pages ``r`` can hold at once: its whole K/V, or an eviction policy's bound
@@ -168,7 +170,7 @@ class Scheduler:
         chunk = min(self.max_batched_tokens, prompt if r.eviction is not None else r.peak_tokens)
         first = max(self.committed_pages(r), pages_needed(chunk, ps))
         if first + wm > pool:
-            what = "committed up front" if self.reservation.commits else f"for a first chunk of {chunk} tokens"
+            what = "committed up front" if self.commitment.up_front else f"for a first chunk of {chunk} tokens"
             return (
                 f"admission needs {first} pages of {ps} tokens ({what}) plus the watermark of {wm} kept free, "
                 f"and the pool has {pool}"
@@ -379,7 +381,7 @@ class Scheduler:
     def _available(self, r: Request | None) -> int:
         """Free pages that neither this step's plan nor another request's commitment has claimed."""
         avail = self.kv.allocator.num_free - sum(self._planned.values())
-        if self.reservation.commits:
+        if self.commitment.up_front:
             for o in self.running:
                 if o is not r:
                     avail -= max(0, o.reserved_pages - self._held(o) - self._planned.get(o.request_id, 0))
@@ -395,7 +397,7 @@ class Scheduler:
 
     def unfilled_commitments(self) -> int:
         """Pages committed to running requests that no token fills yet (0 under ``"paged"``)."""
-        if not self.reservation.commits:
+        if not self.commitment.up_front:
             return 0
         return sum(max(0, r.reserved_pages - self._held(r)) for r in self.running)
 
