@@ -23,7 +23,8 @@ reuse the other's, or its last page was left to compute) each publish their page
 each counts as a cached page when freed (handed out after the plain free pages).
 
 The index only knows keys and pages; the cache (`paged_ref.cache.PagedKVCache`) owns the pages,
-their reference counts and the sequences, and calls these four methods.
+their reference counts and the sequences, and calls these four methods (and `snapshot` / `restore`
+when a whole step is undone).
 
 Example:
     >>> index = PrefixIndex(num_layers=2, page_size=2)
@@ -137,6 +138,17 @@ class PrefixIndex:
             pages.pop(page, None)
             if not pages:
                 del self.page_of[key]
+
+    def snapshot(self) -> tuple:
+        """The index's whole state, for `restore` (a rollback)."""
+        pending = {page: (key, tokens, set(layers)) for page, (key, tokens, layers) in self.pending.items()}
+        return dict(self.page_of), dict(self.key_of), dict(self.tokens_of), pending
+
+    def restore(self, snapshot: tuple) -> None:
+        """Put the index back as `snapshot` saw it."""
+        page_of, key_of, tokens_of, pending = snapshot
+        self.page_of, self.key_of, self.tokens_of = dict(page_of), dict(key_of), dict(tokens_of)
+        self.pending = {page: (key, tokens, set(layers)) for page, (key, tokens, layers) in pending.items()}
 
     def __contains__(self, page: int) -> bool:
         """Whether ``page`` holds a published prefix (its K/V is worth keeping when freed)."""

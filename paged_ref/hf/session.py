@@ -250,6 +250,24 @@ class PagedSession:
     def seq_ids(self) -> list[int]:
         return list(self._positions)
 
+    # ------------------------------------------------------------------ undoing a serving step
+    def checkpoint(self) -> None:
+        """Start a change that `rollback` undoes whole: the cache (`PagedKVCache.checkpoint`), every
+        sequence's position and policy. (The policies' own records are theirs to save.)"""
+        self.kv.checkpoint()
+        self._saved = dict(self._positions), set(self._prefilled), dict(self._policies), self.plan_seconds
+
+    def commit(self) -> None:
+        """Keep every change since `checkpoint`."""
+        self.kv.commit()
+        self._saved = None
+
+    def rollback(self) -> None:
+        """Undo every change since `checkpoint`: added, fed, evicted and finished sequences alike."""
+        self.kv.rollback()
+        self._positions, self._prefilled, self._policies, self.plan_seconds = self._saved
+        self._saved = None
+
     # ------------------------------------------------------------------ the forward
     @torch.inference_mode()
     def extend(self, seq_ids: list[int], tokens: list[torch.Tensor], *, all_logits: bool = False, packed: bool = False):
@@ -302,7 +320,7 @@ class PagedSession:
                     f"{policy.tokens_until_action(self.kv, s)}; feed at most tokens_until_action() tokens per forward"
                 )
 
-        marks = [self.kv._mark(s) for s in seq_ids]
+        marks = [self.kv.mark(s) for s in seq_ids]
         started = time.perf_counter()
         try:
             plan, input_ids, position_ids = self._plan(seq_ids, tokens, q_lens_list, packed=packed)
@@ -425,7 +443,7 @@ class PagedSession:
         """Undo a step's reservations and writes: each sequence back to its mark, the last first
         (its pages, private copies given back for the shared pages they replaced, length)."""
         for s, mark in reversed(list(zip(seq_ids, marks))):
-            self.kv._rewind(s, mark)
+            self.kv.rewind(s, mark)
 
     def _after_forward(self, seq_id: int, *, phase_prefill: bool) -> None:
         """The eviction hooks: let the sequence's policy shrink its cache (see the module docstring)."""
