@@ -30,6 +30,9 @@ vacates. A kernel that reads more than a sequence's own tokens (FlexAttention re
 blocks; eager FlexAttention on CPU reads the whole cache) then adds ``0 * v`` there, never
 ``0 * nan`` left over from another sequence.
 
+Summaries. With ``page_summaries=True`` the cache also keeps the min and max of every page's
+keys (``cache.summaries``, `paged_ref.page_summaries`), which Quest reads to pick pages.
+
 Growth. ``growth="page"`` takes one page at a time; ``growth="pow2"`` reserves so that a
 sequence holds a power-of-two number of pages (what the IBM paper describes), falling back to
 the exact need when the pool cannot give the power of two.
@@ -61,6 +64,7 @@ from .block_table import flat_slots, pack_csr, pack_padded
 from .cache_rollback import mark, rewind
 from .memory import KVGeometry, model_geometry
 from .page_plan import compact_copies, plan_growth, round_to_pow2, truncate_cost
+from .page_summaries import PageSummaries
 from .prefix_cache import PrefixIndex, namespace_key, page_key
 
 
@@ -89,6 +93,7 @@ class PagedKVCache:
         growth: str = "page",
         prefix_caching: bool = False,
         prefix_namespace: dict | None = None,
+        page_summaries: bool = False,
     ):
         self.num_layers = check_int("num_layers", num_layers, min_value=1)
         self.num_pages = check_int("num_pages", num_pages, min_value=1)
@@ -110,6 +115,16 @@ class PagedKVCache:
         self._next_id = 0
         self._prefix = PrefixIndex(num_layers=self.num_layers, page_size=self.page_size)
         self.prefix_hits = 0  # full pages reused from the prefix cache
+        if not isinstance(page_summaries, bool):
+            raise TypeError(f"page_summaries must be True or False, got {page_summaries!r}")
+        # min / max of each page's keys for Quest (`paged_ref.page_summaries`); None: not kept
+        self.summaries = (
+            PageSummaries(
+                num_pages=num_pages, page_size=page_size, dtype=dtype, device=self.device, **self.geometry.kv_shape
+            )
+            if page_summaries
+            else None
+        )
 
     @classmethod
     def for_model(cls, model, *, num_pages: int, page_size: int, **options) -> PagedKVCache:
@@ -246,6 +261,8 @@ class PagedKVCache:
         slots = slots.to(device=self.device, dtype=torch.int64)
         self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
         self.v_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        if self.summaries is not None:
+            self.summaries.update(layer, slots, k)
         if self._prefix.pending and slots.numel():
             self._prefix.written(layer, torch.unique(slots // self.page_size).tolist())
 
@@ -376,6 +393,10 @@ class PagedKVCache:
         seq.length = n_keep
         if n_keep % self.page_size:  # vacated slots of the last kept page: back to zeros
             self._zero_slots(all_slots[n_keep : need * self.page_size].to(self.device))
+        if self.summaries is not None:  # the packed pages summarise the keys they hold now
+            self.summaries.clear(seq.pages)
+            for layer, cache in enumerate(self.k_cache):
+                self.summaries.update(layer, dst, cache.view(flat)[dst])
         seq.token_ids, seq.page_hashes = None, []
 
     # ----------------------------------------------------------------- internals
@@ -424,6 +445,8 @@ class PagedKVCache:
         for page in pages:  # handed out again: whatever prefix it cached is gone
             self._prefix.forget(page)
         self._zero_pages(cached)
+        if self.summaries is not None:
+            self.summaries.clear(pages)
         return pages
 
     def _release(self, pages: list[int]) -> None:
@@ -449,6 +472,8 @@ class PagedKVCache:
     def _copy_page(self, src: int, dst: int) -> None:
         for cache in (*self.k_cache, *self.v_cache):
             cache[dst].copy_(cache[src])
+        if self.summaries is not None:
+            self.summaries.copy(src, dst)
 
     def _copy_on_write(self, seq: _Sequence, indices: list[int], new_pages: list[int]) -> None:
         """Give ``seq`` private copies of its shared pages at ``indices``, into ``new_pages``."""

@@ -23,6 +23,12 @@ and, from the reference on a second branch:
    to physical pages (:func:`flex_paged_decode`, :func:`flex_paged_prefill`);
    :mod:`.flex_inspect` replays a BlockMask token by token to check and draw it.
 
+:mod:`.cascade` reads fewer pages when requests share a prefix: the shared pages once for all
+of the group's queries, each suffix alone, the two ``(output, lse)`` states merged with split-K's
+rule (:func:`merge_states`, :func:`reference_cascade_decode`; in Triton
+:func:`triton_cascade_decode`). :mod:`.quest` reads fewer pages per query: only the pages whose
+key bounds promise the largest scores (:func:`quest_paged_decode`).
+
 :mod:`.sdpa` is the CPU fast path: gather the batch's K/V by slot, then PyTorch's
 ``scaled_dot_product_attention`` (:func:`sdpa_paged_decode`, :func:`sdpa_paged_prefill`).
 
@@ -30,7 +36,7 @@ Former names, kept as aliases: ``paged_attention_reference`` (= :func:`reference
 ``paged_prefill_reference`` (= :func:`reference_paged_prefill`), ``paged_decode``
 (= :func:`triton_paged_decode`), and the module ``paged_ref.hf.sdpa`` (= :mod:`.sdpa`).
 
-:mod:`.triton_decode` imports triton, so its names load on first use.
+:mod:`.triton_decode` and :mod:`.triton_cascade` import triton, so their names load on first use.
 
 Example:
     >>> import torch
@@ -46,6 +52,7 @@ Example:
 
 import importlib
 
+from .cascade import merge_states, reference_cascade_decode
 from .flex import flex_paged_decode, flex_paged_prefill, paged_block_masks
 from .online_softmax import paged_decode_spec
 from .reference import (
@@ -57,12 +64,17 @@ from .reference import (
 )
 from .sdpa import sdpa_paged_decode, sdpa_paged_prefill
 
-_LAZY = {"triton_paged_decode", "paged_decode"}  # in .triton_decode, which imports triton
+# names in modules that import triton
+_LAZY = {
+    "triton_paged_decode": "triton_decode",
+    "paged_decode": "triton_decode",
+    "triton_cascade_decode": "triton_cascade",
+}
 
 
 def __getattr__(name):
     if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.triton_decode"), name)
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -70,14 +82,17 @@ __all__ = [
     "flex_paged_decode",
     "flex_paged_prefill",
     "gather_sequence",
+    "merge_states",
     "paged_attention_reference",
     "paged_block_masks",
     "paged_decode",
     "paged_decode_spec",
     "paged_prefill_reference",
+    "reference_cascade_decode",
     "reference_paged_decode",
     "reference_paged_prefill",
     "sdpa_paged_decode",
     "sdpa_paged_prefill",
+    "triton_cascade_decode",
     "triton_paged_decode",
 ]
