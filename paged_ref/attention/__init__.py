@@ -55,6 +55,7 @@ import importlib
 from .cascade import merge_states, reference_cascade_decode
 from .flex import flex_paged_decode, flex_paged_prefill, paged_block_masks
 from .online_softmax import paged_decode_spec
+from .quest import quest_paged_decode
 from .reference import (
     gather_sequence,
     paged_attention_reference,
@@ -88,6 +89,7 @@ __all__ = [
     "paged_decode",
     "paged_decode_spec",
     "paged_prefill_reference",
+    "quest_paged_decode",
     "reference_cascade_decode",
     "reference_paged_decode",
     "reference_paged_prefill",

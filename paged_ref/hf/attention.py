@@ -28,6 +28,10 @@ sdpa        sdpa_paged_decode               sdpa_paged_prefill
 auto        ``triton`` on CUDA, ``sdpa`` elsewhere (the default)
 =========== =============================== ===============================
 
+``quest_backend(budget)`` makes one more, not registered by name: Quest's decode over the
+``budget`` pages of each sequence and KV head whose key summaries bound the scores highest
+(`paged_ref.attention.quest`; the cache needs ``page_summaries=True``), prefill through SDPA.
+
 Two more, ``mistake_off_by_one`` and ``mistake_wrong_page``, are wrong on purpose: negative
 controls that show how far a real bug moves the results (`paged_ref.hf.mistakes`).
 
@@ -39,13 +43,14 @@ runs in the interpreter. ``reference`` is the oracle every other backend is test
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from .._validate import check_choice
+from .._validate import check_choice, check_int
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -57,6 +62,8 @@ __all__ = [
     "get_backend",
     "paged_attention_active",
     "paged_attention_forward",
+    "quest_backend",
+    "quest_layer_decode",
     "register",
     "set_attn_implementation",
 ]
@@ -113,13 +120,16 @@ def register_backend(backend: Backend) -> Backend:
     return backend
 
 
-def get_backend(name: str, device="cpu") -> Backend:
-    """The backend registered as ``name``; ``"auto"`` resolves to `auto_backend` on ``device``.
+def get_backend(name, device="cpu") -> Backend:
+    """The backend registered as ``name``; ``"auto"`` resolves to `auto_backend` on ``device``;
+    a `Backend` object is used as it is (e.g. `quest_backend`'s).
 
     Example:
         >>> get_backend("auto", "cpu").name
         'sdpa'
     """
+    if isinstance(name, Backend):
+        return name
     check_choice("backend", name, [*BACKENDS, AUTO])
     return BACKENDS[auto_backend(device) if name == AUTO else name]
 
@@ -166,6 +176,48 @@ def _prepare_sdpa(plan) -> dict:
 
 def _prepare_triton(plan) -> dict:
     return {"check_values": False} if plan.is_decode else _prepare_sdpa(plan)  # prefill: SDPA
+
+
+def _prepare_quest(plan, *, budget: int) -> dict:
+    summaries = getattr(plan.kv, "summaries", None)
+    if summaries is None:
+        raise ValueError(
+            "the quest backend reads page key summaries: make the cache with "
+            "PagedKVCache(..., page_summaries=True) (or PagedKVCache.for_model(..., page_summaries=True))"
+        )
+    if not plan.is_decode:
+        return _prepare_sdpa(plan)  # prefill reads every page: SDPA
+    # each layer's decode call finds its summaries by the K cache tensor it is given
+    by_cache = {k.data_ptr(): (lo, hi) for k, lo, hi in zip(plan.kv.k_cache, summaries.k_min, summaries.k_max)}
+    return {"summaries": by_cache, "budget": budget, "check_values": False}
+
+
+def quest_layer_decode(q, k_cache, v_cache, block_table, seq_lens, *, summaries, budget, scale=None, check_values=True):
+    """`quest_paged_decode` with the summaries of the layer whose ``k_cache`` this is."""
+    from ..attention.quest import quest_paged_decode
+
+    k_min, k_max = summaries[k_cache.data_ptr()]
+    budget = min(budget, block_table.shape[1])  # a table narrower than the budget: every page is read
+    return quest_paged_decode(
+        q, k_cache, v_cache, block_table, seq_lens, k_min, k_max, budget=budget, scale=scale, check_values=check_values
+    )
+
+
+def quest_backend(budget: int) -> Backend:
+    """A backend that decodes with Quest over ``budget`` pages per sequence and KV head
+    (`paged_ref.attention.quest`) and prefills through SDPA; pass it as ``backend=``.
+
+    Example:
+        >>> quest_backend(8).name
+        'quest_8'
+    """
+    budget = check_int("budget", budget, min_value=1)
+    return Backend(
+        f"quest_{budget}",
+        ("paged_ref.hf.attention", "quest_layer_decode"),
+        _SDPA_PREFILL,
+        functools.partial(_prepare_quest, budget=budget),
+    )
 
 
 _REFERENCE_PREFILL = ("paged_ref.attention.reference", "reference_paged_prefill")
