@@ -13,7 +13,8 @@
 * **Quest against eviction.** On SmolLM2 (float32, CPU), notebook 07's tasks (the texts of
   ``python -m paged_ref.bench eviction``: continuation perplexity, retention, pass-key) at each
   token budget C: Quest reading C / 16 pages a step (`paged_ref.hf.attention.quest_backend`;
-  prefill reads everything), PagedEviction and StreamingLLM holding C tokens, the full cache.
+  prefill and the first two layers, as in Quest's paper, read everything), PagedEviction and
+  StreamingLLM holding C tokens, the full cache.
   Mean NLL with 95% t intervals, pass-key accuracy with Wilson intervals, and the K/V (and
   summary) bytes one decode step reads, counted over all layers.
 
@@ -46,6 +47,7 @@ __all__ = ["FULL", "QUICK", "SMOKE", "cascade_case", "cascade_bytes", "cascade_s
 
 POLICIES = ["full", "paged_eviction", "streaming_llm"]  # the eviction peers of Quest
 PAGE_SIZE = 16
+DENSE_LAYERS = 2  # Quest's paper reads every page in the first two layers
 SMOLLM2 = dict(num_q_heads=9, num_kv_heads=3, head_dim=64)  # SmolLM2-135M's attention geometry
 # each setting as (quick, smoke, full); the task texts follow the eviction benchmark's sizes
 _SIZES = dict(
@@ -187,7 +189,7 @@ def triton_check(cfg, log) -> dict:
 class QuestRun:
     """One sequence decoding with Quest at ``budget`` tokens (``budget // 16`` pages), its own session."""
 
-    def __init__(self, model, prompt: torch.Tensor, budget: int, longest: int):
+    def __init__(self, model, prompt: torch.Tensor, budget: int, longest: int, dense_layers: int = DENSE_LAYERS):
         from ..hf import PagedSession
         from ..hf.attention import quest_backend
 
@@ -195,7 +197,9 @@ class QuestRun:
         kv = PagedKVCache.for_model(
             model, num_pages=cdiv(longest, PAGE_SIZE) + 1, page_size=PAGE_SIZE, page_summaries=True
         )
-        self.session = PagedSession(model, kv_cache=kv, backend=quest_backend(budget // PAGE_SIZE)).open()
+        self.session = PagedSession(
+            model, kv_cache=kv, backend=quest_backend(budget // PAGE_SIZE, dense_layers=dense_layers)
+        ).open()
         self.seq = self.session.add()
         self.session.extend([self.seq], [prompt])  # prefill reads every page (SDPA)
 
@@ -406,7 +410,7 @@ def _run(args, argv, mode, out, cfg):
     result = dict(
         mode=mode,
         command=command_line("pages", argv),
-        config=cfg,
+        config=dict(cfg, page_size=PAGE_SIZE, quest_dense_layers=DENSE_LAYERS),
         environment=dict(environment(), torch_threads=args.threads),
     )
     result["cascade_speed"] = cascade_speed(cfg, log)

@@ -178,7 +178,7 @@ def _prepare_triton(plan) -> dict:
     return {"check_values": False} if plan.is_decode else _prepare_sdpa(plan)  # prefill: SDPA
 
 
-def _prepare_quest(plan, *, budget: int) -> dict:
+def _prepare_quest(plan, *, budget: int, dense_layers: int) -> dict:
     summaries = getattr(plan.kv, "summaries", None)
     if summaries is None:
         raise ValueError(
@@ -188,7 +188,11 @@ def _prepare_quest(plan, *, budget: int) -> dict:
     if not plan.is_decode:
         return _prepare_sdpa(plan)  # prefill reads every page: SDPA
     # each layer's decode call finds its summaries by the K cache tensor it is given
-    by_cache = {k.data_ptr(): (lo, hi) for k, lo, hi in zip(plan.kv.k_cache, summaries.k_min, summaries.k_max)}
+    # the first `dense_layers` layers read every page (Quest's paper keeps its first two dense)
+    by_cache = {
+        k.data_ptr(): (lo, hi, layer < dense_layers)
+        for layer, (k, lo, hi) in enumerate(zip(plan.kv.k_cache, summaries.k_min, summaries.k_max))
+    }
     return {"summaries": by_cache, "budget": budget, "check_values": False}
 
 
@@ -196,27 +200,29 @@ def quest_layer_decode(q, k_cache, v_cache, block_table, seq_lens, *, summaries,
     """`quest_paged_decode` with the summaries of the layer whose ``k_cache`` this is."""
     from ..attention.quest import quest_paged_decode
 
-    k_min, k_max = summaries[k_cache.data_ptr()]
-    budget = min(budget, block_table.shape[1])  # a table narrower than the budget: every page is read
+    k_min, k_max, dense = summaries[k_cache.data_ptr()]
+    budget = block_table.shape[1] if dense else min(budget, block_table.shape[1])  # narrower: every page
     return quest_paged_decode(
         q, k_cache, v_cache, block_table, seq_lens, k_min, k_max, budget=budget, scale=scale, check_values=check_values
     )
 
 
-def quest_backend(budget: int) -> Backend:
+def quest_backend(budget: int, *, dense_layers: int = 0) -> Backend:
     """A backend that decodes with Quest over ``budget`` pages per sequence and KV head
-    (`paged_ref.attention.quest`) and prefills through SDPA; pass it as ``backend=``.
+    (`paged_ref.attention.quest`) and prefills through SDPA; pass it as ``backend=``. The first
+    ``dense_layers`` layers read every page.
 
     Example:
-        >>> quest_backend(8).name
-        'quest_8'
+        >>> quest_backend(8).name, quest_backend(8, dense_layers=2).name
+        ('quest_8', 'quest_8_dense_2')
     """
     budget = check_int("budget", budget, min_value=1)
+    dense_layers = check_int("dense_layers", dense_layers, min_value=0)
     return Backend(
-        f"quest_{budget}",
+        f"quest_{budget}" + (f"_dense_{dense_layers}" if dense_layers else ""),
         ("paged_ref.hf.attention", "quest_layer_decode"),
         _SDPA_PREFILL,
-        functools.partial(_prepare_quest, budget=budget),
+        functools.partial(_prepare_quest, budget=budget, dense_layers=dense_layers),
     )
 
 
