@@ -23,10 +23,12 @@ Results: ``figures/data/pages_{quick,full,smoke}.json`` (notebook 10 reads them)
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -41,9 +43,10 @@ from . import eviction as ev
 from ._eviction_passkey import PASSKEY_DEPTHS, answer_is_correct, passkey_prompt
 from ._eviction_runs import close_session, policy_groups, policy_runs, prefilled_batch
 from ._reads import ReadCounter
-from .common import bench_parser, command_line, environment, result_file, table
+from .common import DATA_DIR, bench_parser, command_line, environment, result_file, table
 
-__all__ = ["FULL", "QUICK", "SMOKE", "cascade_case", "cascade_bytes", "cascade_speed", "main", "quality"]
+__all__ = ["FULL", "QUICK", "SMOKE", "cascade_bytes", "cascade_case", "cascade_speed", "cascade_tables", "load_results"]
+__all__ += ["main", "quality", "quality_tables", "quest_vs_eviction"]
 
 POLICIES = ["full", "paged_eviction", "streaming_llm"]  # the eviction peers of Quest
 PAGE_SIZE = 16
@@ -57,6 +60,9 @@ _SIZES = dict(
     rounds=(5, 2, 21),
     sharing=([1, 2, 4, 8, 16, 32], [1, 2, 4], [1, 2, 4, 8, 16, 32, 64]),
     budgets=([128, 256], [64], [128, 256, 512, 1024]),
+    texts=(3, 1, 8),  # quick: three texts and five pass-key trials, so that every mean has an interval
+    retention_texts=(3, 1, 8),
+    passkey_trials=(5, 1, 20),
 )
 QUICK, SMOKE, FULL = ({key: values[i] for key, values in _SIZES.items()} for i in range(3))
 QUICK.update({k: ev.QUICK[k] for k in ev.QUICK if k not in QUICK})
@@ -430,83 +436,116 @@ def _run(args, argv, mode, out, cfg):
     return result
 
 
-def print_report(result) -> None:
-    """The benchmark's tables, from its JSON."""
+def load_results(data_dir=None):
+    """``(file name, dict)`` of ``pages_full.json`` if present, else of ``pages_quick.json``, in
+    ``data_dir`` (default: ``figures/data/``); ``(None, None)`` if neither exists."""
+    folder = Path(data_dir) if data_dir is not None else DATA_DIR
+    for name in ("pages_full.json", "pages_quick.json"):
+        if (folder / name).exists():
+            return name, json.loads((folder / name).read_text())
+    return None, None
+
+
+def cascade_tables(result) -> str:
+    """The cascade timing and bytes tables, from the benchmark's JSON."""
     s = result["cascade_speed"]
-    print(
-        f"\nCascade: {s['samples']} requests sharing {s['prompt']} tokens, one layer of SmolLM2 decode attention (CPU)"
-    )
-    rows = [
-        dict(path=n, ms=t, x=s["median_ms"][n] / s["median_ms"]["cascade"], err=s["rel_error_vs_reference"][n])
+    speed = [
+        dict(path=n, ms=t, x=t / s["median_ms"]["cascade"], err=s["rel_error_vs_reference"][n])
         for n, t in s["median_ms"].items()
     ]
-    print(
-        table(
-            [("path", "{path}"), ("median ms", "{ms:.2f}"), ("time / cascade", "{x:.2f}"), ("rel. error", "{err:.1e}")],
-            rows,
-        )
-    )
-    print("\nK/V bytes read per step and layer (counted; formula in whole pages)")
-    rows = [
+    mb = [
         dict(
             n=r["requests"],
-            ref=r["bytes_counted"]["reference"] / 1e6,
-            sdpa=r["bytes_counted"]["sdpa"] / 1e6,
-            cas=r["bytes_counted"]["cascade"] / 1e6,
+            **{k: v / 1e6 for k, v in r["bytes_counted"].items()},
             fp=r["bytes_formula"]["plain"] / 1e6,
             fc=r["bytes_formula"]["cascade"] / 1e6,
         )
         for r in result["cascade_bytes"]
     ]
-    print(
-        table(
-            [
-                ("requests", "{n}"),
-                ("reference MB", "{ref:.2f}"),
-                ("sdpa MB", "{sdpa:.2f}"),
-                ("cascade MB", "{cas:.2f}"),
-                ("formula plain", "{fp:.2f}"),
-                ("formula cascade", "{fc:.2f}"),
-            ],
-            rows,
-        )
-    )
-    for task in ("language_modelling", "retention"):
-        print(f"\n{task}: mean NLL [95% interval], KL vs full")
-        print(
-            table(
-                [
-                    ("policy", "{policy}"),
-                    ("budget", "{budget}"),
-                    ("texts", "{texts}"),
-                    ("NLL", "{nll:.3f}"),
-                    ("95% CI", "[{nll_ci95[0]:.3f}, {nll_ci95[1]:.3f}]"),
-                    ("ppl", "{ppl:.2f}"),
-                    ("KL", "{kl_vs_full:.4f}"),
-                ],
-                result[task],
-            )
-        )
-    print("\npass-key: accuracy [Wilson 95%]")
-    print(
-        table(
-            [
-                ("policy", "{policy}"),
-                ("budget", "{budget}"),
-                ("correct", "{correct}/{trials}"),
-                ("95% CI", "[{ci95[0]:.2f}, {ci95[1]:.2f}]"),
-            ],
-            result["passkey"],
-        )
-    )
+    return "\n".join(
+        [
+            f"{s['samples']} requests sharing {s['prompt']} tokens, one layer of decode attention, "
+            f"SmolLM2 geometry, CPU, median of {len(s['rounds_ms']['cascade'])} rounds",
+            table([("path", "{path}"), ("median ms", "{ms:.2f}"), ("time / cascade", "{x:.2f}"),
+                   ("rel. error vs reference", "{err:.1e}")], speed),
+            "",
+            "K/V MB read per step and layer: counted (ReadCounter) and the whole-page formulas",
+            table([("requests", "{n}"), ("reference", "{reference:.2f}"), ("sdpa", "{sdpa:.2f}"),
+                   ("cascade", "{cascade:.2f}"), ("formula plain", "{fp:.2f}"), ("formula cascade", "{fc:.2f}")], mb),
+        ]
+    )  # fmt: skip
+
+
+def quality_tables(result) -> str:
+    """Quest beside eviction: NLL tables, pass-key accuracy and bytes per step, from the JSON."""
+    nll = [
+        ("policy", "{policy}"),
+        ("budget", "{budget}"),
+        ("texts", "{texts}"),
+        ("NLL", "{nll:.3f}"),
+        ("95% CI", "[{nll_ci95[0]:.3f}, {nll_ci95[1]:.3f}]"),
+        ("ppl", "{ppl:.2f}"),
+        ("KL vs full", "{kl_vs_full:.4f}"),
+    ]
     b = result["bytes_per_step"]
-    print(f"\nbytes one decode step reads, all {b['layers']} layers, after {b['context']} tokens (counted)")
-    print(
-        table(
-            [("policy", "{policy}"), ("budget", "{budget}"), ("MB", "{mb:.2f}")],
-            [dict(r, mb=r["bytes_per_step"] / 1e6) for r in b["rows"]],
-        )
-    )
+    rows = [dict(r, mb=r["bytes_per_step"] / 1e6) for r in b["rows"]]
+    return "\n".join(
+        [
+            "Continuation: mean NLL per token (95% t interval over texts)",
+            table(nll, _ordered(result["language_modelling"])),
+            "",
+            "Retention: NLL of a passage's tokens that are in the context verbatim",
+            table(nll, _ordered(result["retention"])),
+            "",
+            "Pass-key: accuracy (Wilson 95% interval)",
+            table([("policy", "{policy}"), ("budget", "{budget}"), ("correct", "{correct}/{trials}"),
+                   ("95% CI", "[{ci95[0]:.2f}, {ci95[1]:.2f}]")], _ordered(result["passkey"])),
+            "",
+            f"MB one decode step reads, all {b['layers']} layers, after {b['context']} tokens (counted)",
+            table([("policy", "{policy}"), ("budget", "{budget}"), ("MB", "{mb:.2f}")], _ordered(rows)),
+        ]
+    )  # fmt: skip
+
+
+def _ordered(rows):
+    order = {p: i for i, p in enumerate([*POLICIES, "quest"])}
+    return sorted(rows, key=lambda r: (r["budget"] or 0, order[r["policy"]]))
+
+
+def quest_vs_eviction(result) -> list[dict]:
+    """Per budget and task: Quest's score minus PagedEviction's and StreamingLLM's (NLL: lower is
+    better; pass-key: accuracy, higher is better), with each side's interval."""
+    out = []
+    for task, key, ci in (
+        ("language_modelling", "nll", "nll_ci95"),
+        ("retention", "nll", "nll_ci95"),
+        ("passkey", "accuracy", "ci95"),
+    ):
+        rows = {(r["policy"], r["budget"]): r for r in result[task]}
+        for c in result["config"]["budgets"]:
+            quest = rows[("quest", c)]
+            for peer in ("paged_eviction", "streaming_llm"):
+                other = rows[(peer, c)]
+                out.append(
+                    dict(
+                        task=task,
+                        budget=c,
+                        peer=peer,
+                        metric=key,
+                        quest=quest[key],
+                        quest_ci=quest[ci],
+                        other=other[key],
+                        other_ci=other[ci],
+                        difference=quest[key] - other[key],
+                    )
+                )
+    return out  # fmt: skip
+
+
+def print_report(result) -> None:
+    """The benchmark's tables, from its JSON."""
+    print("\nCascade\n" + cascade_tables(result))
+    print("\nQuest beside eviction\n" + quality_tables(result))
 
 
 if __name__ == "__main__":
