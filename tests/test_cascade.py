@@ -148,3 +148,78 @@ def test_requests_that_do_not_share_their_prefix_are_refused():
     assert torch.equal(bt, saved)
     out = reference_cascade_decode(q, kc, vc, bt, lens, torch.tensor([0, 2]), torch.tensor([4]))  # one page: shared
     assert rel_error(out, reference_paged_decode(q, kc, vc, bt, lens)) <= 1e-12
+
+
+def test_shared_prefix_groups_finds_forked_pages():
+    from paged_ref import PagedKVCache
+    from paged_ref.attention.cascade import shared_prefix_groups
+
+    cache = PagedKVCache(num_layers=1, num_pages=32, page_size=4, num_kv_heads=1, head_dim=2)
+    alone = cache.add_sequence()
+    cache.reserve(alone, 9)
+    root = cache.add_sequence()
+    cache.reserve(root, 10)  # 2 full pages and a half one
+    forks = [cache.fork(root) for _ in range(3)]
+    for i, s in enumerate(forks):
+        cache.reserve(s, i + 1)  # copy-on-write of the half page: each fork's own
+    tiny = cache.add_sequence()
+    cache.reserve(tiny, 2)  # no full page: shares nothing
+    seqs = [forks[0], alone, forks[1], tiny, forks[2]]
+    table, lens = cache.block_table(seqs)
+    order, indptr, prefix = shared_prefix_groups(table, lens, 4)
+    groups = [order[a:b].tolist() for a, b in zip(indptr[:-1].tolist(), indptr[1:].tolist())]
+    assert sorted(map(sorted, groups)) == [[0, 2, 4], [1], [3]]
+    assert prefix[[0 in g for g in groups].index(True)] == 8 and prefix.sum() == 8  # 2 shared pages, others 0
+
+
+def _record_prefixes(monkeypatch):
+    import paged_ref.attention.cascade as cascade
+
+    seen, real = [], cascade.reference_cascade_decode
+
+    def spy(*args, **kwargs):
+        seen.append(int(args[6].max()))  # the largest shared prefix of the call
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cascade, "reference_cascade_decode", spy)
+    return seen
+
+
+@pytest.mark.parametrize("options", [dict(do_sample=True, num_return_sequences=4), dict(num_beams=3)])
+def test_cascade_backend_generates_the_same_tokens(monkeypatch, options):
+    """Samples and beams fork the prompt's pages: the cascade backend reads them once, same tokens."""
+    from paged_ref import hf
+    from paged_ref.models import tiny_llama
+
+    model, ids = tiny_llama(), torch.arange(1, 40)[None]
+    out = {}
+    seen = _record_prefixes(monkeypatch)
+    for backend in ("sdpa", "cascade"):
+        torch.manual_seed(0)
+        result = hf.generate(model, ids, max_new_tokens=10, backend=backend, page_size=4, **options)
+        out[backend] = getattr(result, "sequences", result).tolist()
+    assert out["cascade"] == out["sdpa"]
+    assert seen and max(seen) >= 36  # the prompt's 9 full pages were read once per step
+
+
+def test_cascade_backend_serves_prefix_cached_requests_unchanged(monkeypatch):
+    from paged_ref.models import tiny_llama
+    from paged_ref.serve import Engine
+
+    model = tiny_llama()
+    system = list(range(100, 116))  # 4 full pages of 4 shared through the prefix cache
+    prompts = [system + [7 + i, 9, 11 + i] for i in range(3)]
+    tokens = {}
+    seen = _record_prefixes(monkeypatch)
+    for backend in ("sdpa", "cascade"):
+        engine = Engine(
+            model, num_pages=64, page_size=4, prefix_caching=True, backend=backend, eos_token_id=[], clock="steps"
+        )
+        engine.add_request(prompts[0], max_new_tokens=6)
+        done = engine.step()  # its prefill writes the system prompt's pages: cached from now on
+        for p in prompts[1:]:
+            engine.add_request(p, max_new_tokens=6)
+        tokens[backend] = sorted((o.request_id, o.token_ids) for o in done + engine.run())
+        engine.close()
+    assert tokens["cascade"] == tokens["sdpa"]
+    assert max(seen) == 16  # the system prompt's pages, shared by the prefix cache, read once

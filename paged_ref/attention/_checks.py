@@ -189,12 +189,15 @@ def check_prefill_inputs(
 
 
 # --- cascade (shared-prefix) attention ------------------------------------------------------
-def check_cascade_inputs(q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, *, scale=None) -> float:
+def check_cascade_inputs(
+    q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, *, scale=None, check_values=True
+) -> float:
     """:func:`check_paged_inputs`, plus the groups: ``group_indptr`` int ``[num_groups + 1]``
     from 0 to ``batch``, strictly increasing; ``prefix_lens`` int ``[num_groups]``, each a whole
     number of pages and at most the group's shortest ``seq_lens``; the requests of a group list
-    the same pages on their prefix. Returns the scale."""
-    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale)
+    the same pages on their prefix. Returns the scale. ``check_values=False`` checks types and
+    shapes only (no host reads)."""
+    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     batch, page_size = q.shape[0], k_cache.shape[1]
     for name, t in (("group_indptr", group_indptr), ("prefix_lens", prefix_lens)):
         if not isinstance(t, torch.Tensor):
@@ -203,6 +206,12 @@ def check_cascade_inputs(q, k_cache, v_cache, block_table, seq_lens, group_indpt
             raise TypeError(f"{name} must be a 1-D int32/int64 tensor, got shape {_shape(t)} and dtype {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
+    if prefix_lens.shape[0] != group_indptr.shape[0] - 1:
+        raise ValueError(
+            f"prefix_lens must have shape [num_groups={group_indptr.shape[0] - 1}], got {_shape(prefix_lens)}"
+        )
+    if not check_values:
+        return scale
     bounds = group_indptr.tolist()
     if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != batch or any(a >= b for a, b in zip(bounds, bounds[1:])):
         raise ValueError(
@@ -210,8 +219,6 @@ def check_cascade_inputs(q, k_cache, v_cache, block_table, seq_lens, group_indpt
             f"group_indptr[g] .. group_indptr[g + 1] - 1), got {bounds[:8]}{' ...' if len(bounds) > 8 else ''}"
         )
     prefixes = prefix_lens.tolist()
-    if len(prefixes) != len(bounds) - 1:
-        raise ValueError(f"prefix_lens must have shape [num_groups={len(bounds) - 1}], got {_shape(prefix_lens)}")
     lens, table = seq_lens.tolist(), block_table.tolist()
     for g, prefix in enumerate(prefixes):
         first, last = bounds[g], bounds[g + 1]

@@ -42,7 +42,8 @@ from ._checks import check_cascade_inputs
 from .online_softmax import LOG2E, merge_partials
 from .reference import gather_sequence
 
-__all__ = ["attend_with_lse", "merge_states", "reference_cascade_decode", "request_prefixes", "suffix_table"]
+__all__ = ["attend_with_lse", "merge_states", "reference_cascade_decode", "request_prefixes", "shared_prefix_groups"]
+__all__ += ["suffix_table"]
 
 
 def merge_states(
@@ -136,6 +137,44 @@ def suffix_table(block_table: torch.Tensor, prefix_pages: torch.Tensor) -> torch
     return block_table.gather(1, cols.clamp(max=max_pages - 1).long()).contiguous()
 
 
+def shared_prefix_groups(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Find who shares what in a batch: ``(order, group_indptr, prefix_lens)``.
+
+    Requests whose first pages are the same physical page are grouped (``order`` puts them next
+    to each other: the batch as ``block_table[order]``); a group shares the longest run of pages
+    its rows have in common, counting only pages full in every row. A request alone, or sharing
+    no full page, is a group of its own with ``prefix_lens = 0``. Reads the tables on the host.
+
+    Example:
+        >>> bt = torch.tensor([[0, 1, 2], [5, 6, 7], [0, 1, 3], [0, 4, 8]])
+        >>> order, indptr, prefix = shared_prefix_groups(bt, torch.tensor([9, 9, 10, 12]), 4)
+        >>> order.tolist(), indptr.tolist(), prefix.tolist()
+        ([0, 2, 3, 1], [0, 3, 4], [4, 0])
+    """
+    lens, table = seq_lens.tolist(), block_table.tolist()
+    full = [n // page_size for n in lens]  # full pages per row
+    first = [table[b][0] if full[b] else -1 - b for b in range(len(lens))]  # rows without a full page stay alone
+    order = sorted(range(len(lens)), key=lambda b: (first[b], b))
+    indptr, prefix = [0], []
+    for b in order:
+        if len(indptr) > 1 and first[b] == first[order[indptr[-1] - 1]]:
+            indptr[-1] += 1
+            head = order[indptr[-2]]
+            shared = 0
+            while shared < min(prefix[-1], full[b]) and table[b][shared] == table[head][shared]:
+                shared += 1
+            prefix[-1] = shared
+        else:
+            indptr.append(indptr[-1] + 1)
+            prefix.append(full[b])
+    sizes = [indptr[i + 1] - indptr[i] for i in range(len(prefix))]
+    prefix = [p * page_size if n > 1 else 0 for p, n in zip(prefix, sizes)]
+    device = block_table.device
+    return torch.tensor(order, device=device), torch.tensor(indptr, device=device), torch.tensor(prefix, device=device)
+
+
 def reference_cascade_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -146,6 +185,7 @@ def reference_cascade_decode(
     prefix_lens: torch.Tensor,
     *,
     scale: float | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """Decode attention as :func:`~paged_ref.attention.reference.reference_paged_decode`, with
     each group's shared prefix read once for all of its requests.
@@ -160,12 +200,16 @@ def reference_cascade_decode(
             ``page_size``, at most the shortest ``seq_lens`` of the group; the group's
             block-table rows must agree on those pages.
         scale: softmax scale, default ``head_dim ** -0.5``.
+        check_values: also check the values (lengths, pages, the groups' sharing): reads the
+            tables on the host; off only for groups made by :func:`shared_prefix_groups` from them.
 
     Returns:
         ``[batch, num_q_heads, head_dim]``, dtype of ``q`` (float32 arithmetic, float64 for
         float64 inputs).
     """
-    scale = check_cascade_inputs(q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, scale=scale)
+    scale = check_cascade_inputs(
+        q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, scale=scale, check_values=check_values
+    )
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads

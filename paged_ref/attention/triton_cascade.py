@@ -202,6 +202,7 @@ def triton_cascade_decode(
     prefix_lens: torch.Tensor,
     *,
     scale: float | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """:func:`~paged_ref.attention.cascade.reference_cascade_decode` with Triton kernels.
 
@@ -213,7 +214,9 @@ def triton_cascade_decode(
     """
     if not _HAVE_TRITON:
         raise ImportError("triton_cascade_decode needs the `triton` package (Linux only)")
-    scale = check_cascade_inputs(q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, scale=scale)
+    scale = check_cascade_inputs(
+        q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, scale=scale, check_values=check_values
+    )
     check_triton_inputs(q, k_cache, v_cache, block_table, seq_lens, None, None, interpret=interpreted(q.device))
     o_prefix, lse_prefix = triton_prefix_attention(
         q, k_cache, v_cache, block_table, group_indptr.contiguous(), prefix_lens.contiguous(), scale

@@ -25,8 +25,15 @@ reference   reference_paged_decode          reference_paged_prefill
 flex        flex_paged_decode               flex_paged_prefill
 triton      triton_paged_decode             sdpa_paged_prefill
 sdpa        sdpa_paged_decode               sdpa_paged_prefill
+cascade     reference_cascade_decode        sdpa_paged_prefill
+            (triton_cascade_decode on CUDA)
 auto        ``triton`` on CUDA, ``sdpa`` elsewhere (the default)
 =========== =============================== ===============================
+
+``cascade`` reads the pages that rows of a step share once for all of them (forked samples and
+beams, requests on prefix-cached pages): per forward it finds the groups in the block table
+(`paged_ref.attention.cascade.shared_prefix_groups`), puts each group's rows side by side and
+runs cascade decode attention; rows that share nothing are attended alone.
 
 ``quest_backend(budget)`` makes one more, not registered by name: Quest's decode over the
 ``budget`` pages of each sequence and KV head whose key summaries bound the scores highest
@@ -59,6 +66,7 @@ __all__ = [
     "BACKENDS",
     "register_backend",
     "auto_backend",
+    "cascade_layer_decode",
     "get_backend",
     "paged_attention_active",
     "paged_attention_forward",
@@ -178,6 +186,38 @@ def _prepare_triton(plan) -> dict:
     return {"check_values": False} if plan.is_decode else _prepare_sdpa(plan)  # prefill: SDPA
 
 
+def _prepare_cascade(plan) -> dict:
+    if not plan.is_decode:
+        return _prepare_sdpa(plan)
+    from ..attention.cascade import shared_prefix_groups
+
+    order, indptr, prefix = shared_prefix_groups(plan.block_table, plan.seq_lens, plan.kv.page_size)
+    return {"order": order, "group_indptr": indptr, "prefix_lens": prefix}
+
+
+def cascade_layer_decode(
+    q, k_cache, v_cache, block_table, seq_lens, *, order, group_indptr, prefix_lens, scale=None, check_values=False
+):
+    """Cascade decode of the rows in ``order`` (groups side by side), returned in the batch's order;
+    Triton's kernels on CUDA, the PyTorch reference elsewhere."""
+    if q.device.type == "cuda":
+        from ..attention.triton_cascade import triton_cascade_decode as decode
+    else:
+        from ..attention.cascade import reference_cascade_decode as decode
+    out = decode(
+        q[order].contiguous(),
+        k_cache,
+        v_cache,
+        block_table[order].contiguous(),
+        seq_lens[order].contiguous(),
+        group_indptr,
+        prefix_lens,
+        scale=scale,
+        check_values=check_values,
+    )  # [batch, Hq, D], grouped order
+    return out[torch.argsort(order)]
+
+
 def _prepare_quest(plan, *, budget: int, dense_layers: int) -> dict:
     summaries = getattr(plan.kv, "summaries", None)
     if summaries is None:
@@ -238,6 +278,7 @@ for _backend in (
     ),
     Backend("triton", ("paged_ref.attention.triton_decode", "triton_paged_decode"), _SDPA_PREFILL, _prepare_triton),
     Backend("sdpa", ("paged_ref.attention.sdpa", "sdpa_paged_decode"), _SDPA_PREFILL, _prepare_sdpa),
+    Backend("cascade", ("paged_ref.hf.attention", "cascade_layer_decode"), _SDPA_PREFILL, _prepare_cascade),
     # negative controls (`paged_ref.hf.mistakes`): wrong on purpose, to show what a real bug does
     Backend("mistake_off_by_one", ("paged_ref.hf.mistakes", "off_by_one_decode"), _REFERENCE_PREFILL),
     Backend("mistake_wrong_page", ("paged_ref.hf.mistakes", "wrong_page_decode"), _REFERENCE_PREFILL),
