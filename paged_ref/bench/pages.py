@@ -10,6 +10,9 @@
   `paged_ref.bench._reads.ReadCounter` (what the code copies out of the pages) next to the
   formula, for n requests sharing the prompt. The Triton path is checked against the reference
   (interpreter on CPU); on a GPU it is timed too.
+* **Cascade in a real model.** SmolLM2 sampling ``samples`` continuations of one ``prompt``-token
+  prompt through `paged_ref.hf.generate` with the ``sdpa`` and ``cascade`` backends: milliseconds
+  per decode step (the whole model) and whether the seeded tokens are the same.
 * **Quest against eviction.** On SmolLM2 (float32, CPU), notebook 07's tasks (the texts of
   ``python -m paged_ref.bench eviction``: continuation perplexity, retention, pass-key) at each
   token budget C: Quest reading C / 16 pages a step (`paged_ref.hf.attention.quest_backend`;
@@ -58,6 +61,7 @@ _SIZES = dict(
     prompt=(1024, 64, 1024),
     suffix_max=(32, 8, 32),
     rounds=(5, 2, 21),
+    generate_steps=(9, 3, 17),  # SmolLM2 sampling: decode steps timed per backend (the first is not timed)
     sharing=([1, 2, 4, 8, 16, 32], [1, 2, 4], [1, 2, 4, 8, 16, 32, 64]),
     budgets=([128, 256], [64], [128, 256, 512, 1024]),
     texts=(3, 1, 8),  # quick: three texts and five pass-key trials, so that every mean has an interval
@@ -188,6 +192,38 @@ def triton_check(cfg, log) -> dict:
         cascade = gpu_median(lambda: triton_cascade_decode(**case))
         result.update(plain_us=plain * 1e6, cascade_us=cascade * 1e6, speedup=plain / cascade)
     log(f"triton cascade: {result}")
+    return result
+
+
+def generate_speed(model, tok, cfg, log) -> dict:
+    """SmolLM2 sampling ``samples`` continuations of one ``prompt``-token prompt (they fork its pages)
+    with the ``sdpa`` and the ``cascade`` backends: median seconds per decode step (all layers,
+    the whole model) and whether the tokens are the same (seeded)."""
+    from ..hf import generate
+
+    ids = ev.lm_text_ids(tok, 3, cfg["prompt"])[None]  # [1, prompt]
+    out = {}
+    for backend in ("sdpa", "cascade"):
+        stamps = []
+        torch.manual_seed(0)
+        seqs = generate(
+            model,
+            ids,
+            max_new_tokens=cfg["generate_steps"],
+            do_sample=True,
+            num_return_sequences=cfg["samples"],
+            backend=backend,
+            eos_token_id=[],
+            callback=lambda step, tokens: stamps.append(time.perf_counter()),
+        )
+        steps = [b - a for a, b in zip(stamps, stamps[1:])]  # decode steps (the first stamp follows the prefill)
+        out[backend] = dict(ms_per_step=1e3 * statistics.median(steps), steps_ms=[1e3 * t for t in steps])
+        out[backend]["tokens"] = seqs[:, cfg["prompt"] :].tolist()
+    same = out["sdpa"].pop("tokens") == out["cascade"].pop("tokens")
+    result = dict(samples=cfg["samples"], prompt=cfg["prompt"], same_tokens=same, **out)
+    result["speedup"] = out["sdpa"]["ms_per_step"] / out["cascade"]["ms_per_step"]
+    log(f"sampling {cfg['samples']} x SmolLM2: sdpa {out['sdpa']['ms_per_step']:.0f} ms/step, cascade "
+        f"{out['cascade']['ms_per_step']:.0f} ms/step, same tokens: {same}")  # fmt: skip
     return result
 
 
@@ -428,6 +464,8 @@ def _run(args, argv, mode, out, cfg):
     model, tok = load_smollm2()
     result["model"] = "SmolLM2-135M-Instruct (GGUF, float32)"
     log("model loaded")
+    result["generate_speed"] = generate_speed(model, tok, cfg, log)
+    out.save(result)
     quality(model, tok, cfg, log, result, out)
     result["seconds"] = round(time.perf_counter() - start, 1)
     path = out.save(result, complete=True)
@@ -462,6 +500,13 @@ def cascade_tables(result) -> str:
         )
         for r in result["cascade_bytes"]
     ]
+    g = result.get("generate_speed")
+    sampling = [] if g is None else [
+        "",
+        f"SmolLM2 sampling {g['samples']} continuations of a {g['prompt']}-token prompt (whole model, median ms per "
+        f"decode step): sdpa {g['sdpa']['ms_per_step']:.0f}, cascade {g['cascade']['ms_per_step']:.0f} "
+        f"({g['speedup']:.2f}x); same tokens: {g['same_tokens']}",
+    ]  # fmt: skip
     return "\n".join(
         [
             f"{s['samples']} requests sharing {s['prompt']} tokens, one layer of decode attention, "
@@ -472,6 +517,7 @@ def cascade_tables(result) -> str:
             "K/V MB read per step and layer: counted (ReadCounter) and the whole-page formulas",
             table([("requests", "{n}"), ("reference", "{reference:.2f}"), ("sdpa", "{sdpa:.2f}"),
                    ("cascade", "{cascade:.2f}"), ("formula plain", "{fp:.2f}"), ("formula cascade", "{fc:.2f}")], mb),
+            *sampling,
         ]
     )  # fmt: skip
 
