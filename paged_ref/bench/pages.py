@@ -475,12 +475,14 @@ def _run(args, argv, mode, out, cfg):
 
 
 def load_results(data_dir=None):
-    """``(file name, dict)`` of ``pages_full.json`` if present, else of ``pages_quick.json``, in
-    ``data_dir`` (default: ``figures/data/``); ``(None, None)`` if neither exists."""
+    """``(file name, dict)`` of a complete ``pages_full.json`` if present, else of a complete
+    ``pages_quick.json``, in ``data_dir`` (default: ``figures/data/``); ``(None, None)`` if neither."""
     folder = Path(data_dir) if data_dir is not None else DATA_DIR
     for name in ("pages_full.json", "pages_quick.json"):
         if (folder / name).exists():
-            return name, json.loads((folder / name).read_text())
+            data = json.loads((folder / name).read_text())
+            if data.get("complete"):
+                return name, data
     return None, None
 
 
