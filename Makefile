@@ -99,7 +99,7 @@ gpu-image:
 	  matplotlib tqdm pytest hypothesis
 	rm -rf $(GPU_IMAGE)/src $(GPU_IMAGE)/out && mkdir -p $(GPU_IMAGE)/src
 	git archive HEAD | tar -x -C $(GPU_IMAGE)/src
-	cd $(GPU_IMAGE)/src && ../bin/python -m paged_ref.bench gpu --dry-run --out ../out
+	cd $(GPU_IMAGE)/src && ../bin/python -m paged_ref.lab.bench gpu --dry-run --out ../out
 	cd $(GPU_IMAGE)/src && OMP_NUM_THREADS=1 ../bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
 
 # Re-executes every notebook in full mode, which rewrites figures/*.png and the saved outputs.

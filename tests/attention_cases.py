@@ -1,6 +1,6 @@
 """Random paged-attention cases and a float64 oracle, shared by the attention tests.
 
-A case is built by `paged_ref.check.cases.scatter_sequences` (the coursework checkers use the
+A case is built by `paged_ref.lab.check.cases.scatter_sequences` (the coursework checkers use the
 same generator), the way a serving cache ends up after some churn:
 
 * ragged lengths that always include 1, an exact page multiple and one past it;
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from paged_ref.block_table import pages_needed
-from paged_ref.check.cases import scatter_sequences
+from paged_ref.lab.check.cases import scatter_sequences
 
 # (num_kv_heads, group): query heads = num_kv_heads * group. GQA ratios 1, 2, 4, 8 and MQA.
 HEAD_LAYOUTS = [(2, 1), (2, 2), (2, 4), (2, 8), (1, 4)]

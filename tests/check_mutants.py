@@ -1,4 +1,4 @@
-"""Student-style solutions for `paged_ref.check`, and broken ones each checker must catch.
+"""Student-style solutions for `paged_ref.lab.check`, and broken ones each checker must catch.
 
 `SOLUTIONS` maps a checker name to a correct implementation written from scratch (as a student
 would: the exercise notebooks' reference solutions); `MUTANTS` maps it to deliberately broken
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from paged_ref.check import load_solutions
+from paged_ref.lab.check import load_solutions
 
 SOLUTIONS_FILE = Path(__file__).resolve().parents[1] / "notebooks" / "exercises" / "solutions" / "solutions.py"
 _solutions = load_solutions(SOLUTIONS_FILE)

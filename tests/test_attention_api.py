@@ -1,4 +1,4 @@
-"""The attention package's front door: one naming scheme, the old names as aliases, checks once."""
+"""The attention package's front door: one naming scheme, one name per function, checks once."""
 
 import pytest
 import torch
@@ -6,7 +6,7 @@ from attention_cases import valid_inputs
 
 import paged_ref as pr
 from paged_ref import attention
-from paged_ref.attention import _checks, flex, reference, sdpa, triton_decode
+from paged_ref.attention import _checks, flex, reference, triton_decode
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -16,20 +16,13 @@ def test_every_name_of_the_front_door_resolves():
         assert callable(getattr(attention, name)), name
 
 
-def test_old_names_are_the_new_functions():
-    assert reference.paged_attention_reference is reference.reference_paged_decode
-    assert reference.paged_prefill_reference is reference.reference_paged_prefill
-    assert triton_decode.paged_decode is triton_decode.triton_paged_decode
-    assert attention.paged_decode is attention.triton_paged_decode is triton_decode.triton_paged_decode
-    assert pr.paged_attention_reference is pr.reference_paged_decode
-    assert pr.paged_decode is pr.triton_paged_decode
-
-
-def test_hf_sdpa_still_imports_the_moved_module():
-    from paged_ref.hf import sdpa as old
-
-    assert old.sdpa_paged_decode is sdpa.sdpa_paged_decode
-    assert old.prepare is sdpa.prepare
+def test_one_name_per_backend_function():
+    """Every entry point is ``<backend>_paged_decode`` / ``<backend>_paged_prefill``; no second name."""
+    assert not {"paged_decode", "paged_attention_reference", "paged_prefill_reference"} & set(dir(attention))
+    assert not {"paged_decode", "paged_attention_reference", "paged_prefill_reference"} & set(pr.__all__)
+    assert pr.triton_paged_decode is attention.triton_paged_decode is triton_decode.triton_paged_decode
+    with pytest.raises(ImportError):
+        from paged_ref.hf import sdpa  # noqa: F401  (its one home is paged_ref.attention.sdpa)
 
 
 def test_triton_kernels_are_jit_functions_at_definition():

@@ -25,19 +25,19 @@ from attention_cases import (
 )
 
 from paged_ref.attention.flex import flex_paged_decode, flex_paged_prefill
-from paged_ref.attention.reference import paged_attention_reference, paged_prefill_reference
+from paged_ref.attention.reference import reference_paged_decode, reference_paged_prefill
 from paged_ref.attention.sdpa import sdpa_paged_decode, sdpa_paged_prefill
-from paged_ref.attention.triton_decode import paged_decode
+from paged_ref.attention.triton_decode import triton_paged_decode
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 DECODERS = {
-    "reference": paged_attention_reference,
+    "reference": reference_paged_decode,
     "flex": flex_paged_decode,
-    "triton": paged_decode,
+    "triton": triton_paged_decode,
     "sdpa": sdpa_paged_decode,
 }
-PREFILLERS = {"reference": paged_prefill_reference, "flex": flex_paged_prefill, "sdpa": sdpa_paged_prefill}
+PREFILLERS = {"reference": reference_paged_prefill, "flex": flex_paged_prefill, "sdpa": sdpa_paged_prefill}
 F32_TOL = 1e-4
 ON_CPU_FLOAT32_ONLY = {"triton"}  # Triton's interpreter runs float32 only
 
@@ -175,9 +175,9 @@ def test_prefill_last_row_is_a_decode_step():
         max_q_len=3,
     )
     args = (case.k_cache, case.v_cache, case.block_table)
-    out = paged_prefill_reference(*case.args)
-    last = paged_attention_reference(case.q[:, :, 2], *args, case.seq_lens)
-    before = paged_attention_reference(case.q[:, :, 1], *args, case.seq_lens - 1)
+    out = reference_paged_prefill(*case.args)
+    last = reference_paged_decode(case.q[:, :, 2], *args, case.seq_lens)
+    before = reference_paged_decode(case.q[:, :, 1], *args, case.seq_lens - 1)
     torch.testing.assert_close(out[:, :, 2], last)
     torch.testing.assert_close(out[:, :, 1], before)
 

@@ -25,7 +25,7 @@ from paged_ref.attention.flex import (
     paged_block_masks,
     physical_to_logical,
 )
-from paged_ref.attention.reference import paged_prefill_reference
+from paged_ref.attention.reference import reference_paged_prefill
 
 F32_TOL = 1e-4
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -336,7 +336,7 @@ def test_prefill_with_no_query_rows_returns_empty_like_the_reference():
     case = make_prefill_case(seed=2, batch=2, page_size=4, num_kv_heads=1, group=2, head_dim=8, max_q_len=4)
     q = case.q[:, :, :0]
     q_lens = torch.zeros(2, dtype=torch.int32)
-    ref = paged_prefill_reference(q, case.k_cache, case.v_cache, case.block_table, case.seq_lens, q_lens)
+    ref = reference_paged_prefill(q, case.k_cache, case.v_cache, case.block_table, case.seq_lens, q_lens)
     out = flex_paged_prefill(q, case.k_cache, case.v_cache, case.block_table, case.seq_lens, q_lens)
     assert out.shape == ref.shape == (2, 2, 0, 8)
 

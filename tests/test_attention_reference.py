@@ -12,7 +12,7 @@ from attention_cases import (
 
 from paged_ref.attention.reference import (
     gather_sequence,
-    paged_attention_reference,
+    reference_paged_decode,
 )
 
 F32_TOL = 1e-4
@@ -33,10 +33,10 @@ def test_gather_sequence_follows_the_block_table():
 )
 def test_rejects_bad_scale(scale, error):
     with pytest.raises(error, match="scale must be"):
-        paged_attention_reference(*valid_inputs(decode=True).values(), scale=scale)
+        reference_paged_decode(*valid_inputs(decode=True).values(), scale=scale)
 
 
 def test_rejects_other_device():
     args = list(valid_inputs(decode=True).values())
     with pytest.raises(ValueError, match="seq_lens must be on the same device as q"):
-        paged_attention_reference(*args[:4], args[4].to("meta"))
+        reference_paged_decode(*args[:4], args[4].to("meta"))

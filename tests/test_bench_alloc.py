@@ -1,6 +1,6 @@
 import json
 
-from paged_ref.bench import alloc
+from paged_ref.lab.bench import alloc
 
 
 def test_alloc_benchmark_runs_and_writes_json(tmp_path, capsys):

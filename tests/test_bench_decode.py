@@ -6,7 +6,7 @@ import torch
 
 
 def test_bench_dispatcher_lists_and_rejects(capsys):
-    from paged_ref.bench import __main__ as dispatcher
+    from paged_ref.lab.bench import __main__ as dispatcher
 
     assert dispatcher.main(["--help"]) == 0
     listed = capsys.readouterr().out
@@ -16,7 +16,7 @@ def test_bench_dispatcher_lists_and_rejects(capsys):
 
 
 def test_bench_decode_cpu_quick(tmp_path):
-    from paged_ref.bench import decode
+    from paged_ref.lab.bench import decode
 
     decode.main(["--cpu", "--quick", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "decode_cpu.json").read_text())
@@ -29,7 +29,7 @@ def test_bench_decode_cpu_quick(tmp_path):
 def test_bench_decode_gpu_path_smoke(monkeypatch):
     """The GPU harness's own logic (layouts, records, ratios, goals) on tiny float32 CPU sizes,
     with CPU timers standing in for CUDA events."""
-    from paged_ref.bench import common, decode
+    from paged_ref.lab.bench import common, decode
 
     monkeypatch.setattr(decode, "gpu_median", lambda fn, **kw: common.cpu_median(fn, warmup=0, repeats=1)["median_s"])
     monkeypatch.setattr(decode, "copy_bandwidth", lambda: dict(bytes=1, median_s=1.0, bandwidth_GBps=1.0))

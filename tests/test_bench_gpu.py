@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from paged_ref.bench import gpu
+from paged_ref.lab.bench import gpu
 
 
 def test_dry_run_runs_every_section_and_fits_the_plan(tmp_path, capsys):

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from paged_ref.bench import available, scaling
-from paged_ref.bench.common import ResultFile
+from paged_ref.lab.bench import available, scaling
+from paged_ref.lab.bench.common import ResultFile
 
 # arguments a benchmark needs on a CPU before it reaches its output (the rest take none)
 CPU_ARGS = {"decode": ["--cpu"], "scaling": ["--cpu"], "gpu": ["--dry-run"]}
@@ -18,7 +18,7 @@ CPU_ARGS = {"decode": ["--cpu"], "scaling": ["--cpu"], "gpu": ["--dry-run"]}
 def test_every_benchmark_refuses_a_bad_out_before_measuring(name, bad, tmp_path, monkeypatch, capsys):
     (tmp_path / "a_file").write_text("")
     monkeypatch.chdir(tmp_path)
-    module = importlib.import_module(f"paged_ref.bench.{name}")
+    module = importlib.import_module(f"paged_ref.lab.bench.{name}")
     with pytest.raises(SystemExit) as exit:
         module.main([*CPU_ARGS.get(name, []), "--out", bad])
     assert exit.value.code == 2

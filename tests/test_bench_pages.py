@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from paged_ref.bench import pages
-from paged_ref.bench._reads import ReadCounter
+from paged_ref.lab.bench import pages
+from paged_ref.lab.bench._reads import ReadCounter
 
 
 def test_read_counter_counts_what_indexing_copies_and_what_a_view_feeds():

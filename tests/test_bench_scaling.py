@@ -1,4 +1,4 @@
-"""Tests of `python -m paged_ref.bench scaling` and its parts (CPU, tiny model; no timed assertions)."""
+"""Tests of `python -m paged_ref.lab.bench scaling` and its parts (CPU, tiny model; no timed assertions)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from paged_ref.allocator import PageAllocator
-from paged_ref.bench import scaling
-from paged_ref.bench._scaling_batch import batch_throughput
-from paged_ref.bench._scaling_chat import run_chat
-from paged_ref.bench._scaling_latency import (
+from paged_ref.lab.bench import scaling
+from paged_ref.lab.bench._scaling_batch import batch_throughput
+from paged_ref.lab.bench._scaling_chat import run_chat
+from paged_ref.lab.bench._scaling_latency import (
     AllocationTimer,
     ContiguousDecoder,
     LadderConfig,
@@ -20,8 +20,8 @@ from paged_ref.bench._scaling_latency import (
     make_decoder,
     run_ladder,
 )
-from paged_ref.bench.scaling_report import alloc_summary, fit_counts, mixed_lengths, paged_overhead, ratios_to
-from paged_ref.fragmentation import requests_that_fit
+from paged_ref.lab.bench.scaling_report import alloc_summary, fit_counts, mixed_lengths, paged_overhead, ratios_to
+from paged_ref.lab.fragmentation import requests_that_fit
 from paged_ref.models import tiny_llama
 
 
@@ -103,7 +103,7 @@ def test_figures_state_provenance(run):
     import matplotlib
 
     matplotlib.use("Agg")
-    from paged_ref.viz import scaling as vs
+    from paged_ref.lab.viz import scaling as vs
 
     data = run[0]
     date = data["environment"]["date_utc"][:10]
@@ -257,7 +257,7 @@ def test_gpu_profile_code_paths_on_cpu(model):
 
 
 def test_noise_summary_from_the_ladder():
-    from paged_ref.bench.scaling_report import noise_summary
+    from paged_ref.lab.bench.scaling_report import noise_summary
 
     def decoder(backend, label, pts):
         return {

@@ -1,11 +1,11 @@
-"""`python -m paged_ref.bench serve --quick`: the harness at toy sizes on the tiny model, and its figures."""
+"""`python -m paged_ref.lab.bench serve --quick`: the harness at toy sizes on the tiny model, and its figures."""
 
 import json
 
 import pytest
 
-from paged_ref.bench import serve
-from paged_ref.viz import serve as viz
+from paged_ref.lab.bench import serve
+from paged_ref.lab.viz import serve as viz
 
 
 @pytest.fixture(scope="module")

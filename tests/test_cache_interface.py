@@ -37,17 +37,14 @@ def test_not_a_cache_is_refused():
         PagedKVCache(**SHAPE).block_table(layer=2)
 
 
-def test_session_takes_the_cache_as_kv_cache_or_its_older_name_kv():
+def test_session_takes_the_cache_as_kv_cache_only():
     model = tiny_llama()
     kv = PagedKVCache.for_model(model, num_pages=8, page_size=4)
-    for keyword in ("kv_cache", "kv"):
-        with PagedSession(model, **{keyword: kv}) as session:
-            assert session.kv is kv
-    with pytest.raises(TypeError, match="kv_cache= or as kv="):
-        PagedSession(model, kv_cache=kv, kv=kv)
-    with pytest.raises(TypeError, match="kv must be a paged_ref.PagedKVCache, a LayeredKVCache or None, got str"):
-        PagedSession(model, kv="pages")
-    with pytest.raises(TypeError, match="kv_cache must be a paged_ref.PagedKVCache"):
+    with PagedSession(model, kv_cache=kv) as session:
+        assert session.kv is kv
+    with pytest.raises(TypeError, match="unexpected keyword argument 'kv'"):
+        PagedSession(model, kv=kv)
+    with pytest.raises(TypeError, match="kv_cache must be a paged_ref.PagedKVCache, a LayeredKVCache or None, got str"):
         PagedSession(model, kv_cache="pages")
 
 

@@ -614,7 +614,7 @@ class SessionMachine(Checked):
             if self.layered
             else pr.PagedKVCache.for_model(self.model_, num_pages=14, page_size=4, prefix_caching=True)
         )
-        self.session = PagedSession(self.model_, kv=self.kv_, backend="sdpa").open()
+        self.session = PagedSession(self.model_, kv_cache=self.kv_, backend="sdpa").open()
         decision = "per_layer" if self.layered else "shared"
         self.policies = [
             None,

@@ -1,4 +1,4 @@
-"""paged_ref.check: every checker passes a correct solution and catches every listed mutant."""
+"""paged_ref.lab.check: every checker passes a correct solution and catches every listed mutant."""
 
 import re
 import signal
@@ -10,7 +10,7 @@ import torch
 from check_mutants import ALSO_CORRECT, MUTANTS, SOLUTIONS
 
 import paged_ref as pr
-from paged_ref import check
+from paged_ref.lab import check
 
 CHECKERS = {
     "allocator": check.check_allocator,
@@ -122,14 +122,14 @@ def test_hints_name_the_mistake(mutant, words):
 def test_package_reference_passes_its_own_checkers():
     assert check.check_allocator(pr.PageAllocator).passed
     assert check.check_slot_mapping(pr.slot_mapping).passed
-    assert check.check_paged_attention(pr.paged_attention_reference).passed
+    assert check.check_paged_attention(pr.reference_paged_decode).passed
 
 
 def test_triton_checker_passes_the_kernel_and_catches_a_short_length():
-    assert check.check_triton_decode(pr.paged_decode).passed
+    assert check.check_triton_decode(pr.triton_paged_decode).passed
 
     def short(q, k_cache, v_cache, block_table, seq_lens, scale=None):
-        return pr.paged_decode(q, k_cache, v_cache, block_table, (seq_lens - 1).clamp(min=1), scale=scale)
+        return pr.triton_paged_decode(q, k_cache, v_cache, block_table, (seq_lens - 1).clamp(min=1), scale=scale)
 
     report = check.check_triton_decode(short)
     assert not report.passed and "one token short" in report.failure.hint
@@ -165,7 +165,7 @@ def test_the_reference_mode_says_what_the_reference_does():
 def test_the_constructed_kv_make_the_scores_decide():
     """Every token of a page has its page's ratio ||V||/||K|| (distinct levels), while ||K|| varies
     token by token; in the last prompt page 0 scores lowest (the task keeps it: the sink)."""
-    from paged_ref.check.eviction import _Driver, _page_scores
+    from paged_ref.lab.check.eviction import _Driver, _page_scores
 
     for sink_lowest in (False, True):
         d = _Driver(None, 24, 8, 48, 0, 16, seed=5, sink_lowest=sink_lowest)
@@ -254,7 +254,7 @@ def test_off_the_main_thread_a_slow_case_is_measured_after_it_returns():
 def test_a_slow_attempt_shows_a_progress_line(monkeypatch, capsys):
     import check_mutants
 
-    from paged_ref.check import report as report_module
+    from paged_ref.lab.check import report as report_module
 
     monkeypatch.setattr(report_module, "PROGRESS_AFTER_S", 0.0)
     monkeypatch.setattr(check_mutants.SlowAllocator, "delay", 0.001)

@@ -615,7 +615,7 @@ def test_session_refuses_a_chunk_past_the_policy_action_and_changes_nothing(tiny
 
 # ----------------------------------------------------------------------------- the benchmark's pieces
 def test_wilson_interval_known_values():
-    from paged_ref.stats import wilson
+    from paged_ref.lab.stats import wilson
 
     lo, hi = wilson(6, 10)
     assert math.isclose(lo, 0.3127, abs_tol=1e-4) and math.isclose(hi, 0.8318, abs_tol=1e-4)
@@ -635,7 +635,7 @@ class _WordTokenizer:
 
 
 def test_bench_language_modelling_task_on_the_tiny_model(tiny):
-    from paged_ref.bench.eviction import PER_LAYER, TOKEN_LEVEL, lm_task, policy_runs, summarize_lm
+    from paged_ref.lab.bench.eviction import PER_LAYER, TOKEN_LEVEL, lm_task, policy_runs, summarize_lm
 
     cfg = dict(texts=1, text_stride=150, context=40, continuation=17, budgets=[16], page_sizes=[4, 8])
     rows, check, texts = lm_task(tiny, _WordTokenizer(), cfg, log=lambda msg: None)
@@ -729,7 +729,7 @@ def test_hf_generate_eviction_argument_errors(tiny1):
 
 
 def test_passkey_answer_must_be_exactly_the_key():
-    from paged_ref.bench.eviction import answer_is_correct
+    from paged_ref.lab.bench.eviction import answer_is_correct
 
     assert answer_is_correct(" 66226.", "66226")
     assert not answer_is_correct(" 662266", "66226")  # an extra digit is a wrong answer

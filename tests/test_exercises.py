@@ -50,7 +50,7 @@ def test_exercise_one_reports_in_both_modes(solutions):
 
 
 def test_every_exercise_names_solutions_the_file_defines():
-    from paged_ref.check import load_solutions
+    from paged_ref.lab.check import load_solutions
 
     module = load_solutions(SOLUTIONS)
     notebooks = sorted(EXERCISES.glob("ex*.ipynb"))

@@ -59,7 +59,7 @@ def test_compiled_prefill_matches_the_oracle_and_skips_other_pages(page_size):
 _TWO_PROCESSES = """
 import torch
 from paged_ref.attention.flex import flex_paged_decode
-from paged_ref.attention.reference import paged_attention_reference
+from paged_ref.attention.reference import reference_paged_decode
 
 gen = torch.Generator().manual_seed(0)
 k, v = torch.randn(5, 16, 2, 32, generator=gen), torch.randn(5, 16, 2, 32, generator=gen)  # [pages, 16, Hkv, D]
@@ -67,7 +67,7 @@ table, lens = torch.arange(5, dtype=torch.int32)[None], torch.tensor([70], dtype
 for _ in range(20):
     q = torch.randn(1, 4, 32, generator=gen)  # [batch, Hq, D]
     out = flex_paged_decode(q, k, v, table, lens, compiled=True)
-    torch.testing.assert_close(out, paged_attention_reference(q, k, v, table, lens), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, reference_paged_decode(q, k, v, table, lens), rtol=1e-4, atol=1e-4)
 print("threads", torch.get_num_threads())
 """
 

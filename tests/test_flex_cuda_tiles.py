@@ -15,9 +15,9 @@ import torch
 
 from paged_ref._arith import next_pow2
 from paged_ref.attention.flex import DEFAULT_Q_BLOCK_SIZE, cuda_kernel_options, default_kv_block_size
-from paged_ref.bench import decode
-from paged_ref.bench._scaling_models import LLAMA_1B_SHAPES, SMOLLM2_SHAPES
-from paged_ref.bench.scaling import PAGE_SIZE, PROFILES
+from paged_ref.lab.bench import decode
+from paged_ref.lab.bench._scaling_models import LLAMA_1B_SHAPES, SMOLLM2_SHAPES
+from paged_ref.lab.bench.scaling import PAGE_SIZE, PROFILES
 
 heuristics = pytest.importorskip("torch._inductor.template_heuristics.triton")
 

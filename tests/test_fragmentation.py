@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_ref.fragmentation import (
+from paged_ref.lab.fragmentation import (
     POLICIES,
     Workload,
     _Contiguous,

@@ -1,4 +1,4 @@
-"""`python -m paged_ref.check.grade`: a folder of submissions -> one CSV row per exercise name found."""
+"""`python -m paged_ref.lab.check.grade`: a folder of submissions -> one CSV row per exercise name found."""
 
 import csv
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import nbformat
 
-from paged_ref.check import grade
+from paged_ref.lab.check import grade
 
 EXERCISES = Path(__file__).resolve().parents[1] / "notebooks" / "exercises"
 SOLUTIONS = EXERCISES / "solutions" / "solutions.py"
@@ -111,13 +111,15 @@ def test_only_definitions_run_from_a_notebook(tmp_path):
     """The check and figure cells of a notebook are not run when it is graded, its definitions are."""
     nb = nbformat.v4.new_notebook()
     nb.cells = [
-        nbformat.v4.new_code_cell("%matplotlib inline\nimport torch\nfrom paged_ref.check import figures"),
+        nbformat.v4.new_code_cell("%matplotlib inline\nimport torch\nfrom paged_ref.lab.check import figures"),
         nbformat.v4.new_code_cell(
             "def my_page_scores(scores, page_size):\n"
             "    return torch.stack([c.mean() for c in scores.split(page_size)])"
         ),
         nbformat.v4.new_code_cell("raise RuntimeError('a cell the grader must not run')"),
-        nbformat.v4.new_code_cell("report = pr.check.check_page_scores(my_page_scores)\nfigures.scores_figure(1, 2)"),
+        nbformat.v4.new_code_cell(
+            "report = pr.lab.check.check_page_scores(my_page_scores)\nfigures.scores_figure(1, 2)"
+        ),
     ]
     path = tmp_path / "ex3.ipynb"
     nbformat.write(nb, path)

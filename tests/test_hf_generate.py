@@ -276,7 +276,7 @@ def test_rope_uses_absolute_positions_after_pages_are_dropped(model):
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (8, 2), (6, 1)])
 def test_sdpa_backend_matches_the_reference_on_random_paged_inputs(page_size, num_q_heads, num_kv_heads):
-    from paged_ref.attention.reference import paged_attention_reference, paged_prefill_reference
+    from paged_ref.attention.reference import reference_paged_decode, reference_paged_prefill
     from paged_ref.attention.sdpa import sdpa_paged_decode, sdpa_paged_prefill
 
     g = torch.Generator().manual_seed(page_size * 100 + num_q_heads)
@@ -291,14 +291,14 @@ def test_sdpa_backend_matches_the_reference_on_random_paged_inputs(page_size, nu
     q = torch.randn(len(lens), num_q_heads, 16, generator=g, dtype=torch.float64)
     torch.testing.assert_close(
         sdpa_paged_decode(q, kc, vc, table, seq_lens, scale=0.3),
-        paged_attention_reference(q, kc, vc, table, seq_lens, scale=0.3),
+        reference_paged_decode(q, kc, vc, table, seq_lens, scale=0.3),
     )
     # new tokens per sequence: a whole prompt where it fits in 5 rows, else a chunk over a cached prefix
     q_lens = torch.tensor([min(n, c) for n, c in zip(lens, [1, 2, 5, 5])], dtype=torch.int32)
     q4 = torch.randn(len(lens), num_q_heads, 5, 16, generator=g, dtype=torch.float64)
     torch.testing.assert_close(
         sdpa_paged_prefill(q4, kc, vc, table, seq_lens, q_lens),
-        paged_prefill_reference(q4, kc, vc, table, seq_lens, q_lens),
+        reference_paged_prefill(q4, kc, vc, table, seq_lens, q_lens),
     )
 
 
@@ -313,7 +313,7 @@ def test_sdpa_backend_rejects_what_the_reference_rejects():
 
 
 def test_bench_generate_quick_on_the_tiny_model(tmp_path):
-    from paged_ref.bench import generate as bench
+    from paged_ref.lab.bench import generate as bench
 
     data = bench.main(["--quick", "--model", "tiny", "--skip-memory", "--out", str(tmp_path)])  # memory: below
     assert (tmp_path / "generate_cpu.json").exists()
@@ -443,8 +443,8 @@ def test_a_registered_backend_is_used_with_its_preparation(model):
 
     backend = hf.Backend(
         "counted_reference",
-        ("paged_ref.attention.reference", "paged_attention_reference"),
-        ("paged_ref.attention.reference", "paged_prefill_reference"),
+        ("paged_ref.attention.reference", "reference_paged_decode"),
+        ("paged_ref.attention.reference", "reference_paged_prefill"),
         prepare,
     )
     hf.register_backend(backend)
@@ -473,7 +473,7 @@ def test_negative_controls_move_log_probs_far_beyond_the_tolerance(model, mistak
 
 
 def test_sdpa_decode_reads_consecutive_pages_in_place_and_gathers_scattered_ones():
-    from paged_ref.attention.reference import paged_attention_reference
+    from paged_ref.attention.reference import reference_paged_decode
     from paged_ref.attention.sdpa import prepare, sdpa_paged_decode
 
     g = torch.Generator().manual_seed(3)
@@ -484,7 +484,7 @@ def test_sdpa_decode_reads_consecutive_pages_in_place_and_gathers_scattered_ones
         gather = prepare(table, lens, 4)
         assert gather.start == start
         torch.testing.assert_close(
-            sdpa_paged_decode(q, kc, vc, table, lens, gather=gather), paged_attention_reference(q, kc, vc, table, lens)
+            sdpa_paged_decode(q, kc, vc, table, lens, gather=gather), reference_paged_decode(q, kc, vc, table, lens)
         )
 
 
@@ -492,7 +492,7 @@ def test_session_prefix_caching_through_the_public_api(model):
     """A second request with the same prompt starts from the cached pages and gets the same logits."""
     kv = PagedKVCache.for_model(model, num_pages=16, page_size=4, prefix_caching=True)
     prompt = _prompt(14, seed=21)[0]  # [14]
-    with hf.PagedSession(model, kv=kv) as session:
+    with hf.PagedSession(model, kv_cache=kv) as session:
         a = session.add(prompt)
         assert session.position(a) == 0
         first = session.extend([a], [prompt])
@@ -506,7 +506,7 @@ def test_session_prefix_caching_through_the_public_api(model):
 def test_a_failed_forward_rolls_back_without_ending_prefix_caching(model):
     kv = PagedKVCache.for_model(model, num_pages=6, page_size=4, prefix_caching=True)
     prompt, more = _prompt(8, seed=22)[0], _prompt(4, seed=24)[0]
-    with hf.PagedSession(model, kv=kv) as session:
+    with hf.PagedSession(model, kv_cache=kv) as session:
         a = session.add(prompt)
         session.extend([a], [prompt])
         pages = kv.pages(a)
@@ -521,7 +521,7 @@ def test_a_failed_forward_rolls_back_without_ending_prefix_caching(model):
 
 def test_bench_generate_memory_runs_each_method_and_takes_the_median(monkeypatch, capsys):
     """The memory workload's child (in this process; `bench generate` starts one process per run)."""
-    from paged_ref.bench import _generate_memory as memory
+    from paged_ref.lab.bench import _generate_memory as memory
 
     one = memory.main(["--method", "paged_auto", "--context", "24", "--new", "3", "--model", "tiny"])
     assert one["generated"] == 3 and one["peak_rss_rise_bytes"] >= 0
@@ -567,7 +567,7 @@ def test_a_forward_that_fails_midway_gives_back_copies_and_pages(model, prefix_c
     from cache_state import snapshot
 
     kv = PagedKVCache.for_model(model, num_pages=12, page_size=4, prefix_caching=prefix_caching)
-    with hf.PagedSession(model, kv=kv) as session:
+    with hf.PagedSession(model, kv_cache=kv) as session:
         root = session.add()
         session.extend([root], [_prompt(10, seed=32)[0]])
         a = session.fork(root)
@@ -595,14 +595,14 @@ def test_namespaces_per_sequence_through_the_session_and_generate(model):
     kv = PagedKVCache.for_model(model, num_pages=32, page_size=4, prefix_caching=True)
     prompt = _prompt(9, seed=36)
     hf.generate(model, prompt, max_new_tokens=2, kv_cache=kv, namespace={"adapter": "a"})
-    with hf.PagedSession(model, kv=kv) as session:
+    with hf.PagedSession(model, kv_cache=kv) as session:
         assert session.position(session.add(prompt[0], namespace={"adapter": "a"})) == 8
         assert session.position(session.add(prompt[0], namespace={"adapter": "b"})) == 0
         assert session.position(session.add(prompt[0])) == 0
         with pytest.raises(TypeError, match="namespace must be None or a dict"):
             session.add(prompt[0], namespace="a")
     hf.generate(model, prompt, max_new_tokens=2, kv_cache=kv, namespace=[{}])  # one per row; {} is none
-    with hf.PagedSession(model, kv=kv) as session:
+    with hf.PagedSession(model, kv_cache=kv) as session:
         assert session.position(session.add(prompt[0], namespace={})) == 8
     with pytest.raises(ValueError, match=r"namespace must be None, a dict or a list of one per row \(1\), got 2"):
         hf.generate(model, prompt, max_new_tokens=2, kv_cache=kv, namespace=[{}, {}])

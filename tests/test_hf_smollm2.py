@@ -12,8 +12,9 @@ import json
 import pytest
 import torch
 
-from paged_ref import PagedKVCache, hf, textdata
-from paged_ref.bench import eviction
+from paged_ref import PagedKVCache, hf
+from paged_ref.lab import textdata
+from paged_ref.lab.bench import eviction
 
 pytestmark = [
     pytest.mark.slow,

@@ -12,8 +12,8 @@ import paged_ref
 SCRIPT = """
 import matplotlib; matplotlib.use("Agg")
 import matplotlib.pyplot as plt, paged_ref
-from paged_ref.runmode import save_figure
-from paged_ref.bench.common import write_json, DATA_DIR
+from paged_ref.lab.runmode import save_figure
+from paged_ref.lab.bench.common import write_json, DATA_DIR
 print(paged_ref.__file__)
 print(save_figure(plt.figure(), "probe"))
 print(write_json({"a": 1}, "probe.json"))
@@ -68,7 +68,7 @@ def test_installed_copy_writes_to_the_current_folder_or_the_chosen_one(tmp_path)
 
 
 def test_the_checkout_keeps_its_own_figures_folder():
-    from paged_ref.runmode import output_root
+    from paged_ref.lab.runmode import output_root
 
     if os.environ.get("PAGED_REF_OUTPUT"):
         return

@@ -176,7 +176,7 @@ def test_session_on_a_layered_cache_gives_the_same_logits(backend):
     out = []
     for cls in (PagedKVCache, LayeredKVCache):
         kv = cls.for_model(model, num_pages=16, page_size=4)
-        with PagedSession(model, kv=kv, backend=backend) as session:
+        with PagedSession(model, kv_cache=kv, backend=backend) as session:
             s = session.add()
             logits = session.extend([s], [ids[:20]], all_logits=True)
             decode = 20 if backend == "flex" else 24  # flex decode compiles (~10 s); its prefill reads the same masks
@@ -194,7 +194,7 @@ def test_session_with_per_layer_eviction_keeps_each_layer_within_the_bound():
     kv = LayeredKVCache.for_model(model, num_pages=16, page_size=4)
     policy = PagedEviction(16, decision="per_layer")
     ids = torch.randint(3, 200, (40,), generator=torch.Generator().manual_seed(1))
-    with PagedSession(model, kv=kv) as session:
+    with PagedSession(model, kv_cache=kv) as session:
         root = session.add()
         session.extend([root], [ids[:20]])
         s = session.fork(root, eviction=policy)
@@ -292,7 +292,7 @@ def test_a_session_whose_compaction_runs_out_of_pages_keeps_every_layer_alike():
     kv = LayeredKVCache.for_model(model, num_pages=6, page_size=4)  # 12 layer pages
     ids = torch.randint(3, 200, (14,), generator=torch.Generator().manual_seed(2))
     policy = make_policy("token_topk", 12, decision="per_layer")
-    with PagedSession(model, kv=kv) as session:
+    with PagedSession(model, kv_cache=kv) as session:
         root = session.add()
         session.extend([root], [ids[:10]])  # 3 pages in each of 2 layers
         s = session.fork(root, eviction=policy)  # 10 <= 12: nothing evicted, every page shared

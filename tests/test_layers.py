@@ -1,7 +1,8 @@
 """Data flows one way through the package, function-level imports included.
 
-allocator -> block tables -> cache -> attention -> hf / eviction -> bench -> viz -> widgets:
-nothing lower imports anything higher, and no two top-level modules import each other.
+The lesson: allocator -> block tables -> cache -> attention -> hf / eviction -> serve; the lab on
+top (lab.bench -> lab.viz -> lab.widgets): nothing lower imports anything higher, no lesson
+module imports the lab, and no two top-level modules import each other.
 """
 
 import ast
@@ -18,14 +19,8 @@ CORE = {
     "cache",
     "attention",
     "memory",
-    "fragmentation",
-    "scenarios",
-    "provenance",
-    "runmode",
-    "stats",
-    "texttable",
 }
-UPPER = {"hf", "eviction", "bench", "viz", "widgets"}
+UPPER = {"hf", "eviction", "serve", "lab"}
 
 
 def imports() -> set[tuple[str, str]]:
@@ -54,12 +49,24 @@ def top(module: str) -> str:
     return module.split(".")[0]
 
 
+def room(module: str) -> str:
+    """The top-level module, or for the lab its subpackage (``lab.bench``, ``lab.viz``, ...)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "lab" else parts[0]
+
+
 EDGES = imports()
 
 
 def test_the_scan_sees_imports():
     assert ("cache", "allocator") in EDGES  # `from .allocator import ...`
-    assert any(top(a) == "widgets" and top(b) == "viz" for a, b in EDGES)
+    assert any(room(a) == "lab.widgets" and room(b) == "lab.viz" for a, b in EDGES)
+    assert any(room(a) == "lab.bench" and room(b) == "hf" for a, b in EDGES)
+
+
+def test_no_lesson_module_imports_the_lab():
+    bad = sorted((a, b) for a, b in EDGES if top(a) not in ("", "lab") and top(b) == "lab")
+    assert not bad, f"lesson modules importing the lab: {bad}"
 
 
 @pytest.mark.parametrize("low", sorted(CORE))
@@ -69,7 +76,7 @@ def test_core_imports_nothing_above_it(low):
 
 
 def test_no_cycle_between_top_level_modules():
-    pairs = {(top(a), top(b)) for a, b in EDGES if top(a) != top(b) and a and b}
+    pairs = {(room(a), room(b)) for a, b in EDGES if room(a) != room(b) and a and b}
     cycles = sorted((a, b) for a, b in pairs if (b, a) in pairs and a < b)
     assert not cycles, f"top-level modules importing each other: {cycles}"
 
@@ -77,14 +84,14 @@ def test_no_cycle_between_top_level_modules():
 @pytest.mark.parametrize(
     "low, high",
     [
-        ("viz", "bench"),
-        ("viz", "widgets"),
-        ("bench", "viz"),
-        ("bench", "widgets"),
-        ("hf", "bench"),
-        ("eviction", "bench"),
+        ("lab.viz", "lab.bench"),
+        ("lab.viz", "lab.widgets"),
+        ("lab.bench", "lab.viz"),
+        ("lab.bench", "lab.widgets"),
+        ("hf", "serve"),
+        ("eviction", "serve"),
     ],
 )
 def test_no_import_upwards(low, high):
-    bad = sorted((a, b) for a, b in EDGES if top(a) == low and top(b) == high)
+    bad = sorted((a, b) for a, b in EDGES if room(a) == low and room(b) == high)
     assert not bad, f"{low} imports {high}: {bad}"

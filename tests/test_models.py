@@ -1,11 +1,12 @@
-"""paged_ref.models (tiny random Llama, SmolLM2 file lookup) and paged_ref.textdata."""
+"""paged_ref.models (tiny random Llama, SmolLM2 file lookup) and paged_ref.lab.textdata."""
 
 import importlib.util
 
 import pytest
 import torch
 
-from paged_ref import models, textdata
+from paged_ref import models
+from paged_ref.lab import textdata
 
 
 # ---------------------------------------------------------------------------------- tiny_llama

@@ -14,9 +14,9 @@ from attention_cases import COMPILED_DECODE_CASE, make_decode_case, make_prefill
 
 import paged_ref as pr
 from paged_ref.attention.flex import flex_paged_decode
-from paged_ref.attention.reference import paged_attention_reference, paged_prefill_reference
+from paged_ref.attention.reference import reference_paged_decode, reference_paged_prefill
 from paged_ref.attention.sdpa import sdpa_paged_decode, sdpa_paged_prefill
-from paged_ref.attention.triton_decode import paged_decode
+from paged_ref.attention.triton_decode import triton_paged_decode
 
 
 def compiled(fn):
@@ -24,8 +24,8 @@ def compiled(fn):
 
 
 # compiled flex: the same poisoned rows in test_flex_compiled.py, which compiles each shape once
-DECODERS = {"reference": paged_attention_reference, "triton": paged_decode, "sdpa": sdpa_paged_decode}
-PREFILLERS = {"reference": paged_prefill_reference, "sdpa": sdpa_paged_prefill}
+DECODERS = {"reference": reference_paged_decode, "triton": triton_paged_decode, "sdpa": sdpa_paged_decode}
+PREFILLERS = {"reference": reference_paged_prefill, "sdpa": sdpa_paged_prefill}
 # the cache route also holds for eager flex: nothing stale is left to read
 CACHE_DECODERS = {**DECODERS, "flex": compiled(flex_paged_decode), "flex eager": flex_paged_decode}
 

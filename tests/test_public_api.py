@@ -21,5 +21,5 @@ def test_package_docstring_example():
 
 
 def test_lazy_modules_the_readme_names_resolve():
-    assert pr.stats.wilson(0, 0) == (0.0, 1.0)
+    assert pr.lab.stats.wilson(0, 0) == (0.0, 1.0)
     assert pr.hf.register_backend is not None and "sdpa" in pr.hf.BACKENDS

@@ -24,12 +24,17 @@ def test_layout_block_matches_the_tree():
     package = README.parent / "paged_ref"
     named = set(re.findall(r"\b(\w+)\.py\b", block))
     named |= {
-        f"{sub}/{m}" for sub, mods in re.findall(r"(\w+)/ \(([^)]*)\)", block) for m in re.split(r"[,\s]+", mods) if m
+        f"{sub}/{m}"
+        for sub, mods in re.findall(r"([\w/]+)/ \(([^)]*)\)", block)
+        for m in re.split(r"[,\s]+", mods)
+        if m
     }
     modules = {p.stem for p in package.glob("*.py") if p.stem != "__init__" and p.stem != "_validate"}
+    modules |= {f"lab/{p.stem}" for p in (package / "lab").glob("*.py") if p.stem != "__init__"}
     subpackages = {p.name for p in package.iterdir() if (p / "__init__.py").exists()}
+    subpackages |= {f"lab/{p.name}" for p in (package / "lab").iterdir() if (p / "__init__.py").exists()}
     for sub in subpackages:
-        assert f"{sub}/" in block, f"paged_ref/{sub}/ is missing from the README layout"
+        assert f"{sub.removeprefix('lab/')}/" in block, f"paged_ref/{sub}/ is missing from the README layout"
     assert modules <= named, f"modules missing from the README layout: {sorted(modules - named)}"
     for name in named:
         path = package / (name + ".py") if "/" not in name else package / f"{name}.py"

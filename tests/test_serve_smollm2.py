@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import paged_ref as pr
-from paged_ref import textdata
 from paged_ref.eviction import make_policy
+from paged_ref.lab import textdata
 
 pytestmark = [
     pytest.mark.slow,

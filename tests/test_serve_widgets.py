@@ -3,12 +3,12 @@
 import pytest
 from matplotlib.figure import Figure
 
-from paged_ref.fragmentation import make_workload
+from paged_ref.lab.fragmentation import make_workload
+from paged_ref.lab.serve_replay import replay
+from paged_ref.lab.viz import serve as viz
+from paged_ref.lab.widgets import figure_png
+from paged_ref.lab.widgets import serve as widgets
 from paged_ref.serve import Engine
-from paged_ref.serve.replay import replay
-from paged_ref.viz import serve as viz
-from paged_ref.widgets import figure_png
-from paged_ref.widgets import serve as widgets
 
 
 def test_simulation_numbers_are_the_replay_of_the_default_workload():
@@ -62,7 +62,7 @@ def test_step_view_and_the_timeline_read_a_traced_run():
 
 
 def test_replay_checks_its_workload():
-    with pytest.raises(TypeError, match="workload must be a paged_ref.fragmentation.Workload"):
+    with pytest.raises(TypeError, match="workload must be a paged_ref.lab.fragmentation.Workload"):
         replay([(1, 2)], num_pages=8)
     wl = make_workload(5, seed=0, mean_prompt=8, mean_output=8, max_len=64)
     assert replay(wl, num_pages=16, page_size=4).summary()["computed_share"] >= 1.0

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from paged_ref import PagedKVCache
-from paged_ref.bench import sharing as bench
+from paged_ref.lab.bench import sharing as bench
+from paged_ref.lab.sharing import computed_tokens, no_sharing_pages, prefix_caching_pages
 from paged_ref.models import tiny_llama
-from paged_ref.sharing import computed_tokens, no_sharing_pages, prefix_caching_pages
 
 
 def _admit(kv, tokens: list[int]) -> int:
@@ -73,7 +73,7 @@ def test_counts_refuse_bad_lengths():
 
 
 def test_bench_sharing_quick_run_and_figures(tmp_path):
-    from paged_ref.viz.sharing import sharing_figure
+    from paged_ref.lab.viz.sharing import sharing_figure
 
     model = tiny_llama(seed=0)
     data = bench.measure(model, None, prompts={"short": 6, "long": 21}, widths=(3,), new_tokens=4, repeats=1)

@@ -3,7 +3,7 @@
 The interpreter accepts programs the compiler rejects (tl.dot minimum shapes, dtype rules), so
 this is the GPU path's first line of defence: the default configurations of every target must
 compile, no 16-bit configuration may spill, and on Ampere/Hopper the K/V loads must be
-asynchronous copies into a ring of at least two buffers. `python -m paged_ref.bench kernels`
+asynchronous copies into a ring of at least two buffers. `python -m paged_ref.lab.bench kernels`
 runs the same compiles over every configuration the launcher can choose.
 """
 
@@ -11,7 +11,7 @@ import pytest
 import triton
 import triton.compiler  # noqa: F401
 
-from paged_ref.bench import kernels as K
+from paged_ref.lab.bench import kernels as K
 
 DEFAULTS = [
     K.KernelConfig(arch, dtype, 128, 4, page, split)

@@ -16,8 +16,8 @@ import torch
 from attention_cases import make_decode_case, rel_error
 
 from paged_ref.attention import triton_decode as td
-from paged_ref.attention.reference import paged_attention_reference
-from paged_ref.attention.triton_decode import choose_num_splits, paged_decode
+from paged_ref.attention.reference import reference_paged_decode
+from paged_ref.attention.triton_decode import choose_num_splits, triton_paged_decode
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,7 +49,7 @@ def make_case(seed, *, page_size, num_q_heads, num_kv_heads, head_dim, seq_lens,
 def reference64(q, k_cache, v_cache, block_table, seq_lens):
     """The plain-PyTorch reference in float64 on the CPU: the oracle where pages are shared."""
     args = [t.cpu().double() if t.is_floating_point() else t.cpu() for t in (q, k_cache, v_cache)]
-    return paged_attention_reference(*args, block_table.cpu(), seq_lens.cpu())
+    return reference_paged_decode(*args, block_table.cpu(), seq_lens.cpu())
 
 
 def rel_err(out, ref):
@@ -59,29 +59,29 @@ def rel_err(out, ref):
 # --- agreement with float64 ------------------------------------------------------------------
 def test_page_size_256_spans_many_tiles():
     case = make_case(256, page_size=256, num_q_heads=4, num_kv_heads=1, head_dim=64, seq_lens=[1, 256, 257, 600])
-    assert rel_err(paged_decode(*case.args, num_splits=2), case.expected()) < 1e-5
+    assert rel_err(triton_paged_decode(*case.args, num_splits=2), case.expected()) < 1e-5
 
 
 @pytest.mark.parametrize("head_dim", [32, 80])
 def test_other_head_dims(head_dim):
     """80 is not a power of two: the kernel pads the head dimension and masks it."""
     case = make_case(head_dim, page_size=16, num_q_heads=4, num_kv_heads=2, head_dim=head_dim, seq_lens=[3, 50])
-    assert rel_err(paged_decode(*case.args, num_splits=3), case.expected()) < 1e-5
+    assert rel_err(triton_paged_decode(*case.args, num_splits=3), case.expected()) < 1e-5
 
 
 def test_shared_pages_between_sequences():
     """Two sequences may point at the same physical pages (prefix sharing)."""
     q, kc, vc, bt, lens = make_case(9, page_size=8, num_q_heads=4, num_kv_heads=2, head_dim=64, seq_lens=[20, 20]).args
     bt[1, :2] = bt[0, :2]
-    assert rel_err(paged_decode(q, kc, vc, bt, lens), reference64(q, kc, vc, bt, lens)) < 1e-5
+    assert rel_err(triton_paged_decode(q, kc, vc, bt, lens), reference64(q, kc, vc, bt, lens)) < 1e-5
 
 
 def test_int64_block_table_and_seq_lens():
     """The common contract also allows int64 tables and lengths; same result as int32."""
     case = make_case(12, page_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64, seq_lens=[7, 40])
     q, kc, vc, bt, lens = case.args
-    out32 = paged_decode(q, kc, vc, bt, lens, num_splits=2)
-    out64 = paged_decode(q, kc, vc, bt.long(), lens.long(), num_splits=2)
+    out32 = triton_paged_decode(q, kc, vc, bt, lens, num_splits=2)
+    out64 = triton_paged_decode(q, kc, vc, bt.long(), lens.long(), num_splits=2)
     torch.testing.assert_close(out64, out32, rtol=0, atol=0)
     assert rel_err(out64, case.expected()) < 1e-5
 
@@ -94,8 +94,8 @@ SPLIT_LENS = [1, 17, 200, 333]
 def test_splits_match_unsplit_and_float64(num_splits):
     """Any split count (also more splits than tiles: empty splits) gives the unsplit result."""
     case = make_case(31, page_size=16, num_q_heads=8, num_kv_heads=2, head_dim=64, seq_lens=SPLIT_LENS)
-    unsplit = paged_decode(*case.args, num_splits=1)
-    split = paged_decode(*case.args, num_splits=num_splits)
+    unsplit = triton_paged_decode(*case.args, num_splits=1)
+    split = triton_paged_decode(*case.args, num_splits=num_splits)
     ref = case.expected()
     assert rel_err(unsplit, ref) < 1e-5
     assert rel_err(split, ref) < 1e-5
@@ -138,7 +138,7 @@ def test_poisoned_output_fully_written_and_nothing_past_it(num_splits):
     guard = 64
     buf = torch.full((q.numel() + guard,), float("nan"), dtype=q.dtype, device=q.device)
     out = buf[: q.numel()].view(q.shape)  # contiguous, NaN-filled
-    result = paged_decode(*case.args, num_splits=num_splits, out=out)
+    result = triton_paged_decode(*case.args, num_splits=num_splits, out=out)
     assert result.data_ptr() == out.data_ptr()
     assert not torch.isnan(out).any()
     assert torch.isnan(buf[q.numel() :]).all()  # no write past the end
@@ -209,7 +209,7 @@ def test_bad_input_raises_and_leaves_out_untouched(name):
     case = mutate(_base_case())
     out = torch.full((2, 4, 64), float("nan"), device=DEVICE)
     with pytest.raises(exc, match=match):
-        paged_decode(*case, out=out)
+        triton_paged_decode(*case, out=out)
     assert torch.isnan(out).all()
 
 
@@ -224,18 +224,18 @@ def _cache_with(page_size=8, head_dim=64):
 @pytest.mark.parametrize("page_size", [3, 12, 512])
 def test_page_size_must_be_power_of_two_up_to_256(page_size):
     with pytest.raises(ValueError, match=f"power of two in \\[1, 256\\], got {page_size}"):
-        paged_decode(*_cache_with(page_size=page_size))
+        triton_paged_decode(*_cache_with(page_size=page_size))
 
 
 def test_head_dim_limit():
     with pytest.raises(ValueError, match="head_dim must be at most 256, got 512"):
-        paged_decode(*_cache_with(head_dim=512))
+        triton_paged_decode(*_cache_with(head_dim=512))
 
 
 @pytest.mark.parametrize("num_splits", [0, -2, 1.5, True, "2"])
 def test_bad_num_splits(num_splits):
     with pytest.raises(ValueError, match="num_splits must be None or a positive int"):
-        paged_decode(*_base_case(), num_splits=num_splits)
+        triton_paged_decode(*_base_case(), num_splits=num_splits)
 
 
 @pytest.mark.parametrize(
@@ -250,7 +250,7 @@ def test_bad_num_splits(num_splits):
 def test_bad_out(bad_out, match):
     case = _base_case()
     with pytest.raises((TypeError, ValueError), match=match):
-        paged_decode(*case, out=bad_out(case[0]))
+        triton_paged_decode(*case, out=bad_out(case[0]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter-only rule")
@@ -258,14 +258,14 @@ def test_bad_out(bad_out, match):
 def test_interpreter_is_float32_only(dtype):
     case = [t.to(dtype) if t.is_floating_point() else t for t in _base_case()]
     with pytest.raises(TypeError, match="interpreter.*float32 only.*got torch"):
-        paged_decode(*case)
+        triton_paged_decode(*case)
 
 
 @gpu
 def test_cpu_tensors_run_in_the_interpreter_on_a_gpu_machine():
     case = [t.cpu().float() if t.is_floating_point() else t.cpu() for t in _base_case()]
     assert td.interpreted(case[0].device)
-    assert rel_err(paged_decode(*case), reference64(*case)) < 1e-5
+    assert rel_err(triton_paged_decode(*case), reference64(*case)) < 1e-5
 
 
 # --- how the kernel is run: interpreter selection, missing triton ----------------------------
@@ -288,7 +288,7 @@ def test_interpreter_runs_even_if_triton_imported_first_and_disabled():
             triton.knobs.runtime.interpret = False
         from paged_ref.attention import triton_decode as td
         q, kc = torch.randn(1, 2, 16), torch.randn(2, 4, 1, 16)
-        out = td.paged_decode(q, kc, kc, torch.tensor([[1, 0]], dtype=torch.int32),
+        out = td.triton_paged_decode(q, kc, kc, torch.tensor([[1, 0]], dtype=torch.int32),
                               torch.tensor([6], dtype=torch.int32), num_splits=2)
         if hasattr(triton, "knobs"):
             assert triton.knobs.runtime.interpret is False
@@ -320,8 +320,8 @@ def test_import_and_call_leave_the_process_as_it_was():
         import paged_ref as pr
         q, kc = torch.randn(2, 4, 16), torch.randn(3, 4, 2, 16)
         bt = torch.tensor([[2, 0], [1, 0]], dtype=torch.int32)
-        out = pr.paged_decode(q, kc, kc, bt, torch.tensor([5, 3], dtype=torch.int32))
-        assert torch.allclose(out, pr.paged_attention_reference(q, kc, kc, bt,
+        out = pr.triton_paged_decode(q, kc, kc, bt, torch.tensor([5, 3], dtype=torch.int32))
+        assert torch.allclose(out, pr.reference_paged_decode(q, kc, kc, bt,
                               torch.tensor([5, 3], dtype=torch.int32)), atol=1e-5)
         assert dict(os.environ) == env, "os.environ changed"
         after = snapshot()
@@ -343,15 +343,15 @@ def test_without_triton_module_imports_and_call_raises_importerror():
         sys.modules["triton"] = None          # make `import triton` fail
         sys.modules["triton.language"] = None
         import torch
-        from paged_ref.attention.triton_decode import paged_decode
+        from paged_ref.attention.triton_decode import triton_paged_decode
         try:
-            paged_decode(torch.randn(1, 2, 16), torch.randn(2, 4, 1, 16), torch.randn(2, 4, 1, 16),
+            triton_paged_decode(torch.randn(1, 2, 16), torch.randn(2, 4, 1, 16), torch.randn(2, 4, 1, 16),
                          torch.zeros(1, 2, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
         except ImportError as e:
             print("ImportError:", e)
     """)
     assert result.returncode == 0, result.stderr
-    assert "ImportError: paged_decode needs the `triton` package" in result.stdout
+    assert "ImportError: triton_paged_decode needs the `triton` package" in result.stdout
 
 
 # --- GPU: half precision and large sizes -----------------------------------------------------
@@ -372,7 +372,7 @@ def test_gpu_dtypes(dtype, page_size):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     ref = case.expected()
     for num_splits in (1, None, 7):
-        out = paged_decode(*case.args, num_splits=num_splits)
+        out = triton_paged_decode(*case.args, num_splits=num_splits)
         assert out.dtype == dtype and not torch.isnan(out).any()
         assert rel_err(out, ref) < tol
 
@@ -390,7 +390,7 @@ def test_gpu_large(seq_lens, num_kv_heads):
         dtype=torch.bfloat16,
     )
     out = torch.full_like(case.q, float("nan"))
-    paged_decode(*case.args, out=out)
+    triton_paged_decode(*case.args, out=out)
     assert not torch.isnan(out).any()
     assert rel_err(out, case.expected()) < 1e-2
 

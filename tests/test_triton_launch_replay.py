@@ -3,7 +3,7 @@
 A kernel launch compiles once per *specialization*: Triton's argument binding turns each call's
 arguments into a key (dtypes, constexprs, and for integers and pointers whether they equal 1 or
 are multiples of 16), and every new key is a compile on the GPU. Here the GPU run's calls of
-`paged_decode` are recorded on the CPU with the launcher told it is on an H200 (tile sizes and
+`triton_paged_decode` are recorded on the CPU with the launcher told it is on an H200 (tile sizes and
 split counts as on sm_90 with 132 SMs, nothing launched), passed through Triton's own binder
 for a CUDA sm_90 target, and every distinct key is compiled for sm_90 (Triton's cache makes
 reruns fast). Recorded calls:
@@ -17,7 +17,7 @@ reruns fast). Recorded calls:
   sequence, the mixed batch's sizes, the page-size sweep) rather than recorded from a run of a
   1B model on this CPU.
 
-The counts feed `paged_ref.bench.gpu`'s budgets (`gpu.TRITON_COMPILES`), checked here.
+The counts feed `paged_ref.lab.bench.gpu`'s budgets (`gpu.TRITON_COMPILES`), checked here.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from triton.runtime.jit import create_function_from_signature
 
 from paged_ref._arith import cdiv
 from paged_ref.attention import triton_decode as td
-from paged_ref.bench import decode, gpu
-from paged_ref.bench._scaling_models import LLAMA_1B_SHAPES
-from paged_ref.bench.scaling import PAGE_SIZE, PROFILES
-from paged_ref.bench.scaling_report import mixed_lengths
+from paged_ref.lab.bench import decode, gpu
+from paged_ref.lab.bench._scaling_models import LLAMA_1B_SHAPES
+from paged_ref.lab.bench.scaling import PAGE_SIZE, PROFILES
+from paged_ref.lab.bench.scaling_report import mixed_lengths
 
 TARGET = GPUTarget("cuda", 90, 32)
 H200_SMS = 132
@@ -172,7 +172,7 @@ def record_scaling(monkeypatch):
         table = torch.zeros(len(lengths), max(widths), dtype=torch.int32)
         seq_lens = torch.tensor(lengths, dtype=torch.int32)
         q = torch.empty(len(lengths), heads, head_dim, dtype=torch.bfloat16)
-        td.paged_decode(q, cache, cache, table, seq_lens, check_values=False)
+        td.triton_paged_decode(q, cache, cache, table, seq_lens, check_values=False)
     return recorder.launches
 
 

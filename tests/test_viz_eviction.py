@@ -11,12 +11,13 @@ from matplotlib.figure import Figure
 
 matplotlib.use("Agg")
 
-import paged_ref.viz.eviction as ve  # noqa: E402
-import paged_ref.widgets.eviction as we  # noqa: E402
-from paged_ref import stats  # noqa: E402
-from paged_ref.bench import eviction_report as report  # noqa: E402
-from paged_ref.eviction import analysis, token_scores  # noqa: E402
-from paged_ref.eviction.replay import layout_stats, replay  # noqa: E402
+import paged_ref.lab.viz.eviction as ve  # noqa: E402
+import paged_ref.lab.widgets.eviction as we  # noqa: E402
+from paged_ref.eviction import token_scores  # noqa: E402
+from paged_ref.lab import eviction_analysis as analysis  # noqa: E402
+from paged_ref.lab import stats  # noqa: E402
+from paged_ref.lab.bench import eviction_report as report  # noqa: E402
+from paged_ref.lab.eviction_replay import layout_stats, replay  # noqa: E402
 
 
 def kv(seed=0, n=96, layers=3, heads=2, dim=8):
@@ -158,7 +159,7 @@ def test_layout_stats_against_a_loop():
 
 # --------------------------------------------------------------------------- the evaluation's JSON
 def fake_results(delta_nll=0.1, ratio_correct=18, abl_correct=2, trials=20):
-    """Results shaped like `python -m paged_ref.bench eviction` writes them."""
+    """Results shaped like `python -m paged_ref.lab.bench eviction` writes them."""
     lm_rows, pk_rows = [], []
     for text, ps, c in itertools.product(range(2), (16, 32), (128, 256)):
         base = 3.0 + 0.01 * text + 0.001 * c / 128 + 0.0001 * ps

@@ -6,8 +6,7 @@ from matplotlib.figure import Figure
 
 from paged_ref import PagedKVCache, hf
 from paged_ref.block_table import pages_needed
-from paged_ref.models import tiny_llama
-from paged_ref.viz.generation import (
+from paged_ref.lab.viz.generation import (
     GenerationTrace,
     PageTracer,
     generation_story_figure,
@@ -15,7 +14,8 @@ from paged_ref.viz.generation import (
     pages_over_steps_figure,
     story_indices,
 )
-from paged_ref.widgets.generation import trace_panel, trace_view
+from paged_ref.lab.widgets.generation import trace_panel, trace_view
+from paged_ref.models import tiny_llama
 
 PAGE = 4
 

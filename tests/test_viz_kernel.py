@@ -27,8 +27,8 @@ from paged_ref.attention.online_softmax import (  # noqa: E402
     token_slots,
 )
 from paged_ref.attention.reference import gather_sequence  # noqa: E402
-from paged_ref.viz import kernel as vk  # noqa: E402
-from paged_ref.widgets import kernel as wk  # noqa: E402
+from paged_ref.lab.viz import kernel as vk  # noqa: E402
+from paged_ref.lab.widgets import kernel as wk  # noqa: E402
 
 
 def png(fig: Figure) -> bytes:
@@ -65,11 +65,11 @@ def test_spec_float64_inputs_are_exact_to_rounding_and_custom_scale():
 
 
 def test_spec_matches_the_triton_kernel_split_for_split():
-    from paged_ref.attention.triton_decode import paged_decode
+    from paged_ref.attention.triton_decode import triton_paged_decode
 
     case = make_decode_case(seed=3, batch=2, page_size=8, num_kv_heads=2, group=2, head_dim=16, seq_lens=[70, 9])
     for num_splits in (1, 3):
-        kernel = paged_decode(*case.args, num_splits=num_splits)
+        kernel = triton_paged_decode(*case.args, num_splits=num_splits)
         spec = paged_decode_spec(*case.args, num_splits=num_splits, block_n=32)
         assert rel_error(kernel, spec.double()) < 1e-6
 
@@ -238,7 +238,7 @@ def test_gqa_bytes_and_figure():
 
 def test_bandwidth_figure_reads_the_benchmark_json(monkeypatch):
     """Run the GPU harness on tiny CPU sizes (CPU timer for CUDA events), then draw its output."""
-    from paged_ref.bench import common, decode
+    from paged_ref.lab.bench import common, decode
 
     monkeypatch.setattr(decode, "gpu_median", lambda fn, **kw: common.cpu_median(fn, warmup=0, repeats=1)["median_s"])
     monkeypatch.setattr(decode, "copy_bandwidth", lambda: dict(bytes=1, median_s=1.0, bandwidth_GBps=0.5))

@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 from attention_cases import make_decode_case, make_prefill_case  # noqa: E402
 
 from paged_ref.attention.flex import block_mask_visits, paged_block_masks  # noqa: E402
-from paged_ref.viz.masks import (  # noqa: E402
+from paged_ref.lab.viz.masks import (  # noqa: E402
     VERDICTS,
     block_masks_figure,
     expected_visible,
@@ -25,7 +25,7 @@ from paged_ref.viz.masks import (  # noqa: E402
     translation_figure,
     untranslated_block_mask,
 )
-from paged_ref.widgets.masks import KV_BLOCK_SIZES, PAGE_SIZES, check_lengths, churned_cache, mask_panel, mask_view  # noqa: E402
+from paged_ref.lab.widgets.masks import KV_BLOCK_SIZES, PAGE_SIZES, check_lengths, churned_cache, mask_panel, mask_view  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -270,7 +270,7 @@ def test_mask_panel_builds():
 def test_block_kinds_of_a_causal_mask():
     from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
-    from paged_ref.viz.masks import FULL, PARTIAL, SKIPPED, block_kinds, block_mask_figure
+    from paged_ref.lab.viz.masks import FULL, PARTIAL, SKIPPED, block_kinds, block_mask_figure
 
     causal = lambda b, h, q, kv: q >= kv  # noqa: E731
     bm = create_block_mask(causal, None, None, 12, 12, device="cpu", BLOCK_SIZE=4)
@@ -287,7 +287,7 @@ def test_block_kinds_of_a_causal_mask():
 def test_block_kinds_full_and_partial_in_one_row():
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from paged_ref.viz.masks import FULL, PARTIAL, block_kinds
+    from paged_ref.lab.viz.masks import FULL, PARTIAL, block_kinds
 
     # keys 0..4 kept: block 0 (keys 0-3) is full, block 1 (keys 4-7) partial
     bm = create_block_mask(lambda b, h, q, kv: kv < 5, None, None, 4, 8, device="cpu", BLOCK_SIZE=4)

@@ -7,9 +7,9 @@ from matplotlib.patches import Rectangle
 from paged_ref.allocator import OutOfPagesError
 from paged_ref.block_table import pages_needed
 from paged_ref.cache import PagedKVCache
-from paged_ref.scenarios import ScenarioPlayer, Step, add, finish, fork, grow, random_scenario
-from paged_ref.viz.pages import _format_table, page_map, page_map_figure, page_map_story
-from paged_ref.widgets.pages import PAGE_SIZES, page_map_panel, page_map_view, page_scenario
+from paged_ref.lab.scenarios import ScenarioPlayer, Step, add, finish, fork, grow, random_scenario
+from paged_ref.lab.viz.pages import _format_table, page_map, page_map_figure, page_map_story
+from paged_ref.lab.widgets.pages import PAGE_SIZES, page_map_panel, page_map_view, page_scenario
 
 
 def make(num_pages=8, page_size=4, **kw):

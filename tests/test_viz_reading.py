@@ -6,8 +6,8 @@ import pytest
 import torch
 from matplotlib.figure import Figure
 
-from paged_ref.viz import reading as vr
-from paged_ref.widgets.reading import QueryPages, budget_view, page_statistics
+from paged_ref.lab.viz import reading as vr
+from paged_ref.lab.widgets.reading import QueryPages, budget_view, page_statistics
 
 
 def _data(n=70, page_size=8, seed=0):
@@ -66,9 +66,9 @@ def test_reading_figures_draw_from_their_inputs():
 def test_real_query_pages_keys_are_the_cached_keys():
     """The keys rebuilt from the layer's input (projection, RoPE) are the ones the paged cache holds."""
     from paged_ref.hf import prompt_kv
+    from paged_ref.lab.textdata import english_text
+    from paged_ref.lab.widgets.reading import real_query_pages
     from paged_ref.models import load_smollm2
-    from paged_ref.textdata import english_text
-    from paged_ref.widgets.reading import real_query_pages
 
     data = real_query_pages(64, layer=3, kv_head=1)
     model, tok = load_smollm2()

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from paged_ref.bench.common import DATA_DIR
-from paged_ref.viz import scaling as viz
+from paged_ref.lab.bench.common import DATA_DIR
+from paged_ref.lab.viz import scaling as viz
 
 GPU = json.loads((DATA_DIR / "scaling_gpu.json").read_text())
 

@@ -19,7 +19,7 @@ EXAMPLE = textwrap.dedent(
     """
     import sys, torch
     import paged_ref as pr
-    import paged_ref.check
+    import paged_ref.lab.check
     cache = pr.PagedKVCache(num_layers=1, num_pages=64, page_size=16, num_kv_heads=2, head_dim=64)
     a, b = cache.add_sequence(), cache.add_sequence()
     ks, vs = {}, {}
@@ -29,13 +29,13 @@ EXAMPLE = textwrap.dedent(
         cache.write(0, slots, ks[seq], vs[seq])
     table, lens = cache.block_table([a, b])
     q = torch.randn(2, 8, 64)  # [batch, Hq, D]
-    out = pr.paged_attention_reference(q, cache.k_cache[0], cache.v_cache[0], table, lens)
+    out = pr.reference_paged_decode(q, cache.k_cache[0], cache.v_cache[0], table, lens)
     for i, seq in enumerate((a, b)):
         k = ks[seq].repeat_interleave(4, dim=1).transpose(0, 1)  # [Hq, n, D]
         v = vs[seq].repeat_interleave(4, dim=1).transpose(0, 1)
         p = torch.softmax(q[i][:, None] @ k.transpose(1, 2) / 8, -1)  # [Hq, 1, n]
         torch.testing.assert_close(out[i], (p @ v)[:, 0])
-    assert pr.check.check_allocator(pr.PageAllocator).passed
+    assert pr.lab.check.check_allocator(pr.PageAllocator).passed
     # every paged_ref module loaded here is the wheel's copy, none the repository's
     elsewhere = {n: m.__file__ for n, m in sys.modules.items() if n.startswith("paged_ref")
                  and not m.__file__.startswith(sys.argv[1])}

@@ -8,9 +8,9 @@ from matplotlib.figure import Figure
 
 matplotlib.use("Agg")
 
-from paged_ref import runmode  # noqa: E402
-from paged_ref.fragmentation import compare_policies, make_workload  # noqa: E402
-from paged_ref.widgets.fragmentation import (  # noqa: E402
+from paged_ref.lab import runmode  # noqa: E402
+from paged_ref.lab.fragmentation import compare_policies, make_workload  # noqa: E402
+from paged_ref.lab.widgets.fragmentation import (  # noqa: E402
     BUDGETS,
     PAGE_SIZES,
     default_workload,
@@ -18,7 +18,7 @@ from paged_ref.widgets.fragmentation import (  # noqa: E402
     fragmentation_panel,
     fragmentation_view,
 )
-from paged_ref.widgets.memory import LENGTHS, kv_memory_numbers, kv_memory_panel, kv_memory_view  # noqa: E402
+from paged_ref.lab.widgets.memory import LENGTHS, kv_memory_numbers, kv_memory_panel, kv_memory_view  # noqa: E402
 
 
 def png(fig: Figure) -> bytes:
@@ -117,7 +117,7 @@ def test_quick_mode_follows_the_environment(monkeypatch):
 
 def test_figures_dir_is_the_repository_folder():
     path = runmode.figures_dir()
-    assert path.name == "figures" and (path.parent / "paged_ref" / "runmode.py").exists()
+    assert path.name == "figures" and (path.parent / "paged_ref" / "lab" / "runmode.py").exists()
 
 
 def test_save_figure_writes_only_in_full_mode(monkeypatch, tmp_path):

@@ -2,12 +2,12 @@
 
 import pytest
 
-from paged_ref.fragmentation import make_workload
-from paged_ref.widgets import with_static_figure
-from paged_ref.widgets.fragmentation import fragmentation_panel
-from paged_ref.widgets.masks import mask_panel
-from paged_ref.widgets.memory import kv_memory_panel
-from paged_ref.widgets.pages import page_map_panel
+from paged_ref.lab.fragmentation import make_workload
+from paged_ref.lab.widgets import with_static_figure
+from paged_ref.lab.widgets.fragmentation import fragmentation_panel
+from paged_ref.lab.widgets.masks import mask_panel
+from paged_ref.lab.widgets.memory import kv_memory_panel
+from paged_ref.lab.widgets.pages import page_map_panel
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -32,10 +32,6 @@ key bounds promise the largest scores (:func:`quest_paged_decode`).
 :mod:`.sdpa` is the CPU fast path: gather the batch's K/V by slot, then PyTorch's
 ``scaled_dot_product_attention`` (:func:`sdpa_paged_decode`, :func:`sdpa_paged_prefill`).
 
-Former names, kept as aliases: ``paged_attention_reference`` (= :func:`reference_paged_decode`),
-``paged_prefill_reference`` (= :func:`reference_paged_prefill`), ``paged_decode``
-(= :func:`triton_paged_decode`), and the module ``paged_ref.hf.sdpa`` (= :mod:`.sdpa`).
-
 :mod:`.triton_decode` and :mod:`.triton_cascade` import triton, so their names load on first use.
 
 Example:
@@ -58,19 +54,12 @@ from .online_softmax import paged_decode_spec
 from .quest import quest_paged_decode
 from .reference import (
     gather_sequence,
-    paged_attention_reference,
-    paged_prefill_reference,
     reference_paged_decode,
     reference_paged_prefill,
 )
 from .sdpa import sdpa_paged_decode, sdpa_paged_prefill
 
-# names in modules that import triton
-_LAZY = {
-    "triton_paged_decode": "triton_decode",
-    "paged_decode": "triton_decode",
-    "triton_cascade_decode": "triton_cascade",
-}
+_LAZY = {"triton_paged_decode": "triton_decode", "triton_cascade_decode": "triton_cascade"}  # modules importing triton
 
 
 def __getattr__(name):
@@ -84,11 +73,8 @@ __all__ = [
     "flex_paged_prefill",
     "gather_sequence",
     "merge_states",
-    "paged_attention_reference",
     "paged_block_masks",
-    "paged_decode",
     "paged_decode_spec",
-    "paged_prefill_reference",
     "quest_paged_decode",
     "reference_cascade_decode",
     "reference_paged_decode",

@@ -569,7 +569,7 @@ def flex_paged_decode(
 ) -> torch.Tensor:
     """Decode attention with FlexAttention reading K/V in place from the paged cache.
 
-    Same contract as :func:`paged_ref.attention.reference.paged_attention_reference`.
+    Same contract as :func:`paged_ref.attention.reference.reference_paged_decode`.
 
     Args:
         q: ``[batch, num_q_heads, head_dim]``.
@@ -633,7 +633,7 @@ def flex_paged_prefill(
 ) -> torch.Tensor:
     """Causal prefill attention with FlexAttention over the paged cache.
 
-    Same contract as :func:`paged_ref.attention.reference.paged_prefill_reference`: the last
+    Same contract as :func:`paged_ref.attention.reference.reference_paged_prefill`: the last
     ``q_lens[b]`` of the ``seq_lens[b]`` cached tokens are the new ones whose queries are in
     ``q``; padding query rows come back as zeros.
 

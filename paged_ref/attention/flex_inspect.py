@@ -13,7 +13,7 @@ lists visible and checkable without a GPU:
   mask_mod's translation step by step;
 * :func:`untranslated_block_mask` builds the bug of forgetting to translate the block lists.
 
-:mod:`paged_ref.viz.masks` draws all of this (notebook 04).
+:mod:`paged_ref.lab.viz.masks` draws all of this (notebook 04).
 
 Example:
     >>> import torch

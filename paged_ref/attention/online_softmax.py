@@ -3,7 +3,7 @@
 :mod:`paged_ref.attention.triton_decode` computes softmax attention without ever holding a
 whole row of scores. This module does the same computation step by step, in the same order
 and with the same formulas, so each intermediate value can be printed (notebook 05) and the
-whole can be checked against :func:`~paged_ref.attention.reference.paged_attention_reference`:
+whole can be checked against :func:`~paged_ref.attention.reference.reference_paged_decode`:
 
 * :func:`online_update`: one tile of the **online softmax**, the body of the kernel's loop.
   State per query row: running max ``m``, running sum ``l = sum 2^(s - m)`` and unnormalised
@@ -225,7 +225,7 @@ def paged_decode_spec(
     num_splits: int = 1,
     block_n: int = 32,
 ) -> torch.Tensor:
-    """What :func:`~paged_ref.attention.triton_decode.paged_decode` computes, program by program.
+    """What :func:`~paged_ref.attention.triton_decode.triton_paged_decode` computes, program by program.
 
     For every (sequence ``b``, KV head ``h``, split ``s``), one "program": the query heads
     ``h * group .. h * group + group - 1`` as the rows of one tile (GQA), the split's tokens in
@@ -247,8 +247,8 @@ def paged_decode_spec(
         >>> kc, vc = torch.randn(4, 8, 1, 16), torch.randn(4, 8, 1, 16)
         >>> q = torch.randn(1, 4, 16)                              # MQA: 4 query heads
         >>> bt, lens = torch.tensor([[2, 0, 3]]), torch.tensor([20])
-        >>> from paged_ref.attention.reference import paged_attention_reference
-        >>> ref = paged_attention_reference(q, kc, vc, bt, lens)
+        >>> from paged_ref.attention.reference import reference_paged_decode
+        >>> ref = reference_paged_decode(q, kc, vc, bt, lens)
         >>> torch.allclose(paged_decode_spec(q, kc, vc, bt, lens, num_splits=3, block_n=4), ref,
         ...                atol=1e-5)
         True

@@ -170,18 +170,11 @@ def reference_paged_prefill(
     return _prefill(q, k_cache, v_cache, block_table, seq_lens, q_lens, scale)
 
 
-# The names these functions had before the attention entry points followed one scheme
-# (``<backend>_paged_decode`` / ``<backend>_paged_prefill``); kept so existing code still runs.
-paged_attention_reference = reference_paged_decode
-paged_prefill_reference = reference_paged_prefill
-
 __all__ = [
     "attend",
     "check_paged_inputs",
     "check_prefill_inputs",
     "gather_sequence",
-    "paged_attention_reference",
-    "paged_prefill_reference",
     "reference_paged_decode",
     "reference_paged_prefill",
 ]

@@ -116,7 +116,7 @@ def _attend(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tens
 
 
 # Tokens per chunk of `attend_chunked`. With it, SmolLM2's decode step at 8192 tokens on 2 CPU cores
-# went from 1.53x to 0.94x of DynamicCache's (`python -m paged_ref.bench generate`, contexts workload).
+# went from 1.53x to 0.94x of DynamicCache's (`python -m paged_ref.lab.bench generate`, contexts workload).
 DECODE_CHUNK = 512
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -200,7 +200,7 @@ def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float) -> tor
 def sdpa_paged_decode(
     q, k_cache, v_cache, block_table, seq_lens, *, scale=None, gather=None, check_values=True
 ) -> torch.Tensor:
-    """Decode attention over the pages (same contract as `paged_attention_reference`).
+    """Decode attention over the pages (same contract as `reference_paged_decode`).
 
     Args:
         q: ``[batch, num_q_heads, head_dim]``.
@@ -222,7 +222,7 @@ def sdpa_paged_decode(
 def sdpa_paged_prefill(
     q, k_cache, v_cache, block_table, seq_lens, q_lens, *, scale=None, gather=None, check_values=True
 ) -> torch.Tensor:
-    """Causal prefill over the pages (same contract as `paged_prefill_reference`).
+    """Causal prefill over the pages (same contract as `reference_paged_prefill`).
 
     Args:
         q: ``[batch, num_q_heads, max_q_len, head_dim]``.

@@ -22,7 +22,7 @@ is therefore to stream K and V from the paged cache at close to copy bandwidth:
   programs; each writes a partial ``(m, l, acc)`` and a second, tiny kernel merges them.
   ``num_splits=None`` picks the count from batch, heads, length and the SM count.
 
-What the compiler makes of it is measured, not assumed: ``python -m paged_ref.bench kernels``
+What the compiler makes of it is measured, not assumed: ``python -m paged_ref.lab.bench kernels``
 compiles every configuration the launcher can choose for sm_90, sm_80 and sm_75 without a GPU
 and records registers, spills, shared memory, asynchronous copies and MMA instructions in
 ``figures/data/kernels.json`` (notebook 05, "what the compiler made of the kernel").
@@ -63,7 +63,7 @@ except ImportError:  # no Triton wheel for this platform: the module imports, ca
     tl = types.SimpleNamespace(constexpr=None)  # only for the `tl.constexpr` annotations below
     _HAVE_TRITON = False
 
-__all__ = ["choose_num_splits", "compiled_kernels", "interpreted", "native_half", "paged_decode", "triton_paged_decode"]
+__all__ = ["choose_num_splits", "compiled_kernels", "interpreted", "native_half", "triton_paged_decode"]
 
 _MAX_SPLITS = 256  # upper bound for the heuristic (partials stay a few MB)
 _MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism gained
@@ -270,7 +270,7 @@ _kernel = runnable  # (kernel, interpret) -> the kernel as compiled JITFunction 
 
 def compiled_kernels() -> dict[str, object]:
     """The two kernels as compiled-mode JITFunctions, for ahead-of-time compilation
-    (``triton.compile(ASTSource(fn=...), target=...)``: see ``paged_ref.bench.kernels``)."""
+    (``triton.compile(ASTSource(fn=...), target=...)``: see ``paged_ref.lab.bench.kernels``)."""
     if not _HAVE_TRITON:
         raise ImportError("compiling the kernels needs the `triton` package")
     return {k.fn.__name__: _kernel(k, interpret=False) for k in (_paged_decode_split_kernel, _reduce_splits_kernel)}
@@ -345,7 +345,7 @@ def _default_num_splits(batch: int, num_kv_heads: int, max_len: int, device: tor
 
 def _tile_config(dtype: torch.dtype, head_dim: int, group: int, *, interpret: bool, capability: int = 90) -> dict:
     """Tile sizes and launch options for one call (a fixed choice per target;
-    `python -m paged_ref.bench kernels` reports what each compiles to).
+    `python -m paged_ref.lab.bench kernels` reports what each compiles to).
 
     Args:
         capability: the GPU's compute capability as ``10 * major + minor`` (90 for H100/H200,
@@ -444,8 +444,8 @@ def triton_paged_decode(
     """
     if not _HAVE_TRITON:
         raise ImportError(
-            "paged_decode needs the `triton` package (Linux only): "
-            "pip install triton, or use paged_attention_reference instead"
+            "triton_paged_decode needs the `triton` package (Linux only): "
+            "pip install triton, or use reference_paged_decode instead"
         )
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     interpret = interpreted(q.device)
@@ -560,8 +560,3 @@ def _launch(
                 num_warps=1 if interpret else 4,
             )
     return (part_m, part_l) if write_partials else None
-
-
-# The name this function had before the attention entry points followed one scheme
-# (``<backend>_paged_decode``); kept so existing code still runs.
-paged_decode = triton_paged_decode

@@ -55,14 +55,7 @@ import torch
 
 from .._validate import check_choice, check_int
 from ..block_table import pages_needed
-from .base import (  # noqa: F401 (NO_LIMIT: also importable from here)
-    NO_LIMIT,
-    EvictionPolicy,
-    EvictionStats,
-    Reserved,
-    max_pages_held,
-    sequence_scores,
-)
+from .base import EvictionPolicy, EvictionStats, Reserved, max_pages_held, sequence_scores
 from .scores import page_scores
 
 __all__ = [

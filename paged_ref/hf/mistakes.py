@@ -12,7 +12,7 @@ Example:
     >>> bt, lens = torch.tensor([[0, 3]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
     >>> q = torch.randn(1, 2, 8)
     >>> bool(torch.allclose(off_by_one_decode(q, kc, vc, bt, lens),
-    ...                     paged_attention_reference(q, kc, vc, bt, lens - 1)))
+    ...                     reference_paged_decode(q, kc, vc, bt, lens - 1)))
     True
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.reference import paged_attention_reference
+from ..attention.reference import reference_paged_decode
 
 __all__ = ["off_by_one_decode", "wrong_page_decode"]
 
@@ -28,7 +28,7 @@ __all__ = ["off_by_one_decode", "wrong_page_decode"]
 def off_by_one_decode(q, k_cache, v_cache, block_table, seq_lens, **kwargs) -> torch.Tensor:
     """Decode that misses each sequence's newest token (lengths one short, as from an
     exclusive/inclusive mix-up); a sequence of one token keeps it. Shapes as the reference's."""
-    return paged_attention_reference(q, k_cache, v_cache, block_table, (seq_lens - 1).clamp(min=1), **kwargs)
+    return reference_paged_decode(q, k_cache, v_cache, block_table, (seq_lens - 1).clamp(min=1), **kwargs)
 
 
 def wrong_page_decode(q, k_cache, v_cache, block_table, seq_lens, **kwargs) -> torch.Tensor:
@@ -39,4 +39,4 @@ def wrong_page_decode(q, k_cache, v_cache, block_table, seq_lens, **kwargs) -> t
     two = (seq_lens > page_size) & (block_table.shape[1] > 1)  # [batch]
     if block_table.shape[1] > 1:
         swapped[two, 0], swapped[two, 1] = block_table[two, 1], block_table[two, 0]
-    return paged_attention_reference(q, k_cache, v_cache, swapped, seq_lens, **kwargs)
+    return reference_paged_decode(q, k_cache, v_cache, swapped, seq_lens, **kwargs)

@@ -53,13 +53,6 @@ from .cache import PagedCache, StepPlan, pack_rows
 __all__ = ["PagedSession", "cache_keyword"]
 
 
-def _cache_argument(kv_cache, kv) -> tuple[str, KVCache | None]:
-    """The cache passed as ``kv_cache=`` or under its older name ``kv=``, with the name used."""
-    if kv is not None and kv_cache is not None:
-        raise TypeError("pass the cache as kv_cache= or as kv= (its older name), not both")
-    return ("kv", kv) if kv is not None else ("kv_cache", kv_cache)
-
-
 def cache_keyword(model) -> str:
     """Name of the forward argument taking the cache: ``cache`` (5.24) or ``past_key_values`` (5.17)."""
     params = inspect.signature(model.forward).parameters
@@ -74,8 +67,7 @@ class PagedSession:
             (Llama, Mistral, Qwen2, SmolLM2, ...), in eval mode.
         kv_cache: a `KVCache` (`PagedKVCache`, or `LayeredKVCache` for per-layer eviction
             decisions) matching the model (layers, KV heads, head_dim, dtype, device), or None to
-            create a `PagedKVCache` with `num_pages` pages of `page_size` tokens. ``kv=`` is the
-            same argument under its older name (still accepted; pass one of the two).
+            create a `PagedKVCache` with `num_pages` pages of `page_size` tokens.
         num_pages, page_size: size of the cache created when `kv_cache` is None.
         backend: ``"auto"`` (default: ``"triton"`` on CUDA, ``"sdpa"`` elsewhere), ``"reference"``
             (the oracle), ``"flex"``, ``"triton"`` or ``"sdpa"`` (see `paged_ref.hf.attention`),
@@ -102,9 +94,8 @@ class PagedSession:
         backend=AUTO,
         eviction=None,
         budget: int | None = None,
-        kv: KVCache | None = None,
     ):
-        name, kv = _cache_argument(kv_cache, kv)
+        kv = kv_cache
         eviction = resolve_policy(eviction, budget)
         geometry = model_geometry(model)
         backend_ = get_backend(backend, geometry.device)  # a kv given must match this device (below)
@@ -112,12 +103,12 @@ class PagedSession:
             kv = PagedKVCache(num_pages=num_pages, page_size=page_size, **geometry.cache_kwargs)
         elif not isinstance(kv, KVCache):
             raise TypeError(
-                f"{name} must be a paged_ref.PagedKVCache, a LayeredKVCache or None, got {type(kv).__name__}"
+                f"kv_cache must be a paged_ref.PagedKVCache, a LayeredKVCache or None, got {type(kv).__name__}"
             )
         else:
             need, got = geometry.cache_kwargs, kv.geometry.cache_kwargs
             if got != need:
-                raise ValueError(f"{name} does not match the model: the model needs {need}, {name} has {got}")
+                raise ValueError(f"kv_cache does not match the model: the model needs {need}, kv_cache has {got}")
         self.model = model
         self.kv = kv
         self._backend = backend_

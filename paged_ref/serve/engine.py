@@ -116,7 +116,7 @@ class Engine:
             eos = [] if eos_token_id is None else eos_token_id
             default_len = num_pages * page_size
         else:
-            from ..hf.session import PagedSession  # transformers is imported only for a real model
+            from ..hf.session import PagedSession
 
             kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
             self.session = PagedSession(model, kv_cache=kv, backend=backend).open()

@@ -1,6 +1,6 @@
 """Reference solutions of the exercise notebooks (instructors: keep this file out of the handout).
 
-Each exercise notebook calls ``paged_ref.check.use_solution(name, mine)``: with
+Each exercise notebook calls ``paged_ref.lab.check.use_solution(name, mine)``: with
 ``PAGED_REF_SOLUTIONS`` pointing at this file the notebook runs these instead of the student's
 skeleton (CI does, so the notebooks keep working). Written the way a student would, from scratch.
 """

@@ -1,0 +1,47 @@
+"""The lab: everything that measures, draws, grades or feeds the notebooks. The lesson never imports it.
+
+- `bench`: the benchmarks, run as ``python -m paged_ref.lab.bench NAME``: measure, write JSON to
+  ``figures/data/``;
+- `viz`: matplotlib figures from that JSON or from the lesson's objects;
+- `widgets`: the notebooks' sliders, each redrawn by a pure function a test also calls;
+- `check`: the coursework checkers students call on their own code (``pr.lab.check``);
+- helpers the above share: `runmode` (quick or full runs, where figures go), `provenance`
+  (hardware and versions), `textdata` (real text from the standard library), `stats`,
+  `texttable`; the notebooks' simulations and replays: `fragmentation`, `scenarios`, `sharing`,
+  `serve_replay`, `eviction_analysis`, `eviction_replay`.
+
+Submodules load on first use:
+
+    >>> import paged_ref as pr
+    >>> pr.lab.stats.wilson(0, 0)
+    (0.0, 1.0)
+"""
+
+import importlib
+
+_SUBMODULES = {
+    "bench",
+    "check",
+    "eviction_analysis",
+    "eviction_replay",
+    "fragmentation",
+    "provenance",
+    "runmode",
+    "scenarios",
+    "serve_replay",
+    "sharing",
+    "stats",
+    "textdata",
+    "texttable",
+    "viz",
+    "widgets",
+}
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'paged_ref.lab' has no attribute {name!r}")
+
+
+__all__ = sorted(_SUBMODULES)

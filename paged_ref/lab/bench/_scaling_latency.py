@@ -1,0 +1,400 @@
+"""Per-token decode latency vs context, one decoder at a time, on one shared prompt.
+
+Decoders: `NoCacheDecoder` (``model(ids, use_cache=False)`` over the whole prefix), `ContiguousDecoder`
+(``DynamicCache`` or ``StaticCache``), `PagedDecoder` (`paged_ref.hf.PagedSession`). Each has
+``feed(chunks, predict=True)`` (append ``chunks[b]``, LongTensor ``[n_b]``, to sequence ``b`` in one
+forward; the greedy token after each row's last one, LongTensor ``[batch]``, or None),
+``kv_bytes()`` (K/V storage held now) and ``close()``. Each climbs a ladder of contexts:
+
+    for each context L:
+        feed prompt[pos:L] in prefill chunks                (untimed: sets the context)
+        feed `warmup` single tokens                          (untimed)
+        feed `steps` single tokens, timing each one          (decode at context ~L)
+
+The prompt's own next token is fed (teacher forcing), so every decoder sees the same history and
+their greedy predictions compare position by position. The no-cache decoder pays a whole prefill
+per step: it takes ``nocache_steps`` timed steps and one warm-up at its first context only.
+
+Example:
+    >>> import torch
+    >>> from paged_ref.models import tiny_llama
+    >>> model = tiny_llama()
+    >>> prompt = torch.randint(3, 500, (80,), generator=torch.Generator().manual_seed(0))
+    >>> cfg = LadderConfig(contexts=[16, 32], warmup=1, steps=2, nocache_steps=1)
+    >>> r = run_ladder(model, "dynamic", prompt, cfg)
+    >>> [p["context"] for p in r["points"]], len(r["points"][0]["times_s"])
+    ([16, 32], 2)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..._arith import cdiv
+from ...cache import PagedKVCache
+from ...hf import BACKENDS, PagedSession
+from ...hf.session import cache_keyword
+
+__all__ = [
+    "NoCacheDecoder",
+    "ContiguousDecoder",
+    "PagedDecoder",
+    "AllocationTimer",
+    "make_decoder",
+    "LadderConfig",
+    "run_ladder",
+    "agreement",
+]
+
+
+def synchronize(device) -> None:
+    """Wait for queued CUDA work: a host clock read after it is meaningful."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device) -> int | None:
+    """Reset CUDA's peak-memory counter; returns the bytes allocated now (None off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return None
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def peak_bytes(device) -> int | None:
+    """CUDA's peak allocated bytes since `reset_peak` (None off CUDA)."""
+    if torch.device(device).type != "cuda":
+        return None
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device)
+
+
+def _check_chunks(chunks, batch: int | None) -> list[torch.Tensor]:
+    if not isinstance(chunks, (list, tuple)) or not chunks:
+        raise TypeError(f"chunks must be a non-empty list of 1-D LongTensors, got {type(chunks).__name__}")
+    for i, c in enumerate(chunks):
+        if not isinstance(c, torch.Tensor) or c.dim() != 1 or c.numel() < 1 or c.dtype != torch.long:
+            raise ValueError(
+                f"chunks[{i}] must be a non-empty 1-D LongTensor, got "
+                f"{getattr(c, 'shape', type(c).__name__)} {getattr(c, 'dtype', '')}"
+            )
+    if batch is not None and len(chunks) != batch:
+        raise ValueError(f"chunks must have one entry per sequence ({batch}), got {len(chunks)}")
+    return list(chunks)
+
+
+def _predict(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1).cpu()  # [batch, vocab] -> [batch] on the host
+
+
+class NoCacheDecoder:
+    """The whole prefix at every prediction; ``feed(..., predict=False)`` only appends tokens."""
+
+    def __init__(self, model):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.ids: torch.Tensor | None = None  # [batch, tokens so far]
+
+    @torch.inference_mode()
+    def feed(self, chunks, predict: bool = True):
+        chunks = _check_chunks(chunks, None if self.ids is None else self.ids.shape[0])
+        if len({c.numel() for c in chunks}) != 1:
+            raise ValueError("NoCacheDecoder needs equal-length chunks for every row")
+        new = torch.stack(chunks).to(self.device)  # [batch, n]
+        self.ids = new if self.ids is None else torch.cat([self.ids, new], dim=1)
+        if not predict:
+            return None
+        out = self.model(input_ids=self.ids, use_cache=False, logits_to_keep=1)
+        return _predict(out.logits[:, -1])
+
+    def kv_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.ids = None
+
+
+class ContiguousDecoder:
+    """``DynamicCache`` (``kind="dynamic"``: grows with ``torch.cat``) or ``StaticCache`` (reserves
+    ``max_len`` tokens per row). Rows of different lengths on the first feed only (left padding with
+    an attention mask, as ``model.generate`` does)."""
+
+    def __init__(self, model, kind: str = "dynamic", max_len: int | None = None):
+        if kind not in ("dynamic", "static"):
+            raise ValueError(f"kind must be 'dynamic' or 'static', got {kind!r}")
+        if kind == "static" and (not isinstance(max_len, int) or max_len < 1):
+            raise ValueError(f"max_len must be a positive int for a static cache, got {max_len!r}")
+        self.model, self.kind, self.max_len = model, kind, max_len
+        self.device = next(model.parameters()).device
+        self.cache = None
+        self.mask: torch.Tensor | None = None  # [batch, tokens so far] 1 = real, 0 = left padding
+        self.next_pos: torch.Tensor | None = None  # [batch] position of each row's next token
+        self._cache_kw = cache_keyword(model)
+
+    @torch.inference_mode()
+    def feed(self, chunks, predict: bool = True):
+        first = self.cache is None
+        chunks = _check_chunks(chunks, None if first else self.mask.shape[0])
+        lens = [c.numel() for c in chunks]
+        if not first and len(set(lens)) != 1:
+            raise ValueError(f"after the first feed every row must get the same number of tokens, got {lens}")
+        batch, width = len(chunks), max(lens)
+        ids = torch.zeros(batch, width, dtype=torch.long)  # [batch, width], left-padded
+        new_mask = torch.zeros(batch, width, dtype=torch.long)  # [batch, width]
+        for b, c in enumerate(chunks):
+            ids[b, width - c.numel() :] = c
+            new_mask[b, width - c.numel() :] = 1
+        ids, new_mask = ids.to(self.device), new_mask.to(self.device)
+        if first:
+            from transformers import DynamicCache, StaticCache
+
+            if self.kind == "dynamic":
+                self.cache = DynamicCache(config=self.model.config)
+            else:
+                self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_len)
+            self.mask = new_mask
+            self.next_pos = torch.zeros(batch, dtype=torch.long, device=self.device)
+        else:
+            self.mask = torch.cat([self.mask, new_mask], dim=1)
+        # position of each new column: the row's next position plus the real tokens before it
+        position_ids = self.next_pos[:, None] + (new_mask.cumsum(1) - 1).clamp(min=0)  # [batch, width]
+        self.next_pos = self.next_pos + new_mask.sum(1)
+        padded = bool((self.mask == 0).any())
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self.mask if padded else None,
+            position_ids=position_ids,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kw: self.cache},
+        )
+        return _predict(out.logits[:, -1]) if predict else None
+
+    def kv_bytes(self) -> int:
+        layers = getattr(self.cache, "layers", [])
+        tensors = [getattr(layer, name, None) for layer in layers for name in ("keys", "values")]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    def close(self) -> None:
+        self.cache = self.mask = self.next_pos = None
+
+
+class AllocationTimer:
+    """Records ``(op, nanoseconds, pages)`` for every ``allocate``, ``free`` and ``share`` call of
+    one `PageAllocator` instance (its methods are wrapped; other allocators are not affected).
+
+    Example:
+        >>> from paged_ref.allocator import PageAllocator
+        >>> timer = AllocationTimer(PageAllocator(8))
+        >>> pages = timer.allocator.allocate(3); timer.allocator.free(pages)
+        >>> [op for op, _, _ in timer.calls]
+        ['allocate', 'free']
+    """
+
+    OPS = ("allocate", "free", "share")
+
+    def __init__(self, allocator):
+        self.allocator = allocator
+        self.calls: list[tuple[str, int, int]] = []  # (op, nanoseconds, pages)
+        for op in self.OPS:
+            setattr(allocator, op, self._timed(op, getattr(allocator, op)))
+
+    def _timed(self, op, fn):
+        def timed(*args, **kwargs):
+            if args and not isinstance(args[0], int):
+                args = (list(args[0]),) + args[1:]  # a generator would be used up by counting
+            pages = args[0] if args else kwargs.get("n", kwargs.get("pages", 1))
+            count = pages if isinstance(pages, int) else len(pages)
+            start = time.perf_counter_ns()
+            result = fn(*args, **kwargs)
+            self.calls.append((op, time.perf_counter_ns() - start, count))
+            return result
+
+        return timed
+
+
+class PagedDecoder:
+    """`PagedSession` with one backend on a pool of ``num_pages`` pages, timed by ``self.timer``."""
+
+    def __init__(self, model, *, backend: str = "flex", num_pages: int | None = None, page_size: int = 16):
+        if not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        self.kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size)
+        self.timer = AllocationTimer(self.kv.allocator)
+        # opened at the first feed: while open, the model's attention reads pages only, so
+        # decoders run one after another, never interleaved
+        self.session = PagedSession(model, kv_cache=self.kv, backend=backend)
+        self.seq_ids: list[int] | None = None
+
+    def start(self, num_rows: int) -> None:
+        """Open the session with ``num_rows`` empty sequences (the first `feed` does it otherwise)."""
+        self.session.open()
+        self.seq_ids = [self.session.add() for _ in range(num_rows)]
+
+    def feed(self, chunks, predict: bool = True, rows: list[int] | None = None):
+        """As the other decoders' `feed`; ``rows`` feeds only those sequences, of any lengths."""
+        if self.seq_ids is None:
+            self.start(len(chunks))
+        rows = list(range(len(self.seq_ids))) if rows is None else list(rows)
+        chunks = _check_chunks(chunks, len(rows))
+        device = self.kv.device
+        logits = self.session.extend([self.seq_ids[r] for r in rows], [c.to(device) for c in chunks])
+        return _predict(logits) if predict else None  # logits: [len(rows), vocab]
+
+    def pages_held(self) -> int:
+        return self.kv.allocator.num_pages - self.kv.allocator.num_free
+
+    def kv_bytes(self) -> int:
+        return self.pages_held() * self.kv.page_bytes
+
+    def close(self) -> None:
+        self.session.close()
+        self.seq_ids = None
+
+
+#: Short decoder names and how results label them.
+LABELS = {
+    "none": "no cache (recompute)",
+    "dynamic": "contiguous (DynamicCache)",
+    "static": "contiguous (StaticCache)",
+    "flex": "paged (flex)",
+    "triton": "paged (triton)",
+    "reference": "paged (reference)",
+    "sdpa": "paged (sdpa)",
+}
+
+
+def make_decoder(model, name: str, *, max_len: int, page_size: int = 16):
+    """``none``, ``dynamic``, ``static`` or a paged backend, with room for ``max_len`` tokens."""
+    if name == "none":
+        return NoCacheDecoder(model)
+    if name in ("dynamic", "static"):
+        return ContiguousDecoder(model, name, max_len=max_len)
+    if name in BACKENDS:
+        return PagedDecoder(model, backend=name, num_pages=cdiv(max_len, page_size), page_size=page_size)
+    raise ValueError(
+        f"decoder name must be none, dynamic, static or a paged_ref.hf backend {sorted(BACKENDS)}; got {name!r}"
+    )
+
+
+@dataclass
+class LadderConfig:
+    """How a ladder is climbed: ``warmup`` untimed and ``steps`` timed single-token steps per
+    context (``nocache_steps`` for the no-cache decoder), prefill in ``prefill_chunk``-token
+    forwards. ``timed=False``: a correctness-only pass (predictions kept, no times reported)."""
+
+    contexts: list[int]
+    warmup: int = 2
+    steps: int = 8
+    nocache_steps: int = 2
+    prefill_chunk: int = 2048
+    page_size: int = 16
+    timed: bool = True
+
+    def __post_init__(self):
+        if not self.contexts or any(c < 1 for c in self.contexts):
+            raise ValueError(f"contexts must be positive ints, got {self.contexts}")
+        gaps = [b - a for a, b in zip(self.contexts, self.contexts[1:])]
+        if any(g <= self.warmup + self.steps for g in gaps):
+            raise ValueError(
+                f"contexts must be ascending with gaps > warmup + steps = {self.warmup + self.steps}, "
+                f"got {self.contexts}"
+            )
+
+    def tokens_needed(self) -> int:
+        """Prompt length the ladder consumes (last context plus its decode steps)."""
+        return self.contexts[-1] + self.warmup + max(self.steps, self.nocache_steps + 1) + 1
+
+
+def run_ladder(model, name: str, prompt: torch.Tensor, cfg: LadderConfig, *, deadline: float | None = None) -> dict:
+    """Climb the ladder with decoder ``name``; contexts not started by ``deadline`` are ``skipped``.
+
+    Returns:
+        ``{"backend", "label", "timed", "points": [{"context", "tokens_held", "median_s", "times_s",
+        "kv_bytes" (held after the timed steps), "peak_bytes" (CUDA, during them, weights included),
+        "weights_bytes", "allocated_before_bytes"}], "predictions": {position: token}, "alloc_calls",
+        "skipped": [contexts]}``, and for a paged decoder ``pages_held``, ``page_bytes``, ``pool_bytes``.
+    """
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.dtype != torch.long:
+        raise TypeError(f"prompt must be a 1-D LongTensor, got {getattr(prompt, 'shape', type(prompt).__name__)}")
+    if prompt.numel() < cfg.tokens_needed():
+        raise ValueError(
+            f"prompt must hold at least {cfg.tokens_needed()} tokens for contexts {cfg.contexts}, got {prompt.numel()}"
+        )
+    device = next(model.parameters()).device
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    dec = make_decoder(model, name, max_len=cfg.tokens_needed(), page_size=cfg.page_size)
+    result = {
+        "backend": name,
+        "label": LABELS.get(name, name),
+        "timed": cfg.timed,
+        "points": [],
+        "predictions": {},
+        "alloc_calls": [],
+        "skipped": [],
+    }
+    pos = 0
+    nocache = name == "none"
+    try:
+        for i, context in enumerate(cfg.contexts):
+            if deadline is not None and time.monotonic() > deadline:
+                result["skipped"] = list(cfg.contexts[i:])
+                break
+            while pos < context:  # set the context (untimed)
+                end = min(context, pos + cfg.prefill_chunk)
+                dec.feed([prompt[pos:end]], predict=False)
+                pos = end
+            warm = (1 if i == 0 else 0) if nocache else cfg.warmup
+            for _ in range(warm):  # untimed, but its predictions are compared too
+                result["predictions"][pos] = int(dec.feed([prompt[pos : pos + 1]])[0])
+                pos += 1
+            base = reset_peak(device)
+            times = []
+            for _ in range(cfg.nocache_steps if nocache else cfg.steps):
+                synchronize(device)
+                start = time.perf_counter()
+                pred = dec.feed([prompt[pos : pos + 1]])  # argmax copied to the host: waits for the step
+                times.append(time.perf_counter() - start)
+                result["predictions"][pos] = int(pred[0])
+                pos += 1
+            result["points"].append(
+                {
+                    "context": context,
+                    "tokens_held": pos,
+                    "median_s": statistics.median(times) if cfg.timed else None,
+                    "times_s": times if cfg.timed else None,
+                    "kv_bytes": dec.kv_bytes(),
+                    "peak_bytes": peak_bytes(device),
+                    "weights_bytes": weights,
+                    "allocated_before_bytes": base,
+                }
+            )
+        if isinstance(dec, PagedDecoder):
+            result["pages_held"] = dec.pages_held()
+            result["page_bytes"] = dec.kv.page_bytes
+            result["pool_bytes"] = dec.kv.num_pages * dec.kv.page_bytes
+            result["alloc_calls"] = list(dec.timer.calls)
+    finally:
+        dec.close()
+    return result
+
+
+def agreement(results: list[dict]) -> dict:
+    """``{label: {"against", "compared", "equal"}}``: greedy predictions against the first decoder's."""
+    if not results:
+        return {}
+    base = results[0]["predictions"]
+    out = {}
+    for r in results[1:]:
+        common = sorted(set(base) & set(r["predictions"]))
+        out[r["label"]] = {
+            "against": results[0]["label"],
+            "compared": len(common),
+            "equal": sum(base[p] == r["predictions"][p] for p in common),
+        }
+    return out

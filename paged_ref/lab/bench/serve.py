@@ -1,0 +1,427 @@
+"""Serving a stream of requests from one KV pool: what paging buys, against transformers' own engine.
+
+    python -m paged_ref.lab.bench serve [--quick] [--gpu] [--threads N] [--out DIR] [--skip-peer] [--skip-pools]
+
+Requests: prompts of English prose (random ids for a random-weight model) with lognormal prompt and
+output lengths (`paged_ref.lab.fragmentation.make_workload`), each generating exactly its drawn length (EOS
+ignored), arriving as a Poisson process; the same requests at every rate. At each rate, one pool of
+``num_pages`` pages under the four admission policies of `POLICIES`: ``paged`` (keeping a ``watermark``
+free), ``exact`` (prompt + output reserved: an oracle), ``max_len`` and ``paged_eviction`` (PagedEviction
+at ``eviction_budget`` tokens). The engines take turns step by step, each on a simulated clock advanced
+by its steps' measured wall time (idle gaps jumped). Also: the engine's own share of a decode step
+(overhead); all requests at once through ``paged`` and transformers' continuous batching (`._serve_peer`,
+equal KV memory), taking turns, throughput over real wall time, tokens compared; throughput vs pool size
+at the highest rate. Per run: tokens/s, TTFT and TPOT (p50, p90), normalized latency (seconds per
+generated token), requests running (mean, peak), preemptions, recomputed tokens, peak pages; then the
+goals, from this run's numbers. JSON, saved after every section with the load average around it:
+``figures/data/serve_{cpu,gpu}.json`` (``_quick`` in quick mode). ``--gpu``: the random-weight 1B Llama
+of ``bench scaling --gpu`` in bf16 on CUDA, larger workload.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from ...eviction import make_policy
+from ...memory import model_geometry
+from ...serve import Engine, summarize
+from .. import textdata
+from ..fragmentation import make_workload
+from ..runmode import data_dir
+from ._model_bench import text_ids
+from ._scaling_models import build_model
+from ._serve_peer import run_peer
+from .common import bench_parser, environment, result_file, table
+
+__all__ = ["PROFILES", "POLICIES", "make_requests", "run_rate", "check_goals", "format_rate_table", "main"]
+
+#: The reservation policies every rate runs, in the order the goals read them.
+POLICIES = ("paged", "exact", "max_len", "paged_eviction")
+
+#: What each mode runs, one column per mode. Lengths: lognormal with these means and shape ``sigma``,
+#: clipped so that prompt + output <= max_model_len; prompts at least ``min_prompt`` tokens; outputs
+#: twice as long as prompts on average, as in the chat traces serving papers replay (ShareGPT).
+#: ``watermark``: the share of the pool ``paged`` admission keeps free for running requests to grow
+#: into (vLLM's 1% is no page of a 64-page pool); the reserving policies (exact, max_len) keep none.
+_PROFILE_COLUMNS = dict(  # cpu, quick, gpu
+    model=("smollm2", "tiny", "llama1b"),
+    device=("cpu", "cpu", "cuda"),
+    requests=(64, 10, 256),
+    mean_prompt=(32, 24, 512),
+    mean_output=(64, 12, 128),
+    sigma=(1.0, 1.0, 1.0),
+    min_prompt=(8, 4, 16),
+    max_model_len=(512, 64, 4096),
+    rates=((1.0, 2.0, 4.0), (100.0, 2000.0), (8.0, 16.0, 32.0, 64.0)),
+    page_size=(16, 4, 16),
+    num_pages=(64, 40, 2048),
+    watermark=(0.1, 0.1, 0.01),
+    max_num_seqs=(32, 8, 128),
+    max_batched_tokens=(512, 32, 2048),
+    eviction_budget=(128, 16, 256),
+    pools=((128, 256), (24,), (1024, 4096)),
+    peer_repeats=(3, 1, 2),
+    overhead=(dict(batch=16, prompt=64, new=24), dict(batch=4, prompt=8, new=4), dict(batch=16, prompt=256, new=64)),
+)
+PROFILES = {mode: {k: v[i] for k, v in _PROFILE_COLUMNS.items()} for i, mode in enumerate(("cpu", "quick", "gpu"))}
+
+RATE_COLUMNS = [
+    ("policy", "{policy}"),
+    ("tok/s", "{tokens_per_s:.1f}"),
+    ("TTFT p50/p90 ms", "{ttft_p50_ms}/{ttft_p90_ms}"),
+    ("TPOT p50/p90 ms", "{tpot_p50_ms}/{tpot_p90_ms}"),
+    ("norm lat s/tok", "{normalized_latency_s:.3f}"),
+    ("running mean/peak", "{mean_running:.1f}/{peak_running}"),
+    ("preempt", "{preemptions}"),
+    ("recomputed", "{recomputed_tokens}"),
+    ("peak pages", "{peak_pages}{committed}"),
+]
+PEER_COLUMNS = [
+    ("engine", "{engine}"),
+    ("tok/s (wall)", "{tokens_per_s}"),
+    ("wall s", "{wall}"),
+    ("TTFT p50/p90 s", "{last[ttft_p50_s]:.2f}/{last[ttft_p90_s]:.2f}"),
+    ("TPOT p50/p90 ms", "{tpot_ms}"),
+]
+POOL_COLUMNS = [
+    ("pages", "{num_pages}"),
+    ("policy", "{policy}"),
+    ("tok/s", "{tok}"),
+    ("running mean/peak", "{mean_running:.1f}/{peak_running}"),
+    ("preempt", "{preemptions}"),
+]
+
+
+def make_requests(model, tokenizer, *, requests, mean_prompt, mean_output, sigma, min_prompt, max_model_len, seed=0):
+    """``(requests, unit_arrivals)``: ``[(prompt_ids, max_new_tokens)]`` and Poisson arrival times at rate 1.
+
+    Lengths from `paged_ref.lab.fragmentation.make_workload`; prompt ``i`` is real text starting at
+    paragraph ``i`` (seeded random ids without a tokenizer).
+    """
+    wl = make_workload(
+        requests, seed=seed, mean_prompt=mean_prompt, mean_output=mean_output, sigma=sigma, max_len=max_model_len
+    )
+    prompt_lens = np.maximum(wl.prompt_len, min_prompt)
+    output_lens = np.minimum(wl.output_len, max_model_len - prompt_lens)
+    gen = torch.Generator().manual_seed(seed)
+    passages = len(textdata.paragraphs(20))  # english_text's starts
+    out = []
+    for i, (n, new) in enumerate(zip(prompt_lens.tolist(), output_lens.tolist())):
+        if tokenizer is None:
+            ids = torch.randint(3, model.config.vocab_size, (n,), generator=gen).tolist()
+        else:
+            ids = text_ids(tokenizer, n, start=i % passages)
+        out.append((ids, int(new)))
+    rng = np.random.default_rng(seed + 1)
+    arrivals = np.cumsum(rng.exponential(1.0, requests))
+    arrivals -= arrivals[0]  # the first request arrives at 0
+    return out, arrivals.tolist()
+
+
+def _engine(model, cfg, policy, *, num_pages=None, device_clock="simulated"):
+    paged = policy in ("paged", "paged_eviction")
+    sizes = {k: cfg[k] for k in ("page_size", "max_num_seqs", "max_batched_tokens", "max_model_len")}
+    admission = dict(reservation="paged" if paged else policy, watermark=cfg["watermark"] if paged else 0.0)
+    return Engine(
+        model, num_pages=num_pages or cfg["num_pages"], eos_token_id=[], clock=device_clock, **sizes, **admission
+    )
+
+
+def _lockstep(engines: dict, progress_desc: str) -> dict:
+    """Step the engines in turn until all are done; returns each one's outputs."""
+    from tqdm.auto import tqdm
+
+    with tqdm(desc=progress_desc, unit="req", leave=False) as bar:
+        while any(e.has_unfinished_requests() for e in engines.values()):
+            for e in engines.values():
+                if e.has_unfinished_requests():
+                    bar.update(len(e.step()))
+    return {name: e.run() for name, e in engines.items()}
+
+
+def _result(engine, outs, reference_tokens=None) -> dict:
+    """A run's numbers: `summarize` of its outputs plus the engine's counters."""
+    s = engine.stats()
+    r = summarize(outs)
+    r.update({k: s[k] for k in ("steps", "mean_running", "peak_running", "preemptions", "recomputed_tokens")})
+    r.update({k: s[k] for k in ("peak_pages", "peak_committed_pages", "prompt_tokens", "busy_s", "overhead_share")})
+    if reference_tokens is not None:
+        r["requests_with_paged_tokens"] = sum(o.token_ids == t for o, t in zip(outs, reference_tokens))
+    return r
+
+
+def run_rate(model, cfg, requests, arrivals, rate: float) -> dict:
+    """The four policies on the requests arriving at ``rate`` per second, in lockstep."""
+    engines = {}
+    policy = make_policy("paged_eviction", cfg["eviction_budget"])
+    for name in POLICIES:
+        e = engines[name] = _engine(model, cfg, name)
+        eviction = policy if "eviction" in name else None
+        for (prompt, new), t in zip(requests, arrivals):
+            e.add_request(prompt, max_new_tokens=new, arrival_s=t / rate, eviction=eviction)
+    load = os.getloadavg()
+    start = time.perf_counter()
+    outs = _lockstep(engines, f"rate {rate:g}/s")
+    row = {"rate": rate, "wall_s": time.perf_counter() - start, "load_before": load, "load_after": os.getloadavg()}
+    paged_tokens = [o.token_ids for o in outs["paged"]]
+    row["policies"] = {n: _result(engines[n], outs[n], paged_tokens) for n in engines}
+    return row
+
+
+def run_overhead(model, cfg, requests) -> dict:
+    """The engine's share of a decode step with ``batch`` rows: scheduling, laying out, sampling."""
+    o = cfg["overhead"]
+    prompt = (requests[0][0] * (o["prompt"] // len(requests[0][0]) + 1))[: o["prompt"]]
+    e = _engine(model, cfg, "paged", num_pages=o["batch"] * math.ceil((o["prompt"] + o["new"]) / cfg["page_size"]))
+    for _ in range(o["batch"]):
+        e.add_request(prompt, max_new_tokens=o["new"])
+    e.run()
+    steps = [h for h in e.history if h.rows == h.decode_rows == o["batch"]]
+    shares = [h.overhead_s / h.step_s for h in steps]
+    out = {"batch": o["batch"], "decode_steps": len(steps)}
+    for part in ("step", "schedule", "plan", "post"):
+        out[f"{part}_ms_median"] = statistics.median(getattr(h, f"{part}_s") for h in steps) * 1e3
+    out.update(overhead_share_median=statistics.median(shares), overhead_share_max=max(shares))
+    return out
+
+
+def run_peer_comparison(model, cfg, requests) -> dict:
+    """``paged`` offline vs transformers' continuous batching offline, taking turns ``peer_repeats`` times."""
+    ours, theirs = [], []
+    for _ in range(cfg["peer_repeats"]):
+        e = _engine(model, cfg, "paged", device_clock="real")
+        for prompt, new in requests:
+            e.add_request(prompt, max_new_tokens=new)
+        start = time.perf_counter()
+        outs = e.run()
+        wall = time.perf_counter() - start
+        ours_tokens = [o.token_ids for o in outs]
+        r = summarize(outs)
+        r.update(wall_s=wall, wall_tokens_per_s=r["tokens"] / wall, preemptions=e.stats()["preemptions"])
+        ours.append(r)
+        sizes = {k: cfg[k] for k in ("page_size", "num_pages", "max_batched_tokens", "max_num_seqs")}
+        theirs_tokens, summary = run_peer(model, requests, **sizes)
+        theirs.append(summary)
+    paired = [a["wall_tokens_per_s"] / b["wall_tokens_per_s"] for a, b in zip(ours, theirs)]
+    same = [a == b for a, b in zip(ours_tokens, theirs_tokens)]
+    return {
+        "paged": ours,
+        "transformers": theirs,
+        "throughput_ratio_paired": paired,
+        "throughput_ratio_median": statistics.median(paired),
+        "requests_with_identical_tokens": sum(same),
+        "requests": len(same),
+        "first_differing_requests": [i for i, s in enumerate(same) if not s][:10],
+    }
+
+
+def run_pools(model, cfg, requests, arrivals, rate: float) -> list[dict]:
+    """Throughput vs pool size at ``rate``: paged, exact and max_len on other pool sizes."""
+    rows = []
+    for pages in cfg["pools"]:
+        engines = {}
+        for name in ("paged", "exact", "max_len"):
+            e = _engine(model, cfg, name, num_pages=pages)
+            try:
+                for (prompt, new), t in zip(requests, arrivals):
+                    e.add_request(prompt, max_new_tokens=new, arrival_s=t / rate)
+            except ValueError as err:  # max_len needs max_model_len's pages per request
+                rows.append({"num_pages": pages, "policy": name, "skipped": str(err)})
+                continue
+            engines[name] = e
+        load = os.getloadavg()
+        outs = _lockstep(engines, f"pool {pages} pages")
+        for name, e in engines.items():
+            rows.append({"num_pages": pages, "policy": name, "load_before": load, **_result(e, outs[name])})
+    return rows
+
+
+def check_goals(data: dict) -> dict:
+    """The benchmark's goals, from this run's numbers: each ``{"met": bool, ...the numbers}``."""
+    goals = {}
+    if data.get("rates"):
+        p, ex, ml, ev = (data["rates"][-1]["policies"][k] for k in POLICIES)
+        for name, peer, factor in (("max_len", ml, 2), ("exact", ex, 1.2)):
+            met = p["tokens_per_s"] >= factor * peer["tokens_per_s"]
+            goals[f"paged_vs_{name}_throughput_{factor}x"] = {
+                "ratio": p["tokens_per_s"] / peer["tokens_per_s"],
+                "met": met,
+            }
+        goals["paged_p90_ttft_no_worse"] = {
+            "paged_s": p["ttft_p90_s"],
+            "exact_s": ex["ttft_p90_s"],
+            "max_len_s": ml["ttft_p90_s"],
+            "met": p["ttft_p90_s"] <= min(ex["ttft_p90_s"], ml["ttft_p90_s"]),
+        }
+        goals["eviction_admits_more"] = {
+            "mean_running": [ev["mean_running"], p["mean_running"]],
+            "peak_running": [ev["peak_running"], p["peak_running"]],
+            "throughput_ratio": ev["tokens_per_s"] / p["tokens_per_s"],
+            "requests_with_paged_tokens": ev["requests_with_paged_tokens"],
+            "met": ev["mean_running"] > p["mean_running"],
+        }
+    if "peer" in data:
+        peer = data["peer"]
+        identical = peer["requests_with_identical_tokens"] == peer["requests"]
+        goals["peer_throughput_1x_identical_tokens"] = {
+            "ratio_median": peer["throughput_ratio_median"],
+            "identical": f"{peer['requests_with_identical_tokens']}/{peer['requests']}",
+            "met": peer["throughput_ratio_median"] >= 1.0 and identical,
+        }
+    if "overhead" in data:
+        share = data["overhead"]["overhead_share_median"]
+        goals["overhead_5pct_at_batch_16"] = {"share": share, "met": share <= 0.05}
+    return goals
+
+
+def eviction_quality(budget: int) -> dict | None:
+    """Notebook 07's measured cost of PagedEviction at ``budget`` (`bench eviction`'s JSON), if present."""
+    path = data_dir() / "eviction_full.json"
+    if not path.exists():
+        return None
+    pick = {
+        r["policy"]: r
+        for r in json.loads(path.read_text())["language_modelling"]
+        if r["page_size"] == 16 and r["budget"] in (None, budget) and r["policy"] in ("full", "paged_eviction")
+    }
+    if len(pick) < 2:
+        return None
+    return {
+        "source": "figures/data/eviction_full.json (bench eviction: continuation of 2048-token texts)",
+        "budget": budget,
+        "ppl_full": pick["full"]["ppl"],
+        "ppl_paged_eviction": pick["paged_eviction"]["ppl"],
+        "ppl_paged_eviction_ci95": pick["paged_eviction"]["ppl_ci95"],
+    }
+
+
+def format_rate_table(results: dict) -> str:
+    """One rate's results (policy -> numbers) as the text table ``bench serve`` prints."""
+    rows = []
+    for name, r in results.items():
+        row = {"policy": name, **r, "committed": ""}
+        for k in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"):
+            row[f"{k}_ms"] = "-" if r[f"{k}_s"] is None else f"{r[f'{k}_s'] * 1e3:.0f}"
+        if r["peak_committed_pages"] != r["peak_pages"]:
+            row["committed"] = f" ({r['peak_committed_pages']} committed)"
+        rows.append(row)
+    return table(RATE_COLUMNS, rows)
+
+
+def _report_peer(p: dict) -> None:
+    print(f"\noffline, all {p['requests']} requests at once: paged vs transformers continuous batching")
+    rows = []
+    for engine in ("paged", "transformers"):
+        row = {"engine": engine, "last": p[engine][-1]}
+        row["tokens_per_s"] = " ".join(f"{r['wall_tokens_per_s']:.1f}" for r in p[engine])
+        row["wall"] = " ".join(f"{r['wall_s']:.1f}" for r in p[engine])
+        row["tpot_ms"] = f"{row['last']['tpot_p50_s'] * 1e3:.0f}/{row['last']['tpot_p90_s'] * 1e3:.0f}"
+        rows.append(row)
+    print(table(PEER_COLUMNS, rows))
+    print(
+        f"  ratio paged / transformers {p['throughput_ratio_median']:.2f}x (median of per-repeat ratios); "
+        f"identical tokens {p['requests_with_identical_tokens']}/{p['requests']}"
+    )
+
+
+def main(argv=None):
+    parser = bench_parser("serve", __doc__)
+    parser.add_argument("--quick", action="store_true", help="toy sizes on the tiny random model (the tests' check)")
+    parser.add_argument("--gpu", action="store_true", help="the random-weight 1B Llama on CUDA, larger workload")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steadier when shared)")
+    parser.add_argument("--skip-peer", action="store_true", help="leave out transformers' continuous batching")
+    parser.add_argument("--skip-pools", action="store_true", help="leave out the pool-size sweep")
+    parser.add_argument("--requests", type=int, default=None, help="override the profile's number of requests")
+    parser.add_argument("--rates", type=float, nargs="+", default=None, help="override the profile's request rates")
+    args = parser.parse_args(argv)
+    if args.quick and args.gpu:
+        parser.error("--quick and --gpu are exclusive")
+    mode = "quick" if args.quick else "gpu" if args.gpu else "cpu"
+    cfg = dict(PROFILES[mode])
+    if args.requests is not None:
+        cfg["requests"] = args.requests
+    if args.rates is not None:
+        cfg["rates"] = tuple(sorted(args.rates))
+    if cfg["device"] == "cuda" and not torch.cuda.is_available():
+        parser.error("--gpu needs a CUDA GPU")
+    name = f"serve_{'gpu' if mode == 'gpu' else 'cpu'}{'_quick' if args.quick else ''}.json"
+    result = result_file(parser, args.out, name)  # checked before the model loads
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    model, info = build_model(cfg["model"], device=cfg["device"])
+    lengths = {k: cfg[k] for k in ("requests", "mean_prompt", "mean_output", "sigma", "min_prompt", "max_model_len")}
+    requests, arrivals = make_requests(model, info["tokenizer"], **lengths)
+    per_token = model_geometry(model).bytes_per_token
+    data = {
+        "mode": mode,
+        "model": {k: info[k] for k in ("name", "weights", "dtype", "params", "note")},
+        "torch_threads": torch.get_num_threads(),
+        "clock": "simulated",
+        "clock_note": "each engine's clock advances by its own steps' measured wall time; idle gaps are jumped "
+        "(the peer comparison uses real wall time)",
+        "config": dict(cfg),
+        "workload": {
+            "requests": len(requests),
+            "prompt_lens": [len(p) for p, _ in requests],
+            "output_lens": [n for _, n in requests],
+            "unit_arrivals_s": arrivals,
+            "kv_bytes_per_token": per_token,
+            "pool_bytes": cfg["num_pages"] * cfg["page_size"] * per_token,
+        },
+        "eviction_quality_nb07": eviction_quality(cfg["eviction_budget"]),
+        "rates": [],
+        "environment": environment(),
+    }
+    w = data["workload"]
+    print(
+        f"{w['requests']} requests: prompts {min(w['prompt_lens'])}-{max(w['prompt_lens'])} tokens "
+        f"(sum {sum(w['prompt_lens'])}), outputs {min(w['output_lens'])}-{max(w['output_lens'])} "
+        f"(sum {sum(w['output_lens'])}); "
+        f"pool {cfg['num_pages']} pages of {cfg['page_size']} ({w['pool_bytes'] / 2**20:.0f} MiB)"
+    )
+    for rate in cfg["rates"]:
+        row = run_rate(model, cfg, requests, arrivals, rate)
+        data["rates"].append(row)
+        load = f"load {row['load_before'][0]:.1f} -> {row['load_after'][0]:.1f}"
+        print(f"\nrate {row['rate']:g} req/s ({row['wall_s']:.0f} s wall, {load})")
+        print(format_rate_table(row["policies"]))
+        result.save(data)
+    o = data["overhead"] = run_overhead(model, cfg, requests)
+    print(
+        f"\noverhead at batch {o['batch']}: {o['overhead_share_median']:.2%} of a {o['step_ms_median']:.0f} ms "
+        f"decode step (median of {o['decode_steps']})"
+    )
+    result.save(data)
+    if not args.skip_peer:
+        data["peer"] = run_peer_comparison(model, cfg, requests)
+        _report_peer(data["peer"])
+        result.save(data)
+    if not args.skip_pools:
+        data["pools"] = run_pools(model, cfg, requests, arrivals, cfg["rates"][-1])
+        print(
+            f"\nthroughput vs pool size at {cfg['rates'][-1]:g} req/s "
+            f"(the {cfg['num_pages']}-page pool is the rate table above)"
+        )
+        rows = [{**r, "tok": "skipped" if "skipped" in r else f"{r['tokens_per_s']:.1f}"} for r in data["pools"]]
+        print(table(POOL_COLUMNS, rows))
+        result.save(data)
+    data["goals"] = check_goals(data)
+    data["seconds"] = time.perf_counter() - started
+    print("\ngoals (this run):")
+    for goal, g in data["goals"].items():
+        numbers = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in g.items() if k != "met")
+        print(f"  {'met    ' if g['met'] else 'NOT met'}  {goal}: {numbers}")
+    path = result.save(data, complete=True)
+    print(f"wrote {path} ({data['seconds']:.0f} s)")
+    return data
+
+
+if __name__ == "__main__":
+    main()

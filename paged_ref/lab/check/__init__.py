@@ -1,0 +1,51 @@
+"""Checkers for coursework: a student's implementation against paged_ref's own oracles.
+
+Each ``check_*`` takes the student's class or function, runs cases smallest first (random, from
+a seed) against the reference implementation in this package, and returns a `CheckReport`:
+``report.passed``, and as text the first failing case with what was expected, what came back
+and a hint. A function that still raises ``NotImplementedError`` reports "not implemented yet".
+The oracle runs first and the student's code gets copies of the inputs; every case has a time
+limit (``time_limit=``, seconds) and a slow check shows a progress line (`paged_ref.lab.check.report`).
+
+    >>> import paged_ref as pr
+    >>> print(pr.lab.check.check_allocator(pr.PageAllocator))
+    PASS allocator: 200 cases
+
+=====================================  ==============================================
+checker                                what the student writes
+=====================================  ==============================================
+`check_allocator`                      a page allocator class (bump pointer, free list, refcounts)
+`check_slot_mapping`                   ``slot_mapping(pages, *, start, num_tokens, page_size)``
+`check_paged_attention`                decode attention over pages, plain PyTorch
+`check_triton_decode`                  the same as a Triton kernel (interpreter on CPU)
+`check_token_scores`                   PagedEviction's ||V|| / ||K|| token score
+`check_page_scores`                    a page's score from its tokens' scores
+`check_eviction_policy`                exercise 4's policy (`paged_ref.lab.check.eviction.TASK`), hooks
+                                       ``after_prefill`` / ``after_append``
+=====================================  ==============================================
+
+The exercise notebooks (``notebooks/exercises/``) draw from the student's code with
+`paged_ref.lab.check.figures` and take an instructor's solutions through `use_solution`.
+``python -m paged_ref.lab.check.grade FOLDER --out grades.csv`` runs every checker on a folder of
+submitted notebooks or modules (`paged_ref.lab.check.grade`).
+"""
+
+from .allocator import check_allocator
+from .attention import check_paged_attention, check_slot_mapping, check_triton_decode
+from .eviction import check_eviction_policy, check_page_scores, check_token_scores
+from .report import CheckReport, Failure
+from .solutions import load_solutions, use_solution
+
+__all__ = [
+    "CheckReport",
+    "Failure",
+    "check_allocator",
+    "check_eviction_policy",
+    "check_page_scores",
+    "check_paged_attention",
+    "check_slot_mapping",
+    "check_token_scores",
+    "check_triton_decode",
+    "load_solutions",
+    "use_solution",
+]

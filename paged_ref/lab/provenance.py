@@ -1,0 +1,77 @@
+"""Where and with what a number was measured: the record every benchmark JSON and figure carries.
+
+`environment` makes the record a benchmark stores; `describe` turns a stored result back into
+the one line a figure or a table prints under it.
+
+Example:
+    >>> env = environment()
+    >>> sorted(k for k in ("date_utc", "torch", "gpu") if k in env)
+    ['date_utc', 'gpu', 'torch']
+    >>> describe({"environment": {"cpu": "x86_64", "torch": "2.13.0", "date_utc": "2026-12-02T13:00:00+00:00"},
+    ...           "quick": True, "command": "python -m paged_ref.lab.bench alloc --quick"})
+    'Measured on CPU x86_64 (quick mode), torch 2.13.0, 2026-12-02 (UTC); python -m paged_ref.lab.bench alloc --quick.'
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib.metadata
+import platform
+
+import torch
+
+__all__ = ["environment", "package_version", "describe"]
+
+
+def package_version(package: str) -> str | None:
+    """The installed version of ``package``, or None where it is not installed."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment() -> dict:
+    """Where and with what a result was measured: device, versions and UTC date (no host name)."""
+    env = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "platform": f"{platform.system()} {platform.machine()}",
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "triton": package_version("triton"),
+        "transformers": package_version("transformers"),
+        "cuda": torch.version.cuda,
+        "gpu": None,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env["gpu"] = props.name
+        env["gpu_sms"] = props.multi_processor_count
+        env["gpu_memory_GiB"] = round(props.total_memory / 2**30, 1)
+        env["gpu_count"] = torch.cuda.device_count()
+    return env
+
+
+def describe(data: dict) -> str:
+    """One line: where, with what and when the benchmark result ``data`` was measured.
+
+    Reads ``data["environment"]`` (as `environment` made it) and, where present, the run's
+    ``torch_threads`` (in ``data`` or its environment), quick mode (``quick`` true or
+    ``mode == "quick"``), ``command`` and ``clock``; versions not installed are left out.
+    """
+    env = data.get("environment") or {}
+    where = f"GPU {env['gpu']}" if env.get("gpu") else f"CPU {env.get('cpu') or 'unknown'}"
+    threads = data.get("torch_threads") or env.get("torch_threads")
+    if threads:
+        where += f" ({threads} thread{'s' if threads != 1 else ''})"
+    if data.get("quick") or data.get("mode") == "quick":
+        where += " (quick mode)"
+    names = (("torch", "torch"), ("transformers", "transformers"), ("triton", "triton"), ("CUDA", "cuda"))
+    versions = [f"{name} {env[key]}" for name, key in names if env.get(key)]
+    line = ", ".join([f"Measured on {where}", *versions, f"{str(env.get('date_utc', '?'))[:10]} (UTC)"])
+    if data.get("command"):
+        line += f"; {data['command']}"
+    if data.get("clock"):
+        line += f"; clock: {data['clock']}"
+    return line + "."
