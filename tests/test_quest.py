@@ -19,11 +19,15 @@ _SETTINGS = settings(
 @st.composite
 def cache_histories(draw):
     """A cache with summaries after a random history: prompts, forks (copy-on-write), appends
-    one token at a time, frees (pages handed out again), with random keys."""
+    one token at a time, compactions, frees (pages handed out again), with random keys."""
     page_size = draw(st.sampled_from([1, 2, 4, 16]))
     kv_heads, head_dim = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3, 8]))
     seed = draw(st.integers(0, 2**16))
-    ops = draw(st.lists(st.tuples(st.sampled_from(["add", "fork", "append", "free"]), st.integers(1, 40)), max_size=12))
+    ops = draw(
+        st.lists(
+            st.tuples(st.sampled_from(["add", "fork", "append", "compact", "free"]), st.integers(1, 40)), max_size=12
+        )
+    )
     return page_size, kv_heads, head_dim, seed, ops
 
 
@@ -54,6 +58,9 @@ def _run_history(page_size, kv_heads, head_dim, seed, ops):
                 write(cache.fork(live[n % len(live)]), 1 + n % 3)
             elif op == "append":
                 write(live[n % len(live)], 1)
+            elif op == "compact":  # token-level eviction packs the kept tokens: their pages are summarised again
+                s = live[n % len(live)]
+                cache.compact(s, torch.rand(cache.seq_len(s), generator=g) < 0.6)
             else:
                 cache.free(live[n % len(live)])
         except Exception as e:  # a full pool refuses and changes nothing
