@@ -62,8 +62,8 @@ def bytes_figure(rows: list[dict], *, note: str = "") -> Figure:
         ("cascade", "cascade, counted", "s-"),
     ):
         ax.plot(n, [r["bytes_counted"][key] / 1e6 for r in rows], style, label=label)
-    for key, label in (("plain", "formula: n (P + s)"), ("cascade", "formula: P + n s")):
-        ax.plot(n, [r["bytes_formula"][key] / 1e6 for r in rows], "k:", lw=0.8, label=label if key == "plain" else None)
+    for key, label in (("plain", "formulas (whole pages): n (P + s) and P + n s"), ("cascade", None)):
+        ax.plot(n, [r["bytes_formula"][key] / 1e6 for r in rows], "k:", lw=0.8, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("requests sharing the prompt")
