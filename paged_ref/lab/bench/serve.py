@@ -1,6 +1,7 @@
 """Serving a stream of requests from one KV pool: what paging buys, against transformers' own engine.
 
     python -m paged_ref.lab.bench serve [--quick] [--gpu] [--threads N] [--out DIR] [--skip-peer] [--skip-pools]
+                                        [--workload short] [--requests N] [--rates R ...]
 
 Requests: prompts of English prose (random ids for a random-weight model) with lognormal prompt and
 output lengths (`paged_ref.lab.fragmentation.make_workload`), each generating exactly its drawn length (EOS
@@ -15,7 +16,9 @@ at the highest rate. Per run: tokens/s, TTFT and TPOT (p50, p90), normalized lat
 generated token), requests running (mean, peak), preemptions, recomputed tokens, peak pages; then the
 goals, from this run's numbers. JSON, saved after every section with the load average around it:
 ``figures/data/serve_{cpu,gpu}.json`` (``_quick`` in quick mode). ``--gpu``: the random-weight 1B Llama
-of ``bench scaling --gpu`` in bf16 on CUDA, larger workload.
+of ``bench scaling --gpu`` in bf16 on CUDA, larger workload. ``--workload short``: answers half as long
+as prompts (`WORKLOADS`), where paging gains the least over exact reservation; written to
+``serve_cpu_short.json``.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from ..runmode import data_dir
 from ._model_bench import text_ids
 from ._scaling_models import build_model
 from ._serve_peer import run_peer
-from .common import bench_parser, environment, result_file, table
+from .common import bench_parser, command_line, environment, result_file, table
 
 __all__ = ["PROFILES", "POLICIES", "make_requests", "run_rate", "check_goals", "format_rate_table", "main"]
 
@@ -71,6 +74,10 @@ _PROFILE_COLUMNS = dict(  # cpu, quick, gpu
     overhead=(dict(batch=16, prompt=64, new=24), dict(batch=4, prompt=8, new=4), dict(batch=16, prompt=256, new=64)),
 )
 PROFILES = {mode: {k: v[i] for k, v in _PROFILE_COLUMNS.items()} for i, mode in enumerate(("cpu", "quick", "gpu"))}
+
+#: Workloads other than the profile's own (``--workload NAME``): the lengths they change. ``short``:
+#: short answers to longer prompts (prompt mean 48, answer mean 24), as in instruction traces (Alpaca).
+WORKLOADS = {"chat": {}, "short": dict(mean_prompt=48, mean_output=24)}
 
 RATE_COLUMNS = [
     ("policy", "{policy}"),
@@ -340,6 +347,9 @@ def main(argv=None):
     parser.add_argument("--skip-pools", action="store_true", help="leave out the pool-size sweep")
     parser.add_argument("--requests", type=int, default=None, help="override the profile's number of requests")
     parser.add_argument("--rates", type=float, nargs="+", default=None, help="override the profile's request rates")
+    parser.add_argument(
+        "--workload", choices=tuple(WORKLOADS), default="chat", help="lengths: the profile's (chat) or short"
+    )
     args = parser.parse_args(argv)
     if args.quick and args.gpu:
         parser.error("--quick and --gpu are exclusive")
@@ -349,9 +359,11 @@ def main(argv=None):
         cfg["requests"] = args.requests
     if args.rates is not None:
         cfg["rates"] = tuple(sorted(args.rates))
+    cfg.update(WORKLOADS[args.workload], workload=args.workload)
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
         parser.error("--gpu needs a CUDA GPU")
-    name = f"serve_{'gpu' if mode == 'gpu' else 'cpu'}{'_quick' if args.quick else ''}.json"
+    suffix = ("_quick" if args.quick else "") + ("" if args.workload == "chat" else f"_{args.workload}")
+    name = f"serve_{'gpu' if mode == 'gpu' else 'cpu'}{suffix}.json"
     result = result_file(parser, args.out, name)  # checked before the model loads
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
@@ -361,6 +373,7 @@ def main(argv=None):
     per_token = model_geometry(model).bytes_per_token
     data = {
         "mode": mode,
+        "command": command_line("serve", argv),
         "model": {k: info[k] for k in ("name", "weights", "dtype", "params", "note")},
         "torch_threads": torch.get_num_threads(),
         "clock": "simulated",
