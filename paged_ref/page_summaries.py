@@ -10,7 +10,8 @@ A `PagedKVCache` made with ``page_summaries=True`` keeps one `PageSummaries` (``
 and updates it where the cache changes: ``write`` folds the new keys into their pages' min and
 max, a page handed out by the pool starts empty (``+inf`` / ``-inf``: it holds no key), a
 copy-on-write copies the summary with the page, and ``compact`` recomputes the pages it packs.
-It costs ``2 / page_size`` of the key cache. Off by default: the cache of the lesson is unchanged.
+``truncate`` and ``rewind`` leave a page's summary covering keys it no longer holds: still a
+bound, a looser one. It costs ``2 / page_size`` of the key cache. Off by default: the cache of the lesson is unchanged.
 
 Example:
     >>> import torch
