@@ -398,7 +398,8 @@ def triton_paged_decode(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     check_values: bool = True,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over a paged KV cache with a Triton kernel (split-K, GQA).
 
     Query ``b`` attends to the first ``seq_lens[b]`` tokens of sequence ``b``, whose pages are
@@ -423,9 +424,14 @@ def triton_paged_decode(
         check_values: check ``seq_lens`` and the used block-table entries (reads them on the
             host: a device sync). Turn off in timed loops once the inputs are known good; an
             out-of-range page id then reads out of bounds.
+        return_lse: also return each row's log-sum-exp of its scores (base 2), the second half
+            of the state that :func:`paged_ref.attention.cascade.merge_states` merges. The
+            split partials are then always written (even for one split) and the lse is read off
+            them: ``lse = M + log2(sum_s 2^(m_s - M) l_s)``.
 
     Returns:
-        ``[batch, num_q_heads, head_dim]``, dtype of ``q`` (``out`` if given).
+        ``[batch, num_q_heads, head_dim]``, dtype of ``q`` (``out`` if given); with
+        ``return_lse``, ``(out, lse)`` with ``lse: float32 [batch, num_q_heads]``.
 
     Example:
         >>> kc, vc = torch.randn(4, 8, 1, 64), torch.randn(4, 8, 1, 64)
@@ -458,8 +464,12 @@ def triton_paged_decode(
         num_splits = _default_num_splits(batch, num_kv_heads, max_len, q.device, cfg)
     if out is None:
         out = torch.empty_like(q)  # [batch, num_q_heads, head_dim]
-    _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, **cfg)
-    return out
+    parts = _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, return_lse, **cfg)
+    if not return_lse:
+        return out
+    part_m, part_l = parts  # [batch, Hq, splits] each
+    top = part_m.amax(-1, keepdim=True)  # [batch, Hq, 1]: split 0 is never empty, so finite
+    return out, top[..., 0] + torch.log2((torch.exp2(part_m - top) * part_l).sum(-1))
 
 
 def _launch(
@@ -471,6 +481,7 @@ def _launch(
     out,
     scale,
     num_splits,
+    keep_partials=False,
     *,
     BLOCK_H,
     BLOCK_D,
@@ -479,10 +490,10 @@ def _launch(
     num_stages,
     **options,
 ):
-    """Launch both kernels on checked inputs."""
+    """Launch both kernels on checked inputs; returns the partials ``(m, l)`` when written."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    write_partials = num_splits > 1
+    write_partials = num_splits > 1 or keep_partials
     if write_partials:
         part_m = torch.empty(
             batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device
@@ -548,4 +559,4 @@ def _launch(
                 BLOCK_S=min(16, next_pow2(num_splits)),
                 num_warps=1 if interpret else 4,
             )
-    return out
+    return (part_m, part_l) if write_partials else None

@@ -70,8 +70,8 @@ class PagedSession:
             create a `PagedKVCache` with `num_pages` pages of `page_size` tokens.
         num_pages, page_size: size of the cache created when `kv_cache` is None.
         backend: ``"auto"`` (default: ``"triton"`` on CUDA, ``"sdpa"`` elsewhere), ``"reference"``
-            (the oracle), ``"flex"``, ``"triton"`` or ``"sdpa"`` (see `paged_ref.hf.attention`);
-            ``session.backend`` names the one in use.
+            (the oracle), ``"flex"``, ``"triton"`` or ``"sdpa"`` (see `paged_ref.hf.attention`),
+            or a `Backend` object (``quest_backend(budget)``); ``session.backend`` names the one in use.
         eviction, budget: KV eviction (`paged_ref.eviction`) of every sequence not given its own
             in `add` / `fork`: a policy name with ``budget`` in tokens (e.g.
             ``eviction="paged_eviction", budget=256``), or a policy object (which carries its own
@@ -91,7 +91,7 @@ class PagedSession:
         kv_cache: KVCache | None = None,
         num_pages: int | None = None,
         page_size: int = 16,
-        backend: str = AUTO,
+        backend=AUTO,
         eviction=None,
         budget: int | None = None,
     ):

@@ -60,13 +60,16 @@ class KernelConfig:
     hints: bool = True  # alignment specialisation as the JIT does it (False: bare signature)
 
 
-def _source(name: str, consts: dict, ints: dict, ptr_types: dict, floats: dict, hints: bool, options: dict):
-    """(ASTSource, options, record) of kernel ``name``, its signature specialised like a JIT launch."""
+def _source(
+    name: str, consts: dict, ints: dict, ptr_types: dict, floats: dict, hints: bool, options: dict, kernel=None
+):
+    """(ASTSource, options, record) of kernel ``name`` (of `triton_decode`, or ``kernel``), its
+    signature specialised like a JIT launch."""
     from triton.compiler import ASTSource
 
     from ...attention import triton_decode as td
 
-    kernel = td.compiled_kernels()[name]
+    kernel = td.compiled_kernels()[name] if kernel is None else kernel
     sig, attrs, constexprs = {}, {}, dict(consts)
     for i, arg in enumerate(kernel.arg_names):
         if arg in consts:
@@ -208,6 +211,37 @@ def compile_reduce(arch: int, dtype: str, head_dim: int) -> dict:
     return entry
 
 
+def compile_prefix(arch: int, dtype: str, head_dim: int = 128, group: int = 4, page_size: int = 16) -> dict:
+    """Compile the cascade's prefix kernel (`paged_ref.attention.triton_cascade`) as it launches
+    for a group of 32 requests (block-table and group tensors int32)."""
+    from ...attention import triton_cascade as tc
+
+    tile = tc.prefix_tile_config(DTYPES[dtype], head_dim, 32 * group, interpret=False)
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=tile["BLOCK_D"], GROUP=group, BLOCK_M=tile["BLOCK_M"])
+    consts.update(PAGE_SIZE=page_size, BLOCK_N=tile["BLOCK_N"], DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+    hq = group * NUM_KV_HEADS
+    ints = dict(
+        stride_q_batch=hq * head_dim, stride_q_head=head_dim, stride_cache_page=page_size * NUM_KV_HEADS * head_dim
+    )
+    ints.update(stride_cache_token=NUM_KV_HEADS * head_dim, stride_cache_head=head_dim)
+    ints["stride_bt_batch"] = cdiv(CONTEXT, page_size)
+    ptrs = dict.fromkeys(("q_ptr", "k_cache_ptr", "v_cache_ptr"), dtype)
+    ptrs.update(dict.fromkeys(("block_table_ptr", "group_indptr_ptr", "prefix_lens_ptr"), "i32"))
+    ptrs.update(out_ptr="fp32", lse_ptr="fp32")
+    options = {k: v for k, v in tile.items() if not k.startswith("BLOCK_")}
+    source = _source(
+        "_prefix_kernel", consts, ints, ptrs, {"scale_log2": "fp32"}, True, options, tc.compiled_prefix_kernel()
+    )
+    record, ck = _compile(arch, source)
+    entry = dict(arch=arch, dtype=dtype, head_dim=head_dim, group=group, page_size=page_size, **record, tile=tile)
+    if ck is not None:
+        entry.update(
+            shared_bytes=ck.metadata.shared, kv_buffers=kv_buffers(ck.asm["ttgir"]), **read_cubin(ck.asm["cubin"])
+        )
+        entry.update(occupancy(arch, entry["registers"], entry["shared_bytes"], options["num_warps"]))
+    return entry
+
+
 def all_configs(quick: bool = False) -> list[KernelConfig]:
     """Every configuration the launcher can choose on each target (``quick``: the defaults)."""
     head_dims, groups, pages = ((128,), (4,), (16, 64)) if quick else (HEAD_DIMS, GROUPS, PAGE_SIZES)
@@ -288,7 +322,8 @@ def main(argv=None):
     reduce = [compile_reduce(a, dt, d) for a, dtypes in TARGET_DTYPES.items() for dt in dtypes for d in head_dims]
     assumptions = dict(latency_s=LATENCY_S, targets=TARGETS, num_kv_heads=NUM_KV_HEADS, context=CONTEXT)
     data = dict(head, assumptions=assumptions, elapsed_s=round(time.perf_counter() - start, 1))
-    data.update(summary=summary(entries), split_kernel=entries, reduce_kernel=reduce)
+    prefix = [compile_prefix(a, dt) for a in (90, 80) for dt in ("bf16", "fp16")]  # the cascade's prefix kernel
+    data.update(summary=summary(entries), split_kernel=entries, reduce_kernel=reduce, prefix_kernel=prefix)
     rows = [[name] + [cell.format(**s) for _, cell in SUMMARY_COLUMNS] for name, s in data["summary"].items()]
     print_table(["target"] + [header for header, _ in SUMMARY_COLUMNS], rows)
     b = entries[-1]
