@@ -127,6 +127,8 @@ def record_decode(monkeypatch):
     monkeypatch.setattr(decode, "_sdpa", lambda q, *a: q)
     monkeypatch.setattr(decode, "copy_bandwidth", lambda: dict(bandwidth_GBps=1.0, bytes=1, median_s=1.0))
     monkeypatch.setattr(decode, "gpu_median", lambda fn, rep_ms: (fn(), 1e-3)[1])
+    monkeypatch.setattr(decode, "graph_median", lambda fn, rep_ms: (1e-3, fn()))  # the captured call, launched once
+    monkeypatch.setattr(decode, "host_median", lambda fn: (fn(), 1e-5)[1])
     monkeypatch.setattr(decode.torch.cuda, "empty_cache", lambda: None)
     # flex is compiled by inductor, not launched through this kernel: left out (budget_s < 0)
     decode.run_gpu(decode.GPU_SHAPES, decode.GPU_PAGE_SIZES, budget_s=-1, rep_ms=1, dtype=torch.bfloat16, device="cpu")
