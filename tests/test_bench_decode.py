@@ -51,7 +51,8 @@ def test_bench_decode_gpu_path_smoke(monkeypatch):
     # per step: the reused call plus a quarter of the mask's build (4 layers share it)
     rows = {(r["page_size"], r["impl"]): r for r in data["results"]}
     for r in ratios:
-        reused, paged = rows[(r["page_size"], "flex_paged_decode (mask reused)")], rows[(r["page_size"], "paged_decode")]
+        reused = rows[(r["page_size"], "flex_paged_decode (mask reused)")]
+        paged = rows[(r["page_size"], "paged_decode")]
         step = reused["median_s"] + reused["block_mask_s"] / 4
         assert r["flex_step_over_paged"] == pytest.approx(step / paged["median_s"])
     assert any("page sizes" in g["goal"] for g in goals)
