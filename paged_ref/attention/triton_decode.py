@@ -291,6 +291,7 @@ def _num_sms(device: torch.device) -> int:
     return _INTERPRETER_SMS
 
 
+@functools.cache
 def _resident_programs(capability: int) -> int:
     """Programs of the 16-bit head_dim-128 tile one SM holds on a GPU of this compute capability:
     the occupancy model (:mod:`.occupancy`) applied to what the compile report measured for that
