@@ -57,3 +57,18 @@ def test_bench_decode_gpu_path_smoke(monkeypatch):
         assert r["flex_step_over_paged"] == pytest.approx(step / paged["median_s"])
     assert any("page sizes" in g["goal"] for g in goals)
     assert not any("batch >= 8" in g["goal"] for g in goals)  # no batch of 8 measured: no such goal claimed
+
+
+def test_bench_decode_leaves_flex_out_below_its_minimum_batch(monkeypatch):
+    from paged_ref.lab.bench import common, decode
+
+    monkeypatch.setattr(decode, "gpu_median", lambda fn, **kw: common.cpu_median(fn, warmup=0, repeats=1)["median_s"])
+    monkeypatch.setattr(decode, "copy_bandwidth", lambda: dict(bytes=1, median_s=1.0, bandwidth_GBps=1.0))
+    monkeypatch.setattr(decode, "graph_median", lambda fn, **kw: (decode.gpu_median(fn), fn()))
+    monkeypatch.setattr(decode, "host_median", lambda fn, **kw: decode.gpu_median(fn))
+    heads = dict(num_q_heads=2, num_kv_heads=1, head_dim=16)
+    data = decode.run_gpu(
+        [(1, 32)], [16], budget_s=60, rep_ms=1, flex_min_batch=2, heads=heads, dtype=torch.float32, device="cpu"
+    )
+    assert not any(r["impl"].startswith("flex") for r in data["results"])
+    assert data["notes"] == ["flex left out at (1, 32, page 16): batch below --flex-min-batch 2"]

@@ -10,13 +10,14 @@ in this order: SDPA on a contiguous cache; ``triton_paged_decode`` on shuffled p
 host seconds one call takes to return, `host_median`); the same call captured in a CUDA graph and
 replayed (the kernels alone: a plain call's time includes the host's whenever the host is the
 slower of the two); the kernel on an identity block table (the cost of paging itself); while
-``--budget-s`` lasts, compiled ``flex_paged_decode`` as a model calls it, its BlockMask built once
-per step and reused by every layer (the call with the mask given, and the mask's build time), then
-as a user calling it alone pays, building its BlockMask per call; ``triton_paged_decode`` again (the
-run-to-run spread). Each: median time (``triton.testing.do_bench``: CUDA events, L2 flushed before
-each run), bandwidth = bytes of K and V read / time, its share of the copy's, the error against
-float32, and the ratios between implementations (`summarize_gpu`; flex per step counts the mask's
-build once per ``LAYERS`` calls). JSON: ``figures/data/decode_gpu.json``.
+``--budget-s`` lasts (and from batches of ``--flex-min-batch`` on), compiled ``flex_paged_decode``
+as a model calls it, its BlockMask built once per step and reused by every layer (the call with
+the mask given, and the mask's build time), then as a user calling it alone pays, building its
+BlockMask per call; ``triton_paged_decode`` again (the run-to-run spread). Each: median time
+(``triton.testing.do_bench``: CUDA events, L2 flushed before each run), bandwidth = bytes of K and
+V read / time, its share of the copy's, the error against float32, and the ratios between
+implementations (`summarize_gpu`; flex per step counts the mask's build once per ``LAYERS``
+calls). JSON: ``figures/data/decode_gpu.json``.
 
 CPU (``--cpu``): small float32 sizes; the reference, eager FlexAttention and SDPA are timed
 (`cpu_median`); the Triton kernel runs once through the interpreter for correctness, untimed.
@@ -134,7 +135,18 @@ def _planned_splits(batch, seq_len, heads, dtype, device):
     return td._default_num_splits(batch, heads["num_kv_heads"], seq_len, device, cfg)
 
 
-def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None, device="cuda", checkpoint=None):
+def run_gpu(
+    shapes,
+    page_sizes,
+    *,
+    budget_s,
+    rep_ms,
+    flex_min_batch=1,
+    heads=GPU_HEADS,
+    dtype=None,
+    device="cuda",
+    checkpoint=None,
+):
     """Measure every implementation on every (shape, page size), in the module docstring's order.
 
     ``heads``, ``dtype`` (None: the GPU's native 16-bit type) and ``device`` let tests run the
@@ -205,8 +217,10 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None
                 )
             measure(page_size, "paged_decode contiguous", run_contig, num_splits=splits)
             if flex_paged_decode is not None:
-                if time.perf_counter() - started > budget_s:
-                    where = f"({batch}, {seq_len}, page {page_size})"
+                where = f"({batch}, {seq_len}, page {page_size})"
+                if batch < flex_min_batch:
+                    notes.append(f"flex left out at {where}: batch below --flex-min-batch {flex_min_batch}")
+                elif time.perf_counter() - started > budget_s:
                     notes.append(f"flex skipped at {where}: time budget {budget_s:.0f} s used")
                 else:
                     num_pages = paged[0].shape[0]
@@ -276,6 +290,9 @@ def main(argv=None):
     parser.add_argument(
         "--budget-s", type=float, default=150.0, help="GPU: stop starting flex measurements after this many seconds"
     )
+    parser.add_argument(
+        "--flex-min-batch", type=int, default=1, help="GPU: measure flex only at batches of at least this many"
+    )
     args = parser.parse_args(argv)
     command = command_line("decode", argv)
     if not args.cpu and not torch.cuda.is_available():
@@ -296,7 +313,15 @@ def main(argv=None):
             result.save(data)
 
         rep_ms = 50 if args.quick else 100
-        data.update(run_gpu(shapes, pages, budget_s=args.budget_s, rep_ms=rep_ms, checkpoint=checkpoint))
+        measured = run_gpu(
+            shapes,
+            pages,
+            budget_s=args.budget_s,
+            rep_ms=rep_ms,
+            flex_min_batch=args.flex_min_batch,
+            checkpoint=checkpoint,
+        )
+        data.update(measured)
         data["ratios"], data["goals"] = summarize_gpu(data)
     for n in data["notes"]:
         print("note:", n)
