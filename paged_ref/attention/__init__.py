@@ -15,7 +15,8 @@ Read them in this order:
 2. :mod:`.online_softmax`: the same decode computed tile by tile with a running max and sum,
    split over chunks and merged (:func:`paged_decode_spec`): the kernel's algorithm in PyTorch.
 3. :mod:`.triton_decode`: that algorithm as a Triton kernel reading K/V straight from the pages
-   (:func:`triton_paged_decode`; on CPU tensors it runs in Triton's interpreter).
+   (:func:`triton_paged_decode`; on CPU tensors it runs in Triton's interpreter), its split count
+   picked by :mod:`.occupancy` (programs per SM, waves, bytes in flight).
 
 and, from the reference on a second branch:
 

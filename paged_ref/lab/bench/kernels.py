@@ -13,7 +13,6 @@ Little's law, and what it takes to recompile the entry. Output: ``figures/data/k
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import subprocess
@@ -25,17 +24,14 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..._arith import cdiv, next_pow2
+from ...attention import occupancy as occupancy_model
+from ...attention.occupancy import SM_LIMITS, bytes_in_flight, programs_per_sm
 from .common import bench_parser, environment, print_table, result_file
 
-#: Targets: SMs, per-SM limits and the memory system's datasheet bandwidth. Little's law asks
-#: for bandwidth x latency bytes in flight; LATENCY_S is an assumed ~1 us DRAM round trip.
-TARGETS = {
-    90: dict(name="sm_90 (H200)", sms=132, regs=65536, max_warps=64, max_blocks=32, smem=228 * 1024, bandwidth=4.8e12),
-    80: dict(
-        name="sm_80 (A100 80GB)", sms=108, regs=65536, max_warps=64, max_blocks=32, smem=164 * 1024, bandwidth=2.039e12
-    ),
-    75: dict(name="sm_75 (T4)", sms=40, regs=65536, max_warps=32, max_blocks=16, smem=64 * 1024, bandwidth=320e9),
-}
+#: Targets: SMs, per-SM limits and the memory system's datasheet bandwidth (the occupancy
+#: model's, :mod:`paged_ref.attention.occupancy`). Little's law asks for bandwidth x latency
+#: bytes in flight; LATENCY_S is an assumed ~1 us DRAM round trip.
+TARGETS = {arch: asdict(limits) for arch, limits in SM_LIMITS.items()}
 TARGET_DTYPES = {90: ("fp16", "bf16", "fp32"), 80: ("fp16", "bf16", "fp32"), 75: ("fp16",)}
 LATENCY_S = 1e-6
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -145,21 +141,12 @@ def kv_buffers(ttgir: str) -> list[int]:
 
 def occupancy(arch: int, registers: int, shared: int, num_warps: int) -> dict:
     """Programs (CTAs) per SM allowed by each resource; the smallest one wins."""
-    t = TARGETS[arch]
-    regs_per_warp = math.ceil(max(registers, 1) * 32 / 256) * 256  # allocated per warp
-    limits = dict(
-        by_registers=t["regs"] // (regs_per_warp * num_warps),
-        by_shared=t["smem"] // (shared + 1024) if shared else t["max_blocks"],
-        by_warps=t["max_warps"] // num_warps,
-        by_blocks=t["max_blocks"],
-    )
-    return dict(limits, programs_per_sm=min(limits.values()))
+    return programs_per_sm(registers, shared, num_warps, SM_LIMITS[arch])
 
 
 def littles_law_bytes(arch: int) -> int:
     """Bytes a single SM must keep in flight to reach the datasheet bandwidth at LATENCY_S."""
-    t = TARGETS[arch]
-    return int(t["bandwidth"] * LATENCY_S / t["sms"])
+    return occupancy_model.littles_law_bytes(SM_LIMITS[arch], LATENCY_S)
 
 
 def _compile(arch: int, source) -> tuple[dict, object]:
@@ -192,7 +179,7 @@ def compile_config(cfg: KernelConfig) -> dict:
     # one is consumed; without asynchronous copies a program waits on one K tile at a time.
     depth = max(entry["kv_buffers"], default=1)
     asynchronous = entry["async_copies"] + entry["tma_loads"] > 0
-    per_program = 2 * (depth - 1) * tile_bytes if asynchronous and depth > 1 else tile_bytes
+    per_program = bytes_in_flight(tile_bytes, depth, asynchronous)
     entry["tile_bytes"] = tile_bytes
     entry["kv_bytes_in_flight_per_sm"] = per_program * entry["programs_per_sm"]
     entry["littles_law_bytes_per_sm"] = littles_law_bytes(cfg.arch)
