@@ -63,9 +63,9 @@ class Recorder:
 
         return Capture()
 
-    def launch(self, q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, **cfg):
-        _LAUNCH(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, **cfg)
-        return out.zero_()  # written, as a launch would (the tests look for NaN)
+    def launch(self, q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, keep_partials=False, **cfg):
+        out.zero_()  # written, as a launch would (the tests look for NaN)
+        return _LAUNCH(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, keep_partials, **cfg)
 
 
 _LAUNCH = td._launch

@@ -93,14 +93,15 @@ def graph_median(fn: Callable[[], object], *, rep_ms: float = 100) -> tuple[floa
 def host_median(fn: Callable[[], object], *, calls: int = 50) -> float:
     """Median host seconds one call of ``fn`` takes to return (Python, checks, launches), the GPU
     left to run behind it: ``calls`` stays far below CUDA's launch queue, so no call waits on
-    the device. Synchronizes before and after."""
-    torch.cuda.synchronize()
+    the device. Synchronizes before and after (on a machine with CUDA)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
     times = []
     for _ in range(calls):
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    torch.cuda.synchronize()
+    sync()
     return statistics.median(times)
 
 
