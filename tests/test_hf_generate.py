@@ -8,9 +8,9 @@ from prompts import left_padded
 
 from paged_ref import OutOfPagesError, PagedKVCache, hf
 
-BACKENDS = ["reference", "flex", "triton", "sdpa", "auto"]
+BACKENDS = ["reference", "flex", "triton", "sdpa", "sdpa_fused", "auto"]
 # new tokens per backend: eager FlexAttention (~0.2 s a call on CPU) and the Triton interpreter are slow
-NEW_TOKENS = {"reference": 12, "flex": 5, "triton": 5, "sdpa": 12, "auto": 12}
+NEW_TOKENS = {"reference": 12, "flex": 5, "triton": 5, "sdpa": 12, "sdpa_fused": 12, "auto": 12}
 
 
 def _kv(model, num_pages, page_size):

@@ -25,6 +25,7 @@ reference   reference_paged_decode          reference_paged_prefill
 flex        flex_paged_decode               flex_paged_prefill
 triton      triton_paged_decode             sdpa_paged_prefill
 sdpa        sdpa_paged_decode               sdpa_paged_prefill
+sdpa_fused  sdpa_fused_paged_decode         sdpa_paged_prefill
 auto        ``triton`` on CUDA, ``sdpa`` elsewhere (the default)
 =========== =============================== ===============================
 
@@ -34,7 +35,9 @@ controls that show how far a real bug moves the results (`paged_ref.hf.mistakes`
 Triton has no prefill kernel here: prefill is compute-bound and runs once per prompt, so the
 ``triton`` backend prefills through SDPA. ``sdpa`` (`paged_ref.attention.sdpa`) gathers the batch's
 tokens by slot and calls PyTorch's SDPA: the fast path on a CPU, where the Triton kernel only
-runs in the interpreter. ``reference`` is the oracle every other backend is tested against.
+runs in the interpreter. ``sdpa_fused`` is ``sdpa`` with each decode layer's attention in one
+call of PyTorch's fused CPU kernel (one gather, no per-layer masking, softmax or matmul passes): the
+faster path beside the readable one. ``reference`` is the oracle every other backend is tested against.
 """
 
 from __future__ import annotations
@@ -164,6 +167,15 @@ def _prepare_sdpa(plan) -> dict:
     }
 
 
+def _prepare_sdpa_fused(plan) -> dict:
+    from ..attention.sdpa import prepare_fused
+
+    if not plan.is_decode:
+        return _prepare_sdpa(plan)
+    fused = prepare_fused(plan.block_table, plan.seq_lens, plan.kv.page_size, plan.kv.k_cache[0].dtype)
+    return {"fused": fused, "check_values": False}
+
+
 def _prepare_triton(plan) -> dict:
     return {"check_values": False} if plan.is_decode else _prepare_sdpa(plan)  # prefill: SDPA
 
@@ -180,6 +192,7 @@ for _backend in (
     ),
     Backend("triton", ("paged_ref.attention.triton_decode", "triton_paged_decode"), _SDPA_PREFILL, _prepare_triton),
     Backend("sdpa", ("paged_ref.attention.sdpa", "sdpa_paged_decode"), _SDPA_PREFILL, _prepare_sdpa),
+    Backend("sdpa_fused", ("paged_ref.attention.sdpa", "sdpa_fused_paged_decode"), _SDPA_PREFILL, _prepare_sdpa_fused),
     # negative controls (`paged_ref.hf.mistakes`): wrong on purpose, to show what a real bug does
     Backend("mistake_off_by_one", ("paged_ref.hf.mistakes", "off_by_one_decode"), _REFERENCE_PREFILL),
     Backend("mistake_wrong_page", ("paged_ref.hf.mistakes", "wrong_page_decode"), _REFERENCE_PREFILL),
