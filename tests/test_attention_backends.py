@@ -3,9 +3,9 @@
 One module for all backends (reference, eager FlexAttention, the Triton kernel through the
 interpreter, SDPA over gathered slots, the fused CPU kernel over gathered pages): each runs the
 same cases from `attention_cases` (ragged lengths, shuffled pages, garbage in unowned slots and in
-block-table padding). The
-grid is pairwise: every (page size, head layout), (page size, head_dim) and (head layout,
-head_dim) pair appears at least once, in 25 cases instead of the 50 of the full product.
+block-table padding). The grid is pairwise: every (page size, head layout), (page size, head_dim)
+and (head layout, head_dim) pair appears at least once, in 25 cases instead of the 50 of the full
+product.
 A backend's own features (block masks, split-K, gathers) are tested in its own module.
 """
 

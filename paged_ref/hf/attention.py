@@ -239,9 +239,14 @@ def paged_attention_forward(
             raise NotImplementedError(f"paged attention does not support {unsupported}={kwargs[unsupported]!r}")
     if getattr(module, "sinks", None) is not None:
         raise NotImplementedError("paged attention does not support attention sinks")
-    layer = module.layer_idx
+    with torch.profiler.record_function("paged_ref::attention"):  # a named region in a profile
+        return _attention(plan, module.layer_idx, query, scaling), None
+
+
+def _attention(plan, layer: int, query: torch.Tensor, scaling) -> torch.Tensor:
+    """`paged_attention_forward`'s output for one layer: ``[batch, max_q_len, Hq, D]``."""
     if plan.parts is not None:
-        return _packed_attention(plan, layer, query, scaling), None
+        return _packed_attention(plan, layer, query, scaling)
     k_cache, v_cache = plan.kv.k_cache[layer], plan.kv.v_cache[layer]  # [num_pages, page_size, Hkv, D]
     block_table, attn_kwargs = plan.layer(layer)  # int32 [batch, max_pages], this layer's keywords
     if plan.is_decode:
@@ -249,11 +254,11 @@ def paged_attention_forward(
         out = plan.decode(
             q, k_cache, v_cache, block_table, plan.seq_lens, scale=scaling, **attn_kwargs
         )  # [batch, Hq, D]
-        return out.unsqueeze(1), None  # [batch, 1, Hq, D]
+        return out.unsqueeze(1)  # [batch, 1, Hq, D]
     out = plan.prefill(
         query, k_cache, v_cache, block_table, plan.seq_lens, plan.q_lens, scale=scaling, **attn_kwargs
     )  # [batch, Hq, max_q_len, D]
-    return out.transpose(1, 2), None  # [batch, max_q_len, Hq, D]
+    return out.transpose(1, 2)  # [batch, max_q_len, Hq, D]
 
 
 def _packed_attention(plan, layer: int, query: torch.Tensor, scaling) -> torch.Tensor:
