@@ -74,3 +74,5 @@ def test_profile_writes_the_tables_and_each_gain(tmp_path):
     for g in saved["gains"]:  # every speed-up keeps every token and the schedule
         assert g["same_schedule"] and g["requests_with_identical_tokens"] == g["requests"]
     assert saved["generate_check"]["identical"] == saved["generate_check"]["requests"]
+    fig = viz.profile_figure(saved)
+    assert len(fig.axes) == 3 and "Measured on CPU" in fig.texts[-1].get_text()

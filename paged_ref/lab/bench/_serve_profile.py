@@ -100,12 +100,14 @@ def _table(events: dict, inclusive: dict, steps: int) -> dict:
 
 
 def profile_variant(model, cfg, requests, options) -> dict:
-    """``{"decode": table, "mixed": table}`` of one variant (`_table`), each over ``cfg["steps"]`` steps."""
+    """``{"decode": table, "mixed": table}`` of one variant (`_table`), each over ``cfg["steps"]`` steps,
+    with the rows of each step and the load average before the run."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = _engine(model, cfg, options)
     for prompt, new in requests:
         engine.add_request(prompt, max_new_tokens=new)
+    load = os.getloadavg()
     events = {"decode": {}, "mixed": {}}
     inclusive = {"decode": {}, "mixed": {}}
     counts = {"decode": 0, "mixed": 0, "rows": {"decode": [], "mixed": []}}
@@ -128,7 +130,7 @@ def profile_variant(model, cfg, requests, options) -> dict:
     out = {}
     for kind, ev in events.items():
         if counts[kind]:
-            out[kind] = {**_table(ev, inclusive[kind], counts[kind]), "rows": counts["rows"][kind]}
+            out[kind] = {**_table(ev, inclusive[kind], counts[kind]), "rows": counts["rows"][kind], "load": load}
     return out
 
 
