@@ -1,5 +1,24 @@
 """paged_ref: an educational reference implementation of paged KV-cache attention.
 
+Read the lesson in the order the data flows (each module opens with its idea):
+
+1. `allocator`: fixed-size pages, a bump pointer over never-used pages, a free list, reference counts.
+2. `block_table`: each sequence's logical page -> physical page map, padded and in CSR form.
+3. `cache`: per-layer K/V page tensors ``[num_pages, page_size, num_kv_heads, head_dim]`` and the
+   sequences' block tables: grow, fork, copy on write (`page_plan` counts a step's pages before
+   any is taken, `cache_rollback` puts a failed step back, `prefix_cache` finds full pages again
+   by their tokens); `layered_cache` gives every layer its own table; `cache_interface` declares
+   what both caches offer the model.
+4. `attention`: the reference (the oracle), `online_softmax` (the kernel's math as a spec), the
+   Triton decode kernel, FlexAttention with a paged BlockMask, SDPA over gathered slots.
+5. `hf`: a transformers model generating from the pages (Cache, attention function, session,
+   generate, sampling, beam search).
+6. `eviction`: scores read from cached K/V (PagedEviction's ||V||/||K||) and the policies.
+7. `serve`: many requests from one page pool (requests, scheduler, engine).
+
+Beside it: `memory` (the byte arithmetic) and `models` (the bundled SmolLM2 and a tiny Llama).
+`lab` holds what measures, draws, grades and feeds the notebooks; the lesson never imports it.
+
     >>> import paged_ref as pr
     >>> cache = pr.PagedKVCache(num_layers=1, num_pages=16, page_size=4, num_kv_heads=2, head_dim=8)
     >>> pr.memory.kv_cache_bytes(2048, num_layers=32, num_kv_heads=32, head_dim=128)
@@ -7,7 +26,7 @@
 
 The paging core, memory arithmetic and attention functions are imported here. Modules with
 heavy dependencies (``hf`` and ``models`` import transformers; ``triton_paged_decode`` imports
-triton; ``eviction``; ``serve``) load on first use, so ``import paged_ref`` stays fast.
+triton; ``eviction``; ``serve``; ``lab``) load on first use, so ``import paged_ref`` stays fast.
 """
 
 import importlib
