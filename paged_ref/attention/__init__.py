@@ -24,7 +24,8 @@ and, from the reference on a second branch:
    :mod:`.flex_inspect` replays a BlockMask token by token to check and draw it.
 
 :mod:`.sdpa` is the CPU fast path: gather the batch's K/V by slot, then PyTorch's
-``scaled_dot_product_attention`` (:func:`sdpa_paged_decode`, :func:`sdpa_paged_prefill`).
+``scaled_dot_product_attention`` (:func:`sdpa_paged_decode`, :func:`sdpa_paged_prefill`);
+:func:`.sdpa.sdpa_fused_paged_decode` runs a batch's decode in one fused CPU kernel call.
 
 :mod:`.triton_decode` imports triton, so its names load on first use.
 
