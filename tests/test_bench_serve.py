@@ -69,6 +69,8 @@ def test_profile_writes_the_tables_and_each_gain(tmp_path):
             assert t["steps"] == len(t["rows"]) >= 1 and set(t["groups"]) == {*GROUPS, "other"}
             assert sum(op["share"] for op in t["ops"]) == pytest.approx(1.0)
             assert sum(g["share"] for g in t["groups"].values()) == pytest.approx(1.0)
+    for row in saved["linear_libraries"]["layer0"]:
+        assert row["speedup_vs_f_linear"]["f_linear"] == 1.0 and set(row["ms"]) >= {"f_linear", "onednn_prepacked"}
     names = list(VARIANTS)
     assert [(g["before"], g["after"]) for g in saved["gains"]] == [*zip(names, names[1:]), (names[0], names[-1])]
     for g in saved["gains"]:  # every speed-up keeps every token and the schedule

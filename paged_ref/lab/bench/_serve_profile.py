@@ -14,6 +14,10 @@ each adding one speed-up to the one before: ``eager`` (the lesson's path: ``sdpa
   ``i`` of one does the work of step ``i`` of the other. The gain is the median of the per-step
   ratios of step time (before / after), over decode and mixed steps separately, and the ratio of
   total busy time; tokens are compared request by request.
+- **Linear libraries** (`linear_libraries`): one layer's products at a decode step's and a prompt
+  chunk's number of rows through ``F.linear`` (the BLAS), oneDNN with a prepacked weight (what
+  ``prepack=True`` runs), MKL with a prepacked weight (what inductor's freezing packs float32 weights
+  for when torch has MKL), and oneDNN on q/k/v and gate/up fused into one product each.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 
 from ...serve import Engine
 
-__all__ = ["VARIANTS", "PROFILE_WORKLOAD", "profile_variant", "paired_gain", "run_profile"]
+__all__ = ["VARIANTS", "PROFILE_WORKLOAD", "linear_libraries", "profile_variant", "paired_gain", "run_profile"]
 
 #: name -> (Engine options, what it adds), each variant on top of the one before.
 VARIANTS = {
@@ -177,6 +181,58 @@ def paired_gain(model, cfg, requests, before: dict, after: dict) -> dict:
     }
 
 
+def linear_libraries(model, rows=(32, 512), repeats: int = 7) -> list[dict]:
+    """Each way of running layer 0's linear layers, timed in turns (`._model_bench.paired_ratio`):
+    ``[{"rows", "ms": {way: median}, "speedup_vs_f_linear": {way: median of per-round ratios}}]``."""
+    import torch.nn.functional as F
+
+    from ._model_bench import paired_ratio
+
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    layers = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    weights = [m.weight.detach() for m in layers]  # [out, in] each
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    fused = [torch.cat(weights[:3]), weights[3], torch.cat(weights[4:6]), weights[6]]  # qkv, o, gate|up, down
+    fused_packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in fused]
+    out = []
+    for m in rows:
+        mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in weights] if torch._C.has_mkl else None
+
+        def inputs(ws):
+            return [torch.randn(m, w.shape[1], dtype=w.dtype) for w in ws]  # [rows, in] per product
+
+        x, xf = inputs(weights), inputs(fused)
+        ways = {
+            "f_linear": lambda: [F.linear(a, w) for a, w in zip(x, weights)],
+            "onednn_prepacked": lambda: [
+                torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], "") for a, p in zip(x, onednn)
+            ],
+            "onednn_prepacked_fused_qkv_gate_up": lambda: [
+                torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], "") for a, p in zip(xf, fused_packed)
+            ],
+        }
+        if mkl is not None:
+            ways["mkl_prepacked"] = lambda: [
+                torch.ops.mkl._mkl_linear(a, p, w, None, m) for a, p, w in zip(x, mkl, weights)
+            ]
+        times = {k: [] for k in ways}
+        for _ in range(repeats):
+            for k, fn in ways.items():
+                fn()  # warm
+                started = time.perf_counter()
+                for _ in range(5):
+                    fn()
+                times[k].append((time.perf_counter() - started) / 5)
+        out.append(
+            {
+                "rows": m,
+                "ms": {k: statistics.median(t) * 1e3 for k, t in times.items()},
+                "speedup_vs_f_linear": {k: paired_ratio(times["f_linear"], t) for k, t in times.items()},
+            }
+        )
+    return out
+
+
 def _generate_check(model, requests, outs, n: int) -> dict:
     """The first ``n`` requests through ``model.generate`` (greedy): the same tokens as ``outs``?"""
     same = 0
@@ -203,6 +259,11 @@ def run_profile(model, requests_fn, *, quick: bool, save) -> dict:
         "variants": {name: {"options": o, "adds": adds} for name, (o, adds) in VARIANTS.items()},
         "gains": [],
     }
+    data["linear_libraries"] = {
+        "load": os.getloadavg(),
+        "layer0": linear_libraries(model, rows=(cfg["max_num_seqs"], cfg["max_batched_tokens"])),
+    }
+    save(data)
     names = list(VARIANTS)
     for name in tqdm(names, desc="profile", leave=False):
         data["variants"][name]["profile"] = profile_variant(model, cfg, requests, VARIANTS[name][0])
