@@ -5,10 +5,10 @@ Read the lesson in the order the data flows (each module opens with its idea):
 1. `allocator`: fixed-size pages, a bump pointer over never-used pages, a free list, reference counts.
 2. `block_table`: each sequence's logical page -> physical page map, padded and in CSR form.
 3. `cache`: per-layer K/V page tensors ``[num_pages, page_size, num_kv_heads, head_dim]`` and the
-   sequences' block tables: grow, fork, copy on write (`page_plan` counts a step's pages before
-   any is taken, `cache_rollback` puts a failed step back, `prefix_cache` finds full pages again
-   by their tokens); `layered_cache` gives every layer its own table; `cache_interface` declares
-   what both caches offer the model.
+   sequences' block tables: grow, fork, copy on write (reported in ``last_copies``), rewind a
+   failed step (`page_plan` counts a step's pages before any is taken, `prefix_cache` finds
+   full pages again by their tokens); `layered_cache` gives every layer its own table;
+   `cache_interface` declares what both caches offer the model.
 4. `attention`: the reference (the oracle), `online_softmax` (the kernel's math as a spec), the
    Triton decode kernel, FlexAttention with a paged BlockMask, SDPA over gathered slots.
 5. `hf`: a transformers model generating from the pages (Cache, attention function, session,

@@ -17,7 +17,8 @@ grows a whole batch of sequences that way, as a model's forward needs.
 
 Sharing. ``fork`` makes a second sequence that shares the first's pages (reference counts);
 the first write into a shared page copies it (copy-on-write happens in ``reserve``, which is
-where a write begins, so the slots it returns already point into the private copy). With
+where a write begins, so the slots it returns already point into the private copy), and
+``last_copies`` lists the copies that call made as `PageCopy` records. With
 ``prefix_caching=True``, ``add_sequence(token_ids=prompt)`` reuses the cached full pages of the
 prompt (live ones are shared; returned ones not yet handed out again are revived) and counts
 them in ``prefix_hits``; `paged_ref.prefix_cache` holds the keys and the rule that a page is
@@ -29,6 +30,10 @@ and when it returns to the pool holding no cached prefix, and ``compact`` zeroes
 vacates. A kernel that reads more than a sequence's own tokens (FlexAttention reads whole
 blocks; eager FlexAttention on CPU reads the whole cache) then adds ``0 * v`` there, never
 ``0 * nan`` left over from another sequence.
+
+Rewind. ``mark(seq_id)`` before a model's forward and ``rewind(seq_id, mark)`` after it
+failed put a sequence back as it was: what `paged_ref.hf.PagedSession.extend` does when a
+forward raises after its slots were reserved.
 
 Growth. ``growth="page"`` takes one page at a time; ``growth="pow2"`` reserves so that a
 sequence holds a power-of-two number of pages (what the IBM paper describes), falling back to
@@ -58,9 +63,8 @@ from ._cache_checks import batch_lists, check_device, check_dtype, check_layer, 
 from ._validate import check_choice, check_int, check_list, describe
 from .allocator import OutOfPagesError, PageAllocator
 from .block_table import flat_slots, pack_csr, pack_padded
-from .cache_rollback import mark, rewind
 from .memory import KVGeometry, model_geometry
-from .page_plan import compact_copies, plan_growth, round_to_pow2, truncate_cost
+from .page_plan import compact_copies, plan_growth, rewind_plan, round_to_pow2, truncate_cost
 from .prefix_cache import PrefixIndex, namespace_key, page_key
 
 
@@ -71,6 +75,35 @@ class _Sequence:
     token_ids: list[int] | None = field(default_factory=list)  # for prefix hashing; None = unknown
     page_hashes: list[bytes] = field(default_factory=list)  # chained key of each full page
     root: bytes = b""  # key the chain starts from: the cache's namespace and the sequence's own
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    """One copy-on-write: sequence ``seq_id``'s logical page ``logical_page`` moved from the
+    shared physical page ``source`` to ``page``, its private copy (K/V copied in every layer).
+    ``layer``: the layer whose page was copied in a `~paged_ref.layered_cache.LayeredKVCache`;
+    None in a `PagedKVCache`, whose pages hold every layer."""
+
+    seq_id: int
+    logical_page: int
+    source: int
+    page: int
+    layer: int | None = None
+
+
+@dataclass(frozen=True)
+class SequenceMark:
+    """A sequence as `PagedKVCache.mark` saw it, for `PagedKVCache.rewind`: its pages and
+    length, and its prefix-key lists with their lengths then (``reserve`` only appends to those
+    lists, or replaces them)."""
+
+    seq_id: int
+    pages: tuple[int, ...]
+    length: int
+    token_ids: list[int] | None
+    known: int
+    page_hashes: list[bytes]
+    hashed: int
 
 
 class PagedKVCache:
@@ -110,6 +143,8 @@ class PagedKVCache:
         self._next_id = 0
         self._prefix = PrefixIndex(num_layers=self.num_layers, page_size=self.page_size)
         self.prefix_hits = 0  # full pages reused from the prefix cache
+        # the `PageCopy`s of the latest reserve, reserve_batch, truncate or compact (rewind clears it)
+        self.last_copies: tuple[PageCopy, ...] = ()
 
     @classmethod
     def for_model(cls, model, *, num_pages: int, page_size: int, **options) -> PagedKVCache:
@@ -202,10 +237,21 @@ class PagedKVCache:
 
         Allocates pages as needed (all or nothing: raises OutOfPagesError and changes nothing
         when the pool is short) and copies any shared page the new tokens land in
-        (copy-on-write). ``token_ids`` (``num_tokens`` ints) feed prefix caching.
+        (copy-on-write; ``last_copies`` lists those copies). ``token_ids`` (``num_tokens`` ints)
+        feed prefix caching.
+
+        Example:
+            >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)
+            >>> a = kv.add_sequence(); _ = kv.reserve(a, 6)        # pages [0, 1]: 4 + 2 tokens
+            >>> b = kv.fork(a)                                      # shares both pages
+            >>> _ = kv.reserve(b, 1)                                # lands in shared page 1: copied
+            >>> kv.last_copies
+            (PageCopy(seq_id=1, logical_page=1, source=1, page=2, layer=None),)
+            >>> kv.pages(a), kv.pages(b)
+            ([0, 1], [0, 2])
         """
-        seq = self._seq(seq_id)
-        return self._reserve([(seq, *growth_request(num_tokens, token_ids))])[0]
+        self._seq(seq_id)
+        return self._reserve([(seq_id, *growth_request(num_tokens, token_ids))])[0]
 
     def reserve_batch(self, seq_ids, num_tokens, token_ids=None) -> list[torch.Tensor]:
         """`reserve` for several sequences at once, all or nothing; returns each one's slots.
@@ -214,7 +260,7 @@ class PagedKVCache:
         land in) are counted before any is taken: when the pool is short, OutOfPagesError is
         raised and no sequence changes. With ``growth="pow2"`` a sequence gets its power of two
         only where the pages the rest of the batch needs stay free. ``token_ids``: None, or one
-        entry (None or ``num_tokens[i]`` ints) per sequence.
+        entry (None or ``num_tokens[i]`` ints) per sequence. ``last_copies``: the batch's copies.
 
         Example:
             >>> kv = PagedKVCache(num_layers=1, num_pages=2, page_size=4, num_kv_heads=1, head_dim=2)
@@ -227,9 +273,10 @@ class PagedKVCache:
             (0, 2)
         """
         seq_ids, num_tokens, token_ids = batch_lists(seq_ids, num_tokens, token_ids)
+        for s in seq_ids:
+            self._seq(s)
         requests = [
-            (self._seq(s), *growth_request(n, ids, f"[{i}]"))
-            for i, (s, n, ids) in enumerate(zip(seq_ids, num_tokens, token_ids))
+            (s, *growth_request(n, ids, f"[{i}]")) for i, (s, n, ids) in enumerate(zip(seq_ids, num_tokens, token_ids))
         ]
         return self._reserve(requests)
 
@@ -263,7 +310,8 @@ class PagedKVCache:
 
     # ----------------------------------------------------------------- sharing and release
     def fork(self, seq_id: int) -> int:
-        """A new sequence sharing ``seq_id``'s pages (reference counts; copy-on-write later)."""
+        """A new sequence sharing ``seq_id``'s pages (reference counts). Nothing is copied here:
+        a write into a shared page copies it first, in `reserve`, which lists it in ``last_copies``."""
         src = self._seq(seq_id)
         held = src.pages[: cdiv(src.length, self.page_size)]
         self.allocator.share(held)
@@ -310,7 +358,8 @@ class PagedKVCache:
         Pages left without a token go back to the pool (tail first, reserved-ahead pages too).
         The vacated slots of the last kept page become zero, like every slot that holds no
         token; if another sequence shares that page, this sequence first gets its own copy
-        (one page from the pool: `OutOfPagesError`, with nothing changed, when none is free).
+        (one page from the pool: `OutOfPagesError`, with nothing changed, when none is free;
+        ``last_copies`` lists it).
         A page whose tokens may now change stops being offered for prefix reuse; the full pages
         kept stay cached, so prefix caching goes on for the sequence.
 
@@ -327,6 +376,7 @@ class PagedKVCache:
         if num_tokens > seq.length:
             raise ValueError(f"num_tokens must be <= seq_len={seq.length} for sequence {seq_id}, got {num_tokens}")
         if num_tokens == 0:
+            self.last_copies = ()
             return
         ps = self.page_size
         new_len = seq.length - num_tokens
@@ -336,9 +386,10 @@ class PagedKVCache:
             raise OutOfPagesError(1, self.allocator.num_free)
         self._release(seq.pages[need:])
         seq.pages = seq.pages[:need]
+        copies = []
         if new_len % ps:  # the last kept page loses slots
             if copy:
-                self._copy_on_write(seq, [need - 1], self._allocate(1))
+                copies = self._copy_on_write(seq_id, [need - 1], self._allocate(1))
             self._prefix.forget(seq.pages[-1])
             start = (need - 1) * ps + new_len % ps
             slots = flat_slots(seq.pages, start, need * ps - start, ps)
@@ -347,13 +398,15 @@ class PagedKVCache:
         if seq.token_ids is not None:
             seq.token_ids = seq.token_ids[:new_len]
             seq.page_hashes = seq.page_hashes[: new_len // ps]
+        self.last_copies = tuple(copies)
 
     def compact(self, seq_id: int, keep: torch.Tensor) -> None:
         """Keep only the tokens where ``keep: bool [seq_len]`` is True, packed in order.
 
         Kept tokens move to the front of the sequence's pages in every layer (token-level
         eviction); pages no longer needed go back to the pool. Shared pages that receive
-        tokens are copied first. The sequence stops taking part in prefix caching.
+        tokens are copied first (``last_copies`` lists them). The sequence stops taking part in
+        prefix caching.
         """
         seq = self._seq(seq_id)
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or tuple(keep.shape) != (seq.length,):
@@ -361,7 +414,7 @@ class PagedKVCache:
         n_keep = int(keep.sum())
         need = cdiv(n_keep, self.page_size)
         shared = compact_copies(seq.pages, n_keep, self.allocator.refcount, page_size=self.page_size)
-        self._copy_on_write(seq, shared, self._allocate(len(shared)))  # OutOfPagesError before any change
+        copies = self._copy_on_write(seq_id, shared, self._allocate(len(shared)))  # OutOfPagesError before any change
         for page in seq.pages[:need]:
             self._prefix.forget(page)
         all_slots = flat_slots(seq.pages, 0, seq.length, self.page_size)
@@ -377,6 +430,56 @@ class PagedKVCache:
         if n_keep % self.page_size:  # vacated slots of the last kept page: back to zeros
             self._zero_slots(all_slots[n_keep : need * self.page_size].to(self.device))
         seq.token_ids, seq.page_hashes = None, []
+        self.last_copies = tuple(copies)
+
+    # ----------------------------------------------------------------- rewind after a failed forward
+    def mark(self, seq_id: int) -> SequenceMark:
+        """The sequence as it is now, for `rewind`; valid while the sequence only reserves and writes."""
+        seq = self._seq(seq_id)
+        known = None if seq.token_ids is None else len(seq.token_ids)
+        return SequenceMark(
+            seq_id, tuple(seq.pages), seq.length, seq.token_ids, known, seq.page_hashes, len(seq.page_hashes)
+        )
+
+    def rewind(self, seq_id: int, mark: SequenceMark) -> None:
+        """Put the sequence back as `mark` saw it, undoing the reserves and writes made since.
+
+        What a failed forward needs: each shared page a private copy replaced is shared again,
+        the pages taken since (new pages, private copies) go back to the pool, and the slots
+        written since in the pages it kept are zeroed and no longer offered for prefix reuse.
+        Rewind a batch in the reverse of the order it was reserved in: a page one sequence
+        copied away may have been written in place by a later one, which must give it back
+        first. Returned pages that kept a prefix for reuse and were handed out since stay
+        forgotten: their K/V were overwritten. Clears ``last_copies``.
+
+        Example:
+            >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)
+            >>> a = kv.add_sequence(); _ = kv.reserve(a, 2); b = kv.fork(a)
+            >>> m = kv.mark(b)
+            >>> _ = kv.reserve(b, 3)                 # copies shared page 0 to page 2, adds page 1
+            >>> kv.pages(b), kv.allocator.refcount(0)
+            ([2, 1], 1)
+            >>> kv.rewind(b, m)                      # as if that reserve never happened
+            >>> kv.pages(b), kv.seq_len(b), kv.allocator.refcount(0), kv.allocator.num_free
+            ([0], 2, 2, 3)
+        """
+        seq = self._seq(seq_id)
+        if not isinstance(mark, SequenceMark) or mark.seq_id != seq_id:
+            raise ValueError(f"mark must be a SequenceMark of sequence {seq_id}, got {describe(mark)}")
+        ps = self.page_size
+        share, written, taken = rewind_plan(list(mark.pages), mark.length, seq.pages, seq.length, page_size=ps)
+        self.allocator.share(share)  # raises, changing nothing, if one went back to the pool since
+        for page in {slot // ps for slot in written} | set(taken):
+            self._prefix.forget(page)  # its tokens changed, or were written by the failed step
+        if written:
+            self._zero_slots(torch.tensor(written, device=self.device))
+        self._release(taken)
+        if mark.token_ids is not None:
+            del mark.token_ids[mark.known :]
+        del mark.page_hashes[mark.hashed :]
+        seq.pages, seq.length = list(mark.pages), mark.length
+        seq.token_ids, seq.page_hashes = mark.token_ids, mark.page_hashes
+        self.last_copies = ()
 
     # ----------------------------------------------------------------- internals
     def _seq(self, seq_id) -> _Sequence:
@@ -389,33 +492,29 @@ class PagedKVCache:
             return list(self._seqs)
         return check_list("seq_ids", seq_ids, "sequence ids")
 
-    def _reserve(self, requests: list[tuple[_Sequence, int, list[int] | None]]) -> list[torch.Tensor]:
-        """Grow each ``(sequence, num_tokens, token_ids)`` in order, all or nothing: plan the pages
+    def _reserve(self, requests: list[tuple[int, int, list[int] | None]]) -> list[torch.Tensor]:
+        """Grow each ``(seq_id, num_tokens, token_ids)`` in order, all or nothing: plan the pages
         (copies of shared pages, new pages), check the pool holds them, then change the sequences."""
+        seqs = [self._seqs[s] for s, _, _ in requests]
         refcount = self.allocator.refcount
-        plans = plan_growth([(seq.pages, seq.length, n) for seq, n, _ in requests], refcount, page_size=self.page_size)
+        plans = plan_growth(
+            [(seq.pages, seq.length, n) for seq, (_, n, _) in zip(seqs, requests)], refcount, page_size=self.page_size
+        )
         total = sum(len(copies) + grow for copies, grow in plans)
         if total > self.allocator.num_free:
             raise OutOfPagesError(total, self.allocator.num_free)
         if self.growth == "pow2":
-            round_to_pow2(plans, [len(seq.pages) for seq, _, _ in requests], spare=self.allocator.num_free - total)
-        slots = []
-        for (copies, grow), (seq, n, token_ids) in zip(plans, requests):
+            round_to_pow2(plans, [len(seq.pages) for seq in seqs], spare=self.allocator.num_free - total)
+        slots, copied = [], []
+        for (copies, grow), seq, (seq_id, n, token_ids) in zip(plans, seqs, requests):
             new_pages = self._allocate(grow + len(copies))
-            self._copy_on_write(seq, copies, new_pages[grow:])
+            copied += self._copy_on_write(seq_id, copies, new_pages[grow:])
             seq.pages.extend(new_pages[:grow])
             slots.append(flat_slots(seq.pages, seq.length, n, self.page_size).to(self.device))
             seq.length += n
             self._offer_full_pages(seq, token_ids)
+        self.last_copies = tuple(copied)
         return slots
-
-    def _mark(self, seq_id: int) -> tuple:
-        """The sequence as it is now, for `_rewind` (`paged_ref.cache_rollback.mark`)."""
-        return mark(self._seq(seq_id))
-
-    def _rewind(self, seq_id: int, saved: tuple) -> None:
-        """Undo the reserves and writes since `_mark` (`paged_ref.cache_rollback.rewind`)."""
-        rewind(self, self._seq(seq_id), saved)
 
     def _allocate(self, n: int) -> list[int]:
         """Take ``n`` pages from the pool, all zero (a recycled cached page is zeroed here)."""
@@ -450,12 +549,15 @@ class PagedKVCache:
         for cache in (*self.k_cache, *self.v_cache):
             cache[dst].copy_(cache[src])
 
-    def _copy_on_write(self, seq: _Sequence, indices: list[int], new_pages: list[int]) -> None:
-        """Give ``seq`` private copies of its shared pages at ``indices``, into ``new_pages``."""
+    def _copy_on_write(self, seq_id: int, indices: list[int], new_pages: list[int]) -> list[PageCopy]:
+        """Give the sequence private copies of its shared pages at ``indices``, into ``new_pages``."""
+        seq, copies = self._seqs[seq_id], []
         for i, page in zip(indices, new_pages):
+            copies.append(PageCopy(seq_id, i, seq.pages[i], page))
             self._copy_page(seq.pages[i], page)
             self.allocator.free([seq.pages[i]])  # drops this sequence's reference only
             seq.pages[i] = page
+        return copies
 
     def _match_prefix(self, seq: _Sequence, token_ids: list[int]) -> None:
         """Start ``seq`` with the cached full pages of its prompt, sharing or reviving each."""
@@ -484,11 +586,6 @@ class PagedKVCache:
             key = page_key(seq.page_hashes[-1] if seq.page_hashes else seq.root, tokens)
             seq.page_hashes.append(key)
             self._prefix.offer(seq.pages[i], key, tokens)
-
-    @property
-    def _page_hash(self) -> dict[int, bytes]:
-        """Page -> prefix key of each page the prefix index offers for reuse."""
-        return self._prefix.key_of
 
     def __repr__(self) -> str:
         return (

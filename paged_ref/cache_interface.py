@@ -12,6 +12,9 @@ it holds: the per-layer questions are methods.
   when ``tables_per_layer`` is False).
 - ``layer_slots(slots, layer)``: the slots layer ``layer`` writes, out of what ``reserve`` /
   ``reserve_batch`` returned (``[num_new]`` shared by every layer, or ``[num_layers, num_new]``).
+- ``last_copies``: the pages the latest call copied on write, as `~paged_ref.cache.PageCopy`
+  records (each with its ``layer`` when each layer has its own pages).
+- ``mark(seq_id)`` / ``rewind(seq_id, mark)``: put a sequence back after a failed forward.
 
 Example:
     >>> from paged_ref import LayeredKVCache, PagedKVCache
@@ -31,6 +34,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .allocator import PageAllocator
+from .cache import PageCopy
 from .memory import KVGeometry
 
 __all__ = ["KVCache"]
@@ -91,7 +95,11 @@ class KVCache(Protocol):
 
     def free(self, seq_id: int) -> None: ...
 
-    # a failed forward's rollback (`paged_ref.cache_rollback`): the session marks, then rewinds
-    def _mark(self, seq_id: int): ...
+    last_copies: tuple[PageCopy, ...]
+    """The copies-on-write (`~paged_ref.cache.PageCopy`) of the latest reserve, reserve_batch, truncate or compact."""
 
-    def _rewind(self, seq_id: int, saved) -> None: ...
+    def mark(self, seq_id: int):
+        """The sequence as it is now, for `rewind` (what a forward that may fail takes first)."""
+
+    def rewind(self, seq_id: int, mark) -> None:
+        """Undo the reserves and writes made since `mark` (rewind a batch last sequence first)."""

@@ -36,7 +36,7 @@ import torch
 from ._validate import check_int, check_list
 from .allocator import OutOfPagesError
 from .block_table import pages_needed
-from .cache import PagedKVCache
+from .cache import PageCopy, PagedKVCache, SequenceMark
 from .memory import KVGeometry, model_geometry
 from .page_plan import compact_copies, truncate_cost
 
@@ -76,6 +76,7 @@ class LayeredKVCache:
         )
         self._lanes: dict[int, list[int]] = {}  # sequence -> the inner sequence of each layer
         self._next_id = 0
+        self.last_copies: tuple[PageCopy, ...] = ()  # as `PagedKVCache.last_copies`, with each copy's layer
 
     @classmethod
     def for_model(cls, model, *, num_pages: int, page_size: int) -> LayeredKVCache:
@@ -164,7 +165,9 @@ class LayeredKVCache:
         """
         lanes = self._lanes_of(seq_id)
         num_tokens = check_int("num_tokens", num_tokens, min_value=1)
-        return torch.stack(self.pool.reserve_batch(lanes, [num_tokens] * len(lanes)))  # [num_layers, num_tokens]
+        slots = self.pool.reserve_batch(lanes, [num_tokens] * len(lanes))
+        self.last_copies = self._layer_copies(self.pool.last_copies)
+        return torch.stack(slots)  # [num_layers, num_tokens]
 
     def reserve_batch(self, seq_ids, num_tokens, token_ids=None) -> list[torch.Tensor]:
         """`reserve` for several sequences at once, all or nothing (`PagedKVCache.reserve_batch`);
@@ -184,6 +187,7 @@ class LayeredKVCache:
             for _ in range(self.num_layers)
         ]
         slots = self.pool.reserve_batch(lanes, counts)
+        self.last_copies = self._layer_copies(self.pool.last_copies)
         return [torch.stack(slots[i : i + self.num_layers]) for i in range(0, len(slots), self.num_layers)]
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
@@ -199,6 +203,7 @@ class LayeredKVCache:
                 f"num_tokens must be <= seq_len={self.seq_len(seq_id)} for sequence {seq_id}, got {num_tokens}"
             )
         if num_tokens == 0:
+            self.last_copies = ()
             return
         # A layer whose last kept page is shared copies it after giving back its cut pages.
         # Layers that only give back go first, then the copying ones, those giving back most
@@ -211,8 +216,11 @@ class LayeredKVCache:
         copies, released = sum(c for c, _ in cost.values()), sum(r for _, r in cost.values())
         if copies > self.allocator.num_free + released:
             raise OutOfPagesError(copies - released, self.allocator.num_free)
+        copied = []
         for lane in sorted(lanes, key=lambda lane: (cost[lane][0], -cost[lane][1])):
             self.pool.truncate(lane, num_tokens)
+            copied += self.pool.last_copies
+        self.last_copies = self._layer_copies(copied)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> None:
         """Store layer ``layer``'s ``k, v: [num_tokens, Hkv, D]`` at its ``slots`` (a row of `reserve`'s)."""
@@ -241,8 +249,11 @@ class LayeredKVCache:
         )
         if copies > self.allocator.num_free:
             raise OutOfPagesError(copies, self.allocator.num_free)
+        copied = []
         for lane, row in zip(lanes, keep):
             self.pool.compact(lane, row)
+            copied += self.pool.last_copies
+        self.last_copies = self._layer_copies(copied)
 
     def drop_pages(self, seq_id: int, logical_pages) -> None:
         """Drop logical page ``logical_pages[i]`` from layer ``i`` (one page per layer).
@@ -276,15 +287,26 @@ class LayeredKVCache:
             f"free_layer_pages={self.allocator.num_free})"
         )
 
-    # ----------------------------------------------------------------- internals
-    def _mark(self, seq_id: int) -> list[tuple]:
-        """Every layer of the sequence as it is now, for `_rewind` (`PagedKVCache._mark`)."""
-        return [self.pool._mark(lane) for lane in self._lanes_of(seq_id)]
+    # ----------------------------------------------------------------- rewind after a failed forward
+    def mark(self, seq_id: int) -> tuple[SequenceMark, ...]:
+        """Every layer of the sequence as it is now, for `rewind` (`PagedKVCache.mark`)."""
+        return tuple(self.pool.mark(lane) for lane in self._lanes_of(seq_id))
 
-    def _rewind(self, seq_id: int, marks: list[tuple]) -> None:
-        """Put every layer of the sequence back as `_mark` saw it, last layer first (`PagedKVCache._rewind`)."""
-        for lane, mark in reversed(list(zip(self._lanes_of(seq_id), marks))):
-            self.pool._rewind(lane, mark)
+    def rewind(self, seq_id: int, mark: tuple[SequenceMark, ...]) -> None:
+        """Put every layer of the sequence back as `mark` saw it, last layer first
+        (`PagedKVCache.rewind`). Clears ``last_copies``."""
+        lanes = self._lanes_of(seq_id)
+        if not isinstance(mark, tuple) or len(mark) != len(lanes):
+            raise ValueError(f"mark must be the tuple mark({seq_id}) returned, got {type(mark).__name__}")
+        for lane, lane_mark in reversed(list(zip(lanes, mark))):
+            self.pool.rewind(lane, lane_mark)
+        self.last_copies = ()
+
+    # ----------------------------------------------------------------- internals
+    def _layer_copies(self, copies) -> tuple[PageCopy, ...]:
+        """The pool's copies (one per lane) as this cache's: the sequence and the layer of each lane."""
+        owner = {lane: (s, layer) for s, lanes in self._lanes.items() for layer, lane in enumerate(lanes)}
+        return tuple(replace(c, seq_id=owner[c.seq_id][0], layer=owner[c.seq_id][1]) for c in copies)
 
     def _lanes_of(self, seq_id) -> list[int]:
         if seq_id not in self._lanes or isinstance(seq_id, bool):

@@ -321,6 +321,100 @@ class PageBudgetPolicy(_solutions.StudentPagedEviction):
             self._drop_lowest(cache, seq_id)
 
 
+class _ScoredPolicy(_solutions.StudentPagedEviction):
+    """The solution's decisions with another page score: ``_score(k, v)`` per layer, ``[T, Hkv, D]``
+    -> token scores ``[T]``, averaged over ``_layers(num_layers)``, page means."""
+
+    def _layers(self, num_layers):
+        return range(num_layers)
+
+    def _page_scores(self, cache, seq_id):
+        layers = list(self._layers(cache.num_layers))
+        scores = sum(self._score(*cache.gather(layer, seq_id)) for layer in layers) / len(layers)
+        return student_page_scores(scores, cache.page_size)
+
+
+class ValueNormPolicy(_ScoredPolicy):
+    """Scores pages by ||V|| alone."""
+
+    def _score(self, k, v):
+        return v.norm(dim=-1).mean(dim=1)
+
+
+class InverseKeyNormPolicy(_ScoredPolicy):
+    """Scores pages by 1/||K|| alone."""
+
+    def _score(self, k, v):
+        return (1 / k.norm(dim=-1)).mean(dim=1)
+
+
+class FirstLayerPolicy(_ScoredPolicy):
+    """Scores from layer 0 only."""
+
+    def _layers(self, num_layers):
+        return [0]
+
+    def _score(self, k, v):
+        return student_token_scores(k, v)
+
+
+class LastLayerPolicy(FirstLayerPolicy):
+    """Scores from the last layer only."""
+
+    def _layers(self, num_layers):
+        return [num_layers - 1]
+
+
+class AllHeadsNormPolicy(_ScoredPolicy):
+    """One norm over all KV heads together: ||V of every head|| / ||K of every head||."""
+
+    def _score(self, k, v):
+        return v.flatten(1).norm(dim=-1) / k.flatten(1).norm(dim=-1)
+
+
+class RatioOfMeansPolicy(_solutions.StudentPagedEviction):
+    """A page's mean ||V|| over its mean ||K|| (per head, averaged over heads and layers): a ratio of
+    means instead of the mean of the tokens' ratios."""
+
+    def _page_scores(self, cache, seq_id):
+        scores = 0
+        for layer in range(cache.num_layers):
+            k, v = cache.gather(layer, seq_id)  # [T, Hkv, D]
+            vn = torch.stack([c.mean(dim=0) for c in v.norm(dim=-1).split(cache.page_size)])  # [pages, Hkv]
+            kn = torch.stack([c.mean(dim=0) for c in k.norm(dim=-1).split(cache.page_size)])
+            scores = scores + (vn / kn).mean(dim=1) / cache.num_layers
+        return scores
+
+
+class FreesSequencePolicy(_solutions.StudentPagedEviction):
+    """Over budget after the prefill, frees the whole sequence instead of dropping pages."""
+
+    def after_prefill(self, cache, seq_id):
+        if cache.seq_len(seq_id) > self.budget:
+            cache.free(seq_id)
+
+
+class StaleIndicesPolicy(_solutions.StudentPagedEviction):
+    """After the prefill, picks every page to drop from one scoring, then drops them one call at a
+    time by those logical indices, lowest index first: each drop shifts the later indices."""
+
+    def after_prefill(self, cache, seq_id):
+        scores = self._page_scores(cache, seq_id)
+        n, k = len(cache.pages(seq_id)), 0
+        while cache.seq_len(seq_id) - k * cache.page_size > self.budget and k < n - 2:
+            k += 1
+        for j in sorted(1 + int(i) for i in scores[1:-1].argsort()[:k]):
+            cache.drop_pages(seq_id, [j])
+
+
+class PhysicalIdsPolicy(_solutions.StudentPagedEviction):
+    """Passes the physical page id of the lowest-scoring candidate to drop_pages."""
+
+    def _drop_lowest(self, cache, seq_id):
+        candidates = self._page_scores(cache, seq_id)[1:-1]
+        cache.drop_pages(seq_id, [cache.pages(seq_id)[1 + int(candidates.argmin())]])
+
+
 class SumScoresPolicy:
     """Correct, written with the package's scores: the layer mean of `pr.eviction.token_scores`,
     page sums instead of means (the same order on full pages: candidates are always full)."""
@@ -400,5 +494,14 @@ MUTANTS = {
         KeepNewestOnlyPolicy,
         PageBudgetPolicy,
         UnreservedSinkPolicy,
+        ValueNormPolicy,
+        InverseKeyNormPolicy,
+        FirstLayerPolicy,
+        LastLayerPolicy,
+        AllHeadsNormPolicy,
+        RatioOfMeansPolicy,
+        FreesSequencePolicy,
+        StaleIndicesPolicy,
+        PhysicalIdsPolicy,
     ],
 }

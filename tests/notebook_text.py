@@ -144,3 +144,23 @@ def panels_without_picture(path: Path) -> list[int]:
         if not any("image/png" in o.get("data", {}) for o in cell.get("outputs", [])):
             bad.append(i)
     return bad
+
+
+PRODUCT = re.compile(r"(\d+) times (\d+) is (?:equal to )?(\d+)")
+
+
+def unflagged_wrong_products(path: Path) -> list[tuple[int, str]]:
+    """Printed answers of the form "A times B is C" with C != A * B that the next markdown cell does
+    not correct (it must name the right product): a model's wrong answer is shown, not passed over."""
+    cells = json.loads(path.read_text())["cells"]
+    bad = []
+    for i, text in student_text(path):
+        if cells[i]["cell_type"] != "code":
+            continue
+        for a, b, c in PRODUCT.findall(text):
+            if int(a) * int(b) == int(c):
+                continue
+            after = next((j for j in range(i + 1, len(cells)) if cells[j]["cell_type"] == "markdown"), None)
+            if after is None or str(int(a) * int(b)) not in numbers("".join(cells[after]["source"])):
+                bad.append((i, f"{a} times {b} is {c}"))
+    return bad

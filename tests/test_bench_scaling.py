@@ -84,7 +84,7 @@ def test_main_memory_counts(run):
     b = res["batch"]
     o = b["overhead_ps16"]
     assert o["overhead"] == pytest.approx(o["slots"] / o["tokens"] - 1)
-    assert b["fit"]["paged_allocator"] == b["fit"]["paged"] > b["fit"]["reserve_max"]
+    assert b["fit"]["paged_allocator"] == b["fit"]["paged"] > b["fit"]["max_len"]
     assert b["paged"]["reference"]["pages_after_prefill"] * scaling.PAGE_SIZE == o["slots"]
 
 
@@ -215,7 +215,7 @@ def test_overhead_and_fit_counts_on_the_seed_example():
     assert o["overhead"] == pytest.approx(26 / 134)
     lengths = mixed_lengths(60, max_len=512, mean_len=128, seed=3)
     fit = fit_counts(lengths, budget_tokens=2048, max_len=512, page_size=16)
-    assert fit["reserve_max"] == 4
+    assert fit["max_len"] == 4
     assert (
         fit["paged_allocator"]
         == requests_that_fit(lengths, budget_slots=2048, page_size=16, reserved_per_request=512)["paged"]

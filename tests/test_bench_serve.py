@@ -78,3 +78,32 @@ def test_profile_writes_the_tables_and_each_gain(tmp_path):
     assert saved["generate_check"]["identical"] == saved["generate_check"]["requests"]
     fig = viz.profile_figure(saved)
     assert len(fig.axes) == 3 and "Measured on CPU" in fig.texts[-1].get_text()
+
+
+def test_pool_figure_labels_stay_apart_and_count_pages():
+    from paged_ref.lab.runmode import data_dir
+
+    data = json.loads((data_dir() / "serve_cpu.json").read_text())
+    fig = viz.pool_figure(data)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    title = fig._suptitle.get_window_extent(renderer)
+    for ax in fig.axes:
+        assert not ax.yaxis.label.get_window_extent(renderer).overlaps(title)
+        ticks = [t.get_text() for t in ax.get_xticklabels()]
+        assert ticks[0].startswith(f"{data['config']['num_pages']}\n") and "MiB" in ticks[0]
+
+
+def test_page_timeline_ticks_whole_pages_and_names_few_requests():
+    from paged_ref.serve import Engine
+
+    engine = Engine(None, num_pages=16, page_size=4, max_batched_tokens=16, trace=True)
+    for n in (5, 9, 3):
+        engine.add_request(list(range(n)), max_new_tokens=6)
+    engine.run()
+    fig = viz.page_timeline_figure(engine.history)
+    ax = fig.axes[0]
+    assert all(float(t).is_integer() for t in ax.get_yticks())
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["R0", "R1", "R2"]
+    assert "mod" not in fig.texts[-1].get_text()

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import paged_ref as pr
+from paged_ref.cache import PageCopy
 
 H, D = 2, 4
 
@@ -70,6 +71,7 @@ def test_fork_copy_on_write():
     assert cache.pages(b) == [0, 1] and cache.allocator.refcount(1) == 2
     kb, _ = fill(cache, b, 1, start=100.0)
     assert cache.pages(b)[0] == 0 and cache.pages(b)[1] not in (0, 1)  # page 1 copied
+    assert cache.last_copies == (PageCopy(seq_id=b, logical_page=1, source=1, page=cache.pages(b)[1]),)
     assert cache.allocator.refcount(1) == 1 and cache.allocator.refcount(0) == 2
     assert torch.equal(cache.gather(0, a)[0], ka)  # the parent is untouched
     assert torch.equal(cache.gather(0, b)[0], torch.cat([ka, kb]))
@@ -443,3 +445,17 @@ def test_scalars_where_lists_are_expected_are_named(call, exc, msg):
     with pytest.raises(exc, match=msg):
         call(cache, s)
     assert snapshot(cache) == before
+
+
+def test_rewind_takes_only_the_sequences_own_mark():
+    cache = make()
+    a, b = cache.add_sequence(), cache.add_sequence()
+    mark = cache.mark(a)
+    cache.reserve(a, 3)
+    with pytest.raises(ValueError, match="mark must be a SequenceMark of sequence 1"):
+        cache.rewind(b, mark)
+    with pytest.raises(ValueError, match="mark must be a SequenceMark of sequence 0, got tuple"):
+        cache.rewind(a, ())
+    assert cache.seq_len(a) == 3
+    cache.rewind(a, mark)
+    assert cache.seq_len(a) == 0 and cache.pages(a) == [] and cache.allocator.num_free == 8

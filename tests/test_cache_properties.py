@@ -4,7 +4,7 @@ Three hypothesis state machines, derandomized in CI:
 
 * `CacheMachine` drives a `PagedKVCache`: add (with namespaces), reserve one sequence or a
   batch (`reserve_batch`), write (sometimes lagging behind the next addition), fork, free,
-  drop_pages, compact, truncate, a failed forward's rollback (`_mark` / `_rewind`) and bad calls.
+  drop_pages, compact, truncate, a failed forward's rewind (`mark` / `rewind`) and bad calls.
   Each token's K/V is a function of (token id, position, layer, adapter), so a page reused
   through prefix caching must hold exactly what the new sequence would have written, and two
   adapters (namespaces) that shared a page would show up as a wrong gather.
@@ -113,6 +113,28 @@ def check_refcounts(allocator, page_lists) -> None:
     assert allocator.num_free == allocator.num_pages - len(holders)
 
 
+def page_lists(cache) -> dict:
+    """(sequence, layer) -> its physical pages; layer None in a `PagedKVCache` (one table for all)."""
+    if isinstance(cache, LayeredKVCache):
+        return {(s, layer): cache.pages(s, layer) for s in cache.seq_ids for layer in range(cache.num_layers)}
+    return {(s, None): cache.pages(s) for s in cache.seq_ids}
+
+
+def check_copies(cache, before: dict) -> None:
+    """``last_copies`` names exactly the logical pages whose physical page the call replaced."""
+    after = page_lists(cache)
+    replaced = {
+        (s, layer, i, old, new)
+        for (s, layer), pages in before.items()
+        for i, (old, new) in enumerate(zip(pages, after.get((s, layer), [])))
+        if old != new
+    }
+    assert {(c.seq_id, c.layer, c.logical_page, c.source, c.page) for c in cache.last_copies} == replaced
+
+
+COPYING = {"reserve", "reserve_batch", "truncate", "compact"}  # the calls that report their copies
+
+
 def check_contents(cache, k_tensors, v_tensors, lanes, ps) -> None:
     """``lanes``: ``(tensor index, pages, (token, position) pairs, layer, family)`` per lane.
 
@@ -133,7 +155,7 @@ def check_contents(cache, k_tensors, v_tensors, lanes, ps) -> None:
         assert torch.equal(k_tensors[t].view(flat)[idx], torch.cat([k for k, _ in exp]))
         assert torch.equal(v_tensors[t].view(flat)[idx], torch.cat([v for _, v in exp]))
     for page, n in enumerate(refcount):
-        if n == 0 and page not in cache._page_hash:
+        if n == 0 and page not in cache._prefix.key_of:
             zero += range(page * ps, (page + 1) * ps)
     if zero:
         idx = torch.tensor(zero, dtype=torch.long)
@@ -155,14 +177,18 @@ class Checked(RuleBasedStateMachine):
 
     def attempt(self, op: str, call, errors=(pr.OutOfPagesError,), *, exact: bool = True):
         self.count(op)
-        before = self.state(exact)
+        before, pages, copies = self.state(exact), page_lists(self.cache), self.cache.last_copies
         try:
-            return True, call()
+            result = call()
         except errors:
             after = self.state(exact)
             assert after == before, after.diff(before)
+            assert self.cache.last_copies == copies
             FAILED[self.name, op] += 1
             return False, None
+        if op in COPYING:
+            check_copies(self.cache, pages)
+        return True, result
 
     def refused(self, op: str, call, errors=(ValueError, TypeError)) -> None:
         """A bad call: it must raise and change nothing."""
@@ -279,7 +305,7 @@ class CacheMachine(Checked):
         self._flush()
         seqs = sorted({self._live(i), self._live(j)})
         before, kept = snapshot(self.cache, exact=False), set(self.cache.allocator._cached)
-        marks = [self.cache._mark(s) for s in seqs]
+        marks = [self.cache.mark(s) for s in seqs]
         tokens = [[(t + k) % 3 for t in range(n)] for k, n in enumerate((a, b)[: len(seqs)])]
         ids = tokens if self.prefix_caching else None
         ok, slots = self.attempt("reserve_batch", lambda: self.cache.reserve_batch(seqs, [len(t) for t in tokens], ids))
@@ -291,7 +317,8 @@ class CacheMachine(Checked):
             self.cache.write(0, s, *token_kv(t, start, 0, self.adapter[seq]))
         self.count("rewind")
         for seq, mark in reversed(list(zip(seqs, marks))):
-            self.cache._rewind(seq, mark)
+            self.cache.rewind(seq, mark)
+        assert self.cache.last_copies == ()
         after, before = snapshot(self.cache, exact=False), before.without_prefix_pages(recycled)
         assert after == before, after.diff(before)
 
@@ -477,7 +504,7 @@ class LayeredMachine(Checked):
     def failed_forward(self, i, j, a, b):
         seqs = sorted({self._live(i), self._live(j)})
         before = snapshot(self.cache, exact=False)
-        marks = [self.cache._mark(s) for s in seqs]
+        marks = [self.cache.mark(s) for s in seqs]
         ok, slots = self.attempt("reserve_batch", lambda: self.cache.reserve_batch(seqs, [a, b][: len(seqs)]))
         if not ok:
             return
@@ -487,7 +514,7 @@ class LayeredMachine(Checked):
             self.cache.write(1, s[1], *token_kv([2] * s.shape[1], start, 1))
         self.count("rewind")
         for seq, mark in reversed(list(zip(seqs, marks))):
-            self.cache._rewind(seq, mark)
+            self.cache.rewind(seq, mark)
         after = snapshot(self.cache, exact=False)
         assert after == before, after.diff(before)
 
@@ -786,7 +813,9 @@ class SessionMachine(Checked):
             n = kv.seq_len(s)
             if n % ps and refcount[held[n // ps]] == 1:
                 zero += range(held[n // ps] * ps + n % ps, (held[n // ps] + 1) * ps)
-        zero += [p * ps + o for p, n in enumerate(refcount) if n == 0 and p not in pool._page_hash for o in range(ps)]
+        zero += [
+            p * ps + o for p, n in enumerate(refcount) if n == 0 and p not in pool._prefix.key_of for o in range(ps)
+        ]
         if zero:
             idx = torch.tensor(zero, dtype=torch.long)
             for t in (*pool.k_cache, *pool.v_cache):

@@ -110,6 +110,15 @@ def test_allocator_failures_shrink_to_a_few_calls(mutant, words):
         ("LeakyPolicy", "back to the allocator"),
         ("DropsNewestPolicy", "never evict the page just written"),
         ("UnreservedSinkPolicy", "attention sink and is reserved"),
+        ("ValueNormPolicy", "by ||V|| alone"),
+        ("InverseKeyNormPolicy", "by 1/||K|| alone"),
+        ("FirstLayerPolicy", "from layer 0 only"),
+        ("LastLayerPolicy", "from the last layer only"),
+        ("AllHeadsNormPolicy", "one norm over all KV heads together"),
+        ("RatioOfMeansPolicy", "a ratio of means"),
+        ("FreesSequencePolicy", "never the whole sequence"),
+        ("StaleIndicesPolicy", "computed before the first drop_pages call"),
+        ("PhysicalIdsPolicy", "you passed physical page ids"),
     ],
 )
 def test_hints_name_the_mistake(mutant, words):
@@ -145,6 +154,34 @@ def test_triton_checker_names_the_interpreter_when_the_call_raises_on_cpu():
         assert "TRITON_INTERPRET=1" in report.failure.hint
 
 
+WRONG_SCORES = {
+    "ValueNormPolicy": "by ||V|| alone",
+    "FirstLayerPolicy": "from layer 0 only",
+    "LastLayerPolicy": "from the last layer only",
+    "AllHeadsNormPolicy": "one norm over all KV heads together",
+    "RatioOfMeansPolicy": "a ratio of means",
+}
+
+
+@pytest.mark.parametrize("mutant", sorted(WRONG_SCORES))
+def test_wrong_page_scores_fail_on_other_seeds_and_budgets(mutant):
+    """The checker's K/V make each wrong score rank the pages differently from the task's, whatever the
+    seed and budget (seed 0 with budget 24 is the test above), and the hint names the wrong score."""
+    import check_mutants
+
+    for seed, budget in ((1, 24), (3, 32), (5, 32)):
+        report = check.check_eviction_policy(getattr(check_mutants, mutant), seed=seed, budget=budget)
+        assert not report.passed and WRONG_SCORES[mutant] in report.failure.hint, (seed, budget, str(report))
+
+
+def test_the_solutions_pass_on_other_seeds_and_budgets():
+    from check_mutants import SumScoresPolicy
+
+    for seed, budget in ((1, 24), (3, 32), (5, 32)):
+        for policy in (SOLUTIONS["eviction_policy"], SumScoresPolicy):
+            assert check.check_eviction_policy(policy, seed=seed, budget=budget).passed, (policy, seed, budget)
+
+
 def test_eviction_policy_matches_a_named_reference():
     from paged_ref.eviction import make_policy
 
@@ -163,19 +200,20 @@ def test_the_reference_mode_says_what_the_reference_does():
 
 
 def test_the_constructed_kv_make_the_scores_decide():
-    """Every token of a page has its page's ratio ||V||/||K|| (distinct levels), while ||K|| varies
-    token by token; in the last prompt page 0 scores lowest (the task keeps it: the sink)."""
-    from paged_ref.lab.check.eviction import _Driver, _page_scores
+    """The task's page score is the level drawn per page (distinct levels); in the last prompt page 0
+    scores lowest (the task keeps it: the sink); every wrong score of the hints orders the pages
+    differently, and ||K|| alone does not give the order."""
+    from paged_ref.lab.check.eviction import _Driver, _page_scores, _score_variants
 
     for sink_lowest in (False, True):
-        d = _Driver(None, 24, 8, 48, 0, 16, seed=5, sink_lowest=sink_lowest)
-        d.write(0, 48)
-        scores = _page_scores(d.cache, d.seq)  # [6]
-        assert torch.allclose(scores.double(), d.levels[:6], rtol=1e-4)
-        assert len(set(scores.tolist())) == 6 and (int(scores.argmin()) == 0) == sink_lowest
-        assert d.kept() == list(range(48))
-        k_norms = d.cache.gather(0, d.seq)[0].norm(dim=-1)
-        assert float(k_norms.std()) > 0.3  # ||K|| alone does not give the order
+        d = _Driver(None, 24, 8, 160, 0, 24, seed=5, sink_lowest=sink_lowest)
+        d.write(0, 160)
+        scores = _page_scores(d.cache, d.seq)  # [20]
+        assert torch.allclose(scores.double(), d.levels[:20], rtol=1e-4)
+        assert len(set(scores.tolist())) == 20 and (int(scores.argmin()) == 0) == sink_lowest
+        assert d.kept() == list(range(160))
+        for name, wrong in _score_variants(d.cache, d.seq).items():
+            assert wrong.argsort().tolist() != scores.argsort().tolist(), name
 
 
 @pytest.mark.parametrize(

@@ -104,3 +104,32 @@ def test_the_readme_programs_per_sm_claim_is_the_json():
 
 def test_the_readme_counts_the_mutants():
     assert f"`tests/check_mutants.py`: {sum(len(m) for m in MUTANTS.values())} of\nthem" in README
+
+
+def _cells(name: str) -> list:
+    return nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4).cells
+
+
+def test_notebook_09_core_defines_its_words_before_the_optional_sections():
+    """Section 1 (core) defines TTFT, TPOT, the reservations and the watermark, which section 4 (core)
+    uses; sections 2 and 3 are optional."""
+    cells = _cells("09_serving")
+    optional = next(i for i, c in enumerate(cells) if c.cell_type == "markdown" and "## 2 ·" in c.source)
+    section1 = " ".join(c.source for c in cells[:optional] if c.cell_type == "markdown")
+    for word in ("**TTFT**", "**TPOT**", "**Reservation**", "**Watermark**"):
+        assert word in section1, word
+
+
+def test_notebook_08_lists_only_core_sections_as_its_core_checks():
+    intro = _cells("08_end_to_end")[0].source
+    core, optional = intro.split("The optional sections")
+    core_sections = {int(n) for m in re.findall(r"\(sections? ([\d and]+)\)", core) for n in re.findall(r"\d", m)}
+    optional_sections = {int(n) for n in re.findall(r"\(section (\d)\)", optional)}
+    assert core_sections and max(core_sections) <= 4, core_sections
+    assert optional_sections and min(optional_sections) >= 5, optional_sections
+
+
+def test_notebook_08_sends_preemption_to_notebook_09():
+    for c in _cells("08_end_to_end"):
+        if c.cell_type == "markdown" and "preempt" in c.source:
+            assert "09" in c.source, c.source[:200]

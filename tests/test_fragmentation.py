@@ -1,22 +1,19 @@
-"""Workload simulation: hand-traced scenarios, accounting invariants, and every error."""
+"""The fragmentation study on the serving engine's dry runs: hand-traced accounting, agreement with the
+engine's own step records, what each reservation must show, the workload, and every error."""
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from paged_ref.lab.fragmentation import (
-    POLICIES,
+    CATEGORIES,
     Workload,
-    _Contiguous,
-    compare_policies,
+    compare_reservations,
     make_workload,
     page_size_sweep,
     requests_that_fit,
-    simulate,
+    serve_dry,
 )
-
-CATEGORIES = ("used", "future", "internal", "external", "free")
+from paged_ref.lab.viz.fragmentation import COLORS, LABELS
 
 
 def workload(arrival, prompt, output, max_len):
@@ -42,135 +39,115 @@ def test_make_workload_means_follow_the_parameters():
     assert len(wl) / wl.arrival[-1] == pytest.approx(2.0, rel=0.05)
 
 
-def test_first_fit_holes_merge_back():
-    mem = _Contiguous(16)
-    assert mem.admit(0, 4) and mem.admit(1, 4) and mem.admit(2, 8)
-    assert not mem.admit(3, 1) and mem.largest_hole() == 0
-    mem.release(0)
-    mem.release(2)
-    assert mem.largest_hole() == 8 and sum(mem.sizes) == 12
-    assert not mem.admit(3, 12)  # 12 free in total, but split 4 + 8
-    mem.release(1)
-    assert (mem.starts, mem.sizes) == ([0], [16])
-
-
-def test_exact_hand_traced_external_fragmentation():
-    # four 4-slot requests fill 16 slots; 0 and 2 leave at once, 1 and 3 stay two more
-    # steps; request 4 (8 slots) arrives at step 1 and finds 8 free slots in two 4-slot holes
-    wl = workload([0, 0, 0, 0, 1], [3, 1, 3, 1, 7], [1, 3, 1, 3, 1], max_len=8)
-    res = simulate(wl, "exact", budget_slots=16)
-    assert res.external[1] == 8 and res.free[1] == 0
-    assert (res.used[1], res.future[1], res.waiting[1]) == (4, 4, 1)
-    assert res.admitted_step.tolist() == [0, 0, 0, 0, 3]
-    assert res.finished_step.tolist() == [0, 2, 0, 2, 3]
-    # paging serves request 4 at once from the two free pages
-    paged = simulate(wl, "paged", budget_slots=16, page_size=4)
-    assert paged.admitted_step[4] == 1 and paged.external.sum() == 0
-    # a max-length reservation admits only two requests at a time
-    assert simulate(wl, "reserve_max", budget_slots=16).running.max() == 2
-
-
-def test_pow2_growth_doubles_pages_and_reserves_past_the_end():
-    # 3-token prompt, 3 new tokens, 2-token pages: 2 pages on admission (room for token 4),
-    # doubled to 4 pages when token 5 arrives; at step 2 it holds 8 slots for 5 tokens,
-    # and 3 of them (one in the last page of tokens, a page past its end) are empty
-    res = simulate(workload([0], [3], [3], max_len=8), "paged_pow2", budget_slots=16, page_size=2)
-    assert res.used.tolist() == [3, 4, 5]
-    assert res.future.tolist() == [0, 0, 0]
-    assert res.internal.tolist() == [1, 0, 3]
-    assert res.free.tolist() == [12, 12, 8]
-    assert res.finished_step.tolist() == [2]
-
-
-def test_paged_preempts_the_youngest_and_finishes_everything():
-    wl = workload([0, 0], [3, 3], [5, 5], max_len=8)
-    res = simulate(wl, "paged", budget_slots=8, page_size=4)
-    assert res.preemptions == 1
-    # request 1 is preempted at step 1 holding 3 prompt + 1 generated tokens: 4 to prefill again
-    assert res.recomputed_tokens == 4 and res.total_tokens == 16
-    assert res.summary()["recompute_share"] == 4 / 16
-    assert res.finished_step.tolist() == [4, 8]
-    assert res.admitted_step.tolist() == [0, 0]
-    assert res.running.tolist()[:3] == [2, 2, 1]  # snapshots precede each step's decode
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("budget", [2048, 6144, 16384])
-@pytest.mark.parametrize("policy", POLICIES)
-def test_accounting_invariants(policy, budget, seed):
-    wl = make_workload(120, seed=seed, mean_prompt=200, mean_output=150, arrival_rate=1.0)
-    page = 16
-    res = simulate(wl, policy, budget_slots=budget, page_size=page)
-    parts = np.stack([getattr(res, k) for k in CATEGORIES])
-    assert (parts >= 0).all()
-    assert (parts.sum(axis=0) == budget).all()  # every slot is in one category
-    assert (res.finished_step >= res.admitted_step).all()
-    assert (res.admitted_step >= wl.arrival).all()
-    s = res.summary()
-    for key in ("utilization", "future", "internal", "external", "free"):
-        assert 0.0 <= s[key] <= 1.0
-    assert sum(s[k] for k in ("utilization", *CATEGORIES[1:])) == pytest.approx(1.0)
-    before_first_departure = res.finished_step.min()
-    if policy.startswith("paged"):
-        assert (res.external == 0).all()  # any free page serves any request
-    if policy == "paged":
-        assert (res.future % page == 0).all() and (res.future <= page * res.running).all()
-        assert (res.internal < page * np.maximum(res.running, 1)).all()  # < a page each
-    assert (res.recomputed_tokens > 0) == (res.preemptions > 0)
-    assert s["internal_over_used"] == pytest.approx(
-        res.internal[res.waiting > 0].mean() / res.used[res.waiting > 0].mean()
+@pytest.mark.parametrize(
+    "reservation, future, waste, free",
+    [
+        ("paged", [0, 0, 0], [0, 0, 0], [4, 4, 8]),
+        ("exact", [2, 2, 0], [0, 0, 0], [2, 2, 8]),
+        ("max_len", [2, 2, 0], [2, 2, 0], [0, 0, 8]),
+    ],
+)
+def test_hand_traced_split_of_the_pool(reservation, future, waste, free):
+    # a 3-token prompt and 3 new tokens in 4 pages of 2: its K/V peaks at 5 tokens (3 pages); "exact"
+    # commits those 3 pages, "max_len" all 4 (max_len 8). Step 0 feeds the prompt (2 pages held,
+    # one slot empty), step 1 one token (2 pages full), step 2 one more and the request finishes
+    run = serve_dry(
+        workload([0], [3], [3], max_len=8), num_pages=4, page_size=2, reservation=reservation, watermark=0.0
     )
-    if not policy.startswith("paged"):
-        assert res.preemptions == 0
-        # no hole can open before the first departure: no external fragmentation
-        assert (res.external[: before_first_departure + 1] == 0).all()
-    if policy == "exact":
-        assert (res.internal == 0).all()
-    if policy == "reserve_max":
-        assert res.running.max() <= budget // wl.max_len
+    assert run.used.tolist() == [3, 4, 0] and run.last_page.tolist() == [1, 0, 0]
+    assert (run.future.tolist(), run.waste.tolist(), run.free.tolist()) == (future, waste, free)
+    assert run.running.tolist() == [1, 1, 0] and run.waiting.tolist() == [0, 0, 0]
 
 
-def test_paging_fits_more_requests_than_contiguous():
-    wl = make_workload(150, seed=0)
-    fit = {s["policy"]: s for s in compare_policies(wl, budget_slots=16384, page_size=16)}
-    assert fit["paged"]["mean_running"] > fit["exact"]["mean_running"] > fit["reserve_max"]["mean_running"]
-    assert fit["paged"]["utilization"] > fit["exact"]["utilization"] > fit["reserve_max"]["utilization"]
+@pytest.mark.parametrize("reservation", ["paged", "exact", "max_len"])
+def test_the_split_agrees_with_the_engines_step_records(reservation):
+    wl = make_workload(40, seed=1, mean_prompt=24, mean_output=24, arrival_rate=1.0, max_len=128)
+    page = 8
+    run = serve_dry(wl, num_pages=64, page_size=page, reservation=reservation, max_batched_tokens=128, trace=True)
+    parts = np.stack([getattr(run, k) for k in CATEGORIES])
+    assert (parts >= 0).all() and (parts.sum(axis=0) == 64 * page).all()
+    history = run.engine.history
+    assert len(history) == len(run.used)
+    quiet = [i for i, h in enumerate(history) if not h.finished]  # no request left: the record is the state after it
+    assert len(quiet) > len(history) // 2
+    for i in quiet:
+        h = history[i]
+        assert sum(h.fill) == run.used[i]
+        assert h.pages_used * page == run.used[i] + run.last_page[i] == sum(o >= 0 for o in h.owners) * page
+        assert h.committed_pages * page == run.used[i] + run.last_page[i] + run.future[i] + run.waste[i]
+        assert h.running == run.running[i] and h.waiting == run.waiting[i]
+    assert (run.last_page < page * np.maximum(run.running, 1)).all()  # less than a page per request
+    if reservation == "paged":
+        assert not run.future.any() and not run.waste.any()
+    if reservation == "exact":
+        assert not run.waste.any() and run.future.any()  # it commits exactly what it will fill
+    if reservation == "max_len":
+        assert run.waste.any() and run.running.max() <= 64 // (128 // page)
+    s = run.summary()
+    assert sum(s[k] for k in CATEGORIES) == pytest.approx(1.0)
+    mask = run.waiting > 0
+    assert s["pressure_steps"] == mask.sum() > 0
+    assert s["used"] == pytest.approx(run.used[mask].mean() / (64 * page))
+    assert s["running_under_pressure"] == pytest.approx(run.running[mask].mean())
+    assert s["mean_running"] == run.engine.stats()["mean_running"]  # rows per forward, every step
+    assert s["tokens"] == int(wl.output_len.sum()) and s["requests"] == len(wl)
+    assert s["tokens_per_step"] == pytest.approx(s["tokens"] / s["makespan"])
+    assert (s["recomputed_tokens"] > 0) == (s["preemptions"] > 0)
+    assert s["computed_share"] == pytest.approx(1 + s["recomputed_tokens"] / (int(wl.total_len.sum()) - len(wl)))
 
 
-def test_page_size_sweep_one_token_pages_have_no_internal_fragmentation():
-    wl = make_workload(80, seed=5)
-    sweep = page_size_sweep(wl, budget_slots=8192, page_sizes=[1, 16, 256])
+def test_paging_serves_more_requests_at_once_than_a_committed_reservation():
+    wl = make_workload(60, seed=0, mean_prompt=64, mean_output=64, arrival_rate=2.0, max_len=512)
+    s = {r["reservation"]: r for r in compare_reservations(wl, budget_slots=2048, page_size=16)}
+    assert list(s) == ["paged", "exact", "max_len"]
+    assert (
+        s["paged"]["running_under_pressure"]
+        > s["exact"]["running_under_pressure"]
+        > s["max_len"]["running_under_pressure"]
+    )
+    assert s["paged"]["used"] > s["exact"]["used"] > s["max_len"]["used"]
+    assert s["paged"]["tokens_per_step"] > s["max_len"]["tokens_per_step"]
+    assert s["exact"]["preemptions"] == s["max_len"]["preemptions"] == 0
+
+
+def test_page_size_sweep_one_token_pages_have_no_empty_slots():
+    wl = make_workload(30, seed=5, mean_prompt=48, mean_output=48, arrival_rate=2.0, max_len=512)
+    sweep = page_size_sweep(wl, budget_slots=2048, page_sizes=[1, 16, 256])
     assert [s["page_size"] for s in sweep] == [1, 16, 256]
-    assert sweep[0]["internal"] == 0.0
-    assert sweep[2]["internal"] > sweep[1]["internal"] > 0
+    assert sweep[0]["last_page"] == 0.0
+    assert sweep[2]["last_page"] > sweep[1]["last_page"] > 0
+
+
+def test_far_apart_arrivals_are_not_stepped_through():
+    run = serve_dry(workload([0, 10**9], [3, 3], [2, 2], max_len=8), num_pages=4, page_size=4)
+    assert len(run.used) == 4 and run.summary()["makespan"] == 10**9 + 2
+
+
+def test_every_category_has_a_color_and_a_label():
+    assert tuple(COLORS) == tuple(LABELS) == CATEGORIES
 
 
 def test_requests_that_fit_seed_example():
     kw = dict(page_size=16, reserved_per_request=128)
-    assert requests_that_fit([19, 45, 70], budget_slots=256, **kw) == {"reserve_max": 2, "exact": 3, "paged": 3}
-    assert requests_that_fit([19, 45, 70], budget_slots=150, **kw) == {"reserve_max": 1, "exact": 3, "paged": 2}
-    assert requests_that_fit([19, 200], budget_slots=10**6, **kw)["reserve_max"] == 1
+    assert requests_that_fit([19, 45, 70], budget_slots=256, **kw) == {"max_len": 2, "exact": 3, "paged": 3}
+    assert requests_that_fit([19, 45, 70], budget_slots=150, **kw) == {"max_len": 1, "exact": 3, "paged": 2}
+    assert requests_that_fit([19, 200], budget_slots=10**6, **kw)["max_len"] == 1
 
 
-@pytest.mark.parametrize(
-    "kwargs, exc, words",
-    [
-        (dict(policy="buddy"), ValueError, "policy must be one of"),
-        (dict(budget_slots=100), ValueError, "budget_slots must be >= workload.max_len = 2048"),
-        (dict(budget_slots=2050, policy="paged"), ValueError, "multiple of page_size = 16"),
-        (dict(page_size=0), ValueError, "page_size must be >= 1"),
-        (dict(budget_slots=4096.0), TypeError, "budget_slots must be an int"),
-    ],
-)
-def test_simulate_errors(kwargs, exc, words):
-    args = dict(policy="exact", budget_slots=4096, page_size=16) | kwargs
-    with pytest.raises(exc, match=words):
-        simulate(make_workload(5), args.pop("policy"), **args)
-
-
-def test_simulate_rejects_other_workloads():
-    with pytest.raises(TypeError, match="workload must be a Workload"):
-        simulate([19, 45, 70], "paged", budget_slots=4096)
+def test_dry_run_errors():
+    wl = make_workload(5, seed=0, max_len=512)
+    with pytest.raises(TypeError, match="workload must be a paged_ref.lab.fragmentation.Workload"):
+        serve_dry([(1, 2)], num_pages=8)
+    with pytest.raises(ValueError, match="reservation must be one of"):
+        serve_dry(wl, num_pages=64, reservation="buddy")
+    with pytest.raises(ValueError, match="budget_slots must be a multiple of page_size = 16, got 2050"):
+        compare_reservations(wl, budget_slots=2050)
+    with pytest.raises(TypeError, match="budget_slots must be an int"):
+        compare_reservations(wl, budget_slots=4096.0)
+    with pytest.raises(ValueError, match="reservation must be one of"):
+        page_size_sweep(wl, budget_slots=4096, page_sizes=[16], reservation="buddy")
+    with pytest.raises(ValueError, match="can never be served"):
+        compare_reservations(wl, budget_slots=256)  # "max_len" commits 512 slots
 
 
 @pytest.mark.parametrize(
@@ -221,51 +198,3 @@ def test_requests_that_fit_errors():
         requests_that_fit(5, budget_slots=10, page_size=4, reserved_per_request=8)
     with pytest.raises(ValueError, match="budget_slots must be >= 1"):
         requests_that_fit([1], budget_slots=0, page_size=4, reserved_per_request=8)
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 12)), min_size=1, max_size=60))
-def test_first_fit_matches_a_slot_by_slot_model(ops):
-    """Hole bookkeeping vs a plain list of slots: same placements, same holes, always merged."""
-    budget = 48
-    mem, slots, live = _Contiguous(budget), [None] * budget, []
-    for req, (admit, size) in enumerate(ops):
-        if admit or not live:
-            start = next((s for s in range(budget - size + 1) if all(x is None for x in slots[s : s + size])), None)
-            assert mem.admit(req, size) == (start is not None)
-            if start is not None:
-                assert mem.where[req] == (start, size)
-                slots[start : start + size] = [req] * size
-                live.append(req)
-        else:
-            victim = live.pop(size % len(live))
-            mem.release(victim)
-            slots = [None if x == victim else x for x in slots]
-        runs, s = [], 0
-        while s < budget:  # maximal runs of free slots
-            if slots[s] is None:
-                e = s
-                while e < budget and slots[e] is None:
-                    e += 1
-                runs.append((s, e - s))
-                s = e
-            else:
-                s += 1
-        assert list(zip(mem.starts, mem.sizes)) == runs
-        assert mem.largest_hole() == max((n for _, n in runs), default=0)
-
-
-def test_far_apart_arrivals_finish_without_recording_idle_steps():
-    # idle steps between arrivals are skipped, not simulated (and recorded) one by one: 10**9 of them here
-    wl = workload([0, 10**9], [3, 3], [2, 2], max_len=8)
-    res = simulate(wl, "paged", budget_slots=16, page_size=4)
-    assert res.finished_step.tolist() == [1, 10**9 + 1]
-    assert res.num_steps == 4 and res.idle_steps == 10**9 - 2
-    assert res.summary()["makespan"] == 10**9 + 2
-
-
-def test_a_tiny_arrival_rate_finishes():
-    wl = make_workload(3, arrival_rate=1e-9, seed=0)
-    for policy in POLICIES:
-        res = simulate(wl, policy, budget_slots=4096, page_size=16)
-        assert (res.finished_step >= wl.arrival).all() and res.num_steps < 10_000

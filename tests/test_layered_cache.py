@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from paged_ref.allocator import OutOfPagesError
-from paged_ref.cache import PagedKVCache
+from paged_ref.cache import PageCopy, PagedKVCache
 from paged_ref.eviction import PagedEviction, TokenTopK, make_policy, max_pages_held, page_scores, token_scores
 from paged_ref.layered_cache import LayeredKVCache
 
@@ -218,6 +218,7 @@ def test_fork_shares_every_layer_and_truncate_is_the_inverse_of_reserve():
     free = cache.allocator.num_free
     cache.reserve(f, 1)  # the shared partial page is copied in every layer (copy-on-write)
     assert cache.allocator.num_free == free - L and all(cache.pages(f, i)[1] != cache.pages(s, i)[1] for i in range(L))
+    assert cache.last_copies == tuple(PageCopy(f, 1, cache.pages(s, i)[1], cache.pages(f, i)[1], i) for i in range(L))
     for layer in range(L):
         assert torch.equal(cache.gather(layer, f)[0][:6], cache.gather(layer, s)[0])
     cache.truncate(f, 3)

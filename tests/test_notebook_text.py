@@ -146,3 +146,43 @@ def test_every_widget_has_a_static_picture(path):
         f"{path.name}: widget cells {panels_without_picture(path)} saved no picture; re-execute "
         "the notebook (panels carry a PNG of their default setting)"
     )
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_a_wrong_answer_printed_is_named_wrong(path):
+    from notebook_text import unflagged_wrong_products
+
+    found = unflagged_wrong_products(path)
+    assert not found, f"{path.name}: a wrong answer passed over: {found}"
+
+
+def test_a_wrong_answer_without_its_correction_is_caught(tmp_path):
+    from notebook_text import unflagged_wrong_products
+
+    answer = ("code", "print(a)", "'12 times 12 is equal to 120.'")
+    path, _ = _notebook(tmp_path, [answer, ("markdown", "A fine answer.")])
+    assert unflagged_wrong_products(path) == [(0, "12 times 12 is 120")]
+    (tmp_path / "b").mkdir()
+    path, _ = _notebook(tmp_path / "b", [answer, ("markdown", "Wrong: 12 x 12 = 144.")])
+    assert unflagged_wrong_products(path) == []
+
+
+def test_the_readme_short_answer_run_matches_its_json():
+    """The README's short-answer sentence states the ratios and concurrency of serve_cpu_short.json."""
+    import re
+
+    data = json.loads((ROOT / "figures" / "data" / "serve_cpu_short.json").read_text())
+    p = data["rates"][-1]["policies"]
+    readme = (ROOT / "README.md").read_text()
+    found = re.search(
+        r"with short answers .*?paged is ([\d.]+)x exact and ([\d.]+)x max-length reservation, ([\d.]+) requests at "
+        r"once vs ([\d.]+) and ([\d.]+)",
+        readme,
+    )
+    assert found, "the README's short-answer sentence"
+    want = [
+        f"{p['paged']['tokens_per_s'] / p['exact']['tokens_per_s']:.2f}",
+        f"{p['paged']['tokens_per_s'] / p['max_len']['tokens_per_s']:.2f}",
+        *(f"{p[k]['mean_running']:.1f}" for k in ("paged", "exact", "max_len")),
+    ]
+    assert list(found.groups()) == want

@@ -3,17 +3,16 @@
 import pytest
 from matplotlib.figure import Figure
 
-from paged_ref.lab.fragmentation import make_workload
-from paged_ref.lab.serve_replay import replay
+from paged_ref.lab.fragmentation import make_workload, serve_dry
 from paged_ref.lab.viz import serve as viz
 from paged_ref.lab.widgets import figure_png
 from paged_ref.lab.widgets import serve as widgets
 from paged_ref.serve import Engine
 
 
-def test_simulation_numbers_are_the_replay_of_the_default_workload():
+def test_simulation_numbers_are_the_dry_run_of_the_default_workload():
     got = widgets.simulation_numbers(1024, 16, "exact")
-    want = replay(
+    want = serve_dry(
         widgets.default_workload(),
         num_pages=64,
         page_size=16,
@@ -61,8 +60,6 @@ def test_step_view_and_the_timeline_read_a_traced_run():
         viz.page_timeline_figure(untraced.history)
 
 
-def test_replay_checks_its_workload():
-    with pytest.raises(TypeError, match="workload must be a paged_ref.lab.fragmentation.Workload"):
-        replay([(1, 2)], num_pages=8)
+def test_a_dry_run_feeds_every_token_at_least_once():
     wl = make_workload(5, seed=0, mean_prompt=8, mean_output=8, max_len=64)
-    assert replay(wl, num_pages=16, page_size=4).summary()["computed_share"] >= 1.0
+    assert serve_dry(wl, num_pages=16, page_size=4).summary()["computed_share"] >= 1.0

@@ -9,10 +9,11 @@ from matplotlib.figure import Figure
 matplotlib.use("Agg")
 
 from paged_ref.lab import runmode  # noqa: E402
-from paged_ref.lab.fragmentation import compare_policies, make_workload  # noqa: E402
+from paged_ref.lab.fragmentation import compare_reservations, make_workload  # noqa: E402
 from paged_ref.lab.widgets.fragmentation import (  # noqa: E402
     BUDGETS,
     PAGE_SIZES,
+    STEP_TOKENS,
     default_workload,
     fragmentation_numbers,
     fragmentation_panel,
@@ -62,32 +63,41 @@ def test_kv_memory_view_errors(args, exc):
         kv_memory_view(*args)
 
 
-def test_fragmentation_numbers_match_the_simulator():
-    wl = make_workload(60, seed=2)
-    assert fragmentation_numbers(8, 8192, wl) == compare_policies(wl, budget_slots=8192, page_size=8)
-    assert [s["policy"] for s in fragmentation_numbers(16, 16384)] == ["reserve_max", "exact", "paged", "paged_pow2"]
+def small_workload():
+    return make_workload(24, seed=2, mean_prompt=64, mean_output=64, arrival_rate=2.0, max_len=512)
+
+
+def test_fragmentation_numbers_are_the_engines_dry_runs():
+    wl = small_workload()
+    got = fragmentation_numbers(8, 2048, wl)
+    assert got == compare_reservations(wl, budget_slots=2048, page_size=8, max_batched_tokens=STEP_TOKENS)
+    assert [s["reservation"] for s in got] == ["paged", "exact", "max_len"]
     assert default_workload() is default_workload()
 
 
 def test_fragmentation_view_changes_with_page_size_and_budget():
-    wl = make_workload(60, seed=2)
-    base = png(fragmentation_view(16, 8192, wl))
-    assert png(fragmentation_view(16, 8192, wl)) == base
-    assert png(fragmentation_view(128, 8192, wl)) != base
-    assert png(fragmentation_view(16, 16384, wl)) != base
-    assert "page size 128" in fragmentation_view(128, 8192, wl)._suptitle.get_text()
+    wl = small_workload()
+    base = png(fragmentation_view(16, 2048, wl))
+    assert png(fragmentation_view(16, 2048, wl)) == base
+    assert png(fragmentation_view(128, 2048, wl)) != base
+    assert png(fragmentation_view(16, 1024, wl)) != base
+    assert "page size 128" in fragmentation_view(128, 2048, wl)._suptitle.get_text()
 
 
 def test_every_slider_combination_is_valid():
-    assert all(b % p == 0 and b >= default_workload().max_len for b in BUDGETS for p in PAGE_SIZES)
-    assert 2048 in LENGTHS and 16 in PAGE_SIZES and 16384 in BUDGETS
+    wl = default_workload()
+    assert all(b % p == 0 for b in BUDGETS for p in PAGE_SIZES)
+    assert 2048 in LENGTHS and 16 in PAGE_SIZES and 4096 in BUDGETS
+    # the tightest corners still serve every request under every reservation
+    for page, budget in ((max(PAGE_SIZES), min(BUDGETS)), (min(PAGE_SIZES), min(BUDGETS))):
+        assert all(s["requests"] == len(wl) for s in fragmentation_numbers(page, budget))
 
 
 def test_fragmentation_view_errors():
     with pytest.raises(ValueError, match="multiple of page_size"):
-        fragmentation_view(3, 8192)
-    with pytest.raises(ValueError, match="budget_slots must be >= "):
-        fragmentation_view(16, 1024)
+        fragmentation_view(3, 4096)
+    with pytest.raises(ValueError, match="can never be served"):
+        fragmentation_view(16, 256)
 
 
 def test_panels_use_labelled_sliders_that_update_on_release():
@@ -96,9 +106,9 @@ def test_panels_use_labelled_sliders_that_update_on_release():
     def controls(panel):
         return [c for c in panel.children[0].children]
 
-    page, budget = controls(fragmentation_panel(make_workload(20, seed=0)))
+    page, budget = controls(fragmentation_panel(small_workload()))
     assert page.description == "page size" and page.value == 16
-    assert budget.description.startswith("budget") and budget.value == 16384
+    assert budget.description.startswith("pool") and budget.value == 4096
     assert not page.continuous_update and not budget.continuous_update
     model, dtype, tokens = controls(kv_memory_panel())
     assert (model.value, dtype.value, tokens.value) == ("LLaMA-7B", "float16", 2048)

@@ -16,7 +16,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
     "make",
     [
         kv_memory_panel,
-        lambda: fragmentation_panel(make_workload(20, seed=0)),
+        lambda: fragmentation_panel(make_workload(20, seed=0, mean_prompt=64, mean_output=64, max_len=512)),
         lambda: page_map_panel(page_size=4, num_seqs=3, seed=0),
         lambda: mask_panel(page_size=4, kv_block_size=8, lengths="11, 5"),
     ],

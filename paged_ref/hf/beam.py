@@ -20,11 +20,13 @@ K/V). Here each beam is a sequence of a `PagedKVCache`, and after each selection
   pages (reference counts), and the first token a child writes into the shared partial last
   page copies that one page (copy-on-write). Full pages are never copied.
 
-So k beams over a 512-token prompt hold the prompt's pages once, plus a few pages each for what
-they generated. `BeamStep` records every step (pages per beam, pages copied, beams cut and the
-pages they freed) for the page maps of notebook 08. Finished hypotheses keep only their tokens,
-not pages; a prompt whose finished hypotheses can no longer change (transformers' stopping
-heuristic) frees its beams while the other prompts of the batch go on.
+The forks are made before the cut beams are freed (`_follow_selection` says why). So k beams
+over a 512-token prompt hold the prompt's pages once, plus a few pages each for what they
+generated. `BeamStep` records every step (pages per beam, the pages copied as the cache reports
+them in ``last_copies``, beams cut and the pages they freed) for the page maps of notebook 08.
+Finished hypotheses keep only their tokens, not pages; a prompt whose finished hypotheses can
+no longer change (transformers' stopping heuristic) frees its beams while the other prompts of
+the batch go on.
 
 Example:
     >>> import torch
@@ -216,8 +218,8 @@ def run_beam_search(
 def _search(
     session, input_ids, prompts, namespaces, max_new_tokens, eos, pad, decoding, callback, bar
 ) -> BeamSearchOutput:
-    kv = session.kv
-    device = kv.device
+    """transformers' selection, step by step; the pages follow it in `_follow_selection` and `_feed`."""
+    device = session.kv.device
     batch, width = input_ids.shape
     k = decoding.num_beams
     max_length = width + max_new_tokens
@@ -237,14 +239,11 @@ def _search(
     can_improve = torch.ones(batch, 1, dtype=torch.bool, device=device)  # transformers' heuristic, per prompt
     pages_held, copies = [], 0
 
-    roots = [session.add(namespace=ns) for ns in namespaces]
-    beams = [[root] * k for root in roots]  # [batch][k]: sequence id of each running beam
-    live = list(range(batch))  # prompts whose beams still run
-    logits = session.extend(roots, prompts).repeat_interleave(k, dim=0)  # prefill once: [batch * k, vocab]
-    step_pages, step_copied = _snapshot(kv, roots), {}
+    beams, logits, pages = _prefill(session, prompts, namespaces, k)
+    copied: dict[int, list[int]] = {}
     cur_len = width
     for step in range(max_new_tokens):
-        pages_held.append(len({p for pages in step_pages.values() for p in pages}))
+        pages_held.append(len({p for held in pages.values() for p in held}))
         vocab = logits.shape[-1]
         log_probs = torch.log_softmax(logits, dim=-1).view(batch, k, vocab) + running_scores[:, :, None]
         top_scores, top_index = torch.topk(log_probs.view(batch, k * vocab), k=keep)  # [batch, keep]
@@ -284,62 +283,27 @@ def _search(
         )
         bar.update(1)
 
-        # the pages follow the selection: cut, keep or fork each beam
-        tokens = running[:, :, cur_len - 1]  # [batch, k]
-        cut, released, forked, next_beams = [], [], {}, [[] for _ in range(batch)]
-        for b in list(live):
-            if stop or not bool(can_improve[b]):  # nothing this prompt runs can change its result
-                released += list(dict.fromkeys(beams[b]))
-                live.remove(b)
-                continue
-            children: dict[int, list[int]] = {}
-            for j, parent in enumerate(parents[b].tolist()):
-                children.setdefault(beams[b][parent], []).append(j)
-            cut += [s for s in dict.fromkeys(beams[b]) if s not in children]
-            next_beams[b] = [0] * k
-            for seq, js in children.items():
-                next_beams[b][js[0]] = seq  # the first child continues the beam itself
-                for j in js[1:]:
-                    next_beams[b][j] = forked_seq = session.fork(seq)
-                    forked[forked_seq] = seq
-        cut_pages = {p for s in cut + released for p in kv.pages(s)}
-        for s in cut + released:
-            session.finish(s)
-        still_held = {p for b in live for s in next_beams[b] for p in kv.pages(s)}
+        tokens = running[:, :, cur_len - 1]  # [batch, k]: the token each next beam appends
+        done = [stop or not bool(can_improve[b]) for b in range(batch)]  # nothing it runs can change its result
+        moves = _follow_selection(session, beams, parents.tolist(), done)
         if callback is not None:
             callback(
                 step,
                 BeamStep(
                     step=step,
-                    pages=step_pages,
-                    copied=step_copied,
+                    pages=pages,
+                    copied=copied,
                     tokens=tokens.clone(),
                     parents=parents.clone(),
-                    cut=cut,
-                    released=released,
-                    freed=sorted(cut_pages - still_held),
-                    forked=forked,
-                    beams=[list(next_beams[b]) for b in range(batch)],
                     finished=is_finished.sum(dim=1).tolist(),
+                    **moves,
                 ),
             )
-        if stop or not live:
+        beams = moves["beams"]
+        if not any(beams):
             break
-        for b in live:
-            beams[b] = next_beams[b]
-        seqs = [s for b in live for s in beams[b]]
-        before = _snapshot(kv, seqs)
-        step_logits = session.extend(seqs, list(tokens[live].reshape(-1, 1)))  # decode: [len(live) * k, vocab]
-        step_pages = _snapshot(kv, seqs)
-        step_copied = {
-            s: [new for old, new in zip(before[s], step_pages[s]) if old != new]
-            for s in seqs
-            if any(old != new for old, new in zip(before[s], step_pages[s]))
-        }
-        copies += sum(len(c) for c in step_copied.values())
-        logits = torch.zeros(batch * k, vocab, device=step_logits.device)  # prompts that are done: placeholder rows
-        rows = torch.tensor([b * k + j for b in live for j in range(k)], device=step_logits.device)
-        logits[rows] = step_logits
+        logits, pages, copied = _feed(session, beams, tokens)
+        copies += sum(len(c) for c in copied.values())
 
     n = decoding.num_return_sequences
     lengths = finished_len[:, :n].reshape(-1)  # [batch * n]
@@ -350,6 +314,94 @@ def _search(
         pages_held=pages_held,
         copies=copies,
     )
+
+
+# ------------------------------------------------------------------ the pages of the beams
+def _prefill(session, prompts, namespaces, k: int):
+    """One sequence per prompt, prefilled once: its k beams start as that one sequence.
+
+    Returns ``beams`` (``[batch][k]`` sequence ids), the logits ``[batch * k, vocab]`` (each
+    prompt's row repeated k times, transformers' layout) and each sequence's pages.
+    """
+    roots = [session.add(namespace=ns) for ns in namespaces]
+    logits = session.extend(roots, prompts).repeat_interleave(k, dim=0)
+    return [[root] * k for root in roots], logits, {s: session.kv.pages(s) for s in roots}
+
+
+def _follow_selection(session, beams: list[list[int]], parents: list[list[int]], done: list[bool]) -> dict:
+    """The pages follow one selection: each running beam is cut, kept or forked (the module
+    docstring), then the beams left behind are freed. ``beams[b][j]``: prompt ``b``'s beam ``j``
+    (``[]`` once the prompt is done); ``parents[b][j]``: the beam next beam ``j`` continues;
+    ``done[b]``: prompt ``b`` stops here (its beams are released).
+
+    Fork before free: every fork of the step is made before any beam is freed, the order vLLM's
+    scheduler keeps (it forks the new sequences before it frees the old ones). A fork adds a
+    reference to each page of its source, a free removes one; forking first means that a page a
+    next beam needs carries that beam's reference before any old beam lets go of it, so it never
+    drops to zero on the way: it is never returned to the pool (zeroed, free to be handed out)
+    while a next beam still needs its K/V. Freeing first breaks as soon as a freed beam is also a
+    fork's source (in vLLM, a parent whose own continuation just finished); here the first child
+    keeps its parent's sequence, which is a fork of the parent followed by its free, done as
+    nothing. The frees also all come before the next forward, so the reservation then sees only
+    the references of running beams: it copies just the pages two running beams share (the
+    partial last page of a beam continued more than once) and writes the others in place.
+    Forking the first child too and freeing the parent after the forward would copy that page
+    once more for every beam continued.
+
+    Returns the `BeamStep` fields it decides: ``cut``, ``released``, ``forked``, ``freed`` and
+    ``beams`` (the next step's, ``[]`` for a prompt that is done).
+    """
+    kv, k = session.kv, len(parents[0])
+    cut, released, forked, next_beams = [], [], {}, [[] for _ in beams]
+    for b, running in enumerate(beams):
+        if not running:
+            continue
+        if done[b]:
+            released += list(dict.fromkeys(running))
+            continue
+        children: dict[int, list[int]] = {}
+        for j, parent in enumerate(parents[b]):
+            children.setdefault(running[parent], []).append(j)
+        cut += [s for s in dict.fromkeys(running) if s not in children]
+        next_beams[b] = [0] * k
+        for seq, js in children.items():
+            next_beams[b][js[0]] = seq  # the first child continues the beam itself
+            for j in js[1:]:
+                next_beams[b][j] = child = session.fork(seq)
+                forked[child] = seq
+    dropped = {p for s in cut + released for p in kv.pages(s)}
+    for s in cut + released:  # after every fork (see above)
+        session.finish(s)
+    still_held = {p for running in next_beams for s in running for p in kv.pages(s)}
+    return {
+        "cut": cut,
+        "released": released,
+        "forked": forked,
+        "freed": sorted(dropped - still_held),
+        "beams": next_beams,
+    }
+
+
+def _feed(session, beams: list[list[int]], tokens: torch.Tensor):
+    """One decode forward: each running beam appends its token (``tokens: [batch, k]``).
+
+    Returns the logits ``[batch * k, vocab]`` (zero rows for prompts that are done), each beam's
+    pages after the forward, and the pages each beam received by copy-on-write in it, as the
+    cache reported them (``last_copies`` of the reservation, the forward's only page change:
+    beam search runs no eviction policy). On a `LayeredKVCache` both are layer 0's.
+    """
+    kv, (batch, k) = session.kv, tokens.shape
+    live = [b for b, running in enumerate(beams) if running]
+    seqs = [s for b in live for s in beams[b]]
+    step_logits = session.extend(seqs, list(tokens[live].reshape(-1, 1)))  # [len(live) * k, vocab]
+    copied: dict[int, list[int]] = {}
+    for c in kv.last_copies:
+        if c.layer in (None, 0):
+            copied.setdefault(c.seq_id, []).append(c.page)
+    logits = torch.zeros(batch * k, step_logits.shape[-1], device=step_logits.device)
+    rows = torch.tensor([b * k + j for b in live for j in range(k)], device=step_logits.device)
+    logits[rows] = step_logits
+    return logits, {s: kv.pages(s) for s in seqs}, copied
 
 
 def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -368,7 +420,3 @@ def _may_improve(running_scores, finished_scores, is_finished, cur_len, width, m
     best_running = running_scores[:, :1] / (best_length**penalty)  # [batch, 1]
     worst_finished = torch.where(is_finished, torch.min(finished_scores, dim=1, keepdim=True)[0], NEG)
     return torch.any(best_running > worst_finished, dim=-1, keepdim=True)
-
-
-def _snapshot(kv: PagedKVCache, seqs) -> dict[int, list[int]]:
-    return {s: kv.pages(s) for s in seqs}

@@ -311,7 +311,7 @@ class PagedSession:
                     f"{policy.tokens_until_action(self.kv, s)}; feed at most tokens_until_action() tokens per forward"
                 )
 
-        marks = [self.kv._mark(s) for s in seq_ids]
+        marks = [self.kv.mark(s) for s in seq_ids]
         started = time.perf_counter()
         try:
             plan, input_ids, position_ids = self._plan(seq_ids, tokens, q_lens_list, packed=packed)
@@ -434,7 +434,7 @@ class PagedSession:
         """Undo a step's reservations and writes: each sequence back to its mark, the last first
         (its pages, private copies given back for the shared pages they replaced, length)."""
         for s, mark in reversed(list(zip(seq_ids, marks))):
-            self.kv._rewind(s, mark)
+            self.kv.rewind(s, mark)
 
     def _after_forward(self, seq_id: int, *, phase_prefill: bool) -> None:
         """The eviction hooks: let the sequence's policy shrink its cache (see the module docstring)."""

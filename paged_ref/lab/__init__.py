@@ -7,8 +7,8 @@
 - `check`: the coursework checkers students call on their own code (``pr.lab.check``);
 - helpers the above share: `runmode` (quick or full runs, where figures go), `provenance`
   (hardware and versions), `textdata` (real text from the standard library), `stats`,
-  `texttable`; the notebooks' simulations and replays: `fragmentation`, `scenarios`, `sharing`,
-  `serve_replay`, `eviction_analysis`, `eviction_replay`.
+  `texttable`; the notebooks' simulations and replays: `fragmentation` (workloads served by the
+  engine, dry), `scenarios`, `sharing`, `eviction_analysis`, `eviction_replay`.
 
 Submodules load on first use:
 
@@ -28,7 +28,6 @@ _SUBMODULES = {
     "provenance",
     "runmode",
     "scenarios",
-    "serve_replay",
     "sharing",
     "stats",
     "textdata",

@@ -1,54 +1,61 @@
-"""Fragmentation of KV memory under a stream of requests: contiguous vs paged allocation.
+"""Fragmentation of KV memory, read from the serving engine's own dry runs.
 
-A workload is a list of requests, each arriving at some step with a prompt and a number of
-tokens to generate. :func:`simulate` serves it from a fixed budget of token slots with one of
-three allocation policies and records, at every step, where the memory went:
+A workload (:func:`make_workload`) is a seeded stream of mixed-length requests. :func:`serve_dry`
+serves it through `paged_ref.serve.Engine` with no model (``Engine(None, ...)``: the scheduler that
+serves the real model, over a real page pool; `paged_ref.serve.dry`) under one of the engine's
+reservations, ``"paged"``, ``"exact"`` or ``"max_len"`` (`paged_ref.serve.scheduler`), and after
+every step reads where the pool's token slots are:
 
-* ``"reserve_max"`` -- each request reserves ``max_len`` contiguous slots on admission (what a
-  server does when it cannot know the output length);
-* ``"exact"`` -- each request gets exactly ``prompt + output`` contiguous slots (an oracle that
-  knows the output length), first fit over a linear address space;
-* ``"paged"`` -- each request holds whole pages from a :class:`~paged_ref.allocator.PageAllocator`,
-  one more whenever its last page is full. When no page is free the youngest running request is
-  preempted (its pages return to the pool and it waits at the head of the queue);
-* ``"paged_pow2"`` -- paged, but a request's page count grows in powers of two (it doubles
-  when full, capped at ``max_len``), the reservation the IBM paper describes.
+* ``used``: tokens whose K/V the running requests hold;
+* ``last_page``: slots of held pages that hold no token: the empty end of each request's last
+  page (internal fragmentation of paging; fewer than ``page_size`` per request);
+* ``future``: slots of pages committed to a request (``"exact"``, ``"max_len"``) and not yet
+  taken, that it will fill before it ends;
+* ``waste``: slots of committed pages that it will never fill (``"max_len"``'s tail past the
+  request's own length: reservation waste);
+* ``free``: slots of pages neither held nor committed.
 
-Per step, after admission, the budget splits into (in slots): ``used`` (tokens stored),
-``future`` (reserved for tokens not generated yet: a contiguous request's whole remainder, or
-pages a paged request holds ahead of its tokens that it will fill before it ends),
-``internal`` (held but never going to hold a token: the tail of a max-length reservation, the
-empty end of each request's last page of tokens, pages reserved beyond a request's end),
-``external`` (free memory that cannot
-serve the next request because no hole is big enough, although in total there is enough) and
-``free``. Requests are admitted first come, first served. The model is deliberately simple:
-one token per running request per step, prefill in the admission step. A preemption costs no
-steps here, but its price is counted: ``recomputed_tokens`` is the prompt plus generated tokens
-every preempted request must prefill again when it is readmitted (a real server spends that
-compute, or swaps the pages out and back).
+The five add up to the pool at every step. Committed pages are still pages, so ``"exact"`` here
+pays a contiguous cache's memory cost without its external fragmentation (no holes to fit):
+what it shows is an upper bound on a contiguous server.
 
 Example:
-    >>> wl = make_workload(50, seed=0)
-    >>> res = simulate(wl, "paged", budget_slots=8192, page_size=16)
-    >>> 0.0 <= res.summary()["utilization"] <= 1.0
+    >>> wl = make_workload(20, seed=0, mean_prompt=32, mean_output=32, max_len=256)
+    >>> run = serve_dry(wl, num_pages=64, page_size=16, max_batched_tokens=256)
+    >>> s = run.summary()
+    >>> s["tokens"] == int(wl.output_len.sum()), run.engine.stats()["free_pages"], 0 < s["used"] < 1
+    (True, 64, True)
+    >>> bool((run.used + run.last_page + run.future + run.waste + run.free == 64 * 16).all())
     True
 """
 
 from __future__ import annotations
 
-import bisect
 import numbers
-from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from .._arith import next_pow2
 from .._validate import check_choice, check_int
-from ..allocator import PageAllocator
 from ..block_table import pages_needed
+from ..serve.engine import Engine
+from ..serve.metrics import summarize
+from ..serve.request import RequestOutput
+from ..serve.scheduler import RESERVATIONS
 
-POLICIES = ("reserve_max", "exact", "paged", "paged_pow2")
+__all__ = [
+    "CATEGORIES",
+    "DryRun",
+    "Workload",
+    "compare_reservations",
+    "make_workload",
+    "page_size_sweep",
+    "requests_that_fit",
+    "serve_dry",
+]
+
+#: Where a slot of the pool is after a step (see the module docstring); they add up to the pool.
+CATEGORIES = ("used", "last_page", "future", "waste", "free")
 
 
 @dataclass(frozen=True)
@@ -141,271 +148,172 @@ def make_workload(
     return Workload(arrival.astype(np.int64), prompt, output, max_len)
 
 
-class _Contiguous:
-    """First fit over a linear address space of ``budget`` slots; holes kept sorted by start."""
-
-    def __init__(self, budget: int):
-        self.starts: list[int] = [0]  # hole starts, ascending
-        self.sizes: list[int] = [budget]
-        self.where: dict[int, tuple[int, int]] = {}  # request -> (start, size)
-
-    def admit(self, req: int, size: int) -> bool:
-        for i, hole in enumerate(self.sizes):
-            if hole >= size:
-                self.where[req] = (self.starts[i], size)
-                if hole == size:
-                    del self.starts[i], self.sizes[i]
-                else:
-                    self.starts[i] += size
-                    self.sizes[i] -= size
-                return True
-        return False
-
-    def release(self, req: int) -> None:
-        start, size = self.where.pop(req)
-        i = bisect.bisect(self.starts, start)
-        self.starts.insert(i, start)
-        self.sizes.insert(i, size)
-        # merge with the hole after, then with the hole before
-        if i + 1 < len(self.starts) and start + size == self.starts[i + 1]:
-            self.sizes[i] += self.sizes.pop(i + 1)
-            del self.starts[i + 1]
-        if i > 0 and self.starts[i - 1] + self.sizes[i - 1] == start:
-            self.sizes[i - 1] += self.sizes.pop(i)
-            del self.starts[i]
-
-    def largest_hole(self) -> int:
-        return max(self.sizes, default=0)
+def _slots_after_step(engine: Engine) -> tuple[int, int, int, int, int, int, int]:
+    """The pool's split now in slots, ``(used, last_page, future, waste, free)``, then ``(running, waiting)``."""
+    kv, sched = engine.kv, engine.scheduler
+    ps = kv.page_size
+    used = future = waste = 0
+    for r in sched.running:
+        held = len(kv.pages(r.seq_id))
+        used += kv.seq_len(r.seq_id)
+        ahead = max(0, r.reserved_pages - held)  # committed, not taken yet
+        fills = max(0, pages_needed(r.peak_tokens, ps) - held)  # of those, pages it will still fill
+        future += min(ahead, fills) * ps
+        waste += max(0, ahead - fills) * ps
+    held_slots = (kv.num_pages - kv.allocator.num_free) * ps
+    free = kv.num_pages * ps - held_slots - future - waste
+    return used, held_slots - used, future, waste, free, len(sched.running), len(sched.waiting)
 
 
 @dataclass(frozen=True)
-class SimResult:
-    """Where the memory went at every step. Per-step arrays are int64 ``[num_steps]``: the steps
-    when some request was running or waiting (idle stretches between arrivals are skipped and
-    counted in ``idle_steps``)."""
+class DryRun:
+    """A finished dry run: the engine (``stats()``, ``history``), every request's output, and the pool's
+    split after every step (int64 ``[num_steps]`` arrays of token slots, step ``i`` is ``history[i]``)."""
 
-    policy: str
-    budget_slots: int
-    page_size: int
+    engine: Engine
+    outputs: list[RequestOutput]
+    workload_tokens: int  # prompt + output tokens of the workload
     used: np.ndarray
+    last_page: np.ndarray
     future: np.ndarray
-    internal: np.ndarray
-    external: np.ndarray
+    waste: np.ndarray
     free: np.ndarray
-    running: np.ndarray  # requests holding memory
-    waiting: np.ndarray  # requests queued (arrived, not admitted)
-    admitted_step: np.ndarray  # int64 [num_requests]: first admission of each request
-    finished_step: np.ndarray  # int64 [num_requests]: step in which its last token was written
-    preemptions: int
-    recomputed_tokens: int = 0  # tokens held by preempted requests, to be prefilled again
-    idle_steps: int = 0  # steps with nothing to serve, skipped (not in the series)
-    total_tokens: int = 0  # prompt + output tokens of the whole workload
+    running: np.ndarray  # requests running after the step
+    waiting: np.ndarray  # requests queued after the step (arrived, not admitted, or preempted)
 
     @property
-    def num_steps(self) -> int:
-        return len(self.used)
+    def pool_slots(self) -> int:
+        return self.engine.kv.num_pages * self.engine.kv.page_size
 
     def summary(self) -> dict:
-        """Averages over the steps under memory pressure (some request waiting).
+        """Memory under pressure and what the run served.
 
-        Fractions are of the budget; ``mean_running`` is how many requests fit at once.
-        ``internal_over_used`` names the other common way to state internal fragmentation:
-        slots held that never hold a token per token stored (the "overhead over the minimum").
-        ``recompute_share`` is the recomputed tokens per token of the workload.
-        Falls back to all steps with a running request if nothing ever waited.
+        Memory: ``used``, ``last_page``, ``future``, ``waste``, ``free`` (shares of the pool) and
+        ``running_under_pressure`` (requests running), averaged over the steps after which a request
+        waited (memory was the bottleneck; all steps if none did); ``last_page_over_used``: empty slots
+        of last pages per token stored. Served (times in steps): `paged_ref.serve.summarize` plus
+        ``makespan`` (first arrival to last finish), ``steps`` (forwards), ``tokens_per_step`` (generated
+        tokens over the makespan), ``mean_running`` and ``peak_running`` (rows per forward, over all
+        steps), ``preemptions``, ``recomputed_tokens``, ``recompute_share``
+        (recomputed tokens per token of the workload) and ``computed_share`` (tokens fed to the model
+        per token the workload must feed: prompt + output - 1 per request).
         """
         mask = self.waiting > 0
         if not mask.any():
             mask = self.running > 0
-        b = self.budget_slots
-        return {
-            "policy": self.policy,
-            "page_size": self.page_size,
-            "budget_slots": b,
-            "utilization": float(self.used[mask].mean() / b),
-            "future": float(self.future[mask].mean() / b),
-            "internal": float(self.internal[mask].mean() / b),
-            "external": float(self.external[mask].mean() / b),
-            "free": float(self.free[mask].mean() / b),
-            "mean_running": float(self.running[mask].mean()),
-            "max_running": int(self.running.max()),
+        pool = self.pool_slots
+        kv, s = self.engine.kv, self.engine.stats()
+        out = {
+            "reservation": self.engine.scheduler.reservation,
+            "page_size": kv.page_size,
+            "pool_slots": pool,
+            **{k: float(getattr(self, k)[mask].mean() / pool) for k in CATEGORIES},
+            "running_under_pressure": float(self.running[mask].mean()),
             "pressure_steps": int(mask.sum()),
-            "makespan": self.num_steps + self.idle_steps,
-            "preemptions": self.preemptions,
-            "internal_over_used": float(self.internal[mask].mean() / self.used[mask].mean()),
-            "recomputed_tokens": self.recomputed_tokens,
-            "recompute_share": self.recomputed_tokens / max(self.total_tokens, 1),
+            "last_page_over_used": float(self.last_page[mask].mean() / self.used[mask].mean()),
         }
+        out.update(summarize(self.outputs))
+        out.update(
+            makespan=out["span_s"],
+            steps=s["steps"],
+            tokens_per_step=out["tokens"] / out["span_s"],
+            mean_running=s["mean_running"],
+            peak_running=s["peak_running"],
+            preemptions=s["preemptions"],
+            recomputed_tokens=s["recomputed_tokens"],
+            recompute_share=s["recomputed_tokens"] / self.workload_tokens,
+            computed_share=sum(h.tokens for h in self.engine.history) / (self.workload_tokens - len(self.outputs)),
+        )
+        return out
 
 
-def simulate(workload: Workload, policy: str, *, budget_slots: int, page_size: int = 16) -> SimResult:
-    """Serve ``workload`` from ``budget_slots`` token slots under ``policy`` (see module doc).
+def serve_dry(
+    workload: Workload,
+    *,
+    num_pages: int,
+    page_size: int = 16,
+    reservation: str = "paged",
+    preemption: str = "recompute",
+    max_num_seqs: int = 256,
+    max_batched_tokens: int = 2048,
+    watermark: float = 0.01,
+    trace: bool = False,
+) -> DryRun:
+    """Serve ``workload`` on ``Engine(None, ...)`` with these settings, reading the pool after every step.
 
-    Args:
-        workload: the requests (:func:`make_workload`).
-        policy: one of :data:`POLICIES`.
-        budget_slots: memory budget in token slots; at least ``workload.max_len`` and, for
-            the paged policies, a multiple of ``page_size``.
-        page_size: tokens per page (used by the paged policies only).
+    Request ``i`` arrives at step ``workload.arrival[i]`` (the ``"steps"`` clock) with a prompt of
+    ``prompt_len[i]`` tokens and generates ``output_len[i]``; ``max_model_len`` is ``workload.max_len``
+    (what ``"max_len"`` reserves). A step is one forward of at most ``max_batched_tokens`` tokens:
+    prompts, prefill chunks and recomputation after a preemption take their share of it.
     """
     if not isinstance(workload, Workload):
-        raise TypeError(f"workload must be a Workload (make_workload), got {type(workload).__name__}")
-    policy = check_choice("policy", policy, POLICIES)
-    budget = check_int("budget_slots", budget_slots, min_value=1)
-    page_size = check_int("page_size", page_size, min_value=1)
-    if budget < workload.max_len:
-        raise ValueError(
-            f"budget_slots must be >= workload.max_len = {workload.max_len} so that "
-            f"every request can be served, got {budget}"
-        )
-    paged, pow2 = policy.startswith("paged"), policy == "paged_pow2"
-    if paged and budget % page_size:
-        raise ValueError(f"budget_slots must be a multiple of page_size = {page_size} for {policy!r}, got {budget}")
-
-    n = len(workload)
-    arrival = workload.arrival.tolist()
-    total = workload.total_len.tolist()
-    length = workload.prompt_len.tolist()  # current length of each request
-    admitted = [-1] * n
-    finished = [-1] * n
-    held: dict[int, int] = {}  # running request -> slots it holds
-    pages: dict[int, list[int]] = {}  # paged policies: running request -> its pages
-    contiguous = None if paged else _Contiguous(budget)
-    pool = PageAllocator(budget // page_size) if paged else None
-    max_pages = pages_needed(workload.max_len, page_size)  # cap of power-of-two growth
-
-    def demand(r: int) -> int:  # contiguous slots needed to admit r
-        return workload.max_len if policy == "reserve_max" else total[r]
-
-    def try_admit(r: int) -> bool:
-        if paged:
-            need = pages_needed(length[r] + 1, page_size)  # room for the next token too
-            if pow2:
-                need = min(next_pow2(need), max_pages)
-            if need > pool.num_free:
-                return False
-            pages[r] = pool.allocate(need)
-            held[r] = need * page_size
-            return True
-        if not contiguous.admit(r, demand(r)):
-            return False
-        held[r] = demand(r)
-        return True
-
-    def release(r: int) -> None:
-        if paged:
-            pool.free(pages.pop(r))
-        else:
-            contiguous.release(r)
-        del held[r]
-
-    series = {k: [] for k in ("used", "future", "internal", "external", "free", "running", "waiting")}
-    queue: deque[int] = deque()
-    running: list[int] = []  # in admission order, oldest first
-    nxt, done, step, preemptions, recomputed, idle = 0, 0, 0, 0, 0, 0
-    while done < n:
-        if not running and not queue and arrival[nxt] > step:
-            # nothing to serve until the next arrival: jump there instead of recording idle
-            # steps one by one (arrivals 10**9 steps apart would otherwise never finish)
-            idle += arrival[nxt] - step
-            step = arrival[nxt]
-        while nxt < n and arrival[nxt] <= step:
-            queue.append(nxt)
-            nxt += 1
-        while queue and try_admit(queue[0]):
-            r = queue.popleft()
-            running.append(r)
-            if admitted[r] < 0:
-                admitted[r] = step
-
-        # snapshot of the memory after admission
-        used = sum(length[r] for r in running)
-        allocated = sum(held.values())
-        if paged:  # pages held ahead of the tokens, up to the request's final length
-            future = sum(
-                min(held[r], pages_needed(total[r], page_size) * page_size)
-                - pages_needed(length[r], page_size) * page_size
-                for r in running
-            )
-        else:
-            future = sum(total[r] - length[r] for r in running)
-        free = budget - allocated
-        external = 0
-        upcoming = queue[0] if queue else (nxt if nxt < n else None)
-        if not paged and upcoming is not None:
-            d = demand(upcoming)
-            if free >= d and contiguous.largest_hole() < d:
-                external = free  # enough memory in total, but no hole is big enough
-        for key, value in (
-            ("used", used),
-            ("future", future),
-            ("internal", allocated - used - future),
-            ("external", external),
-            ("free", free - external),
-            ("running", len(running)),
-            ("waiting", len(queue)),
-        ):
-            series[key].append(value)
-
-        # decode: every running request writes one token, oldest first
-        for r in list(running):
-            if r not in held:
-                continue  # preempted earlier in this step
-            if paged and length[r] == held[r]:  # last page full: take a page (or double)
-                extra = min(len(pages[r]), max_pages - len(pages[r])) if pow2 else 1
-                while pool.num_free < extra:
-                    victim = running.pop()  # the youngest gives its pages back
-                    release(victim)
-                    queue.appendleft(victim)
-                    preemptions += 1
-                    recomputed += length[victim]  # prefilled again on readmission
-                    if victim == r:
-                        break
-                if r not in held:
-                    continue
-                pages[r] += pool.allocate(extra)
-                held[r] += extra * page_size
-            length[r] += 1
-            if length[r] == total[r]:  # its last token: it leaves and frees its memory
-                running.remove(r)
-                release(r)
-                finished[r] = step
-                done += 1
-        step += 1
-
-    arrays = {k: np.asarray(v, dtype=np.int64) for k, v in series.items()}
-    return SimResult(
-        policy=policy,
-        budget_slots=budget,
+        raise TypeError(f"workload must be a paged_ref.lab.fragmentation.Workload, got {type(workload).__name__}")
+    engine = Engine(
+        None,
+        num_pages=num_pages,
         page_size=page_size,
-        admitted_step=np.asarray(admitted, dtype=np.int64),
-        finished_step=np.asarray(finished, dtype=np.int64),
-        preemptions=preemptions,
-        recomputed_tokens=recomputed,
-        idle_steps=idle,
-        total_tokens=int(sum(total)),
-        **arrays,
+        reservation=reservation,
+        preemption=preemption,
+        max_num_seqs=max_num_seqs,
+        max_batched_tokens=max_batched_tokens,
+        watermark=watermark,
+        max_model_len=workload.max_len,
+        trace=trace,
+    )
+    for arrival, prompt, output in zip(
+        workload.arrival.tolist(), workload.prompt_len.tolist(), workload.output_len.tolist()
+    ):
+        engine.add_request([0] * prompt, max_new_tokens=output, arrival_s=float(arrival))
+    rows = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        rows.append(_slots_after_step(engine))
+    series = np.asarray(rows, dtype=np.int64).T  # [7, num_steps]
+    return DryRun(
+        engine,
+        engine.run(),  # every request is done: returns their outputs
+        int(workload.total_len.sum()),
+        *series,
     )
 
 
-def compare_policies(workload: Workload, *, budget_slots: int, page_size: int = 16) -> list[dict]:
-    """:meth:`SimResult.summary` of each policy in :data:`POLICIES` on the same workload."""
-    return [simulate(workload, p, budget_slots=budget_slots, page_size=page_size).summary() for p in POLICIES]
+def _pool(budget_slots, page_size) -> tuple[int, int]:
+    budget = check_int("budget_slots", budget_slots, min_value=1)
+    page_size = check_int("page_size", page_size, min_value=1)
+    if budget % page_size:
+        raise ValueError(f"budget_slots must be a multiple of page_size = {page_size}, got {budget}")
+    return budget // page_size, page_size
 
 
-def page_size_sweep(workload: Workload, *, budget_slots: int, page_sizes, policy: str = "paged") -> list[dict]:
-    """:meth:`SimResult.summary` of a paged policy for each page size."""
-    policy = check_choice("policy", policy, [p for p in POLICIES if p.startswith("paged")])
-    return [simulate(workload, policy, budget_slots=budget_slots, page_size=p).summary() for p in page_sizes]
+def compare_reservations(workload: Workload, *, budget_slots: int, page_size: int = 16, **engine) -> list[dict]:
+    """:meth:`DryRun.summary` of each reservation (``"paged"``, ``"exact"``, ``"max_len"``) on the same
+    workload and a pool of ``budget_slots`` token slots; ``engine``: more `serve_dry` settings."""
+    num_pages, page_size = _pool(budget_slots, page_size)
+    return [
+        serve_dry(workload, num_pages=num_pages, page_size=page_size, reservation=r, **engine).summary()
+        for r in RESERVATIONS
+    ]
+
+
+def page_size_sweep(
+    workload: Workload, *, budget_slots: int, page_sizes, reservation: str = "paged", **engine
+) -> list[dict]:
+    """:meth:`DryRun.summary` of one reservation for each page size, at the same pool in token slots."""
+    check_choice("reservation", reservation, RESERVATIONS)
+    out = []
+    for p in page_sizes:
+        num_pages, p = _pool(budget_slots, p)
+        out.append(serve_dry(workload, num_pages=num_pages, page_size=p, reservation=reservation, **engine).summary())
+    return out
 
 
 def requests_that_fit(lengths, *, budget_slots: int, page_size: int, reserved_per_request: int) -> dict[str, int]:
     """How many of ``lengths`` (taken in order, all present at once) fit in ``budget_slots``.
 
-    A static count at the requests' final lengths in fresh memory: ``reserve_max`` reserves
-    ``reserved_per_request`` each, ``exact`` the length, ``paged`` whole pages.
+    A static count at the requests' final lengths in fresh memory: ``"max_len"`` reserves
+    ``reserved_per_request`` each, ``"exact"`` the length, ``"paged"`` whole pages.
     Example: ``requests_that_fit([19, 45, 70], budget_slots=256, page_size=16,
-    reserved_per_request=128) == {"reserve_max": 2, "exact": 3, "paged": 3}``.
+    reserved_per_request=128) == {"max_len": 2, "exact": 3, "paged": 3}``.
     """
     budget = check_int("budget_slots", budget_slots, min_value=1)
     page_size = check_int("page_size", page_size, min_value=1)
@@ -414,7 +322,7 @@ def requests_that_fit(lengths, *, budget_slots: int, page_size: int, reserved_pe
         raise TypeError(f"lengths must be a sequence of ints, got {type(lengths).__name__}")
     lengths = [check_int(f"lengths[{i}]", n, min_value=1) for i, n in enumerate(lengths)]
     cost = {
-        "reserve_max": lambda n: reserved,
+        "max_len": lambda n: reserved,
         "exact": lambda n: n,
         "paged": lambda n: pages_needed(n, page_size) * page_size,
     }
@@ -422,7 +330,7 @@ def requests_that_fit(lengths, *, budget_slots: int, page_size: int, reserved_pe
     for policy, slots in cost.items():
         spent, count = 0, 0
         for n in lengths:
-            if (policy == "reserve_max" and n > reserved) or spent + slots(n) > budget:
+            if (policy == "max_len" and n > reserved) or spent + slots(n) > budget:
                 break
             spent += slots(n)
             count += 1

@@ -5,7 +5,7 @@
 one number per token. ``extend`` reserves the new tokens' slots (so pages are taken, shared and
 freed exactly as in a real run) and returns logits that always pick token 0. The engine's
 scheduler then runs unchanged at the cost of its own bookkeeping: ``Engine(None, ...)`` is a dry
-run, what notebook 09's widget and notebook 03's charged replay use to play thousands of steps in
+run, what notebook 09's widget and notebook 03's fragmentation study use to play thousands of steps in
 seconds. Eviction policies need real K/V and are refused here.
 
 Example:

@@ -25,8 +25,8 @@ runs on the same engine and kernels: ``"paged"`` admits against the pages the fi
 that knew the output length would reserve); ``"max_len"`` commits ``max_model_len`` tokens per
 request (what servers reserved before paging). A committed page is counted as taken by admission
 even before a token fills it, so a committed request never needs preemption. Committing pages is
-contiguous allocation's memory cost without its external fragmentation (notebook 03 measures that
-loss on top): an upper bound on what a contiguous server could do.
+contiguous allocation's memory cost without its external fragmentation (free memory in holes too
+small for the next request): an upper bound on what a contiguous server could do.
 
 A request with an eviction policy runs it through `AfterPrompt`: its chunks stop at the prompt's
 end, the policy acts once on the whole prompt (as in `paged_ref.hf.generate`), and output recomputed

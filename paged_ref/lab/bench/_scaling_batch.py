@@ -131,7 +131,7 @@ def batch_throughput(
             f"({max(lengths)} + {warmup + steps})"
         )
     fit = fit_counts(lengths, budget_tokens=budget_tokens, max_len=max_len, page_size=page_size)
-    n_contig = fit["reserve_max"]
+    n_contig = fit["max_len"]
     # the paged batch decodes the requests whose pages still fit once they have grown by every
     # timed step (the first n_contig rows grow twice: their same-batch run comes after)
     grown = [n + (warmup + steps) * (2 if r < n_contig else 1) for r, n in enumerate(lengths)]

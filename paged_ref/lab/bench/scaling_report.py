@@ -7,7 +7,7 @@ holds beyond the tokens. The rest are pure functions over the benchmark's result
 Examples:
     >>> lengths = mixed_lengths(40, max_len=1024, mean_len=256, seed=0)
     >>> fit = fit_counts(lengths, budget_tokens=4096, max_len=1024, page_size=16)
-    >>> fit["reserve_max"], fit["paged"] > fit["reserve_max"]
+    >>> fit["max_len"], fit["paged"] > fit["max_len"]
     (4, True)
     >>> 0 <= paged_overhead(lengths[:10], page_size=16)["overhead"] < 0.2
     True
@@ -48,7 +48,7 @@ def mixed_lengths(num: int, *, max_len: int, mean_len: float, seed: int = 0) -> 
 
 def fit_counts(lengths, *, budget_tokens: int, max_len: int, page_size: int) -> dict:
     """Requests (in order) that fit ``budget_tokens`` slots: :func:`requests_that_fit`'s
-    ``{"reserve_max", "exact", "paged"}``, and ``"paged_allocator"``, the paged count on a real
+    ``{"max_len", "exact", "paged"}``, and ``"paged_allocator"``, the paged count on a real
     `PagedKVCache` of ``budget_tokens // page_size`` pages (reserve until the pool says no)."""
     fit = requests_that_fit(lengths, budget_slots=budget_tokens, page_size=page_size, reserved_per_request=max_len)
     kv = PagedKVCache(
@@ -216,8 +216,8 @@ def print_model_report(name: str, res: dict) -> None:
             f"max_len {b['max_len']}, KV budget {b['budget_tokens']} token slots, page size {b['page_size']}"
         )
         print(
-            f"  admitted: contiguous max-length reservation {fit['reserve_max']}, paged {fit['paged_allocator']} "
-            f"({fit['paged_allocator'] / max(fit['reserve_max'], 1):.2f}x)"
+            f"  admitted: contiguous max-length reservation {fit['max_len']}, paged {fit['paged_allocator']} "
+            f"({fit['paged_allocator'] / max(fit['max_len'], 1):.2f}x)"
         )
         rows = []
         for r in ([b["contiguous"]] if "contiguous" in b else []) + list(b["paged"].values()):

@@ -1,6 +1,7 @@
 """Serving a stream of requests from one KV pool: what paging buys, against transformers' own engine.
 
     python -m paged_ref.lab.bench serve [--quick] [--gpu] [--threads N] [--out DIR] [--skip-peer] [--skip-pools]
+                                        [--workload short] [--requests N] [--rates R ...]
     python -m paged_ref.lab.bench serve --profile [--quick] [--threads N] [--out DIR]
 
 Requests: prompts of English prose (random ids for a random-weight model) with lognormal prompt and
@@ -16,9 +17,10 @@ at the highest rate. Per run: tokens/s, TTFT and TPOT (p50, p90), normalized lat
 generated token), requests running (mean, peak), preemptions, recomputed tokens, peak pages; then the
 goals, from this run's numbers. JSON, saved after every section with the load average around it:
 ``figures/data/serve_{cpu,gpu}.json`` (``_quick`` in quick mode). ``--gpu``: the random-weight 1B Llama
-of ``bench scaling --gpu`` in bf16 on CUDA, larger workload. ``--profile``: where a step's time goes
-instead (`._serve_profile`: a profile by op of decode and mixed steps, then each speed-up's measured
-gain), ``figures/data/serve_profile_cpu.json``.
+of ``bench scaling --gpu`` in bf16 on CUDA, larger workload. ``--workload short``: answers half as long
+as prompts (`WORKLOADS`), where paging gains the least over exact reservation; written to
+``serve_cpu_short.json``. ``--profile``: where a step's time goes instead (`._serve_profile`: a profile
+by op of decode and mixed steps, then each speed-up's measured gain), ``figures/data/serve_profile_cpu.json``.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from ._model_bench import text_ids
 from ._scaling_models import build_model
 from ._serve_peer import run_peer
 from ._serve_profile import run_profile
-from .common import bench_parser, environment, result_file, table
+from .common import bench_parser, command_line, environment, result_file, table
 
 __all__ = ["PROFILES", "POLICIES", "make_requests", "run_rate", "check_goals", "format_rate_table", "main"]
 
@@ -75,6 +77,10 @@ _PROFILE_COLUMNS = dict(  # cpu, quick, gpu
     overhead=(dict(batch=16, prompt=64, new=24), dict(batch=4, prompt=8, new=4), dict(batch=16, prompt=256, new=64)),
 )
 PROFILES = {mode: {k: v[i] for k, v in _PROFILE_COLUMNS.items()} for i, mode in enumerate(("cpu", "quick", "gpu"))}
+
+#: Workloads other than the profile's own (``--workload NAME``): the lengths they change. ``short``:
+#: short answers to longer prompts (prompt mean 48, answer mean 24), as in instruction traces (Alpaca).
+WORKLOADS = {"chat": {}, "short": dict(mean_prompt=48, mean_output=24)}
 
 RATE_COLUMNS = [
     ("policy", "{policy}"),
@@ -344,6 +350,9 @@ def main(argv=None):
     parser.add_argument("--skip-pools", action="store_true", help="leave out the pool-size sweep")
     parser.add_argument("--requests", type=int, default=None, help="override the profile's number of requests")
     parser.add_argument("--rates", type=float, nargs="+", default=None, help="override the profile's request rates")
+    parser.add_argument(
+        "--workload", choices=tuple(WORKLOADS), default="chat", help="lengths: the profile's (chat) or short"
+    )
     parser.add_argument("--profile", action="store_true", help="where a step's time goes, and each speed-up's gain")
     args = parser.parse_args(argv)
     if args.quick and args.gpu:
@@ -351,16 +360,18 @@ def main(argv=None):
     if args.profile and args.gpu:
         parser.error("--profile runs on the CPU; leave out --gpu")
     if args.profile:
-        return _main_profile(parser, args)
+        return _main_profile(parser, args, argv)
     mode = "quick" if args.quick else "gpu" if args.gpu else "cpu"
     cfg = dict(PROFILES[mode])
     if args.requests is not None:
         cfg["requests"] = args.requests
     if args.rates is not None:
         cfg["rates"] = tuple(sorted(args.rates))
+    cfg.update(WORKLOADS[args.workload], workload=args.workload)
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
         parser.error("--gpu needs a CUDA GPU")
-    name = f"serve_{'gpu' if mode == 'gpu' else 'cpu'}{'_quick' if args.quick else ''}.json"
+    suffix = ("_quick" if args.quick else "") + ("" if args.workload == "chat" else f"_{args.workload}")
+    name = f"serve_{'gpu' if mode == 'gpu' else 'cpu'}{suffix}.json"
     result = result_file(parser, args.out, name)  # checked before the model loads
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
@@ -370,6 +381,7 @@ def main(argv=None):
     per_token = model_geometry(model).bytes_per_token
     data = {
         "mode": mode,
+        "command": command_line("serve", argv),
         "model": {k: info[k] for k in ("name", "weights", "dtype", "params", "note")},
         "torch_threads": torch.get_num_threads(),
         "clock": "simulated",
@@ -445,14 +457,15 @@ GAIN_COLUMNS = [
 ]
 
 
-def _main_profile(parser, args) -> dict:
+def _main_profile(parser, args, argv) -> dict:
     """``--profile``: `._serve_profile.run_profile` on SmolLM2 (the tiny model with ``--quick``)."""
     name = f"serve_profile_cpu{'_quick' if args.quick else ''}.json"
     result = result_file(parser, args.out, name)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     model, info = build_model("tiny" if args.quick else "smollm2", device="cpu")
-    data = {"mode": "quick" if args.quick else "cpu", "model": {k: info[k] for k in ("name", "weights", "dtype")}}
+    data = {"mode": "quick" if args.quick else "cpu", "command": command_line("serve", argv)}
+    data["model"] = {k: info[k] for k in ("name", "weights", "dtype")}
     data["environment"] = environment()
 
     def requests_fn(**lengths):

@@ -48,6 +48,14 @@ COLUMNS = [
     ("wall paged / hf", "{time[wall][ratio_paged_over_transformers]:.2f}x"),
     ("CPU paged / hf", "{time[cpu][ratio_paged_over_transformers]:.2f}x"),
 ]
+#: The memory columns alone (notebook 08's table): pages held, saved, copied, tokens computed.
+MEMORY_COLUMNS = COLUMNS[:-3]
+
+
+def memory_table(data: dict) -> str:
+    """The runs of a ``sharing`` result as the memory columns of the command's table."""
+    rows = [{**r, "saved": r["saving_vs_no_sharing"], "computed": r["tokens_computed"]} for r in data["runs"]]
+    return table(MEMORY_COLUMNS, rows)
 
 
 def _pad_id(model) -> int:

@@ -217,7 +217,7 @@ def batch_figure(data: dict, model: str) -> Figure:
     fit = b["fit"]
     bars = ax_fit.bar(
         ["contiguous\nmax-length", "paged\n(page 16)"],
-        [fit["reserve_max"], fit["paged_allocator"]],
+        [fit["max_len"], fit["paged_allocator"]],
         color=["tab:blue", "tab:orange"],
     )
     ax_fit.bar_label(bars)
@@ -232,7 +232,7 @@ def batch_figure(data: dict, model: str) -> Figure:
     for p in b["paged"].values():
         name = p["label"].replace("paged ", "")
         if "same_batch_tokens_per_s" in p:
-            labels.append(f"paged {name}, batch {fit['reserve_max']}")
+            labels.append(f"paged {name}, batch {fit['max_len']}")
             values.append(p["same_batch_tokens_per_s"])
             colors.append("navajowhite")
         labels.append(f"paged {name}, batch {p['batch']}")

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
-from matplotlib.patches import Rectangle
+from matplotlib.patches import Patch, Rectangle
+from matplotlib.ticker import MaxNLocator
 
 from ..provenance import describe as provenance
 from . import add_note
@@ -67,8 +68,17 @@ def page_timeline_figure(history: Sequence, *, title: str = "", width: float = 9
             ax.plot([x], [-0.9], marker="v", color="red", markersize=5, clip_on=False)
     ax.set_xlabel("step")
     ax.set_ylabel("physical page")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(title or f"who holds each of the {num_pages} pages, step by step (red: a preemption)")
-    add_note(fig, "Drawn from the engine's per-step page owners (a recorded run; colors are requests, mod 9).")
+    requests = sorted({int(o) for o in owners.flat if o >= 0})
+    if len(requests) <= len(PALETTE):
+        handles = [Patch(color=seq_color(r), label=f"R{r}") for r in requests]
+        ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        colors = "one color per request"
+    else:
+        colors = f"colors repeat every {len(PALETTE)} requests"
+    fig.tight_layout()
+    add_note(fig, f"Drawn from the engine's per-step page owners (a recorded run; {colors}).")
     return fig
 
 
@@ -176,17 +186,21 @@ def pool_figure(data: dict) -> Figure:
     for policy, r in top["policies"].items():
         if policy in points:
             points[policy].append((data["config"]["num_pages"], r["tokens_per_s"], r["mean_running"]))
-    fig = Figure(figsize=(9, 3.6))
+    fig = Figure(figsize=(9, 3.8))
     axes = fig.subplots(1, 2)
     page_mib = data["workload"]["pool_bytes"] / data["config"]["num_pages"] / 2**20
     for policy, pts in points.items():
         color, marker, label = POLICY_STYLE[policy]
         pts.sort()
-        x = [p[0] * page_mib for p in pts]
+        x = [p[0] for p in pts]
         axes[0].plot(x, [p[1] for p in pts], color=color, marker=marker, label=label)
         axes[1].plot(x, [p[2] for p in pts], color=color, marker=marker, label=label)
-    for ax, ylabel in zip(axes, ("tokens / s", "requests running at once (mean over steps)")):
-        ax.set_xlabel("KV pool (MiB)")
+    sizes = sorted({p[0] for pts in points.values() for p in pts})
+    for ax, ylabel in zip(axes, ("tokens / s", "requests running (mean)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [f"{n}\n{n * page_mib:.0f} MiB" for n in sizes])
+        ax.minorticks_off()
+        ax.set_xlabel(f"KV pool: pages of {data['config']['page_size']} tokens")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)

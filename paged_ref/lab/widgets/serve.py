@@ -4,7 +4,7 @@
   ``Engine(trace=True)`` (the page map and the queues at that step);
 - :func:`simulation_view` / :func:`simulation_panel`: pool size, page size and reservation policy
   sliders; each move serves the same seeded workload again through the engine's own scheduler, dry
-  (`paged_ref.lab.serve_replay`: no model, so a redraw takes about a second) and draws who holds each
+  (`paged_ref.lab.fragmentation.serve_dry`: no model, so a redraw takes about a second) and draws who holds each
   page at every step, with the run's numbers in the title.
 
 Example:
@@ -21,8 +21,7 @@ from matplotlib.figure import Figure
 
 from ..._validate import check_choice, check_int
 from ...serve.scheduler import RESERVATIONS
-from ..fragmentation import Workload, make_workload
-from ..serve_replay import replay
+from ..fragmentation import Workload, make_workload, serve_dry
 from ..viz.serve import page_timeline_figure, step_figure
 from . import with_static_figure
 
@@ -43,7 +42,7 @@ def _run(pool_tokens: int, page_size: int, reservation: str, workload: Workload 
     check_int("pool_tokens", pool_tokens, min_value=1)
     check_int("page_size", page_size, min_value=1)
     check_choice("reservation", reservation, RESERVATIONS)
-    return replay(
+    return serve_dry(
         workload if workload is not None else default_workload(),
         num_pages=pool_tokens // page_size,
         page_size=page_size,
@@ -55,7 +54,7 @@ def _run(pool_tokens: int, page_size: int, reservation: str, workload: Workload 
 
 
 def simulation_numbers(pool_tokens: int, page_size: int, reservation: str, workload: Workload | None = None) -> dict:
-    """`paged_ref.lab.serve_replay.Replay.summary` of the panel's run (times in steps)."""
+    """`paged_ref.lab.fragmentation.DryRun.summary` of the panel's run (times in steps)."""
     return _run(pool_tokens, page_size, reservation, workload).summary()
 
 
