@@ -126,6 +126,16 @@ class PageAllocator:
             if self._refcount[page] == 0:
                 (self._cached if page in cached else self._free)[page] = None
 
+    def snapshot(self) -> tuple:
+        """The allocator's whole state, for `restore` (a rollback: `PagedKVCache.rollback`)."""
+        return self._next_fresh, dict(self._free), dict(self._cached), list(self._refcount)
+
+    def restore(self, snapshot: tuple) -> None:
+        """Put the allocator back as `snapshot` saw it."""
+        next_fresh, free, cached, refcount = snapshot
+        self._next_fresh, self._refcount = next_fresh, list(refcount)
+        self._free, self._cached = dict(free), dict(cached)
+
     def refcount(self, page: int) -> int:
         return self._refcount[self._check_page("page", page)]
 

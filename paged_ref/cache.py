@@ -35,6 +35,9 @@ Rewind. ``mark(seq_id)`` before a model's forward and ``rewind(seq_id, mark)`` a
 failed put a sequence back as it was: what `paged_ref.hf.PagedSession.extend` does when a
 forward raises after its slots were reserved.
 
+Summaries. With ``page_summaries=True`` the cache also keeps the min and max of every page's
+keys (``cache.summaries``, `paged_ref.page_summaries`), which Quest reads to pick pages.
+
 Growth. ``growth="page"`` takes one page at a time; ``growth="pow2"`` reserves so that a
 sequence holds a power-of-two number of pages (what the IBM paper describes), falling back to
 the exact need when the pool cannot give the power of two.
@@ -65,6 +68,7 @@ from .allocator import OutOfPagesError, PageAllocator
 from .block_table import flat_slots, pack_csr, pack_padded
 from .memory import KVGeometry, model_geometry
 from .page_plan import compact_copies, plan_growth, rewind_plan, round_to_pow2, truncate_cost
+from .page_summaries import PageSummaries
 from .prefix_cache import PrefixIndex, namespace_key, page_key
 
 
@@ -122,6 +126,7 @@ class PagedKVCache:
         growth: str = "page",
         prefix_caching: bool = False,
         prefix_namespace: dict | None = None,
+        page_summaries: bool = False,
     ):
         self.num_layers = check_int("num_layers", num_layers, min_value=1)
         self.num_pages = check_int("num_pages", num_pages, min_value=1)
@@ -145,6 +150,17 @@ class PagedKVCache:
         self.prefix_hits = 0  # full pages reused from the prefix cache
         # the `PageCopy`s of the latest reserve, reserve_batch, truncate or compact (rewind clears it)
         self.last_copies: tuple[PageCopy, ...] = ()
+        self._checkpoint: _Checkpoint | None = None  # open while a step may still be undone
+        if not isinstance(page_summaries, bool):
+            raise TypeError(f"page_summaries must be True or False, got {page_summaries!r}")
+        # min / max of each page's keys for Quest (`paged_ref.page_summaries`); None: not kept
+        self.summaries = (
+            PageSummaries(
+                num_pages=num_pages, page_size=page_size, dtype=dtype, device=self.device, **self.geometry.kv_shape
+            )
+            if page_summaries
+            else None
+        )
 
     @classmethod
     def for_model(cls, model, *, num_pages: int, page_size: int, **options) -> PagedKVCache:
@@ -232,6 +248,14 @@ class PagedKVCache:
         self._seqs[seq_id] = seq
         return seq_id
 
+    def cached_prefix(self, token_ids) -> list[int]:
+        """The pages ``add_sequence(token_ids)`` would reuse (none without prefix caching), taking nothing:
+        what admission asks before it adds. Those with ``allocator.refcount(page) == 0`` would be
+        taken back from the pool."""
+        if not self.prefix_caching:
+            return []
+        return [page for page, _ in self._prefix.match(self._prefix_root, token_list("token_ids", token_ids))]
+
     def reserve(self, seq_id: int, num_tokens: int, token_ids=None) -> torch.Tensor:
         """Grow ``seq_id`` by ``num_tokens`` and return their flat slots, ``int64 [num_tokens]``.
 
@@ -291,8 +315,11 @@ class PagedKVCache:
         """
         layer = check_write(self, layer, slots, k, v, check_values)
         slots = slots.to(device=self.device, dtype=torch.int64)
+        self._saving((layer,), slots)
         self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
         self.v_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        if self.summaries is not None:
+            self.summaries.update(layer, slots, k)
         if self._prefix.pending and slots.numel():
             self._prefix.written(layer, torch.unique(slots // self.page_size).tolist())
 
@@ -421,6 +448,7 @@ class PagedKVCache:
         src = all_slots[keep.cpu()].to(self.device)
         dst = all_slots[:n_keep].to(self.device)
         flat = (-1, self.num_kv_heads, self.head_dim)
+        self._saving(range(self.num_layers), dst)
         for cache in (*self.k_cache, *self.v_cache):
             view = cache.view(flat)
             view.index_copy_(0, dst, view[src])  # view[src] is a copy taken before the writes
@@ -429,6 +457,10 @@ class PagedKVCache:
         seq.length = n_keep
         if n_keep % self.page_size:  # vacated slots of the last kept page: back to zeros
             self._zero_slots(all_slots[n_keep : need * self.page_size].to(self.device))
+        if self.summaries is not None:  # the packed pages summarise the keys they hold now
+            self.summaries.clear(seq.pages)
+            for layer, cache in enumerate(self.k_cache):
+                self.summaries.update(layer, dst, cache.view(flat)[dst])
         seq.token_ids, seq.page_hashes = None, []
         self.last_copies = tuple(copies)
 
@@ -516,6 +548,41 @@ class PagedKVCache:
         self.last_copies = tuple(copied)
         return slots
 
+    def checkpoint(self) -> None:
+        """Start a change that `rollback` can undo whole: sequences, pool, prefix index and K/V.
+
+        Until `commit` or `rollback`, the cache keeps the old contents of every slot it changes
+        (`_Checkpoint`). One checkpoint at a time.
+
+        Example:
+            >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=2, num_kv_heads=1, head_dim=1)
+            >>> s = kv.add_sequence(); kv.write(0, kv.reserve(s, 3), torch.ones(3, 1, 1), torch.ones(3, 1, 1))
+            >>> kv.checkpoint()
+            >>> kv.free(s); t = kv.add_sequence(); _ = kv.reserve(t, 8)   # the whole pool, zeroed
+            >>> kv.rollback()
+            >>> kv.seq_ids, kv.seq_len(s), kv.gather(0, s)[0].flatten().tolist(), kv.allocator.num_free
+            ([0], 3, [1.0, 1.0, 1.0], 2)
+        """
+        if self._checkpoint is not None:
+            raise RuntimeError("PagedKVCache.checkpoint: one is already open (commit or roll it back first)")
+        self._checkpoint = _Checkpoint(self)
+
+    def commit(self) -> None:
+        """Keep every change since `checkpoint` (and stop recording)."""
+        self._checkpoint = None
+
+    def rollback(self) -> None:
+        """Undo every change since `checkpoint`: the cache is exactly as it was then."""
+        checkpoint, self._checkpoint = self._checkpoint, None
+        if checkpoint is None:
+            raise RuntimeError("PagedKVCache.rollback: no checkpoint is open")
+        checkpoint.restore(self)
+
+    def _saving(self, layers, slots: torch.Tensor) -> None:
+        """Before ``slots`` of ``layers`` change: an open checkpoint keeps their contents."""
+        if self._checkpoint is not None and slots.numel():
+            self._checkpoint.save(self, tuple(layers), slots.to(device=self.device, dtype=torch.int64))
+
     def _allocate(self, n: int) -> list[int]:
         """Take ``n`` pages from the pool, all zero (a recycled cached page is zeroed here)."""
         pages = self.allocator.allocate(n) if n else []
@@ -523,6 +590,8 @@ class PagedKVCache:
         for page in pages:  # handed out again: whatever prefix it cached is gone
             self._prefix.forget(page)
         self._zero_pages(cached)
+        if self.summaries is not None:
+            self.summaries.clear(pages)
         return pages
 
     def _release(self, pages: list[int]) -> None:
@@ -537,17 +606,24 @@ class PagedKVCache:
     def _zero_pages(self, pages: list[int]) -> None:
         if pages:
             index = torch.tensor(pages, device=self.device)  # int64 [n]
+            if self._checkpoint is not None:
+                self._saving(range(self.num_layers), flat_slots(pages, 0, len(pages) * self.page_size, self.page_size))
             for cache in (*self.k_cache, *self.v_cache):
                 cache.index_fill_(0, index, 0)
 
     def _zero_slots(self, slots: torch.Tensor) -> None:
         flat = (-1, self.num_kv_heads, self.head_dim)
+        self._saving(range(self.num_layers), slots)
         for cache in (*self.k_cache, *self.v_cache):
             cache.view(flat).index_fill_(0, slots, 0)
 
     def _copy_page(self, src: int, dst: int) -> None:
+        if self._checkpoint is not None:
+            self._saving(range(self.num_layers), flat_slots([dst], 0, self.page_size, self.page_size))
         for cache in (*self.k_cache, *self.v_cache):
             cache[dst].copy_(cache[src])
+        if self.summaries is not None:
+            self.summaries.copy(src, dst)
 
     def _copy_on_write(self, seq_id: int, indices: list[int], new_pages: list[int]) -> list[PageCopy]:
         """Give the sequence private copies of its shared pages at ``indices``, into ``new_pages``."""
@@ -593,3 +669,55 @@ class PagedKVCache:
             f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
             f"sequences={len(self._seqs)}, free_pages={self.allocator.num_free})"
         )
+
+
+class _Checkpoint:
+    """The whole cache as it was when made, and the old contents of every slot changed since.
+
+    A serving step does more than one forward's reserves and writes: it preempts (pages freed or
+    swapped out), admits (prefix pages shared or revived), runs eviction hooks (pages dropped,
+    sequences compacted) and may fail in any of them. The checkpoint copies the cache's small
+    bookkeeping (every sequence's `SequenceMark`, the pool's reference counts and free lists, the
+    prefix index) and, while it is open, the cache hands it the old contents of every K/V slot
+    before changing it (`save`); `restore` writes those back, newest first, and puts the
+    bookkeeping back. Its cost is the slots changed, not the pool: a decode step saves the one
+    slot per sequence and layer it writes.
+    """
+
+    def __init__(self, cache: PagedKVCache):
+        self.seqs = {seq_id: (seq, cache.mark(seq_id)) for seq_id, seq in cache._seqs.items()}
+        self.next_id, self.prefix_hits, self.last_copies = cache._next_id, cache.prefix_hits, cache.last_copies
+        self.pool = cache.allocator.snapshot()
+        self.prefix = cache._prefix.snapshot()
+        summaries = cache.summaries
+        self.bounds = (
+            None if summaries is None else ([m.clone() for m in summaries.k_min], [m.clone() for m in summaries.k_max])
+        )
+        self.undo: list[tuple] = []  # (layers, slots int64 [n], k and v: per layer [n, Hkv, D]): oldest first
+
+    def save(self, cache: PagedKVCache, layers, slots: torch.Tensor) -> None:
+        """Keep the contents of ``slots`` (flat, int64 [n]) in ``layers`` before the cache changes them."""
+        flat = (-1, cache.num_kv_heads, cache.head_dim)
+        k = [cache.k_cache[i].view(flat)[slots] for i in layers]  # each [n, Hkv, D], a copy
+        v = [cache.v_cache[i].view(flat)[slots] for i in layers]
+        self.undo.append((layers, slots, k, v))
+
+    def restore(self, cache: PagedKVCache) -> None:
+        """Put the cache back as it was when this checkpoint was made."""
+        flat = (-1, cache.num_kv_heads, cache.head_dim)
+        for layers, slots, k, v in reversed(self.undo):
+            for j, i in enumerate(layers):
+                cache.k_cache[i].view(flat).index_copy_(0, slots, k[j])
+                cache.v_cache[i].view(flat).index_copy_(0, slots, v[j])
+        for seq, mark in self.seqs.values():
+            if mark.token_ids is not None:
+                del mark.token_ids[mark.known :]
+            del mark.page_hashes[mark.hashed :]
+            seq.pages, seq.length = list(mark.pages), mark.length
+            seq.token_ids, seq.page_hashes = mark.token_ids, mark.page_hashes
+        cache._seqs = {seq_id: seq for seq_id, (seq, _) in self.seqs.items()}
+        cache._next_id, cache.prefix_hits, cache.last_copies = self.next_id, self.prefix_hits, self.last_copies
+        cache.allocator.restore(self.pool)
+        cache._prefix.restore(self.prefix)
+        if self.bounds is not None:
+            cache.summaries.k_min, cache.summaries.k_max = self.bounds

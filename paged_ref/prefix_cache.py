@@ -18,7 +18,8 @@ page that is still half written. `PrefixIndex.forget` withdraws a page whose con
 (handed out again, truncated, compacted, rolled back).
 
 The index only knows keys and pages; the cache (`paged_ref.cache.PagedKVCache`) owns the pages,
-their reference counts and the sequences, and calls these four methods.
+their reference counts and the sequences, and calls these four methods (and `snapshot` / `restore`
+when a whole step is undone).
 
 Example:
     >>> index = PrefixIndex(num_layers=2, page_size=2)
@@ -130,6 +131,17 @@ class PrefixIndex:
         self.pending.pop(page, None)
         if key is not None and self.page_of.get(key) == page:
             del self.page_of[key]
+
+    def snapshot(self) -> tuple:
+        """The index's whole state, for `restore` (a rollback)."""
+        pending = {page: (key, tokens, set(layers)) for page, (key, tokens, layers) in self.pending.items()}
+        return dict(self.page_of), dict(self.key_of), dict(self.tokens_of), pending
+
+    def restore(self, snapshot: tuple) -> None:
+        """Put the index back as `snapshot` saw it."""
+        page_of, key_of, tokens_of, pending = snapshot
+        self.page_of, self.key_of, self.tokens_of = dict(page_of), dict(key_of), dict(tokens_of)
+        self.pending = {page: (key, tokens, set(layers)) for page, (key, tokens, layers) in pending.items()}
 
     def __contains__(self, page: int) -> bool:
         """Whether ``page`` holds a published prefix (its K/V is worth keeping when freed)."""

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -228,6 +228,17 @@ class EvictionPolicy:
         """Forget a sequence (call when it is freed from the cache)."""
         self._positions.pop(seq_id, None)
         self._stats.pop(seq_id, None)
+
+    def snapshot(self):
+        """Everything the hooks may change (every sequence's record, the random generator), for `restore`."""
+        stats = {seq_id: replace(s) for seq_id, s in self._stats.items()}
+        return dict(self._positions), stats, self._generator.get_state()
+
+    def restore(self, snapshot) -> None:
+        """Put the policy back as `snapshot` saw it (a serving step undone)."""
+        positions, stats, generator = snapshot
+        self._positions, self._stats = dict(positions), {seq_id: replace(s) for seq_id, s in stats.items()}
+        self._generator.set_state(generator)
 
     def tokens_until_action(self, kv_cache: KVCache, seq_id: int) -> int:
         """How many tokens may be appended to ``seq_id`` before `after_append` must be called."""

@@ -72,8 +72,8 @@ class PagedSession:
             create a `PagedKVCache` with `num_pages` pages of `page_size` tokens.
         num_pages, page_size: size of the cache created when `kv_cache` is None.
         backend: ``"auto"`` (default: ``"triton"`` on CUDA, ``"sdpa"`` elsewhere), ``"reference"``
-            (the oracle), ``"flex"``, ``"triton"`` or ``"sdpa"`` (see `paged_ref.hf.attention`);
-            ``session.backend`` names the one in use.
+            (the oracle), ``"flex"``, ``"triton"`` or ``"sdpa"`` (see `paged_ref.hf.attention`),
+            or a `Backend` object (``quest_backend(budget)``); ``session.backend`` names the one in use.
         eviction, budget: KV eviction (`paged_ref.eviction`) of every sequence not given its own
             in `add` / `fork`: a policy name with ``budget`` in tokens (e.g.
             ``eviction="paged_eviction", budget=256``), or a policy object (which carries its own
@@ -96,7 +96,7 @@ class PagedSession:
         kv_cache: KVCache | None = None,
         num_pages: int | None = None,
         page_size: int = 16,
-        backend: str = AUTO,
+        backend=AUTO,
         eviction=None,
         budget: int | None = None,
         prepack: bool = False,
@@ -258,6 +258,24 @@ class PagedSession:
     @property
     def seq_ids(self) -> list[int]:
         return list(self._positions)
+
+    # ------------------------------------------------------------------ undoing a serving step
+    def checkpoint(self) -> None:
+        """Start a change that `rollback` undoes whole: the cache (`PagedKVCache.checkpoint`), every
+        sequence's position and policy. (The policies' own records are theirs to save.)"""
+        self.kv.checkpoint()
+        self._saved = dict(self._positions), set(self._prefilled), dict(self._policies), self.plan_seconds
+
+    def commit(self) -> None:
+        """Keep every change since `checkpoint`."""
+        self.kv.commit()
+        self._saved = None
+
+    def rollback(self) -> None:
+        """Undo every change since `checkpoint`: added, fed, evicted and finished sequences alike."""
+        self.kv.rollback()
+        self._positions, self._prefilled, self._policies, self.plan_seconds = self._saved
+        self._saved = None
 
     # ------------------------------------------------------------------ the forward
     @torch.inference_mode()

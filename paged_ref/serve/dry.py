@@ -1,9 +1,10 @@
 """A dry session: the page pool and the calls the engine makes, with no model behind them.
 
-`DrySession` answers the five calls the engine makes of a `paged_ref.hf.PagedSession` (``add``,
-``position``, ``extend``, ``finish`` and its ``kv``) over a real `PagedKVCache` whose pages hold
-one number per token. ``extend`` reserves the new tokens' slots (so pages are taken, shared and
-freed exactly as in a real run) and returns logits that always pick token 0. The engine's
+`DrySession` answers the calls the engine makes of a `paged_ref.hf.PagedSession` (``add``,
+``position``, ``extend``, ``finish``, its ``kv``, and ``checkpoint`` / ``commit`` / ``rollback``)
+over a real `PagedKVCache` whose pages hold one number per token. ``extend`` reserves the new
+tokens' slots (so pages are taken, shared and freed exactly as in a real run) and returns logits
+that always pick token 0. The engine's
 scheduler then runs unchanged at the cost of its own bookkeeping: ``Engine(None, ...)`` is a dry
 run, what notebook 09's widget and notebook 03's fragmentation study use to play thousands of steps in
 seconds. Eviction policies need real K/V and are refused here.
@@ -28,6 +29,7 @@ class DrySession:
     """The engine's view of a `PagedSession`, over a pool of ``num_pages`` pages and no model."""
 
     backend = "dry"
+    evicts = False  # no K/V to score: the engine refuses eviction policies at the door
 
     def __init__(self, *, num_pages: int, page_size: int, prefix_caching: bool = False):
         self.kv = PagedKVCache(
@@ -61,6 +63,17 @@ class DrySession:
     def finish(self, seq_id: int) -> None:
         del self._positions[seq_id]
         self.kv.free(seq_id)
+
+    def checkpoint(self) -> None:
+        self.kv.checkpoint()
+        self._saved = dict(self._positions)
+
+    def commit(self) -> None:
+        self.kv.commit()
+
+    def rollback(self) -> None:
+        self.kv.rollback()
+        self._positions = self._saved
 
     def extend(self, seq_ids: list[int], tokens: list, *, packed: bool = False) -> torch.Tensor:
         """Reserve every row's new tokens (lists or 1-D tensors of ids; zeros are written: prefix caching

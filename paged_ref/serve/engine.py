@@ -12,6 +12,15 @@
 4. for every request whose tokens are now all computed, appends the greedy token of its last
    logits and finishes it on ``max_new_tokens`` or an EOS token (its pages go back at once).
 
+A step is all or nothing. Steps 2 and 3 change a lot (pages preempted, swapped, shared, taken;
+eviction hooks dropping and compacting pages after the forward) and any of it may raise: the
+engine saves first what the step may change (`paged_ref.serve.undo`, and the session's and
+cache's checkpoint), and if the step raises it puts every request, page, swap entry, count and
+policy record back, adds a note naming the requests concerned, and re-raises. Running on gives
+every request the tokens it would get alone. A request whose own eviction hook raises in
+`Engine.HOOK_TRIES` steps is finished instead, with ``finish_reason="error"`` and the error in its
+`RequestOutput` (vLLM aborts such a request), so that one bad request cannot stop the others.
+
 Clocks (``clock=``): ``"simulated"`` (the default with a model) advances by each step's measured
 wall time and jumps over idle gaps to the next arrival, so the metrics are the steps' real time
 without the waiting a real server would sleep through; ``"real"`` reads the wall clock (seconds
@@ -39,6 +48,7 @@ Example:
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import numbers
 import time
@@ -48,6 +58,7 @@ import torch
 from .._validate import check_choice, check_int
 from ..cache import PagedKVCache
 from ..eviction.policies import EvictionPolicy
+from . import undo
 from .dry import DrySession
 from .metrics import StepRecord, engine_stats
 from .request import FINISHED, PENDING, Request, RequestOutput
@@ -80,6 +91,8 @@ class Engine:
         clock: ``"simulated"``, ``"real"`` or ``"steps"`` (default: ``"simulated"``, ``"steps"`` for a dry run).
         trace: record every page's owner after every step (``history[i].owners``), for page maps.
     """
+
+    HOOK_TRIES = 3  # a request whose own eviction hook raises in this many steps is finished with an error
 
     def __init__(
         self,
@@ -127,6 +140,11 @@ class Engine:
             if eos is None:
                 eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
             default_len = getattr(model.config, "max_position_embeddings", None) or num_pages * page_size
+            if max_model_len is not None and check_int("max_model_len", max_model_len, min_value=1) > default_len:
+                self.session.close()
+                raise ValueError(
+                    f"max_model_len must be <= the model's max_position_embeddings={default_len}, got {max_model_len}"
+                )
         self.eos = _eos_set(eos, self.vocab_size)
         self.model = model
         self.kv = self.session.kv
@@ -187,7 +205,7 @@ class Engine:
                 f"eviction must be a paged_ref.eviction.EvictionPolicy (make_policy(...)) or None, "
                 f"got {type(eviction).__name__}"
             )
-        if eviction is not None and self.model is None:
+        if eviction is not None and not getattr(self.session, "evicts", True):
             raise ValueError("eviction needs a model: a dry run (Engine(None, ...)) has no K/V to score")
         r = Request(
             request_id=len(self._requests),
@@ -262,71 +280,77 @@ class Engine:
         """One scheduler step and one forward; returns the requests that finished in it.
 
         With nothing to serve yet but requests still to arrive, the clock first moves to the
-        next arrival. With nothing at all, returns [] and does nothing.
+        next arrival. With nothing at all, returns [] and does nothing. All or nothing: if the
+        step raises (planning, the forward, an eviction hook), every request, page, count and the
+        clock are as they were, and the exception's note names the requests concerned; a request
+        whose own hook fails `HOOK_TRIES` times is finished with ``finish_reason="error"`` instead.
         """
-        self._arrive()
-        if not self.scheduler.has_work:
-            if not self._pending:
-                return []
-            self._idle_until(self._pending[0][0])
-            self._arrive()
-        started = time.perf_counter()
-        plan_before = self.session.plan_seconds
-        sched = self.scheduler.schedule()
-        scheduled = time.perf_counter()
-        if not sched.items:
-            raise RuntimeError(
-                f"the scheduler planned no tokens with {len(self.scheduler.waiting)} waiting, "
-                f"{len(self.scheduler.running)} running and {len(self.scheduler.swapped)} swapped requests"
-            )
+        if not self.has_unfinished_requests():
+            return []
+        saved, sched = self._checkpoint(), None
+        started, plan_before = time.perf_counter(), self.session.plan_seconds
+        try:
+            self._arrive(idle=True)
+            sched = self.scheduler.schedule()  # 1. schedule: preemptions, swaps, admissions, rows
+            if not sched.items:
+                raise RuntimeError(f"the scheduler planned no tokens: {self.scheduler.queues()}")
+            scheduled = time.perf_counter()
+            pages_used = self.kv.num_pages - self.kv.allocator.num_free + sched.new_pages  # during the forward
+            seq_ids = [r.seq_id for r, _ in sched.items]
+            chunks = [r.tokens(r.num_computed, r.num_computed + n) for r, n in sched.items]
+            logits = self.session.extend(seq_ids, chunks, packed=True)  # 2. one forward: [rows, vocab]
+            forwarded = time.perf_counter()
+            next_tokens = logits.argmax(dim=-1).tolist()  # 3. sample (greedy)
+        except BaseException as error:
+            return self._undo(saved, sched, error)
+        self.session.commit()
+        finished = self._advance_requests(sched, next_tokens)  # 4. finish: EOS or max_new_tokens
+        times = started, scheduled, forwarded, self.session.plan_seconds - plan_before
+        return self._record(sched, finished, pages_used, times)
+
+    def _advance_requests(self, sched, next_tokens: list[int]) -> list[tuple[Request, str]]:
+        """Count each row's tokens as computed; a row that completed its tokens takes its next token."""
+        counts = self._counts
         for r in sched.admitted:
-            self._counts["prefix_hit_tokens"] += r.num_computed
-        pages_used = self.kv.num_pages - self.kv.allocator.num_free + sched.new_pages
-        decode_rows = sum(1 for r, _ in sched.items if r.remaining == 1)
-        running = len(self.scheduler.running)
-        chunks = []  # each row's new token ids (lists: the session makes the tensors)
-        for r, n in sched.items:
-            start = r.num_computed
-            chunks.append(r.tokens(start, start + n))
-            self._counts["recomputed_tokens"] += max(0, min(r.high_water, start + n) - start)
-            self._counts["prompt_tokens"] += max(0, min(len(r.prompt_ids), start + n) - max(start, r.high_water))
-        # one forward; packed: a prompt chunk next to decode rows computes no padding
-        logits = self.session.extend([r.seq_id for r, _ in sched.items], chunks, packed=True)  # [rows, vocab]
-        forwarded = time.perf_counter()
-        next_tokens = logits.argmax(dim=-1).tolist()
-        sampled, finished = [], []
+            counts["prefix_hit_tokens"] += r.num_computed
+        finished = []
         for (r, n), token in zip(sched.items, next_tokens):
+            start = r.num_computed
+            counts["recomputed_tokens"] += max(0, min(r.high_water, start + n) - start)
+            counts["prompt_tokens"] += max(0, min(len(r.prompt_ids), start + n) - max(start, r.high_water))
             r.num_computed += n
             r.high_water = max(r.high_water, r.num_computed)
             if r.num_computed < r.num_tokens:  # mid-prefill: these logits are not needed
                 continue
             r.output_ids.append(token)
-            sampled.append(r)
+            counts["generated"] += 1
             if token in self.eos:
                 finished.append((r, "stop"))
             elif len(r.output_ids) == r.max_new_tokens:
                 finished.append((r, "length"))
+        return finished
+
+    def _record(self, sched, finished, pages_used: int, times: tuple) -> list[RequestOutput]:
+        """The step's bookkeeping: finish requests (their pages go back), the clock, counts, history."""
+        started, scheduled, forwarded, plan_s = times
         owners = fill = None
         if self.trace:
             owners, fill = self._page_owners()
-        committed = pages_used
-        if self.scheduler.reservation != "paged":  # pages committed to requests but not yet filled
-            committed += sum(max(0, r.reserved_pages - len(self.kv.pages(r.seq_id))) for r in self.scheduler.running)
+        committed = pages_used + self.scheduler.unfilled_commitments()
+        running = len(self.scheduler.running)
         for r, _ in finished:
             self.scheduler.remove(r)
         ended = time.perf_counter()
         self._advance(ended - started)
         now = self.now
-        for r in sampled:
-            if r.first_token_s is None:
+        for r, _ in sched.items:
+            if r.first_token_s is None and r.output_ids:
                 r.first_token_s = now
         outs = []
         for r, reason in finished:
             self._finish(r, reason, now)
             outs.append(r.output())
-        plan_s = self.session.plan_seconds - plan_before
         counts = self._counts
-        counts["generated"] += len(sampled)
         counts["peak_running"] = max(counts["peak_running"], len(sched.items))
         counts["peak_pages"] = max(counts["peak_pages"], pages_used)
         counts["peak_committed_pages"] = max(counts["peak_committed_pages"], committed)
@@ -335,7 +359,7 @@ class Engine:
                 step=len(self.history),
                 now=now,
                 rows=len(sched.items),
-                decode_rows=decode_rows,
+                decode_rows=sum(1 for r, n in sched.items if n == 1 and r.remaining == 1),
                 tokens=sched.num_tokens,
                 pages_used=pages_used,
                 committed_pages=committed,
@@ -354,6 +378,44 @@ class Engine:
                 fill=fill,
             )
         )
+        return outs
+
+    def _checkpoint(self):
+        """What a step may change, saved (`paged_ref.serve.undo`); the session opens its own checkpoint.
+
+        The requests a step may change: running and swapped ones, the waiting ones it may admit, and
+        those arriving by the time it plans (the next arrival, if nothing is queued)."""
+        s = self.scheduler
+        horizon = max(self.now, self._pending[0][0]) if self._pending and not s.has_work else self.now
+        arriving = [self._requests[i] for t, i in self._pending if t <= horizon]
+        requests = [*s.running, *s.swapped, *itertools.islice(s.waiting, s.max_num_seqs), *arriving]
+        policies = [r.eviction for r in requests if r.eviction is not None] + s.hooks()
+        self.session.checkpoint()
+        return (self._now, list(self._pending)), undo.save([s, s.swap], requests, policies)
+
+    def _undo(self, saved, sched, error: BaseException) -> list[RequestOutput]:
+        """A step raised: put everything back, then re-raise naming the requests concerned, or finish
+        with an error the requests whose own hook failed `HOOK_TRIES` times."""
+        culprits = self.scheduler.failed_hooks()
+        rows = [r for r, _ in sched.items] if sched is not None else []
+        self.session.rollback()
+        (self._now, self._pending), fields = saved
+        undo.restore(fields)
+        names = ", ".join(f"request {r.request_id}" for r in culprits or rows) or "no request planned yet"
+        where = "whose own eviction hook raised" if culprits else "in the step's planning or forward"
+        error.add_note(f"Engine.step was undone, nothing changed: {names} ({where})")
+        if not isinstance(error, Exception):  # KeyboardInterrupt and the like: never retried or counted
+            raise error
+        outs = []
+        for r in culprits:
+            r.hook_failures += 1
+            if r.hook_failures >= self.HOOK_TRIES:
+                self.scheduler.remove(r)
+                r.error = f"{type(error).__name__}: {error}"
+                self._finish(r, "error")
+                outs.append(r.output())
+        if not outs:
+            raise error
         return outs
 
     def has_unfinished_requests(self) -> bool:
@@ -375,7 +437,10 @@ class Engine:
         self._unreturned = []
         return outs
 
-    def _arrive(self) -> None:
+    def _arrive(self, *, idle: bool = False) -> None:
+        """Queue the requests that have arrived; with ``idle`` and nothing queued, first wait for the next."""
+        if idle and not self.scheduler.has_work and self._pending:
+            self._idle_until(self._pending[0][0])
         now = self.now
         while self._pending and self._pending[0][0] <= now:
             _, rid = heapq.heappop(self._pending)

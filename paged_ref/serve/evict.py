@@ -10,7 +10,8 @@ every later forward (decode, or output recomputed after a preemption, in chunks 
 evicting request at the prompt's last token, so the policy sees exactly the prompt first.
 
 One policy object may serve many requests (it keeps its state per sequence); each request gets
-its own `AfterPrompt`.
+its own `AfterPrompt`, which also remembers whether its hooks raised in the step being run
+(``failed``): the engine then knows whose policy failed.
 
 Example:
     >>> import torch
@@ -48,6 +49,7 @@ class AfterPrompt(EvictionPolicy):
         self.budget = inner.budget
         self.name = inner.name
         self._started: set[int] = set()  # sequences whose prompt `inner` has seen
+        self.failed = False  # its last hook call raised
 
     def after_prefill(self, kv_cache, seq_id: int) -> None:
         self._hook(kv_cache, seq_id)
@@ -56,11 +58,21 @@ class AfterPrompt(EvictionPolicy):
         self._hook(kv_cache, seq_id)
 
     def _hook(self, kv_cache, seq_id: int) -> None:
+        self.failed = True
         if seq_id in self._started:
             self.inner.after_append(kv_cache, seq_id)
         elif kv_cache.seq_len(seq_id) >= self.prompt_len:  # the whole prompt is in: evict it as generate would
             self._started.add(seq_id)
             self.inner.after_prefill(kv_cache, seq_id)
+        self.failed = False
+
+    def snapshot(self):
+        return set(self._started), self.inner.snapshot()
+
+    def restore(self, snapshot) -> None:
+        started, inner = snapshot
+        self._started = set(started)
+        self.inner.restore(inner)
 
     def tokens_until_action(self, kv_cache, seq_id: int) -> int:
         if seq_id not in self._started:

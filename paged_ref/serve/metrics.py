@@ -42,7 +42,7 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 
 def summarize(outputs: Sequence[RequestOutput]) -> dict:
-    """Throughput and latency percentiles of finished requests (aborted ones are left out).
+    """Throughput and latency percentiles of finished requests (aborted and failed ones are left out).
 
     Returns ``requests``, ``tokens`` (generated), ``span_s`` (first arrival to last finish),
     ``tokens_per_s`` (generated tokens over the span), ``ttft_p50_s``/``ttft_p90_s``,
@@ -50,7 +50,7 @@ def summarize(outputs: Sequence[RequestOutput]) -> dict:
     ``normalized_latency_s``: the mean over requests of latency per generated token (the vLLM
     paper's measure of a serving system under load).
     """
-    done = [o for o in outputs if o.finish_reason != "abort"]
+    done = [o for o in outputs if o.finish_reason not in ("abort", "error")]
     if not done:
         raise ValueError("summarize needs at least one finished request")
     tokens = sum(len(o.token_ids) for o in done)
@@ -112,7 +112,7 @@ class StepRecord:
 def engine_stats(*, clock: str, requests, history, counts: dict, scheduler, pending: int, kv) -> dict:
     """`paged_ref.serve.Engine.stats`: the run's counters from its requests, step history,
     running counts, scheduler queues, requests not arrived yet (``pending``) and cache."""
-    done = [r for r in requests if r.status == FINISHED and r.finish_reason != "abort"]
+    done = [r for r in requests if r.status == FINISHED and r.finish_reason not in ("abort", "error")]
     span = 0.0
     if done:
         span = max(r.finish_s for r in done) - min(r.arrival_s for r in done)

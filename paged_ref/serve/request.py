@@ -48,6 +48,8 @@ class Request:
         high_water: the most tokens ever computed: feeding below it again is recomputation.
         admitted: order of its latest admission (larger = more recent: preempted first).
         reserved_pages: pages committed to it on admission (``"exact"``/``"max_len"``), else 0.
+        hook_failures: steps undone because its own eviction hook raised.
+        error: why it was finished with ``finish_reason="error"`` (its hook kept failing), else None.
     """
 
     request_id: int
@@ -66,6 +68,8 @@ class Request:
     finish_s: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
+    hook_failures: int = 0
+    error: str | None = None
 
     @property
     def token_ids(self) -> list[int]:
@@ -112,6 +116,7 @@ class Request:
             ttft_s=ttft,
             tpot_s=tpot,
             num_preemptions=self.num_preemptions,
+            error=self.error,
         )
 
 
@@ -124,13 +129,15 @@ class RequestOutput:
         prompt_ids: the prompt.
         token_ids: the generated tokens (the prompt not included).
         finish_reason: ``"length"`` (``max_new_tokens`` reached), ``"stop"`` (an EOS token, kept as
-            the last token) or ``"abort"`` (`Engine.abort`).
+            the last token), ``"abort"`` (`Engine.abort`) or ``"error"`` (its eviction hook kept
+            failing: ``error`` says how; vLLM aborts such a request).
         arrival_s, first_token_s, finish_s: when it arrived, got its first token, finished
             (first_token_s None if it never got one).
         ttft_s: time to first token, ``first_token_s - arrival_s`` (queueing + prefill).
         tpot_s: time per output token after the first, ``(finish_s - first_token_s) /
             (len(token_ids) - 1)``; None with fewer than two tokens.
         num_preemptions: how often it was preempted (recomputed or swapped out).
+        error: with ``finish_reason="error"``, the exception that finished it; else None.
     """
 
     request_id: int
@@ -143,3 +150,4 @@ class RequestOutput:
     ttft_s: float | None
     tpot_s: float | None
     num_preemptions: int
+    error: str | None = None

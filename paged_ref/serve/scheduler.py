@@ -14,24 +14,29 @@ One call to `Scheduler.schedule` plans one step, in vLLM's order (first come, fi
 2. **Swapped requests** come back, oldest first, while their pages fit.
 3. **Waiting requests**, in arrival order, are admitted while ``max_num_seqs`` and the budget
    allow and the pool covers the request's first chunk plus a **watermark** of pages kept free
-   (vLLM's guard against admitting a request only to preempt it at the next decode). The first
-   request that does not fit stops admission (no overtaking). Nothing is admitted in a step that
-   preempted or while a request is swapped out.
+   (vLLM's guard against admitting a request only to preempt it at the next decode). Admission
+   asks before it adds (nano-vllm's ``can_allocate`` before ``allocate``): which pages the prefix
+   cache would reuse (a cached page taken back from the pool must be free, but holds the
+   request's own K/V, so the watermark guards only the new pages), the chunk's new pages, and
+   only then a sequence. The first request that does not fit stops admission (no overtaking).
+   Nothing is admitted in a step that preempted or while a request is swapped out.
 
-Reservation (``reservation=``) changes only step 3, so that paging is the only difference between
-runs on the same engine and kernels: ``"paged"`` admits against the pages the first chunk needs
-(pages are taken as tokens arrive); ``"exact"`` commits pages for the request's whole life up front
-(prompt + max_new_tokens - 1 tokens: every token whose K/V it will hold, what a contiguous cache
-that knew the output length would reserve); ``"max_len"`` commits ``max_model_len`` tokens per
-request (what servers reserved before paging). A committed page is counted as taken by admission
-even before a token fills it, so a committed request never needs preemption. Committing pages is
-contiguous allocation's memory cost without its external fragmentation (free memory in holes too
-small for the next request): an upper bound on what a contiguous server could do.
+Reservation (``reservation=``, `paged_ref.serve.reservation`) changes only step 3: ``"paged"``
+admits against the pages the first chunk needs; ``"exact"`` and ``"max_len"`` commit pages up front.
+Committing pages is contiguous allocation's memory cost without its external fragmentation
+(free memory in holes too small for the next request): an upper bound on what a contiguous server
+could do.
+
+Never stuck. `Scheduler.refusal` turns away, before it is queued, every request this admission
+could never admit into an empty pool (its longest first chunk or its commitment plus the
+watermark, or its peak, beyond the pool): into an empty pool the oldest request is always
+admitted, and the oldest running request can always take its pages by preempting younger ones.
 
 A request with an eviction policy runs it through `AfterPrompt`: its chunks stop at the prompt's
 end, the policy acts once on the whole prompt (as in `paged_ref.hf.generate`), and output recomputed
 after a preemption goes in chunks no longer than ``policy.tokens_until_action``, which is what
-one-token steps would have done.
+one-token steps would have done. A row after which the policy acts also counts the pages its
+compaction may copy (the shared prompt pages it packs the kept tokens into).
 
 Example (a dry session: the same pool and scheduler, no model):
     >>> from paged_ref.serve.dry import DrySession
@@ -56,11 +61,12 @@ from ..block_table import pages_needed
 from ..eviction.policies import max_pages_held
 from .evict import AfterPrompt
 from .request import RUNNING, SWAPPED, WAITING, Request
+from .reservation import RESERVATIONS
+from .reservation import reservation as reservation_policy
 from .swap import SwapSpace
 
 __all__ = ["RESERVATIONS", "PREEMPTIONS", "Schedule", "Scheduler"]
 
-RESERVATIONS = ("paged", "exact", "max_len")
 PREEMPTIONS = ("recompute", "swap")
 
 
@@ -73,7 +79,7 @@ class Schedule:
         preempted: requests preempted while planning (their pages are already back).
         swapped_in: requests whose K/V came back from host memory.
         admitted: requests admitted from the waiting queue.
-        new_pages: pages the forward will take from the pool.
+        new_pages: pages the forward will take from the pool (eviction's copies, after it, not counted).
     """
 
     items: list[tuple[Request, int]] = field(default_factory=list)
@@ -117,12 +123,14 @@ class Scheduler:
         self.page_size = self.kv.page_size
         self.max_num_seqs = check_int("max_num_seqs", max_num_seqs, min_value=1)
         self.max_batched_tokens = check_int("max_batched_tokens", max_batched_tokens, min_value=1)
-        self.reservation = check_choice("reservation", reservation, RESERVATIONS)
+        self.commitment = reservation_policy(reservation)  # what admission commits up front
+        self.reservation = self.commitment.name
         self.preemption = check_choice("preemption", preemption, PREEMPTIONS)
         self.watermark_pages = check_int("watermark_pages", watermark_pages, min_value=0)
         if max_model_len is None:
             max_model_len = self.kv.num_pages * self.page_size
         self.max_model_len = check_int("max_model_len", max_model_len, min_value=1)
+        self._max_len_pages = pages_needed(self.max_model_len, self.page_size)
         self.waiting: deque[Request] = deque()  # arrival order; preempted requests go back to the front
         self.running: list[Request] = []  # admission order, oldest first
         self.swapped: list[Request] = []  # admission order
@@ -130,16 +138,13 @@ class Scheduler:
         self.preemptions = 0
         self._admissions = 0
         self._planned: dict[int, int] = {}  # request_id -> pages its row takes in the step being planned
+        self._compacting: set[int] = set()  # pages a policy packs kept tokens into after this step's forward
         self._hooks: dict[int, AfterPrompt] = {}  # request_id -> its policy, as the session runs it
 
     # ------------------------------------------------------------------ what a request costs
     def committed_pages(self, r: Request) -> int:
         """Pages admission commits to ``r`` up front: 0 for ``"paged"`` (pages come as tokens do)."""
-        if self.reservation == "max_len":
-            return pages_needed(self.max_model_len, self.page_size)
-        if self.reservation == "exact":
-            return self.peak_pages(r)
-        return 0
+        return self.commitment.pages(peak_pages=self.peak_pages(r), max_len_pages=self._max_len_pages)
 
     def peak_pages(self, r: Request) -> int:
         """The most pages ``r`` can hold at once: its whole K/V, or an eviction policy's bound
@@ -152,20 +157,23 @@ class Scheduler:
 
     def refusal(self, r: Request) -> str | None:
         """Why ``r`` could never run in this pool (None if it can): checked before a request is queued."""
-        ps, pool = self.page_size, self.kv.num_pages
+        ps, pool, wm = self.page_size, self.kv.num_pages, self.watermark_pages
         prompt = len(r.prompt_ids)
         if r.peak_tokens + 1 > self.max_model_len:
             return (
                 f"prompt ({prompt} tokens) + max_new_tokens ({r.max_new_tokens}) = {r.peak_tokens + 1} exceeds "
                 f"max_model_len={self.max_model_len}"
             )
-        need = max(self.peak_pages(r), self.committed_pages(r))
-        first = need if self.reservation != "paged" else 1  # pages admission must find (+ the watermark)
-        if need > pool or first + self.watermark_pages > pool:
+        if self.peak_pages(r) > pool:
+            return f"it needs {self.peak_pages(r)} pages of {ps} tokens at its longest and the pool has {pool}"
+        # the longest first chunk admission may have to place: the prompt, or prompt + output after a preemption
+        chunk = min(self.max_batched_tokens, prompt if r.eviction is not None else r.peak_tokens)
+        first = max(self.committed_pages(r), pages_needed(chunk, ps))
+        if first + wm > pool:
+            what = "committed up front" if self.commitment.up_front else f"for a first chunk of {chunk} tokens"
             return (
-                f"it needs {max(need, first + self.watermark_pages)} pages of {ps} tokens "
-                f"({'committed up front' if self.reservation != 'paged' else 'at its longest'}"
-                f"{', plus the watermark' if first + self.watermark_pages > pool else ''}) and the pool has {pool}"
+                f"admission needs {first} pages of {ps} tokens ({what}) plus the watermark of {wm} kept free, "
+                f"and the pool has {pool}"
             )
         return None
 
@@ -181,11 +189,25 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def queues(self) -> str:
+        return f"{len(self.waiting)} waiting, {len(self.running)} running and {len(self.swapped)} swapped requests"
+
+    def hooks(self) -> list[AfterPrompt]:
+        """The eviction hooks of the requests holding a sequence."""
+        return list(self._hooks.values())
+
+    def failed_hooks(self) -> list[Request]:
+        """The running requests whose eviction hook raised in the step just run (their flags cleared)."""
+        failed = [r for r in self.running if r.request_id in self._hooks and self._hooks[r.request_id].failed]
+        for hooks in self._hooks.values():
+            hooks.failed = False
+        return failed
+
     # ------------------------------------------------------------------ one step
     def schedule(self) -> Schedule:
         """Plan the next forward (see the module docstring); preemptions and swaps happen here."""
         out = Schedule()
-        self._planned = {}
+        self._planned, self._compacting = {}, set()
         budget = self.max_batched_tokens
         decodes = sum(r.remaining == 1 for r in self.running)  # tokens kept back for decodes not yet planned
         i = 0
@@ -233,37 +255,47 @@ class Scheduler:
 
     def _admit(self, r: Request, budget: int, out: Schedule) -> bool:
         """Give ``r`` a sequence and plan its first chunk, if the pool covers it plus the watermark."""
-        hooks = None if r.eviction is None else AfterPrompt(r.eviction, len(r.prompt_ids))
         # an evicting request's policy must see the prompt alone first: only the prompt may match
-        tokens = r.prompt_ids if hooks is not None else r.token_ids
+        tokens = r.prompt_ids if r.eviction is not None else r.token_ids
+        reused = self.kv.cached_prefix(tokens)  # asked first: pages the prefix cache would share or revive
+        computed = len(reused) * self.page_size
+        want = min(len(tokens) - computed, budget)
+        grow = pages_needed(computed + want, self.page_size) - len(reused)
+        need = max(self.committed_pages(r) - len(reused), grow)  # new pages; a commitment is whole
+        if r.eviction is not None and computed + want == len(tokens):  # the policy acts after this chunk
+            need += sum(self.kv.allocator.refcount(p) > 0 for p in reused[: self._kept_pages(r)])
+        shares = sum(p in self._compacting for p in reused)  # pages another row's policy then copies
+        need += shares
+        # cached pages taken back hold its own K/V: they must be free, but the watermark guards new pages
+        revived = sum(self.kv.allocator.refcount(p) == 0 for p in reused)
+        avail = self._available(None)
+        if revived + need > avail or need > avail - self.watermark_pages:
+            return False
+        hooks = None if r.eviction is None else AfterPrompt(r.eviction, len(r.prompt_ids))
         r.seq_id = self.session.add(tokens if self.kv.prefix_caching else None, eviction=hooks)
-        r.num_computed = self.session.position(r.seq_id)  # > 0 after a prefix-cache hit
+        r.num_computed = self.session.position(r.seq_id)  # = computed: the prefix cache's hit
         if hooks is not None:
             self._hooks[r.request_id] = hooks
-        want = min(self._limit(r), budget)
-        spare = self._available(None) - self.watermark_pages
-        need = max(0, self.committed_pages(r) - self._held(r)) or self._grow(r, want)  # a commitment is whole
-        n = want if need <= spare else 0
-        if n < 1:  # undo: the next step tries again
-            self._release(r)
-            return False
         r.reserved_pages = self.committed_pages(r)
         r.status = RUNNING
         r.admitted = self._admissions
         self._admissions += 1
         self.running.append(r)
         out.admitted.append(r)
-        self._plan(r, n, out)
+        self._plan(r, want, out)
+        self._planned[r.request_id] += shares
         return True
 
     def _make_room(self, r: Request, want: int, out: Schedule) -> int:
         """Tokens ``r`` can take this step (<= want), preempting the most recent requests if needed."""
         while True:
             avail = self._available(r)
-            if self._grow(r, want) <= avail:
+            if self._pages(r, want) <= avail:
                 return want
-            if r.remaining > 1:  # a prefill chunk shrinks to the pages there are
+            if r.remaining > 1:  # a prefill chunk shrinks to the pages there are (short of its policy's action)
                 fit = min(want, self._fit(r, avail))
+                if fit == want:  # the policy's copies did not fit: stop one token before it acts
+                    fit -= 1
                 if fit > 0:
                     return fit
             victim = self.running[-1]
@@ -326,6 +358,22 @@ class Scheduler:
         """New pages ``r`` takes to hold ``n`` more tokens."""
         return max(0, cdiv(self.kv.seq_len(r.seq_id) + n, self.page_size) - self._held(r))
 
+    def _pages(self, r: Request, n: int) -> int:
+        """Pages ``r``'s row of ``n`` tokens takes: its growth, and the copies its policy may make after it."""
+        return self._grow(r, n) + self._copies(r, n)
+
+    def _copies(self, r: Request, n: int) -> int:
+        """Pages ``r``'s policy may copy if it acts after ``n`` more tokens: a compaction packs the kept
+        tokens into the first pages, and copies those that another sequence shares (a prefix hit)."""
+        if r.eviction is None or n < self._limit(r):
+            return 0
+        refcount = self.kv.allocator.refcount
+        return sum(refcount(p) > 1 for p in self.kv.pages(r.seq_id)[: self._kept_pages(r)])
+
+    def _kept_pages(self, r: Request) -> int:
+        """The pages an eviction packs ``r``'s kept tokens into (none without a budget: nothing is evicted)."""
+        return 0 if r.eviction.budget is None else pages_needed(r.eviction.budget, self.page_size)
+
     def _fit(self, r: Request, pages: int) -> int:
         """How many more tokens ``r`` can hold with ``pages`` more pages."""
         return max(0, (self._held(r) + pages) * self.page_size - self.kv.seq_len(r.seq_id))
@@ -333,17 +381,25 @@ class Scheduler:
     def _available(self, r: Request | None) -> int:
         """Free pages that neither this step's plan nor another request's commitment has claimed."""
         avail = self.kv.allocator.num_free - sum(self._planned.values())
-        if self.reservation != "paged":
+        if self.commitment.up_front:
             for o in self.running:
                 if o is not r:
                     avail -= max(0, o.reserved_pages - self._held(o) - self._planned.get(o.request_id, 0))
         return avail
 
     def _plan(self, r: Request, n: int, out: Schedule) -> None:
-        grow = self._grow(r, n)
-        self._planned[r.request_id] = grow
+        grow, copies = self._grow(r, n), self._copies(r, n)
+        self._planned[r.request_id] = grow + copies
+        if r.eviction is not None and n == self._limit(r):  # its policy acts: a sequence admitted later
+            self._compacting.update(self.kv.pages(r.seq_id)[: self._kept_pages(r)])  # sharing these adds copies
         out.new_pages += grow
         out.items.append((r, n))
+
+    def unfilled_commitments(self) -> int:
+        """Pages committed to running requests that no token fills yet (0 under ``"paged"``)."""
+        if not self.commitment.up_front:
+            return 0
+        return sum(max(0, r.reserved_pages - self._held(r)) for r in self.running)
 
     def _insert_running(self, r: Request) -> None:
         keys = [s.admitted for s in self.running]
