@@ -8,9 +8,9 @@ from prompts import left_padded
 
 from paged_ref import OutOfPagesError, PagedKVCache, hf
 
-BACKENDS = ["reference", "flex", "triton", "sdpa", "auto"]
+BACKENDS = ["reference", "flex", "triton", "sdpa", "sdpa_fused", "auto"]
 # new tokens per backend: eager FlexAttention (~0.2 s a call on CPU) and the Triton interpreter are slow
-NEW_TOKENS = {"reference": 12, "flex": 5, "triton": 5, "sdpa": 12, "auto": 12}
+NEW_TOKENS = {"reference": 12, "flex": 5, "triton": 5, "sdpa": 12, "sdpa_fused": 12, "auto": 12}
 
 
 def _kv(model, num_pages, page_size):
@@ -425,7 +425,7 @@ def test_auto_backend_is_sdpa_on_cpu_and_the_default(model):
 
 
 @pytest.mark.parametrize(
-    "name", ["reference", "flex", "triton", "sdpa", "cascade", "mistake_off_by_one", "mistake_wrong_page"]
+    "name", ["reference", "flex", "triton", "sdpa", "sdpa_fused", "cascade", "mistake_off_by_one", "mistake_wrong_page"]
 )
 def test_every_backend_takes_the_one_value_check_keyword(name):
     import inspect

@@ -31,7 +31,8 @@ rule (:func:`merge_states`, :func:`reference_cascade_decode`; in Triton
 key bounds promise the largest scores (:func:`quest_paged_decode`).
 
 :mod:`.sdpa` is the CPU fast path: gather the batch's K/V by slot, then PyTorch's
-``scaled_dot_product_attention`` (:func:`sdpa_paged_decode`, :func:`sdpa_paged_prefill`).
+``scaled_dot_product_attention`` (:func:`sdpa_paged_decode`, :func:`sdpa_paged_prefill`);
+:func:`.sdpa.sdpa_fused_paged_decode` runs a batch's decode in one fused CPU kernel call.
 
 :mod:`.triton_decode` and :mod:`.triton_cascade` import triton, so their names load on first use.
 

@@ -25,6 +25,7 @@ reference   reference_paged_decode          reference_paged_prefill
 flex        flex_paged_decode               flex_paged_prefill
 triton      triton_paged_decode             sdpa_paged_prefill
 sdpa        sdpa_paged_decode               sdpa_paged_prefill
+sdpa_fused  sdpa_fused_paged_decode         sdpa_paged_prefill
 cascade     reference_cascade_decode        sdpa_paged_prefill
             (triton_cascade_decode on CUDA)
 auto        ``triton`` on CUDA, ``sdpa`` elsewhere (the default)
@@ -45,7 +46,9 @@ controls that show how far a real bug moves the results (`paged_ref.hf.mistakes`
 Triton has no prefill kernel here: prefill is compute-bound and runs once per prompt, so the
 ``triton`` backend prefills through SDPA. ``sdpa`` (`paged_ref.attention.sdpa`) gathers the batch's
 tokens by slot and calls PyTorch's SDPA: the fast path on a CPU, where the Triton kernel only
-runs in the interpreter. ``reference`` is the oracle every other backend is tested against.
+runs in the interpreter. ``sdpa_fused`` is ``sdpa`` with each decode layer's attention in one
+call of PyTorch's fused CPU kernel (one gather, no per-layer masking, softmax or matmul passes): the
+faster path beside the readable one. ``reference`` is the oracle every other backend is tested against.
 """
 
 from __future__ import annotations
@@ -182,6 +185,15 @@ def _prepare_sdpa(plan) -> dict:
     }
 
 
+def _prepare_sdpa_fused(plan) -> dict:
+    from ..attention.sdpa import prepare_fused
+
+    if not plan.is_decode:
+        return _prepare_sdpa(plan)
+    fused = prepare_fused(plan.block_table, plan.seq_lens, plan.kv.page_size, plan.kv.k_cache[0].dtype)
+    return {"fused": fused, "check_values": False}
+
+
 def _prepare_triton(plan) -> dict:
     return {"check_values": False} if plan.is_decode else _prepare_sdpa(plan)  # prefill: SDPA
 
@@ -278,6 +290,7 @@ for _backend in (
     ),
     Backend("triton", ("paged_ref.attention.triton_decode", "triton_paged_decode"), _SDPA_PREFILL, _prepare_triton),
     Backend("sdpa", ("paged_ref.attention.sdpa", "sdpa_paged_decode"), _SDPA_PREFILL, _prepare_sdpa),
+    Backend("sdpa_fused", ("paged_ref.attention.sdpa", "sdpa_fused_paged_decode"), _SDPA_PREFILL, _prepare_sdpa_fused),
     Backend("cascade", ("paged_ref.hf.attention", "cascade_layer_decode"), _SDPA_PREFILL, _prepare_cascade),
     # negative controls (`paged_ref.hf.mistakes`): wrong on purpose, to show what a real bug does
     Backend("mistake_off_by_one", ("paged_ref.hf.mistakes", "off_by_one_decode"), _REFERENCE_PREFILL),
@@ -325,9 +338,14 @@ def paged_attention_forward(
             raise NotImplementedError(f"paged attention does not support {unsupported}={kwargs[unsupported]!r}")
     if getattr(module, "sinks", None) is not None:
         raise NotImplementedError("paged attention does not support attention sinks")
-    layer = module.layer_idx
+    with torch.profiler.record_function("paged_ref::attention"):  # a named region in a profile
+        return _attention(plan, module.layer_idx, query, scaling), None
+
+
+def _attention(plan, layer: int, query: torch.Tensor, scaling) -> torch.Tensor:
+    """`paged_attention_forward`'s output for one layer: ``[batch, max_q_len, Hq, D]``."""
     if plan.parts is not None:
-        return _packed_attention(plan, layer, query, scaling), None
+        return _packed_attention(plan, layer, query, scaling)
     k_cache, v_cache = plan.kv.k_cache[layer], plan.kv.v_cache[layer]  # [num_pages, page_size, Hkv, D]
     block_table, attn_kwargs = plan.layer(layer)  # int32 [batch, max_pages], this layer's keywords
     if plan.is_decode:
@@ -335,11 +353,11 @@ def paged_attention_forward(
         out = plan.decode(
             q, k_cache, v_cache, block_table, plan.seq_lens, scale=scaling, **attn_kwargs
         )  # [batch, Hq, D]
-        return out.unsqueeze(1), None  # [batch, 1, Hq, D]
+        return out.unsqueeze(1)  # [batch, 1, Hq, D]
     out = plan.prefill(
         query, k_cache, v_cache, block_table, plan.seq_lens, plan.q_lens, scale=scaling, **attn_kwargs
     )  # [batch, Hq, max_q_len, D]
-    return out.transpose(1, 2), None  # [batch, max_q_len, Hq, D]
+    return out.transpose(1, 2)  # [batch, max_q_len, Hq, D]
 
 
 def _packed_attention(plan, layer: int, query: torch.Tensor, scaling) -> torch.Tensor:
