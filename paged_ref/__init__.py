@@ -12,7 +12,7 @@ Read the lesson in the order the data flows (each module opens with its idea):
 4. `attention`: the reference (the oracle), `online_softmax` (the kernel's math as a spec), the
    Triton decode kernel, FlexAttention with a paged BlockMask, SDPA over gathered slots.
 5. `hf`: a transformers model generating from the pages (Cache, attention function, session,
-   generate, sampling, beam search).
+   generate, sampling, beam search; `prepack` runs the linear layers on oneDNN-packed weights).
 6. `eviction`: scores read from cached K/V (PagedEviction's ||V||/||K||) and the policies.
 7. `serve`: many requests from one page pool (requests, scheduler, engine).
 

@@ -35,6 +35,9 @@ Rewind. ``mark(seq_id)`` before a model's forward and ``rewind(seq_id, mark)`` a
 failed put a sequence back as it was: what `paged_ref.hf.PagedSession.extend` does when a
 forward raises after its slots were reserved.
 
+Summaries. With ``page_summaries=True`` the cache also keeps the min and max of every page's
+keys (``cache.summaries``, `paged_ref.page_summaries`), which Quest reads to pick pages.
+
 Growth. ``growth="page"`` takes one page at a time; ``growth="pow2"`` reserves so that a
 sequence holds a power-of-two number of pages (what the IBM paper describes), falling back to
 the exact need when the pool cannot give the power of two.
@@ -65,6 +68,7 @@ from .allocator import OutOfPagesError, PageAllocator
 from .block_table import flat_slots, pack_csr, pack_padded
 from .memory import KVGeometry, model_geometry
 from .page_plan import compact_copies, plan_growth, rewind_plan, round_to_pow2, truncate_cost
+from .page_summaries import PageSummaries
 from .prefix_cache import PrefixIndex, namespace_key, page_key
 
 
@@ -122,6 +126,7 @@ class PagedKVCache:
         growth: str = "page",
         prefix_caching: bool = False,
         prefix_namespace: dict | None = None,
+        page_summaries: bool = False,
     ):
         self.num_layers = check_int("num_layers", num_layers, min_value=1)
         self.num_pages = check_int("num_pages", num_pages, min_value=1)
@@ -146,6 +151,16 @@ class PagedKVCache:
         # the `PageCopy`s of the latest reserve, reserve_batch, truncate or compact (rewind clears it)
         self.last_copies: tuple[PageCopy, ...] = ()
         self._checkpoint: _Checkpoint | None = None  # open while a step may still be undone
+        if not isinstance(page_summaries, bool):
+            raise TypeError(f"page_summaries must be True or False, got {page_summaries!r}")
+        # min / max of each page's keys for Quest (`paged_ref.page_summaries`); None: not kept
+        self.summaries = (
+            PageSummaries(
+                num_pages=num_pages, page_size=page_size, dtype=dtype, device=self.device, **self.geometry.kv_shape
+            )
+            if page_summaries
+            else None
+        )
 
     @classmethod
     def for_model(cls, model, *, num_pages: int, page_size: int, **options) -> PagedKVCache:
@@ -303,6 +318,8 @@ class PagedKVCache:
         self._saving((layer,), slots)
         self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
         self.v_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        if self.summaries is not None:
+            self.summaries.update(layer, slots, k)
         if self._prefix.pending and slots.numel():
             self._prefix.written(layer, torch.unique(slots // self.page_size).tolist())
 
@@ -440,6 +457,10 @@ class PagedKVCache:
         seq.length = n_keep
         if n_keep % self.page_size:  # vacated slots of the last kept page: back to zeros
             self._zero_slots(all_slots[n_keep : need * self.page_size].to(self.device))
+        if self.summaries is not None:  # the packed pages summarise the keys they hold now
+            self.summaries.clear(seq.pages)
+            for layer, cache in enumerate(self.k_cache):
+                self.summaries.update(layer, dst, cache.view(flat)[dst])
         seq.token_ids, seq.page_hashes = None, []
         self.last_copies = tuple(copies)
 
@@ -569,6 +590,8 @@ class PagedKVCache:
         for page in pages:  # handed out again: whatever prefix it cached is gone
             self._prefix.forget(page)
         self._zero_pages(cached)
+        if self.summaries is not None:
+            self.summaries.clear(pages)
         return pages
 
     def _release(self, pages: list[int]) -> None:
@@ -599,6 +622,8 @@ class PagedKVCache:
             self._saving(range(self.num_layers), flat_slots([dst], 0, self.page_size, self.page_size))
         for cache in (*self.k_cache, *self.v_cache):
             cache[dst].copy_(cache[src])
+        if self.summaries is not None:
+            self.summaries.copy(src, dst)
 
     def _copy_on_write(self, seq_id: int, indices: list[int], new_pages: list[int]) -> list[PageCopy]:
         """Give the sequence private copies of its shared pages at ``indices``, into ``new_pages``."""
@@ -664,6 +689,10 @@ class _Checkpoint:
         self.next_id, self.prefix_hits, self.last_copies = cache._next_id, cache.prefix_hits, cache.last_copies
         self.pool = cache.allocator.snapshot()
         self.prefix = cache._prefix.snapshot()
+        summaries = cache.summaries
+        self.bounds = (
+            None if summaries is None else ([m.clone() for m in summaries.k_min], [m.clone() for m in summaries.k_max])
+        )
         self.undo: list[tuple] = []  # (layers, slots int64 [n], k and v: per layer [n, Hkv, D]): oldest first
 
     def save(self, cache: PagedKVCache, layers, slots: torch.Tensor) -> None:
@@ -690,3 +719,5 @@ class _Checkpoint:
         cache._next_id, cache.prefix_hits, cache.last_copies = self.next_id, self.prefix_hits, self.last_copies
         cache.allocator.restore(self.pool)
         cache._prefix.restore(self.prefix)
+        if self.bounds is not None:
+            cache.summaries.k_min, cache.summaries.k_max = self.bounds

@@ -41,6 +41,8 @@ SLOWEST_FIRST = [
     "test_nonfinite_slots.py",
     "test_serve.py",
     "test_serve_property.py",
+    "test_bench_pages.py",
+    "test_cascade.py",
     "test_bench_serve.py",
     "test_triton_decode.py",
 ]

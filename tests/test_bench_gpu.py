@@ -79,3 +79,63 @@ def test_a_bad_out_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys
     with pytest.raises(SystemExit) as exit:
         gpu.main(["--dry-run", "--out", bad])
     assert exit.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+def test_the_full_plan_fits_eight_minutes_and_leaves_the_standard_plan_alone(tmp_path):
+    full = gpu.plan(tmp_path, dry_run=False, which="full")
+    assert gpu.planned_seconds(full) <= gpu.FULL_PLAN_LIMIT_S == 480
+    assert gpu.planned_seconds(gpu.plan(tmp_path, dry_run=False)) == gpu.PLAN_LIMIT_S == 360
+    for s in full:  # budgets over estimates, most of them GPU seconds of the first run
+        assert s.budget_s >= gpu.FULL_MARGIN * s.estimate_s, (s.name, s.budget_s, s.estimate_s)
+    commands = {s.name: s.command for s in full}
+    assert list(commands) == ["compile", "decode", "scaling", "smollm2", "serve", "sharing"]
+    assert commands["decode"][3:6] == ["decode", "--budget-s", str(gpu.FULL_DECODE_FLEX_WINDOW_S)]
+    assert commands["decode"][6:8] == ["--flex-min-batch", "8"]
+    assert commands["scaling"][3:7] == ["scaling", "--gpu", "--model", "llama1b"]
+    assert commands["smollm2"][3:7] == ["scaling", "--gpu", "--model", "smollm2"]
+    assert str(tmp_path / gpu.SMOLLM2_DIR) in commands["smollm2"]
+    assert commands["serve"][3:5] == ["serve", "--gpu"] and "--skip-pools" in commands["serve"]
+    assert commands["sharing"][3:5] == ["sharing", "--gpu"]
+    produced = [f for s in full for f in s.produces]
+    assert produced == ["decode_gpu.json", "scaling_gpu.json", "smollm2/scaling_gpu.json", "serve_gpu.json"] + [
+        "sharing_gpu.json"
+    ]
+    assert len(produced) + 2 <= gpu.MAX_FILES  # + gpu_run.json and gpu.log
+    with pytest.raises(ValueError, match="which"):
+        gpu.plan(tmp_path, dry_run=False, which="fast")
+
+
+def test_merge_models_puts_the_second_model_into_the_first_json(tmp_path):
+    first = dict(command="a", models={"llama1b": {"ladder": []}}, skipped_models=["smollm2"], errors=[], complete=True)
+    second = dict(command="b", time_budget_s=25.0, models={"smollm2": {"ladder": [1]}}, errors=["x"], complete=True)
+    (tmp_path / "s.json").write_text(json.dumps(first))
+    (tmp_path / "t.json").write_text(json.dumps(second))
+    assert gpu.merge_models(tmp_path / "s.json", tmp_path / "t.json") == "merged smollm2 into s.json"
+    merged = json.loads((tmp_path / "s.json").read_text())
+    assert merged["models"]["smollm2"] == {"ladder": [1], "command": "b", "time_budget_s": 25.0}
+    assert merged["skipped_models"] == [] and merged["errors"] == ["x"] and merged["complete"]
+    assert merged["merged"] == [{"command": "b", "models": ["smollm2"]}]
+    assert gpu.merge_models(tmp_path / "s.json", tmp_path / "none.json").startswith("nothing to merge")
+
+
+def test_full_dry_run_runs_every_section(tmp_path):
+    data = gpu.main(["--dry-run", "--plan", "full", "--out", str(tmp_path)])
+    assert data["plan"] == "full" and data["limit_s"] == gpu.FULL_PLAN_LIMIT_S
+    statuses = {s["section"]: s["status"] for s in data["sections"]}
+    assert statuses == dict.fromkeys(("compile", "decode", "scaling", "smollm2", "serve", "sharing"), "ok"), data[
+        "sections"
+    ]
+    smollm2 = next(s for s in data["sections"] if s["section"] == "smollm2")
+    assert smollm2["merge"] == "merged tiny into scaling_cpu.json"
+    files = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert files == [
+        "decode_cpu.json",
+        "gpu.log",
+        "gpu_run.json",
+        "scaling_cpu.json",
+        "serve_cpu_quick.json",
+        "sharing_cpu.json",
+        "smollm2/scaling_cpu.json",
+    ]
+    scaling = json.loads((tmp_path / "scaling_cpu.json").read_text())
+    assert scaling["merged"][0]["models"] == ["tiny"] and scaling["complete"]

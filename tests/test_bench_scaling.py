@@ -299,3 +299,20 @@ def test_batch_decodes_only_requests_whose_grown_pages_fit(model):
     assert out["fit"]["paged_allocator"] == 4
     assert out["decoded"] == 2  # 16 + 3 tokens take two pages each
     assert out["paged"]["reference"]["batch"] == 2
+
+
+def test_page_size_sweep_times_flex_alone_and_with_its_mask_reused():
+    """The sweep times flex twice per page size: building its BlockMask per call, and as a model
+    calls it, the mask built once (its build time recorded apart); a missed deadline records None."""
+    from paged_ref.attention.flex import flex_paged_decode
+    from paged_ref.lab.bench._scaling_batch import page_size_sweep
+    from paged_ref.memory import KVGeometry
+
+    geometry = KVGeometry(
+        num_layers=1, num_kv_heads=2, head_dim=16, num_q_heads=4, dtype=torch.float32, device=torch.device("cpu")
+    )
+    rows = page_size_sweep([5, 20], [8], geometry=geometry, backends={"flex": flex_paged_decode}, repeats=1)
+    assert set(rows[0]["attention_s"]) == {"flex", "flex (mask reused)"}
+    assert rows[0]["attention_s"]["flex (mask reused)"] > 0 and rows[0]["block_mask_s"] > 0
+    late = page_size_sweep([5], [8], geometry=geometry, backends={"flex": flex_paged_decode}, deadline=0.0)
+    assert late[0]["attention_s"] == {"flex": None, "flex (mask reused)": None} and late[0]["block_mask_s"] is None

@@ -57,6 +57,29 @@ def test_only_paged_admission_keeps_the_watermark():
     assert pages["exact"] == pages["max_len"] == 0
 
 
+def test_profile_writes_the_tables_and_each_gain(tmp_path):
+    from paged_ref.lab.bench._serve_profile import GROUPS, VARIANTS
+
+    data = serve.main(["--profile", "--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "serve_profile_cpu_quick.json").read_text())
+    assert saved["complete"] and saved["environment"]["torch"] and len(data["gains"]) == len(saved["gains"])
+    for v in saved["variants"].values():
+        for kind in ("decode", "mixed"):
+            t = v["profile"][kind]
+            assert t["steps"] == len(t["rows"]) >= 1 and set(t["groups"]) == {*GROUPS, "other"}
+            assert sum(op["share"] for op in t["ops"]) == pytest.approx(1.0)
+            assert sum(g["share"] for g in t["groups"].values()) == pytest.approx(1.0)
+    for row in saved["linear_libraries"]["layer0"]:
+        assert row["speedup_vs_f_linear"]["f_linear"] == 1.0 and set(row["ms"]) >= {"f_linear", "onednn_prepacked"}
+    names = list(VARIANTS)
+    assert [(g["before"], g["after"]) for g in saved["gains"]] == [*zip(names, names[1:]), (names[0], names[-1])]
+    for g in saved["gains"]:  # every speed-up keeps every token and the schedule
+        assert g["same_schedule"] and g["requests_with_identical_tokens"] == g["requests"]
+    assert saved["generate_check"]["identical"] == saved["generate_check"]["requests"]
+    fig = viz.profile_figure(saved)
+    assert len(fig.axes) == 3 and "Measured on CPU" in fig.texts[-1].get_text()
+
+
 def test_pool_figure_labels_stay_apart_and_count_pages():
     from paged_ref.lab.runmode import data_dir
 

@@ -8,9 +8,9 @@ from prompts import left_padded
 
 from paged_ref import OutOfPagesError, PagedKVCache, hf
 
-BACKENDS = ["reference", "flex", "triton", "sdpa", "auto"]
+BACKENDS = ["reference", "flex", "triton", "sdpa", "sdpa_fused", "auto"]
 # new tokens per backend: eager FlexAttention (~0.2 s a call on CPU) and the Triton interpreter are slow
-NEW_TOKENS = {"reference": 12, "flex": 5, "triton": 5, "sdpa": 12, "auto": 12}
+NEW_TOKENS = {"reference": 12, "flex": 5, "triton": 5, "sdpa": 12, "sdpa_fused": 12, "auto": 12}
 
 
 def _kv(model, num_pages, page_size):
@@ -420,11 +420,13 @@ def test_auto_backend_is_sdpa_on_cpu_and_the_default(model):
     with hf.PagedSession(model, num_pages=4, page_size=4) as session:
         assert session.backend == "sdpa"
     assert hf.auto_backend("cuda") == "triton" and hf.auto_backend("cpu") == "sdpa"
-    with pytest.raises(ValueError, match=r"backend must be one of \['auto', 'flex'"):
+    with pytest.raises(ValueError, match=r"backend must be one of \['auto', 'cascade', 'flex'"):
         hf.PagedSession(model, num_pages=4, page_size=4, backend="fast")
 
 
-@pytest.mark.parametrize("name", ["reference", "flex", "triton", "sdpa", "mistake_off_by_one", "mistake_wrong_page"])
+@pytest.mark.parametrize(
+    "name", ["reference", "flex", "triton", "sdpa", "sdpa_fused", "cascade", "mistake_off_by_one", "mistake_wrong_page"]
+)
 def test_every_backend_takes_the_one_value_check_keyword(name):
     import inspect
 

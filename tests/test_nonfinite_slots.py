@@ -15,7 +15,7 @@ from attention_cases import COMPILED_DECODE_CASE, make_decode_case, make_prefill
 import paged_ref as pr
 from paged_ref.attention.flex import flex_paged_decode
 from paged_ref.attention.reference import reference_paged_decode, reference_paged_prefill
-from paged_ref.attention.sdpa import sdpa_paged_decode, sdpa_paged_prefill
+from paged_ref.attention.sdpa import sdpa_fused_paged_decode, sdpa_paged_decode, sdpa_paged_prefill
 from paged_ref.attention.triton_decode import triton_paged_decode
 
 
@@ -24,7 +24,12 @@ def compiled(fn):
 
 
 # compiled flex: the same poisoned rows in test_flex_compiled.py, which compiles each shape once
-DECODERS = {"reference": reference_paged_decode, "triton": triton_paged_decode, "sdpa": sdpa_paged_decode}
+DECODERS = {
+    "reference": reference_paged_decode,
+    "triton": triton_paged_decode,
+    "sdpa": sdpa_paged_decode,
+    "sdpa_fused": sdpa_fused_paged_decode,
+}
 PREFILLERS = {"reference": reference_paged_prefill, "sdpa": sdpa_paged_prefill}
 # the cache route also holds for eager flex: nothing stale is left to read
 CACHE_DECODERS = {**DECODERS, "flex": compiled(flex_paged_decode), "flex eager": flex_paged_decode}

@@ -63,6 +63,13 @@ def test_reduction_kernel_compiles():
         assert "error" not in entry and entry["spill_stores"] == 0, entry
 
 
+@pytest.mark.parametrize("arch,dtype", [(90, "bf16"), (80, "fp16")])
+def test_cascade_prefix_kernel_compiles_to_mma_without_spills(arch, dtype):
+    entry = K.compile_prefix(arch, dtype)
+    assert "error" not in entry, entry.get("error")
+    assert entry["spill_stores"] + entry["spill_loads"] == 0 and entry["mma"] > 0, entry
+
+
 def test_bare_signature_is_what_spills():
     """Without the alignment the JIT proves for real tensors, loads stay scalar and the kernel
     spills: the report records this case so the numbers can be reconciled."""

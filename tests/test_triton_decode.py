@@ -105,11 +105,9 @@ def test_splits_match_unsplit_and_float64(num_splits):
 @pytest.mark.skipif(not td.interpreted(torch.device(DEVICE)), reason="on a GPU these lengths are too short to split")
 def test_heuristic_splits_in_the_cases_above():
     """num_splits=None must really split the long case above (on CPU: a pretend 8-SM GPU)."""
-    cfg = td._tile_config(torch.float32, 64, 4, interpret=td.interpreted(torch.device(DEVICE)))
-    chosen = choose_num_splits(
-        len(SPLIT_LENS), 2, max(SPLIT_LENS), td._num_sms(torch.device(DEVICE)), min_tokens_per_split=4 * cfg["BLOCK_N"]
-    )
-    assert chosen > 1
+    device = torch.device(DEVICE)
+    cfg = td._tile_config(torch.float32, 64, 4, interpret=td.interpreted(device))
+    assert td._default_num_splits(len(SPLIT_LENS), 2, max(SPLIT_LENS), device, cfg) > 1
 
 
 def test_choose_num_splits_fills_the_gpu():
@@ -117,17 +115,24 @@ def test_choose_num_splits_fills_the_gpu():
     # One long sequence: enough programs to cover (nearly) every slot.
     s = choose_num_splits(1, 8, 131072, sms, programs_per_sm=3)
     assert 0.9 * 3 * sms <= 8 * s <= 3 * sms
-    # A full grid is not split; short sequences are not split below min_tokens_per_split.
+    # A full grid is not split; short sequences are not split below min_tiles_per_split tiles.
     assert choose_num_splits(256, 8, 2048, sms) == 1
-    assert choose_num_splits(1, 8, 300, sms, min_tokens_per_split=256) == 1
-    assert choose_num_splits(1, 8, 1024, sms, min_tokens_per_split=256) == 4
-    # No nearly empty last wave: 64 programs on 396 slots -> 6 splits (one wave), not 7.
+    assert choose_num_splits(1, 8, 300, sms, block_n=64, min_tiles_per_split=4) == 1
+    assert choose_num_splits(1, 8, 1024, sms, block_n=64, min_tiles_per_split=4) == 4
+    # No nearly empty last wave: 64 programs on 396 slots -> 6 splits (one wave), not 7;
+    # 512 programs (a second wave 29% full) -> 3 splits, 4 waves 97% full.
     assert choose_num_splits(8, 8, 32768, sms, programs_per_sm=3) == 6
     assert choose_num_splits(8, 8, 32768, sms, programs_per_sm=4) == 8  # 512 of 528
+    assert choose_num_splits(64, 8, 4096, sms, programs_per_sm=3) == 3
     for batch in (1, 3, 8, 50, 500):
         for length in (1, 100, 5000, 10**6):
-            s = choose_num_splits(batch, 4, length, sms)
-            assert 1 <= s <= 256 and (s == 1 or length // s >= 256)
+            s = choose_num_splits(batch, 4, length, sms, block_n=64)
+            assert 1 <= s <= 256 and (s == 1 or -(-length // 64) // s >= 4)
+
+
+def test_choose_num_splits_names_a_bad_argument():
+    with pytest.raises(ValueError, match="num_sms"):
+        choose_num_splits(1, 8, 4096, 0)
 
 
 # --- every output element written ------------------------------------------------------------

@@ -63,9 +63,9 @@ class Recorder:
 
         return Capture()
 
-    def launch(self, q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, **cfg):
-        _LAUNCH(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, **cfg)
-        return out.zero_()  # written, as a launch would (the tests look for NaN)
+    def launch(self, q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, keep_partials=False, **cfg):
+        out.zero_()  # written, as a launch would (the tests look for NaN)
+        return _LAUNCH(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, keep_partials, **cfg)
 
 
 _LAUNCH = td._launch
@@ -127,6 +127,8 @@ def record_decode(monkeypatch):
     monkeypatch.setattr(decode, "_sdpa", lambda q, *a: q)
     monkeypatch.setattr(decode, "copy_bandwidth", lambda: dict(bandwidth_GBps=1.0, bytes=1, median_s=1.0))
     monkeypatch.setattr(decode, "gpu_median", lambda fn, rep_ms: (fn(), 1e-3)[1])
+    monkeypatch.setattr(decode, "graph_median", lambda fn, rep_ms: (1e-3, fn()))  # the captured call, launched once
+    monkeypatch.setattr(decode, "host_median", lambda fn: (fn(), 1e-5)[1])
     monkeypatch.setattr(decode.torch.cuda, "empty_cache", lambda: None)
     # flex is compiled by inductor, not launched through this kernel: left out (budget_s < 0)
     decode.run_gpu(decode.GPU_SHAPES, decode.GPU_PAGE_SIZES, budget_s=-1, rep_ms=1, dtype=torch.bfloat16, device="cpu")
@@ -247,5 +249,7 @@ def test_the_gpu_plan_budgets_for_these_compile_counts(replay):
 def test_split_counts_follow_an_h200():
     """The replay's split counts are the launcher's for 132 SMs (a sanity check on the stubs)."""
     cfg = td._tile_config(torch.bfloat16, 128, 4, interpret=False, capability=90)
-    assert td.choose_num_splits(8, 8, 32768, H200_SMS, min_tokens_per_split=4 * cfg["BLOCK_N"]) == 6
+    assert td.choose_num_splits(8, 8, 32768, H200_SMS, block_n=cfg["BLOCK_N"]) == 6
+    # bench decode's 64 x 4096 is split in 3 since the occupancy model charges a 29%-full second wave
+    assert td.choose_num_splits(64, 8, 4096, H200_SMS, block_n=cfg["BLOCK_N"]) == 3
     assert math.isfinite(cfg["BLOCK_N"])

@@ -20,6 +20,7 @@ from .._validate import check_int
 __all__ = [
     "INT_DTYPES",
     "check_block_size",
+    "check_cascade_inputs",
     "check_contiguous",
     "check_mask_arguments",
     "check_mask_source",
@@ -184,6 +185,62 @@ def check_prefill_inputs(
         for b, (m, n) in enumerate(zip(q_lens.tolist(), seq_lens.tolist())):
             if not 0 <= m <= min(n, max_q_len):
                 raise ValueError(f"q_lens[{b}] must be in [0, min(seq_lens[{b}]={n}, max_q_len={max_q_len})], got {m}")
+    return scale
+
+
+# --- cascade (shared-prefix) attention ------------------------------------------------------
+def check_cascade_inputs(
+    q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, *, scale=None, check_values=True
+) -> float:
+    """:func:`check_paged_inputs`, plus the groups: ``group_indptr`` int ``[num_groups + 1]``
+    from 0 to ``batch``, strictly increasing; ``prefix_lens`` int ``[num_groups]``, each a whole
+    number of pages and at most the group's shortest ``seq_lens``; the requests of a group list
+    the same pages on their prefix. Returns the scale. ``check_values=False`` checks types and
+    shapes only (no host reads)."""
+    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
+    batch, page_size = q.shape[0], k_cache.shape[1]
+    for name, t in (("group_indptr", group_indptr), ("prefix_lens", prefix_lens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in INT_DTYPES or t.dim() != 1:
+            raise TypeError(f"{name} must be a 1-D int32/int64 tensor, got shape {_shape(t)} and dtype {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
+    if prefix_lens.shape[0] != group_indptr.shape[0] - 1:
+        raise ValueError(
+            f"prefix_lens must have shape [num_groups={group_indptr.shape[0] - 1}], got {_shape(prefix_lens)}"
+        )
+    if not check_values:
+        return scale
+    bounds = group_indptr.tolist()
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != batch or any(a >= b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(
+            f"group_indptr must rise strictly from 0 to batch={batch} (group g = requests "
+            f"group_indptr[g] .. group_indptr[g + 1] - 1), got {bounds[:8]}{' ...' if len(bounds) > 8 else ''}"
+        )
+    prefixes = prefix_lens.tolist()
+    lens, table = seq_lens.tolist(), block_table.tolist()
+    for g, prefix in enumerate(prefixes):
+        first, last = bounds[g], bounds[g + 1]
+        if prefix < 0 or prefix % page_size:
+            raise ValueError(
+                f"prefix_lens[{g}] must be a whole number of pages (a multiple of page_size={page_size}, >= 0), "
+                f"got {prefix}"
+            )
+        shortest = min(lens[first:last])
+        if prefix > shortest:
+            raise ValueError(
+                f"prefix_lens[{g}] must be at most the shortest seq_lens of its requests {first}..{last - 1} "
+                f"({shortest}), got {prefix}"
+            )
+        pages = prefix // page_size
+        for b in range(first + 1, last):
+            if table[b][:pages] != table[first][:pages]:
+                col = next(i for i in range(pages) if table[b][i] != table[first][i])
+                raise ValueError(
+                    f"block_table rows {first} and {b} (group {g}) must share their first {pages} pages "
+                    f"(prefix_lens[{g}]={prefix}), but differ at column {col}: {table[first][col]} vs {table[b][col]}"
+                )
     return scale
 
 

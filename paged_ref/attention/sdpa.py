@@ -29,7 +29,8 @@ from .._arith import cdiv
 from ._checks import check_paged_inputs, check_prefill_inputs
 from .online_softmax import LOG2E, merge_partials
 
-__all__ = ["DECODE_CHUNK", "SlotGather", "attend_chunked", "prepare", "sdpa_paged_decode", "sdpa_paged_prefill"]
+__all__ = ["DECODE_CHUNK", "FusedDecode", "SlotGather", "attend_chunked", "prepare", "prepare_fused"]
+__all__ += ["sdpa_fused_paged_decode", "sdpa_paged_decode", "sdpa_paged_prefill"]
 
 
 class SlotGather(NamedTuple):
@@ -217,6 +218,83 @@ def sdpa_paged_decode(
     if gather is None:
         gather = prepare(block_table, seq_lens, k_cache.shape[1])
     return _attend_decode(q, k_cache, v_cache, gather, scale)
+
+
+class FusedDecode(NamedTuple):
+    """Per-step plan of `sdpa_fused_paged_decode` (built once by `prepare_fused`, read by every layer).
+
+    pages: int64 ``[batch * n_pages]``, each row's pages; a row's entries past its last page repeat
+    its first page, so every gathered token is one of the row's own pages (masked where unused).
+    tails: int64 ``[n]``, positions in the gathered ``[batch * n_pages * page_size]`` tokens past a
+    row's length on its last page (zeroed after the gather: masked, but 0 x NaN would still be NaN).
+    bias: ``[batch, 1, 1, n_pages * page_size]`` in the queries' dtype (the kernel reads the mask as
+    that type), 0 for a row's tokens, -inf past its length.
+    single: the `SlotGather` of a one-row step (read in place by `attend_chunked`), else None.
+    """
+
+    pages: torch.Tensor | None
+    tails: torch.Tensor | None
+    bias: torch.Tensor | None
+    single: SlotGather | None = None
+
+
+def prepare_fused(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, dtype: torch.dtype = torch.float32
+) -> FusedDecode:
+    """`FusedDecode` of one decode step: block_table int ``[batch, max_pages]``, seq_lens int ``[batch]``,
+    ``dtype`` the queries'."""
+    if block_table.shape[0] == 1:
+        return FusedDecode(None, None, None, single=prepare(block_table, seq_lens, page_size))
+    lens = seq_lens.long()  # [batch]
+    used = cdiv(lens, page_size)  # [batch] pages per row
+    n_pages = int(used.max())
+    col = torch.arange(n_pages, device=lens.device)  # [n_pages]
+    own = block_table[:, :n_pages].long()  # [batch, n_pages]
+    pages = torch.where(col[None, :] < used[:, None], own, own[:, :1])  # [batch, n_pages]
+    t = torch.arange(n_pages * page_size, device=lens.device)  # [T] gathered token index
+    past = t[None, :] >= lens[:, None]  # [batch, T]
+    bias = torch.zeros(past.shape, dtype=dtype, device=lens.device).masked_fill_(past, float("-inf"))  # [batch, T]
+    tails = (past & (t[None, :] < (used * page_size)[:, None])).reshape(-1).nonzero().squeeze(1)  # [n]
+    return FusedDecode(pages.reshape(-1), tails, bias[:, None, None, :])
+
+
+def sdpa_fused_paged_decode(
+    q, k_cache, v_cache, block_table, seq_lens, *, scale=None, fused=None, check_values=True
+) -> torch.Tensor:
+    """Decode attention in one fused CPU kernel call per layer (same contract as `sdpa_paged_decode`).
+
+    `sdpa_paged_decode` spells a batch's attention out: gather, mask V, matmul, mask the scores,
+    softmax, matmul, each a pass over memory. Here the pages are gathered once (`FusedDecode.pages`)
+    and handed, as strided ``[batch, Hkv, T, D]`` views, to PyTorch's flash-attention CPU kernel
+    with the step's additive mask (built once per step, not per layer): scores, softmax and the
+    weighted sum happen in one tiled pass. The query heads of a KV head ride in the kernel's
+    query-length dimension (GQA without repeating K/V). One sequence is read in place, as in
+    `sdpa_paged_decode`.
+
+    Args:
+        q, k_cache, v_cache, block_table, seq_lens, scale, check_values: as in `sdpa_paged_decode`.
+        fused: ``prepare_fused(block_table, seq_lens, page_size)`` built once per step, or None.
+
+    Returns:
+        ``[batch, num_q_heads, head_dim]``.
+    """
+    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
+    if fused is None:
+        fused = prepare_fused(block_table, seq_lens, k_cache.shape[1], q.dtype)
+    if fused.single is not None or _FLASH_CPU is None or q.device.type != "cpu":
+        gather = fused.single or prepare(block_table, seq_lens, k_cache.shape[1])
+        return _attend_decode(q, k_cache, v_cache, gather, scale)
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
+    batch, num_q_heads, _ = q.shape
+    k = k_cache.index_select(0, fused.pages)  # [batch * n_pages, page_size, Hkv, D], a copy
+    v = v_cache.index_select(0, fused.pages)
+    k.view(-1, num_kv_heads, head_dim).index_fill_(0, fused.tails, 0.0)  # tails past each row's length
+    v.view(-1, num_kv_heads, head_dim).index_fill_(0, fused.tails, 0.0)
+    k = k.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [batch, Hkv, T, D], strided
+    v = v.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    qg = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [batch, Hkv, G, D]
+    out = _FLASH_CPU(qg, k, v, attn_mask=fused.bias.to(q.dtype), scale=scale)[0]  # [batch, Hkv, G, D]
+    return out.reshape(batch, num_q_heads, head_dim)
 
 
 def sdpa_paged_prefill(

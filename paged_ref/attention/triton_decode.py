@@ -20,7 +20,8 @@ is therefore to stream K and V from the paged cache at close to copy bandwidth:
 * **Split-K / flash-decoding.** With few sequences (batch 1 with 8 KV heads is 8 programs on
   a GPU with 132 SMs) each sequence is cut into ``num_splits`` chunks handled by separate
   programs; each writes a partial ``(m, l, acc)`` and a second, tiny kernel merges them.
-  ``num_splits=None`` picks the count from batch, heads, length and the SM count.
+  ``num_splits=None`` picks the count from batch, heads, length, the SM count and the programs
+  an SM holds (a small occupancy model, :mod:`.occupancy`).
 
 What the compiler makes of it is measured, not assumed: ``python -m paged_ref.lab.bench kernels``
 compiles every configuration the launcher can choose for sm_90, sm_80 and sm_75 without a GPU
@@ -44,13 +45,15 @@ Example:
     torch.Size([2, 8, 64])
 """
 
+import functools
 import types
 
 import torch
 
-from .._arith import cdiv, next_pow2
+from .._arith import next_pow2
 from ._checks import check_paged_inputs, check_triton_inputs
 from ._triton_interpreter import interpreted, interpreter, runnable
+from .occupancy import SM_LIMITS, programs_per_sm, split_cost
 from .online_softmax import LOG2E
 
 try:
@@ -66,9 +69,14 @@ except ImportError:  # no Triton wheel for this platform: the module imports, ca
 __all__ = ["choose_num_splits", "compiled_kernels", "interpreted", "native_half", "triton_paged_decode"]
 
 _MAX_SPLITS = 256  # upper bound for the heuristic (partials stay a few MB)
-_MIN_TOKENS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism gained
+_MIN_TILES_PER_SPLIT = 4  # below this a split's fixed cost (pipeline fill, its partial) outweighs the parallelism
+_SPLIT_TOLERANCE = 1.03  # take the fewest splits whose modelled cost is within 3% of the cheapest
 _INTERPRETER_SMS = 8  # a pretend SM count so the split path is exercised on CPU too
-_PROGRAMS_PER_SM = 3  # programs per Hopper SM of the head_dim-128 config (kernels.json)
+#: (registers, shared bytes, warps) of the 16-bit head_dim-128 tile per compute capability, as
+#: ``python -m paged_ref.lab.bench kernels`` compiled it (figures/data/kernels.json: the most
+#: registers and shared memory over its page sizes, split or not).
+_TILE_RESOURCES = {75: (128, 18432, 4), 80: (160, 71680, 4), 90: (160, 71680, 4)}
+_PROGRAMS_PER_SM = 3  # sm_90's count for that tile (tests/test_occupancy.py derives it)
 
 
 # --- Kernel 1: attention over one chunk of one sequence, all query heads of one KV head ------
@@ -283,6 +291,17 @@ def _num_sms(device: torch.device) -> int:
     return _INTERPRETER_SMS
 
 
+@functools.cache
+def _resident_programs(capability: int) -> int:
+    """Programs of the 16-bit head_dim-128 tile one SM holds on a GPU of this compute capability:
+    the occupancy model (:mod:`.occupancy`) applied to what the compile report measured for that
+    tile (registers, shared memory, warps: ``figures/data/kernels.json``, checked by
+    tests/test_occupancy.py). Targets the report does not cover use the nearest older one."""
+    known = max((c for c in _TILE_RESOURCES if c <= capability), default=min(_TILE_RESOURCES))
+    registers, shared, warps = _TILE_RESOURCES[known]
+    return programs_per_sm(registers, shared, warps, SM_LIMITS[known])["programs_per_sm"]
+
+
 def choose_num_splits(
     batch: int,
     num_kv_heads: int,
@@ -290,24 +309,27 @@ def choose_num_splits(
     num_sms: int,
     *,
     programs_per_sm: int = _PROGRAMS_PER_SM,
-    min_tokens_per_split: int = _MIN_TOKENS_PER_SPLIT,
+    block_n: int = 64,
+    min_tiles_per_split: int = _MIN_TILES_PER_SPLIT,
 ) -> int:
     """How many chunks to cut each sequence into so that the GPU is kept full.
 
-    The unsplit grid has ``programs = batch * num_kv_heads`` programs and about
-    ``slots = num_sms * programs_per_sm`` of them run at once (the default 16-bit tile config,
-    with its 2-deep K and V buffer rings, compiled to 71,680 B of shared memory and 138-160
-    registers for sm_90: 3 fit on an SM, per ``figures/data/kernels.json``).
+    The grid has ``batch * num_kv_heads * s`` programs for ``s`` splits, and
+    ``num_sms * programs_per_sm`` of them run at once (the bf16 head_dim-128 tile compiles to
+    ~160 registers and 71,680 B of shared memory for sm_90: 3 per SM, which keep 3 x 32 KB of
+    K/V loading, 2.7x the Little's-law figure; :mod:`.occupancy`). A memory-bound kernel
+    streams at full rate only while its slots are full, so the cost of ``s`` splits is
+    :func:`~paged_ref.attention.occupancy.split_cost`: every wave holds every slot for one
+    program's tiles plus its pipeline fill, and splitting adds the merge kernel. We take the
+    fewest splits within 3% of the cheapest:
 
-    * If the grid already fills every slot, it is not split: even its last, partial wave has
-      enough programs streaming to keep memory busy.
-    * Otherwise, with ``s`` splits each program streams ``1/s`` of a sequence and the grid runs
-      in ``ceil(programs * s / slots)`` waves, so the time goes as
-      ``ceil(programs * s / slots) / s``. We take the smallest ``s`` within 5% of the best:
-      that fills one long sequence across the whole GPU, avoids a nearly empty last wave (7
-      splits of 64 programs on 396 slots would run 2 waves, 6 splits run 1), and keeps the
-      partial results to merge few. Splits shorter than ``min_tokens_per_split`` tokens are
-      not worth their fixed cost.
+    * one long sequence is cut until its programs fill one wave (48 x 8 = 384 of 396 slots);
+    * a grid with a nearly empty last wave is cut further (64 x 8 = 512 programs on 396 slots
+      leave the second wave 29% full; 3 splits make 4 waves 97% full);
+    * a full grid is not split; a split never gets fewer than ``min_tiles_per_split`` tiles.
+
+    The cost depends on the length only through its tile count, so the answer is cached per
+    (batch, heads, tiles, SMs): a growing sequence pays for the search once per ``block_n`` tokens.
 
     Args:
         batch: number of sequences.
@@ -315,7 +337,8 @@ def choose_num_splits(
         max_seq_len: the longest sequence (or an upper bound on it).
         num_sms: streaming multiprocessors of the GPU.
         programs_per_sm: programs resident per SM at once.
-        min_tokens_per_split: shortest useful split.
+        block_n: tokens per tile of the kernel.
+        min_tiles_per_split: fewest tiles a split may stream.
 
     Returns:
         An int in ``[1, 256]``.
@@ -325,22 +348,39 @@ def choose_num_splits(
         48
         >>> choose_num_splits(8, 8, 32768, 132)      # 64 programs: 6 splits fill one wave
         6
+        >>> choose_num_splits(64, 8, 4096, 132)      # 512 programs: 3 splits, 4 waves 97% full
+        3
         >>> choose_num_splits(256, 8, 2048, 132)     # 2048 programs already fill the GPU
         1
     """
-    programs = batch * num_kv_heads
-    slots = num_sms * programs_per_sm
-    max_splits = max(1, min(_MAX_SPLITS, max_seq_len // min_tokens_per_split))
-    if programs >= slots:
-        return 1
-    cost = {s: cdiv(programs * s, slots) / s for s in range(1, max_splits + 1)}
-    good_enough = 1.05 * min(cost.values())  # within 5% of the best: prefer fewer splits
+    if min(batch, num_kv_heads, max_seq_len, num_sms, programs_per_sm, block_n, min_tiles_per_split) < 1:
+        given = dict(batch=batch, num_kv_heads=num_kv_heads, max_seq_len=max_seq_len, num_sms=num_sms)
+        given.update(programs_per_sm=programs_per_sm, block_n=block_n, min_tiles_per_split=min_tiles_per_split)
+        raise ValueError(f"every argument of choose_num_splits must be >= 1, got {given}")
+    tiles = -(-max_seq_len // block_n)
+    return _cheapest_split(batch, num_kv_heads, tiles, num_sms, programs_per_sm, min_tiles_per_split)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cheapest_split(batch: int, num_kv_heads: int, tiles: int, num_sms: int, per_sm: int, min_tiles: int) -> int:
+    """`choose_num_splits` on a length of ``tiles`` whole tiles (the cost sees nothing finer)."""
+    max_splits = max(1, min(_MAX_SPLITS, tiles // min_tiles))
+    cost = {s: split_cost(batch, num_kv_heads, tiles, s, num_sms, per_sm, 1) for s in range(1, max_splits + 1)}
+    good_enough = _SPLIT_TOLERANCE * min(cost.values())  # prefer fewer splits: less to merge
     return min(s for s, c in cost.items() if c <= good_enough)
 
 
 def _default_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device, cfg: dict) -> int:
-    """The split count `triton_paged_decode(num_splits=None)` uses: a split is at least 4 tiles."""
-    return choose_num_splits(batch, num_kv_heads, max_len, _num_sms(device), min_tokens_per_split=4 * cfg["BLOCK_N"])
+    """The split count `triton_paged_decode(num_splits=None)` uses for this device and tile."""
+    capability = 90 if device.type != "cuda" else _capability(device)
+    return choose_num_splits(
+        batch,
+        num_kv_heads,
+        max_len,
+        _num_sms(device),
+        programs_per_sm=_resident_programs(capability),
+        block_n=cfg["BLOCK_N"],
+    )
 
 
 def _tile_config(dtype: torch.dtype, head_dim: int, group: int, *, interpret: bool, capability: int = 90) -> dict:
@@ -398,7 +438,8 @@ def triton_paged_decode(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     check_values: bool = True,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over a paged KV cache with a Triton kernel (split-K, GQA).
 
     Query ``b`` attends to the first ``seq_lens[b]`` tokens of sequence ``b``, whose pages are
@@ -423,9 +464,14 @@ def triton_paged_decode(
         check_values: check ``seq_lens`` and the used block-table entries (reads them on the
             host: a device sync). Turn off in timed loops once the inputs are known good; an
             out-of-range page id then reads out of bounds.
+        return_lse: also return each row's log-sum-exp of its scores (base 2), the second half
+            of the state that :func:`paged_ref.attention.cascade.merge_states` merges. The
+            split partials are then always written (even for one split) and the lse is read off
+            them: ``lse = M + log2(sum_s 2^(m_s - M) l_s)``.
 
     Returns:
-        ``[batch, num_q_heads, head_dim]``, dtype of ``q`` (``out`` if given).
+        ``[batch, num_q_heads, head_dim]``, dtype of ``q`` (``out`` if given); with
+        ``return_lse``, ``(out, lse)`` with ``lse: float32 [batch, num_q_heads]``.
 
     Example:
         >>> kc, vc = torch.randn(4, 8, 1, 64), torch.randn(4, 8, 1, 64)
@@ -458,8 +504,12 @@ def triton_paged_decode(
         num_splits = _default_num_splits(batch, num_kv_heads, max_len, q.device, cfg)
     if out is None:
         out = torch.empty_like(q)  # [batch, num_q_heads, head_dim]
-    _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, **cfg)
-    return out
+    parts = _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, return_lse, **cfg)
+    if not return_lse:
+        return out
+    part_m, part_l = parts  # [batch, Hq, splits] each
+    top = part_m.amax(-1, keepdim=True)  # [batch, Hq, 1]: split 0 is never empty, so finite
+    return out, top[..., 0] + torch.log2((torch.exp2(part_m - top) * part_l).sum(-1))
 
 
 def _launch(
@@ -471,6 +521,7 @@ def _launch(
     out,
     scale,
     num_splits,
+    keep_partials=False,
     *,
     BLOCK_H,
     BLOCK_D,
@@ -479,10 +530,10 @@ def _launch(
     num_stages,
     **options,
 ):
-    """Launch both kernels on checked inputs."""
+    """Launch both kernels on checked inputs; returns the partials ``(m, l)`` when written."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    write_partials = num_splits > 1
+    write_partials = num_splits > 1 or keep_partials
     if write_partials:
         part_m = torch.empty(
             batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device
@@ -548,4 +599,4 @@ def _launch(
                 BLOCK_S=min(16, next_pow2(num_splits)),
                 num_warps=1 if interpret else 4,
             )
-    return out
+    return (part_m, part_l) if write_partials else None

@@ -25,8 +25,20 @@ reference   reference_paged_decode          reference_paged_prefill
 flex        flex_paged_decode               flex_paged_prefill
 triton      triton_paged_decode             sdpa_paged_prefill
 sdpa        sdpa_paged_decode               sdpa_paged_prefill
+sdpa_fused  sdpa_fused_paged_decode         sdpa_paged_prefill
+cascade     reference_cascade_decode        sdpa_paged_prefill
+            (triton_cascade_decode on CUDA)
 auto        ``triton`` on CUDA, ``sdpa`` elsewhere (the default)
 =========== =============================== ===============================
+
+``cascade`` reads the pages that rows of a step share once for all of them (forked samples and
+beams, requests on prefix-cached pages): per forward it finds the groups in the block table
+(`paged_ref.attention.cascade.shared_prefix_groups`), puts each group's rows side by side and
+runs cascade decode attention; rows that share nothing are attended alone.
+
+``quest_backend(budget)`` makes one more, not registered by name: Quest's decode over the
+``budget`` pages of each sequence and KV head whose key summaries bound the scores highest
+(`paged_ref.attention.quest`; the cache needs ``page_summaries=True``), prefill through SDPA.
 
 Two more, ``mistake_off_by_one`` and ``mistake_wrong_page``, are wrong on purpose: negative
 controls that show how far a real bug moves the results (`paged_ref.hf.mistakes`).
@@ -34,18 +46,21 @@ controls that show how far a real bug moves the results (`paged_ref.hf.mistakes`
 Triton has no prefill kernel here: prefill is compute-bound and runs once per prompt, so the
 ``triton`` backend prefills through SDPA. ``sdpa`` (`paged_ref.attention.sdpa`) gathers the batch's
 tokens by slot and calls PyTorch's SDPA: the fast path on a CPU, where the Triton kernel only
-runs in the interpreter. ``reference`` is the oracle every other backend is tested against.
+runs in the interpreter. ``sdpa_fused`` is ``sdpa`` with each decode layer's attention in one
+call of PyTorch's fused CPU kernel (one gather, no per-layer masking, softmax or matmul passes): the
+faster path beside the readable one. ``reference`` is the oracle every other backend is tested against.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from .._validate import check_choice
+from .._validate import check_choice, check_int
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -54,9 +69,12 @@ __all__ = [
     "BACKENDS",
     "register_backend",
     "auto_backend",
+    "cascade_layer_decode",
     "get_backend",
     "paged_attention_active",
     "paged_attention_forward",
+    "quest_backend",
+    "quest_layer_decode",
     "register",
     "set_attn_implementation",
 ]
@@ -113,13 +131,16 @@ def register_backend(backend: Backend) -> Backend:
     return backend
 
 
-def get_backend(name: str, device="cpu") -> Backend:
-    """The backend registered as ``name``; ``"auto"`` resolves to `auto_backend` on ``device``.
+def get_backend(name, device="cpu") -> Backend:
+    """The backend registered as ``name``; ``"auto"`` resolves to `auto_backend` on ``device``;
+    a `Backend` object is used as it is (e.g. `quest_backend`'s).
 
     Example:
         >>> get_backend("auto", "cpu").name
         'sdpa'
     """
+    if isinstance(name, Backend):
+        return name
     check_choice("backend", name, [*BACKENDS, AUTO])
     return BACKENDS[auto_backend(device) if name == AUTO else name]
 
@@ -164,8 +185,97 @@ def _prepare_sdpa(plan) -> dict:
     }
 
 
+def _prepare_sdpa_fused(plan) -> dict:
+    from ..attention.sdpa import prepare_fused
+
+    if not plan.is_decode:
+        return _prepare_sdpa(plan)
+    fused = prepare_fused(plan.block_table, plan.seq_lens, plan.kv.page_size, plan.kv.k_cache[0].dtype)
+    return {"fused": fused, "check_values": False}
+
+
 def _prepare_triton(plan) -> dict:
     return {"check_values": False} if plan.is_decode else _prepare_sdpa(plan)  # prefill: SDPA
+
+
+def _prepare_cascade(plan) -> dict:
+    if not plan.is_decode:
+        return _prepare_sdpa(plan)
+    from ..attention.cascade import shared_prefix_groups
+
+    order, indptr, prefix = shared_prefix_groups(plan.block_table, plan.seq_lens, plan.kv.page_size)
+    return {"order": order, "group_indptr": indptr, "prefix_lens": prefix}
+
+
+def cascade_layer_decode(
+    q, k_cache, v_cache, block_table, seq_lens, *, order, group_indptr, prefix_lens, scale=None, check_values=False
+):
+    """Cascade decode of the rows in ``order`` (groups side by side), returned in the batch's order;
+    Triton's kernels on CUDA, the PyTorch reference elsewhere."""
+    if q.device.type == "cuda":
+        from ..attention.triton_cascade import triton_cascade_decode as decode
+    else:
+        from ..attention.cascade import reference_cascade_decode as decode
+    out = decode(
+        q[order].contiguous(),
+        k_cache,
+        v_cache,
+        block_table[order].contiguous(),
+        seq_lens[order].contiguous(),
+        group_indptr,
+        prefix_lens,
+        scale=scale,
+        check_values=check_values,
+    )  # [batch, Hq, D], grouped order
+    return out[torch.argsort(order)]
+
+
+def _prepare_quest(plan, *, budget: int, dense_layers: int) -> dict:
+    summaries = getattr(plan.kv, "summaries", None)
+    if summaries is None:
+        raise ValueError(
+            "the quest backend reads page key summaries: make the cache with "
+            "PagedKVCache(..., page_summaries=True) (or PagedKVCache.for_model(..., page_summaries=True))"
+        )
+    if not plan.is_decode:
+        return _prepare_sdpa(plan)  # prefill reads every page: SDPA
+    # each layer's decode call finds its summaries by the K cache tensor it is given
+    # the first `dense_layers` layers read every page (Quest's paper keeps its first two dense)
+    by_cache = {
+        k.data_ptr(): (lo, hi, layer < dense_layers)
+        for layer, (k, lo, hi) in enumerate(zip(plan.kv.k_cache, summaries.k_min, summaries.k_max))
+    }
+    return {"summaries": by_cache, "budget": budget, "check_values": False}
+
+
+def quest_layer_decode(q, k_cache, v_cache, block_table, seq_lens, *, summaries, budget, scale=None, check_values=True):
+    """`quest_paged_decode` with the summaries of the layer whose ``k_cache`` this is."""
+    from ..attention.quest import quest_paged_decode
+
+    k_min, k_max, dense = summaries[k_cache.data_ptr()]
+    budget = block_table.shape[1] if dense else min(budget, block_table.shape[1])  # narrower: every page
+    return quest_paged_decode(
+        q, k_cache, v_cache, block_table, seq_lens, k_min, k_max, budget=budget, scale=scale, check_values=check_values
+    )
+
+
+def quest_backend(budget: int, *, dense_layers: int = 0) -> Backend:
+    """A backend that decodes with Quest over ``budget`` pages per sequence and KV head
+    (`paged_ref.attention.quest`) and prefills through SDPA; pass it as ``backend=``. The first
+    ``dense_layers`` layers read every page.
+
+    Example:
+        >>> quest_backend(8).name, quest_backend(8, dense_layers=2).name
+        ('quest_8', 'quest_8_dense_2')
+    """
+    budget = check_int("budget", budget, min_value=1)
+    dense_layers = check_int("dense_layers", dense_layers, min_value=0)
+    return Backend(
+        f"quest_{budget}" + (f"_dense_{dense_layers}" if dense_layers else ""),
+        ("paged_ref.hf.attention", "quest_layer_decode"),
+        _SDPA_PREFILL,
+        functools.partial(_prepare_quest, budget=budget, dense_layers=dense_layers),
+    )
 
 
 _REFERENCE_PREFILL = ("paged_ref.attention.reference", "reference_paged_prefill")
@@ -180,6 +290,8 @@ for _backend in (
     ),
     Backend("triton", ("paged_ref.attention.triton_decode", "triton_paged_decode"), _SDPA_PREFILL, _prepare_triton),
     Backend("sdpa", ("paged_ref.attention.sdpa", "sdpa_paged_decode"), _SDPA_PREFILL, _prepare_sdpa),
+    Backend("sdpa_fused", ("paged_ref.attention.sdpa", "sdpa_fused_paged_decode"), _SDPA_PREFILL, _prepare_sdpa_fused),
+    Backend("cascade", ("paged_ref.hf.attention", "cascade_layer_decode"), _SDPA_PREFILL, _prepare_cascade),
     # negative controls (`paged_ref.hf.mistakes`): wrong on purpose, to show what a real bug does
     Backend("mistake_off_by_one", ("paged_ref.hf.mistakes", "off_by_one_decode"), _REFERENCE_PREFILL),
     Backend("mistake_wrong_page", ("paged_ref.hf.mistakes", "wrong_page_decode"), _REFERENCE_PREFILL),
@@ -226,9 +338,14 @@ def paged_attention_forward(
             raise NotImplementedError(f"paged attention does not support {unsupported}={kwargs[unsupported]!r}")
     if getattr(module, "sinks", None) is not None:
         raise NotImplementedError("paged attention does not support attention sinks")
-    layer = module.layer_idx
+    with torch.profiler.record_function("paged_ref::attention"):  # a named region in a profile
+        return _attention(plan, module.layer_idx, query, scaling), None
+
+
+def _attention(plan, layer: int, query: torch.Tensor, scaling) -> torch.Tensor:
+    """`paged_attention_forward`'s output for one layer: ``[batch, max_q_len, Hq, D]``."""
     if plan.parts is not None:
-        return _packed_attention(plan, layer, query, scaling), None
+        return _packed_attention(plan, layer, query, scaling)
     k_cache, v_cache = plan.kv.k_cache[layer], plan.kv.v_cache[layer]  # [num_pages, page_size, Hkv, D]
     block_table, attn_kwargs = plan.layer(layer)  # int32 [batch, max_pages], this layer's keywords
     if plan.is_decode:
@@ -236,11 +353,11 @@ def paged_attention_forward(
         out = plan.decode(
             q, k_cache, v_cache, block_table, plan.seq_lens, scale=scaling, **attn_kwargs
         )  # [batch, Hq, D]
-        return out.unsqueeze(1), None  # [batch, 1, Hq, D]
+        return out.unsqueeze(1)  # [batch, 1, Hq, D]
     out = plan.prefill(
         query, k_cache, v_cache, block_table, plan.seq_lens, plan.q_lens, scale=scaling, **attn_kwargs
     )  # [batch, Hq, max_q_len, D]
-    return out.transpose(1, 2), None  # [batch, max_q_len, Hq, D]
+    return out.transpose(1, 2)  # [batch, max_q_len, Hq, D]
 
 
 def _packed_attention(plan, layer: int, query: torch.Tensor, scaling) -> torch.Tensor:

@@ -150,7 +150,8 @@ class PagedCache(Cache):
         slots = plan.kv.layer_slots(plan.slots, layer_idx)  # [num_new]
         # slots shared by every layer are checked once per forward, at layer 0
         check = layer_idx == 0 or plan.kv.tables_per_layer
-        plan.kv.write(layer_idx, slots, k.contiguous(), v.contiguous(), check_values=check)
+        with torch.profiler.record_function("paged_ref::cache_write"):  # a named region in a profile
+            plan.kv.write(layer_idx, slots, k.contiguous(), v.contiguous(), check_values=check)
         return key_states, value_states
 
     # ------------------------------------------------------------------ queries the model makes

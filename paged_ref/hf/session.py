@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from dataclasses import replace
@@ -49,6 +50,7 @@ from ..eviction.policies import EvictionPolicy, resolve_policy
 from ..memory import model_geometry
 from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, paged_attention_active, register, set_attn_implementation
 from .cache import PagedCache, StepPlan, pack_rows
+from .prepack import PackedLinears
 
 __all__ = ["PagedSession", "cache_keyword"]
 
@@ -70,12 +72,15 @@ class PagedSession:
             create a `PagedKVCache` with `num_pages` pages of `page_size` tokens.
         num_pages, page_size: size of the cache created when `kv_cache` is None.
         backend: ``"auto"`` (default: ``"triton"`` on CUDA, ``"sdpa"`` elsewhere), ``"reference"``
-            (the oracle), ``"flex"``, ``"triton"`` or ``"sdpa"`` (see `paged_ref.hf.attention`);
-            ``session.backend`` names the one in use.
+            (the oracle), ``"flex"``, ``"triton"`` or ``"sdpa"`` (see `paged_ref.hf.attention`),
+            or a `Backend` object (``quest_backend(budget)``); ``session.backend`` names the one in use.
         eviction, budget: KV eviction (`paged_ref.eviction`) of every sequence not given its own
             in `add` / `fork`: a policy name with ``budget`` in tokens (e.g.
             ``eviction="paged_eviction", budget=256``), or a policy object (which carries its own
             budget). None: keep every token.
+        prepack: run the model's linear layers through weights packed once for oneDNN
+            (`paged_ref.hf.prepack`; the same tokens, faster matmuls on a CPU, a second copy of the
+            weights). Where that cannot run, the layers stay eager with one warning.
 
     The model's attention implementation is ``"paged_ref"`` only for the length of each
     `extend` forward and is restored right after it (also when the forward raises): between
@@ -91,10 +96,13 @@ class PagedSession:
         kv_cache: KVCache | None = None,
         num_pages: int | None = None,
         page_size: int = 16,
-        backend: str = AUTO,
+        backend=AUTO,
         eviction=None,
         budget: int | None = None,
+        prepack: bool = False,
     ):
+        if not isinstance(prepack, bool):
+            raise TypeError(f"prepack must be True or False, got {prepack!r}")
         kv = kv_cache
         eviction = resolve_policy(eviction, budget)
         geometry = model_geometry(model)
@@ -116,6 +124,7 @@ class PagedSession:
         self.eviction = eviction  # the default policy (it carries its own budget)
         self._decode, self._prefill = self._backend.functions()
         self._hf_cache = PagedCache(kv)
+        self._linears = PackedLinears(model) if prepack else contextlib.nullcontext()
         self._cache_kw = cache_keyword(model)
         self._positions: dict[int, int] = {}  # seq_id -> next absolute position
         self._policies: dict[int, EvictionPolicy | None] = {}  # seq_id -> its eviction policy
@@ -341,7 +350,7 @@ class PagedSession:
             keep = torch.tensor(last, device=device)
         self._hf_cache.plan = plan
         try:
-            with paged_attention_active(self.model):
+            with paged_attention_active(self.model), self._linears:
                 out = self.model(
                     input_ids=input_ids,
                     position_ids=position_ids,

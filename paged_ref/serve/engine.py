@@ -82,6 +82,7 @@ class Engine:
         preemption: ``"recompute"`` or ``"swap"``.
         prefix_caching: share full prompt pages between requests (``PagedKVCache(prefix_caching=True)``).
         backend: the session's attention backend (``"auto"``, ``"sdpa"``, ``"reference"``, ...).
+        prepack: the session's linear layers through weights packed once for oneDNN (`paged_ref.hf.prepack`).
         watermark: share of the pool admission leaves free while other requests run (pages rounded
             down; vLLM V0's default was 0.01, vLLM 0.32's is 0).
         max_model_len: longest request (prompt + max_new_tokens) and what ``"max_len"`` reserves;
@@ -106,6 +107,7 @@ class Engine:
         preemption: str = "recompute",
         prefix_caching: bool = False,
         backend: str = "auto",
+        prepack: bool = False,
         watermark: float = 0.01,
         max_model_len: int | None = None,
         eos_token_id: int | list[int] | None = None,
@@ -133,7 +135,7 @@ class Engine:
             from ..hf.session import PagedSession
 
             kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
-            self.session = PagedSession(model, kv_cache=kv, backend=backend).open()
+            self.session = PagedSession(model, kv_cache=kv, backend=backend, prepack=prepack).open()
             self.vocab_size = model.config.vocab_size
             eos = eos_token_id
             if eos is None:

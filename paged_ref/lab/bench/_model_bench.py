@@ -96,12 +96,13 @@ def model_parser(name: str, doc: str, *, repeats: str):
     return parser
 
 
-def start_run(args, quick: dict, full: dict):
-    """``--threads``, the ``--model``, the sizes of ``--quick`` or the full run with ``--repeats`` over
-    the profile's, and the JSON's first keys. Returns ``(model, tokenizer, sizes, data)``."""
+def start_run(args, quick: dict, full: dict, *, model=None):
+    """``--threads``, the ``--model`` (or ``model``, a ``(model, tokenizer)`` already loaded), the
+    sizes of ``--quick`` or the full run with ``--repeats`` over the profile's, and the JSON's first
+    keys. Returns ``(model, tokenizer, sizes, data)``."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model) if model is None else model
     sizes = dict(quick if args.quick else full)
     if args.repeats is not None:
         sizes["repeats"] = args.repeats

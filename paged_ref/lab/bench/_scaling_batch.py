@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import statistics
 import time
+from functools import partial
 
 import torch
 
+from ...attention.flex import flex_paged_decode, paged_block_masks
 from ...block_table import pack_padded, pages_needed
 from ...memory import KVGeometry
 from ._scaling_latency import ContiguousDecoder, PagedDecoder, peak_bytes, reset_peak, synchronize
@@ -23,8 +25,11 @@ from .scaling_report import fit_counts, paged_overhead
 __all__ = ["page_size_sweep", "batch_throughput"]
 
 
-def _attention_time(decode, lengths, *, page_size, geometry: KVGeometry, repeats: int) -> float:
-    """Median time of one decode-attention call over the batch held in a shuffled page pool."""
+def _attention_time(decode, lengths, *, page_size, geometry: KVGeometry, repeats: int, reuse_mask: bool = False):
+    """Median time of one decode-attention call over the batch held in a shuffled page pool.
+
+    ``reuse_mask`` (flex): the BlockMask is built once, as a model builds it once per step for all
+    its layers, and passed to every call; returns ``(call seconds, build seconds)`` (both medians)."""
     num_kv_heads, head_dim, dtype, device = geometry.num_kv_heads, geometry.head_dim, geometry.dtype, geometry.device
     num_q_heads = geometry.num_q_heads or num_kv_heads
     gen = torch.Generator().manual_seed(0)
@@ -38,12 +43,22 @@ def _attention_time(decode, lengths, *, page_size, geometry: KVGeometry, repeats
         start += len(tables[-1])
     block_table, seq_lens = pack_padded(tables, lengths, device=device)  # [batch, max_pages], [batch]
     q = torch.randn(len(lengths), num_q_heads, head_dim, generator=gen).to(device, dtype)  # [batch, Hq, D]
-    decode(q, k_cache, v_cache, block_table, seq_lens)  # warm-up (and compile on GPU)
+    if reuse_mask:
+        build = partial(paged_block_masks, block_table, seq_lens, total, page_size)
+        mask = build().physical
+        call = partial(decode, q, k_cache, v_cache, block_table, seq_lens, block_mask=mask, check_values=False)
+        return _median_time(call, repeats, device), _median_time(build, repeats, device)
+    return _median_time(partial(decode, q, k_cache, v_cache, block_table, seq_lens), repeats, device)
+
+
+def _median_time(fn, repeats: int, device) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` synchronized calls, after one warm-up (and compile)."""
+    fn()
     times = []
     for _ in range(repeats):
         synchronize(device)
         t = time.perf_counter()
-        decode(q, k_cache, v_cache, block_table, seq_lens)
+        fn()
         synchronize(device)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
@@ -54,7 +69,9 @@ def page_size_sweep(
 ) -> list[dict]:
     """Per page size: `paged_overhead` of ``lengths`` plus ``attention_s: {backend: seconds}``, the
     median of ``repeats`` decode-attention calls (one layer of ``geometry``, the whole batch) of
-    each ``backends`` function; None once ``time.monotonic()`` is past ``deadline``."""
+    each ``backends`` function; None once ``time.monotonic()`` is past ``deadline``. Flex is timed
+    twice: as called alone (its BlockMask built per call) and as a model calls it, ``"<name> (mask
+    reused)"`` with the mask built once (its build time in ``block_mask_s``)."""
     rows = []
     for ps in page_sizes:
         row = paged_overhead(lengths, page_size=ps)
@@ -64,6 +81,14 @@ def page_size_sweep(
             row["attention_s"][name] = (
                 None if late else _attention_time(fn, lengths, page_size=ps, geometry=geometry, repeats=repeats)
             )
+            if fn is flex_paged_decode:
+                late = deadline is not None and time.monotonic() > deadline
+                reused = (
+                    (None, None)
+                    if late
+                    else _attention_time(fn, lengths, page_size=ps, geometry=geometry, repeats=repeats, reuse_mask=True)
+                )
+                row["attention_s"][f"{name} (mask reused)"], row["block_mask_s"] = reused
         rows.append(row)
     return rows
 

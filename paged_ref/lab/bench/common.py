@@ -29,6 +29,8 @@ from ..texttable import format_table
 __all__ = [
     "cpu_median",
     "gpu_median",
+    "graph_median",
+    "host_median",
     "copy_bandwidth",
     "environment",
     "write_json",
@@ -68,6 +70,39 @@ def gpu_median(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") * 1e-3
+
+
+def graph_median(fn: Callable[[], object], *, rep_ms: float = 100) -> tuple[float, object]:
+    """``(median seconds, output)`` of ``fn`` captured once in a CUDA graph and replayed: the GPU
+    work alone, without the Python and launch time a plain call spends on the host (timed like
+    `gpu_median`). ``fn`` must be capturable (no host syncs); it runs once on a side stream first."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up off the capture: compiles and allocator growth happen here
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    seconds = gpu_median(graph.replay, rep_ms=rep_ms)
+    graph.replay()
+    torch.cuda.synchronize()
+    return seconds, out
+
+
+def host_median(fn: Callable[[], object], *, calls: int = 50) -> float:
+    """Median host seconds one call of ``fn`` takes to return (Python, checks, launches), the GPU
+    left to run behind it: ``calls`` stays far below CUDA's launch queue, so no call waits on
+    the device. Synchronizes before and after (on a machine with CUDA)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    sync()
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    sync()
+    return statistics.median(times)
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, device: str = "cuda") -> dict:

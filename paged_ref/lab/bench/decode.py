@@ -3,15 +3,21 @@
     python -m paged_ref.lab.bench decode [--quick] [--out DIR]          (CUDA GPU, < 4 min)
     python -m paged_ref.lab.bench decode --cpu [--quick] [--out DIR]    (no GPU, seconds)
 
-GPU (bfloat16, 32 query heads over 8 KV heads of 128; batch x length (1, 131072), (8, 32768),
-(64, 4096), (256, 2048); pages of 16, 64, 128). A device-to-device copy first (the bandwidth
-ceiling: bytes read + written / time), then per case, in this order: SDPA on a contiguous cache;
-``triton_paged_decode`` on shuffled pages; the same kernel on an identity block table (the cost of
-paging itself); compiled ``flex_paged_decode`` building its BlockMask per call, as a user's call
-does (while ``--budget-s`` lasts); ``triton_paged_decode`` again (the run-to-run spread). Each: median
-time (``triton.testing.do_bench``: CUDA events, L2 flushed before each run), bandwidth = bytes
-of K and V read / time, its share of the copy's, the error against float32, and the ratios
-between implementations (`summarize_gpu`). JSON: ``figures/data/decode_gpu.json``.
+GPU (bfloat16, 32 query heads over 8 KV heads of 128: Llama-3-8B's attention, 32 layers;
+batch x length (1, 131072), (8, 32768), (64, 4096), (256, 2048); pages of 16, 64, 128). A
+device-to-device copy first (the bandwidth ceiling: bytes read + written / time), then per case,
+in this order: SDPA on a contiguous cache; ``triton_paged_decode`` on shuffled pages (with the
+host seconds one call takes to return, `host_median`); the same call captured in a CUDA graph and
+replayed (the kernels alone: a plain call's time includes the host's whenever the host is the
+slower of the two); the kernel on an identity block table (the cost of paging itself); while
+``--budget-s`` lasts (and from batches of ``--flex-min-batch`` on), compiled ``flex_paged_decode``
+as a model calls it, its BlockMask built once per step and reused by every layer (the call with
+the mask given, and the mask's build time), then as a user calling it alone pays, building its
+BlockMask per call; ``triton_paged_decode`` again (the run-to-run spread). Each: median time
+(``triton.testing.do_bench``: CUDA events, L2 flushed before each run), bandwidth = bytes of K and
+V read / time, its share of the copy's, the error against float32, and the ratios between
+implementations (`summarize_gpu`; flex per step counts the mask's build once per ``LAYERS``
+calls). JSON: ``figures/data/decode_gpu.json``.
 
 CPU (``--cpu``): small float32 sizes; the reference, eager FlexAttention and SDPA are timed
 (`cpu_median`); the Triton kernel runs once through the interpreter for correctness, untimed.
@@ -36,14 +42,16 @@ from .common import (
     cpu_median,
     environment,
     gpu_median,
+    graph_median,
+    host_median,
     print_table,
     result_file,
 )
 
 try:
-    from ...attention.flex import flex_paged_decode
+    from ...attention.flex import flex_paged_decode, paged_block_masks
 except ImportError:  # flex module missing or this torch lacks FlexAttention
-    flex_paged_decode = None
+    flex_paged_decode = paged_block_masks = None
 
 GPU_SHAPES = [(1, 131072), (8, 32768), (64, 4096), (256, 2048)]
 GPU_PAGE_SIZES = [16, 64, 128]
@@ -51,11 +59,19 @@ GPU_HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 CPU_SHAPES = [(1, 2048), (8, 512)]
 CPU_PAGE_SIZES = [16, 64]
 CPU_HEADS = dict(num_q_heads=8, num_kv_heads=2, head_dim=64)
+LAYERS = 32  # decoder layers of the model whose attention GPU_HEADS is (Llama-3-8B): calls per BlockMask
 GPU_CALLS = dict(  # how the GPU run times and calls, recorded in its config
     timing="triton.testing.do_bench median (CUDA events, L2 flushed)",
     bandwidth="bytes of K and V read / median time",
     paged_decode_call="check_values=False, num_splits=None",
+    graph_call="the paged_decode call captured in a CUDA graph, replays timed: the kernels without host time",
+    host_time="host_s: median seconds a paged_decode call takes to return on the host (GPU queue not full)",
     flex_call="flex_paged_decode as a user calls it: builds the BlockMask on every call",
+    flex_reused_call=(
+        "flex_paged_decode(block_mask=...) as a model calls it: the mask built once per step (block_mask_s) "
+        f"and reused by its {LAYERS} layers"
+    ),
+    layers=LAYERS,
 )
 FLEX_KW = {"check_values": False}  # no host-side value checks inside timed loops
 
@@ -119,7 +135,18 @@ def _planned_splits(batch, seq_len, heads, dtype, device):
     return td._default_num_splits(batch, heads["num_kv_heads"], seq_len, device, cfg)
 
 
-def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None, device="cuda", checkpoint=None):
+def run_gpu(
+    shapes,
+    page_sizes,
+    *,
+    budget_s,
+    rep_ms,
+    flex_min_batch=1,
+    heads=GPU_HEADS,
+    dtype=None,
+    device="cuda",
+    checkpoint=None,
+):
     """Measure every implementation on every (shape, page size), in the module docstring's order.
 
     ``heads``, ``dtype`` (None: the GPU's native 16-bit type) and ``device`` let tests run the
@@ -140,9 +167,10 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None
         notes.append("flex_paged_decode not importable: not measured")
     elem = torch.empty((), dtype=dtype).element_size()
 
-    def measure(page_size, impl, fn, out=None, **extra):
-        """Time ``fn`` for the current (batch, seq_len); check ``out`` (None: ``fn()`` after timing)."""
-        seconds = gpu_median(fn, rep_ms=rep_ms)
+    def measure(page_size, impl, fn, out=None, seconds=None, **extra):
+        """Time ``fn`` for the current (batch, seq_len) (unless ``seconds`` is given); check ``out``
+        (None: ``fn()`` after timing)."""
+        seconds = gpu_median(fn, rep_ms=rep_ms) if seconds is None else seconds
         out = fn() if out is None else out
         kv_bytes = 2 * batch * seq_len * heads["num_kv_heads"] * heads["head_dim"] * elem
         bandwidth = kv_bytes / seconds / 1e9
@@ -155,10 +183,10 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None
             flush=True,
         )
 
-    def peer(page_size, impl, fn):
+    def peer(page_size, impl, fn, **extra):
         """Time a peer implementation after a first call (flex compiles); a failure is noted."""
         try:
-            measure(page_size, impl, fn, out=fn())
+            measure(page_size, impl, fn, out=fn(), **extra)
         except Exception as exc:
             where = f"({batch}, {seq_len}, page {page_size})"
             errors.append(f"{impl} failed at {where}: {type(exc).__name__}: {str(exc)[:300]}")
@@ -178,13 +206,34 @@ def run_gpu(shapes, page_sizes, *, budget_s, rep_ms, heads=GPU_HEADS, dtype=None
             paged_out = td.triton_paged_decode(q, *paged, lens)  # values checked once, untimed
             run_paged = partial(td.triton_paged_decode, q, *paged, lens, check_values=False)
             run_contig = partial(td.triton_paged_decode, q, *contiguous, lens, check_values=False)
-            measure(page_size, "paged_decode", run_paged, out=paged_out, num_splits=splits)
+            host_s = host_median(run_paged)
+            measure(page_size, "paged_decode", run_paged, out=paged_out, num_splits=splits, host_s=host_s)
+            try:
+                seconds, graph_out = graph_median(run_paged, rep_ms=rep_ms)
+                measure(page_size, "paged_decode (CUDA graph)", run_paged, graph_out, seconds, num_splits=splits)
+            except Exception as exc:
+                errors.append(
+                    f"CUDA graph of paged_decode failed at ({batch}, {seq_len}, page {page_size}): {exc!r}"[:400]
+                )
             measure(page_size, "paged_decode contiguous", run_contig, num_splits=splits)
             if flex_paged_decode is not None:
-                if time.perf_counter() - started > budget_s:
-                    where = f"({batch}, {seq_len}, page {page_size})"
+                where = f"({batch}, {seq_len}, page {page_size})"
+                if batch < flex_min_batch:
+                    notes.append(f"flex left out at {where}: batch below --flex-min-batch {flex_min_batch}")
+                elif time.perf_counter() - started > budget_s:
                     notes.append(f"flex skipped at {where}: time budget {budget_s:.0f} s used")
                 else:
+                    num_pages = paged[0].shape[0]
+                    build = partial(paged_block_masks, paged[2], lens, num_pages, page_size)
+                    try:
+                        mask = build().physical  # once per step in a model, shared by its layers
+                        mask_s = gpu_median(build, rep_ms=rep_ms)
+                    except Exception as exc:
+                        errors.append(f"BlockMask failed at ({batch}, {seq_len}, page {page_size}): {exc!r}"[:400])
+                    else:
+                        reused = partial(flex_paged_decode, q, *paged, lens, block_mask=mask, **FLEX_KW)
+                        peer(page_size, "flex_paged_decode (mask reused)", reused, block_mask_s=mask_s)
+                        del mask, reused
                     peer(page_size, "flex_paged_decode", partial(flex_paged_decode, q, *paged, lens, **FLEX_KW))
             measure(page_size, "paged_decode (again)", run_paged, num_splits=splits)  # the spread is the noise
             del contiguous, paged, run_paged, run_contig
@@ -241,6 +290,9 @@ def main(argv=None):
     parser.add_argument(
         "--budget-s", type=float, default=150.0, help="GPU: stop starting flex measurements after this many seconds"
     )
+    parser.add_argument(
+        "--flex-min-batch", type=int, default=1, help="GPU: measure flex only at batches of at least this many"
+    )
     args = parser.parse_args(argv)
     command = command_line("decode", argv)
     if not args.cpu and not torch.cuda.is_available():
@@ -261,7 +313,15 @@ def main(argv=None):
             result.save(data)
 
         rep_ms = 50 if args.quick else 100
-        data.update(run_gpu(shapes, pages, budget_s=args.budget_s, rep_ms=rep_ms, checkpoint=checkpoint))
+        measured = run_gpu(
+            shapes,
+            pages,
+            budget_s=args.budget_s,
+            rep_ms=rep_ms,
+            flex_min_batch=args.flex_min_batch,
+            checkpoint=checkpoint,
+        )
+        data.update(measured)
         data["ratios"], data["goals"] = summarize_gpu(data)
     for n in data["notes"]:
         print("note:", n)

@@ -41,7 +41,7 @@ from ._eviction_runs import PER_LAYER, POLICIES, TOKEN_LEVEL, policy_groups, pol
 from .common import bench_parser, environment, result_file
 
 __all__ = ["FULL", "LONG_POLICIES", "QUICK", "SMOKE", "SPEED_POLICIES", "lm_task", "main", "retention_task"]
-__all__ += ["score_continuation", "speed_task", "summarize_lm"]
+__all__ += ["lm_text_ids", "retention_ids", "score_continuation", "speed_task", "summarize_lm"]
 __all__ += ["PER_LAYER", "POLICIES", "TOKEN_LEVEL", "answer_is_correct", "policy_runs"]  # from its parts
 
 # the long-context continuation: the method as run and as written, per layer; the paper's baselines
@@ -137,7 +137,7 @@ def lm_task(model, tok, cfg, log, long: bool = False):
         start = next(starts, None)
         if start is None:
             raise RuntimeError(f"fewer than {n_texts} passages without copying: {texts}")
-        ids = _lm_text_ids(tok, start, n_ctx + n_cont)
+        ids = lm_text_ids(tok, start, n_ctx + n_cont)
         assert ids.numel() == n_ctx + n_cont, f"text at paragraph {start} has only {ids.numel()} tokens"
         copied = copy_fraction(ids, n_ctx)
         texts.append(dict(start_paragraph=start, copied_8grams=copied, used=copied <= MAX_COPIED))
@@ -151,42 +151,47 @@ def lm_task(model, tok, cfg, log, long: bool = False):
     return rows, max(checks), texts
 
 
-def retention_task(model, tok, cfg, log):
-    """``(rows, check, texts)`` as `lm_task`, for ``retention_texts`` contexts of ``retention_passage``
-    tokens of a passage A and ``retention_other`` of other prose B, then A's opening sentence again;
-    the ``retention_scored`` tokens of A that follow it are scored (in the context verbatim)."""
+def retention_ids(tok, cfg, t: int) -> tuple[torch.Tensor, int, int, dict]:
+    """Retention text ``t``: ``(ids, n_ctx, opening, info)``: ``retention_passage`` tokens of a passage A,
+    ``retention_other`` of other prose B (``n_ctx`` tokens in all), then A's opening sentence again
+    (``opening`` tokens) and the ``retention_scored`` tokens of A that follow it (in the context verbatim)."""
     n = len(paragraphs(20))
     n_a, n_b, n_score = cfg["retention_passage"], cfg["retention_other"], cfg["retention_scored"]
+    start_a = (t * cfg["text_stride"] + cfg["text_stride"] // 2) % n
+    start_b = (start_a + n // 2) % n
+    text_a = english_text(int(n_a * 1.2), start=start_a)
+    enc = tok(text_a, add_special_tokens=False, return_offsets_mapping=True)
+    a = torch.tensor(enc["input_ids"][:n_a])
+    first_sentence_end = text_a.index(". ") + 1
+    opening = sum(1 for _, end in enc["offset_mapping"] if end <= first_sentence_end)  # tokens of sentence 1
+    if not 0 < opening < n_a - n_score:
+        raise ValueError(f"passage at paragraph {start_a}: opening sentence of {opening} tokens does not fit")
+    b = lm_text_ids(tok, start_b, n_b)
+    assert a.numel() == n_a and b.numel() == n_b, f"passages at paragraphs {start_a}, {start_b} are too short"
+    repeat = a[: opening + n_score]  # A's opening sentence, then the tokens scored
+    info = dict(
+        start_paragraph=start_a,
+        other_paragraph=start_b,
+        opening_tokens=opening,
+        scored_tokens=n_score,
+        scored_8grams_in_other=copy_fraction(torch.cat([b, repeat[opening:]]), n_b),
+    )
+    return torch.cat([a, b, repeat]), n_a + n_b, opening, info  # ids: [n_a + n_b + opening + n_score]
+
+
+def retention_task(model, tok, cfg, log):
+    """``(rows, check, texts)`` as `lm_task`, for ``retention_texts`` texts of `retention_ids`; the share
+    of passage A each policy holds after the prefill eviction is recorded as ``region_held``."""
     groups = policy_groups(cfg["budgets"], cfg["page_sizes"])
     rows, checks, texts = [], [], []
     for t in range(cfg["retention_texts"]):
-        start_a = (t * cfg["text_stride"] + cfg["text_stride"] // 2) % n
-        start_b = (start_a + n // 2) % n
-        text_a = english_text(int(n_a * 1.2), start=start_a)
-        enc = tok(text_a, add_special_tokens=False, return_offsets_mapping=True)
-        a = torch.tensor(enc["input_ids"][:n_a])
-        first_sentence_end = text_a.index(". ") + 1
-        opening = sum(1 for _, end in enc["offset_mapping"] if end <= first_sentence_end)  # tokens of sentence 1
-        if not 0 < opening < n_a - n_score:
-            raise ValueError(f"passage at paragraph {start_a}: opening sentence of {opening} tokens does not fit")
-        b = _lm_text_ids(tok, start_b, n_b)
-        assert a.numel() == n_a and b.numel() == n_b, f"passages at paragraphs {start_a}, {start_b} are too short"
-        repeat = a[: opening + n_score]  # A's opening sentence, then the tokens scored
-        ids = torch.cat([a, b, repeat])  # [n_a + n_b + opening + n_score]
+        ids, n_ctx, opening, info = retention_ids(tok, cfg, t)
         text_rows, check = score_continuation(
-            model, ids, n_a + n_b, opening, groups, log, f"retention text {t}", (0, n_a)
+            model, ids, n_ctx, opening, groups, log, f"retention text {t}", (0, cfg["retention_passage"])
         )
         rows += [dict(r, text=t) for r in text_rows]
         checks.append(check)
-        texts.append(
-            dict(
-                start_paragraph=start_a,
-                other_paragraph=start_b,
-                opening_tokens=opening,
-                scored_tokens=n_score,
-                scored_8grams_in_other=copy_fraction(torch.cat([b, repeat[opening:]]), n_b),
-            )
-        )
+        texts.append(info)
     return rows, max(checks), texts
 
 
@@ -341,7 +346,7 @@ def _run(args, mode, out, cfg):
     first_text = next(t["start_paragraph"] for t in texts if t["used"])
     result.update(
         check_max_abs_logprob_diff=max(check, long_check, ret_check),
-        lowest_ratio_tokens=engine.lowest_ratio_tokens(model, tok, _lm_text_ids(tok, first_text, cfg["context"])),
+        lowest_ratio_tokens=engine.lowest_ratio_tokens(model, tok, lm_text_ids(tok, first_text, cfg["context"])),
         seconds=round(time.perf_counter() - start, 1),
     )
     path = out.save(result, complete=True)
@@ -372,7 +377,8 @@ def _run(args, mode, out, cfg):
     return result
 
 
-def _lm_text_ids(tok, start: int, n: int) -> torch.Tensor:
+def lm_text_ids(tok, start: int, n: int) -> torch.Tensor:
+    """``[n]`` token ids of English prose from paragraph ``start`` on."""
     text = english_text(int(n * 1.2), start=start)
     return tok(text, return_tensors="pt", add_special_tokens=False).input_ids[0][:n]
 

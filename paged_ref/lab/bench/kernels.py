@@ -13,7 +13,6 @@ Little's law, and what it takes to recompile the entry. Output: ``figures/data/k
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import subprocess
@@ -25,17 +24,14 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..._arith import cdiv, next_pow2
+from ...attention import occupancy as occupancy_model
+from ...attention.occupancy import SM_LIMITS, bytes_in_flight, programs_per_sm
 from .common import bench_parser, environment, print_table, result_file
 
-#: Targets: SMs, per-SM limits and the memory system's datasheet bandwidth. Little's law asks
-#: for bandwidth x latency bytes in flight; LATENCY_S is an assumed ~1 us DRAM round trip.
-TARGETS = {
-    90: dict(name="sm_90 (H200)", sms=132, regs=65536, max_warps=64, max_blocks=32, smem=228 * 1024, bandwidth=4.8e12),
-    80: dict(
-        name="sm_80 (A100 80GB)", sms=108, regs=65536, max_warps=64, max_blocks=32, smem=164 * 1024, bandwidth=2.039e12
-    ),
-    75: dict(name="sm_75 (T4)", sms=40, regs=65536, max_warps=32, max_blocks=16, smem=64 * 1024, bandwidth=320e9),
-}
+#: Targets: SMs, per-SM limits and the memory system's datasheet bandwidth (the occupancy
+#: model's, :mod:`paged_ref.attention.occupancy`). Little's law asks for bandwidth x latency
+#: bytes in flight; LATENCY_S is an assumed ~1 us DRAM round trip.
+TARGETS = {arch: asdict(limits) for arch, limits in SM_LIMITS.items()}
 TARGET_DTYPES = {90: ("fp16", "bf16", "fp32"), 80: ("fp16", "bf16", "fp32"), 75: ("fp16",)}
 LATENCY_S = 1e-6
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -60,13 +56,16 @@ class KernelConfig:
     hints: bool = True  # alignment specialisation as the JIT does it (False: bare signature)
 
 
-def _source(name: str, consts: dict, ints: dict, ptr_types: dict, floats: dict, hints: bool, options: dict):
-    """(ASTSource, options, record) of kernel ``name``, its signature specialised like a JIT launch."""
+def _source(
+    name: str, consts: dict, ints: dict, ptr_types: dict, floats: dict, hints: bool, options: dict, kernel=None
+):
+    """(ASTSource, options, record) of kernel ``name`` (of `triton_decode`, or ``kernel``), its
+    signature specialised like a JIT launch."""
     from triton.compiler import ASTSource
 
     from ...attention import triton_decode as td
 
-    kernel = td.compiled_kernels()[name]
+    kernel = td.compiled_kernels()[name] if kernel is None else kernel
     sig, attrs, constexprs = {}, {}, dict(consts)
     for i, arg in enumerate(kernel.arg_names):
         if arg in consts:
@@ -142,21 +141,12 @@ def kv_buffers(ttgir: str) -> list[int]:
 
 def occupancy(arch: int, registers: int, shared: int, num_warps: int) -> dict:
     """Programs (CTAs) per SM allowed by each resource; the smallest one wins."""
-    t = TARGETS[arch]
-    regs_per_warp = math.ceil(max(registers, 1) * 32 / 256) * 256  # allocated per warp
-    limits = dict(
-        by_registers=t["regs"] // (regs_per_warp * num_warps),
-        by_shared=t["smem"] // (shared + 1024) if shared else t["max_blocks"],
-        by_warps=t["max_warps"] // num_warps,
-        by_blocks=t["max_blocks"],
-    )
-    return dict(limits, programs_per_sm=min(limits.values()))
+    return programs_per_sm(registers, shared, num_warps, SM_LIMITS[arch])
 
 
 def littles_law_bytes(arch: int) -> int:
     """Bytes a single SM must keep in flight to reach the datasheet bandwidth at LATENCY_S."""
-    t = TARGETS[arch]
-    return int(t["bandwidth"] * LATENCY_S / t["sms"])
+    return occupancy_model.littles_law_bytes(SM_LIMITS[arch], LATENCY_S)
 
 
 def _compile(arch: int, source) -> tuple[dict, object]:
@@ -189,7 +179,7 @@ def compile_config(cfg: KernelConfig) -> dict:
     # one is consumed; without asynchronous copies a program waits on one K tile at a time.
     depth = max(entry["kv_buffers"], default=1)
     asynchronous = entry["async_copies"] + entry["tma_loads"] > 0
-    per_program = 2 * (depth - 1) * tile_bytes if asynchronous and depth > 1 else tile_bytes
+    per_program = bytes_in_flight(tile_bytes, depth, asynchronous)
     entry["tile_bytes"] = tile_bytes
     entry["kv_bytes_in_flight_per_sm"] = per_program * entry["programs_per_sm"]
     entry["littles_law_bytes_per_sm"] = littles_law_bytes(cfg.arch)
@@ -205,6 +195,37 @@ def compile_reduce(arch: int, dtype: str, head_dim: int) -> dict:
     entry = dict(arch=arch, dtype=dtype, head_dim=head_dim, **record)
     if ck is not None:
         entry.update(shared_bytes=ck.metadata.shared, **read_cubin(ck.asm["cubin"]))
+    return entry
+
+
+def compile_prefix(arch: int, dtype: str, head_dim: int = 128, group: int = 4, page_size: int = 16) -> dict:
+    """Compile the cascade's prefix kernel (`paged_ref.attention.triton_cascade`) as it launches
+    for a group of 32 requests (block-table and group tensors int32)."""
+    from ...attention import triton_cascade as tc
+
+    tile = tc.prefix_tile_config(DTYPES[dtype], head_dim, 32 * group, interpret=False)
+    consts = dict(HEAD_DIM=head_dim, BLOCK_D=tile["BLOCK_D"], GROUP=group, BLOCK_M=tile["BLOCK_M"])
+    consts.update(PAGE_SIZE=page_size, BLOCK_N=tile["BLOCK_N"], DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+    hq = group * NUM_KV_HEADS
+    ints = dict(
+        stride_q_batch=hq * head_dim, stride_q_head=head_dim, stride_cache_page=page_size * NUM_KV_HEADS * head_dim
+    )
+    ints.update(stride_cache_token=NUM_KV_HEADS * head_dim, stride_cache_head=head_dim)
+    ints["stride_bt_batch"] = cdiv(CONTEXT, page_size)
+    ptrs = dict.fromkeys(("q_ptr", "k_cache_ptr", "v_cache_ptr"), dtype)
+    ptrs.update(dict.fromkeys(("block_table_ptr", "group_indptr_ptr", "prefix_lens_ptr"), "i32"))
+    ptrs.update(out_ptr="fp32", lse_ptr="fp32")
+    options = {k: v for k, v in tile.items() if not k.startswith("BLOCK_")}
+    source = _source(
+        "_prefix_kernel", consts, ints, ptrs, {"scale_log2": "fp32"}, True, options, tc.compiled_prefix_kernel()
+    )
+    record, ck = _compile(arch, source)
+    entry = dict(arch=arch, dtype=dtype, head_dim=head_dim, group=group, page_size=page_size, **record, tile=tile)
+    if ck is not None:
+        entry.update(
+            shared_bytes=ck.metadata.shared, kv_buffers=kv_buffers(ck.asm["ttgir"]), **read_cubin(ck.asm["cubin"])
+        )
+        entry.update(occupancy(arch, entry["registers"], entry["shared_bytes"], options["num_warps"]))
     return entry
 
 
@@ -288,7 +309,8 @@ def main(argv=None):
     reduce = [compile_reduce(a, dt, d) for a, dtypes in TARGET_DTYPES.items() for dt in dtypes for d in head_dims]
     assumptions = dict(latency_s=LATENCY_S, targets=TARGETS, num_kv_heads=NUM_KV_HEADS, context=CONTEXT)
     data = dict(head, assumptions=assumptions, elapsed_s=round(time.perf_counter() - start, 1))
-    data.update(summary=summary(entries), split_kernel=entries, reduce_kernel=reduce)
+    prefix = [compile_prefix(a, dt) for a in (90, 80) for dt in ("bf16", "fp16")]  # the cascade's prefix kernel
+    data.update(summary=summary(entries), split_kernel=entries, reduce_kernel=reduce, prefix_kernel=prefix)
     rows = [[name] + [cell.format(**s) for _, cell in SUMMARY_COLUMNS] for name, s in data["summary"].items()]
     print_table(["target"] + [header for header, _ in SUMMARY_COLUMNS], rows)
     b = entries[-1]

@@ -11,7 +11,8 @@ On one model and the same tokens, in one run:
 2. A mixed-length batch in one KV budget (`_scaling_batch`): requests admitted and tokens/s under
    a contiguous max-length reservation vs the paged pool.
 3. Memory: KV bytes held (CPU) or peak device memory (GPU) against tokens held x bytes per token;
-   the paged overhead at page size 16 (goal <= 5%); a page-size sweep of overhead and attention time.
+   the paged overhead at page size 16 (goal <= 5%); a page-size sweep of overhead and attention time
+   (flex both as called alone and with its BlockMask built once and reused, as a model's layers share it).
 4. A growing-context chat with and without prefix caching (`_scaling_chat`).
 5. The latency of every page operation of every paged pool in the run (median, p99).
 

@@ -3,6 +3,7 @@
     python -m paged_ref.lab.bench serve [--quick] [--gpu] [--threads N] [--out DIR] [--skip-peer] [--skip-pools]
                                         [--workload short] [--requests N] [--rates R ...]
                                         [--peer {transformers,vllm}]
+    python -m paged_ref.lab.bench serve --profile [--quick] [--threads N] [--out DIR]
 
 Requests: prompts of English prose (random ids for a random-weight model) with lognormal prompt and
 output lengths (`paged_ref.lab.fragmentation.make_workload`), each generating exactly its drawn length (EOS
@@ -22,7 +23,8 @@ JSON, saved after every section with the load average around it:
 ``figures/data/serve_{cpu,gpu}.json`` (``_quick`` in quick mode). ``--gpu``: the random-weight 1B Llama
 of ``bench scaling --gpu`` in bf16 on CUDA, larger workload. ``--workload short``: answers half as long
 as prompts (`WORKLOADS`), where paging gains the least over exact reservation; written to
-``serve_cpu_short.json``.
+``serve_cpu_short.json``. ``--profile``: where a step's time goes instead (`._serve_profile`: a profile
+by op of decode and mixed steps, then each speed-up's measured gain), ``figures/data/serve_profile_cpu.json``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from ..runmode import data_dir
 from ._model_bench import text_ids
 from ._scaling_models import build_model
 from ._serve_peer import run_peer
+from ._serve_profile import run_profile
 from ._vllm_peer import CPU_BLOCK_MULTIPLE, check_page_size
 from .common import bench_parser, command_line, environment, result_file, table
 
@@ -488,9 +491,14 @@ def main(argv=None):
     parser.add_argument(
         "--workload", choices=tuple(WORKLOADS), default="chat", help="lengths: the profile's (chat) or short"
     )
+    parser.add_argument("--profile", action="store_true", help="where a step's time goes, and each speed-up's gain")
     args = parser.parse_args(argv)
     if args.quick and args.gpu:
         parser.error("--quick and --gpu are exclusive")
+    if args.profile and args.gpu:
+        parser.error("--profile runs on the CPU; leave out --gpu")
+    if args.profile:
+        return _main_profile(parser, args, argv)
     mode = "quick" if args.quick else "gpu" if args.gpu else "cpu"
     cfg = dict(PROFILES[mode])
     if args.requests is not None:
@@ -573,6 +581,52 @@ def main(argv=None):
     for goal, g in data["goals"].items():
         numbers = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in g.items() if k != "met")
         print(f"  {'met    ' if g['met'] else 'NOT met'}  {goal}: {numbers}")
+    path = result.save(data, complete=True)
+    print(f"wrote {path} ({data['seconds']:.0f} s)")
+    return data
+
+
+PROFILE_COLUMNS = [("op", "{op}"), ("ms/step", "{ms_per_step:.1f}"), ("share", "{share:.1%}"), ("calls", "{calls}")]
+GAIN_COLUMNS = [
+    ("before -> after", "{before} -> {after}"),
+    ("decode", "{step_ratio_median[decode]:.2f}x"),
+    ("mixed", "{step_ratio_median[mixed]:.2f}x"),
+    ("all steps", "{step_ratio_median[all]:.2f}x"),
+    ("busy", "{busy_ratio:.2f}x"),
+    ("ms/step", "{ms}"),
+    ("same tokens", "{requests_with_identical_tokens}/{requests}"),
+    ("load", "{load_before[0]:.1f}"),
+]
+
+
+def _main_profile(parser, args, argv) -> dict:
+    """``--profile``: `._serve_profile.run_profile` on SmolLM2 (the tiny model with ``--quick``)."""
+    name = f"serve_profile_cpu{'_quick' if args.quick else ''}.json"
+    result = result_file(parser, args.out, name)
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    model, info = build_model("tiny" if args.quick else "smollm2", device="cpu")
+    data = {"mode": "quick" if args.quick else "cpu", "command": command_line("serve", argv)}
+    data["model"] = {k: info[k] for k in ("name", "weights", "dtype")}
+    data["environment"] = environment()
+
+    def requests_fn(**lengths):
+        return make_requests(model, info["tokenizer"], **lengths)[0]
+
+    data.update(run_profile(model, requests_fn, quick=args.quick, save=result.save))
+    for variant, v in data["variants"].items():
+        for kind, t in v["profile"].items():
+            print(f"\n{variant}, {kind} step ({t['total_ms_per_step']:.0f} ms of ops, rows {t['rows']})")
+            rows = [{**op, "calls": "-" if op["calls_per_step"] is None else f"{op['calls_per_step']:.0f}"}
+                    for op in t["ops"]]  # fmt: skip
+            print(table(PROFILE_COLUMNS, rows))
+    print("\ngain of each step (median of per-step time ratios, engines taking turns):")
+    rows = [{**g, "ms": f"{g['ms_per_step_median']['before']:.0f} -> {g['ms_per_step_median']['after']:.0f}"}
+            for g in data["gains"]]  # fmt: skip
+    print(table(GAIN_COLUMNS, rows))
+    c = data["generate_check"]
+    print(f"model.generate: {c['identical']}/{c['requests']} requests with the same tokens as {c['variant']}")
+    data["seconds"] = time.perf_counter() - started
     path = result.save(data, complete=True)
     print(f"wrote {path} ({data['seconds']:.0f} s)")
     return data

@@ -1,6 +1,7 @@
 """Pages shared between the sequences of one request: parallel samples and beam search.
 
-    python -m paged_ref.lab.bench sharing [--quick] [--threads N] [--model smollm2|tiny] [--repeats R] [--out DIR]
+    python -m paged_ref.lab.bench sharing [--quick] [--gpu] [--threads N] [--model smollm2|tiny] [--repeats R]
+                                          [--out DIR]
 
 n = 2, 4, 8 seeded samples and k = 2, 4, 8 beams (all returned) of a short and a 512-token prompt of
 English prose, EOS ignored, pages of 16. **Memory**: pages held after every forward under (a) fork +
@@ -12,7 +13,12 @@ time over ``repeats`` pairs (the recorded runs are the first pair, then the orde
 median of the per-pair ratios paged / transformers (goal <= 1.10; CPU time is steadier with
 ``--threads 1``), and whether the tokens (and beam scores, within 1e-4) are the same.
 
-JSON: ``figures/data/sharing_cpu.json`` (``_gpu`` on CUDA); figure: `paged_ref.lab.viz.sharing.sharing_figure`.
+``--gpu``: the same on CUDA in float32 (tokens and beam scores stay comparable), the model from
+``bench scaling``'s loader: SmolLM2's real weights where its GGUF and ``gguf`` load, else a
+random-weight Llama of its shapes with random prompt ids (the JSON's ``model_info`` says which).
+
+JSON: ``figures/data/sharing_cpu.json`` (``sharing_gpu.json`` with ``--gpu``); figure:
+`paged_ref.lab.viz.sharing.sharing_figure`.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from ...block_table import pages_needed
 from ...cache import PagedKVCache
 from ..sharing import computed_tokens, no_sharing_pages, prefix_caching_pages
 from ._model_bench import model_parser, paired_ratio, prompt_tokens, start_run
+from ._scaling_models import build_model
 from .common import environment, result_file, table
 
 PAGE_SIZE = 16
@@ -213,13 +220,14 @@ def measure(model, tokenizer, *, prompts, widths, new_tokens, repeats) -> dict:
     """Every (prompt, kind, width) run; see the module docstring."""
     from tqdm.auto import tqdm
 
-    warm = torch.tensor([[5, 6, 7]])  # one-time costs (lazy initialisation) before the first timed call
+    device = next(model.parameters()).device
+    warm = torch.tensor([[5, 6, 7]], device=device)  # one-time costs (lazy initialisation) before the first timed call
     hf.generate(model, warm, max_new_tokens=2, do_sample=True)
     model.generate(warm, max_new_tokens=2, do_sample=True)
     runs = []
     jobs = [(name, kind, w) for name in prompts for kind in ("sample", "beam") for w in widths]
     for name, kind, w in tqdm(jobs, desc="bench sharing", unit="run"):
-        ids = prompt_tokens(model, tokenizer, prompts[name], start=3 * list(prompts).index(name))[None]  # [1, n]
+        ids = prompt_tokens(model, tokenizer, prompts[name], start=3 * list(prompts).index(name))[None].to(device)
         runs.append({"prompt": name, **measure_one(model, ids, kind, w, new_tokens, repeats)})
     return {"page_size": PAGE_SIZE, "seed": SEED, "repeats": repeats, "runs": runs, "goals": _goals(runs)}
 
@@ -239,10 +247,18 @@ def _goals(runs) -> dict:
 
 def main(argv=None):
     parser = model_parser("sharing", __doc__, repeats="timed pairs per run (default 5; quick 1)")
+    parser.add_argument("--gpu", action="store_true", help="run on the CUDA GPU in float32 (sharing_gpu.json)")
     args = parser.parse_args(argv)
-    device = "gpu" if torch.cuda.is_available() else "cpu"
-    result = result_file(parser, args.out, f"sharing_{device}.json")  # checked before anything is measured
-    model, tokenizer, sizes, data = start_run(args, QUICK, FULL)
+    if args.gpu and not torch.cuda.is_available():
+        parser.error("--gpu needs a CUDA GPU")
+    result = result_file(parser, args.out, f"sharing_{'gpu' if args.gpu else 'cpu'}.json")  # checked first
+    if args.gpu:
+        model, info = build_model(args.model, device="cuda", dtype=torch.float32)
+        tokenizer, data_model = info.pop("tokenizer"), info
+        _, _, sizes, data = start_run(args, QUICK, FULL, model=(model, tokenizer))
+        data["model_info"] = data_model
+    else:
+        model, tokenizer, sizes, data = start_run(args, QUICK, FULL)
     data.update(measure(model, tokenizer, **sizes))
     data["environment"] = environment()
     print(f"\npages held (pages of {PAGE_SIZE}): (a) fork + copy-on-write, (b) prefix caching, (c) no sharing")

@@ -5,7 +5,9 @@
 - :func:`step_figure`: one step up close (the page map, the queues over time, what the forward fed);
 - :func:`rate_figure`: latency and throughput vs request rate per admission policy (the vLLM paper's
   picture), from ``figures/data/serve_cpu.json``;
-- :func:`pool_figure`: throughput and concurrency vs pool size.
+- :func:`pool_figure`: throughput and concurrency vs pool size;
+- :func:`profile_figure`: where a step's time goes, per speed-up, and each speed-up's gain, from
+  ``figures/data/serve_profile_cpu.json`` (``bench serve --profile``).
 
 Example:
     >>> from paged_ref.serve import Engine
@@ -31,6 +33,7 @@ from . import add_note
 from .pages import PALETTE, seq_color
 
 __all__ = ["POLICY_STYLE", "provenance", "page_timeline_figure", "step_figure", "rate_figure", "pool_figure"]
+__all__ += ["PART_COLORS", "profile_figure"]
 
 #: policy -> (color, marker, label)
 POLICY_STYLE = {
@@ -202,6 +205,53 @@ def pool_figure(data: dict) -> Figure:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"throughput vs pool size at {top['rate']:g} requests / s")
+    fig.tight_layout()
+    add_note(fig, provenance(data))
+    return fig
+
+
+#: part of a step -> color (`paged_ref.lab.bench._serve_profile.GROUPS`, plus "other")
+PART_COLORS = {
+    "linear layers": "tab:blue",
+    "attention": "tab:orange",
+    "cache writes": "tab:green",
+    "mlp activation": "tab:purple",
+    "other": "0.7",
+}
+
+
+def profile_figure(data: dict) -> Figure:
+    """Milliseconds of a decode step and of a mixed step by part (linear layers, attention, ...), one
+    stacked bar per variant; then each variant's speed-up over the one before (median of per-step ratios)."""
+    variants = list(data["variants"])
+    fig = Figure(figsize=(12, 3.8))
+    axes = fig.subplots(1, 3)
+    x = np.arange(len(variants))
+    for ax, kind in zip(axes, ("decode", "mixed")):
+        tables = [data["variants"][v]["profile"].get(kind) for v in variants]
+        bottom = np.zeros(len(variants))
+        for part, color in PART_COLORS.items():
+            ms = np.array([t["groups"][part]["ms_per_step"] if t else 0.0 for t in tables])
+            ax.bar(x, ms, bottom=bottom, color=color, label=part, width=0.6)
+            bottom += ms
+        rows = sorted({r for t in tables if t for r in t["rows"]})
+        ax.set_title(f"{kind} step ({'/'.join(map(str, rows))} rows)", fontsize=10)
+        ax.set_ylabel("ms per step (CPU time of ops, profiled)")
+    gains = [g for g in data["gains"] if (g["before"], g["after"]) != (variants[0], variants[-1])]
+    width = 0.35
+    for i, kind in enumerate(("decode", "mixed")):
+        ratios = [g["step_ratio_median"][kind] or 0.0 for g in gains]
+        axes[2].bar(np.arange(len(gains)) + (i - 0.5) * width, ratios, width, label=f"{kind} steps")
+    axes[2].axhline(1.0, color="0.3", linewidth=0.8)
+    axes[2].set_xticks(np.arange(len(gains)), [g["after"].replace("_", "\n") for g in gains], fontsize=8)
+    axes[2].set_ylabel("speed-up over the bar before\n(median of per-step time ratios)")
+    axes[2].set_title("each step's gain", fontsize=10)
+    axes[2].legend(fontsize=7)
+    for ax in axes[:2]:
+        ax.set_xticks(x, [v.replace("_", "\n") for v in variants], fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"where a serving step's time goes: {data['model']['name']}, {data['torch_threads']} thread(s)")
     fig.tight_layout()
     add_note(fig, provenance(data))
     return fig

@@ -1,0 +1,151 @@
+"""Quest: each decode step reads only the pages whose keys may score highest for this query.
+
+Eviction (`paged_ref.eviction`) reads fewer pages by deleting some for ever; Quest (Tang et al.,
+2024) keeps every page and chooses, *per query*, which ones to read. It needs a cheap upper bound
+on the scores a page can give, from the page's key summary (`paged_ref.page_summaries`: the
+elementwise ``k_min`` and ``k_max`` of its keys). For every key ``k`` on the page,
+``k_min <= k <= k_max`` coordinate by coordinate, so each product ``q_i k_i`` is at most
+``max(q_i k_min_i, q_i k_max_i)`` (the larger end for ``q_i >= 0``, the smaller for ``q_i < 0``)
+and
+
+    q . k  <=  sum_i max(q_i * k_min_i, q_i * k_max_i)        (:func:`page_bounds`)
+
+A decode step then reads the summaries of all pages (2 vectors per page and KV head), takes the
+``budget`` pages with the largest bound (:func:`select_pages`; for GQA one choice per KV head,
+by the largest bound over the query heads that share it), and attends over those pages only
+(:func:`quest_paged_decode`). The sequence's last page, which holds the newest token, is always
+read. Nothing is deleted: the next step may choose other pages.
+
+Example:
+    >>> import torch
+    >>> k = torch.randn(5, 3)                                  # 5 keys of one page
+    >>> q = torch.randn(3)
+    >>> bound = page_bounds(q[None, None], k.amin(0)[None, None], k.amax(0)[None, None])
+    >>> bool((k @ q <= bound + 1e-6).all())
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._arith import cdiv
+from .._validate import check_int
+from ._checks import check_paged_inputs
+
+__all__ = ["page_bounds", "quest_paged_decode", "select_pages"]
+
+
+def page_bounds(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor) -> torch.Tensor:
+    """The Quest bound ``sum_i max(q_i k_min_i, q_i k_max_i)``, an upper bound of ``q . k`` for
+    every key ``k`` the summary covers (broadcasting over leading dims).
+
+    Args:
+        q: ``[..., head_dim]``; k_min, k_max: ``[..., head_dim]``, broadcastable with ``q``.
+
+    Returns:
+        ``[...]`` (``-inf`` for an empty summary, ``k_min = +inf, k_max = -inf``, when no
+        coordinate of ``q`` is 0; such pages are never selected).
+    """
+    return torch.maximum(q * k_min, q * k_max).sum(-1)
+
+
+def select_pages(bounds: torch.Tensor, budget: int, *, keep_last: bool = True) -> torch.Tensor:
+    """The ``budget`` largest bounds of each row, as column indices in increasing order.
+
+    Args:
+        bounds: ``[rows, num_pages]``: one row per (sequence, KV head), one column per page held.
+        budget: pages to read, in ``[1, num_pages]``.
+        keep_last: always take the last page (the newest tokens), then the ``budget - 1`` best others.
+
+    Returns:
+        int64 ``[rows, budget]``.
+
+    Example:
+        >>> select_pages(torch.tensor([[0.5, 3.0, -1.0, 2.0, 0.0]]), 3).tolist()
+        [[1, 3, 4]]
+    """
+    budget = check_int("budget", budget, min_value=1)
+    num_pages = bounds.shape[-1]
+    if budget > num_pages:
+        raise ValueError(f"budget must be at most the pages held ({num_pages}), got {budget}")
+    if keep_last:
+        bounds = bounds.clone()
+        bounds[:, -1] = float("inf")
+    return bounds.topk(budget, dim=-1).indices.sort(dim=-1).values
+
+
+def quest_paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    k_min: torch.Tensor,
+    k_max: torch.Tensor,
+    *,
+    budget: int,
+    scale: float | None = None,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """Decode attention over at most ``budget`` pages per sequence and KV head, chosen by Quest's bound.
+
+    A sequence holding ``budget`` pages or fewer reads all of them: the result is then exactly
+    :func:`~paged_ref.attention.reference.reference_paged_decode`'s.
+
+    Args:
+        q: ``[batch, num_q_heads, head_dim]``.
+        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``.
+        block_table: int ``[batch, max_pages]``; seq_lens: int ``[batch]``.
+        k_min, k_max: ``[num_pages, num_kv_heads, head_dim]``, the key summaries of every
+            physical page (`paged_ref.page_summaries.PageSummaries`).
+        budget: pages read per sequence and KV head, in ``[1, max_pages]``.
+        scale: softmax scale, default ``head_dim ** -0.5``.
+        check_values: as for the other backends.
+
+    Returns:
+        ``[batch, num_q_heads, head_dim]``, dtype of ``q`` (float32 arithmetic, float64 for float64).
+
+    Example:
+        >>> kc, vc = torch.randn(6, 4, 1, 8), torch.randn(6, 4, 1, 8)
+        >>> k_min, k_max = kc.amin(1), kc.amax(1)                  # [6, 1, 8]: full pages
+        >>> q, bt, lens = torch.randn(1, 2, 8), torch.tensor([[3, 0, 5, 1]]), torch.tensor([16])
+        >>> quest_paged_decode(q, kc, vc, bt, lens, k_min, k_max, budget=2).shape
+        torch.Size([1, 2, 8])
+    """
+    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
+    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    for name, t in (("k_min", k_min), ("k_max", k_max)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (num_pages, num_kv_heads, head_dim):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"{name} must be [num_pages={num_pages}, num_kv_heads={num_kv_heads}, {head_dim}], got {got}"
+            )
+    budget = check_int("budget", budget, min_value=1)
+    if budget > block_table.shape[1]:
+        raise ValueError(
+            f"budget must be at most the pages a sequence can hold (max_pages={block_table.shape[1]}), got {budget}"
+        )
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    batch, num_q_heads, _ = q.shape
+    group = num_q_heads // num_kv_heads
+    out = torch.empty_like(q)  # [batch, Hq, D]
+    for b, n in enumerate(seq_lens.tolist()):
+        held = cdiv(n, page_size)
+        table = block_table[b, :held].long()  # [held] physical pages, logical order
+        qb = q[b].to(compute).view(num_kv_heads, group, head_dim)  # [Hkv, group, D]
+        if held <= budget:
+            chosen = torch.arange(held, device=q.device).expand(num_kv_heads, held)  # [Hkv, held]: every page
+        else:
+            lo, hi = k_min[table].to(compute), k_max[table].to(compute)  # [held, Hkv, D]: every page's summary
+            bounds = page_bounds(qb[:, :, None], lo.transpose(0, 1)[:, None], hi.transpose(0, 1)[:, None])
+            chosen = select_pages(bounds.amax(1), budget)  # [Hkv, budget]: by the group's largest bound
+        heads = torch.arange(num_kv_heads, device=q.device)[:, None]  # [Hkv, 1]
+        k = k_cache[table[chosen], :, heads].to(compute)  # [Hkv, pages, page_size, D]: only the chosen pages
+        v = v_cache[table[chosen], :, heads].to(compute)  # [Hkv, pages, page_size, D]
+        positions = chosen[:, :, None] * page_size + torch.arange(page_size, device=q.device)  # [Hkv, pages, page_size]
+        valid = (positions < n).flatten(1)  # [Hkv, tokens]: the last page's unwritten tail is not a token
+        scores = (qb @ k.flatten(1, 2).transpose(1, 2)) * scale  # [Hkv, group, tokens]
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        out[b] = (torch.softmax(scores, -1) @ v.flatten(1, 2)).reshape(num_q_heads, head_dim).to(q.dtype)
+    return out

@@ -1,0 +1,174 @@
+"""`bench pages`, the cascade half: one layer's decode attention with a shared prompt, timed and
+its K/V reads counted; the Triton path checked; SmolLM2 sampling with and without cascade."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..._arith import cdiv
+from ...attention.cascade import reference_cascade_decode
+from ...attention.reference import reference_paged_decode
+from ...attention.sdpa import sdpa_paged_decode
+from . import eviction as ev
+from ._reads import ReadCounter
+
+__all__ = ["PAGE_SIZE", "PATHS", "SMOLLM2", "cascade_bytes", "cascade_case", "cascade_speed", "generate_speed"]
+__all__ += ["triton_check"]
+
+PAGE_SIZE = 16
+SMOLLM2 = dict(num_q_heads=9, num_kv_heads=3, head_dim=64)  # SmolLM2-135M's attention geometry
+
+
+def cascade_case(samples: int, prompt: int, suffix_max: int, *, seed: int = 0, dtype=torch.float32) -> dict:
+    """``samples`` requests sharing ``prompt`` tokens (whole pages of 16), each with 1..``suffix_max``
+    tokens of its own, scattered over a shuffled cache of SmolLM2's geometry; the arguments of
+    `reference_cascade_decode` as a dict (``group_indptr``, ``prefix_lens``: one group)."""
+    g = torch.Generator().manual_seed(seed)
+    suffix = torch.randint(1, suffix_max + 1, (samples,), generator=g)  # [samples]
+    prefix_pages, own = prompt // PAGE_SIZE, [cdiv(int(s), PAGE_SIZE) for s in suffix]
+    num_pages = prefix_pages + sum(own) + 1
+    shape = (num_pages, PAGE_SIZE, SMOLLM2["num_kv_heads"], SMOLLM2["head_dim"])
+    k_cache = torch.randn(shape, generator=g, dtype=dtype)  # [num_pages, page_size, Hkv, D]
+    v_cache = torch.randn(shape, generator=g, dtype=dtype)
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    shared = [perm.pop() for _ in range(prefix_pages)]
+    rows = [shared + [perm.pop() for _ in range(n)] for n in own]
+    width = max(map(len, rows))
+    return dict(
+        q=torch.randn(samples, SMOLLM2["num_q_heads"], SMOLLM2["head_dim"], generator=g, dtype=dtype),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        block_table=torch.tensor([r + [r[-1]] * (width - len(r)) for r in rows], dtype=torch.int32),
+        seq_lens=(prompt + suffix).int(),
+        group_indptr=torch.tensor([0, samples]),
+        prefix_lens=torch.tensor([prompt]),
+    )
+
+
+def _plain(case):
+    return {k: case[k] for k in ("q", "k_cache", "v_cache", "block_table", "seq_lens")}
+
+
+PATHS = {
+    "reference": lambda c: reference_paged_decode(**_plain(c)),
+    "sdpa": lambda c: sdpa_paged_decode(**_plain(c)),
+    "cascade": lambda c: reference_cascade_decode(**c),
+}
+
+
+def cascade_speed(cfg, log) -> dict:
+    """Median CPU seconds per call of each path on one case, rounds interleaved; ratios against cascade."""
+    case = cascade_case(cfg["samples"], cfg["prompt"], cfg["suffix_max"])
+    ref = PATHS["reference"](case).double()
+    errors = {n: float((f(case).double() - ref).norm() / ref.norm()) for n, f in PATHS.items()}
+    times = {n: [] for n in PATHS}
+    for _ in range(cfg["rounds"]):
+        for name, f in PATHS.items():
+            t0 = time.perf_counter()
+            f(case)
+            times[name].append(time.perf_counter() - t0)
+    median = {n: statistics.median(t) for n, t in times.items()}
+    log(f"cascade speed: {', '.join(f'{n} {1e3 * t:.2f} ms' for n, t in median.items())}")
+    return dict(
+        samples=cfg["samples"],
+        prompt=cfg["prompt"],
+        suffix_tokens=(case["seq_lens"] - cfg["prompt"]).tolist(),
+        median_ms={n: 1e3 * t for n, t in median.items()},
+        rounds_ms={n: [1e3 * x for x in t] for n, t in times.items()},
+        speedup_vs={n: median[n] / median["cascade"] for n in PATHS if n != "cascade"},
+        rel_error_vs_reference=errors,
+    )
+
+
+def cascade_bytes(cfg) -> list[dict]:
+    """K/V bytes one layer's decode step reads, counted, for n = each of ``sharing`` requests sharing
+    the prompt, plain and cascade, beside the formulas (whole pages: what a paged read touches)."""
+    rows = []
+    token_bytes = 2 * SMOLLM2["num_kv_heads"] * SMOLLM2["head_dim"] * 4  # K and V of one token, float32
+    for n in cfg["sharing"]:
+        case = cascade_case(n, cfg["prompt"], cfg["suffix_max"], seed=n)
+        counted = {}
+        for name, f in PATHS.items():
+            with ReadCounter([case["k_cache"], case["v_cache"]]) as reads:
+                f(case)
+            counted[name] = reads.bytes
+        own_pages = [cdiv(int(s) - cfg["prompt"], PAGE_SIZE) for s in case["seq_lens"]]
+        prefix_pages = cfg["prompt"] // PAGE_SIZE
+        rows.append(
+            dict(
+                requests=n,
+                prompt=cfg["prompt"],
+                bytes_counted=counted,
+                bytes_formula=dict(
+                    plain=sum(prefix_pages + p for p in own_pages) * PAGE_SIZE * token_bytes,
+                    cascade=(prefix_pages + sum(own_pages)) * PAGE_SIZE * token_bytes,
+                ),
+                prefix_bytes_plain_over_cascade=n,
+            )
+        )
+    return rows
+
+
+def triton_check(cfg, log) -> dict:
+    """The Triton cascade against the reference (interpreter on CPU: a small case); timed on a GPU."""
+    try:
+        from ...attention.triton_cascade import triton_cascade_decode
+        from ...attention.triton_decode import triton_paged_decode
+    except ImportError as err:  # pragma: no cover - no triton wheel
+        return dict(skipped=str(err))
+    cuda = torch.cuda.is_available()
+    samples, prompt = (cfg["samples"], cfg["prompt"]) if cuda else (4, 64)
+    case = cascade_case(samples, prompt, cfg["suffix_max"], seed=1)
+    if cuda:
+        case = {k: v.cuda() for k, v in case.items()}
+    ref = reference_paged_decode(**{k: v.double() if v.is_floating_point() else v for k, v in _plain(case).items()})
+    out = triton_cascade_decode(**case)
+    result = dict(
+        device=torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)",
+        samples=samples,
+        prompt=prompt,
+        rel_error=float((out.double() - ref).norm() / ref.norm()),
+    )
+    if cuda:
+        from .common import gpu_median
+
+        plain = gpu_median(lambda: triton_paged_decode(**_plain(case), check_values=False))
+        cascade = gpu_median(lambda: triton_cascade_decode(**case))
+        result.update(plain_us=plain * 1e6, cascade_us=cascade * 1e6, speedup=plain / cascade)
+    log(f"triton cascade: {result}")
+    return result
+
+
+def generate_speed(model, tok, cfg, log) -> dict:
+    """SmolLM2 sampling ``samples`` continuations of one ``prompt``-token prompt (they fork its pages)
+    with the ``sdpa`` and the ``cascade`` backends: median seconds per decode step (all layers,
+    the whole model) and whether the tokens are the same (seeded)."""
+    from ...hf import generate
+
+    ids = ev.lm_text_ids(tok, 3, cfg["prompt"])[None]  # [1, prompt]
+    out = {}
+    for backend in ("sdpa", "cascade"):
+        stamps = []
+        torch.manual_seed(0)
+        seqs = generate(
+            model,
+            ids,
+            max_new_tokens=cfg["generate_steps"],
+            do_sample=True,
+            num_return_sequences=cfg["samples"],
+            backend=backend,
+            eos_token_id=[],
+            callback=lambda step, tokens: stamps.append(time.perf_counter()),
+        )
+        steps = [b - a for a, b in zip(stamps, stamps[1:])]  # decode steps (the first stamp follows the prefill)
+        out[backend] = dict(ms_per_step=1e3 * statistics.median(steps), steps_ms=[1e3 * t for t in steps])
+        out[backend]["tokens"] = seqs[:, cfg["prompt"] :].tolist()
+    same = out["sdpa"].pop("tokens") == out["cascade"].pop("tokens")
+    result = dict(samples=cfg["samples"], prompt=cfg["prompt"], same_tokens=same, **out)
+    result["speedup"] = out["sdpa"]["ms_per_step"] / out["cascade"]["ms_per_step"]
+    log(f"sampling {cfg['samples']} x SmolLM2: sdpa {out['sdpa']['ms_per_step']:.0f} ms/step, cascade "
+        f"{out['cascade']['ms_per_step']:.0f} ms/step, same tokens: {same}")  # fmt: skip
+    return result

@@ -1,0 +1,282 @@
+"""Where a serving step's time goes (``bench serve --profile``): a profile by op, then each speed-up's gain.
+
+The engine serves a reduced offline workload (all requests at once) once per variant of `VARIANTS`,
+each adding one speed-up to the one before: ``eager`` (the lesson's path: ``sdpa`` attention,
+``F.linear``), ``fused_attention`` (``backend="sdpa_fused"``), ``prepacked_linears``
+(``prepack=True``).
+
+- **Profile**: `torch.profiler` around single engine steps, kept for the first ``steps`` decode steps
+  (every row one new token) and mixed steps (decode rows next to a prompt chunk) after a warm-up;
+  a table of ops by self CPU time, summed over those steps, with each op's share and calls per step,
+  and the step's parts (`GROUPS`: linear layers, attention, cache writes, ...) by inclusive time.
+- **Gain**: two engines, a variant and the one before it, take turns step by step (which goes first
+  alternates), on the same requests; their schedules are the same because their tokens are, so step
+  ``i`` of one does the work of step ``i`` of the other. The gain is the median of the per-step
+  ratios of step time (before / after), over decode and mixed steps separately, and the ratio of
+  total busy time; tokens are compared request by request.
+- **Linear libraries** (`linear_libraries`): one layer's products at a decode step's and a prompt
+  chunk's number of rows through ``F.linear`` (the BLAS), oneDNN with a prepacked weight (what
+  ``prepack=True`` runs), MKL with a prepacked weight (what inductor's freezing packs float32 weights
+  for when torch has MKL), and oneDNN on q/k/v and gate/up fused into one product each.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import torch
+
+from ...serve import Engine
+
+__all__ = ["VARIANTS", "PROFILE_WORKLOAD", "linear_libraries", "profile_variant", "paired_gain", "run_profile"]
+
+#: name -> (Engine options, what it adds), each variant on top of the one before.
+VARIANTS = {
+    "eager": (dict(backend="sdpa"), "the lesson's path: sdpa attention (gather, mask, matmul, softmax), F.linear"),
+    "fused_attention": (
+        dict(backend="sdpa_fused"),
+        "decode attention in one fused CPU kernel call per layer (one page gather, mask built once per step)",
+    ),
+    "prepacked_linears": (
+        dict(backend="sdpa_fused", prepack=True),
+        "linear layers through weights packed once for oneDNN",
+    ),
+}
+
+#: The reduced workload: ``bench serve``'s lengths, fewer and shorter requests, the issue's engine sizes.
+PROFILE_WORKLOAD = dict(
+    requests=48,
+    mean_prompt=32,
+    mean_output=32,
+    sigma=1.0,
+    min_prompt=8,
+    max_model_len=512,
+    page_size=32,
+    num_pages=256,
+    max_num_seqs=32,
+    max_batched_tokens=512,
+    steps=3,  # profiled steps of each kind
+    warmup=2,  # steps before the first profiled one
+)
+_QUICK = dict(requests=10, mean_output=12, page_size=4, num_pages=64, max_num_seqs=8, max_batched_tokens=32, steps=2)
+_TOP = 14  # ops listed by name; the rest are summed as "other"
+
+#: The parts of a step, each the inclusive time of one region or op (its own ops included); the rest
+#: of the step's self time is "other" (norms, RoPE, residual adds, the engine's host work).
+GROUPS = {
+    "linear layers": ("aten::linear", "mkldnn::_linear_pointwise"),  # eager: linear -> mm; packed
+    "attention": ("paged_ref::attention",),  # `paged_ref.hf.attention`'s named region
+    "cache writes": ("paged_ref::cache_write",),  # `PagedCache.update`'s named region
+    "mlp activation": ("aten::silu",),
+}
+
+
+def _engine(model, cfg, options) -> Engine:
+    sizes = {k: cfg[k] for k in ("num_pages", "page_size", "max_num_seqs", "max_batched_tokens", "max_model_len")}
+    return Engine(model, eos_token_id=[], clock="real", watermark=0.0, **sizes, **options)
+
+
+def _kind(record) -> str | None:
+    if record.rows == record.decode_rows:
+        return "decode"
+    return "mixed" if record.decode_rows else None  # None: prompt chunks only
+
+
+def _table(events: dict, inclusive: dict, steps: int) -> dict:
+    """Ops by self CPU time (``events``: op -> (us, calls)), summed over ``steps`` steps, and the
+    `GROUPS` from ``inclusive`` (op -> us with its children): ``{"total_ms_per_step", "groups", "ops"}``."""
+    total = sum(t for t, _ in events.values())
+    ranked = sorted(events.items(), key=lambda kv: -kv[1][0])
+    ops = [
+        {"op": name, "ms_per_step": t / steps / 1e3, "share": t / total, "calls_per_step": n / steps}
+        for name, (t, n) in ranked[:_TOP]
+    ]
+    rest = ranked[_TOP:]
+    if rest:
+        t = sum(t for _, (t, _) in rest)
+        ops.append({"op": "other", "ms_per_step": t / steps / 1e3, "share": t / total, "calls_per_step": None})
+    groups = {g: sum(inclusive.get(op, 0.0) for op in members) for g, members in GROUPS.items()}
+    groups["other"] = total - sum(groups.values())
+    parts = {g: {"ms_per_step": t / steps / 1e3, "share": t / total} for g, t in groups.items()}
+    return {"steps": steps, "total_ms_per_step": total / steps / 1e3, "groups": parts, "ops": ops}
+
+
+def profile_variant(model, cfg, requests, options) -> dict:
+    """``{"decode": table, "mixed": table}`` of one variant (`_table`), each over ``cfg["steps"]`` steps,
+    with the rows of each step and the load average before the run."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = _engine(model, cfg, options)
+    for prompt, new in requests:
+        engine.add_request(prompt, max_new_tokens=new)
+    load = os.getloadavg()
+    events = {"decode": {}, "mixed": {}}
+    inclusive = {"decode": {}, "mixed": {}}
+    counts = {"decode": 0, "mixed": 0, "rows": {"decode": [], "mixed": []}}
+    while engine.has_unfinished_requests() and min(counts["decode"], counts["mixed"]) < cfg["steps"]:
+        if len(engine.history) < cfg["warmup"]:
+            engine.step()
+            continue
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            engine.step()
+        kind = _kind(engine.history[-1])
+        if kind is None or counts[kind] >= cfg["steps"]:
+            continue
+        counts[kind] += 1
+        counts["rows"][kind].append(engine.history[-1].rows)
+        for e in prof.key_averages():
+            t, n = events[kind].get(e.key, (0.0, 0))
+            events[kind][e.key] = (t + e.self_cpu_time_total, n + e.count)
+            inclusive[kind][e.key] = inclusive[kind].get(e.key, 0.0) + e.cpu_time_total
+    engine.close()
+    out = {}
+    for kind, ev in events.items():
+        if counts[kind]:
+            out[kind] = {**_table(ev, inclusive[kind], counts[kind]), "rows": counts["rows"][kind], "load": load}
+    return out
+
+
+def paired_gain(model, cfg, requests, before: dict, after: dict) -> dict:
+    """Two engines taking turns step by step; per-step time ratios ``before / after`` (see the module docstring)."""
+    engines = [_engine(model, cfg, before), _engine(model, cfg, after)]
+    for e in engines:
+        for prompt, new in requests:
+            e.add_request(prompt, max_new_tokens=new)
+    load = os.getloadavg()
+    started = time.perf_counter()
+    turn = 0
+    while any(e.has_unfinished_requests() for e in engines):
+        for e in engines[:: 1 if turn % 2 == 0 else -1]:  # who goes first alternates
+            if e.has_unfinished_requests():
+                e.step()
+        turn += 1
+    outs = [e.run() for e in engines]
+    a, b = (e.history for e in engines)
+    same_schedule = [(x.rows, x.tokens) for x in a] == [(y.rows, y.tokens) for y in b]
+    ratios = {"decode": [], "mixed": [], "all": []}
+    for x, y in zip(a, b):
+        kind = _kind(x)
+        r = x.step_s / y.step_s
+        ratios["all"].append(r)
+        if kind is not None:
+            ratios[kind].append(r)
+    return {
+        "wall_s": time.perf_counter() - started,
+        "load_before": load,
+        "load_after": os.getloadavg(),
+        "steps": len(a),
+        "same_schedule": same_schedule,
+        "requests_with_identical_tokens": sum(o.token_ids == p.token_ids for o, p in zip(*outs)),
+        "requests": len(requests),
+        "step_ratio_median": {k: statistics.median(v) if v else None for k, v in ratios.items()},
+        "steps_of_kind": {k: len(v) for k, v in ratios.items()},
+        "busy_ratio": sum(x.step_s for x in a) / sum(y.step_s for y in b),
+        "ms_per_step_median": {
+            "before": statistics.median(x.step_s for x in a) * 1e3,
+            "after": statistics.median(y.step_s for y in b) * 1e3,
+        },
+        "tokens": [[o.token_ids for o in outs[0]], [o.token_ids for o in outs[1]]],
+    }
+
+
+def linear_libraries(model, rows=(32, 512), repeats: int = 7) -> list[dict]:
+    """Each way of running layer 0's linear layers, timed in turns (`._model_bench.paired_ratio`):
+    ``[{"rows", "ms": {way: median}, "speedup_vs_f_linear": {way: median of per-round ratios}}]``."""
+    import torch.nn.functional as F
+
+    from ._model_bench import paired_ratio
+
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    layers = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    weights = [m.weight.detach() for m in layers]  # [out, in] each
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    fused = [torch.cat(weights[:3]), weights[3], torch.cat(weights[4:6]), weights[6]]  # qkv, o, gate|up, down
+    fused_packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in fused]
+    out = []
+    for m in rows:
+        mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in weights] if torch._C.has_mkl else None
+
+        def inputs(ws):
+            return [torch.randn(m, w.shape[1], dtype=w.dtype) for w in ws]  # [rows, in] per product
+
+        x, xf = inputs(weights), inputs(fused)
+        ways = {
+            "f_linear": lambda: [F.linear(a, w) for a, w in zip(x, weights)],
+            "onednn_prepacked": lambda: [
+                torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], "") for a, p in zip(x, onednn)
+            ],
+            "onednn_prepacked_fused_qkv_gate_up": lambda: [
+                torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], "") for a, p in zip(xf, fused_packed)
+            ],
+        }
+        if mkl is not None:
+            ways["mkl_prepacked"] = lambda: [
+                torch.ops.mkl._mkl_linear(a, p, w, None, m) for a, p, w in zip(x, mkl, weights)
+            ]
+        times = {k: [] for k in ways}
+        for _ in range(repeats):
+            for k, fn in ways.items():
+                fn()  # warm
+                started = time.perf_counter()
+                for _ in range(5):
+                    fn()
+                times[k].append((time.perf_counter() - started) / 5)
+        out.append(
+            {
+                "rows": m,
+                "ms": {k: statistics.median(t) * 1e3 for k, t in times.items()},
+                "speedup_vs_f_linear": {k: paired_ratio(times["f_linear"], t) for k, t in times.items()},
+            }
+        )
+    return out
+
+
+def _generate_check(model, requests, outs, n: int) -> dict:
+    """The first ``n`` requests through ``model.generate`` (greedy): the same tokens as ``outs``?"""
+    same = 0
+    for (prompt, new), tokens in zip(requests[:n], outs[:n]):
+        ids = torch.tensor([prompt])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)  # fmt: skip
+        same += ref[0, len(prompt) :].tolist() == tokens
+    return {"requests": n, "identical": same}
+
+
+def run_profile(model, requests_fn, *, quick: bool, save) -> dict:
+    """The profile and the gain of every variant; ``requests_fn(**lengths)`` makes the requests,
+    ``save(data)`` stores the JSON as parts finish. Returns the data."""
+    from tqdm.auto import tqdm
+
+    cfg = {**PROFILE_WORKLOAD, **(_QUICK if quick else {})}
+    lengths = {k: cfg[k] for k in ("requests", "mean_prompt", "mean_output", "sigma", "min_prompt", "max_model_len")}
+    requests = requests_fn(**lengths)
+    data = {
+        "config": cfg,
+        "torch_threads": torch.get_num_threads(),
+        "workload": {"prompt_lens": [len(p) for p, _ in requests], "output_lens": [n for _, n in requests]},
+        "variants": {name: {"options": o, "adds": adds} for name, (o, adds) in VARIANTS.items()},
+        "gains": [],
+    }
+    data["linear_libraries"] = {
+        "load": os.getloadavg(),
+        "layer0": linear_libraries(model, rows=(cfg["max_num_seqs"], cfg["max_batched_tokens"])),
+    }
+    save(data)
+    names = list(VARIANTS)
+    for name in tqdm(names, desc="profile", leave=False):
+        data["variants"][name]["profile"] = profile_variant(model, cfg, requests, VARIANTS[name][0])
+        save(data)
+    for before, after in tqdm(list(zip(names, names[1:])), desc="gains", leave=False):
+        gain = paired_gain(model, cfg, requests, VARIANTS[before][0], VARIANTS[after][0])
+        gain.pop("tokens")
+        data["gains"].append({"before": before, "after": after, **gain})
+        save(data)
+    first, last = names[0], names[-1]
+    gain = paired_gain(model, cfg, requests, VARIANTS[first][0], VARIANTS[last][0])
+    tokens = gain.pop("tokens")
+    data["gains"].append({"before": first, "after": last, **gain})
+    data["generate_check"] = {"variant": last, **_generate_check(model, requests, tokens[1], 2 if quick else 4)}
+    save(data)
+    return data

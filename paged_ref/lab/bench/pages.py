@@ -1,0 +1,234 @@
+"""Reading fewer pages: cascade attention over a shared prompt, and Quest's page selection beside eviction.
+
+    python -m paged_ref.lab.bench pages [--quick | --smoke] [--out DIR] [--threads N]
+
+* **Cascade.** ``samples`` requests share a ``prompt``-token prefix (whole pages) and each holds
+  1..``suffix_max`` tokens of its own, in SmolLM2-135M's geometry (9 query heads, 3 KV heads,
+  head_dim 64, float32, pages of 16): CPU time of one layer's decode attention, plain
+  (`reference_paged_decode`, `sdpa_paged_decode`) against `reference_cascade_decode`, medians of
+  interleaved rounds; the results are checked equal. K/V bytes read per step, counted by
+  `paged_ref.lab.bench._reads.ReadCounter` (what the code copies out of the pages) next to the
+  formula, for n requests sharing the prompt. The Triton path is checked against the reference
+  (interpreter on CPU); on a GPU it is timed too.
+* **Cascade in a real model.** SmolLM2 sampling ``samples`` continuations of one ``prompt``-token
+  prompt through `paged_ref.hf.generate` with the ``sdpa`` and ``cascade`` backends: milliseconds
+  per decode step (the whole model) and whether the seeded tokens are the same.
+* **Quest against eviction.** On SmolLM2 (float32, CPU), notebook 07's tasks (the texts of
+  ``python -m paged_ref.lab.bench eviction``: continuation perplexity, retention, pass-key) at each
+  token budget C: Quest reading C / 16 pages a step (`paged_ref.hf.attention.quest_backend`;
+  prefill and the first two layers, as in Quest's paper, read everything), PagedEviction and
+  StreamingLLM holding C tokens, the full cache.
+  Mean NLL with 95% t intervals, pass-key accuracy with Wilson intervals, and the K/V (and
+  summary) bytes one decode step reads, counted over all layers.
+
+Results: ``figures/data/pages_{quick,full,smoke}.json`` (notebook 10 reads them) and tables printed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from . import eviction as ev
+from ._pages_cascade import PAGE_SIZE, cascade_bytes, cascade_case, cascade_speed, generate_speed, triton_check
+from ._pages_quest import DENSE_LAYERS, POLICIES, quality
+from .common import DATA_DIR, bench_parser, command_line, environment, result_file, table
+
+__all__ = ["FULL", "POLICIES", "QUICK", "SMOKE", "cascade_bytes", "cascade_case", "cascade_speed", "cascade_tables"]
+__all__ += ["generate_speed", "load_results", "main", "quality", "quality_tables", "quest_vs_eviction"]
+
+# each setting as (quick, smoke, full); the task texts follow the eviction benchmark's sizes
+_SIZES = dict(
+    samples=(32, 4, 32),
+    prompt=(1024, 64, 1024),
+    suffix_max=(32, 8, 32),
+    rounds=(5, 2, 21),
+    generate_steps=(9, 3, 17),  # SmolLM2 sampling: decode steps timed per backend (the first is not timed)
+    sharing=([1, 2, 4, 8, 16, 32], [1, 2, 4], [1, 2, 4, 8, 16, 32, 64]),
+    budgets=([128, 256], [64], [128, 256, 512, 1024]),
+    texts=(3, 1, 8),  # quick: three texts and five pass-key trials, so that every mean has an interval
+    retention_texts=(3, 1, 8),
+    passkey_trials=(5, 1, 20),
+)
+QUICK, SMOKE, FULL = ({key: values[i] for key, values in _SIZES.items()} for i in range(3))
+QUICK.update({k: ev.QUICK[k] for k in ev.QUICK if k not in QUICK})
+SMOKE.update({k: ev.SMOKE[k] for k in ev.SMOKE if k not in SMOKE})
+FULL.update({k: ev.FULL[k] for k in ev.FULL if k not in FULL})
+
+
+# ------------------------------------------------------------------------------------------ main
+def main(argv=None):
+    parser = bench_parser("pages", __doc__)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="small sizes (notebook 10's quick mode, a few minutes)")
+    size.add_argument("--smoke", action="store_true", help="toy sizes: checks the harness runs (the tests' run)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    args = parser.parse_args(argv)
+    mode = "quick" if args.quick else "smoke" if args.smoke else "full"
+    out = result_file(parser, args.out, f"pages_{mode}.json")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        return _run(args, argv, mode, out, {"quick": QUICK, "smoke": SMOKE, "full": FULL}[mode])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args, argv, mode, out, cfg):
+    start = time.perf_counter()
+
+    def log(msg):
+        print(f"[{time.perf_counter() - start:7.1f} s] {msg}", flush=True)
+
+    result = dict(
+        mode=mode,
+        command=command_line("pages", argv),
+        config=dict(cfg, page_size=PAGE_SIZE, quest_dense_layers=DENSE_LAYERS),
+        environment=dict(environment(), torch_threads=args.threads),
+    )
+    result["cascade_speed"] = cascade_speed(cfg, log)
+    result["cascade_bytes"] = cascade_bytes(cfg)
+    result["triton"] = triton_check(cfg, log)
+    out.save(result)
+    from ...models import load_smollm2
+
+    model, tok = load_smollm2()
+    result["model"] = "SmolLM2-135M-Instruct (GGUF, float32)"
+    log("model loaded")
+    result["generate_speed"] = generate_speed(model, tok, cfg, log)
+    out.save(result)
+    quality(model, tok, cfg, log, result, out)
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    path = out.save(result, complete=True)
+    print_report(result)
+    print(f"\nwrote {path} ({result['seconds']} s)")
+    return result
+
+
+def load_results(data_dir=None):
+    """``(file name, dict)`` of a complete ``pages_full.json`` if present, else of a complete
+    ``pages_quick.json``, in ``data_dir`` (default: ``figures/data/``); ``(None, None)`` if neither."""
+    folder = Path(data_dir) if data_dir is not None else DATA_DIR
+    for name in ("pages_full.json", "pages_quick.json"):
+        if (folder / name).exists():
+            data = json.loads((folder / name).read_text())
+            if data.get("complete"):
+                return name, data
+    return None, None
+
+
+def cascade_tables(result) -> str:
+    """The cascade timing and bytes tables, from the benchmark's JSON."""
+    s = result["cascade_speed"]
+    speed = [
+        dict(path=n, ms=t, x=t / s["median_ms"]["cascade"], err=s["rel_error_vs_reference"][n])
+        for n, t in s["median_ms"].items()
+    ]
+    mb = [
+        dict(
+            n=r["requests"],
+            **{k: v / 1e6 for k, v in r["bytes_counted"].items()},
+            fp=r["bytes_formula"]["plain"] / 1e6,
+            fc=r["bytes_formula"]["cascade"] / 1e6,
+        )
+        for r in result["cascade_bytes"]
+    ]
+    g = result.get("generate_speed")
+    sampling = [] if g is None else [
+        "",
+        f"SmolLM2 sampling {g['samples']} continuations of a {g['prompt']}-token prompt (whole model, median ms per "
+        f"decode step): sdpa {g['sdpa']['ms_per_step']:.0f}, cascade {g['cascade']['ms_per_step']:.0f} "
+        f"({g['speedup']:.2f}x); same tokens: {g['same_tokens']}",
+    ]  # fmt: skip
+    return "\n".join(
+        [
+            f"{s['samples']} requests sharing {s['prompt']} tokens, one layer of decode attention, "
+            f"SmolLM2 geometry, CPU, median of {len(s['rounds_ms']['cascade'])} rounds",
+            table([("path", "{path}"), ("median ms", "{ms:.2f}"), ("time / cascade", "{x:.2f}"),
+                   ("rel. error vs reference", "{err:.1e}")], speed),
+            "",
+            "K/V MB read per step and layer: counted (ReadCounter) and the whole-page formulas",
+            table([("requests", "{n}"), ("reference", "{reference:.2f}"), ("sdpa", "{sdpa:.2f}"),
+                   ("cascade", "{cascade:.2f}"), ("formula plain", "{fp:.2f}"), ("formula cascade", "{fc:.2f}")], mb),
+            *sampling,
+        ]
+    )  # fmt: skip
+
+
+def quality_tables(result) -> str:
+    """Quest beside eviction: NLL tables, pass-key accuracy and bytes per step, from the JSON."""
+    nll = [
+        ("policy", "{policy}"),
+        ("budget", "{budget}"),
+        ("texts", "{texts}"),
+        ("NLL", "{nll:.3f}"),
+        ("95% CI", "[{nll_ci95[0]:.3f}, {nll_ci95[1]:.3f}]"),
+        ("ppl", "{ppl:.2f}"),
+        ("KL vs full", "{kl_vs_full:.4f}"),
+    ]
+    b = result["bytes_per_step"]
+    rows = [dict(r, mb=r["bytes_per_step"] / 1e6) for r in b["rows"]]
+    return "\n".join(
+        [
+            "Continuation: mean NLL per token (95% t interval over texts)",
+            table(nll, _ordered(result["language_modelling"])),
+            "",
+            "Retention: NLL of a passage's tokens that are in the context verbatim",
+            table(nll, _ordered(result["retention"])),
+            "",
+            "Pass-key: accuracy (Wilson 95% interval)",
+            table([("policy", "{policy}"), ("budget", "{budget}"), ("correct", "{correct}/{trials}"),
+                   ("95% CI", "[{ci95[0]:.2f}, {ci95[1]:.2f}]")], _ordered(result["passkey"])),
+            "",
+            f"MB one decode step reads, all {b['layers']} layers, after {b['context']} tokens (counted)",
+            table([("policy", "{policy}"), ("budget", "{budget}"), ("MB", "{mb:.2f}")], _ordered(rows)),
+        ]
+    )  # fmt: skip
+
+
+def _ordered(rows):
+    order = {p: i for i, p in enumerate([*POLICIES, "quest"])}
+    return sorted(rows, key=lambda r: (r["budget"] or 0, order[r["policy"]]))
+
+
+def quest_vs_eviction(result) -> list[dict]:
+    """Per budget and task: Quest's score minus PagedEviction's and StreamingLLM's (NLL: lower is
+    better; pass-key: accuracy, higher is better), with each side's interval."""
+    out = []
+    for task, key, ci in (
+        ("language_modelling", "nll", "nll_ci95"),
+        ("retention", "nll", "nll_ci95"),
+        ("passkey", "accuracy", "ci95"),
+    ):
+        rows = {(r["policy"], r["budget"]): r for r in result[task]}
+        for c in result["config"]["budgets"]:
+            quest = rows[("quest", c)]
+            for peer in ("paged_eviction", "streaming_llm"):
+                other = rows[(peer, c)]
+                out.append(
+                    dict(
+                        task=task,
+                        budget=c,
+                        peer=peer,
+                        metric=key,
+                        quest=quest[key],
+                        quest_ci=quest[ci],
+                        other=other[key],
+                        other_ci=other[ci],
+                        difference=quest[key] - other[key],
+                    )
+                )
+    return out  # fmt: skip
+
+
+def print_report(result) -> None:
+    """The benchmark's tables, from its JSON."""
+    print("\nCascade\n" + cascade_tables(result))
+    print("\nQuest beside eviction\n" + quality_tables(result))
+
+
+if __name__ == "__main__":
+    main()

