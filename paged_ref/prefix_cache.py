@@ -17,6 +17,11 @@ in between (another request admitted mid-forward) computes its own K/V instead o
 page that is still half written. `PrefixIndex.forget` withdraws a page whose contents change
 (handed out again, truncated, compacted, rolled back).
 
+Pages are not de-duplicated, as in vLLM: two sequences that compute the same prefix (neither could
+reuse the other's, or its last page was left to compute) each publish their page under the key.
+`match` serves the first one published; the others stay cached and serve once it is reused, and
+each counts as a cached page when freed (handed out after the plain free pages).
+
 The index only knows keys and pages; the cache (`paged_ref.cache.PagedKVCache`) owns the pages,
 their reference counts and the sequences, and calls these four methods (and `snapshot` / `restore`
 when a whole step is undone).
@@ -79,7 +84,7 @@ class PrefixIndex:
     def __init__(self, *, num_layers: int, page_size: int):
         self.num_layers = num_layers
         self.page_size = page_size
-        self.page_of: dict[bytes, int] = {}  # key -> physical page
+        self.page_of: dict[bytes, dict[int, None]] = {}  # key -> the pages holding it, first published first
         self.key_of: dict[int, bytes] = {}  # physical page -> its key (the reverse of page_of)
         self.tokens_of: dict[int, tuple[int, ...]] = {}  # physical page -> its token ids
         # filled pages waiting for their K/V: page -> (key, token ids, layers written so far)
@@ -95,8 +100,9 @@ class PrefixIndex:
         for i in range((len(token_ids) - 1) // ps):
             tokens = tuple(token_ids[i * ps : (i + 1) * ps])
             key = page_key(prev, tokens)
-            page = self.page_of.get(key)
-            if page is None or self.tokens_of.get(page) != tokens:  # confirm, never trust a key alone
+            # confirm by the tokens, never trust a key alone
+            page = next((p for p in self.page_of.get(key, ()) if self.tokens_of.get(p) == tokens), None)
+            if page is None:
                 break
             found.append((page, key))
             prev = key
@@ -104,10 +110,9 @@ class PrefixIndex:
 
     def offer(self, page: int, key: bytes, tokens: tuple[int, ...]) -> None:
         """``page`` just filled with ``tokens`` (chained key ``key``): publish it once every
-        layer's K/V is written, unless another page already serves that key."""
-        if key not in self.page_of:
-            self.forget(page)
-            self.pending[page] = (key, tokens, set())
+        layer's K/V is written (beside any page that already holds that key)."""
+        self.forget(page)
+        self.pending[page] = (key, tokens, set())
 
     def written(self, layer: int, pages) -> None:
         """``layer``'s K/V is now stored in ``pages``; publish those every layer has written."""
@@ -119,18 +124,20 @@ class PrefixIndex:
             layers.add(layer)
             if len(layers) == self.num_layers:
                 del self.pending[page]
-                if key not in self.page_of:
-                    self.page_of[key] = page
-                    self.key_of[page] = key
-                    self.tokens_of[page] = tokens
+                self.page_of.setdefault(key, {})[page] = None
+                self.key_of[page] = key
+                self.tokens_of[page] = tokens
 
     def forget(self, page: int) -> None:
         """``page``'s contents change: it is no longer offered for reuse, nor waiting to be."""
         key = self.key_of.pop(page, None)
         self.tokens_of.pop(page, None)
         self.pending.pop(page, None)
-        if key is not None and self.page_of.get(key) == page:
-            del self.page_of[key]
+        pages = self.page_of.get(key)
+        if pages is not None:
+            pages.pop(page, None)
+            if not pages:
+                del self.page_of[key]
 
     def snapshot(self) -> tuple:
         """The index's whole state, for `restore` (a rollback)."""

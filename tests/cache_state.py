@@ -57,7 +57,8 @@ class Snapshot:
         may take those; their K/V are overwritten, so no rollback can revive them.)"""
         pages = set(pages)
         fields = dict(self.fields)
-        fields["prefix_index"] = {k: p for k, p in fields["prefix_index"].items() if p not in pages}
+        index = {k: tuple(p for p in held if p not in pages) for k, held in fields["prefix_index"].items()}
+        fields["prefix_index"] = {k: held for k, held in index.items() if held}
         for name in ("page_hash", "page_tokens"):
             fields[name] = {p: v for p, v in fields[name].items() if p not in pages}
         fields["cached"] = tuple(p for p in fields["cached"] if p not in pages)
@@ -97,7 +98,7 @@ def snapshot(cache, *, tensors: bool = True, exact: bool = True) -> Snapshot:
         "free": tuple(alloc._free) if exact else (),
         "cached": tuple(alloc._cached) if exact else tuple(sorted(alloc._cached)),
         "next_fresh": alloc._next_fresh if exact else None,
-        "prefix_index": dict(cache._prefix.page_of),
+        "prefix_index": {k: tuple(held) if exact else tuple(sorted(held)) for k, held in cache._prefix.page_of.items()},
         "page_hash": dict(cache._prefix.key_of),
         "page_tokens": dict(cache._prefix.tokens_of),
         "pending": {p: (k, t, tuple(sorted(layers))) for p, (k, t, layers) in cache._prefix.pending.items()},

@@ -297,7 +297,7 @@ def test_equal_tokens_hit_within_a_namespace_and_miss_across():
 def test_a_key_alone_is_not_trusted():
     cache = _prefix_cache()
     _cached(cache, list(range(17)))
-    page = next(iter(cache._prefix.page_of.values()))
+    page = next(iter(next(iter(cache._prefix.page_of.values()))))
     cache._prefix.tokens_of[page] = tuple(range(100, 116))  # as if another prefix sat there
     assert cache.seq_len(cache.add_sequence(token_ids=list(range(17)))) == 0
 

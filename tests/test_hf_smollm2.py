@@ -63,6 +63,31 @@ def test_loaded_model_has_the_expected_shape(smol):
     assert gguf.get_tensor_name_map is tensor_mapping.get_tensor_name_map
 
 
+def test_saved_hugging_face_folder_loads_back_with_the_same_logits(smol, tmp_path):
+    """`save_smollm2` writes a folder transformers loads offline with no GGUF reader: the same config
+    and tokenizer, the tied head tied again, and logits equal to the GGUF-loaded model's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from paged_ref.models import save_smollm2
+
+    model, tok = smol
+    folder = save_smollm2(tmp_path / "smollm2")
+    config = json.loads((tmp_path / "smollm2" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+    from safetensors import safe_open
+
+    with safe_open(tmp_path / "smollm2" / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "lm_head.weight" not in names and "model.embed_tokens.weight" in names and len(names) == 272
+    back = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=torch.float32).eval()
+    back_tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()  # tied again
+    ids = tok(PROMPTS[1], return_tensors="pt").input_ids
+    assert torch.equal(back_tok(PROMPTS[1], return_tensors="pt").input_ids, ids)
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids).logits, model(ids).logits, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("backend", ["reference", "sdpa"])
 def test_mixed_prompts_equal_model_generate(smol, backend):
     model, tok = smol

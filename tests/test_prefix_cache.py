@@ -36,8 +36,14 @@ def test_chain_stops_at_the_first_miss_and_a_key_is_confirmed_by_its_tokens():
     assert index.match(root, [1, 2, 3, 4, 5]) == []
 
 
-def test_a_second_page_with_a_published_key_is_not_offered():
+def test_a_second_page_with_a_published_key_is_kept_and_serves_when_the_first_goes():
+    """No de-duplication (as vLLM's cache): both pages are cached, the first published serves."""
     index, root = PrefixIndex(num_layers=1, page_size=2), namespace_key(None)
     key = _published(index, root, [1, 2], page=0)
-    index.offer(5, key, (1, 2))  # another sequence filled the same tokens into page 5
-    assert 5 not in index.pending and index.page_of[key] == 0
+    _published(index, root, [1, 2], page=5)  # another sequence filled the same tokens into page 5
+    assert list(index.page_of[key]) == [0, 5] and 0 in index and 5 in index
+    assert index.match(root, [1, 2, 3]) == [(0, key)]
+    index.forget(0)
+    assert index.match(root, [1, 2, 3]) == [(5, key)]
+    index.forget(5)
+    assert key not in index.page_of and index.match(root, [1, 2, 3]) == []

@@ -39,11 +39,11 @@ def test_a_dry_run_makes_the_model_backed_engine_s_decisions():
     from paged_ref.models import tiny_llama
 
     cfg = PROFILES["quick"]
-    dry = serve_counts.bench_dry("paged", rate=None, profile="quick", num_pages=16)
+    dry = serve_counts.bench_dry("paged", rate=None, profile="quick", num_pages=15)  # the smallest pool that preempts
     model = tiny_llama()
     lengths = {k: cfg[k] for k in ("requests", "mean_prompt", "mean_output", "sigma", "min_prompt", "max_model_len")}
     requests, _ = make_requests(model, None, **lengths)
-    real = _engine(model, cfg, "paged", num_pages=16)
+    real = _engine(model, cfg, "paged", num_pages=15)
     for prompt, new in requests:
         real.add_request(prompt, max_new_tokens=new)
     real.run()

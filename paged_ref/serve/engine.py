@@ -83,7 +83,8 @@ class Engine:
         prefix_caching: share full prompt pages between requests (``PagedKVCache(prefix_caching=True)``).
         backend: the session's attention backend (``"auto"``, ``"sdpa"``, ``"reference"``, ...).
         prepack: the session's linear layers through weights packed once for oneDNN (`paged_ref.hf.prepack`).
-        watermark: share of the pool admission leaves free (vLLM's default 0.01; pages rounded down).
+        watermark: share of the pool admission leaves free while other requests run (pages rounded
+            down; vLLM V0's default was 0.01, vLLM 0.32's is 0).
         max_model_len: longest request (prompt + max_new_tokens) and what ``"max_len"`` reserves;
             default the model's ``max_position_embeddings`` (a dry run: the whole pool).
         eos_token_id: int or list of ints that end a request; default the model's

