@@ -452,7 +452,7 @@ def _report_peer(p: dict) -> None:
     )
 
 
-def _report_vllm_peer(v: dict) -> None:
+def report_vllm_peer(v: dict) -> None:
     c = v["config"]
     print(
         f"\noffline, all {v['requests']} requests at once: paged vs vLLM {v['vllm_version']} "
@@ -486,6 +486,8 @@ def main(argv=None):
         default="transformers",
         help="the offline peer: transformers' continuous batching, or vLLM in .venv-vllm (make test-vllm)",
     )
+    parser.add_argument("--peer-only", action="store_true", help="only the peer comparison (serve_*_peer_<peer>.json)")
+    parser.add_argument("--peer-repeats", type=int, default=None, help="override the profile's peer turns")
     parser.add_argument("--requests", type=int, default=None, help="override the profile's number of requests")
     parser.add_argument("--rates", type=float, nargs="+", default=None, help="override the profile's request rates")
     parser.add_argument(
@@ -505,10 +507,17 @@ def main(argv=None):
         cfg["requests"] = args.requests
     if args.rates is not None:
         cfg["rates"] = tuple(sorted(args.rates))
+    if args.peer_repeats is not None:
+        cfg["peer_repeats"] = args.peer_repeats
+    if args.peer_only and args.skip_peer:
+        parser.error("--peer-only and --skip-peer are exclusive")
+    if args.peer_only:
+        cfg["rates"] = ()
     cfg.update(WORKLOADS[args.workload], workload=args.workload)
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
         parser.error("--gpu needs a CUDA GPU")
     suffix = ("_quick" if args.quick else "") + ("" if args.workload == "chat" else f"_{args.workload}")
+    suffix += f"_peer_{args.peer}" if args.peer_only else ""
     name = f"serve_{'gpu' if mode == 'gpu' else 'cpu'}{suffix}.json"
     result = result_file(parser, args.out, name)  # checked before the model loads
     torch.set_num_threads(args.threads)
@@ -552,21 +561,22 @@ def main(argv=None):
         print(f"\nrate {row['rate']:g} req/s ({row['wall_s']:.0f} s wall, {load})")
         print(format_rate_table(row["policies"]))
         result.save(data)
-    o = data["overhead"] = run_overhead(model, cfg, requests)
-    print(
-        f"\noverhead at batch {o['batch']}: {o['overhead_share_median']:.2%} of a {o['step_ms_median']:.0f} ms "
-        f"decode step (median of {o['decode_steps']})"
-    )
-    result.save(data)
+    if not args.peer_only:
+        o = data["overhead"] = run_overhead(model, cfg, requests)
+        print(
+            f"\noverhead at batch {o['batch']}: {o['overhead_share_median']:.2%} of a {o['step_ms_median']:.0f} ms "
+            f"decode step (median of {o['decode_steps']})"
+        )
+        result.save(data)
     if not args.skip_peer and args.peer == "vllm":
         data["peer_vllm"] = run_vllm_comparison(model, info, cfg, requests, threads=args.threads)
-        _report_vllm_peer(data["peer_vllm"])
+        report_vllm_peer(data["peer_vllm"])
         result.save(data)
     elif not args.skip_peer:
         data["peer"] = run_peer_comparison(model, cfg, requests)
         _report_peer(data["peer"])
         result.save(data)
-    if not args.skip_pools:
+    if not (args.skip_pools or args.peer_only):
         data["pools"] = run_pools(model, cfg, requests, arrivals, cfg["rates"][-1])
         print(
             f"\nthroughput vs pool size at {cfg['rates'][-1]:g} req/s "
