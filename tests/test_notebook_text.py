@@ -186,3 +186,29 @@ def test_the_readme_short_answer_run_matches_its_json():
         *(f"{p[k]['mean_running']:.1f}" for k in ("paged", "exact", "max_len")),
     ]
     assert list(found.groups()) == want
+
+
+def test_the_readme_vllm_run_matches_its_json():
+    """The README's vLLM sentence states the tokens, preemptions and throughput of serve_cpu_peer_vllm.json."""
+    import re
+
+    v = json.loads((ROOT / "figures" / "data" / "serve_cpu_peer_vllm.json").read_text())["peer_vllm"]
+    readme = (ROOT / "README.md").read_text()
+    found = re.search(
+        r"against vLLM ([\d.]+)'s CPU build .*?identical greedy tokens in (\d+) of (\d+) requests and (\d+) vs (\d+) "
+        r"preemptions, paged_ref at ([\d.]+)x vLLM's tokens/s \(([\d.]+) vs ([\d.]+);",
+        readme,
+    )
+    assert found, "the README's vLLM sentence"
+    paged, vllm = v["paged"][0], v["vllm"][0]
+    want = [
+        v["vllm_version"],
+        str(v["requests_with_identical_tokens"]),
+        str(v["requests"]),
+        str(paged["preemptions"]),
+        str(vllm["preemptions"]),
+        f"{v['throughput_ratio_median']:.2f}",
+        f"{paged['wall_tokens_per_s']:.1f}",
+        f"{vllm['wall_tokens_per_s']:.1f}",
+    ]
+    assert list(found.groups()) == want
