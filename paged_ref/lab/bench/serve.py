@@ -207,19 +207,24 @@ def run_overhead(model, cfg, requests) -> dict:
     return out
 
 
+def _offline_run(engine, requests) -> tuple[list[list[int]], dict]:
+    """Every request added at once, the engine run to the end: the tokens per request and the run's
+    summary with its wall time, wall-clock tokens/s and preemptions."""
+    for prompt, new in requests:
+        engine.add_request(prompt, max_new_tokens=new)
+    start = time.perf_counter()
+    outs = engine.run()
+    wall = time.perf_counter() - start
+    r = summarize(outs)
+    r.update(wall_s=wall, wall_tokens_per_s=r["tokens"] / wall, preemptions=engine.stats()["preemptions"])
+    return [o.token_ids for o in outs], r
+
+
 def run_peer_comparison(model, cfg, requests) -> dict:
     """``paged`` offline vs transformers' continuous batching offline, taking turns ``peer_repeats`` times."""
     ours, theirs = [], []
     for _ in range(cfg["peer_repeats"]):
-        e = _engine(model, cfg, "paged", device_clock="real")
-        for prompt, new in requests:
-            e.add_request(prompt, max_new_tokens=new)
-        start = time.perf_counter()
-        outs = e.run()
-        wall = time.perf_counter() - start
-        ours_tokens = [o.token_ids for o in outs]
-        r = summarize(outs)
-        r.update(wall_s=wall, wall_tokens_per_s=r["tokens"] / wall, preemptions=e.stats()["preemptions"])
+        ours_tokens, r = _offline_run(_engine(model, cfg, "paged", device_clock="real"), requests)
         ours.append(r)
         sizes = {k: cfg[k] for k in ("page_size", "num_pages", "max_batched_tokens", "max_num_seqs")}
         theirs_tokens, summary = run_peer(model, requests, **sizes)
@@ -303,14 +308,7 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
         job = {"model_dir": folder, "requests": [[list(p), n] for p, n in requests], "limits": limits}
         for _ in range(cfg["peer_repeats"]):
             e = Engine(model, eos_token_id=[], clock="real", watermark=0.0, **{**limits, "num_pages": num_pages})
-            for prompt, new in requests:
-                e.add_request(prompt, max_new_tokens=new)
-            start = time.perf_counter()
-            outs = e.run()
-            wall = time.perf_counter() - start
-            ours_tokens = [o.token_ids for o in outs]
-            r = summarize(outs)
-            r.update(wall_s=wall, wall_tokens_per_s=r["tokens"] / wall, preemptions=e.stats()["preemptions"])
+            ours_tokens, r = _offline_run(e, requests)
             ours.append(r)
             v = _vllm_subprocess(python, job, threads)
             theirs_tokens = v.pop("tokens")
