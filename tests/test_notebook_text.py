@@ -212,3 +212,22 @@ def test_the_readme_vllm_run_matches_its_json():
         f"{vllm['wall_tokens_per_s']:.1f}",
     ]
     assert list(found.groups()) == want
+
+
+def test_the_readme_short_vllm_run_matches_its_json():
+    """The README's short-answer vLLM clause states serve_cpu_short_peer_vllm.json's tokens, preemptions, ratio."""
+    import re
+
+    v = json.loads((ROOT / "figures" / "data" / "serve_cpu_short_peer_vllm.json").read_text())["peer_vllm"]
+    readme = (ROOT / "README.md").read_text()
+    found = re.search(
+        r"with short answers on (\d+) blocks of (\d+), identical tokens in (\d+) of (\d+) requests, (\d+) vs (\d+) "
+        r"preemptions, ([\d.]+)x",
+        readme,
+    )
+    assert found, "the README's short-answer vLLM clause"
+    paged, vllm = v["paged"][0], v["vllm"][0]
+    c = v["config"]
+    want = [c["num_pages"], c["page_size"], v["requests_with_identical_tokens"], v["requests"]]
+    want += [paged["preemptions"], vllm["preemptions"], f"{v['throughput_ratio_median']:.2f}"]
+    assert list(found.groups()) == [str(x) for x in want]

@@ -487,6 +487,7 @@ def main(argv=None):
     parser.add_argument("--peer-only", action="store_true", help="only the peer comparison (serve_*_peer_<peer>.json)")
     parser.add_argument("--peer-repeats", type=int, default=None, help="override the profile's peer turns")
     parser.add_argument("--requests", type=int, default=None, help="override the profile's number of requests")
+    parser.add_argument("--num-pages", type=int, default=None, help="override the profile's pool (pages of its size)")
     parser.add_argument("--rates", type=float, nargs="+", default=None, help="override the profile's request rates")
     parser.add_argument(
         "--workload", choices=tuple(WORKLOADS), default="chat", help="lengths: the profile's (chat) or short"
@@ -507,6 +508,8 @@ def main(argv=None):
         cfg["rates"] = tuple(sorted(args.rates))
     if args.peer_repeats is not None:
         cfg["peer_repeats"] = args.peer_repeats
+    if args.num_pages is not None:
+        cfg["num_pages"] = args.num_pages
     if args.peer_only and args.skip_peer:
         parser.error("--peer-only and --skip-peer are exclusive")
     if args.peer_only:
