@@ -188,18 +188,23 @@ def test_the_readme_short_answer_run_matches_its_json():
     assert list(found.groups()) == want
 
 
-def test_the_readme_vllm_run_matches_its_json():
-    """The README's vLLM sentence states the tokens, preemptions and throughput of serve_cpu_peer_vllm.json."""
+def _readme_vllm_clause(name: str, pattern: str) -> tuple[dict, list[str]]:
+    """The ``peer_vllm`` record of ``figures/data/<name>`` and the groups of ``pattern`` in the README."""
     import re
 
-    v = json.loads((ROOT / "figures" / "data" / "serve_cpu_peer_vllm.json").read_text())["peer_vllm"]
-    readme = (ROOT / "README.md").read_text()
-    found = re.search(
+    v = json.loads((ROOT / "figures" / "data" / name).read_text())["peer_vllm"]
+    found = re.search(pattern, (ROOT / "README.md").read_text())
+    assert found, f"the README's sentence on {name}"
+    return v, list(found.groups())
+
+
+def test_the_readme_vllm_run_matches_its_json():
+    """The README's vLLM sentence states the tokens, preemptions and throughput of serve_cpu_peer_vllm.json."""
+    v, found = _readme_vllm_clause(
+        "serve_cpu_peer_vllm.json",
         r"against vLLM ([\d.]+)'s CPU build .*?identical greedy tokens in (\d+) of (\d+) requests and (\d+) vs (\d+) "
         r"preemptions, paged_ref at ([\d.]+)x vLLM's tokens/s \(([\d.]+) vs ([\d.]+);",
-        readme,
     )
-    assert found, "the README's vLLM sentence"
     paged, vllm = v["paged"][0], v["vllm"][0]
     want = [
         v["vllm_version"],
@@ -211,23 +216,18 @@ def test_the_readme_vllm_run_matches_its_json():
         f"{paged['wall_tokens_per_s']:.1f}",
         f"{vllm['wall_tokens_per_s']:.1f}",
     ]
-    assert list(found.groups()) == want
+    assert found == want
 
 
 def test_the_readme_short_vllm_run_matches_its_json():
     """The README's short-answer vLLM clause states serve_cpu_short_peer_vllm.json's tokens, preemptions, ratio."""
-    import re
-
-    v = json.loads((ROOT / "figures" / "data" / "serve_cpu_short_peer_vllm.json").read_text())["peer_vllm"]
-    readme = (ROOT / "README.md").read_text()
-    found = re.search(
+    v, found = _readme_vllm_clause(
+        "serve_cpu_short_peer_vllm.json",
         r"with short answers on (\d+) blocks of (\d+), identical tokens in (\d+) of (\d+) requests, (\d+) vs (\d+) "
         r"preemptions, ([\d.]+)x",
-        readme,
     )
-    assert found, "the README's short-answer vLLM clause"
     paged, vllm = v["paged"][0], v["vllm"][0]
     c = v["config"]
     want = [c["num_pages"], c["page_size"], v["requests_with_identical_tokens"], v["requests"]]
     want += [paged["preemptions"], vllm["preemptions"], f"{v['throughput_ratio_median']:.2f}"]
-    assert list(found.groups()) == [str(x) for x in want]
+    assert found == [str(x) for x in want]
