@@ -19,13 +19,13 @@ from attention_cases import (
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from paged_ref.attention.flex import (
-    block_mask_visits,
     flex_paged_decode,
     flex_paged_prefill,
     paged_block_masks,
     physical_to_logical,
 )
 from paged_ref.attention.reference import reference_paged_prefill
+from paged_ref.lab.flex_inspect import block_mask_visits, dense_masks
 
 F32_TOL = 1e-4
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -90,7 +90,7 @@ def test_dense_pictures_of_both_masks():
     masks = paged_block_masks(
         case.block_table, case.seq_lens, case.k_cache.shape[0], 4, q_len=6, q_lens=case.q_lens, kv_block_size=8
     )
-    logical, physical = masks.dense()
+    logical, physical = dense_masks(masks)
     assert torch.equal(physical, case.physical_mask())
     kv = torch.arange(logical.shape[-1])
     for b, (n, m) in enumerate(zip(case.seq_lens.tolist(), case.q_lens.tolist())):

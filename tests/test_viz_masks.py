@@ -12,7 +12,8 @@ matplotlib.use("Agg")
 
 from attention_cases import make_decode_case, make_prefill_case  # noqa: E402
 
-from paged_ref.attention.flex import block_mask_visits, paged_block_masks  # noqa: E402
+from paged_ref.attention.flex import paged_block_masks  # noqa: E402
+from paged_ref.lab.flex_inspect import block_mask_visits  # noqa: E402
 from paged_ref.lab.viz.masks import (  # noqa: E402
     VERDICTS,
     block_masks_figure,

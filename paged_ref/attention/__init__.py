@@ -22,7 +22,7 @@ and, from the reference on a second branch:
 
 4. :mod:`.flex`: FlexAttention over the whole cache with a BlockMask translated from logical
    to physical pages (:func:`flex_paged_decode`, :func:`flex_paged_prefill`);
-   :mod:`.flex_inspect` replays a BlockMask token by token to check and draw it.
+   `paged_ref.lab.flex_inspect` replays a BlockMask token by token to check and draw it.
 
 :mod:`.cascade` reads fewer pages when requests share a prefix: the shared pages once for all
 of the group's queries, each suffix alone, the two ``(output, lse)`` states merged with split-K's

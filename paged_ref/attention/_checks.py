@@ -22,13 +22,13 @@ __all__ = [
     "check_block_size",
     "check_cascade_inputs",
     "check_contiguous",
+    "check_block_mask",
     "check_mask_arguments",
-    "check_mask_source",
     "check_paged_inputs",
     "check_prefill_inputs",
     "check_table_pages",
     "check_triton_inputs",
-    "version",
+    "mask_source",
 ]
 
 INT_DTYPES = (torch.int32, torch.int64)
@@ -327,19 +327,35 @@ def check_block_size(size: int, name: str = "kv_block_size") -> int:
     return size
 
 
-def version(t) -> int | None:
+def _version(t) -> int | None:
     """In-place version counter (inference-mode tensors have none: their identity is trusted)."""
     return None if t is None or t.is_inference() else t._version
 
 
-def check_mask_source(block_mask: BlockMask, block_table, seq_lens, q_lens) -> None:
-    """A reused BlockMask must come from this block table and these lengths.
+def mask_source(block_table, seq_lens, q_lens) -> tuple:
+    """What a physical BlockMask is built from, for :func:`check_block_mask`: the tensors, their
+    version counters and copies of their values."""
+    tensors = (block_table, seq_lens, q_lens)
+    copies = tuple(None if t is None else t.detach().clone() for t in tensors)
+    return tensors, tuple(_version(t) for t in tensors), copies
 
-    Same tensors, unmodified since (their version counters; inference-mode tensors, which have
-    none, by identity alone): accepted without reading them.
-    Other tensors: their values are compared with the ones the mask was built from (a host
-    sync); a mask built for another table would silently read the wrong pages.
-    """
+
+def check_block_mask(block_mask, block_table, seq_lens, q_lens, q_len: int, num_pages: int, page_size: int) -> None:
+    """A reused BlockMask must be a ``paged_block_masks(...).physical`` of this shape, built from
+    this block table and these lengths: the same tensors unmodified since (no host read), or equal
+    values (a host sync). A mask built for another table would silently read the wrong pages."""
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            "block_mask must be None or the .physical BlockMask of "
+            f"paged_block_masks(...), got {type(block_mask).__name__}"
+        )
+    batch = block_table.shape[0]
+    if block_mask.kv_num_blocks.shape[0] != batch or tuple(block_mask.seq_lengths) != (q_len, num_pages * page_size):
+        raise ValueError(
+            "block_mask must be the .physical BlockMask of paged_block_masks(...) for this "
+            f"batch ({batch}), q_len ({q_len}) and cache ({num_pages} pages x {page_size}); got "
+            f"batch {block_mask.kv_num_blocks.shape[0]}, seq_lengths {block_mask.seq_lengths}"
+        )
     source = getattr(block_mask, "paged_ref_source", None)
     if source is None:
         raise ValueError(
@@ -349,7 +365,7 @@ def check_mask_source(block_mask: BlockMask, block_table, seq_lens, q_lens) -> N
         )
     tensors, versions, values = source
     now = (block_table, seq_lens, q_lens)
-    if all(a is b and version(a) == v for a, b, v in zip(now, tensors, versions)):
+    if all(a is b and _version(a) == v for a, b, v in zip(now, tensors, versions)):
         return
     for name, given, built in zip(("block_table", "seq_lens", "q_lens"), now, values):
         same = (given is None and built is None) or (

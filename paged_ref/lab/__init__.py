@@ -8,7 +8,8 @@
 - helpers the above share: `runmode` (quick or full runs, where figures go), `provenance`
   (hardware and versions), `textdata` (real text from the standard library), `stats`,
   `texttable`; the notebooks' simulations and replays: `fragmentation` (workloads served by the
-  engine, dry), `scenarios`, `sharing`, `eviction_analysis`, `eviction_replay`.
+  engine, dry), `scenarios`, `sharing`, `eviction_analysis`, `eviction_replay`; `flex_inspect`
+  (a paged BlockMask replayed token by token, notebook 04).
 
 Submodules load on first use:
 
@@ -24,6 +25,7 @@ _SUBMODULES = {
     "check",
     "eviction_analysis",
     "eviction_replay",
+    "flex_inspect",
     "fragmentation",
     "provenance",
     "runmode",

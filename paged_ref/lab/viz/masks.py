@@ -16,7 +16,7 @@ The functions here draw both, in logical and in physical coordinates:
 * :func:`translation_figure`: physical pages of the cache joined to the logical pages of the
   sequences that own them (the map the mask_mod inverts).
 
-The data behind them lives in :mod:`paged_ref.attention.flex_inspect` (:func:`expected_visible`,
+The data behind them lives in :mod:`paged_ref.lab.flex_inspect` (:func:`expected_visible`,
 the ground truth; :func:`listed_blocks`, :func:`page_owners`, :func:`block_kinds`,
 :func:`trace_position`, :func:`untranslated_block_mask`); this module re-exports those names.
 
@@ -42,13 +42,14 @@ from matplotlib.patches import Patch, Polygon, Rectangle
 from torch.nn.attention.flex_attention import BlockMask
 
 from ..._arith import cdiv
-from ...attention.flex_inspect import (
+from ..flex_inspect import (
     FULL,
     PARTIAL,
     SKIPPED,
     VERDICTS,
     PositionTrace,
     block_kinds,
+    dense_masks,
     expected_visible,
     format_traces,
     listed_blocks,
@@ -195,7 +196,7 @@ def block_masks_figure(
 
     Each row is one query (decode: one per sequence; prefill: each sequence's new tokens).
     A cell is colored where a block-sparse kernel adds the pair into the softmax (block lists
-    replayed with :func:`~paged_ref.attention.flex.block_mask_visits`), grey where its block is
+    replayed with :func:`~paged_ref.lab.flex_inspect.block_mask_visits`), grey where its block is
     visited but the mask_mod masks it. Thin lines are page boundaries, dashed ones flex block
     boundaries. The strips on top name the pages: logical page index on the left, physical page
     id colored by its owner on the right (grey: free or padding, owned by no row).
@@ -205,7 +206,7 @@ def block_masks_figure(
         block_table: int ``[batch, max_pages]``; seq_lens: int ``[batch]``; q_lens: int
             ``[batch]`` for prefill (as given to ``paged_block_masks``), None for decode.
     """
-    logical, physical = masks.dense()  # [B, Q, max_pages*P], [B, Q, N*P]
+    logical, physical = dense_masks(masks)  # [B, Q, max_pages*P], [B, Q, N*P]
     q_len = logical.shape[1]
     kv_block = masks.logical.BLOCK_SIZE[1]
     num_pages = physical.shape[-1] // page_size

@@ -21,9 +21,9 @@ from matplotlib.figure import Figure
 
 from ..._validate import check_int
 from ...attention.flex import paged_block_masks
-from ...attention.flex_inspect import block_mask_visits, expected_visible
 from ...block_table import pages_needed
 from ...cache import PagedKVCache
+from ..flex_inspect import block_mask_visits, expected_visible
 from ..viz.masks import block_masks_figure
 from . import with_static_figure
 

@@ -13,6 +13,7 @@ lists visible and checkable without a GPU:
   mask_mod's translation step by step;
 * :func:`untranslated_block_mask` builds the bug of forgetting to translate the block lists.
 
+:func:`dense_masks` gives both pictures of a ``paged_block_masks(...)`` side by side;
 :mod:`paged_ref.lab.viz.masks` draws all of this (notebook 04).
 
 Example:
@@ -43,6 +44,7 @@ __all__ = [
     "PositionTrace",
     "block_kinds",
     "block_mask_visits",
+    "dense_masks",
     "expected_visible",
     "format_traces",
     "listed_blocks",
@@ -216,6 +218,13 @@ def block_mask_visits(block_mask: BlockMask) -> torch.Tensor:
     if block_mask.full_kv_num_blocks is not None:
         visits = visits + per_token(block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
     return visits
+
+
+def dense_masks(masks) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level pictures of ``paged_block_masks(...)`` as a block-sparse kernel reads them, ready
+    for ``imshow``: bool ``[batch, q_len, max_pages * page_size]`` (logical) and
+    ``[batch, q_len, num_pages * page_size]`` (physical)."""
+    return block_mask_visits(masks.logical)[:, 0] > 0, block_mask_visits(masks.physical)[:, 0] > 0
 
 
 #: Block kinds in :func:`block_kinds`: not listed, listed with the mask_mod applied, listed full.
