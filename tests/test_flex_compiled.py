@@ -53,7 +53,7 @@ def test_compiled_prefill_matches_the_oracle_and_skips_other_pages(page_size):
 # One process compiles the decode kernel with one thread, a second one with two threads finds
 # it in inductor's on-disk cache. torch 2.11 leaves the thread count out of that cache's key: the
 # second process got the first one's per-thread scratch buffers and wrote past them (`double free
-# or corruption`) until paged_ref put the count into the key (`flex._compile_key`). torch 2.13
+# or corruption`) until paged_ref put the count into the key (`_flex_compiled._compile_key`). torch 2.13
 # keys its cache by the thread count itself, so the check (two compiles, ~30 s) runs only on
 # older torch: `make gpu-image` (torch 2.11) runs it.
 _TWO_PROCESSES = """

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from paged_ref._arith import next_pow2
-from paged_ref.attention.flex import DEFAULT_Q_BLOCK_SIZE, cuda_kernel_options, default_kv_block_size
+from paged_ref.attention._flex_compiled import cuda_kernel_options
+from paged_ref.attention.flex import DEFAULT_Q_BLOCK_SIZE, default_kv_block_size
 from paged_ref.lab.bench import decode
 from paged_ref.lab.bench._scaling_models import LLAMA_1B_SHAPES, SMOLLM2_SHAPES
 from paged_ref.lab.bench.scaling import PAGE_SIZE, PROFILES

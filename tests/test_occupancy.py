@@ -34,14 +34,14 @@ def test_the_launcher_resources_are_the_compile_reports(arch):
     tile, and the model gives every compiled entry the programs per SM the report computed."""
     entries = _tile_entries(arch)
     assert entries
-    registers, shared, warps = td._TILE_RESOURCES[arch]
+    registers, shared, warps = occ._TILE_RESOURCES[arch]
     assert registers == max(e["registers"] for e in entries)
     assert shared == max(e["shared_bytes"] for e in entries)
     assert {e["options"]["num_warps"] for e in entries} == {warps}
     for e in entries:
         model = occ.programs_per_sm(e["registers"], e["shared_bytes"], warps, occ.SM_LIMITS[arch])
-        assert model["programs_per_sm"] == e["programs_per_sm"] == td._resident_programs(arch)
-    assert td._resident_programs(90) == td._PROGRAMS_PER_SM
+        assert model["programs_per_sm"] == e["programs_per_sm"] == occ._resident_programs(arch)
+    assert occ._resident_programs(90) == occ._PROGRAMS_PER_SM
 
 
 def test_three_programs_per_sm_meet_littles_law_and_one_does_not():
@@ -51,7 +51,7 @@ def test_three_programs_per_sm_meet_littles_law_and_one_does_not():
     per_program = occ.bytes_in_flight(entry["tile_bytes"], max(entry["kv_buffers"]), entry["async_copies"] > 0)
     need = occ.littles_law_bytes(H200)
     assert need == entry["littles_law_bytes_per_sm"]
-    assert per_program * td._PROGRAMS_PER_SM == entry["kv_bytes_in_flight_per_sm"] >= 2.5 * need
+    assert per_program * occ._PROGRAMS_PER_SM == entry["kv_bytes_in_flight_per_sm"] >= 2.5 * need
     assert per_program < need
 
 
@@ -67,18 +67,18 @@ def test_one_long_sequence_fills_an_h200():
     """Batch 1 x 131072, 8 KV heads: one wave at least 95% full on 132 SMs x 3, every SM with
     enough programs for Little's law, and no split under the minimum tile count."""
     cfg = td._tile_config(torch.bfloat16, 128, 4, interpret=False, capability=90)  # one tile for every page size
-    s = td.choose_num_splits(1, 8, 131072, H200.sms, programs_per_sm=3, block_n=cfg["BLOCK_N"])
+    s = occ.choose_num_splits(1, 8, 131072, H200.sms, programs_per_sm=3, block_n=cfg["BLOCK_N"])
     count, fill = occ.waves(8 * s, H200.sms, 3)
     assert count == 1 and fill >= 0.95, (s, fill)
     per_sm = 8 * s / H200.sms
     assert per_sm * occ.bytes_in_flight(16384, 2, True) >= occ.littles_law_bytes(H200)
-    assert 131072 / s >= td._MIN_TILES_PER_SPLIT * cfg["BLOCK_N"]
+    assert 131072 / s >= occ._MIN_TILES_PER_SPLIT * cfg["BLOCK_N"]
 
 
 @pytest.mark.parametrize("batch, seq_len", [(8, 32768), (64, 4096), (256, 2048), (16, 8192), (32, 4096)])
 def test_batches_of_eight_and_more_keep_their_waves_full(batch, seq_len):
     """Every batch >= 8 of the benchmark (and two between) runs in waves at least 85% full."""
-    s = td.choose_num_splits(batch, 8, seq_len, H200.sms, programs_per_sm=3, block_n=64)
+    s = occ.choose_num_splits(batch, 8, seq_len, H200.sms, programs_per_sm=3, block_n=64)
     _, fill = occ.waves(batch * 8 * s, H200.sms, 3)
     assert fill >= 0.85, (s, fill)
 
@@ -88,7 +88,7 @@ def test_the_choice_is_the_cheapest_within_tolerance():
     for batch, seq_len in ((1, 131072), (1, 5000), (3, 20000), (64, 4096), (500, 100)):
         tiles = -(-seq_len // 64)
         costs = {s: occ.split_cost(batch, 8, seq_len, s, 132, 3, 64) for s in range(1, min(256, tiles // 4) + 1)}
-        chosen = td.choose_num_splits(batch, 8, seq_len, 132, block_n=64)
+        chosen = occ.choose_num_splits(batch, 8, seq_len, 132, block_n=64)
         if len(costs) > 1 or chosen != 1:
             assert costs[chosen] <= 1.03 * min(costs.values())
             assert all(costs[s] > 1.03 * min(costs.values()) for s in costs if s < chosen)

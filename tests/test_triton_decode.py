@@ -16,8 +16,9 @@ import torch
 from attention_cases import make_decode_case, rel_error
 
 from paged_ref.attention import triton_decode as td
+from paged_ref.attention.occupancy import choose_num_splits
 from paged_ref.attention.reference import reference_paged_decode
-from paged_ref.attention.triton_decode import choose_num_splits, triton_paged_decode
+from paged_ref.attention.triton_decode import triton_paged_decode
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

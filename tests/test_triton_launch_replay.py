@@ -39,6 +39,7 @@ from triton.runtime.jit import create_function_from_signature
 
 from paged_ref._arith import cdiv
 from paged_ref.attention import triton_decode as td
+from paged_ref.attention.occupancy import choose_num_splits
 from paged_ref.lab.bench import decode, gpu
 from paged_ref.lab.bench._scaling_models import LLAMA_1B_SHAPES
 from paged_ref.lab.bench.scaling import PAGE_SIZE, PROFILES
@@ -249,7 +250,7 @@ def test_the_gpu_plan_budgets_for_these_compile_counts(replay):
 def test_split_counts_follow_an_h200():
     """The replay's split counts are the launcher's for 132 SMs (a sanity check on the stubs)."""
     cfg = td._tile_config(torch.bfloat16, 128, 4, interpret=False, capability=90)
-    assert td.choose_num_splits(8, 8, 32768, H200_SMS, block_n=cfg["BLOCK_N"]) == 6
+    assert choose_num_splits(8, 8, 32768, H200_SMS, block_n=cfg["BLOCK_N"]) == 6
     # bench decode's 64 x 4096 is split in 3 since the occupancy model charges a 29%-full second wave
-    assert td.choose_num_splits(64, 8, 4096, H200_SMS, block_n=cfg["BLOCK_N"]) == 3
+    assert choose_num_splits(64, 8, 4096, H200_SMS, block_n=cfg["BLOCK_N"]) == 3
     assert math.isfinite(cfg["BLOCK_N"])

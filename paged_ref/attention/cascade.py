@@ -1,27 +1,16 @@
-"""Cascade (shared-prefix) decode attention: read a prefix that many requests share once.
+"""Cascade (shared-prefix) decode attention: a prefix that many requests share is read once.
 
-When 32 samples fork one 1024-token prompt, their block tables start with the same physical
-pages. Plain paged attention reads those pages 32 times a step, once per request. Cascade
-attention (Hydragen; FlashInfer's cascade API) splits each request's keys in two:
+When 32 samples fork one prompt, their block tables start with the same pages, and plain paged
+attention reads them 32 times a step. Cascade attention (Hydragen; FlashInfer's cascade API)
+splits each request's keys in two: the **prefix** shared by a group, read once, every query of
+the group attending to it in one matmul (their rows side by side, as a prefill stacks tokens);
+and the **suffix**, each request's own pages, attended alone. Each half returns ``(o, lse)``,
+the normalised output and the log-sum-exp of its scores in base 2, and the two merge with
+split-K's rule (:func:`merge_states`; ``(o, lse)`` is the split state ``(m = lse, l = 1, acc = o)``).
 
-* the **prefix**, shared by a group of requests: its K/V are read once and every query of the
-  group attends to them in *one* matmul (``[group queries, D] @ [D, prefix tokens]`` per KV
-  head: the rows of all requests side by side, as a prefill would stack its tokens);
-* the **suffix**, each request's own pages after the prefix, attended one request at a time.
-
-Each half is a softmax over part of the keys. It comes back as ``(o, lse)``: the normalised
-output and the log-sum-exp of its scores, **in base 2** as everywhere in this package
-(``lse = log2 sum_j 2^(s_j)`` with ``s_j = q.k_j * scale * log2(e)``). Two such partial results
-over disjoint key sets merge into the softmax over their union (:func:`merge_states`), the very
-rule split-K uses to combine chunks (:func:`.online_softmax.merge_partials`): a state
-``(o, lse)`` is the split state ``(m = lse, l = 1, acc = o)``.
-
-Who shares what is said by two small tensors: ``group_indptr: [num_groups + 1]``, requests
-``group_indptr[g] .. group_indptr[g + 1] - 1`` form group ``g`` (consecutive rows, as
-FlashInfer's ``indptr``), and ``prefix_lens: [num_groups]``, the tokens they share, a whole
-number of pages (``0`` = no shared prefix). The group's prefix pages are the first
-``prefix_lens[g] // page_size`` entries of its requests' block-table rows, which must be equal:
-the requests must really share those pages.
+Who shares what: ``group_indptr [num_groups + 1]`` (group ``g`` is requests ``group_indptr[g] ..
+group_indptr[g + 1] - 1``, as FlashInfer's ``indptr``) and ``prefix_lens [num_groups]``, the
+tokens they share, a whole number of pages on which their block-table rows agree.
 
 Example:
     >>> import torch
@@ -49,19 +38,10 @@ __all__ += ["suffix_table"]
 def merge_states(
     o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The softmax over keys ``A`` and ``B`` from the softmax over each: ``(o, lse)`` merged.
-
-    With ``M = max(lse_a, lse_b)``: ``o = (2^(lse_a - M) o_a + 2^(lse_b - M) o_b) /
-    (2^(lse_a - M) + 2^(lse_b - M))`` and ``lse = M + log2(2^(lse_a - M) + 2^(lse_b - M))``.
-    An empty part (``lse = -inf``, ``o = 0``) weighs nothing. Computed by split-K's reduction,
-    :func:`~paged_ref.attention.online_softmax.merge_partials`, on the states ``(lse, 1, o)``.
-
-    Args:
-        o_a, o_b: ``[..., head_dim]`` the two normalised outputs.
-        lse_a, lse_b: ``[...]`` their log-sum-exps in base 2; each row needs one finite.
-
-    Returns:
-        ``(o [..., head_dim], lse [...])``.
+    """The softmax over keys ``A`` and ``B`` from the softmax over each: outputs ``o [..., head_dim]``
+    and base-2 log-sum-exps ``lse [...]`` merged by split-K's reduction (:func:`merge_partials` on
+    the states ``(lse, 1, o)``). An empty part (``lse = -inf``) weighs nothing; each row needs one
+    finite ``lse``.
 
     Example:
         >>> scores, v = torch.tensor([[1.0, 2.0, 0.5, 3.0]]), torch.randn(4, 2)   # base 2
@@ -88,17 +68,10 @@ def merge_states(
 def attend_with_lse(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of many query rows over one key set, GQA without copying K/V.
-
-    Args:
-        q: ``[num_kv_heads, rows, D]``: the query heads that read KV head ``h`` (of every
-            request in the group) are the rows of ``q[h]``.
-        k, v: ``[kv_len, num_kv_heads, D]``, ``kv_len >= 1``.
-
-    Returns:
-        ``(o [num_kv_heads, rows, D], lse [num_kv_heads, rows])`` in float32 (float64 for a
-        float64 ``q``), ``lse`` in base 2.
-    """
+    """Softmax attention of many query rows over one key set, GQA without copying K/V: the rows of
+    ``q[h]`` (``q: [num_kv_heads, rows, D]``) read KV head ``h`` of ``k, v: [kv_len >= 1,
+    num_kv_heads, D]``. Returns float32 (float64 for float64 ``q``) ``(o [num_kv_heads, rows, D],
+    lse [num_kv_heads, rows])``, ``lse`` in base 2."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     k = k.to(compute).transpose(0, 1)  # [Hkv, kv_len, D]
     v = v.to(compute).transpose(0, 1)  # [Hkv, kv_len, D]
@@ -112,8 +85,7 @@ def attend_with_lse(
 def request_prefixes(
     seq_lens: torch.Tensor, group_indptr: torch.Tensor, prefix_lens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request's shared prefix and own suffix, in tokens: ``(prefix [batch], suffix [batch])``
-    with ``prefix + suffix == seq_lens`` (``suffix`` is 0 for a request that holds only the prefix).
+    """Each request's shared prefix and own suffix in tokens, ``(prefix [batch], suffix [batch])``.
 
     Example:
         >>> request_prefixes(torch.tensor([9, 11, 5]), torch.tensor([0, 2, 3]), torch.tensor([8, 0]))
@@ -125,8 +97,8 @@ def request_prefixes(
 
 
 def suffix_table(block_table: torch.Tensor, prefix_pages: torch.Tensor) -> torch.Tensor:
-    """``block_table`` with row ``b`` shifted left by ``prefix_pages[b]`` entries, so that it
-    lists the request's own pages from column 0 (the tail repeats the last entry: padding).
+    """``block_table`` with row ``b`` shifted left by ``prefix_pages[b]`` entries: the request's own
+    pages from column 0 (the tail repeats the last entry: padding).
 
     Example:
         >>> suffix_table(torch.tensor([[0, 1, 2], [0, 1, 3]]), torch.tensor([2, 1])).tolist()
@@ -140,12 +112,10 @@ def suffix_table(block_table: torch.Tensor, prefix_pages: torch.Tensor) -> torch
 def shared_prefix_groups(
     block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Find who shares what in a batch: ``(order, group_indptr, prefix_lens)``.
+    """Who shares what in a batch, read on the host: ``(order, group_indptr, prefix_lens)``.
 
-    Requests whose first pages are the same physical page are grouped (``order`` puts them next
-    to each other: the batch as ``block_table[order]``); a group shares the longest run of pages
-    its rows have in common, counting only pages full in every row. A request alone, or sharing
-    no full page, is a group of its own with ``prefix_lens = 0``. Reads the tables on the host.
+    Requests whose first page is the same are grouped (the batch reordered as ``block_table[order]``),
+    sharing the longest run of pages full in every row; a request alone has ``prefix_lens = 0``.
 
     Example:
         >>> bt = torch.tensor([[0, 1, 2], [5, 6, 7], [0, 1, 3], [0, 4, 8]])
@@ -187,26 +157,9 @@ def reference_cascade_decode(
     scale: float | None = None,
     check_values: bool = True,
 ) -> torch.Tensor:
-    """Decode attention as :func:`~paged_ref.attention.reference.reference_paged_decode`, with
-    each group's shared prefix read once for all of its requests.
-
-    Args:
-        q: ``[batch, num_q_heads, head_dim]``.
-        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``.
-        block_table: int ``[batch, max_pages]``; seq_lens: int ``[batch]``, each ``>= 1``.
-        group_indptr: int ``[num_groups + 1]``, from 0 up to ``batch``, increasing: group ``g``
-            is requests ``group_indptr[g] .. group_indptr[g + 1] - 1``.
-        prefix_lens: int ``[num_groups]``: tokens group ``g`` shares, a multiple of
-            ``page_size``, at most the shortest ``seq_lens`` of the group; the group's
-            block-table rows must agree on those pages.
-        scale: softmax scale, default ``head_dim ** -0.5``.
-        check_values: also check the values (lengths, pages, the groups' sharing): reads the
-            tables on the host; off only for groups made by :func:`shared_prefix_groups` from them.
-
-    Returns:
-        ``[batch, num_q_heads, head_dim]``, dtype of ``q`` (float32 arithmetic, float64 for
-        float64 inputs).
-    """
+    """:func:`~.reference.reference_paged_decode` with each group's shared prefix read once for all
+    its requests (``group_indptr``, ``prefix_lens``: see the module docstring; ``check_values``
+    also checks the groups' sharing, off only for groups :func:`shared_prefix_groups` made)."""
     scale = check_cascade_inputs(
         q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, scale=scale, check_values=check_values
     )

@@ -18,23 +18,20 @@ physical sequence, ``k_cache [num_pages, page_size, Hkv, D] -> [1, Hkv, num_page
 A masked element of a visited block still adds ``0 * v``, and ``0 * nan`` is NaN, so the default
 KV block is page aligned (:func:`default_kv_block_size`): no other page is ever read. Eager flex
 (the CPU default) evaluates the mask_mod everywhere and reads every slot, which `PagedKVCache`
-keeps finite. On CUDA flex is compiled once per process, with a tile that divides the blocks
-(:func:`cuda_kernel_options`). Notebook 04 walks through all of it, against torch's own
-``PagedAttention``.
+keeps finite; compiled flex (the CUDA default) is set up in `._flex_compiled`. Notebook 04 walks
+through all of it, against torch's own ``PagedAttention``.
 """
 
 from __future__ import annotations
 
 import math
-import threading
-import warnings
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from .._arith import cdiv, next_pow2
+from .._arith import cdiv
 from ._checks import (
     check_block_mask,
     check_block_size,
@@ -45,10 +42,10 @@ from ._checks import (
     check_table_pages,
     mask_source,
 )
+from ._flex_compiled import run_flex
 
 __all__ = [
     "PagedBlockMasks",
-    "cuda_kernel_options",
     "default_kv_block_size",
     "flex_paged_decode",
     "flex_paged_prefill",
@@ -304,95 +301,17 @@ def _block_masks(block_table, seq_lens, num_pages, page_size, q_len, q_lens, kv_
 
 # --- The attention calls --------------------------------------------------------------------
 
-_COMPILED_FLEX = {}  # device type (and CPU thread count) -> torch.compile(flex_attention), built on first use
-COMPILE_LIMIT = 256  # distinct shapes one process may compile flex_attention for
-
-
-def _compile_key(device: torch.device) -> tuple:
-    """What one compiled flex_attention is built for: the device type, and on CPU the thread count
-    (inductor's CPU kernel sizes its scratch buffers for it; torch 2.11 left it out of its on-disk
-    cache key, so a kernel compiled under one thread count and loaded under another corrupted the
-    heap)."""
-    return (device.type, torch.get_num_threads()) if device.type == "cpu" else (device.type,)
-
-
-def _flex_for(device: torch.device, compiled: bool | None = None):
-    """flex_attention compiled (default on CUDA) or eager (default on CPU: a compile costs seconds)."""
-    if compiled is None:
-        compiled = device.type == "cuda"
-    if not compiled:
-        return _eager_flex
-    key = _compile_key(device)
-    if key not in _COMPILED_FLEX:
-        # static shapes on CPU: the template's dynamic-shape code does not build (torch 2.13)
-        if device.type == "cpu":
-            compiled_flex = torch.compile(flex_attention, dynamic=False, options={"cpp.threads": key[1]})
-        else:
-            compiled_flex = torch.compile(flex_attention, dynamic=True)
-        # Past 8 compiles dynamo silently falls back to eager (dense) flex: allow more shapes and
-        # fail loudly instead. One config patch per thread, entered on every call (one per call
-        # leaks in torch's config machinery; torch 2.11 refuses to enter one object twice at once).
-        limits = threading.local()
-
-        def call(*args, **kwargs):
-            patch = getattr(limits, "patch", None)
-            if patch is None:
-                patch = limits.patch = torch._dynamo.config.patch(
-                    recompile_limit=COMPILE_LIMIT, fail_on_recompile_limit_hit=True
-                )
-            with patch:
-                return compiled_flex(*args, **kwargs)
-
-        _COMPILED_FLEX[key] = call
-    return _COMPILED_FLEX[key]
-
-
-def cuda_kernel_options(
-    dtype: torch.dtype, head_dim: int, q_len: int, group: int, block_size: tuple[int, int]
-) -> dict[str, int]:
-    """The query x key tile (``BLOCK_M`` x ``BLOCK_N``) compiled flex uses on CUDA.
-
-    torch's kernels read a BlockMask block ``(q_block, kv_block)`` in whole tiles, so the tile must
-    divide both, and its default tiles (64 or 128 keys) do not divide a 16-token KV block. This
-    one does, and is never larger than torch's defaults: ``BLOCK_N`` at most 64 keys (32 for
-    float32, half past head_dim 128); ``BLOCK_M`` one KV head's ``q_len * group`` query rows as a
-    power of two (the decoding kernel's choice), at most 128 (32 for float32 or past head_dim 128).
-    tests/test_flex_cuda_tiles.py checks it against torch's CUDA heuristics.
-
-    Example:
-        >>> cuda_kernel_options(torch.bfloat16, 128, 1, 4, (128, 16))
-        {'BLOCK_M': 16, 'BLOCK_N': 16}
-        >>> cuda_kernel_options(torch.bfloat16, 64, 1024, 4, (128, 128))
-        {'BLOCK_M': 128, 'BLOCK_N': 64}
-    """
-    q_block, kv_block = block_size
-    wide = dtype.itemsize <= 2 and head_dim <= 128  # torch's defaults: 128-row tiles here
-    cap_m = 128 if wide else 32
-    cap_n = (64 if dtype.itemsize <= 2 else 32) // (2 if head_dim > 128 else 1)
-    rows = min(next_pow2(q_len * group), cap_m)  # the query rows of one KV head, capped
-    block_m = max(16, next_pow2(group), rows)  # 16: tl.dot's smallest; whole groups for decoding
-    return {"BLOCK_M": min(q_block, block_m), "BLOCK_N": min(kv_block, cap_n)}
-
-
-def _eager_flex(*args, **kwargs):
-    """flex_attention run eagerly on purpose (CPU), without its "use torch.compile" warning."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-        return flex_attention(*args, **kwargs)
-
-
-def _kv_block(kv_block_size, k_cache: torch.Tensor) -> int:
-    if kv_block_size is None:
-        return default_kv_block_size(k_cache.shape[1], k_cache.device)
-    return check_block_size(kv_block_size)
-
 
 def _flex_paged(
     q4, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_block_size, block_mask, compiled, check_values
 ):
-    """q4: [batch, Hq, q_len, D] -> [batch, Hq, q_len, D] over the physical cache, on checked inputs
-    (without ``check_values`` the page ids the mask reads are checked here)."""
+    """q4: [batch, Hq, q_len, D] -> [batch, Hq, q_len, D] over the physical cache, after the common
+    checks: flex's own (without ``check_values``, the page ids the mask reads too), then flex."""
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
+    if kv_block_size is None:
+        kv_block_size = default_kv_block_size(page_size, k_cache.device)
+    check_block_size(kv_block_size)
+    check_contiguous(k_cache, v_cache)
     q_len = q4.shape[2]
     if q_len == 0:  # nothing to attend from (max_q_len 0)
         return q4.new_zeros(q4.shape)
@@ -408,12 +327,7 @@ def _flex_paged(
     # the batch (the BlockMask carries the batch dimension).
     k = k_cache.view(1, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.view(1, num_pages * page_size, num_kv_heads, head_dim).transpose(1, 2)
-    flex = _flex_for(q4.device, compiled)
-    options = {}
-    if flex is not _eager_flex and q4.device.type == "cuda":
-        group = q4.shape[1] // num_kv_heads
-        options["kernel_options"] = cuda_kernel_options(q4.dtype, head_dim, q_len, group, block_mask.BLOCK_SIZE)
-    return flex(q4, k, v, block_mask=block_mask, scale=scale, enable_gqa=q4.shape[1] != num_kv_heads, **options)
+    return run_flex(q4, k, v, block_mask, scale, compiled)
 
 
 def flex_paged_decode(
@@ -441,20 +355,10 @@ def flex_paged_decode(
             builds it here.
         compiled: ``torch.compile``'d flex (block sparse) or eager (dense, then masked); None:
             compiled on CUDA, eager on CPU.
-
-    Example:
-        >>> kc, vc = torch.randn(4, 16, 2, 64), torch.randn(4, 16, 2, 64)
-        >>> bt = torch.tensor([[3, 1], [0, 7]], dtype=torch.int32)   # 7: unused padding
-        >>> out = flex_paged_decode(torch.randn(2, 8, 64), kc, vc, bt, torch.tensor([20, 5]))
-        >>> out.shape
-        torch.Size([2, 8, 64])
     """
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
-    kv_block_size = _kv_block(kv_block_size, k_cache)
-    check_contiguous(k_cache, v_cache)
-    q4 = q.unsqueeze(2)  # [batch, Hq, 1, D]
     args = (block_table, seq_lens, None, scale, kv_block_size, block_mask, compiled, check_values)
-    return _flex_paged(q4, k_cache, v_cache, *args).squeeze(2)
+    return _flex_paged(q.unsqueeze(2), k_cache, v_cache, *args).squeeze(2)  # through [batch, Hq, 1, D]
 
 
 def flex_paged_prefill(
@@ -474,20 +378,10 @@ def flex_paged_prefill(
     """Causal prefill with FlexAttention over the paged cache: the contract of
     :func:`~paged_ref.attention.reference.reference_paged_prefill`, the keywords of
     :func:`flex_paged_decode` (``block_mask`` from ``paged_block_masks(..., q_len=max_q_len, q_lens=q_lens)``).
-
-    Example:
-        >>> kc, vc = torch.randn(4, 8, 1, 32), torch.randn(4, 8, 1, 32)
-        >>> bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
-        >>> out = flex_paged_prefill(torch.randn(2, 2, 5, 32), kc, vc, bt,
-        ...                          torch.tensor([12, 3]), torch.tensor([5, 3]))
-        >>> out.shape, bool(out[1, :, 3:].eq(0).all())
-        (torch.Size([2, 2, 5, 32]), True)
     """
     scale = check_prefill_inputs(
         q, k_cache, v_cache, block_table, seq_lens, q_lens, scale=scale, check_values=check_values
     )
-    kv_block_size = _kv_block(kv_block_size, k_cache)
-    check_contiguous(k_cache, v_cache)
     return _flex_paged(
         q, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_block_size, block_mask, compiled, check_values
     )

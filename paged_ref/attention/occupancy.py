@@ -1,35 +1,27 @@
-"""How many programs of a kernel an SM holds, how many waves a grid takes, and how many bytes
-are in flight: the small model the Triton decode launcher picks its split count with.
+"""How many splits the Triton decode launcher cuts each sequence into: a small occupancy model.
 
-A memory-bound kernel reaches the memory's bandwidth only if enough loads are outstanding.
-Little's law says how many: bandwidth x latency bytes across the chip, so
-``bandwidth * latency / num_sms`` per SM. An SM holds as many programs (CTAs) as its registers,
-shared memory, warp slots and block slots allow (`programs_per_sm`); each program keeps its
-K/V buffer ring loading while it computes on one tile (`bytes_in_flight`). A grid of more
-programs than the GPU holds at once runs in *waves* (`waves`); a wave that leaves slots empty
-streams with fewer bytes in flight.
+A memory-bound kernel reaches the memory's bandwidth only while enough loads are outstanding
+(Little's law: bandwidth x latency bytes across the chip). An SM holds as many programs as its
+registers, shared memory, warp and block slots allow (:func:`programs_per_sm`); each keeps its
+K/V buffer ring loading (:func:`bytes_in_flight`). A grid larger than the GPU holds at once runs
+in waves (:func:`waves`), and a wave that leaves slots empty streams with fewer bytes in flight.
+:func:`split_cost` prices ``s`` splits per sequence from that, and :func:`choose_num_splits` takes
+the fewest splits within 3% of the cheapest.
 
-`split_cost` turns that into a cost for cutting each of ``batch x num_kv_heads`` sequences into
-``s`` splits: every wave holds its slots for as long as one program takes (its tiles, plus
-the tiles' worth of latency its pipeline needs to fill), and a split run pays a second kernel
-that merges the partial results. The launcher takes the fewest splits within a few percent of
-the cheapest (:func:`paged_ref.attention.triton_decode.choose_num_splits`).
-
-Every number the model needs for a GPU comes from the compile report
-(``python -m paged_ref.lab.bench kernels`` -> ``figures/data/kernels.json``: registers, shared
-memory, warps, ring depth per configuration) and the target's published per-SM limits; nothing
-here needs a GPU.
+The resources of the kernel's tile come from the compile report (``python -m paged_ref.lab.bench
+kernels`` -> ``figures/data/kernels.json``), the per-SM limits from the targets' published
+tables: nothing here needs a GPU.
 
 Example:
-    >>> h200 = SM_LIMITS[90]
-    >>> programs_per_sm(160, 71680, 4, h200)["programs_per_sm"]   # the bf16 decode tile on sm_90
+    >>> programs_per_sm(160, 71680, 4, SM_LIMITS[90])["programs_per_sm"]   # the bf16 decode tile on sm_90
     3
-    >>> waves(384, 132, 3)                                          # 48 splits x 8 KV heads
+    >>> waves(384, 132, 3)                                                  # 48 splits x 8 KV heads
     (1, 0.9696969696969697)
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -39,6 +31,7 @@ __all__ = [
     "SM_LIMITS",
     "SmLimits",
     "bytes_in_flight",
+    "choose_num_splits",
     "littles_law_bytes",
     "programs_per_sm",
     "split_cost",
@@ -48,8 +41,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SmLimits:
-    """One GPU target: its SMs, the per-SM limits a program's resources are counted against,
-    and the memory's datasheet bandwidth (bytes/s)."""
+    """One GPU target: its SMs, per-SM limits and datasheet bandwidth (bytes/s)."""
 
     name: str
     sms: int
@@ -60,28 +52,28 @@ class SmLimits:
     bandwidth: float
 
 
-#: Published per-SM limits (CUDA occupancy tables) and datasheet bandwidths of the three targets
-#: the compile report covers.
+#: The three targets the compile report covers (CUDA occupancy tables, datasheets).
 SM_LIMITS = {
     90: SmLimits("sm_90 (H200)", 132, 65536, 64, 32, 228 * 1024, 4.8e12),
     80: SmLimits("sm_80 (A100 80GB)", 108, 65536, 64, 32, 164 * 1024, 2.039e12),
     75: SmLimits("sm_75 (T4)", 40, 65536, 32, 16, 64 * 1024, 320e9),
 }
 RESERVED_SMEM_PER_BLOCK = 1024  # bytes the driver keeps per resident block (sm_80 and later)
+#: (registers, shared bytes, warps) of the 16-bit head_dim-128 tile per compute capability: the most
+#: over its page sizes in figures/data/kernels.json (tests/test_occupancy.py checks them).
+_TILE_RESOURCES = {75: (128, 18432, 4), 80: (160, 71680, 4), 90: (160, 71680, 4)}
+_PROGRAMS_PER_SM = 3  # sm_90's count for that tile (tests/test_occupancy.py derives it)
+_MAX_SPLITS = 256  # partials stay a few MB
+_MIN_TILES_PER_SPLIT = 4  # below this a split's fixed cost (pipeline fill, its partial) outweighs the parallelism
+_SPLIT_TOLERANCE = 1.03  # take the fewest splits whose modelled cost is within 3% of the cheapest
 
 
 def programs_per_sm(registers: int, shared_bytes: int, num_warps: int, limits: SmLimits) -> dict:
-    """Programs (CTAs) one SM holds at once, by each resource; the smallest wins.
-
-    Registers are allocated per warp in units of 256; every resident block also costs
-    ``RESERVED_SMEM_PER_BLOCK`` of shared memory.
+    """Programs (CTAs) one SM holds at once, by each resource; the smallest wins. Registers are
+    allocated per warp in units of 256; each resident block costs ``RESERVED_SMEM_PER_BLOCK``.
 
     Returns:
         ``{"by_registers", "by_shared", "by_warps", "by_blocks", "programs_per_sm"}``.
-
-    Example:
-        >>> programs_per_sm(255, 0, 8, SM_LIMITS[90])["by_registers"]   # 8 warps of 256 regs
-        1
     """
     if registers < 1 or shared_bytes < 0 or num_warps < 1:
         raise ValueError(
@@ -99,24 +91,14 @@ def programs_per_sm(registers: int, shared_bytes: int, num_warps: int, limits: S
 
 
 def littles_law_bytes(limits: SmLimits, latency_s: float = 1e-6) -> int:
-    """Bytes one SM must keep in flight for the chip to reach its bandwidth at ``latency_s``
-    (an assumed DRAM round trip of about a microsecond).
-
-    Example:
-        >>> littles_law_bytes(SM_LIMITS[90])       # 4.8 TB/s x 1 us / 132 SMs
-        36363
-    """
+    """Bytes one SM must keep in flight for the chip to reach its bandwidth at ``latency_s`` (a
+    DRAM round trip of about a microsecond): 36,363 on sm_90."""
     return int(limits.bandwidth * latency_s / limits.sms)
 
 
 def bytes_in_flight(tile_bytes: int, ring_depth: int, asynchronous: bool) -> int:
-    """K/V bytes one program has loading while it computes: with an asynchronous ring of depth
-    ``k`` for K and for V, ``k - 1`` tiles of each; otherwise one tile (it waits on each load).
-
-    Example:
-        >>> bytes_in_flight(16384, 2, True)        # 64 x 128 bf16 tiles, two K and two V buffers
-        32768
-    """
+    """K/V bytes one program has loading while it computes: ``k - 1`` tiles each of K and V with
+    an asynchronous ring of depth ``k``, else one tile (it waits on each load)."""
     return 2 * (ring_depth - 1) * tile_bytes if asynchronous and ring_depth > 1 else tile_bytes
 
 
@@ -141,14 +123,13 @@ def split_cost(
     merge_tiles: float = 1.0,
     partial_tiles: float = 0.125,
 ) -> float:
-    """Time of one decode launch cut into ``splits`` per sequence, in *slot-tiles* (one program
-    slot busy for one tile's load).
+    """Time of one decode launch cut into ``splits`` per sequence, in slot-tiles (one program slot
+    busy for one tile's load).
 
-    Each program streams ``ceil(ceil(seq_len / splits) / block_n)`` tiles (the kernel rounds a
-    split up to whole tiles) after ``start_tiles`` tiles' worth of pipeline fill; every wave holds
-    all ``num_sms * per_sm`` slots for one program's time, full or not. With ``splits > 1`` the
-    merge kernel adds ``merge_tiles`` per slot (its launch) and ``partial_tiles`` per program (a
-    partial ``(m, l, acc)`` written and read back: ~4 KB against a 32 KB K/V tile pair).
+    Every wave holds all ``num_sms * per_sm`` slots for one program's ``ceil(ceil(seq_len /
+    splits) / block_n)`` tiles plus ``start_tiles`` of pipeline fill, full or not. With
+    ``splits > 1`` the merge kernel adds ``merge_tiles`` per slot (its launch) and
+    ``partial_tiles`` per program (a ~4 KB partial against a 32 KB K/V tile pair).
 
     Example:
         >>> split_cost(64, 8, 4096, 1, 132, 3, 64)   # 512 programs: a second wave 29% full
@@ -164,3 +145,50 @@ def split_cost(
     if splits > 1:
         cost += merge_tiles * slots + partial_tiles * programs
     return cost
+
+
+@functools.cache
+def _resident_programs(capability: int) -> int:
+    """Programs of the 16-bit head_dim-128 tile one SM of this compute capability holds; a target
+    the report does not cover uses the nearest older one."""
+    known = max((c for c in _TILE_RESOURCES if c <= capability), default=min(_TILE_RESOURCES))
+    registers, shared, warps = _TILE_RESOURCES[known]
+    return programs_per_sm(registers, shared, warps, SM_LIMITS[known])["programs_per_sm"]
+
+
+def choose_num_splits(
+    batch: int,
+    num_kv_heads: int,
+    max_seq_len: int,
+    num_sms: int,
+    *,
+    programs_per_sm: int = _PROGRAMS_PER_SM,
+    block_n: int = 64,
+    min_tiles_per_split: int = _MIN_TILES_PER_SPLIT,
+) -> int:
+    """Splits per sequence, in ``[1, 256]``, that keep the GPU full: the fewest whose
+    :func:`split_cost` is within 3% of the cheapest, none with fewer than ``min_tiles_per_split``
+    tiles of ``block_n`` tokens. Cached per tile count: a growing sequence pays once per tile.
+
+    Example:
+        >>> choose_num_splits(1, 8, 131072, 132)     # one long sequence: 8 -> 384 programs, one wave
+        48
+        >>> choose_num_splits(64, 8, 4096, 132)      # 512 programs: 3 splits, 4 waves 97% full
+        3
+        >>> choose_num_splits(256, 8, 2048, 132)     # 2048 programs already fill the GPU
+        1
+    """
+    if min(batch, num_kv_heads, max_seq_len, num_sms, programs_per_sm, block_n, min_tiles_per_split) < 1:
+        given = dict(batch=batch, num_kv_heads=num_kv_heads, max_seq_len=max_seq_len, num_sms=num_sms)
+        given.update(programs_per_sm=programs_per_sm, block_n=block_n, min_tiles_per_split=min_tiles_per_split)
+        raise ValueError(f"every argument of choose_num_splits must be >= 1, got {given}")
+    tiles = cdiv(max_seq_len, block_n)
+    return _cheapest_split(batch, num_kv_heads, tiles, num_sms, programs_per_sm, min_tiles_per_split)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cheapest_split(batch: int, num_kv_heads: int, tiles: int, num_sms: int, per_sm: int, min_tiles: int) -> int:
+    max_splits = max(1, min(_MAX_SPLITS, tiles // min_tiles))
+    cost = {s: split_cost(batch, num_kv_heads, tiles, s, num_sms, per_sm, 1) for s in range(1, max_splits + 1)}
+    good_enough = _SPLIT_TOLERANCE * min(cost.values())  # prefer fewer splits: less to merge
+    return min(s for s, c in cost.items() if c <= good_enough)

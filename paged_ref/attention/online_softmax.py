@@ -1,20 +1,17 @@
-"""The Triton decode kernel's math in plain PyTorch: a spec to read, print and check against.
+"""The Triton decode kernel's math in plain PyTorch, step by step: a spec to read, print and check.
 
-:mod:`paged_ref.attention.triton_decode` computes softmax attention without ever holding a
-whole row of scores. This module does the same computation step by step, in the same order
-and with the same formulas, so each intermediate value can be printed (notebook 05) and the
-whole can be checked against :func:`~paged_ref.attention.reference.reference_paged_decode`:
+:mod:`.triton_decode` computes softmax attention without ever holding a whole row of scores;
+this module does the same computation in the same order, so each intermediate value can be
+printed (notebook 05) and the whole checked against the reference:
 
-* :func:`online_update`: one tile of the **online softmax**, the body of the kernel's loop.
-  State per query row: running max ``m``, running sum ``l = sum 2^(s - m)`` and unnormalised
-  output ``acc = sum 2^(s - m) v``. Scores are in **base 2** (the kernel folds ``log2(e)`` into
-  the scale and calls ``exp2``), so ``2^s`` here is ``e^(q.k * scale)``.
-* :func:`online_softmax_steps`: the update applied tile after tile, keeping every state.
-* :func:`split_ranges`: how **split-K** cuts a sequence into chunks (whole tiles each).
-* :func:`merge_partials`: the **log-sum-exp reduction** of the chunks' ``(m, l, acc)``.
-* :func:`paged_decode_spec`: the whole kernel: for every (sequence, KV head, split) the query
-  heads of the **GQA** group together, K/V rows found through the **block table** token by
-  token, then the merge.
+* :func:`online_update`: one tile of the **online softmax**, the kernel's loop body. State per
+  query row: running max ``m``, running sum ``l = sum 2^(s - m)``, unnormalised output
+  ``acc = sum 2^(s - m) v``. Scores are in **base 2** (``log2(e)`` folded into the scale), so
+  ``2^s`` is ``e^(q.k * scale)``. :func:`online_softmax_steps` applies it tile after tile.
+* :func:`split_ranges` cuts a sequence into **split-K** chunks; :func:`merge_partials` is the
+  **log-sum-exp reduction** of their ``(m, l, acc)``.
+* :func:`paged_decode_spec`: the whole kernel, per (sequence, KV head, split), the **GQA** group's
+  query heads together, each token's K/V found through the **block table** (:func:`token_slots`).
 
 Example:
     >>> import torch
@@ -53,12 +50,9 @@ LOG2E = 1.4426950408889634  # log2(e): e^x = 2^(x * log2(e))
 
 @dataclass(frozen=True)
 class TileStep:
-    """The online-softmax state after one tile (tensors over the query rows).
-
-    ``start, end``: the tile's token range; ``tile_max [rows]``: the tile's largest score;
-    ``alpha [rows]``: the factor ``2^(m_old - m)`` the old ``l`` and ``acc`` were rescaled by;
-    ``m, l [rows]`` and ``acc [rows, d]``: the state after the tile.
-    """
+    """The online-softmax state after tile ``[start, end)``: its largest score ``tile_max [rows]``,
+    the factor ``alpha = 2^(m_old - m) [rows]`` the old ``l`` and ``acc`` were rescaled by, and
+    the new ``m, l [rows]``, ``acc [rows, d]``."""
 
     start: int
     end: int
@@ -77,19 +71,13 @@ class TileStep:
 def online_update(
     m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, scores: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fold one tile into the online-softmax state (the kernel's loop body, line for line).
-
-    Raise the running max, rescale what was summed under the old max by
-    ``alpha = 2^(m_old - m_new)``, add the tile. With the initial ``m = -inf`` the first alpha
-    is ``2^(-inf) = 0``; the tile must hold at least one finite score.
+    """Fold one tile into the state, the kernel's loop body line for line: raise the running max,
+    rescale what was summed under the old max by ``alpha = 2^(m_old - m_new)`` (0 on the first
+    tile, where ``m = -inf``), add the tile. Returns ``(m_new, l_new, acc_new, alpha)``.
 
     Args:
-        m, l: ``[rows]`` running max and running sum; acc: ``[rows, d]``.
-        scores: ``[rows, n]`` this tile's scores in base 2 (``-inf`` = masked).
-        v: ``[n, d]`` this tile's values.
-
-    Returns:
-        ``(m_new, l_new, acc_new, alpha)``.
+        m, l: ``[rows]``; acc: ``[rows, d]``; v: ``[n, d]`` this tile's values.
+        scores: ``[rows, n]`` this tile's scores in base 2 (``-inf`` = masked), one finite per row.
     """
     m_new = torch.maximum(m, scores.amax(dim=1))  # [rows]
     alpha = torch.exp2(m - m_new)  # [rows]
@@ -107,18 +95,9 @@ def _initial_state(rows: int, d: int, dtype: torch.dtype, device) -> tuple[torch
 
 
 def online_softmax_steps(scores: torch.Tensor, values: torch.Tensor, *, block_n: int) -> list[TileStep]:
-    """Softmax-weighted sum of ``values`` one tile of ``block_n`` scores at a time.
-
-    ``steps[-1].out`` equals ``softmax(scores * ln 2) @ values`` (the scores are base 2).
-
-    Args:
-        scores: ``[rows, n]`` floating, base 2, finite.
-        values: ``[n, d]``, same dtype.
-        block_n: tokens per tile (>= 1).
-
-    Returns:
-        One :class:`TileStep` per tile, in order.
-    """
+    """Softmax-weighted sum of ``values [n, d]`` one tile of ``block_n`` scores (``[rows, n]``,
+    base 2, finite) at a time: one :class:`TileStep` per tile, ``steps[-1].out`` equal to
+    ``softmax(scores * ln 2) @ values``."""
     block_n = check_int("block_n", block_n, min_value=1)
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.shape[1] < 1:
         raise ValueError(
@@ -143,11 +122,8 @@ def online_softmax_steps(scores: torch.Tensor, values: torch.Tensor, *, block_n:
 
 
 def split_ranges(seq_len: int, num_splits: int, *, block_n: int) -> list[tuple[int, int]]:
-    """The token range ``[start, end)`` of each split, as the kernel computes it.
-
-    Each split gets ``ceil(ceil(seq_len / num_splits) / block_n) * block_n`` tokens (whole
-    tiles, so tiles start at multiples of ``block_n``); the last non-empty split is cut at
-    ``seq_len`` and trailing splits may be empty (``start == end == seq_len``).
+    """The token range ``[start, end)`` of each split, as the kernel computes it: whole tiles of
+    ``block_n`` each, the last non-empty split cut at ``seq_len``, trailing ones possibly empty.
 
     Example:
         >>> split_ranges(40, 4, block_n=16)        # 10 tokens a split, rounded up to 16
@@ -161,19 +137,10 @@ def split_ranges(seq_len: int, num_splits: int, *, block_n: int) -> list[tuple[i
 
 
 def merge_partials(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-    """The reduction kernel: combine per-split softmax states into the output.
-
-    Split ``s`` summed relative to its own max ``m_s``; relative to the global max ``M``:
-    ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``. Empty splits
-    (``m_s = -inf``, ``l_s = 0``, ``acc_s = 0``) weigh ``2^(-inf) = 0``.
-
-    Args:
-        m, l: ``[num_splits, rows]``; acc: ``[num_splits, rows, d]``. At least one split per
-            row must be non-empty.
-
-    Returns:
-        ``[rows, d]``.
-    """
+    """The reduction kernel: per-split states ``m, l [num_splits, rows]``, ``acc [num_splits, rows,
+    d]`` combined into the output ``[rows, d]``. Split ``s`` summed relative to its own max; with
+    the global max ``M``, ``out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s``. Empty splits
+    (``m_s = -inf``) weigh 0; every row needs one non-empty split."""
     if m.dim() != 2 or l.shape != m.shape or acc.shape[:2] != m.shape:
         raise ValueError(
             f"m, l must be [num_splits, rows] and acc [num_splits, rows, d], got "
@@ -189,16 +156,9 @@ def merge_partials(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch
 def token_slots(
     block_table_row: torch.Tensor, tokens: torch.Tensor, page_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The block-table lookup: where logical tokens live in the paged cache.
-
-    Token ``t`` is on physical page ``block_table_row[t // page_size]`` at offset
-    ``t % page_size`` (the kernel does the same, one lookup per token of a tile).
-
-    Args:
-        block_table_row: int ``[max_pages]``; tokens: int ``[n]``; page_size: tokens per page.
-
-    Returns:
-        ``(pages, offsets)``, each int64 ``[n]``.
+    """The block-table lookup, as the kernel does it per token: token ``t`` of ``tokens: int [n]``
+    is on page ``block_table_row[t // page_size]`` at offset ``t % page_size``; int64 ``(pages,
+    offsets)``.
 
     Example:
         >>> token_slots(torch.tensor([7, 2, 5]), torch.arange(1, 6), page_size=2)
@@ -225,23 +185,12 @@ def paged_decode_spec(
     num_splits: int = 1,
     block_n: int = 32,
 ) -> torch.Tensor:
-    """What :func:`~paged_ref.attention.triton_decode.triton_paged_decode` computes, program by program.
+    """What :func:`~.triton_decode.triton_paged_decode` computes, program by program: the contract
+    of :func:`~.reference.reference_paged_decode`, in ``num_splits`` chunks and tiles of ``block_n``.
 
-    For every (sequence ``b``, KV head ``h``, split ``s``), one "program": the query heads
-    ``h * group .. h * group + group - 1`` as the rows of one tile (GQA), the split's tokens in
-    tiles of ``block_n``, each token's K/V row found through the block table, the online
-    softmax in float32 (float64 for float64 inputs). Then :func:`merge_partials` per sequence.
-    Slow and plain: it is the kernel's recipe, not a fast path.
-
-    Args:
-        q: ``[batch, num_q_heads, head_dim]``.
-        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``.
-        block_table: int ``[batch, max_pages]``; seq_lens: int ``[batch]``.
-        scale: softmax scale, default ``head_dim ** -0.5``.
-        num_splits: chunks per sequence (>= 1); block_n: tokens per tile (>= 1).
-
-    Returns:
-        ``[batch, num_q_heads, head_dim]``, dtype of ``q``.
+    For every (sequence, KV head, split) one "program": the group's query heads as the rows of one
+    tile, the split's tokens tile by tile through the block table, the online softmax in float32
+    (float64 for float64 inputs); then :func:`merge_partials`. The recipe, not a fast path.
 
     Example:
         >>> kc, vc = torch.randn(4, 8, 1, 16), torch.randn(4, 8, 1, 16)

@@ -1,20 +1,14 @@
 """Quest: each decode step reads only the pages whose keys may score highest for this query.
 
-Eviction (`paged_ref.eviction`) reads fewer pages by deleting some for ever; Quest (Tang et al.,
-2024) keeps every page and chooses, *per query*, which ones to read. It needs a cheap upper bound
-on the scores a page can give, from the page's key summary (`paged_ref.page_summaries`: the
-elementwise ``k_min`` and ``k_max`` of its keys). For every key ``k`` on the page,
-``k_min <= k <= k_max`` coordinate by coordinate, so each product ``q_i k_i`` is at most
-``max(q_i k_min_i, q_i k_max_i)`` (the larger end for ``q_i >= 0``, the smaller for ``q_i < 0``)
-and
+Eviction deletes pages for ever; Quest (Tang et al., 2024) keeps them all and chooses, per query,
+which to read, from each page's key summary (`paged_ref.page_summaries`: elementwise ``k_min``,
+``k_max``). Every key of the page lies between them coordinate by coordinate, so
 
     q . k  <=  sum_i max(q_i * k_min_i, q_i * k_max_i)        (:func:`page_bounds`)
 
-A decode step then reads the summaries of all pages (2 vectors per page and KV head), takes the
-``budget`` pages with the largest bound (:func:`select_pages`; for GQA one choice per KV head,
-by the largest bound over the query heads that share it), and attends over those pages only
-(:func:`quest_paged_decode`). The sequence's last page, which holds the newest token, is always
-read. Nothing is deleted: the next step may choose other pages.
+A step takes the ``budget`` pages with the largest bound (:func:`select_pages`; one choice per KV
+head, by its query heads' largest bound), always the last page, and attends over those only
+(:func:`quest_paged_decode`). The next step may choose other pages.
 
 Example:
     >>> import torch
@@ -37,29 +31,14 @@ __all__ = ["page_bounds", "quest_paged_decode", "select_pages"]
 
 
 def page_bounds(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor) -> torch.Tensor:
-    """The Quest bound ``sum_i max(q_i k_min_i, q_i k_max_i)``, an upper bound of ``q . k`` for
-    every key ``k`` the summary covers (broadcasting over leading dims).
-
-    Args:
-        q: ``[..., head_dim]``; k_min, k_max: ``[..., head_dim]``, broadcastable with ``q``.
-
-    Returns:
-        ``[...]`` (``-inf`` for an empty summary, ``k_min = +inf, k_max = -inf``, when no
-        coordinate of ``q`` is 0; such pages are never selected).
-    """
+    """The Quest bound ``[...]`` of ``q . k`` over the keys a summary covers (``q``, ``k_min``,
+    ``k_max``: ``[..., head_dim]``, broadcast); -inf for an empty summary unless a ``q_i`` is 0."""
     return torch.maximum(q * k_min, q * k_max).sum(-1)
 
 
 def select_pages(bounds: torch.Tensor, budget: int, *, keep_last: bool = True) -> torch.Tensor:
-    """The ``budget`` largest bounds of each row, as column indices in increasing order.
-
-    Args:
-        bounds: ``[rows, num_pages]``: one row per (sequence, KV head), one column per page held.
-        budget: pages to read, in ``[1, num_pages]``.
-        keep_last: always take the last page (the newest tokens), then the ``budget - 1`` best others.
-
-    Returns:
-        int64 ``[rows, budget]``.
+    """The ``budget`` largest of ``bounds [rows, num_pages]`` per row as int64 column indices
+    ``[rows, budget]`` in increasing order; ``keep_last``: the last page first (the newest tokens).
 
     Example:
         >>> select_pages(torch.tensor([[0.5, 3.0, -1.0, 2.0, 0.0]]), 3).tolist()
@@ -88,23 +67,9 @@ def quest_paged_decode(
     scale: float | None = None,
     check_values: bool = True,
 ) -> torch.Tensor:
-    """Decode attention over at most ``budget`` pages per sequence and KV head, chosen by Quest's bound.
-
-    A sequence holding ``budget`` pages or fewer reads all of them: the result is then exactly
-    :func:`~paged_ref.attention.reference.reference_paged_decode`'s.
-
-    Args:
-        q: ``[batch, num_q_heads, head_dim]``.
-        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``.
-        block_table: int ``[batch, max_pages]``; seq_lens: int ``[batch]``.
-        k_min, k_max: ``[num_pages, num_kv_heads, head_dim]``, the key summaries of every
-            physical page (`paged_ref.page_summaries.PageSummaries`).
-        budget: pages read per sequence and KV head, in ``[1, max_pages]``.
-        scale: softmax scale, default ``head_dim ** -0.5``.
-        check_values: as for the other backends.
-
-    Returns:
-        ``[batch, num_q_heads, head_dim]``, dtype of ``q`` (float32 arithmetic, float64 for float64).
+    """:func:`~.reference.reference_paged_decode` over at most ``budget`` (in ``[1, max_pages]``)
+    pages per sequence and KV head, chosen by Quest's bound from ``k_min, k_max: [num_pages,
+    num_kv_heads, head_dim]`` (`paged_ref.page_summaries`); exact when a sequence holds fewer.
 
     Example:
         >>> kc, vc = torch.randn(6, 4, 1, 8), torch.randn(6, 4, 1, 8)

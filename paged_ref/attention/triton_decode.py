@@ -1,51 +1,24 @@
 """A Triton paged decode kernel: one new query token per sequence, K/V read through the pages.
 
-Decode attention is memory bound: every step reads the whole K and V of every sequence once
-and does only 2 FLOPs per K or V element for each query head that reads it (GQA 4 in bf16:
-4 FLOPs per byte, where an H100/H200 needs ~200 to be compute bound). The job of the kernel
-is therefore to stream K and V from the paged cache at close to copy bandwidth:
+Decode is memory bound (2 FLOPs per K or V element for each query head that reads it), so the
+kernel's job is to stream K and V from the paged cache at close to copy bandwidth:
 
-* **No gather.** The kernel looks up each token's physical page in the block table itself and
-  loads K/V rows straight from ``k_cache[page, offset]``: no contiguous copy is ever made.
-* **GQA.** One program handles *all* query heads that share a KV head (a tile of
-  ``BLOCK_H`` rows), so each K/V byte is read from memory once, not once per query head.
-* **Two ways to find a tile, chosen at compile time.** The kernel walks a sequence in tiles of
-  ``BLOCK_N`` tokens. When ``page_size >= BLOCK_N`` a tile lies inside one page: one
-  block-table entry gives one 64-bit page base, and the tile is a contiguous 2-D block of that
-  page addressed with 32-bit offsets. With smaller pages every token of the tile looks up its
-  own page (a gather): 64-bit page bases per token, 32-bit offsets within the page. Any
-  power-of-two page size from 1 to 256 works with the same tile size.
-* **Online softmax** in float32 (running max ``m``, running sum ``l``, unnormalised
-  accumulator ``acc``), in base 2 (``exp2``) with ``log2(e)`` folded into the scale.
-* **Split-K / flash-decoding.** With few sequences (batch 1 with 8 KV heads is 8 programs on
-  a GPU with 132 SMs) each sequence is cut into ``num_splits`` chunks handled by separate
-  programs; each writes a partial ``(m, l, acc)`` and a second, tiny kernel merges them.
-  ``num_splits=None`` picks the count from batch, heads, length, the SM count and the programs
-  an SM holds (a small occupancy model, :mod:`.occupancy`).
+* **No gather.** Each tile looks its pages up in the block table and loads K/V rows straight
+  from ``k_cache[page, offset]``. With ``page_size >= BLOCK_N`` a tile lies inside one page (one
+  page base, a contiguous 2-D block); smaller pages look up a page per token.
+* **GQA.** One program takes all the query heads of one KV head (``BLOCK_H`` rows), so each K/V
+  byte is read once, not once per query head.
+* **Online softmax** in float32 and base 2 (``exp2``, ``log2(e)`` folded into the scale):
+  :mod:`.online_softmax` is the same computation in PyTorch.
+* **Split-K (flash-decoding).** With few sequences each is cut into ``num_splits`` chunks whose
+  partial ``(m, l, acc)`` a second kernel merges; ``num_splits=None`` asks the occupancy model
+  (:func:`.occupancy.choose_num_splits`).
 
-What the compiler makes of it is measured, not assumed: ``python -m paged_ref.lab.bench kernels``
-compiles every configuration the launcher can choose for sm_90, sm_80 and sm_75 without a GPU
-and records registers, spills, shared memory, asynchronous copies and MMA instructions in
-``figures/data/kernels.json`` (notebook 05, "what the compiler made of the kernel").
-
-On CPU tensors the very same kernel functions run through Triton's interpreter (float32 only),
-chosen per call (:mod:`paged_ref.attention._triton_interpreter`): nothing is set for the
-process. Without Triton at all (macOS, Windows) the module still imports and
-:func:`triton_paged_decode` raises ``ImportError``.
-
-Example:
-    >>> import torch
-    >>> from paged_ref.attention.triton_decode import triton_paged_decode
-    >>> k_cache = torch.randn(6, 16, 2, 64)          # [num_pages, page_size, num_kv_heads, head_dim]
-    >>> v_cache = torch.randn(6, 16, 2, 64)
-    >>> q = torch.randn(2, 8, 64)                    # [batch, num_q_heads, head_dim]: GQA 4
-    >>> block_table = torch.tensor([[4, 1, 0], [5, 2, 0]], dtype=torch.int32)
-    >>> seq_lens = torch.tensor([40, 17], dtype=torch.int32)
-    >>> triton_paged_decode(q, k_cache, v_cache, block_table, seq_lens).shape
-    torch.Size([2, 8, 64])
+``python -m paged_ref.lab.bench kernels`` records what the compiler made of it (notebook 05). On
+CPU tensors the same kernels run in Triton's interpreter (float32), chosen per call
+(:mod:`._triton_interpreter`); without Triton the module imports and the call raises ImportError.
 """
 
-import functools
 import types
 
 import torch
@@ -53,7 +26,7 @@ import torch
 from .._arith import next_pow2
 from ._checks import check_paged_inputs, check_triton_inputs
 from ._triton_interpreter import interpreted, interpreter, runnable
-from .occupancy import SM_LIMITS, programs_per_sm, split_cost
+from .occupancy import _resident_programs, choose_num_splits
 from .online_softmax import LOG2E
 
 try:
@@ -66,17 +39,9 @@ except ImportError:  # no Triton wheel for this platform: the module imports, ca
     tl = types.SimpleNamespace(constexpr=None)  # only for the `tl.constexpr` annotations below
     _HAVE_TRITON = False
 
-__all__ = ["choose_num_splits", "compiled_kernels", "interpreted", "native_half", "triton_paged_decode"]
+__all__ = ["compiled_kernels", "interpreted", "native_half", "triton_paged_decode"]
 
-_MAX_SPLITS = 256  # upper bound for the heuristic (partials stay a few MB)
-_MIN_TILES_PER_SPLIT = 4  # below this a split's fixed cost (pipeline fill, its partial) outweighs the parallelism
-_SPLIT_TOLERANCE = 1.03  # take the fewest splits whose modelled cost is within 3% of the cheapest
 _INTERPRETER_SMS = 8  # a pretend SM count so the split path is exercised on CPU too
-#: (registers, shared bytes, warps) of the 16-bit head_dim-128 tile per compute capability, as
-#: ``python -m paged_ref.lab.bench kernels`` compiled it (figures/data/kernels.json: the most
-#: registers and shared memory over its page sizes, split or not).
-_TILE_RESOURCES = {75: (128, 18432, 4), 80: (160, 71680, 4), 90: (160, 71680, 4)}
-_PROGRAMS_PER_SM = 3  # sm_90's count for that tile (tests/test_occupancy.py derives it)
 
 
 # --- Kernel 1: attention over one chunk of one sequence, all query heads of one KV head ------
@@ -272,13 +237,11 @@ def _reduce_splits_kernel(
     )
 
 
-# --- Which kernel object a call runs ----------------------------------------------------------
 _kernel = runnable  # (kernel, interpret) -> the kernel as compiled JITFunction or interpreted
 
 
 def compiled_kernels() -> dict[str, object]:
-    """The two kernels as compiled-mode JITFunctions, for ahead-of-time compilation
-    (``triton.compile(ASTSource(fn=...), target=...)``: see ``paged_ref.lab.bench.kernels``)."""
+    """The two kernels as compiled-mode JITFunctions, for ahead-of-time compilation (lab.bench.kernels)."""
     if not _HAVE_TRITON:
         raise ImportError("compiling the kernels needs the `triton` package")
     return {k.fn.__name__: _kernel(k, interpret=False) for k in (_paged_decode_split_kernel, _reduce_splits_kernel)}
@@ -291,136 +254,41 @@ def _num_sms(device: torch.device) -> int:
     return _INTERPRETER_SMS
 
 
-@functools.cache
-def _resident_programs(capability: int) -> int:
-    """Programs of the 16-bit head_dim-128 tile one SM holds on a GPU of this compute capability:
-    the occupancy model (:mod:`.occupancy`) applied to what the compile report measured for that
-    tile (registers, shared memory, warps: ``figures/data/kernels.json``, checked by
-    tests/test_occupancy.py). Targets the report does not cover use the nearest older one."""
-    known = max((c for c in _TILE_RESOURCES if c <= capability), default=min(_TILE_RESOURCES))
-    registers, shared, warps = _TILE_RESOURCES[known]
-    return programs_per_sm(registers, shared, warps, SM_LIMITS[known])["programs_per_sm"]
-
-
-def choose_num_splits(
-    batch: int,
-    num_kv_heads: int,
-    max_seq_len: int,
-    num_sms: int,
-    *,
-    programs_per_sm: int = _PROGRAMS_PER_SM,
-    block_n: int = 64,
-    min_tiles_per_split: int = _MIN_TILES_PER_SPLIT,
-) -> int:
-    """How many chunks to cut each sequence into so that the GPU is kept full.
-
-    The grid has ``batch * num_kv_heads * s`` programs for ``s`` splits, and
-    ``num_sms * programs_per_sm`` of them run at once (the bf16 head_dim-128 tile compiles to
-    ~160 registers and 71,680 B of shared memory for sm_90: 3 per SM, which keep 3 x 32 KB of
-    K/V loading, 2.7x the Little's-law figure; :mod:`.occupancy`). A memory-bound kernel
-    streams at full rate only while its slots are full, so the cost of ``s`` splits is
-    :func:`~paged_ref.attention.occupancy.split_cost`: every wave holds every slot for one
-    program's tiles plus its pipeline fill, and splitting adds the merge kernel. We take the
-    fewest splits within 3% of the cheapest:
-
-    * one long sequence is cut until its programs fill one wave (48 x 8 = 384 of 396 slots);
-    * a grid with a nearly empty last wave is cut further (64 x 8 = 512 programs on 396 slots
-      leave the second wave 29% full; 3 splits make 4 waves 97% full);
-    * a full grid is not split; a split never gets fewer than ``min_tiles_per_split`` tiles.
-
-    The cost depends on the length only through its tile count, so the answer is cached per
-    (batch, heads, tiles, SMs): a growing sequence pays for the search once per ``block_n`` tokens.
-
-    Args:
-        batch: number of sequences.
-        num_kv_heads: KV heads (one program per KV head per split).
-        max_seq_len: the longest sequence (or an upper bound on it).
-        num_sms: streaming multiprocessors of the GPU.
-        programs_per_sm: programs resident per SM at once.
-        block_n: tokens per tile of the kernel.
-        min_tiles_per_split: fewest tiles a split may stream.
-
-    Returns:
-        An int in ``[1, 256]``.
-
-    Example:
-        >>> choose_num_splits(1, 8, 131072, 132)     # one long sequence: 8 -> 384 programs
-        48
-        >>> choose_num_splits(8, 8, 32768, 132)      # 64 programs: 6 splits fill one wave
-        6
-        >>> choose_num_splits(64, 8, 4096, 132)      # 512 programs: 3 splits, 4 waves 97% full
-        3
-        >>> choose_num_splits(256, 8, 2048, 132)     # 2048 programs already fill the GPU
-        1
-    """
-    if min(batch, num_kv_heads, max_seq_len, num_sms, programs_per_sm, block_n, min_tiles_per_split) < 1:
-        given = dict(batch=batch, num_kv_heads=num_kv_heads, max_seq_len=max_seq_len, num_sms=num_sms)
-        given.update(programs_per_sm=programs_per_sm, block_n=block_n, min_tiles_per_split=min_tiles_per_split)
-        raise ValueError(f"every argument of choose_num_splits must be >= 1, got {given}")
-    tiles = -(-max_seq_len // block_n)
-    return _cheapest_split(batch, num_kv_heads, tiles, num_sms, programs_per_sm, min_tiles_per_split)
-
-
-@functools.lru_cache(maxsize=4096)
-def _cheapest_split(batch: int, num_kv_heads: int, tiles: int, num_sms: int, per_sm: int, min_tiles: int) -> int:
-    """`choose_num_splits` on a length of ``tiles`` whole tiles (the cost sees nothing finer)."""
-    max_splits = max(1, min(_MAX_SPLITS, tiles // min_tiles))
-    cost = {s: split_cost(batch, num_kv_heads, tiles, s, num_sms, per_sm, 1) for s in range(1, max_splits + 1)}
-    good_enough = _SPLIT_TOLERANCE * min(cost.values())  # prefer fewer splits: less to merge
-    return min(s for s, c in cost.items() if c <= good_enough)
+def _capability(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
 
 
 def _default_num_splits(batch: int, num_kv_heads: int, max_len: int, device: torch.device, cfg: dict) -> int:
     """The split count `triton_paged_decode(num_splits=None)` uses for this device and tile."""
-    capability = 90 if device.type != "cuda" else _capability(device)
+    per_sm = _resident_programs(90 if device.type != "cuda" else _capability(device))
     return choose_num_splits(
-        batch,
-        num_kv_heads,
-        max_len,
-        _num_sms(device),
-        programs_per_sm=_resident_programs(capability),
-        block_n=cfg["BLOCK_N"],
+        batch, num_kv_heads, max_len, _num_sms(device), programs_per_sm=per_sm, block_n=cfg["BLOCK_N"]
     )
 
 
 def _tile_config(dtype: torch.dtype, head_dim: int, group: int, *, interpret: bool, capability: int = 90) -> dict:
-    """Tile sizes and launch options for one call (a fixed choice per target;
-    `python -m paged_ref.lab.bench kernels` reports what each compiles to).
-
-    Args:
-        capability: the GPU's compute capability as ``10 * major + minor`` (90 for H100/H200,
-            80 for A100, 75 for T4); ignored by the interpreter.
-    """
+    """Tile sizes and launch options for one call on a GPU of compute capability ``capability``
+    (``10 * major + minor``); `python -m paged_ref.lab.bench kernels` reports what each compiles to."""
     block_d = max(16, next_pow2(head_dim))
-    if interpret:
-        # The interpreter runs each program in numpy: small tiles keep tests quick, and tl.dot
-        # has no minimum shape there.
+    if interpret:  # numpy runs each program: small tiles keep tests quick (tl.dot has no minimum shape)
         return dict(BLOCK_H=next_pow2(group), BLOCK_D=block_d, BLOCK_N=32, num_warps=1, num_stages=1)
     if capability < 80:
-        # Turing (T4): Triton computes tl.dot with FMAs there (no MMA instructions were
-        # emitted for sm_75) and has no asynchronous copies, so small tiles and no pipeline:
-        # with 64-token tiles the compile for sm_75 spilled ~200 registers.
+        # Turing (T4): no MMA instructions for tl.dot and no asynchronous copies, so small tiles and
+        # no pipeline (64-token tiles spilled ~200 registers for sm_75).
         block_h = next_pow2(group)
         return dict(BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=32 if block_h <= 8 else 16, num_warps=4, num_stages=1)
-    # Ampere and Hopper: K/V tiles of up to 16 KB and 64 tokens (BLOCK_N = 64 for 16-bit
-    # head_dim 128, 32 for head_dim 256); num_stages=3 asks the pipeliner for a ring of two K
-    # and two V buffers in shared memory. maxnreg=160: left alone, ptxas gave some sm_90
-    # configurations 64 registers and a few spills; 128-token tiles (16-bit head_dim 64)
-    # spilled under that cap, 64-token ones do not (figures/data/kernels.json).
+    # Ampere and Hopper: K/V tiles of up to 16 KB and 64 tokens; num_stages=3 gives a ring of two K and
+    # two V buffers. maxnreg=160: left alone, ptxas gave some sm_90 configurations 64 registers and
+    # spills (figures/data/kernels.json).
     block_n = min(64, max(16, 16384 // (block_d * dtype.itemsize)))
     return dict(
         BLOCK_H=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4, num_stages=3, maxnreg=160
     )
 
 
-def _capability(device: torch.device) -> int:
-    major, minor = torch.cuda.get_device_capability(device)
-    return 10 * major + minor
-
-
 def native_half(device) -> torch.dtype:
-    """The 16-bit dtype a GPU computes natively: bfloat16 from sm_80 (A100, H100) on, float16
-    before it (a T4 in a free hosted notebook is sm_75: no bfloat16 arithmetic)."""
+    """The 16-bit dtype a CUDA device computes natively: bfloat16 from sm_80 on, float16 before (T4)."""
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"device must be a CUDA device, got {device}")
@@ -440,46 +308,26 @@ def triton_paged_decode(
     check_values: bool = True,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Decode attention over a paged KV cache with a Triton kernel (split-K, GQA).
-
-    Query ``b`` attends to the first ``seq_lens[b]`` tokens of sequence ``b``, whose pages are
-    listed in ``block_table[b]``; the same function as
-    :func:`paged_ref.attention.reference.reference_paged_decode`.
+    """Decode attention over a paged KV cache with a Triton kernel (split-K, GQA): the contract of
+    :func:`~paged_ref.attention.reference.reference_paged_decode`, with ``q`` float16, bfloat16 or
+    float32 on CUDA (float32 on CPU), contiguous inputs, ``page_size`` a power of two and
+    ``head_dim`` at most 256.
 
     Args:
-        q: ``[batch, num_q_heads, head_dim]``, float16/bfloat16/float32 on CUDA
-            (float32 on CPU, where the kernel runs in Triton's interpreter).
-        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``, dtype of ``q``;
-            ``page_size`` a power of two up to 256, ``head_dim`` up to 256,
-            ``num_q_heads`` a multiple of ``num_kv_heads``.
-        block_table: int32 (or int64) ``[batch, max_pages]``; the first
-            ``ceil(seq_lens[b] / page_size)`` entries of row ``b`` must be page ids in
-            ``[0, num_pages)``, the rest are ignored.
-        seq_lens: int32 (or int64) ``[batch]``, each in ``[1, max_pages * page_size]``.
-        scale: softmax scale, default ``head_dim ** -0.5``.
-        num_splits: chunks per sequence (split-K); ``None`` picks one with
-            :func:`choose_num_splits`. Any value gives the same result up to rounding.
-        out: optional ``[batch, num_q_heads, head_dim]`` tensor to write into (contiguous,
-            dtype and device of ``q``); every element is written.
-        check_values: check ``seq_lens`` and the used block-table entries (reads them on the
-            host: a device sync). Turn off in timed loops once the inputs are known good; an
-            out-of-range page id then reads out of bounds.
-        return_lse: also return each row's log-sum-exp of its scores (base 2), the second half
-            of the state that :func:`paged_ref.attention.cascade.merge_states` merges. The
-            split partials are then always written (even for one split) and the lse is read off
-            them: ``lse = M + log2(sum_s 2^(m_s - M) l_s)``.
-
-    Returns:
-        ``[batch, num_q_heads, head_dim]``, dtype of ``q`` (``out`` if given); with
-        ``return_lse``, ``(out, lse)`` with ``lse: float32 [batch, num_q_heads]``.
+        num_splits: chunks per sequence; None: :func:`~.occupancy.choose_num_splits`. Any value
+            gives the same result up to rounding.
+        out: ``[batch, num_q_heads, head_dim]`` to write into (contiguous, dtype and device of ``q``).
+        check_values: off in timed loops once the inputs are known good (no host sync; an
+            out-of-range page id then reads out of bounds).
+        return_lse: also return each row's log-sum-exp in base 2, float32 ``[batch, num_q_heads]``
+            (the state :func:`~.cascade.merge_states` merges): ``M + log2(sum_s 2^(m_s - M) l_s)``.
 
     Example:
         >>> kc, vc = torch.randn(4, 8, 1, 64), torch.randn(4, 8, 1, 64)
         >>> q = torch.randn(1, 4, 64)                            # MQA: 4 query heads, 1 KV head
-        >>> bt = torch.tensor([[2, 0, 3]], dtype=torch.int32)
-        >>> o1 = triton_paged_decode(q, kc, vc, bt, torch.tensor([20], dtype=torch.int32), num_splits=1)
-        >>> o3 = triton_paged_decode(q, kc, vc, bt, torch.tensor([20], dtype=torch.int32), num_splits=3)
-        >>> torch.allclose(o1, o3, atol=1e-5)
+        >>> bt, lens = torch.tensor([[2, 0, 3]], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+        >>> o1 = triton_paged_decode(q, kc, vc, bt, lens, num_splits=1)
+        >>> torch.allclose(o1, triton_paged_decode(q, kc, vc, bt, lens, num_splits=3), atol=1e-5)
         True
     """
     if not _HAVE_TRITON:
@@ -490,16 +338,12 @@ def triton_paged_decode(
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     interpret = interpreted(q.device)
     check_triton_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, out, interpret=interpret)
-
     batch, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_cache.shape
-    group = num_q_heads // num_kv_heads
-    cfg = _tile_config(
-        q.dtype, head_dim, group, interpret=interpret, capability=90 if interpret else _capability(q.device)
-    )
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    capability = 90 if interpret else _capability(q.device)
+    cfg = _tile_config(q.dtype, head_dim, num_q_heads // num_kv_heads, interpret=interpret, capability=capability)
     if num_splits is None:
-        # With values checked, seq_lens is already known on the host; otherwise use the block
-        # table's capacity as the bound rather than force a device sync.
+        # checked values are on the host already; otherwise bound by the table's capacity (no sync)
         max_len = int(seq_lens.max()) if check_values else block_table.shape[1] * page_size
         num_splits = _default_num_splits(batch, num_kv_heads, max_len, q.device, cfg)
     if out is None:
@@ -535,22 +379,16 @@ def _launch(
     num_kv_heads = k_cache.shape[2]
     write_partials = num_splits > 1 or keep_partials
     if write_partials:
-        part_m = torch.empty(
-            batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device
-        )  # [batch, Hq, splits]
+        part_m = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)  # [B, Hq, S]
         part_l = torch.empty_like(part_m)  # [batch, Hq, splits]
-        part_acc = torch.empty(
-            batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
-        )  # [batch, Hq, splits, head_dim]
+        part_acc = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out  # unused by the kernel
     interpret = interpreted(q.device)
     split_kernel = _kernel(_paged_decode_split_kernel, interpret)
     reduce_kernel = _kernel(_reduce_splits_kernel, interpret)
-    # Triton launches on the current CUDA device: make it the inputs' device. The interpreter
-    # is switched on for this call only.
-    scope = interpreter() if interpret else torch.cuda.device(q.device)
-    with scope:
+    # Triton launches on the current CUDA device: make it the inputs'. The interpreter is on for this call only.
+    with interpreter() if interpret else torch.cuda.device(q.device):
         # Grid: one program per (sequence, KV head, split).
         split_kernel[(batch, num_kv_heads, num_splits)](
             q,
@@ -564,14 +402,10 @@ def _launch(
             part_acc,
             scale * LOG2E,
             num_splits,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
+            *q.stride()[:2],
+            *k_cache.stride()[:3],
             block_table.stride(0),
-            out.stride(0),
-            out.stride(1),
+            *out.stride()[:2],
             HEAD_DIM=head_dim,
             BLOCK_D=BLOCK_D,
             GROUP=num_q_heads // num_kv_heads,
@@ -584,16 +418,14 @@ def _launch(
             num_stages=num_stages,
             **({} if interpret else options),
         )
-        if write_partials:
-            # Grid: one program per (sequence, query head).
+        if write_partials:  # grid: one program per (sequence, query head)
             reduce_kernel[(batch, num_q_heads)](
                 part_m,
                 part_l,
                 part_acc,
                 out,
                 num_splits,
-                out.stride(0),
-                out.stride(1),
+                *out.stride()[:2],
                 HEAD_DIM=head_dim,
                 BLOCK_D=BLOCK_D,
                 BLOCK_S=min(16, next_pow2(num_splits)),

@@ -1,0 +1,105 @@
+"""Which flex_attention a call runs: eager, or compiled once per device (and CPU thread count).
+
+Eager flex (the CPU default: a CPU compile costs seconds per new shape) evaluates the mask_mod on
+every element; compiled flex is block sparse. On CUDA every call passes a query x key tile that
+divides the BlockMask's blocks (:func:`cuda_kernel_options`).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from .._arith import next_pow2
+
+__all__ = ["COMPILE_LIMIT", "cuda_kernel_options", "run_flex"]
+
+_COMPILED_FLEX = {}  # device type (and CPU thread count) -> torch.compile(flex_attention), built on first use
+COMPILE_LIMIT = 256  # distinct shapes one process may compile flex_attention for
+
+
+def _compile_key(device: torch.device) -> tuple:
+    """What one compiled flex_attention is built for: the device type, and on CPU the thread count
+    (inductor's CPU kernel sizes its scratch buffers for it; torch 2.11 left it out of its on-disk
+    cache key, so a kernel compiled under one thread count and loaded under another corrupted the
+    heap)."""
+    return (device.type, torch.get_num_threads()) if device.type == "cpu" else (device.type,)
+
+
+def flex_for(device: torch.device, compiled: bool | None = None):
+    """flex_attention compiled (default on CUDA) or eager (default on CPU: a compile costs seconds)."""
+    if compiled is None:
+        compiled = device.type == "cuda"
+    if not compiled:
+        return eager_flex
+    key = _compile_key(device)
+    if key not in _COMPILED_FLEX:
+        # static shapes on CPU: the template's dynamic-shape code does not build (torch 2.13)
+        if device.type == "cpu":
+            compiled_flex = torch.compile(flex_attention, dynamic=False, options={"cpp.threads": key[1]})
+        else:
+            compiled_flex = torch.compile(flex_attention, dynamic=True)
+        # Past 8 compiles dynamo silently falls back to eager (dense) flex: allow more shapes and
+        # fail loudly instead. One config patch per thread, entered on every call (one per call
+        # leaks in torch's config machinery; torch 2.11 refuses to enter one object twice at once).
+        limits = threading.local()
+
+        def call(*args, **kwargs):
+            patch = getattr(limits, "patch", None)
+            if patch is None:
+                patch = limits.patch = torch._dynamo.config.patch(
+                    recompile_limit=COMPILE_LIMIT, fail_on_recompile_limit_hit=True
+                )
+            with patch:
+                return compiled_flex(*args, **kwargs)
+
+        _COMPILED_FLEX[key] = call
+    return _COMPILED_FLEX[key]
+
+
+def cuda_kernel_options(
+    dtype: torch.dtype, head_dim: int, q_len: int, group: int, block_size: tuple[int, int]
+) -> dict[str, int]:
+    """The query x key tile (``BLOCK_M`` x ``BLOCK_N``) compiled flex uses on CUDA.
+
+    torch's kernels read a BlockMask block ``(q_block, kv_block)`` in whole tiles, so the tile must
+    divide both, and its default tiles (64 or 128 keys) do not divide a 16-token KV block. This
+    one does, and is never larger than torch's defaults: ``BLOCK_N`` at most 64 keys (32 for
+    float32, half past head_dim 128); ``BLOCK_M`` one KV head's ``q_len * group`` query rows as a
+    power of two (the decoding kernel's choice), at most 128 (32 for float32 or past head_dim 128).
+    tests/test_flex_cuda_tiles.py checks it against torch's CUDA heuristics.
+
+    Example:
+        >>> cuda_kernel_options(torch.bfloat16, 128, 1, 4, (128, 16))
+        {'BLOCK_M': 16, 'BLOCK_N': 16}
+        >>> cuda_kernel_options(torch.bfloat16, 64, 1024, 4, (128, 128))
+        {'BLOCK_M': 128, 'BLOCK_N': 64}
+    """
+    q_block, kv_block = block_size
+    wide = dtype.itemsize <= 2 and head_dim <= 128  # torch's defaults: 128-row tiles here
+    cap_m = 128 if wide else 32
+    cap_n = (64 if dtype.itemsize <= 2 else 32) // (2 if head_dim > 128 else 1)
+    rows = min(next_pow2(q_len * group), cap_m)  # the query rows of one KV head, capped
+    block_m = max(16, next_pow2(group), rows)  # 16: tl.dot's smallest; whole groups for decoding
+    return {"BLOCK_M": min(q_block, block_m), "BLOCK_N": min(kv_block, cap_n)}
+
+
+def eager_flex(*args, **kwargs):
+    """flex_attention run eagerly on purpose (CPU), without its "use torch.compile" warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        return flex_attention(*args, **kwargs)
+
+
+def run_flex(q, k, v, block_mask: BlockMask, scale: float, compiled: bool | None) -> torch.Tensor:
+    """``flex_attention(q, k, v)`` with GQA, compiled (None: on CUDA) or eager; q ``[batch, Hq,
+    q_len, D]``, k, v ``[1, Hkv, kv_len, D]``."""
+    flex = flex_for(q.device, compiled)
+    options = {}
+    if flex is not eager_flex and q.device.type == "cuda":
+        group = q.shape[1] // k.shape[1]
+        options["kernel_options"] = cuda_kernel_options(q.dtype, q.shape[-1], q.shape[2], group, block_mask.BLOCK_SIZE)
+    return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1], **options)
