@@ -1,10 +1,9 @@
 """The checks at the door of every public attention function.
 
-Each raises ``TypeError`` for a wrong type or dtype and ``ValueError`` for a wrong shape,
-device or value, with a message naming the argument, what was expected and what was given.
-Every backend runs :func:`check_paged_inputs` (or :func:`check_prefill_inputs`) first, so all
-of them reject the same bad inputs with the same message; the rest are one backend's own rules.
-The package's internal calls between these functions skip what was already checked.
+``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong shape, device or value, each
+naming the argument, what was expected and what was given. Every backend runs
+:func:`check_paged_inputs` (or :func:`check_prefill_inputs`) first, so all reject the same bad
+inputs with the same message; the rest are one backend's own rules.
 """
 
 from __future__ import annotations
@@ -19,13 +18,14 @@ from .._validate import check_int
 
 __all__ = [
     "INT_DTYPES",
+    "check_block_mask",
     "check_block_size",
     "check_cascade_inputs",
     "check_contiguous",
-    "check_block_mask",
     "check_mask_arguments",
     "check_paged_inputs",
     "check_prefill_inputs",
+    "check_quest_inputs",
     "check_table_pages",
     "check_triton_inputs",
     "mask_source",
@@ -49,26 +49,13 @@ def check_paged_inputs(
     q_ndim: int = 3,
     check_values: bool = True,
 ) -> float:
-    """Validate the common paged-attention arguments and return the softmax scale to use.
+    """The common paged-attention arguments; returns the softmax scale as a float.
 
-    Raises ``TypeError`` for a wrong type or dtype and ``ValueError`` for a wrong shape, device
-    or value; each message names the argument, what was expected and what was given.
-
-    Args:
-        q: ``[batch, num_q_heads, head_dim]`` (``q_ndim=3``, decode) or
-            ``[batch, num_q_heads, max_q_len, head_dim]`` (``q_ndim=4``, prefill); floating point.
-        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``, same dtype and
-            device as ``q``; ``num_q_heads`` must be a multiple of ``num_kv_heads``.
-        block_table: int32/int64 ``[batch, max_pages]``; the entries a sequence uses must be
-            distinct valid page ids, the rest are ignored.
-        seq_lens: int32/int64 ``[batch]``, each in ``[1, max_pages * page_size]``.
-        scale: ``None`` (meaning ``head_dim ** -0.5``) or a finite real number.
-        check_values: also check values that need reading the tensors (``seq_lens`` range and
-            the used block-table entries). This copies them to the host; a GPU fast path may
-            turn it off.
-
-    Returns:
-        The scale as a Python float.
+    ``q`` is ``[batch, num_q_heads, head_dim]`` (``q_ndim=3``) or ``[batch, num_q_heads,
+    max_q_len, head_dim]`` (``q_ndim=4``), floating; ``k_cache``, ``v_cache`` of its dtype and
+    device; ``block_table`` and ``seq_lens`` int32/int64. ``check_values`` also reads the values
+    on the host: ``seq_lens[b]`` in ``[1, max_pages * page_size]``, the used block-table entries
+    distinct page ids.
 
     Example:
         >>> q = torch.randn(2, 4, 8)
@@ -168,7 +155,7 @@ def check_prefill_inputs(
     check_values: bool = True,
 ) -> float:
     """:func:`check_paged_inputs` for prefill, plus ``q_lens``: int ``[batch]`` with
-    ``0 <= q_lens[b] <= min(seq_lens[b], max_q_len)``. Returns the scale."""
+    ``0 <= q_lens[b] <= min(seq_lens[b], max_q_len)``."""
     scale = check_paged_inputs(
         q, k_cache, v_cache, block_table, seq_lens, scale=scale, q_ndim=4, check_values=check_values
     )
@@ -192,11 +179,10 @@ def check_prefill_inputs(
 def check_cascade_inputs(
     q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, *, scale=None, check_values=True
 ) -> float:
-    """:func:`check_paged_inputs`, plus the groups: ``group_indptr`` int ``[num_groups + 1]``
-    from 0 to ``batch``, strictly increasing; ``prefix_lens`` int ``[num_groups]``, each a whole
-    number of pages and at most the group's shortest ``seq_lens``; the requests of a group list
-    the same pages on their prefix. Returns the scale. ``check_values=False`` checks types and
-    shapes only (no host reads)."""
+    """:func:`check_paged_inputs`, plus the groups: ``group_indptr`` int ``[num_groups + 1]`` rising
+    strictly from 0 to ``batch``; ``prefix_lens`` int ``[num_groups]``, whole pages, at most the
+    group's shortest ``seq_lens``, on which the group's block-table rows agree (values checked
+    only with ``check_values``)."""
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     batch, page_size = q.shape[0], k_cache.shape[1]
     for name, t in (("group_indptr", group_indptr), ("prefix_lens", prefix_lens)):
@@ -244,26 +230,36 @@ def check_cascade_inputs(
     return scale
 
 
+def check_quest_inputs(q, k_cache, v_cache, block_table, seq_lens, k_min, k_max, budget, *, scale, check_values):
+    """:func:`check_paged_inputs`, plus the key summaries ``k_min``, ``k_max``: ``[num_pages,
+    num_kv_heads, head_dim]`` and ``budget`` in ``[1, max_pages]``. Returns ``(scale, budget)``."""
+    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
+    num_pages, _, num_kv_heads, head_dim = k_cache.shape
+    for name, t in (("k_min", k_min), ("k_max", k_max)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (num_pages, num_kv_heads, head_dim):
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"{name} must be [num_pages={num_pages}, num_kv_heads={num_kv_heads}, {head_dim}], got {got}"
+            )
+    budget = check_int("budget", budget, min_value=1)
+    if budget > block_table.shape[1]:
+        raise ValueError(
+            f"budget must be at most the pages a sequence can hold (max_pages={block_table.shape[1]}), got {budget}"
+        )
+    return scale, budget
+
+
 # --- the Triton kernel's own rules ----------------------------------------------------------
 def check_triton_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, out, *, interpret: bool):
-    """Checks specific to the Triton kernel, on top of the common `check_paged_inputs`;
-    ``interpret``: the call runs in Triton's interpreter (float32 only)."""
+    """The Triton kernels' own rules (after `check_paged_inputs`); ``interpret``: the call runs in
+    Triton's interpreter (float32 only)."""
     allowed = (torch.float32,) if interpret else (torch.float16, torch.bfloat16, torch.float32)
     if q.dtype not in allowed:
         where = "Triton's interpreter (used for CPU tensors; float32 only)" if interpret else "the compiled kernel"
         raise TypeError(f"q must have dtype in {[str(d) for d in allowed]} for {where}, got {q.dtype}")
-    for name, t in (
-        ("q", q),
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("block_table", block_table),
-        ("seq_lens", seq_lens),
-    ):
-        if not t.is_contiguous():
-            raise ValueError(
-                f"{name} must be contiguous (call .contiguous()), "
-                f"got strides {tuple(t.stride())} for shape {tuple(t.shape)}"
-            )
+    check_contiguous(
+        "call .contiguous()", q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens
+    )
     page_size, head_dim = k_cache.shape[1], k_cache.shape[3]
     if page_size & (page_size - 1) or page_size > 256:
         raise ValueError(f"k_cache page_size (dim 1) must be a power of two in [1, 256], got {page_size}")
@@ -306,7 +302,7 @@ def check_mask_arguments(block_table, seq_lens, q_lens, num_pages, page_size, q_
 
 
 def check_table_pages(block_table, seq_lens, num_pages: int, page_size: int) -> None:
-    """The pages each sequence uses must exist in the cache (copies the used entries to the host)."""
+    """The pages each sequence uses must exist in the cache (a host read of the used entries)."""
     used = (
         torch.arange(block_table.shape[1], device=block_table.device)[None, :]
         < cdiv(seq_lens.long(), page_size)[:, None]
@@ -381,10 +377,9 @@ def check_block_mask(block_mask, block_table, seq_lens, q_lens, q_len: int, num_
             )
 
 
-def check_contiguous(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+def check_contiguous(why: str, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
         if not t.is_contiguous():
             raise ValueError(
-                f"{name} must be contiguous (it is viewed as one long physical "
-                f"sequence), got strides {t.stride()} for shape {tuple(t.shape)}"
+                f"{name} must be contiguous ({why}), got strides {tuple(t.stride())} for shape {tuple(t.shape)}"
             )

@@ -1,21 +1,30 @@
 """Running a ``@triton.jit`` kernel in Triton's interpreter for one call, on CPU tensors.
 
-Triton chooses compile or interpret mode when ``@triton.jit`` decorates a function, which
-happens once, at import. This package decides per call instead: tensors on a CUDA device run
-the compiled kernel, CPU tensors (or any tensors under ``TRITON_INTERPRET=1``) run the same
-kernel function (the JITFunction's ``.fn``) in the interpreter. Nothing is set for the
-process: :func:`interpreter` switches the interpreter on for the duration of one call and puts
-everything back afterwards.
+Triton picks compile or interpret mode once, when ``@triton.jit`` decorates a function at
+import. This package picks per call: CUDA tensors run the compiled kernel, CPU tensors (or any
+under ``TRITON_INTERPRET=1``) the same kernel function in the interpreter, switched on for that
+call only (:func:`interpreter`); nothing is set for the process.
 """
 
 import contextlib
 import os
 import sys
 import threading
+import types
 
 import torch
 
-__all__ = ["interpreted", "interpreter", "runnable"]
+try:
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except ImportError:  # no Triton wheel for this platform: the kernel modules import, calls fail clearly
+    triton = types.SimpleNamespace(jit=lambda fn: fn)  # the kernels stay plain functions
+    tl = types.SimpleNamespace(constexpr=None)  # only for the `tl.constexpr` annotations
+    HAVE_TRITON = False
+
+__all__ = ["HAVE_TRITON", "interpreted", "interpreter", "runnable", "tl", "triton"]
 
 
 def interpreted(device: torch.device) -> bool:
@@ -27,9 +36,8 @@ _RUNNABLE: dict[tuple[object, bool], object] = {}
 
 
 def runnable(kernel, interpret: bool):
-    """``kernel`` (a ``@triton.jit`` function) in the mode a call needs, built once per mode:
-    its function wrapped in an InterpretedFunction, or a compiled-mode JITFunction (the kernel
-    itself, unless ``TRITON_INTERPRET=1`` at import made it an interpreted one)."""
+    """``kernel`` (a ``@triton.jit`` function) in the mode a call needs, built once per mode: an
+    InterpretedFunction, or a compiled-mode JITFunction."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
@@ -46,12 +54,8 @@ _INTERPRETER_LOCK = threading.Lock()
 
 
 def _language_state() -> list[tuple[object, dict]]:
-    """A copy of the namespace of every triton.language module and of every class defined there.
-
-    Triton's interpreter patches these while it runs (builtins, ``tensor`` methods, ``range``),
-    and leaves some patches behind after a kernel calls a ``@jit`` helper; taking a copy before
-    an interpreted call lets :func:`interpreter` put every attribute back afterwards.
-    """
+    """A copy of the namespace of every triton.language module and class: the interpreter patches
+    them while it runs and leaves some patches behind, which :func:`interpreter` undoes."""
     modules = [
         m
         for name, m in list(sys.modules.items())
@@ -67,9 +71,8 @@ def _language_state() -> list[tuple[object, dict]]:
 
 
 def _restore(state: list[tuple[object, dict]]) -> None:
-    """Put back every attribute that ``state`` recorded and remove those added to a class.
-    Names the interpreter *added* to a module stay: its cached rewrites of triton.language's
-    helpers look them up later."""
+    """Put back every attribute ``state`` recorded and remove those added to a class (names added
+    to a module stay: the interpreter's cached rewrites look them up later)."""
     for obj, saved in state:
         current = vars(obj)
         if isinstance(obj, type):
@@ -84,20 +87,12 @@ def _restore(state: list[tuple[object, dict]]) -> None:
 def interpreter():
     """Run Triton's interpreter for the duration of one call, then put everything back.
 
-    Triton's own helpers in triton.language (``tl.max``, ``tl.sum``, ``tl.cdiv``, ...) were
-    decorated for compiling when triton was imported, and the interpreter refuses to call
-    those. For the call they are swapped for interpreted wrappers and the interpreter knob is
-    switched on; afterwards every attribute of triton.language (and the knob, and the
-    TRITON_INTERPRET variable that setting the knob writes) is restored. A lock keeps two
-    threads from interleaving.
-
-    The interpreter holds a scalar as a 1-element array, and some Triton versions (3.6) turn
-    it into a Python int with ``int(array)``, which numpy 2.4 and later refuse ("only
-    0-dimensional arrays can be converted to Python scalars": ``range(start, end, BLOCK_N)``
-    in a kernel needs it). For the call, the interpreter's patching of ``tl.tensor`` also
-    gives it an ``__index__`` that squeezes the array first; both go when the call returns.
+    triton.language's own helpers (``tl.max``, ``tl.cdiv``, ...) were decorated for compiling at
+    import and the interpreter refuses them: for the call they become interpreted wrappers and
+    the interpreter knob is on; afterwards every attribute (and the knob) is restored. A lock
+    keeps threads from interleaving. ``tl.tensor`` also gets an ``__index__`` that squeezes its
+    1-element array (Triton 3.6 calls ``int(array)``, which numpy 2.4 refuses for 1-D arrays).
     """
-    import triton
     from triton.runtime import interpreter as triton_interpreter
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
@@ -128,9 +123,7 @@ def interpreter():
 
 
 def _index_by_squeezing(patch_tensor):
-    """The interpreter's ``_patch_lang_tensor(tensor, scope)``, then an ``__index__`` that
-    reads a 1-element array of any shape (``int(array.squeeze())``; numpy 2.4 refuses
-    ``int`` of a 1-D array)."""
+    """The interpreter's ``_patch_lang_tensor(tensor, scope)``, then a squeezing ``__index__``."""
 
     def patch(tensor, scope):
         patch_tensor(tensor, scope)

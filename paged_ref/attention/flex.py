@@ -311,7 +311,7 @@ def _flex_paged(
     if kv_block_size is None:
         kv_block_size = default_kv_block_size(page_size, k_cache.device)
     check_block_size(kv_block_size)
-    check_contiguous(k_cache, v_cache)
+    check_contiguous("it is viewed as one long physical sequence", k_cache=k_cache, v_cache=v_cache)
     q_len = q4.shape[2]
     if q_len == 0:  # nothing to attend from (max_q_len 0)
         return q4.new_zeros(q4.shape)

@@ -25,7 +25,7 @@ import torch
 
 from .._arith import cdiv
 from .._validate import check_int
-from ._checks import check_paged_inputs
+from ._checks import check_quest_inputs
 
 __all__ = ["page_bounds", "quest_paged_decode", "select_pages"]
 
@@ -78,19 +78,10 @@ def quest_paged_decode(
         >>> quest_paged_decode(q, kc, vc, bt, lens, k_min, k_max, budget=2).shape
         torch.Size([1, 2, 8])
     """
-    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
-    num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
-    for name, t in (("k_min", k_min), ("k_max", k_max)):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != (num_pages, num_kv_heads, head_dim):
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(
-                f"{name} must be [num_pages={num_pages}, num_kv_heads={num_kv_heads}, {head_dim}], got {got}"
-            )
-    budget = check_int("budget", budget, min_value=1)
-    if budget > block_table.shape[1]:
-        raise ValueError(
-            f"budget must be at most the pages a sequence can hold (max_pages={block_table.shape[1]}), got {budget}"
-        )
+    scale, budget = check_quest_inputs(
+        q, k_cache, v_cache, block_table, seq_lens, k_min, k_max, budget, scale=scale, check_values=check_values
+    )
+    _, page_size, num_kv_heads, head_dim = k_cache.shape
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     batch, num_q_heads, _ = q.shape
     group = num_q_heads // num_kv_heads

@@ -1,14 +1,11 @@
 """Paged attention as "gather by slot, then PyTorch SDPA": the fast backend on a CPU.
 
-The K/V still live only in pages; each call copies a batch's tokens out through a slot map
-``slots[b, t] = block_table[b, t // page_size] * page_size + t % page_size`` (one indexing
-op per tensor) and hands them to ``torch.nn.functional.scaled_dot_product_attention`` with a
-boolean mask for the ragged lengths (and causality in prefill). This is what transformers' own
-continuous batching does with SDPA. It pays a copy of the batch's K/V per layer, which a paged
-kernel (Triton) avoids; on a CPU, where there is no such kernel, it is the practical path.
-
-The slot map and the mask depend only on the block table and the lengths, which every layer of
-a step shares, so `prepare` builds them once per step and the per-layer calls reuse them.
+Each call copies a batch's tokens out of the pages through a slot map ``slots[b, t] =
+block_table[b, t // page_size] * page_size + t % page_size`` and hands them to
+``scaled_dot_product_attention`` with a mask for the ragged lengths (and causality in prefill),
+as transformers' continuous batching does. It pays a copy of the K/V per layer that a paged
+kernel avoids; on a CPU, which has no such kernel, it is the practical path. The slot map and
+mask depend only on the block table and lengths, so `prepare` builds them once per step.
 
 Example:
     >>> kc, vc = torch.randn(4, 16, 2, 64), torch.randn(4, 16, 2, 64)
@@ -34,22 +31,13 @@ __all__ += ["sdpa_fused_paged_decode", "sdpa_paged_decode", "sdpa_paged_prefill"
 
 
 class SlotGather(NamedTuple):
-    """Per-step gather plan.
-
-    slots: int64 ``[batch, max_kv]`` (prefill; None in decode). mask: bool ``[batch, 1, q_len,
-    max_kv]`` (prefill) or None (decode masks by ``padding``). max_kv: the longest sequence (decode).
-    pages: int64 ``[batch, max_pages_used]`` (decode: gathered a page at a time; padding -> 0).
-    start: decode of one sequence whose pages are consecutive: its first slot (its K/V are then
-    read in place, no copy); else None.
-    causal: no mask, SDPA's own causal flag instead: every row is a whole fresh prompt (its new
-    tokens are all its tokens), so query ``i`` sees keys ``0..i`` and a padded key is seen only by
-    padding rows; SDPA then skips the upper triangle (half the work of a masked prefill).
-    padded_rows: some rows have fewer new tokens than ``q_len`` (their padding rows are zeroed).
-    padding: bool ``[batch, max_kv]``, True where a row's gathered K/V is not its own token (past
-    its length: another sequence's slot, or its last page's unwritten tail), or None when there
-    is none. Those K/V are zeroed after the gather: a masked score gets weight 0, but 0 x Inf
-    or 0 x NaN in a neighbour's V would still be NaN.
-    """
+    """Per-step gather plan: prefill's ``slots`` int64 ``[batch, max_kv]`` and ``mask`` bool
+    ``[batch, 1, q_len, max_kv]``, or decode's ``pages`` int64 ``[batch, pages used]`` (padding
+    -> 0), ``max_kv`` and ``start`` (one sequence on consecutive pages: its first slot, read in
+    place). ``causal``: every row is a whole fresh prompt, so SDPA's causal flag replaces the mask
+    (half the work). ``padded_rows``: some rows have fewer than ``q_len`` new tokens (zeroed).
+    ``padding`` bool ``[batch, max_kv]``: gathered K/V that are not the row's tokens, zeroed
+    after the gather (a masked weight is 0, but 0 x NaN is NaN), or None."""
 
     slots: torch.Tensor | None
     mask: torch.Tensor | None
@@ -68,14 +56,8 @@ def prepare(
     q_lens: torch.Tensor | None = None,
     q_len: int = 1,
 ) -> SlotGather:
-    """Slot map and attention mask for one step (decode when ``q_lens`` is None).
-
-    Args:
-        block_table: int ``[batch, max_pages]``; seq_lens: int ``[batch]``.
-        page_size: tokens per page.
-        q_lens: int ``[batch]`` new tokens per sequence (prefill), or None (decode).
-        q_len: query rows of the step (``max(q_lens)`` in prefill).
-    """
+    """The `SlotGather` of one step: decode when ``q_lens`` (int ``[batch]`` new tokens) is None,
+    else prefill of ``q_len = max(q_lens)`` query rows."""
     lens = seq_lens.long()  # [batch]
     max_kv = int(lens.max())
     t = torch.arange(max_kv, device=block_table.device)  # [max_kv] logical token index
@@ -123,22 +105,13 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 
 def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunk: int = DECODE_CHUNK):
-    """One query token over one sequence's ``[T, Hkv, D]`` K/V (any strides), split into chunks.
+    """One query token ``q [Hq, D]`` over one sequence's K/V ``[T, Hkv, D]`` (any strides) -> ``[Hq, D]``.
 
-    SDPA on one long strided view runs one work item per KV head (3 for SmolLM2), too few to
-    share between cores, and walks tokens ``Hkv * D`` elements apart. Here the tokens are cut into
-    ``chunk``-token pieces that become SDPA's batch (a strided view: nothing is copied), each
-    piece returns its output and log-sum-exp, and the pieces merge by their log-sum-exps
-    (`online_softmax.merge_partials`, the Triton kernel's split-K reduction). The query heads of
-    one KV head ride in SDPA's query-length dimension (GQA without ``enable_gqa``).
-
-    Args:
-        q: ``[Hq, D]``; k, v: ``[T, Hkv, D]`` with ``Hq % Hkv == 0``; scale: softmax scale.
-        chunk: tokens per piece (a tail of ``T % chunk`` tokens is one more piece); fewer than
-            ``2 * chunk`` tokens go to SDPA in one piece.
-
-    Returns:
-        ``[Hq, D]``, dtype of ``q``.
+    SDPA on one long view runs one work item per KV head, too few to share between cores. Here
+    the tokens are cut into ``chunk``-token pieces that become SDPA's batch (a view, no copy),
+    and the pieces' outputs merge by their log-sum-exps (`online_softmax.merge_partials`, split-K's
+    reduction); the query heads of a KV head ride in SDPA's query-length dimension. Fewer than
+    ``2 * chunk`` tokens go to SDPA in one piece.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     num_q_heads = q.shape[0]
@@ -164,13 +137,9 @@ def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 
 def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tensor:
-    """q: [batch, Hq, D] -> [batch, Hq, D], attention by matmul in the cache's own layout.
-
-    One sequence on consecutive pages is read in place (a strided view, `attend_chunked`).
-    Otherwise K/V are taken a page at a time (one ``index_select`` of whole pages, not one index
-    per token); one sequence then goes through `attend_chunked` too, and a batch through two
-    batched matmuls on strided views, so the ``[tokens, heads, head_dim]`` layout is never
-    transposed into a copy (SDPA on the transposed view would make one).
+    """q: [batch, Hq, D] -> [batch, Hq, D] in the cache's own layout: one sequence on consecutive
+    pages read in place, else whole pages gathered (one ``index_select``); one sequence then goes
+    through `attend_chunked`, a batch through two matmuls on strided views (no transposed copy).
     """
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     batch, num_q_heads, _ = q.shape
@@ -201,19 +170,8 @@ def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float) -> tor
 def sdpa_paged_decode(
     q, k_cache, v_cache, block_table, seq_lens, *, scale=None, gather=None, check_values=True
 ) -> torch.Tensor:
-    """Decode attention over the pages (same contract as `reference_paged_decode`).
-
-    Args:
-        q: ``[batch, num_q_heads, head_dim]``.
-        k_cache, v_cache: ``[num_pages, page_size, num_kv_heads, head_dim]``, contiguous.
-        block_table: int32 ``[batch, max_pages]``; seq_lens: int32 ``[batch]`` (>= 1).
-        scale: default ``head_dim ** -0.5``.
-        gather: ``prepare(block_table, seq_lens, page_size)`` built once per step, or None.
-        check_values: also check values (copies the block table to the host).
-
-    Returns:
-        ``[batch, num_q_heads, head_dim]``.
-    """
+    """Decode attention over the pages, the contract of `reference_paged_decode`; ``gather``:
+    ``prepare(block_table, seq_lens, page_size)`` built once per step, or None."""
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     if gather is None:
         gather = prepare(block_table, seq_lens, k_cache.shape[1])
@@ -221,16 +179,11 @@ def sdpa_paged_decode(
 
 
 class FusedDecode(NamedTuple):
-    """Per-step plan of `sdpa_fused_paged_decode` (built once by `prepare_fused`, read by every layer).
-
-    pages: int64 ``[batch * n_pages]``, each row's pages; a row's entries past its last page repeat
-    its first page, so every gathered token is one of the row's own pages (masked where unused).
-    tails: int64 ``[n]``, positions in the gathered ``[batch * n_pages * page_size]`` tokens past a
-    row's length on its last page (zeroed after the gather: masked, but 0 x NaN would still be NaN).
-    bias: ``[batch, 1, 1, n_pages * page_size]`` in the queries' dtype (the kernel reads the mask as
-    that type), 0 for a row's tokens, -inf past its length.
-    single: the `SlotGather` of a one-row step (read in place by `attend_chunked`), else None.
-    """
+    """Per-step plan of `sdpa_fused_paged_decode`: ``pages`` int64 ``[batch * n_pages]`` (past a
+    row's last page, its first page again: only its own pages are read); ``tails`` int64 ``[n]``,
+    gathered positions past a row's length on its last page (zeroed: 0 x NaN is NaN); ``bias``
+    ``[batch, 1, 1, n_pages * page_size]`` in the queries' dtype, 0 or -inf; ``single``: the
+    `SlotGather` of a one-row step, else None."""
 
     pages: torch.Tensor | None
     tails: torch.Tensor | None
@@ -241,8 +194,7 @@ class FusedDecode(NamedTuple):
 def prepare_fused(
     block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, dtype: torch.dtype = torch.float32
 ) -> FusedDecode:
-    """`FusedDecode` of one decode step: block_table int ``[batch, max_pages]``, seq_lens int ``[batch]``,
-    ``dtype`` the queries'."""
+    """`FusedDecode` of one decode step (``dtype``: the queries')."""
     if block_table.shape[0] == 1:
         return FusedDecode(None, None, None, single=prepare(block_table, seq_lens, page_size))
     lens = seq_lens.long()  # [batch]
@@ -261,22 +213,10 @@ def prepare_fused(
 def sdpa_fused_paged_decode(
     q, k_cache, v_cache, block_table, seq_lens, *, scale=None, fused=None, check_values=True
 ) -> torch.Tensor:
-    """Decode attention in one fused CPU kernel call per layer (same contract as `sdpa_paged_decode`).
-
-    `sdpa_paged_decode` spells a batch's attention out: gather, mask V, matmul, mask the scores,
-    softmax, matmul, each a pass over memory. Here the pages are gathered once (`FusedDecode.pages`)
-    and handed, as strided ``[batch, Hkv, T, D]`` views, to PyTorch's flash-attention CPU kernel
-    with the step's additive mask (built once per step, not per layer): scores, softmax and the
-    weighted sum happen in one tiled pass. The query heads of a KV head ride in the kernel's
-    query-length dimension (GQA without repeating K/V). One sequence is read in place, as in
-    `sdpa_paged_decode`.
-
-    Args:
-        q, k_cache, v_cache, block_table, seq_lens, scale, check_values: as in `sdpa_paged_decode`.
-        fused: ``prepare_fused(block_table, seq_lens, page_size)`` built once per step, or None.
-
-    Returns:
-        ``[batch, num_q_heads, head_dim]``.
+    """`sdpa_paged_decode` in one fused CPU kernel call per layer: the pages gathered once, as
+    ``[batch, Hkv, T, D]`` views, into PyTorch's flash-attention CPU kernel with the step's additive
+    mask, so scores, softmax and weighted sum are one tiled pass instead of six passes over memory.
+    ``fused``: ``prepare_fused(block_table, seq_lens, page_size)`` built once per step, or None.
     """
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     if fused is None:
@@ -300,16 +240,8 @@ def sdpa_fused_paged_decode(
 def sdpa_paged_prefill(
     q, k_cache, v_cache, block_table, seq_lens, q_lens, *, scale=None, gather=None, check_values=True
 ) -> torch.Tensor:
-    """Causal prefill over the pages (same contract as `reference_paged_prefill`).
-
-    Args:
-        q: ``[batch, num_q_heads, max_q_len, head_dim]``.
-        q_lens: int32 ``[batch]``; the other arguments as in `sdpa_paged_decode`, with
-            ``gather = prepare(block_table, seq_lens, page_size, q_lens, max_q_len)``.
-
-    Returns:
-        ``[batch, num_q_heads, max_q_len, head_dim]``; padding rows are 0.
-    """
+    """Causal prefill over the pages, the contract of `reference_paged_prefill`; ``gather``:
+    ``prepare(block_table, seq_lens, page_size, q_lens, max_q_len)``, or None."""
     scale = check_prefill_inputs(
         q, k_cache, v_cache, block_table, seq_lens, q_lens, scale=scale, check_values=check_values
     )

@@ -1,18 +1,14 @@
-"""Cascade decode attention in Triton: a prefix kernel for each group, the decode kernel per request.
+"""Cascade decode attention in Triton: a prefix kernel per group, the decode kernel per request.
 
-The plan of :mod:`.cascade`, on the GPU (or Triton's interpreter for CPU tensors, float32):
+The plan of :mod:`.cascade` on the GPU (or in Triton's interpreter for CPU tensors, float32):
 
-1. **Prefix kernel** (below): one program per (group, KV head, block of ``BLOCK_M`` query
-   rows). The rows are the query heads that read this KV head, of *every* request of the
-   group: ``row = request * GROUP + head_in_group``. The program walks the group's prefix
-   pages tile by tile, exactly as the decode kernel walks a sequence (block-table lookup,
-   online softmax in base 2), but each K/V tile it loads serves up to ``BLOCK_M`` rows: with 32
-   samples and GQA 3, 96 rows read the prefix in two programs instead of 32. It writes the
-   normalised output and the log-sum-exp of every row.
-2. **Suffix**: each request's own pages after the prefix, through
-   :func:`~.triton_decode.triton_paged_decode` with ``return_lse=True`` and the block table
-   shifted past the prefix (:func:`~.cascade.suffix_table`).
-3. **Merge**: :func:`~.cascade.merge_states`, split-K's reduction on the two states.
+1. **Prefix kernel**: one program per (group, KV head, block of ``BLOCK_M`` query rows), the
+   rows being that KV head's query heads of *every* request of the group. It walks the prefix
+   pages as the decode kernel walks a sequence, but each K/V tile serves up to ``BLOCK_M`` rows
+   (32 samples with GQA 3: 96 rows in two programs instead of 32), and writes ``(o, lse)``.
+2. **Suffix**: each request's own pages through :func:`~.triton_decode.triton_paged_decode`
+   (``return_lse=True``, the table shifted past the prefix by :func:`~.cascade.suffix_table`).
+3. **Merge**: :func:`~.cascade.merge_states`.
 
 Example:
     >>> import torch
@@ -26,26 +22,14 @@ Example:
     True
 """
 
-import types
-
 import torch
 
 from .._arith import cdiv, next_pow2
 from ._checks import check_cascade_inputs, check_triton_inputs
-from ._triton_interpreter import interpreted, interpreter, runnable
+from ._triton_interpreter import HAVE_TRITON, interpreted, interpreter, runnable, tl, triton
 from .cascade import merge_states, request_prefixes, suffix_table
 from .online_softmax import LOG2E
 from .triton_decode import triton_paged_decode
-
-try:
-    import triton
-    import triton.language as tl
-
-    _HAVE_TRITON = True
-except ImportError:  # no Triton wheel for this platform: the module imports, calls fail clearly
-    triton = types.SimpleNamespace(jit=lambda fn: fn)
-    tl = types.SimpleNamespace(constexpr=None)
-    _HAVE_TRITON = False
 
 __all__ = ["compiled_prefix_kernel", "prefix_tile_config", "triton_cascade_decode", "triton_prefix_attention"]
 
@@ -132,7 +116,7 @@ def _prefix_kernel(
 
 def compiled_prefix_kernel():
     """The prefix kernel as a compiled-mode JITFunction (for ahead-of-time compilation)."""
-    if not _HAVE_TRITON:
+    if not HAVE_TRITON:
         raise ImportError("compiling the kernels needs the `triton` package")
     return runnable(_prefix_kernel, interpret=False)
 
@@ -164,30 +148,16 @@ def triton_prefix_attention(
     with scope:
         # Grid: one program per (group, KV head, block of query rows).
         kernel[(group_indptr.numel() - 1, num_kv_heads, cdiv(max_rows, cfg["BLOCK_M"]))](
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            group_indptr,
-            prefix_lens,
-            o,
-            lse,
+            *(q, k_cache, v_cache, block_table, group_indptr, prefix_lens, o, lse),
             scale * LOG2E,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
+            *q.stride()[:2],
+            *k_cache.stride()[:3],
             block_table.stride(0),
             HEAD_DIM=head_dim,
-            BLOCK_D=cfg["BLOCK_D"],
             GROUP=group,
-            BLOCK_M=cfg["BLOCK_M"],
             PAGE_SIZE=k_cache.shape[1],
-            BLOCK_N=cfg["BLOCK_N"],
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
+            **cfg,
         )
     return o, lse
 
@@ -204,15 +174,9 @@ def triton_cascade_decode(
     scale: float | None = None,
     check_values: bool = True,
 ) -> torch.Tensor:
-    """:func:`~paged_ref.attention.cascade.reference_cascade_decode` with Triton kernels.
-
-    Arguments as there (``q`` float16/bfloat16/float32 on CUDA, float32 on CPU where both
-    kernels run in Triton's interpreter; ``page_size`` a power of two up to 256).
-
-    Returns:
-        ``[batch, num_q_heads, head_dim]``, dtype of ``q``.
-    """
-    if not _HAVE_TRITON:
+    """:func:`~.cascade.reference_cascade_decode` with Triton kernels (the inputs
+    :func:`~.triton_decode.triton_paged_decode` takes)."""
+    if not HAVE_TRITON:
         raise ImportError("triton_cascade_decode needs the `triton` package (Linux only)")
     scale = check_cascade_inputs(
         q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, scale=scale, check_values=check_values

@@ -19,25 +19,13 @@ CPU tensors the same kernels run in Triton's interpreter (float32), chosen per c
 (:mod:`._triton_interpreter`); without Triton the module imports and the call raises ImportError.
 """
 
-import types
-
 import torch
 
 from .._arith import next_pow2
 from ._checks import check_paged_inputs, check_triton_inputs
-from ._triton_interpreter import interpreted, interpreter, runnable
+from ._triton_interpreter import HAVE_TRITON, interpreted, interpreter, runnable, tl, triton
 from .occupancy import _resident_programs, choose_num_splits
 from .online_softmax import LOG2E
-
-try:
-    import triton
-    import triton.language as tl
-
-    _HAVE_TRITON = True
-except ImportError:  # no Triton wheel for this platform: the module imports, calls fail clearly
-    triton = types.SimpleNamespace(jit=lambda fn: fn)  # the kernels stay plain functions
-    tl = types.SimpleNamespace(constexpr=None)  # only for the `tl.constexpr` annotations below
-    _HAVE_TRITON = False
 
 __all__ = ["compiled_kernels", "interpreted", "native_half", "triton_paged_decode"]
 
@@ -242,7 +230,7 @@ _kernel = runnable  # (kernel, interpret) -> the kernel as compiled JITFunction 
 
 def compiled_kernels() -> dict[str, object]:
     """The two kernels as compiled-mode JITFunctions, for ahead-of-time compilation (lab.bench.kernels)."""
-    if not _HAVE_TRITON:
+    if not HAVE_TRITON:
         raise ImportError("compiling the kernels needs the `triton` package")
     return {k.fn.__name__: _kernel(k, interpret=False) for k in (_paged_decode_split_kernel, _reduce_splits_kernel)}
 
@@ -330,7 +318,7 @@ def triton_paged_decode(
         >>> torch.allclose(o1, triton_paged_decode(q, kc, vc, bt, lens, num_splits=3), atol=1e-5)
         True
     """
-    if not _HAVE_TRITON:
+    if not HAVE_TRITON:
         raise ImportError(
             "triton_paged_decode needs the `triton` package (Linux only): "
             "pip install triton, or use reference_paged_decode instead"
@@ -356,25 +344,9 @@ def triton_paged_decode(
     return out, top[..., 0] + torch.log2((torch.exp2(part_m - top) * part_l).sum(-1))
 
 
-def _launch(
-    q,
-    k_cache,
-    v_cache,
-    block_table,
-    seq_lens,
-    out,
-    scale,
-    num_splits,
-    keep_partials=False,
-    *,
-    BLOCK_H,
-    BLOCK_D,
-    BLOCK_N,
-    num_warps,
-    num_stages,
-    **options,
-):
-    """Launch both kernels on checked inputs; returns the partials ``(m, l)`` when written."""
+def _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, keep_partials=False, **cfg):
+    """Launch both kernels on checked inputs with `_tile_config`'s tiles and options; returns the
+    partials ``(m, l)`` when written."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     write_partials = num_splits > 1 or keep_partials
@@ -387,36 +359,22 @@ def _launch(
     interpret = interpreted(q.device)
     split_kernel = _kernel(_paged_decode_split_kernel, interpret)
     reduce_kernel = _kernel(_reduce_splits_kernel, interpret)
+    tensors = (q, k_cache, v_cache, block_table, seq_lens, out, part_m, part_l, part_acc)
+    strides = (*q.stride()[:2], *k_cache.stride()[:3], block_table.stride(0), *out.stride()[:2])
     # Triton launches on the current CUDA device: make it the inputs'. The interpreter is on for this call only.
     with interpreter() if interpret else torch.cuda.device(q.device):
         # Grid: one program per (sequence, KV head, split).
         split_kernel[(batch, num_kv_heads, num_splits)](
-            q,
-            k_cache,
-            v_cache,
-            block_table,
-            seq_lens,
-            out,
-            part_m,
-            part_l,
-            part_acc,
+            *tensors,
             scale * LOG2E,
             num_splits,
-            *q.stride()[:2],
-            *k_cache.stride()[:3],
-            block_table.stride(0),
-            *out.stride()[:2],
+            *strides,
             HEAD_DIM=head_dim,
-            BLOCK_D=BLOCK_D,
             GROUP=num_q_heads // num_kv_heads,
-            BLOCK_H=BLOCK_H,
             PAGE_SIZE=k_cache.shape[1],
-            BLOCK_N=BLOCK_N,
             WRITE_PARTIALS=write_partials,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=num_warps,
-            num_stages=num_stages,
-            **({} if interpret else options),
+            **cfg,
         )
         if write_partials:  # grid: one program per (sequence, query head)
             reduce_kernel[(batch, num_q_heads)](
@@ -427,7 +385,7 @@ def _launch(
                 num_splits,
                 *out.stride()[:2],
                 HEAD_DIM=head_dim,
-                BLOCK_D=BLOCK_D,
+                BLOCK_D=cfg["BLOCK_D"],
                 BLOCK_S=min(16, next_pow2(num_splits)),
                 num_warps=1 if interpret else 4,
             )
