@@ -20,13 +20,13 @@ from matplotlib.colors import to_rgba  # noqa: E402
 from paged_ref.attention.online_softmax import (  # noqa: E402
     LOG2E,
     merge_partials,
-    online_softmax_steps,
     online_update,
     paged_decode_spec,
     split_ranges,
     token_slots,
 )
 from paged_ref.attention.reference import gather_sequence  # noqa: E402
+from paged_ref.lab.softmax_steps import online_softmax_steps  # noqa: E402
 from paged_ref.lab.viz import kernel as vk  # noqa: E402
 from paged_ref.lab.widgets import kernel as wk  # noqa: E402
 

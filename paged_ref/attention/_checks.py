@@ -63,13 +63,7 @@ def check_paged_inputs(
         >>> check_paged_inputs(q, kc, kc, torch.tensor([[0, 1], [2, 0]]), torch.tensor([5, 3]))
         0.3535533905932738
     """
-    for name, t in (
-        ("q", q),
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("block_table", block_table),
-        ("seq_lens", seq_lens),
-    ):
+    for name, t in dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens).items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     layout = "[batch, num_q_heads, head_dim]" if q_ndim == 3 else "[batch, num_q_heads, max_q_len, head_dim]"

@@ -7,7 +7,7 @@ printed (notebook 05) and the whole checked against the reference:
 * :func:`online_update`: one tile of the **online softmax**, the kernel's loop body. State per
   query row: running max ``m``, running sum ``l = sum 2^(s - m)``, unnormalised output
   ``acc = sum 2^(s - m) v``. Scores are in **base 2** (``log2(e)`` folded into the scale), so
-  ``2^s`` is ``e^(q.k * scale)``. :func:`online_softmax_steps` applies it tile after tile.
+  ``2^s`` is ``e^(q.k * scale)``. (`paged_ref.lab.softmax_steps` keeps every tile's state.)
 * :func:`split_ranges` cuts a sequence into **split-K** chunks; :func:`merge_partials` is the
   **log-sum-exp reduction** of their ``(m, l, acc)``.
 * :func:`paged_decode_spec`: the whole kernel, per (sequence, KV head, split), the **GQA** group's
@@ -15,18 +15,15 @@ printed (notebook 05) and the whole checked against the reference:
 
 Example:
     >>> import torch
-    >>> scores = torch.tensor([[1.0, 3.0, 2.0, 5.0, 0.0]])        # [rows=1, n=5], base 2
-    >>> values = torch.arange(5.0).unsqueeze(1)                    # [n=5, d=1]
-    >>> steps = online_softmax_steps(scores, values, block_n=2)
-    >>> [s.m.item() for s in steps], [round(s.alpha.item(), 3) for s in steps]
-    ([3.0, 5.0, 5.0], [0.0, 0.25, 1.0])
+    >>> m, l, acc = torch.tensor([3.0]), torch.tensor([1.25]), torch.tensor([[1.0]])  # after scores 1, 3 (v = 0, 1)
+    >>> m, l, acc, alpha = online_update(m, l, acc, torch.tensor([[2.0, 5.0]]), torch.tensor([[2.0], [3.0]]))
+    >>> m.item(), alpha.item(), l.item()                      # the max rose from 3 to 5: alpha = 2^(3 - 5)
+    (5.0, 0.25, 1.4375)
     >>> split_ranges(100, 3, block_n=16)
     [(0, 48), (48, 96), (96, 100)]
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -34,38 +31,9 @@ from .._arith import cdiv
 from .._validate import check_int
 from ._checks import check_paged_inputs
 
-__all__ = [
-    "LOG2E",
-    "TileStep",
-    "online_update",
-    "online_softmax_steps",
-    "split_ranges",
-    "merge_partials",
-    "token_slots",
-    "paged_decode_spec",
-]
+__all__ = ["LOG2E", "merge_partials", "online_update", "paged_decode_spec", "split_ranges", "token_slots"]
 
 LOG2E = 1.4426950408889634  # log2(e): e^x = 2^(x * log2(e))
-
-
-@dataclass(frozen=True)
-class TileStep:
-    """The online-softmax state after tile ``[start, end)``: its largest score ``tile_max [rows]``,
-    the factor ``alpha = 2^(m_old - m) [rows]`` the old ``l`` and ``acc`` were rescaled by, and
-    the new ``m, l [rows]``, ``acc [rows, d]``."""
-
-    start: int
-    end: int
-    tile_max: torch.Tensor
-    alpha: torch.Tensor
-    m: torch.Tensor
-    l: torch.Tensor
-    acc: torch.Tensor
-
-    @property
-    def out(self) -> torch.Tensor:
-        """What the kernel would write if the sequence ended here: ``acc / l``, ``[rows, d]``."""
-        return self.acc / self.l[:, None]
 
 
 def online_update(
@@ -92,33 +60,6 @@ def _initial_state(rows: int, d: int, dtype: torch.dtype, device) -> tuple[torch
     l = torch.zeros(rows, dtype=dtype, device=device)  # [rows]
     acc = torch.zeros(rows, d, dtype=dtype, device=device)  # [rows, d]
     return m, l, acc
-
-
-def online_softmax_steps(scores: torch.Tensor, values: torch.Tensor, *, block_n: int) -> list[TileStep]:
-    """Softmax-weighted sum of ``values [n, d]`` one tile of ``block_n`` scores (``[rows, n]``,
-    base 2, finite) at a time: one :class:`TileStep` per tile, ``steps[-1].out`` equal to
-    ``softmax(scores * ln 2) @ values``."""
-    block_n = check_int("block_n", block_n, min_value=1)
-    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.shape[1] < 1:
-        raise ValueError(
-            f"scores must be a tensor [rows, n >= 1], got "
-            f"{tuple(scores.shape) if isinstance(scores, torch.Tensor) else scores!r}"
-        )
-    if not isinstance(values, torch.Tensor) or values.dim() != 2 or values.shape[0] != scores.shape[1]:
-        raise ValueError(
-            f"values must be a tensor [n={scores.shape[1]}, d], got "
-            f"{tuple(values.shape) if isinstance(values, torch.Tensor) else values!r}"
-        )
-    if not torch.isfinite(scores).all():
-        raise ValueError("scores must all be finite")
-    m, l, acc = _initial_state(scores.shape[0], values.shape[1], scores.dtype, scores.device)
-    steps = []
-    for start in range(0, scores.shape[1], block_n):
-        end = min(start + block_n, scores.shape[1])
-        tile = scores[:, start:end]  # [rows, <= block_n]
-        m, l, acc, alpha = online_update(m, l, acc, tile, values[start:end].to(scores.dtype))
-        steps.append(TileStep(start, end, tile.amax(dim=1), alpha, m, l, acc))
-    return steps
 
 
 def split_ranges(seq_len: int, num_splits: int, *, block_n: int) -> list[tuple[int, int]]:

@@ -36,9 +36,9 @@ def page_bounds(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor) -> to
     return torch.maximum(q * k_min, q * k_max).sum(-1)
 
 
-def select_pages(bounds: torch.Tensor, budget: int, *, keep_last: bool = True) -> torch.Tensor:
+def select_pages(bounds: torch.Tensor, budget: int) -> torch.Tensor:
     """The ``budget`` largest of ``bounds [rows, num_pages]`` per row as int64 column indices
-    ``[rows, budget]`` in increasing order; ``keep_last``: the last page first (the newest tokens).
+    ``[rows, budget]`` in increasing order, always the last page (the newest tokens).
 
     Example:
         >>> select_pages(torch.tensor([[0.5, 3.0, -1.0, 2.0, 0.0]]), 3).tolist()
@@ -48,9 +48,8 @@ def select_pages(bounds: torch.Tensor, budget: int, *, keep_last: bool = True) -
     num_pages = bounds.shape[-1]
     if budget > num_pages:
         raise ValueError(f"budget must be at most the pages held ({num_pages}), got {budget}")
-    if keep_last:
-        bounds = bounds.clone()
-        bounds[:, -1] = float("inf")
+    bounds = bounds.clone()
+    bounds[:, -1] = float("inf")
     return bounds.topk(budget, dim=-1).indices.sort(dim=-1).values
 
 

@@ -63,15 +63,14 @@ def _paged_decode_split_kernel(
     WRITE_PARTIALS: tl.constexpr,  # num_splits > 1: write (m, l, acc) for the reduction kernel
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no tf32); ignored for 16-bit
 ):
-    # Each program owns one (sequence, KV head, split). Program ids along the three grid axes:
+    # Each program owns one (sequence, KV head, split).
     batch = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # Which tokens this split covers. Chunks are rounded up to whole tiles so that tiles start
-    # at multiples of BLOCK_N: when PAGE_SIZE >= BLOCK_N a tile then never straddles a page
-    # boundary (all its rows come from one page). Trailing splits of a
-    # short sequence may be empty; they still write a neutral partial (m=-inf, l=0, acc=0).
+    # The split's tokens, rounded up to whole tiles so tiles start at multiples of BLOCK_N (with
+    # PAGE_SIZE >= BLOCK_N a tile then never straddles a page). A short sequence's trailing splits
+    # may be empty; they still write a neutral partial (m=-inf, l=0, acc=0).
     seq_len = tl.load(seq_lens_ptr + batch)
     tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
@@ -100,14 +99,11 @@ def _paged_decode_split_kernel(
     kv_head_offset = kv_head * stride_cache_head
     tile_d = offs_d[None, :]  # [1, BLOCK_D] columns of a K/V row
     # Block-table lookup: logical token t lives on physical page block_table[t // PAGE_SIZE] at
-    # offset t % PAGE_SIZE (a shift and a mask: PAGE_SIZE is a power of two). Only the page
-    # base needs 64 bits (caches over 2**31 elements); offsets within a page are int32.
-    # The page ids of the *next* tile are fetched one iteration ahead, so the K/V addresses of
-    # a tile depend on no load of the same iteration: the software pipeliner can then give K
-    # and V a ring of buffers (what it actually did is in figures/data/kernels.json).
+    # offset t % PAGE_SIZE. Only the page base needs 64 bits (caches over 2**31 elements). The
+    # next tile's page ids are loaded one iteration ahead, so a tile's K/V addresses depend on no
+    # load of the same iteration and the pipeliner can give K and V a ring of buffers.
     if PAGE_SIZE >= BLOCK_N:
-        # A tile lies inside one page (tiles start at multiples of BLOCK_N, pages at multiples
-        # of PAGE_SIZE): one block-table entry per tile, a scalar.
+        # A tile lies inside one page: one block-table entry per tile, a scalar.
         page = tl.load(block_table_row + start // PAGE_SIZE, mask=start < end, other=0)
     else:
         # Small pages: every token of the tile looks up its own page (a gather).
@@ -139,24 +135,22 @@ def _paged_decode_split_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         scores = tl.where(mask_n[None, :], scores, float("-inf"))  # [BLOCK_H, BLOCK_N]
 
-        # Online softmax: raise the running max, rescale what was accumulated under the old max
-        # by alpha = 2^(m_old - m_new), then add this tile. Every tile holds at least one valid
-        # token, so m_new is finite and alpha is 0 (not NaN) on the first tile.
+        # Online softmax (online_softmax.online_update): raise the running max, rescale by
+        # alpha = 2^(m_old - m_new), add the tile. Every tile holds a valid token: alpha is 0 (not
+        # NaN) on the first tile.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))  # [BLOCK_H]
         alpha = tl.exp2(m_i - m_new)  # [BLOCK_H]
         p = tl.exp2(scores - m_new[:, None])  # [BLOCK_H, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        # p is rounded to V's dtype for the tensor-core product (as FlashAttention does);
-        # the product itself accumulates in float32.
+        # p is rounded to V's dtype for the tensor-core product, which accumulates in float32.
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out_mask = mask_h[:, None] & mask_d[None, :]
     if WRITE_PARTIALS:
-        # Split-K: leave (m, l, acc) for the reduction kernel, which needs all splits' maxima
-        # before it can weight them. Layout [batch, num_q_heads, num_splits(, head_dim)].
+        # Split-K: leave (m, l, acc) [batch, num_q_heads, num_splits(, head_dim)] for the reduction.
         row = (batch * (tl.num_programs(1) * GROUP) + head) * num_splits + split  # [BLOCK_H]
         tl.store(part_m_ptr + row, m_i, mask=mask_h)
         tl.store(part_l_ptr + row, l_i, mask=mask_h)
@@ -185,10 +179,8 @@ def _reduce_splits_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # splits read per step
 ):
-    # Split s computed its softmax relative to its own max m_s. Relative to the global max M:
-    #   out = sum_s 2^(m_s - M) * acc_s  /  sum_s 2^(m_s - M) * l_s
-    # Empty splits have m_s = -inf and weigh 2^(-inf) = 0. Split 0 is never empty
-    # (seq_len >= 1), so M is finite.
+    # online_softmax.merge_partials: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M
+    # the global max; empty splits (m_s = -inf) weigh 0, and split 0 is never empty.
     batch = tl.program_id(0)
     head = tl.program_id(1)
     first = (batch * tl.num_programs(1) + head) * num_splits  # row of split 0

@@ -9,7 +9,8 @@
   (hardware and versions), `textdata` (real text from the standard library), `stats`,
   `texttable`; the notebooks' simulations and replays: `fragmentation` (workloads served by the
   engine, dry), `scenarios`, `sharing`, `eviction_analysis`, `eviction_replay`; `flex_inspect`
-  (a paged BlockMask replayed token by token, notebook 04).
+  (a paged BlockMask replayed token by token, notebook 04) and `softmax_steps` (the online
+  softmax's every state, notebook 05).
 
 Submodules load on first use:
 
@@ -31,6 +32,7 @@ _SUBMODULES = {
     "runmode",
     "scenarios",
     "sharing",
+    "softmax_steps",
     "stats",
     "textdata",
     "texttable",
