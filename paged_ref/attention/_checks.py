@@ -266,9 +266,8 @@ def check_triton_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, 
             raise TypeError(f"out must be None or a torch.Tensor, got {type(out).__name__}")
         if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
             raise ValueError(
-                f"out must match q (shape {tuple(q.shape)}, dtype {q.dtype}, device "
-                f"{q.device}), got shape {tuple(out.shape)}, dtype {out.dtype}, "
-                f"device {out.device}"
+                f"out must match q (shape {tuple(q.shape)}, dtype {q.dtype}, device {q.device}), "
+                f"got shape {tuple(out.shape)}, dtype {out.dtype}, device {out.device}"
             )
         if not out.is_contiguous():
             raise ValueError(f"out must be contiguous, got strides {tuple(out.stride())}")
@@ -297,10 +296,8 @@ def check_mask_arguments(block_table, seq_lens, q_lens, num_pages, page_size, q_
 
 def check_table_pages(block_table, seq_lens, num_pages: int, page_size: int) -> None:
     """The pages each sequence uses must exist in the cache (a host read of the used entries)."""
-    used = (
-        torch.arange(block_table.shape[1], device=block_table.device)[None, :]
-        < cdiv(seq_lens.long(), page_size)[:, None]
-    )  # [batch, max_pages]
+    columns = torch.arange(block_table.shape[1], device=block_table.device)  # [max_pages]
+    used = columns[None, :] < cdiv(seq_lens.long(), page_size)[:, None]  # [batch, max_pages]
     ids = block_table[used]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
         raise ValueError(

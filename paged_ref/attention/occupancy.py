@@ -124,12 +124,9 @@ def split_cost(
     partial_tiles: float = 0.125,
 ) -> float:
     """Time of one decode launch cut into ``splits`` per sequence, in slot-tiles (one program slot
-    busy for one tile's load).
-
-    Every wave holds all ``num_sms * per_sm`` slots for one program's ``ceil(ceil(seq_len /
-    splits) / block_n)`` tiles plus ``start_tiles`` of pipeline fill, full or not. With
-    ``splits > 1`` the merge kernel adds ``merge_tiles`` per slot (its launch) and
-    ``partial_tiles`` per program (a ~4 KB partial against a 32 KB K/V tile pair).
+    busy for one tile's load): every wave holds all ``num_sms * per_sm`` slots for one program's
+    tiles plus ``start_tiles`` of pipeline fill, full or not; the merge kernel adds
+    ``merge_tiles`` per slot and ``partial_tiles`` per program (a ~4 KB partial vs 32 KB of K/V).
 
     Example:
         >>> split_cost(64, 8, 4096, 1, 132, 3, 64)   # 512 programs: a second wave 29% full

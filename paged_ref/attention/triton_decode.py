@@ -290,8 +290,8 @@ def triton_paged_decode(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over a paged KV cache with a Triton kernel (split-K, GQA): the contract of
     :func:`~paged_ref.attention.reference.reference_paged_decode`, with ``q`` float16, bfloat16 or
-    float32 on CUDA (float32 on CPU), contiguous inputs, ``page_size`` a power of two and
-    ``head_dim`` at most 256.
+    float32 on CUDA (float32 on CPU), contiguous inputs, ``page_size`` a power of two up to 256 and
+    ``head_dim`` up to 256.
 
     Args:
         num_splits: chunks per sequence; None: :func:`~.occupancy.choose_num_splits`. Any value
