@@ -7,8 +7,9 @@
 - `check`: the coursework checkers students call on their own code (``pr.lab.check``);
 - helpers the above share: `runmode` (quick or full runs, where figures go), `provenance`
   (hardware and versions), `textdata` (real text from the standard library), `stats`,
-  `texttable`; the notebooks' simulations and replays: `fragmentation` (workloads served by the
-  engine, dry), `scenarios`, `sharing`, `eviction_analysis`, `eviction_replay`.
+  `texttable`, `sizing` (model presets and byte counts beside the cache's own); the notebooks'
+  simulations and replays: `fragmentation` (workloads served by the engine, dry), `scenarios`,
+  `sharing`, `eviction_analysis`, `eviction_replay`.
 
 Submodules load on first use:
 
@@ -29,6 +30,7 @@ _SUBMODULES = {
     "runmode",
     "scenarios",
     "sharing",
+    "sizing",
     "stats",
     "textdata",
     "texttable",
