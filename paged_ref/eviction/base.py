@@ -1,37 +1,21 @@
-"""The eviction policy base class: the hooks a generation loop calls, and the helpers every policy shares.
+"""The eviction policy base class: the hooks a generation loop calls, and what every policy shares.
 
-Shared or per-layer decisions (``decision=``). On a `PagedKVCache` a physical page id indexes
-the same page in every layer and a sequence has ONE block table for all layers (as in vLLM), so
-evicting page ``j`` removes it from every layer at once: ``decision="shared"`` (the default).
-Each layer still contributes its own evidence: token scores are computed per layer from that
-layer's cached K/V and averaged over layers (`sequence_scores`). Raw scores are averaged, so a
-layer whose ||V||/||K|| runs larger weighs more; averaging ranks instead would weigh layers
-equally. ``decision="per_layer"`` (what the authors' code does) lets every layer keep its own
-tokens: each layer ranks by its own scores and drops its own page, which needs a block table per
-layer, i.e. a `paged_ref.layered_cache.LayeredKVCache` (every layer holds as many tokens, so the
-page bound is the same per layer). Internally a policy keeps one row of positions per decision
-("lane"): one row when shared, one per layer otherwise.
-
-Two consequences of the decode rule worth knowing: (1) at the moment a decode eviction happens
-every held page is full (the newest just filled), so ``reduce="mean"`` and ``"sum"`` choose
-the same page; they differ only on partial pages. (2) The prompt is held whole between its
-prefill and `after_prefill`, so the page bound applies from `after_prefill` on.
-
-The hooks a generation loop calls (`paged_ref.hf` does):
+A generation loop (`paged_ref.hf` does) calls, per sequence::
 
     policy.after_prefill(cache, seq_id)   # once, after the prompt's K/V are written
     policy.after_append(cache, seq_id)    # after every decode step's K/V are written
     policy.release(seq_id)                # when the sequence is freed
 
-The caller tracks RoPE positions (a cached K already carries its rotation, so evicting tokens
-never changes the positions of the tokens that stay or of the tokens to come).
 `tokens_until_action` says how many tokens may be appended before the next hook call, so a
-teacher-forced evaluation can feed a chunk at once and get exactly the token-by-token result.
+teacher-forced evaluation can feed a chunk at once and get the token-by-token result. Cached K
+already carries its RoPE rotation, so evicting never changes the positions of the others.
 
-`EvictionPolicy` tracks each sequence's original token positions and its `EvictionStats`;
-a subclass (`paged_ref.eviction.policies`) decides what to evict. `Reserved` names the pages a
-policy never evicts; `sequence_scores` averages a token score over layers; `max_pages_held` is
-the page bound every policy keeps.
+``decision="shared"`` (the default): a `PagedKVCache` has one block table for all layers (as in
+vLLM), so a page goes from every layer at once, chosen by token scores averaged over layers
+(`sequence_scores`). ``decision="per_layer"`` (the authors' code) lets each layer rank by its own
+scores, which needs a block table per layer (`paged_ref.layered_cache.LayeredKVCache`). A policy
+keeps one row of positions per decision, a "lane". `Reserved` names the pages a policy never
+evicts; `max_pages_held` is the page bound every policy keeps.
 """
 
 from __future__ import annotations
@@ -70,15 +54,11 @@ def max_pages_held(budget: int, page_size: int) -> int:
 def sequence_scores(
     cache: KVCache, seq_id: int, method: str, *, generator: torch.Generator | None = None, layers=None
 ) -> torch.Tensor:
-    """One score per held token of ``seq_id``: `token_scores` of each layer, averaged over layers.
+    """One score per held token of ``seq_id``: `token_scores` of each layer, averaged over layers
+    (raw scores: a layer whose scores run larger weighs more).
 
-    Args:
-        cache, seq_id: the sequence to score.
-        method: a `SCORE_METHODS` name; ``"random"`` draws once (not per layer) from ``generator``.
-        layers: layer indices to average over (default: all).
-
-    Returns:
-        float32 ``[seq_len]`` in the sequence's logical order.
+    ``method="random"`` draws once (not per layer) from ``generator``; ``layers`` (default: all)
+    are the layer indices to average over. Returns float32 ``[seq_len]`` in logical order.
     """
     check_choice("method", method, SCORE_METHODS)
     n = cache.seq_len(seq_id)
@@ -103,9 +83,8 @@ def sequence_scores(
 class Reserved:
     """Pages a policy never evicts: the first ``first_pages`` pages and, if ``last_page``, the newest.
 
-    PagedEviction's authors keep the first and the last block at prefill and never evict page 0
-    or the newest page during decode; StreamingLLM reserves the pages that hold its sink tokens.
-    One helper serves every policy, so "protected" means the same thing in all of them.
+    PagedEviction's authors reserve page 0 and the newest page; StreamingLLM the pages holding its
+    sink tokens.
 
     Example:
         >>> r = Reserved(first_pages=1, last_page=True)
@@ -127,6 +106,14 @@ class Reserved:
     def candidate_pages(self, num_pages: int) -> list[int]:
         """Logical pages a decode eviction may drop from a sequence of ``num_pages`` full pages."""
         return list(range(self.first_pages, num_pages - int(self.last_page)))
+
+    @classmethod
+    def from_flags(cls, protect_first_page, protect_last_page) -> Reserved:
+        """The pages a policy's ``protect_first_page`` / ``protect_last_page`` arguments reserve."""
+        for flag, value in (("protect_first_page", protect_first_page), ("protect_last_page", protect_last_page)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
+        return cls(int(protect_first_page), protect_last_page)
 
     def flags(self) -> dict[str, bool]:
         """The ``protect_first_page`` / ``protect_last_page`` arguments these reserved pages come from."""
@@ -182,8 +169,11 @@ class EvictionPolicy:
     """
 
     name = "base"
+    needs_budget = True  # False for a policy that never evicts
 
     def __init__(self, budget: int | None, *, method: str = "value_key_ratio", seed: int = 0, decision: str = "shared"):
+        if budget is None and self.needs_budget:
+            raise ValueError(f"{self.name} needs budget=<tokens>, got None")
         self.budget = None if budget is None else check_int("budget", budget, min_value=1)
         self.method = check_choice("method", method, SCORE_METHODS)
         self.seed = check_int("seed", seed, min_value=0)
