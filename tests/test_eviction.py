@@ -739,7 +739,7 @@ def test_passkey_answer_must_be_exactly_the_key():
 
 @pytest.mark.parametrize("layers, error", [([], ValueError), ([0, 9], ValueError), (3, TypeError)])
 def test_sequence_scores_refuses_empty_or_unknown_layers(layers, error):
-    from paged_ref.eviction.policies import sequence_scores
+    from paged_ref.eviction.base import sequence_scores
 
     cache = PagedKVCache(num_layers=2, num_pages=2, page_size=4, num_kv_heads=1, head_dim=2)
     s = cache.add_sequence()

@@ -39,36 +39,13 @@ import torch
 
 from .._validate import check_choice, check_int
 from ..block_table import pages_needed
-from .base import EvictionPolicy, EvictionStats, Reserved, max_pages_held, sequence_scores
-from .scores import page_scores
+from .base import EvictionPolicy, Reserved
+from .scores import SCORE_METHODS, page_scores
 
-__all__ = [
-    "POLICY_NAMES",
-    "Reserved",
-    "EvictionStats",
-    "EvictionPolicy",
-    "FullCache",
-    "PagedEviction",
-    "StreamingLLM",
-    "TokenTopK",
-    "make_policy",
-    "resolve_policy",
-    "sequence_scores",
-    "max_pages_held",
-]
+__all__ = ["POLICY_NAMES", "FullCache", "PagedEviction", "StreamingLLM", "TokenTopK", "make_policy", "resolve_policy"]
 
-POLICY_NAMES = (
-    "full",
-    "paged_eviction",
-    "paged_eviction_literal",
-    "streaming_llm",
-    "token_topk",
-    "inverse_key_norm",
-    "value_norm",
-    "key_norm",
-    "key_value_ratio",
-    "random",
-)
+# a score name other than the paper's: PagedEviction with that score (an ablation)
+POLICY_NAMES = ("full", "paged_eviction", "paged_eviction_literal", "streaming_llm", "token_topk", *SCORE_METHODS[1:])
 
 
 class FullCache(EvictionPolicy):
@@ -276,13 +253,10 @@ def make_policy(name: str, budget: int | None = None, **options) -> EvictionPoli
         >>> make_policy("value_norm", 256)
         PagedEviction(budget=256, method='value_norm', reduce='mean', protect_first_page=True, protect_last_page=True)
     """
-    check_choice("name", name, set(POLICY_NAMES))
-    if name == "full":
-        return FullCache(budget, **options)
-    if name == "streaming_llm":
-        return StreamingLLM(budget, **options)
-    if name == "token_topk":
-        return TokenTopK(budget, **options)
+    check_choice("name", name, POLICY_NAMES)
+    by_name = {"full": FullCache, "streaming_llm": StreamingLLM, "token_topk": TokenTopK}
+    if name in by_name:
+        return by_name[name](budget, **options)
     if name == "paged_eviction_literal":
         if "protect_first_page" in options:
             raise ValueError("'paged_eviction_literal' fixes protect_first_page=False; use 'paged_eviction' instead")
