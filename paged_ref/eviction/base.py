@@ -260,6 +260,12 @@ class EvictionPolicy:
         return {"budget": self.budget, "method": self.method}
 
     # ------------------------------------------------------------------ subclass interface
+    evicts = "page"  # what one decode eviction removes, "page" or "token": sets the smallest budget
+
+    def _reserved(self, page_size: int) -> Reserved:
+        """The pages this policy never evicts (its ``reserved`` pages, unless they depend on the page size)."""
+        return self.reserved
+
     def _prefill_evict(self, cache, seq_id) -> None:
         raise NotImplementedError
 
@@ -274,6 +280,15 @@ class EvictionPolicy:
             raise TypeError(
                 f"decision={self.decision!r} needs a paged_ref.{want} "
                 f"(per-layer decisions need a block table per layer), got {type(cache).__name__}"
+            )
+        if self.budget is None:
+            return
+        reserved = self._reserved(cache.page_size)
+        need = reserved.min_budget(cache.page_size, unit=self.evicts)
+        if self.budget < need:
+            raise ValueError(
+                f"budget must be >= {need} tokens with page_size={cache.page_size} and {reserved.first_pages} "
+                f"reserved first page(s), so that a {self.evicts} can always be evicted; got budget={self.budget}"
             )
 
     def _positions_of(self, seq_id) -> torch.Tensor:

@@ -3,14 +3,9 @@
 ``page_size`` is the paper's B (tokens per page), ``budget`` its C (tokens a sequence may hold
 after an eviction step). `make_policy(name, budget, **options)` builds one:
 
-- ``"full"``: never evicts;
-- ``"paged_eviction"`` (PagedEviction as its authors run it): prefill keeps the top-``budget``
-  tokens by score; in decode, each time the newest page fills over budget, the lowest-scoring
-  page goes whole, never page 0 nor the newest. ``"paged_eviction_literal"`` is the paper's text
-  (page 0 not reserved); the score names (``"value_norm"``, ...) are its ablations;
-- ``"streaming_llm"``: the first ``sink_tokens`` and the most recent tokens, by pages in decode;
-- ``"token_topk"``: the lowest-scoring token goes after every append, then the sequence is
-  compacted (the token-level baseline).
+``"full"`` (never evicts), ``"paged_eviction"`` (`PagedEviction`; ``"paged_eviction_literal"``
+is the paper's text, the score names such as ``"value_norm"`` its ablations), ``"streaming_llm"``
+and ``"token_topk"`` (the token-level baseline).
 
 Every policy holds at most ``ceil(budget / page_size) + 1`` pages per sequence; evicted pages go
 back to the allocator at once. The base class and its hooks are in `paged_ref.eviction.base`.
@@ -66,19 +61,6 @@ class _PagedDecode(EvictionPolicy):
     Subclasses say which pages are reserved (`_reserved`) and which candidate goes (`_choose_pages`).
     """
 
-    def _reserved(self, page_size: int) -> Reserved:
-        raise NotImplementedError
-
-    def _check_cache(self, cache) -> None:
-        super()._check_cache(cache)
-        reserved = self._reserved(cache.page_size)
-        need = reserved.min_budget(cache.page_size)
-        if self.budget < need:
-            raise ValueError(
-                f"budget must be >= {need} tokens with page_size={cache.page_size} and {reserved.first_pages} "
-                f"reserved first page(s), so that a page can always be evicted; got budget={self.budget}"
-            )
-
     def _room(self, page_size: int, held: int) -> int:
         return page_size - held % page_size
 
@@ -122,9 +104,6 @@ class PagedEviction(_PagedDecode):
         self.reserved = Reserved.from_flags(protect_first_page, protect_last_page)
         super().__init__(budget, method=method, seed=seed, decision=decision)
         self.reduce = check_choice("reduce", reduce, {"mean", "sum"})
-
-    def _reserved(self, page_size: int) -> Reserved:
-        return self.reserved
 
     def _prefill_evict(self, cache, seq_id) -> None:
         self._keep_top(cache, seq_id, self.reserved)
@@ -192,6 +171,7 @@ class TokenTopK(EvictionPolicy):
     """
 
     name = "token_topk"
+    evicts = "token"
 
     def __init__(
         self,
@@ -205,15 +185,6 @@ class TokenTopK(EvictionPolicy):
     ):
         self.reserved = Reserved.from_flags(protect_first_page, protect_last_page)
         super().__init__(budget, method=method, seed=seed, decision=decision)
-
-    def _check_cache(self, cache) -> None:
-        super()._check_cache(cache)
-        need = self.reserved.min_budget(cache.page_size, unit="token")
-        if self.budget < need:
-            raise ValueError(
-                f"budget must be >= {need} with page_size={cache.page_size} and the protected pages, "
-                f"got budget={self.budget}"
-            )
 
     def _room(self, page_size: int, held: int) -> int:
         return max(1, self.budget + 1 - held)
