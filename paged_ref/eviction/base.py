@@ -365,6 +365,20 @@ class EvictionPolicy:
         stats.tokens_evicted += min(n, (pages[0] + 1) * ps) - pages[0] * ps
         stats.pages_dropped += 1
 
+    def _record_holes(self, page_size: int, seq_id: int) -> None:
+        """Holes per page if every token had stayed at its original slot (never compacted): a
+        page is held while any of its tokens survives; its holes are its written slots whose
+        token is gone."""
+        stats = self._stats[seq_id]
+        for pos in self._positions[seq_id]:  # int64 [seq_len] per lane, original index of each survivor
+            held = torch.unique(pos // page_size)  # pages an uncompacted layout would hold
+            written = held.numel() * page_size
+            newest = (stats.tokens_seen - 1) // page_size
+            if int(held[-1]) == newest:  # the newest page is written only up to tokens_seen
+                written -= (newest + 1) * page_size - stats.tokens_seen
+            holes = written - pos.numel()
+            stats.max_holes_per_page = max(stats.max_holes_per_page, holes / held.numel())
+
     def _keep_top(self, cache, seq_id, reserved: Reserved) -> None:
         """Token-level eviction to the budget: the reserved tokens plus the best-scoring others."""
         n = cache.seq_len(seq_id)

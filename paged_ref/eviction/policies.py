@@ -162,12 +162,10 @@ class StreamingLLM(_PagedDecode):
 class TokenTopK(EvictionPolicy):
     """Unstructured token-level eviction by score, compacting after every eviction.
 
-    Prefill is PagedEviction's (top-``budget`` tokens). After each append over budget the
-    lowest-scoring unprotected token goes and the survivors are packed (`PagedKVCache.compact`):
-    pages stay dense, but every eviction copies the tokens behind the hole
-    (`EvictionStats.tokens_moved`); uncompacted, the holes would stay
-    (`EvictionStats.max_holes_per_page`). ``method="inverse_key_norm"`` is the paper's baseline.
-    The arguments are `PagedEviction`'s.
+    Prefill is PagedEviction's; after each append over budget the lowest-scoring unprotected
+    token goes and the survivors are packed (`PagedKVCache.compact`), copying the tokens behind
+    the hole (`EvictionStats.tokens_moved`; uncompacted, `EvictionStats.max_holes_per_page`).
+    ``method="inverse_key_norm"`` is the paper's baseline. The arguments are `PagedEviction`'s.
     """
 
     name = "token_topk"
@@ -199,20 +197,6 @@ class TokenTopK(EvictionPolicy):
 
     def _repr_fields(self) -> dict:
         return {**super()._repr_fields(), **self.reserved.flags()}
-
-    def _record_holes(self, page_size: int, seq_id: int) -> None:
-        """Holes per page if every token had stayed at its original slot (never compacted): a
-        page is held while any of its tokens survives; its holes are its written slots whose
-        token is gone."""
-        stats = self._stats[seq_id]
-        for pos in self._positions[seq_id]:  # int64 [seq_len] per lane, original index of each survivor
-            held = torch.unique(pos // page_size)  # pages an uncompacted layout would hold
-            written = held.numel() * page_size
-            newest = (stats.tokens_seen - 1) // page_size
-            if int(held[-1]) == newest:  # the newest page is written only up to tokens_seen
-                written -= (newest + 1) * page_size - stats.tokens_seen
-            holes = written - pos.numel()
-            stats.max_holes_per_page = max(stats.max_holes_per_page, holes / held.numel())
 
 
 def make_policy(name: str, budget: int | None = None, **options) -> EvictionPolicy:
