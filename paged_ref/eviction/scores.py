@@ -43,31 +43,15 @@ def _check_kv(k, v) -> None:
         raise ValueError(f"k and v must have the same shape, got k {list(k.shape)} and v {list(v.shape)}")
 
 
-def token_scores(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    method: str = "value_key_ratio",
-    *,
-    generator: torch.Generator | None = None,
-    seed: int | None = None,
-) -> torch.Tensor:
+def token_scores(k: torch.Tensor, v: torch.Tensor, method: str = "value_key_ratio") -> torch.Tensor:
     """float32 ``[num_tokens]``: the importance of each token of one layer's cached
     ``k, v: [num_tokens, num_kv_heads, head_dim]`` (K after RoPE, as cached); higher = keep.
-
-    ``generator`` or ``seed`` (at most one) apply to ``"random"`` only; neither: torch's global RNG.
+    ``"random"`` draws from torch's global RNG (a policy draws from its own generator instead).
     """
     _check_kv(k, v)
     check_choice("method", method, SCORE_METHODS)
-    if method != "random" and (generator is not None or seed is not None):
-        raise ValueError(f"generator/seed apply to method='random' only, got method={method!r}")
     if method == "random":
-        if generator is not None and seed is not None:
-            raise ValueError("give generator or seed, not both")
-        if seed is not None:
-            generator = torch.Generator().manual_seed(check_int("seed", seed, min_value=0))
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        return torch.rand(k.shape[0], generator=generator).to(k.device)  # [num_tokens]
+        return torch.rand(k.shape[0]).to(k.device)  # [num_tokens]
     k_norm = k.float().norm(dim=-1)  # [num_tokens, num_kv_heads]
     v_norm = v.float().norm(dim=-1)  # [num_tokens, num_kv_heads]
     if method == "value_key_ratio":
