@@ -70,10 +70,8 @@ class KVGeometry:
 
     @property
     def cache_kwargs(self) -> dict:
-        """The keyword arguments of a :class:`~paged_ref.cache.PagedKVCache` besides its pages.
-
-        ``kv_shape`` plus ``dtype`` and ``device`` where the geometry carries them.
-        """
+        """A `PagedKVCache`'s keyword arguments besides its pages: ``kv_shape``, and ``dtype`` and
+        ``device`` where the geometry carries them."""
         extra = {k: getattr(self, k) for k in ("dtype", "device") if getattr(self, k) is not None}
         return {**self.kv_shape, **extra}
 

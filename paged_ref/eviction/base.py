@@ -130,42 +130,27 @@ class Reserved:
 
 @dataclass
 class EvictionStats:
-    """What a policy did to one sequence (all counts cumulative).
+    """What a policy did to one sequence (all counts cumulative)."""
 
-    Attributes:
-        tokens_seen: tokens ever appended to the sequence (prompt + decode).
-        tokens_evicted: tokens removed (by compaction or with their page).
-        pages_dropped: whole pages removed by decode-time page eviction.
-        compactions: calls to ``PagedKVCache.compact`` (prefill eviction, token eviction).
-        tokens_moved: tokens copied to a new slot by those compactions (each copy is one
-            token's K and V in every layer; per-layer decisions move each layer's tokens apart
-            and count the mean over layers); tokens already in place are not counted.
-        max_pages_held: the most pages the sequence held from `after_prefill` on, counting the
-            tokens appended before each `after_append` evicts (the prompt, held whole until
-            `after_prefill`, is not counted).
-        max_holes_per_page: token_topk only: the most evicted slots per held page the same
-            evictions would leave if the cache were never compacted (tokens stay where they
-            were written; a page is held while any of its tokens survives).
-    """
-
-    tokens_seen: int = 0
-    tokens_evicted: int = 0
-    pages_dropped: int = 0
-    compactions: int = 0
+    tokens_seen: int = 0  # tokens ever appended (prompt + decode)
+    tokens_evicted: int = 0  # removed by compaction or with their page
+    pages_dropped: int = 0  # whole pages removed by decode-time page eviction
+    compactions: int = 0  # calls to `PagedKVCache.compact`
+    # tokens those compactions copied to a new slot (K and V in every layer; the mean over layers
+    # with per-layer decisions)
     tokens_moved: int = 0
+    # the most pages held from `after_prefill` on (the prompt, held whole until then, is not
+    # counted), counting the tokens appended before each `after_append` evicts
     max_pages_held: int = 0
+    # token_topk: the most evicted slots per held page had the cache never been compacted
     max_holes_per_page: float = 0.0
 
 
 class EvictionPolicy:
     """Base class: tracks each sequence's token positions and stats; subclasses evict.
 
-    Args:
-        budget: C, the tokens a sequence may hold (None only for `FullCache`).
-        method: score method (see `paged_ref.eviction.scores`).
-        seed: seed of the generator used by ``method="random"``.
-        decision: ``"shared"`` (one decision for all layers, on a `PagedKVCache`) or
-            ``"per_layer"`` (on a `LayeredKVCache`); subclasses that support it take it.
+    ``budget`` is C, the tokens a sequence may hold; ``method`` a `SCORE_METHODS` name; ``seed``
+    seeds the generator of ``method="random"``; ``decision`` is ``"shared"`` or ``"per_layer"``.
     """
 
     name = "base"
