@@ -176,7 +176,6 @@ def test_sequence_scores_average_over_layers():
     cache.write(0, slots, k, v0)
     cache.write(1, slots, k, v1)
     torch.testing.assert_close(sequence_scores(cache, s, "value_key_ratio"), torch.tensor([4.0, 2.0]))
-    torch.testing.assert_close(sequence_scores(cache, s, "value_norm", layers=[1]), torch.tensor([6.0, 0.0]))
 
 
 # ----------------------------------------------------------------------------- paged_eviction
@@ -728,14 +727,3 @@ def test_passkey_answer_must_be_exactly_the_key():
     assert not answer_is_correct(" 662266", "66226")  # an extra digit is a wrong answer
     assert not answer_is_correct(" 16622", "66226")
     assert not answer_is_correct(" I don't know", "66226")
-
-
-@pytest.mark.parametrize("layers, error", [([], ValueError), ([0, 9], ValueError), (3, TypeError)])
-def test_sequence_scores_refuses_empty_or_unknown_layers(layers, error):
-    from paged_ref.eviction.base import sequence_scores
-
-    cache = PagedKVCache(num_layers=2, num_pages=2, page_size=4, num_kv_heads=1, head_dim=2)
-    s = cache.add_sequence()
-    cache.reserve(s, 3)
-    with pytest.raises(error, match="layers must"):
-        sequence_scores(cache, s, "value_norm", layers=layers)

@@ -51,32 +51,20 @@ def max_pages_held(budget: int, page_size: int) -> int:
     return cdiv(check_int("budget", budget, min_value=1), check_int("page_size", page_size, min_value=1)) + 1
 
 
-def sequence_scores(
-    cache: KVCache, seq_id: int, method: str, *, generator: torch.Generator | None = None, layers=None
-) -> torch.Tensor:
-    """One score per held token of ``seq_id``: `token_scores` of each layer, averaged over layers
-    (raw scores: a layer whose scores run larger weighs more).
-
-    ``method="random"`` draws once (not per layer) from ``generator``; ``layers`` (default: all)
-    are the layer indices to average over. Returns float32 ``[seq_len]`` in logical order.
+def sequence_scores(cache: KVCache, seq_id: int, method: str, *, generator: torch.Generator | None = None):
+    """float32 ``[seq_len]``: one score per held token of ``seq_id`` in logical order, `token_scores`
+    averaged over layers (raw scores: a layer whose scores run larger weighs more).
+    ``method="random"`` draws once (not per layer) from ``generator``.
     """
     check_choice("method", method, SCORE_METHODS)
     n = cache.seq_len(seq_id)
     if method == "random":
         return torch.rand(n, generator=generator)  # [seq_len]
-    if layers is None:
-        layers = range(cache.num_layers)
-    else:
-        if isinstance(layers, (int, str)) or not hasattr(layers, "__iter__"):
-            raise TypeError(f"layers must be None or a list of layer indices, got {layers!r}")
-        layers = [check_int("layers[i]", i, min_value=0) for i in layers]
-        if not layers or max(layers) >= cache.num_layers:
-            raise ValueError(f"layers must list at least one layer index in [0, {cache.num_layers}), got {layers}")
     total = torch.zeros(n, dtype=torch.float32, device=cache.device)  # [seq_len]
-    for layer in layers:
+    for layer in range(cache.num_layers):
         k, v = cache.gather(layer, seq_id)  # each [seq_len, num_kv_heads, head_dim]
         total += token_scores(k, v, method)
-    return (total / len(layers)).cpu()
+    return (total / cache.num_layers).cpu()
 
 
 @dataclass(frozen=True)
