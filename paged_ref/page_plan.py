@@ -1,9 +1,8 @@
 """What a cache operation will take from the pool and give back, counted before anything changes.
 
 Every `PagedKVCache` operation is all or nothing: it first asks these functions how many pages
-it needs (new pages, and private copies of shared pages its tokens land in), raises
-`OutOfPagesError` if the pool is short, and only then changes the cache. They read a sequence's
-pages, its length and the pool's reference counts (``refcount(page)``) and change nothing.
+it needs (new pages, and private copies of the shared pages its tokens land in), raises
+`OutOfPagesError` if the pool is short, and only then changes the cache. They change nothing.
 
 Example:
     >>> refs = {0: 2, 1: 1}.get                    # page 0 is shared by two sequences
@@ -68,10 +67,9 @@ def compact_copies(pages: list[int], n_keep: int, refcount, *, page_size: int) -
 
 
 def rewind_plan(saved: list[int], saved_len: int, pages: list[int], length: int, *, page_size: int):
-    """What rewinding a sequence takes and gives: it holds ``pages`` and ``length`` tokens now,
-    ``saved`` and ``saved_len`` before some reserves and writes. Returns ``(share, written,
-    release)``: the shared pages its private copies replaced (to share again), the slots written
-    since in pages it held before (to zero), the pages taken since (new pages, private copies).
+    """Rewinding a sequence from ``pages`` and ``length`` now to ``saved`` and ``saved_len``: the
+    shared pages its private copies replaced (to share again), the slots written since in pages
+    it held before (to zero), and the pages taken since (to release).
 
     Example:
         >>> rewind_plan([0], 2, [3, 4], 6, page_size=4)  # page 0 was copied to 3, then page 4 added

@@ -6,12 +6,10 @@ each key coordinate takes on the page,
 
     k_min[layer], k_max[layer]: [num_pages, num_kv_heads, head_dim]
 
-A `PagedKVCache` made with ``page_summaries=True`` keeps one `PageSummaries` (``cache.summaries``)
-and updates it where the cache changes: ``write`` folds the new keys into their pages' min and
-max, a page handed out by the pool starts empty (``+inf`` / ``-inf``: it holds no key), a
-copy-on-write copies the summary with the page, and ``compact`` recomputes the pages it packs.
-``truncate`` and ``rewind`` leave a page's summary covering keys it no longer holds: still a
-bound, a looser one. It costs ``2 / page_size`` of the key cache. Off by default: the cache of the lesson is unchanged.
+A `PagedKVCache` made with ``page_summaries=True`` keeps one (``cache.summaries``): ``write``
+folds new keys in, a page handed out again starts empty (``+inf`` / ``-inf``), a copy-on-write
+copies the summary, ``compact`` recomputes the pages it packs; ``truncate`` and ``rewind`` leave
+a looser bound. It costs ``2 / page_size`` of the key cache.
 
 Example:
     >>> import torch
@@ -67,8 +65,3 @@ class PageSummaries:
         """Page ``dst`` became a copy of page ``src``."""
         for t in (*self.k_min, *self.k_max):
             t[dst].copy_(t[src])
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of all summaries (both bounds, every layer)."""
-        return sum(t.numel() * t.element_size() for t in (*self.k_min, *self.k_max))

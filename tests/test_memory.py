@@ -2,17 +2,16 @@
 
 import pytest
 
-from paged_ref.memory import (
+from paged_ref.lab.sizing import (
     DTYPE_BYTES,
     MODEL_PRESETS,
     dense_scores_bytes,
     dtype_bytes,
     format_bytes,
-    kv_bytes_per_token,
-    kv_cache_bytes,
     model_preset,
     reservation_report,
 )
+from paged_ref.memory import kv_bytes_per_token, kv_cache_bytes
 
 LLAMA = dict(num_kv_heads=32, head_dim=128)
 GiB, MiB = 2**30, 2**20

@@ -45,7 +45,7 @@ def test_pool_size_from_a_byte_budget():
     pages = budget // cache.page_bytes
     assert pages * cache.page_bytes <= budget < (pages + 1) * cache.page_bytes
     # the notebook's Llama-3-8B line: 16-token bfloat16 blocks of 2 MiB
-    llama = pr.memory.model_preset("Llama-3-8B")
+    llama = pr.lab.sizing.model_preset("Llama-3-8B")
     assert 16 * pr.memory.kv_bytes_per_token(**llama.kv_shape, bytes_per_elem=2) == 2 * 2**20
 
 

@@ -1,10 +1,5 @@
-"""Block-wise KV eviction (PagedEviction) with its baselines and ablations.
-
-- `scores`: token scores from cached K/V (``value_key_ratio`` = ||V||/||K||, and the ablations)
-  and page scores (mean or sum over a page's tokens).
-- `policies`: eviction policies over a `PagedKVCache` sequence, with the hooks a generation loop
-  calls (`after_prefill`, `after_append`), one shared decision per sequence for all layers;
-  `Reserved` names the pages a policy never evicts (PagedEviction: the first and the newest).
+"""Block-wise KV eviction (PagedEviction) with its baselines and ablations: `scores` reads token and
+page scores from cached K/V, `base` holds the hooks a generation loop calls, `policies` decides.
 
 Example:
     >>> from paged_ref.eviction import make_policy
@@ -12,20 +7,8 @@ Example:
     StreamingLLM(budget=64, sink_tokens=4)
 """
 
-from .policies import (
-    POLICY_NAMES,
-    EvictionPolicy,
-    EvictionStats,
-    FullCache,
-    PagedEviction,
-    Reserved,
-    StreamingLLM,
-    TokenTopK,
-    make_policy,
-    max_pages_held,
-    resolve_policy,
-    sequence_scores,
-)
+from .base import EvictionPolicy, EvictionStats, Reserved, max_pages_held, sequence_scores
+from .policies import POLICY_NAMES, FullCache, PagedEviction, StreamingLLM, TokenTopK, make_policy, resolve_policy
 from .scores import EPS, SCORE_METHODS, page_scores, token_scores
 
 __all__ = [

@@ -1,37 +1,21 @@
-"""The eviction policy base class: the hooks a generation loop calls, and the helpers every policy shares.
+"""The eviction policy base class: the hooks a generation loop calls, and what every policy shares.
 
-Shared or per-layer decisions (``decision=``). On a `PagedKVCache` a physical page id indexes
-the same page in every layer and a sequence has ONE block table for all layers (as in vLLM), so
-evicting page ``j`` removes it from every layer at once: ``decision="shared"`` (the default).
-Each layer still contributes its own evidence: token scores are computed per layer from that
-layer's cached K/V and averaged over layers (`sequence_scores`). Raw scores are averaged, so a
-layer whose ||V||/||K|| runs larger weighs more; averaging ranks instead would weigh layers
-equally. ``decision="per_layer"`` (what the authors' code does) lets every layer keep its own
-tokens: each layer ranks by its own scores and drops its own page, which needs a block table per
-layer, i.e. a `paged_ref.layered_cache.LayeredKVCache` (every layer holds as many tokens, so the
-page bound is the same per layer). Internally a policy keeps one row of positions per decision
-("lane"): one row when shared, one per layer otherwise.
-
-Two consequences of the decode rule worth knowing: (1) at the moment a decode eviction happens
-every held page is full (the newest just filled), so ``reduce="mean"`` and ``"sum"`` choose
-the same page; they differ only on partial pages. (2) The prompt is held whole between its
-prefill and `after_prefill`, so the page bound applies from `after_prefill` on.
-
-The hooks a generation loop calls (`paged_ref.hf` does):
+A generation loop (`paged_ref.hf` does) calls, per sequence::
 
     policy.after_prefill(cache, seq_id)   # once, after the prompt's K/V are written
     policy.after_append(cache, seq_id)    # after every decode step's K/V are written
     policy.release(seq_id)                # when the sequence is freed
 
-The caller tracks RoPE positions (a cached K already carries its rotation, so evicting tokens
-never changes the positions of the tokens that stay or of the tokens to come).
 `tokens_until_action` says how many tokens may be appended before the next hook call, so a
-teacher-forced evaluation can feed a chunk at once and get exactly the token-by-token result.
+teacher-forced evaluation can feed a chunk at once and get the token-by-token result. Cached K
+already carries its RoPE rotation, so evicting never changes the positions of the others.
 
-`EvictionPolicy` tracks each sequence's original token positions and its `EvictionStats`;
-a subclass (`paged_ref.eviction.policies`) decides what to evict. `Reserved` names the pages a
-policy never evicts; `sequence_scores` averages a token score over layers; `max_pages_held` is
-the page bound every policy keeps.
+``decision="shared"`` (the default): a `PagedKVCache` has one block table for all layers (as in
+vLLM), so a page goes from every layer at once, chosen by token scores averaged over layers
+(`sequence_scores`). ``decision="per_layer"`` (the authors' code) lets each layer rank by its own
+scores, which needs a block table per layer (`paged_ref.layered_cache.LayeredKVCache`). A policy
+keeps one row of positions per decision, a "lane". `Reserved` names the pages a policy never
+evicts; `max_pages_held` is the page bound every policy keeps.
 """
 
 from __future__ import annotations
@@ -67,45 +51,28 @@ def max_pages_held(budget: int, page_size: int) -> int:
     return cdiv(check_int("budget", budget, min_value=1), check_int("page_size", page_size, min_value=1)) + 1
 
 
-def sequence_scores(
-    cache: KVCache, seq_id: int, method: str, *, generator: torch.Generator | None = None, layers=None
-) -> torch.Tensor:
-    """One score per held token of ``seq_id``: `token_scores` of each layer, averaged over layers.
-
-    Args:
-        cache, seq_id: the sequence to score.
-        method: a `SCORE_METHODS` name; ``"random"`` draws once (not per layer) from ``generator``.
-        layers: layer indices to average over (default: all).
-
-    Returns:
-        float32 ``[seq_len]`` in the sequence's logical order.
+def sequence_scores(cache: KVCache, seq_id: int, method: str, *, generator: torch.Generator | None = None):
+    """float32 ``[seq_len]``: one score per held token of ``seq_id`` in logical order, `token_scores`
+    averaged over layers (raw scores: a layer whose scores run larger weighs more).
+    ``method="random"`` draws once (not per layer) from ``generator``.
     """
     check_choice("method", method, SCORE_METHODS)
     n = cache.seq_len(seq_id)
     if method == "random":
         return torch.rand(n, generator=generator)  # [seq_len]
-    if layers is None:
-        layers = range(cache.num_layers)
-    else:
-        if isinstance(layers, (int, str)) or not hasattr(layers, "__iter__"):
-            raise TypeError(f"layers must be None or a list of layer indices, got {layers!r}")
-        layers = [check_int("layers[i]", i, min_value=0) for i in layers]
-        if not layers or max(layers) >= cache.num_layers:
-            raise ValueError(f"layers must list at least one layer index in [0, {cache.num_layers}), got {layers}")
     total = torch.zeros(n, dtype=torch.float32, device=cache.device)  # [seq_len]
-    for layer in layers:
+    for layer in range(cache.num_layers):
         k, v = cache.gather(layer, seq_id)  # each [seq_len, num_kv_heads, head_dim]
         total += token_scores(k, v, method)
-    return (total / len(layers)).cpu()
+    return (total / cache.num_layers).cpu()
 
 
 @dataclass(frozen=True)
 class Reserved:
     """Pages a policy never evicts: the first ``first_pages`` pages and, if ``last_page``, the newest.
 
-    PagedEviction's authors keep the first and the last block at prefill and never evict page 0
-    or the newest page during decode; StreamingLLM reserves the pages that hold its sink tokens.
-    One helper serves every policy, so "protected" means the same thing in all of them.
+    PagedEviction's authors reserve page 0 and the newest page; StreamingLLM the pages holding its
+    sink tokens.
 
     Example:
         >>> r = Reserved(first_pages=1, last_page=True)
@@ -128,6 +95,14 @@ class Reserved:
         """Logical pages a decode eviction may drop from a sequence of ``num_pages`` full pages."""
         return list(range(self.first_pages, num_pages - int(self.last_page)))
 
+    @classmethod
+    def from_flags(cls, protect_first_page, protect_last_page) -> Reserved:
+        """The pages a policy's ``protect_first_page`` / ``protect_last_page`` arguments reserve."""
+        for flag, value in (("protect_first_page", protect_first_page), ("protect_last_page", protect_last_page)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
+        return cls(int(protect_first_page), protect_last_page)
+
     def flags(self) -> dict[str, bool]:
         """The ``protect_first_page`` / ``protect_last_page`` arguments these reserved pages come from."""
         return {"protect_first_page": bool(self.first_pages), "protect_last_page": self.last_page}
@@ -143,47 +118,35 @@ class Reserved:
 
 @dataclass
 class EvictionStats:
-    """What a policy did to one sequence (all counts cumulative).
+    """What a policy did to one sequence (all counts cumulative)."""
 
-    Attributes:
-        tokens_seen: tokens ever appended to the sequence (prompt + decode).
-        tokens_evicted: tokens removed (by compaction or with their page).
-        pages_dropped: whole pages removed by decode-time page eviction.
-        compactions: calls to ``PagedKVCache.compact`` (prefill eviction, token eviction).
-        tokens_moved: tokens copied to a new slot by those compactions (each copy is one
-            token's K and V in every layer; per-layer decisions move each layer's tokens apart
-            and count the mean over layers); tokens already in place are not counted.
-        max_pages_held: the most pages the sequence held from `after_prefill` on, counting the
-            tokens appended before each `after_append` evicts (the prompt, held whole until
-            `after_prefill`, is not counted).
-        max_holes_per_page: token_topk only: the most evicted slots per held page the same
-            evictions would leave if the cache were never compacted (tokens stay where they
-            were written; a page is held while any of its tokens survives).
-    """
-
-    tokens_seen: int = 0
-    tokens_evicted: int = 0
-    pages_dropped: int = 0
-    compactions: int = 0
+    tokens_seen: int = 0  # tokens ever appended (prompt + decode)
+    tokens_evicted: int = 0  # removed by compaction or with their page
+    pages_dropped: int = 0  # whole pages removed by decode-time page eviction
+    compactions: int = 0  # calls to `PagedKVCache.compact`
+    # tokens those compactions copied to a new slot (K and V in every layer; the mean over layers
+    # with per-layer decisions)
     tokens_moved: int = 0
+    # the most pages held from `after_prefill` on (the prompt, held whole until then, is not
+    # counted), counting the tokens appended before each `after_append` evicts
     max_pages_held: int = 0
+    # token_topk: the most evicted slots per held page had the cache never been compacted
     max_holes_per_page: float = 0.0
 
 
 class EvictionPolicy:
     """Base class: tracks each sequence's token positions and stats; subclasses evict.
 
-    Args:
-        budget: C, the tokens a sequence may hold (None only for `FullCache`).
-        method: score method (see `paged_ref.eviction.scores`).
-        seed: seed of the generator used by ``method="random"``.
-        decision: ``"shared"`` (one decision for all layers, on a `PagedKVCache`) or
-            ``"per_layer"`` (on a `LayeredKVCache`); subclasses that support it take it.
+    ``budget`` is C, the tokens a sequence may hold; ``method`` a `SCORE_METHODS` name; ``seed``
+    seeds the generator of ``method="random"``; ``decision`` is ``"shared"`` or ``"per_layer"``.
     """
 
     name = "base"
+    needs_budget = True  # False for a policy that never evicts
 
     def __init__(self, budget: int | None, *, method: str = "value_key_ratio", seed: int = 0, decision: str = "shared"):
+        if budget is None and self.needs_budget:
+            raise ValueError(f"{self.name} needs budget=<tokens>, got None")
         self.budget = None if budget is None else check_int("budget", budget, min_value=1)
         self.method = check_choice("method", method, SCORE_METHODS)
         self.seed = check_int("seed", seed, min_value=0)
@@ -270,6 +233,12 @@ class EvictionPolicy:
         return {"budget": self.budget, "method": self.method}
 
     # ------------------------------------------------------------------ subclass interface
+    evicts = "page"  # what one decode eviction removes, "page" or "token": sets the smallest budget
+
+    def _reserved(self, page_size: int) -> Reserved:
+        """The pages this policy never evicts (its ``reserved`` pages, unless they depend on the page size)."""
+        return self.reserved
+
     def _prefill_evict(self, cache, seq_id) -> None:
         raise NotImplementedError
 
@@ -284,6 +253,15 @@ class EvictionPolicy:
             raise TypeError(
                 f"decision={self.decision!r} needs a paged_ref.{want} "
                 f"(per-layer decisions need a block table per layer), got {type(cache).__name__}"
+            )
+        if self.budget is None:
+            return
+        reserved = self._reserved(cache.page_size)
+        need = reserved.min_budget(cache.page_size, unit=self.evicts)
+        if self.budget < need:
+            raise ValueError(
+                f"budget must be >= {need} tokens with page_size={cache.page_size} and {reserved.first_pages} "
+                f"reserved first page(s), so that a {self.evicts} can always be evicted; got budget={self.budget}"
             )
 
     def _positions_of(self, seq_id) -> torch.Tensor:
@@ -359,6 +337,20 @@ class EvictionPolicy:
         )
         stats.tokens_evicted += min(n, (pages[0] + 1) * ps) - pages[0] * ps
         stats.pages_dropped += 1
+
+    def _record_holes(self, page_size: int, seq_id: int) -> None:
+        """Holes per page if every token had stayed at its original slot (never compacted): a
+        page is held while any of its tokens survives; its holes are its written slots whose
+        token is gone."""
+        stats = self._stats[seq_id]
+        for pos in self._positions[seq_id]:  # int64 [seq_len] per lane, original index of each survivor
+            held = torch.unique(pos // page_size)  # pages an uncompacted layout would hold
+            written = held.numel() * page_size
+            newest = (stats.tokens_seen - 1) // page_size
+            if int(held[-1]) == newest:  # the newest page is written only up to tokens_seen
+                written -= (newest + 1) * page_size - stats.tokens_seen
+            holes = written - pos.numel()
+            stats.max_holes_per_page = max(stats.max_holes_per_page, holes / held.numel())
 
     def _keep_top(self, cache, seq_id, reserved: Reserved) -> None:
         """Token-level eviction to the budget: the reserved tokens plus the best-scoring others."""

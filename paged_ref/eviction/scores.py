@@ -1,27 +1,12 @@
 """Token and page importance scores read from cached K/V (no attention weights needed).
 
-PagedEviction (arXiv 2509.04377) scores a cached token ``i`` by ``S_i = ||V_i||_2 / ||K_i||_2``:
-a small key norm goes with high attention (earlier work), a large value norm with content
-that changes the output. The ratio is asserted, not derived, so the other scores here exist
-to ablate it:
-
-==================== ====================================== =============================
-method               score of token i (higher = keep)        role
-==================== ====================================== =============================
-``value_key_ratio``  mean over KV heads of ||V_ih|| / ||K_ih||  PagedEviction
-``inverse_key_norm`` mean over KV heads of 1 / ||K_ih||          baseline (K only)
-``value_norm``       mean over KV heads of ||V_ih||              ablation (V only)
-``key_norm``         mean over KV heads of ||K_ih||              opposite of the K-only score
-``key_value_ratio``  mean over KV heads of ||K_ih|| / ||V_ih||  the authors' vLLM code (swapped)
-``random``           uniform in [0, 1), seeded                   ablation (no information)
-==================== ====================================== =============================
-
-Norms are taken per KV head (each head has its own K/V vector) and then averaged over the
-KV heads, so every head weighs the same. A zero key norm is clamped to ``EPS`` so the ratio
-stays finite (a zero value norm likewise for ``key_value_ratio``). Note the direction: public
-code of the method computes ``||K||/||V||`` (its arguments are passed swapped); here
-``value_key_ratio`` is V over K, a test checks that swapping K and V changes the winner, and the
-swapped score is kept as its own ablation, ``key_value_ratio``.
+PagedEviction (arXiv 2509.04377) keeps a token with a small key norm (high attention, earlier
+work) and a large value norm: ``S_i = ||V_i|| / ||K_i||``, ``"value_key_ratio"``. The ratio is
+asserted, not derived, so `SCORE_METHODS` holds its ablations: ``"inverse_key_norm"`` (1/||K||,
+the K-only baseline), ``"value_norm"`` (V only), ``"key_norm"`` (the K-only opposite),
+``"key_value_ratio"`` (||K||/||V||: what the authors' vLLM code computes, its arguments swapped)
+and ``"random"``. Norms are taken per KV head, then averaged over heads; a zero divisor is
+clamped to ``EPS``. Higher scores are kept.
 
 Example:
     >>> import torch
@@ -58,43 +43,15 @@ def _check_kv(k, v) -> None:
         raise ValueError(f"k and v must have the same shape, got k {list(k.shape)} and v {list(v.shape)}")
 
 
-def token_scores(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    method: str = "value_key_ratio",
-    *,
-    generator: torch.Generator | None = None,
-    seed: int | None = None,
-) -> torch.Tensor:
-    """Importance of each cached token; higher = keep.
-
-    Args:
-        k, v: ``[num_tokens, num_kv_heads, head_dim]``, one layer's cached keys (after RoPE,
-            as they sit in the cache) and values.
-        method: one of ``SCORE_METHODS`` (see the module docstring).
-        generator, seed: for ``"random"`` only (give at most one); ``seed`` makes a fresh
-            generator, ``generator`` continues an existing one. Neither: torch's global RNG.
-
-    Returns:
-        float32 ``[num_tokens]`` on the device of ``k``.
-
-    Example:
-        >>> k = torch.tensor([[[3., 4.]], [[0., 1.]]])   # ||K|| = 5, 1
-        >>> token_scores(k, k, "inverse_key_norm")
-        tensor([0.2000, 1.0000])
+def token_scores(k: torch.Tensor, v: torch.Tensor, method: str = "value_key_ratio") -> torch.Tensor:
+    """float32 ``[num_tokens]``: the importance of each token of one layer's cached
+    ``k, v: [num_tokens, num_kv_heads, head_dim]`` (K after RoPE, as cached); higher = keep.
+    ``"random"`` draws from torch's global RNG (a policy draws from its own generator instead).
     """
     _check_kv(k, v)
     check_choice("method", method, SCORE_METHODS)
-    if method != "random" and (generator is not None or seed is not None):
-        raise ValueError(f"generator/seed apply to method='random' only, got method={method!r}")
     if method == "random":
-        if generator is not None and seed is not None:
-            raise ValueError("give generator or seed, not both")
-        if seed is not None:
-            generator = torch.Generator().manual_seed(check_int("seed", seed, min_value=0))
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        return torch.rand(k.shape[0], generator=generator).to(k.device)  # [num_tokens]
+        return torch.rand(k.shape[0]).to(k.device)  # [num_tokens]
     k_norm = k.float().norm(dim=-1)  # [num_tokens, num_kv_heads]
     v_norm = v.float().norm(dim=-1)  # [num_tokens, num_kv_heads]
     if method == "value_key_ratio":
@@ -111,19 +68,9 @@ def token_scores(
 
 
 def page_scores(token_scores: torch.Tensor, page_size: int, reduce: str = "mean") -> torch.Tensor:
-    """Score of each page: mean (or sum) of the scores of the tokens it holds.
-
-    Logical page ``j`` holds tokens ``j * page_size .. (j + 1) * page_size - 1``; the last page
-    may be partial and then only its valid tokens count (its mean is over fewer tokens; its
-    sum is smaller, which is one reason ``"mean"`` is the default).
-
-    Args:
-        token_scores: ``[num_tokens]`` in the sequence's logical order.
-        page_size: tokens per page (the paper's B).
-        reduce: ``"mean"`` (PagedEviction) or ``"sum"``.
-
-    Returns:
-        ``[ceil(num_tokens / page_size)]`` float tensor.
+    """``[ceil(num_tokens / page_size)]``: the mean (PagedEviction) or sum of the scores of each
+    logical page's tokens, from ``token_scores: [num_tokens]`` in logical order. A partial last
+    page counts its valid tokens only.
     """
     if not isinstance(token_scores, torch.Tensor) or token_scores.dim() != 1:
         raise ValueError(

@@ -7,10 +7,10 @@
 - `check`: the coursework checkers students call on their own code (``pr.lab.check``);
 - helpers the above share: `runmode` (quick or full runs, where figures go), `provenance`
   (hardware and versions), `textdata` (real text from the standard library), `stats`,
-  `texttable`; the notebooks' simulations and replays: `fragmentation` (workloads served by the
-  engine, dry), `scenarios`, `sharing`, `eviction_analysis`, `eviction_replay`; `flex_inspect`
-  (a paged BlockMask replayed token by token, notebook 04) and `softmax_steps` (the online
-  softmax's every state, notebook 05).
+  `texttable`, `sizing` (model presets and byte counts beside the cache's own); the notebooks'
+  simulations and replays: `fragmentation` (workloads served by the engine, dry), `scenarios`,
+  `sharing`, `eviction_analysis`, `eviction_replay`; `flex_inspect` (a paged BlockMask replayed
+  token by token, notebook 04) and `softmax_steps` (the online softmax's every state, notebook 05).
 
 Submodules load on first use:
 
@@ -32,6 +32,7 @@ _SUBMODULES = {
     "runmode",
     "scenarios",
     "sharing",
+    "sizing",
     "softmax_steps",
     "stats",
     "textdata",

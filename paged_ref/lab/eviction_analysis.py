@@ -1,5 +1,5 @@
 """Eviction scores on real K/V, per layer: how the ratio relates to its parts, and what one
-decision shared by all layers costs.
+decision shared by all layers costs; the ablations' names and the order of policies in tables.
 
 Every function takes per-layer K/V lists ``ks, vs`` with
 ``ks[layer], vs[layer]: [num_tokens, num_kv_heads, head_dim]`` (the model's cached K after RoPE
@@ -21,7 +21,37 @@ from .._validate import check_int
 from ..eviction.scores import token_scores
 from .stats import jaccard, spearman
 
-__all__ = ["check_kv_lists", "layer_scores", "score_correlations", "top_mask", "layer_agreement", "swap_check"]
+__all__ = [
+    "ABLATIONS",
+    "check_kv_lists",
+    "layer_scores",
+    "policy_order",
+    "score_correlations",
+    "top_mask",
+    "layer_agreement",
+    "swap_check",
+]
+
+#: The reviewers' ablation: the ratio against V only, K only (inverse norm), its opposite, the
+#: swapped ratio ||K||/||V|| (what the authors' vLLM code computes) and random.
+ABLATIONS = ("value_norm", "inverse_key_norm", "key_norm", "key_value_ratio", "random")
+
+
+def policy_order(policy: str) -> int:
+    """Where ``policy`` goes in tables and legends: the full cache, PagedEviction's variants, the
+    ablations, then the token-level baselines; names not listed last."""
+    known = [
+        "full",
+        "paged_eviction",
+        "paged_eviction_literal",
+        "paged_eviction_per_layer",
+        "paged_eviction_literal_per_layer",
+        *ABLATIONS,
+        "streaming_llm",
+        "token_topk",
+        "token_inverse_key_norm",
+    ]
+    return known.index(policy) if policy in known else len(known)
 
 
 def check_kv_lists(ks, vs) -> None:

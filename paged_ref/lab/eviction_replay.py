@@ -21,7 +21,8 @@ import torch
 from .._arith import cdiv
 from .._validate import check_int
 from ..cache import PagedKVCache
-from ..eviction.policies import EvictionPolicy, EvictionStats, make_policy
+from ..eviction.base import EvictionPolicy, EvictionStats
+from ..eviction.policies import make_policy
 from .eviction_analysis import check_kv_lists
 
 __all__ = ["Replay", "replay", "layout_stats"]

@@ -79,7 +79,7 @@ from dataclasses import dataclass, field
 from .._arith import cdiv
 from .._validate import check_choice, check_int
 from ..block_table import pages_needed
-from ..eviction.policies import max_pages_held
+from ..eviction.base import max_pages_held
 from .evict import AfterPrompt
 from .request import RUNNING, SWAPPED, WAITING, Request
 from .reservation import RESERVATIONS

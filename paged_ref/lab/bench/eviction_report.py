@@ -11,7 +11,7 @@ import json
 import math
 from pathlib import Path
 
-from ...eviction.policies import ABLATIONS, policy_order
+from ..eviction_analysis import ABLATIONS, policy_order
 from ..provenance import describe
 from ..runmode import figures_dir
 from ..stats import mcnemar_p, mean_ci, wilson

@@ -24,8 +24,8 @@ import numpy as np
 
 from ...block_table import pages_needed
 from ...cache import PagedKVCache
-from ...memory import reservation_report
 from ..fragmentation import make_workload, requests_that_fit
+from ..sizing import reservation_report
 from .common import print_table
 
 __all__ = [

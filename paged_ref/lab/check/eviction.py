@@ -23,7 +23,8 @@ import torch
 
 from ..._arith import cdiv
 from ...cache import PagedKVCache
-from ...eviction.policies import POLICY_NAMES, Reserved, make_policy, max_pages_held, sequence_scores
+from ...eviction.base import Reserved, max_pages_held, sequence_scores
+from ...eviction.policies import POLICY_NAMES, make_policy
 from ...eviction.scores import page_scores
 from .eviction_scores import check_page_scores, check_token_scores
 from .report import (

@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from ...cache import PagedKVCache
-from ...eviction.policies import max_pages_held
+from ...eviction.base import max_pages_held
 from .attention import _reference, make_attention_cases
 
 __all__ = ["allocator_figure", "attention_figure", "policy_figure", "scores_figure"]

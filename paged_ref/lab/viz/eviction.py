@@ -25,7 +25,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
 from ..._arith import cdiv
-from ...eviction.policies import ABLATIONS, policy_order
+from ..eviction_analysis import ABLATIONS, policy_order
 from ..eviction_replay import Replay, layout_stats
 from . import add_note
 

@@ -1,6 +1,6 @@
 """Figures for fragmentation (notebook 03). Each returns a new Figure.
 
-The numbers come from :mod:`paged_ref.memory` (arithmetic) and :mod:`paged_ref.lab.fragmentation`
+The numbers come from :mod:`paged_ref.lab.sizing` (arithmetic) and :mod:`paged_ref.lab.fragmentation`
 (dry runs of the serving engine on a seeded workload); nothing is measured on hardware, and the
 figures say so.
 """
@@ -12,8 +12,8 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
 from ...block_table import pages_needed
-from ...memory import reservation_report
 from ..fragmentation import CATEGORIES, DryRun
+from ..sizing import reservation_report
 from . import add_note
 
 #: Colors of the memory categories (`paged_ref.lab.fragmentation.CATEGORIES`), shared by every figure.
@@ -63,7 +63,7 @@ def slot_map_figure(lengths, *, page_size: int, reserved_per_request: int) -> Fi
         )
     axes[1].set_xlim(0, max(reserved_per_request, max(r.lengths) + page_size) * 1.25)
     axes[1].set_xlabel("token slots")
-    add_note(fig, "Slot arithmetic from paged_ref.memory.reservation_report (no hardware measured).")
+    add_note(fig, "Slot arithmetic from paged_ref.lab.sizing.reservation_report (no hardware measured).")
     return fig
 
 

@@ -1,7 +1,7 @@
 """Figures for KV-cache memory arithmetic (notebook 01). Each returns a new Figure.
 
-Every number drawn here is computed from the formulas in :mod:`paged_ref.memory`; nothing is
-measured on hardware, and the figures say so.
+Every number drawn here is computed from the formulas in :mod:`paged_ref.memory` and
+:mod:`paged_ref.lab.sizing`; nothing is measured on hardware, and the figures say so.
 """
 
 from __future__ import annotations
@@ -9,15 +9,8 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.figure import Figure
 
-from ...memory import (
-    DTYPE_BYTES,
-    MODEL_PRESETS,
-    dense_scores_bytes,
-    dtype_bytes,
-    kv_bytes_per_token,
-    kv_cache_bytes,
-    model_preset,
-)
+from ...memory import kv_bytes_per_token, kv_cache_bytes
+from ..sizing import DTYPE_BYTES, MODEL_PRESETS, dense_scores_bytes, dtype_bytes, model_preset
 from . import add_note
 
 ARITHMETIC = "Arithmetic from paged_ref.memory (exact byte counts; no hardware measured)."

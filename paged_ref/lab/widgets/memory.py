@@ -5,7 +5,8 @@ from __future__ import annotations
 from matplotlib.figure import Figure
 
 from ..._validate import check_int
-from ...memory import DTYPE_BYTES, MODEL_PRESETS, dense_scores_bytes, dtype_bytes, kv_cache_bytes, model_preset
+from ...memory import kv_cache_bytes
+from ..sizing import DTYPE_BYTES, MODEL_PRESETS, dense_scores_bytes, dtype_bytes, model_preset
 from ..viz.memory import kv_memory_figure
 from . import with_static_figure
 
