@@ -21,8 +21,9 @@ where a write begins, so the slots it returns already point into the private cop
 ``last_copies`` lists the copies that call made as `PageCopy` records. With
 ``prefix_caching=True``, ``add_sequence(token_ids=prompt)`` reuses the cached full pages of the
 prompt (live ones are shared; returned ones not yet handed out again are revived) and counts
-them in ``prefix_hits``; `paged_ref.prefix_cache` holds the keys and the rule that a page is
-offered only once ``write`` has stored its K/V in every layer. Freed pages go back tail first,
+them in ``prefix_hits``; `paged_ref.prefix_cache` holds the keys. A full page is published when
+``reserve`` fills it (vLLM caches a block when it allocates it), so a sequence added before the
+forward writes it shares it and reads what that forward writes. Freed pages go back tail first,
 and cached ones are reused last, least recently freed first.
 
 Clean slots. Every slot that holds no token is zero: a page is zeroed when it is handed out
@@ -146,7 +147,7 @@ class PagedKVCache:
         self.allocator = PageAllocator(num_pages)
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
-        self._prefix = PrefixIndex(num_layers=self.num_layers, page_size=self.page_size)
+        self._prefix = PrefixIndex(page_size=self.page_size)
         self.prefix_hits = 0  # full pages reused from the prefix cache
         # the `PageCopy`s of the latest reserve, reserve_batch, truncate or compact (rewind clears it)
         self.last_copies: tuple[PageCopy, ...] = ()
@@ -312,16 +313,26 @@ class PagedKVCache:
         ``check_values`` also checks that every slot is in range and lies in a page this cache
         handed out and nobody shares. That reads ``slots`` on the host (a device sync on a
         GPU); a caller writing the same slots into every layer can check them once, at layer 0.
+        A page published when reserved and shared since (a prefix hit) may be written until its
+        last layer is.
         """
-        layer = check_write(self, layer, slots, k, v, check_values)
+        layer = check_write(self, layer, slots, k, v, check_values, filling=self._prefix.unwritten)
         slots = slots.to(device=self.device, dtype=torch.int64)
         self._saving((layer,), slots)
         self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
         self.v_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
         if self.summaries is not None:
             self.summaries.update(layer, slots, k)
-        if self._prefix.pending and slots.numel():
-            self._prefix.written(layer, torch.unique(slots // self.page_size).tolist())
+        if self._prefix.unwritten and layer == self.num_layers - 1 and slots.numel():
+            self._prefix.written(torch.unique(slots // self.page_size).tolist())
+
+    def last_slots(self, seq_id: int, num_tokens: int) -> torch.Tensor:
+        """The flat slots of the sequence's last ``num_tokens`` tokens, ``int64 [num_tokens]``: where a
+        forward writes the tokens a scheduler reserved."""
+        seq = self._seq(seq_id)
+        if check_int("num_tokens", num_tokens, min_value=0) > seq.length:
+            raise ValueError(f"num_tokens must be <= seq_len={seq.length} for sequence {seq_id}, got {num_tokens}")
+        return flat_slots(seq.pages, seq.length - num_tokens, num_tokens, self.page_size).to(self.device)
 
     def layer_slots(self, slots: torch.Tensor, layer: int) -> torch.Tensor:
         """The slots ``layer`` writes out of ``reserve``'s: the same ones in every layer."""
@@ -544,7 +555,7 @@ class PagedKVCache:
             seq.pages.extend(new_pages[:grow])
             slots.append(flat_slots(seq.pages, seq.length, n, self.page_size).to(self.device))
             seq.length += n
-            self._offer_full_pages(seq, token_ids)
+            self._publish_full_pages(seq, token_ids)
         self.last_copies = tuple(copied)
         return slots
 
@@ -599,8 +610,6 @@ class PagedKVCache:
         tail_first = pages[::-1]
         self.allocator.free(tail_first, cached=[p for p in tail_first if p in self._prefix])
         plain = [p for p in set(pages) if self.allocator.refcount(p) == 0 and p not in self._prefix]
-        for page in plain:
-            self._prefix.forget(page)  # freed before its K/V was written: never cached
         self._zero_pages(plain)  # a freed page keeps no K/V of its last owner
 
     def _zero_pages(self, pages: list[int]) -> None:
@@ -648,8 +657,8 @@ class PagedKVCache:
         seq.token_ids = token_ids[: seq.length]
         self.prefix_hits += len(seq.pages)
 
-    def _offer_full_pages(self, seq: _Sequence, token_ids) -> None:
-        """Key the pages ``seq`` filled and offer them to the prefix index (published once written)."""
+    def _publish_full_pages(self, seq: _Sequence, token_ids) -> None:
+        """Key the pages ``seq`` filled and publish them in the prefix index."""
         if not self.prefix_caching or seq.token_ids is None:
             return
         if token_ids is None:  # tokens unknown from here on: stop hashing this sequence
@@ -661,7 +670,7 @@ class PagedKVCache:
             tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
             key = page_key(seq.page_hashes[-1] if seq.page_hashes else seq.root, tokens)
             seq.page_hashes.append(key)
-            self._prefix.offer(seq.pages[i], key, tokens)
+            self._prefix.publish(seq.pages[i], key, tokens)
 
     def __repr__(self) -> str:
         return (

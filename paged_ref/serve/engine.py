@@ -5,7 +5,7 @@
 
 1. moves the requests that have arrived (``arrival_s <= now``) into the waiting queue;
 2. asks the scheduler for the step's plan: preemptions, swaps, admissions, and for each running
-   request the tokens to feed (a decode's one token, a prefill chunk);
+   request the tokens to feed (a decode's one token, a prefill chunk) in pages it takes at once;
 3. runs **one** ``session.extend`` over all of them: decode rows and prefill chunks side by side,
    packed into one row of tokens (``packed=True``: no padding is computed for rows of different
    lengths; attention reads the decode rows and the chunks with their own kernels);
@@ -296,10 +296,10 @@ class Engine:
             if not sched.items:
                 raise RuntimeError(f"the scheduler planned no tokens: {self.scheduler.queues()}")
             scheduled = time.perf_counter()
-            pages_used = self.kv.num_pages - self.kv.allocator.num_free + sched.new_pages  # during the forward
+            pages_used = self.kv.num_pages - self.kv.allocator.num_free  # the rows' pages are taken
             seq_ids = [r.seq_id for r, _ in sched.items]
             chunks = [r.tokens(r.num_computed, r.num_computed + n) for r, n in sched.items]
-            logits = self.session.extend(seq_ids, chunks, packed=True)  # 2. one forward: [rows, vocab]
+            logits = self.session.extend(seq_ids, chunks, packed=True, reserved=True)  # 2. one forward: [rows, vocab]
             forwarded = time.perf_counter()
             next_tokens = logits.argmax(dim=-1).tolist()  # 3. sample (greedy)
         except BaseException as error:

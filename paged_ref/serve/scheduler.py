@@ -24,6 +24,11 @@ One call to `Scheduler.schedule` plans one step, in vLLM's order (first come, fi
    only then a sequence. The first request that does not fit stops admission (no overtaking).
    Nothing is admitted in a step that preempted or while a request is swapped out.
 
+A row's pages are taken when it is planned (vLLM's ``allocate_slots``), and with prefix caching
+the full pages its tokens fill are published then (``cache_blocks``): a request admitted later in
+the step can hit them, and an earlier row's allocation can evict a cached page before a later
+lookup, as in vLLM. The forward writes every row's K/V of a layer before any row attends there.
+
 Reservation (``reservation=``, `paged_ref.serve.reservation`) changes only step 3: ``"paged"``
 admits against the pages the request's sequence needs but takes them as tokens come; ``"exact"``
 and ``"max_len"`` commit pages up front. Committing pages is contiguous allocation's memory cost
@@ -46,12 +51,7 @@ prefix-cache hits (``tests/test_vllm_scheduler.py``, ``tests/test_vllm_prefix_ca
 - the reservations ``"exact"`` and ``"max_len"``, which vLLM does not have;
 - **swap**: vLLM's V1 scheduler only recomputes. A swapped-in request rejoins the running queue in
   its admission order, so a prefill chunk may come before decodes; a chunk leaves them their
-  tokens (with recompute no decode ever follows a prefilling request, so this changes nothing);
-- **when pages are taken**: vLLM allocates a row's blocks when it schedules the row (and caches
-  them at once, so a request admitted later in the same step can reuse blocks an earlier row is
-  about to fill); here the forward reserves them, and a page is offered for prefix reuse once
-  its K/V is written (`paged_ref.prefix_cache`). With prefix caching the two can then find
-  different hits; without it the decisions are the same.
+  tokens (with recompute no decode ever follows a prefilling request, so this changes nothing).
 
 A request with an eviction policy runs it through `AfterPrompt`: its chunks stop at the prompt's
 end, the policy acts once on the whole prompt (as in `paged_ref.hf.generate`), and output recomputed
@@ -100,14 +100,12 @@ class Schedule:
         preempted: requests preempted while planning (their pages are already back).
         swapped_in: requests whose K/V came back from host memory.
         admitted: requests admitted from the waiting queue.
-        new_pages: pages the forward will take from the pool (eviction's copies, after it, not counted).
     """
 
     items: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     swapped_in: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)
-    new_pages: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -226,7 +224,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> Schedule:
-        """Plan the next forward (see the module docstring); preemptions and swaps happen here."""
+        """Plan the next forward (see the module docstring); preemptions, swaps and the rows' pages happen here."""
         out = Schedule()
         self._planned, self._compacting = {}, set()
         budget = self.max_batched_tokens
@@ -395,7 +393,7 @@ class Scheduler:
         return 0 if r.eviction.budget is None else pages_needed(r.eviction.budget, self.page_size)
 
     def _available(self, r: Request | None) -> int:
-        """Free pages that neither this step's plan nor another request's commitment has claimed."""
+        """Free pages that neither this step's policies' copies nor another request's commitment has claimed."""
         avail = self.kv.allocator.num_free - sum(self._planned.values())
         if self.commitment.up_front:
             for o in self.running:
@@ -404,11 +402,15 @@ class Scheduler:
         return avail
 
     def _plan(self, r: Request, n: int, out: Schedule) -> None:
-        grow, copies = self._grow(r, n), self._copies(r, n)
-        self._planned[r.request_id] = grow + copies
-        if r.eviction is not None and n == self._limit(r):  # its policy acts: a sequence admitted later
-            self._compacting.update(self.kv.pages(r.seq_id)[: self._kept_pages(r)])  # sharing these adds copies
-        out.new_pages += grow
+        """Take the pages of ``r``'s row of ``n`` tokens now (vLLM's ``allocate_slots``) and, with prefix
+        caching, publish the full pages its tokens fill (vLLM's ``cache_blocks``): later rows and
+        admissions of this step see them. The copies its policy may make after the forward are kept back."""
+        acts = r.eviction is not None and n == self._limit(r)  # its policy acts after this row
+        self._planned[r.request_id] = self._copies(r, n)
+        ids = r.tokens(r.num_computed, r.num_computed + n) if self.kv.prefix_caching else None
+        self.kv.reserve(r.seq_id, n, token_ids=ids)
+        if acts:  # a sequence admitted later that shares the pages it packs into adds copies
+            self._compacting.update(self.kv.pages(r.seq_id)[: self._kept_pages(r)])
         out.items.append((r, n))
 
     def unfilled_commitments(self) -> int:
