@@ -62,7 +62,7 @@ from . import undo
 from .dry import DrySession
 from .metrics import StepRecord, engine_stats
 from .request import FINISHED, PENDING, Request, RequestOutput
-from .scheduler import PREEMPTIONS, RESERVATIONS, Scheduler
+from .scheduler import Scheduler
 
 __all__ = ["CLOCKS", "Engine", "StepRecord"]
 
@@ -114,23 +114,13 @@ class Engine:
         clock: str | None = None,
         trace: bool = False,
     ):
-        num_pages = check_int("num_pages", num_pages, min_value=1)
-        page_size = check_int("page_size", page_size, min_value=1)
-        check_choice("reservation", reservation, RESERVATIONS)
-        check_choice("preemption", preemption, PREEMPTIONS)
-        if not isinstance(prefix_caching, bool):
-            raise TypeError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        # checked here: the engine's own arguments; the pool's by the cache, the scheduler's by the Scheduler
         if not isinstance(watermark, numbers.Real) or isinstance(watermark, bool) or not 0 <= watermark < 1:
             raise ValueError(f"watermark must be a share of the pool in [0, 1), got {watermark!r}")
-        watermark_pages = int(watermark * num_pages)
-        if watermark_pages >= num_pages:
-            raise ValueError(f"watermark={watermark} keeps all {num_pages} pages free: nothing could be admitted")
         self.clock = check_choice("clock", clock or ("steps" if model is None else "simulated"), CLOCKS)
         if model is None:
             self.session = DrySession(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
-            self.vocab_size = None
-            eos = [] if eos_token_id is None else eos_token_id
-            default_len = num_pages * page_size
+            self.vocab_size, eos, limit = None, [] if eos_token_id is None else eos_token_id, None
         else:
             from ..hf.session import PagedSession
 
@@ -140,25 +130,28 @@ class Engine:
             eos = eos_token_id
             if eos is None:
                 eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-            default_len = getattr(model.config, "max_position_embeddings", None) or num_pages * page_size
-            if max_model_len is not None and check_int("max_model_len", max_model_len, min_value=1) > default_len:
-                self.session.close()
-                raise ValueError(
-                    f"max_model_len must be <= the model's max_position_embeddings={default_len}, got {max_model_len}"
-                )
-        self.eos = _eos_set(eos, self.vocab_size)
+            limit = getattr(model.config, "max_position_embeddings", None)
         self.model = model
         self.kv = self.session.kv
         self.backend = self.session.backend
-        self.scheduler = Scheduler(
-            self.session,
-            max_num_seqs=max_num_seqs,
-            max_batched_tokens=max_batched_tokens,
-            reservation=reservation,
-            preemption=preemption,
-            watermark_pages=watermark_pages,
-            max_model_len=default_len if max_model_len is None else max_model_len,
-        )
+        try:
+            self.eos = _eos_set(eos, self.vocab_size)
+            self.scheduler = Scheduler(
+                self.session,
+                max_num_seqs=max_num_seqs,
+                max_batched_tokens=max_batched_tokens,
+                reservation=reservation,
+                preemption=preemption,
+                watermark_pages=int(watermark * self.kv.num_pages),
+                max_model_len=limit if max_model_len is None else max_model_len,
+            )
+            if limit is not None and self.scheduler.max_model_len > limit:
+                raise ValueError(
+                    f"max_model_len must be <= the model's max_position_embeddings={limit}, got {max_model_len}"
+                )
+        except BaseException:
+            self.session.close()
+            raise
         if not isinstance(trace, bool):
             raise TypeError(f"trace must be True or False, got {trace!r}")
         self.trace = trace

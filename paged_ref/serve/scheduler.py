@@ -35,7 +35,7 @@ and ``"max_len"`` commit pages up front. Committing pages is contiguous allocati
 without its external fragmentation (free memory in holes too small for the next request): an upper
 bound on what a contiguous server could do.
 
-Never stuck. `Scheduler.refusal` turns away, before it is queued, every request this admission
+Never stuck. `Scheduler.refusal` names (and `Engine.add_request` refuses) every request this admission
 could never admit into an empty pool (its longest first chunk or its commitment plus the
 watermark, or its peak, beyond the pool): into an empty pool (no watermark then, and a whole
 sequence no longer than its peak) the oldest request is always admitted, and the oldest running
@@ -197,10 +197,7 @@ class Scheduler:
         return None
 
     def add(self, r: Request) -> None:
-        """Queue ``r`` (it has arrived). Raises ValueError, queueing nothing, if it can never run."""
-        why = self.refusal(r)
-        if why is not None:
-            raise ValueError(f"request {r.request_id} can never be served: {why}")
+        """Queue ``r`` (it has arrived; `refusal` found nothing against it: `Engine.add_request` asks)."""
         r.status = WAITING
         self.waiting.append(r)
 
