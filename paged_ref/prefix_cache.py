@@ -1,29 +1,17 @@
 """Prefix caching: which physical page already holds a given full page of tokens.
 
-Two prompts that start with the same tokens have the same K/V there, so a second sequence can
-share the first one's full pages instead of computing them again. Each full page gets a key:
+Two prompts that start with the same tokens have the same K/V there, so a second sequence can share
+the first one's full pages. Each full page gets a key that stands for the whole prefix up to it:
 
     key(page i) = SHA-256(key(page i - 1), token ids of page i),   key(page -1) = the root
 
-The chain makes a key stand for the whole prefix up to and including its page, not just that
-page's tokens. The root is a digest of a namespace (model, adapter, user salt: tagged fields),
-so K/V computed by another model or adapter never matches. A key is never trusted alone: a hit
-is confirmed by comparing the page's token ids themselves.
-
-When a page is published. As in vLLM (whose scheduler caches a row's blocks when it allocates
-them), a page is published as soon as a reservation fills it: its tokens are known then. A
-sequence that shares it before the forward writes its K/V reads what that forward writes, since a
-forward writes every row's K/V of a layer before any row attends at that layer. Until then the
-page is ``unwritten``: the one kind of shared page a write may land in. `PrefixIndex.forget`
-withdraws a page whose contents change (handed out again, truncated, compacted, rolled back).
-
-Pages are not de-duplicated, as in vLLM: two sequences that compute the same prefix (neither could
-reuse the other's, or its last page was left to compute) each publish their page under the key.
-`match` serves the first one published; the others stay cached and serve once it is reused, and
-each counts as a cached page when freed (handed out after the plain free pages).
-
-The index only knows keys and pages; the cache (`paged_ref.cache.PagedKVCache`) owns the pages,
-their reference counts and the sequences.
+The root digests a namespace (model, adapter, user salt), so another model's K/V never matches;
+a hit is confirmed by the page's token ids, never by a key alone. As in vLLM (which caches a block
+when it allocates it), a page is published as soon as a reservation fills it: a sequence sharing it
+before the forward writes it reads what that forward writes, since each layer writes every row's
+K/V before any row attends. Until its last layer is written it is ``unwritten``, the one kind of
+shared page a write may land in. Pages are not de-duplicated (as in vLLM): `match` serves the first
+of several pages published under a key. The cache (`paged_ref.cache.PagedKVCache`) owns the pages.
 
 Example:
     >>> index = PrefixIndex(page_size=2)

@@ -1,63 +1,36 @@
 """The scheduler: which requests the next forward feeds, and how many tokens each.
 
-One call to `Scheduler.schedule` plans one step, in vLLM's order (first come, first served):
+`Scheduler.schedule` plans one step in vLLM's order (first come, first served):
 
-1. **Running requests**, oldest admission first. A decoding request takes 1 token; one still
-   prefilling (a long prompt, or prompt + output being recomputed after a preemption) takes the
-   next **chunk**: whatever is left of the step's token budget (``max_batched_tokens``) after
-   every decode of the step has been counted, so decodes are served first. If its pages cannot
-   come from the pool, the most recently admitted running request is **preempted**, and again,
-   until they can (a prefill chunk keeps its length: vLLM does not shrink it to the pages there
-   are); if it is the most
-   recent itself, it is the one preempted. ``"recompute"``: the victim's pages go back and it
-   waits at the head of the queue, to prefill prompt + output again; ``"swap"``: its K/V go to
-   host memory (`SwapSpace`) and come back later into new pages.
+1. **Running requests**, oldest admission first: a decode takes 1 token; a prefill (a long prompt,
+   or prompt + output recomputed after a preemption) takes the next **chunk**, what is left of
+   ``max_batched_tokens`` once every decode is counted. If its pages cannot come from the pool,
+   the most recently admitted request is **preempted** (perhaps itself), until they can:
+   ``"recompute"`` frees its pages and puts it back at the head of the queue; ``"swap"`` moves its
+   K/V to host memory (`SwapSpace`).
 2. **Swapped requests** come back, oldest first, while their pages fit.
-3. **Waiting requests**, in arrival order, are admitted while ``max_num_seqs`` and the budget
-   allow and the pool covers the request's whole sequence (as vLLM's ``scheduler_reserve_full_isl``:
-   only its first chunk's pages are taken now, the rest as its chunks come) plus a **watermark** of
-   pages kept free while other requests run (vLLM's guard against admitting a request only to
-   preempt it at the next decode; with nothing running there is no decode to guard). Admission
-   asks before it adds (nano-vllm's ``can_allocate`` before ``allocate``): which pages the prefix
-   cache would reuse (a cached page taken back from the pool must be free, but holds the
-   request's own K/V, so the watermark guards only the new pages), the new pages, and
-   only then a sequence. The first request that does not fit stops admission (no overtaking).
-   Nothing is admitted in a step that preempted or while a request is swapped out.
+3. **Waiting requests** are admitted in arrival order while ``max_num_seqs``, the budget and the
+   pool allow: the pool must cover the whole sequence (vLLM's ``scheduler_reserve_full_isl``) plus
+   a **watermark** kept free while others run. Admission asks before it adds (nano-vllm's
+   ``can_allocate``): the pages the prefix cache would reuse, the new pages, then a sequence. The
+   first request that does not fit stops admission; none happens in a step that preempted or while
+   a request is swapped out.
 
-A row's pages are taken when it is planned (vLLM's ``allocate_slots``), and with prefix caching
+A row's pages are taken when it is planned (vLLM's ``allocate_slots``) and, with prefix caching,
 the full pages its tokens fill are published then (``cache_blocks``): a request admitted later in
-the step can hit them, and an earlier row's allocation can evict a cached page before a later
-lookup, as in vLLM. The forward writes every row's K/V of a layer before any row attends there.
+the step can hit them, as in vLLM; the forward writes every row's K/V of a layer before any row
+attends there. ``reservation`` (`paged_ref.serve.reservation`) changes only admission: ``"exact"``
+and ``"max_len"`` commit pages up front, contiguous allocation's cost without its fragmentation.
+`refusal` names every request admission could never admit into an empty pool, so none is stuck.
 
-Reservation (``reservation=``, `paged_ref.serve.reservation`) changes only step 3: ``"paged"``
-admits against the pages the request's sequence needs but takes them as tokens come; ``"exact"``
-and ``"max_len"`` commit pages up front. Committing pages is contiguous allocation's memory cost
-without its external fragmentation (free memory in holes too small for the next request): an upper
-bound on what a contiguous server could do.
+In vLLM's configuration (``"paged"``, watermark 0, ``"recompute"``) it makes vLLM 0.32's decisions
+step by step (``make test-vllm``). It differs on purpose in the watermark (vLLM 0.32: 0), the
+``"exact"`` and ``"max_len"`` reservations, and swap (vLLM's V1 only recomputes; a swapped-in
+request rejoins the running queue in admission order, so its chunk may come before decodes).
 
-Never stuck. `Scheduler.refusal` names (and `Engine.add_request` refuses) every request this admission
-could never admit into an empty pool (its longest first chunk or its commitment plus the
-watermark, or its peak, beyond the pool): into an empty pool (no watermark then, and a whole
-sequence no longer than its peak) the oldest request is always admitted, and the oldest running
-request can always take its pages by preempting younger ones.
-
-Against vLLM: in vLLM's configuration (reservation ``"paged"``, watermark 0, preemption
-``"recompute"``, chunked prefill) this scheduler makes vLLM 0.32's decisions step by step: the same
-requests with the same numbers of tokens, the same preemptions, the same free pages, the same
-prefix-cache hits (``tests/test_vllm_scheduler.py``, ``tests/test_vllm_prefix_cache.py``, run by
-``make test-vllm``). It differs on purpose in:
-
-- the **watermark**: a share of the pool kept free at admission (vLLM 0.32's default is 0);
-- the reservations ``"exact"`` and ``"max_len"``, which vLLM does not have;
-- **swap**: vLLM's V1 scheduler only recomputes. A swapped-in request rejoins the running queue in
-  its admission order, so a prefill chunk may come before decodes; a chunk leaves them their
-  tokens (with recompute no decode ever follows a prefilling request, so this changes nothing).
-
-A request with an eviction policy runs it through `AfterPrompt`: its chunks stop at the prompt's
-end, the policy acts once on the whole prompt (as in `paged_ref.hf.generate`), and output recomputed
-after a preemption goes in chunks no longer than ``policy.tokens_until_action``, which is what
-one-token steps would have done. A row after which the policy acts also counts the pages its
-compaction may copy (the shared prompt pages it packs the kept tokens into).
+An evicting request runs its policy through `AfterPrompt`: chunks stop at the prompt's end, the
+policy acts once on the whole prompt, then recomputed output goes in chunks no longer than
+``policy.tokens_until_action``; a row after which it acts counts the pages its compaction may copy.
 
 Example (a dry session: the same pool and scheduler, no model):
     >>> from paged_ref.serve.dry import DrySession
@@ -115,15 +88,9 @@ class Schedule:
 class Scheduler:
     """Waiting, running and swapped queues over one session's page pool; see the module docstring.
 
-    Args:
-        session: a `paged_ref.hf.PagedSession` (or a `DrySession`): the scheduler adds, finishes and
-            swaps its sequences; its ``kv`` is the pool.
-        max_num_seqs: most requests running at once.
-        max_batched_tokens: most tokens one forward feeds (decodes and prefill chunks together).
-        reservation: ``"paged"``, ``"exact"`` or ``"max_len"``.
-        preemption: ``"recompute"`` or ``"swap"``.
-        watermark_pages: pages admission leaves free.
-        max_model_len: tokens a ``"max_len"`` request reserves (default: the whole pool).
+    ``session``: a `paged_ref.hf.PagedSession` or a `DrySession` (its ``kv`` is the pool); ``reservation``:
+    one of `RESERVATIONS`; ``preemption``: one of `PREEMPTIONS`; ``max_model_len``: the longest request
+    and what ``"max_len"`` reserves (default: the whole pool).
     """
 
     def __init__(
