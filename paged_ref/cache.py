@@ -86,6 +86,14 @@ class SequenceMark:
     page_hashes: list[bytes]
     hashed: int
 
+    def apply(self, seq: _Sequence) -> None:
+        """Put ``seq``'s pages, length and prefix keys back as they were."""
+        if self.token_ids is not None:
+            del self.token_ids[self.known :]
+        del self.page_hashes[self.hashed :]
+        seq.pages, seq.length = list(self.pages), self.length
+        seq.token_ids, seq.page_hashes = self.token_ids, self.page_hashes
+
 
 class PagedKVCache:
     """A paged KV cache for ``num_layers`` layers sharing one page pool and block tables."""
@@ -451,11 +459,7 @@ class PagedKVCache:
         if written:
             self._zero_slots(torch.tensor(written, device=self.device))
         self._release(taken)
-        if mark.token_ids is not None:
-            del mark.token_ids[mark.known :]
-        del mark.page_hashes[mark.hashed :]
-        seq.pages, seq.length = list(mark.pages), mark.length
-        seq.token_ids, seq.page_hashes = mark.token_ids, mark.page_hashes
+        mark.apply(seq)
         self.last_copies = ()
 
     # ----------------------------------------------------------------- internals
@@ -643,11 +647,7 @@ class _Checkpoint:
                 cache.k_cache[i].view(flat).index_copy_(0, slots, k[j])
                 cache.v_cache[i].view(flat).index_copy_(0, slots, v[j])
         for seq, mark in self.seqs.values():
-            if mark.token_ids is not None:
-                del mark.token_ids[mark.known :]
-            del mark.page_hashes[mark.hashed :]
-            seq.pages, seq.length = list(mark.pages), mark.length
-            seq.token_ids, seq.page_hashes = mark.token_ids, mark.page_hashes
+            mark.apply(seq)
         cache._seqs = {seq_id: seq for seq_id, (seq, _) in self.seqs.items()}
         cache._next_id, cache.prefix_hits, cache.last_copies = self.next_id, self.prefix_hits, self.last_copies
         cache.allocator.restore(self.pool)

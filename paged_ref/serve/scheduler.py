@@ -66,19 +66,12 @@ PREEMPTIONS = ("recompute", "swap")
 
 @dataclass
 class Schedule:
-    """One step's plan.
+    """One step's plan (its rows' pages already taken, its preempted requests' already back)."""
 
-    Attributes:
-        items: the forward's rows, oldest admission first: ``(request, tokens to feed)``.
-        preempted: requests preempted while planning (their pages are already back).
-        swapped_in: requests whose K/V came back from host memory.
-        admitted: requests admitted from the waiting queue.
-    """
-
-    items: list[tuple[Request, int]] = field(default_factory=list)
+    items: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to feed), oldest first
     preempted: list[Request] = field(default_factory=list)
-    swapped_in: list[Request] = field(default_factory=list)
-    admitted: list[Request] = field(default_factory=list)
+    swapped_in: list[Request] = field(default_factory=list)  # K/V back from host memory
+    admitted: list[Request] = field(default_factory=list)  # from the waiting queue
 
     @property
     def num_tokens(self) -> int:
@@ -219,10 +212,12 @@ class Scheduler:
             if need > self._available(None):
                 break
             self.swapped.remove(r)
-            self.swap.swap_in(self.kv, r.seq_id, self._hashable(r, held))
+            # under eviction its pages stop being shared: no token ids to key them by
+            hashable = r.token_ids[:held] if self.kv.prefix_caching and r.eviction is None else None
+            self.swap.swap_in(self.kv, r.seq_id, hashable)
             r.reserved_pages = self.committed_pages(r)
             r.status = RUNNING
-            self._insert_running(r)
+            self.running.insert(bisect.bisect([s.admitted for s in self.running], r.admitted), r)
             out.swapped_in.append(r)
             self._plan(r, want, out)
             budget -= want
@@ -382,13 +377,3 @@ class Scheduler:
         if not self.commitment.up_front:
             return 0
         return sum(max(0, r.reserved_pages - self._held(r)) for r in self.running)
-
-    def _insert_running(self, r: Request) -> None:
-        keys = [s.admitted for s in self.running]
-        self.running.insert(bisect.bisect(keys, r.admitted), r)
-
-    def _hashable(self, r: Request, held: int) -> list[int] | None:
-        """The held tokens' ids for a prefix-caching cache (None under eviction: its pages stop being shared)."""
-        if self.kv.prefix_caching and r.eviction is None:
-            return r.token_ids[:held]
-        return None
