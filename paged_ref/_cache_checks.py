@@ -76,9 +76,10 @@ def batch_lists(seq_ids, num_tokens, token_ids) -> tuple[list, list, list]:
     return seq_ids, num_tokens, token_ids
 
 
-def check_write(cache, layer, slots, k, v, check_values: bool) -> int:
+def check_write(cache, layer, slots, k, v, check_values: bool, filling=frozenset()) -> int:
     """`PagedKVCache.write`'s arguments: the layer, int slots, K/V of the cache's shape, dtype and
-    device, and (``check_values``) slots in range in pages the cache handed out unshared."""
+    device, and (``check_values``) slots in range in pages the cache handed out unshared (or shared
+    since a reservation filled them: ``filling``)."""
     layer = check_layer(layer, cache.num_layers)
     if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"slots must be a 1-D int32/int64 tensor, got {describe(slots)}")
@@ -99,7 +100,7 @@ def check_write(cache, layer, slots, k, v, check_values: bool) -> int:
         if lo < 0 or hi >= cache.num_pages * cache.page_size:
             raise ValueError(f"slots must be in [0, {cache.num_pages * cache.page_size}), got values in [{lo}, {hi}]")
         for page in torch.unique(slots // cache.page_size).tolist():
-            if cache.allocator.refcount(page) != 1:
+            if cache.allocator.refcount(page) != 1 and not (cache.allocator.refcount(page) > 1 and page in filling):
                 raise ValueError(
                     f"slots point into page {page} with refcount {cache.allocator.refcount(page)}; "
                     "write only into slots returned by reserve() (shared pages are copied there)"

@@ -1,46 +1,24 @@
 """PagedKVCache: per-layer K/V page tensors plus per-sequence block tables.
 
-Storage is one pair of tensors per layer in the layout vLLM's and FlashAttention's paged
-kernels read::
+Storage is one pair of tensors per layer in the layout vLLM's and FlashAttention's kernels read,
+``k_cache[layer], v_cache[layer]: [num_pages, page_size, num_kv_heads, head_dim]``; a physical page
+id names the same page in every layer, so one block table per sequence serves all layers.
+``slots = reserve(seq_id, n)`` grows a sequence (taking pages as needed) and returns each new
+token's flat slot ``page * page_size + offset``; ``write(layer, slots, k, v)`` stores a layer there.
 
-    k_cache[layer], v_cache[layer]: [num_pages, page_size, num_kv_heads, head_dim]
+All or nothing: every operation counts the pages it needs before changing anything and raises
+`OutOfPagesError` with the cache as it was (``reserve_batch`` grows a whole batch that way).
+``fork`` shares a sequence's pages (reference counts); the first write into a shared page copies
+it, in ``reserve``, and ``last_copies`` lists the copies as `PageCopy` records. With
+``prefix_caching=True``, ``add_sequence(token_ids=prompt)`` reuses cached full pages of the prompt
+(`paged_ref.prefix_cache`); a full page is published when ``reserve`` fills it, as vLLM caches a
+block when it allocates it. Freed pages go back tail first; cached ones are reused last.
 
-A physical page id indexes the same page in every layer, so one block table per sequence
-serves all layers (as in vLLM). Writing a sequence's tokens is two steps:
-``slots = reserve(seq_id, n)`` grows the sequence (allocating pages as needed) and returns
-each new token's flat slot ``page * page_size + offset``; then ``write(layer, slots, k, v)``
-stores that layer's K/V there. Every page of a sequence but the last is full.
-
-All or nothing. Every operation counts the pages it needs before it changes anything and
-raises `OutOfPagesError` (or a bad-argument error) with the cache as it was; ``reserve_batch``
-grows a whole batch of sequences that way, as a model's forward needs.
-
-Sharing. ``fork`` makes a second sequence that shares the first's pages (reference counts);
-the first write into a shared page copies it (copy-on-write happens in ``reserve``, which is
-where a write begins, so the slots it returns already point into the private copy), and
-``last_copies`` lists the copies that call made as `PageCopy` records. With
-``prefix_caching=True``, ``add_sequence(token_ids=prompt)`` reuses the cached full pages of the
-prompt (live ones are shared; returned ones not yet handed out again are revived) and counts
-them in ``prefix_hits``; `paged_ref.prefix_cache` holds the keys and the rule that a page is
-offered only once ``write`` has stored its K/V in every layer. Freed pages go back tail first,
-and cached ones are reused last, least recently freed first.
-
-Clean slots. Every slot that holds no token is zero: a page is zeroed when it is handed out
-and when it returns to the pool holding no cached prefix, and ``compact`` zeroes the slots it
-vacates. A kernel that reads more than a sequence's own tokens (FlexAttention reads whole
-blocks; eager FlexAttention on CPU reads the whole cache) then adds ``0 * v`` there, never
-``0 * nan`` left over from another sequence.
-
-Rewind. ``mark(seq_id)`` before a model's forward and ``rewind(seq_id, mark)`` after it
-failed put a sequence back as it was: what `paged_ref.hf.PagedSession.extend` does when a
-forward raises after its slots were reserved.
-
-Summaries. With ``page_summaries=True`` the cache also keeps the min and max of every page's
-keys (``cache.summaries``, `paged_ref.page_summaries`), which Quest reads to pick pages.
-
-Growth. ``growth="page"`` takes one page at a time; ``growth="pow2"`` reserves so that a
-sequence holds a power-of-two number of pages (what the IBM paper describes), falling back to
-the exact need when the pool cannot give the power of two.
+Every slot that holds no token is zero (pages are zeroed when handed out and when returned holding
+no cached prefix), so a kernel reading past a sequence's end adds ``0 * v``, never stale ``nan``.
+``mark`` / ``rewind`` undo a failed forward's reserves and writes; ``checkpoint`` / ``rollback`` undo a
+whole serving step. ``page_summaries=True`` keeps each page's key min/max for Quest;
+``growth="pow2"`` reserves power-of-two page counts (the IBM paper's growth).
 
 Example:
     >>> cache = PagedKVCache(num_layers=2, num_pages=8, page_size=4, num_kv_heads=1, head_dim=2)
@@ -83,10 +61,9 @@ class _Sequence:
 
 @dataclass(frozen=True)
 class PageCopy:
-    """One copy-on-write: sequence ``seq_id``'s logical page ``logical_page`` moved from the
-    shared physical page ``source`` to ``page``, its private copy (K/V copied in every layer).
-    ``layer``: the layer whose page was copied in a `~paged_ref.layered_cache.LayeredKVCache`;
-    None in a `PagedKVCache`, whose pages hold every layer."""
+    """One copy-on-write: ``seq_id``'s logical page ``logical_page`` moved from the shared page
+    ``source`` to its private copy ``page`` (``layer``: a `~paged_ref.layered_cache.LayeredKVCache`'s layer, else None).
+    """
 
     seq_id: int
     logical_page: int
@@ -97,9 +74,9 @@ class PageCopy:
 
 @dataclass(frozen=True)
 class SequenceMark:
-    """A sequence as `PagedKVCache.mark` saw it, for `PagedKVCache.rewind`: its pages and
-    length, and its prefix-key lists with their lengths then (``reserve`` only appends to those
-    lists, or replaces them)."""
+    """A sequence as `PagedKVCache.mark` saw it, for `PagedKVCache.rewind`: pages, length, and its
+    prefix-key lists with their lengths then (``reserve`` only appends to those lists, or replaces them).
+    """
 
     seq_id: int
     pages: tuple[int, ...]
@@ -108,6 +85,14 @@ class SequenceMark:
     known: int
     page_hashes: list[bytes]
     hashed: int
+
+    def apply(self, seq: _Sequence) -> None:
+        """Put ``seq``'s pages, length and prefix keys back as they were."""
+        if self.token_ids is not None:
+            del self.token_ids[self.known :]
+        del self.page_hashes[self.hashed :]
+        seq.pages, seq.length = list(self.pages), self.length
+        seq.token_ids, seq.page_hashes = self.token_ids, self.page_hashes
 
 
 class PagedKVCache:
@@ -146,7 +131,7 @@ class PagedKVCache:
         self.allocator = PageAllocator(num_pages)
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
-        self._prefix = PrefixIndex(num_layers=self.num_layers, page_size=self.page_size)
+        self._prefix = PrefixIndex(page_size=self.page_size)
         self.prefix_hits = 0  # full pages reused from the prefix cache
         # the `PageCopy`s of the latest reserve, reserve_batch, truncate or compact (rewind clears it)
         self.last_copies: tuple[PageCopy, ...] = ()
@@ -164,14 +149,12 @@ class PagedKVCache:
 
     @classmethod
     def for_model(cls, model, *, num_pages: int, page_size: int, **options) -> PagedKVCache:
-        """A cache shaped for a transformers model (its layers, KV heads, head_dim, dtype, device).
-
-        ``options`` are the other keyword arguments (``growth``, ``prefix_caching``, ...).
+        """A cache shaped for a transformers model (layers, KV heads, head_dim, dtype, device);
+        ``options``: the other keyword arguments.
 
         Example:
             >>> from paged_ref.models import tiny_llama
-            >>> kv = PagedKVCache.for_model(tiny_llama(), num_pages=4, page_size=2)
-            >>> kv.geometry.kv_shape
+            >>> PagedKVCache.for_model(tiny_llama(), num_pages=4, page_size=2).geometry.kv_shape
             {'num_layers': 2, 'num_kv_heads': 2, 'head_dim': 32}
         """
         return cls(num_pages=num_pages, page_size=page_size, **model_geometry(model).cache_kwargs, **options)
@@ -207,9 +190,8 @@ class PagedKVCache:
     tables_per_layer = False  # one block table serves every layer (`paged_ref.cache_interface`)
 
     def block_table(self, seq_ids=None, device=None, *, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(block_table int32 [batch, max_pages], seq_lens int32 [batch])`` for ``seq_ids``, the
-        same for every ``layer``. Lists the pages that hold tokens; padding entries are 0.
-        Defaults to every sequence.
+        """``(block_table int32 [batch, max_pages], seq_lens int32 [batch])`` for ``seq_ids`` (default all),
+        the same for every ``layer``: the pages that hold tokens, padded with 0.
         """
         check_layer(layer, self.num_layers)
         seqs = [self._seq(s) for s in self._batch(seq_ids)]
@@ -227,12 +209,10 @@ class PagedKVCache:
     def add_sequence(self, token_ids=None, *, namespace: dict | None = None) -> int:
         """Start a new sequence and return its id.
 
-        With ``prefix_caching`` and ``token_ids`` (the prompt), cached full pages of the prompt
-        are reused and the sequence starts with ``seq_len(seq_id)`` tokens already held; at
-        least the last prompt token is left for the caller to compute (it needs its logits).
-        ``namespace`` (str -> str, e.g. ``{"adapter": "lora-7"}``) adds this sequence's own
-        fields to the cache's ``prefix_namespace``: sequences whose K/V differ for equal tokens
-        (another adapter, another user salt) never share pages. ``{}`` adds none (as None).
+        With ``prefix_caching`` and ``token_ids`` (the prompt) it starts holding the prompt's cached full
+        pages (``seq_len``), leaving at least the last token to compute. ``namespace`` (str -> str, e.g.
+        ``{"adapter": "lora-7"}``) adds fields to the cache's ``prefix_namespace``: sequences whose K/V
+        differ for equal tokens never share pages.
         """
         root = self._prefix_root
         if namespace is not None:
@@ -249,20 +229,16 @@ class PagedKVCache:
         return seq_id
 
     def cached_prefix(self, token_ids) -> list[int]:
-        """The pages ``add_sequence(token_ids)`` would reuse (none without prefix caching), taking nothing:
-        what admission asks before it adds. Those with ``allocator.refcount(page) == 0`` would be
-        taken back from the pool."""
+        """The pages ``add_sequence(token_ids)`` would reuse, taking nothing (what admission asks
+        before it adds); those with ``allocator.refcount(page) == 0`` would come back from the pool.
+        """
         if not self.prefix_caching:
             return []
         return [page for page, _ in self._prefix.match(self._prefix_root, token_list("token_ids", token_ids))]
 
     def reserve(self, seq_id: int, num_tokens: int, token_ids=None) -> torch.Tensor:
-        """Grow ``seq_id`` by ``num_tokens`` and return their flat slots, ``int64 [num_tokens]``.
-
-        Allocates pages as needed (all or nothing: raises OutOfPagesError and changes nothing
-        when the pool is short) and copies any shared page the new tokens land in
-        (copy-on-write; ``last_copies`` lists those copies). ``token_ids`` (``num_tokens`` ints)
-        feed prefix caching.
+        """Grow ``seq_id`` by ``num_tokens`` and return their flat slots, ``int64 [num_tokens]``, all or
+        nothing; a shared page the tokens land in is copied first. ``token_ids`` feed prefix caching.
 
         Example:
             >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)
@@ -278,13 +254,8 @@ class PagedKVCache:
         return self._reserve([(seq_id, *growth_request(num_tokens, token_ids))])[0]
 
     def reserve_batch(self, seq_ids, num_tokens, token_ids=None) -> list[torch.Tensor]:
-        """`reserve` for several sequences at once, all or nothing; returns each one's slots.
-
-        The pages the whole batch needs (new pages, and copies of the shared pages its tokens
-        land in) are counted before any is taken: when the pool is short, OutOfPagesError is
-        raised and no sequence changes. With ``growth="pow2"`` a sequence gets its power of two
-        only where the pages the rest of the batch needs stay free. ``token_ids``: None, or one
-        entry (None or ``num_tokens[i]`` ints) per sequence. ``last_copies``: the batch's copies.
+        """`reserve` for several sequences, all or nothing: the pages the whole batch needs (new pages,
+        copies) are counted before any is taken. ``token_ids``: None, or one entry (None or ints) per sequence.
 
         Example:
             >>> kv = PagedKVCache(num_layers=1, num_pages=2, page_size=4, num_kv_heads=1, head_dim=2)
@@ -309,19 +280,27 @@ class PagedKVCache:
     ) -> None:
         """Store ``k, v: [num_tokens, num_kv_heads, head_dim]`` of ``layer`` at ``slots``.
 
-        ``check_values`` also checks that every slot is in range and lies in a page this cache
-        handed out and nobody shares. That reads ``slots`` on the host (a device sync on a
-        GPU); a caller writing the same slots into every layer can check them once, at layer 0.
+        ``check_values`` also checks the slots lie in pages this cache handed out unshared (a host sync on
+        a GPU: check once, at layer 0); a page published when reserved and shared since may be written
+        until its last layer is.
         """
-        layer = check_write(self, layer, slots, k, v, check_values)
+        layer = check_write(self, layer, slots, k, v, check_values, filling=self._prefix.unwritten)
         slots = slots.to(device=self.device, dtype=torch.int64)
         self._saving((layer,), slots)
         self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
         self.v_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
         if self.summaries is not None:
             self.summaries.update(layer, slots, k)
-        if self._prefix.pending and slots.numel():
-            self._prefix.written(layer, torch.unique(slots // self.page_size).tolist())
+        if self._prefix.unwritten and layer == self.num_layers - 1 and slots.numel():
+            self._prefix.written(torch.unique(slots // self.page_size).tolist())
+
+    def last_slots(self, seq_id: int, num_tokens: int) -> torch.Tensor:
+        """The flat slots of the sequence's last ``num_tokens`` tokens, ``int64 [num_tokens]``: where a
+        forward writes the tokens a scheduler reserved."""
+        seq = self._seq(seq_id)
+        if check_int("num_tokens", num_tokens, min_value=0) > seq.length:
+            raise ValueError(f"num_tokens must be <= seq_len={seq.length} for sequence {seq_id}, got {num_tokens}")
+        return flat_slots(seq.pages, seq.length - num_tokens, num_tokens, self.page_size).to(self.device)
 
     def layer_slots(self, slots: torch.Tensor, layer: int) -> torch.Tensor:
         """The slots ``layer`` writes out of ``reserve``'s: the same ones in every layer."""
@@ -337,8 +316,7 @@ class PagedKVCache:
 
     # ----------------------------------------------------------------- sharing and release
     def fork(self, seq_id: int) -> int:
-        """A new sequence sharing ``seq_id``'s pages (reference counts). Nothing is copied here:
-        a write into a shared page copies it first, in `reserve`, which lists it in ``last_copies``."""
+        """A new sequence sharing ``seq_id``'s pages; a write into a shared page copies it first (`reserve`)."""
         src = self._seq(seq_id)
         held = src.pages[: cdiv(src.length, self.page_size)]
         self.allocator.share(held)
@@ -360,10 +338,8 @@ class PagedKVCache:
         del self._seqs[seq_id]
 
     def drop_pages(self, seq_id: int, logical_pages) -> None:
-        """Remove whole logical pages from a sequence (eviction); they go back to the pool.
-
-        The remaining pages keep their order; ``seq_len`` shrinks by the tokens the dropped
-        pages held. The sequence stops taking part in prefix caching.
+        """Remove whole logical pages from a sequence (eviction); they go back to the pool and the
+        sequence stops taking part in prefix caching.
         """
         seq = self._seq(seq_id)
         held = cdiv(seq.length, self.page_size)
@@ -382,21 +358,8 @@ class PagedKVCache:
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Remove the last ``num_tokens`` tokens of a sequence: the inverse of `reserve`.
 
-        Pages left without a token go back to the pool (tail first, reserved-ahead pages too).
-        The vacated slots of the last kept page become zero, like every slot that holds no
-        token; if another sequence shares that page, this sequence first gets its own copy
-        (one page from the pool: `OutOfPagesError`, with nothing changed, when none is free;
-        ``last_copies`` lists it).
-        A page whose tokens may now change stops being offered for prefix reuse; the full pages
-        kept stay cached, so prefix caching goes on for the sequence.
-
-        Example:
-            >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)
-            >>> s = kv.add_sequence()
-            >>> _ = kv.reserve(s, 7)
-            >>> kv.truncate(s, 4)
-            >>> kv.seq_len(s), len(kv.pages(s)), kv.allocator.num_free
-            (3, 1, 3)
+        Pages left without a token go back; the vacated slots of the last kept page become zero (copied
+        first if shared: `OutOfPagesError`, nothing changed, when no page is free). Full pages kept stay cached.
         """
         seq = self._seq(seq_id)
         num_tokens = check_int("num_tokens", num_tokens, min_value=0)
@@ -428,12 +391,9 @@ class PagedKVCache:
         self.last_copies = tuple(copies)
 
     def compact(self, seq_id: int, keep: torch.Tensor) -> None:
-        """Keep only the tokens where ``keep: bool [seq_len]`` is True, packed in order.
-
-        Kept tokens move to the front of the sequence's pages in every layer (token-level
-        eviction); pages no longer needed go back to the pool. Shared pages that receive
-        tokens are copied first (``last_copies`` lists them). The sequence stops taking part in
-        prefix caching.
+        """Keep only the tokens where ``keep: bool [seq_len]`` is True, packed in order in every layer
+        (token-level eviction); shared pages that receive tokens are copied first, pages no longer needed
+        go back, and the sequence stops taking part in prefix caching.
         """
         seq = self._seq(seq_id)
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or tuple(keep.shape) != (seq.length,):
@@ -474,23 +434,16 @@ class PagedKVCache:
         )
 
     def rewind(self, seq_id: int, mark: SequenceMark) -> None:
-        """Put the sequence back as `mark` saw it, undoing the reserves and writes made since.
+        """Put the sequence back as `mark` saw it, undoing a failed forward's reserves and writes.
 
-        What a failed forward needs: each shared page a private copy replaced is shared again,
-        the pages taken since (new pages, private copies) go back to the pool, and the slots
-        written since in the pages it kept are zeroed and no longer offered for prefix reuse.
-        Rewind a batch in the reverse of the order it was reserved in: a page one sequence
-        copied away may have been written in place by a later one, which must give it back
-        first. Returned pages that kept a prefix for reuse and were handed out since stay
-        forgotten: their K/V were overwritten. Clears ``last_copies``.
+        Shared pages a private copy replaced are shared again, pages taken since go back, slots written
+        since are zeroed and withdrawn from the prefix cache. Rewind a batch in reverse reservation order.
 
         Example:
             >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)
             >>> a = kv.add_sequence(); _ = kv.reserve(a, 2); b = kv.fork(a)
             >>> m = kv.mark(b)
             >>> _ = kv.reserve(b, 3)                 # copies shared page 0 to page 2, adds page 1
-            >>> kv.pages(b), kv.allocator.refcount(0)
-            ([2, 1], 1)
             >>> kv.rewind(b, m)                      # as if that reserve never happened
             >>> kv.pages(b), kv.seq_len(b), kv.allocator.refcount(0), kv.allocator.num_free
             ([0], 2, 2, 3)
@@ -506,11 +459,7 @@ class PagedKVCache:
         if written:
             self._zero_slots(torch.tensor(written, device=self.device))
         self._release(taken)
-        if mark.token_ids is not None:
-            del mark.token_ids[mark.known :]
-        del mark.page_hashes[mark.hashed :]
-        seq.pages, seq.length = list(mark.pages), mark.length
-        seq.token_ids, seq.page_hashes = mark.token_ids, mark.page_hashes
+        mark.apply(seq)
         self.last_copies = ()
 
     # ----------------------------------------------------------------- internals
@@ -544,15 +493,12 @@ class PagedKVCache:
             seq.pages.extend(new_pages[:grow])
             slots.append(flat_slots(seq.pages, seq.length, n, self.page_size).to(self.device))
             seq.length += n
-            self._offer_full_pages(seq, token_ids)
+            self._publish_full_pages(seq, token_ids)
         self.last_copies = tuple(copied)
         return slots
 
     def checkpoint(self) -> None:
-        """Start a change that `rollback` can undo whole: sequences, pool, prefix index and K/V.
-
-        Until `commit` or `rollback`, the cache keeps the old contents of every slot it changes
-        (`_Checkpoint`). One checkpoint at a time.
+        """Start a change that `rollback` undoes whole (sequences, pool, prefix index, K/V); one at a time.
 
         Example:
             >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=2, num_kv_heads=1, head_dim=1)
@@ -599,8 +545,6 @@ class PagedKVCache:
         tail_first = pages[::-1]
         self.allocator.free(tail_first, cached=[p for p in tail_first if p in self._prefix])
         plain = [p for p in set(pages) if self.allocator.refcount(p) == 0 and p not in self._prefix]
-        for page in plain:
-            self._prefix.forget(page)  # freed before its K/V was written: never cached
         self._zero_pages(plain)  # a freed page keeps no K/V of its last owner
 
     def _zero_pages(self, pages: list[int]) -> None:
@@ -648,8 +592,8 @@ class PagedKVCache:
         seq.token_ids = token_ids[: seq.length]
         self.prefix_hits += len(seq.pages)
 
-    def _offer_full_pages(self, seq: _Sequence, token_ids) -> None:
-        """Key the pages ``seq`` filled and offer them to the prefix index (published once written)."""
+    def _publish_full_pages(self, seq: _Sequence, token_ids) -> None:
+        """Key the pages ``seq`` filled and publish them in the prefix index."""
         if not self.prefix_caching or seq.token_ids is None:
             return
         if token_ids is None:  # tokens unknown from here on: stop hashing this sequence
@@ -661,7 +605,7 @@ class PagedKVCache:
             tokens = tuple(seq.token_ids[i * ps : (i + 1) * ps])
             key = page_key(seq.page_hashes[-1] if seq.page_hashes else seq.root, tokens)
             seq.page_hashes.append(key)
-            self._prefix.offer(seq.pages[i], key, tokens)
+            self._prefix.publish(seq.pages[i], key, tokens)
 
     def __repr__(self) -> str:
         return (
@@ -672,16 +616,9 @@ class PagedKVCache:
 
 
 class _Checkpoint:
-    """The whole cache as it was when made, and the old contents of every slot changed since.
-
-    A serving step does more than one forward's reserves and writes: it preempts (pages freed or
-    swapped out), admits (prefix pages shared or revived), runs eviction hooks (pages dropped,
-    sequences compacted) and may fail in any of them. The checkpoint copies the cache's small
-    bookkeeping (every sequence's `SequenceMark`, the pool's reference counts and free lists, the
-    prefix index) and, while it is open, the cache hands it the old contents of every K/V slot
-    before changing it (`save`); `restore` writes those back, newest first, and puts the
-    bookkeeping back. Its cost is the slots changed, not the pool: a decode step saves the one
-    slot per sequence and layer it writes.
+    """The cache's bookkeeping as it was (every `SequenceMark`, the pool, the prefix index) and the
+    old contents of every K/V slot changed since (`save`, called by the cache before each change);
+    `restore` writes them back, newest first. Its cost is the slots a step changes, not the pool.
     """
 
     def __init__(self, cache: PagedKVCache):
@@ -710,11 +647,7 @@ class _Checkpoint:
                 cache.k_cache[i].view(flat).index_copy_(0, slots, k[j])
                 cache.v_cache[i].view(flat).index_copy_(0, slots, v[j])
         for seq, mark in self.seqs.values():
-            if mark.token_ids is not None:
-                del mark.token_ids[mark.known :]
-            del mark.page_hashes[mark.hashed :]
-            seq.pages, seq.length = list(mark.pages), mark.length
-            seq.token_ids, seq.page_hashes = mark.token_ids, mark.page_hashes
+            mark.apply(seq)
         cache._seqs = {seq_id: seq for seq_id, (seq, _) in self.seqs.items()}
         cache._next_id, cache.prefix_hits, cache.last_copies = self.next_id, self.prefix_hits, self.last_copies
         cache.allocator.restore(self.pool)

@@ -1,39 +1,23 @@
 """Prefix caching: which physical page already holds a given full page of tokens.
 
-Two prompts that start with the same tokens have the same K/V there, so a second sequence can
-share the first one's full pages instead of computing them again. Each full page gets a key:
+Two prompts that start with the same tokens have the same K/V there, so a second sequence can share
+the first one's full pages. Each full page gets a key that stands for the whole prefix up to it:
 
     key(page i) = SHA-256(key(page i - 1), token ids of page i),   key(page -1) = the root
 
-The chain makes a key stand for the whole prefix up to and including its page, not just that
-page's tokens. The root is a digest of a namespace (model, adapter, user salt: tagged fields),
-so K/V computed by another model or adapter never matches. A key is never trusted alone: a hit
-is confirmed by comparing the page's token ids themselves.
-
-The rule this module keeps: a page is offered for reuse only once its K/V is in EVERY layer.
-`PrefixIndex.offer` records a page that just filled up; `PrefixIndex.written` counts the
-layers a write has stored; the page is published when the last layer lands. A sequence added
-in between (another request admitted mid-forward) computes its own K/V instead of reading a
-page that is still half written. `PrefixIndex.forget` withdraws a page whose contents change
-(handed out again, truncated, compacted, rolled back).
-
-Pages are not de-duplicated, as in vLLM: two sequences that compute the same prefix (neither could
-reuse the other's, or its last page was left to compute) each publish their page under the key.
-`match` serves the first one published; the others stay cached and serve once it is reused, and
-each counts as a cached page when freed (handed out after the plain free pages).
-
-The index only knows keys and pages; the cache (`paged_ref.cache.PagedKVCache`) owns the pages,
-their reference counts and the sequences, and calls these four methods (and `snapshot` / `restore`
-when a whole step is undone).
+The root digests a namespace (model, adapter, user salt), so another model's K/V never matches;
+a hit is confirmed by the page's token ids, never by a key alone. As in vLLM (which caches a block
+when it allocates it), a page is published as soon as a reservation fills it: a sequence sharing it
+before the forward writes it reads what that forward writes, since each layer writes every row's
+K/V before any row attends. Until its last layer is written it is ``unwritten``, the one kind of
+shared page a write may land in. Pages are not de-duplicated (as in vLLM): `match` serves the first
+of several pages published under a key. The cache (`paged_ref.cache.PagedKVCache`) owns the pages.
 
 Example:
-    >>> index = PrefixIndex(num_layers=2, page_size=2)
+    >>> index = PrefixIndex(page_size=2)
     >>> root = namespace_key({"model": "m"})
     >>> key = page_key(root, (5, 6))
-    >>> index.offer(page=3, key=key, tokens=(5, 6))
-    >>> index.match(root, [5, 6, 7])            # offered, but layer 1 is not written yet
-    []
-    >>> index.written(0, [3]); index.written(1, [3])
+    >>> index.publish(page=3, key=key, tokens=(5, 6))
     >>> index.match(root, [5, 6, 7]) == [(3, key)]
     True
     >>> index.match(root, [5, 6])               # the last token is left for the caller to compute
@@ -79,16 +63,14 @@ def page_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
 
 
 class PrefixIndex:
-    """Key -> physical page for full pages whose K/V every layer holds (see the module docstring)."""
+    """Key -> physical page for full pages whose tokens a reservation filled (see the module docstring)."""
 
-    def __init__(self, *, num_layers: int, page_size: int):
-        self.num_layers = num_layers
+    def __init__(self, *, page_size: int):
         self.page_size = page_size
         self.page_of: dict[bytes, dict[int, None]] = {}  # key -> the pages holding it, first published first
         self.key_of: dict[int, bytes] = {}  # physical page -> its key (the reverse of page_of)
         self.tokens_of: dict[int, tuple[int, ...]] = {}  # physical page -> its token ids
-        # filled pages waiting for their K/V: page -> (key, token ids, layers written so far)
-        self.pending: dict[int, tuple[bytes, tuple[int, ...], set[int]]] = {}
+        self.unwritten: set[int] = set()  # published pages whose K/V the forward has yet to write
 
     def match(self, root: bytes, token_ids: list[int]) -> list[tuple[int, bytes]]:
         """``(page, key)`` of each leading full page of ``token_ids`` the index holds, in order.
@@ -108,31 +90,24 @@ class PrefixIndex:
             prev = key
         return found
 
-    def offer(self, page: int, key: bytes, tokens: tuple[int, ...]) -> None:
-        """``page`` just filled with ``tokens`` (chained key ``key``): publish it once every
-        layer's K/V is written (beside any page that already holds that key)."""
+    def publish(self, page: int, key: bytes, tokens: tuple[int, ...]) -> None:
+        """``page`` was just filled with ``tokens`` (chained key ``key``): offer it for reuse, beside
+        any page that already holds that key; it is ``unwritten`` until `written` says otherwise."""
         self.forget(page)
-        self.pending[page] = (key, tokens, set())
+        self.page_of.setdefault(key, {})[page] = None
+        self.key_of[page] = key
+        self.tokens_of[page] = tokens
+        self.unwritten.add(page)
 
-    def written(self, layer: int, pages) -> None:
-        """``layer``'s K/V is now stored in ``pages``; publish those every layer has written."""
-        for page in pages:
-            entry = self.pending.get(page)
-            if entry is None:
-                continue
-            key, tokens, layers = entry
-            layers.add(layer)
-            if len(layers) == self.num_layers:
-                del self.pending[page]
-                self.page_of.setdefault(key, {})[page] = None
-                self.key_of[page] = key
-                self.tokens_of[page] = tokens
+    def written(self, pages) -> None:
+        """The forward has written ``pages``' K/V in every layer."""
+        self.unwritten.difference_update(pages)
 
     def forget(self, page: int) -> None:
-        """``page``'s contents change: it is no longer offered for reuse, nor waiting to be."""
+        """``page``'s contents change: it is no longer offered for reuse."""
         key = self.key_of.pop(page, None)
         self.tokens_of.pop(page, None)
-        self.pending.pop(page, None)
+        self.unwritten.discard(page)
         pages = self.page_of.get(key)
         if pages is not None:
             pages.pop(page, None)
@@ -141,14 +116,13 @@ class PrefixIndex:
 
     def snapshot(self) -> tuple:
         """The index's whole state, for `restore` (a rollback)."""
-        pending = {page: (key, tokens, set(layers)) for page, (key, tokens, layers) in self.pending.items()}
-        return dict(self.page_of), dict(self.key_of), dict(self.tokens_of), pending
+        return dict(self.page_of), dict(self.key_of), dict(self.tokens_of), set(self.unwritten)
 
     def restore(self, snapshot: tuple) -> None:
         """Put the index back as `snapshot` saw it."""
-        page_of, key_of, tokens_of, pending = snapshot
+        page_of, key_of, tokens_of, unwritten = snapshot
         self.page_of, self.key_of, self.tokens_of = dict(page_of), dict(key_of), dict(tokens_of)
-        self.pending = {page: (key, tokens, set(layers)) for page, (key, tokens, layers) in pending.items()}
+        self.unwritten = set(unwritten)
 
     def __contains__(self, page: int) -> bool:
         """Whether ``page`` holds a published prefix (its K/V is worth keeping when freed)."""

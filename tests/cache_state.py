@@ -62,6 +62,7 @@ class Snapshot:
         for name in ("page_hash", "page_tokens"):
             fields[name] = {p: v for p, v in fields[name].items() if p not in pages}
         fields["cached"] = tuple(p for p in fields["cached"] if p not in pages)
+        fields["unwritten"] = tuple(p for p in fields["unwritten"] if p not in pages)
         index = torch.tensor(sorted(pages), dtype=torch.long)
         tensors = tuple(t.index_fill(0, index, 0) if pages else t for t in self.tensors)
         return Snapshot(fields, tensors)
@@ -101,7 +102,7 @@ def snapshot(cache, *, tensors: bool = True, exact: bool = True) -> Snapshot:
         "prefix_index": {k: tuple(held) if exact else tuple(sorted(held)) for k, held in cache._prefix.page_of.items()},
         "page_hash": dict(cache._prefix.key_of),
         "page_tokens": dict(cache._prefix.tokens_of),
-        "pending": {p: (k, t, tuple(sorted(layers))) for p, (k, t, layers) in cache._prefix.pending.items()},
+        "unwritten": tuple(sorted(cache._prefix.unwritten)),
         "prefix_hits": cache.prefix_hits,
     }
     return Snapshot(fields, tuple(t.clone() for t in (*cache.k_cache, *cache.v_cache)) if tensors else ())

@@ -259,8 +259,8 @@ class CacheMachine(Checked):
         prompt=st.lists(st.integers(0, 2), min_size=1, max_size=9), adapter=st.sampled_from(ADAPTERS), lag=st.booleans()
     )
     def add(self, prompt, adapter, lag):
-        # a lagging write from the previous step stays pending while this sequence looks for
-        # cached pages: it must not find the half-written one
+        # a lagging write from the previous step: this sequence may share the pages it fills
+        # (published when reserved, as vLLM caches a block) and reads them once the write lands
         self.count("add")
         seq = self.cache.add_sequence(token_ids=prompt, namespace=_namespace(adapter))
         cached = self.cache.seq_len(seq)

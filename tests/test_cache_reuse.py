@@ -78,19 +78,21 @@ def test_vllm_evict_scenario_evicts_chains_from_the_tail():
     assert c.prefix_hits == 5  # as vLLM: 5
 
 
-def test_a_page_is_offered_for_reuse_only_after_its_kv_is_written():
+def test_a_page_is_published_when_reserved_and_a_sharer_reads_what_the_forward_writes():
+    """As vLLM caches a block when it allocates it: B, added between A's reserve and A's write, shares
+    A's full pages; A's write into them is allowed until its last layer, and B reads it."""
     c = cache(8, page_size=4, layers=2)
     prompt = list(range(9))
     a = c.add_sequence(token_ids=prompt)
-    slots = c.reserve(a, 9, token_ids=prompt)  # fills pages 0 and 1, K/V not written
+    slots = c.reserve(a, 9, token_ids=prompt)  # fills pages 0 and 1, K/V not written yet
     b = c.add_sequence(token_ids=prompt)  # sequence B arrives in between
-    assert c.seq_len(b) == 0 and c.prefix_hits == 0  # no zeros handed out as cached K/V
+    assert c.seq_len(b) == 8 and c.prefix_hits == 2 and c.allocator.refcount(0) == 2
     kv = torch.arange(9.0).view(9, 1, 1).expand(9, 1, 2).contiguous()
-    c.write(0, slots, kv, kv)  # A's write still works (refcount 1)
-    assert c.seq_len(c.add_sequence(token_ids=prompt)) == 0  # one layer of two: not yet
-    c.write(1, slots, kv, kv)
-    d = c.add_sequence(token_ids=prompt)
-    assert c.seq_len(d) == 8 and torch.equal(c.gather(1, d)[0], kv[:8])
+    for layer in range(2):
+        c.write(layer, slots, kv, kv)  # A's forward: into pages B shares, until they are written
+    assert torch.equal(c.gather(0, b)[0], kv[:8]) and torch.equal(c.gather(1, b)[1], kv[:8])
+    with pytest.raises(ValueError, match="refcount 2"):  # written: a shared page again, refused
+        c.write(0, slots[:4], kv[:4], kv[:4])
 
 
 def test_per_sequence_namespaces_never_share_pages():

@@ -1,32 +1,28 @@
-"""PrefixIndex on its own: a page is offered only once every layer wrote it, and never on a key alone."""
+"""PrefixIndex on its own: a page is published when filled, written once the forward wrote it, and
+never matched on a key alone."""
 
 from paged_ref.prefix_cache import PrefixIndex, namespace_key, page_key
 
 
 def _published(index, root, tokens, page):
     key = page_key(root, tuple(tokens))
-    index.offer(page, key, tuple(tokens))
-    for layer in range(index.num_layers):
-        index.written(layer, [page])
+    index.publish(page, key, tuple(tokens))
     return key
 
 
-def test_published_after_the_last_layer_and_withdrawn_by_forget():
-    index, root = PrefixIndex(num_layers=3, page_size=2), namespace_key(None)
-    key = page_key(root, (1, 2))
-    index.offer(7, key, (1, 2))
-    index.written(0, [7])
-    index.written(0, [7])  # the same layer twice still counts once
-    index.written(1, [7])
-    assert index.match(root, [1, 2, 3]) == [] and 7 not in index
-    index.written(2, [7])
-    assert index.match(root, [1, 2, 3]) == [(7, key)] and 7 in index
+def test_published_when_filled_unwritten_until_written_and_withdrawn_by_forget():
+    index, root = PrefixIndex(page_size=2), namespace_key(None)
+    key = _published(index, root, [1, 2], page=7)
+    assert index.match(root, [1, 2, 3]) == [(7, key)] and 7 in index and index.unwritten == {7}
+    index.written([7, 9])  # a page that was never published changes nothing
+    assert index.unwritten == set() and index.match(root, [1, 2, 3]) == [(7, key)]
+    _published(index, root, [1, 2], page=7)  # filled again: unwritten again
     index.forget(7)
-    assert index.match(root, [1, 2, 3]) == [] and 7 not in index and not index.pending
+    assert index.match(root, [1, 2, 3]) == [] and 7 not in index and not index.unwritten
 
 
 def test_chain_stops_at_the_first_miss_and_a_key_is_confirmed_by_its_tokens():
-    index, root = PrefixIndex(num_layers=1, page_size=2), namespace_key({"model": "m"})
+    index, root = PrefixIndex(page_size=2), namespace_key({"model": "m"})
     k0 = _published(index, root, [1, 2], page=0)
     _published(index, k0, [3, 4], page=1)
     assert [p for p, _ in index.match(root, [1, 2, 3, 4, 5])] == [0, 1]
@@ -38,7 +34,7 @@ def test_chain_stops_at_the_first_miss_and_a_key_is_confirmed_by_its_tokens():
 
 def test_a_second_page_with_a_published_key_is_kept_and_serves_when_the_first_goes():
     """No de-duplication (as vLLM's cache): both pages are cached, the first published serves."""
-    index, root = PrefixIndex(num_layers=1, page_size=2), namespace_key(None)
+    index, root = PrefixIndex(page_size=2), namespace_key(None)
     key = _published(index, root, [1, 2], page=0)
     _published(index, root, [1, 2], page=5)  # another sequence filled the same tokens into page 5
     assert list(index.page_of[key]) == [0, 5] and 0 in index and 5 in index

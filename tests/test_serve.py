@@ -160,6 +160,22 @@ def test_a_full_prompt_prefix_hit_still_computes_the_last_prompt_token(model):
     assert engine.stats()["prefix_hit_tokens"] == 8 + 4
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_a_hit_on_pages_an_earlier_row_of_the_step_fills_reads_that_forwards_kv(model, backend):
+    """As in vLLM, scheduling A publishes the full pages its prompt fills, so B (admitted next in the same
+    step) shares them and computes only its rest: every layer writes A's K/V before B attends there."""
+    prompt = list(range(20, 33))  # 13 tokens: three full pages of 4 and one more
+    engine = Engine(model, num_pages=16, page_size=PAGE, max_batched_tokens=64, prefix_caching=True, backend=backend,
+                    eos_token_id=[], clock="steps", watermark=0.0)  # fmt: skip
+    for p in (prompt, prompt + [7, 8], prompt):
+        engine.add_request(p, max_new_tokens=5)
+    outs = engine.run()
+    first = engine.history[0]
+    assert first.admitted == (0, 1, 2) and first.tokens == 13 + 3 + 1  # B and C compute past A's 3 full pages
+    assert engine.stats()["prefix_hit_tokens"] == 24
+    assert [o.token_ids for o in outs] == [_alone(tuple(p), 5) for p in (prompt, prompt + [7, 8], prompt)]
+
+
 def test_eos_stops_a_request_like_generate(model):
     eos = _alone(tuple(range(60, 70)), 6)[2]  # its third token: call it the end
     engine = Engine(model, num_pages=16, page_size=PAGE, eos_token_id=eos, clock="steps")
@@ -316,7 +332,8 @@ def _req(i, prompt, new=4):
 
 def _run_step(sched):
     plan = sched.schedule()
-    sched.session.extend([r.seq_id for r, _ in plan.items], [torch.zeros(n, dtype=torch.long) for _, n in plan.items])
+    rows = [torch.zeros(n, dtype=torch.long) for _, n in plan.items]
+    sched.session.extend([r.seq_id for r, _ in plan.items], rows, reserved=True)  # the plan took the pages
     for r, n in plan.items:
         r.num_computed += n
         if r.num_computed == r.num_tokens:

@@ -174,6 +174,32 @@ def test_a_failed_step_does_not_count_its_prompt_tokens(model, monkeypatch):
     assert engine.stats()["prompt_tokens"] == 10
 
 
+def test_a_step_that_fails_after_scheduling_gives_back_the_pages_it_took_and_unpublishes_them(model, monkeypatch):
+    """Scheduling takes each row's pages and publishes their full ones (B hits A's in the same step);
+    a forward that then raises leaves no page taken and none published."""
+    prompt = list(range(20, 33))  # 13 tokens: three full pages of 4 and one more
+    engine = Engine(model, num_pages=16, page_size=PAGE, max_batched_tokens=64, eos_token_id=[], clock="steps",
+                    prefix_caching=True, watermark=0.0)  # fmt: skip
+    for p in (prompt, prompt + [7, 8]):
+        engine.add_request(p, max_new_tokens=3)
+    before, seen = _state(engine), {}
+
+    def failing(*args, **kwargs):
+        seen.update(free=engine.kv.allocator.num_free, cached=len(engine.kv.cached_prefix(prompt + [1])))
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine.session, "extend", failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step()
+    assert seen == dict(free=16 - 4 - 1, cached=3)  # A's 4 pages, B's 1 beside the 3 it shares; 3 published
+    assert _state(engine) == before and engine.kv.allocator.num_free == 16
+    assert engine.kv.cached_prefix(prompt + [1]) == [] and engine.kv.prefix_hits == 0
+    monkeypatch.undo()
+    outs = engine.run()
+    assert engine.history[0].admitted == (0, 1) and engine.stats()["prefix_hit_tokens"] == 12
+    assert [o.token_ids for o in outs] == [_alone(tuple(p), 3) for p in (prompt, prompt + [7, 8])]
+
+
 def test_an_allocation_that_fails_inside_a_policy_changes_nothing(model):
     engine = Engine(model, num_pages=16, page_size=PAGE, eos_token_id=[], clock="steps", prefix_caching=True)
     prompt = list(range(3, 19))

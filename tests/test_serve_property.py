@@ -84,7 +84,7 @@ class ToySession(DrySession):
         super().rollback()
         self._policies, self._prefilled = self._toy_saved
 
-    def extend(self, seq_ids, tokens, *, packed=False) -> torch.Tensor:
+    def extend(self, seq_ids, tokens, *, packed=False, reserved=False) -> torch.Tensor:
         fault = self.faults or (lambda where: False)
         if fault("forward"):
             raise Injected("forward, before its reserves")
@@ -92,7 +92,10 @@ class ToySession(DrySession):
             t = list(t)
             pos = torch.arange(self._positions[s], self._positions[s] + len(t), dtype=torch.float32)
             ids = torch.tensor(t, dtype=torch.float32)
-            slots = self.kv.reserve(s, len(t), token_ids=t if self.kv.prefix_caching else None)
+            if reserved:  # the scheduler took the pages
+                slots = self.kv.last_slots(s, len(t))
+            else:
+                slots = self.kv.reserve(s, len(t), token_ids=t if self.kv.prefix_caching else None)
             k = torch.stack([ids + 1, pos + 1], dim=-1)[:, None, :]  # [n, 1, 2]
             v = torch.stack([pos + 1, ids % 7 + 1], dim=-1)[:, None, :]
             self.kv.write(0, slots, k, v, check_values=False)

@@ -13,7 +13,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
@@ -51,20 +51,12 @@ class Arrival:
 class Step:
     """One scheduler step: ``scheduled`` maps request index -> tokens fed; ``preempted`` in the order taken;
     ``free`` blocks after the step (finished requests freed); ``cached`` request index -> prefix-hit tokens
-    of the requests admitted (for the first time or again) in this step.
-
-    ``vllm_timing`` (vLLM's side, not compared): with prefix caching, a prefix lookup of this step saw
-    what vLLM did earlier in the same step: a hit on a block that an earlier row of the step fills,
-    or a lookup after an earlier row's allocation evicted a cached block. vLLM takes (and caches)
-    a row's blocks when it schedules the row; paged_ref takes a row's pages when the forward
-    reserves them and offers a page for reuse once its K/V is written (`paged_ref.prefix_cache`):
-    from such a step on, the two may part, by design."""
+    of the requests admitted (for the first time or again) in this step."""
 
     scheduled: dict[int, int]
     preempted: tuple[int, ...]
     free: int
     cached: dict[int, int]
-    vllm_timing: bool = field(default=False, compare=False)
 
 
 _MODEL_DIR = None
@@ -133,10 +125,9 @@ def vllm_steps(stream: list[Arrival], *, prefix_caching=False, **limits) -> list
     from vllm.v1.request import Request, RequestStatus
 
     sched = vllm_scheduler(prefix_caching=prefix_caching, **limits)
-    pool, manager = sched.kv_cache_manager.block_pool, sched.kv_cache_manager
+    pool = sched.kv_cache_manager.block_pool
     init_none_hash(sha256)
     hasher = get_request_block_hasher(limits["block_size"], sha256) if prefix_caching else None
-    timing = _TimingWatch(pool, manager)
     order = sorted(range(len(stream)), key=lambda i: (stream[i].step, i))
     steps, now, nxt = [], 0, 0
     while nxt < len(order) or sched.has_unfinished_requests():
@@ -150,7 +141,6 @@ def vllm_steps(stream: list[Arrival], *, prefix_caching=False, **limits) -> list
             )
             nxt += 1
         before = {rid: r.status for rid, r in sched.requests.items()}
-        timing.start()
         out = sched.schedule()
         ids = list(out.num_scheduled_tokens)
         sampled = []
@@ -164,44 +154,11 @@ def vllm_steps(stream: list[Arrival], *, prefix_caching=False, **limits) -> list
         }
         preempted = tuple(sorted(int(r) for r in out.preempted_req_ids or ()))
         scheduled = {int(rid): n for rid, n in out.num_scheduled_tokens.items()}
-        flagged = timing.flagged
-        timing.stop()
         index = {r: k for k, r in enumerate(ids)}
         sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index=index, sampled_token_ids=sampled))
-        steps.append(Step(scheduled, preempted, pool.get_num_free_blocks(), cached, flagged))
+        steps.append(Step(scheduled, preempted, pool.get_num_free_blocks(), cached))
         now += 1
     return steps
-
-
-class _TimingWatch:
-    """Watches one vLLM scheduler step for what `Step.vllm_timing` names (wraps the instance's methods)."""
-
-    def __init__(self, pool, manager):
-        self.active, self.flagged, self.evicted, self.published = False, False, False, set()
-        evict, lookup = pool._maybe_evict_cached_block, manager.get_computed_blocks
-
-        def watched_evict(block):
-            had = block.block_hash is not None
-            done = evict(block)
-            self.evicted |= self.active and had and bool(done)
-            return done
-
-        def watched_lookup(request):
-            blocks, n, *rest = lookup(request)
-            if self.active:
-                fresh = any((b.block_id, b.block_hash) not in self.published for b in blocks.blocks[0])
-                self.flagged |= self.evicted or fresh
-            return (blocks, n, *rest)
-
-        pool._maybe_evict_cached_block, manager.get_computed_blocks = watched_evict, watched_lookup
-        self.pool = pool
-
-    def start(self):
-        self.active, self.flagged, self.evicted = True, False, False
-        self.published = {(b.block_id, b.block_hash) for b in self.pool.blocks if b.block_hash is not None}
-
-    def stop(self):
-        self.active = False
 
 
 def paged_ref_steps(

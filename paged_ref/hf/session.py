@@ -279,7 +279,15 @@ class PagedSession:
 
     # ------------------------------------------------------------------ the forward
     @torch.inference_mode()
-    def extend(self, seq_ids: list[int], tokens: list[torch.Tensor], *, all_logits: bool = False, packed: bool = False):
+    def extend(
+        self,
+        seq_ids: list[int],
+        tokens: list[torch.Tensor],
+        *,
+        all_logits: bool = False,
+        packed: bool = False,
+        reserved: bool = False,
+    ):
         """Feed new tokens to some sequences in one forward and return their logits.
 
         Args:
@@ -290,6 +298,8 @@ class PagedSession:
                 model one row of all the new tokens instead of a ``[batch, max_n_b]`` rectangle, so
                 that the padding is not computed (`paged_ref.hf.cache.pack_rows`); same logits. Not
                 on a `LayeredKVCache`.
+            reserved: the caller (a scheduler) already reserved the tokens' slots in the cache
+                (`PagedKVCache.reserve`); the forward writes into them, and undoing them is the caller's.
 
         Returns:
             all_logits False: ``[batch, vocab]`` float32, logits after each sequence's last new token.
@@ -323,7 +333,12 @@ class PagedSession:
             raise ValueError(f"each tokens[b] must hold at least one token, got lengths {q_lens_list}")
         for b, (s, n) in enumerate(zip(seq_ids, q_lens_list)):
             policy = self._policies[s]
-            if policy is not None and s in self._prefilled and n > policy.tokens_until_action(self.kv, s):
+            if (
+                policy is not None
+                and s in self._prefilled
+                and not reserved
+                and n > policy.tokens_until_action(self.kv, s)
+            ):
                 raise ValueError(
                     f"tokens[{b}] has {n} tokens, but sequence {s}'s eviction policy must act after "
                     f"{policy.tokens_until_action(self.kv, s)}; feed at most tokens_until_action() tokens per forward"
@@ -332,7 +347,7 @@ class PagedSession:
         marks = [self.kv.mark(s) for s in seq_ids]
         started = time.perf_counter()
         try:
-            plan, input_ids, position_ids = self._plan(seq_ids, tokens, q_lens_list, packed=packed)
+            plan, input_ids, position_ids = self._plan(seq_ids, tokens, q_lens_list, packed=packed, reserved=reserved)
         except BaseException:  # the reservation is all or nothing; what comes after it may fail
             self._rewind(seq_ids, marks)
             raise
@@ -405,14 +420,17 @@ class PagedSession:
             )
         return t
 
-    def _plan(self, seq_ids, tokens, q_lens_list, packed=False):
+    def _plan(self, seq_ids, tokens, q_lens_list, packed=False, reserved=False):
         """Reserve cache slots for the new tokens and lay them out as a [batch, max_q_len] rectangle
         (or, ``packed`` and of different lengths, as one row: `_pack`)."""
         device = self.kv.device
         batch, max_q = len(seq_ids), max(q_lens_list)
         # with prefix caching the cache learns the token ids, so full pages become findable
-        token_ids = [t.tolist() for t in tokens] if self.kv.prefix_caching else None
-        slots = self.kv.reserve_batch(seq_ids, q_lens_list, token_ids)  # each [n] or [layers, n]; all or nothing
+        if reserved:
+            slots = [self.kv.last_slots(s, n) for s, n in zip(seq_ids, q_lens_list)]  # each [n]
+        else:
+            token_ids = [t.tolist() for t in tokens] if self.kv.prefix_caching else None
+            slots = self.kv.reserve_batch(seq_ids, q_lens_list, token_ids)  # each [n] or [layers, n]; all or nothing
         q_lens = torch.tensor(q_lens_list, dtype=torch.int32, device=device)  # [batch]
         start = torch.tensor([self._positions[s] for s in seq_ids], device=device)  # [batch]
         col = torch.arange(max_q, device=device)  # [max_q]

@@ -3,8 +3,8 @@
 `DrySession` answers the calls the engine makes of a `paged_ref.hf.PagedSession` (``add``,
 ``position``, ``extend``, ``finish``, its ``kv``, and ``checkpoint`` / ``commit`` / ``rollback``)
 over a real `PagedKVCache` whose pages hold one number per token. ``extend`` reserves the new
-tokens' slots (so pages are taken, shared and freed exactly as in a real run) and returns logits
-that always pick token 0. The engine's
+tokens' slots unless the scheduler did (so pages are taken, shared and freed exactly as in a real
+run), writes nothing, and returns logits that always pick token 0. The engine's
 scheduler then runs unchanged at the cost of its own bookkeeping: ``Engine(None, ...)`` is a dry
 run, what notebook 09's widget and notebook 03's fragmentation study use to play thousands of steps in
 seconds. Eviction policies need real K/V and are refused here.
@@ -75,15 +75,12 @@ class DrySession:
         self.kv.rollback()
         self._positions = self._saved
 
-    def extend(self, seq_ids: list[int], tokens: list, *, packed: bool = False) -> torch.Tensor:
-        """Reserve every row's new tokens (lists or 1-D tensors of ids; zeros are written: prefix caching
-        offers a page once written); returns logits ``[batch, 1]`` (every row samples token 0).
-        ``packed`` is accepted for the engine's call and changes nothing here."""
+    def extend(self, seq_ids: list[int], tokens: list, *, packed: bool = False, reserved: bool = False) -> torch.Tensor:
+        """Feed every row's new tokens (lists or 1-D tensors of ids), reserving their slots unless
+        ``reserved``; returns logits ``[batch, 1]`` (every row samples token 0). ``packed`` changes nothing here."""
         for s, t in zip(seq_ids, tokens):
-            ids = (t.tolist() if isinstance(t, torch.Tensor) else list(t)) if self.kv.prefix_caching else None
-            slots = self.kv.reserve(s, len(t), token_ids=ids)
-            if ids is not None:
-                zeros = torch.zeros(len(t), 1, 1)
-                self.kv.write(0, slots, zeros, zeros, check_values=False)
+            if not reserved:
+                ids = (t.tolist() if isinstance(t, torch.Tensor) else list(t)) if self.kv.prefix_caching else None
+                self.kv.reserve(s, len(t), token_ids=ids)
             self._positions[s] += len(t)
         return torch.zeros(len(seq_ids), 1)

@@ -1,31 +1,21 @@
 """The engine: a stream of requests served from one page pool, one forward per step.
 
-`Engine` owns a `paged_ref.hf.PagedSession` over a `PagedKVCache` of ``num_pages`` pages and a
-`Scheduler` over its queues. Each `Engine.step`:
+`Engine` owns a `paged_ref.hf.PagedSession` over a `PagedKVCache` and a `Scheduler`. Each
+`Engine.step` moves the requests that have arrived into the waiting queue, asks the scheduler for
+the step's plan (preemptions, swaps, admissions, and each row's tokens in pages it takes at once),
+runs **one** packed ``session.extend`` over decode rows and prefill chunks side by side, and gives
+every request whose tokens are all computed its greedy next token, finishing it on
+``max_new_tokens`` or EOS (its pages go back at once).
 
-1. moves the requests that have arrived (``arrival_s <= now``) into the waiting queue;
-2. asks the scheduler for the step's plan: preemptions, swaps, admissions, and for each running
-   request the tokens to feed (a decode's one token, a prefill chunk);
-3. runs **one** ``session.extend`` over all of them: decode rows and prefill chunks side by side,
-   packed into one row of tokens (``packed=True``: no padding is computed for rows of different
-   lengths; attention reads the decode rows and the chunks with their own kernels);
-4. for every request whose tokens are now all computed, appends the greedy token of its last
-   logits and finishes it on ``max_new_tokens`` or an EOS token (its pages go back at once).
+A step is all or nothing: the engine saves what it may change (`paged_ref.serve.undo`, and the
+session's and cache's checkpoint); if the step raises, every request, page, swap entry, count and
+policy record is put back and the error, naming the requests concerned, is re-raised. A request
+whose own eviction hook raises in `Engine.HOOK_TRIES` steps is finished with
+``finish_reason="error"`` instead (vLLM aborts such a request).
 
-A step is all or nothing. Steps 2 and 3 change a lot (pages preempted, swapped, shared, taken;
-eviction hooks dropping and compacting pages after the forward) and any of it may raise: the
-engine saves first what the step may change (`paged_ref.serve.undo`, and the session's and
-cache's checkpoint), and if the step raises it puts every request, page, swap entry, count and
-policy record back, adds a note naming the requests concerned, and re-raises. Running on gives
-every request the tokens it would get alone. A request whose own eviction hook raises in
-`Engine.HOOK_TRIES` steps is finished instead, with ``finish_reason="error"`` and the error in its
-`RequestOutput` (vLLM aborts such a request), so that one bad request cannot stop the others.
-
-Clocks (``clock=``): ``"simulated"`` (the default with a model) advances by each step's measured
-wall time and jumps over idle gaps to the next arrival, so the metrics are the steps' real time
-without the waiting a real server would sleep through; ``"real"`` reads the wall clock (seconds
-since the engine was made) and sleeps when idle; ``"steps"`` (the default of a dry run,
-``model=None``) counts one unit per step. ``stats()["clock"]`` says which one the times use.
+Clocks: ``"simulated"`` (the default with a model) advances by each step's wall time and skips idle
+gaps; ``"real"`` reads the wall clock and sleeps when idle; ``"steps"`` (a dry run's default) counts
+steps.
 
 Example:
     >>> import torch
@@ -55,6 +45,7 @@ import time
 
 import torch
 
+from .._cache_checks import token_list
 from .._validate import check_choice, check_int
 from ..cache import PagedKVCache
 from ..eviction.policies import EvictionPolicy
@@ -62,7 +53,7 @@ from . import undo
 from .dry import DrySession
 from .metrics import StepRecord, engine_stats
 from .request import FINISHED, PENDING, Request, RequestOutput
-from .scheduler import PREEMPTIONS, RESERVATIONS, Scheduler
+from .scheduler import Scheduler
 
 __all__ = ["CLOCKS", "Engine", "StepRecord"]
 
@@ -73,23 +64,16 @@ class Engine:
     """Continuous batching over one page pool; see the module docstring.
 
     Args:
-        model: a transformers causal LM (as for `paged_ref.hf.PagedSession`), or None for a dry
-            run (`paged_ref.serve.dry`: the same pool and scheduler, every token counted, none computed).
-        num_pages, page_size: the pool: ``num_pages`` pages of ``page_size`` tokens.
-        max_num_seqs: most requests running at once.
-        max_batched_tokens: most tokens one forward feeds, decodes and prefill chunks together.
-        reservation: ``"paged"``, ``"exact"`` or ``"max_len"`` (`paged_ref.serve.scheduler`).
-        preemption: ``"recompute"`` or ``"swap"``.
-        prefix_caching: share full prompt pages between requests (``PagedKVCache(prefix_caching=True)``).
-        backend: the session's attention backend (``"auto"``, ``"sdpa"``, ``"reference"``, ...).
-        prepack: the session's linear layers through weights packed once for oneDNN (`paged_ref.hf.prepack`).
-        watermark: share of the pool admission leaves free while other requests run (pages rounded
-            down; vLLM V0's default was 0.01, vLLM 0.32's is 0).
-        max_model_len: longest request (prompt + max_new_tokens) and what ``"max_len"`` reserves;
-            default the model's ``max_position_embeddings`` (a dry run: the whole pool).
-        eos_token_id: int or list of ints that end a request; default the model's
-            ``generation_config.eos_token_id``; ``[]`` never stops early.
-        clock: ``"simulated"``, ``"real"`` or ``"steps"`` (default: ``"simulated"``, ``"steps"`` for a dry run).
+        model: a transformers causal LM, or None for a dry run (`paged_ref.serve.dry`: the same pool
+            and scheduler, every token counted, none computed).
+        num_pages, page_size: the pool.
+        reservation, preemption, max_num_seqs, max_batched_tokens: the `Scheduler`'s.
+        prefix_caching: share full prompt pages between requests.
+        backend, prepack: the session's (`paged_ref.hf.PagedSession`).
+        watermark: share of the pool admission keeps free while others run (vLLM 0.32: 0).
+        max_model_len: longest request; default the model's ``max_position_embeddings`` (dry: the pool).
+        eos_token_id: int or ints that end a request (default the model's; ``[]``: never).
+        clock: ``"simulated"``, ``"real"`` or ``"steps"``.
         trace: record every page's owner after every step (``history[i].owners``), for page maps.
     """
 
@@ -114,23 +98,13 @@ class Engine:
         clock: str | None = None,
         trace: bool = False,
     ):
-        num_pages = check_int("num_pages", num_pages, min_value=1)
-        page_size = check_int("page_size", page_size, min_value=1)
-        check_choice("reservation", reservation, RESERVATIONS)
-        check_choice("preemption", preemption, PREEMPTIONS)
-        if not isinstance(prefix_caching, bool):
-            raise TypeError(f"prefix_caching must be True or False, got {prefix_caching!r}")
+        # checked here: the engine's own arguments; the pool's by the cache, the scheduler's by the Scheduler
         if not isinstance(watermark, numbers.Real) or isinstance(watermark, bool) or not 0 <= watermark < 1:
             raise ValueError(f"watermark must be a share of the pool in [0, 1), got {watermark!r}")
-        watermark_pages = int(watermark * num_pages)
-        if watermark_pages >= num_pages:
-            raise ValueError(f"watermark={watermark} keeps all {num_pages} pages free: nothing could be admitted")
         self.clock = check_choice("clock", clock or ("steps" if model is None else "simulated"), CLOCKS)
         if model is None:
             self.session = DrySession(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
-            self.vocab_size = None
-            eos = [] if eos_token_id is None else eos_token_id
-            default_len = num_pages * page_size
+            self.vocab_size, eos, limit = None, [] if eos_token_id is None else eos_token_id, None
         else:
             from ..hf.session import PagedSession
 
@@ -140,25 +114,28 @@ class Engine:
             eos = eos_token_id
             if eos is None:
                 eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-            default_len = getattr(model.config, "max_position_embeddings", None) or num_pages * page_size
-            if max_model_len is not None and check_int("max_model_len", max_model_len, min_value=1) > default_len:
-                self.session.close()
-                raise ValueError(
-                    f"max_model_len must be <= the model's max_position_embeddings={default_len}, got {max_model_len}"
-                )
-        self.eos = _eos_set(eos, self.vocab_size)
+            limit = getattr(model.config, "max_position_embeddings", None)
         self.model = model
         self.kv = self.session.kv
         self.backend = self.session.backend
-        self.scheduler = Scheduler(
-            self.session,
-            max_num_seqs=max_num_seqs,
-            max_batched_tokens=max_batched_tokens,
-            reservation=reservation,
-            preemption=preemption,
-            watermark_pages=watermark_pages,
-            max_model_len=default_len if max_model_len is None else max_model_len,
-        )
+        try:
+            self.eos = _eos_set(eos, self.vocab_size)
+            self.scheduler = Scheduler(
+                self.session,
+                max_num_seqs=max_num_seqs,
+                max_batched_tokens=max_batched_tokens,
+                reservation=reservation,
+                preemption=preemption,
+                watermark_pages=int(watermark * self.kv.num_pages),
+                max_model_len=limit if max_model_len is None else max_model_len,
+            )
+            if limit is not None and self.scheduler.max_model_len > limit:
+                raise ValueError(
+                    f"max_model_len must be <= the model's max_position_embeddings={limit}, got {max_model_len}"
+                )
+        except BaseException:
+            self.session.close()
+            raise
         if not isinstance(trace, bool):
             raise TypeError(f"trace must be True or False, got {trace!r}")
         self.trace = trace
@@ -182,17 +159,10 @@ class Engine:
     def add_request(self, prompt_ids, *, max_new_tokens: int, arrival_s: float | None = None, eviction=None) -> int:
         """Queue a request; returns its id (0, 1, 2, ... in submission order).
 
-        Args:
-            prompt_ids: 1-D LongTensor or list of token ids (at least one).
-            max_new_tokens: tokens to generate at most (>= 1).
-            arrival_s: when the request arrives on the engine's clock (default: now); until then
-                the scheduler does not see it.
-            eviction: an `paged_ref.eviction.EvictionPolicy` for this request's K/V (e.g.
-                ``make_policy("paged_eviction", 256)``; one object can serve many requests), or None.
-
-        Raises:
-            TypeError / ValueError: bad arguments, or a request that could never be served in this
-                pool (too long for ``max_model_len``, more pages than the pool has); nothing is queued.
+        ``prompt_ids``: a 1-D integer tensor or list (at least one id); ``arrival_s``: when it arrives on
+        the engine's clock (default now); ``eviction``: an `paged_ref.eviction.EvictionPolicy` for its
+        K/V (one object can serve many requests). Bad arguments, or a request that could never be
+        served in this pool, raise TypeError / ValueError and queue nothing.
         """
         prompt = self._prompt_ids(prompt_ids)
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, min_value=1)
@@ -227,21 +197,9 @@ class Engine:
         return r.request_id
 
     def _prompt_ids(self, prompt_ids) -> list[int]:
-        if isinstance(prompt_ids, torch.Tensor):
-            if prompt_ids.dim() != 1 or prompt_ids.dtype.is_floating_point or prompt_ids.dtype == torch.bool:
-                raise TypeError(
-                    f"prompt_ids must be a 1-D integer tensor or a list of ints, got a tensor of shape "
-                    f"{list(prompt_ids.shape)} and dtype {prompt_ids.dtype}"
-                )
-            prompt = prompt_ids.tolist()
-        elif isinstance(prompt_ids, (list, tuple)):
-            prompt = list(prompt_ids)
-            for i, t in enumerate(prompt):
-                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                    raise TypeError(f"prompt_ids[{i}] must be an int, got {type(t).__name__} ({t!r})")
-            prompt = [int(t) for t in prompt]
-        else:
-            raise TypeError(f"prompt_ids must be a 1-D tensor or a list of token ids, got {type(prompt_ids).__name__}")
+        if isinstance(prompt_ids, torch.Tensor) and prompt_ids.dtype == torch.bool:
+            raise TypeError("prompt_ids must be a 1-D integer tensor or a list of ints, got a bool tensor")
+        prompt = token_list("prompt_ids", prompt_ids)
         if not prompt:
             raise ValueError("prompt_ids must hold at least one token, got an empty prompt")
         hi = self.vocab_size
@@ -278,14 +236,8 @@ class Engine:
 
     # ------------------------------------------------------------------ steps
     def step(self) -> list[RequestOutput]:
-        """One scheduler step and one forward; returns the requests that finished in it.
-
-        With nothing to serve yet but requests still to arrive, the clock first moves to the
-        next arrival. With nothing at all, returns [] and does nothing. All or nothing: if the
-        step raises (planning, the forward, an eviction hook), every request, page, count and the
-        clock are as they were, and the exception's note names the requests concerned; a request
-        whose own hook fails `HOOK_TRIES` times is finished with ``finish_reason="error"`` instead.
-        """
+        """One scheduler step and one forward, all or nothing; returns the requests that finished in it.
+        With nothing queued but requests still to arrive, the clock first moves to the next arrival."""
         if not self.has_unfinished_requests():
             return []
         saved, sched = self._checkpoint(), None
@@ -296,10 +248,10 @@ class Engine:
             if not sched.items:
                 raise RuntimeError(f"the scheduler planned no tokens: {self.scheduler.queues()}")
             scheduled = time.perf_counter()
-            pages_used = self.kv.num_pages - self.kv.allocator.num_free + sched.new_pages  # during the forward
+            pages_used = self.kv.num_pages - self.kv.allocator.num_free  # the rows' pages are taken
             seq_ids = [r.seq_id for r, _ in sched.items]
             chunks = [r.tokens(r.num_computed, r.num_computed + n) for r, n in sched.items]
-            logits = self.session.extend(seq_ids, chunks, packed=True)  # 2. one forward: [rows, vocab]
+            logits = self.session.extend(seq_ids, chunks, packed=True, reserved=True)  # 2. one forward: [rows, vocab]
             forwarded = time.perf_counter()
             next_tokens = logits.argmax(dim=-1).tolist()  # 3. sample (greedy)
         except BaseException as error:
@@ -476,16 +428,7 @@ class Engine:
 
     # ------------------------------------------------------------------ what happened
     def stats(self) -> dict:
-        """Counters of the run so far (times on ``clock``; ``*_s`` shares of wall time).
-
-        ``tokens``: generated tokens; ``tokens_per_s``: generated tokens over the span from the
-        first arrival to the last finish (per step on the ``"steps"`` clock); ``prompt_tokens``:
-        prompt tokens computed the first time; ``recomputed_tokens``: tokens fed again after a
-        preemption; ``prefix_hit_tokens``: prompt tokens reused from the prefix cache;
-        ``peak_pages``: most pages held during a forward; ``peak_committed_pages``: most pages held
-        or committed to running requests (``"exact"``/``"max_len"``); ``overhead_share``: the engine's
-        own time (scheduling, laying out the forward, sampling) over the steps' wall time.
-        """
+        """Counters of the run so far (`paged_ref.serve.metrics.engine_stats`; times on ``clock``)."""
         return engine_stats(
             clock=self.clock,
             requests=self._requests,

@@ -1,14 +1,11 @@
 """A request in flight, and what the engine hands back when it is done.
 
-A request is a prompt and a number of tokens to generate. While it is in flight the engine keeps
-one `Request`: every token it knows (``token_ids`` = prompt + output so far), how many of them
-have been fed to the model (``num_computed``), and where it is (``status``). The engine's whole
-bookkeeping is those two numbers: a step feeds ``token_ids[num_computed : num_computed + n]``
-(a chunk of the prompt, or the one token sampled last step), and when ``num_computed`` reaches
-``len(token_ids)`` the forward's last logits give the next token. Preemption by recompute sets
-``num_computed`` back to 0 (prompt and output are prefilled again, and the final logits give the
-next new token); ``high_water`` remembers the most tokens ever computed, so every token fed again
-below it is counted as recomputed.
+While a request is in flight the engine keeps one `Request`: every token it knows (``token_ids``
+= prompt + output so far) and how many have been fed to the model (``num_computed``). A step feeds
+``token_ids[num_computed : num_computed + n]`` (a prompt chunk, or the token sampled last step);
+when ``num_computed`` reaches ``len(token_ids)`` the last logits give the next token. Preemption by
+recompute sets ``num_computed`` back to 0; ``high_water`` (the most ever computed) tells what is
+recomputed.
 
 Example:
     >>> r = Request(request_id=0, prompt_ids=[5, 6, 7], max_new_tokens=2, arrival_s=0.0)
@@ -32,44 +29,26 @@ PENDING, WAITING, RUNNING, SWAPPED, FINISHED = "pending", "waiting", "running", 
 
 @dataclass(eq=False)
 class Request:
-    """One request's state inside the engine (see the module docstring).
+    """One request's state inside the engine (see the module docstring)."""
 
-    Attributes:
-        request_id: the id `Engine.add_request` returned (0, 1, 2, ... in submission order).
-        prompt_ids: the prompt's token ids.
-        max_new_tokens: tokens to generate at most.
-        arrival_s: when it becomes visible to the scheduler, on the engine's clock.
-        eviction: its own KV eviction policy, or None (keep every token).
-        output_ids: tokens generated so far.
-        status: ``PENDING`` (not arrived), ``WAITING``, ``RUNNING``, ``SWAPPED`` or ``FINISHED``.
-        seq_id: its sequence in the engine's session while it has one (running or swapped), else None.
-        num_computed: tokens of ``token_ids`` fed to the model since it was (re)admitted; a prefix
-            cache hit counts its reused tokens here.
-        high_water: the most tokens ever computed: feeding below it again is recomputation.
-        admitted: order of its latest admission (larger = more recent: preempted first).
-        reserved_pages: pages committed to it on admission (``"exact"``/``"max_len"``), else 0.
-        hook_failures: steps undone because its own eviction hook raised.
-        error: why it was finished with ``finish_reason="error"`` (its hook kept failing), else None.
-    """
-
-    request_id: int
+    request_id: int  # what `Engine.add_request` returned (0, 1, 2, ... in submission order)
     prompt_ids: list[int]
     max_new_tokens: int
-    arrival_s: float
-    eviction: EvictionPolicy | None = None
+    arrival_s: float  # when the scheduler first sees it, on the engine's clock
+    eviction: EvictionPolicy | None = None  # its own KV eviction policy (None: keep every token)
     output_ids: list[int] = field(default_factory=list)
-    status: str = PENDING
-    seq_id: int | None = None
-    num_computed: int = 0
-    high_water: int = 0
-    admitted: int = -1
-    reserved_pages: int = 0
+    status: str = PENDING  # PENDING (not arrived), WAITING, RUNNING, SWAPPED or FINISHED
+    seq_id: int | None = None  # its sequence in the session while running or swapped
+    num_computed: int = 0  # tokens fed since its latest admission (a prefix hit counts its tokens)
+    high_water: int = 0  # the most tokens ever computed: feeding below it again is recomputation
+    admitted: int = -1  # order of its latest admission (the most recent is preempted first)
+    reserved_pages: int = 0  # pages committed on admission ("exact" / "max_len")
     first_token_s: float | None = None
     finish_s: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
-    hook_failures: int = 0
-    error: str | None = None
+    hook_failures: int = 0  # steps undone because its own eviction hook raised
+    error: str | None = None  # why it finished with finish_reason="error"
 
     @property
     def token_ids(self) -> list[int]:
@@ -122,22 +101,12 @@ class Request:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A finished (or aborted) request. Times are on the engine's clock (``Engine.stats()["clock"]``).
+    """A finished (or aborted) request; times on the engine's clock (``Engine.stats()["clock"]``).
 
-    Attributes:
-        request_id: as returned by `Engine.add_request`.
-        prompt_ids: the prompt.
-        token_ids: the generated tokens (the prompt not included).
-        finish_reason: ``"length"`` (``max_new_tokens`` reached), ``"stop"`` (an EOS token, kept as
-            the last token), ``"abort"`` (`Engine.abort`) or ``"error"`` (its eviction hook kept
-            failing: ``error`` says how; vLLM aborts such a request).
-        arrival_s, first_token_s, finish_s: when it arrived, got its first token, finished
-            (first_token_s None if it never got one).
-        ttft_s: time to first token, ``first_token_s - arrival_s`` (queueing + prefill).
-        tpot_s: time per output token after the first, ``(finish_s - first_token_s) /
-            (len(token_ids) - 1)``; None with fewer than two tokens.
-        num_preemptions: how often it was preempted (recomputed or swapped out).
-        error: with ``finish_reason="error"``, the exception that finished it; else None.
+    ``finish_reason``: ``"length"`` (``max_new_tokens``), ``"stop"`` (an EOS token, kept last), ``"abort"``
+    (`Engine.abort`) or ``"error"`` (its eviction hook kept failing, ``error`` says how; vLLM aborts it).
+    ``ttft_s = first_token_s - arrival_s`` (queueing + prefill); ``tpot_s = (finish_s - first_token_s) /
+    (len(token_ids) - 1)``, None with fewer than two tokens; ``token_ids`` excludes the prompt.
     """
 
     request_id: int

@@ -1,63 +1,36 @@
 """The scheduler: which requests the next forward feeds, and how many tokens each.
 
-One call to `Scheduler.schedule` plans one step, in vLLM's order (first come, first served):
+`Scheduler.schedule` plans one step in vLLM's order (first come, first served):
 
-1. **Running requests**, oldest admission first. A decoding request takes 1 token; one still
-   prefilling (a long prompt, or prompt + output being recomputed after a preemption) takes the
-   next **chunk**: whatever is left of the step's token budget (``max_batched_tokens``) after
-   every decode of the step has been counted, so decodes are served first. If its pages cannot
-   come from the pool, the most recently admitted running request is **preempted**, and again,
-   until they can (a prefill chunk keeps its length: vLLM does not shrink it to the pages there
-   are); if it is the most
-   recent itself, it is the one preempted. ``"recompute"``: the victim's pages go back and it
-   waits at the head of the queue, to prefill prompt + output again; ``"swap"``: its K/V go to
-   host memory (`SwapSpace`) and come back later into new pages.
+1. **Running requests**, oldest admission first: a decode takes 1 token; a prefill (a long prompt,
+   or prompt + output recomputed after a preemption) takes the next **chunk**, what is left of
+   ``max_batched_tokens`` once every decode is counted. If its pages cannot come from the pool,
+   the most recently admitted request is **preempted** (perhaps itself), until they can:
+   ``"recompute"`` frees its pages and puts it back at the head of the queue; ``"swap"`` moves its
+   K/V to host memory (`SwapSpace`).
 2. **Swapped requests** come back, oldest first, while their pages fit.
-3. **Waiting requests**, in arrival order, are admitted while ``max_num_seqs`` and the budget
-   allow and the pool covers the request's whole sequence (as vLLM's ``scheduler_reserve_full_isl``:
-   only its first chunk's pages are taken now, the rest as its chunks come) plus a **watermark** of
-   pages kept free while other requests run (vLLM's guard against admitting a request only to
-   preempt it at the next decode; with nothing running there is no decode to guard). Admission
-   asks before it adds (nano-vllm's ``can_allocate`` before ``allocate``): which pages the prefix
-   cache would reuse (a cached page taken back from the pool must be free, but holds the
-   request's own K/V, so the watermark guards only the new pages), the new pages, and
-   only then a sequence. The first request that does not fit stops admission (no overtaking).
-   Nothing is admitted in a step that preempted or while a request is swapped out.
+3. **Waiting requests** are admitted in arrival order while ``max_num_seqs``, the budget and the
+   pool allow: the pool must cover the whole sequence (vLLM's ``scheduler_reserve_full_isl``) plus
+   a **watermark** kept free while others run. Admission asks before it adds (nano-vllm's
+   ``can_allocate``): the pages the prefix cache would reuse, the new pages, then a sequence. The
+   first request that does not fit stops admission; none happens in a step that preempted or while
+   a request is swapped out.
 
-Reservation (``reservation=``, `paged_ref.serve.reservation`) changes only step 3: ``"paged"``
-admits against the pages the request's sequence needs but takes them as tokens come; ``"exact"``
-and ``"max_len"`` commit pages up front. Committing pages is contiguous allocation's memory cost
-without its external fragmentation (free memory in holes too small for the next request): an upper
-bound on what a contiguous server could do.
+A row's pages are taken when it is planned (vLLM's ``allocate_slots``) and, with prefix caching,
+the full pages its tokens fill are published then (``cache_blocks``): a request admitted later in
+the step can hit them, as in vLLM; the forward writes every row's K/V of a layer before any row
+attends there. ``reservation`` (`paged_ref.serve.reservation`) changes only admission: ``"exact"``
+and ``"max_len"`` commit pages up front, contiguous allocation's cost without its fragmentation.
+`refusal` names every request admission could never admit into an empty pool, so none is stuck.
 
-Never stuck. `Scheduler.refusal` turns away, before it is queued, every request this admission
-could never admit into an empty pool (its longest first chunk or its commitment plus the
-watermark, or its peak, beyond the pool): into an empty pool (no watermark then, and a whole
-sequence no longer than its peak) the oldest request is always admitted, and the oldest running
-request can always take its pages by preempting younger ones.
+In vLLM's configuration (``"paged"``, watermark 0, ``"recompute"``) it makes vLLM 0.32's decisions
+step by step (``make test-vllm``). It differs on purpose in the watermark (vLLM 0.32: 0), the
+``"exact"`` and ``"max_len"`` reservations, and swap (vLLM's V1 only recomputes; a swapped-in
+request rejoins the running queue in admission order, so its chunk may come before decodes).
 
-Against vLLM: in vLLM's configuration (reservation ``"paged"``, watermark 0, preemption
-``"recompute"``, chunked prefill) this scheduler makes vLLM 0.32's decisions step by step: the same
-requests with the same numbers of tokens, the same preemptions, the same free pages, the same
-prefix-cache hits (``tests/test_vllm_scheduler.py``, ``tests/test_vllm_prefix_cache.py``, run by
-``make test-vllm``). It differs on purpose in:
-
-- the **watermark**: a share of the pool kept free at admission (vLLM 0.32's default is 0);
-- the reservations ``"exact"`` and ``"max_len"``, which vLLM does not have;
-- **swap**: vLLM's V1 scheduler only recomputes. A swapped-in request rejoins the running queue in
-  its admission order, so a prefill chunk may come before decodes; a chunk leaves them their
-  tokens (with recompute no decode ever follows a prefilling request, so this changes nothing);
-- **when pages are taken**: vLLM allocates a row's blocks when it schedules the row (and caches
-  them at once, so a request admitted later in the same step can reuse blocks an earlier row is
-  about to fill); here the forward reserves them, and a page is offered for prefix reuse once
-  its K/V is written (`paged_ref.prefix_cache`). With prefix caching the two can then find
-  different hits; without it the decisions are the same.
-
-A request with an eviction policy runs it through `AfterPrompt`: its chunks stop at the prompt's
-end, the policy acts once on the whole prompt (as in `paged_ref.hf.generate`), and output recomputed
-after a preemption goes in chunks no longer than ``policy.tokens_until_action``, which is what
-one-token steps would have done. A row after which the policy acts also counts the pages its
-compaction may copy (the shared prompt pages it packs the kept tokens into).
+An evicting request runs its policy through `AfterPrompt`: chunks stop at the prompt's end, the
+policy acts once on the whole prompt, then recomputed output goes in chunks no longer than
+``policy.tokens_until_action``; a row after which it acts counts the pages its compaction may copy.
 
 Example (a dry session: the same pool and scheduler, no model):
     >>> from paged_ref.serve.dry import DrySession
@@ -93,21 +66,12 @@ PREEMPTIONS = ("recompute", "swap")
 
 @dataclass
 class Schedule:
-    """One step's plan.
+    """One step's plan (its rows' pages already taken, its preempted requests' already back)."""
 
-    Attributes:
-        items: the forward's rows, oldest admission first: ``(request, tokens to feed)``.
-        preempted: requests preempted while planning (their pages are already back).
-        swapped_in: requests whose K/V came back from host memory.
-        admitted: requests admitted from the waiting queue.
-        new_pages: pages the forward will take from the pool (eviction's copies, after it, not counted).
-    """
-
-    items: list[tuple[Request, int]] = field(default_factory=list)
+    items: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to feed), oldest first
     preempted: list[Request] = field(default_factory=list)
-    swapped_in: list[Request] = field(default_factory=list)
-    admitted: list[Request] = field(default_factory=list)
-    new_pages: int = 0
+    swapped_in: list[Request] = field(default_factory=list)  # K/V back from host memory
+    admitted: list[Request] = field(default_factory=list)  # from the waiting queue
 
     @property
     def num_tokens(self) -> int:
@@ -117,15 +81,9 @@ class Schedule:
 class Scheduler:
     """Waiting, running and swapped queues over one session's page pool; see the module docstring.
 
-    Args:
-        session: a `paged_ref.hf.PagedSession` (or a `DrySession`): the scheduler adds, finishes and
-            swaps its sequences; its ``kv`` is the pool.
-        max_num_seqs: most requests running at once.
-        max_batched_tokens: most tokens one forward feeds (decodes and prefill chunks together).
-        reservation: ``"paged"``, ``"exact"`` or ``"max_len"``.
-        preemption: ``"recompute"`` or ``"swap"``.
-        watermark_pages: pages admission leaves free.
-        max_model_len: tokens a ``"max_len"`` request reserves (default: the whole pool).
+    ``session``: a `paged_ref.hf.PagedSession` or a `DrySession` (its ``kv`` is the pool); ``reservation``:
+    one of `RESERVATIONS`; ``preemption``: one of `PREEMPTIONS`; ``max_model_len``: the longest request
+    and what ``"max_len"`` reserves (default: the whole pool).
     """
 
     def __init__(
@@ -199,10 +157,7 @@ class Scheduler:
         return None
 
     def add(self, r: Request) -> None:
-        """Queue ``r`` (it has arrived). Raises ValueError, queueing nothing, if it can never run."""
-        why = self.refusal(r)
-        if why is not None:
-            raise ValueError(f"request {r.request_id} can never be served: {why}")
+        """Queue ``r`` (it has arrived; `refusal` found nothing against it: `Engine.add_request` asks)."""
         r.status = WAITING
         self.waiting.append(r)
 
@@ -226,7 +181,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> Schedule:
-        """Plan the next forward (see the module docstring); preemptions and swaps happen here."""
+        """Plan the next forward (see the module docstring); preemptions, swaps and the rows' pages happen here."""
         out = Schedule()
         self._planned, self._compacting = {}, set()
         budget = self.max_batched_tokens
@@ -257,10 +212,12 @@ class Scheduler:
             if need > self._available(None):
                 break
             self.swapped.remove(r)
-            self.swap.swap_in(self.kv, r.seq_id, self._hashable(r, held))
+            # under eviction its pages stop being shared: no token ids to key them by
+            hashable = r.token_ids[:held] if self.kv.prefix_caching and r.eviction is None else None
+            self.swap.swap_in(self.kv, r.seq_id, hashable)
             r.reserved_pages = self.committed_pages(r)
             r.status = RUNNING
-            self._insert_running(r)
+            self.running.insert(bisect.bisect([s.admitted for s in self.running], r.admitted), r)
             out.swapped_in.append(r)
             self._plan(r, want, out)
             budget -= want
@@ -395,7 +352,7 @@ class Scheduler:
         return 0 if r.eviction.budget is None else pages_needed(r.eviction.budget, self.page_size)
 
     def _available(self, r: Request | None) -> int:
-        """Free pages that neither this step's plan nor another request's commitment has claimed."""
+        """Free pages that neither this step's policies' copies nor another request's commitment has claimed."""
         avail = self.kv.allocator.num_free - sum(self._planned.values())
         if self.commitment.up_front:
             for o in self.running:
@@ -404,11 +361,15 @@ class Scheduler:
         return avail
 
     def _plan(self, r: Request, n: int, out: Schedule) -> None:
-        grow, copies = self._grow(r, n), self._copies(r, n)
-        self._planned[r.request_id] = grow + copies
-        if r.eviction is not None and n == self._limit(r):  # its policy acts: a sequence admitted later
-            self._compacting.update(self.kv.pages(r.seq_id)[: self._kept_pages(r)])  # sharing these adds copies
-        out.new_pages += grow
+        """Take the pages of ``r``'s row of ``n`` tokens now (vLLM's ``allocate_slots``) and, with prefix
+        caching, publish the full pages its tokens fill (vLLM's ``cache_blocks``): later rows and
+        admissions of this step see them. The copies its policy may make after the forward are kept back."""
+        acts = r.eviction is not None and n == self._limit(r)  # its policy acts after this row
+        self._planned[r.request_id] = self._copies(r, n)
+        ids = r.tokens(r.num_computed, r.num_computed + n) if self.kv.prefix_caching else None
+        self.kv.reserve(r.seq_id, n, token_ids=ids)
+        if acts:  # a sequence admitted later that shares the pages it packs into adds copies
+            self._compacting.update(self.kv.pages(r.seq_id)[: self._kept_pages(r)])
         out.items.append((r, n))
 
     def unfilled_commitments(self) -> int:
@@ -416,13 +377,3 @@ class Scheduler:
         if not self.commitment.up_front:
             return 0
         return sum(max(0, r.reserved_pages - self._held(r)) for r in self.running)
-
-    def _insert_running(self, r: Request) -> None:
-        keys = [s.admitted for s in self.running]
-        self.running.insert(bisect.bisect(keys, r.admitted), r)
-
-    def _hashable(self, r: Request, held: int) -> list[int] | None:
-        """The held tokens' ids for a prefix-caching cache (None under eviction: its pages stop being shared)."""
-        if self.kv.prefix_caching and r.eviction is None:
-            return r.token_ids[:held]
-        return None
