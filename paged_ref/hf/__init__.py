@@ -21,8 +21,6 @@ Public entry points:
   (``num_beams``: beams share pages copy-on-write); `stream` yields the tokens step by step.
 * `beam_search(model, input_ids, num_beams=k, ...)`: beam search with its sequence scores and a
   record of every step's pages (`paged_ref.hf.beam`).
-* `log_likelihood(model, input_ids, chunk_size=...)`: teacher-forced per-token log-probs
-  through the paged cache; `reference_log_likelihood` is the plain model's.
 
 Example:
     >>> import torch
@@ -47,7 +45,6 @@ from .attention import (
 from .beam import BeamSearchOutput, BeamStep, beam_search
 from .cache import PagedCache, StepPlan
 from .generate import generate, stream
-from .score import log_likelihood, prompt_kv, reference_log_likelihood
 from .session import PagedSession
 
 __all__ = [
@@ -60,10 +57,7 @@ __all__ = [
     "StepPlan",
     "beam_search",
     "generate",
-    "log_likelihood",
     "paged_attention_forward",
-    "prompt_kv",
-    "reference_log_likelihood",
     "register",
     "get_backend",
     "Backend",

@@ -40,9 +40,6 @@ runs cascade decode attention; rows that share nothing are attended alone.
 ``budget`` pages of each sequence and KV head whose key summaries bound the scores highest
 (`paged_ref.attention.quest`; the cache needs ``page_summaries=True``), prefill through SDPA.
 
-Two more, ``mistake_off_by_one`` and ``mistake_wrong_page``, are wrong on purpose: negative
-controls that show how far a real bug moves the results (`paged_ref.hf.mistakes`).
-
 Triton has no prefill kernel here: prefill is compute-bound and runs once per prompt, so the
 ``triton`` backend prefills through SDPA. ``sdpa`` (`paged_ref.attention.sdpa`) gathers the batch's
 tokens by slot and calls PyTorch's SDPA: the fast path on a CPU, where the Triton kernel only
@@ -292,9 +289,6 @@ for _backend in (
     Backend("sdpa", ("paged_ref.attention.sdpa", "sdpa_paged_decode"), _SDPA_PREFILL, _prepare_sdpa),
     Backend("sdpa_fused", ("paged_ref.attention.sdpa", "sdpa_fused_paged_decode"), _SDPA_PREFILL, _prepare_sdpa_fused),
     Backend("cascade", ("paged_ref.hf.attention", "cascade_layer_decode"), _SDPA_PREFILL, _prepare_cascade),
-    # negative controls (`paged_ref.hf.mistakes`): wrong on purpose, to show what a real bug does
-    Backend("mistake_off_by_one", ("paged_ref.hf.mistakes", "off_by_one_decode"), _REFERENCE_PREFILL),
-    Backend("mistake_wrong_page", ("paged_ref.hf.mistakes", "wrong_page_decode"), _REFERENCE_PREFILL),
 ):
     register_backend(_backend)
 

@@ -7,8 +7,9 @@
 - `check`: the coursework checkers students call on their own code (``pr.lab.check``);
 - helpers the above share: `runmode` (quick or full runs, where figures go), `provenance`
   (hardware and versions), `textdata` (real text from the standard library), `stats`,
-  `texttable`; the notebooks' simulations and replays: `fragmentation` (workloads served by the
-  engine, dry), `scenarios`, `sharing`, `eviction_analysis`, `eviction_replay`.
+  `texttable`; `likelihood` (teacher-forced log-probs through the pages) and `mistakes` (wrong
+  backends, its negative controls); the notebooks' simulations and replays: `fragmentation`
+  (workloads served by the engine, dry), `scenarios`, `sharing`, `eviction_analysis`, `eviction_replay`.
 
 Submodules load on first use:
 
@@ -25,6 +26,8 @@ _SUBMODULES = {
     "eviction_analysis",
     "eviction_replay",
     "fragmentation",
+    "likelihood",
+    "mistakes",
     "provenance",
     "runmode",
     "scenarios",
