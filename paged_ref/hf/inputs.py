@@ -1,33 +1,69 @@
 """What `generate`, `stream` and `beam_search` check and set up before a page is taken.
 
-`prepare_inputs` checks the model, the prompts (with their left-padding mask) and the EOS / pad
-ids, and gives each prompt's real tokens; `prompt_namespaces` gives each prompt its prefix-cache
-namespace; `open_session` sizes the page pool (unless a cache is given) and opens the session.
+`prepare` checks the model, the prompts (with their left-padding mask), the EOS / pad ids and
+the prefix-cache namespaces, gives each prompt's real tokens, and makes the `PagedSession`, its
+page pool sized to never run out (unless a cache or a pool size is given).
 """
 
 from __future__ import annotations
 
 import numbers
+from typing import NamedTuple
 
 import torch
 
 from .._arith import cdiv
 from .._validate import check_int
+from ..cache import PagedKVCache
 from ..memory import model_geometry
 from .session import PagedSession
 
-__all__ = ["open_session", "prepare_inputs", "prompt_namespaces"]
+__all__ = ["Prepared", "prepare"]
 
 
-def open_session(model, prompts, max_new_tokens, copies, *, kv_cache, num_pages, page_size, backend, eviction, budget):
-    """The `PagedSession` for a generation (checked here, before a page is taken).
+class Prepared(NamedTuple):
+    """A generation's checked inputs and its session (not yet open)."""
 
-    The pool created when neither ``kv_cache`` nor ``num_pages`` is given holds every sequence at
-    full length with its prompt's full pages shared by its ``copies`` rows (samples or beams):
-    per prompt of P tokens, ``P // page_size`` shared pages plus, per row, the pages that
-    positions ``P // page_size * page_size .. P + max_new_tokens`` span. Generation never runs
-    out of pages there (a beam continued twice shares everything before its partial last page).
+    session: PagedSession
+    prompts: list[torch.Tensor]  # each prompt's real tokens, LongTensor [len_b], on the model's device
+    eos: torch.Tensor  # LongTensor [num_eos]
+    pad: int
+    namespaces: list  # each prompt's prefix-cache namespace (None or a dict)
+
+
+def prepare(
+    model,
+    input_ids: torch.Tensor,
+    copies: int,
+    *,
+    max_new_tokens: int,
+    page_size: int = 16,
+    num_pages: int | None = None,
+    backend="auto",
+    attention_mask: torch.Tensor | None = None,
+    eviction=None,
+    budget: int | None = None,
+    eos_token_id: int | list[int] | None = None,
+    pad_token_id: int | None = None,
+    kv_cache: PagedKVCache | None = None,
+    namespace: dict | list | None = None,
+) -> Prepared:
+    """Check a generation's arguments (`paged_ref.hf.generate`'s) and make its session.
+
+    ``copies``: the rows of each prompt (samples or beams), which share its pages. The pool made
+    when neither ``kv_cache`` nor ``num_pages`` is given holds every row at full length: per prompt
+    of P tokens, ``P // page_size`` shared pages plus, per row, the pages that positions
+    ``P // page_size * page_size .. P + max_new_tokens`` span (a beam continued twice shares
+    everything before its partial last page).
     """
+    prompts, eos, pad = _prompts_and_ids(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
+    if namespace is None or isinstance(namespace, dict):
+        namespaces = [namespace] * len(prompts)  # each checked by the cache when its sequence is added
+    elif isinstance(namespace, (list, tuple)) and len(namespace) == len(prompts):
+        namespaces = list(namespace)
+    else:
+        got = len(namespace) if isinstance(namespace, (list, tuple)) else type(namespace).__name__
+        raise ValueError(f"namespace must be None, a dict or a list of one per row ({len(prompts)}), got {got}")
     if kv_cache is not None and num_pages is not None:
         raise ValueError("pass either kv_cache or num_pages, not both (num_pages sizes a cache created here)")
     if copies > 1 and (eviction is not None or budget is not None):
@@ -36,12 +72,11 @@ def open_session(model, prompts, max_new_tokens, copies, *, kv_cache, num_pages,
             "implemented; pass eviction=None"
         )
     if kv_cache is None and num_pages is None:
-        # the one page_size check on this path before the cache's own (the sizing divides by it)
-        page_size = check_int("page_size", page_size, min_value=1)
+        page_size = check_int("page_size", page_size, min_value=1)  # the sizing divides by it
         num_pages = sum(
             p.numel() // page_size + copies * cdiv(p.numel() % page_size + max_new_tokens, page_size) for p in prompts
         )
-    return PagedSession(
+    session = PagedSession(
         model,
         kv_cache=kv_cache,
         num_pages=num_pages,
@@ -50,9 +85,10 @@ def open_session(model, prompts, max_new_tokens, copies, *, kv_cache, num_pages,
         eviction=eviction,
         budget=budget,
     )
+    return Prepared(session, prompts, eos, pad, namespaces)
 
 
-def prepare_inputs(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id):
+def _prompts_and_ids(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id):
     """Validate the inputs; return (prompts: list of LongTensor [len_b], eos: LongTensor [k], pad: int)."""
     model_geometry(model)  # a transformers decoder, else a TypeError naming what it lacks
     check_int("max_new_tokens", max_new_tokens, min_value=1)
@@ -77,13 +113,13 @@ def prepare_inputs(model, input_ids, attention_mask, max_new_tokens, eos_token_i
         prompts = [row.to(device) for row in input_ids]
     else:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            got = (
+                list(attention_mask.shape)
+                if isinstance(attention_mask, torch.Tensor)
+                else type(attention_mask).__name__
+            )
             raise ValueError(
-                f"attention_mask must be a tensor of the shape of input_ids {list(input_ids.shape)}, got "
-                + (
-                    str(list(attention_mask.shape))
-                    if isinstance(attention_mask, torch.Tensor)
-                    else type(attention_mask).__name__
-                )
+                f"attention_mask must be a tensor of the shape of input_ids {list(input_ids.shape)}, got {got}"
             )
         mask = attention_mask.to("cpu")
         if not ((mask == 0) | (mask == 1)).all():
@@ -123,16 +159,6 @@ def prepare_inputs(model, input_ids, attention_mask, max_new_tokens, eos_token_i
         raise ValueError(f"pad_token_id must be a token id in [0, vocab_size={vocab}) or None, got {pad_token_id!r}")
     eos = torch.tensor(eos_list, dtype=torch.long, device=device)
     return prompts, eos, int(pad_token_id)
-
-
-def prompt_namespaces(namespace, batch: int) -> list:
-    """One prefix-cache namespace per prompt (each checked by the cache when its sequence is added)."""
-    if namespace is None or isinstance(namespace, dict):
-        return [namespace] * batch
-    if not isinstance(namespace, (list, tuple)) or len(namespace) != batch:
-        got = len(namespace) if isinstance(namespace, (list, tuple)) else type(namespace).__name__
-        raise ValueError(f"namespace must be None, a dict or a list of one per row ({batch}), got {got}")
-    return list(namespace)
 
 
 def _is_int(x) -> bool:
