@@ -19,23 +19,21 @@ A `Backend` reads the pages; decode is one new token per sequence, prefill sever
 - ``cascade``: decode reads the pages rows share (forks, beams, prefix-cached prompts) once for all;
 - ``auto`` (the default): ``triton`` on CUDA, ``sdpa`` elsewhere.
 
-`register_backend` adds one; `quest_backend(budget)` makes one not registered by name: Quest's
-decode over the ``budget`` pages whose key summaries bound the scores highest.
+`register_backend` adds one; `paged_ref.hf.quest` makes Quest's, which reads only the pages whose
+key summaries bound the scores highest.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from .._validate import check_choice, check_int
+from .._validate import check_choice
 from ..attention.cascade import shared_prefix_groups
 from ..attention.flex import paged_block_masks
-from ..attention.quest import quest_paged_decode
 from ..attention.sdpa import prepare, prepare_fused
 
 __all__ = [
@@ -45,7 +43,6 @@ __all__ = [
     "auto_backend",
     "get_backend",
     "paged_attention_forward",
-    "quest_backend",
     "register",
     "register_backend",
 ]
@@ -178,51 +175,6 @@ def cascade_layer_decode(
         check_values=check_values,
     )  # [batch, Hq, D], grouped order
     return out[torch.argsort(order)]
-
-
-def _prepare_quest(plan, *, budget: int, dense_layers: int) -> dict:
-    summaries = getattr(plan.kv, "summaries", None)
-    if summaries is None:
-        raise ValueError(
-            "the quest backend reads page key summaries: make the cache with "
-            "PagedKVCache(..., page_summaries=True) (or PagedKVCache.for_model(..., page_summaries=True))"
-        )
-    if not plan.is_decode:
-        return _prepare_sdpa(plan)
-    # each layer's call finds its summaries by its K cache; the first `dense_layers` read every page
-    by_cache = {
-        k.data_ptr(): (lo, hi, layer < dense_layers)
-        for layer, (k, lo, hi) in enumerate(zip(plan.kv.k_cache, summaries.k_min, summaries.k_max))
-    }
-    return {"summaries": by_cache, "budget": budget, "check_values": False}
-
-
-def quest_layer_decode(q, k_cache, v_cache, block_table, seq_lens, *, summaries, budget, scale=None, check_values=True):
-    """`quest_paged_decode` with the summaries of the layer whose ``k_cache`` this is."""
-    k_min, k_max, dense = summaries[k_cache.data_ptr()]
-    budget = block_table.shape[1] if dense else min(budget, block_table.shape[1])  # narrower: every page
-    return quest_paged_decode(
-        q, k_cache, v_cache, block_table, seq_lens, k_min, k_max, budget=budget, scale=scale, check_values=check_values
-    )
-
-
-def quest_backend(budget: int, *, dense_layers: int = 0) -> Backend:
-    """A backend decoding with Quest over ``budget`` pages per sequence and KV head
-    (`paged_ref.attention.quest`; the first ``dense_layers`` layers read every page), prefilling
-    through SDPA; pass it as ``backend=``.
-
-    Example:
-        >>> quest_backend(8).name, quest_backend(8, dense_layers=2).name
-        ('quest_8', 'quest_8_dense_2')
-    """
-    budget = check_int("budget", budget, min_value=1)
-    dense_layers = check_int("dense_layers", dense_layers, min_value=0)
-    return Backend(
-        f"quest_{budget}" + (f"_dense_{dense_layers}" if dense_layers else ""),
-        ("paged_ref.hf.attention", "quest_layer_decode"),
-        _SDPA_PREFILL,
-        functools.partial(_prepare_quest, budget=budget, dense_layers=dense_layers),
-    )
 
 
 _SDPA_PREFILL = ("paged_ref.attention.sdpa", "sdpa_paged_prefill")
@@ -371,11 +323,7 @@ class paged_attention_active:
 
 def set_attn_implementation(model, name: str) -> None:
     """Set ``model``'s attention implementation to ``name``, or raise if the model does not take it."""
-    setter = getattr(model, "set_attn_implementation", None)
-    if setter is not None:
-        setter(name)
-    else:  # pragma: no cover - transformers without set_attn_implementation
-        model.config._attn_implementation = name
+    model.set_attn_implementation(name)
     if model.config._attn_implementation != name:  # e.g. a model that hard-codes its attention
         raise TypeError(
             f"{type(model).__name__} did not accept attn_implementation={name!r} (it stays "

@@ -62,7 +62,7 @@ class PagedSession:
         kv_cache: a `KVCache` matching the model (layers, KV heads, head_dim, dtype, device), or
             None to create a `PagedKVCache` of ``num_pages`` pages of ``page_size`` tokens.
         backend: a name of `paged_ref.hf.attention.BACKENDS` or ``"auto"`` (the default), or a
-            `Backend` (``quest_backend(budget)``); ``session.backend`` names the one in use.
+            `Backend` (`paged_ref.hf.quest.quest_backend`); ``session.backend`` names the one in use.
         eviction, budget: the policy of every sequence not given its own: a name with ``budget``
             in tokens (``eviction="paged_eviction", budget=256``), a policy object, or None.
         prepack: run the linear layers through weights packed once for oneDNN (`paged_ref.hf.prepack`:
