@@ -25,6 +25,7 @@ key summaries bound the scores highest.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,10 +52,6 @@ ATTN_IMPLEMENTATION = "paged_ref"
 AUTO = "auto"
 
 
-def _no_preparation(plan) -> dict:
-    return {}
-
-
 @dataclass(frozen=True)
 class Backend:
     """One way of reading K/V from the pages.
@@ -71,16 +68,10 @@ class Backend:
     name: str
     decode: tuple[str, str]
     prefill: tuple[str, str]
-    prepare: Callable[..., dict] = field(default=_no_preparation, compare=False)
+    prepare: Callable[..., dict] = field(default=lambda plan: {}, compare=False)
 
     def functions(self) -> tuple[Callable, Callable]:
-        """The (decode, prefill) functions.
-
-        Example:
-            >>> decode, prefill = BACKENDS["reference"].functions()
-            >>> decode.__name__, prefill.__name__
-            ('reference_paged_decode', 'reference_paged_prefill')
-        """
+        """The (decode, prefill) functions."""
         return tuple(getattr(importlib.import_module(m), f) for m, f in (self.decode, self.prefill))
 
 
@@ -265,34 +256,19 @@ def _attention(plan, layer: int, query: torch.Tensor, scaling) -> torch.Tensor:
 
 
 def _packed_attention(plan, layer: int, query: torch.Tensor, scaling) -> torch.Tensor:
-    """Attention of a packed forward, ``query: [1, Hq, total, D]`` -> ``[1, total, Hq, D]``: the decode
-    rows' tokens through the decode function, the longer rows laid out as their own rectangle."""
-    k_cache, v_cache = plan.kv.k_cache[layer], plan.kv.v_cache[layer]  # [num_pages, page_size, Hkv, D]
+    """Attention of a packed forward, ``query: [1, Hq, total, D]`` -> ``[1, total, Hq, D]``: each part's
+    tokens laid out as its own rectangle (the decode rows: one column) and attended as one."""
     tokens = query[0].transpose(0, 1)  # [total, Hq, D]
     out = torch.empty_like(tokens)  # [total, Hq, D]
     for index, part in plan.parts:
         q = tokens[index]  # [n, Hq, D]
-        if part.is_decode:
-            out[index] = part.decode(
-                q, k_cache, v_cache, part.block_table, part.seq_lens, scale=scaling, **part.attn_kwargs
-            )  # [rows, Hq, D]
-            continue
         shape = (len(part.seq_ids), part.max_q_len, *q.shape[1:])  # [rows, max_q_len, Hq, D]
         if part.valid is None:  # rows of one length: the tokens fill the rectangle
             rows = q.view(shape)
         else:
             rows = q.new_zeros(shape)
             rows[part.valid] = q
-        o = part.prefill(
-            rows.transpose(1, 2),
-            k_cache,
-            v_cache,
-            part.block_table,
-            part.seq_lens,
-            part.q_lens,
-            scale=scaling,
-            **part.attn_kwargs,
-        ).transpose(1, 2)  # [rows, max_q_len, Hq, D]
+        o = _attention(part, layer, rows.transpose(1, 2), scaling)  # [rows, max_q_len, Hq, D]
         out[index] = o.flatten(0, 1) if part.valid is None else o[part.valid]
     return out[None]  # [1, total, Hq, D]
 
@@ -305,20 +281,17 @@ def register() -> str:
     return ATTN_IMPLEMENTATION
 
 
-class paged_attention_active:
-    """Within the ``with`` block the model's attention is ``"paged_ref"``; the previous one is restored
-    on exit, whatever happens. It sets only the config attribute the layers read (`PagedSession.open`
-    checked once, with `set_attn_implementation`, which walks every module, that the model accepts it)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def __enter__(self):
-        self.previous = self.model.config._attn_implementation
-        self.model.config._attn_implementation = ATTN_IMPLEMENTATION
-
-    def __exit__(self, *exc) -> None:
-        self.model.config._attn_implementation = self.previous
+@contextlib.contextmanager
+def paged_attention_active(model):
+    """Within the ``with`` block the model's attention is ``"paged_ref"``, restored on exit whatever
+    happens. It sets only the config attribute the layers read (`PagedSession.open` checked once, with
+    `set_attn_implementation`, which walks every module, that the model accepts it)."""
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = ATTN_IMPLEMENTATION
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = previous
 
 
 def set_attn_implementation(model, name: str) -> None:

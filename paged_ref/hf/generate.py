@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .._validate import check_int
+from ._checks import check_streamer
 from .beam import run_beam_search
 from .decoding import Decoding, resolve
 from .inputs import Prepared, prepare
@@ -113,14 +114,7 @@ def generate(
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable as callback(step, tokens) or None, got {type(callback).__name__}")
     if streamer is not None:
-        if decoding.mode == "beam":
-            raise ValueError("streamer cannot be used with beam search (num_beams > 1), as in model.generate")
-        missing = [m for m in ("put", "end") if not callable(getattr(streamer, m, None))]
-        if missing:
-            raise TypeError(
-                f"streamer must have put(tokens) and end() methods (like "
-                f"transformers.TextStreamer); {type(streamer).__name__} lacks {missing}"
-            )
+        check_streamer(streamer, beam=decoding.mode == "beam")
     if decoding.mode == "beam":
         out = run_beam_search(model, input_ids, decoding, max_new_tokens, callback=callback, progress=show, **options)
         return out.sequences

@@ -35,11 +35,11 @@ from dataclasses import replace
 
 import torch
 
-from .._validate import check_list
 from ..cache import PagedKVCache
 from ..cache_interface import KVCache
 from ..eviction.policies import EvictionPolicy, resolve_policy
 from ..memory import model_geometry
+from ._checks import check_batch, token_ids
 from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, paged_attention_active, register, set_attn_implementation
 from .cache import PagedCache, StepPlan, pack_rows
 from .prepack import PackedLinears
@@ -59,18 +59,15 @@ class PagedSession:
     Args:
         model: a transformers causal LM whose attention goes through `AttentionInterface`
             (Llama, Mistral, Qwen2, SmolLM2, ...), in eval mode.
-        kv_cache: a `KVCache` matching the model (layers, KV heads, head_dim, dtype, device), or
-            None to create a `PagedKVCache` of ``num_pages`` pages of ``page_size`` tokens.
-        backend: a name of `paged_ref.hf.attention.BACKENDS` or ``"auto"`` (the default), or a
-            `Backend` (`paged_ref.hf.quest.quest_backend`); ``session.backend`` names the one in use.
+        kv_cache: a `KVCache` matching the model, or None to create a `PagedKVCache` of ``num_pages``
+            pages of ``page_size`` tokens.
+        backend: a name of `paged_ref.hf.attention.BACKENDS`, ``"auto"`` (the default) or a `Backend`.
         eviction, budget: the policy of every sequence not given its own: a name with ``budget``
             in tokens (``eviction="paged_eviction", budget=256``), a policy object, or None.
-        prepack: run the linear layers through weights packed once for oneDNN (`paged_ref.hf.prepack`:
-            same tokens, faster on a CPU, a second copy of the weights).
+        prepack: run the linear layers through weights packed once for oneDNN (`paged_ref.hf.prepack`).
 
-    The model's attention is ``"paged_ref"`` only during each `extend` forward, so several sessions
-    can share one model and ``model.generate`` keeps working beside them. `close` (the end of the
-    ``with`` block) frees every sequence the session holds.
+    The model's attention is ``"paged_ref"`` only during each `extend` forward: several sessions can
+    share one model, and ``model.generate`` works beside them. `close` frees every sequence.
     """
 
     def __init__(
@@ -264,31 +261,19 @@ class PagedSession:
                 row of all the new tokens, not a padded ``[batch, max_n_b]`` rectangle (`pack_rows`):
                 the same logits, no padding computed. Not on a `LayeredKVCache`.
 
-        Returns:
-            float32 ``[batch, vocab]``, the logits after each row's last new token; with
-            ``all_logits``, a list of ``[n_b, vocab]``.
-
-        Up to the forward's end it is all or nothing: bad arguments, a pool short of the pages the
-        batch needs or a forward that raises leave every sequence as it was. Then every sequence's
-        policy runs; one that raises changes nothing itself, the others still run, and its error is
-        raised at the end.
+        Returns float32 ``[batch, vocab]``, the logits after each row's last new token (with
+        ``all_logits``, a list of ``[n_b, vocab]``). Up to the forward's end it is all or nothing: bad
+        arguments, a pool short of pages or a forward that raises leave every sequence as it was.
+        Then each sequence's policy runs; one that raises changes nothing, and its error is raised
+        after the others ran.
         """
         if not self._open:
             raise RuntimeError("PagedSession.extend needs an open session: use `with PagedSession(...) as s:`")
-        seq_ids = check_list("seq_ids", seq_ids, "sequence ids")
-        if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
-            tokens = list(tokens)  # [batch, n]: one row per sequence
-        tokens = check_list("tokens", tokens, "token-id tensors")
-        if len(seq_ids) != len(tokens) or not seq_ids:
-            raise ValueError(
-                f"seq_ids and tokens must be non-empty and of equal length, got {len(seq_ids)} and {len(tokens)}"
-            )
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
+        seq_ids, tokens = check_batch(seq_ids, tokens)
         for s in seq_ids:
             self._check_live(s)
-        device = self.kv.device
-        tokens = [self._token_ids(f"tokens[{b}]", t).to(device) for b, t in enumerate(tokens)]
+        device, vocab = self.kv.device, self.model.config.vocab_size
+        tokens = [token_ids(f"tokens[{b}]", t, vocab).to(device) for b, t in enumerate(tokens)]
         q_lens = [t.numel() for t in tokens]
         if min(q_lens) < 1:
             raise ValueError(f"each tokens[b] must hold at least one token, got lengths {q_lens}")
@@ -353,25 +338,6 @@ class PagedSession:
             return logits[0] if plan.parts is not None else logits[:, -1]  # [batch, vocab]
         pick = torch.tensor([columns.index(e) for e in ends], device=device)  # each row's kept column
         return logits[torch.arange(len(seq_ids), device=device), pick]  # [batch, vocab]
-
-    def _token_ids(self, name: str, t) -> torch.Tensor:
-        """One sequence's new tokens as a LongTensor ``[n]``: 1-D integers in [0, vocab)."""
-        if not isinstance(t, torch.Tensor):
-            try:
-                t = torch.as_tensor(t)
-            except (TypeError, ValueError, RuntimeError):
-                raise TypeError(f"{name} must be a 1-D tensor (or list) of token ids, got {type(t).__name__}") from None
-        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex() or t.dim() > 1:
-            raise TypeError(
-                f"{name} must be a 1-D integer tensor of token ids, got shape {list(t.shape)} and dtype {t.dtype}"
-            )
-        t = t.reshape(-1).long()
-        vocab = self.model.config.vocab_size
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
-            raise ValueError(
-                f"{name} must hold token ids in [0, vocab_size={vocab}), got values in [{int(t.min())}, {int(t.max())}]"
-            )
-        return t
 
     def _plan(self, seq_ids, tokens, q_lens_list, packed=False):
         """Reserve cache slots for the new tokens and lay them out as a ``[batch, max_q_len]`` rectangle
