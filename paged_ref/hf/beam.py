@@ -153,16 +153,15 @@ def run_beam_search(
         prepared.session,
         tqdm(total=max_new_tokens, disable=not progress, desc="paged beam search", unit="tok") as bar,
     ):
-        ids = input_ids.to(prepared.session.kv.device)
-        out = _search(prepared, ids, max_new_tokens, decoding, callback, bar)
+        out = _search(prepared, input_ids.to(prepared.session.kv.device), decoding, callback, bar)
     return replace(out, sequences=out.sequences.to(input_ids.device))
 
 
-def _search(prepared: Prepared, input_ids, max_new_tokens, decoding, callback, bar) -> BeamSearchOutput:
+def _search(prepared: Prepared, input_ids, decoding, callback, bar) -> BeamSearchOutput:
     """The beams' pages follow transformers' selection (`_Selection`) step by step: one prefill per
     prompt, then per step the selection, the pages following it (`_follow_selection`), one decode
     forward (`_feed`)."""
-    session, prompts, eos, pad, namespaces = prepared
+    session, prompts, eos, pad, namespaces, max_new_tokens = prepared
     k = decoding.num_beams
     selection = _Selection(input_ids, decoding, eos, pad, max_new_tokens)
     # one sequence per prompt, prefilled once: its k beams start as that one sequence

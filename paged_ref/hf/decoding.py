@@ -1,33 +1,17 @@
 """How tokens are chosen: transformers' `GenerationConfig` decoding arguments, resolved and checked.
 
-`generate`, `stream` and `beam_search` take the arguments ``model.generate`` takes to choose
-tokens, with the same names, defaults and precedence: an argument passed wins, then the model's
-own ``generation_config`` (a checkpoint may ship ``do_sample=True, temperature=0.6``), then
-transformers' global defaults (`DEFAULTS`). The mode follows as in transformers:
-
-==========  =============================  ===========================================
-mode        arguments                      what chooses each token
-==========  =============================  ===========================================
-greedy      ``num_beams=1``                the argmax of the logits
-sample      ``num_beams=1, do_sample``     temperature, top-k, top-p, then one draw
-beam        ``num_beams=k > 1``            the k best continuations (`paged_ref.hf.beam`)
-==========  =============================  ===========================================
-
-Everything is checked here, before a page is taken, and a bad value is refused the way
-transformers refuses it (``num_return_sequences > num_beams``, ``temperature <= 0`` when
-sampling), plus ``top_p`` outside (0, 1], which transformers refuses below 0 and ignores above 1.
-A model whose ``generation_config`` asks for a logits processor paged_ref does not implement
-(``repetition_penalty``, ``min_p``, ...) is refused by name rather than decoded differently.
+`generate`, `stream` and `beam_search` take ``model.generate``'s decoding arguments with its names,
+defaults and precedence: an argument passed wins, then the model's ``generation_config``, then
+transformers' defaults (`DEFAULTS`). ``num_beams > 1`` is beam search, else ``do_sample`` samples
+and greedy takes the argmax. Bad values are refused before a page is taken, as transformers refuses
+them (plus ``top_p`` outside (0, 1]); a ``generation_config`` asking for a logits processor
+paged_ref does not implement (``repetition_penalty``, ``min_p``, ...) is refused by name.
 
 Example:
     >>> from paged_ref.models import tiny_llama
     >>> d = resolve(tiny_llama(), do_sample=True, num_return_sequences=3)
     >>> d.mode, d.top_k, d.top_p, d.num_return_sequences
     ('sample', 50, 1.0, 3)
-    >>> resolve(tiny_llama(), num_beams=2, num_return_sequences=3)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: num_return_sequences must be <= num_beams ..., got num_return_sequences=3 with num_beams=2
 """
 
 from __future__ import annotations
@@ -84,22 +68,13 @@ _OFF_WHEN_SAMPLING = {  # warpers transformers applies only with do_sample
 
 @dataclass(frozen=True)
 class Decoding:
-    """The resolved decoding arguments (names and meanings as in transformers' `GenerationConfig`).
+    """The resolved decoding arguments, named as in transformers' `GenerationConfig`.
 
-    Attributes:
-        do_sample: draw tokens instead of taking the most likely one.
-        temperature: logits are divided by it before sampling (> 0; 1.0 leaves them alone).
-        top_k: sample among the ``top_k`` most likely tokens only (0: no limit).
-        top_p: sample among the smallest set of most likely tokens whose probabilities add up to
-            at least ``top_p`` (1.0: no limit).
-        num_return_sequences: sequences returned per prompt (sampling: independent samples that
-            share the prompt's pages; beam search: the best of the ``num_beams`` finished beams).
-        num_beams: beams per prompt (1: no beam search).
-        length_penalty: a finished beam's score is its summed log-probability divided by
-            ``generated_length ** length_penalty``.
-        early_stopping: when beam search stops: ``True`` as soon as ``num_beams`` beams have
-            finished; ``False`` when no running beam can beat the finished ones (judged at the
-            current length); ``"never"`` only when none can at any length.
+    ``top_k=0`` and ``top_p=1.0`` set no limit; ``num_return_sequences`` are independent samples
+    sharing the prompt's pages, or the best of the ``num_beams`` finished beams. A finished beam
+    scores its summed log-probability over ``generated_length ** length_penalty``; ``early_stopping``:
+    ``True`` stops once ``num_beams`` beams finished, ``False`` when no running beam can beat the
+    finished ones at the current length, ``"never"`` when none can at any length.
     """
 
     do_sample: bool

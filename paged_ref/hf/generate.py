@@ -76,16 +76,9 @@ def generate(
         callback: ``callback(step, tokens: LongTensor [rows])`` after each step; with beam search
             ``callback(step, beam_step)`` (`paged_ref.hf.beam.BeamStep`).
         progress: show a tqdm bar; None: from 128 new tokens on.
-        **options: the cache and the inputs (`paged_ref.hf.inputs.prepare`):
-            ``page_size`` (16), ``num_pages`` (default: every row at full length, a prompt's rows
-            sharing its full pages; fewer raise `OutOfPagesError` when they run out), ``backend``
-            (``"auto"``; `paged_ref.hf.attention`), ``attention_mask`` (``[batch, prompt_len]``,
-            1 on real tokens), ``eviction``/``budget`` (a policy of `paged_ref.eviction` and its
-            tokens; one row per prompt only), ``eos_token_id`` (int or ints; default the
-            ``generation_config``'s; ``[]``: never stop early), ``pad_token_id`` (default the
-            ``generation_config``'s, else the first EOS id), ``kv_cache`` (a `PagedKVCache` to use
-            instead, e.g. to inspect its pages from the callback) and ``namespace`` (the
-            prefix-cache namespace of every prompt, or a list of one per prompt).
+        **options: the cache's and the inputs' (`paged_ref.hf.inputs.prepare`): ``page_size``,
+            ``num_pages``, ``backend``, ``attention_mask``, ``eviction``, ``budget``, ``eos_token_id``,
+            ``pad_token_id``, ``kv_cache``, ``namespace``.
 
     Returns:
         LongTensor ``[batch * num_return_sequences, prompt_len + steps]``: each row its prompt,
@@ -95,11 +88,8 @@ def generate(
         TypeError / ValueError: bad arguments (the message names the argument); nothing is allocated.
         paged_ref.OutOfPagesError: the page pool ran out (every page is freed again).
     """
-    show = (
-        progress
-        if progress is not None
-        else check_int("max_new_tokens", max_new_tokens, min_value=1) >= PROGRESS_MIN_TOKENS
-    )
+    if progress is None:
+        progress = check_int("max_new_tokens", max_new_tokens, min_value=1) >= PROGRESS_MIN_TOKENS
     decoding = resolve(
         model,
         do_sample=do_sample,
@@ -116,16 +106,16 @@ def generate(
     if streamer is not None:
         check_streamer(streamer, beam=decoding.mode == "beam")
     if decoding.mode == "beam":
-        out = run_beam_search(model, input_ids, decoding, max_new_tokens, callback=callback, progress=show, **options)
+        out = run_beam_search(
+            model, input_ids, decoding, max_new_tokens, callback=callback, progress=progress, **options
+        )
         return out.sequences
     n = decoding.num_return_sequences
-    steps = Stream(
-        _steps(prepare(model, input_ids, n, max_new_tokens=max_new_tokens, **options), decoding, max_new_tokens)
-    )
+    steps = Stream(_steps(prepare(model, input_ids, n, max_new_tokens=max_new_tokens, **options), decoding))
     from tqdm.auto import tqdm
 
     new_tokens = []
-    bar = tqdm(total=max_new_tokens, disable=not show, desc="paged generate", unit="tok")
+    bar = tqdm(total=max_new_tokens, disable=not progress, desc="paged generate", unit="tok")
     try:
         for step, tokens in enumerate(steps):
             if step == 0 and streamer is not None:
@@ -184,8 +174,11 @@ def stream(
             f"(num_beams={decoding.num_beams}), whose sequences are chosen only at the end; use "
             "paged_ref.hf.generate or paged_ref.hf.beam_search"
         )
-    prepared = prepare(model, input_ids, decoding.num_return_sequences, max_new_tokens=max_new_tokens, **options)
-    return Stream(_steps(prepared, decoding, max_new_tokens))
+    return Stream(
+        _steps(
+            prepare(model, input_ids, decoding.num_return_sequences, max_new_tokens=max_new_tokens, **options), decoding
+        )
+    )
 
 
 class Stream:
@@ -219,9 +212,9 @@ class Stream:
         self.close()
 
 
-def _steps(prepared: Prepared, decoding: Decoding, max_new_tokens: int):
+def _steps(prepared: Prepared, decoding: Decoding):
     """The decoding loop: greedy or sampled, ``num_return_sequences`` rows per prompt."""
-    session, prompts, eos, pad, namespaces = prepared
+    session, prompts, eos, pad, namespaces, max_new_tokens = prepared
     n = decoding.num_return_sequences
     with session:  # on exit every sequence is freed
         roots = [session.add(namespace=ns) for ns in namespaces]

@@ -28,6 +28,7 @@ class Prepared(NamedTuple):
     eos: torch.Tensor  # LongTensor [num_eos]
     pad: int
     namespaces: list  # each prompt's prefix-cache namespace (None or a dict)
+    max_new_tokens: int
 
 
 def prepare(
@@ -49,11 +50,23 @@ def prepare(
 ) -> Prepared:
     """Check a generation's arguments (`paged_ref.hf.generate`'s) and make its session.
 
-    ``copies``: the rows of each prompt (samples or beams), which share its pages. The pool made
-    when neither ``kv_cache`` nor ``num_pages`` is given holds every row at full length: per prompt
-    of P tokens, ``P // page_size`` shared pages plus, per row, the pages that positions
-    ``P // page_size * page_size .. P + max_new_tokens`` span (a beam continued twice shares
-    everything before its partial last page).
+    Args:
+        copies: the rows of each prompt (samples or beams), which share its pages.
+        page_size: tokens per page of the cache created here.
+        num_pages: pages of the cache created here; default: every row at full length, per prompt of
+            P tokens ``P // page_size`` shared pages plus, per row, the pages that positions
+            ``P // page_size * page_size .. P + max_new_tokens`` span (a beam continued twice shares
+            everything before its partial last page). A smaller pool raises `OutOfPagesError`.
+        backend: which paged attention reads the pages (`paged_ref.hf.attention`).
+        attention_mask: ``[batch, prompt_len]`` of 0/1, 1 on real tokens, padding on the left.
+        eviction, budget: KV eviction (`paged_ref.eviction`): a policy name and a budget in tokens, or
+            a policy object; one row per prompt only.
+        eos_token_id: int or ints that end a sequence; default the ``generation_config``'s; ``[]``:
+            never stop early.
+        pad_token_id: fills finished rows; default the ``generation_config``'s, else the first EOS id.
+        kv_cache: a `PagedKVCache` to use instead of creating one (e.g. to inspect its pages from a
+            callback); the sequences added are freed at the end.
+        namespace: the prefix-cache namespace (str -> str) of every prompt, or a list of one per prompt.
     """
     prompts, eos, pad = check_prompts(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
     if namespace is None or isinstance(namespace, dict):
@@ -84,4 +97,4 @@ def prepare(
         eviction=eviction,
         budget=budget,
     )
-    return Prepared(session, prompts, eos, pad, namespaces)
+    return Prepared(session, prompts, eos, pad, namespaces, max_new_tokens)

@@ -1,23 +1,12 @@
 """Choosing the next token from the logits, as transformers' ``generate`` does.
 
-Greedy decoding takes the argmax. Sampling (``do_sample=True``) passes the logits through three
-warpers, in transformers' order, then draws one token per row from their softmax:
-
-1. ``temperature``: divide the logits (below 1 sharpens the distribution, above 1 flattens it);
-2. ``top_k``: keep the ``top_k`` largest logits (ties with the k-th kept too), the rest -> -inf;
-3. ``top_p``: keep the smallest set of most likely tokens whose probabilities add up to at least
-   ``top_p``; computed as transformers computes it (sort ascending, cumulative softmax, drop the
-   tokens whose cumulative probability is <= 1 - top_p, always keep the most likely one), so
-   that a token on the boundary falls on the same side.
-
-The same random draws. With ``torch.manual_seed(s)`` before each call, `paged_ref.hf.generate`
-samples the same tokens as ``model.generate``: one ``torch.multinomial`` call per step over
-*every* row of the batch (``num_return_sequences`` rows per prompt, rows already finished
-included), as transformers makes it. A finished row's pages are free and it has no logits any
-more, so `choose` gives it a placeholder distribution: torch's one-sample ``multinomial`` is
-``argmax(p / q)`` with ``q ~ Exp(1)`` drawn for the whole ``[rows, vocab]`` tensor, so each row's
-draw depends only on its own probabilities and its own slice of the random stream, and the
-placeholder changes no other row's token (``tests/test_hf_sampling.py`` checks it).
+Greedy takes the argmax. Sampling passes the logits through transformers' warpers in its order
+(``temperature``, ``top_k``, ``top_p``, computed as it computes them, so that a token on a boundary
+falls on the same side), then draws one token per row. After the same ``torch.manual_seed`` the
+draws are ``model.generate``'s: one ``torch.multinomial`` per step over *every* row of the batch,
+finished rows included. A finished row has no logits, so `choose` gives it a placeholder
+distribution: the one-sample ``multinomial`` draws ``argmax(p / q)`` with ``q ~ Exp(1)`` over the
+whole ``[rows, vocab]`` tensor, so the placeholder changes no other row's token.
 
 Example:
     >>> import dataclasses, torch
