@@ -131,16 +131,23 @@ def _prepare_sdpa(plan) -> dict:
 
 
 def _sdpa_prefill(prepare_decode: Callable[..., dict]) -> Callable[..., dict]:
-    """``prepare`` of a backend whose prefill is SDPA's: ``prepare_decode`` for decode steps."""
+    """``prepare`` of a backend whose prefill is SDPA's, from that of its decode."""
     return lambda plan: prepare_decode(plan) if plan.is_decode else _prepare_sdpa(plan)
 
 
-def _prepare_fused_decode(plan) -> dict:
+@_sdpa_prefill
+def _prepare_triton(plan) -> dict:
+    return {"check_values": False}
+
+
+@_sdpa_prefill
+def _prepare_sdpa_fused(plan) -> dict:
     fused = prepare_fused(plan.block_table, plan.seq_lens, plan.kv.page_size, plan.kv.k_cache[0].dtype)
     return {"fused": fused, "check_values": False}
 
 
-def _prepare_cascade_decode(plan) -> dict:
+@_sdpa_prefill
+def _prepare_cascade(plan) -> dict:
     order, indptr, prefix = shared_prefix_groups(plan.block_table, plan.seq_lens, plan.kv.page_size)
     return {"order": order, "group_indptr": indptr, "prefix_lens": prefix}
 
@@ -154,52 +161,22 @@ def cascade_layer_decode(
         from ..attention.triton_cascade import triton_cascade_decode as decode
     else:
         from ..attention.cascade import reference_cascade_decode as decode
+    q, block_table, seq_lens = q[order].contiguous(), block_table[order].contiguous(), seq_lens[order].contiguous()
     out = decode(
-        q[order].contiguous(),
-        k_cache,
-        v_cache,
-        block_table[order].contiguous(),
-        seq_lens[order].contiguous(),
-        group_indptr,
-        prefix_lens,
-        scale=scale,
-        check_values=check_values,
-    )  # [batch, Hq, D], grouped order
-    return out[torch.argsort(order)]
+        q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, scale=scale, check_values=check_values
+    )
+    return out[torch.argsort(order)]  # [batch, Hq, D] back from the grouped order
 
 
-_SDPA_PREFILL = ("paged_ref.attention.sdpa", "sdpa_paged_prefill")
+_REFERENCE, _FLEX, _SDPA = "paged_ref.attention.reference", "paged_ref.attention.flex", "paged_ref.attention.sdpa"
+_TRITON = "paged_ref.attention.triton_decode"
 for _backend in (
-    Backend(
-        "reference",
-        ("paged_ref.attention.reference", "reference_paged_decode"),
-        ("paged_ref.attention.reference", "reference_paged_prefill"),
-    ),
-    Backend(
-        "flex",
-        ("paged_ref.attention.flex", "flex_paged_decode"),
-        ("paged_ref.attention.flex", "flex_paged_prefill"),
-        _prepare_flex,
-    ),
-    Backend(
-        "triton",
-        ("paged_ref.attention.triton_decode", "triton_paged_decode"),
-        _SDPA_PREFILL,
-        _sdpa_prefill(lambda plan: {"check_values": False}),
-    ),
-    Backend("sdpa", ("paged_ref.attention.sdpa", "sdpa_paged_decode"), _SDPA_PREFILL, _prepare_sdpa),
-    Backend(
-        "sdpa_fused",
-        ("paged_ref.attention.sdpa", "sdpa_fused_paged_decode"),
-        _SDPA_PREFILL,
-        _sdpa_prefill(_prepare_fused_decode),
-    ),
-    Backend(
-        "cascade",
-        ("paged_ref.hf.attention", "cascade_layer_decode"),
-        _SDPA_PREFILL,
-        _sdpa_prefill(_prepare_cascade_decode),
-    ),
+    Backend("reference", (_REFERENCE, "reference_paged_decode"), (_REFERENCE, "reference_paged_prefill")),
+    Backend("flex", (_FLEX, "flex_paged_decode"), (_FLEX, "flex_paged_prefill"), _prepare_flex),
+    Backend("triton", (_TRITON, "triton_paged_decode"), (_SDPA, "sdpa_paged_prefill"), _prepare_triton),
+    Backend("sdpa", (_SDPA, "sdpa_paged_decode"), (_SDPA, "sdpa_paged_prefill"), _prepare_sdpa),
+    Backend("sdpa_fused", (_SDPA, "sdpa_fused_paged_decode"), (_SDPA, "sdpa_paged_prefill"), _prepare_sdpa_fused),
+    Backend("cascade", (__name__, "cascade_layer_decode"), (_SDPA, "sdpa_paged_prefill"), _prepare_cascade),
 ):
     register_backend(_backend)
 

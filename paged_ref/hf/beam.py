@@ -1,19 +1,15 @@
 """Beam search over forked pages: the beams of a prompt share every page they have in common.
 
-Beam search keeps, per prompt, the ``k = num_beams`` most likely continuations (beams). Each step
-the ``2k`` best (beam, token) pairs by summed log-probability are ranked; the ``k`` best that do
-not end become the next beams, and one that ends (EOS, or the length limit) is a finished
-hypothesis, scored ``sum of log-probs / generated_length ** length_penalty``. The selection is
-transformers' own (``GenerationMixin._beam_search``), tensor for tensor: ``model.generate(num_beams=k)``
-returns the same tokens and scores.
-
-What changes is the cache. transformers gathers every beam's contiguous cache into the new beam
-order each step (``reorder_cache``). Here each beam is a sequence of a `PagedKVCache`; after each
-selection a beam no next beam continues is **cut** (`PagedSession.finish`: its pages go back, or
-lose a reference); one continued once **keeps** its pages; one continued by several is **forked**
-(the children share its pages; the first token a child writes into the shared partial last page
-copies that one page, copy-on-write). So k beams over a 512-token prompt hold its pages once, plus
-a few pages each. `BeamStep` records every step's pages for the page maps of notebook 08.
+Beam search keeps, per prompt, the ``k = num_beams`` most likely continuations (beams), chosen by
+transformers' own selection (`paged_ref.hf.beam_selection`): ``model.generate(num_beams=k)``
+returns the same tokens and scores. What changes is the cache: transformers gathers every beam's
+contiguous cache into the new beam order each step (``reorder_cache``). Here each beam is a sequence
+of a `PagedKVCache`; after each selection a beam no next beam continues is **cut**
+(`PagedSession.finish`: its pages go back, or lose a reference); one continued once **keeps** its
+pages; one continued by several is **forked** (the children share its pages; the first token a
+child writes into the shared partial last page copies that one page, copy-on-write). So k beams
+over a 512-token prompt hold its pages once, plus a few each. `BeamStep` records every step's pages
+for the page maps of notebook 08.
 
 Example:
     >>> import torch
@@ -36,12 +32,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from .beam_selection import BeamSelection
 from .decoding import Decoding, resolve
 from .inputs import Prepared, prepare
 
 __all__ = ["BeamStep", "BeamSearchOutput", "beam_search", "run_beam_search"]
-
-NEG = -1.0e9  # transformers' "impossible" score (finite, so that sums stay ordered)
 
 
 @dataclass(frozen=True)
@@ -113,15 +108,9 @@ def beam_search(
 ) -> BeamSearchOutput:
     """``model.generate(num_beams=k, do_sample=False)``'s tokens and scores, from a paged cache.
 
-    Args:
-        num_beams: beams per prompt (>= 2; None: the model's ``generation_config``).
-        num_return_sequences: hypotheses returned per prompt (<= num_beams; default 1).
-        length_penalty: exponent of the generated length dividing a finished beam's log-probability
-            (default 1.0; > 0 favours longer sequences).
-        early_stopping: ``True``, ``False`` (default) or ``"never"``, as in transformers.
-        callback: ``callback(step, beam_step)`` after each step's selection (`BeamStep`).
-        progress: show a tqdm bar over the steps.
-        The other arguments are `paged_ref.hf.generate`'s.
+    ``num_beams`` (>= 2), ``num_return_sequences``, ``length_penalty`` and ``early_stopping`` are
+    ``model.generate``'s (`paged_ref.hf.decoding`); ``callback(step, beam_step)`` is called after each
+    step's selection (`BeamStep`); ``progress`` shows a tqdm bar; the other arguments are `generate`'s.
 
     Raises:
         TypeError / ValueError: bad arguments (the message names the argument); nothing is allocated.
@@ -149,21 +138,19 @@ def run_beam_search(
     prepared = prepare(model, input_ids, decoding.num_beams, max_new_tokens=max_new_tokens, **options)
     from tqdm.auto import tqdm
 
-    with (
-        prepared.session,
-        tqdm(total=max_new_tokens, disable=not progress, desc="paged beam search", unit="tok") as bar,
-    ):
+    bar = tqdm(total=max_new_tokens, disable=not progress, desc="paged beam search", unit="tok")
+    with prepared.session, bar:
         out = _search(prepared, input_ids.to(prepared.session.kv.device), decoding, callback, bar)
     return replace(out, sequences=out.sequences.to(input_ids.device))
 
 
 def _search(prepared: Prepared, input_ids, decoding, callback, bar) -> BeamSearchOutput:
-    """The beams' pages follow transformers' selection (`_Selection`) step by step: one prefill per
+    """The beams' pages follow transformers' selection (`BeamSelection`) step by step: one prefill per
     prompt, then per step the selection, the pages following it (`_follow_selection`), one decode
     forward (`_feed`)."""
     session, prompts, eos, pad, namespaces, max_new_tokens = prepared
     k = decoding.num_beams
-    selection = _Selection(input_ids, decoding, eos, pad, max_new_tokens)
+    selection = BeamSelection(input_ids, decoding, eos, pad, max_new_tokens)
     # one sequence per prompt, prefilled once: its k beams start as that one sequence
     roots = [session.add(namespace=ns) for ns in namespaces]
     logits = session.extend(roots, prompts).repeat_interleave(k, dim=0)  # [batch * k, vocab], transformers' rows
@@ -185,79 +172,6 @@ def _search(prepared: Prepared, input_ids, decoding, callback, bar) -> BeamSearc
         copies += sum(len(c) for c in copied.values())
     sequences, scores = selection.best(decoding.num_return_sequences)
     return BeamSearchOutput(sequences, scores, pages_held, copies)
-
-
-class _Selection:
-    """transformers' beam selection (``GenerationMixin._beam_search``), tensor for tensor: per prompt
-    the ``k`` running beams and the ``k`` best finished hypotheses, ``[batch, k, ...]`` each."""
-
-    def __init__(self, input_ids: torch.Tensor, decoding: Decoding, eos: torch.Tensor, pad: int, max_new_tokens: int):
-        device, (batch, self.width), k = input_ids.device, input_ids.shape, decoding.num_beams
-        self.decoding, self.eos, self.k = decoding, eos, k
-        self.cur_len, self.max_length = self.width, self.width + max_new_tokens
-        self.keep = max(2, 1 + eos.numel()) * k  # candidates per prompt: 2k (more with several EOS ids)
-        fill = pad if pad != 0 else (int(eos[0]) if eos.numel() else pad)  # model.generate's fill value
-        self.running = torch.full((batch, k, self.max_length), fill, dtype=torch.long, device=device)
-        self.running[:, :, : self.width] = input_ids[:, None, :]  # [batch, k, max_length]
-        self.running_scores = torch.zeros(batch, k, device=device)  # [batch, k]
-        self.running_scores[:, 1:] = NEG  # step 0: the k rows are one prompt; only beam 0's candidates count
-        self.finished = self.running.clone()  # [batch, k, max_length]
-        self.finished_len = torch.zeros(batch, k, dtype=torch.long, device=device)  # generated lengths
-        self.finished_scores = torch.full((batch, k), NEG, device=device)
-        self.is_finished = torch.zeros(batch, k, dtype=torch.bool, device=device)
-        self.can_improve = torch.ones(batch, 1, dtype=torch.bool, device=device)  # per prompt
-
-    def step(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
-        """Select from ``logits: [batch * k, vocab]``; returns the token each next beam appends and
-        the beam it continues (``[batch, k]`` each), and per prompt whether it is done."""
-        batch, k, width, cur_len = self.running.shape[0], self.k, self.width, self.cur_len
-        penalty, early_stopping = self.decoding.length_penalty, self.decoding.early_stopping
-        vocab = logits.shape[-1]
-        log_probs = torch.log_softmax(logits, dim=-1).view(batch, k, vocab) + self.running_scores[:, :, None]
-        top_scores, top_index = torch.topk(log_probs.view(batch, k * vocab), k=self.keep)  # [batch, keep]
-        top_beam, top_token = top_index // vocab, top_index % vocab
-        top_running = self.running.gather(1, top_beam[:, :, None].expand(-1, -1, self.max_length)).clone()
-        top_running[:, :, cur_len] = top_token
-        hits = torch.isin(top_token, self.eos) | (cur_len + 1 >= self.max_length)  # [batch, keep]: ends here
-
-        # the next running beams: the k best candidates that do not end
-        running_candidates = top_scores + hits.to(torch.float32) * NEG
-        nxt = torch.topk(running_candidates, k=k)[1]  # [batch, k]
-        self.running = _gather(top_running, nxt)
-        self.running_scores = _gather(running_candidates, nxt)
-        parents = _gather(top_beam, nxt)  # [batch, k]
-
-        # the k best finished hypotheses so far (only the k best candidates may finish), length-penalized
-        just_finished = hits & (torch.arange(self.keep, device=hits.device) < k)[None, :]
-        scores = top_scores / ((cur_len + 1 - width) ** penalty)
-        scores += (self.is_finished.all(dim=-1, keepdim=True) & (early_stopping is True)).to(torch.float32) * NEG
-        scores += (~self.can_improve).to(torch.float32) * NEG
-        scores += (~just_finished) * NEG
-        best = torch.topk(torch.cat((self.finished_scores, scores), dim=1), k=k)[1]  # [batch, k]
-        self.finished = _gather(torch.cat((self.finished, top_running), dim=1), best)
-        self.finished_scores = _gather(torch.cat((self.finished_scores, scores), dim=1), best)
-        new_len = torch.full_like(top_beam, cur_len + 1 - width)
-        self.finished_len = _gather(torch.cat((self.finished_len, new_len), dim=1), best)
-        self.is_finished = _gather(torch.cat((self.is_finished, just_finished), dim=1), best)
-
-        self.cur_len = cur_len = cur_len + 1
-        # transformers' early-stop heuristic: can the best running beam still beat the worst finished one?
-        best_length = self.max_length - width if early_stopping == "never" and penalty > 0.0 else cur_len - width
-        best_running = self.running_scores[:, :1] / (best_length**penalty)  # [batch, 1]
-        worst = torch.where(self.is_finished, torch.min(self.finished_scores, dim=1, keepdim=True)[0], NEG)
-        self.can_improve &= torch.any(best_running > worst, dim=-1, keepdim=True)
-        stop = not (
-            bool(self.can_improve.any())
-            and not (bool(self.is_finished.all()) and early_stopping is True)
-            and not bool(hits.all())
-        )
-        done = [stop or not bool(self.can_improve[b]) for b in range(batch)]  # nothing it runs can change its result
-        return self.running[:, :, cur_len - 1], parents, done
-
-    def best(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``n`` best finished hypotheses of each prompt, ``[batch * n, width + longest]``, and their scores."""
-        out_len = self.width + int(self.finished_len[:, :n].max())
-        return self.finished[:, :n, :out_len].reshape(-1, out_len), self.finished_scores[:, :n].reshape(-1)
 
 
 def _follow_selection(session, beams: list[list[int]], parents: list[list[int]], done: list[bool]) -> dict:
@@ -321,10 +235,3 @@ def _feed(session, beams: list[list[int]], tokens: torch.Tensor):
     rows = torch.tensor([b * k + j for b in live for j in range(k)], device=step_logits.device)
     logits[rows] = step_logits
     return logits, {s: kv.pages(s) for s in seqs}, copied
-
-
-def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``t[b, index[b, j], ...]`` for a ``[batch, n, ...]`` tensor and ``index: [batch, m]``."""
-    while index.dim() < t.dim():
-        index = index.unsqueeze(-1)
-    return torch.take_along_dim(t, index, dim=1)
