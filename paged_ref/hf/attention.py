@@ -19,8 +19,7 @@ A `Backend` reads the pages; decode is one new token per sequence, prefill sever
 - ``cascade``: decode reads the pages rows share (forks, beams, prefix-cached prompts) once for all;
 - ``auto`` (the default): ``triton`` on CUDA, ``sdpa`` elsewhere.
 
-`register_backend` adds one; `paged_ref.hf.quest` makes Quest's, which reads only the pages whose
-key summaries bound the scores highest.
+`register_backend` adds one; a `Backend` object is also taken as it is (``backend=``).
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@
 - `check`: the coursework checkers students call on their own code (``pr.lab.check``);
 - helpers the above share: `runmode` (quick or full runs, where figures go), `provenance`
   (hardware and versions), `textdata` (real text from the standard library), `stats`,
-  `texttable`; `likelihood` (teacher-forced log-probs through the pages) and `mistakes` (wrong
-  backends, its negative controls); the notebooks' simulations and replays: `fragmentation`
-  (workloads served by the engine, dry), `scenarios`, `sharing`, `eviction_analysis`, `eviction_replay`.
+  `texttable`; `likelihood` (teacher-forced log-probs through the pages), `mistakes` (wrong
+  backends, its negative controls) and `quest_backend` (Quest's decode in a session); the
+  notebooks' simulations and replays: `fragmentation` (workloads served by the engine, dry),
+  `scenarios`, `sharing`, `eviction_analysis`, `eviction_replay`.
 
 Submodules load on first use:
 
@@ -29,6 +30,7 @@ _SUBMODULES = {
     "likelihood",
     "mistakes",
     "provenance",
+    "quest_backend",
     "runmode",
     "scenarios",
     "sharing",

@@ -1,9 +1,10 @@
-"""Quest as a backend: each decode step reads only the pages that can matter.
+"""Quest as a `paged_ref.hf` backend: each decode step reads only the pages that can matter.
 
 Quest (Tang et al., 2024) keeps the min and max of every page's keys (the cache's
 ``page_summaries=True``); a query's scores over a page are bounded from them, and decode reads
 the ``budget`` pages per sequence and KV head whose bounds are highest
-(`paged_ref.attention.quest`). Prefill reads every page, through SDPA.
+(`paged_ref.attention.quest`). Prefill reads every page, through SDPA. `bench pages` runs
+SmolLM2 with it.
 
 Example:
     >>> quest_backend(8).name, quest_backend(8, dense_layers=2).name
@@ -16,7 +17,7 @@ import functools
 
 from .._validate import check_int
 from ..attention.quest import quest_paged_decode
-from .attention import BACKENDS, Backend
+from ..hf.attention import BACKENDS, Backend
 
 __all__ = ["quest_backend", "quest_layer_decode"]
 
@@ -28,7 +29,7 @@ def quest_backend(budget: int, *, dense_layers: int = 0) -> Backend:
     dense_layers = check_int("dense_layers", dense_layers, min_value=0)
     return Backend(
         f"quest_{budget}" + (f"_dense_{dense_layers}" if dense_layers else ""),
-        ("paged_ref.hf.quest", "quest_layer_decode"),
+        (__name__, "quest_layer_decode"),
         BACKENDS["sdpa"].prefill,
         functools.partial(_prepare, budget=budget, dense_layers=dense_layers),
     )
