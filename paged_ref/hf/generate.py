@@ -174,11 +174,8 @@ def stream(
             f"(num_beams={decoding.num_beams}), whose sequences are chosen only at the end; use "
             "paged_ref.hf.generate or paged_ref.hf.beam_search"
         )
-    return Stream(
-        _steps(
-            prepare(model, input_ids, decoding.num_return_sequences, max_new_tokens=max_new_tokens, **options), decoding
-        )
-    )
+    n = decoding.num_return_sequences
+    return Stream(_steps(prepare(model, input_ids, n, max_new_tokens=max_new_tokens, **options), decoding))
 
 
 class Stream:

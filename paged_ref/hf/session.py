@@ -176,15 +176,6 @@ class PagedSession:
         The fork's tokens are its prompt: its policy (default: the session's) runs ``after_prefill``
         now, so one prefilled prompt serves sequences under different policies.
 
-        Example:
-            >>> from paged_ref.eviction import make_policy
-            >>> from paged_ref.models import tiny_llama
-            >>> with PagedSession(tiny_llama(), num_pages=16, page_size=4) as session:
-            ...     root = session.add()
-            ...     _ = session.extend([root], [torch.arange(1, 21)])             # a 20-token prompt
-            ...     s = session.fork(root, eviction=make_policy("streaming_llm", 8))
-            ...     session.kv.seq_len(root), session.kv.seq_len(s), session.position(s)
-            (20, 8, 20)
         """
         self._check_live(seq_id)
         policy = self._policy_arg(eviction)
@@ -287,25 +278,21 @@ class PagedSession:
 
         marks = [self.kv.mark(s) for s in seq_ids]
         started = time.perf_counter()
-        try:
+        try:  # the reservation is all or nothing, what follows may fail: then back to the marks
             plan, input_ids, position_ids = self._plan(seq_ids, tokens, q_lens, packed=packed)
-        except BaseException:  # the reservation is all or nothing; what comes after it may fail
-            self._rewind(seq_ids, marks)
-            raise
-        self.plan_seconds += time.perf_counter() - started
-        # the model computes logits only for the columns asked for: each row's last new token
-        ends = [n - 1 for n in q_lens]
-        if all_logits:
-            keep = 0  # every column
-        elif plan.parts is not None:  # one packed row
-            keep = torch.tensor(list(itertools.accumulate(q_lens)), device=device) - 1  # [batch]
-        elif plan.is_decode:
-            keep = 1
-        else:
-            columns = sorted(set(ends))
-            keep = torch.tensor(columns, device=device)
-        self._hf_cache.plan = plan
-        try:
+            self.plan_seconds += time.perf_counter() - started
+            # the model computes logits only for the columns asked for: each row's last new token
+            ends = [n - 1 for n in q_lens]
+            if all_logits:
+                keep = 0  # every column
+            elif plan.parts is not None:  # one packed row
+                keep = torch.tensor(list(itertools.accumulate(q_lens)), device=device) - 1  # [batch]
+            elif plan.is_decode:
+                keep = 1
+            else:
+                columns = sorted(set(ends))
+                keep = torch.tensor(columns, device=device)
+            self._hf_cache.plan = plan
             with paged_attention_active(self.model), self._linears:
                 out = self.model(
                     input_ids=input_ids,
@@ -315,8 +302,9 @@ class PagedSession:
                     paged_step=plan,  # reaches paged_attention_forward through **kwargs
                     **{self._cache_kw: self._hf_cache},
                 )
-        except BaseException:  # leave the cache as it was: drop the half-written new tokens
-            self._rewind(seq_ids, marks)
+        except BaseException:
+            for s, mark in reversed(list(zip(seq_ids, marks))):  # the last first
+                self.kv.rewind(s, mark)  # its pages, private copies and length as they were
             raise
         finally:
             self._hf_cache.plan = None
@@ -381,11 +369,6 @@ class PagedSession:
                 (bt, self._backend.prepare(replace(plan, block_table=bt))) for bt in tables
             ]
         return plan, input_ids, position_ids
-
-    def _rewind(self, seq_ids, marks) -> None:
-        """Undo a step's reservations and writes: each sequence back to its mark, the last first."""
-        for s, mark in reversed(list(zip(seq_ids, marks))):
-            self.kv.rewind(s, mark)
 
     def _after_forward(self, seq_id: int, *, phase_prefill: bool) -> None:
         """The eviction hooks: let the sequence's policy shrink its cache (see the module docstring)."""
