@@ -10,7 +10,7 @@ import numbers
 
 import torch
 
-from .._validate import check_int, check_list
+from .._validate import check_int, check_list, describe
 from ..memory import model_geometry
 
 __all__ = ["check_batch", "check_prompts", "check_streamer", "token_ids"]
@@ -68,14 +68,7 @@ def check_prompts(model, input_ids, attention_mask, max_new_tokens, eos_token_id
     model_geometry(model)  # a transformers decoder, else a TypeError naming what it lacks
     check_int("max_new_tokens", max_new_tokens, min_value=1)
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
-        raise TypeError(
-            "input_ids must be a LongTensor [batch, prompt_len], got "
-            + (
-                f"a tensor of shape {list(input_ids.shape)} and dtype {input_ids.dtype}"
-                if isinstance(input_ids, torch.Tensor)
-                else type(input_ids).__name__
-            )
-        )
+        raise TypeError(f"input_ids must be a LongTensor [batch, prompt_len], got a {describe(input_ids)}")
     batch, length = input_ids.shape
     if batch < 1 or length < 1:
         raise ValueError(f"input_ids must hold at least one token per row, got shape {list(input_ids.shape)}")
@@ -88,13 +81,9 @@ def check_prompts(model, input_ids, attention_mask, max_new_tokens, eos_token_id
         prompts = [row.to(device) for row in input_ids]
     else:
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
-            got = (
-                list(attention_mask.shape)
-                if isinstance(attention_mask, torch.Tensor)
-                else type(attention_mask).__name__
-            )
+            shape = list(input_ids.shape)
             raise ValueError(
-                f"attention_mask must be a tensor of the shape of input_ids {list(input_ids.shape)}, got {got}"
+                f"attention_mask must be a tensor of the shape of input_ids {shape}, got a {describe(attention_mask)}"
             )
         mask = attention_mask.to("cpu")
         if not ((mask == 0) | (mask == 1)).all():

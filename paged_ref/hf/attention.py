@@ -9,17 +9,11 @@ tokens, already in the pages) and the mask: the step plan, passed as the extra k
 ``paged_step``, says where each sequence's K/V live. ``"paged_ref"`` has no entry in
 `AttentionMaskInterface`, so transformers builds no mask: causality and lengths are the kernels' job.
 
-A `Backend` reads the pages; decode is one new token per sequence, prefill several:
-
-- ``reference``: ``reference_paged_decode`` / ``reference_paged_prefill``, the oracle;
-- ``flex``: ``flex_paged_decode`` / ``flex_paged_prefill``;
-- ``triton``: ``triton_paged_decode``; prefill (compute-bound, once per prompt) through SDPA;
-- ``sdpa``: ``sdpa_paged_decode`` / ``sdpa_paged_prefill``, gather by slot then PyTorch's SDPA (the CPU's path);
-- ``sdpa_fused``: ``sdpa`` with each decode layer in one call of PyTorch's fused CPU kernel;
-- ``cascade``: decode reads the pages rows share (forks, beams, prefix-cached prompts) once for all;
-- ``auto`` (the default): ``triton`` on CUDA, ``sdpa`` elsewhere.
-
-`register_backend` adds one; a `Backend` object is also taken as it is (``backend=``).
+A `Backend` reads the pages, decode (one new token per sequence) and prefill: ``reference`` (the
+oracle), ``flex``, ``triton`` (prefill, compute-bound and once per prompt, through SDPA), ``sdpa``
+(gather by slot, then PyTorch's SDPA: the CPU's path), ``sdpa_fused`` (each decode layer in one
+fused CPU call) and ``cascade`` (the pages rows share are read once for all of them); ``auto``, the
+default, is ``triton`` on CUDA and ``sdpa`` elsewhere. `register_backend` adds one.
 """
 
 from __future__ import annotations

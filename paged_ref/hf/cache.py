@@ -6,12 +6,8 @@ registered attention function (`attention.py`) then reads each sequence's whole 
 from the pages. Both halves read one `StepPlan`, built once per forward by the session.
 
 A forward is a *rectangle*: row ``b`` of ``input_ids: [batch, max_q_len]`` holds the ``q_lens[b]``
-new tokens of sequence ``seq_ids[b]`` left-aligned, padding after them; padding never reaches the
-cache. A decode step is the rectangle with ``max_q_len == 1``. A *packed* forward (`pack_rows`)
-is one row of every sequence's new tokens, so no padding is computed.
-
-transformers 5.24 passes the cache as ``cache=`` and calls ``update(k, v, layer_idx, kwargs=...)``,
-5.17 as ``past_key_values=`` with ``update(k, v, layer_idx, cache_kwargs)``: `update` takes both.
+new tokens of sequence ``seq_ids[b]``, then padding, which never reaches the cache (decode:
+``max_q_len == 1``); a *packed* forward (`pack_rows`) is one row of every sequence's new tokens.
 """
 
 from __future__ import annotations
@@ -99,7 +95,8 @@ class PagedCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write this layer's new K/V, ``[batch, num_kv_heads, max_q_len, head_dim]`` after RoPE, into
-        their pages; returns them unchanged (attention reads the whole history from the pages)."""
+        their pages; returns them unchanged (attention reads the whole history from the pages).
+        ``*args, **kwargs``: transformers 5.24 passes ``kwargs=...``, 5.17 ``cache_kwargs``."""
         plan = self.plan
         if plan is None:
             raise RuntimeError(

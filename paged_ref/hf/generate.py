@@ -1,16 +1,11 @@
 """Generation from a paged KV cache: `generate` and its iterator form `stream`.
 
-The same tokens as ``model.generate`` with the same decoding arguments (`paged_ref.hf.decoding`):
-greedy by default; ``do_sample=True`` with ``temperature``, ``top_k``, ``top_p`` draws
-``model.generate``'s tokens after the same ``torch.manual_seed`` (`paged_ref.hf.sampling`);
-``num_beams=k`` is beam search over forked pages (`paged_ref.hf.beam`).
-
-``num_return_sequences=n`` prefills each prompt once and *forks* it n - 1 times: the n rows share
-its pages, and the first token a row writes into a shared page copies that page (copy-on-write).
-Prompts of different lengths come left-padded with an ``attention_mask``, as ``model.generate``
-takes them; padding is stripped before anything reaches the cache, and the output keeps the
-input's layout. A sequence that emits EOS is finished: its pages go back at once and its row is
-filled with ``pad_token_id``.
+The same tokens as ``model.generate`` for the same decoding arguments (`paged_ref.hf.decoding`):
+greedy, sampling after the same ``torch.manual_seed`` (`paged_ref.hf.sampling`), beam search over
+forked pages (`paged_ref.hf.beam`). ``num_return_sequences=n`` prefills a prompt once and *forks*
+it n - 1 times: the rows share its pages, and a row's first write into a shared page copies it
+(copy-on-write). Left padding (``attention_mask``) is stripped before anything reaches the cache;
+a sequence that emits EOS gives its pages back at once and its row is filled with ``pad_token_id``.
 
 Example:
     >>> import torch

@@ -7,11 +7,10 @@ for all of them. ``position(seq)`` counts every token the sequence was fed, ``kv
 tokens still held: once an eviction policy drops tokens they differ, and RoPE must still use the
 absolute position (the kept keys were rotated with theirs), so the session passes ``position_ids``.
 
-Eviction hooks: each sequence may have a policy (`paged_ref.eviction`), the session's own or one
-given to `add` / `fork`. After a forward the session calls, for each sequence it fed,
-``policy.after_prefill(kv, seq)`` after its first forward and ``policy.after_append(kv, seq)``
-after every later one; a forward feeds at most ``policy.tokens_until_action`` tokens. On a
-`LayeredKVCache` every layer attends through its own block table (per-layer eviction).
+Eviction hooks: each sequence may have a policy (`paged_ref.eviction`, the session's or its own);
+after each forward that feeds it, the session calls ``policy.after_prefill(kv, seq)`` (its first)
+or ``policy.after_append(kv, seq)``, feeding at most ``policy.tokens_until_action`` tokens between
+calls. On a `LayeredKVCache` each layer attends through its own block table (per-layer eviction).
 
 Example:
     >>> import torch
