@@ -51,9 +51,8 @@ class Backend:
 
     Attributes:
         name: what ``backend=`` takes.
-        decode, prefill: ``(module, function)``, imported on first use (so that triton matters only
-            to the backend that needs it); both take ``(q, k_cache, v_cache, block_table, seq_lens[,
-            q_lens], *, scale, **prepared)``.
+        decode, prefill: ``(module, function)``, imported on first use (triton only by the backend that
+            needs it), taking ``(q, k_cache, v_cache, block_table, seq_lens[, q_lens], *, scale, **prepared)``.
         prepare: ``prepare(plan) -> dict``: keywords computed once per forward from its `StepPlan`
             and passed to every layer's call (masks, slot maps, skipped checks).
     """
@@ -253,9 +252,8 @@ def register() -> str:
 
 @contextlib.contextmanager
 def paged_attention_active(model):
-    """Within the ``with`` block the model's attention is ``"paged_ref"``, restored on exit whatever
-    happens. It sets only the config attribute the layers read (`PagedSession.open` checked once, with
-    `set_attn_implementation`, which walks every module, that the model accepts it)."""
+    """Within the ``with`` block the model's attention is ``"paged_ref"``: only the config attribute the
+    layers read is set (`PagedSession.open` checked that the model accepts it), restored on exit."""
     previous = model.config._attn_implementation
     model.config._attn_implementation = ATTN_IMPLEMENTATION
     try:

@@ -28,13 +28,13 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
 from .beam_selection import BeamSelection
 from .decoding import Decoding, resolve
-from .inputs import Prepared, prepare
+from .inputs import prepare
 
 __all__ = ["BeamStep", "BeamSearchOutput", "beam_search", "run_beam_search"]
 
@@ -132,46 +132,39 @@ def beam_search(
 def run_beam_search(
     model, input_ids, decoding: Decoding, max_new_tokens, *, callback=None, progress=False, **options
 ) -> BeamSearchOutput:
-    """`beam_search` with its decoding arguments resolved (also `generate`'s beam path)."""
+    """`beam_search` with its decoding arguments resolved (also `generate`'s beam path): the beams'
+    pages follow transformers' selection (`BeamSelection`) step by step, one prefill per prompt, then
+    per step the selection, the pages following it (`_follow_selection`) and one decode forward (`_feed`)."""
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable, got {type(callback).__name__}")
-    prepared = prepare(model, input_ids, decoding.num_beams, max_new_tokens=max_new_tokens, **options)
+    k = decoding.num_beams
+    session, prompts, eos, pad, namespaces, _ = prepare(model, input_ids, k, max_new_tokens=max_new_tokens, **options)
+    selection = BeamSelection(input_ids.to(session.kv.device), decoding, eos, pad, max_new_tokens)
+    pages_held, copies = [], 0
     from tqdm.auto import tqdm
 
-    bar = tqdm(total=max_new_tokens, disable=not progress, desc="paged beam search", unit="tok")
-    with prepared.session, bar:
-        out = _search(prepared, input_ids.to(prepared.session.kv.device), decoding, callback, bar)
-    return replace(out, sequences=out.sequences.to(input_ids.device))
-
-
-def _search(prepared: Prepared, input_ids, decoding, callback, bar) -> BeamSearchOutput:
-    """The beams' pages follow transformers' selection (`BeamSelection`) step by step: one prefill per
-    prompt, then per step the selection, the pages following it (`_follow_selection`), one decode
-    forward (`_feed`)."""
-    session, prompts, eos, pad, namespaces, max_new_tokens = prepared
-    k = decoding.num_beams
-    selection = BeamSelection(input_ids, decoding, eos, pad, max_new_tokens)
-    # one sequence per prompt, prefilled once: its k beams start as that one sequence
-    roots = [session.add(namespace=ns) for ns in namespaces]
-    logits = session.extend(roots, prompts).repeat_interleave(k, dim=0)  # [batch * k, vocab], transformers' rows
-    beams, pages, copied = [[root] * k for root in roots], {s: session.kv.pages(s) for s in roots}, {}
-    pages_held, copies = [], 0
-    for step in range(max_new_tokens):
-        pages_held.append(len({p for held in pages.values() for p in held}))
-        tokens, parents, done = selection.step(logits)
-        bar.update(1)
-        moves = _follow_selection(session, beams, parents.tolist(), done)
-        if callback is not None:
-            finished = selection.is_finished.sum(dim=1).tolist()
-            beam_step = BeamStep(step, pages, copied, tokens.clone(), parents.clone(), finished=finished, **moves)
-            callback(step, beam_step)
-        beams = moves["beams"]
-        if not any(beams):
-            break
-        logits, pages, copied = _feed(session, beams, tokens)
-        copies += sum(len(c) for c in copied.values())
+    with session, tqdm(total=max_new_tokens, disable=not progress, desc="paged beam search", unit="tok") as bar:
+        # one sequence per prompt, prefilled once: its k beams start as that one sequence
+        roots = [session.add(namespace=ns) for ns in namespaces]
+        logits = session.extend(roots, prompts).repeat_interleave(k, dim=0)  # [batch * k, vocab]
+        beams, pages, copied = [[root] * k for root in roots], {s: session.kv.pages(s) for s in roots}, {}
+        for step in range(max_new_tokens):
+            pages_held.append(len({p for held in pages.values() for p in held}))
+            tokens, parents, done = selection.step(logits)  # [batch, k] each, done per prompt
+            bar.update(1)
+            moves = _follow_selection(session, beams, parents.tolist(), done)
+            if callback is not None:
+                finished = selection.is_finished.sum(dim=1).tolist()
+                callback(
+                    step, BeamStep(step, pages, copied, tokens.clone(), parents.clone(), finished=finished, **moves)
+                )
+            beams = moves["beams"]
+            if not any(beams):
+                break
+            logits, pages, copied = _feed(session, beams, tokens)
+            copies += sum(len(c) for c in copied.values())
     sequences, scores = selection.best(decoding.num_return_sequences)
-    return BeamSearchOutput(sequences, scores, pages_held, copies)
+    return BeamSearchOutput(sequences.to(input_ids.device), scores, pages_held, copies)
 
 
 def _follow_selection(session, beams: list[list[int]], parents: list[list[int]], done: list[bool]) -> dict:

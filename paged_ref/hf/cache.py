@@ -116,8 +116,7 @@ class PagedCache(Cache):
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Most tokens a sequence of the forward in flight holds (0 if none). Positions never come
-        from it: the session passes ``position_ids`` (after eviction, tokens held < position)."""
+        """Most tokens a sequence of the forward in flight holds (0 if none); not a position."""
         return int(self.plan.seq_lens.max()) if self.plan is not None else 0
 
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:

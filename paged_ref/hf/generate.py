@@ -143,10 +143,8 @@ def stream(
     **options,
 ) -> Stream:
     """Greedy or sampled decoding that yields each step's tokens, LongTensor ``[batch * num_return_sequences]``
-    (``pad_token_id`` in finished rows); `generate`'s arguments, beam search excepted.
-
-    Pages are freed as sequences finish, and all of them when the stream ends or is closed: use
-    ``with stream(...) as steps:`` to leave early and free everything at once.
+    (``pad_token_id`` in finished rows); `generate`'s arguments, beam search excepted. Pages are freed
+    as sequences finish, all of them when the stream ends or is closed (leaving ``with``).
 
     Example:
         >>> from paged_ref.models import tiny_llama

@@ -141,11 +141,9 @@ class PagedSession:
     def add(self, token_ids=None, *, eviction: EvictionPolicy | None = None, namespace: dict | None = None) -> int:
         """Start a sequence under policy ``eviction`` (default: the session's); returns its id in `kv`.
 
-        With ``token_ids`` (the prompt) on a cache made with ``prefix_caching=True``, the prompt's
-        full pages the cache already holds are reused: the sequence starts at ``position(seq_id)``
-        and the caller feeds ``token_ids[position(seq_id):]`` (at least the last token is left to
-        compute). ``namespace`` (str -> str, e.g. ``{"adapter": "lora-7"}``): pages are shared only
-        within one namespace (`PagedKVCache.add_sequence`).
+        With ``token_ids`` (the prompt) on a cache with ``prefix_caching=True``, the full pages of it
+        the cache holds are reused: the caller then feeds ``token_ids[position(seq_id):]`` (at least
+        the last token). Pages are shared only within one ``namespace`` (`PagedKVCache.add_sequence`).
 
         Example:
             >>> from paged_ref import PagedKVCache
