@@ -32,21 +32,6 @@ from .cache import PagedCache, StepPlan
 from .generate import generate, stream
 from .session import PagedSession
 
-__all__ = [
-    "ATTN_IMPLEMENTATION",
-    "BACKENDS",
-    "BeamSearchOutput",
-    "BeamStep",
-    "PagedCache",
-    "PagedSession",
-    "StepPlan",
-    "beam_search",
-    "generate",
-    "paged_attention_forward",
-    "register",
-    "get_backend",
-    "Backend",
-    "register_backend",
-    "auto_backend",
-    "stream",
-]
+__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "Backend", "auto_backend", "get_backend", "register_backend"]
+__all__ += ["BeamSearchOutput", "BeamStep", "PagedCache", "PagedSession", "StepPlan", "beam_search", "generate"]
+__all__ += ["paged_attention_forward", "register", "stream"]

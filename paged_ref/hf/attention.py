@@ -30,16 +30,8 @@ from ..attention.cascade import shared_prefix_groups
 from ..attention.flex import paged_block_masks
 from ..attention.sdpa import prepare, prepare_fused
 
-__all__ = [
-    "ATTN_IMPLEMENTATION",
-    "BACKENDS",
-    "Backend",
-    "auto_backend",
-    "get_backend",
-    "paged_attention_forward",
-    "register",
-    "register_backend",
-]
+__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "Backend", "auto_backend", "get_backend", "register_backend"]
+__all__ += ["paged_attention_forward", "register"]
 
 ATTN_IMPLEMENTATION = "paged_ref"
 AUTO = "auto"

@@ -1,11 +1,10 @@
 """transformers' beam selection, tensor for tensor: what `paged_ref.hf.beam` runs the pages after.
 
-Per prompt it keeps the ``k`` running beams and the ``k`` best finished hypotheses. Each step the
-``2k`` best (beam, token) candidates by summed log-probability are ranked (more with several EOS
-ids); the ``k`` best that do not end run on, and one that ends (EOS, or the length limit) among
-the ``k`` best is scored ``sum of log-probs / generated_length ** length_penalty`` and kept if it
-is among the ``k`` best finished. Candidates, tie order, ``early_stopping`` rules and scores are
-``GenerationMixin._beam_search``'s, so the sequences and scores are ``model.generate``'s.
+Each step the ``2k`` best (beam, token) candidates by summed log-probability are ranked (more with
+several EOS ids); the ``k`` best that do not end run on, and one among the ``k`` best that ends (EOS
+or the length limit), scored ``sum of log-probs / generated_length ** length_penalty``, is kept if
+among the ``k`` best finished. All as ``GenerationMixin._beam_search`` does it, so the sequences and
+scores are ``model.generate``'s.
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ NEG = -1.0e9  # transformers' "impossible" score (finite, so that sums stay orde
 
 
 class BeamSelection:
-    """transformers' beam selection (``GenerationMixin._beam_search``), tensor for tensor: per prompt
-    the ``k`` running beams and the ``k`` best finished hypotheses, ``[batch, k, ...]`` each."""
+    """Per prompt the ``k`` running beams and the ``k`` best finished hypotheses, ``[batch, k, ...]`` each."""
 
     def __init__(self, input_ids: torch.Tensor, decoding: Decoding, eos: torch.Tensor, pad: int, max_new_tokens: int):
         device, (batch, self.width), k = input_ids.device, input_ids.shape, decoding.num_beams

@@ -96,13 +96,8 @@ class Decoding:
 
 def resolve(model, **given) -> Decoding:
     """The decoding arguments for ``model``: ``given`` (None = not given) over the model's
-    ``generation_config`` over `DEFAULTS`; checked, with errors naming the argument.
-
-    Raises:
-        TypeError / ValueError: a bad value or combination (the message names the argument).
-        NotImplementedError: beam sampling (``num_beams > 1`` with ``do_sample``), or a
-            ``generation_config`` that asks for a logits processor paged_ref does not implement.
-    """
+    ``generation_config`` over `DEFAULTS`, checked (NotImplementedError: beam sampling, or a logits
+    processor paged_ref does not implement)."""
     unknown = set(given) - set(DEFAULTS)
     if unknown:
         raise TypeError(f"unknown decoding arguments {sorted(unknown)}; expected some of {sorted(DEFAULTS)}")

@@ -52,20 +52,15 @@ def prepare(
 
     Args:
         copies: the rows of each prompt (samples or beams), which share its pages.
-        page_size: tokens per page of the cache created here.
-        num_pages: pages of the cache created here; default: every row at full length, per prompt of
-            P tokens ``P // page_size`` shared pages plus, per row, the pages that positions
-            ``P // page_size * page_size .. P + max_new_tokens`` span (a beam continued twice shares
-            everything before its partial last page). A smaller pool raises `OutOfPagesError`.
+        page_size, num_pages: the cache created here; by default it holds every row at full length:
+            per prompt of P tokens ``P // page_size`` shared pages plus, per row, the pages that
+            positions ``P // page_size * page_size .. P + max_new_tokens`` span.
         backend: which paged attention reads the pages (`paged_ref.hf.attention`).
         attention_mask: ``[batch, prompt_len]`` of 0/1, 1 on real tokens, padding on the left.
-        eviction, budget: KV eviction (`paged_ref.eviction`): a policy name and a budget in tokens, or
-            a policy object; one row per prompt only.
-        eos_token_id: int or ints that end a sequence; default the ``generation_config``'s; ``[]``:
-            never stop early.
-        pad_token_id: fills finished rows; default the ``generation_config``'s, else the first EOS id.
-        kv_cache: a `PagedKVCache` to use instead of creating one (e.g. to inspect its pages from a
-            callback); the sequences added are freed at the end.
+        eviction, budget: a policy (`paged_ref.eviction`) and its tokens; one row per prompt only.
+        eos_token_id: int or ints ending a sequence (default: ``generation_config``'s; ``[]``: none).
+        pad_token_id: fills finished rows (default: ``generation_config``'s, else the first EOS id).
+        kv_cache: a `PagedKVCache` to use instead (its sequences are freed at the end).
         namespace: the prefix-cache namespace (str -> str) of every prompt, or a list of one per prompt.
     """
     prompts, eos, pad = check_prompts(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)

@@ -28,12 +28,7 @@ import torch
 
 from .decoding import Decoding
 
-__all__ = ["temperature_warp", "top_k_warp", "top_p_warp", "warp", "choose"]
-
-
-def temperature_warp(scores: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``scores / temperature``; ``scores: [rows, vocab]``."""
-    return scores / temperature
+__all__ = ["top_k_warp", "top_p_warp", "warp", "choose"]
 
 
 def top_k_warp(scores: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -57,7 +52,7 @@ def warp(logits: torch.Tensor, decoding: Decoding) -> torch.Tensor:
     """The sampling warpers transformers applies for ``decoding``, in its order; ``[rows, vocab]``."""
     scores = logits
     if decoding.temperature != 1.0:
-        scores = temperature_warp(scores, decoding.temperature)
+        scores = scores / decoding.temperature
     if decoding.top_k != 0:
         scores = top_k_warp(scores, decoding.top_k)
     if decoding.top_p < 1.0:
