@@ -6,15 +6,6 @@ reads them back through a chosen backend; `PagedSession` lays out each forward a
 `generate` (and its iterator form `stream`) returns ``model.generate``'s tokens for the same
 arguments: greedy, seeded sampling (the samples of a prompt share its pages) and beam search (the
 beams share pages copy-on-write); `beam_search` also returns the scores and each step's pages.
-
-Example:
-    >>> import torch
-    >>> from paged_ref import hf
-    >>> from paged_ref.models import tiny_llama
-    >>> model = tiny_llama()
-    >>> out = hf.generate(model, torch.tensor([[1, 5, 9]]), max_new_tokens=4, backend="reference")
-    >>> out.shape
-    torch.Size([1, 7])
 """
 
 from .attention import (

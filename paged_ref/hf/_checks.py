@@ -1,8 +1,5 @@
-"""The value checks of `paged_ref.hf`'s public doors: prompts, token ids, EOS / pad ids, streamers.
-
-Each raises with a message naming the argument, what was expected and what was given, before
-a page is taken.
-"""
+"""The value checks of `paged_ref.hf`'s public doors (prompts, token ids, EOS / pad ids, streamers),
+made before a page is taken, each naming the argument, what was expected and what was given."""
 
 from __future__ import annotations
 
@@ -105,8 +102,7 @@ def check_prompts(model, input_ids, attention_mask, max_new_tokens, eos_token_id
     config = getattr(model, "generation_config", None)
     if eos_token_id is None:
         eos_token_id = getattr(config, "eos_token_id", None)
-    if eos_token_id is None:
-        eos_token_id = []
+    eos_token_id = [] if eos_token_id is None else eos_token_id
     if isinstance(eos_token_id, torch.Tensor):
         eos_token_id = eos_token_id.tolist()
     eos_list = [eos_token_id] if _is_int(eos_token_id) else eos_token_id

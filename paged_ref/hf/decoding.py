@@ -1,17 +1,31 @@
-"""How tokens are chosen: transformers' `GenerationConfig` decoding arguments, resolved and checked.
+"""How tokens are chosen, as transformers' ``generate`` chooses them.
 
 `generate`, `stream` and `beam_search` take ``model.generate``'s decoding arguments with its names,
 defaults and precedence: an argument passed wins, then the model's ``generation_config``, then
-transformers' defaults (`DEFAULTS`). ``num_beams > 1`` is beam search, else ``do_sample`` samples
-and greedy takes the argmax. Bad values are refused before a page is taken, as transformers refuses
-them (plus ``top_p`` outside (0, 1]); a ``generation_config`` asking for a logits processor
-paged_ref does not implement (``repetition_penalty``, ``min_p``, ...) is refused by name.
+transformers' defaults (`DEFAULTS`). `resolve` checks them before a page is taken, as transformers
+does (plus ``top_p`` outside (0, 1]), and refuses by name a ``generation_config`` asking for a logits
+processor paged_ref does not implement (``repetition_penalty``, ``min_p``, ...). ``num_beams > 1``
+is beam search (`paged_ref.hf.beam_selection`); else `choose` takes the argmax, or with
+``do_sample`` passes the logits through transformers' warpers in its order (``temperature``,
+``top_k``, ``top_p``, computed as it computes them, so that a token on a boundary falls on the same
+side) and draws one token per row. After the same ``torch.manual_seed`` the draws are
+``model.generate``'s: one ``torch.multinomial`` per step over *every* row, finished rows included
+with a placeholder distribution (the one-sample ``multinomial`` draws ``argmax(p / q)``, ``q ~
+Exp(1)`` over the whole ``[rows, vocab]`` tensor, so the placeholder changes no other row's token).
 
 Example:
+    >>> import dataclasses, torch
     >>> from paged_ref.models import tiny_llama
-    >>> d = resolve(tiny_llama(), do_sample=True, num_return_sequences=3)
-    >>> d.mode, d.top_k, d.top_p, d.num_return_sequences
-    ('sample', 50, 1.0, 3)
+    >>> d = resolve(tiny_llama(), do_sample=True, top_k=2)
+    >>> d.mode, d.top_k, d.top_p
+    ('sample', 2, 1.0)
+    >>> warp(torch.tensor([[0.0, 3.0, 1.0, 2.0]]), d)        # top_k=2 keeps the two largest
+    tensor([[-inf, 3., -inf, 2.]])
+    >>> torch.manual_seed(0) and None
+    >>> choose(torch.tensor([[0.0, 3.0, 1.0, 2.0]]), d)                 # drawn from tokens 1 and 3 only
+    tensor([1])
+    >>> choose(torch.tensor([[0.0, 3.0, 1.0, 2.0]]), dataclasses.replace(d, do_sample=False))  # greedy
+    tensor([1])
 """
 
 from __future__ import annotations
@@ -20,9 +34,11 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import torch
+
 from .._validate import check_int
 
-__all__ = ["DEFAULTS", "Decoding", "resolve"]
+__all__ = ["DEFAULTS", "Decoding", "choose", "resolve", "top_k_warp", "top_p_warp", "warp"]
 
 # transformers' global defaults (`GenerationConfig._get_default_generation_params`) for these names
 DEFAULTS = {
@@ -98,9 +114,6 @@ def resolve(model, **given) -> Decoding:
     """The decoding arguments for ``model``: ``given`` (None = not given) over the model's
     ``generation_config`` over `DEFAULTS`, checked (NotImplementedError: beam sampling, or a logits
     processor paged_ref does not implement)."""
-    unknown = set(given) - set(DEFAULTS)
-    if unknown:
-        raise TypeError(f"unknown decoding arguments {sorted(unknown)}; expected some of {sorted(DEFAULTS)}")
     config = getattr(model, "generation_config", None)
     values = {}
     for name, default in DEFAULTS.items():
@@ -150,16 +163,7 @@ def resolve(model, **given) -> Decoding:
             "use do_sample=False for beam search or num_beams=1 for sampling"
         )
     _check_processors(config, do_sample)
-    return Decoding(
-        do_sample=do_sample,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        num_return_sequences=n,
-        num_beams=num_beams,
-        length_penalty=length_penalty,
-        early_stopping=early_stopping,
-    )
+    return Decoding(do_sample, temperature, top_k, top_p, n, num_beams, length_penalty, early_stopping)
 
 
 def _real(name: str, value) -> float:
@@ -180,3 +184,47 @@ def _check_processors(config, do_sample: bool) -> None:
                 f"the model's generation_config sets {name}={value!r}, a logits processor paged_ref.hf does not "
                 f"implement; generate on a model whose generation_config leaves it at {off[-1]!r}"
             )
+
+
+def top_k_warp(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep each row's ``top_k`` largest scores (and any equal to the k-th); the rest become -inf."""
+    k = min(top_k, scores.shape[-1])
+    kth = torch.topk(scores, k).values[..., -1:]  # [rows, 1]: the k-th largest score
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
+def top_p_warp(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens holding at least ``top_p`` of the probability."""
+    ascending, order = torch.sort(scores, descending=False)  # [rows, vocab], least likely first
+    below = ascending.softmax(dim=-1).cumsum(dim=-1)  # probability of this token and all less likely ones
+    drop_sorted = below <= (1 - top_p)  # these together hold at most 1 - top_p: the tail to cut
+    drop_sorted[..., -1:] = False  # the most likely token always stays
+    drop = drop_sorted.scatter(1, order, drop_sorted)  # back to vocabulary order
+    return scores.masked_fill(drop, float("-inf"))
+
+
+def warp(logits: torch.Tensor, decoding: Decoding) -> torch.Tensor:
+    """The sampling warpers transformers applies for ``decoding``, in its order; ``[rows, vocab]``."""
+    scores = logits if decoding.temperature == 1.0 else logits / decoding.temperature
+    if decoding.top_k != 0:
+        scores = top_k_warp(scores, decoding.top_k)
+    if decoding.top_p < 1.0:
+        scores = top_p_warp(scores, decoding.top_p)
+    return scores
+
+
+def choose(
+    logits: torch.Tensor, decoding: Decoding, *, rows: int | None = None, active: list[int] | None = None
+) -> torch.Tensor:
+    """The next token of each row still generating, LongTensor ``[len(active)]``, from its logits,
+    float32 ``[len(active), vocab]``. The batch has ``rows`` rows (default: all active); a sampled
+    draw is made over all of them, the finished ones with a placeholder distribution."""
+    if not decoding.do_sample:
+        return logits.argmax(dim=-1)
+    probs = warp(logits, decoding).softmax(dim=-1)  # [num_active, vocab]
+    if rows is None or active is None or len(active) == rows:
+        return torch.multinomial(probs, num_samples=1)[:, 0]
+    full = torch.ones(rows, probs.shape[-1], dtype=probs.dtype, device=probs.device)  # [rows, vocab]
+    index = torch.tensor(active, device=probs.device)
+    full[index] = probs
+    return torch.multinomial(full, num_samples=1)[index, 0]

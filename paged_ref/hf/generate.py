@@ -1,7 +1,7 @@
 """Generation from a paged KV cache: `generate` and its iterator form `stream`.
 
 The same tokens as ``model.generate`` for the same decoding arguments (`paged_ref.hf.decoding`):
-greedy, sampling after the same ``torch.manual_seed`` (`paged_ref.hf.sampling`), beam search over
+greedy, sampling after the same ``torch.manual_seed`` (`paged_ref.hf.decoding`), beam search over
 forked pages (`paged_ref.hf.beam`). ``num_return_sequences=n`` prefills a prompt once and *forks*
 it n - 1 times: the rows share its pages, and a row's first write into a shared page copies it
 (copy-on-write). Left padding (``attention_mask``) is stripped before anything reaches the cache;
@@ -30,9 +30,8 @@ import torch
 from .._validate import check_int
 from ._checks import check_streamer
 from .beam import run_beam_search
-from .decoding import Decoding, resolve
+from .decoding import Decoding, choose, resolve
 from .inputs import Prepared, prepare
-from .sampling import choose
 
 __all__ = ["Stream", "generate", "stream"]
 

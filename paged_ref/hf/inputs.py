@@ -1,8 +1,6 @@
-"""What `generate`, `stream` and `beam_search` check and set up before a page is taken.
-
-`prepare` checks the model, the prompts (with their left-padding mask), the EOS / pad ids and
-the prefix-cache namespaces, gives each prompt's real tokens, and makes the `PagedSession`, its
-page pool sized to never run out (unless a cache or a pool size is given).
+"""What `generate`, `stream` and `beam_search` check and set up before a page is taken: `prepare`
+checks the prompts (with their left-padding mask), the EOS / pad ids and the prefix-cache namespaces,
+and makes the `PagedSession`, its page pool sized never to run out unless a cache or size is given.
 """
 
 from __future__ import annotations

@@ -9,7 +9,6 @@ the weights are not seen) and, inside its ``with`` block, runs those layers thro
 them, the layers stay eager and it warns once with the reason (``packed`` says which happened).
 
 Example:
-    >>> import warnings
     >>> from paged_ref.models import tiny_llama
     >>> model = tiny_llama()
     >>> x = torch.randn(1, 3, model.config.hidden_size)
