@@ -4,9 +4,10 @@
 defaults and precedence: an argument passed wins, then the model's ``generation_config``, then
 transformers' defaults (`DEFAULTS`). `resolve` checks them before a page is taken, as transformers
 does (plus ``top_p`` outside (0, 1]), and refuses by name a ``generation_config`` asking for a logits
-processor paged_ref does not implement (``repetition_penalty``, ``min_p``, ...). ``num_beams > 1``
-is beam search (`paged_ref.hf.beam_selection`); else `choose` takes the argmax, or with
-``do_sample`` passes the logits through transformers' warpers in its order (``temperature``,
+processor paged_ref does not implement (``repetition_penalty``, ``min_p``, ...).
+
+``num_beams > 1`` is beam search (`paged_ref.hf.beam_selection`); else `choose` takes the argmax,
+or with ``do_sample`` passes the logits through transformers' warpers in its order (``temperature``,
 ``top_k``, ``top_p``, computed as it computes them, so that a token on a boundary falls on the same
 side) and draws one token per row. After the same ``torch.manual_seed`` the draws are
 ``model.generate``'s: one ``torch.multinomial`` per step over *every* row, finished rows included

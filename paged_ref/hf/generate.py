@@ -1,8 +1,9 @@
 """Generation from a paged KV cache: `generate` and its iterator form `stream`.
 
 The same tokens as ``model.generate`` for the same decoding arguments (`paged_ref.hf.decoding`):
-greedy, sampling after the same ``torch.manual_seed``, beam search over forked pages (`paged_ref.hf.beam`). ``num_return_sequences=n`` prefills a prompt once and *forks*
-it n - 1 times: the rows share its pages, and a row's first write into a shared page copies it
+greedy, sampling after the same ``torch.manual_seed``, beam search over forked pages
+(`paged_ref.hf.beam`). ``num_return_sequences=n`` prefills a prompt once and *forks* it n - 1
+times: the rows share its pages, and a row's first write into a shared page copies it
 (copy-on-write). Left padding (``attention_mask``) is stripped before anything reaches the cache;
 a sequence that emits EOS gives its pages back at once and its row is filled with ``pad_token_id``.
 
