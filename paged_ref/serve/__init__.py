@@ -9,7 +9,7 @@ Reading order:
 - `swap`: a preempted sequence's K/V to host memory and back, from the cache's public methods;
 - `engine`: `Engine`, one scheduler step and one forward of `paged_ref.hf.PagedSession` per step;
 - `dry`: the same engine with no model (pages and scheduling only), for quick simulations;
-- `metrics`: percentiles and the summary of a run (throughput, TTFT, TPOT).
+- `metrics`: what each step did and the run's counters (`Engine.stats`).
 
 Example:
     >>> import paged_ref as pr
@@ -21,7 +21,6 @@ Example:
 """
 
 from .engine import CLOCKS, Engine, StepRecord
-from .metrics import percentile, summarize
 from .request import Request, RequestOutput
 from .scheduler import PREEMPTIONS, RESERVATIONS, Schedule, Scheduler
 
@@ -35,6 +34,4 @@ __all__ = [
     "Schedule",
     "Scheduler",
     "StepRecord",
-    "percentile",
-    "summarize",
 ]

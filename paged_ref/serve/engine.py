@@ -51,7 +51,7 @@ from ..cache import PagedKVCache
 from ..eviction.policies import EvictionPolicy
 from . import undo
 from .dry import DrySession
-from .metrics import StepRecord, engine_stats
+from .metrics import COUNTS, StepRecord, count_fed, engine_stats, record_step
 from .request import FINISHED, PENDING, Request, RequestOutput
 from .scheduler import Scheduler
 
@@ -74,7 +74,9 @@ class Engine:
         max_model_len: longest request; default the model's ``max_position_embeddings`` (dry: the pool).
         eos_token_id: int or ints that end a request (default the model's; ``[]``: never).
         clock: ``"simulated"``, ``"real"`` or ``"steps"``.
-        trace: record every page's owner after every step (``history[i].owners``), for page maps.
+
+    ``observers``: callables ``f(engine)`` run after each step's forward, before the requests it
+    finished give their pages back (the lab's page maps, `paged_ref.lab.page_trace`, read the pool there).
     """
 
     HOOK_TRIES = 3  # a request whose own eviction hook raises in this many steps is finished with an error
@@ -96,7 +98,6 @@ class Engine:
         max_model_len: int | None = None,
         eos_token_id: int | list[int] | None = None,
         clock: str | None = None,
-        trace: bool = False,
     ):
         # checked here: the engine's own arguments; the pool's by the cache, the scheduler's by the Scheduler
         if not isinstance(watermark, numbers.Real) or isinstance(watermark, bool) or not 0 <= watermark < 1:
@@ -136,19 +137,14 @@ class Engine:
         except BaseException:
             self.session.close()
             raise
-        if not isinstance(trace, bool):
-            raise TypeError(f"trace must be True or False, got {trace!r}")
-        self.trace = trace
+        self.observers: list = []
         self.history: list[StepRecord] = []
         self._requests: list[Request] = []  # every request ever added, by id
         self._pending: list[tuple[float, int]] = []  # heap of (arrival_s, request_id) not arrived yet
         self._unreturned: list[int] = []  # ids `run` has not returned yet
         self._origin = time.perf_counter()
         self._now = 0.0
-        self._counts = dict.fromkeys(
-            ("generated", "prompt_tokens", "recomputed_tokens", "prefix_hit_tokens", "peak_running", "peak_pages"), 0
-        )
-        self._counts["peak_committed_pages"] = 0
+        self._counts = dict.fromkeys(COUNTS, 0)
 
     # ------------------------------------------------------------------ requests in
     @property
@@ -263,20 +259,15 @@ class Engine:
 
     def _advance_requests(self, sched, next_tokens: list[int]) -> list[tuple[Request, str]]:
         """Count each row's tokens as computed; a row that completed its tokens takes its next token."""
-        counts = self._counts
-        for r in sched.admitted:
-            counts["prefix_hit_tokens"] += r.num_computed
+        count_fed(self._counts, sched)
         finished = []
         for (r, n), token in zip(sched.items, next_tokens):
-            start = r.num_computed
-            counts["recomputed_tokens"] += max(0, min(r.high_water, start + n) - start)
-            counts["prompt_tokens"] += max(0, min(len(r.prompt_ids), start + n) - max(start, r.high_water))
             r.num_computed += n
             r.high_water = max(r.high_water, r.num_computed)
             if r.num_computed < r.num_tokens:  # mid-prefill: these logits are not needed
                 continue
             r.output_ids.append(token)
-            counts["generated"] += 1
+            self._counts["generated"] += 1
             if token in self.eos:
                 finished.append((r, "stop"))
             elif len(r.output_ids) == r.max_new_tokens:
@@ -284,54 +275,23 @@ class Engine:
         return finished
 
     def _record(self, sched, finished, pages_used: int, times: tuple) -> list[RequestOutput]:
-        """The step's bookkeeping: finish requests (their pages go back), the clock, counts, history."""
-        started, scheduled, forwarded, plan_s = times
-        owners = fill = None
-        if self.trace:
-            owners, fill = self._page_owners()
-        committed = pages_used + self.scheduler.unfilled_commitments()
-        running = len(self.scheduler.running)
+        """The step's end: observers see the pool, finished requests free their pages, the clock moves."""
+        for observe in self.observers:
+            observe(self)
+        pages = pages_used, pages_used + self.scheduler.unfilled_commitments(), len(self.scheduler.running)
         for r, _ in finished:
             self.scheduler.remove(r)
-        ended = time.perf_counter()
-        self._advance(ended - started)
+        times = (*times, time.perf_counter())  # ... and the step's end
+        self._advance(times[-1] - times[0])
         now = self.now
         for r, _ in sched.items:
             if r.first_token_s is None and r.output_ids:
                 r.first_token_s = now
-        outs = []
         for r, reason in finished:
             self._finish(r, reason, now)
-            outs.append(r.output())
-        counts = self._counts
-        counts["peak_running"] = max(counts["peak_running"], len(sched.items))
-        counts["peak_pages"] = max(counts["peak_pages"], pages_used)
-        counts["peak_committed_pages"] = max(counts["peak_committed_pages"], committed)
-        self.history.append(
-            StepRecord(
-                step=len(self.history),
-                now=now,
-                rows=len(sched.items),
-                decode_rows=sum(1 for r, n in sched.items if n == 1 and r.remaining == 1),
-                tokens=sched.num_tokens,
-                pages_used=pages_used,
-                committed_pages=committed,
-                running=running,
-                waiting=len(self.scheduler.waiting),
-                swapped=len(self.scheduler.swapped),
-                preempted=tuple(r.request_id for r in sched.preempted),
-                admitted=tuple(r.request_id for r in sched.admitted),
-                finished=tuple(r.request_id for r, _ in finished),
-                step_s=ended - started,
-                schedule_s=scheduled - started,
-                plan_s=plan_s,
-                forward_s=forwarded - scheduled - plan_s,
-                post_s=ended - forwarded,
-                owners=owners,
-                fill=fill,
-            )
-        )
-        return outs
+        done = [r for r, _ in finished]
+        record_step(self.history, self._counts, sched, done, self.scheduler, now=now, pages=pages, times=times)
+        return [r.output() for r in done]
 
     def _checkpoint(self):
         """What a step may change, saved (`paged_ref.serve.undo`); the session opens its own checkpoint.
@@ -375,17 +335,11 @@ class Engine:
         """True while a request added is not finished: waiting, running, swapped or yet to arrive."""
         return self.scheduler.has_work or bool(self._pending)
 
-    def run(self, *, progress: bool = False) -> list[RequestOutput]:
-        """Step until every added request is done; their outputs in submission order.
-
-        Returns the requests added since the last `run` (aborted ones included).
-        ``progress``: a tqdm bar of finished requests.
-        """
-        from tqdm.auto import tqdm
-
-        with tqdm(total=len(self._unreturned), disable=not progress, desc="serve", unit="req") as bar:
-            while self.has_unfinished_requests():
-                bar.update(len(self.step()))
+    def run(self) -> list[RequestOutput]:
+        """Step until every added request is done; the outputs of those added since the last `run`
+        (aborted ones included), in submission order."""
+        while self.has_unfinished_requests():
+            self.step()
         outs = [self._requests[i].output() for i in self._unreturned]
         self._unreturned = []
         return outs
@@ -415,16 +369,6 @@ class Engine:
         r.status = FINISHED
         r.finish_reason = reason
         r.finish_s = self.now if now is None else now
-
-    def _page_owners(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        owners = [-1] * self.kv.num_pages
-        fill = [0] * self.kv.num_pages
-        for r in reversed(self.scheduler.running):  # the oldest written last: a shared page names it
-            pages, n = self.kv.pages(r.seq_id), self.kv.seq_len(r.seq_id)
-            for i, page in enumerate(pages):
-                owners[page] = r.request_id
-                fill[page] = max(0, min(self.kv.page_size, n - i * self.kv.page_size))
-        return tuple(owners), tuple(fill)
 
     # ------------------------------------------------------------------ what happened
     def stats(self) -> dict:
