@@ -1,24 +1,18 @@
 """PagedKVCache: per-layer K/V page tensors plus per-sequence block tables.
 
-Storage is one pair of tensors per layer in the layout vLLM's and FlashAttention's kernels read,
-``k_cache[layer], v_cache[layer]: [num_pages, page_size, num_kv_heads, head_dim]``; a physical page
-id names the same page in every layer, so one block table per sequence serves all layers.
-``slots = reserve(seq_id, n)`` grows a sequence (taking pages as needed) and returns each new
+``k_cache[layer], v_cache[layer]: [num_pages, page_size, num_kv_heads, head_dim]`` (vLLM's and
+FlashAttention's layout); a page id names the same page in every layer, so one block table per
+sequence serves them all. ``slots = reserve(seq_id, n)`` grows a sequence and returns each new
 token's flat slot ``page * page_size + offset``; ``write(layer, slots, k, v)`` stores a layer there.
 
-All or nothing: every operation counts the pages it needs before changing anything and raises
-`OutOfPagesError` with the cache as it was (``reserve_batch`` grows a whole batch that way).
-``fork`` shares a sequence's pages (reference counts); the first write into a shared page copies
-it, in ``reserve``, and ``last_copies`` lists the copies as `PageCopy` records. With
-``prefix_caching=True``, ``add_sequence(token_ids=prompt)`` reuses cached full pages of the prompt
-(`paged_ref.prefix_cache`); a full page is published when ``reserve`` fills it, as vLLM caches a
-block when it allocates it. Freed pages go back tail first; cached ones are reused last.
-
-Every slot that holds no token is zero (pages are zeroed when handed out and when returned holding
-no cached prefix), so a kernel reading past a sequence's end adds ``0 * v``, never stale ``nan``.
-``mark`` / ``rewind`` undo a failed forward's reserves and writes; ``checkpoint`` / ``rollback`` undo a
-whole serving step. ``page_summaries=True`` keeps each page's key min/max for Quest;
-``growth="pow2"`` reserves power-of-two page counts (the IBM paper's growth).
+Every operation counts the pages it needs first and raises `OutOfPagesError` with the cache as it
+was. ``fork`` shares pages (reference counts); the first write into a shared page copies it, in
+``reserve``, which lists the copies in ``last_copies``. With ``prefix_caching=True``,
+``add_sequence(token_ids=prompt)`` reuses cached full pages (`paged_ref.prefix_cache`). A slot that
+holds no token is zero, so a kernel reading past a sequence's end adds ``0 * v``, never stale ``nan``.
+``mark`` / ``rewind`` undo a failed forward, ``checkpoint`` / ``rollback`` a serving step.
+``page_summaries=True`` keeps each page's key min/max for Quest; ``growth="pow2"`` reserves
+power-of-two page counts (the IBM paper's growth).
 
 Example:
     >>> cache = PagedKVCache(num_layers=2, num_pages=8, page_size=4, num_kv_heads=1, head_dim=2)
@@ -150,13 +144,7 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, model, *, num_pages: int, page_size: int, **options) -> PagedKVCache:
         """A cache shaped for a transformers model (layers, KV heads, head_dim, dtype, device);
-        ``options``: the other keyword arguments.
-
-        Example:
-            >>> from paged_ref.models import tiny_llama
-            >>> PagedKVCache.for_model(tiny_llama(), num_pages=4, page_size=2).geometry.kv_shape
-            {'num_layers': 2, 'num_kv_heads': 2, 'head_dim': 32}
-        """
+        ``options``: the other keyword arguments."""
         return cls(num_pages=num_pages, page_size=page_size, **model_geometry(model).cache_kwargs, **options)
 
     @property
@@ -606,13 +594,6 @@ class PagedKVCache:
             key = page_key(seq.page_hashes[-1] if seq.page_hashes else seq.root, tokens)
             seq.page_hashes.append(key)
             self._prefix.publish(seq.pages[i], key, tokens)
-
-    def __repr__(self) -> str:
-        return (
-            f"PagedKVCache(num_layers={self.num_layers}, num_pages={self.num_pages}, page_size={self.page_size}, "
-            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
-            f"sequences={len(self._seqs)}, free_pages={self.allocator.num_free})"
-        )
 
 
 class _Checkpoint:

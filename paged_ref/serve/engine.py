@@ -1,21 +1,15 @@
 """The engine: a stream of requests served from one page pool, one forward per step.
 
-`Engine` owns a `paged_ref.hf.PagedSession` over a `PagedKVCache` and a `Scheduler`. Each
-`Engine.step` moves the requests that have arrived into the waiting queue, asks the scheduler for
-the step's plan (preemptions, swaps, admissions, and each row's tokens in pages it takes at once),
-runs **one** packed ``session.extend`` over decode rows and prefill chunks side by side, and gives
-every request whose tokens are all computed its greedy next token, finishing it on
-``max_new_tokens`` or EOS (its pages go back at once).
+Each `Engine.step` queues the requests that have arrived, asks the `Scheduler` for the step's rows
+(their pages taken at once), runs **one** packed ``session.extend`` over decode rows and prefill
+chunks side by side, and gives every request whose tokens are all computed its greedy next token,
+finishing it on ``max_new_tokens`` or EOS (its pages go back at once). A step is all or nothing
+(`paged_ref.serve.undo`): if it raises, all is put back and the error re-raised, naming the requests
+concerned; a request whose own eviction hook raises in `Engine.HOOK_TRIES` steps finishes with
+``finish_reason="error"`` instead (vLLM aborts it).
 
-A step is all or nothing: the engine saves what it may change (`paged_ref.serve.undo`, and the
-session's and cache's checkpoint); if the step raises, every request, page, swap entry, count and
-policy record is put back and the error, naming the requests concerned, is re-raised. A request
-whose own eviction hook raises in `Engine.HOOK_TRIES` steps is finished with
-``finish_reason="error"`` instead (vLLM aborts such a request).
-
-Clocks: ``"simulated"`` (the default with a model) advances by each step's wall time and skips idle
-gaps; ``"real"`` reads the wall clock and sleeps when idle; ``"steps"`` (a dry run's default) counts
-steps.
+Clocks: ``"simulated"`` (default with a model) adds each step's wall time and skips idle gaps;
+``"real"`` reads the wall clock and sleeps when idle; ``"steps"`` (a dry run's default) counts steps.
 
 Example:
     >>> import torch
@@ -39,17 +33,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
-import numbers
 import time
 
-import torch
-
-from .._cache_checks import token_list
 from .._validate import check_choice, check_int
 from ..cache import PagedKVCache
-from ..eviction.policies import EvictionPolicy
 from . import undo
+from ._checks import check_arrival, check_eviction, check_request_id, check_watermark, eos_set, prompt_list
 from .dry import DrySession
 from .metrics import COUNTS, StepRecord, count_fed, engine_stats, record_step
 from .request import FINISHED, PENDING, Request, RequestOutput
@@ -76,7 +65,7 @@ class Engine:
         clock: ``"simulated"``, ``"real"`` or ``"steps"``.
 
     ``observers``: callables ``f(engine)`` run after each step's forward, before the requests it
-    finished give their pages back (the lab's page maps, `paged_ref.lab.page_trace`, read the pool there).
+    finished give their pages back (`paged_ref.lab.page_trace` reads the pool there).
     """
 
     HOOK_TRIES = 3  # a request whose own eviction hook raises in this many steps is finished with an error
@@ -99,9 +88,7 @@ class Engine:
         eos_token_id: int | list[int] | None = None,
         clock: str | None = None,
     ):
-        # checked here: the engine's own arguments; the pool's by the cache, the scheduler's by the Scheduler
-        if not isinstance(watermark, numbers.Real) or isinstance(watermark, bool) or not 0 <= watermark < 1:
-            raise ValueError(f"watermark must be a share of the pool in [0, 1), got {watermark!r}")
+        watermark = check_watermark(watermark)
         self.clock = check_choice("clock", clock or ("steps" if model is None else "simulated"), CLOCKS)
         if model is None:
             self.session = DrySession(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
@@ -120,7 +107,7 @@ class Engine:
         self.kv = self.session.kv
         self.backend = self.session.backend
         try:
-            self.eos = _eos_set(eos, self.vocab_size)
+            self.eos = eos_set(eos, self.vocab_size)
             self.scheduler = Scheduler(
                 self.session,
                 max_num_seqs=max_num_seqs,
@@ -160,27 +147,12 @@ class Engine:
         K/V (one object can serve many requests). Bad arguments, or a request that could never be
         served in this pool, raise TypeError / ValueError and queue nothing.
         """
-        prompt = self._prompt_ids(prompt_ids)
+        prompt = prompt_list(prompt_ids, self.vocab_size)
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, min_value=1)
         now = self.now
-        if arrival_s is None:
-            arrival_s = now
-        if not isinstance(arrival_s, numbers.Real) or isinstance(arrival_s, bool) or not math.isfinite(arrival_s):
-            raise TypeError(f"arrival_s must be a finite number of seconds or None, got {arrival_s!r}")
-        if eviction is not None and not isinstance(eviction, EvictionPolicy):
-            raise TypeError(
-                f"eviction must be a paged_ref.eviction.EvictionPolicy (make_policy(...)) or None, "
-                f"got {type(eviction).__name__}"
-            )
-        if eviction is not None and not getattr(self.session, "evicts", True):
-            raise ValueError("eviction needs a model: a dry run (Engine(None, ...)) has no K/V to score")
-        r = Request(
-            request_id=len(self._requests),
-            prompt_ids=prompt,
-            max_new_tokens=max_new_tokens,
-            arrival_s=float(arrival_s),
-            eviction=eviction,
-        )
+        arrival_s = check_arrival(now if arrival_s is None else arrival_s)
+        check_eviction(eviction, self.session)
+        r = Request(len(self._requests), prompt, max_new_tokens, arrival_s, eviction)
         why = self.scheduler.refusal(r)
         if why is not None:
             raise ValueError(f"add_request: this request can never be served: {why}")
@@ -192,26 +164,12 @@ class Engine:
             heapq.heappush(self._pending, (r.arrival_s, r.request_id))
         return r.request_id
 
-    def _prompt_ids(self, prompt_ids) -> list[int]:
-        if isinstance(prompt_ids, torch.Tensor) and prompt_ids.dtype == torch.bool:
-            raise TypeError("prompt_ids must be a 1-D integer tensor or a list of ints, got a bool tensor")
-        prompt = token_list("prompt_ids", prompt_ids)
-        if not prompt:
-            raise ValueError("prompt_ids must hold at least one token, got an empty prompt")
-        hi = self.vocab_size
-        if min(prompt) < 0 or (hi is not None and max(prompt) >= hi):
-            raise ValueError(
-                f"prompt_ids must be token ids in [0, {hi if hi is not None else 'inf'}), "
-                f"got values in [{min(prompt)}, {max(prompt)}]"
-            )
-        return prompt
-
     def abort(self, request_id: int) -> RequestOutput:
         """Stop a request that has not finished: its pages (or host copy) are freed at once.
 
         Returns its `RequestOutput` (``finish_reason="abort"``, the tokens generated so far).
         """
-        r = self._request(request_id)
+        r = self._requests[check_request_id(request_id, len(self._requests))]
         if r.status == FINISHED:
             raise ValueError(f"request {request_id} has already finished ({r.finish_reason}); nothing to abort")
         if r.status == PENDING:
@@ -220,15 +178,6 @@ class Engine:
         self.scheduler.remove(r)
         self._finish(r, "abort")
         return r.output()
-
-    def _request(self, request_id) -> Request:
-        if isinstance(request_id, bool) or not isinstance(request_id, numbers.Integral):
-            raise TypeError(f"request_id must be an int from add_request, got {type(request_id).__name__}")
-        if not 0 <= request_id < len(self._requests):
-            raise ValueError(
-                f"request_id must be one that add_request returned, in [0, {len(self._requests)}), got {request_id}"
-            )
-        return self._requests[request_id]
 
     # ------------------------------------------------------------------ steps
     def step(self) -> list[RequestOutput]:
@@ -282,7 +231,8 @@ class Engine:
         for r, _ in finished:
             self.scheduler.remove(r)
         times = (*times, time.perf_counter())  # ... and the step's end
-        self._advance(times[-1] - times[0])
+        if self.clock != "real":
+            self._now += times[-1] - times[0] if self.clock == "simulated" else 1.0
         now = self.now
         for r, _ in sched.items:
             if r.first_token_s is None and r.output_ids:
@@ -346,24 +296,15 @@ class Engine:
 
     def _arrive(self, *, idle: bool = False) -> None:
         """Queue the requests that have arrived; with ``idle`` and nothing queued, first wait for the next."""
-        if idle and not self.scheduler.has_work and self._pending:
-            self._idle_until(self._pending[0][0])
+        if idle and not self.scheduler.has_work and self._pending:  # wait for the next arrival
+            if self.clock == "real":
+                time.sleep(max(0.0, self._pending[0][0] - self.now))
+            else:
+                self._now = max(self._now, self._pending[0][0])
         now = self.now
         while self._pending and self._pending[0][0] <= now:
             _, rid = heapq.heappop(self._pending)
             self.scheduler.add(self._requests[rid])
-
-    def _idle_until(self, t: float) -> None:
-        if self.clock == "real":
-            time.sleep(max(0.0, t - self.now))
-        else:
-            self._now = max(self._now, t)
-
-    def _advance(self, seconds: float) -> None:
-        if self.clock == "simulated":
-            self._now += seconds
-        elif self.clock == "steps":
-            self._now += 1.0
 
     def _finish(self, r: Request, reason: str, now: float | None = None) -> None:
         r.status = FINISHED
@@ -395,28 +336,3 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    def __repr__(self) -> str:
-        s = self.scheduler
-        return (
-            f"Engine(num_pages={self.kv.num_pages}, page_size={self.kv.page_size}, reservation={s.reservation!r}, "
-            f"preemption={s.preemption!r}, running={len(s.running)}, waiting={len(s.waiting)}, "
-            f"swapped={len(s.swapped)}, free_pages={self.kv.allocator.num_free})"
-        )
-
-
-def _eos_set(eos, vocab: int | None) -> frozenset[int]:
-    """EOS ids as a set: an int, a list of ints, or None/[] (never stop early)."""
-    if eos is None:
-        return frozenset()
-    if isinstance(eos, torch.Tensor):
-        eos = eos.tolist()
-    items = [eos] if isinstance(eos, numbers.Integral) and not isinstance(eos, bool) else eos
-    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
-        raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
-    out = set()
-    for e in items:
-        if isinstance(e, bool) or not isinstance(e, numbers.Integral) or e < 0 or (vocab is not None and e >= vocab):
-            raise ValueError(f"eos_token_id must be token ids in [0, {vocab or 'inf'}), got {eos!r}")
-        out.add(int(e))
-    return frozenset(out)

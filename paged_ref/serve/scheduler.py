@@ -2,35 +2,22 @@
 
 `Scheduler.schedule` plans one step in vLLM's order (first come, first served):
 
-1. **Running requests**, oldest admission first: a decode takes 1 token; a prefill (a long prompt,
-   or prompt + output recomputed after a preemption) takes the next **chunk**, what is left of
-   ``max_batched_tokens`` once every decode is counted. If its pages cannot come from the pool,
-   the most recently admitted request is **preempted** (perhaps itself), until they can:
-   ``"recompute"`` frees its pages and puts it back at the head of the queue; ``"swap"`` moves its
-   K/V to host memory (`SwapSpace`).
+1. **Running requests**, oldest admission first: a decode takes 1 token, a prefill the next
+   **chunk** (what ``max_batched_tokens`` leaves once every decode is counted). If its pages cannot
+   come from the pool, the most recently admitted request is **preempted** (perhaps itself):
+   ``"recompute"`` frees its pages and requeues it first; ``"swap"`` moves its K/V to host memory.
 2. **Swapped requests** come back, oldest first, while their pages fit.
 3. **Waiting requests** are admitted in arrival order while ``max_num_seqs``, the budget and the
-   pool allow: the pool must cover the whole sequence (vLLM's ``scheduler_reserve_full_isl``) plus
-   a **watermark** kept free while others run. Admission asks before it adds (nano-vllm's
-   ``can_allocate``): the pages the prefix cache would reuse, the new pages, then a sequence. The
-   first request that does not fit stops admission; none happens in a step that preempted or while
-   a request is swapped out.
+   pool allow: the pool must cover the whole sequence (vLLM's ``scheduler_reserve_full_isl``) plus a
+   **watermark**. Admission asks before it adds (nano-vllm's ``can_allocate``); none happens in a
+   step that preempted or while a request is swapped out.
 
 A row's pages are taken when it is planned (vLLM's ``allocate_slots``) and, with prefix caching,
-the full pages its tokens fill are published then (``cache_blocks``): a request admitted later in
-the step can hit them, as in vLLM; the forward writes every row's K/V of a layer before any row
-attends there. ``reservation`` (`paged_ref.serve.reservation`) changes only admission: ``"exact"``
-and ``"max_len"`` commit pages up front, contiguous allocation's cost without its fragmentation.
-`refusal` names every request admission could never admit into an empty pool, so none is stuck.
-
-In vLLM's configuration (``"paged"``, watermark 0, ``"recompute"``) it makes vLLM 0.32's decisions
-step by step (``make test-vllm``). It differs on purpose in the watermark (vLLM 0.32: 0), the
-``"exact"`` and ``"max_len"`` reservations, and swap (vLLM's V1 only recomputes; a swapped-in
-request rejoins the running queue in admission order, so its chunk may come before decodes).
-
-An evicting request runs its policy through `AfterPrompt`: chunks stop at the prompt's end, the
-policy acts once on the whole prompt, then recomputed output goes in chunks no longer than
-``policy.tokens_until_action``; a row after which it acts counts the pages its compaction may copy.
+the full pages it fills are published then (``cache_blocks``): a later admission in the step can hit
+them. ``reservation`` (`paged_ref.serve.reservation`) changes admission only. With vLLM's settings
+(``"paged"``, watermark 0, ``"recompute"``) it makes vLLM 0.32's decisions step by step (``make
+test-vllm``); swap is ours (vLLM's V1 only recomputes). An evicting request's policy runs through
+`AfterPrompt`: it acts once on the whole prompt, then chunks end where it acts next.
 
 Example (a dry session: the same pool and scheduler, no model):
     >>> from paged_ref.serve.dry import DrySession
