@@ -1,13 +1,10 @@
 """A dry session: the page pool and the calls the engine makes, with no model behind them.
 
-`DrySession` answers the calls the engine makes of a `paged_ref.hf.PagedSession` (``add``,
-``position``, ``extend``, ``finish``, its ``kv``, and ``checkpoint`` / ``commit`` / ``rollback``)
-over a real `PagedKVCache` whose pages hold one number per token. ``extend`` reserves the new
-tokens' slots unless the scheduler did (so pages are taken, shared and freed exactly as in a real
-run), writes nothing, and returns logits that always pick token 0. The engine's
-scheduler then runs unchanged at the cost of its own bookkeeping: ``Engine(None, ...)`` is a dry
-run, what notebook 09's widget and notebook 03's fragmentation study use to play thousands of steps in
-seconds. Eviction policies need real K/V and are refused here.
+`DrySession` answers the engine's calls of a `paged_ref.hf.PagedSession` (``add``, ``position``,
+``extend``, ``finish``, ``kv``, ``checkpoint`` / ``commit`` / ``rollback``) over a real
+`PagedKVCache` of one number per token: pages are taken, shared and freed exactly as in a real run,
+nothing is written, and every row samples token 0. ``Engine(None, ...)`` is such a dry run: what
+notebooks 03 and 09 use to play thousands of steps in seconds. Eviction needs real K/V: refused.
 
 Example:
     >>> dry = DrySession(num_pages=4, page_size=2)

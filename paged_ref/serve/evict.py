@@ -1,17 +1,12 @@
 """Eviction under chunked prefill: a request's policy first acts once its whole prompt is held.
 
-`paged_ref.hf.PagedSession` calls a sequence's eviction hooks after every forward that feeds it:
-``after_prefill`` after the first, ``after_append`` after the others. A prompt the scheduler splits
-into chunks would then be evicted after its first chunk, which `paged_ref.hf.generate` (one
-prefill, then eviction) never does. `AfterPrompt` wraps the request's policy and holds its hooks
-back until the sequence holds the whole prompt: then ``after_prefill`` runs on all of it, and
-every later forward (decode, or output recomputed after a preemption, in chunks no longer than
-``tokens_until_action``) goes to ``after_append`` as usual. The scheduler ends every chunk of an
-evicting request at the prompt's last token, so the policy sees exactly the prompt first.
-
-One policy object may serve many requests (it keeps its state per sequence); each request gets
-its own `AfterPrompt`, which also remembers whether its hooks raised in the step being run
-(``failed``): the engine then knows whose policy failed.
+`paged_ref.hf.PagedSession` calls a sequence's eviction hooks after every forward that feeds it
+(``after_prefill`` after the first, ``after_append`` after the others), so a prompt fed in chunks
+would be evicted after its first chunk, which `paged_ref.hf.generate` never does. `AfterPrompt`
+holds the request's policy back until the sequence holds the whole prompt (the scheduler ends an
+evicting request's chunks there): ``after_prefill`` then runs on all of it, later forwards go to
+``after_append``. One policy object may serve many requests; each gets its own `AfterPrompt`, whose
+``failed`` tells the engine whose hook raised in the step.
 
 Example:
     >>> import torch
@@ -35,12 +30,7 @@ __all__ = ["AfterPrompt"]
 
 
 class AfterPrompt(EvictionPolicy):
-    """``inner``'s hooks, held back until the sequence holds ``prompt_len`` tokens (see the module docstring).
-
-    Args:
-        inner: the request's eviction policy.
-        prompt_len: tokens of the request's prompt.
-    """
+    """``inner`` (the request's policy) held back until the sequence holds ``prompt_len`` tokens."""
 
     def __init__(self, inner: EvictionPolicy, prompt_len: int):
         # the state lives in `inner`; this object only decides when its hooks run

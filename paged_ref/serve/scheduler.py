@@ -57,7 +57,6 @@ class Schedule:
 
     items: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to feed), oldest first
     preempted: list[Request] = field(default_factory=list)
-    swapped_in: list[Request] = field(default_factory=list)  # K/V back from host memory
     admitted: list[Request] = field(default_factory=list)  # from the waiting queue
 
     @property
@@ -205,7 +204,6 @@ class Scheduler:
             r.reserved_pages = self.committed_pages(r)
             r.status = RUNNING
             self.running.insert(bisect.bisect([s.admitted for s in self.running], r.admitted), r)
-            out.swapped_in.append(r)
             self._plan(r, want, out)
             budget -= want
         if self.swapped:
