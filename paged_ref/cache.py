@@ -133,13 +133,8 @@ class PagedKVCache:
         if not isinstance(page_summaries, bool):
             raise TypeError(f"page_summaries must be True or False, got {page_summaries!r}")
         # min / max of each page's keys for Quest (`paged_ref.page_summaries`); None: not kept
-        self.summaries = (
-            PageSummaries(
-                num_pages=num_pages, page_size=page_size, dtype=dtype, device=self.device, **self.geometry.kv_shape
-            )
-            if page_summaries
-            else None
-        )
+        pool = dict(num_pages=num_pages, page_size=page_size, dtype=dtype, device=self.device)
+        self.summaries = PageSummaries(**pool, **self.geometry.kv_shape) if page_summaries else None
 
     @classmethod
     def for_model(cls, model, *, num_pages: int, page_size: int, **options) -> PagedKVCache:
@@ -195,13 +190,10 @@ class PagedKVCache:
 
     # ----------------------------------------------------------------- growth
     def add_sequence(self, token_ids=None, *, namespace: dict | None = None) -> int:
-        """Start a new sequence and return its id.
-
-        With ``prefix_caching`` and ``token_ids`` (the prompt) it starts holding the prompt's cached full
-        pages (``seq_len``), leaving at least the last token to compute. ``namespace`` (str -> str, e.g.
-        ``{"adapter": "lora-7"}``) adds fields to the cache's ``prefix_namespace``: sequences whose K/V
-        differ for equal tokens never share pages.
-        """
+        """Start a new sequence and return its id. With ``prefix_caching`` and ``token_ids`` (the prompt) it
+        starts holding the prompt's cached full pages, leaving at least the last token to compute.
+        ``namespace`` (str -> str, e.g. ``{"adapter": "lora-7"}``) adds fields to ``prefix_namespace``:
+        sequences whose K/V differ for equal tokens never share pages."""
         root = self._prefix_root
         if namespace is not None:
             key = namespace_key(namespace, parent=root, name="namespace")  # checks it
@@ -217,9 +209,8 @@ class PagedKVCache:
         return seq_id
 
     def cached_prefix(self, token_ids) -> list[int]:
-        """The pages ``add_sequence(token_ids)`` would reuse, taking nothing (what admission asks
-        before it adds); those with ``allocator.refcount(page) == 0`` would come back from the pool.
-        """
+        """The pages ``add_sequence(token_ids)`` would reuse, taking nothing (what admission asks first);
+        those with ``allocator.refcount(page) == 0`` would come back from the pool."""
         if not self.prefix_caching:
             return []
         return [page for page, _ in self._prefix.match(self._prefix_root, token_list("token_ids", token_ids))]
@@ -243,18 +234,7 @@ class PagedKVCache:
 
     def reserve_batch(self, seq_ids, num_tokens, token_ids=None) -> list[torch.Tensor]:
         """`reserve` for several sequences, all or nothing: the pages the whole batch needs (new pages,
-        copies) are counted before any is taken. ``token_ids``: None, or one entry (None or ints) per sequence.
-
-        Example:
-            >>> kv = PagedKVCache(num_layers=1, num_pages=2, page_size=4, num_kv_heads=1, head_dim=2)
-            >>> a, b = kv.add_sequence(), kv.add_sequence()
-            >>> kv.reserve_batch([a, b], [3, 5])      # b needs 2 pages: 3 in all, 2 free
-            Traceback (most recent call last):
-            ...
-            paged_ref.allocator.OutOfPagesError: requested 3 page(s) but only 2 of the pool are free
-            >>> kv.seq_len(a), kv.allocator.num_free  # a was not grown either
-            (0, 2)
-        """
+        copies) are counted before any is taken. ``token_ids``: None, or one entry (None or ints) per sequence."""
         seq_ids, num_tokens, token_ids = batch_lists(seq_ids, num_tokens, token_ids)
         for s in seq_ids:
             self._seq(s)
@@ -266,12 +246,9 @@ class PagedKVCache:
     def write(
         self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, check_values: bool = True
     ) -> None:
-        """Store ``k, v: [num_tokens, num_kv_heads, head_dim]`` of ``layer`` at ``slots``.
-
-        ``check_values`` also checks the slots lie in pages this cache handed out unshared (a host sync on
-        a GPU: check once, at layer 0); a page published when reserved and shared since may be written
-        until its last layer is.
-        """
+        """Store ``k, v: [num_tokens, num_kv_heads, head_dim]`` of ``layer`` at ``slots``. ``check_values`` also
+        checks the slots lie in pages this cache handed out unshared (a host sync on a GPU: check once, at
+        layer 0); a page published when reserved and shared since may be written until its last layer is."""
         layer = check_write(self, layer, slots, k, v, check_values, filling=self._prefix.unwritten)
         slots = slots.to(device=self.device, dtype=torch.int64)
         self._saving((layer,), slots)
@@ -327,8 +304,7 @@ class PagedKVCache:
 
     def drop_pages(self, seq_id: int, logical_pages) -> None:
         """Remove whole logical pages from a sequence (eviction); they go back to the pool and the
-        sequence stops taking part in prefix caching.
-        """
+        sequence stops taking part in prefix caching."""
         seq = self._seq(seq_id)
         held = cdiv(seq.length, self.page_size)
         logical_pages = check_list("logical_pages", logical_pages, "logical page indices")
@@ -344,11 +320,9 @@ class PagedKVCache:
         seq.token_ids, seq.page_hashes = None, []
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
-        """Remove the last ``num_tokens`` tokens of a sequence: the inverse of `reserve`.
-
-        Pages left without a token go back; the vacated slots of the last kept page become zero (copied
-        first if shared: `OutOfPagesError`, nothing changed, when no page is free). Full pages kept stay cached.
-        """
+        """Remove the last ``num_tokens`` tokens of a sequence, the inverse of `reserve`: pages left empty go
+        back, the vacated slots of the last kept page become zero (copied first if shared: `OutOfPagesError`,
+        nothing changed, when no page is free). Full pages kept stay cached."""
         seq = self._seq(seq_id)
         num_tokens = check_int("num_tokens", num_tokens, min_value=0)
         if num_tokens > seq.length:
@@ -422,10 +396,9 @@ class PagedKVCache:
         )
 
     def rewind(self, seq_id: int, mark: SequenceMark) -> None:
-        """Put the sequence back as `mark` saw it, undoing a failed forward's reserves and writes.
-
-        Shared pages a private copy replaced are shared again, pages taken since go back, slots written
-        since are zeroed and withdrawn from the prefix cache. Rewind a batch in reverse reservation order.
+        """Put the sequence back as `mark` saw it, undoing a failed forward's reserves and writes: shared
+        pages a private copy replaced are shared again, pages taken since go back, slots written since are
+        zeroed and withdrawn from the prefix cache. Rewind a batch in reverse reservation order.
 
         Example:
             >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)
@@ -486,17 +459,7 @@ class PagedKVCache:
         return slots
 
     def checkpoint(self) -> None:
-        """Start a change that `rollback` undoes whole (sequences, pool, prefix index, K/V); one at a time.
-
-        Example:
-            >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=2, num_kv_heads=1, head_dim=1)
-            >>> s = kv.add_sequence(); kv.write(0, kv.reserve(s, 3), torch.ones(3, 1, 1), torch.ones(3, 1, 1))
-            >>> kv.checkpoint()
-            >>> kv.free(s); t = kv.add_sequence(); _ = kv.reserve(t, 8)   # the whole pool, zeroed
-            >>> kv.rollback()
-            >>> kv.seq_ids, kv.seq_len(s), kv.gather(0, s)[0].flatten().tolist(), kv.allocator.num_free
-            ([0], 3, [1.0, 1.0, 1.0], 2)
-        """
+        """Start a change that `rollback` undoes whole (sequences, pool, prefix index, K/V); one at a time."""
         if self._checkpoint is not None:
             raise RuntimeError("PagedKVCache.checkpoint: one is already open (commit or roll it back first)")
         self._checkpoint = _Checkpoint(self)
@@ -597,20 +560,16 @@ class PagedKVCache:
 
 
 class _Checkpoint:
-    """The cache's bookkeeping as it was (every `SequenceMark`, the pool, the prefix index) and the
-    old contents of every K/V slot changed since (`save`, called by the cache before each change);
-    `restore` writes them back, newest first. Its cost is the slots a step changes, not the pool.
-    """
+    """The cache's bookkeeping as it was (every `SequenceMark`, the pool, the prefix index) and the old
+    contents of every K/V slot changed since (`save`); `restore` writes them back, newest first."""
 
     def __init__(self, cache: PagedKVCache):
         self.seqs = {seq_id: (seq, cache.mark(seq_id)) for seq_id, seq in cache._seqs.items()}
         self.next_id, self.prefix_hits, self.last_copies = cache._next_id, cache.prefix_hits, cache.last_copies
         self.pool = cache.allocator.snapshot()
         self.prefix = cache._prefix.snapshot()
-        summaries = cache.summaries
-        self.bounds = (
-            None if summaries is None else ([m.clone() for m in summaries.k_min], [m.clone() for m in summaries.k_max])
-        )
+        sums = cache.summaries
+        self.bounds = None if sums is None else ([m.clone() for m in sums.k_min], [m.clone() for m in sums.k_max])
         self.undo: list[tuple] = []  # (layers, slots int64 [n], k and v: per layer [n, Hkv, D]): oldest first
 
     def save(self, cache: PagedKVCache, layers, slots: torch.Tensor) -> None:

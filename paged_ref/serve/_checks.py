@@ -8,6 +8,7 @@ import numbers
 import torch
 
 from .._cache_checks import token_list
+from ..block_table import pages_needed
 from ..eviction.policies import EvictionPolicy
 
 
@@ -68,3 +69,26 @@ def check_request_id(request_id, num_requests: int) -> int:
     if not 0 <= request_id < num_requests:
         raise ValueError(f"request_id must be one that add_request returned, in [0, {num_requests}), got {request_id}")
     return request_id
+
+
+def refusal(sched, r) -> str | None:
+    """Why request ``r`` could never run in the pool of ``sched`` (a `Scheduler`), or None; asked before queueing."""
+    ps, pool, wm = sched.page_size, sched.kv.num_pages, sched.watermark_pages
+    prompt = len(r.prompt_ids)
+    if r.peak_tokens + 1 > sched.max_model_len:
+        return (
+            f"prompt ({prompt} tokens) + max_new_tokens ({r.max_new_tokens}) = {r.peak_tokens + 1} exceeds "
+            f"max_model_len={sched.max_model_len}"
+        )
+    if sched.peak_pages(r) > pool:
+        return f"it needs {sched.peak_pages(r)} pages of {ps} tokens at its longest and the pool has {pool}"
+    # the longest first chunk admission may have to place: the prompt, or prompt + output after a preemption
+    chunk = min(sched.max_batched_tokens, prompt if r.eviction is not None else r.peak_tokens)
+    first = max(sched.committed_pages(r), pages_needed(chunk, ps))
+    if first + wm > pool:
+        what = "committed up front" if sched.commitment.up_front else f"for a first chunk of {chunk} tokens"
+        return (
+            f"admission needs {first} pages of {ps} tokens ({what}) plus the watermark of {wm} kept free, "
+            f"and the pool has {pool}"
+        )
+    return None

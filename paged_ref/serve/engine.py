@@ -38,7 +38,7 @@ import time
 from .._validate import check_choice, check_int
 from ..cache import PagedKVCache
 from . import undo
-from ._checks import check_arrival, check_eviction, check_request_id, check_watermark, eos_set, prompt_list
+from ._checks import check_arrival, check_eviction, check_request_id, check_watermark, eos_set, prompt_list, refusal
 from .dry import DrySession
 from .metrics import COUNTS, StepRecord, count_fed, engine_stats, record_step
 from .request import FINISHED, PENDING, Request, RequestOutput
@@ -153,7 +153,7 @@ class Engine:
         arrival_s = check_arrival(now if arrival_s is None else arrival_s)
         check_eviction(eviction, self.session)
         r = Request(len(self._requests), prompt, max_new_tokens, arrival_s, eviction)
-        why = self.scheduler.refusal(r)
+        why = refusal(self.scheduler, r)
         if why is not None:
             raise ValueError(f"add_request: this request can never be served: {why}")
         self._requests.append(r)

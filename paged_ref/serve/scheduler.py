@@ -120,30 +120,8 @@ class Scheduler:
             return whole
         return min(whole, max(pages_needed(len(r.prompt_ids), self.page_size), max_pages_held(budget, self.page_size)))
 
-    def refusal(self, r: Request) -> str | None:
-        """Why ``r`` could never run in this pool (None if it can): checked before a request is queued."""
-        ps, pool, wm = self.page_size, self.kv.num_pages, self.watermark_pages
-        prompt = len(r.prompt_ids)
-        if r.peak_tokens + 1 > self.max_model_len:
-            return (
-                f"prompt ({prompt} tokens) + max_new_tokens ({r.max_new_tokens}) = {r.peak_tokens + 1} exceeds "
-                f"max_model_len={self.max_model_len}"
-            )
-        if self.peak_pages(r) > pool:
-            return f"it needs {self.peak_pages(r)} pages of {ps} tokens at its longest and the pool has {pool}"
-        # the longest first chunk admission may have to place: the prompt, or prompt + output after a preemption
-        chunk = min(self.max_batched_tokens, prompt if r.eviction is not None else r.peak_tokens)
-        first = max(self.committed_pages(r), pages_needed(chunk, ps))
-        if first + wm > pool:
-            what = "committed up front" if self.commitment.up_front else f"for a first chunk of {chunk} tokens"
-            return (
-                f"admission needs {first} pages of {ps} tokens ({what}) plus the watermark of {wm} kept free, "
-                f"and the pool has {pool}"
-            )
-        return None
-
     def add(self, r: Request) -> None:
-        """Queue ``r`` (it has arrived; `refusal` found nothing against it: `Engine.add_request` asks)."""
+        """Queue ``r`` (it has arrived; `Engine.add_request` asked `paged_ref.serve._checks.refusal` first)."""
         r.status = WAITING
         self.waiting.append(r)
 
