@@ -53,16 +53,12 @@ class Engine:
     """Continuous batching over one page pool; see the module docstring.
 
     Args:
-        model: a transformers causal LM, or None for a dry run (`paged_ref.serve.dry`: the same pool
-            and scheduler, every token counted, none computed).
-        num_pages, page_size: the pool.
+        model: a transformers causal LM, or None for a dry run (`paged_ref.serve.dry`: no token computed).
         reservation, preemption, max_num_seqs, max_batched_tokens: the `Scheduler`'s.
-        prefix_caching: share full prompt pages between requests.
         backend, prepack: the session's (`paged_ref.hf.PagedSession`).
         watermark: share of the pool admission keeps free while others run (vLLM 0.32: 0).
         max_model_len: longest request; default the model's ``max_position_embeddings`` (dry: the pool).
         eos_token_id: int or ints that end a request (default the model's; ``[]``: never).
-        clock: ``"simulated"``, ``"real"`` or ``"steps"``.
 
     ``observers``: callables ``f(engine)`` run after each step's forward, before the requests it
     finished give their pages back (`paged_ref.lab.page_trace` reads the pool there).
@@ -140,13 +136,10 @@ class Engine:
         return time.perf_counter() - self._origin if self.clock == "real" else self._now
 
     def add_request(self, prompt_ids, *, max_new_tokens: int, arrival_s: float | None = None, eviction=None) -> int:
-        """Queue a request; returns its id (0, 1, 2, ... in submission order).
-
-        ``prompt_ids``: a 1-D integer tensor or list (at least one id); ``arrival_s``: when it arrives on
-        the engine's clock (default now); ``eviction``: an `paged_ref.eviction.EvictionPolicy` for its
-        K/V (one object can serve many requests). Bad arguments, or a request that could never be
-        served in this pool, raise TypeError / ValueError and queue nothing.
-        """
+        """Queue a request; returns its id (0, 1, 2, ... in submission order). ``arrival_s``: on the
+        engine's clock (default now); ``eviction``: an `paged_ref.eviction.EvictionPolicy` for its K/V
+        (one object can serve many). Bad arguments, or a request this pool could never serve, raise
+        TypeError / ValueError and queue nothing."""
         prompt = prompt_list(prompt_ids, self.vocab_size)
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, min_value=1)
         now = self.now
@@ -165,10 +158,8 @@ class Engine:
         return r.request_id
 
     def abort(self, request_id: int) -> RequestOutput:
-        """Stop a request that has not finished: its pages (or host copy) are freed at once.
-
-        Returns its `RequestOutput` (``finish_reason="abort"``, the tokens generated so far).
-        """
+        """Stop a request that has not finished, freeing its pages (or host copy) at once; returns its
+        `RequestOutput` (``finish_reason="abort"``, the tokens generated so far)."""
         r = self._requests[check_request_id(request_id, len(self._requests))]
         if r.status == FINISHED:
             raise ValueError(f"request {request_id} has already finished ({r.finish_reason}); nothing to abort")
@@ -244,10 +235,8 @@ class Engine:
         return [r.output() for r in done]
 
     def _checkpoint(self):
-        """What a step may change, saved (`paged_ref.serve.undo`); the session opens its own checkpoint.
-
-        The requests a step may change: running and swapped ones, the waiting ones it may admit, and
-        those arriving by the time it plans (the next arrival, if nothing is queued)."""
+        """What a step may change, saved (`paged_ref.serve.undo`): the scheduler, the running and swapped
+        requests, the waiting ones it may admit and those arriving by the time it plans; and the session."""
         s = self.scheduler
         horizon = max(self.now, self._pending[0][0]) if self._pending and not s.has_work else self.now
         arriving = [self._requests[i] for t, i in self._pending if t <= horizon]

@@ -65,12 +65,8 @@ class Schedule:
 
 
 class Scheduler:
-    """Waiting, running and swapped queues over one session's page pool; see the module docstring.
-
-    ``session``: a `paged_ref.hf.PagedSession` or a `DrySession` (its ``kv`` is the pool); ``reservation``:
-    one of `RESERVATIONS`; ``preemption``: one of `PREEMPTIONS`; ``max_model_len``: the longest request
-    and what ``"max_len"`` reserves (default: the whole pool).
-    """
+    """Waiting, running and swapped queues over the pool of ``session`` (a `paged_ref.hf.PagedSession` or a
+    `DrySession`); ``max_model_len``: the longest request, what ``"max_len"`` reserves (default: the pool)."""
 
     def __init__(
         self,
