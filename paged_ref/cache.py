@@ -55,9 +55,8 @@ class _Sequence:
 
 @dataclass(frozen=True)
 class PageCopy:
-    """One copy-on-write: ``seq_id``'s logical page ``logical_page`` moved from the shared page
-    ``source`` to its private copy ``page`` (``layer``: a `~paged_ref.layered_cache.LayeredKVCache`'s layer, else None).
-    """
+    """One copy-on-write: ``seq_id``'s ``logical_page`` moved from the shared page ``source`` to its
+    private copy ``page`` (``layer``: a `~paged_ref.layered_cache.LayeredKVCache`'s layer, else None)."""
 
     seq_id: int
     logical_page: int
@@ -68,9 +67,8 @@ class PageCopy:
 
 @dataclass(frozen=True)
 class SequenceMark:
-    """A sequence as `PagedKVCache.mark` saw it, for `PagedKVCache.rewind`: pages, length, and its
-    prefix-key lists with their lengths then (``reserve`` only appends to those lists, or replaces them).
-    """
+    """A sequence as `PagedKVCache.mark` saw it, for `PagedKVCache.rewind`: pages, length, and its prefix-key
+    lists with their lengths then (``reserve`` only appends to those lists, or replaces them)."""
 
     seq_id: int
     pages: tuple[int, ...]
@@ -145,13 +143,8 @@ class PagedKVCache:
     @property
     def geometry(self) -> KVGeometry:
         """This cache's :class:`~paged_ref.memory.KVGeometry` (no query-head count: the cache has none)."""
-        return KVGeometry(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        shape = dict(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        return KVGeometry(**shape, dtype=self.dtype, device=self.device)
 
     # ----------------------------------------------------------------- inspection
     @property
@@ -174,8 +167,7 @@ class PagedKVCache:
 
     def block_table(self, seq_ids=None, device=None, *, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """``(block_table int32 [batch, max_pages], seq_lens int32 [batch])`` for ``seq_ids`` (default all),
-        the same for every ``layer``: the pages that hold tokens, padded with 0.
-        """
+        the same for every ``layer``: the pages that hold tokens, padded with 0."""
         check_layer(layer, self.num_layers)
         seqs = [self._seq(s) for s in self._batch(seq_ids)]
         tables = [s.pages[: cdiv(s.length, self.page_size)] for s in seqs]  # well formed: no re-check
@@ -355,8 +347,7 @@ class PagedKVCache:
     def compact(self, seq_id: int, keep: torch.Tensor) -> None:
         """Keep only the tokens where ``keep: bool [seq_len]`` is True, packed in order in every layer
         (token-level eviction); shared pages that receive tokens are copied first, pages no longer needed
-        go back, and the sequence stops taking part in prefix caching.
-        """
+        go back, and the sequence stops taking part in prefix caching."""
         seq = self._seq(seq_id)
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or tuple(keep.shape) != (seq.length,):
             raise ValueError(f"keep must be a bool tensor of shape [seq_len] = [{seq.length}], got {describe(keep)}")

@@ -25,7 +25,6 @@ __all__ = ["DrySession"]
 class DrySession:
     """The engine's view of a `PagedSession`, over a pool of ``num_pages`` pages and no model."""
 
-    backend = "dry"
     evicts = False  # no K/V to score: the engine refuses eviction policies at the door
 
     def __init__(self, *, num_pages: int, page_size: int, prefix_caching: bool = False):
@@ -39,9 +38,6 @@ class DrySession:
         )
         self._positions: dict[int, int] = {}
         self.plan_seconds = 0.0
-
-    def open(self) -> DrySession:
-        return self
 
     def close(self) -> None:
         for seq_id in list(self._positions):

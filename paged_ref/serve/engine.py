@@ -101,7 +101,6 @@ class Engine:
             limit = getattr(model.config, "max_position_embeddings", None)
         self.model = model
         self.kv = self.session.kv
-        self.backend = self.session.backend
         try:
             self.eos = eos_set(eos, self.vocab_size)
             self.scheduler = Scheduler(

@@ -92,19 +92,13 @@ def record_step(history: list, counts: dict, sched, finished, scheduler, *, now,
 
 
 def engine_stats(*, clock: str, requests, history, counts: dict, scheduler, pending: int, kv) -> dict:
-    """`paged_ref.serve.Engine.stats`: the run's counters from its requests, step history, running
-    counts, scheduler queues, requests not arrived yet (``pending``) and cache. ``tokens_per_s``: generated
-    tokens over first arrival to last finish; ``prompt_tokens``: computed the first time; ``recomputed_tokens``:
-    fed again after a preemption; ``peak_pages``: most held during a forward; ``peak_committed_pages``: held
-    or committed; ``overhead_share``: scheduling, laying out the forward and sampling over the steps' time."""
+    """`paged_ref.serve.Engine.stats`. ``tokens_per_s``: generated tokens over first arrival to last finish;
+    ``peak_pages``: most held during a forward; ``overhead_share``: the engine's own share of the steps' time."""
     done = [r for r in requests if r.status == FINISHED and r.finish_reason not in ("abort", "error")]
-    span = 0.0
-    if done:
-        span = max(r.finish_s for r in done) - min(r.arrival_s for r in done)
-    h = history
+    span = max(r.finish_s for r in done) - min(r.arrival_s for r in done) if done else 0.0
+    h, c = history, counts
     busy = sum(s.step_s for s in h)
     overhead = sum(s.overhead_s for s in h)
-    c = counts
     return {
         "clock": clock,
         "steps": len(h),
