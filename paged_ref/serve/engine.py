@@ -178,7 +178,7 @@ class Engine:
         saved, sched = self._checkpoint(), None
         started, plan_before = time.perf_counter(), self.session.plan_seconds
         try:
-            self._arrive(idle=True)
+            self._arrive()
             sched = self.scheduler.schedule()  # 1. schedule: preemptions, swaps, admissions, rows
             if not sched.items:
                 raise RuntimeError(f"the scheduler planned no tokens: {self.scheduler.queues()}")
@@ -282,9 +282,9 @@ class Engine:
         self._unreturned = []
         return outs
 
-    def _arrive(self, *, idle: bool = False) -> None:
-        """Queue the requests that have arrived; with ``idle`` and nothing queued, first wait for the next."""
-        if idle and not self.scheduler.has_work and self._pending:  # wait for the next arrival
+    def _arrive(self) -> None:
+        """Queue the requests that have arrived; with nothing queued, first wait for the next."""
+        if not self.scheduler.has_work and self._pending:
             if self.clock == "real":
                 time.sleep(max(0.0, self._pending[0][0] - self.now))
             else:
@@ -302,15 +302,8 @@ class Engine:
     # ------------------------------------------------------------------ what happened
     def stats(self) -> dict:
         """Counters of the run so far (`paged_ref.serve.metrics.engine_stats`; times on ``clock``)."""
-        return engine_stats(
-            clock=self.clock,
-            requests=self._requests,
-            history=self.history,
-            counts=self._counts,
-            scheduler=self.scheduler,
-            pending=len(self._pending),
-            kv=self.kv,
-        )
+        pending = len(self._pending)
+        return engine_stats(self.clock, self._requests, self.history, self._counts, self.scheduler, pending, self.kv)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

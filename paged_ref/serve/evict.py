@@ -41,13 +41,8 @@ class AfterPrompt(EvictionPolicy):
         self._started: set[int] = set()  # sequences whose prompt `inner` has seen
         self.failed = False  # its last hook call raised
 
-    def after_prefill(self, kv_cache, seq_id: int) -> None:
-        self._hook(kv_cache, seq_id)
-
     def after_append(self, kv_cache, seq_id: int) -> None:
-        self._hook(kv_cache, seq_id)
-
-    def _hook(self, kv_cache, seq_id: int) -> None:
+        """Either hook: ``inner.after_prefill`` once the whole prompt is in, ``inner.after_append`` after."""
         self.failed = True
         if seq_id in self._started:
             self.inner.after_append(kv_cache, seq_id)
@@ -55,6 +50,8 @@ class AfterPrompt(EvictionPolicy):
             self._started.add(seq_id)
             self.inner.after_prefill(kv_cache, seq_id)
         self.failed = False
+
+    after_prefill = after_append
 
     def snapshot(self):
         return set(self._started), self.inner.snapshot()

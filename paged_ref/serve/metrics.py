@@ -91,7 +91,7 @@ def record_step(history: list, counts: dict, sched, finished, scheduler, *, now,
     )
 
 
-def engine_stats(*, clock: str, requests, history, counts: dict, scheduler, pending: int, kv) -> dict:
+def engine_stats(clock: str, requests, history, counts: dict, scheduler, pending: int, kv) -> dict:
     """`paged_ref.serve.Engine.stats`. ``tokens_per_s``: generated tokens over first arrival to last finish;
     ``peak_pages``: most held during a forward; ``overhead_share``: the engine's own share of the steps' time."""
     done = [r for r in requests if r.status == FINISHED and r.finish_reason not in ("abort", "error")]

@@ -239,7 +239,7 @@ class Scheduler:
             if victim is r:
                 return 0
 
-    def preempt(self, r: Request, out: Schedule | None = None) -> None:
+    def preempt(self, r: Request, out: Schedule) -> None:
         """Take ``r``'s pages back: recompute (back to the head of the queue) or swap (to host memory)."""
         self.running.remove(r)
         r.num_preemptions += 1
@@ -254,8 +254,7 @@ class Scheduler:
             self._release(r)
             r.status = WAITING
             self.waiting.appendleft(r)
-        if out is not None:
-            out.preempted.append(r)
+        out.preempted.append(r)
 
     def remove(self, r: Request) -> None:
         """Take ``r`` out of every queue and free its sequence (it finished or was aborted)."""
@@ -290,13 +289,10 @@ class Scheduler:
     def _held(self, r: Request) -> int:
         return len(self.kv.pages(r.seq_id))
 
-    def _grow(self, r: Request, n: int) -> int:
-        """New pages ``r`` takes to hold ``n`` more tokens."""
-        return max(0, cdiv(self.kv.seq_len(r.seq_id) + n, self.page_size) - self._held(r))
-
     def _pages(self, r: Request, n: int) -> int:
-        """Pages ``r``'s row of ``n`` tokens takes: its growth, and the copies its policy may make after it."""
-        return self._grow(r, n) + self._copies(r, n)
+        """Pages ``r``'s row of ``n`` tokens takes: its new pages, and the copies its policy may make after it."""
+        grow = max(0, cdiv(self.kv.seq_len(r.seq_id) + n, self.page_size) - self._held(r))
+        return grow + self._copies(r, n)
 
     def _copies(self, r: Request, n: int) -> int:
         """Pages ``r``'s policy may copy if it acts after ``n`` more tokens: a compaction packs the kept
