@@ -28,14 +28,8 @@ class DrySession:
     evicts = False  # no K/V to score: the engine refuses eviction policies at the door
 
     def __init__(self, *, num_pages: int, page_size: int, prefix_caching: bool = False):
-        self.kv = PagedKVCache(
-            num_layers=1,
-            num_pages=num_pages,
-            page_size=page_size,
-            num_kv_heads=1,
-            head_dim=1,
-            prefix_caching=prefix_caching,
-        )
+        one = dict(num_layers=1, num_kv_heads=1, head_dim=1)  # one number per token
+        self.kv = PagedKVCache(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching, **one)
         self._positions: dict[int, int] = {}
         self.plan_seconds = 0.0
 

@@ -95,9 +95,8 @@ class Engine:
             kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
             self.session = PagedSession(model, kv_cache=kv, backend=backend, prepack=prepack).open()
             self.vocab_size = model.config.vocab_size
-            eos = eos_token_id
-            if eos is None:
-                eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+            default = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+            eos = default if eos_token_id is None else eos_token_id
             limit = getattr(model.config, "max_position_embeddings", None)
         self.model = model
         self.kv = self.session.kv
@@ -304,16 +303,3 @@ class Engine:
         """Counters of the run so far (`paged_ref.serve.metrics.engine_stats`; times on ``clock``)."""
         pending = len(self._pending)
         return engine_stats(self.clock, self._requests, self.history, self._counts, self.scheduler, pending, self.kv)
-
-    # ------------------------------------------------------------------ lifetime
-    def close(self) -> None:
-        """Abort every request in flight and free its pages."""
-        for r in self._requests:
-            if r.status != FINISHED:
-                self.abort(r.request_id)
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

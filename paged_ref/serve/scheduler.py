@@ -59,10 +59,6 @@ class Schedule:
     preempted: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)  # from the waiting queue
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.items)
-
 
 class Scheduler:
     """Waiting, running and swapped queues over the pool of ``session`` (a `paged_ref.hf.PagedSession` or a
