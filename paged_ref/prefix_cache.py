@@ -62,8 +62,7 @@ class PrefixIndex:
 
     def __init__(self, *, page_size: int):
         self.page_size = page_size
-        # key -> the pages holding it, first published first (not de-duplicated, as in vLLM: `match` takes the first)
-        self.page_of: dict[bytes, dict[int, None]] = {}
+        self.page_of: dict[bytes, dict[int, None]] = {}  # key -> its pages, first published first (not de-duplicated)
         self.key_of: dict[int, bytes] = {}  # physical page -> its key (the reverse of page_of)
         self.tokens_of: dict[int, tuple[int, ...]] = {}  # physical page -> its token ids
         self.unwritten: set[int] = set()  # published pages whose K/V the forward has yet to write

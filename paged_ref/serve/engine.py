@@ -220,8 +220,10 @@ class Engine:
         for r, _ in finished:
             self.scheduler.remove(r)
         times = (*times, time.perf_counter())  # ... and the step's end
-        if self.clock != "real":
-            self._now += times[-1] - times[0] if self.clock == "simulated" else 1.0
+        if self.clock == "simulated":
+            self._now += times[-1] - times[0]
+        elif self.clock == "steps":
+            self._now += 1.0
         now = self.now
         for r, _ in sched.items:
             if r.first_token_s is None and r.output_ids:
@@ -303,3 +305,9 @@ class Engine:
         """Counters of the run so far (`paged_ref.serve.metrics.engine_stats`; times on ``clock``)."""
         pending = len(self._pending)
         return engine_stats(self.clock, self._requests, self.history, self._counts, self.scheduler, pending, self.kv)
+
+    def close(self) -> None:
+        """Abort every request in flight, freeing its pages."""
+        for r in self._requests:
+            if r.status != FINISHED:
+                self.abort(r.request_id)

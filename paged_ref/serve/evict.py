@@ -33,7 +33,6 @@ class AfterPrompt(EvictionPolicy):
     """``inner`` (the request's policy) held back until the sequence holds ``prompt_len`` tokens."""
 
     def __init__(self, inner: EvictionPolicy, prompt_len: int):
-        # the state lives in `inner`; this object only decides when its hooks run
         self.inner = inner
         self.prompt_len = prompt_len
         self.budget = inner.budget

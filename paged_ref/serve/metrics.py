@@ -57,11 +57,9 @@ def count_fed(counts: dict, sched) -> None:
 
 
 def record_step(history: list, counts: dict, sched, finished, scheduler, *, now, pages, times) -> None:
-    """Append what the step ``sched`` did to ``history`` and raise the peaks in ``counts``.
-
-    ``pages``: (held during the forward, held or committed then, requests running then);
-    ``times``: ``perf_counter`` at the step's start, after scheduling and after the forward, the
-    seconds the session spent laying out the forward, then ``perf_counter`` at the step's end."""
+    """Append what the step ``sched`` did to ``history`` and raise the peaks in ``counts``. ``pages``: held
+    during the forward, held or committed then, requests running then; ``times``: ``perf_counter`` at the
+    start, after scheduling and after the forward, the session's plan seconds, ``perf_counter`` at the end."""
     pages_used, committed, running = pages
     started, scheduled, forwarded, plan_s, ended = times
     counts["peak_running"] = max(counts["peak_running"], len(sched.items))
