@@ -1,24 +1,18 @@
 """PagedKVCache: per-layer K/V page tensors plus per-sequence block tables.
 
-Storage is one pair of tensors per layer in the layout vLLM's and FlashAttention's kernels read,
-``k_cache[layer], v_cache[layer]: [num_pages, page_size, num_kv_heads, head_dim]``; a physical page
-id names the same page in every layer, so one block table per sequence serves all layers.
-``slots = reserve(seq_id, n)`` grows a sequence (taking pages as needed) and returns each new
+``k_cache[layer], v_cache[layer]: [num_pages, page_size, num_kv_heads, head_dim]`` (vLLM's and
+FlashAttention's layout); a page id names the same page in every layer, so one block table per
+sequence serves them all. ``slots = reserve(seq_id, n)`` grows a sequence and returns each new
 token's flat slot ``page * page_size + offset``; ``write(layer, slots, k, v)`` stores a layer there.
 
-All or nothing: every operation counts the pages it needs before changing anything and raises
-`OutOfPagesError` with the cache as it was (``reserve_batch`` grows a whole batch that way).
-``fork`` shares a sequence's pages (reference counts); the first write into a shared page copies
-it, in ``reserve``, and ``last_copies`` lists the copies as `PageCopy` records. With
-``prefix_caching=True``, ``add_sequence(token_ids=prompt)`` reuses cached full pages of the prompt
-(`paged_ref.prefix_cache`); a full page is published when ``reserve`` fills it, as vLLM caches a
-block when it allocates it. Freed pages go back tail first; cached ones are reused last.
-
-Every slot that holds no token is zero (pages are zeroed when handed out and when returned holding
-no cached prefix), so a kernel reading past a sequence's end adds ``0 * v``, never stale ``nan``.
-``mark`` / ``rewind`` undo a failed forward's reserves and writes; ``checkpoint`` / ``rollback`` undo a
-whole serving step. ``page_summaries=True`` keeps each page's key min/max for Quest;
-``growth="pow2"`` reserves power-of-two page counts (the IBM paper's growth).
+Every operation counts the pages it needs first and raises `OutOfPagesError` with the cache as it
+was. ``fork`` shares pages (reference counts); the first write into a shared page copies it, in
+``reserve``, which lists the copies in ``last_copies``. With ``prefix_caching=True``,
+``add_sequence(token_ids=prompt)`` reuses cached full pages (`paged_ref.prefix_cache`). A slot that
+holds no token is zero, so a kernel reading past a sequence's end adds ``0 * v``, never stale ``nan``.
+``mark`` / ``rewind`` undo a failed forward, ``checkpoint`` / ``rollback`` a serving step.
+``page_summaries=True`` keeps each page's key min/max for Quest; ``growth="pow2"`` reserves
+power-of-two page counts (the IBM paper's growth).
 
 Example:
     >>> cache = PagedKVCache(num_layers=2, num_pages=8, page_size=4, num_kv_heads=1, head_dim=2)
@@ -61,9 +55,8 @@ class _Sequence:
 
 @dataclass(frozen=True)
 class PageCopy:
-    """One copy-on-write: ``seq_id``'s logical page ``logical_page`` moved from the shared page
-    ``source`` to its private copy ``page`` (``layer``: a `~paged_ref.layered_cache.LayeredKVCache`'s layer, else None).
-    """
+    """One copy-on-write: ``seq_id``'s ``logical_page`` moved from the shared page ``source`` to its
+    private copy ``page`` (``layer``: a `~paged_ref.layered_cache.LayeredKVCache`'s layer, else None)."""
 
     seq_id: int
     logical_page: int
@@ -74,9 +67,8 @@ class PageCopy:
 
 @dataclass(frozen=True)
 class SequenceMark:
-    """A sequence as `PagedKVCache.mark` saw it, for `PagedKVCache.rewind`: pages, length, and its
-    prefix-key lists with their lengths then (``reserve`` only appends to those lists, or replaces them).
-    """
+    """A sequence as `PagedKVCache.mark` saw it, for `PagedKVCache.rewind`: pages, length, and its prefix-key
+    lists with their lengths then (``reserve`` only appends to those lists, or replaces them)."""
 
     seq_id: int
     pages: tuple[int, ...]
@@ -139,36 +131,20 @@ class PagedKVCache:
         if not isinstance(page_summaries, bool):
             raise TypeError(f"page_summaries must be True or False, got {page_summaries!r}")
         # min / max of each page's keys for Quest (`paged_ref.page_summaries`); None: not kept
-        self.summaries = (
-            PageSummaries(
-                num_pages=num_pages, page_size=page_size, dtype=dtype, device=self.device, **self.geometry.kv_shape
-            )
-            if page_summaries
-            else None
-        )
+        pool = dict(num_pages=num_pages, page_size=page_size, dtype=dtype, device=self.device)
+        self.summaries = PageSummaries(**pool, **self.geometry.kv_shape) if page_summaries else None
 
     @classmethod
     def for_model(cls, model, *, num_pages: int, page_size: int, **options) -> PagedKVCache:
         """A cache shaped for a transformers model (layers, KV heads, head_dim, dtype, device);
-        ``options``: the other keyword arguments.
-
-        Example:
-            >>> from paged_ref.models import tiny_llama
-            >>> PagedKVCache.for_model(tiny_llama(), num_pages=4, page_size=2).geometry.kv_shape
-            {'num_layers': 2, 'num_kv_heads': 2, 'head_dim': 32}
-        """
+        ``options``: the other keyword arguments."""
         return cls(num_pages=num_pages, page_size=page_size, **model_geometry(model).cache_kwargs, **options)
 
     @property
     def geometry(self) -> KVGeometry:
         """This cache's :class:`~paged_ref.memory.KVGeometry` (no query-head count: the cache has none)."""
-        return KVGeometry(
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        shape = dict(num_layers=self.num_layers, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        return KVGeometry(**shape, dtype=self.dtype, device=self.device)
 
     # ----------------------------------------------------------------- inspection
     @property
@@ -191,8 +167,7 @@ class PagedKVCache:
 
     def block_table(self, seq_ids=None, device=None, *, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """``(block_table int32 [batch, max_pages], seq_lens int32 [batch])`` for ``seq_ids`` (default all),
-        the same for every ``layer``: the pages that hold tokens, padded with 0.
-        """
+        the same for every ``layer``: the pages that hold tokens, padded with 0."""
         check_layer(layer, self.num_layers)
         seqs = [self._seq(s) for s in self._batch(seq_ids)]
         tables = [s.pages[: cdiv(s.length, self.page_size)] for s in seqs]  # well formed: no re-check
@@ -207,13 +182,10 @@ class PagedKVCache:
 
     # ----------------------------------------------------------------- growth
     def add_sequence(self, token_ids=None, *, namespace: dict | None = None) -> int:
-        """Start a new sequence and return its id.
-
-        With ``prefix_caching`` and ``token_ids`` (the prompt) it starts holding the prompt's cached full
-        pages (``seq_len``), leaving at least the last token to compute. ``namespace`` (str -> str, e.g.
-        ``{"adapter": "lora-7"}``) adds fields to the cache's ``prefix_namespace``: sequences whose K/V
-        differ for equal tokens never share pages.
-        """
+        """Start a new sequence and return its id. With ``prefix_caching`` and ``token_ids`` (the prompt) it
+        starts holding the prompt's cached full pages, leaving at least the last token to compute.
+        ``namespace`` (str -> str, e.g. ``{"adapter": "lora-7"}``) adds fields to ``prefix_namespace``:
+        sequences whose K/V differ for equal tokens never share pages."""
         root = self._prefix_root
         if namespace is not None:
             key = namespace_key(namespace, parent=root, name="namespace")  # checks it
@@ -229,9 +201,8 @@ class PagedKVCache:
         return seq_id
 
     def cached_prefix(self, token_ids) -> list[int]:
-        """The pages ``add_sequence(token_ids)`` would reuse, taking nothing (what admission asks
-        before it adds); those with ``allocator.refcount(page) == 0`` would come back from the pool.
-        """
+        """The pages ``add_sequence(token_ids)`` would reuse, taking nothing (what admission asks first);
+        those with ``allocator.refcount(page) == 0`` would come back from the pool."""
         if not self.prefix_caching:
             return []
         return [page for page, _ in self._prefix.match(self._prefix_root, token_list("token_ids", token_ids))]
@@ -255,18 +226,7 @@ class PagedKVCache:
 
     def reserve_batch(self, seq_ids, num_tokens, token_ids=None) -> list[torch.Tensor]:
         """`reserve` for several sequences, all or nothing: the pages the whole batch needs (new pages,
-        copies) are counted before any is taken. ``token_ids``: None, or one entry (None or ints) per sequence.
-
-        Example:
-            >>> kv = PagedKVCache(num_layers=1, num_pages=2, page_size=4, num_kv_heads=1, head_dim=2)
-            >>> a, b = kv.add_sequence(), kv.add_sequence()
-            >>> kv.reserve_batch([a, b], [3, 5])      # b needs 2 pages: 3 in all, 2 free
-            Traceback (most recent call last):
-            ...
-            paged_ref.allocator.OutOfPagesError: requested 3 page(s) but only 2 of the pool are free
-            >>> kv.seq_len(a), kv.allocator.num_free  # a was not grown either
-            (0, 2)
-        """
+        copies) are counted before any is taken. ``token_ids``: None, or one entry (None or ints) per sequence."""
         seq_ids, num_tokens, token_ids = batch_lists(seq_ids, num_tokens, token_ids)
         for s in seq_ids:
             self._seq(s)
@@ -278,12 +238,9 @@ class PagedKVCache:
     def write(
         self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, check_values: bool = True
     ) -> None:
-        """Store ``k, v: [num_tokens, num_kv_heads, head_dim]`` of ``layer`` at ``slots``.
-
-        ``check_values`` also checks the slots lie in pages this cache handed out unshared (a host sync on
-        a GPU: check once, at layer 0); a page published when reserved and shared since may be written
-        until its last layer is.
-        """
+        """Store ``k, v: [num_tokens, num_kv_heads, head_dim]`` of ``layer`` at ``slots``. ``check_values`` also
+        checks the slots lie in pages this cache handed out unshared (a host sync on a GPU: check once, at
+        layer 0); a page published when reserved and shared since may be written until its last layer is."""
         layer = check_write(self, layer, slots, k, v, check_values, filling=self._prefix.unwritten)
         slots = slots.to(device=self.device, dtype=torch.int64)
         self._saving((layer,), slots)
@@ -339,8 +296,7 @@ class PagedKVCache:
 
     def drop_pages(self, seq_id: int, logical_pages) -> None:
         """Remove whole logical pages from a sequence (eviction); they go back to the pool and the
-        sequence stops taking part in prefix caching.
-        """
+        sequence stops taking part in prefix caching."""
         seq = self._seq(seq_id)
         held = cdiv(seq.length, self.page_size)
         logical_pages = check_list("logical_pages", logical_pages, "logical page indices")
@@ -356,11 +312,9 @@ class PagedKVCache:
         seq.token_ids, seq.page_hashes = None, []
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
-        """Remove the last ``num_tokens`` tokens of a sequence: the inverse of `reserve`.
-
-        Pages left without a token go back; the vacated slots of the last kept page become zero (copied
-        first if shared: `OutOfPagesError`, nothing changed, when no page is free). Full pages kept stay cached.
-        """
+        """Remove the last ``num_tokens`` tokens of a sequence, the inverse of `reserve`: pages left empty go
+        back, the vacated slots of the last kept page become zero (copied first if shared: `OutOfPagesError`,
+        nothing changed, when no page is free). Full pages kept stay cached."""
         seq = self._seq(seq_id)
         num_tokens = check_int("num_tokens", num_tokens, min_value=0)
         if num_tokens > seq.length:
@@ -393,8 +347,7 @@ class PagedKVCache:
     def compact(self, seq_id: int, keep: torch.Tensor) -> None:
         """Keep only the tokens where ``keep: bool [seq_len]`` is True, packed in order in every layer
         (token-level eviction); shared pages that receive tokens are copied first, pages no longer needed
-        go back, and the sequence stops taking part in prefix caching.
-        """
+        go back, and the sequence stops taking part in prefix caching."""
         seq = self._seq(seq_id)
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or tuple(keep.shape) != (seq.length,):
             raise ValueError(f"keep must be a bool tensor of shape [seq_len] = [{seq.length}], got {describe(keep)}")
@@ -434,10 +387,9 @@ class PagedKVCache:
         )
 
     def rewind(self, seq_id: int, mark: SequenceMark) -> None:
-        """Put the sequence back as `mark` saw it, undoing a failed forward's reserves and writes.
-
-        Shared pages a private copy replaced are shared again, pages taken since go back, slots written
-        since are zeroed and withdrawn from the prefix cache. Rewind a batch in reverse reservation order.
+        """Put the sequence back as `mark` saw it, undoing a failed forward's reserves and writes: shared
+        pages a private copy replaced are shared again, pages taken since go back, slots written since are
+        zeroed and withdrawn from the prefix cache. Rewind a batch in reverse reservation order.
 
         Example:
             >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)
@@ -498,17 +450,7 @@ class PagedKVCache:
         return slots
 
     def checkpoint(self) -> None:
-        """Start a change that `rollback` undoes whole (sequences, pool, prefix index, K/V); one at a time.
-
-        Example:
-            >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=2, num_kv_heads=1, head_dim=1)
-            >>> s = kv.add_sequence(); kv.write(0, kv.reserve(s, 3), torch.ones(3, 1, 1), torch.ones(3, 1, 1))
-            >>> kv.checkpoint()
-            >>> kv.free(s); t = kv.add_sequence(); _ = kv.reserve(t, 8)   # the whole pool, zeroed
-            >>> kv.rollback()
-            >>> kv.seq_ids, kv.seq_len(s), kv.gather(0, s)[0].flatten().tolist(), kv.allocator.num_free
-            ([0], 3, [1.0, 1.0, 1.0], 2)
-        """
+        """Start a change that `rollback` undoes whole (sequences, pool, prefix index, K/V); one at a time."""
         if self._checkpoint is not None:
             raise RuntimeError("PagedKVCache.checkpoint: one is already open (commit or roll it back first)")
         self._checkpoint = _Checkpoint(self)
@@ -607,29 +549,18 @@ class PagedKVCache:
             seq.page_hashes.append(key)
             self._prefix.publish(seq.pages[i], key, tokens)
 
-    def __repr__(self) -> str:
-        return (
-            f"PagedKVCache(num_layers={self.num_layers}, num_pages={self.num_pages}, page_size={self.page_size}, "
-            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
-            f"sequences={len(self._seqs)}, free_pages={self.allocator.num_free})"
-        )
-
 
 class _Checkpoint:
-    """The cache's bookkeeping as it was (every `SequenceMark`, the pool, the prefix index) and the
-    old contents of every K/V slot changed since (`save`, called by the cache before each change);
-    `restore` writes them back, newest first. Its cost is the slots a step changes, not the pool.
-    """
+    """The cache's bookkeeping as it was (every `SequenceMark`, the pool, the prefix index) and the old
+    contents of every K/V slot changed since (`save`); `restore` writes them back, newest first."""
 
     def __init__(self, cache: PagedKVCache):
         self.seqs = {seq_id: (seq, cache.mark(seq_id)) for seq_id, seq in cache._seqs.items()}
         self.next_id, self.prefix_hits, self.last_copies = cache._next_id, cache.prefix_hits, cache.last_copies
         self.pool = cache.allocator.snapshot()
         self.prefix = cache._prefix.snapshot()
-        summaries = cache.summaries
-        self.bounds = (
-            None if summaries is None else ([m.clone() for m in summaries.k_min], [m.clone() for m in summaries.k_max])
-        )
+        sums = cache.summaries
+        self.bounds = None if sums is None else ([m.clone() for m in sums.k_min], [m.clone() for m in sums.k_max])
         self.undo: list[tuple] = []  # (layers, slots int64 [n], k and v: per layer [n, Hkv, D]): oldest first
 
     def save(self, cache: PagedKVCache, layers, slots: torch.Tensor) -> None:

@@ -1,17 +1,15 @@
 """Prefix caching: which physical page already holds a given full page of tokens.
 
 Two prompts that start with the same tokens have the same K/V there, so a second sequence can share
-the first one's full pages. Each full page gets a key that stands for the whole prefix up to it:
+the first one's full pages. Each full page's key stands for the whole prefix up to it:
 
     key(page i) = SHA-256(key(page i - 1), token ids of page i),   key(page -1) = the root
 
-The root digests a namespace (model, adapter, user salt), so another model's K/V never matches;
-a hit is confirmed by the page's token ids, never by a key alone. As in vLLM (which caches a block
-when it allocates it), a page is published as soon as a reservation fills it: a sequence sharing it
-before the forward writes it reads what that forward writes, since each layer writes every row's
-K/V before any row attends. Until its last layer is written it is ``unwritten``, the one kind of
-shared page a write may land in. Pages are not de-duplicated (as in vLLM): `match` serves the first
-of several pages published under a key. The cache (`paged_ref.cache.PagedKVCache`) owns the pages.
+The root digests a namespace (model, adapter, user salt), so another model's K/V never matches; a
+hit is confirmed by the page's token ids, never by a key alone. As in vLLM, a page is published as
+soon as a reservation fills it: a sequence sharing it before the forward writes it reads what that
+forward writes (each layer writes every row's K/V before any row attends). Until its last layer is
+written it is ``unwritten``, the one kind of shared page a write may land in.
 
 Example:
     >>> index = PrefixIndex(page_size=2)
@@ -34,11 +32,8 @@ ROOT = b"paged_ref prefix cache v1"
 
 
 def namespace_key(namespace, parent: bytes = ROOT, name: str = "prefix_namespace") -> bytes:
-    """The root of a key chain: a digest of ``parent`` and the tagged namespace fields.
-
-    ``namespace``: None or a dict of str -> str (e.g. ``{"model": ..., "adapter": ...}``);
-    ``name`` is the argument named in the error when it is neither.
-    """
+    """The root of a key chain: a digest of ``parent`` and ``namespace`` (None or a dict of str -> str);
+    ``name``: the argument an error names."""
     if namespace is None:
         namespace = {}
     if not isinstance(namespace, dict) or not all(
@@ -67,17 +62,14 @@ class PrefixIndex:
 
     def __init__(self, *, page_size: int):
         self.page_size = page_size
-        self.page_of: dict[bytes, dict[int, None]] = {}  # key -> the pages holding it, first published first
+        self.page_of: dict[bytes, dict[int, None]] = {}  # key -> its pages, first published first (not de-duplicated)
         self.key_of: dict[int, bytes] = {}  # physical page -> its key (the reverse of page_of)
         self.tokens_of: dict[int, tuple[int, ...]] = {}  # physical page -> its token ids
         self.unwritten: set[int] = set()  # published pages whose K/V the forward has yet to write
 
     def match(self, root: bytes, token_ids: list[int]) -> list[tuple[int, bytes]]:
-        """``(page, key)`` of each leading full page of ``token_ids`` the index holds, in order.
-
-        Stops at the first miss, and always leaves at least the last token out: the caller
-        needs that token's logits, so it must compute it.
-        """
+        """``(page, key)`` of each leading full page of ``token_ids`` the index holds, up to the first miss;
+        the last token is always left out (the caller needs its logits, so it must compute it)."""
         ps, prev, found = self.page_size, root, []
         for i in range((len(token_ids) - 1) // ps):
             tokens = tuple(token_ids[i * ps : (i + 1) * ps])

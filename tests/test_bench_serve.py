@@ -96,13 +96,15 @@ def test_pool_figure_labels_stay_apart_and_count_pages():
 
 
 def test_page_timeline_ticks_whole_pages_and_names_few_requests():
+    from paged_ref.lab.page_trace import PageTrace
     from paged_ref.serve import Engine
 
-    engine = Engine(None, num_pages=16, page_size=4, max_batched_tokens=16, trace=True)
+    engine = Engine(None, num_pages=16, page_size=4, max_batched_tokens=16)
+    trace = PageTrace(engine)
     for n in (5, 9, 3):
         engine.add_request(list(range(n)), max_new_tokens=6)
     engine.run()
-    fig = viz.page_timeline_figure(engine.history)
+    fig = viz.page_timeline_figure(trace.history)
     ax = fig.axes[0]
     assert all(float(t).is_integer() for t in ax.get_yticks())
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["R0", "R1", "R2"]

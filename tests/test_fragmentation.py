@@ -66,7 +66,7 @@ def test_the_split_agrees_with_the_engines_step_records(reservation):
     run = serve_dry(wl, num_pages=64, page_size=page, reservation=reservation, max_batched_tokens=128, trace=True)
     parts = np.stack([getattr(run, k) for k in CATEGORIES])
     assert (parts >= 0).all() and (parts.sum(axis=0) == 64 * page).all()
-    history = run.engine.history
+    history = run.trace.history
     assert len(history) == len(run.used)
     quiet = [i for i, h in enumerate(history) if not h.finished]  # no request left: the record is the state after it
     assert len(quiet) > len(history) // 2

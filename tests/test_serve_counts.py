@@ -10,7 +10,7 @@ from paged_ref.serve import Engine
 
 @pytest.fixture(scope="module")
 def small_run():
-    engine = Engine(None, num_pages=6, page_size=4, max_batched_tokens=8, eos_token_id=[], trace=True)
+    engine = Engine(None, num_pages=6, page_size=4, max_batched_tokens=8, eos_token_id=[])
     for n, new, at in ((7, 9, 0), (5, 12, 1), (9, 8, 2)):
         engine.add_request(list(range(3, 3 + n)), max_new_tokens=new, arrival_s=at)
     return engine, engine.run()

@@ -4,6 +4,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from paged_ref.lab.fragmentation import make_workload, serve_dry
+from paged_ref.lab.page_trace import PageTrace
 from paged_ref.lab.viz import serve as viz
 from paged_ref.lab.widgets import figure_png
 from paged_ref.lab.widgets import serve as widgets
@@ -41,11 +42,12 @@ def test_simulation_view_redraws_with_every_slider():
 
 
 def test_step_view_and_the_timeline_read_a_traced_run():
-    engine = Engine(None, num_pages=8, page_size=4, max_batched_tokens=8, trace=True)
+    engine = Engine(None, num_pages=8, page_size=4, max_batched_tokens=8)
+    trace = PageTrace(engine)
     for n in (9, 5, 12):
         engine.add_request(list(range(n)), max_new_tokens=6)
     engine.run()
-    h = engine.history
+    h = trace.history
     assert all(len(s.owners) == 8 for s in h) and h[-1].owners.count(-1) < 8
     held = [sum(o >= 0 for o in s.owners) for s in h]
     assert max(held) <= 8
@@ -56,7 +58,7 @@ def test_step_view_and_the_timeline_read_a_traced_run():
     untraced = Engine(None, num_pages=8, page_size=4)
     untraced.add_request([1, 2], max_new_tokens=2)
     untraced.run()
-    with pytest.raises(ValueError, match="trace=True"):
+    with pytest.raises(ValueError, match="PageTrace"):
         viz.page_timeline_figure(untraced.history)
 
 

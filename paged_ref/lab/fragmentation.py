@@ -39,9 +39,10 @@ import numpy as np
 from .._validate import check_choice, check_int
 from ..block_table import pages_needed
 from ..serve.engine import Engine
-from ..serve.metrics import summarize
 from ..serve.request import RequestOutput
 from ..serve.scheduler import RESERVATIONS
+from .page_trace import PageTrace
+from .serve_metrics import summarize
 
 __all__ = [
     "CATEGORIES",
@@ -180,6 +181,7 @@ class DryRun:
     free: np.ndarray
     running: np.ndarray  # requests running after the step
     waiting: np.ndarray  # requests queued after the step (arrived, not admitted, or preempted)
+    trace: PageTrace | None = None  # the page map of every step, with ``serve_dry(trace=True)``
 
     @property
     def pool_slots(self) -> int:
@@ -191,7 +193,7 @@ class DryRun:
         Memory: ``used``, ``last_page``, ``future``, ``waste``, ``free`` (shares of the pool) and
         ``running_under_pressure`` (requests running), averaged over the steps after which a request
         waited (memory was the bottleneck; all steps if none did); ``last_page_over_used``: empty slots
-        of last pages per token stored. Served (times in steps): `paged_ref.serve.summarize` plus
+        of last pages per token stored. Served (times in steps): `paged_ref.lab.serve_metrics.summarize` plus
         ``makespan`` (first arrival to last finish), ``steps`` (forwards), ``tokens_per_step`` (generated
         tokens over the makespan), ``mean_running`` and ``peak_running`` (rows per forward, over all
         steps), ``preemptions``, ``recomputed_tokens``, ``recompute_share``
@@ -244,7 +246,8 @@ def serve_dry(
     Request ``i`` arrives at step ``workload.arrival[i]`` (the ``"steps"`` clock) with a prompt of
     ``prompt_len[i]`` tokens and generates ``output_len[i]``; ``max_model_len`` is ``workload.max_len``
     (what ``"max_len"`` reserves). A step is one forward of at most ``max_batched_tokens`` tokens:
-    prompts, prefill chunks and recomputation after a preemption take their share of it.
+    prompts, prefill chunks and recomputation after a preemption take their share of it. ``trace``:
+    keep every step's page map (`paged_ref.lab.page_trace`) in the result's ``trace``.
     """
     if not isinstance(workload, Workload):
         raise TypeError(f"workload must be a paged_ref.lab.fragmentation.Workload, got {type(workload).__name__}")
@@ -258,8 +261,8 @@ def serve_dry(
         max_batched_tokens=max_batched_tokens,
         watermark=watermark,
         max_model_len=workload.max_len,
-        trace=trace,
     )
+    pages = PageTrace(engine) if trace else None
     for arrival, prompt, output in zip(
         workload.arrival.tolist(), workload.prompt_len.tolist(), workload.output_len.tolist()
     ):
@@ -274,6 +277,7 @@ def serve_dry(
         engine.run(),  # every request is done: returns their outputs
         int(workload.total_len.sum()),
         *series,
+        pages,
     )
 
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ..serve.engine import Engine
-from ..serve.metrics import summarize
 from ..serve.request import RequestOutput
+from .serve_metrics import summarize
 
 __all__ = ["DryBench", "bench_dry", "request_events", "tpot_breakdown", "watermark_trade"]
 
@@ -93,7 +93,6 @@ def bench_dry(
     watermark: float | None = None,
     num_pages: int | None = None,
     workload: str = "chat",
-    trace: bool = False,
 ) -> DryBench:
     """The requests of ``bench serve``'s ``profile`` (with ``workload``'s lengths), arriving at
     ``rate`` per second (None: all at once, as in its comparison with transformers), served dry
@@ -122,7 +121,6 @@ def bench_dry(
         reservation=policy,
         watermark=(cfg["watermark"] if watermark is None else watermark) if paged else 0.0,
         eos_token_id=[],
-        trace=trace,
     )
     for (prompt, new), t in zip(requests, arrivals):
         engine.add_request(prompt, max_new_tokens=new, arrival_s=0.0 if rate is None else t / (rate * step_s))

@@ -3,13 +3,12 @@
 Reading order:
 
 - `request`: a request's state in flight (prompt + output, tokens computed) and its `RequestOutput`;
-- `scheduler`: waiting / running / swapped queues, admission with a watermark, the per-step token
-  budget with chunked prefill, preemption (recompute or swap), and the reservation policies
-  (``"paged"``, ``"exact"``, ``"max_len"``) that differ only in admission;
+- `scheduler`: waiting / running / swapped queues, admission with a watermark, the per-step token budget
+  with chunked prefill, preemption (recompute or swap); `reservation`: what admission commits up front;
 - `swap`: a preempted sequence's K/V to host memory and back, from the cache's public methods;
 - `engine`: `Engine`, one scheduler step and one forward of `paged_ref.hf.PagedSession` per step;
 - `dry`: the same engine with no model (pages and scheduling only), for quick simulations;
-- `metrics`: percentiles and the summary of a run (throughput, TTFT, TPOT).
+- `metrics`: what each step did and the run's counters (`Engine.stats`).
 
 Example:
     >>> import paged_ref as pr
@@ -21,7 +20,6 @@ Example:
 """
 
 from .engine import CLOCKS, Engine, StepRecord
-from .metrics import percentile, summarize
 from .request import Request, RequestOutput
 from .scheduler import PREEMPTIONS, RESERVATIONS, Schedule, Scheduler
 
@@ -35,6 +33,4 @@ __all__ = [
     "Schedule",
     "Scheduler",
     "StepRecord",
-    "percentile",
-    "summarize",
 ]

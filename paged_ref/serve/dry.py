@@ -1,13 +1,10 @@
 """A dry session: the page pool and the calls the engine makes, with no model behind them.
 
-`DrySession` answers the calls the engine makes of a `paged_ref.hf.PagedSession` (``add``,
-``position``, ``extend``, ``finish``, its ``kv``, and ``checkpoint`` / ``commit`` / ``rollback``)
-over a real `PagedKVCache` whose pages hold one number per token. ``extend`` reserves the new
-tokens' slots unless the scheduler did (so pages are taken, shared and freed exactly as in a real
-run), writes nothing, and returns logits that always pick token 0. The engine's
-scheduler then runs unchanged at the cost of its own bookkeeping: ``Engine(None, ...)`` is a dry
-run, what notebook 09's widget and notebook 03's fragmentation study use to play thousands of steps in
-seconds. Eviction policies need real K/V and are refused here.
+`DrySession` answers the engine's calls of a `paged_ref.hf.PagedSession` (``add``, ``position``,
+``extend``, ``finish``, ``kv``, ``checkpoint`` / ``commit`` / ``rollback``) over a real
+`PagedKVCache` of one number per token: pages are taken, shared and freed exactly as in a real run,
+nothing is written, and every row samples token 0. ``Engine(None, ...)`` is such a dry run: what
+notebooks 03 and 09 use to play thousands of steps in seconds. Eviction needs real K/V: refused.
 
 Example:
     >>> dry = DrySession(num_pages=4, page_size=2)
@@ -28,23 +25,13 @@ __all__ = ["DrySession"]
 class DrySession:
     """The engine's view of a `PagedSession`, over a pool of ``num_pages`` pages and no model."""
 
-    backend = "dry"
     evicts = False  # no K/V to score: the engine refuses eviction policies at the door
 
     def __init__(self, *, num_pages: int, page_size: int, prefix_caching: bool = False):
-        self.kv = PagedKVCache(
-            num_layers=1,
-            num_pages=num_pages,
-            page_size=page_size,
-            num_kv_heads=1,
-            head_dim=1,
-            prefix_caching=prefix_caching,
-        )
+        one = dict(num_layers=1, num_kv_heads=1, head_dim=1)  # one number per token
+        self.kv = PagedKVCache(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching, **one)
         self._positions: dict[int, int] = {}
         self.plan_seconds = 0.0
-
-    def open(self) -> DrySession:
-        return self
 
     def close(self) -> None:
         for seq_id in list(self._positions):

@@ -1,21 +1,15 @@
 """The engine: a stream of requests served from one page pool, one forward per step.
 
-`Engine` owns a `paged_ref.hf.PagedSession` over a `PagedKVCache` and a `Scheduler`. Each
-`Engine.step` moves the requests that have arrived into the waiting queue, asks the scheduler for
-the step's plan (preemptions, swaps, admissions, and each row's tokens in pages it takes at once),
-runs **one** packed ``session.extend`` over decode rows and prefill chunks side by side, and gives
-every request whose tokens are all computed its greedy next token, finishing it on
-``max_new_tokens`` or EOS (its pages go back at once).
+Each `Engine.step` queues the requests that have arrived, asks the `Scheduler` for the step's rows
+(their pages taken at once), runs **one** packed ``session.extend`` over decode rows and prefill
+chunks side by side, and gives every request whose tokens are all computed its greedy next token,
+finishing it on ``max_new_tokens`` or EOS (its pages go back at once). A step is all or nothing
+(`paged_ref.serve.undo`): if it raises, all is put back and the error re-raised, naming the requests
+concerned; a request whose own eviction hook raises in `Engine.HOOK_TRIES` steps finishes with
+``finish_reason="error"`` instead (vLLM aborts it).
 
-A step is all or nothing: the engine saves what it may change (`paged_ref.serve.undo`, and the
-session's and cache's checkpoint); if the step raises, every request, page, swap entry, count and
-policy record is put back and the error, naming the requests concerned, is re-raised. A request
-whose own eviction hook raises in `Engine.HOOK_TRIES` steps is finished with
-``finish_reason="error"`` instead (vLLM aborts such a request).
-
-Clocks: ``"simulated"`` (the default with a model) advances by each step's wall time and skips idle
-gaps; ``"real"`` reads the wall clock and sleeps when idle; ``"steps"`` (a dry run's default) counts
-steps.
+Clocks: ``"simulated"`` (default with a model) adds each step's wall time and skips idle gaps;
+``"real"`` reads the wall clock and sleeps when idle; ``"steps"`` (a dry run's default) counts steps.
 
 Example:
     >>> import torch
@@ -39,19 +33,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
-import numbers
 import time
 
-import torch
-
-from .._cache_checks import token_list
 from .._validate import check_choice, check_int
 from ..cache import PagedKVCache
-from ..eviction.policies import EvictionPolicy
 from . import undo
+from ._checks import check_arrival, check_eviction, check_request_id, check_watermark, eos_set, prompt_list, refusal
 from .dry import DrySession
-from .metrics import StepRecord, engine_stats
+from .metrics import COUNTS, StepRecord, count_fed, engine_stats, record_step
 from .request import FINISHED, PENDING, Request, RequestOutput
 from .scheduler import Scheduler
 
@@ -64,17 +53,15 @@ class Engine:
     """Continuous batching over one page pool; see the module docstring.
 
     Args:
-        model: a transformers causal LM, or None for a dry run (`paged_ref.serve.dry`: the same pool
-            and scheduler, every token counted, none computed).
-        num_pages, page_size: the pool.
+        model: a transformers causal LM, or None for a dry run (`paged_ref.serve.dry`: no token computed).
         reservation, preemption, max_num_seqs, max_batched_tokens: the `Scheduler`'s.
-        prefix_caching: share full prompt pages between requests.
         backend, prepack: the session's (`paged_ref.hf.PagedSession`).
         watermark: share of the pool admission keeps free while others run (vLLM 0.32: 0).
         max_model_len: longest request; default the model's ``max_position_embeddings`` (dry: the pool).
         eos_token_id: int or ints that end a request (default the model's; ``[]``: never).
-        clock: ``"simulated"``, ``"real"`` or ``"steps"``.
-        trace: record every page's owner after every step (``history[i].owners``), for page maps.
+
+    ``observers``: callables ``f(engine)`` run after each step's forward, before the requests it
+    finished give their pages back (`paged_ref.lab.page_trace` reads the pool there).
     """
 
     HOOK_TRIES = 3  # a request whose own eviction hook raises in this many steps is finished with an error
@@ -96,11 +83,8 @@ class Engine:
         max_model_len: int | None = None,
         eos_token_id: int | list[int] | None = None,
         clock: str | None = None,
-        trace: bool = False,
     ):
-        # checked here: the engine's own arguments; the pool's by the cache, the scheduler's by the Scheduler
-        if not isinstance(watermark, numbers.Real) or isinstance(watermark, bool) or not 0 <= watermark < 1:
-            raise ValueError(f"watermark must be a share of the pool in [0, 1), got {watermark!r}")
+        watermark = check_watermark(watermark)
         self.clock = check_choice("clock", clock or ("steps" if model is None else "simulated"), CLOCKS)
         if model is None:
             self.session = DrySession(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
@@ -111,15 +95,13 @@ class Engine:
             kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
             self.session = PagedSession(model, kv_cache=kv, backend=backend, prepack=prepack).open()
             self.vocab_size = model.config.vocab_size
-            eos = eos_token_id
-            if eos is None:
-                eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+            default = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+            eos = default if eos_token_id is None else eos_token_id
             limit = getattr(model.config, "max_position_embeddings", None)
         self.model = model
         self.kv = self.session.kv
-        self.backend = self.session.backend
         try:
-            self.eos = _eos_set(eos, self.vocab_size)
+            self.eos = eos_set(eos, self.vocab_size)
             self.scheduler = Scheduler(
                 self.session,
                 max_num_seqs=max_num_seqs,
@@ -136,19 +118,14 @@ class Engine:
         except BaseException:
             self.session.close()
             raise
-        if not isinstance(trace, bool):
-            raise TypeError(f"trace must be True or False, got {trace!r}")
-        self.trace = trace
+        self.observers: list = []
         self.history: list[StepRecord] = []
         self._requests: list[Request] = []  # every request ever added, by id
         self._pending: list[tuple[float, int]] = []  # heap of (arrival_s, request_id) not arrived yet
         self._unreturned: list[int] = []  # ids `run` has not returned yet
         self._origin = time.perf_counter()
         self._now = 0.0
-        self._counts = dict.fromkeys(
-            ("generated", "prompt_tokens", "recomputed_tokens", "prefix_hit_tokens", "peak_running", "peak_pages"), 0
-        )
-        self._counts["peak_committed_pages"] = 0
+        self._counts = dict.fromkeys(COUNTS, 0)
 
     # ------------------------------------------------------------------ requests in
     @property
@@ -157,35 +134,17 @@ class Engine:
         return time.perf_counter() - self._origin if self.clock == "real" else self._now
 
     def add_request(self, prompt_ids, *, max_new_tokens: int, arrival_s: float | None = None, eviction=None) -> int:
-        """Queue a request; returns its id (0, 1, 2, ... in submission order).
-
-        ``prompt_ids``: a 1-D integer tensor or list (at least one id); ``arrival_s``: when it arrives on
-        the engine's clock (default now); ``eviction``: an `paged_ref.eviction.EvictionPolicy` for its
-        K/V (one object can serve many requests). Bad arguments, or a request that could never be
-        served in this pool, raise TypeError / ValueError and queue nothing.
-        """
-        prompt = self._prompt_ids(prompt_ids)
+        """Queue a request; returns its id (0, 1, 2, ... in submission order). ``arrival_s``: on the
+        engine's clock (default now); ``eviction``: an `paged_ref.eviction.EvictionPolicy` for its K/V
+        (one object can serve many). Bad arguments, or a request this pool could never serve, raise
+        TypeError / ValueError and queue nothing."""
+        prompt = prompt_list(prompt_ids, self.vocab_size)
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, min_value=1)
         now = self.now
-        if arrival_s is None:
-            arrival_s = now
-        if not isinstance(arrival_s, numbers.Real) or isinstance(arrival_s, bool) or not math.isfinite(arrival_s):
-            raise TypeError(f"arrival_s must be a finite number of seconds or None, got {arrival_s!r}")
-        if eviction is not None and not isinstance(eviction, EvictionPolicy):
-            raise TypeError(
-                f"eviction must be a paged_ref.eviction.EvictionPolicy (make_policy(...)) or None, "
-                f"got {type(eviction).__name__}"
-            )
-        if eviction is not None and not getattr(self.session, "evicts", True):
-            raise ValueError("eviction needs a model: a dry run (Engine(None, ...)) has no K/V to score")
-        r = Request(
-            request_id=len(self._requests),
-            prompt_ids=prompt,
-            max_new_tokens=max_new_tokens,
-            arrival_s=float(arrival_s),
-            eviction=eviction,
-        )
-        why = self.scheduler.refusal(r)
+        arrival_s = check_arrival(now if arrival_s is None else arrival_s)
+        check_eviction(eviction, self.session)
+        r = Request(len(self._requests), prompt, max_new_tokens, arrival_s, eviction)
+        why = refusal(self.scheduler, r)
         if why is not None:
             raise ValueError(f"add_request: this request can never be served: {why}")
         self._requests.append(r)
@@ -196,26 +155,10 @@ class Engine:
             heapq.heappush(self._pending, (r.arrival_s, r.request_id))
         return r.request_id
 
-    def _prompt_ids(self, prompt_ids) -> list[int]:
-        if isinstance(prompt_ids, torch.Tensor) and prompt_ids.dtype == torch.bool:
-            raise TypeError("prompt_ids must be a 1-D integer tensor or a list of ints, got a bool tensor")
-        prompt = token_list("prompt_ids", prompt_ids)
-        if not prompt:
-            raise ValueError("prompt_ids must hold at least one token, got an empty prompt")
-        hi = self.vocab_size
-        if min(prompt) < 0 or (hi is not None and max(prompt) >= hi):
-            raise ValueError(
-                f"prompt_ids must be token ids in [0, {hi if hi is not None else 'inf'}), "
-                f"got values in [{min(prompt)}, {max(prompt)}]"
-            )
-        return prompt
-
     def abort(self, request_id: int) -> RequestOutput:
-        """Stop a request that has not finished: its pages (or host copy) are freed at once.
-
-        Returns its `RequestOutput` (``finish_reason="abort"``, the tokens generated so far).
-        """
-        r = self._request(request_id)
+        """Stop a request that has not finished, freeing its pages (or host copy) at once; returns its
+        `RequestOutput` (``finish_reason="abort"``, the tokens generated so far)."""
+        r = self._requests[check_request_id(request_id, len(self._requests))]
         if r.status == FINISHED:
             raise ValueError(f"request {request_id} has already finished ({r.finish_reason}); nothing to abort")
         if r.status == PENDING:
@@ -224,15 +167,6 @@ class Engine:
         self.scheduler.remove(r)
         self._finish(r, "abort")
         return r.output()
-
-    def _request(self, request_id) -> Request:
-        if isinstance(request_id, bool) or not isinstance(request_id, numbers.Integral):
-            raise TypeError(f"request_id must be an int from add_request, got {type(request_id).__name__}")
-        if not 0 <= request_id < len(self._requests):
-            raise ValueError(
-                f"request_id must be one that add_request returned, in [0, {len(self._requests)}), got {request_id}"
-            )
-        return self._requests[request_id]
 
     # ------------------------------------------------------------------ steps
     def step(self) -> list[RequestOutput]:
@@ -243,7 +177,7 @@ class Engine:
         saved, sched = self._checkpoint(), None
         started, plan_before = time.perf_counter(), self.session.plan_seconds
         try:
-            self._arrive(idle=True)
+            self._arrive()
             sched = self.scheduler.schedule()  # 1. schedule: preemptions, swaps, admissions, rows
             if not sched.items:
                 raise RuntimeError(f"the scheduler planned no tokens: {self.scheduler.queues()}")
@@ -263,20 +197,15 @@ class Engine:
 
     def _advance_requests(self, sched, next_tokens: list[int]) -> list[tuple[Request, str]]:
         """Count each row's tokens as computed; a row that completed its tokens takes its next token."""
-        counts = self._counts
-        for r in sched.admitted:
-            counts["prefix_hit_tokens"] += r.num_computed
+        count_fed(self._counts, sched)
         finished = []
         for (r, n), token in zip(sched.items, next_tokens):
-            start = r.num_computed
-            counts["recomputed_tokens"] += max(0, min(r.high_water, start + n) - start)
-            counts["prompt_tokens"] += max(0, min(len(r.prompt_ids), start + n) - max(start, r.high_water))
             r.num_computed += n
             r.high_water = max(r.high_water, r.num_computed)
             if r.num_computed < r.num_tokens:  # mid-prefill: these logits are not needed
                 continue
             r.output_ids.append(token)
-            counts["generated"] += 1
+            self._counts["generated"] += 1
             if token in self.eos:
                 finished.append((r, "stop"))
             elif len(r.output_ids) == r.max_new_tokens:
@@ -284,60 +213,30 @@ class Engine:
         return finished
 
     def _record(self, sched, finished, pages_used: int, times: tuple) -> list[RequestOutput]:
-        """The step's bookkeeping: finish requests (their pages go back), the clock, counts, history."""
-        started, scheduled, forwarded, plan_s = times
-        owners = fill = None
-        if self.trace:
-            owners, fill = self._page_owners()
-        committed = pages_used + self.scheduler.unfilled_commitments()
-        running = len(self.scheduler.running)
+        """The step's end: observers see the pool, finished requests free their pages, the clock moves."""
+        for observe in self.observers:
+            observe(self)
+        pages = pages_used, pages_used + self.scheduler.unfilled_commitments(), len(self.scheduler.running)
         for r, _ in finished:
             self.scheduler.remove(r)
-        ended = time.perf_counter()
-        self._advance(ended - started)
+        times = (*times, time.perf_counter())  # ... and the step's end
+        if self.clock == "simulated":
+            self._now += times[-1] - times[0]
+        elif self.clock == "steps":
+            self._now += 1.0
         now = self.now
         for r, _ in sched.items:
             if r.first_token_s is None and r.output_ids:
                 r.first_token_s = now
-        outs = []
         for r, reason in finished:
             self._finish(r, reason, now)
-            outs.append(r.output())
-        counts = self._counts
-        counts["peak_running"] = max(counts["peak_running"], len(sched.items))
-        counts["peak_pages"] = max(counts["peak_pages"], pages_used)
-        counts["peak_committed_pages"] = max(counts["peak_committed_pages"], committed)
-        self.history.append(
-            StepRecord(
-                step=len(self.history),
-                now=now,
-                rows=len(sched.items),
-                decode_rows=sum(1 for r, n in sched.items if n == 1 and r.remaining == 1),
-                tokens=sched.num_tokens,
-                pages_used=pages_used,
-                committed_pages=committed,
-                running=running,
-                waiting=len(self.scheduler.waiting),
-                swapped=len(self.scheduler.swapped),
-                preempted=tuple(r.request_id for r in sched.preempted),
-                admitted=tuple(r.request_id for r in sched.admitted),
-                finished=tuple(r.request_id for r, _ in finished),
-                step_s=ended - started,
-                schedule_s=scheduled - started,
-                plan_s=plan_s,
-                forward_s=forwarded - scheduled - plan_s,
-                post_s=ended - forwarded,
-                owners=owners,
-                fill=fill,
-            )
-        )
-        return outs
+        done = [r for r, _ in finished]
+        record_step(self.history, self._counts, sched, done, self.scheduler, now=now, pages=pages, times=times)
+        return [r.output() for r in done]
 
     def _checkpoint(self):
-        """What a step may change, saved (`paged_ref.serve.undo`); the session opens its own checkpoint.
-
-        The requests a step may change: running and swapped ones, the waiting ones it may admit, and
-        those arriving by the time it plans (the next arrival, if nothing is queued)."""
+        """What a step may change, saved (`paged_ref.serve.undo`): the scheduler, the running and swapped
+        requests, the waiting ones it may admit and those arriving by the time it plans; and the session."""
         s = self.scheduler
         horizon = max(self.now, self._pending[0][0]) if self._pending and not s.has_work else self.now
         arriving = [self._requests[i] for t, i in self._pending if t <= horizon]
@@ -375,104 +274,40 @@ class Engine:
         """True while a request added is not finished: waiting, running, swapped or yet to arrive."""
         return self.scheduler.has_work or bool(self._pending)
 
-    def run(self, *, progress: bool = False) -> list[RequestOutput]:
-        """Step until every added request is done; their outputs in submission order.
-
-        Returns the requests added since the last `run` (aborted ones included).
-        ``progress``: a tqdm bar of finished requests.
-        """
-        from tqdm.auto import tqdm
-
-        with tqdm(total=len(self._unreturned), disable=not progress, desc="serve", unit="req") as bar:
-            while self.has_unfinished_requests():
-                bar.update(len(self.step()))
+    def run(self) -> list[RequestOutput]:
+        """Step until every added request is done; the outputs of those added since the last `run`
+        (aborted ones included), in submission order."""
+        while self.has_unfinished_requests():
+            self.step()
         outs = [self._requests[i].output() for i in self._unreturned]
         self._unreturned = []
         return outs
 
-    def _arrive(self, *, idle: bool = False) -> None:
-        """Queue the requests that have arrived; with ``idle`` and nothing queued, first wait for the next."""
-        if idle and not self.scheduler.has_work and self._pending:
-            self._idle_until(self._pending[0][0])
+    def _arrive(self) -> None:
+        """Queue the requests that have arrived; with nothing queued, first wait for the next."""
+        if not self.scheduler.has_work and self._pending:
+            if self.clock == "real":
+                time.sleep(max(0.0, self._pending[0][0] - self.now))
+            else:
+                self._now = max(self._now, self._pending[0][0])
         now = self.now
         while self._pending and self._pending[0][0] <= now:
             _, rid = heapq.heappop(self._pending)
             self.scheduler.add(self._requests[rid])
-
-    def _idle_until(self, t: float) -> None:
-        if self.clock == "real":
-            time.sleep(max(0.0, t - self.now))
-        else:
-            self._now = max(self._now, t)
-
-    def _advance(self, seconds: float) -> None:
-        if self.clock == "simulated":
-            self._now += seconds
-        elif self.clock == "steps":
-            self._now += 1.0
 
     def _finish(self, r: Request, reason: str, now: float | None = None) -> None:
         r.status = FINISHED
         r.finish_reason = reason
         r.finish_s = self.now if now is None else now
 
-    def _page_owners(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        owners = [-1] * self.kv.num_pages
-        fill = [0] * self.kv.num_pages
-        for r in reversed(self.scheduler.running):  # the oldest written last: a shared page names it
-            pages, n = self.kv.pages(r.seq_id), self.kv.seq_len(r.seq_id)
-            for i, page in enumerate(pages):
-                owners[page] = r.request_id
-                fill[page] = max(0, min(self.kv.page_size, n - i * self.kv.page_size))
-        return tuple(owners), tuple(fill)
-
     # ------------------------------------------------------------------ what happened
     def stats(self) -> dict:
         """Counters of the run so far (`paged_ref.serve.metrics.engine_stats`; times on ``clock``)."""
-        return engine_stats(
-            clock=self.clock,
-            requests=self._requests,
-            history=self.history,
-            counts=self._counts,
-            scheduler=self.scheduler,
-            pending=len(self._pending),
-            kv=self.kv,
-        )
+        pending = len(self._pending)
+        return engine_stats(self.clock, self._requests, self.history, self._counts, self.scheduler, pending, self.kv)
 
-    # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Abort every request in flight and free its pages."""
+        """Abort every request in flight, freeing its pages."""
         for r in self._requests:
             if r.status != FINISHED:
                 self.abort(r.request_id)
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        s = self.scheduler
-        return (
-            f"Engine(num_pages={self.kv.num_pages}, page_size={self.kv.page_size}, reservation={s.reservation!r}, "
-            f"preemption={s.preemption!r}, running={len(s.running)}, waiting={len(s.waiting)}, "
-            f"swapped={len(s.swapped)}, free_pages={self.kv.allocator.num_free})"
-        )
-
-
-def _eos_set(eos, vocab: int | None) -> frozenset[int]:
-    """EOS ids as a set: an int, a list of ints, or None/[] (never stop early)."""
-    if eos is None:
-        return frozenset()
-    if isinstance(eos, torch.Tensor):
-        eos = eos.tolist()
-    items = [eos] if isinstance(eos, numbers.Integral) and not isinstance(eos, bool) else eos
-    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
-        raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
-    out = set()
-    for e in items:
-        if isinstance(e, bool) or not isinstance(e, numbers.Integral) or e < 0 or (vocab is not None and e >= vocab):
-            raise ValueError(f"eos_token_id must be token ids in [0, {vocab or 'inf'}), got {eos!r}")
-        out.add(int(e))
-    return frozenset(out)

@@ -1,17 +1,12 @@
 """Eviction under chunked prefill: a request's policy first acts once its whole prompt is held.
 
-`paged_ref.hf.PagedSession` calls a sequence's eviction hooks after every forward that feeds it:
-``after_prefill`` after the first, ``after_append`` after the others. A prompt the scheduler splits
-into chunks would then be evicted after its first chunk, which `paged_ref.hf.generate` (one
-prefill, then eviction) never does. `AfterPrompt` wraps the request's policy and holds its hooks
-back until the sequence holds the whole prompt: then ``after_prefill`` runs on all of it, and
-every later forward (decode, or output recomputed after a preemption, in chunks no longer than
-``tokens_until_action``) goes to ``after_append`` as usual. The scheduler ends every chunk of an
-evicting request at the prompt's last token, so the policy sees exactly the prompt first.
-
-One policy object may serve many requests (it keeps its state per sequence); each request gets
-its own `AfterPrompt`, which also remembers whether its hooks raised in the step being run
-(``failed``): the engine then knows whose policy failed.
+`paged_ref.hf.PagedSession` calls a sequence's eviction hooks after every forward that feeds it
+(``after_prefill`` after the first, ``after_append`` after the others), so a prompt fed in chunks
+would be evicted after its first chunk, which `paged_ref.hf.generate` never does. `AfterPrompt`
+holds the request's policy back until the sequence holds the whole prompt (the scheduler ends an
+evicting request's chunks there): ``after_prefill`` then runs on all of it, later forwards go to
+``after_append``. One policy object may serve many requests; each gets its own `AfterPrompt`, whose
+``failed`` tells the engine whose hook raised in the step.
 
 Example:
     >>> import torch
@@ -35,15 +30,9 @@ __all__ = ["AfterPrompt"]
 
 
 class AfterPrompt(EvictionPolicy):
-    """``inner``'s hooks, held back until the sequence holds ``prompt_len`` tokens (see the module docstring).
-
-    Args:
-        inner: the request's eviction policy.
-        prompt_len: tokens of the request's prompt.
-    """
+    """``inner`` (the request's policy) held back until the sequence holds ``prompt_len`` tokens."""
 
     def __init__(self, inner: EvictionPolicy, prompt_len: int):
-        # the state lives in `inner`; this object only decides when its hooks run
         self.inner = inner
         self.prompt_len = prompt_len
         self.budget = inner.budget
@@ -51,13 +40,8 @@ class AfterPrompt(EvictionPolicy):
         self._started: set[int] = set()  # sequences whose prompt `inner` has seen
         self.failed = False  # its last hook call raised
 
-    def after_prefill(self, kv_cache, seq_id: int) -> None:
-        self._hook(kv_cache, seq_id)
-
     def after_append(self, kv_cache, seq_id: int) -> None:
-        self._hook(kv_cache, seq_id)
-
-    def _hook(self, kv_cache, seq_id: int) -> None:
+        """Either hook: ``inner.after_prefill`` once the whole prompt is in, ``inner.after_append`` after."""
         self.failed = True
         if seq_id in self._started:
             self.inner.after_append(kv_cache, seq_id)
@@ -65,6 +49,8 @@ class AfterPrompt(EvictionPolicy):
             self._started.add(seq_id)
             self.inner.after_prefill(kv_cache, seq_id)
         self.failed = False
+
+    after_prefill = after_append
 
     def snapshot(self):
         return set(self._started), self.inner.snapshot()

@@ -1,86 +1,24 @@
-"""What a serving run is judged by: throughput, time to first token, time per output token.
+"""The engine's bookkeeping: what each step did (`StepRecord`) and the run's counters (`engine_stats`).
 
-*Time to first token* (TTFT) is queueing plus prefill: what a user waits before text appears.
-*Time per output token* (TPOT) is the gap between later tokens: how fast the text then flows.
-They pull apart under load: a scheduler that admits more requests at once raises throughput and
-cuts queueing (TTFT), while every decode step, now carrying more rows, takes longer (TPOT).
-
-`summarize` computes those per request; `StepRecord` is what one engine step did, and
-`engine_stats` adds up a run's steps and queues (`paged_ref.serve.Engine.stats`).
-
-Example:
-    >>> percentile([1.0, 2.0, 3.0, 4.0], 50), percentile([1.0, 2.0, 3.0, 4.0], 90)
-    (2.5, 3.7)
-    >>> from paged_ref.serve.request import RequestOutput
-    >>> out = RequestOutput(0, [1], [5, 6, 7], "length", 0.0, 1.0, 3.0, 1.0, 1.0, 0)
-    >>> summarize([out])["tokens_per_s"]
-    1.0
+Throughput, time to first token and time per output token over a run's outputs:
+`paged_ref.lab.serve_metrics`.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .request import FINISHED, RequestOutput
+from .request import FINISHED
 
-__all__ = ["StepRecord", "engine_stats", "percentile", "summarize"]
+__all__ = ["COUNTS", "StepRecord", "count_fed", "engine_stats", "record_step"]
 
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0..100) with linear interpolation between ranks (numpy's default);
-    None for no values."""
-    xs = sorted(values)
-    if not xs:
-        return None
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in [0, 100], got {q!r}")
-    pos = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def summarize(outputs: Sequence[RequestOutput]) -> dict:
-    """Throughput and latency percentiles of finished requests (aborted and failed ones are left out).
-
-    Returns ``requests``, ``tokens`` (generated), ``span_s`` (first arrival to last finish),
-    ``tokens_per_s`` (generated tokens over the span), ``ttft_p50_s``/``ttft_p90_s``,
-    ``tpot_p50_s``/``tpot_p90_s``, ``latency_p50_s``/``latency_p90_s`` (arrival to finish) and
-    ``normalized_latency_s``: the mean over requests of latency per generated token (the vLLM
-    paper's measure of a serving system under load).
-    """
-    done = [o for o in outputs if o.finish_reason not in ("abort", "error")]
-    if not done:
-        raise ValueError("summarize needs at least one finished request")
-    tokens = sum(len(o.token_ids) for o in done)
-    span = max(o.finish_s for o in done) - min(o.arrival_s for o in done)
-    ttft = [o.ttft_s for o in done if o.ttft_s is not None]
-    tpot = [o.tpot_s for o in done if o.tpot_s is not None]
-    latency = [o.finish_s - o.arrival_s for o in done]
-    return {
-        "requests": len(done),
-        "tokens": tokens,
-        "span_s": span,
-        "tokens_per_s": tokens / span if span > 0 else None,
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p90_s": percentile(ttft, 90),
-        "tpot_p50_s": percentile(tpot, 50),
-        "tpot_p90_s": percentile(tpot, 90),
-        "latency_p50_s": percentile(latency, 50),
-        "latency_p90_s": percentile(latency, 90),
-        "normalized_latency_s": sum(t / len(o.token_ids) for t, o in zip(latency, done)) / len(done),
-    }
+COUNTS = ("generated", "prompt_tokens", "recomputed_tokens", "prefix_hit_tokens")
+COUNTS += ("peak_running", "peak_pages", "peak_committed_pages")
 
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one step did (``Engine.history``). Times in seconds of wall time, whatever the clock.
-
-    ``owners``/``fill`` (with ``Engine(trace=True)``): per physical page, the request holding it
-    (-1: free; a page shared by several requests names the oldest) and the tokens stored in it,
-    right after the step's forward.
-    """
+    """What one step did (``Engine.history``). Times in seconds of wall time, whatever the clock."""
 
     step: int
     now: float  # the engine's clock after the step
@@ -100,8 +38,6 @@ class StepRecord:
     plan_s: float  # the session laying out the forward (slots, block table, attention inputs)
     forward_s: float  # the model's forward, plan excluded
     post_s: float  # sampling and finishing requests
-    owners: tuple[int, ...] | None = None
-    fill: tuple[int, ...] | None = None
 
     @property
     def overhead_s(self) -> float:
@@ -109,20 +45,58 @@ class StepRecord:
         return self.schedule_s + self.plan_s + self.post_s
 
 
-def engine_stats(*, clock: str, requests, history, counts: dict, scheduler, pending: int, kv) -> dict:
-    """`paged_ref.serve.Engine.stats`: the run's counters from its requests, step history, running
-    counts, scheduler queues, requests not arrived yet (``pending``) and cache. ``tokens_per_s``: generated
-    tokens over first arrival to last finish; ``prompt_tokens``: computed the first time; ``recomputed_tokens``:
-    fed again after a preemption; ``peak_pages``: most held during a forward; ``peak_committed_pages``: held
-    or committed; ``overhead_share``: scheduling, laying out the forward and sampling over the steps' time."""
+def count_fed(counts: dict, sched) -> None:
+    """Count a step's rows before they are marked computed: the prefix hits of the requests it
+    admitted, prompt tokens computed the first time, tokens computed again after a preemption."""
+    for r in sched.admitted:
+        counts["prefix_hit_tokens"] += r.num_computed
+    for r, n in sched.items:
+        start = r.num_computed
+        counts["recomputed_tokens"] += max(0, min(r.high_water, start + n) - start)
+        counts["prompt_tokens"] += max(0, min(len(r.prompt_ids), start + n) - max(start, r.high_water))
+
+
+def record_step(history: list, counts: dict, sched, finished, scheduler, *, now, pages, times) -> None:
+    """Append what the step ``sched`` did to ``history`` and raise the peaks in ``counts``. ``pages``: held
+    during the forward, held or committed then, requests running then; ``times``: ``perf_counter`` at the
+    start, after scheduling and after the forward, the session's plan seconds, ``perf_counter`` at the end."""
+    pages_used, committed, running = pages
+    started, scheduled, forwarded, plan_s, ended = times
+    counts["peak_running"] = max(counts["peak_running"], len(sched.items))
+    counts["peak_pages"] = max(counts["peak_pages"], pages_used)
+    counts["peak_committed_pages"] = max(counts["peak_committed_pages"], committed)
+    history.append(
+        StepRecord(
+            step=len(history),
+            now=now,
+            rows=len(sched.items),
+            decode_rows=sum(1 for r, n in sched.items if n == 1 and r.remaining == 1),
+            tokens=sum(n for _, n in sched.items),
+            pages_used=pages_used,
+            committed_pages=committed,
+            running=running,
+            waiting=len(scheduler.waiting),
+            swapped=len(scheduler.swapped),
+            preempted=tuple(r.request_id for r in sched.preempted),
+            admitted=tuple(r.request_id for r in sched.admitted),
+            finished=tuple(r.request_id for r in finished),
+            step_s=ended - started,
+            schedule_s=scheduled - started,
+            plan_s=plan_s,
+            forward_s=forwarded - scheduled - plan_s,
+            post_s=ended - forwarded,
+        )
+    )
+
+
+def engine_stats(clock: str, requests, history, counts: dict, scheduler, pending: int, kv) -> dict:
+    """`paged_ref.serve.Engine.stats`. ``tokens_per_s``: generated tokens over first arrival to last finish;
+    ``peak_pages``: most held during a forward; ``overhead_share``: the engine's own share of the steps' time."""
     done = [r for r in requests if r.status == FINISHED and r.finish_reason not in ("abort", "error")]
-    span = 0.0
-    if done:
-        span = max(r.finish_s for r in done) - min(r.arrival_s for r in done)
-    h = history
+    span = max(r.finish_s for r in done) - min(r.arrival_s for r in done) if done else 0.0
+    h, c = history, counts
     busy = sum(s.step_s for s in h)
     overhead = sum(s.overhead_s for s in h)
-    c = counts
     return {
         "clock": clock,
         "steps": len(h),

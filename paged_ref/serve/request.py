@@ -101,22 +101,16 @@ class Request:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """A finished (or aborted) request; times on the engine's clock (``Engine.stats()["clock"]``).
-
-    ``finish_reason``: ``"length"`` (``max_new_tokens``), ``"stop"`` (an EOS token, kept last), ``"abort"``
-    (`Engine.abort`) or ``"error"`` (its eviction hook kept failing, ``error`` says how; vLLM aborts it).
-    ``ttft_s = first_token_s - arrival_s`` (queueing + prefill); ``tpot_s = (finish_s - first_token_s) /
-    (len(token_ids) - 1)``, None with fewer than two tokens; ``token_ids`` excludes the prompt.
-    """
+    """A finished (or aborted) request; times on the engine's clock (``Engine.stats()["clock"]``)."""
 
     request_id: int
     prompt_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str
+    token_ids: list[int]  # the output, without the prompt
+    finish_reason: str  # "length" (max_new_tokens), "stop" (an EOS token, kept last), "abort" or "error"
     arrival_s: float
     first_token_s: float | None
     finish_s: float | None
-    ttft_s: float | None
-    tpot_s: float | None
+    ttft_s: float | None  # first_token_s - arrival_s: queueing + prefill
+    tpot_s: float | None  # (finish_s - first_token_s) / (len(token_ids) - 1); None with fewer than two tokens
     num_preemptions: int
-    error: str | None = None
+    error: str | None = None  # why it ended in "error": its eviction hook kept failing (vLLM aborts such a request)

@@ -1,15 +1,10 @@
 """Reservation: the pages admission commits to a request up front.
 
-The three policies differ only there, so that paging is the only difference between runs on the
-same engine and kernels (`paged_ref.serve.scheduler`):
-
-- ``"paged"`` commits nothing: pages are taken as tokens arrive (vLLM);
-- ``"exact"`` commits every page of the request's life (prompt + max_new_tokens - 1 tokens, or
-  its eviction policy's bound): what a contiguous cache that knew the output length would reserve;
-- ``"max_len"`` commits ``max_model_len`` tokens (what servers reserved before paging).
-
-A committed page counts as taken by admission even before a token fills it, so a committed
-request never needs preemption.
+The three policies differ only there (`paged_ref.serve.scheduler`), so paging is the only difference
+between runs on the same engine: ``"paged"`` commits nothing, pages come as tokens do (vLLM);
+``"exact"`` commits every page of the request's life (prompt + max_new_tokens - 1 tokens, or its
+eviction policy's bound), as a contiguous cache that knew the output length would; ``"max_len"``
+commits ``max_model_len`` tokens, as servers did before paging. A committed request never needs preemption.
 
 Example:
     >>> [reservation(name).pages(peak_pages=3, max_len_pages=16) for name in RESERVATIONS]

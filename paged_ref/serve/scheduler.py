@@ -2,35 +2,22 @@
 
 `Scheduler.schedule` plans one step in vLLM's order (first come, first served):
 
-1. **Running requests**, oldest admission first: a decode takes 1 token; a prefill (a long prompt,
-   or prompt + output recomputed after a preemption) takes the next **chunk**, what is left of
-   ``max_batched_tokens`` once every decode is counted. If its pages cannot come from the pool,
-   the most recently admitted request is **preempted** (perhaps itself), until they can:
-   ``"recompute"`` frees its pages and puts it back at the head of the queue; ``"swap"`` moves its
-   K/V to host memory (`SwapSpace`).
+1. **Running requests**, oldest admission first: a decode takes 1 token, a prefill the next
+   **chunk** (what ``max_batched_tokens`` leaves once every decode is counted). If its pages cannot
+   come from the pool, the most recently admitted request is **preempted** (perhaps itself):
+   ``"recompute"`` frees its pages and requeues it first; ``"swap"`` moves its K/V to host memory.
 2. **Swapped requests** come back, oldest first, while their pages fit.
 3. **Waiting requests** are admitted in arrival order while ``max_num_seqs``, the budget and the
-   pool allow: the pool must cover the whole sequence (vLLM's ``scheduler_reserve_full_isl``) plus
-   a **watermark** kept free while others run. Admission asks before it adds (nano-vllm's
-   ``can_allocate``): the pages the prefix cache would reuse, the new pages, then a sequence. The
-   first request that does not fit stops admission; none happens in a step that preempted or while
-   a request is swapped out.
+   pool allow: the pool must cover the whole sequence (vLLM's ``scheduler_reserve_full_isl``) plus a
+   **watermark**. Admission asks before it adds (nano-vllm's ``can_allocate``); none happens in a
+   step that preempted or while a request is swapped out.
 
 A row's pages are taken when it is planned (vLLM's ``allocate_slots``) and, with prefix caching,
-the full pages its tokens fill are published then (``cache_blocks``): a request admitted later in
-the step can hit them, as in vLLM; the forward writes every row's K/V of a layer before any row
-attends there. ``reservation`` (`paged_ref.serve.reservation`) changes only admission: ``"exact"``
-and ``"max_len"`` commit pages up front, contiguous allocation's cost without its fragmentation.
-`refusal` names every request admission could never admit into an empty pool, so none is stuck.
-
-In vLLM's configuration (``"paged"``, watermark 0, ``"recompute"``) it makes vLLM 0.32's decisions
-step by step (``make test-vllm``). It differs on purpose in the watermark (vLLM 0.32: 0), the
-``"exact"`` and ``"max_len"`` reservations, and swap (vLLM's V1 only recomputes; a swapped-in
-request rejoins the running queue in admission order, so its chunk may come before decodes).
-
-An evicting request runs its policy through `AfterPrompt`: chunks stop at the prompt's end, the
-policy acts once on the whole prompt, then recomputed output goes in chunks no longer than
-``policy.tokens_until_action``; a row after which it acts counts the pages its compaction may copy.
+the full pages it fills are published then (``cache_blocks``): a later admission in the step can hit
+them. ``reservation`` (`paged_ref.serve.reservation`) changes admission only. With vLLM's settings
+(``"paged"``, watermark 0, ``"recompute"``) it makes vLLM 0.32's decisions step by step (``make
+test-vllm``); swap is ours (vLLM's V1 only recomputes). An evicting request's policy runs through
+`AfterPrompt`: it acts once on the whole prompt, then chunks end where it acts next.
 
 Example (a dry session: the same pool and scheduler, no model):
     >>> from paged_ref.serve.dry import DrySession
@@ -70,21 +57,12 @@ class Schedule:
 
     items: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to feed), oldest first
     preempted: list[Request] = field(default_factory=list)
-    swapped_in: list[Request] = field(default_factory=list)  # K/V back from host memory
     admitted: list[Request] = field(default_factory=list)  # from the waiting queue
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.items)
 
 
 class Scheduler:
-    """Waiting, running and swapped queues over one session's page pool; see the module docstring.
-
-    ``session``: a `paged_ref.hf.PagedSession` or a `DrySession` (its ``kv`` is the pool); ``reservation``:
-    one of `RESERVATIONS`; ``preemption``: one of `PREEMPTIONS`; ``max_model_len``: the longest request
-    and what ``"max_len"`` reserves (default: the whole pool).
-    """
+    """Waiting, running and swapped queues over the pool of ``session`` (a `paged_ref.hf.PagedSession` or a
+    `DrySession`); ``max_model_len``: the longest request, what ``"max_len"`` reserves (default: the pool)."""
 
     def __init__(
         self,
@@ -134,30 +112,8 @@ class Scheduler:
             return whole
         return min(whole, max(pages_needed(len(r.prompt_ids), self.page_size), max_pages_held(budget, self.page_size)))
 
-    def refusal(self, r: Request) -> str | None:
-        """Why ``r`` could never run in this pool (None if it can): checked before a request is queued."""
-        ps, pool, wm = self.page_size, self.kv.num_pages, self.watermark_pages
-        prompt = len(r.prompt_ids)
-        if r.peak_tokens + 1 > self.max_model_len:
-            return (
-                f"prompt ({prompt} tokens) + max_new_tokens ({r.max_new_tokens}) = {r.peak_tokens + 1} exceeds "
-                f"max_model_len={self.max_model_len}"
-            )
-        if self.peak_pages(r) > pool:
-            return f"it needs {self.peak_pages(r)} pages of {ps} tokens at its longest and the pool has {pool}"
-        # the longest first chunk admission may have to place: the prompt, or prompt + output after a preemption
-        chunk = min(self.max_batched_tokens, prompt if r.eviction is not None else r.peak_tokens)
-        first = max(self.committed_pages(r), pages_needed(chunk, ps))
-        if first + wm > pool:
-            what = "committed up front" if self.commitment.up_front else f"for a first chunk of {chunk} tokens"
-            return (
-                f"admission needs {first} pages of {ps} tokens ({what}) plus the watermark of {wm} kept free, "
-                f"and the pool has {pool}"
-            )
-        return None
-
     def add(self, r: Request) -> None:
-        """Queue ``r`` (it has arrived; `refusal` found nothing against it: `Engine.add_request` asks)."""
+        """Queue ``r`` (it has arrived; `Engine.add_request` asked `paged_ref.serve._checks.refusal` first)."""
         r.status = WAITING
         self.waiting.append(r)
 
@@ -218,7 +174,6 @@ class Scheduler:
             r.reserved_pages = self.committed_pages(r)
             r.status = RUNNING
             self.running.insert(bisect.bisect([s.admitted for s in self.running], r.admitted), r)
-            out.swapped_in.append(r)
             self._plan(r, want, out)
             budget -= want
         if self.swapped:
@@ -280,7 +235,7 @@ class Scheduler:
             if victim is r:
                 return 0
 
-    def preempt(self, r: Request, out: Schedule | None = None) -> None:
+    def preempt(self, r: Request, out: Schedule) -> None:
         """Take ``r``'s pages back: recompute (back to the head of the queue) or swap (to host memory)."""
         self.running.remove(r)
         r.num_preemptions += 1
@@ -295,8 +250,7 @@ class Scheduler:
             self._release(r)
             r.status = WAITING
             self.waiting.appendleft(r)
-        if out is not None:
-            out.preempted.append(r)
+        out.preempted.append(r)
 
     def remove(self, r: Request) -> None:
         """Take ``r`` out of every queue and free its sequence (it finished or was aborted)."""
@@ -331,13 +285,10 @@ class Scheduler:
     def _held(self, r: Request) -> int:
         return len(self.kv.pages(r.seq_id))
 
-    def _grow(self, r: Request, n: int) -> int:
-        """New pages ``r`` takes to hold ``n`` more tokens."""
-        return max(0, cdiv(self.kv.seq_len(r.seq_id) + n, self.page_size) - self._held(r))
-
     def _pages(self, r: Request, n: int) -> int:
-        """Pages ``r``'s row of ``n`` tokens takes: its growth, and the copies its policy may make after it."""
-        return self._grow(r, n) + self._copies(r, n)
+        """Pages ``r``'s row of ``n`` tokens takes: its new pages, and the copies its policy may make after it."""
+        grow = max(0, cdiv(self.kv.seq_len(r.seq_id) + n, self.page_size) - self._held(r))
+        return grow + self._copies(r, n)
 
     def _copies(self, r: Request, n: int) -> int:
         """Pages ``r``'s policy may copy if it acts after ``n`` more tokens: a compaction packs the kept

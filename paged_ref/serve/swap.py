@@ -1,12 +1,10 @@
 """Swap space: a preempted sequence's K/V copied to host memory and back into fresh pages.
 
-Preemption by swapping (``Engine(preemption="swap")``) frees a sequence's pages without losing
-its work: `SwapSpace.swap_out` reads its K/V of every layer (``PagedKVCache.gather``) into host
-tensors and gives its pages back (``truncate`` to zero tokens: the sequence stays live in the
-session, at its position, with its eviction policy's record intact); `SwapSpace.swap_in` takes new
-pages (``reserve``) and writes the same K/V into them (``write``). Pages are scattered anew on the
-way back, which costs nothing: attention reads through the block table. Only the cache's public
-methods are used.
+Preemption by swapping (``Engine(preemption="swap")``) frees a sequence's pages without losing its
+work: `SwapSpace.swap_out` reads its K/V of every layer (``gather``) into host tensors and truncates
+it to zero tokens (it stays live in the session, its eviction record intact); `SwapSpace.swap_in`
+takes new pages (``reserve``) and writes the same K/V into them. The pages differ on the way back,
+which costs nothing: attention reads through the block table. Only the cache's public methods are used.
 
 Example:
     >>> import torch
@@ -31,21 +29,12 @@ __all__ = ["SwapSpace"]
 
 
 class SwapSpace:
-    """Host copies of swapped-out sequences' K/V, keyed by seq_id.
-
-    Attributes:
-        swapped_out_tokens, swapped_in_tokens: tokens copied each way so far.
-        peak_bytes: the most bytes held at once.
-    """
+    """Host copies of swapped-out sequences' K/V, keyed by seq_id, and the tokens copied each way so far."""
 
     def __init__(self):
         self._held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # seq -> (k, v) [layers, n, Hkv, D]
         self.swapped_out_tokens = 0
         self.swapped_in_tokens = 0
-        self.peak_bytes = 0
-
-    def __contains__(self, seq_id: int) -> bool:
-        return seq_id in self._held
 
     def tokens(self, seq_id: int) -> int:
         """Tokens held for ``seq_id`` (what `swap_in` will write back)."""
@@ -57,30 +46,24 @@ class SwapSpace:
 
     def swap_out(self, kv_cache: PagedKVCache, seq_id: int) -> None:
         """Copy ``seq_id``'s K/V to host memory and give its pages back (it keeps 0 tokens)."""
-        layers = [
-            kv_cache.gather(layer, seq_id) for layer in range(kv_cache.num_layers)
-        ]  # each ([n, Hkv, D], [n, Hkv, D])
+        layers = [kv_cache.gather(layer, seq_id) for layer in range(kv_cache.num_layers)]  # each ([n, Hkv, D]) * 2
         k = torch.stack([k for k, _ in layers]).cpu()  # [layers, n, Hkv, D]
         v = torch.stack([v for _, v in layers]).cpu()
         kv_cache.truncate(seq_id, kv_cache.seq_len(seq_id))
         self._held[seq_id] = (k, v)
         self.swapped_out_tokens += k.shape[1]
-        self.peak_bytes = max(self.peak_bytes, self.bytes)
 
     def swap_in(self, kv_cache: PagedKVCache, seq_id: int, token_ids: list[int] | None = None) -> None:
-        """Write ``seq_id``'s K/V back into fresh pages (raises `OutOfPagesError`, keeping the copy, if short).
-
-        ``token_ids``: the held tokens' ids, so that a prefix-caching cache offers the pages again.
-        """
+        """Write ``seq_id``'s K/V back into fresh pages (raises `OutOfPagesError`, keeping the copy, if short);
+        ``token_ids``: the held tokens' ids, so that a prefix-caching cache offers the pages again."""
         k, v = self._held[seq_id]
         if not k.shape[1]:  # swapped out before it held a token
             del self._held[seq_id]
             return
         slots = kv_cache.reserve(seq_id, k.shape[1], token_ids=token_ids)  # [n]
+        k, v = k.to(kv_cache.device), v.to(kv_cache.device)
         for layer in range(kv_cache.num_layers):
-            kv_cache.write(
-                layer, slots, k[layer].to(kv_cache.device), v[layer].to(kv_cache.device), check_values=layer == 0
-            )
+            kv_cache.write(layer, slots, k[layer], v[layer], check_values=layer == 0)
         del self._held[seq_id]
         self.swapped_in_tokens += k.shape[1]
 

@@ -1,13 +1,10 @@
 """Undoing a step: what a step may change, saved before it and put back if it raises.
 
-A step changes requests (tokens computed, outputs, status, pages committed), the scheduler's
-queues and counters, the swap space, the eviction policies' records, and the session and cache
-under them. `save` copies the objects' fields (each list, dict, set or deque copied one level
-down: a step appends to or replaces those, never changes what they hold in place; of a request,
-whose prompt never changes, only its output is copied) and asks every policy for its own
-snapshot (`paged_ref.eviction.EvictionPolicy.snapshot`); the session and cache keep their own
-checkpoint (`paged_ref.hf.PagedSession.checkpoint`, which opens `PagedKVCache.checkpoint`: block
-tables, reference counts, prefix index, and the old contents of every K/V slot the step changes).
+A step changes requests, the scheduler's queues and counters, the swap space, the eviction
+policies' records, and the session and cache under them. `save` copies the objects' fields (each
+list, dict, set or deque one level down: a step appends to or replaces those, never changes what
+they hold; of a request only its output) and asks each policy for its snapshot; the session and
+cache keep their own checkpoint (`paged_ref.cache.PagedKVCache.checkpoint`).
 
 Example:
     >>> from paged_ref.serve.request import Request

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from ...serve.metrics import percentile
+from ..serve_metrics import percentile
 from ._model_bench import cb_config
 
 __all__ = ["run_peer"]

@@ -40,10 +40,11 @@ import torch
 
 from ...eviction import make_policy
 from ...memory import model_geometry
-from ...serve import Engine, percentile, summarize
+from ...serve import Engine
 from .. import textdata
 from ..fragmentation import make_workload
 from ..runmode import data_dir
+from ..serve_metrics import percentile, summarize
 from ._model_bench import text_ids
 from ._scaling_models import build_model
 from ._serve_peer import run_peer

@@ -1,7 +1,7 @@
 """Figures of serving (notebook 09): the pool step by step, and the benchmark's latency and throughput.
 
 - :func:`page_timeline_figure`: which request holds each page at every step of a run (one column
-  per step): a whole run in one picture, recorded with ``Engine(trace=True)``;
+  per step): a whole run in one picture, from a `paged_ref.lab.page_trace.PageTrace`'s history;
 - :func:`step_figure`: one step up close (the page map, the queues over time, what the forward fed);
 - :func:`rate_figure`: latency and throughput vs request rate per admission policy (the vLLM paper's
   picture), from ``figures/data/serve_cpu.json``;
@@ -11,11 +11,13 @@
 
 Example:
     >>> from paged_ref.serve import Engine
-    >>> engine = Engine(None, num_pages=6, page_size=2, max_batched_tokens=8, trace=True)
+    >>> from paged_ref.lab.page_trace import PageTrace
+    >>> engine = Engine(None, num_pages=6, page_size=2, max_batched_tokens=8)
+    >>> trace = PageTrace(engine)
     >>> for n in (5, 3): _ = engine.add_request(list(range(n)), max_new_tokens=4)
     >>> _ = engine.run()
-    >>> fig = page_timeline_figure(engine.history, title="two requests")
-    >>> fig = step_figure(engine.history, 2)
+    >>> fig = page_timeline_figure(trace.history, title="two requests")
+    >>> fig = step_figure(trace.history, 2)
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ _FREE = "0.93"
 
 
 def _traced(history) -> list:
-    steps = [h for h in history if h.owners is not None]
+    steps = [h for h in history if getattr(h, "owners", None) is not None]
     if not steps:
-        raise ValueError("history holds no page owners: run the engine with Engine(..., trace=True)")
+        raise ValueError("history holds no page owners: draw a PageTrace's history (paged_ref.lab.page_trace)")
     return steps
 
 
@@ -129,7 +131,7 @@ def step_figure(history: Sequence, index: int, *, names: dict | None = None) -> 
     q.set_xlabel("step")
     q.set_ylabel("requests")
     q.legend(fontsize=7, ncol=3, loc="upper right")
-    add_note(fig, "Drawn from a recorded engine run (Engine(trace=True)).")
+    add_note(fig, "Drawn from a recorded engine run (a PageTrace).")
     return fig
 
 

@@ -1,7 +1,7 @@
 """Widgets for notebook 09: scrub through a recorded serving run; replay a workload through the engine.
 
 - :func:`step_view` / :func:`step_panel`: a slider over the steps of a run recorded with
-  ``Engine(trace=True)`` (the page map and the queues at that step);
+  a `paged_ref.lab.page_trace.PageTrace` (the page map and the queues at that step);
 - :func:`simulation_view` / :func:`simulation_panel`: pool size, page size and reservation policy
   sliders; each move serves the same seeded workload again through the engine's own scheduler, dry
   (`paged_ref.lab.fragmentation.serve_dry`: no model, so a redraw takes about a second) and draws who holds each
@@ -69,7 +69,7 @@ def simulation_view(pool_tokens: int, page_size: int, reservation: str, workload
         f"{s['preemptions']} preemptions, {s['recomputed_tokens']} tokens recomputed "
         f"({s['recompute_share']:.0%} of the workload's)"
     )
-    return page_timeline_figure(run.engine.history, title=title)
+    return page_timeline_figure(run.trace.history, title=title)
 
 
 def simulation_panel(workload: Workload | None = None):
@@ -102,7 +102,7 @@ def step_view(history, index: int) -> Figure:
 
 
 def step_panel(history, index: int = 0):
-    """A slider over the steps of a run recorded with ``Engine(trace=True)``, redrawing :func:`step_view`."""
+    """A slider over the steps of a run recorded by a ``PageTrace`` (its ``history``), redrawing :func:`step_view`."""
     import ipywidgets as w
     from IPython.display import display
 

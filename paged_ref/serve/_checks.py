@@ -1,0 +1,94 @@
+"""The engine's argument checks, at its public door (the pool's are the cache's, the scheduler's its own)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from .._cache_checks import token_list
+from ..block_table import pages_needed
+from ..eviction.policies import EvictionPolicy
+
+
+def check_watermark(watermark) -> float:
+    if not isinstance(watermark, numbers.Real) or isinstance(watermark, bool) or not 0 <= watermark < 1:
+        raise ValueError(f"watermark must be a share of the pool in [0, 1), got {watermark!r}")
+    return watermark
+
+
+def eos_set(eos, vocab: int | None) -> frozenset[int]:
+    """EOS ids as a set: an int, a list of ints, or None/[] (never stop early)."""
+    if isinstance(eos, torch.Tensor):
+        eos = eos.tolist()
+    items = [] if eos is None else [eos] if isinstance(eos, numbers.Integral) and not isinstance(eos, bool) else eos
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
+    items = list(items)
+    for e in items:
+        if isinstance(e, bool) or not isinstance(e, numbers.Integral) or e < 0 or (vocab is not None and e >= vocab):
+            raise ValueError(f"eos_token_id must be token ids in [0, {vocab or 'inf'}), got {eos!r}")
+    return frozenset(int(e) for e in items)
+
+
+def prompt_list(prompt_ids, vocab: int | None) -> list[int]:
+    """A request's prompt as a non-empty list of token ids below ``vocab``."""
+    if isinstance(prompt_ids, torch.Tensor) and prompt_ids.dtype == torch.bool:
+        raise TypeError("prompt_ids must be a 1-D integer tensor or a list of ints, got a bool tensor")
+    prompt = token_list("prompt_ids", prompt_ids)
+    if not prompt:
+        raise ValueError("prompt_ids must hold at least one token, got an empty prompt")
+    if min(prompt) < 0 or (vocab is not None and max(prompt) >= vocab):
+        raise ValueError(
+            f"prompt_ids must be token ids in [0, {vocab if vocab is not None else 'inf'}), "
+            f"got values in [{min(prompt)}, {max(prompt)}]"
+        )
+    return prompt
+
+
+def check_arrival(arrival_s) -> float:
+    if not isinstance(arrival_s, numbers.Real) or isinstance(arrival_s, bool) or not math.isfinite(arrival_s):
+        raise TypeError(f"arrival_s must be a finite number of seconds or None, got {arrival_s!r}")
+    return float(arrival_s)
+
+
+def check_eviction(eviction, session) -> None:
+    if eviction is not None and not isinstance(eviction, EvictionPolicy):
+        raise TypeError(
+            f"eviction must be a paged_ref.eviction.EvictionPolicy (make_policy(...)) or None, "
+            f"got {type(eviction).__name__}"
+        )
+    if eviction is not None and not getattr(session, "evicts", True):
+        raise ValueError("eviction needs a model: a dry run (Engine(None, ...)) has no K/V to score")
+
+
+def check_request_id(request_id, num_requests: int) -> int:
+    if isinstance(request_id, bool) or not isinstance(request_id, numbers.Integral):
+        raise TypeError(f"request_id must be an int from add_request, got {type(request_id).__name__}")
+    if not 0 <= request_id < num_requests:
+        raise ValueError(f"request_id must be one that add_request returned, in [0, {num_requests}), got {request_id}")
+    return request_id
+
+
+def refusal(sched, r) -> str | None:
+    """Why request ``r`` could never run in the pool of ``sched`` (a `Scheduler`), or None; asked before queueing."""
+    ps, pool, wm = sched.page_size, sched.kv.num_pages, sched.watermark_pages
+    prompt = len(r.prompt_ids)
+    if r.peak_tokens + 1 > sched.max_model_len:
+        return (
+            f"prompt ({prompt} tokens) + max_new_tokens ({r.max_new_tokens}) = {r.peak_tokens + 1} exceeds "
+            f"max_model_len={sched.max_model_len}"
+        )
+    if sched.peak_pages(r) > pool:
+        return f"it needs {sched.peak_pages(r)} pages of {ps} tokens at its longest and the pool has {pool}"
+    # the longest first chunk admission may have to place: the prompt, or prompt + output after a preemption
+    chunk = min(sched.max_batched_tokens, prompt if r.eviction is not None else r.peak_tokens)
+    first = max(sched.committed_pages(r), pages_needed(chunk, ps))
+    if first + wm > pool:
+        what = "committed up front" if sched.commitment.up_front else f"for a first chunk of {chunk} tokens"
+        return (
+            f"admission needs {first} pages of {ps} tokens ({what}) plus the watermark of {wm} kept free, "
+            f"and the pool has {pool}"
+        )
+    return None
