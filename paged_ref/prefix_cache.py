@@ -108,12 +108,14 @@ class PrefixIndex:
 
     def snapshot(self) -> tuple:
         """The index's whole state, for `restore` (a rollback)."""
-        return dict(self.page_of), dict(self.key_of), dict(self.tokens_of), set(self.unwritten)
+        page_of = {key: dict(pages) for key, pages in self.page_of.items()}  # publish and forget edit these
+        return page_of, dict(self.key_of), dict(self.tokens_of), set(self.unwritten)
 
     def restore(self, snapshot: tuple) -> None:
         """Put the index back as `snapshot` saw it."""
         page_of, key_of, tokens_of, unwritten = snapshot
-        self.page_of, self.key_of, self.tokens_of = dict(page_of), dict(key_of), dict(tokens_of)
+        self.page_of = {key: dict(pages) for key, pages in page_of.items()}
+        self.key_of, self.tokens_of = dict(key_of), dict(tokens_of)
         self.unwritten = set(unwritten)
 
     def __contains__(self, page: int) -> bool:

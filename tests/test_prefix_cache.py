@@ -43,3 +43,14 @@ def test_a_second_page_with_a_published_key_is_kept_and_serves_when_the_first_go
     assert index.match(root, [1, 2, 3]) == [(5, key)]
     index.forget(5)
     assert key not in index.page_of and index.match(root, [1, 2, 3]) == []
+
+
+def test_restore_brings_back_every_page_a_key_had():
+    """A rollback after a page of a key was forgotten (freed and taken again) finds it again."""
+    index, root = PrefixIndex(page_size=2), namespace_key(None)
+    key = _published(index, root, [1, 2], page=0)
+    saved = index.snapshot()
+    index.forget(0)
+    _published(index, root, [1, 2], page=3)
+    index.restore(saved)
+    assert list(index.page_of[key]) == [0] and index.match(root, [1, 2, 3]) == [(0, key)] and 3 not in index

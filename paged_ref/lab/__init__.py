@@ -7,10 +7,12 @@
 - `check`: the coursework checkers students call on their own code (``pr.lab.check``);
 - helpers the above share: `runmode` (quick or full runs, where figures go), `provenance`
   (hardware and versions), `textdata` (real text from the standard library), `stats`,
-  `texttable`, `sizing` (model presets and byte counts beside the cache's own); `likelihood`
+  `texttable`, `sizing` (model presets and byte counts beside the cache's own); `serve_metrics`
+  (percentiles and summaries of served requests), `page_trace` (who owns each page after every
+  engine step, notebook 09); `likelihood`
   (teacher-forced log-probs through the pages), `mistakes` (wrong backends, its negative controls)
   and `quest_backend` (Quest's decode in a session); the notebooks' simulations and replays:
-  `fragmentation` (workloads served by the engine, dry), `scenarios`, `sharing`,
+  `fragmentation` (workloads served by the engine, dry), `scenarios`, `sharing`, `serve_counts`,
   `eviction_analysis`, `eviction_replay`; `flex_inspect` (a paged BlockMask replayed token by
   token, notebook 04) and `softmax_steps` (the online softmax's every state, notebook 05).
 
@@ -22,29 +24,9 @@ Submodules load on first use:
 """
 
 import importlib
+import pkgutil
 
-_SUBMODULES = {
-    "bench",
-    "check",
-    "eviction_analysis",
-    "eviction_replay",
-    "flex_inspect",
-    "fragmentation",
-    "likelihood",
-    "mistakes",
-    "provenance",
-    "quest_backend",
-    "runmode",
-    "scenarios",
-    "sharing",
-    "sizing",
-    "softmax_steps",
-    "stats",
-    "textdata",
-    "texttable",
-    "viz",
-    "widgets",
-}
+_SUBMODULES = {m.name for m in pkgutil.iter_modules(__path__)}  # every module and folder here
 
 
 def __getattr__(name):
