@@ -1,16 +1,11 @@
 """How many splits the Triton decode launcher cuts each sequence into: a small occupancy model.
 
-A memory-bound kernel reaches the memory's bandwidth only while enough loads are outstanding
-(Little's law: bandwidth x latency bytes across the chip). An SM holds as many programs as its
-registers, shared memory, warp and block slots allow (:func:`programs_per_sm`); each keeps its
-K/V buffer ring loading (:func:`bytes_in_flight`). A grid larger than the GPU holds at once runs
-in waves (:func:`waves`), and a wave that leaves slots empty streams with fewer bytes in flight.
-:func:`split_cost` prices ``s`` splits per sequence from that, and :func:`choose_num_splits` takes
-the fewest splits within 3% of the cheapest.
-
-The resources of the kernel's tile come from the compile report (``python -m paged_ref.lab.bench
-kernels`` -> ``figures/data/kernels.json``), the per-SM limits from the targets' published
-tables: nothing here needs a GPU.
+A memory-bound kernel reaches the memory's bandwidth only while enough loads are in flight
+(Little's law). An SM holds as many programs as its registers, shared memory, warp and block
+slots allow (:func:`programs_per_sm`); a grid larger than the GPU holds runs in waves
+(:func:`waves`). :func:`split_cost` prices ``s`` splits per sequence, :func:`choose_num_splits`
+takes the fewest within 3% of the cheapest. The tile's resources come from the compile report
+(``python -m paged_ref.lab.bench kernels``), the per-SM limits from published tables: no GPU needed.
 
 Example:
     >>> programs_per_sm(160, 71680, 4, SM_LIMITS[90])["programs_per_sm"]   # the bf16 decode tile on sm_90
@@ -30,9 +25,7 @@ from .._arith import cdiv
 __all__ = [
     "SM_LIMITS",
     "SmLimits",
-    "bytes_in_flight",
     "choose_num_splits",
-    "littles_law_bytes",
     "programs_per_sm",
     "split_cost",
     "waves",
@@ -88,18 +81,6 @@ def programs_per_sm(registers: int, shared_bytes: int, num_warps: int, limits: S
         by_blocks=limits.max_blocks,
     )
     return dict(by, programs_per_sm=min(by.values()))
-
-
-def littles_law_bytes(limits: SmLimits, latency_s: float = 1e-6) -> int:
-    """Bytes one SM must keep in flight for the chip to reach its bandwidth at ``latency_s`` (a
-    DRAM round trip of about a microsecond): 36,363 on sm_90."""
-    return int(limits.bandwidth * latency_s / limits.sms)
-
-
-def bytes_in_flight(tile_bytes: int, ring_depth: int, asynchronous: bool) -> int:
-    """K/V bytes one program has loading while it computes: ``k - 1`` tiles each of K and V with
-    an asynchronous ring of depth ``k``, else one tile (it waits on each load)."""
-    return 2 * (ring_depth - 1) * tile_bytes if asynchronous and ring_depth > 1 else tile_bytes
 
 
 def waves(programs: int, num_sms: int, per_sm: int) -> tuple[int, float]:

@@ -31,7 +31,7 @@ from .cascade import merge_states, request_prefixes, suffix_table
 from .online_softmax import LOG2E
 from .triton_decode import triton_paged_decode
 
-__all__ = ["compiled_prefix_kernel", "prefix_tile_config", "triton_cascade_decode", "triton_prefix_attention"]
+__all__ = ["prefix_tile_config", "triton_cascade_decode", "triton_prefix_attention"]
 
 
 @triton.jit
@@ -112,13 +112,6 @@ def _prefix_kernel(
     row_id = request * (tl.num_programs(1) * GROUP) + head  # [BLOCK_M] row of [batch, num_q_heads]
     tl.store(out_ptr + row_id[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_m[:, None] & mask_d[None, :])
     tl.store(lse_ptr + row_id, lse, mask=mask_m)
-
-
-def compiled_prefix_kernel():
-    """The prefix kernel as a compiled-mode JITFunction (for ahead-of-time compilation)."""
-    if not HAVE_TRITON:
-        raise ImportError("compiling the kernels needs the `triton` package")
-    return runnable(_prefix_kernel, interpret=False)
 
 
 def prefix_tile_config(dtype: torch.dtype, head_dim: int, max_rows: int, *, interpret: bool) -> dict:

@@ -9,8 +9,9 @@
   (hardware and versions), `textdata` (real text from the standard library), `stats`,
   `texttable`, `sizing` (model presets and byte counts beside the cache's own); the notebooks'
   simulations and replays: `fragmentation` (workloads served by the engine, dry), `scenarios`,
-  `sharing`, `eviction_analysis`, `eviction_replay`; `flex_inspect` (a paged BlockMask replayed
-  token by token, notebook 04) and `softmax_steps` (the online softmax's every state, notebook 05).
+  `sharing`, `eviction_analysis`, `eviction_replay`; `csr` (a CSR batch back to page lists,
+  notebooks 02 and 08); `flex_inspect` (a paged BlockMask replayed token by token, notebook 04) and
+  `softmax_steps` (the online softmax's every state, notebook 05).
 
 Submodules load on first use:
 
@@ -24,6 +25,7 @@ import importlib
 _SUBMODULES = {
     "bench",
     "check",
+    "csr",
     "eviction_analysis",
     "eviction_replay",
     "flex_inspect",
