@@ -38,6 +38,18 @@ def _shape(t: torch.Tensor) -> str:
     return str(tuple(t.shape))
 
 
+def _int_tensor(name: str, t, q: torch.Tensor, layout: str, shape_ok) -> None:
+    """``t`` an int32/int64 tensor on ``q``'s device whose shape passes ``shape_ok`` (``layout`` says which)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in INT_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got dtype {t.dtype}")
+    if not shape_ok(tuple(t.shape)):
+        raise ValueError(f"{name} must have shape {layout}, got shape {_shape(t)}")
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
+
+
 def check_paged_inputs(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -63,7 +75,7 @@ def check_paged_inputs(
         >>> check_paged_inputs(q, kc, kc, torch.tensor([[0, 1], [2, 0]]), torch.tensor([5, 3]))
         0.3535533905932738
     """
-    for name, t in dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens).items():
+    for name, t in dict(q=q, k_cache=k_cache, v_cache=v_cache).items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     layout = "[batch, num_q_heads, head_dim]" if q_ndim == 3 else "[batch, num_q_heads, max_q_len, head_dim]"
@@ -80,7 +92,6 @@ def check_paged_inputs(
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {t.dtype}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table), ("seq_lens", seq_lens)):
         if t.device != q.device:
             raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
@@ -95,14 +106,9 @@ def check_paged_inputs(
         )
     if batch < 1:
         raise ValueError(f"q must hold at least one sequence, got batch {batch}")
-    if block_table.dtype not in INT_DTYPES:
-        raise TypeError(f"block_table must be int32 or int64, got dtype {block_table.dtype}")
-    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
-        raise ValueError(f"block_table must have shape [batch={batch}, max_pages>=1], got shape {_shape(block_table)}")
-    if seq_lens.dtype not in INT_DTYPES:
-        raise TypeError(f"seq_lens must be int32 or int64, got dtype {seq_lens.dtype}")
-    if seq_lens.shape != (batch,):
-        raise ValueError(f"seq_lens must have shape [batch={batch}], got shape {_shape(seq_lens)}")
+    rows = f"[batch={batch}, max_pages>=1]"
+    _int_tensor("block_table", block_table, q, rows, lambda s: len(s) == 2 and s[0] == batch and s[1] >= 1)
+    _int_tensor("seq_lens", seq_lens, q, f"[batch={batch}]", lambda s: s == (batch,))
     if scale is None:
         scale = head_dim**-0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -153,14 +159,7 @@ def check_prefill_inputs(
     scale = check_paged_inputs(
         q, k_cache, v_cache, block_table, seq_lens, scale=scale, q_ndim=4, check_values=check_values
     )
-    if not isinstance(q_lens, torch.Tensor):
-        raise TypeError(f"q_lens must be a torch.Tensor, got {type(q_lens).__name__}")
-    if q_lens.dtype not in INT_DTYPES:
-        raise TypeError(f"q_lens must be int32 or int64, got dtype {q_lens.dtype}")
-    if q_lens.shape != seq_lens.shape:
-        raise ValueError(f"q_lens must have shape [batch={q.shape[0]}], got {_shape(q_lens)}")
-    if q_lens.device != q.device:
-        raise ValueError(f"q_lens must be on the same device as q ({q.device}), got {q_lens.device}")
+    _int_tensor("q_lens", q_lens, q, f"[batch={q.shape[0]}]", lambda s: s == tuple(seq_lens.shape))
     if check_values:
         max_q_len = q.shape[2]
         for b, (m, n) in enumerate(zip(q_lens.tolist(), seq_lens.tolist())):
@@ -179,17 +178,9 @@ def check_cascade_inputs(
     only with ``check_values``)."""
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     batch, page_size = q.shape[0], k_cache.shape[1]
-    for name, t in (("group_indptr", group_indptr), ("prefix_lens", prefix_lens)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in INT_DTYPES or t.dim() != 1:
-            raise TypeError(f"{name} must be a 1-D int32/int64 tensor, got shape {_shape(t)} and dtype {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
-    if prefix_lens.shape[0] != group_indptr.shape[0] - 1:
-        raise ValueError(
-            f"prefix_lens must have shape [num_groups={group_indptr.shape[0] - 1}], got {_shape(prefix_lens)}"
-        )
+    _int_tensor("group_indptr", group_indptr, q, "[num_groups + 1]", lambda s: len(s) == 1)
+    num_groups = group_indptr.shape[0] - 1
+    _int_tensor("prefix_lens", prefix_lens, q, f"[num_groups={num_groups}]", lambda s: s == (num_groups,))
     if not check_values:
         return scale
     bounds = group_indptr.tolist()
