@@ -36,8 +36,6 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
 
 
 # ----------------------------------------------------------------- unchecked, for the cache's own tables
-
-
 def flat_slots(pages: list[int], start: int, num_tokens: int, page_size: int) -> torch.Tensor:
     """``int64 [num_tokens]``: the flat slots of tokens ``start .. start+num_tokens-1`` (see `slot_mapping`)."""
     # plain Python then one tensor: a decode step reserves one token, where torch ops would cost more
@@ -70,8 +68,6 @@ def pack_csr(tables: list[list[int]], seq_lens: list[int], *, page_size: int, de
 
 
 # ----------------------------------------------------------------- checked entry points
-
-
 def _check_tables(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size=None):
     """The page lists and lengths as lists, checked: page ids, no page twice in a row, and with
     ``page_size`` enough pages for each length."""
@@ -98,30 +94,20 @@ def _check_tables(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], page
     return tables, seq_lens
 
 
-def pad_block_tables(
-    tables: Sequence[Sequence[int]], seq_lens: Sequence[int], *, page_size: int | None = None, device=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence page lists as ``(block_table int32 [batch, max_pages], seq_lens int32 [batch])``.
-
-    Padding entries hold 0, a valid page id: attention masks everything past ``seq_lens``. With
-    ``page_size`` every row must list the pages its length needs (a short row would send
-    attention to the padding page); without it the lengths are unchecked.
-    """
+def pad_block_tables(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], *, page_size: int | None = None):
+    """Per-sequence page lists as ``(block_table int32 [batch, max_pages], seq_lens int32 [batch])``,
+    padded with page 0 (attention masks past ``seq_lens``). With ``page_size`` every row must list
+    the pages its length needs; without it the lengths are unchecked."""
     if page_size is not None:
         page_size = check_int("page_size", page_size, min_value=1)
-    return pack_padded(*_check_tables(tables, seq_lens, page_size), device=device)
+    return pack_padded(*_check_tables(tables, seq_lens, page_size))
 
 
-def to_csr(
-    tables: Sequence[Sequence[int]], seq_lens: Sequence[int], *, page_size: int, device=None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashInfer's CSR form of a batch: ``(kv_indptr, kv_indices, kv_last_page_len)``, int32.
-
-    Only the pages that hold tokens are listed (a sequence reserved ahead owns more); an empty
-    sequence has zero pages and ``kv_last_page_len`` 0.
-    """
+def to_csr(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], *, page_size: int):
+    """FlashInfer's CSR form of a batch: ``(kv_indptr, kv_indices, kv_last_page_len)``, int32, listing
+    only the pages that hold tokens (an empty sequence: no page, ``kv_last_page_len`` 0)."""
     page_size = check_int("page_size", page_size, min_value=1)
-    return pack_csr(*_check_tables(tables, seq_lens, page_size), page_size=page_size, device=device)
+    return pack_csr(*_check_tables(tables, seq_lens, page_size), page_size=page_size)
 
 
 def slot_mapping(pages: Sequence[int], *, start: int, num_tokens: int, page_size: int) -> torch.Tensor:

