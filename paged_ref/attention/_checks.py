@@ -1,9 +1,7 @@
-"""The checks at the door of every public attention function.
-
-``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong shape, device or value, each
-naming the argument, what was expected and what was given. Every backend runs
-:func:`check_paged_inputs` (or :func:`check_prefill_inputs`) first, so all reject the same bad
-inputs with the same message; the rest are one backend's own rules.
+"""The checks at the door of every public attention function: ``TypeError`` for a wrong type or
+dtype, ``ValueError`` for a wrong shape, device or value, each naming the argument, what was
+expected and what was given. Every backend runs :func:`check_paged_inputs` (or
+:func:`check_prefill_inputs`) first; the rest are one backend's own rules.
 """
 
 from __future__ import annotations
@@ -50,17 +48,7 @@ def _int_tensor(name: str, t, q: torch.Tensor, layout: str, shape_ok) -> None:
         raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
 
 
-def check_paged_inputs(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    scale: float | None = None,
-    q_ndim: int = 3,
-    check_values: bool = True,
-) -> float:
+def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, q_ndim=3, check_values=True) -> float:
     """The common paged-attention arguments; returns the softmax scale as a float.
 
     ``q`` is ``[batch, num_q_heads, head_dim]`` (``q_ndim=3``) or ``[batch, num_q_heads,
@@ -132,9 +120,7 @@ def check_paged_inputs(
                     f"block_table[{b}] uses page ids outside [0, num_pages={num_pages}) "
                     f"within its first {len(used)} entries (seq_lens[{b}]={n}): {bad[:4]}"
                 )
-            if len(set(used)) != len(used):
-                # One physical page cannot hold two logical pages of the same sequence; a
-                # repeat is a corrupted table (pages shared *between* sequences are fine).
+            if len(set(used)) != len(used):  # a corrupted table (sharing *between* sequences is fine)
                 twice = sorted({p for p in used if used.count(p) > 1})
                 raise ValueError(
                     f"block_table[{b}] lists page ids {twice[:4]} more than once within its "
@@ -143,17 +129,7 @@ def check_paged_inputs(
     return float(scale)
 
 
-def check_prefill_inputs(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    q_lens: torch.Tensor,
-    *,
-    scale: float | None = None,
-    check_values: bool = True,
-) -> float:
+def check_prefill_inputs(q, k_cache, v_cache, block_table, seq_lens, q_lens, *, scale=None, check_values=True) -> float:
     """:func:`check_paged_inputs` for prefill, plus ``q_lens``: int ``[batch]`` with
     ``0 <= q_lens[b] <= min(seq_lens[b], max_q_len)``."""
     scale = check_paged_inputs(
@@ -321,7 +297,7 @@ def mask_source(block_table, seq_lens, q_lens) -> tuple:
 def check_block_mask(block_mask, block_table, seq_lens, q_lens, q_len: int, num_pages: int, page_size: int) -> None:
     """A reused BlockMask must be a ``paged_block_masks(...).physical`` of this shape, built from
     this block table and these lengths: the same tensors unmodified since (no host read), or equal
-    values (a host sync). A mask built for another table would silently read the wrong pages."""
+    values (a host sync)."""
     if not isinstance(block_mask, BlockMask):
         raise TypeError(
             "block_mask must be None or the .physical BlockMask of "

@@ -62,12 +62,8 @@ _SPLIT_TOLERANCE = 1.03  # take the fewest splits whose modelled cost is within 
 
 
 def programs_per_sm(registers: int, shared_bytes: int, num_warps: int, limits: SmLimits) -> dict:
-    """Programs (CTAs) one SM holds at once, by each resource; the smallest wins. Registers are
-    allocated per warp in units of 256; each resident block costs ``RESERVED_SMEM_PER_BLOCK``.
-
-    Returns:
-        ``{"by_registers", "by_shared", "by_warps", "by_blocks", "programs_per_sm"}``.
-    """
+    """Programs (CTAs) one SM holds at once, ``{"by_registers", "by_shared", "by_warps",
+    "by_blocks", "programs_per_sm"}``: the smallest wins (registers go per warp in units of 256)."""
     if registers < 1 or shared_bytes < 0 or num_warps < 1:
         raise ValueError(
             f"registers >= 1, shared_bytes >= 0 and num_warps >= 1 expected, got {registers}, {shared_bytes}, "
@@ -104,10 +100,9 @@ def split_cost(
     merge_tiles: float = 1.0,
     partial_tiles: float = 0.125,
 ) -> float:
-    """Time of one decode launch cut into ``splits`` per sequence, in slot-tiles (one program slot
-    busy for one tile's load): every wave holds all ``num_sms * per_sm`` slots for one program's
-    tiles plus ``start_tiles`` of pipeline fill, full or not; the merge kernel adds
-    ``merge_tiles`` per slot and ``partial_tiles`` per program (a ~4 KB partial vs 32 KB of K/V).
+    """Time of one decode launch cut into ``splits`` per sequence, in slot-tiles: every wave holds
+    all ``num_sms * per_sm`` slots for one program's tiles plus ``start_tiles`` of pipeline fill;
+    the merge adds ``merge_tiles`` per slot and ``partial_tiles`` per program.
 
     Example:
         >>> split_cost(64, 8, 4096, 1, 132, 3, 64)   # 512 programs: a second wave 29% full
@@ -127,8 +122,7 @@ def split_cost(
 
 @functools.cache
 def _resident_programs(capability: int) -> int:
-    """Programs of the 16-bit head_dim-128 tile one SM of this compute capability holds; a target
-    the report does not cover uses the nearest older one."""
+    """Programs of the 16-bit head_dim-128 tile per SM (a target not covered: the nearest older one)."""
     known = max((c for c in _TILE_RESOURCES if c <= capability), default=min(_TILE_RESOURCES))
     registers, shared, warps = _TILE_RESOURCES[known]
     return programs_per_sm(registers, shared, warps, SM_LIMITS[known])["programs_per_sm"]
