@@ -1,8 +1,7 @@
 """`KVCache`: what the model glue (`paged_ref.hf`), eviction and serving ask of a paged KV cache.
 
-`PagedKVCache` (one block table per sequence for every layer) and `LayeredKVCache` (one per
-layer, ``tables_per_layer``) implement it; the per-layer questions (``block_table(...,
-layer=i)``, ``layer_slots``) are methods, so code written against `KVCache` never asks which.
+`PagedKVCache` (one block table per sequence for every layer) and `LayeredKVCache` (one per layer,
+``tables_per_layer``) implement it; the per-layer questions are methods (``layer_slots``, ...).
 
 Example:
     >>> from paged_ref import LayeredKVCache, PagedKVCache

@@ -184,8 +184,7 @@ class LayeredKVCache:
         if num_tokens == 0:
             self.last_copies = ()
             return
-        # A layer whose last kept page is shared copies it after giving back its cut pages.
-        # Layers that only give back go first, then the copying ones, those giving back most
+        # Layers that only give pages back go first, then the copying ones, those giving back most
         # first: each then finds its copy's page free whenever the totals allow.
         refcount, ps = self.allocator.refcount, self.page_size
         cost = {

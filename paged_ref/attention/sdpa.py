@@ -41,15 +41,9 @@ class SlotGather(NamedTuple):
     padding: torch.Tensor | None = None  # bool [batch, max_kv]: not the row's tokens, zeroed (0 x NaN is NaN)
 
 
-def prepare(
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_size: int,
-    q_lens: torch.Tensor | None = None,
-    q_len: int = 1,
-) -> SlotGather:
-    """The `SlotGather` of one step: decode when ``q_lens`` (int ``[batch]`` new tokens) is None,
-    else prefill of ``q_len = max(q_lens)`` query rows."""
+def prepare(block_table, seq_lens, page_size: int, q_lens=None, q_len: int = 1) -> SlotGather:
+    """The `SlotGather` of one step over int ``block_table [batch, max_pages]``, ``seq_lens [batch]``:
+    decode when ``q_lens`` (int ``[batch]`` new tokens) is None, else prefill of ``q_len`` query rows."""
     lens = seq_lens.long()  # [batch]
     max_kv = int(lens.max())
     t = torch.arange(max_kv, device=block_table.device)  # [max_kv] logical token index
@@ -175,9 +169,7 @@ class FusedDecode(NamedTuple):
     single: SlotGather | None = None  # the plan of a one-row step
 
 
-def prepare_fused(
-    block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, dtype: torch.dtype = torch.float32
-) -> FusedDecode:
+def prepare_fused(block_table, seq_lens, page_size: int, dtype: torch.dtype = torch.float32) -> FusedDecode:
     """`FusedDecode` of one decode step (``dtype``: the queries')."""
     if block_table.shape[0] == 1:
         return FusedDecode(None, None, None, single=prepare(block_table, seq_lens, page_size))

@@ -1,13 +1,10 @@
 """Cascade decode attention in Triton: a prefix kernel per group, the decode kernel per request.
 
-The plan of :mod:`.cascade` on the GPU (or in Triton's interpreter for CPU tensors, float32):
-
-1. **Prefix kernel**: one program per (group, KV head, block of ``BLOCK_M`` query rows: that KV
-   head's query heads of *every* request of the group): each K/V tile of the prefix serves all
-   those rows; it writes ``(o, lse)``.
-2. **Suffix**: each request's own pages through :func:`~.triton_decode.triton_paged_decode`
-   (``return_lse=True``, on :func:`~.cascade.suffix_table`).
-3. **Merge**: :func:`~.cascade.merge_states`.
+The plan of :mod:`.cascade` on the GPU (or in Triton's interpreter for CPU tensors, float32): the
+prefix kernel runs one program per (group, KV head, block of ``BLOCK_M`` query rows: that KV head's
+query heads of *every* request of the group), so each K/V tile of the prefix serves them all; each
+request's own pages go through :func:`~.triton_decode.triton_paged_decode` (``return_lse=True``);
+:func:`~.cascade.merge_states` merges the two.
 
 Example:
     >>> import torch

@@ -96,8 +96,8 @@ class Reserved:
         return {"protect_first_page": bool(self.first_pages), "protect_last_page": self.last_page}
 
     def min_budget(self, page_size: int, *, unit: str = "page") -> int:
-        """The smallest budget of a policy evicting a ``unit`` (``"page"`` or ``"token"``) at a time:
-        the reserved pages and, for pages, one more to evict."""
+        """The smallest budget of a policy evicting a ``unit`` at a time: the reserved first pages and
+        one page to evict (``"page"``), or the reserved pages (``"token"``)."""
         if unit == "token":
             return (self.first_pages + int(self.last_page)) * page_size
         return (self.first_pages + 1) * page_size
