@@ -141,10 +141,9 @@ def check_prefill_inputs(q, k_cache, v_cache, block_table, seq_lens, q_lens, *, 
 def check_cascade_inputs(
     q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, *, scale=None, check_values=True
 ) -> float:
-    """:func:`check_paged_inputs`, plus the groups: ``group_indptr`` int ``[num_groups + 1]`` rising
-    strictly from 0 to ``batch``; ``prefix_lens`` int ``[num_groups]``, whole pages, at most the
-    group's shortest ``seq_lens``, on which the group's block-table rows agree (values checked
-    only with ``check_values``)."""
+    """:func:`check_paged_inputs`, plus the groups: ``group_indptr [num_groups + 1]`` rising strictly
+    from 0 to ``batch``; ``prefix_lens [num_groups]``, whole pages, at most the group's shortest
+    ``seq_lens``, on which its block-table rows agree (values: only with ``check_values``)."""
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     batch, page_size = q.shape[0], k_cache.shape[1]
     _int_tensor("group_indptr", group_indptr, q, "[num_groups + 1]", lambda s: len(s) == 1)

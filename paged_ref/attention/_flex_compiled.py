@@ -1,6 +1,6 @@
-"""Which flex_attention a call runs: eager (the CPU default, as a CPU compile costs seconds per
-shape: the mask_mod on every element) or compiled once per device and CPU thread count (block
-sparse; on CUDA with a tile that divides the BlockMask's blocks, :func:`cuda_kernel_options`)."""
+"""Which flex_attention a call runs: eager (the CPU default, since a CPU compile costs seconds per
+shape; it evaluates the mask_mod on every element) or compiled once per device and CPU thread count
+(block sparse; on CUDA with a tile dividing the BlockMask's blocks, :func:`cuda_kernel_options`)."""
 
 from __future__ import annotations
 
@@ -85,7 +85,9 @@ def run_flex(q, k, v, block_mask: BlockMask, scale: float, compiled: bool | None
     """``flex_attention(q, k, v)`` with GQA, compiled (None: on CUDA) or eager; q ``[batch, Hq,
     q_len, D]``, k, v ``[1, Hkv, kv_len, D]``."""
     args = dict(block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    if not (q.device.type == "cuda" if compiled is None else compiled):
+    if compiled is None:
+        compiled = q.device.type == "cuda"
+    if not compiled:
         return eager_flex(q, k, v, **args)
     if q.device.type == "cuda":
         group = q.shape[1] // k.shape[1]
