@@ -7,6 +7,8 @@ import torch
 from prompts import left_padded
 
 from paged_ref import OutOfPagesError, PagedKVCache, hf
+from paged_ref.lab.likelihood import log_likelihood, reference_log_likelihood
+from paged_ref.lab.mistakes import MISTAKES
 
 BACKENDS = ["reference", "flex", "triton", "sdpa", "sdpa_fused", "auto"]
 # new tokens per backend: eager FlexAttention (~0.2 s a call on CPU) and the Triton interpreter are slow
@@ -215,27 +217,27 @@ def test_paged_pieces_refuse_to_run_outside_a_session(model):
 def test_teacher_forced_log_probs_match_the_plain_model(model, backend, chunk_size):
     length = 40 if backend == "reference" else 14
     ids = torch.randint(3, 512, (2, length), generator=torch.Generator().manual_seed(chunk_size))
-    plain = hf.reference_log_likelihood(model, ids)
-    paged = hf.log_likelihood(model, ids, chunk_size=chunk_size, page_size=8, backend=backend)
+    plain = reference_log_likelihood(model, ids)
+    paged = log_likelihood(model, ids, chunk_size=chunk_size, page_size=8, backend=backend)
     assert paged.shape == plain.shape == (2, length - 1)
     torch.testing.assert_close(paged, plain, atol=2e-5, rtol=1e-5)
 
 
 def test_prefill_then_decode_log_probs(model):
     ids = torch.randint(3, 512, (1, 30), generator=torch.Generator().manual_seed(1))
-    paged = hf.log_likelihood(model, ids, prefill_len=20, chunk_size=1, page_size=4)
-    torch.testing.assert_close(paged, hf.reference_log_likelihood(model, ids), atol=2e-5, rtol=1e-5)
+    paged = log_likelihood(model, ids, prefill_len=20, chunk_size=1, page_size=4)
+    torch.testing.assert_close(paged, reference_log_likelihood(model, ids), atol=2e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="prefill_len"):
-        hf.log_likelihood(model, ids, prefill_len=0)
+        log_likelihood(model, ids, prefill_len=0)
     with pytest.raises(ValueError, match=">= 2 tokens"):
-        hf.log_likelihood(model, ids[:, :1])
+        log_likelihood(model, ids[:, :1])
 
 
 def test_teacher_forced_log_probs_triton_short(model):
     ids = torch.randint(3, 512, (1, 8), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(
-        hf.log_likelihood(model, ids, page_size=2, backend="triton"),
-        hf.reference_log_likelihood(model, ids),
+        log_likelihood(model, ids, page_size=2, backend="triton"),
+        reference_log_likelihood(model, ids),
         atol=2e-5,
         rtol=1e-5,
     )
@@ -430,7 +432,7 @@ def test_auto_backend_is_sdpa_on_cpu_and_the_default(model):
 def test_every_backend_takes_the_one_value_check_keyword(name):
     import inspect
 
-    for fn in hf.BACKENDS[name].functions():
+    for fn in {**hf.BACKENDS, **MISTAKES}[name].functions():
         params = inspect.signature(fn).parameters
         assert "check_values" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()), fn.__name__
         assert not {"validate", "check_slots"} & set(params), fn.__name__
@@ -467,9 +469,9 @@ def test_a_registered_backend_is_used_with_its_preparation(model):
 def test_negative_controls_move_log_probs_far_beyond_the_tolerance(model, mistake):
     """The equivalence check can fail: a real bug moves per-token log-probs by far more than 1e-4."""
     ids = _prompt(24, seed=14)
-    plain = hf.reference_log_likelihood(model, ids)
-    good = hf.log_likelihood(model, ids, chunk_size=1, page_size=4, backend="reference")
-    bad = hf.log_likelihood(model, ids, chunk_size=1, page_size=4, backend=mistake)
+    plain = reference_log_likelihood(model, ids)
+    good = log_likelihood(model, ids, chunk_size=1, page_size=4, backend="reference")
+    bad = log_likelihood(model, ids, chunk_size=1, page_size=4, backend=MISTAKES[mistake])
     assert (good - plain).abs().max() < 1e-4
     assert (bad - plain).abs().max() > 1e-2
 
@@ -647,14 +649,14 @@ class _Forwards:
         (lambda m, ids: hf.generate(m, ids, max_new_tokens=64, callback=5), TypeError, "callback must be callable"),
         (lambda m, ids: hf.generate(None, ids, max_new_tokens=4), TypeError, "model must be a transformers"),
         (lambda m, ids: hf.stream(None, ids, max_new_tokens=4), TypeError, "model must be a transformers"),
-        (lambda m, ids: hf.log_likelihood(None, ids), TypeError, "model must be a transformers"),
+        (lambda m, ids: log_likelihood(None, ids), TypeError, "model must be a transformers"),
         (
-            lambda m, ids: hf.log_likelihood(m, torch.cat([ids, torch.tensor([[10**6]])], 1)),
+            lambda m, ids: log_likelihood(m, torch.cat([ids, torch.tensor([[10**6]])], 1)),
             ValueError,
             r"input_ids must hold token ids in \[0, vocab_size=\d+\), got values in \[\d+, 1000000\]",
         ),
         (
-            lambda m, ids: hf.reference_log_likelihood(m, torch.cat([ids, torch.tensor([[-1]])], 1)),
+            lambda m, ids: reference_log_likelihood(m, torch.cat([ids, torch.tensor([[-1]])], 1)),
             ValueError,
             r"input_ids must hold token ids in \[0, vocab_size",
         ),

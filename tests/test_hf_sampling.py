@@ -10,8 +10,7 @@ import torch
 from prompts import left_padded
 
 from paged_ref import PagedKVCache, hf
-from paged_ref.hf.decoding import resolve
-from paged_ref.hf.sampling import choose, warp
+from paged_ref.hf.decoding import choose, resolve, warp
 
 
 def _seeded(fn, seed, *args, **kwargs):

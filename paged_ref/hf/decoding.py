@@ -1,33 +1,32 @@
-"""How tokens are chosen: transformers' `GenerationConfig` decoding arguments, resolved and checked.
+"""How tokens are chosen, as transformers' ``generate`` chooses them.
 
-`generate`, `stream` and `beam_search` take the arguments ``model.generate`` takes to choose
-tokens, with the same names, defaults and precedence: an argument passed wins, then the model's
-own ``generation_config`` (a checkpoint may ship ``do_sample=True, temperature=0.6``), then
-transformers' global defaults (`DEFAULTS`). The mode follows as in transformers:
+`generate`, `stream` and `beam_search` take ``model.generate``'s decoding arguments with its names,
+defaults and precedence: an argument passed wins, then the model's ``generation_config``, then
+transformers' defaults (`DEFAULTS`). `resolve` checks them before a page is taken, as transformers
+does (plus ``top_p`` outside (0, 1]), and refuses by name a ``generation_config`` asking for a logits
+processor paged_ref does not implement (``repetition_penalty``, ``min_p``, ...).
 
-==========  =============================  ===========================================
-mode        arguments                      what chooses each token
-==========  =============================  ===========================================
-greedy      ``num_beams=1``                the argmax of the logits
-sample      ``num_beams=1, do_sample``     temperature, top-k, top-p, then one draw
-beam        ``num_beams=k > 1``            the k best continuations (`paged_ref.hf.beam`)
-==========  =============================  ===========================================
-
-Everything is checked here, before a page is taken, and a bad value is refused the way
-transformers refuses it (``num_return_sequences > num_beams``, ``temperature <= 0`` when
-sampling), plus ``top_p`` outside (0, 1], which transformers refuses below 0 and ignores above 1.
-A model whose ``generation_config`` asks for a logits processor paged_ref does not implement
-(``repetition_penalty``, ``min_p``, ...) is refused by name rather than decoded differently.
+``num_beams > 1`` is beam search (`paged_ref.hf.beam_selection`); else `choose` takes the argmax,
+or with ``do_sample`` passes the logits through transformers' warpers in its order (``temperature``,
+``top_k``, ``top_p``, computed as it computes them, so that a token on a boundary falls on the same
+side) and draws one token per row. After the same ``torch.manual_seed`` the draws are
+``model.generate``'s: one ``torch.multinomial`` per step over *every* row, finished rows included
+with a placeholder distribution (the one-sample ``multinomial`` draws ``argmax(p / q)``, ``q ~
+Exp(1)`` over the whole ``[rows, vocab]`` tensor, so the placeholder changes no other row's token).
 
 Example:
+    >>> import dataclasses, torch
     >>> from paged_ref.models import tiny_llama
-    >>> d = resolve(tiny_llama(), do_sample=True, num_return_sequences=3)
-    >>> d.mode, d.top_k, d.top_p, d.num_return_sequences
-    ('sample', 50, 1.0, 3)
-    >>> resolve(tiny_llama(), num_beams=2, num_return_sequences=3)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: num_return_sequences must be <= num_beams ..., got num_return_sequences=3 with num_beams=2
+    >>> d = resolve(tiny_llama(), do_sample=True, top_k=2)
+    >>> d.mode, d.top_k, d.top_p
+    ('sample', 2, 1.0)
+    >>> warp(torch.tensor([[0.0, 3.0, 1.0, 2.0]]), d)        # top_k=2 keeps the two largest
+    tensor([[-inf, 3., -inf, 2.]])
+    >>> torch.manual_seed(0) and None
+    >>> choose(torch.tensor([[0.0, 3.0, 1.0, 2.0]]), d)                 # drawn from tokens 1 and 3 only
+    tensor([1])
+    >>> choose(torch.tensor([[0.0, 3.0, 1.0, 2.0]]), dataclasses.replace(d, do_sample=False))  # greedy
+    tensor([1])
 """
 
 from __future__ import annotations
@@ -36,9 +35,11 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import torch
+
 from .._validate import check_int
 
-__all__ = ["DEFAULTS", "Decoding", "resolve"]
+__all__ = ["DEFAULTS", "Decoding", "choose", "resolve", "top_k_warp", "top_p_warp", "warp"]
 
 # transformers' global defaults (`GenerationConfig._get_default_generation_params`) for these names
 DEFAULTS = {
@@ -84,22 +85,13 @@ _OFF_WHEN_SAMPLING = {  # warpers transformers applies only with do_sample
 
 @dataclass(frozen=True)
 class Decoding:
-    """The resolved decoding arguments (names and meanings as in transformers' `GenerationConfig`).
+    """The resolved decoding arguments, named as in transformers' `GenerationConfig`.
 
-    Attributes:
-        do_sample: draw tokens instead of taking the most likely one.
-        temperature: logits are divided by it before sampling (> 0; 1.0 leaves them alone).
-        top_k: sample among the ``top_k`` most likely tokens only (0: no limit).
-        top_p: sample among the smallest set of most likely tokens whose probabilities add up to
-            at least ``top_p`` (1.0: no limit).
-        num_return_sequences: sequences returned per prompt (sampling: independent samples that
-            share the prompt's pages; beam search: the best of the ``num_beams`` finished beams).
-        num_beams: beams per prompt (1: no beam search).
-        length_penalty: a finished beam's score is its summed log-probability divided by
-            ``generated_length ** length_penalty``.
-        early_stopping: when beam search stops: ``True`` as soon as ``num_beams`` beams have
-            finished; ``False`` when no running beam can beat the finished ones (judged at the
-            current length); ``"never"`` only when none can at any length.
+    ``top_k=0`` and ``top_p=1.0`` set no limit; ``num_return_sequences`` are independent samples
+    sharing the prompt's pages, or the best of the ``num_beams`` finished beams. A finished beam
+    scores its summed log-probability over ``generated_length ** length_penalty``; ``early_stopping``:
+    ``True`` stops once ``num_beams`` beams finished, ``False`` when no running beam can beat the
+    finished ones at the current length, ``"never"`` when none can at any length.
     """
 
     do_sample: bool
@@ -121,16 +113,8 @@ class Decoding:
 
 def resolve(model, **given) -> Decoding:
     """The decoding arguments for ``model``: ``given`` (None = not given) over the model's
-    ``generation_config`` over `DEFAULTS`; checked, with errors naming the argument.
-
-    Raises:
-        TypeError / ValueError: a bad value or combination (the message names the argument).
-        NotImplementedError: beam sampling (``num_beams > 1`` with ``do_sample``), or a
-            ``generation_config`` that asks for a logits processor paged_ref does not implement.
-    """
-    unknown = set(given) - set(DEFAULTS)
-    if unknown:
-        raise TypeError(f"unknown decoding arguments {sorted(unknown)}; expected some of {sorted(DEFAULTS)}")
+    ``generation_config`` over `DEFAULTS`, checked (NotImplementedError: beam sampling, or a logits
+    processor paged_ref does not implement)."""
     config = getattr(model, "generation_config", None)
     values = {}
     for name, default in DEFAULTS.items():
@@ -180,16 +164,7 @@ def resolve(model, **given) -> Decoding:
             "use do_sample=False for beam search or num_beams=1 for sampling"
         )
     _check_processors(config, do_sample)
-    return Decoding(
-        do_sample=do_sample,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        num_return_sequences=n,
-        num_beams=num_beams,
-        length_penalty=length_penalty,
-        early_stopping=early_stopping,
-    )
+    return Decoding(do_sample, temperature, top_k, top_p, n, num_beams, length_penalty, early_stopping)
 
 
 def _real(name: str, value) -> float:
@@ -210,3 +185,47 @@ def _check_processors(config, do_sample: bool) -> None:
                 f"the model's generation_config sets {name}={value!r}, a logits processor paged_ref.hf does not "
                 f"implement; generate on a model whose generation_config leaves it at {off[-1]!r}"
             )
+
+
+def top_k_warp(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Keep each row's ``top_k`` largest scores (and any equal to the k-th); the rest become -inf."""
+    k = min(top_k, scores.shape[-1])
+    kth = torch.topk(scores, k).values[..., -1:]  # [rows, 1]: the k-th largest score
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
+def top_p_warp(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens holding at least ``top_p`` of the probability."""
+    ascending, order = torch.sort(scores, descending=False)  # [rows, vocab], least likely first
+    below = ascending.softmax(dim=-1).cumsum(dim=-1)  # probability of this token and all less likely ones
+    drop_sorted = below <= (1 - top_p)  # these together hold at most 1 - top_p: the tail to cut
+    drop_sorted[..., -1:] = False  # the most likely token always stays
+    drop = drop_sorted.scatter(1, order, drop_sorted)  # back to vocabulary order
+    return scores.masked_fill(drop, float("-inf"))
+
+
+def warp(logits: torch.Tensor, decoding: Decoding) -> torch.Tensor:
+    """The sampling warpers transformers applies for ``decoding``, in its order; ``[rows, vocab]``."""
+    scores = logits if decoding.temperature == 1.0 else logits / decoding.temperature
+    if decoding.top_k != 0:
+        scores = top_k_warp(scores, decoding.top_k)
+    if decoding.top_p < 1.0:
+        scores = top_p_warp(scores, decoding.top_p)
+    return scores
+
+
+def choose(
+    logits: torch.Tensor, decoding: Decoding, *, rows: int | None = None, active: list[int] | None = None
+) -> torch.Tensor:
+    """The next token of each row still generating, LongTensor ``[len(active)]``, from its logits,
+    float32 ``[len(active), vocab]``. The batch has ``rows`` rows (default: all active); a sampled
+    draw is made over all of them, the finished ones with a placeholder distribution."""
+    if not decoding.do_sample:
+        return logits.argmax(dim=-1)
+    probs = warp(logits, decoding).softmax(dim=-1)  # [num_active, vocab]
+    if rows is None or active is None or len(active) == rows:
+        return torch.multinomial(probs, num_samples=1)[:, 0]
+    full = torch.ones(rows, probs.shape[-1], dtype=probs.dtype, device=probs.device)  # [rows, vocab]
+    index = torch.tensor(active, device=probs.device)
+    full[index] = probs
+    return torch.multinomial(full, num_samples=1)[index, 0]

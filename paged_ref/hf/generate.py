@@ -1,25 +1,11 @@
 """Generation from a paged KV cache: `generate` and its iterator form `stream`.
 
-Decoding as ``model.generate`` does it, with its argument names, defaults and checks
-(`paged_ref.hf.decoding`): greedy by default; ``do_sample=True`` with ``temperature``, ``top_k``,
-``top_p`` draws the same tokens as ``model.generate`` after the same ``torch.manual_seed``
-(`paged_ref.hf.sampling`); ``num_beams=k`` is beam search over forked pages (`paged_ref.hf.beam`).
-
-Sharing pages. ``num_return_sequences=n`` samples n sequences per prompt: the prompt is
-prefilled once and *forked* n - 1 times, so the n rows share its pages (reference counts); the
-first token a row writes into a shared page copies that page first (copy-on-write), full pages
-stay shared to the end. The output has ``batch * n`` rows, prompt ``b``'s samples in rows
-``b * n .. b * n + n - 1``, as ``model.generate`` lays them out.
-
-Mixed-length batches: pass the prompts left-padded with an ``attention_mask`` (what
-``tokenizer(..., padding=True)`` gives with ``padding_side="left"``, and what
-``model.generate`` expects). Padding is stripped before anything reaches the cache: each
-sequence holds only its own tokens, at positions 0, 1, 2, ... (per-sequence lengths). The output
-keeps the input's layout, so it lines up with ``model.generate``'s output token for token.
-
-Stopping: a sequence that emits an EOS token is finished; later columns of its row hold
-``pad_token_id`` (as in ``model.generate``) and its pages go back to the allocator at once.
-Generation ends after ``max_new_tokens`` or when every sequence is finished.
+The same tokens as ``model.generate`` for the same decoding arguments (`paged_ref.hf.decoding`):
+greedy, sampling after the same ``torch.manual_seed``, beam search over forked pages
+(`paged_ref.hf.beam`). ``num_return_sequences=n`` prefills a prompt once and *forks* it n - 1
+times: the rows share its pages, and a row's first write into a shared page copies it
+(copy-on-write). Left padding (``attention_mask``) is stripped before anything reaches the cache;
+a sequence that emits EOS gives its pages back at once and its row is filled with ``pad_token_id``.
 
 Example:
     >>> import torch
@@ -27,10 +13,8 @@ Example:
     >>> model = tiny_llama()
     >>> ids = torch.tensor([[1, 7, 9, 4]])
     >>> out = generate(model, ids, max_new_tokens=5, page_size=2)
-    >>> out.shape
-    torch.Size([1, 9])
-    >>> bool((out == model.generate(ids, max_new_tokens=5, do_sample=False)).all())
-    True
+    >>> out.shape, bool((out == model.generate(ids, max_new_tokens=5, do_sample=False)).all())
+    (torch.Size([1, 9]), True)
     >>> _ = torch.manual_seed(0); mine = generate(model, ids, max_new_tokens=5, do_sample=True, num_return_sequences=3)
     >>> _ = torch.manual_seed(0); theirs = model.generate(ids, max_new_tokens=5, do_sample=True, num_return_sequences=3)
     >>> mine.shape, torch.equal(mine, theirs)
@@ -44,16 +28,105 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .._validate import check_int
-from ..cache import PagedKVCache
+from ._checks import check_streamer
 from .beam import run_beam_search
-from .decoding import Decoding, resolve
-from .inputs import open_session, prepare_inputs, prompt_namespaces
-from .sampling import choose
-from .session import PagedSession
+from .decoding import Decoding, choose, resolve
+from .inputs import Prepared, prepare
 
 __all__ = ["Stream", "generate", "stream"]
 
-PROGRESS_MIN_TOKENS = 128  # progress="auto" shows a bar from this many new tokens on
+PROGRESS_MIN_TOKENS = 128  # progress=None shows a bar from this many new tokens on
+
+
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    num_return_sequences: int | None = None,
+    num_beams: int | None = None,
+    length_penalty: float | None = None,
+    early_stopping: bool | str | None = None,
+    streamer=None,
+    callback: Callable[[int, object], None] | None = None,
+    progress: bool | None = None,
+    **options,
+) -> torch.Tensor:
+    """Generation with every layer's K/V in a paged cache; the same tokens as ``model.generate``.
+
+    Args:
+        model: a transformers causal LM (Llama family; attention through `AttentionInterface`).
+        input_ids: LongTensor ``[batch, prompt_len]``, left-padded when lengths differ.
+        max_new_tokens: most tokens added per sequence (>= 1).
+        do_sample, temperature, top_k, top_p, num_return_sequences, num_beams, length_penalty,
+            early_stopping: as in ``model.generate``; None takes the model's ``generation_config``
+            value, else transformers' default (`paged_ref.hf.decoding`).
+        streamer: ``put(LongTensor)`` and ``end()`` (e.g. ``transformers.TextStreamer``), called as
+            ``model.generate`` calls them. Not with beam search.
+        callback: ``callback(step, tokens: LongTensor [rows])`` after each step; with beam search
+            ``callback(step, beam_step)`` (`paged_ref.hf.beam.BeamStep`).
+        progress: show a tqdm bar; None: from 128 new tokens on.
+        **options: the cache's and the inputs' (`paged_ref.hf.inputs.prepare`): ``page_size``,
+            ``num_pages``, ``backend``, ``attention_mask``, ``eviction``, ``budget``, ``eos_token_id``,
+            ``pad_token_id``, ``kv_cache``, ``namespace``.
+
+    Returns:
+        LongTensor ``[batch * num_return_sequences, prompt_len + steps]``: each row its prompt,
+        then its tokens (prompt ``b``'s rows are ``b * n .. b * n + n - 1``, as ``model.generate``).
+
+    Raises:
+        TypeError / ValueError: bad arguments (the message names the argument); nothing is allocated.
+        paged_ref.OutOfPagesError: the page pool ran out (every page is freed again).
+    """
+    if progress is None:
+        progress = check_int("max_new_tokens", max_new_tokens, min_value=1) >= PROGRESS_MIN_TOKENS
+    decoding = resolve(
+        model,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        num_return_sequences=num_return_sequences,
+        num_beams=num_beams,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+    )
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable as callback(step, tokens) or None, got {type(callback).__name__}")
+    if streamer is not None:
+        check_streamer(streamer, beam=decoding.mode == "beam")
+    if decoding.mode == "beam":
+        out = run_beam_search(
+            model, input_ids, decoding, max_new_tokens, callback=callback, progress=progress, **options
+        )
+        return out.sequences
+    n = decoding.num_return_sequences
+    steps = Stream(_steps(prepare(model, input_ids, n, max_new_tokens=max_new_tokens, **options), decoding))
+    from tqdm.auto import tqdm
+
+    new_tokens = []
+    bar = tqdm(total=max_new_tokens, disable=not progress, desc="paged generate", unit="tok")
+    try:
+        for step, tokens in enumerate(steps):
+            if step == 0 and streamer is not None:
+                streamer.put(input_ids.repeat_interleave(n, dim=0).cpu())
+            new_tokens.append(tokens)
+            if streamer is not None:
+                streamer.put(tokens.cpu())
+            if callback is not None:
+                callback(step, tokens)
+            bar.update(1)
+    finally:
+        steps.close()  # frees the pages even when a callback raised
+        bar.close()
+        if streamer is not None:
+            streamer.end()
+    generated = torch.stack(new_tokens, dim=1).to(input_ids.device)  # [rows, steps]
+    return torch.cat([input_ids.repeat_interleave(n, dim=0), generated], dim=1)
 
 
 def stream(
@@ -66,27 +139,11 @@ def stream(
     top_k: int | None = None,
     top_p: float | None = None,
     num_return_sequences: int | None = None,
-    page_size: int = 16,
-    num_pages: int | None = None,
-    backend: str = "auto",
-    attention_mask: torch.Tensor | None = None,
-    eviction=None,
-    budget: int | None = None,
-    eos_token_id: int | list[int] | None = None,
-    pad_token_id: int | None = None,
-    kv_cache: PagedKVCache | None = None,
-    namespace: dict | list | None = None,
-) -> Iterator[torch.Tensor]:
-    """Greedy or sampled decoding that yields each step's new tokens as they are produced.
-
-    Same arguments as `generate` (beam search excepted: its sequences are known only at the end).
-    Yields LongTensor ``[batch * num_return_sequences]`` per step (``pad_token_id`` in rows
-    already finished). Pages are freed when a sequence finishes, and all of them when the stream
-    is exhausted, closed (``close()``) or left as a context manager: use
-    ``with stream(...) as steps:`` to leave early (``break``) and free everything at once. A
-    stream kept in a variable and left with ``break`` holds its pages until it is closed or
-    garbage collected; the model itself is never left switched (its attention is "paged_ref"
-    only during each forward).
+    **options,
+) -> Stream:
+    """Greedy or sampled decoding that yields each step's tokens, LongTensor ``[batch * num_return_sequences]``
+    (``pad_token_id`` in finished rows); `generate`'s arguments, beam search excepted. Pages are freed
+    as sequences finish, all of them when the stream ends or is closed (leaving ``with``).
 
     Example:
         >>> from paged_ref.models import tiny_llama
@@ -109,33 +166,8 @@ def stream(
             f"(num_beams={decoding.num_beams}), whose sequences are chosen only at the end; use "
             "paged_ref.hf.generate or paged_ref.hf.beam_search"
         )
-    return Stream(
-        _steps(
-            model,
-            input_ids,
-            decoding,
-            max_new_tokens=max_new_tokens,
-            page_size=page_size,
-            num_pages=num_pages,
-            backend=backend,
-            attention_mask=attention_mask,
-            eviction=eviction,
-            budget=budget,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
-            kv_cache=kv_cache,
-            namespace=namespace,
-        )
-    )
-
-
-def _steps(model, input_ids, decoding: Decoding, *, max_new_tokens, attention_mask, eos_token_id, pad_token_id, **pool):
-    """Check everything, then return the decoding loop (a generator: it starts on the first ``next``)."""
-    namespace = pool.pop("namespace")
-    prompts, eos, pad = prepare_inputs(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
-    namespaces = prompt_namespaces(namespace, len(prompts))
-    session = open_session(model, prompts, max_new_tokens, decoding.num_return_sequences, **pool)
-    return _decode_steps(session, prompts, max_new_tokens, eos, pad, decoding, namespaces)
+    n = decoding.num_return_sequences
+    return Stream(_steps(prepare(model, input_ids, n, max_new_tokens=max_new_tokens, **options), decoding))
 
 
 class Stream:
@@ -169,12 +201,11 @@ class Stream:
         self.close()
 
 
-def _decode_steps(
-    session: PagedSession, prompts, max_new_tokens: int, eos: torch.Tensor, pad: int, decoding, namespaces
-):
-    """The decoding loop behind `stream`: greedy or sampled, ``num_return_sequences`` rows per prompt."""
+def _steps(prepared: Prepared, decoding: Decoding):
+    """The decoding loop: greedy or sampled, ``num_return_sequences`` rows per prompt."""
+    session, prompts, eos, pad, namespaces, max_new_tokens = prepared
     n = decoding.num_return_sequences
-    with session:  # paged attention on; on exit every sequence is freed and attention restored
+    with session:  # on exit every sequence is freed
         roots = [session.add(namespace=ns) for ns in namespaces]
         logits = session.extend(roots, prompts)  # prefill, once per prompt: [batch, vocab]
         # the n rows of a prompt: the prefilled sequence and n - 1 forks sharing its pages
@@ -200,143 +231,3 @@ def _decode_steps(
                 break
             next_tokens = next_tokens[keep]
             logits = session.extend([seq_ids[b] for b in active], list(next_tokens[:, None]))  # decode
-
-
-def generate(
-    model,
-    input_ids: torch.Tensor,
-    *,
-    max_new_tokens: int,
-    do_sample: bool | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    num_return_sequences: int | None = None,
-    num_beams: int | None = None,
-    length_penalty: float | None = None,
-    early_stopping: bool | str | None = None,
-    page_size: int = 16,
-    num_pages: int | None = None,
-    backend: str = "auto",
-    attention_mask: torch.Tensor | None = None,
-    eviction=None,
-    budget: int | None = None,
-    eos_token_id: int | list[int] | None = None,
-    pad_token_id: int | None = None,
-    streamer=None,
-    callback: Callable[[int, object], None] | None = None,
-    progress: bool | None = None,
-    kv_cache: PagedKVCache | None = None,
-    namespace: dict | list | None = None,
-) -> torch.Tensor:
-    """Generation with every layer's K/V in a paged cache; same tokens as ``model.generate``.
-
-    Args:
-        model: a transformers causal LM (Llama family; attention through `AttentionInterface`).
-        input_ids: LongTensor ``[batch, prompt_len]``, left-padded when lengths differ.
-        max_new_tokens: most tokens to add per sequence (>= 1).
-        do_sample, temperature, top_k, top_p, num_return_sequences, num_beams, length_penalty,
-            early_stopping: as in ``model.generate`` (transformers' `GenerationConfig`): None
-            takes the model's ``generation_config`` value, else transformers' default (greedy;
-            ``top_k=50`` when sampling). See `paged_ref.hf.decoding`.
-        page_size: tokens per page of the cache created here.
-        num_pages: pages of the cache created here; default: enough for every sequence at full
-            length (rows of one prompt sharing its full pages). A smaller pool raises
-            `OutOfPagesError` when it runs out.
-        backend: which paged attention reads the pages: ``"auto"`` (default: ``"triton"`` on
-            CUDA, ``"sdpa"`` elsewhere, the fastest tested paths), ``"reference"`` (the oracle),
-            ``"flex"``, ``"triton"`` or ``"sdpa"`` (table in `paged_ref.hf.attention`).
-        attention_mask: ``[batch, prompt_len]`` of 0/1, 1 on real tokens, padding on the left.
-        eviction, budget: KV eviction (`paged_ref.eviction`): a policy name and a budget in
-            tokens (``eviction="paged_eviction", budget=256``), or a policy object. The default
-            pool still holds every sequence at full length. One sequence per prompt only.
-        eos_token_id: int or list of ints that end a sequence; default: the model's
-            ``generation_config.eos_token_id``. Pass ``[]`` to never stop early.
-        pad_token_id: fills finished rows; default: ``generation_config.pad_token_id``, else
-            the first EOS id.
-        streamer: an object with ``put(LongTensor)`` and ``end()`` (e.g.
-            ``transformers.TextStreamer``), called as ``model.generate`` calls it: the prompt
-            first, then each step's tokens ``[batch]``, then ``end()``. Not with beam search.
-        callback: ``callback(step, tokens)`` after each step, ``tokens: LongTensor [rows]``; with
-            beam search ``callback(step, beam_step)``, a `paged_ref.hf.beam.BeamStep`.
-        progress: show a tqdm bar; default (None): only from 128 new tokens on.
-        kv_cache: use this `PagedKVCache` (e.g. to inspect its pages from the callback) instead
-            of creating one; the sequences added are freed before returning.
-        namespace: the prefix-cache namespace (str -> str, e.g. ``{"adapter": "lora-7"}``) of
-            every prompt, or a list of one per prompt (None or a dict each); see
-            `PagedSession.add`.
-
-    Returns:
-        LongTensor ``[batch * num_return_sequences, prompt_len + steps]``, each row its prompt
-        followed by the generated tokens.
-
-    Raises:
-        TypeError / ValueError: bad arguments (the message names the argument); nothing is allocated.
-        paged_ref.OutOfPagesError: the page pool ran out (every page is freed again).
-    """
-    show = (
-        progress
-        if progress is not None
-        else check_int("max_new_tokens", max_new_tokens, min_value=1) >= PROGRESS_MIN_TOKENS
-    )
-    decoding = resolve(
-        model,
-        do_sample=do_sample,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        num_return_sequences=num_return_sequences,
-        num_beams=num_beams,
-        length_penalty=length_penalty,
-        early_stopping=early_stopping,
-    )
-    if callback is not None and not callable(callback):
-        raise TypeError(f"callback must be callable as callback(step, tokens) or None, got {type(callback).__name__}")
-    if streamer is not None:
-        if decoding.mode == "beam":
-            raise ValueError("streamer cannot be used with beam search (num_beams > 1), as in model.generate")
-        missing = [m for m in ("put", "end") if not callable(getattr(streamer, m, None))]
-        if missing:
-            raise TypeError(
-                f"streamer must have put(tokens) and end() methods (like "
-                f"transformers.TextStreamer); {type(streamer).__name__} lacks {missing}"
-            )
-    pool = dict(
-        page_size=page_size,
-        num_pages=num_pages,
-        backend=backend,
-        attention_mask=attention_mask,
-        eviction=eviction,
-        budget=budget,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-        kv_cache=kv_cache,
-        namespace=namespace,
-    )
-    if decoding.mode == "beam":
-        return run_beam_search(
-            model, input_ids, decoding, max_new_tokens=max_new_tokens, callback=callback, progress=show, **pool
-        ).sequences
-    steps = Stream(_steps(model, input_ids, decoding, max_new_tokens=max_new_tokens, **pool))
-    from tqdm.auto import tqdm
-
-    n = decoding.num_return_sequences
-    new_tokens = []
-    bar = tqdm(total=max_new_tokens, disable=not show, desc="paged generate", unit="tok")
-    try:
-        for step, tokens in enumerate(steps):
-            if step == 0 and streamer is not None:
-                streamer.put(input_ids.repeat_interleave(n, dim=0).cpu())
-            new_tokens.append(tokens)
-            if streamer is not None:
-                streamer.put(tokens.cpu())
-            if callback is not None:
-                callback(step, tokens)
-            bar.update(1)
-    finally:
-        steps.close()  # frees the pages even when a callback raised
-        bar.close()
-        if streamer is not None:
-            streamer.end()
-    generated = torch.stack(new_tokens, dim=1).to(input_ids.device)  # [rows, steps]
-    return torch.cat([input_ids.repeat_interleave(n, dim=0), generated], dim=1)

@@ -1,21 +1,14 @@
-"""The model's linear layers through weights packed once for oneDNN: the matmuls of a CPU step, faster.
+"""The model's linear layers through weights packed once for oneDNN: a CPU step's matmuls, faster.
 
-A decode step of a small model is mostly matrix products (SmolLM2-135M: 211 a step, 7 per layer
-and the LM head), each ``x @ W.T`` with few rows in ``x`` and a weight read whole. PyTorch's
-``F.linear`` on a CPU hands each to the BLAS (MKL), which lays ``W`` out for its kernel again on
-every call. oneDNN, the library vLLM's CPU build calls for every linear layer, can take the weight
-already laid out for its kernel ("prepacked"): `PackedLinears` packs every ``nn.Linear`` weight once
-(`torch.ops.mkldnn._reorder_linear_weight`, what inductor's weight prepacking calls) and, inside
-its ``with`` block, runs those layers through ``torch.ops.mkldnn._linear_pointwise``. Outside the
-block the model is untouched, as with the attention implementation (`attention.paged_attention_active`).
-
-The packed copies are made when `PackedLinears` is built: weights changed later are not seen (build
-it again), and they cost as much memory as the weights. Where oneDNN cannot run them (no mkldnn in
-this torch, weights not on the CPU or not float32/bfloat16, a packing that fails) the layers stay
-eager and `PackedLinears` warns once with the reason; ``packed`` says which happened.
+A small model's decode step is mostly matrix products ``x @ W.T`` with few rows in ``x``. On a CPU
+``F.linear`` hands each to the BLAS, which lays ``W`` out for its kernel again on every call; oneDNN
+(what vLLM's CPU build calls for every linear layer) takes a weight laid out once ("prepacked").
+`PackedLinears` packs every ``nn.Linear`` weight when it is built (a second copy: later changes to
+the weights are not seen) and, inside its ``with`` block, runs those layers through
+``torch.ops.mkldnn._linear_pointwise``; outside it the model is untouched. Where oneDNN cannot run
+them, the layers stay eager and it warns once with the reason (``packed`` says which happened).
 
 Example:
-    >>> import warnings
     >>> from paged_ref.models import tiny_llama
     >>> model = tiny_llama()
     >>> x = torch.randn(1, 3, model.config.hidden_size)
@@ -38,15 +31,8 @@ _PACKABLE = (torch.float32, torch.bfloat16)
 
 
 class PackedLinears:
-    """Every ``nn.Linear`` of ``model`` run through its prepacked oneDNN weight within ``with``.
-
-    Args:
-        model: a module whose ``nn.Linear`` layers (weights ``[out, in]``, CPU, float32 or bfloat16)
-            are packed now.
-
-    Attributes:
-        packed: True when the layers run packed; False when they stay eager (one warning said why).
-    """
+    """Every ``nn.Linear`` of ``model`` (weights ``[out, in]``, CPU, float32 or bfloat16) run through its
+    prepacked oneDNN weight within ``with``; ``packed`` is False when they stay eager."""
 
     def __init__(self, model: torch.nn.Module):
         self._layers: list[tuple[torch.nn.Module, object]] = []  # (layer, its forward through the pack)

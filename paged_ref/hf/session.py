@@ -1,26 +1,16 @@
-"""PagedSession: run a transformers causal LM over sequences whose K/V live in pages.
+"""PagedSession: a transformers causal LM run over sequences whose K/V live in pages.
 
-The session is the engine under `generate` and `log_likelihood`. It owns (or borrows) a
-`PagedKVCache`, keeps each sequence's *absolute position* (the next RoPE position), and runs
-forwards with `extend`: any number of new tokens for any subset of its sequences, one
-forward for all of them.
+The session is the engine under `generate`, beam search and the serving engine. It owns (or
+borrows) a `PagedKVCache`, keeps each sequence's *absolute position* (its next RoPE position) and
+runs forwards with `extend`: any number of new tokens for any subset of its sequences, one forward
+for all of them. ``position(seq)`` counts every token the sequence was fed, ``kv.seq_len(seq)`` the
+tokens still held: once an eviction policy drops tokens they differ, and RoPE must still use the
+absolute position (the kept keys were rotated with theirs), so the session passes ``position_ids``.
 
-Positions vs tokens held. ``position(seq)`` counts every token the sequence has ever fed;
-``kv.seq_len(seq)`` counts the tokens whose K/V are still in the cache. They are equal until
-an eviction policy drops tokens; then RoPE must still use the absolute position (the kept keys
-were rotated with theirs when written), which is why the session passes ``position_ids`` itself.
-
-Eviction hooks. Each sequence may have an eviction policy (`paged_ref.eviction`): the session's
-own (``PagedSession(..., eviction=, budget=)``) or one given to `add` / `fork`, so sequences
-under different policies share one forward. After every forward, for every sequence it fed, the
-session calls the policy's hooks and nothing else: ``after_prefill(kv, seq_id)`` after the
-sequence's first forward (its prompt), ``after_append(kv, seq_id)`` after every later one. A
-later forward may feed several tokens (teacher forcing) up to ``policy.tokens_until_action``,
-which is then exactly what as many one-token steps compute. The policy may call
-``kv.drop_pages`` / ``kv.compact`` on that sequence.
-
-Per-layer eviction decisions need a block table per layer: ``kv`` may be a
-`paged_ref.layered_cache.LayeredKVCache`, and then every layer attends through its own table.
+Eviction hooks: each sequence may have a policy (`paged_ref.eviction`, the session's or its own);
+after each forward that feeds it, the session calls ``policy.after_prefill(kv, seq)`` (its first)
+or ``policy.after_append(kv, seq)``, feeding at most ``policy.tokens_until_action`` tokens between
+calls. On a `LayeredKVCache` each layer attends through its own block table (per-layer eviction).
 
 Example:
     >>> import torch
@@ -38,16 +28,17 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import time
 from dataclasses import replace
 
 import torch
 
-from .._validate import check_list
 from ..cache import PagedKVCache
 from ..cache_interface import KVCache
 from ..eviction.policies import EvictionPolicy, resolve_policy
 from ..memory import model_geometry
+from ._checks import check_batch, token_ids
 from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, paged_attention_active, register, set_attn_implementation
 from .cache import PagedCache, StepPlan, pack_rows
 from .prepack import PackedLinears
@@ -67,26 +58,15 @@ class PagedSession:
     Args:
         model: a transformers causal LM whose attention goes through `AttentionInterface`
             (Llama, Mistral, Qwen2, SmolLM2, ...), in eval mode.
-        kv_cache: a `KVCache` (`PagedKVCache`, or `LayeredKVCache` for per-layer eviction
-            decisions) matching the model (layers, KV heads, head_dim, dtype, device), or None to
-            create a `PagedKVCache` with `num_pages` pages of `page_size` tokens.
-        num_pages, page_size: size of the cache created when `kv_cache` is None.
-        backend: ``"auto"`` (default: ``"triton"`` on CUDA, ``"sdpa"`` elsewhere), ``"reference"``
-            (the oracle), ``"flex"``, ``"triton"`` or ``"sdpa"`` (see `paged_ref.hf.attention`),
-            or a `Backend` object (``quest_backend(budget)``); ``session.backend`` names the one in use.
-        eviction, budget: KV eviction (`paged_ref.eviction`) of every sequence not given its own
-            in `add` / `fork`: a policy name with ``budget`` in tokens (e.g.
-            ``eviction="paged_eviction", budget=256``), or a policy object (which carries its own
-            budget). None: keep every token.
-        prepack: run the model's linear layers through weights packed once for oneDNN
-            (`paged_ref.hf.prepack`; the same tokens, faster matmuls on a CPU, a second copy of the
-            weights). Where that cannot run, the layers stay eager with one warning.
+        kv_cache: a `KVCache` matching the model, or None to create a `PagedKVCache` of ``num_pages``
+            pages of ``page_size`` tokens.
+        backend: a name of `paged_ref.hf.attention.BACKENDS`, ``"auto"`` (the default) or a `Backend`.
+        eviction, budget: the policy of every sequence not given its own: a name with ``budget``
+            in tokens (``eviction="paged_eviction", budget=256``), a policy object, or None.
+        prepack: run the linear layers through weights packed once for oneDNN (`paged_ref.hf.prepack`).
 
-    The model's attention implementation is ``"paged_ref"`` only for the length of each
-    `extend` forward and is restored right after it (also when the forward raises): between
-    forwards the model is untouched, so several sessions can share one model and
-    ``model.generate`` keeps working next to an open session. `close` (end of the ``with``
-    block) frees every sequence the session added.
+    The model's attention is ``"paged_ref"`` only during each `extend` forward: several sessions can
+    share one model, and ``model.generate`` works beside them. `close` frees every sequence.
     """
 
     def __init__(
@@ -103,27 +83,26 @@ class PagedSession:
     ):
         if not isinstance(prepack, bool):
             raise TypeError(f"prepack must be True or False, got {prepack!r}")
-        kv = kv_cache
         eviction = resolve_policy(eviction, budget)
         geometry = model_geometry(model)
-        backend_ = get_backend(backend, geometry.device)  # a kv given must match this device (below)
-        if kv is None:
-            kv = PagedKVCache(num_pages=num_pages, page_size=page_size, **geometry.cache_kwargs)
-        elif not isinstance(kv, KVCache):
+        self._backend = get_backend(backend, geometry.device)
+        if kv_cache is None:
+            kv_cache = PagedKVCache(num_pages=num_pages, page_size=page_size, **geometry.cache_kwargs)
+        elif not isinstance(kv_cache, KVCache):
             raise TypeError(
-                f"kv_cache must be a paged_ref.PagedKVCache, a LayeredKVCache or None, got {type(kv).__name__}"
+                f"kv_cache must be a paged_ref.PagedKVCache, a LayeredKVCache or None, got {type(kv_cache).__name__}"
             )
-        else:
-            need, got = geometry.cache_kwargs, kv.geometry.cache_kwargs
-            if got != need:
-                raise ValueError(f"kv_cache does not match the model: the model needs {need}, kv_cache has {got}")
+        elif kv_cache.geometry.cache_kwargs != geometry.cache_kwargs:
+            raise ValueError(
+                f"kv_cache does not match the model: the model needs {geometry.cache_kwargs}, "
+                f"kv_cache has {kv_cache.geometry.cache_kwargs}"
+            )
         self.model = model
-        self.kv = kv
-        self._backend = backend_
+        self.kv = kv_cache
         self.backend = self._backend.name
         self.eviction = eviction  # the default policy (it carries its own budget)
         self._decode, self._prefill = self._backend.functions()
-        self._hf_cache = PagedCache(kv)
+        self._hf_cache = PagedCache(kv_cache)
         self._linears = PackedLinears(model) if prepack else contextlib.nullcontext()
         self._cache_kw = cache_keyword(model)
         self._positions: dict[int, int] = {}  # seq_id -> next absolute position
@@ -143,15 +122,12 @@ class PagedSession:
                 set_attn_implementation(self.model, ATTN_IMPLEMENTATION)
             finally:
                 set_attn_implementation(self.model, previous)
-            self._open = True
-            self._closed = False
+            self._open, self._closed = True, False
         return self
 
     def close(self) -> None:
-        """Free every sequence still held (the model's attention was never left switched); `add`
-        is refused until the session is opened again."""
-        self._open = False
-        self._closed = True
+        """Free every sequence still held; `add` is refused until the session is opened again."""
+        self._open, self._closed = False, True
         for seq_id in list(self._positions):
             self.finish(seq_id)
 
@@ -163,18 +139,11 @@ class PagedSession:
 
     # ------------------------------------------------------------------ sequences
     def add(self, token_ids=None, *, eviction: EvictionPolicy | None = None, namespace: dict | None = None) -> int:
-        """Start a sequence; returns its id in `kv`.
+        """Start a sequence under policy ``eviction`` (default: the session's); returns its id in `kv`.
 
-        ``eviction``: this sequence's own policy object (default: the session's).
-        ``namespace``: this sequence's prefix-cache fields (str -> str, e.g.
-        ``{"adapter": "lora-7"}``, see `PagedKVCache.add_sequence`): it shares pages only with
-        sequences of the same namespace.
-
-        With ``token_ids`` (the prompt, a list or 1-D LongTensor) and a cache made with
-        ``prefix_caching=True``, the full pages of the prompt that the cache already holds are
-        reused: the sequence starts with ``position(seq_id)`` tokens held, and the caller feeds
-        the rest, ``token_ids[position(seq_id):]`` (at least the last token is always left to
-        compute). Without prefix caching the sequence starts empty.
+        With ``token_ids`` (the prompt) on a cache with ``prefix_caching=True``, the full pages of it
+        the cache holds are reused: the caller then feeds ``token_ids[position(seq_id):]`` (at least
+        the last token). Pages are shared only within one ``namespace`` (`PagedKVCache.add_sequence`).
 
         Example:
             >>> from paged_ref import PagedKVCache
@@ -201,19 +170,9 @@ class PagedSession:
     def fork(self, seq_id: int, *, eviction: EvictionPolicy | None = None) -> int:
         """A new sequence holding ``seq_id``'s tokens (its pages shared, copy-on-write) at its position.
 
-        The fork's tokens are its prompt: its policy (``eviction``, default the session's) runs
-        ``after_prefill`` on it now, so one prefilled prompt serves sequences under different
-        policies without being computed again.
+        The fork's tokens are its prompt: its policy (default: the session's) runs ``after_prefill``
+        now, so one prefilled prompt serves sequences under different policies.
 
-        Example:
-            >>> from paged_ref.eviction import make_policy
-            >>> from paged_ref.models import tiny_llama
-            >>> with PagedSession(tiny_llama(), num_pages=16, page_size=4) as session:
-            ...     root = session.add()
-            ...     _ = session.extend([root], [torch.arange(1, 21)])             # a 20-token prompt
-            ...     s = session.fork(root, eviction=make_policy("streaming_llm", 8))
-            ...     session.kv.seq_len(root), session.kv.seq_len(s), session.position(s)
-            (20, 8, 20)
         """
         self._check_live(seq_id)
         policy = self._policy_arg(eviction)
@@ -293,45 +252,30 @@ class PagedSession:
         Args:
             seq_ids: the sequences (distinct, live), one per batch row.
             tokens: for each, a LongTensor ``[n_b]`` (n_b >= 1) of new token ids.
-            all_logits: return the logits of every new token instead of only the last.
-            packed: when the rows have different lengths (a prompt chunk next to decodes), feed the
-                model one row of all the new tokens instead of a ``[batch, max_n_b]`` rectangle, so
-                that the padding is not computed (`paged_ref.hf.cache.pack_rows`); same logits. Not
-                on a `LayeredKVCache`.
-            reserved: the caller (a scheduler) already reserved the tokens' slots in the cache
-                (`PagedKVCache.reserve`); the forward writes into them, and undoing them is the caller's.
+            all_logits: return every new token's logits, not only the last one's.
+            packed: rows of different lengths (a prompt chunk beside decodes) go to the model as one
+                row of all the new tokens, not a padded ``[batch, max_n_b]`` rectangle (`pack_rows`):
+                the same logits, no padding computed. Not on a `LayeredKVCache`.
+            reserved: a scheduler already reserved the tokens' slots (`PagedKVCache.reserve`); the
+                forward writes into them, and undoing them is the caller's.
 
-        Returns:
-            all_logits False: ``[batch, vocab]`` float32, logits after each sequence's last new token.
-            all_logits True: a list of ``[n_b, vocab]`` float32 tensors.
-
-        Up to the forward's end it is all or nothing: bad arguments, a pool short of the pages
-        the whole batch needs (counted before any is taken) or a forward that raises leave every
-        sequence as it was. Then the new tokens are fed (positions count them) and every
-        sequence's eviction policy runs; a policy that raises (e.g. `OutOfPagesError` when a
-        compaction must copy pages still shared with a fork's parent) changes nothing itself,
-        the others still run, and its error is raised at the end.
+        Returns float32 ``[batch, vocab]``, the logits after each row's last new token (with
+        ``all_logits``, a list of ``[n_b, vocab]``). Up to the forward's end it is all or nothing: bad
+        arguments, a pool short of pages or a forward that raises leave every sequence as it was.
+        Then each sequence's policy runs; one that raises changes nothing, and its error is raised
+        after the others ran.
         """
         if not self._open:
             raise RuntimeError("PagedSession.extend needs an open session: use `with PagedSession(...) as s:`")
-        seq_ids = check_list("seq_ids", seq_ids, "sequence ids")
-        if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
-            tokens = list(tokens)  # [batch, n]: one row per sequence
-        tokens = check_list("tokens", tokens, "token-id tensors")
-        if len(seq_ids) != len(tokens) or not seq_ids:
-            raise ValueError(
-                f"seq_ids and tokens must be non-empty and of equal length, got {len(seq_ids)} and {len(tokens)}"
-            )
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
+        seq_ids, tokens = check_batch(seq_ids, tokens)
         for s in seq_ids:
             self._check_live(s)
-        device = self.kv.device
-        tokens = [self._token_ids(f"tokens[{b}]", t).to(device) for b, t in enumerate(tokens)]
-        q_lens_list = [t.numel() for t in tokens]
-        if min(q_lens_list) < 1:
-            raise ValueError(f"each tokens[b] must hold at least one token, got lengths {q_lens_list}")
-        for b, (s, n) in enumerate(zip(seq_ids, q_lens_list)):
+        device, vocab = self.kv.device, self.model.config.vocab_size
+        tokens = [token_ids(f"tokens[{b}]", t, vocab).to(device) for b, t in enumerate(tokens)]
+        q_lens = [t.numel() for t in tokens]
+        if min(q_lens) < 1:
+            raise ValueError(f"each tokens[b] must hold at least one token, got lengths {q_lens}")
+        for b, (s, n) in enumerate(zip(seq_ids, q_lens)):
             policy = self._policies[s]
             if (
                 policy is not None
@@ -346,25 +290,21 @@ class PagedSession:
 
         marks = [self.kv.mark(s) for s in seq_ids]
         started = time.perf_counter()
-        try:
-            plan, input_ids, position_ids = self._plan(seq_ids, tokens, q_lens_list, packed=packed, reserved=reserved)
-        except BaseException:  # the reservation is all or nothing; what comes after it may fail
-            self._rewind(seq_ids, marks)
-            raise
-        self.plan_seconds += time.perf_counter() - started
-        # logits are needed only at each row's last new token: ask for those columns only
-        if plan.parts is not None:  # one packed row: each sequence's last token, or all of them
-            ends = torch.cumsum(plan.q_lens, 0) - 1  # [batch]
-            keep = 0 if all_logits else ends.to(device)
-        elif all_logits:
-            keep = 0
-        elif plan.max_q_len == 1:
-            keep = 1
-        else:
-            last = sorted(set(n - 1 for n in q_lens_list))
-            keep = torch.tensor(last, device=device)
-        self._hf_cache.plan = plan
-        try:
+        try:  # the reservation is all or nothing, what follows may fail: then back to the marks
+            plan, input_ids, position_ids = self._plan(seq_ids, tokens, q_lens, packed=packed, reserved=reserved)
+            self.plan_seconds += time.perf_counter() - started
+            # the model computes logits only for the columns asked for: each row's last new token
+            ends = [n - 1 for n in q_lens]
+            if all_logits:
+                keep = 0  # every column
+            elif plan.parts is not None:  # one packed row
+                keep = torch.tensor(list(itertools.accumulate(q_lens)), device=device) - 1  # [batch]
+            elif plan.is_decode:
+                keep = 1
+            else:
+                columns = sorted(set(ends))
+                keep = torch.tensor(columns, device=device)
+            self._hf_cache.plan = plan
             with paged_attention_active(self.model), self._linears:
                 out = self.model(
                     input_ids=input_ids,
@@ -374,14 +314,14 @@ class PagedSession:
                     paged_step=plan,  # reaches paged_attention_forward through **kwargs
                     **{self._cache_kw: self._hf_cache},
                 )
-        except BaseException:  # leave the cache as it was: drop the half-written new tokens
-            self._rewind(seq_ids, marks)
+        except BaseException:
+            for s, mark in reversed(list(zip(seq_ids, marks))):  # the last first
+                self.kv.rewind(s, mark)  # its pages, private copies and length as they were
             raise
         finally:
             self._hf_cache.plan = None
-        logits = out.logits.float()  # [batch, kept columns, vocab]
         prefill = [s not in self._prefilled for s in seq_ids]
-        for s, n in zip(seq_ids, q_lens_list):
+        for s, n in zip(seq_ids, q_lens):
             self._positions[s] += n  # fed: the cache holds them
         error = None
         for s, first in zip(seq_ids, prefill):
@@ -391,38 +331,17 @@ class PagedSession:
                 error = error or e
         if error is not None:
             raise error
-        if plan.parts is not None:
-            return list(logits[0].split(q_lens_list)) if all_logits else logits[0]  # [batch, vocab]
-        if all_logits:
-            return [logits[b, :n] for b, n in enumerate(q_lens_list)]
-        if isinstance(keep, int):
-            return logits[:, -1]  # [batch, vocab]
-        column = {index: i for i, index in enumerate(last)}  # token index -> kept column
-        pick = torch.tensor([column[n - 1] for n in q_lens_list], device=device)
+        logits = out.logits.float()  # [batch, kept columns, vocab], or [1, kept, vocab] packed
+        if all_logits:  # the valid tokens, row after row
+            return list((logits.flatten(0, 1) if plan.valid is None else logits[plan.valid]).split(q_lens))
+        if plan.parts is not None or plan.is_decode:
+            return logits[0] if plan.parts is not None else logits[:, -1]  # [batch, vocab]
+        pick = torch.tensor([columns.index(e) for e in ends], device=device)  # each row's kept column
         return logits[torch.arange(len(seq_ids), device=device), pick]  # [batch, vocab]
 
-    def _token_ids(self, name: str, t) -> torch.Tensor:
-        """One sequence's new tokens as a LongTensor ``[n]``: 1-D integers in [0, vocab)."""
-        if not isinstance(t, torch.Tensor):
-            try:
-                t = torch.as_tensor(t)
-            except (TypeError, ValueError, RuntimeError):
-                raise TypeError(f"{name} must be a 1-D tensor (or list) of token ids, got {type(t).__name__}") from None
-        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex() or t.dim() > 1:
-            raise TypeError(
-                f"{name} must be a 1-D integer tensor of token ids, got shape {list(t.shape)} and dtype {t.dtype}"
-            )
-        t = t.reshape(-1).long()
-        vocab = self.model.config.vocab_size
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
-            raise ValueError(
-                f"{name} must hold token ids in [0, vocab_size={vocab}), got values in [{int(t.min())}, {int(t.max())}]"
-            )
-        return t
-
     def _plan(self, seq_ids, tokens, q_lens_list, packed=False, reserved=False):
-        """Reserve cache slots for the new tokens and lay them out as a [batch, max_q_len] rectangle
-        (or, ``packed`` and of different lengths, as one row: `_pack`)."""
+        """Reserve cache slots for the new tokens and lay them out as a ``[batch, max_q_len]`` rectangle
+        (or, ``packed`` and of different lengths, as one row: `pack_rows`)."""
         device = self.kv.device
         batch, max_q = len(seq_ids), max(q_lens_list)
         # with prefix caching the cache learns the token ids, so full pages become findable
@@ -465,12 +384,6 @@ class PagedSession:
                 (bt, self._backend.prepare(replace(plan, block_table=bt))) for bt in tables
             ]
         return plan, input_ids, position_ids
-
-    def _rewind(self, seq_ids, marks) -> None:
-        """Undo a step's reservations and writes: each sequence back to its mark, the last first
-        (its pages, private copies given back for the shared pages they replaced, length)."""
-        for s, mark in reversed(list(zip(seq_ids, marks))):
-            self.kv.rewind(s, mark)
 
     def _after_forward(self, seq_id: int, *, phase_prefill: bool) -> None:
         """The eviction hooks: let the sequence's policy shrink its cache (see the module docstring)."""

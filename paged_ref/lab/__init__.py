@@ -7,11 +7,13 @@
 - `check`: the coursework checkers students call on their own code (``pr.lab.check``);
 - helpers the above share: `runmode` (quick or full runs, where figures go), `provenance`
   (hardware and versions), `textdata` (real text from the standard library), `stats`,
-  `texttable`, `sizing` (model presets and byte counts beside the cache's own); the notebooks'
-  simulations and replays: `fragmentation` (workloads served by the engine, dry), `scenarios`,
-  `sharing`, `eviction_analysis`, `eviction_replay`; `csr` (a CSR batch back to page lists,
-  notebooks 02 and 08); `flex_inspect` (a paged BlockMask replayed token by token, notebook 04) and
-  `softmax_steps` (the online softmax's every state, notebook 05).
+  `texttable`, `sizing` (model presets and byte counts beside the cache's own); `likelihood`
+  (teacher-forced log-probs through the pages), `mistakes` (wrong backends, its negative controls)
+  and `quest_backend` (Quest's decode in a session); the notebooks' simulations and replays:
+  `fragmentation` (workloads served by the engine, dry), `scenarios`, `sharing`,
+  `eviction_analysis`, `eviction_replay`; `csr` (a CSR batch back to page lists, notebooks 02 and
+  08); `flex_inspect` (a paged BlockMask replayed token by token, notebook 04) and `softmax_steps`
+  (the online softmax's every state, notebook 05).
 
 Submodules load on first use:
 
@@ -30,7 +32,10 @@ _SUBMODULES = {
     "eviction_replay",
     "flex_inspect",
     "fragmentation",
+    "likelihood",
+    "mistakes",
     "provenance",
+    "quest_backend",
     "runmode",
     "scenarios",
     "sharing",

@@ -3,7 +3,7 @@ decision shared by all layers costs; the ablations' names and the order of polic
 
 Every function takes per-layer K/V lists ``ks, vs`` with
 ``ks[layer], vs[layer]: [num_tokens, num_kv_heads, head_dim]`` (the model's cached K after RoPE
-and V, e.g. from `paged_ref.hf.prompt_kv`), so tests can pass synthetic ones.
+and V, e.g. from `paged_ref.lab.likelihood.prompt_kv`), so tests can pass synthetic ones.
 
 Example:
     >>> import torch

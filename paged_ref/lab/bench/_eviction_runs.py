@@ -10,8 +10,9 @@ import torch
 from ..._arith import cdiv
 from ...cache import PagedKVCache
 from ...eviction import make_policy, max_pages_held, token_scores
-from ...hf import PagedSession, prompt_kv
+from ...hf import PagedSession
 from ...layered_cache import LayeredKVCache
+from ..likelihood import prompt_kv
 
 PER_LAYER = ("paged_eviction_per_layer", "paged_eviction_literal_per_layer")  # a LayeredKVCache of their own
 TOKEN_LEVEL = ("token_topk", "token_inverse_key_norm")  # act after every token: a batch of their own

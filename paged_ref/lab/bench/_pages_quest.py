@@ -31,7 +31,7 @@ class QuestRun:
 
     def __init__(self, model, prompt: torch.Tensor, budget: int, longest: int, dense_layers: int = DENSE_LAYERS):
         from ...hf import PagedSession
-        from ...hf.attention import quest_backend
+        from ..quest_backend import quest_backend
 
         self.budget = budget
         kv = PagedKVCache.for_model(

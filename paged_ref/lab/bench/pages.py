@@ -15,7 +15,7 @@
   per decode step (the whole model) and whether the seeded tokens are the same.
 * **Quest against eviction.** On SmolLM2 (float32, CPU), notebook 07's tasks (the texts of
   ``python -m paged_ref.lab.bench eviction``: continuation perplexity, retention, pass-key) at each
-  token budget C: Quest reading C / 16 pages a step (`paged_ref.hf.attention.quest_backend`;
+  token budget C: Quest reading C / 16 pages a step (`paged_ref.lab.quest_backend`;
   prefill and the first two layers, as in Quest's paper, read everything), PagedEviction and
   StreamingLLM holding C tokens, the full cache.
   Mean NLL with 95% t intervals, pass-key accuracy with Wilson intervals, and the K/V (and

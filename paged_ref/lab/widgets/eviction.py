@@ -55,8 +55,8 @@ def real_kv(num_tokens: int = WIDGET_TOKENS, start: int = 0) -> RealKV:
         num_tokens: tokens of `paged_ref.lab.textdata.english_text` (from paragraph ``start``).
         start: first paragraph of the passage.
     """
-    from ...hf import prompt_kv
     from ...models import load_smollm2
+    from ..likelihood import prompt_kv
     from ..textdata import english_text
 
     num_tokens = check_int("num_tokens", num_tokens, min_value=2)

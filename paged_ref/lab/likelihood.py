@@ -5,7 +5,6 @@ check: feed a real text through the paged cache (``chunk_size`` tokens per forwa
 attending to everything cached before it) and compare every token's log-probability with the
 plain model's single forward over the whole text. ``chunk_size=1`` puts every token through
 the decode path; larger chunks exercise prefill over a cached prefix (chunked prefill).
-Later, the eviction evaluation runs the same function with a KV budget.
 
 Example:
     >>> import torch
@@ -25,8 +24,8 @@ import torch
 from .._validate import check_int, describe
 from ..block_table import pages_needed
 from ..cache import PagedKVCache
+from ..hf import PagedSession
 from ..memory import model_geometry
-from .session import PagedSession
 
 __all__ = ["log_likelihood", "prompt_kv", "reference_log_likelihood"]
 
@@ -73,7 +72,8 @@ def log_likelihood(
         prefill_len: tokens of the first forward (a prefill), default `chunk_size`; e.g.
             ``prefill_len=48, chunk_size=1`` scores a 48-token prompt at once, then decodes.
         page_size, num_pages: the cache created here (default size: just enough).
-        backend: ``"auto"`` (default), ``"reference"``, ``"flex"``, ``"triton"`` or ``"sdpa"``.
+        backend: a backend name (`paged_ref.hf.BACKENDS`, default ``"auto"``) or a `Backend` object
+            (e.g. `paged_ref.lab.mistakes.MISTAKES`).
         kv_cache: use this `PagedKVCache` instead (its sequences are freed before returning).
 
     Returns:

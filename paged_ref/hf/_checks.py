@@ -1,0 +1,126 @@
+"""The value checks of `paged_ref.hf`'s public doors (prompts, token ids, EOS / pad ids, streamers),
+made before a page is taken, each naming the argument, what was expected and what was given."""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+from .._validate import check_int, check_list, describe
+from ..memory import model_geometry
+
+__all__ = ["check_batch", "check_prompts", "check_streamer", "token_ids"]
+
+
+def check_batch(seq_ids, tokens) -> tuple[list, list]:
+    """`PagedSession.extend`'s ``seq_ids`` and ``tokens`` as two lists of one length (a ``[batch, n]``
+    tensor of tokens is a row per sequence), non-empty, the ids distinct."""
+    seq_ids = check_list("seq_ids", seq_ids, "sequence ids")
+    if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
+        tokens = list(tokens)  # [batch, n]: one row per sequence
+    tokens = check_list("tokens", tokens, "token-id tensors")
+    if len(seq_ids) != len(tokens) or not seq_ids:
+        raise ValueError(
+            f"seq_ids and tokens must be non-empty and of equal length, got {len(seq_ids)} and {len(tokens)}"
+        )
+    if len(set(seq_ids)) != len(seq_ids):
+        raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
+    return seq_ids, tokens
+
+
+def token_ids(name: str, t, vocab: int) -> torch.Tensor:
+    """One sequence's new tokens as a LongTensor ``[n]``: 1-D integers in [0, vocab)."""
+    if not isinstance(t, torch.Tensor):
+        try:
+            t = torch.as_tensor(t)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{name} must be a 1-D tensor (or list) of token ids, got {type(t).__name__}") from None
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex() or t.dim() > 1:
+        raise TypeError(
+            f"{name} must be a 1-D integer tensor of token ids, got shape {list(t.shape)} and dtype {t.dtype}"
+        )
+    t = t.reshape(-1).long()
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
+        raise ValueError(
+            f"{name} must hold token ids in [0, vocab_size={vocab}), got values in [{int(t.min())}, {int(t.max())}]"
+        )
+    return t
+
+
+def check_streamer(streamer, beam: bool) -> None:
+    """A transformers streamer: ``put(tokens)`` and ``end()``; not with beam search (as in model.generate)."""
+    if beam:
+        raise ValueError("streamer cannot be used with beam search (num_beams > 1), as in model.generate")
+    missing = [m for m in ("put", "end") if not callable(getattr(streamer, m, None))]
+    if missing:
+        raise TypeError(
+            f"streamer must have put(tokens) and end() methods (like "
+            f"transformers.TextStreamer); {type(streamer).__name__} lacks {missing}"
+        )
+
+
+def check_prompts(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id):
+    """Validate the inputs; return (prompts: list of LongTensor [len_b], eos: LongTensor [k], pad: int)."""
+    model_geometry(model)  # a transformers decoder, else a TypeError naming what it lacks
+    check_int("max_new_tokens", max_new_tokens, min_value=1)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise TypeError(f"input_ids must be a LongTensor [batch, prompt_len], got a {describe(input_ids)}")
+    batch, length = input_ids.shape
+    if batch < 1 or length < 1:
+        raise ValueError(f"input_ids must hold at least one token per row, got shape {list(input_ids.shape)}")
+    vocab = model.config.vocab_size
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab:  # (left padding must hold valid ids too, as for model.generate)
+        raise ValueError(f"input_ids must hold token ids in [0, vocab_size={vocab}), got values in [{lo}, {hi}]")
+    device = next(model.parameters()).device
+    if attention_mask is None:
+        prompts = [row.to(device) for row in input_ids]
+    else:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            shape = list(input_ids.shape)
+            raise ValueError(
+                f"attention_mask must be a tensor of the shape of input_ids {shape}, got a {describe(attention_mask)}"
+            )
+        mask = attention_mask.to("cpu")
+        if not ((mask == 0) | (mask == 1)).all():
+            raise ValueError("attention_mask must hold only 0 and 1")
+        mask = mask.bool()
+        lengths = mask.sum(dim=1)
+        left_padded = mask == (torch.arange(length)[None, :] >= (length - lengths)[:, None])
+        if not left_padded.all():
+            bad = int((~left_padded.all(dim=1)).nonzero()[0])
+            raise ValueError(
+                f"attention_mask row {bad} is not left-padded (zeros then ones); pad prompts on the left "
+                "(tokenizer.padding_side = 'left'), as model.generate expects"
+            )
+        if int(lengths.min()) < 1:
+            raise ValueError(
+                f"every prompt needs at least one real token; attention_mask row {int(lengths.argmin())} is all 0"
+            )
+        prompts = [input_ids[b, length - int(n) :].to(device) for b, n in enumerate(lengths)]
+    config = getattr(model, "generation_config", None)
+    if eos_token_id is None:
+        eos_token_id = getattr(config, "eos_token_id", None)
+    eos_token_id = [] if eos_token_id is None else eos_token_id
+    if isinstance(eos_token_id, torch.Tensor):
+        eos_token_id = eos_token_id.tolist()
+    eos_list = [eos_token_id] if _is_int(eos_token_id) else eos_token_id
+    if isinstance(eos_list, (str, bytes)) or not hasattr(eos_list, "__iter__") or not all(_is_int(e) for e in eos_list):
+        raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
+    eos_list = [int(e) for e in eos_list]
+    if any(not 0 <= e < vocab for e in eos_list):
+        raise ValueError(f"eos_token_id must be token ids in [0, vocab_size={vocab}), got {eos_list}")
+    if pad_token_id is None:
+        pad_token_id = getattr(config, "pad_token_id", None)
+    if pad_token_id is None:
+        pad_token_id = eos_list[0] if eos_list else 0
+    if not _is_int(pad_token_id) or not 0 <= int(pad_token_id) < vocab:
+        raise ValueError(f"pad_token_id must be a token id in [0, vocab_size={vocab}) or None, got {pad_token_id!r}")
+    eos = torch.tensor(eos_list, dtype=torch.long, device=device)
+    return prompts, eos, int(pad_token_id)
+
+
+def _is_int(x) -> bool:
+    """A Python or numpy integer (not a bool)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
