@@ -38,7 +38,7 @@ from .attention.reference import (
     reference_paged_decode,
     reference_paged_prefill,
 )
-from .block_table import from_csr, pad_block_tables, pages_needed, slot_mapping, to_csr
+from .block_table import pad_block_tables, pages_needed, slot_mapping, to_csr
 from .cache import PagedKVCache
 from .cache_interface import KVCache
 from .layered_cache import LayeredKVCache
@@ -67,7 +67,6 @@ __all__ = [
     "PagedKVCache",
     "flex_paged_decode",
     "flex_paged_prefill",
-    "from_csr",
     "memory",
     "pad_block_tables",
     "paged_block_masks",

@@ -1,8 +1,5 @@
-"""Argument checks shared by every public entry point.
-
-Each check raises with a message that names the argument, what was expected and what was
-given, so a student sees at once which call went wrong and why.
-"""
+"""Argument checks shared by every public entry point: each error names the argument, what was
+expected and what was given."""
 
 from __future__ import annotations
 
@@ -22,9 +19,8 @@ def check_int(name: str, value, *, min_value: int | None = None) -> int:
 
 
 def check_list(name: str, value, what: str = "ints") -> list:
-    """``value`` as a list (a list, given back as it is; a tuple, range, 1-D tensor or array); a
-    scalar, a string, a dict or a 0-d tensor is refused with a message naming ``name`` and what
-    it should hold."""
+    """``value`` as a list (a list as it is; a tuple, range, 1-D tensor or array); a scalar, string,
+    dict or 0-d tensor is refused."""
     if type(value) is list:
         return value
     if isinstance(value, torch.Tensor) and value.dim() == 1:

@@ -36,8 +36,6 @@ def pages_needed(num_tokens: int, page_size: int) -> int:
 
 
 # ----------------------------------------------------------------- unchecked, for the cache's own tables
-
-
 def flat_slots(pages: list[int], start: int, num_tokens: int, page_size: int) -> torch.Tensor:
     """``int64 [num_tokens]``: the flat slots of tokens ``start .. start+num_tokens-1`` (see `slot_mapping`)."""
     # plain Python then one tensor: a decode step reserves one token, where torch ops would cost more
@@ -70,8 +68,6 @@ def pack_csr(tables: list[list[int]], seq_lens: list[int], *, page_size: int, de
 
 
 # ----------------------------------------------------------------- checked entry points
-
-
 def _check_tables(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], page_size=None):
     """The page lists and lengths as lists, checked: page ids, no page twice in a row, and with
     ``page_size`` enough pages for each length."""
@@ -98,67 +94,20 @@ def _check_tables(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], page
     return tables, seq_lens
 
 
-def pad_block_tables(
-    tables: Sequence[Sequence[int]], seq_lens: Sequence[int], *, page_size: int | None = None, device=None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sequence page lists as ``(block_table int32 [batch, max_pages], seq_lens int32 [batch])``.
-
-    Padding entries hold 0, a valid page id: attention masks everything past ``seq_lens``. With
-    ``page_size`` every row must list the pages its length needs (a short row would send
-    attention to the padding page); without it the lengths are unchecked.
-    """
+def pad_block_tables(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], *, page_size: int | None = None):
+    """Per-sequence page lists as ``(block_table int32 [batch, max_pages], seq_lens int32 [batch])``,
+    padded with page 0 (attention masks past ``seq_lens``). With ``page_size`` every row must list
+    the pages its length needs; without it the lengths are unchecked."""
     if page_size is not None:
         page_size = check_int("page_size", page_size, min_value=1)
-    return pack_padded(*_check_tables(tables, seq_lens, page_size), device=device)
+    return pack_padded(*_check_tables(tables, seq_lens, page_size))
 
 
-def to_csr(
-    tables: Sequence[Sequence[int]], seq_lens: Sequence[int], *, page_size: int, device=None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashInfer's CSR form of a batch: ``(kv_indptr, kv_indices, kv_last_page_len)``, int32.
-
-    Only the pages that hold tokens are listed (a sequence reserved ahead owns more); an empty
-    sequence has zero pages and ``kv_last_page_len`` 0.
-    """
+def to_csr(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], *, page_size: int):
+    """FlashInfer's CSR form of a batch: ``(kv_indptr, kv_indices, kv_last_page_len)``, int32, listing
+    only the pages that hold tokens (an empty sequence: no page, ``kv_last_page_len`` 0)."""
     page_size = check_int("page_size", page_size, min_value=1)
-    return pack_csr(*_check_tables(tables, seq_lens, page_size), page_size=page_size, device=device)
-
-
-def from_csr(
-    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_last_page_len: torch.Tensor, *, page_size: int
-) -> tuple[list[list[int]], list[int]]:
-    """Inverse of :func:`to_csr`: per-sequence page lists and token counts.
-
-    FlashInfer's rules are checked: ``kv_indptr`` starts at 0, never decreases and ends at
-    ``len(kv_indices)``; page ids are >= 0; ``kv_last_page_len`` is in 1..page_size for a
-    sequence with pages, 0 for one without.
-    """
-    page_size = check_int("page_size", page_size, min_value=1)
-    for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("kv_last_page_len", kv_last_page_len)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.is_floating_point() or t.is_complex():
-            what = f"a {t.dim()}-D {t.dtype} tensor" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(f"{name} must be a 1-D integer torch.Tensor, got {what}")
-    indptr, indices, last = kv_indptr.tolist(), kv_indices.tolist(), kv_last_page_len.tolist()
-    if not indptr or indptr[0] != 0 or indptr[-1] != len(indices):
-        raise ValueError(f"kv_indptr must start at 0 and end at len(kv_indices) = {len(indices)}, got {indptr}")
-    if any(b < a for a, b in zip(indptr, indptr[1:])):
-        raise ValueError(f"kv_indptr must not decrease, got {indptr}")
-    if len(last) != len(indptr) - 1:
-        raise ValueError(
-            f"kv_last_page_len must have batch = len(kv_indptr) - 1 = {len(indptr) - 1} entries, got {len(last)}"
-        )
-    if any(p < 0 for p in indices):
-        raise ValueError(f"kv_indices must be page ids >= 0, got {indices}")
-    tables = [indices[a:b] for a, b in zip(indptr[:-1], indptr[1:])]
-    for i, (t, n) in enumerate(zip(tables, last)):
-        lo, hi = (1, page_size) if t else (0, 0)
-        if not lo <= n <= hi:
-            raise ValueError(
-                f"kv_last_page_len[{i}] must be in [{lo}, {hi}] for a sequence of "
-                f"{len(t)} page(s) of {page_size}, got {n}"
-            )
-    lens = [(len(t) - 1) * page_size + n if t else 0 for t, n in zip(tables, last)]
-    return tables, lens
+    return pack_csr(*_check_tables(tables, seq_lens, page_size), page_size=page_size)
 
 
 def slot_mapping(pages: Sequence[int], *, start: int, num_tokens: int, page_size: int) -> torch.Tensor:

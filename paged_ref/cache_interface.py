@@ -1,10 +1,7 @@
 """`KVCache`: what the model glue (`paged_ref.hf`), eviction and serving ask of a paged KV cache.
 
-Two classes implement it: `paged_ref.cache.PagedKVCache` (one block table per sequence serves
-every layer, as in vLLM) and `paged_ref.layered_cache.LayeredKVCache` (a block table per layer,
-for per-layer eviction, ``tables_per_layer`` True). Code written against `KVCache` never asks
-which one it holds: the per-layer questions (``block_table(..., layer=i)``, ``layer_slots``)
-are methods.
+`PagedKVCache` (one block table per sequence for every layer) and `LayeredKVCache` (one per layer,
+``tables_per_layer``) implement it; the per-layer questions are methods (``layer_slots``, ...).
 
 Example:
     >>> from paged_ref import LayeredKVCache, PagedKVCache

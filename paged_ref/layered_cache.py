@@ -1,14 +1,10 @@
-"""A paged KV cache in which every layer keeps its own block table (per-layer eviction).
-
-`PagedKVCache` gives a sequence one block table for all layers, as vLLM does, so an eviction
-decision is shared by all layers. A per-layer decision (PagedEviction's authors' Hugging Face
-code) keeps different tokens in different layers, so each layer needs its own table.
+"""A paged KV cache in which every layer keeps its own block table, for per-layer eviction
+(PagedEviction's authors' code keeps different tokens in different layers).
 
 `LayeredKVCache` is one single-layer `PagedKVCache` whose pool holds ``num_layers * num_pages``
-*layer pages*: layer ``i`` of a sequence is one inner sequence (a *lane*), all lanes draw from
-one allocator (the memory of ``PagedKVCache(num_layers, num_pages, ...)``), and attention for
-layer ``i`` reads the shared pool with layer ``i``'s block table. The lanes of a sequence grow
-and shrink together: every layer holds ``seq_len`` tokens, which tokens differs.
+*layer pages*: layer ``i`` of a sequence is one inner sequence (a *lane*), and attention for
+layer ``i`` reads the shared pool with that lane's block table. The lanes of a sequence grow and
+shrink together: every layer holds ``seq_len`` tokens, which tokens differs.
 
 Example:
     >>> import torch
@@ -147,11 +143,8 @@ class LayeredKVCache:
         return seq_id
 
     def reserve(self, seq_id: int, num_tokens: int) -> torch.Tensor:
-        """Grow every layer by ``num_tokens``; returns ``int64 [num_layers, num_tokens]`` slots.
-
-        All or nothing: the new pages and the copies of shared pages of every layer are counted
-        first; OutOfPagesError, with nothing changed, when the pool is short.
-        """
+        """Grow every layer by ``num_tokens``; returns ``int64 [num_layers, num_tokens]`` slots. All
+        or nothing (OutOfPagesError, nothing changed, when the pool is short)."""
         lanes = self._lanes_of(seq_id)
         num_tokens = check_int("num_tokens", num_tokens, min_value=1)
         slots = self.pool.reserve_batch(lanes, [num_tokens] * len(lanes))
@@ -180,11 +173,8 @@ class LayeredKVCache:
         return [torch.stack(slots[i : i + self.num_layers]) for i in range(0, len(slots), self.num_layers)]
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
-        """Remove the last ``num_tokens`` tokens from every layer: the inverse of `reserve`.
-
-        All or nothing: when a layer's last kept page is shared (a fork) it is copied first, and
-        `OutOfPagesError` is raised, with nothing changed, if the pool cannot hold the copies.
-        """
+        """Remove the last ``num_tokens`` tokens from every layer, the inverse of `reserve`: all or
+        nothing when a layer's shared last kept page must be copied."""
         lanes = self._lanes_of(seq_id)
         num_tokens = check_int("num_tokens", num_tokens, min_value=0)
         if num_tokens > self.seq_len(seq_id):
@@ -194,8 +184,7 @@ class LayeredKVCache:
         if num_tokens == 0:
             self.last_copies = ()
             return
-        # A layer whose last kept page is shared copies it after giving back its cut pages.
-        # Layers that only give back go first, then the copying ones, those giving back most
+        # Layers that only give pages back go first, then the copying ones, those giving back most
         # first: each then finds its copy's page free whenever the totals allow.
         refcount, ps = self.allocator.refcount, self.page_size
         cost = {
@@ -217,10 +206,8 @@ class LayeredKVCache:
         self.pool.write(0, slots, k, v, **options)
 
     def compact(self, seq_id: int, keep: torch.Tensor) -> None:
-        """Keep, in each layer ``i``, the tokens where ``keep[i]`` is True (``bool [num_layers, seq_len]``).
-
-        Every row must keep the same number of tokens, so the layers stay the same length.
-        """
+        """Keep, in each layer ``i``, the tokens where ``keep[i]`` is True (``bool [num_layers, seq_len]``),
+        as many in every layer."""
         lanes = self._lanes_of(seq_id)
         n = self.seq_len(seq_id)
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or tuple(keep.shape) != (len(lanes), n):
@@ -245,10 +232,7 @@ class LayeredKVCache:
         self.last_copies = self._layer_copies(copied)
 
     def drop_pages(self, seq_id: int, logical_pages) -> None:
-        """Drop logical page ``logical_pages[i]`` from layer ``i`` (one page per layer).
-
-        All must be full pages or all the same page, so the layers stay the same length.
-        """
+        """Drop logical page ``logical_pages[i]`` from layer ``i``: all full pages, or all the same page."""
         lanes = self._lanes_of(seq_id)
         logical_pages = check_list("logical_pages", logical_pages, "logical page indices")
         pages = [check_int("logical_pages[i]", p, min_value=0) for p in logical_pages]

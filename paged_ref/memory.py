@@ -1,9 +1,7 @@
 """KV-cache memory arithmetic: a model's KV geometry and the bytes its cache takes.
 
 The cache keeps K and V of every past token, in every layer, for the KV heads only:
-``2 * num_layers * num_kv_heads * head_dim * bytes_per_elem`` bytes per token, linear in the
-number of tokens. (The dense score tensor of a naive prefill, quadratic, is a different object:
-`paged_ref.lab.sizing` sets the two side by side for notebook 01.)
+``2 * num_layers * num_kv_heads * head_dim * bytes_per_elem`` bytes per token.
 
 Example (LLaMA-7B, fp16, 2048 tokens, one layer):
     >>> kv_cache_bytes(2048, num_layers=1, num_kv_heads=32, head_dim=128)
@@ -19,16 +17,12 @@ from ._validate import check_int
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """The shape of a model's KV cache: the one geometry type of the package.
-
-    ``num_q_heads`` and ``num_kv_heads`` differ under grouped-query attention (GQA); the cache
-    is sized by the KV heads. A geometry read from a loaded model (:func:`model_geometry`) also
-    carries the ``dtype`` and ``device`` of its weights; a published preset leaves them None.
+    """The shape of a model's KV cache (sized by the KV heads; ``num_q_heads`` differs under GQA).
 
     Example:
         >>> g = KVGeometry(num_layers=30, num_kv_heads=3, head_dim=64, num_q_heads=9)
-        >>> g.kv_shape, g.group_size
-        ({'num_layers': 30, 'num_kv_heads': 3, 'head_dim': 64}, 3)
+        >>> g.kv_shape
+        {'num_layers': 30, 'num_kv_heads': 3, 'head_dim': 64}
     """
 
     num_layers: int
@@ -52,11 +46,6 @@ class KVGeometry:
             )
 
     @property
-    def group_size(self) -> int:
-        """Query heads per KV head (1 without GQA or when ``num_q_heads`` is None)."""
-        return (self.num_q_heads or self.num_kv_heads) // self.num_kv_heads
-
-    @property
     def kv_shape(self) -> dict[str, int]:
         """The keyword arguments of :func:`kv_cache_bytes` / :func:`kv_bytes_per_token`."""
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim}
@@ -77,10 +66,7 @@ class KVGeometry:
 
 
 def kv_bytes_per_token(*, num_layers: int, num_kv_heads: int, head_dim: int, bytes_per_elem: int = 2) -> int:
-    """Bytes one token occupies in the KV cache: K and V, all layers, all KV heads.
-
-    Example: 524,288 (512 KiB) for LLaMA-7B in fp16 (32 layers, 32 KV heads, head_dim 128).
-    """
+    """Bytes one token occupies in the KV cache: K and V, all layers, all KV heads."""
     num_layers = check_int("num_layers", num_layers, min_value=1)
     num_kv_heads = check_int("num_kv_heads", num_kv_heads, min_value=1)
     head_dim = check_int("head_dim", head_dim, min_value=1)
@@ -100,11 +86,7 @@ def kv_cache_bytes(
 
 
 def model_geometry(model) -> KVGeometry:
-    """The KV geometry of a transformers model, with the dtype and device of its weights.
-
-    Reads the model's config (no transformers import here). ``PagedKVCache.for_model`` builds
-    a cache from it; ``geometry.cache_kwargs`` are that cache's keyword arguments.
-    """
+    """The KV geometry of a transformers model's config, with the dtype and device of its weights."""
     config = getattr(model, "config", None)
     needed = ("num_hidden_layers", "num_attention_heads")
     if config is None or any(getattr(config, name, None) is None for name in needed):

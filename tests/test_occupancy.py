@@ -13,6 +13,7 @@ import torch
 
 from paged_ref.attention import occupancy as occ
 from paged_ref.attention import triton_decode as td
+from paged_ref.lab.bench import kernels
 
 REPORT = json.loads((Path(__file__).resolve().parents[1] / "figures" / "data" / "kernels.json").read_text())
 H200 = occ.SM_LIMITS[90]
@@ -48,8 +49,8 @@ def test_three_programs_per_sm_meet_littles_law_and_one_does_not():
     """sm_90: 3 programs x 32 KB in flight (two K and two V buffers, one of each loading) is
     2.7x the 36 KB Little's law asks per SM at 4.8 TB/s and 1 us; one program alone falls short."""
     entry = _tile_entries(90)[0]
-    per_program = occ.bytes_in_flight(entry["tile_bytes"], max(entry["kv_buffers"]), entry["async_copies"] > 0)
-    need = occ.littles_law_bytes(H200)
+    per_program = kernels.bytes_in_flight(entry["tile_bytes"], max(entry["kv_buffers"]), entry["async_copies"] > 0)
+    need = kernels.littles_law_bytes(90)
     assert need == entry["littles_law_bytes_per_sm"]
     assert per_program * occ._PROGRAMS_PER_SM == entry["kv_bytes_in_flight_per_sm"] >= 2.5 * need
     assert per_program < need
@@ -71,7 +72,7 @@ def test_one_long_sequence_fills_an_h200():
     count, fill = occ.waves(8 * s, H200.sms, 3)
     assert count == 1 and fill >= 0.95, (s, fill)
     per_sm = 8 * s / H200.sms
-    assert per_sm * occ.bytes_in_flight(16384, 2, True) >= occ.littles_law_bytes(H200)
+    assert per_sm * kernels.bytes_in_flight(16384, 2, True) >= kernels.littles_law_bytes(90)
     assert 131072 / s >= occ._MIN_TILES_PER_SPLIT * cfg["BLOCK_N"]
 
 

@@ -83,7 +83,7 @@ def test_csr_triple_follows_flashinfer_and_round_trips():
     assert last.tolist() == [1, 4, 1] and all(1 <= x <= cache.page_size for x in last.tolist())
     again = pr.to_csr([cache.pages(s) for s in seqs], [cache.seq_len(s) for s in seqs], page_size=4)
     assert all(torch.equal(a, b) for a, b in zip(again, (indptr, indices, last)))
-    tables, back = pr.from_csr(indptr, indices, last, page_size=4)
+    tables, back = pr.lab.csr.from_csr(indptr, indices, last, page_size=4)
     assert back == [9, 12, 5] and tables == [cache.pages(s) for s in seqs]
 
 

@@ -1,10 +1,10 @@
 """Attention over a paged KV cache: one contract, several implementations.
 
-Every entry point takes ``q``, ``k_cache`` / ``v_cache`` ``[num_pages, page_size, num_kv_heads,
-head_dim]``, ``block_table [batch, max_pages]`` and ``seq_lens [batch]`` (plus ``q_lens`` for
-prefill), runs the same checks at the door (`_checks`) and returns the same numbers up to
-rounding: ``<backend>_paged_decode`` (one new token per sequence), ``<backend>_paged_prefill``
-(several, causal). Read them in this order:
+Every entry point, ``<backend>_paged_decode`` (one new token per sequence) or
+``<backend>_paged_prefill`` (several, causal), takes ``q``, ``k_cache`` / ``v_cache``
+``[num_pages, page_size, num_kv_heads, head_dim]``, ``block_table [batch, max_pages]`` and
+``seq_lens [batch]`` (plus ``q_lens``), runs the same checks (`_checks`) and returns the same
+numbers up to rounding. Read them in this order:
 
 1. :mod:`.reference`: gather each sequence's pages, then plain softmax attention: the oracle.
 2. :mod:`.online_softmax`: the kernel's algorithm in PyTorch, tile by tile, split and merged.
@@ -12,10 +12,9 @@ rounding: ``<backend>_paged_decode`` (one new token per sequence), ``<backend>_p
    its split count from :mod:`.occupancy`.
 4. :mod:`.flex`: FlexAttention over the whole cache with a BlockMask translated to physical pages.
 
-Then :mod:`.sdpa` (gather by slot, then PyTorch's SDPA: the CPU fast path) and two ways to read
-fewer pages: :mod:`.cascade` (a shared prefix read once; in Triton :mod:`.triton_cascade`) and
-:mod:`.quest` (only the pages whose key bounds promise the largest scores). The Triton names load
-on first use.
+Then :mod:`.sdpa` (gather, then PyTorch's SDPA: the CPU fast path), :mod:`.cascade` (a shared
+prefix read once; in Triton :mod:`.triton_cascade`) and :mod:`.quest` (only the pages whose key
+bounds promise the largest scores). The Triton names load on first use.
 
 Example:
     >>> import torch

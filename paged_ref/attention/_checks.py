@@ -1,9 +1,7 @@
-"""The checks at the door of every public attention function.
-
-``TypeError`` for a wrong type or dtype, ``ValueError`` for a wrong shape, device or value, each
-naming the argument, what was expected and what was given. Every backend runs
-:func:`check_paged_inputs` (or :func:`check_prefill_inputs`) first, so all reject the same bad
-inputs with the same message; the rest are one backend's own rules.
+"""The checks at the door of every public attention function: ``TypeError`` for a wrong type or
+dtype, ``ValueError`` for a wrong shape, device or value, each naming the argument, what was
+expected and what was given. Every backend runs :func:`check_paged_inputs` (or
+:func:`check_prefill_inputs`) first; the rest are one backend's own rules.
 """
 
 from __future__ import annotations
@@ -38,32 +36,27 @@ def _shape(t: torch.Tensor) -> str:
     return str(tuple(t.shape))
 
 
-def check_paged_inputs(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    *,
-    scale: float | None = None,
-    q_ndim: int = 3,
-    check_values: bool = True,
-) -> float:
+def _int_tensor(name: str, t, q: torch.Tensor, layout: str, shape_ok) -> None:
+    """``t`` an int32/int64 tensor on ``q``'s device whose shape passes ``shape_ok`` (``layout`` says which)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in INT_DTYPES:
+        raise TypeError(f"{name} must be int32 or int64, got dtype {t.dtype}")
+    if not shape_ok(tuple(t.shape)):
+        raise ValueError(f"{name} must have shape {layout}, got shape {_shape(t)}")
+    if t.device != q.device:
+        raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
+
+
+def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, q_ndim=3, check_values=True) -> float:
     """The common paged-attention arguments; returns the softmax scale as a float.
 
     ``q`` is ``[batch, num_q_heads, head_dim]`` (``q_ndim=3``) or ``[batch, num_q_heads,
     max_q_len, head_dim]`` (``q_ndim=4``), floating; ``k_cache``, ``v_cache`` of its dtype and
     device; ``block_table`` and ``seq_lens`` int32/int64. ``check_values`` also reads the values
     on the host: ``seq_lens[b]`` in ``[1, max_pages * page_size]``, the used block-table entries
-    distinct page ids.
-
-    Example:
-        >>> q = torch.randn(2, 4, 8)
-        >>> kc = torch.randn(3, 4, 2, 8)
-        >>> check_paged_inputs(q, kc, kc, torch.tensor([[0, 1], [2, 0]]), torch.tensor([5, 3]))
-        0.3535533905932738
-    """
-    for name, t in dict(q=q, k_cache=k_cache, v_cache=v_cache, block_table=block_table, seq_lens=seq_lens).items():
+    distinct page ids."""
+    for name, t in dict(q=q, k_cache=k_cache, v_cache=v_cache).items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     layout = "[batch, num_q_heads, head_dim]" if q_ndim == 3 else "[batch, num_q_heads, max_q_len, head_dim]"
@@ -80,7 +73,6 @@ def check_paged_inputs(
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != q.dtype:
             raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {t.dtype}")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("block_table", block_table), ("seq_lens", seq_lens)):
         if t.device != q.device:
             raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
@@ -95,14 +87,9 @@ def check_paged_inputs(
         )
     if batch < 1:
         raise ValueError(f"q must hold at least one sequence, got batch {batch}")
-    if block_table.dtype not in INT_DTYPES:
-        raise TypeError(f"block_table must be int32 or int64, got dtype {block_table.dtype}")
-    if block_table.dim() != 2 or block_table.shape[0] != batch or block_table.shape[1] < 1:
-        raise ValueError(f"block_table must have shape [batch={batch}, max_pages>=1], got shape {_shape(block_table)}")
-    if seq_lens.dtype not in INT_DTYPES:
-        raise TypeError(f"seq_lens must be int32 or int64, got dtype {seq_lens.dtype}")
-    if seq_lens.shape != (batch,):
-        raise ValueError(f"seq_lens must have shape [batch={batch}], got shape {_shape(seq_lens)}")
+    rows = f"[batch={batch}, max_pages>=1]"
+    _int_tensor("block_table", block_table, q, rows, lambda s: len(s) == 2 and s[0] == batch and s[1] >= 1)
+    _int_tensor("seq_lens", seq_lens, q, f"[batch={batch}]", lambda s: s == (batch,))
     if scale is None:
         scale = head_dim**-0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -126,9 +113,7 @@ def check_paged_inputs(
                     f"block_table[{b}] uses page ids outside [0, num_pages={num_pages}) "
                     f"within its first {len(used)} entries (seq_lens[{b}]={n}): {bad[:4]}"
                 )
-            if len(set(used)) != len(used):
-                # One physical page cannot hold two logical pages of the same sequence; a
-                # repeat is a corrupted table (pages shared *between* sequences are fine).
+            if len(set(used)) != len(used):  # a corrupted table (sharing *between* sequences is fine)
                 twice = sorted({p for p in used if used.count(p) > 1})
                 raise ValueError(
                     f"block_table[{b}] lists page ids {twice[:4]} more than once within its "
@@ -137,30 +122,13 @@ def check_paged_inputs(
     return float(scale)
 
 
-def check_prefill_inputs(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    q_lens: torch.Tensor,
-    *,
-    scale: float | None = None,
-    check_values: bool = True,
-) -> float:
+def check_prefill_inputs(q, k_cache, v_cache, block_table, seq_lens, q_lens, *, scale=None, check_values=True) -> float:
     """:func:`check_paged_inputs` for prefill, plus ``q_lens``: int ``[batch]`` with
     ``0 <= q_lens[b] <= min(seq_lens[b], max_q_len)``."""
     scale = check_paged_inputs(
         q, k_cache, v_cache, block_table, seq_lens, scale=scale, q_ndim=4, check_values=check_values
     )
-    if not isinstance(q_lens, torch.Tensor):
-        raise TypeError(f"q_lens must be a torch.Tensor, got {type(q_lens).__name__}")
-    if q_lens.dtype not in INT_DTYPES:
-        raise TypeError(f"q_lens must be int32 or int64, got dtype {q_lens.dtype}")
-    if q_lens.shape != seq_lens.shape:
-        raise ValueError(f"q_lens must have shape [batch={q.shape[0]}], got {_shape(q_lens)}")
-    if q_lens.device != q.device:
-        raise ValueError(f"q_lens must be on the same device as q ({q.device}), got {q_lens.device}")
+    _int_tensor("q_lens", q_lens, q, f"[batch={q.shape[0]}]", lambda s: s == tuple(seq_lens.shape))
     if check_values:
         max_q_len = q.shape[2]
         for b, (m, n) in enumerate(zip(q_lens.tolist(), seq_lens.tolist())):
@@ -173,23 +141,14 @@ def check_prefill_inputs(
 def check_cascade_inputs(
     q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, *, scale=None, check_values=True
 ) -> float:
-    """:func:`check_paged_inputs`, plus the groups: ``group_indptr`` int ``[num_groups + 1]`` rising
-    strictly from 0 to ``batch``; ``prefix_lens`` int ``[num_groups]``, whole pages, at most the
-    group's shortest ``seq_lens``, on which the group's block-table rows agree (values checked
-    only with ``check_values``)."""
+    """:func:`check_paged_inputs`, plus the groups: ``group_indptr [num_groups + 1]`` rising strictly
+    from 0 to ``batch``; ``prefix_lens [num_groups]``, whole pages, at most the group's shortest
+    ``seq_lens``, on which its block-table rows agree (values: only with ``check_values``)."""
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     batch, page_size = q.shape[0], k_cache.shape[1]
-    for name, t in (("group_indptr", group_indptr), ("prefix_lens", prefix_lens)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in INT_DTYPES or t.dim() != 1:
-            raise TypeError(f"{name} must be a 1-D int32/int64 tensor, got shape {_shape(t)} and dtype {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
-    if prefix_lens.shape[0] != group_indptr.shape[0] - 1:
-        raise ValueError(
-            f"prefix_lens must have shape [num_groups={group_indptr.shape[0] - 1}], got {_shape(prefix_lens)}"
-        )
+    _int_tensor("group_indptr", group_indptr, q, "[num_groups + 1]", lambda s: len(s) == 1)
+    num_groups = group_indptr.shape[0] - 1
+    _int_tensor("prefix_lens", prefix_lens, q, f"[num_groups={num_groups}]", lambda s: s == (num_groups,))
     if not check_values:
         return scale
     bounds = group_indptr.tolist()
@@ -330,7 +289,7 @@ def mask_source(block_table, seq_lens, q_lens) -> tuple:
 def check_block_mask(block_mask, block_table, seq_lens, q_lens, q_len: int, num_pages: int, page_size: int) -> None:
     """A reused BlockMask must be a ``paged_block_masks(...).physical`` of this shape, built from
     this block table and these lengths: the same tensors unmodified since (no host read), or equal
-    values (a host sync). A mask built for another table would silently read the wrong pages."""
+    values (a host sync)."""
     if not isinstance(block_mask, BlockMask):
         raise TypeError(
             "block_mask must be None or the .physical BlockMask of "

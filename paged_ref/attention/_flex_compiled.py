@@ -1,9 +1,6 @@
-"""Which flex_attention a call runs: eager, or compiled once per device (and CPU thread count).
-
-Eager flex (the CPU default: a CPU compile costs seconds per new shape) evaluates the mask_mod on
-every element; compiled flex is block sparse. On CUDA every call passes a query x key tile that
-divides the BlockMask's blocks (:func:`cuda_kernel_options`).
-"""
+"""Which flex_attention a call runs: eager (the CPU default, since a CPU compile costs seconds per
+shape; it evaluates the mask_mod on every element) or compiled once per device and CPU thread count
+(block sparse; on CUDA with a tile dividing the BlockMask's blocks, :func:`cuda_kernel_options`)."""
 
 from __future__ import annotations
 
@@ -22,19 +19,14 @@ COMPILE_LIMIT = 256  # distinct shapes one process may compile flex_attention fo
 
 
 def _compile_key(device: torch.device) -> tuple:
-    """What one compiled flex_attention is built for: the device type, and on CPU the thread count
-    (inductor's CPU kernel sizes its scratch buffers for it; torch 2.11 left it out of its on-disk
-    cache key, so a kernel compiled under one thread count and loaded under another corrupted the
-    heap)."""
+    """The device type, and on CPU the thread count: inductor's CPU kernel sizes its scratch buffers
+    for it, and torch 2.11 left it out of its on-disk cache key (a kernel loaded under another
+    count corrupted the heap)."""
     return (device.type, torch.get_num_threads()) if device.type == "cpu" else (device.type,)
 
 
-def flex_for(device: torch.device, compiled: bool | None = None):
-    """flex_attention compiled (default on CUDA) or eager (default on CPU: a compile costs seconds)."""
-    if compiled is None:
-        compiled = device.type == "cuda"
-    if not compiled:
-        return eager_flex
+def _compiled_flex(device: torch.device):
+    """torch.compile(flex_attention) for ``device``, built on first use."""
     key = _compile_key(device)
     if key not in _COMPILED_FLEX:
         # static shapes on CPU: the template's dynamic-shape code does not build (torch 2.13)
@@ -63,14 +55,9 @@ def flex_for(device: torch.device, compiled: bool | None = None):
 def cuda_kernel_options(
     dtype: torch.dtype, head_dim: int, q_len: int, group: int, block_size: tuple[int, int]
 ) -> dict[str, int]:
-    """The query x key tile (``BLOCK_M`` x ``BLOCK_N``) compiled flex uses on CUDA.
-
-    torch's kernels read a BlockMask block ``(q_block, kv_block)`` in whole tiles, so the tile must
-    divide both, and its default tiles (64 or 128 keys) do not divide a 16-token KV block. This
-    one does, and is never larger than torch's defaults: ``BLOCK_N`` at most 64 keys (32 for
-    float32, half past head_dim 128); ``BLOCK_M`` one KV head's ``q_len * group`` query rows as a
-    power of two (the decoding kernel's choice), at most 128 (32 for float32 or past head_dim 128).
-    tests/test_flex_cuda_tiles.py checks it against torch's CUDA heuristics.
+    """The query x key tile (``BLOCK_M`` x ``BLOCK_N``) compiled flex uses on CUDA: it must divide
+    the BlockMask's ``(q_block, kv_block)``, which torch's default tiles (64 or 128 keys) do not
+    for a 16-token KV block, and is never larger than those defaults (tests/test_flex_cuda_tiles.py).
 
     Example:
         >>> cuda_kernel_options(torch.bfloat16, 128, 1, 4, (128, 16))
@@ -97,9 +84,12 @@ def eager_flex(*args, **kwargs):
 def run_flex(q, k, v, block_mask: BlockMask, scale: float, compiled: bool | None) -> torch.Tensor:
     """``flex_attention(q, k, v)`` with GQA, compiled (None: on CUDA) or eager; q ``[batch, Hq,
     q_len, D]``, k, v ``[1, Hkv, kv_len, D]``."""
-    flex = flex_for(q.device, compiled)
-    options = {}
-    if flex is not eager_flex and q.device.type == "cuda":
+    args = dict(block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    if compiled is None:
+        compiled = q.device.type == "cuda"
+    if not compiled:
+        return eager_flex(q, k, v, **args)
+    if q.device.type == "cuda":
         group = q.shape[1] // k.shape[1]
-        options["kernel_options"] = cuda_kernel_options(q.dtype, q.shape[-1], q.shape[2], group, block_mask.BLOCK_SIZE)
-    return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1], **options)
+        args["kernel_options"] = cuda_kernel_options(q.dtype, q.shape[-1], q.shape[2], group, block_mask.BLOCK_SIZE)
+    return _compiled_flex(q.device)(q, k, v, **args)

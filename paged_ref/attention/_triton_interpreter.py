@@ -1,9 +1,8 @@
 """Running a ``@triton.jit`` kernel in Triton's interpreter for one call, on CPU tensors.
 
-Triton picks compile or interpret mode once, when ``@triton.jit`` decorates a function at
-import. This package picks per call: CUDA tensors run the compiled kernel, CPU tensors (or any
-under ``TRITON_INTERPRET=1``) the same kernel function in the interpreter, switched on for that
-call only (:func:`interpreter`); nothing is set for the process.
+Triton picks compile or interpret mode once, at import; this package picks per call: CUDA
+tensors run the compiled kernel, CPU tensors (or any under ``TRITON_INTERPRET=1``) the same
+kernel in the interpreter, switched on for that call only (:func:`interpreter`).
 """
 
 import contextlib
@@ -54,8 +53,8 @@ _INTERPRETER_LOCK = threading.Lock()
 
 
 def _language_state() -> list[tuple[object, dict]]:
-    """A copy of the namespace of every triton.language module and class: the interpreter patches
-    them while it runs and leaves some patches behind, which :func:`interpreter` undoes."""
+    """A copy of the namespace of every triton.language module and class (the interpreter patches
+    them and leaves some patches behind)."""
     modules = [
         m
         for name, m in list(sys.modules.items())
@@ -85,13 +84,13 @@ def _restore(state: list[tuple[object, dict]]) -> None:
 
 @contextlib.contextmanager
 def interpreter():
-    """Run Triton's interpreter for the duration of one call, then put everything back.
+    """Run Triton's interpreter for the duration of one call, then put everything back (a lock
+    keeps threads apart).
 
-    triton.language's own helpers (``tl.max``, ``tl.cdiv``, ...) were decorated for compiling at
-    import and the interpreter refuses them: for the call they become interpreted wrappers and
-    the interpreter knob is on; afterwards every attribute (and the knob) is restored. A lock
-    keeps threads from interleaving. ``tl.tensor`` also gets an ``__index__`` that squeezes its
-    1-element array (Triton 3.6 calls ``int(array)``, which numpy 2.4 refuses for 1-D arrays).
+    triton.language's helpers (``tl.max``, ...) were decorated for compiling and the interpreter
+    refuses them: for the call they become interpreted wrappers. ``tl.tensor`` also gets an
+    ``__index__`` that squeezes its 1-element array (Triton 3.6 calls ``int(array)``, which numpy
+    2.4 refuses for 1-D arrays).
     """
     from triton.runtime import interpreter as triton_interpreter
     from triton.runtime.interpreter import InterpretedFunction

@@ -1,16 +1,11 @@
 """How many splits the Triton decode launcher cuts each sequence into: a small occupancy model.
 
-A memory-bound kernel reaches the memory's bandwidth only while enough loads are outstanding
-(Little's law: bandwidth x latency bytes across the chip). An SM holds as many programs as its
-registers, shared memory, warp and block slots allow (:func:`programs_per_sm`); each keeps its
-K/V buffer ring loading (:func:`bytes_in_flight`). A grid larger than the GPU holds at once runs
-in waves (:func:`waves`), and a wave that leaves slots empty streams with fewer bytes in flight.
-:func:`split_cost` prices ``s`` splits per sequence from that, and :func:`choose_num_splits` takes
-the fewest splits within 3% of the cheapest.
-
-The resources of the kernel's tile come from the compile report (``python -m paged_ref.lab.bench
-kernels`` -> ``figures/data/kernels.json``), the per-SM limits from the targets' published
-tables: nothing here needs a GPU.
+A memory-bound kernel reaches the memory's bandwidth only while enough loads are in flight
+(Little's law). An SM holds as many programs as its registers, shared memory, warp and block
+slots allow (:func:`programs_per_sm`); a grid larger than the GPU holds runs in waves
+(:func:`waves`). :func:`split_cost` prices ``s`` splits per sequence, :func:`choose_num_splits`
+takes the fewest within 3% of the cheapest. The tile's resources come from the compile report
+(``python -m paged_ref.lab.bench kernels``), the per-SM limits from published tables: no GPU needed.
 
 Example:
     >>> programs_per_sm(160, 71680, 4, SM_LIMITS[90])["programs_per_sm"]   # the bf16 decode tile on sm_90
@@ -30,9 +25,7 @@ from .._arith import cdiv
 __all__ = [
     "SM_LIMITS",
     "SmLimits",
-    "bytes_in_flight",
     "choose_num_splits",
-    "littles_law_bytes",
     "programs_per_sm",
     "split_cost",
     "waves",
@@ -66,15 +59,14 @@ _PROGRAMS_PER_SM = 3  # sm_90's count for that tile (tests/test_occupancy.py der
 _MAX_SPLITS = 256  # partials stay a few MB
 _MIN_TILES_PER_SPLIT = 4  # below this a split's fixed cost (pipeline fill, its partial) outweighs the parallelism
 _SPLIT_TOLERANCE = 1.03  # take the fewest splits whose modelled cost is within 3% of the cheapest
+_START_TILES = 2  # pipeline fill of every wave, in tiles
+_MERGE_TILES = 1.0  # the merge kernel, per program slot
+_PARTIAL_TILES = 0.125  # the merge, per program: a ~4 KB partial against 32 KB of K/V per tile
 
 
 def programs_per_sm(registers: int, shared_bytes: int, num_warps: int, limits: SmLimits) -> dict:
-    """Programs (CTAs) one SM holds at once, by each resource; the smallest wins. Registers are
-    allocated per warp in units of 256; each resident block costs ``RESERVED_SMEM_PER_BLOCK``.
-
-    Returns:
-        ``{"by_registers", "by_shared", "by_warps", "by_blocks", "programs_per_sm"}``.
-    """
+    """Programs (CTAs) one SM holds at once, ``{"by_registers", "by_shared", "by_warps",
+    "by_blocks", "programs_per_sm"}``: the smallest wins (registers go per warp in units of 256)."""
     if registers < 1 or shared_bytes < 0 or num_warps < 1:
         raise ValueError(
             f"registers >= 1, shared_bytes >= 0 and num_warps >= 1 expected, got {registers}, {shared_bytes}, "
@@ -90,18 +82,6 @@ def programs_per_sm(registers: int, shared_bytes: int, num_warps: int, limits: S
     return dict(by, programs_per_sm=min(by.values()))
 
 
-def littles_law_bytes(limits: SmLimits, latency_s: float = 1e-6) -> int:
-    """Bytes one SM must keep in flight for the chip to reach its bandwidth at ``latency_s`` (a
-    DRAM round trip of about a microsecond): 36,363 on sm_90."""
-    return int(limits.bandwidth * latency_s / limits.sms)
-
-
-def bytes_in_flight(tile_bytes: int, ring_depth: int, asynchronous: bool) -> int:
-    """K/V bytes one program has loading while it computes: ``k - 1`` tiles each of K and V with
-    an asynchronous ring of depth ``k``, else one tile (it waits on each load)."""
-    return 2 * (ring_depth - 1) * tile_bytes if asynchronous and ring_depth > 1 else tile_bytes
-
-
 def waves(programs: int, num_sms: int, per_sm: int) -> tuple[int, float]:
     """``(waves, fill)``: rounds of ``num_sms * per_sm`` resident programs the grid takes, and the
     share of those slots it fills (1.0: every wave full)."""
@@ -110,23 +90,10 @@ def waves(programs: int, num_sms: int, per_sm: int) -> tuple[int, float]:
     return count, programs / (count * slots)
 
 
-def split_cost(
-    batch: int,
-    num_kv_heads: int,
-    seq_len: int,
-    splits: int,
-    num_sms: int,
-    per_sm: int,
-    block_n: int,
-    *,
-    start_tiles: int = 2,
-    merge_tiles: float = 1.0,
-    partial_tiles: float = 0.125,
-) -> float:
-    """Time of one decode launch cut into ``splits`` per sequence, in slot-tiles (one program slot
-    busy for one tile's load): every wave holds all ``num_sms * per_sm`` slots for one program's
-    tiles plus ``start_tiles`` of pipeline fill, full or not; the merge kernel adds
-    ``merge_tiles`` per slot and ``partial_tiles`` per program (a ~4 KB partial vs 32 KB of K/V).
+def split_cost(batch: int, num_kv_heads: int, seq_len: int, splits: int, num_sms: int, per_sm: int, block_n: int):
+    """Time of one decode launch cut into ``splits`` per sequence, in slot-tiles: every wave holds
+    all ``num_sms * per_sm`` slots for one program's tiles plus the pipeline fill; the merge adds
+    a cost per slot and per program.
 
     Example:
         >>> split_cost(64, 8, 4096, 1, 132, 3, 64)   # 512 programs: a second wave 29% full
@@ -138,16 +105,15 @@ def split_cost(
     tiles = cdiv(cdiv(seq_len, splits), block_n)
     count, _ = waves(programs, num_sms, per_sm)
     slots = num_sms * per_sm
-    cost = (tiles + start_tiles) * count * slots
+    cost = (tiles + _START_TILES) * count * slots
     if splits > 1:
-        cost += merge_tiles * slots + partial_tiles * programs
+        cost += _MERGE_TILES * slots + _PARTIAL_TILES * programs
     return cost
 
 
 @functools.cache
 def _resident_programs(capability: int) -> int:
-    """Programs of the 16-bit head_dim-128 tile one SM of this compute capability holds; a target
-    the report does not cover uses the nearest older one."""
+    """Programs of the 16-bit head_dim-128 tile per SM (a target not covered: the nearest older one)."""
     known = max((c for c in _TILE_RESOURCES if c <= capability), default=min(_TILE_RESOURCES))
     registers, shared, warps = _TILE_RESOURCES[known]
     return programs_per_sm(registers, shared, warps, SM_LIMITS[known])["programs_per_sm"]

@@ -1,11 +1,9 @@
 """Paged attention as "gather by slot, then PyTorch SDPA": the fast backend on a CPU.
 
-Each call copies a batch's tokens out of the pages through a slot map ``slots[b, t] =
-block_table[b, t // page_size] * page_size + t % page_size`` and hands them to
+Each call copies a batch's tokens out of the pages through the slot map and hands them to
 ``scaled_dot_product_attention`` with a mask for the ragged lengths (and causality in prefill),
-as transformers' continuous batching does. It pays a copy of the K/V per layer that a paged
-kernel avoids; on a CPU, which has no such kernel, it is the practical path. The slot map and
-mask depend only on the block table and lengths, so `prepare` builds them once per step.
+as transformers' continuous batching does: a copy of the K/V per layer that a paged kernel
+avoids, the practical path on a CPU. `prepare` builds the slot map and mask once per step.
 
 Example:
     >>> kc, vc = torch.randn(4, 16, 2, 64), torch.randn(4, 16, 2, 64)
@@ -31,33 +29,21 @@ __all__ += ["sdpa_fused_paged_decode", "sdpa_paged_decode", "sdpa_paged_prefill"
 
 
 class SlotGather(NamedTuple):
-    """Per-step gather plan: prefill's ``slots`` int64 ``[batch, max_kv]`` and ``mask`` bool
-    ``[batch, 1, q_len, max_kv]``, or decode's ``pages`` int64 ``[batch, pages used]`` (padding
-    -> 0), ``max_kv`` and ``start`` (one sequence on consecutive pages: its first slot, read in
-    place). ``causal``: every row is a whole fresh prompt, so SDPA's causal flag replaces the mask
-    (half the work). ``padded_rows``: some rows have fewer than ``q_len`` new tokens (zeroed).
-    ``padding`` bool ``[batch, max_kv]``: gathered K/V that are not the row's tokens, zeroed
-    after the gather (a masked weight is 0, but 0 x NaN is NaN), or None."""
+    """Per-step gather plan of a prefill (``slots``, ``mask``) or a decode (``pages``, ``start``)."""
 
-    slots: torch.Tensor | None
-    mask: torch.Tensor | None
-    causal: bool = False
-    padded_rows: bool = False
-    pages: torch.Tensor | None = None
-    start: int | None = None
+    slots: torch.Tensor | None  # int64 [batch, max_kv]
+    mask: torch.Tensor | None  # bool [batch, 1, q_len, max_kv]
+    causal: bool = False  # every row a whole fresh prompt: SDPA's causal flag replaces the mask
+    padded_rows: bool = False  # some rows have fewer than q_len new tokens (zeroed)
+    pages: torch.Tensor | None = None  # int64 [batch, pages used], padding -> page 0
+    start: int | None = None  # one sequence on consecutive pages: its first slot, read in place
     max_kv: int = 0
-    padding: torch.Tensor | None = None
+    padding: torch.Tensor | None = None  # bool [batch, max_kv]: not the row's tokens, zeroed (0 x NaN is NaN)
 
 
-def prepare(
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    page_size: int,
-    q_lens: torch.Tensor | None = None,
-    q_len: int = 1,
-) -> SlotGather:
-    """The `SlotGather` of one step: decode when ``q_lens`` (int ``[batch]`` new tokens) is None,
-    else prefill of ``q_len = max(q_lens)`` query rows."""
+def prepare(block_table, seq_lens, page_size: int, q_lens=None, q_len: int = 1) -> SlotGather:
+    """The `SlotGather` of one step over int ``block_table [batch, max_pages]``, ``seq_lens [batch]``:
+    decode when ``q_lens`` (int ``[batch]`` new tokens) is None, else prefill of ``q_len`` query rows."""
     lens = seq_lens.long()  # [batch]
     max_kv = int(lens.max())
     t = torch.arange(max_kv, device=block_table.device)  # [max_kv] logical token index
@@ -107,11 +93,9 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, chunk: int = DECODE_CHUNK):
     """One query token ``q [Hq, D]`` over one sequence's K/V ``[T, Hkv, D]`` (any strides) -> ``[Hq, D]``.
 
-    SDPA on one long view runs one work item per KV head, too few to share between cores. Here
-    the tokens are cut into ``chunk``-token pieces that become SDPA's batch (a view, no copy),
-    and the pieces' outputs merge by their log-sum-exps (`online_softmax.merge_partials`, split-K's
-    reduction); the query heads of a KV head ride in SDPA's query-length dimension. Fewer than
-    ``2 * chunk`` tokens go to SDPA in one piece.
+    SDPA on one long view runs one work item per KV head, too few for the cores: the tokens are
+    cut into ``chunk``-token pieces as SDPA's batch (a view), merged by their log-sum-exps
+    (split-K's reduction). Fewer than ``2 * chunk`` tokens go to SDPA in one piece.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     num_q_heads = q.shape[0]
@@ -137,10 +121,8 @@ def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 
 def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tensor:
-    """q: [batch, Hq, D] -> [batch, Hq, D] in the cache's own layout: one sequence on consecutive
-    pages read in place, else whole pages gathered (one ``index_select``); one sequence then goes
-    through `attend_chunked`, a batch through two matmuls on strided views (no transposed copy).
-    """
+    """q: [batch, Hq, D] -> [batch, Hq, D]: one sequence on consecutive pages read in place, else
+    whole pages gathered; one sequence then through `attend_chunked`, a batch through two matmuls."""
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     batch, num_q_heads, _ = q.shape
     max_kv = gather.max_kv
@@ -179,21 +161,15 @@ def sdpa_paged_decode(
 
 
 class FusedDecode(NamedTuple):
-    """Per-step plan of `sdpa_fused_paged_decode`: ``pages`` int64 ``[batch * n_pages]`` (past a
-    row's last page, its first page again: only its own pages are read); ``tails`` int64 ``[n]``,
-    gathered positions past a row's length on its last page (zeroed: 0 x NaN is NaN); ``bias``
-    ``[batch, 1, 1, n_pages * page_size]`` in the queries' dtype, 0 or -inf; ``single``: the
-    `SlotGather` of a one-row step, else None."""
+    """Per-step plan of `sdpa_fused_paged_decode`."""
 
-    pages: torch.Tensor | None
-    tails: torch.Tensor | None
-    bias: torch.Tensor | None
-    single: SlotGather | None = None
+    pages: torch.Tensor | None  # int64 [batch * n_pages]; past a row's last page, its first again
+    tails: torch.Tensor | None  # int64 [n]: gathered positions past a row's length (zeroed)
+    bias: torch.Tensor | None  # [batch, 1, 1, n_pages * page_size] in q's dtype, 0 or -inf
+    single: SlotGather | None = None  # the plan of a one-row step
 
 
-def prepare_fused(
-    block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, dtype: torch.dtype = torch.float32
-) -> FusedDecode:
+def prepare_fused(block_table, seq_lens, page_size: int, dtype: torch.dtype = torch.float32) -> FusedDecode:
     """`FusedDecode` of one decode step (``dtype``: the queries')."""
     if block_table.shape[0] == 1:
         return FusedDecode(None, None, None, single=prepare(block_table, seq_lens, page_size))
@@ -213,11 +189,9 @@ def prepare_fused(
 def sdpa_fused_paged_decode(
     q, k_cache, v_cache, block_table, seq_lens, *, scale=None, fused=None, check_values=True
 ) -> torch.Tensor:
-    """`sdpa_paged_decode` in one fused CPU kernel call per layer: the pages gathered once, as
-    ``[batch, Hkv, T, D]`` views, into PyTorch's flash-attention CPU kernel with the step's additive
-    mask, so scores, softmax and weighted sum are one tiled pass instead of six passes over memory.
-    ``fused``: ``prepare_fused(block_table, seq_lens, page_size)`` built once per step, or None.
-    """
+    """`sdpa_paged_decode` in one call per layer of PyTorch's flash-attention CPU kernel on the
+    gathered pages with the step's additive mask (one tiled pass instead of six over memory);
+    ``fused``: ``prepare_fused(block_table, seq_lens, page_size)`` built once per step, or None."""
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     if fused is None:
         fused = prepare_fused(block_table, seq_lens, k_cache.shape[1], q.dtype)

@@ -1,14 +1,10 @@
 """Cascade decode attention in Triton: a prefix kernel per group, the decode kernel per request.
 
-The plan of :mod:`.cascade` on the GPU (or in Triton's interpreter for CPU tensors, float32):
-
-1. **Prefix kernel**: one program per (group, KV head, block of ``BLOCK_M`` query rows), the
-   rows being that KV head's query heads of *every* request of the group. It walks the prefix
-   pages as the decode kernel walks a sequence, but each K/V tile serves up to ``BLOCK_M`` rows
-   (32 samples with GQA 3: 96 rows in two programs instead of 32), and writes ``(o, lse)``.
-2. **Suffix**: each request's own pages through :func:`~.triton_decode.triton_paged_decode`
-   (``return_lse=True``, the table shifted past the prefix by :func:`~.cascade.suffix_table`).
-3. **Merge**: :func:`~.cascade.merge_states`.
+The plan of :mod:`.cascade` on the GPU (or in Triton's interpreter for CPU tensors, float32): the
+prefix kernel runs one program per (group, KV head, block of ``BLOCK_M`` query rows: that KV head's
+query heads of *every* request of the group), so each K/V tile of the prefix serves them all; each
+request's own pages go through :func:`~.triton_decode.triton_paged_decode` (``return_lse=True``);
+:func:`~.cascade.merge_states` merges the two.
 
 Example:
     >>> import torch
@@ -31,7 +27,7 @@ from .cascade import merge_states, request_prefixes, suffix_table
 from .online_softmax import LOG2E
 from .triton_decode import triton_paged_decode
 
-__all__ = ["compiled_prefix_kernel", "prefix_tile_config", "triton_cascade_decode", "triton_prefix_attention"]
+__all__ = ["prefix_tile_config", "triton_cascade_decode", "triton_prefix_attention"]
 
 
 @triton.jit
@@ -112,13 +108,6 @@ def _prefix_kernel(
     row_id = request * (tl.num_programs(1) * GROUP) + head  # [BLOCK_M] row of [batch, num_q_heads]
     tl.store(out_ptr + row_id[:, None] * HEAD_DIM + offs_d[None, :], out, mask=mask_m[:, None] & mask_d[None, :])
     tl.store(lse_ptr + row_id, lse, mask=mask_m)
-
-
-def compiled_prefix_kernel():
-    """The prefix kernel as a compiled-mode JITFunction (for ahead-of-time compilation)."""
-    if not HAVE_TRITON:
-        raise ImportError("compiling the kernels needs the `triton` package")
-    return runnable(_prefix_kernel, interpret=False)
 
 
 def prefix_tile_config(dtype: torch.dtype, head_dim: int, max_rows: int, *, interpret: bool) -> dict:

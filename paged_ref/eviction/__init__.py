@@ -9,10 +9,9 @@ Example:
 
 from .base import EvictionPolicy, EvictionStats, Reserved, max_pages_held, sequence_scores
 from .policies import POLICY_NAMES, FullCache, PagedEviction, StreamingLLM, TokenTopK, make_policy, resolve_policy
-from .scores import EPS, SCORE_METHODS, page_scores, token_scores
+from .scores import SCORE_METHODS, page_scores, token_scores
 
 __all__ = [
-    "EPS",
     "POLICY_NAMES",
     "SCORE_METHODS",
     "EvictionPolicy",

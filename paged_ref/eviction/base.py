@@ -1,21 +1,12 @@
 """The eviction policy base class: the hooks a generation loop calls, and what every policy shares.
 
-A generation loop (`paged_ref.hf` does) calls, per sequence::
-
-    policy.after_prefill(cache, seq_id)   # once, after the prompt's K/V are written
-    policy.after_append(cache, seq_id)    # after every decode step's K/V are written
-    policy.release(seq_id)                # when the sequence is freed
-
-`tokens_until_action` says how many tokens may be appended before the next hook call, so a
-teacher-forced evaluation can feed a chunk at once and get the token-by-token result. Cached K
-already carries its RoPE rotation, so evicting never changes the positions of the others.
-
-``decision="shared"`` (the default): a `PagedKVCache` has one block table for all layers (as in
-vLLM), so a page goes from every layer at once, chosen by token scores averaged over layers
-(`sequence_scores`). ``decision="per_layer"`` (the authors' code) lets each layer rank by its own
-scores, which needs a block table per layer (`paged_ref.layered_cache.LayeredKVCache`). A policy
-keeps one row of positions per decision, a "lane". `Reserved` names the pages a policy never
-evicts; `max_pages_held` is the page bound every policy keeps.
+Per sequence: ``after_prefill(cache, seq_id)`` once the prompt's K/V are written,
+``after_append(cache, seq_id)`` after each decode step's (at most `tokens_until_action` tokens
+apart), ``release(seq_id)`` when it is freed. Cached K carries its RoPE rotation, so evicting
+never moves the others' positions. ``decision="shared"``: one block table for all layers (a
+`PagedKVCache`, as in vLLM), pages ranked by layer-averaged scores (`sequence_scores`);
+``"per_layer"`` (the authors' code): each layer ranks by its own, on a `LayeredKVCache`. A policy
+keeps one row of positions per decision, a "lane".
 """
 
 from __future__ import annotations
@@ -71,9 +62,6 @@ def sequence_scores(cache: KVCache, seq_id: int, method: str, *, generator: torc
 class Reserved:
     """Pages a policy never evicts: the first ``first_pages`` pages and, if ``last_page``, the newest.
 
-    PagedEviction's authors reserve page 0 and the newest page; StreamingLLM the pages holding its
-    sink tokens.
-
     Example:
         >>> r = Reserved(first_pages=1, last_page=True)
         >>> r.tokens(10, page_size=4).int().tolist(), r.candidate_pages(5), r.min_budget(4)
@@ -108,9 +96,8 @@ class Reserved:
         return {"protect_first_page": bool(self.first_pages), "protect_last_page": self.last_page}
 
     def min_budget(self, page_size: int, *, unit: str = "page") -> int:
-        """The smallest budget a policy evicting ``unit`` at a time can keep: room for the reserved
-        first pages and one page to evict (``"page"``), or for the reserved pages themselves
-        (``"token"``: any other token may go)."""
+        """The smallest budget of a policy evicting a ``unit`` at a time: the reserved first pages and
+        one page to evict (``"page"``), or the reserved pages (``"token"``)."""
         if unit == "token":
             return (self.first_pages + int(self.last_page)) * page_size
         return (self.first_pages + 1) * page_size
@@ -124,22 +111,17 @@ class EvictionStats:
     tokens_evicted: int = 0  # removed by compaction or with their page
     pages_dropped: int = 0  # whole pages removed by decode-time page eviction
     compactions: int = 0  # calls to `PagedKVCache.compact`
-    # tokens those compactions copied to a new slot (K and V in every layer; the mean over layers
-    # with per-layer decisions)
+    # tokens those compactions copied (the mean over layers with per-layer decisions)
     tokens_moved: int = 0
-    # the most pages held from `after_prefill` on (the prompt, held whole until then, is not
-    # counted), counting the tokens appended before each `after_append` evicts
+    # the most pages held from `after_prefill` on, with the tokens appended before each eviction
     max_pages_held: int = 0
     # token_topk: the most evicted slots per held page had the cache never been compacted
     max_holes_per_page: float = 0.0
 
 
 class EvictionPolicy:
-    """Base class: tracks each sequence's token positions and stats; subclasses evict.
-
-    ``budget`` is C, the tokens a sequence may hold; ``method`` a `SCORE_METHODS` name; ``seed``
-    seeds the generator of ``method="random"``; ``decision`` is ``"shared"`` or ``"per_layer"``.
-    """
+    """Base class: tracks each sequence's token positions and stats; subclasses evict. ``budget``:
+    the tokens a sequence may hold; ``method``: a `SCORE_METHODS` name (``seed`` for ``"random"``)."""
 
     name = "base"
     needs_budget = True  # False for a policy that never evicts
@@ -167,11 +149,8 @@ class EvictionPolicy:
         self._record(kv_cache, seq_id)
 
     def after_append(self, kv_cache: KVCache, seq_id: int) -> None:
-        """Call after each decode step's K/V are written (or a chunk of `tokens_until_action`).
-
-        The first hook call for a sequence is always a prefill: on a sequence this policy has
-        not seen yet (e.g. a one-token prompt), this runs `after_prefill`.
-        """
+        """Call after each decode step's K/V are written (or a chunk of `tokens_until_action`); on a
+        sequence not seen yet (e.g. a one-token prompt) it runs `after_prefill`."""
         self._check_cache(kv_cache)
         if seq_id not in self._positions:
             self.after_prefill(kv_cache, seq_id)
@@ -305,11 +284,8 @@ class EvictionPolicy:
         return torch.stack(per_layer).cpu()
 
     def _compact(self, cache, seq_id, keep: torch.Tensor) -> None:
-        """Token-level eviction: keep ``keep: bool [lanes, seq_len]`` in order, count the copies.
-
-        Counts are in tokens of one lane; a per-layer decision moves each layer's tokens apart,
-        so its ``tokens_moved`` is the mean over layers (one token moved in every layer = 1).
-        """
+        """Token-level eviction: keep ``keep: bool [lanes, seq_len]`` in order, count the copies
+        (in tokens of one lane: the mean over lanes with per-layer decisions)."""
         stats = self._stats[seq_id]
         if bool(keep.all()):
             return
@@ -339,9 +315,8 @@ class EvictionPolicy:
         stats.pages_dropped += 1
 
     def _record_holes(self, page_size: int, seq_id: int) -> None:
-        """Holes per page if every token had stayed at its original slot (never compacted): a
-        page is held while any of its tokens survives; its holes are its written slots whose
-        token is gone."""
+        """Holes per page had no token ever moved: a page is held while any of its tokens
+        survives, its holes are its written slots whose token is gone."""
         stats = self._stats[seq_id]
         for pos in self._positions[seq_id]:  # int64 [seq_len] per lane, original index of each survivor
             held = torch.unique(pos // page_size)  # pages an uncompacted layout would hold

@@ -13,8 +13,9 @@
   (teacher-forced log-probs through the pages), `mistakes` (wrong backends, its negative controls)
   and `quest_backend` (Quest's decode in a session); the notebooks' simulations and replays:
   `fragmentation` (workloads served by the engine, dry), `scenarios`, `sharing`, `serve_counts`,
-  `eviction_analysis`, `eviction_replay`; `flex_inspect` (a paged BlockMask replayed token by
-  token, notebook 04) and `softmax_steps` (the online softmax's every state, notebook 05).
+  `eviction_analysis`, `eviction_replay`; `csr` (a CSR batch back to page lists, notebooks 02 and
+  08); `flex_inspect` (a paged BlockMask replayed token by token, notebook 04) and `softmax_steps`
+  (the online softmax's every state, notebook 05).
 
 Submodules load on first use:
 

@@ -24,8 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..._arith import cdiv, next_pow2
-from ...attention import occupancy as occupancy_model
-from ...attention.occupancy import SM_LIMITS, bytes_in_flight, programs_per_sm
+from ...attention.occupancy import SM_LIMITS, programs_per_sm
 from .common import bench_parser, environment, print_table, result_file
 
 #: Targets: SMs, per-SM limits and the memory system's datasheet bandwidth (the occupancy
@@ -145,8 +144,16 @@ def occupancy(arch: int, registers: int, shared: int, num_warps: int) -> dict:
 
 
 def littles_law_bytes(arch: int) -> int:
-    """Bytes a single SM must keep in flight to reach the datasheet bandwidth at LATENCY_S."""
-    return occupancy_model.littles_law_bytes(SM_LIMITS[arch], LATENCY_S)
+    """Bytes one SM must keep in flight for the chip to reach its datasheet bandwidth at LATENCY_S
+    (bandwidth x latency over the SMs): 36,363 on sm_90."""
+    limits = SM_LIMITS[arch]
+    return int(limits.bandwidth * LATENCY_S / limits.sms)
+
+
+def bytes_in_flight(tile_bytes: int, ring_depth: int, asynchronous: bool) -> int:
+    """K/V bytes one program has loading while it computes: ``k - 1`` tiles each of K and V with
+    an asynchronous ring of depth ``k``, else one tile (it waits on each load)."""
+    return 2 * (ring_depth - 1) * tile_bytes if asynchronous and ring_depth > 1 else tile_bytes
 
 
 def _compile(arch: int, source) -> tuple[dict, object]:
@@ -202,6 +209,7 @@ def compile_prefix(arch: int, dtype: str, head_dim: int = 128, group: int = 4, p
     """Compile the cascade's prefix kernel (`paged_ref.attention.triton_cascade`) as it launches
     for a group of 32 requests (block-table and group tensors int32)."""
     from ...attention import triton_cascade as tc
+    from ...attention._triton_interpreter import runnable
 
     tile = tc.prefix_tile_config(DTYPES[dtype], head_dim, 32 * group, interpret=False)
     consts = dict(HEAD_DIM=head_dim, BLOCK_D=tile["BLOCK_D"], GROUP=group, BLOCK_M=tile["BLOCK_M"])
@@ -216,9 +224,8 @@ def compile_prefix(arch: int, dtype: str, head_dim: int = 128, group: int = 4, p
     ptrs.update(dict.fromkeys(("block_table_ptr", "group_indptr_ptr", "prefix_lens_ptr"), "i32"))
     ptrs.update(out_ptr="fp32", lse_ptr="fp32")
     options = {k: v for k, v in tile.items() if not k.startswith("BLOCK_")}
-    source = _source(
-        "_prefix_kernel", consts, ints, ptrs, {"scale_log2": "fp32"}, True, options, tc.compiled_prefix_kernel()
-    )
+    kernel = runnable(tc._prefix_kernel, interpret=False)  # the compiled-mode JITFunction
+    source = _source("_prefix_kernel", consts, ints, ptrs, {"scale_log2": "fp32"}, True, options, kernel)
     record, ck = _compile(arch, source)
     entry = dict(arch=arch, dtype=dtype, head_dim=head_dim, group=group, page_size=page_size, **record, tile=tile)
     if ck is not None:

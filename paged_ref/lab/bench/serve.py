@@ -49,7 +49,7 @@ from ._model_bench import text_ids
 from ._scaling_models import build_model
 from ._serve_peer import run_peer
 from ._serve_profile import run_profile
-from ._vllm_peer import CPU_BLOCK_MULTIPLE, check_page_size
+from ._vllm_peer import CPU_BLOCK_MULTIPLE, check_page_size, save_smollm2
 from .common import bench_parser, command_line, environment, result_file, table
 
 __all__ = ["PROFILES", "POLICIES", "make_requests", "run_rate", "check_goals", "format_rate_table", "main"]
@@ -287,8 +287,6 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
     """``paged`` offline vs vLLM offline (`._vllm_peer` in ``.venv-vllm``), taking turns ``peer_repeats``
     times: the same KV memory in blocks of 32 tokens, vLLM's configuration (watermark 0), tokens compared."""
     import tempfile
-
-    from ...models import save_smollm2
 
     python = vllm_python(python)
     page = CPU_BLOCK_MULTIPLE
