@@ -40,6 +40,7 @@ import torch
 
 from ...eviction import make_policy
 from ...memory import model_geometry
+from ...models import save_smollm2
 from ...serve import Engine
 from .. import textdata
 from ..fragmentation import make_workload
@@ -49,7 +50,7 @@ from ._model_bench import text_ids
 from ._scaling_models import build_model
 from ._serve_peer import run_peer
 from ._serve_profile import run_profile
-from ._vllm_peer import CPU_BLOCK_MULTIPLE, check_page_size, save_smollm2
+from ._vllm_peer import CPU_BLOCK_MULTIPLE, check_page_size
 from .common import bench_parser, command_line, environment, result_file, table
 
 __all__ = ["PROFILES", "POLICIES", "make_requests", "run_rate", "check_goals", "format_rate_table", "main"]
