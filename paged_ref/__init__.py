@@ -1,22 +1,20 @@
 """paged_ref: an educational reference implementation of paged KV-cache attention.
 
-Read the lesson in the order the data flows (each module opens with its idea):
+Read the lesson in the order the data flows (each module opens with its idea; the README's
+"Read the code in this order" names every file, and those beside the story):
 
-1. `allocator`: fixed-size pages, a bump pointer over never-used pages, a free list, reference counts.
+1. `allocator`: fixed-size pages, a free list, reference counts.
 2. `block_table`: each sequence's logical page -> physical page map, padded and in CSR form.
-3. `cache`: per-layer K/V page tensors ``[num_pages, page_size, num_kv_heads, head_dim]`` and the
-   sequences' block tables: grow, fork, copy on write (reported in ``last_copies``), rewind a
-   failed step (`page_plan` counts a step's pages before any is taken, `prefix_cache` finds
-   full pages again by their tokens); `layered_cache` gives every layer its own table;
-   `cache_interface` declares what both caches offer the model.
-4. `attention`: the reference (the oracle), `online_softmax` (the kernel's math as a spec), the
-   Triton decode kernel, FlexAttention with a paged BlockMask, SDPA over gathered slots.
-5. `hf`: a transformers model generating from the pages (Cache, attention function, session,
-   generate, sampling, beam search; `prepack` runs the linear layers on oneDNN-packed weights).
-6. `eviction`: scores read from cached K/V (PagedEviction's ||V||/||K||) and the policies.
-7. `serve`: many requests from one page pool (requests, scheduler, engine).
+3. `cache`: per-layer K/V pages ``[num_pages, page_size, num_kv_heads, head_dim]`` and the
+   sequences' block tables: grow, fork, copy on write (``last_copies``), undo a failed step;
+   `page_plan` counts a step's pages before any is taken, `prefix_cache` finds full pages again.
+4. `attention.reference` (the oracle), `attention.online_softmax` (the kernel's math as a spec).
+5. `attention.triton_decode` and `attention.flex`: the fast paths over the block table.
+6. `attention.cascade` and `attention.quest`: reading fewer pages.
+7. `hf`: a transformers model on the pages (cache, attention, session, generate, beam).
+8. `eviction`: scores read from cached K/V (PagedEviction's ||V||/||K||) and the policies.
+9. `serve`: many requests from one page pool (request, scheduler, engine).
 
-Beside it: `memory` (the byte arithmetic) and `models` (the bundled SmolLM2 and a tiny Llama).
 `lab` holds what measures, draws, grades and feeds the notebooks; the lesson never imports it.
 
     >>> import paged_ref as pr

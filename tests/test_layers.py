@@ -6,6 +6,7 @@ module imports the lab, and no two top-level modules import each other.
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,32 @@ def test_no_cycle_between_top_level_modules():
 def test_no_import_upwards(low, high):
     bad = sorted((a, b) for a, b in EDGES if room(a) == low and room(b) == high)
     assert not bad, f"{low} imports {high}: {bad}"
+
+
+def _reading_order() -> tuple[list[Path], list[Path]]:
+    """The README's reading order: the story's files, then those it names beside the story."""
+    text = (PACKAGE.parent / "README.md").read_text()
+    section = text[text.index("## Read the code in this order") :]
+    story, beside = section[: section.index("Beside the story")], section[section.index("Beside the story") :]
+    beside = beside[: beside.index("lives in `lab/`")]
+
+    def files(part):
+        return [PACKAGE / name for name in dict.fromkeys(re.findall(r"`([\w/]+\.py)`", part))]
+
+    return files(story), files(beside)
+
+
+def _lines(paths) -> int:
+    return sum(len(p.read_text().splitlines()) for p in paths)
+
+
+def test_the_reading_order_is_short_and_names_every_lesson_module():
+    """A reader's path through the lesson stays short (<= 5,000 lines), the lesson itself <= 9,000 lines,
+    and every lesson module is in the story or named beside it."""
+    story, beside = _reading_order()
+    assert story and all(p.is_file() for p in story + beside), [str(p) for p in story + beside if not p.is_file()]
+    lesson = [p for p in PACKAGE.rglob("*.py") if "lab" not in p.relative_to(PACKAGE).parts]
+    unnamed = {p for p in lesson if p.name != "__init__.py" or p.parent.name == "attention"} - set(story + beside)
+    assert not unnamed, f"lesson modules the README's reading order does not name: {sorted(map(str, unnamed))}"
+    assert _lines(story) <= 5000, f"the reading order is {_lines(story)} lines"
+    assert _lines(lesson) <= 9000, f"the lesson is {_lines(lesson)} lines"
