@@ -128,3 +128,52 @@ def test_serving_row_quotes_the_committed_serve_run():
     row = next(line for line in README.read_text().splitlines() if line.startswith("| serving a stream"))
     missing = [fact for fact in _serve_facts() if fact not in row]
     assert not missing, f"README's serving row does not quote these, computed from serve_cpu.json: {missing}"
+
+
+def _pages_facts() -> list[str]:
+    """Every number the README's reading-fewer-pages row quotes, formatted as quoted, computed from the
+    committed full run (figures/data/pages_full.json)."""
+    from paged_ref.lab.bench import pages
+
+    data = json.loads((README.parent / "figures" / "data" / "pages_full.json").read_text())
+    ms, sampling = data["cascade_speed"]["median_ms"], data["generate_speed"]
+    shared = next(r for r in data["cascade_bytes"] if r["requests"] == data["cascade_speed"]["samples"])
+    vs = {(d["task"], d["budget"], d["peer"]): d for d in pages.quest_vs_eviction(data)}
+    reads = {(r["policy"], r["budget"]): r["bytes_per_step"] / 1e6 for r in data["bytes_per_step"]["rows"]}
+    trials = data["config"]["passkey_trials"]
+
+    def nll(d, who):
+        lo, hi = d[f"{who}_ci"]
+        return f"{d[who]:.2f} [{lo:.2f}, {hi:.2f}]"
+
+    def keys(d, who):
+        return f"{round(d[who] * trials)}/{trials}"
+
+    ret, key, lm = (
+        vs["retention", 256, "paged_eviction"],
+        vs["passkey", 256, "paged_eviction"],
+        vs["language_modelling", 256, "paged_eviction"],
+    )
+    long_key = vs["passkey", 1024, "paged_eviction"]
+    assert sampling["same_tokens"] and data["complete"]
+    return [
+        f"{ms['reference'] / ms['cascade']:.2f}x faster than the plain reference ({ms['cascade']:.2f} vs {ms['reference']:.2f} ms",
+        f"SDPA {ms['sdpa']:.2f} ms",
+        f"{shared['bytes_counted']['cascade'] / 1e6:.2f} MB instead of {shared['bytes_counted']['reference'] / 1e6:.2f} MB",
+        f"{sampling['sdpa']['ms_per_step'] / sampling['cascade']['ms_per_step']:.2f}x faster per decode step "
+        f"({sampling['cascade']['ms_per_step']:.0f} vs {sampling['sdpa']['ms_per_step']:.0f} ms)",
+        f"retention NLL {nll(ret, 'quest')} vs PagedEviction {nll(ret, 'other')}",
+        f"pass-key {keys(key, 'quest')} vs {keys(key, 'other')}",
+        f"continuation {lm['quest']:.2f} vs {lm['other']:.2f} (StreamingLLM {vs['language_modelling', 256, 'streaming_llm']['other']:.2f})",
+        f"{reads['quest', 256]:.2f} MB a step vs {reads['paged_eviction', 256]:.2f} MB (full cache {reads['full', None]:.2f} MB)",
+        f"PagedEviction's pass-key {keys(long_key, 'other')} beats Quest's {keys(long_key, 'quest')}",
+        f"{data['seconds']:.0f} s, {data['environment']['date_utc'][:10]}",
+    ]
+
+
+def test_pages_row_quotes_the_committed_pages_run():
+    row = next(line for line in README.read_text().splitlines() if line.startswith("| reading fewer pages"))
+    missing = [fact for fact in _pages_facts() if fact not in row]
+    assert not missing, (
+        f"README's reading-fewer-pages row does not quote these, computed from pages_full.json: {missing}"
+    )
