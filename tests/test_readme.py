@@ -154,18 +154,21 @@ def _pages_facts() -> list[str]:
         vs["passkey", 256, "paged_eviction"],
         vs["language_modelling", 256, "paged_eviction"],
     )
-    long_key = vs["passkey", 1024, "paged_eviction"]
+    long_key, streaming = vs["passkey", 1024, "paged_eviction"], vs["language_modelling", 256, "streaming_llm"]
     assert sampling["same_tokens"] and data["complete"]
     return [
-        f"{ms['reference'] / ms['cascade']:.2f}x faster than the plain reference ({ms['cascade']:.2f} vs {ms['reference']:.2f} ms",
+        f"{ms['reference'] / ms['cascade']:.2f}x faster than the plain reference "
+        f"({ms['cascade']:.2f} vs {ms['reference']:.2f} ms",
         f"SDPA {ms['sdpa']:.2f} ms",
-        f"{shared['bytes_counted']['cascade'] / 1e6:.2f} MB instead of {shared['bytes_counted']['reference'] / 1e6:.2f} MB",
+        f"{shared['bytes_counted']['cascade'] / 1e6:.2f} MB instead of "
+        f"{shared['bytes_counted']['reference'] / 1e6:.2f} MB",
         f"{sampling['sdpa']['ms_per_step'] / sampling['cascade']['ms_per_step']:.2f}x faster per decode step "
         f"({sampling['cascade']['ms_per_step']:.0f} vs {sampling['sdpa']['ms_per_step']:.0f} ms)",
         f"retention NLL {nll(ret, 'quest')} vs PagedEviction {nll(ret, 'other')}",
         f"pass-key {keys(key, 'quest')} vs {keys(key, 'other')}",
-        f"continuation {lm['quest']:.2f} vs {lm['other']:.2f} (StreamingLLM {vs['language_modelling', 256, 'streaming_llm']['other']:.2f})",
-        f"{reads['quest', 256]:.2f} MB a step vs {reads['paged_eviction', 256]:.2f} MB (full cache {reads['full', None]:.2f} MB)",
+        f"continuation {lm['quest']:.2f} vs {lm['other']:.2f} (StreamingLLM {streaming['other']:.2f})",
+        f"{reads['quest', 256]:.2f} MB a step vs {reads['paged_eviction', 256]:.2f} MB "
+        f"(full cache {reads['full', None]:.2f} MB)",
         f"PagedEviction's pass-key {keys(long_key, 'other')} beats Quest's {keys(long_key, 'quest')}",
         f"{data['seconds']:.0f} s, {data['environment']['date_utc'][:10]}",
     ]
