@@ -109,3 +109,9 @@ def test_page_timeline_ticks_whole_pages_and_names_few_requests():
     assert all(float(t).is_integer() for t in ax.get_yticks())
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["R0", "R1", "R2"]
     assert "mod" not in fig.texts[-1].get_text()
+
+
+def test_fast_is_only_for_the_vllm_comparison(tmp_path):
+    with pytest.raises(SystemExit):
+        serve.main(["--quick", "--fast", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())

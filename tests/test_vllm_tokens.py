@@ -66,14 +66,19 @@ def test_the_peer_refuses_what_vllm_cannot_run(monkeypatch):
         _vllm_peer.check_vllm()
 
 
-def test_bench_serve_with_vllm_as_its_peer(tmp_path):
-    """``bench serve --quick --peer vllm``: vLLM in its own process beside the engine, tokens compared."""
+@pytest.mark.parametrize("fast", [False, True])
+def test_bench_serve_with_vllm_as_its_peer(tmp_path, fast):
+    """``bench serve --quick --peer vllm``: vLLM in its own process beside the engine, tokens compared; with
+    ``--peer-only --fast`` the engine runs its faster CPU step against vLLM, with the same tokens."""
     import json
 
     from paged_ref.lab.bench import serve
 
-    serve.main(["--quick", "--peer", "vllm", "--skip-pools", "--out", str(tmp_path)])
-    v = json.loads((tmp_path / "serve_cpu_quick.json").read_text())["peer_vllm"]
+    options = ["--peer-only", "--fast"] if fast else ["--skip-pools"]
+    serve.main(["--quick", "--peer", "vllm", *options, "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / f"serve_cpu_quick{'_peer_vllm_fast' if fast else ''}.json").read_text())
+    v = saved["peer_vllm"]
+    assert saved["config"]["engine_options"] == (serve.FAST_OPTIONS if fast else {})
     assert v["requests_with_identical_tokens"] == v["requests"] == serve.PROFILES["quick"]["requests"]
     assert v["config"]["page_size"] == 32 and v["vllm_version"] == "0.32.0"
     assert v["paged"][0]["preemptions"] == v["vllm"][0]["preemptions"]

@@ -88,6 +88,7 @@ PROFILES = {mode: {k: v[i] for k, v in _PROFILE_COLUMNS.items()} for i, mode in 
 #: Workloads other than the profile's own (``--workload NAME``): the lengths they change. ``short``:
 #: short answers to longer prompts (prompt mean 48, answer mean 24), as in instruction traces (Alpaca).
 WORKLOADS = {"chat": {}, "short": dict(mean_prompt=48, mean_output=24)}
+FAST_OPTIONS = {"backend": "sdpa_fused", "prepack": True}  # the Engine's faster CPU step (--profile: each part)
 
 RATE_COLUMNS = [
     ("policy", "{policy}"),
@@ -307,7 +308,8 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
             model.save_pretrained(folder)
         job = {"model_dir": folder, "requests": [[list(p), n] for p, n in requests], "limits": limits}
         for _ in range(cfg["peer_repeats"]):
-            e = Engine(model, eos_token_id=[], clock="real", watermark=0.0, **{**limits, "num_pages": num_pages})
+            options = {**limits, "num_pages": num_pages, **cfg.get("engine_options", {})}
+            e = Engine(model, eos_token_id=[], clock="real", watermark=0.0, **options)
             ours_tokens, r = _offline_run(e, requests)
             ours.append(r)
             v = _vllm_subprocess(python, job, threads)
@@ -493,6 +495,11 @@ def main(argv=None):
         "--workload", choices=tuple(WORKLOADS), default="chat", help="lengths: the profile's (chat) or short"
     )
     parser.add_argument("--profile", action="store_true", help="where a step's time goes, and each speed-up's gain")
+    parser.add_argument(
+        "--fast",
+        action="store_true",
+        help=f"with --peer vllm --peer-only: paged_ref's faster CPU step ({FAST_OPTIONS}; the same tokens)",
+    )
     args = parser.parse_args(argv)
     if args.quick and args.gpu:
         parser.error("--quick and --gpu are exclusive")
@@ -514,11 +521,15 @@ def main(argv=None):
         parser.error("--peer-only and --skip-peer are exclusive")
     if args.peer_only:
         cfg["rates"] = ()
+    if args.fast and not (args.peer_only and args.peer == "vllm"):
+        parser.error("--fast measures against vLLM: give it with --peer vllm --peer-only")
+    cfg["engine_options"] = dict(FAST_OPTIONS) if args.fast else {}
     cfg.update(WORKLOADS[args.workload], workload=args.workload)
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
         parser.error("--gpu needs a CUDA GPU")
     suffix = ("_quick" if args.quick else "") + ("" if args.workload == "chat" else f"_{args.workload}")
     suffix += f"_peer_{args.peer}" if args.peer_only else ""
+    suffix += f"_fast{'' if args.num_pages is None else f'_{args.num_pages}pages'}" if args.fast else ""
     name = f"serve_{'gpu' if mode == 'gpu' else 'cpu'}{suffix}.json"
     result = result_file(parser, args.out, name)  # checked before the model loads
     torch.set_num_threads(args.threads)
