@@ -231,3 +231,26 @@ def test_the_readme_short_vllm_run_matches_its_json():
     want = [c["num_pages"], c["page_size"], v["requests_with_identical_tokens"], v["requests"]]
     want += [paged["preemptions"], vllm["preemptions"], f"{v['throughput_ratio_median']:.2f}"]
     assert found == [str(x) for x in want]
+
+
+def test_the_readme_fast_vllm_runs_match_their_json():
+    """The README's clause on the engine's faster step against vLLM states both pools' JSON: ratio, pairs, tokens."""
+    import re
+
+    found = re.search(
+        r"faster CPU step .*? at ([\d.]+)x vLLM on (\d+) blocks and ([\d.]+)x on (\d+) blocks, medians of (\d+) "
+        r"alternating pairs, identical tokens in (\d+) of (\d+) requests both times",
+        (ROOT / "README.md").read_text(),
+    )
+    assert found, "the README's sentence on serve_cpu_peer_vllm_fast*.json"
+    runs = [
+        json.loads((ROOT / "figures" / "data" / n).read_text())
+        for n in ("serve_cpu_peer_vllm_fast.json", "serve_cpu_peer_vllm_fast_512pages.json")
+    ]
+    v = [r["peer_vllm"] for r in runs]
+    assert all(r["config"]["engine_options"] == {"backend": "sdpa_fused", "prepack": True} for r in runs)
+    assert {x["requests_with_identical_tokens"] for x in v} == {x["requests"] for x in v} == {int(found[7])}
+    assert {len(x["throughput_ratio_paired"]) for x in v} == {int(found[5])}
+    want = [f"{v[0]['throughput_ratio_median']:.2f}", str(v[0]["config"]["num_pages"])]
+    want += [f"{v[1]['throughput_ratio_median']:.2f}", str(v[1]["config"]["num_pages"])]
+    assert list(found.groups()[:4]) == want
