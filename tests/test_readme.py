@@ -4,6 +4,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
@@ -124,12 +126,6 @@ def _serve_facts() -> list[str]:
     ]
 
 
-def test_serving_row_quotes_the_committed_serve_run():
-    row = next(line for line in README.read_text().splitlines() if line.startswith("| serving a stream"))
-    missing = [fact for fact in _serve_facts() if fact not in row]
-    assert not missing, f"README's serving row does not quote these, computed from serve_cpu.json: {missing}"
-
-
 def _pages_facts() -> list[str]:
     """Every number the README's reading-fewer-pages row quotes, formatted as quoted, computed from the
     committed full run (figures/data/pages_full.json)."""
@@ -174,9 +170,14 @@ def _pages_facts() -> list[str]:
     ]
 
 
-def test_pages_row_quotes_the_committed_pages_run():
-    row = next(line for line in README.read_text().splitlines() if line.startswith("| reading fewer pages"))
-    missing = [fact for fact in _pages_facts() if fact not in row]
-    assert not missing, (
-        f"README's reading-fewer-pages row does not quote these, computed from pages_full.json: {missing}"
-    )
+@pytest.mark.parametrize(
+    "start, facts, source",
+    [
+        ("| serving a stream", _serve_facts, "serve_cpu.json"),
+        ("| reading fewer pages", _pages_facts, "pages_full.json"),
+    ],
+)
+def test_measured_rows_quote_their_committed_runs(start, facts, source):
+    row = next(line for line in README.read_text().splitlines() if line.startswith(start))
+    missing = [fact for fact in facts() if fact not in row]
+    assert not missing, f"README's row {start!r} does not quote these, computed from {source}: {missing}"
