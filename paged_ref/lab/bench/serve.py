@@ -308,8 +308,8 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
             model.save_pretrained(folder)
         job = {"model_dir": folder, "requests": [[list(p), n] for p, n in requests], "limits": limits}
         for _ in range(cfg["peer_repeats"]):
-            options = {**limits, "num_pages": num_pages, **cfg.get("engine_options", {})}
-            e = Engine(model, eos_token_id=[], clock="real", watermark=0.0, **options)
+            options = cfg.get("engine_options", {})
+            e = Engine(model, eos_token_id=[], clock="real", watermark=0.0, **limits, **options)
             ours_tokens, r = _offline_run(e, requests)
             ours.append(r)
             v = _vllm_subprocess(python, job, threads)
@@ -529,7 +529,8 @@ def main(argv=None):
         parser.error("--gpu needs a CUDA GPU")
     suffix = ("_quick" if args.quick else "") + ("" if args.workload == "chat" else f"_{args.workload}")
     suffix += f"_peer_{args.peer}" if args.peer_only else ""
-    suffix += f"_fast{'' if args.num_pages is None else f'_{args.num_pages}pages'}" if args.fast else ""
+    if args.fast:
+        suffix += "_fast" + ("" if args.num_pages is None else f"_{args.num_pages}pages")
     name = f"serve_{'gpu' if mode == 'gpu' else 'cpu'}{suffix}.json"
     result = result_file(parser, args.out, name)  # checked before the model loads
     torch.set_num_threads(args.threads)
