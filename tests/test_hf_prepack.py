@@ -53,3 +53,19 @@ def test_unpackable_weights_stay_eager_with_one_warning():
 def test_prepack_must_be_a_bool(model):
     with pytest.raises(TypeError, match="prepack must be True or False, got 'yes'"):
         pr.hf.PagedSession(model, num_pages=4, page_size=4, prepack="yes")
+
+
+def test_fused_projections_give_each_layer_its_own_product_and_recompute_for_another_input():
+    from paged_ref.models import tiny_llama
+
+    model = tiny_llama(attention_bias=True)  # q/k/v with a bias, as Qwen2's: the bias is fused too
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    x, y = torch.randn(2, 5, model.config.hidden_size), torch.randn(2, 5, model.config.hidden_size)
+    layers = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj, attn.o_proj]
+    eager = {(id(m), id(t)): m(t) for m in layers for t in (x, y)}
+    with PackedLinears(model):
+        # transformers' order (q, k, v on one tensor), then out of order and on another tensor
+        calls = [(attn.q_proj, x), (attn.k_proj, x), (attn.v_proj, x), (attn.k_proj, y), (attn.q_proj, x)]
+        calls += [(attn.v_proj, y), (mlp.up_proj, y), (mlp.gate_proj, y), (mlp.gate_proj, x), (attn.o_proj, x)]
+        for m, t in calls:
+            torch.testing.assert_close(m(t), eager[(id(m), id(t))], rtol=1e-5, atol=1e-5)
