@@ -10,9 +10,9 @@ from paged_ref import OutOfPagesError, PagedKVCache, hf
 from paged_ref.lab.likelihood import log_likelihood, reference_log_likelihood
 from paged_ref.lab.mistakes import MISTAKES
 
-BACKENDS = ["reference", "flex", "triton", "sdpa", "sdpa_fused", "auto"]
+BACKENDS = ["reference", "flex", "triton", "sdpa", "sdpa_fused", "cpu_paged", "auto"]
 # new tokens per backend: eager FlexAttention (~0.2 s a call on CPU) and the Triton interpreter are slow
-NEW_TOKENS = {"reference": 12, "flex": 5, "triton": 5, "sdpa": 12, "sdpa_fused": 12, "auto": 12}
+NEW_TOKENS = {"reference": 12, "flex": 5, "triton": 5, "sdpa": 12, "sdpa_fused": 12, "cpu_paged": 12, "auto": 12}
 
 
 def _kv(model, num_pages, page_size):
@@ -422,13 +422,11 @@ def test_auto_backend_is_sdpa_on_cpu_and_the_default(model):
     with hf.PagedSession(model, num_pages=4, page_size=4) as session:
         assert session.backend == "sdpa"
     assert hf.auto_backend("cuda") == "triton" and hf.auto_backend("cpu") == "sdpa"
-    with pytest.raises(ValueError, match=r"backend must be one of \['auto', 'cascade', 'flex'"):
+    with pytest.raises(ValueError, match=r"backend must be one of \['auto', 'cascade', 'cpu_paged', 'flex'"):
         hf.PagedSession(model, num_pages=4, page_size=4, backend="fast")
 
 
-@pytest.mark.parametrize(
-    "name", ["reference", "flex", "triton", "sdpa", "sdpa_fused", "cascade", "mistake_off_by_one", "mistake_wrong_page"]
-)
+@pytest.mark.parametrize("name", [*hf.BACKENDS, "mistake_off_by_one", "mistake_wrong_page"])
 def test_every_backend_takes_the_one_value_check_keyword(name):
     import inspect
 

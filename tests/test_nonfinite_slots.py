@@ -13,6 +13,7 @@ import torch
 from attention_cases import COMPILED_DECODE_CASE, make_decode_case, make_prefill_case, per_row_copies, rel_error
 
 import paged_ref as pr
+from paged_ref.attention.cpu_paged import cpu_paged_decode
 from paged_ref.attention.flex import flex_paged_decode
 from paged_ref.attention.reference import reference_paged_decode, reference_paged_prefill
 from paged_ref.attention.sdpa import sdpa_fused_paged_decode, sdpa_paged_decode, sdpa_paged_prefill
@@ -29,6 +30,7 @@ DECODERS = {
     "triton": triton_paged_decode,
     "sdpa": sdpa_paged_decode,
     "sdpa_fused": sdpa_fused_paged_decode,
+    "cpu_paged": cpu_paged_decode,
 }
 PREFILLERS = {"reference": reference_paged_prefill, "sdpa": sdpa_paged_prefill}
 # the cache route also holds for eager flex: nothing stale is left to read

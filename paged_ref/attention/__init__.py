@@ -12,7 +12,8 @@ numbers up to rounding. Read them in this order:
    its split count from :mod:`.occupancy`.
 4. :mod:`.flex`: FlexAttention over the whole cache with a BlockMask translated to physical pages.
 
-Then :mod:`.sdpa` (gather, then PyTorch's SDPA: the CPU fast path), :mod:`.cascade` (a shared
+Then :mod:`.sdpa` (gather, then PyTorch's SDPA: the CPU fast path), :mod:`.cpu_paged` (decode
+reading the pages in place on a CPU: a small C++ kernel built on first use), :mod:`.cascade` (a shared
 prefix read once; in Triton :mod:`.triton_cascade`) and :mod:`.quest` (only the pages whose key
 bounds promise the largest scores). The Triton names load on first use.
 
@@ -24,13 +25,14 @@ Example:
     >>> ref = attention.reference_paged_decode(q, kc, vc, bt, lens)
     >>> all(torch.allclose(f(q, kc, vc, bt, lens), ref, atol=1e-5)
     ...     for f in (attention.flex_paged_decode, attention.sdpa_paged_decode,
-    ...               attention.paged_decode_spec, attention.triton_paged_decode))
+    ...               attention.paged_decode_spec, attention.triton_paged_decode, attention.cpu_paged_decode))
     True
 """
 
 import importlib
 
 from .cascade import merge_states, reference_cascade_decode
+from .cpu_paged import cpu_paged_decode
 from .flex import flex_paged_decode, flex_paged_prefill, paged_block_masks
 from .online_softmax import paged_decode_spec
 from .quest import quest_paged_decode
@@ -47,6 +49,7 @@ def __getattr__(name):
 
 
 __all__ = [
+    "cpu_paged_decode",
     "flex_paged_decode",
     "flex_paged_prefill",
     "gather_sequence",

@@ -12,8 +12,9 @@ tokens, already in the pages) and the mask: the step plan, passed as the extra k
 A `Backend` reads the pages, decode (one new token per sequence) and prefill: ``reference`` (the
 oracle), ``flex``, ``triton`` (prefill, compute-bound and once per prompt, through SDPA), ``sdpa``
 (gather by slot, then PyTorch's SDPA: the CPU's path), ``sdpa_fused`` (each decode layer in one
-fused CPU call) and ``cascade`` (the pages rows share are read once for all of them); ``auto``, the
-default, is ``triton`` on CUDA and ``sdpa`` elsewhere. `register_backend` adds one.
+fused CPU call), ``cpu_paged`` (decode through a small C++ kernel reading the pages in place, built
+when the backend is first used) and ``cascade`` (the pages rows share are read once for all of
+them); ``auto``, the default, is ``triton`` on CUDA and ``sdpa`` elsewhere. `register_backend` adds one.
 """
 
 from __future__ import annotations
@@ -47,16 +48,26 @@ class Backend:
             needs it), taking ``(q, k_cache, v_cache, block_table, seq_lens[, q_lens], *, scale, **prepared)``.
         prepare: ``prepare(plan) -> dict``: keywords computed once per forward from its `StepPlan`
             and passed to every layer's call (masks, slot maps, skipped checks).
+        load: ``(module, function)`` called once by `functions`, before any forward (a kernel
+            built ahead of the first step), or None.
     """
 
     name: str
     decode: tuple[str, str]
     prefill: tuple[str, str]
     prepare: Callable[..., dict] = field(default=lambda plan: {}, compare=False)
+    load: tuple[str, str] | None = None
 
     def functions(self) -> tuple[Callable, Callable]:
         """The (decode, prefill) functions."""
-        return tuple(getattr(importlib.import_module(m), f) for m, f in (self.decode, self.prefill))
+        if self.load is not None:
+            _function(self.load)()
+        return _function(self.decode), _function(self.prefill)
+
+
+def _function(where: tuple[str, str]) -> Callable:
+    module, name = where
+    return getattr(importlib.import_module(module), name)
 
 
 #: Every backend by name; `register_backend` adds one.
@@ -120,7 +131,7 @@ def _sdpa_prefill(prepare_decode: Callable[..., dict]) -> Callable[..., dict]:
 
 
 @_sdpa_prefill
-def _prepare_triton(plan) -> dict:
+def _prepare_unchecked(plan) -> dict:  # a kernel reading the block table itself: nothing to prepare
     return {"check_values": False}
 
 
@@ -153,13 +164,15 @@ def cascade_layer_decode(
 
 
 _REFERENCE, _FLEX, _SDPA = "paged_ref.attention.reference", "paged_ref.attention.flex", "paged_ref.attention.sdpa"
-_TRITON = "paged_ref.attention.triton_decode"
+_TRITON, _CPU = "paged_ref.attention.triton_decode", "paged_ref.attention.cpu_paged"
+_PREFILL = (_SDPA, "sdpa_paged_prefill")
 for _backend in (
     Backend("reference", (_REFERENCE, "reference_paged_decode"), (_REFERENCE, "reference_paged_prefill")),
     Backend("flex", (_FLEX, "flex_paged_decode"), (_FLEX, "flex_paged_prefill"), _prepare_flex),
-    Backend("triton", (_TRITON, "triton_paged_decode"), (_SDPA, "sdpa_paged_prefill"), _prepare_triton),
+    Backend("triton", (_TRITON, "triton_paged_decode"), (_SDPA, "sdpa_paged_prefill"), _prepare_unchecked),
     Backend("sdpa", (_SDPA, "sdpa_paged_decode"), (_SDPA, "sdpa_paged_prefill"), _prepare_sdpa),
     Backend("sdpa_fused", (_SDPA, "sdpa_fused_paged_decode"), (_SDPA, "sdpa_paged_prefill"), _prepare_sdpa_fused),
+    Backend("cpu_paged", (_CPU, "cpu_paged_decode"), _PREFILL, _prepare_unchecked, load=(_CPU, "kernel")),
     Backend("cascade", (__name__, "cascade_layer_decode"), (_SDPA, "sdpa_paged_prefill"), _prepare_cascade),
 ):
     register_backend(_backend)

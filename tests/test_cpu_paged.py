@@ -1,0 +1,47 @@
+"""The C++ paged decode kernel: its own cases beyond the backend grid, and its fallback."""
+
+import warnings
+
+import pytest
+import torch
+from attention_cases import make_decode_case, rel_error
+
+from paged_ref.attention import cpu_paged
+from paged_ref.attention.cpu_paged import cpu_paged_decode
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_long_ragged_rows_on_a_shuffled_pool_match_float64(seed):
+    g = torch.Generator().manual_seed(seed)
+    page_size = [1, 7, 32, 128][seed]
+    case = make_decode_case(seed=seed, batch=int(torch.randint(1, 12, (1,), generator=g)), page_size=page_size,
+                            num_kv_heads=3, group=3, head_dim=64, max_len=600)  # fmt: skip
+    assert cpu_paged.kernel() is not None  # the kernel itself, not the fallback
+    assert rel_error(cpu_paged_decode(*case.args), case.expected()) < 1e-4
+
+
+def test_a_kernel_that_cannot_be_built_falls_back_with_one_warning(monkeypatch):
+    import torch.utils.cpp_extension as ext
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    case = make_decode_case(seed=5, batch=3, page_size=16, num_kv_heads=2, group=4, head_dim=32)
+    monkeypatch.setattr(ext, "load_inline", no_compiler)
+    cpu_paged.kernel.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outs = [cpu_paged_decode(*case.args) for _ in range(2)]
+        assert len(caught) == 1 and "Ninja is required" in str(caught[0].message)
+        assert "sdpa_fused_paged_decode" in str(caught[0].message)
+        assert all(rel_error(o, case.expected()) < 1e-4 for o in outs)
+    finally:
+        cpu_paged.kernel.cache_clear()  # the next caller loads the real kernel again
+
+
+def test_bad_input_is_refused_before_the_kernel_reads_memory():
+    case = make_decode_case(seed=6, batch=2, page_size=8, num_kv_heads=2, group=2, head_dim=32)
+    q, kc, vc, bt, lens = case.args
+    with pytest.raises(ValueError, match="seq_lens"):
+        cpu_paged_decode(q, kc, vc, bt, lens + 10_000)
