@@ -248,7 +248,9 @@ def test_the_readme_fast_vllm_runs_match_their_json():
         for n in ("serve_cpu_peer_vllm_fast.json", "serve_cpu_peer_vllm_fast_512pages.json")
     ]
     v = [r["peer_vllm"] for r in runs]
-    assert all(r["config"]["engine_options"] == {"backend": "sdpa_fused", "prepack": True} for r in runs)
+    from paged_ref.lab.bench.serve import FAST_OPTIONS
+
+    assert all(r["config"]["engine_options"] == FAST_OPTIONS for r in runs)
     assert {x["requests_with_identical_tokens"] for x in v} == {x["requests"] for x in v} == {int(found[7])}
     assert {len(x["throughput_ratio_paired"]) for x in v} == {int(found[5])}
     want = [f"{v[0]['throughput_ratio_median']:.2f}", str(v[0]["config"]["num_pages"])]

@@ -123,6 +123,22 @@ def _serve_facts() -> list[str]:
         f"identical greedy tokens in {peer['requests_with_identical_tokens']} of {peer['requests']} requests",
         f"{data['torch_threads']} thread, load average {min(loads):.1f}-{max(loads):.1f}",
         f"{data['seconds']:.0f} s, {data['environment']['date_utc'][:10]}",
+        *_profile_facts(),
+    ]
+
+
+def _profile_facts() -> list[str]:
+    """The serving row's profile gains, from `bench serve --profile` (figures/data/serve_profile_cpu.json):
+    the eager step to the last variant, and the last variant's own gain."""
+    data = json.loads((README.parent / "figures" / "data" / "serve_profile_cpu.json").read_text())
+    gains = {(g["before"], g["after"]): g for g in data["gains"]}
+    names = list(data["variants"])
+    whole, last = gains[names[0], names[-1]], gains[names[-2], names[-1]]
+    assert data["variants"][names[-1]]["options"] == {"backend": "cpu_paged", "prepack": True}
+    assert all(g["requests_with_identical_tokens"] == g["requests"] for g in data["gains"])
+    return [
+        f"{whole['step_ratio_median']['all']:.2f}x the eager step per step",
+        f"{last['step_ratio_median']['all']:.2f}x from the kernel alone",
     ]
 
 

@@ -3,7 +3,8 @@
 The engine serves a reduced offline workload (all requests at once) once per variant of `VARIANTS`,
 each adding one speed-up to the one before: ``eager`` (the lesson's path: ``sdpa`` attention,
 ``F.linear``), ``fused_attention`` (``backend="sdpa_fused"``), ``prepacked_linears``
-(``prepack=True``).
+(``prepack=True``: oneDNN-packed weights, q/k/v and gate/up each one product), ``paged_kernel``
+(``backend="cpu_paged"``: decode attention reading the pages in place).
 
 - **Profile**: `torch.profiler` around single engine steps, kept for the first ``steps`` decode steps
   (every row one new token) and mixed steps (decode rows next to a prompt chunk) after a warm-up;
@@ -41,7 +42,11 @@ VARIANTS = {
     ),
     "prepacked_linears": (
         dict(backend="sdpa_fused", prepack=True),
-        "linear layers through weights packed once for oneDNN",
+        "linear layers through weights packed once for oneDNN, q/k/v and gate/up each one product",
+    ),
+    "paged_kernel": (
+        dict(backend="cpu_paged", prepack=True),
+        "decode attention in a C++ kernel reading K/V where the pages lie (no gather, no padding)",
     ),
 }
 
