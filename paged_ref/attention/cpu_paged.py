@@ -5,7 +5,8 @@ pages out (``index_select``) and hands the copy to SDPA, so each K/V byte crosse
 times (read, written, read again) and rows shorter than the longest are padded. vLLM's CPU build
 reads the pages in place with its own kernel (``cpu_attention_with_kv_cache``); this module is
 such a kernel, small enough to read, compiled on first use with PyTorch's C++ extension loader
-(``torch.utils.cpp_extension.load_inline``: a C++ compiler and ninja, ~20 s, then cached on disk).
+(``torch.utils.cpp_extension.load_inline``: a C++ compiler and ninja, ~20 s, then cached on disk,
+compiled for the host's own instruction set: ``-march=native``).
 
 For each sequence, row by row: every token's K row ``[Hkv, D]`` is found through the block table
 (token ``t`` is slot ``t % page_size`` of page ``block_table[b, t // page_size]``) and read once
@@ -61,6 +62,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
       const int64_t len = lens[b];
       const int32_t* pages = table + b * M;
       const float* qb = qs + b * Hq * D;
+      float* ob = os + b * Hq * D;
+      std::fill(ob, ob + Hq * D, 0.f);
+      if (len <= 0) continue;  // no token: a zero row (the checks refuse it before)
       s.resize(Hq * len);
       for (int64_t t = 0; t < len; ++t) {  // scores: token t's K row [Hkv, D], read in its page
         const float* k = ks + (int64_t(pages[t / P]) * P + t % P) * Hkv * D;
@@ -83,8 +87,6 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         }
         for (int64_t t = 0; t < len; ++t) r[t] /= l;
       }
-      float* ob = os + b * Hq * D;
-      std::fill(ob, ob + Hq * D, 0.f);
       for (int64_t t = 0; t < len; ++t) {  // out = probabilities x V: token t's V row, read in its page
         const float* v = vs + (int64_t(pages[t / P]) * P + t % P) * Hkv * D;
         for (int64_t h = 0; h < Hq; ++h) {
