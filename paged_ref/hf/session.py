@@ -41,6 +41,7 @@ from ..memory import model_geometry
 from ._checks import check_batch, token_ids
 from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, paged_attention_active, register, set_attn_implementation
 from .cache import PagedCache, StepPlan, pack_rows
+from .flat import FlatForward
 from .prepack import PackedLinears
 
 __all__ = ["PagedSession", "cache_keyword"]
@@ -64,6 +65,8 @@ class PagedSession:
         eviction, budget: the policy of every sequence not given its own: a name with ``budget``
             in tokens (``eviction="paged_eviction", budget=256``), a policy object, or None.
         prepack: run the linear layers through weights packed once for oneDNN (`paged_ref.hf.prepack`).
+        flat: run a Llama model's layers as one flat loop instead of transformers' modules, the same
+            operations (`paged_ref.hf.flat`).
 
     The model's attention is ``"paged_ref"`` only during each `extend` forward: several sessions can
     share one model, and ``model.generate`` works beside them. `close` frees every sequence.
@@ -80,9 +83,11 @@ class PagedSession:
         eviction=None,
         budget: int | None = None,
         prepack: bool = False,
+        flat: bool = False,
     ):
-        if not isinstance(prepack, bool):
-            raise TypeError(f"prepack must be True or False, got {prepack!r}")
+        for name, value in (("prepack", prepack), ("flat", flat)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be True or False, got {value!r}")
         eviction = resolve_policy(eviction, budget)
         geometry = model_geometry(model)
         self._backend = get_backend(backend, geometry.device)
@@ -104,6 +109,7 @@ class PagedSession:
         self._decode, self._prefill = self._backend.functions()
         self._hf_cache = PagedCache(kv_cache)
         self._linears = PackedLinears(model) if prepack else contextlib.nullcontext()
+        self._flat = FlatForward(model) if flat else contextlib.nullcontext()
         self._cache_kw = cache_keyword(model)
         self._positions: dict[int, int] = {}  # seq_id -> next absolute position
         self._policies: dict[int, EvictionPolicy | None] = {}  # seq_id -> its eviction policy
@@ -305,7 +311,7 @@ class PagedSession:
                 columns = sorted(set(ends))
                 keep = torch.tensor(columns, device=device)
             self._hf_cache.plan = plan
-            with paged_attention_active(self.model), self._linears:
+            with paged_attention_active(self.model), self._linears, self._flat:
                 out = self.model(
                     input_ids=input_ids,
                     position_ids=position_ids,

@@ -1,0 +1,48 @@
+"""The flat forward: transformers' Llama operations in one loop, the same logits bit for bit."""
+
+import warnings
+
+import pytest
+import torch
+
+import paged_ref as pr
+from paged_ref.hf.flat import FlatForward
+
+
+def _logits(model, prompts, **options):
+    with pr.hf.PagedSession(model, num_pages=32, page_size=4, backend="cpu_paged", **options) as s:
+        seqs = [s.add() for _ in prompts]
+        first = s.extend(seqs, prompts, packed=True)  # prompts of different lengths in one row
+        return first, s.extend(seqs, [t.argmax(-1, keepdim=True) for t in first])  # a decode step
+
+
+@pytest.mark.parametrize("prepack", [False, True])
+def test_flat_logits_are_transformers_logits_bit_for_bit(model, prepack):
+    prompts = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 1, 12)]
+    for eager, flat in zip(
+        _logits(model, prompts, prepack=prepack), _logits(model, prompts, prepack=prepack, flat=True)
+    ):
+        assert torch.equal(flat, eager)
+    assert "forward" not in model.model.__dict__  # nothing left patched
+
+
+def test_another_architecture_keeps_its_forward_with_one_warning():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    model = Qwen2ForCausalLM(config).eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flat = FlatForward(model)
+    assert not flat.flat and len(caught) == 1 and "'qwen2'" in str(caught[0].message)
+    prompts = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 3)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        for eager, kept in zip(_logits(model, prompts), _logits(model, prompts, flat=True)):
+            assert torch.equal(kept, eager)
+
+
+def test_flat_must_be_a_bool(model):
+    with pytest.raises(TypeError, match="flat must be True or False, got 1"):
+        pr.hf.PagedSession(model, num_pages=4, page_size=4, flat=1)
