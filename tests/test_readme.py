@@ -134,7 +134,7 @@ def _profile_facts() -> list[str]:
     gains = {(g["before"], g["after"]): g for g in data["gains"]}
     names = list(data["variants"])
     whole, last = gains[names[0], names[-1]], gains[names[-2], names[-1]]
-    assert data["variants"][names[-1]]["options"] == {"backend": "cpu_paged", "prepack": True}
+    assert data["variants"][names[-1]]["options"] == {"backend": "cpu_paged", "prepack": True, "flat": True}
     assert all(g["requests_with_identical_tokens"] == g["requests"] for g in data["gains"])
     return [
         f"{whole['step_ratio_median']['all']:.2f}x the eager step per step",

@@ -4,7 +4,8 @@ The engine serves a reduced offline workload (all requests at once) once per var
 each adding one speed-up to the one before: ``eager`` (the lesson's path: ``sdpa`` attention,
 ``F.linear``), ``fused_attention`` (``backend="sdpa_fused"``), ``prepacked_linears``
 (``prepack=True``: oneDNN-packed weights, q/k/v and gate/up each one product), ``paged_kernel``
-(``backend="cpu_paged"``: decode attention reading the pages in place).
+(``backend="cpu_paged"``: decode attention reading the pages in place), ``flat_forward``
+(``flat=True``: the layers as one loop, without transformers' module calls).
 
 - **Profile**: `torch.profiler` around single engine steps, kept for the first ``steps`` decode steps
   (every row one new token) and mixed steps (decode rows next to a prompt chunk) after a warm-up;
@@ -47,6 +48,10 @@ VARIANTS = {
     "paged_kernel": (
         dict(backend="cpu_paged", prepack=True),
         "decode attention in a C++ kernel reading K/V where the pages lie (no gather, no padding)",
+    ),
+    "flat_forward": (
+        dict(backend="cpu_paged", prepack=True, flat=True),
+        "the model's layers as one flat loop: transformers' operations without its module calls",
     ),
 }
 

@@ -88,7 +88,8 @@ PROFILES = {mode: {k: v[i] for k, v in _PROFILE_COLUMNS.items()} for i, mode in 
 #: Workloads other than the profile's own (``--workload NAME``): the lengths they change. ``short``:
 #: short answers to longer prompts (prompt mean 48, answer mean 24), as in instruction traces (Alpaca).
 WORKLOADS = {"chat": {}, "short": dict(mean_prompt=48, mean_output=24)}
-FAST_OPTIONS = {"backend": "cpu_paged", "prepack": True}  # the Engine's faster CPU step (--profile: each part)
+#: the Engine's faster CPU step (--profile measures each part)
+FAST_OPTIONS = {"backend": "cpu_paged", "prepack": True, "flat": True}
 
 RATE_COLUMNS = [
     ("policy", "{policy}"),
