@@ -31,15 +31,14 @@ import warnings
 
 import torch
 
-__all__ = ["FUSED", "PackedLinears"]
+__all__ = ["FUSED", "PACK_FOR_ROWS", "PackedLinears"]
 
 #: Linear layers of one module that read the same input, packed as one product (when all are present).
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 _PACKABLE = (torch.float32, torch.bfloat16)
-# oneDNN lays a packed weight out for products of about this many rows: on SmolLM2's layers (1 CPU
-# thread, weights read from memory) 32 was 2-5% faster than no hint at 8, 32 and 128 rows, and level at 1.
-_PACK_FOR_ROWS = 32
+#: the number of rows oneDNN lays a packed weight out for: a serving step's decode rows (max_num_seqs)
+PACK_FOR_ROWS = 32
 
 
 class PackedLinears:
@@ -99,7 +98,7 @@ def _groups(module: torch.nn.Module) -> list[list[torch.nn.Linear]]:
 
 def _product(weight: torch.Tensor, bias: torch.Tensor | None):
     """``x: [..., in] -> x @ weight.T + bias: [..., out]`` through ``weight [out, in]`` packed now."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_FOR_ROWS)  # [out, in], oneDNN's blocked layout
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)  # [out, in], oneDNN's blocked layout
     out_features = weight.shape[0]
 
     def product(x: torch.Tensor) -> torch.Tensor:

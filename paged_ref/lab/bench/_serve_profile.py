@@ -17,9 +17,10 @@ each adding one speed-up to the one before: ``eager`` (the lesson's path: ``sdpa
   ratios of step time (before / after), over decode and mixed steps separately, and the ratio of
   total busy time; tokens are compared request by request.
 - **Linear libraries** (`linear_libraries`): one layer's products at a decode step's and a prompt
-  chunk's number of rows through ``F.linear`` (the BLAS), oneDNN with a prepacked weight (what
-  ``prepack=True`` runs), MKL with a prepacked weight (what inductor's freezing packs float32 weights
-  for when torch has MKL), and oneDNN on q/k/v and gate/up fused into one product each.
+  chunk's number of rows through ``F.linear`` (the BLAS), oneDNN with a prepacked weight (laid out
+  with no row count, then for ``prepack``'s row count), MKL with a prepacked weight (what inductor's
+  freezing packs float32 weights for when torch has MKL), and oneDNN on q/k/v and gate/up fused into
+  one product each, laid out for that row count (what ``prepack=True`` runs).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import time
 
 import torch
 
+from ...hf.prepack import PACK_FOR_ROWS
 from ...serve import Engine
 
 __all__ = ["VARIANTS", "PROFILE_WORKLOAD", "linear_libraries", "profile_variant", "paired_gain", "run_profile"]
@@ -202,8 +204,9 @@ def linear_libraries(model, rows=(32, 512), repeats: int = 7) -> list[dict]:
     layers = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     weights = [m.weight.detach() for m in layers]  # [out, in] each
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+    hinted = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_ROWS) for w in weights]
     fused = [torch.cat(weights[:3]), weights[3], torch.cat(weights[4:6]), weights[6]]  # qkv, o, gate|up, down
-    fused_packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in fused]
+    fused_packed = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_ROWS) for w in fused]
     out = []
     for m in rows:
         mkl = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in weights] if torch._C.has_mkl else None
@@ -216,6 +219,9 @@ def linear_libraries(model, rows=(32, 512), repeats: int = 7) -> list[dict]:
             "f_linear": lambda: [F.linear(a, w) for a, w in zip(x, weights)],
             "onednn_prepacked": lambda: [
                 torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], "") for a, p in zip(x, onednn)
+            ],
+            f"onednn_prepacked_for_{PACK_FOR_ROWS}_rows": lambda: [
+                torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], "") for a, p in zip(x, hinted)
             ],
             "onednn_prepacked_fused_qkv_gate_up": lambda: [
                 torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], "") for a, p in zip(xf, fused_packed)
