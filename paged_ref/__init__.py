@@ -57,22 +57,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'paged_ref' has no attribute {name!r}")
 
 
-__all__ = [
-    "KVCache",
-    "LayeredKVCache",
-    "OutOfPagesError",
-    "PageAllocator",
-    "PagedKVCache",
-    "flex_paged_decode",
-    "flex_paged_prefill",
-    "memory",
-    "pad_block_tables",
-    "paged_block_masks",
-    "pages_needed",
-    "reference_paged_decode",
-    "reference_paged_prefill",
-    "slot_mapping",
-    "to_csr",
-    "triton_paged_decode",
-    *sorted(_LAZY_MODULES),
-]
+__all__ = ["KVCache", "LayeredKVCache", "OutOfPagesError", "PageAllocator", "PagedKVCache", "flex_paged_decode"]
+__all__ += ["flex_paged_prefill", "memory", "pad_block_tables", "paged_block_masks", "pages_needed"]
+__all__ += ["reference_paged_decode", "reference_paged_prefill", "slot_mapping", "to_csr", "triton_paged_decode"]
+__all__ += [*sorted(_LAZY_MODULES)]

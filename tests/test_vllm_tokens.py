@@ -20,8 +20,9 @@ LIMITS = dict(max_num_seqs=32, max_batched_tokens=512)
 
 @pytest.fixture(scope="module")
 def workload(tmp_path_factory):
+    from paged_ref.lab.bench._vllm_peer import save_smollm2
     from paged_ref.lab.bench.serve import PROFILES, make_requests
-    from paged_ref.models import load_smollm2, save_smollm2
+    from paged_ref.models import load_smollm2
 
     model, tok = load_smollm2()
     cfg = PROFILES["cpu"]

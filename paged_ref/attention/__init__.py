@@ -48,20 +48,7 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [
-    "cpu_paged_decode",
-    "flex_paged_decode",
-    "flex_paged_prefill",
-    "gather_sequence",
-    "merge_states",
-    "paged_block_masks",
-    "paged_decode_spec",
-    "quest_paged_decode",
-    "reference_cascade_decode",
-    "reference_paged_decode",
-    "reference_paged_prefill",
-    "sdpa_paged_decode",
-    "sdpa_paged_prefill",
-    "triton_cascade_decode",
-    "triton_paged_decode",
-]
+__all__ = ["cpu_paged_decode", "flex_paged_decode", "flex_paged_prefill", "gather_sequence", "merge_states"]
+__all__ += ["paged_block_masks", "paged_decode_spec", "quest_paged_decode", "reference_cascade_decode"]
+__all__ += ["reference_paged_decode", "reference_paged_prefill", "sdpa_paged_decode", "sdpa_paged_prefill"]
+__all__ += ["triton_cascade_decode", "triton_paged_decode"]

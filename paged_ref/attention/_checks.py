@@ -14,20 +14,9 @@ from torch.nn.attention.flex_attention import BlockMask
 from .._arith import cdiv
 from .._validate import check_int
 
-__all__ = [
-    "INT_DTYPES",
-    "check_block_mask",
-    "check_block_size",
-    "check_cascade_inputs",
-    "check_contiguous",
-    "check_mask_arguments",
-    "check_paged_inputs",
-    "check_prefill_inputs",
-    "check_quest_inputs",
-    "check_table_pages",
-    "check_triton_inputs",
-    "mask_source",
-]
+__all__ = ["INT_DTYPES", "check_block_mask", "check_block_size", "check_cascade_inputs", "check_contiguous"]
+__all__ += ["check_mask_arguments", "check_paged_inputs", "check_prefill_inputs", "check_quest_inputs"]
+__all__ += ["check_table_pages", "check_triton_inputs", "mask_source"]
 
 INT_DTYPES = (torch.int32, torch.int64)
 

@@ -14,8 +14,8 @@ for all query heads (GQA); a plain softmax of each head's scores (float32); then
 read once and accumulated. Only the row's own ``seq_lens[b]`` tokens are touched: no padding.
 
 Where the kernel cannot run (a build that fails, no compiler; tensors not float32 on the CPU),
-`cpu_paged_decode` runs `sdpa_fused_paged_decode` instead: the same numbers up to rounding. A
-failed build warns once, with its reason.
+`cpu_paged_decode` runs `sdpa_paged_decode` instead: the same numbers up to rounding. A failed
+build warns once, with its reason (`build`, which `paged_ref.hf.cpu_ops` shares).
 
 Example:
     >>> kc, vc = torch.randn(4, 16, 2, 64), torch.randn(4, 16, 2, 64)
@@ -33,16 +33,32 @@ import warnings
 import torch
 
 from ._checks import check_paged_inputs
-from .sdpa import sdpa_fused_paged_decode
+from .sdpa import sdpa_paged_decode
 
-__all__ = ["SOURCE", "cpu_paged_decode", "kernel"]
+__all__ = ["EXP", "FLAGS", "SOURCE", "build", "cpu_paged_decode", "kernel"]
 
-#: The kernel's C++ source (one function, ``paged_decode``).
-SOURCE = r"""
+#: ``vexp(x)``, a float exp the compiler vectorizes (``std::exp`` is a scalar call): ``2^n e^r``, ``n`` the
+#: nearest integer to ``x / ln 2``, ``e^r`` to 1e-7 by its Taylor series (``|r| <= ln(2) / 2``).
+EXP = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+static inline float vexp(float x) {
+  x = std::min(std::max(x, -87.3f), 88.7f);
+  const float n = std::nearbyint(x * 1.44269504f), r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.f / 5040;
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + c;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+"""
+
+#: The kernel's C++ source (one function, ``paged_decode``), after `EXP`.
+SOURCE = r"""
 #include <vector>
 
 // q [B, Hq, D], caches [num_pages, P, Hkv, D], block_table int32 [B, max_pages], seq_lens int32 [B],
@@ -82,7 +98,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
         float l = 0.f;
 #pragma omp simd reduction(+ : l)
         for (int64_t t = 0; t < len; ++t) {
-          r[t] = std::exp(r[t] - m);
+          r[t] = vexp(r[t] - m);
           l += r[t];
         }
         for (int64_t t = 0; t < len; ++t) r[t] /= l;
@@ -102,37 +118,38 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 """
 
-# -O3 and the host's vector width; fast-math lets the compiler vectorize exp (and reassociate the
-# sums, as any SIMD reduction does); infinities stay IEEE.
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fno-finite-math-only"]
+#: -O3 and the host's vector width; fast-math lets the compiler vectorize exp (and reassociate the
+#: sums, as any SIMD reduction does); infinities stay IEEE.
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fno-finite-math-only"]
+
+
+def build(name: str, source: str, functions: list[str], instead: str):
+    """``source`` (after `EXP`) compiled as the extension ``name``; None, with one warning saying why
+    and what runs ``instead``, where it cannot be built (no compiler, no ninja, a compile error)."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        return load_inline(name, cpp_sources=EXP + source, functions=functions, extra_cflags=FLAGS)
+    except Exception as e:
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+        warnings.warn(f"{name}: the C++ code could not be built ({why}); {instead}", RuntimeWarning, stacklevel=3)
+        return None
 
 
 @functools.cache
 def kernel():
-    """The compiled extension (its ``paged_decode``), built on first call; None, with one warning
-    saying why, where it cannot be built."""
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        return load_inline("paged_ref_cpu_paged", cpp_sources=SOURCE, functions=["paged_decode"], extra_cflags=_FLAGS)
-    except Exception as e:  # no compiler, no ninja, a compile error: the SDPA path instead
-        why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        warnings.warn(
-            f"cpu_paged: the C++ kernel could not be built ({why}); decode runs sdpa_fused_paged_decode",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
+    """The compiled extension (its ``paged_decode``), built on first call, or None (`build`)."""
+    return build("paged_ref_cpu_paged", SOURCE, ["paged_decode"], "decode runs sdpa_paged_decode")
 
 
 def cpu_paged_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, check_values=True) -> torch.Tensor:
     """Decode attention over the pages, the contract of `reference_paged_decode`, through `kernel`
-    for float32 CPU tensors (else `sdpa_fused_paged_decode`)."""
+    for float32 CPU tensors (else `sdpa_paged_decode`)."""
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     native = q.device.type == "cpu" and q.dtype == torch.float32
     module = kernel() if native else None
     if module is None:
-        return sdpa_fused_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=False)
+        return sdpa_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=False)
     table = block_table.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
     return module.paged_decode(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), table, lens, scale)

@@ -44,16 +44,8 @@ from ._checks import (
 )
 from ._flex_compiled import run_flex
 
-__all__ = [
-    "PagedBlockMasks",
-    "default_kv_block_size",
-    "flex_paged_decode",
-    "flex_paged_prefill",
-    "logical_block_mask",
-    "paged_block_masks",
-    "physical_to_logical",
-    "to_physical_block_mask",
-]
+__all__ = ["PagedBlockMasks", "default_kv_block_size", "flex_paged_decode", "flex_paged_prefill"]
+__all__ += ["logical_block_mask", "paged_block_masks", "physical_to_logical", "to_physical_block_mask"]
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

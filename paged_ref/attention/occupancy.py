@@ -22,14 +22,7 @@ from dataclasses import dataclass
 
 from .._arith import cdiv
 
-__all__ = [
-    "SM_LIMITS",
-    "SmLimits",
-    "choose_num_splits",
-    "programs_per_sm",
-    "split_cost",
-    "waves",
-]
+__all__ = ["SM_LIMITS", "SmLimits", "choose_num_splits", "programs_per_sm", "split_cost", "waves"]
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,7 @@ from .._arith import cdiv
 from ._checks import check_paged_inputs, check_prefill_inputs
 from .online_softmax import LOG2E, merge_partials
 
-__all__ = ["DECODE_CHUNK", "FusedDecode", "SlotGather", "attend_chunked", "prepare", "prepare_fused"]
-__all__ += ["sdpa_fused_paged_decode", "sdpa_paged_decode", "sdpa_paged_prefill"]
+__all__ = ["DECODE_CHUNK", "SlotGather", "attend_chunked", "prepare", "sdpa_paged_decode", "sdpa_paged_prefill"]
 
 
 class SlotGather(NamedTuple):
@@ -158,57 +157,6 @@ def sdpa_paged_decode(
     if gather is None:
         gather = prepare(block_table, seq_lens, k_cache.shape[1])
     return _attend_decode(q, k_cache, v_cache, gather, scale)
-
-
-class FusedDecode(NamedTuple):
-    """Per-step plan of `sdpa_fused_paged_decode`."""
-
-    pages: torch.Tensor | None  # int64 [batch * n_pages]; past a row's last page, its first again
-    tails: torch.Tensor | None  # int64 [n]: gathered positions past a row's length (zeroed)
-    bias: torch.Tensor | None  # [batch, 1, 1, n_pages * page_size] in q's dtype, 0 or -inf
-    single: SlotGather | None = None  # the plan of a one-row step
-
-
-def prepare_fused(block_table, seq_lens, page_size: int, dtype: torch.dtype = torch.float32) -> FusedDecode:
-    """`FusedDecode` of one decode step (``dtype``: the queries')."""
-    if block_table.shape[0] == 1:
-        return FusedDecode(None, None, None, single=prepare(block_table, seq_lens, page_size))
-    lens = seq_lens.long()  # [batch]
-    used = cdiv(lens, page_size)  # [batch] pages per row
-    n_pages = int(used.max())
-    col = torch.arange(n_pages, device=lens.device)  # [n_pages]
-    own = block_table[:, :n_pages].long()  # [batch, n_pages]
-    pages = torch.where(col[None, :] < used[:, None], own, own[:, :1])  # [batch, n_pages]
-    t = torch.arange(n_pages * page_size, device=lens.device)  # [T] gathered token index
-    past = t[None, :] >= lens[:, None]  # [batch, T]
-    bias = torch.zeros(past.shape, dtype=dtype, device=lens.device).masked_fill_(past, float("-inf"))  # [batch, T]
-    tails = (past & (t[None, :] < (used * page_size)[:, None])).reshape(-1).nonzero().squeeze(1)  # [n]
-    return FusedDecode(pages.reshape(-1), tails, bias[:, None, None, :])
-
-
-def sdpa_fused_paged_decode(
-    q, k_cache, v_cache, block_table, seq_lens, *, scale=None, fused=None, check_values=True
-) -> torch.Tensor:
-    """`sdpa_paged_decode` in one call per layer of PyTorch's flash-attention CPU kernel on the
-    gathered pages with the step's additive mask (one tiled pass instead of six over memory);
-    ``fused``: ``prepare_fused(block_table, seq_lens, page_size)`` built once per step, or None."""
-    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
-    if fused is None:
-        fused = prepare_fused(block_table, seq_lens, k_cache.shape[1], q.dtype)
-    if fused.single is not None or _FLASH_CPU is None or q.device.type != "cpu":
-        gather = fused.single or prepare(block_table, seq_lens, k_cache.shape[1])
-        return _attend_decode(q, k_cache, v_cache, gather, scale)
-    _, page_size, num_kv_heads, head_dim = k_cache.shape
-    batch, num_q_heads, _ = q.shape
-    k = k_cache.index_select(0, fused.pages)  # [batch * n_pages, page_size, Hkv, D], a copy
-    v = v_cache.index_select(0, fused.pages)
-    k.view(-1, num_kv_heads, head_dim).index_fill_(0, fused.tails, 0.0)  # tails past each row's length
-    v.view(-1, num_kv_heads, head_dim).index_fill_(0, fused.tails, 0.0)
-    k = k.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [batch, Hkv, T, D], strided
-    v = v.view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
-    qg = q.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [batch, Hkv, G, D]
-    out = _FLASH_CPU(qg, k, v, attn_mask=fused.bias.to(q.dtype), scale=scale)[0]  # [batch, Hkv, G, D]
-    return out.reshape(batch, num_q_heads, head_dim)
 
 
 def sdpa_paged_prefill(

@@ -11,20 +11,6 @@ from .base import EvictionPolicy, EvictionStats, Reserved, max_pages_held, seque
 from .policies import POLICY_NAMES, FullCache, PagedEviction, StreamingLLM, TokenTopK, make_policy, resolve_policy
 from .scores import SCORE_METHODS, page_scores, token_scores
 
-__all__ = [
-    "POLICY_NAMES",
-    "SCORE_METHODS",
-    "EvictionPolicy",
-    "EvictionStats",
-    "FullCache",
-    "PagedEviction",
-    "Reserved",
-    "StreamingLLM",
-    "TokenTopK",
-    "make_policy",
-    "max_pages_held",
-    "page_scores",
-    "resolve_policy",
-    "sequence_scores",
-    "token_scores",
-]
+__all__ = ["POLICY_NAMES", "SCORE_METHODS", "EvictionPolicy", "EvictionStats", "FullCache", "PagedEviction"]
+__all__ += ["Reserved", "StreamingLLM", "TokenTopK", "make_policy", "max_pages_held", "page_scores", "resolve_policy"]
+__all__ += ["sequence_scores", "token_scores"]

@@ -23,15 +23,8 @@ from ..block_table import pages_needed
 from ..cache_interface import KVCache
 from .scores import SCORE_METHODS, token_scores
 
-__all__ = [
-    "DECISIONS",
-    "NO_LIMIT",
-    "EvictionPolicy",
-    "EvictionStats",
-    "Reserved",
-    "max_pages_held",
-    "sequence_scores",
-]
+__all__ = ["DECISIONS", "NO_LIMIT", "EvictionPolicy", "EvictionStats", "Reserved", "max_pages_held"]
+__all__ += ["sequence_scores"]
 
 DECISIONS = ("shared", "per_layer")  # one eviction decision for all layers, or one per layer
 NO_LIMIT = sys.maxsize  # tokens_until_action of a policy that never acts

@@ -11,10 +11,10 @@ tokens, already in the pages) and the mask: the step plan, passed as the extra k
 
 A `Backend` reads the pages, decode (one new token per sequence) and prefill: ``reference`` (the
 oracle), ``flex``, ``triton`` (prefill, compute-bound and once per prompt, through SDPA), ``sdpa``
-(gather by slot, then PyTorch's SDPA: the CPU's path), ``sdpa_fused`` (each decode layer in one
-fused CPU call), ``cpu_paged`` (decode through a small C++ kernel reading the pages in place, built
-when the backend is first used) and ``cascade`` (the pages rows share are read once for all of
-them); ``auto``, the default, is ``triton`` on CUDA and ``sdpa`` elsewhere. `register_backend` adds one.
+(gather by slot, then PyTorch's SDPA: the CPU's path), ``cpu_paged`` (decode through a small C++
+kernel reading the pages in place, built when the backend is first used) and ``cascade`` (the pages
+rows share are read once for all of them); ``auto``, the default, is ``triton`` on CUDA and ``sdpa``
+elsewhere. `register_backend` adds one.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import torch
 from .._validate import check_choice
 from ..attention.cascade import shared_prefix_groups
 from ..attention.flex import paged_block_masks
-from ..attention.sdpa import prepare, prepare_fused
+from ..attention.sdpa import prepare
+from .cache import region
 
 __all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "Backend", "auto_backend", "get_backend", "register_backend"]
 __all__ += ["paged_attention_forward", "register"]
@@ -136,12 +137,6 @@ def _prepare_unchecked(plan) -> dict:  # a kernel reading the block table itself
 
 
 @_sdpa_prefill
-def _prepare_sdpa_fused(plan) -> dict:
-    fused = prepare_fused(plan.block_table, plan.seq_lens, plan.kv.page_size, plan.kv.k_cache[0].dtype)
-    return {"fused": fused, "check_values": False}
-
-
-@_sdpa_prefill
 def _prepare_cascade(plan) -> dict:
     order, indptr, prefix = shared_prefix_groups(plan.block_table, plan.seq_lens, plan.kv.page_size)
     return {"order": order, "group_indptr": indptr, "prefix_lens": prefix}
@@ -171,7 +166,6 @@ for _backend in (
     Backend("flex", (_FLEX, "flex_paged_decode"), (_FLEX, "flex_paged_prefill"), _prepare_flex),
     Backend("triton", (_TRITON, "triton_paged_decode"), (_SDPA, "sdpa_paged_prefill"), _prepare_unchecked),
     Backend("sdpa", (_SDPA, "sdpa_paged_decode"), (_SDPA, "sdpa_paged_prefill"), _prepare_sdpa),
-    Backend("sdpa_fused", (_SDPA, "sdpa_fused_paged_decode"), (_SDPA, "sdpa_paged_prefill"), _prepare_sdpa_fused),
     Backend("cpu_paged", (_CPU, "cpu_paged_decode"), _PREFILL, _prepare_unchecked, load=(_CPU, "kernel")),
     Backend("cascade", (__name__, "cascade_layer_decode"), (_SDPA, "sdpa_paged_prefill"), _prepare_cascade),
 ):
@@ -209,7 +203,7 @@ def paged_attention_forward(
             raise NotImplementedError(f"paged attention does not support {unsupported}={kwargs[unsupported]!r}")
     if getattr(module, "sinks", None) is not None:
         raise NotImplementedError("paged attention does not support attention sinks")
-    with torch.profiler.record_function("paged_ref::attention"):  # a named region in a profile
+    with region("paged_ref::attention"):
         return _attention(plan, module.layer_idx, query, scaling), None
 
 

@@ -12,6 +12,7 @@ new tokens of sequence ``seq_ids[b]``, then padding, which never reaches the cac
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -21,7 +22,13 @@ from transformers.cache_utils import Cache
 
 from ..cache_interface import KVCache
 
-__all__ = ["StepPlan", "PagedCache", "pack_rows"]
+__all__ = ["StepPlan", "PagedCache", "pack_rows", "region"]
+
+
+def region(name: str):
+    """A named region in a `torch.profiler` profile (`bench serve --profile` groups by them); no cost
+    (a null context) when no profiler runs."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 @dataclass
@@ -111,7 +118,7 @@ class PagedCache(Cache):
             k, v = k[plan.valid], v[plan.valid]  # [num_new, Hkv, D], row-major like slots
         slots = plan.kv.layer_slots(plan.slots, layer_idx)  # [num_new]
         check = layer_idx == 0 or plan.kv.tables_per_layer  # slots shared by every layer: checked once
-        with torch.profiler.record_function("paged_ref::cache_write"):  # a named region in a profile
+        with region("paged_ref::cache_write"):
             plan.kv.write(layer_idx, slots, k.contiguous(), v.contiguous(), check_values=check)
         return key_states, value_states
 

@@ -66,7 +66,7 @@ class PagedSession:
             in tokens (``eviction="paged_eviction", budget=256``), a policy object, or None.
         prepack: run the linear layers through weights packed once for oneDNN (`paged_ref.hf.prepack`).
         flat: run a Llama model's layers as one flat loop instead of transformers' modules, the same
-            operations (`paged_ref.hf.flat`).
+            operations (`paged_ref.hf.flat`); ``cpu_ops`` (with ``flat``): its norms, RoPE and SwiGLU in C++.
 
     The model's attention is ``"paged_ref"`` only during each `extend` forward: several sessions can
     share one model, and ``model.generate`` works beside them. `close` frees every sequence.
@@ -84,10 +84,13 @@ class PagedSession:
         budget: int | None = None,
         prepack: bool = False,
         flat: bool = False,
+        cpu_ops: bool = False,
     ):
-        for name, value in (("prepack", prepack), ("flat", flat)):
+        for name, value in (("prepack", prepack), ("flat", flat), ("cpu_ops", cpu_ops)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
+        if cpu_ops and not flat:
+            raise ValueError("cpu_ops=True runs in the flat loop: give flat=True with it")
         eviction = resolve_policy(eviction, budget)
         geometry = model_geometry(model)
         self._backend = get_backend(backend, geometry.device)
@@ -109,7 +112,7 @@ class PagedSession:
         self._decode, self._prefill = self._backend.functions()
         self._hf_cache = PagedCache(kv_cache)
         self._linears = PackedLinears(model) if prepack else contextlib.nullcontext()
-        self._flat = FlatForward(model) if flat else contextlib.nullcontext()
+        self._flat = FlatForward(model, cpu_ops=cpu_ops) if flat else contextlib.nullcontext()
         self._cache_kw = cache_keyword(model)
         self._positions: dict[int, int] = {}  # seq_id -> next absolute position
         self._policies: dict[int, EvictionPolicy | None] = {}  # seq_id -> its eviction policy

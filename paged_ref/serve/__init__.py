@@ -23,14 +23,5 @@ from .engine import CLOCKS, Engine, StepRecord
 from .request import Request, RequestOutput
 from .scheduler import PREEMPTIONS, RESERVATIONS, Schedule, Scheduler
 
-__all__ = [
-    "CLOCKS",
-    "Engine",
-    "PREEMPTIONS",
-    "RESERVATIONS",
-    "Request",
-    "RequestOutput",
-    "Schedule",
-    "Scheduler",
-    "StepRecord",
-]
+__all__ = ["CLOCKS", "Engine", "PREEMPTIONS", "RESERVATIONS", "Request", "RequestOutput", "Schedule", "Scheduler"]
+__all__ += ["StepRecord"]

@@ -2,10 +2,10 @@
 
 The engine serves a reduced offline workload (all requests at once) once per variant of `VARIANTS`,
 each adding one speed-up to the one before: ``eager`` (the lesson's path: ``sdpa`` attention,
-``F.linear``), ``fused_attention`` (``backend="sdpa_fused"``), ``prepacked_linears``
-(``prepack=True``: oneDNN-packed weights, q/k/v and gate/up each one product), ``paged_kernel``
-(``backend="cpu_paged"``: decode attention reading the pages in place), ``flat_forward``
-(``flat=True``: the layers as one loop, without transformers' module calls).
+``F.linear``), ``prepacked_linears`` (``prepack=True``: oneDNN-packed weights, q/k/v and gate/up
+each one product), ``paged_kernel`` (``backend="cpu_paged"``: decode attention reading the pages in
+place), ``flat_forward`` (``flat=True``: the layers as one loop, without transformers' module
+calls), ``cpu_ops`` (``cpu_ops=True``: the loop's norms, RoPE and SwiGLU in C++).
 
 - **Profile**: `torch.profiler` around single engine steps, kept for the first ``steps`` decode steps
   (every row one new token) and mixed steps (decode rows next to a prompt chunk) after a warm-up;
@@ -39,12 +39,8 @@ __all__ = ["VARIANTS", "PROFILE_WORKLOAD", "linear_libraries", "profile_variant"
 #: name -> (Engine options, what it adds), each variant on top of the one before.
 VARIANTS = {
     "eager": (dict(backend="sdpa"), "the lesson's path: sdpa attention (gather, mask, matmul, softmax), F.linear"),
-    "fused_attention": (
-        dict(backend="sdpa_fused"),
-        "decode attention in one fused CPU kernel call per layer (one page gather, mask built once per step)",
-    ),
     "prepacked_linears": (
-        dict(backend="sdpa_fused", prepack=True),
+        dict(backend="sdpa", prepack=True),
         "linear layers through weights packed once for oneDNN, q/k/v and gate/up each one product",
     ),
     "paged_kernel": (
@@ -54,6 +50,10 @@ VARIANTS = {
     "flat_forward": (
         dict(backend="cpu_paged", prepack=True, flat=True),
         "the model's layers as one flat loop: transformers' operations without its module calls",
+    ),
+    "cpu_ops": (
+        dict(backend="cpu_paged", prepack=True, flat=True, cpu_ops=True),
+        "the flat loop's residual adds and norms, RoPE and SwiGLU each one C++ kernel, as vLLM's CPU ops",
     ),
 }
 
@@ -81,7 +81,7 @@ GROUPS = {
     "linear layers": ("aten::linear", "mkldnn::_linear_pointwise"),  # eager: linear -> mm; packed
     "attention": ("paged_ref::attention",),  # `paged_ref.hf.attention`'s named region
     "cache writes": ("paged_ref::cache_write",),  # `PagedCache.update`'s named region
-    "mlp activation": ("aten::silu",),
+    "mlp activation": ("aten::silu", "paged_ref_cpu::silu_mul"),
 }
 
 

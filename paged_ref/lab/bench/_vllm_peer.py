@@ -22,7 +22,9 @@ import os
 import sys
 import time
 
-__all__ = ["VLLM_VERSION", "CPU_BLOCK_MULTIPLE", "check_vllm", "check_page_size", "run_vllm"]
+import torch
+
+__all__ = ["VLLM_VERSION", "CPU_BLOCK_MULTIPLE", "check_vllm", "check_page_size", "save_smollm2", "run_vllm"]
 
 VLLM_VERSION = "0.32.0"
 #: vLLM's CPU attention backend takes block sizes that are multiples of this only.
@@ -53,6 +55,43 @@ def check_page_size(page_size: int) -> None:
             f"page_size must be a multiple of {CPU_BLOCK_MULTIPLE} to run vLLM on CPU (its CPU attention "
             f"backend takes no other block size), got {page_size!r}"
         )
+
+
+def save_smollm2(folder: str | os.PathLike, dtype: torch.dtype = torch.float32) -> str:
+    """Write the bundled SmolLM2 (weights of ``dtype``) as a Hugging Face folder: ``config.json``,
+    ``generation_config.json``, ``model.safetensors`` and the tokenizer's files. Returns its path.
+
+    A GGUF-loaded model refuses ``save_pretrained`` (it is marked as quantized), so the folder is
+    written by hand: the state dict without the tied ``lm_head.weight``, the config without its
+    GGUF quantization entry and with ``architectures: ["LlamaForCausalLM"]`` (how vLLM picks its
+    model class). ``AutoModelForCausalLM.from_pretrained(folder)`` or ``vllm.LLM(folder)`` loads it.
+
+    Example:
+        >>> path = save_smollm2("/tmp/smollm2-hf")                        # doctest: +SKIP
+        >>> AutoModelForCausalLM.from_pretrained(path, local_files_only=True)  # doctest: +SKIP
+    """
+    from safetensors.torch import save_file
+
+    from ...models import load_smollm2
+
+    model, tokenizer = load_smollm2(dtype)
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    config = model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+        config.pop(key, None)
+    config["architectures"] = ["LlamaForCausalLM"]
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    model.generation_config.save_pretrained(folder)
+    tensors = {
+        name: t.detach().contiguous()  # each tensor its own storage: safetensors refuses shared ones
+        for name, t in model.state_dict().items()
+        if not (config.get("tie_word_embeddings") and name == "lm_head.weight")
+    }
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 def run_vllm(

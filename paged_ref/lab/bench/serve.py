@@ -40,7 +40,6 @@ import torch
 
 from ...eviction import make_policy
 from ...memory import model_geometry
-from ...models import save_smollm2
 from ...serve import Engine
 from .. import textdata
 from ..fragmentation import make_workload
@@ -50,7 +49,7 @@ from ._model_bench import text_ids
 from ._scaling_models import build_model
 from ._serve_peer import run_peer
 from ._serve_profile import run_profile
-from ._vllm_peer import CPU_BLOCK_MULTIPLE, check_page_size
+from ._vllm_peer import CPU_BLOCK_MULTIPLE, check_page_size, save_smollm2
 from .common import bench_parser, command_line, environment, result_file, table
 
 __all__ = ["PROFILES", "POLICIES", "make_requests", "run_rate", "check_goals", "format_rate_table", "main"]
@@ -89,7 +88,7 @@ PROFILES = {mode: {k: v[i] for k, v in _PROFILE_COLUMNS.items()} for i, mode in 
 #: short answers to longer prompts (prompt mean 48, answer mean 24), as in instruction traces (Alpaca).
 WORKLOADS = {"chat": {}, "short": dict(mean_prompt=48, mean_output=24)}
 #: the Engine's faster CPU step (--profile measures each part)
-FAST_OPTIONS = {"backend": "cpu_paged", "prepack": True, "flat": True}
+FAST_OPTIONS = {"backend": "cpu_paged", "prepack": True, "flat": True, "cpu_ops": True}
 
 RATE_COLUMNS = [
     ("policy", "{policy}"),
