@@ -58,6 +58,17 @@ def test_the_model_gives_the_same_tokens(model, prepack):
     assert all(torch.allclose(a, b, atol=1e-4) for a, b in zip(logits, eager_logits))
 
 
+def test_shapes_that_do_not_fit_are_refused_before_memory_is_read():
+    ops = cpu_ops_module.cpu_ops()
+    x, cos = torch.randn(2, 3, 4, 8), torch.randn(1, 3, 1, 8)  # cos of one row for two: no broadcast here
+    with pytest.raises(RuntimeError, match="rotate: x"):
+        ops.rotate(x, cos, cos)
+    with pytest.raises(RuntimeError, match="silu_mul: gate and up"):
+        ops.silu_mul(torch.randn(2, 8), torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match="add_norm: y"):
+        ops.add_norm(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), 1e-6)
+
+
 def test_a_model_they_cannot_run_keeps_transformers_operations_with_one_warning():
     model = tiny_llama(seed=1).to(torch.bfloat16)
     with warnings.catch_warnings(record=True) as caught:

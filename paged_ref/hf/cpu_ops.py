@@ -31,6 +31,7 @@ SOURCE = r"""
 std::tuple<torch::Tensor, torch::Tensor> add_norm(torch::Tensor h, c10::optional<torch::Tensor> y, torch::Tensor w,
                                                   double eps) {
   const int64_t C = h.size(-1), N = h.numel() / C;
+  TORCH_CHECK(!y || y->numel() == h.numel(), "add_norm: y must have h's shape ", h.sizes(), ", got ", y->sizes());
   auto out = torch::empty_like(h);
   auto ys = y ? y->contiguous().view({N, C}) : torch::Tensor();
   float *hp = h.view({N, C}).data_ptr<float>(), *op = out.data_ptr<float>();
@@ -56,8 +57,11 @@ std::tuple<torch::Tensor, torch::Tensor> add_norm(torch::Tensor h, c10::optional
 // x [B, T, H, D] (any strides but the last) rotated in place by cos, sin [B, T, 1, D] (contiguous): the
 // first half of each head's row pairs with the second, as transformers' rotate_half. Returns x.
 torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && cos.is_contiguous() && sin.is_contiguous(), "rotate: layout");
   const int64_t T = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.numel() == x.size(0) * T * D && sin.numel() == cos.numel(),
+              "rotate: x [B, T, H, D] (last dimension contiguous) and contiguous cos, sin [B, T, 1, D]; got x ",
+              x.sizes(), ", cos ", cos.sizes());
   float* xp = x.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   at::parallel_for(0, x.size(0) * T, 16, [&](int64_t begin, int64_t end) {
@@ -80,6 +84,7 @@ torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 // silu(gate) * up: gate, up [..., I] (rows of any stride) -> a new [..., I].
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
   const int64_t I = gate.size(-1), N = gate.numel() / I;
+  TORCH_CHECK(gate.sizes() == up.sizes(), "silu_mul: gate and up must have one shape, got ", gate.sizes(), up.sizes());
   auto g = gate.reshape({N, I}), u = up.reshape({N, I});
   auto out = torch::empty(gate.sizes(), gate.options());
   const float *gp = g.data_ptr<float>(), *upp = u.data_ptr<float>();
