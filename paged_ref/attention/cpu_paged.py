@@ -118,8 +118,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 """
 
-#: -O3 and the host's vector width; fast-math lets the compiler vectorize exp (and reassociate the
-#: sums, as any SIMD reduction does); infinities stay IEEE.
+#: -O3 and the host's vector width; fast-math lets the compiler reassociate the sums, as any SIMD
+#: reduction does; infinities stay IEEE.
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fno-finite-math-only"]
 
 

@@ -164,10 +164,10 @@ _PREFILL = (_SDPA, "sdpa_paged_prefill")
 for _backend in (
     Backend("reference", (_REFERENCE, "reference_paged_decode"), (_REFERENCE, "reference_paged_prefill")),
     Backend("flex", (_FLEX, "flex_paged_decode"), (_FLEX, "flex_paged_prefill"), _prepare_flex),
-    Backend("triton", (_TRITON, "triton_paged_decode"), (_SDPA, "sdpa_paged_prefill"), _prepare_unchecked),
-    Backend("sdpa", (_SDPA, "sdpa_paged_decode"), (_SDPA, "sdpa_paged_prefill"), _prepare_sdpa),
+    Backend("triton", (_TRITON, "triton_paged_decode"), _PREFILL, _prepare_unchecked),
+    Backend("sdpa", (_SDPA, "sdpa_paged_decode"), _PREFILL, _prepare_sdpa),
     Backend("cpu_paged", (_CPU, "cpu_paged_decode"), _PREFILL, _prepare_unchecked, load=(_CPU, "kernel")),
-    Backend("cascade", (__name__, "cascade_layer_decode"), (_SDPA, "sdpa_paged_prefill"), _prepare_cascade),
+    Backend("cascade", (__name__, "cascade_layer_decode"), _PREFILL, _prepare_cascade),
 ):
     register_backend(_backend)
 

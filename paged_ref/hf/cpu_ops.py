@@ -57,18 +57,19 @@ std::tuple<torch::Tensor, torch::Tensor> add_norm(torch::Tensor h, c10::optional
 // x [B, T, H, D] (any strides but the last) rotated in place by cos, sin [B, T, 1, D] (contiguous): the
 // first half of each head's row pairs with the second, as transformers' rotate_half. Returns x.
 torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  const int64_t T = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
   TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && cos.is_contiguous() && sin.is_contiguous() &&
-                  cos.numel() == x.size(0) * T * D && sin.numel() == cos.numel(),
+                  cos.numel() == x.size(0) * x.size(1) * x.size(3) && sin.numel() == cos.numel(),
               "rotate: x [B, T, H, D] (last dimension contiguous) and contiguous cos, sin [B, T, 1, D]; got x ",
               x.sizes(), ", cos ", cos.sizes());
+  const int64_t T = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
+  const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
   float* xp = x.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   at::parallel_for(0, x.size(0) * T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const float *c = cp + n * D, *s = sp + n * D;
       for (int64_t h = 0; h < H; ++h) {
-        float* r = xp + (n / T) * x.stride(0) + (n % T) * x.stride(1) + h * x.stride(2);
+        float* r = xp + (n / T) * sb + (n % T) * st + h * sh;
 #pragma omp simd
         for (int64_t d = 0; d < half; ++d) {
           const float a = r[d], b = r[d + half];
