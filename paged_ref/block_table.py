@@ -116,8 +116,7 @@ def slot_mapping(pages: Sequence[int], *, start: int, num_tokens: int, page_size
     start = check_int("start", start, min_value=0)
     num_tokens = check_int("num_tokens", num_tokens, min_value=0)
     page_size = check_int("page_size", page_size, min_value=1)
-    if not isinstance(pages, list):
-        pages = check_list("pages", pages, "page ids")
+    pages = check_list("pages", pages, "page ids")
     end = start + num_tokens
     if num_tokens and (end - 1) // page_size >= len(pages):
         raise ValueError(

@@ -290,8 +290,7 @@ class PagedKVCache:
 
     def free(self, seq_id: int) -> None:
         """Release the sequence: one reference dropped from each of its pages (tail first)."""
-        seq = self._seq(seq_id)
-        self._release(seq.pages)
+        self._release(self._seq(seq_id).pages)
         del self._seqs[seq_id]
 
     def drop_pages(self, seq_id: int, logical_pages) -> None:
@@ -304,8 +303,7 @@ class PagedKVCache:
         if drop and drop[-1] >= held:
             raise ValueError(f"logical_pages must be in [0, {held}) for sequence {seq_id}, got {drop[-1]}")
         tokens = [min(self.page_size, seq.length - i * self.page_size) for i in drop]
-        pages = [seq.pages[i] for i in drop]
-        self._release(pages)
+        self._release([seq.pages[i] for i in drop])
         dropped = set(drop)
         seq.pages = [p for i, p in enumerate(seq.pages) if i not in dropped]
         seq.length -= sum(tokens)
@@ -330,14 +328,11 @@ class PagedKVCache:
             raise OutOfPagesError(1, self.allocator.num_free)
         self._release(seq.pages[need:])
         seq.pages = seq.pages[:need]
-        copies = []
+        copies = self._copy_on_write(seq_id, [need - 1], self._allocate(1)) if copy else []  # shared, partly kept
         if new_len % ps:  # the last kept page loses slots
-            if copy:
-                copies = self._copy_on_write(seq_id, [need - 1], self._allocate(1))
             self._prefix.forget(seq.pages[-1])
             start = (need - 1) * ps + new_len % ps
-            slots = flat_slots(seq.pages, start, need * ps - start, ps)
-            self._zero_slots(slots.to(self.device))
+            self._zero_slots(flat_slots(seq.pages, start, need * ps - start, ps).to(self.device))
         seq.length = new_len
         if seq.token_ids is not None:
             seq.token_ids = seq.token_ids[:new_len]
@@ -421,9 +416,7 @@ class PagedKVCache:
         return self._seqs[seq_id]
 
     def _batch(self, seq_ids):
-        if seq_ids is None:
-            return list(self._seqs)
-        return check_list("seq_ids", seq_ids, "sequence ids")
+        return list(self._seqs) if seq_ids is None else check_list("seq_ids", seq_ids, "sequence ids")
 
     def _reserve(self, requests: list[tuple[int, int, list[int] | None]]) -> list[torch.Tensor]:
         """Grow each ``(seq_id, num_tokens, token_ids)`` in order, all or nothing: plan the pages

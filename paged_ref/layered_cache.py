@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import torch
 
-from ._cache_checks import check_layer
+from ._cache_checks import batch_lists, check_layer
 from ._validate import check_int, check_list
 from .allocator import OutOfPagesError
 from .block_table import pages_needed
@@ -145,23 +145,13 @@ class LayeredKVCache:
     def reserve(self, seq_id: int, num_tokens: int) -> torch.Tensor:
         """Grow every layer by ``num_tokens``; returns ``int64 [num_layers, num_tokens]`` slots. All
         or nothing (OutOfPagesError, nothing changed, when the pool is short)."""
-        lanes = self._lanes_of(seq_id)
-        num_tokens = check_int("num_tokens", num_tokens, min_value=1)
-        slots = self.pool.reserve_batch(lanes, [num_tokens] * len(lanes))
-        self.last_copies = self._layer_copies(self.pool.last_copies)
-        return torch.stack(slots)  # [num_layers, num_tokens]
+        self._lanes_of(seq_id)
+        return self.reserve_batch([seq_id], [check_int("num_tokens", num_tokens, min_value=1)])[0]
 
     def reserve_batch(self, seq_ids, num_tokens, token_ids=None) -> list[torch.Tensor]:
         """`reserve` for several sequences at once, all or nothing (`PagedKVCache.reserve_batch`);
         returns each one's ``int64 [num_layers, num_tokens[i]]`` slots. ``token_ids`` is unused."""
-        seq_ids = check_list("seq_ids", seq_ids, "sequence ids")
-        num_tokens = check_list("num_tokens", num_tokens, "token counts")
-        if len(seq_ids) != len(num_tokens):
-            raise ValueError(
-                f"seq_ids and num_tokens must have one entry per sequence, got {len(seq_ids)} and {len(num_tokens)}"
-            )
-        if len(set(seq_ids)) != len(seq_ids):
-            raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
+        seq_ids, num_tokens, _ = batch_lists(seq_ids, num_tokens, None)
         lanes = [lane for s in seq_ids for lane in self._lanes_of(s)]
         counts = [
             check_int(f"num_tokens[{i}]", n, min_value=1)

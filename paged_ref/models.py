@@ -74,8 +74,7 @@ def _load_smollm2_cached(dtype: torch.dtype):
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, local_files_only=True, dtype=dtype)
     model.eval()
-    config = model.config
-    got = {key: getattr(config, key, None) for key in _SMOLLM2_SHAPE}
+    got = {key: getattr(model.config, key, None) for key in _SMOLLM2_SHAPE}
     if got != _SMOLLM2_SHAPE:
         raise RuntimeError(f"{path} is not the expected SmolLM2-135M: config has {got}, expected {_SMOLLM2_SHAPE}")
     return model, tokenizer
@@ -136,8 +135,6 @@ def tiny_llama(seed: int = 0, **overrides):
     if unknown:
         raise TypeError(f"tiny_llama() got unknown LlamaConfig fields {unknown}; known fields: {sorted(known)}")
     fields.update(overrides)
-    config = LlamaConfig(**fields)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    return model.float().eval()
+        return LlamaForCausalLM(LlamaConfig(**fields)).float().eval()

@@ -52,9 +52,7 @@ def namespace_key(namespace, parent: bytes = ROOT, name: str = "prefix_namespace
 
 def page_key(parent: bytes, tokens: tuple[int, ...]) -> bytes:
     """SHA-256 over the parent page's key and this page's token ids (any Python ints)."""
-    h = hashlib.sha256(parent)
-    h.update(repr(tokens).encode())
-    return h.digest()
+    return hashlib.sha256(parent + repr(tokens).encode()).digest()
 
 
 class PrefixIndex:

@@ -303,12 +303,10 @@ def check_block_mask(block_mask, block_table, seq_lens, q_lens, q_len: int, num_
     if all(a is b and _version(a) == v for a, b, v in zip(now, tensors, versions)):
         return
     for name, given, built in zip(("block_table", "seq_lens", "q_lens"), now, values):
-        same = (given is None and built is None) or (
-            given is not None
-            and built is not None
-            and given.shape == built.shape
-            and torch.equal(given.to(built.device, built.dtype), built)
-        )
+        if given is None or built is None:
+            same = given is built
+        else:
+            same = given.shape == built.shape and torch.equal(given.to(built.device, built.dtype), built)
         if not same:
             raise ValueError(
                 f"block_mask was built for another {name} than the one given: build it "

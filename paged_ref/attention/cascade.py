@@ -139,8 +139,7 @@ def shared_prefix_groups(
         else:
             indptr.append(indptr[-1] + 1)
             prefix.append(full[b])
-    sizes = [indptr[i + 1] - indptr[i] for i in range(len(prefix))]
-    prefix = [p * page_size if n > 1 else 0 for p, n in zip(prefix, sizes)]
+    prefix = [p * page_size if end - start > 1 else 0 for p, start, end in zip(prefix, indptr, indptr[1:])]
     device = block_table.device
     return torch.tensor(order, device=device), torch.tensor(indptr, device=device), torch.tensor(prefix, device=device)
 

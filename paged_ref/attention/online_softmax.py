@@ -55,13 +55,6 @@ def online_update(
     return m_new, l_new, acc_new, alpha
 
 
-def _initial_state(rows: int, d: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, ...]:
-    m = torch.full((rows,), float("-inf"), dtype=dtype, device=device)  # [rows]
-    l = torch.zeros(rows, dtype=dtype, device=device)  # [rows]
-    acc = torch.zeros(rows, d, dtype=dtype, device=device)  # [rows, d]
-    return m, l, acc
-
-
 def split_ranges(seq_len: int, num_splits: int, *, block_n: int) -> list[tuple[int, int]]:
     """The token range ``[start, end)`` of each split, as the kernel computes it: whole tiles of
     ``block_n`` each, the last non-empty split cut at ``seq_len``, trailing ones possibly empty.
@@ -156,11 +149,11 @@ def paged_decode_spec(
         for h in range(num_kv_heads):
             heads = slice(h * group, (h + 1) * group)
             q_rows = q[b, heads].to(compute)  # [group, D]
-            parts = [
-                _initial_state(group, head_dim, compute, q.device) for _ in range(num_splits)
-            ]  # (m, l, acc) per split
-            for s, (start, end) in enumerate(split_ranges(seq_len, num_splits, block_n=block_n)):
-                m, l, acc = parts[s]
+            parts = []  # (m, l, acc) per split
+            for start, end in split_ranges(seq_len, num_splits, block_n=block_n):
+                m = torch.full((group,), float("-inf"), dtype=compute, device=q.device)  # [group]
+                l = torch.zeros(group, dtype=compute, device=q.device)  # [group]
+                acc = torch.zeros(group, head_dim, dtype=compute, device=q.device)  # [group, D]
                 for t0 in range(start, end, block_n):
                     tokens = torch.arange(t0, min(t0 + block_n, end), device=q.device)  # [n]
                     pages, offsets = token_slots(block_table[b], tokens, page_size)
@@ -168,7 +161,7 @@ def paged_decode_spec(
                     v = v_cache[pages, offsets, h].to(compute)  # [n, D]
                     scores = (q_rows @ k.T) * scale_log2  # [group, n], base 2
                     m, l, acc, _ = online_update(m, l, acc, scores, v)
-                parts[s] = (m, l, acc)
+                parts.append((m, l, acc))
             m_all, l_all, acc_all = (torch.stack(x) for x in zip(*parts))  # [S, group(, D)]
             out[b, heads] = merge_partials(m_all, l_all, acc_all).to(q.dtype)
     return out

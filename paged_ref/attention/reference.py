@@ -27,8 +27,7 @@ def gather_sequence(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len:
         >>> gather_sequence(kc, torch.tensor([2, 0]), 3)[:, 0, 0].tolist()
         [8.0, 10.0, 0.0]
     """
-    page_size = cache.shape[1]
-    num_used = cdiv(seq_len, page_size)  # ceil
+    num_used = cdiv(seq_len, cache.shape[1])  # ceil(seq_len / page_size)
     pages = cache[block_table_row[:num_used].long()]  # [num_used, page_size, H, D]
     return pages.flatten(0, 1)[:seq_len]  # [seq_len, H, D]
 

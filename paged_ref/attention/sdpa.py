@@ -64,8 +64,7 @@ def prepare(block_table, seq_lens, page_size: int, q_lens=None, q_len: int = 1) 
         return SlotGather(slots, None, causal=True, padded_rows=padded_rows, padding=padding)
     q_pos = (lens - q_lens.long())[:, None] + torch.arange(q_len, device=lens.device)  # [batch, q_len]
     mask = (t[None, None, :] <= q_pos[:, :, None]) & in_seq[:, None, :]  # [batch, q_len, max_kv]
-    # mask [batch, 1, q_len, max_kv]
-    return SlotGather(slots, mask[:, None], padded_rows=padded_rows, padding=padding)
+    return SlotGather(slots, mask[:, None], padded_rows=padded_rows, padding=padding)  # mask [batch, 1, q_len, max_kv]
 
 
 def _attend(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tensor:
@@ -109,14 +108,12 @@ def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
             continue
         kc = k[lo : lo + count * size].view(count, size, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, C, D]
         vc = v[lo : lo + count * size].view(count, size, num_kv_heads, head_dim).transpose(1, 2)  # [n, Hkv, C, D]
-        out, lse = _FLASH_CPU(qg.expand(count, -1, -1, -1), kc, vc, scale=scale)[:2]  # [n, Hkv, G, D], [n, Hkv, G]
-        pieces.append((out, lse))
+        pieces.append(_FLASH_CPU(qg.expand(count, -1, -1, -1), kc, vc, scale=scale)[:2])  # [n, Hkv, G, D], [n, Hkv, G]
     acc = torch.promote_types(q.dtype, torch.float32)  # merge in float32 (float64 for float64)
     out = torch.cat([o for o, _ in pieces]).to(acc).flatten(1, 2)  # [pieces, Hq, D], normalized per piece
     lse = torch.cat([lse for _, lse in pieces]).to(acc).flatten(1)  # [pieces, Hq]
     # the split-K reduction of `online_softmax`: a normalized piece is (m = lse in base 2, l = 1, acc = out)
-    merged = merge_partials(lse * LOG2E, torch.ones_like(lse), out)  # [Hq, D]
-    return merged.to(q.dtype)
+    return merge_partials(lse * LOG2E, torch.ones_like(lse), out).to(q.dtype)  # [Hq, D]
 
 
 def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tensor:

@@ -133,8 +133,7 @@ def triton_prefix_attention(
     o = torch.empty(batch, num_q_heads, head_dim, dtype=torch.float32, device=q.device)  # [batch, Hq, D]
     lse = torch.empty(batch, num_q_heads, dtype=torch.float32, device=q.device)  # [batch, Hq]
     kernel = runnable(_prefix_kernel, interpret)
-    scope = interpreter() if interpret else torch.cuda.device(q.device)
-    with scope:
+    with interpreter() if interpret else torch.cuda.device(q.device):
         # Grid: one program per (group, KV head, block of query rows).
         kernel[(group_indptr.numel() - 1, num_kv_heads, cdiv(max_rows, cfg["BLOCK_M"]))](
             *(q, k_cache, v_cache, block_table, group_indptr, prefix_lens, o, lse),

@@ -349,14 +349,12 @@ def _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, 
     else:
         part_m = part_l = part_acc = out  # unused by the kernel
     interpret = interpreted(q.device)
-    split_kernel = _kernel(_paged_decode_split_kernel, interpret)
-    reduce_kernel = _kernel(_reduce_splits_kernel, interpret)
     tensors = (q, k_cache, v_cache, block_table, seq_lens, out, part_m, part_l, part_acc)
     strides = (*q.stride()[:2], *k_cache.stride()[:3], block_table.stride(0), *out.stride()[:2])
     # Triton launches on the current CUDA device: make it the inputs'. The interpreter is on for this call only.
     with interpreter() if interpret else torch.cuda.device(q.device):
         # Grid: one program per (sequence, KV head, split).
-        split_kernel[(batch, num_kv_heads, num_splits)](
+        _kernel(_paged_decode_split_kernel, interpret)[(batch, num_kv_heads, num_splits)](
             *tensors,
             scale * LOG2E,
             num_splits,
@@ -369,7 +367,7 @@ def _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, 
             **cfg,
         )
         if write_partials:  # grid: one program per (sequence, query head)
-            reduce_kernel[(batch, num_q_heads)](
+            _kernel(_reduce_splits_kernel, interpret)[(batch, num_q_heads)](
                 part_m,
                 part_l,
                 part_acc,

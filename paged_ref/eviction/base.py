@@ -127,8 +127,7 @@ class EvictionPolicy:
         self.seed = check_int("seed", seed, min_value=0)
         self.decision = check_choice("decision", decision, DECISIONS)
         self._generator = torch.Generator().manual_seed(self.seed)
-        # seq -> int64 [lanes, seq_len]: original index of each held token, one row per decision
-        # (one row when shared; one per layer with decision="per_layer")
+        # seq -> int64 [lanes, seq_len]: original index of each held token, one row per decision (a lane)
         self._positions: dict[int, torch.Tensor] = {}
         self._stats: dict[int, EvictionStats] = {}
 
@@ -247,12 +246,9 @@ class EvictionPolicy:
     def _sync(self, cache, seq_id) -> None:
         """Extend the position record by the tokens appended since the last hook call."""
         n = cache.seq_len(seq_id)  # raises for an unknown sequence
-        pos = self._positions.get(seq_id)
-        if pos is None:
-            lanes = 1 if self.decision == "shared" else cache.num_layers
-            pos, stats = torch.empty(lanes, 0, dtype=torch.int64), EvictionStats()
-        else:
-            stats = self._stats[seq_id]
+        lanes = 1 if self.decision == "shared" else cache.num_layers
+        pos = self._positions.get(seq_id, torch.empty(lanes, 0, dtype=torch.int64))  # [lanes, held]
+        stats = self._stats.setdefault(seq_id, EvictionStats())
         if n < pos.shape[1]:
             raise ValueError(
                 f"sequence {seq_id} holds {n} tokens, fewer than the {pos.shape[1]} this policy left; "
@@ -261,7 +257,6 @@ class EvictionPolicy:
         new = torch.arange(stats.tokens_seen, stats.tokens_seen + n - pos.shape[1])  # [new]
         stats.tokens_seen += new.numel()
         self._positions[seq_id] = torch.cat([pos, new.expand(pos.shape[0], -1)], dim=1)  # [lanes, n]
-        self._stats[seq_id] = stats
 
     def _record(self, cache, seq_id) -> None:
         stats = self._stats[seq_id]
@@ -291,8 +286,7 @@ class EvictionPolicy:
         stats.tokens_moved += moved if keep.shape[0] == 1 else moved / keep.shape[0]
         stats.tokens_evicted += int((~keep[0]).sum())
         stats.compactions += 1
-        pos = self._positions[seq_id]
-        self._positions[seq_id] = torch.stack([p[k] for p, k in zip(pos, keep)])
+        self._positions[seq_id] = torch.stack([p[k] for p, k in zip(self._positions[seq_id], keep)])
 
     def _drop_page(self, cache, seq_id, pages: list[int]) -> None:
         """Page-level eviction of logical page ``pages[i]`` from lane ``i`` (the page goes back to the pool)."""
@@ -317,8 +311,7 @@ class EvictionPolicy:
             newest = (stats.tokens_seen - 1) // page_size
             if int(held[-1]) == newest:  # the newest page is written only up to tokens_seen
                 written -= (newest + 1) * page_size - stats.tokens_seen
-            holes = written - pos.numel()
-            stats.max_holes_per_page = max(stats.max_holes_per_page, holes / held.numel())
+            stats.max_holes_per_page = max(stats.max_holes_per_page, (written - pos.numel()) / held.numel())
 
     def _keep_top(self, cache, seq_id, reserved: Reserved) -> None:
         """Token-level eviction to the budget: the reserved tokens plus the best-scoring others."""

@@ -110,11 +110,8 @@ def beam_search(
 
     ``num_beams`` (>= 2), ``num_return_sequences``, ``length_penalty`` and ``early_stopping`` are
     ``model.generate``'s (`paged_ref.hf.decoding`); ``callback(step, beam_step)`` is called after each
-    step's selection (`BeamStep`); ``progress`` shows a tqdm bar; the other arguments are `generate`'s.
-
-    Raises:
-        TypeError / ValueError: bad arguments (the message names the argument); nothing is allocated.
-        paged_ref.OutOfPagesError: the page pool ran out (every page is freed again).
+    step's selection (`BeamStep`); ``progress`` shows a tqdm bar; the other arguments, and what it
+    raises, are `generate`'s.
     """
     decoding = resolve(
         model,
@@ -132,9 +129,8 @@ def beam_search(
 def run_beam_search(
     model, input_ids, decoding: Decoding, max_new_tokens, *, callback=None, progress=False, **options
 ) -> BeamSearchOutput:
-    """`beam_search` with its decoding arguments resolved (also `generate`'s beam path): the beams'
-    pages follow transformers' selection (`BeamSelection`) step by step, one prefill per prompt, then
-    per step the selection, the pages following it (`_follow_selection`) and one decode forward (`_feed`)."""
+    """`beam_search` with its decoding arguments resolved (also `generate`'s beam path): one prefill per
+    prompt, then per step the selection, the pages following it and one decode forward."""
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable, got {type(callback).__name__}")
     k = decoding.num_beams

@@ -100,29 +100,26 @@ def generate(
     if streamer is not None:
         check_streamer(streamer, beam=decoding.mode == "beam")
     if decoding.mode == "beam":
-        out = run_beam_search(
+        return run_beam_search(
             model, input_ids, decoding, max_new_tokens, callback=callback, progress=progress, **options
-        )
-        return out.sequences
+        ).sequences
     n = decoding.num_return_sequences
     steps = Stream(_steps(prepare(model, input_ids, n, max_new_tokens=max_new_tokens, **options), decoding))
     from tqdm.auto import tqdm
 
     new_tokens = []
-    bar = tqdm(total=max_new_tokens, disable=not progress, desc="paged generate", unit="tok")
-    try:
-        for step, tokens in enumerate(steps):
-            if step == 0 and streamer is not None:
-                streamer.put(input_ids.repeat_interleave(n, dim=0).cpu())
-            new_tokens.append(tokens)
-            if streamer is not None:
-                streamer.put(tokens.cpu())
-            if callback is not None:
-                callback(step, tokens)
-            bar.update(1)
+    try:  # leaving `steps` frees the pages, even when a callback raised
+        with steps, tqdm(total=max_new_tokens, disable=not progress, desc="paged generate", unit="tok") as bar:
+            for step, tokens in enumerate(steps):
+                if step == 0 and streamer is not None:
+                    streamer.put(input_ids.repeat_interleave(n, dim=0).cpu())
+                new_tokens.append(tokens)
+                if streamer is not None:
+                    streamer.put(tokens.cpu())
+                if callback is not None:
+                    callback(step, tokens)
+                bar.update(1)
     finally:
-        steps.close()  # frees the pages even when a callback raised
-        bar.close()
         if streamer is not None:
             streamer.end()
     generated = torch.stack(new_tokens, dim=1).to(input_ids.device)  # [rows, steps]
@@ -210,8 +207,7 @@ def _steps(prepared: Prepared, decoding: Decoding):
         logits = session.extend(roots, prompts)  # prefill, once per prompt: [batch, vocab]
         # the n rows of a prompt: the prefilled sequence and n - 1 forks sharing its pages
         seq_ids = [s for root in roots for s in [root] + [session.fork(root) for _ in range(n - 1)]]
-        if n > 1:
-            logits = logits.repeat_interleave(n, dim=0)  # [batch * n, vocab]
+        logits = logits.repeat_interleave(n, dim=0)  # [batch * n, vocab]
         rows = len(seq_ids)
         active = list(range(rows))  # rows still generating
         for step in range(max_new_tokens):

@@ -61,9 +61,7 @@ class AfterPrompt(EvictionPolicy):
         self.inner.restore(inner)
 
     def tokens_until_action(self, kv_cache, seq_id: int) -> int:
-        if seq_id not in self._started:
-            return NO_LIMIT
-        return self.inner.tokens_until_action(kv_cache, seq_id)
+        return self.inner.tokens_until_action(kv_cache, seq_id) if seq_id in self._started else NO_LIMIT
 
     def release(self, seq_id: int) -> None:
         self._started.discard(seq_id)

@@ -96,7 +96,6 @@ def engine_stats(clock: str, requests, history, counts: dict, scheduler, pending
     span = max(r.finish_s for r in done) - min(r.arrival_s for r in done) if done else 0.0
     h, c = history, counts
     busy = sum(s.step_s for s in h)
-    overhead = sum(s.overhead_s for s in h)
     return {
         "clock": clock,
         "steps": len(h),
@@ -120,9 +119,6 @@ def engine_stats(clock: str, requests, history, counts: dict, scheduler, pending
         "preemptions": scheduler.preemptions,
         "swapped_out_tokens": scheduler.swap.swapped_out_tokens,
         "swapped_in_tokens": scheduler.swap.swapped_in_tokens,
-        "schedule_s": sum(s.schedule_s for s in h),
-        "plan_s": sum(s.plan_s for s in h),
-        "forward_s": sum(s.forward_s for s in h),
-        "post_s": sum(s.post_s for s in h),
-        "overhead_share": overhead / busy if busy > 0 else None,
+        **{phase: sum(getattr(s, phase) for s in h) for phase in ("schedule_s", "plan_s", "forward_s", "post_s")},
+        "overhead_share": sum(s.overhead_s for s in h) / busy if busy > 0 else None,
     }

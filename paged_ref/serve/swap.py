@@ -57,13 +57,11 @@ class SwapSpace:
         """Write ``seq_id``'s K/V back into fresh pages (raises `OutOfPagesError`, keeping the copy, if short);
         ``token_ids``: the held tokens' ids, so that a prefix-caching cache offers the pages again."""
         k, v = self._held[seq_id]
-        if not k.shape[1]:  # swapped out before it held a token
-            del self._held[seq_id]
-            return
-        slots = kv_cache.reserve(seq_id, k.shape[1], token_ids=token_ids)  # [n]
-        k, v = k.to(kv_cache.device), v.to(kv_cache.device)
-        for layer in range(kv_cache.num_layers):
-            kv_cache.write(layer, slots, k[layer], v[layer], check_values=layer == 0)
+        if k.shape[1]:  # none when swapped out before it held a token
+            slots = kv_cache.reserve(seq_id, k.shape[1], token_ids=token_ids)  # [n]
+            k, v = k.to(kv_cache.device), v.to(kv_cache.device)
+            for layer in range(kv_cache.num_layers):
+                kv_cache.write(layer, slots, k[layer], v[layer], check_values=layer == 0)
         del self._held[seq_id]
         self.swapped_in_tokens += k.shape[1]
 
