@@ -25,7 +25,7 @@ from attention_cases import (
     valid_inputs,
 )
 
-from paged_ref.attention.cpu_paged import cpu_paged_decode
+from paged_ref.attention.cpu_paged import cpu_paged_decode, cpu_paged_prefill
 from paged_ref.attention.flex import flex_paged_decode, flex_paged_prefill
 from paged_ref.attention.reference import reference_paged_decode, reference_paged_prefill
 from paged_ref.attention.sdpa import sdpa_paged_decode, sdpa_paged_prefill
@@ -41,6 +41,7 @@ DECODERS = {
     "cpu_paged": cpu_paged_decode,
 }
 PREFILLERS = {"reference": reference_paged_prefill, "flex": flex_paged_prefill, "sdpa": sdpa_paged_prefill}
+PREFILLERS["cpu_paged"] = cpu_paged_prefill
 F32_TOL = 1e-4
 ON_CPU_FLOAT32_ONLY = {"triton"}  # Triton's interpreter runs float32 only
 

@@ -13,7 +13,7 @@ import torch
 from attention_cases import COMPILED_DECODE_CASE, make_decode_case, make_prefill_case, per_row_copies, rel_error
 
 import paged_ref as pr
-from paged_ref.attention.cpu_paged import cpu_paged_decode
+from paged_ref.attention.cpu_paged import cpu_paged_decode, cpu_paged_prefill
 from paged_ref.attention.flex import flex_paged_decode
 from paged_ref.attention.reference import reference_paged_decode, reference_paged_prefill
 from paged_ref.attention.sdpa import sdpa_paged_decode, sdpa_paged_prefill
@@ -31,7 +31,7 @@ DECODERS = {
     "sdpa": sdpa_paged_decode,
     "cpu_paged": cpu_paged_decode,
 }
-PREFILLERS = {"reference": reference_paged_prefill, "sdpa": sdpa_paged_prefill}
+PREFILLERS = {"reference": reference_paged_prefill, "sdpa": sdpa_paged_prefill, "cpu_paged": cpu_paged_prefill}
 # the cache route also holds for eager flex: nothing stale is left to read
 CACHE_DECODERS = {**DECODERS, "flex": compiled(flex_paged_decode), "flex eager": flex_paged_decode}
 

@@ -113,6 +113,29 @@ def test_every_request_gets_the_tokens_it_gets_alone(model, case):
         assert stats["recomputed_tokens"] > 0
 
 
+def test_cpu_paged_attends_a_mixed_step_in_one_call_per_layer(model, monkeypatch):
+    """Decode rows and prefill chunks of one step go to the kernel together (`cpu_paged_packed`)."""
+    from paged_ref.attention import cpu_paged
+
+    calls = []
+
+    def counted(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return packed(q, *args, **kwargs)
+
+    packed = cpu_paged.cpu_paged_packed
+    monkeypatch.setattr(cpu_paged, "cpu_paged_packed", counted)
+    reqs = _workload(6, seed=11, rate=None, max_prompt=20, max_new=6)
+    engine = Engine(model, num_pages=40, page_size=PAGE, max_num_seqs=4, max_batched_tokens=12, eos_token_id=[],
+                    clock="steps", backend="cpu_paged")  # fmt: skip
+    for prompt, n, t in reqs:
+        engine.add_request(list(prompt), max_new_tokens=n, arrival_s=t)
+    outs = _drive(engine)
+    mixed = [h for h in engine.history if h.tokens > h.rows > h.decode_rows > 0]
+    assert mixed and len(calls) >= len(mixed) * model.config.num_hidden_layers
+    assert all(o.token_ids == _alone(prompt, n) for o, (prompt, n, _) in zip(outs, reqs))
+
+
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_eviction_requests_match_generate_with_the_same_policy(model, preemption):
     reqs = _workload(8, seed=3, rate=3.0, max_prompt=30, max_new=24)

@@ -12,8 +12,8 @@ numbers up to rounding. Read them in this order:
    its split count from :mod:`.occupancy`.
 4. :mod:`.flex`: FlexAttention over the whole cache with a BlockMask translated to physical pages.
 
-Then :mod:`.sdpa` (gather, then PyTorch's SDPA: the CPU fast path), :mod:`.cpu_paged` (decode
-reading the pages in place on a CPU: a small C++ kernel built on first use), :mod:`.cascade` (a shared
+Then :mod:`.sdpa` (gather, then PyTorch's SDPA: the CPU fast path), :mod:`.cpu_paged` (reading
+the pages in place on a CPU: a small C++ kernel built on first use), :mod:`.cascade` (a shared
 prefix read once; in Triton :mod:`.triton_cascade`) and :mod:`.quest` (only the pages whose key
 bounds promise the largest scores). The Triton names load on first use.
 
@@ -32,7 +32,7 @@ Example:
 import importlib
 
 from .cascade import merge_states, reference_cascade_decode
-from .cpu_paged import cpu_paged_decode
+from .cpu_paged import cpu_paged_decode, cpu_paged_prefill
 from .flex import flex_paged_decode, flex_paged_prefill, paged_block_masks
 from .online_softmax import paged_decode_spec
 from .quest import quest_paged_decode
@@ -48,7 +48,7 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["cpu_paged_decode", "flex_paged_decode", "flex_paged_prefill", "gather_sequence", "merge_states"]
-__all__ += ["paged_block_masks", "paged_decode_spec", "quest_paged_decode", "reference_cascade_decode"]
+__all__ = ["cpu_paged_decode", "cpu_paged_prefill", "flex_paged_decode", "flex_paged_prefill", "gather_sequence"]
+__all__ += ["merge_states", "paged_block_masks", "paged_decode_spec", "quest_paged_decode", "reference_cascade_decode"]
 __all__ += ["reference_paged_decode", "reference_paged_prefill", "sdpa_paged_decode", "sdpa_paged_prefill"]
 __all__ += ["triton_cascade_decode", "triton_paged_decode"]

@@ -11,8 +11,8 @@ tokens, already in the pages) and the mask: the step plan, passed as the extra k
 
 A `Backend` reads the pages, decode (one new token per sequence) and prefill: ``reference`` (the
 oracle), ``flex``, ``triton`` (prefill, compute-bound and once per prompt, through SDPA), ``sdpa``
-(gather by slot, then PyTorch's SDPA: the CPU's path), ``cpu_paged`` (decode through a small C++
-kernel reading the pages in place, built when the backend is first used) and ``cascade`` (the pages
+(gather by slot, then PyTorch's SDPA: the CPU's path), ``cpu_paged`` (a small C++ kernel reading
+the pages in place, built when the backend is first used; a packed step's rows in one call) and ``cascade`` (the pages
 rows share are read once for all of them); ``auto``, the default, is ``triton`` on CUDA and ``sdpa``
 elsewhere. `register_backend` adds one.
 """
@@ -51,6 +51,7 @@ class Backend:
             and passed to every layer's call (masks, slot maps, skipped checks).
         load: ``(module, function)`` called once by `functions`, before any forward (a kernel
             built ahead of the first step), or None.
+        packed: ``(module, function)`` attending a packed forward's rows in one call (`StepPlan.packed`), or None.
     """
 
     name: str
@@ -58,12 +59,17 @@ class Backend:
     prefill: tuple[str, str]
     prepare: Callable[..., dict] = field(default=lambda plan: {}, compare=False)
     load: tuple[str, str] | None = None
+    packed: tuple[str, str] | None = None
 
     def functions(self) -> tuple[Callable, Callable]:
         """The (decode, prefill) functions."""
         if self.load is not None:
             _function(self.load)()
         return _function(self.decode), _function(self.prefill)
+
+    def packed_function(self) -> Callable | None:
+        """The ``packed`` function, or None."""
+        return None if self.packed is None else _function(self.packed)
 
 
 def _function(where: tuple[str, str]) -> Callable:
@@ -131,9 +137,11 @@ def _sdpa_prefill(prepare_decode: Callable[..., dict]) -> Callable[..., dict]:
     return lambda plan: prepare_decode(plan) if plan.is_decode else _prepare_sdpa(plan)
 
 
-@_sdpa_prefill
-def _prepare_unchecked(plan) -> dict:  # a kernel reading the block table itself: nothing to prepare
+def _unchecked(plan) -> dict:  # a kernel reading the block table itself: nothing to prepare
     return {"check_values": False}
+
+
+_prepare_unchecked = _sdpa_prefill(_unchecked)
 
 
 @_sdpa_prefill
@@ -161,12 +169,13 @@ def cascade_layer_decode(
 _REFERENCE, _FLEX, _SDPA = "paged_ref.attention.reference", "paged_ref.attention.flex", "paged_ref.attention.sdpa"
 _TRITON, _CPU = "paged_ref.attention.triton_decode", "paged_ref.attention.cpu_paged"
 _PREFILL = (_SDPA, "sdpa_paged_prefill")
+_CPU_KERNEL = {"load": (_CPU, "kernel"), "packed": (_CPU, "cpu_paged_packed")}
 for _backend in (
     Backend("reference", (_REFERENCE, "reference_paged_decode"), (_REFERENCE, "reference_paged_prefill")),
     Backend("flex", (_FLEX, "flex_paged_decode"), (_FLEX, "flex_paged_prefill"), _prepare_flex),
     Backend("triton", (_TRITON, "triton_paged_decode"), _PREFILL, _prepare_unchecked),
     Backend("sdpa", (_SDPA, "sdpa_paged_decode"), _PREFILL, _prepare_sdpa),
-    Backend("cpu_paged", (_CPU, "cpu_paged_decode"), _PREFILL, _prepare_unchecked, load=(_CPU, "kernel")),
+    Backend("cpu_paged", (_CPU, "cpu_paged_decode"), (_CPU, "cpu_paged_prefill"), _unchecked, **_CPU_KERNEL),
     Backend("cascade", (__name__, "cascade_layer_decode"), _PREFILL, _prepare_cascade),
 ):
     register_backend(_backend)
@@ -209,10 +218,15 @@ def paged_attention_forward(
 
 def _attention(plan, layer: int, query: torch.Tensor, scaling) -> torch.Tensor:
     """`paged_attention_forward`'s output for one layer: ``[batch, max_q_len, Hq, D]``."""
-    if plan.parts is not None:
-        return _packed_attention(plan, layer, query, scaling)
     k_cache, v_cache = plan.kv.k_cache[layer], plan.kv.v_cache[layer]  # [num_pages, page_size, Hkv, D]
     block_table, attn_kwargs = plan.layer(layer)  # int32 [batch, max_pages], this layer's keywords
+    if plan.packed is not None and plan.valid is None:  # no padding: the tokens lie packed, row after row
+        tokens = query.transpose(1, 2).flatten(0, 1)  # [num_new, Hq, D]
+        out = plan.packed(tokens, k_cache, v_cache, block_table, plan.seq_lens, plan.q_lens, scale=scaling)
+        if out is not None:  # else the backend cannot run these tensors: the parts, or decode and prefill
+            return out.view(query.shape[0], -1, *out.shape[1:])  # [batch, max_q_len, Hq, D]
+    if plan.parts is not None:
+        return _packed_attention(plan, layer, query, scaling)
     if plan.is_decode:
         q = query[:, :, 0, :].contiguous()  # [batch, Hq, D]
         out = plan.decode(q, k_cache, v_cache, block_table, plan.seq_lens, scale=scaling, **attn_kwargs)

@@ -50,6 +50,9 @@ class StepPlan:
         layer_tables: on a `LayeredKVCache`, each layer's ``(block_table, attn_kwargs)``; else None.
         parts: a packed forward's ``(index, plan)`` pairs: ``index`` int64 ``[n]``, the positions in
             the packed row of the tokens of ``plan``'s rows (`pack_rows`); None for a rectangle.
+        packed: ``f(q [num_new, Hq, D], ..., seq_lens, q_lens, *, scale)``: the new tokens of every row in
+            one call where none is padding (``valid`` None: decode, a packed forward), or None
+            (`attention.Backend.packed`); it returns None where it cannot run ``q``.
     """
 
     kv: KVCache
@@ -65,6 +68,7 @@ class StepPlan:
     attn_kwargs: dict = field(default_factory=dict)
     layer_tables: list[tuple[torch.Tensor, dict]] | None = None
     parts: list[tuple[torch.Tensor, StepPlan]] | None = None
+    packed: Callable | None = None
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, dict]:
         """``(block_table, attn_kwargs)`` the attention of layer ``layer_idx`` reads."""
@@ -119,7 +123,7 @@ class PagedCache(Cache):
         slots = plan.kv.layer_slots(plan.slots, layer_idx)  # [num_new]
         check = layer_idx == 0 or plan.kv.tables_per_layer  # slots shared by every layer: checked once
         with region("paged_ref::cache_write"):
-            plan.kv.write(layer_idx, slots, k.contiguous(), v.contiguous(), check_values=check)
+            plan.kv.write(layer_idx, slots, k, v, check_values=check)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

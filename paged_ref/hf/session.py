@@ -110,6 +110,7 @@ class PagedSession:
         self.backend = self._backend.name
         self.eviction = eviction  # the default policy (it carries its own budget)
         self._decode, self._prefill = self._backend.functions()
+        self._packed = self._backend.packed_function()
         self._hf_cache = PagedCache(kv_cache)
         self._linears = PackedLinears(model) if prepack else contextlib.nullcontext()
         self._flat = FlatForward(model, cpu_ops=cpu_ops) if flat else contextlib.nullcontext()
@@ -383,6 +384,7 @@ class PagedSession:
             decode=self._decode,
             prefill=self._prefill,
             max_q_len=max_q,
+            packed=self._packed,
         )
         if packed and valid is not None and not self.kv.tables_per_layer:
             return (plan, *pack_rows(plan, input_ids, position_ids, self._backend.prepare))
