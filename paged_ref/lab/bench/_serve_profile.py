@@ -3,8 +3,8 @@
 The engine serves a reduced offline workload (all requests at once) once per variant of `VARIANTS`,
 each adding one speed-up to the one before: ``eager`` (the lesson's path: ``sdpa`` attention,
 ``F.linear``), ``prepacked_linears`` (``prepack=True``: oneDNN-packed weights, q/k/v and gate/up
-each one product), ``paged_kernel`` (``backend="cpu_paged"``: decode attention reading the pages in
-place), ``flat_forward`` (``flat=True``: the layers as one loop, without transformers' module
+each one product), ``paged_kernel`` (``backend="cpu_paged"``: attention reading the pages in place,
+a step's decode rows and prompt chunks in one call), ``flat_forward`` (``flat=True``: the layers as one loop, without transformers' module
 calls), ``cpu_ops`` (``cpu_ops=True``: the loop's norms, RoPE and SwiGLU in C++).
 
 - **Profile**: `torch.profiler` around single engine steps, kept for the first ``steps`` decode steps
