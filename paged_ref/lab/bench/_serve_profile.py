@@ -4,8 +4,9 @@ The engine serves a reduced offline workload (all requests at once) once per var
 each adding one speed-up to the one before: ``eager`` (the lesson's path: ``sdpa`` attention,
 ``F.linear``), ``prepacked_linears`` (``prepack=True``: oneDNN-packed weights, q/k/v and gate/up
 each one product), ``paged_kernel`` (``backend="cpu_paged"``: attention reading the pages in place,
-a step's decode rows and prompt chunks in one call), ``flat_forward`` (``flat=True``: the layers as one loop, without transformers' module
-calls), ``cpu_ops`` (``cpu_ops=True``: the loop's norms, RoPE and SwiGLU in C++).
+a step's decode rows and prompt chunks in one call), ``flat_forward`` (``flat=True``: the layers as
+one loop, without transformers' module calls), ``cpu_ops`` (``cpu_ops=True``: the loop's norms, RoPE
+and SwiGLU in C++).
 
 - **Profile**: `torch.profiler` around single engine steps, kept for the first ``steps`` decode steps
   (every row one new token) and mixed steps (decode rows next to a prompt chunk) after a warm-up;
