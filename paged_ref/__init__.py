@@ -44,16 +44,13 @@ from .layered_cache import LayeredKVCache
 __version__ = "0.1.0"
 
 _LAZY_MODULES = {"hf", "models", "eviction", "serve", "lab"}
-_LAZY_ATTRS = {
-    "triton_paged_decode": "paged_ref.attention.triton_decode",
-}
 
 
 def __getattr__(name):
     if name in _LAZY_MODULES:
         return importlib.import_module(f"{__name__}.{name}")
-    if name in _LAZY_ATTRS:
-        return getattr(importlib.import_module(_LAZY_ATTRS[name]), name)
+    if name == "triton_paged_decode":  # `attention` loads it (and triton) on first use
+        return getattr(importlib.import_module(f"{__name__}.attention"), name)
     raise AttributeError(f"module 'paged_ref' has no attribute {name!r}")
 
 

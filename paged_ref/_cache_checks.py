@@ -6,8 +6,6 @@ before the cache changes anything. The caches' internal steps trust what these l
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from ._validate import check_int, check_list, describe
@@ -42,12 +40,9 @@ def token_list(name: str, token_ids) -> list[int]:
         if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dim() != 1:
             raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {describe(token_ids)}")
         return token_ids.tolist()
-    out = []
-    for i, t in enumerate(check_list(name, token_ids, "ints or a 1-D integer tensor")):
-        if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-            raise TypeError(f"{name}[{i}] must be an int, got {type(t).__name__} ({t!r})")
-        out.append(int(t))
-    return out
+    return [
+        check_int(f"{name}[{i}]", t) for i, t in enumerate(check_list(name, token_ids, "ints or a 1-D integer tensor"))
+    ]
 
 
 def growth_request(num_tokens, token_ids, suffix: str = "") -> tuple[int, list[int] | None]:

@@ -45,11 +45,9 @@ def flat_slots(pages: list[int], start: int, num_tokens: int, page_size: int) ->
 
 def pack_padded(tables: list[list[int]], seq_lens: list[int], *, device=None):
     """The padded batch of `pad_block_tables`, from well-formed page lists."""
-    max_pages = max((len(p) for p in tables), default=0)
-    block_table = torch.zeros(len(tables), max(max_pages, 1), dtype=torch.int32)  # [batch, max_pages]
+    block_table = torch.zeros(len(tables), max([1, *map(len, tables)]), dtype=torch.int32)  # [batch, max_pages]
     for i, pages in enumerate(tables):
-        if pages:
-            block_table[i, : len(pages)] = torch.as_tensor(list(pages), dtype=torch.int32)
+        block_table[i, : len(pages)] = torch.as_tensor(list(pages), dtype=torch.int32)
     lens = torch.as_tensor(list(seq_lens), dtype=torch.int32)  # [batch]
     return block_table.to(device), lens.to(device)
 

@@ -302,11 +302,9 @@ class PagedKVCache:
         drop = sorted({check_int("logical_pages[i]", i, min_value=0) for i in logical_pages})
         if drop and drop[-1] >= held:
             raise ValueError(f"logical_pages must be in [0, {held}) for sequence {seq_id}, got {drop[-1]}")
-        tokens = [min(self.page_size, seq.length - i * self.page_size) for i in drop]
         self._release([seq.pages[i] for i in drop])
-        dropped = set(drop)
-        seq.pages = [p for i, p in enumerate(seq.pages) if i not in dropped]
-        seq.length -= sum(tokens)
+        seq.length -= sum(min(self.page_size, seq.length - i * self.page_size) for i in drop)
+        seq.pages = [p for i, p in enumerate(seq.pages) if i not in drop]
         seq.token_ids, seq.page_hashes = None, []
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
@@ -496,20 +494,17 @@ class PagedKVCache:
         for cache in (*self.k_cache, *self.v_cache):
             cache.view(flat).index_fill_(0, slots, 0)
 
-    def _copy_page(self, src: int, dst: int) -> None:
-        if self._checkpoint is not None:
-            self._saving(range(self.num_layers), flat_slots([dst], 0, self.page_size, self.page_size))
-        for cache in (*self.k_cache, *self.v_cache):
-            cache[dst].copy_(cache[src])
-        if self.summaries is not None:
-            self.summaries.copy(src, dst)
-
     def _copy_on_write(self, seq_id: int, indices: list[int], new_pages: list[int]) -> list[PageCopy]:
         """Give the sequence private copies of its shared pages at ``indices``, into ``new_pages``."""
         seq, copies = self._seqs[seq_id], []
         for i, page in zip(indices, new_pages):
             copies.append(PageCopy(seq_id, i, seq.pages[i], page))
-            self._copy_page(seq.pages[i], page)
+            if self._checkpoint is not None:
+                self._saving(range(self.num_layers), flat_slots([page], 0, self.page_size, self.page_size))
+            for cache in (*self.k_cache, *self.v_cache):
+                cache[page].copy_(cache[seq.pages[i]])
+            if self.summaries is not None:
+                self.summaries.copy(seq.pages[i], page)
             self.allocator.free([seq.pages[i]])  # drops this sequence's reference only
             seq.pages[i] = page
         return copies

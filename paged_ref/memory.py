@@ -36,10 +36,7 @@ class KVGeometry:
     def __post_init__(self):
         for arg in ("num_layers", "num_kv_heads", "head_dim"):
             check_int(arg, getattr(self, arg), min_value=1)
-        if self.num_q_heads is None:
-            return
-        check_int("num_q_heads", self.num_q_heads, min_value=1)
-        if self.num_q_heads % self.num_kv_heads:
+        if self.num_q_heads is not None and check_int("num_q_heads", self.num_q_heads, min_value=1) % self.num_kv_heads:
             raise ValueError(
                 f"num_q_heads must be a multiple of num_kv_heads (GQA groups), "
                 f"got num_q_heads={self.num_q_heads}, num_kv_heads={self.num_kv_heads}"
