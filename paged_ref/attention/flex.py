@@ -153,14 +153,6 @@ def _physical_mask_mod(logical_mod: MaskMod, p2l: torch.Tensor, seq_lens: torch.
     return physical_mask
 
 
-def _dense_blocks(num: torch.Tensor, idx: torch.Tensor, num_cols: int) -> torch.Tensor:
-    """(kv_num_blocks [..., rows], kv_indices [..., rows, k]) -> bool [..., rows, num_cols]."""
-    listed = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]  # [..., rows, k]
-    dense = torch.zeros(*idx.shape[:-1], num_cols + 1, dtype=torch.bool, device=idx.device)
-    dense.scatter_(-1, torch.where(listed, idx.long(), num_cols), True)
-    return dense[..., :num_cols]
-
-
 def _ordered_blocks(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """bool [..., rows, cols] -> (kv_num_blocks int32 [..., rows], kv_indices int32
     [..., rows, cols]) listing the True columns first, in increasing order."""
@@ -197,8 +189,10 @@ def to_physical_block_mask(
     owner_block = unit_start // kv_block  # [U] logical
 
     def translate(num: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Logical block list -> bool [batch, H, q_blocks, n_physical_blocks]."""
-        dense = _dense_blocks(num, idx, n_logical_blocks)  # [batch, H, QB, n_logical]
+        """Logical block list (``num [b, H, QB]`` entries of ``idx [b, H, QB, k]``) -> bool [b, H, QB, n_physical]."""
+        listed = torch.arange(idx.shape[-1], device=device) < num[..., None]  # [b, H, QB, k]
+        dense = torch.zeros(*idx.shape[:-1], n_logical_blocks + 1, dtype=torch.bool, device=device)
+        dense.scatter_(-1, torch.where(listed, idx.long(), n_logical_blocks), True)  # unlisted: a spare last column
         per_unit = dense[..., owner_block] & valid[:, None, None, :]  # [b, H, QB, U]
         target = physical_block[:, None, None, :].expand_as(per_unit)
         hits = torch.zeros(*per_unit.shape[:-1], n_physical_blocks, dtype=torch.int32, device=device)

@@ -136,9 +136,7 @@ def paged_decode_spec(
         ...                atol=1e-5)
         True
     """
-    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale)
-    num_splits = check_int("num_splits", num_splits, min_value=1)
-    block_n = check_int("block_n", block_n, min_value=1)
+    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale)  # split_ranges checks the rest
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -353,7 +353,6 @@ def _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, 
     strides = (*q.stride()[:2], *k_cache.stride()[:3], block_table.stride(0), *out.stride()[:2])
     # Triton launches on the current CUDA device: make it the inputs'. The interpreter is on for this call only.
     with interpreter() if interpret else torch.cuda.device(q.device):
-        # Grid: one program per (sequence, KV head, split).
         _kernel(_paged_decode_split_kernel, interpret)[(batch, num_kv_heads, num_splits)](
             *tensors,
             scale * LOG2E,
