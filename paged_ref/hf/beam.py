@@ -221,6 +221,5 @@ def _feed(session, beams: list[list[int]], tokens: torch.Tensor):
         if c.layer in (None, 0):
             copied.setdefault(c.seq_id, []).append(c.page)
     logits = torch.zeros(batch * k, step_logits.shape[-1], device=step_logits.device)
-    rows = torch.tensor([b * k + j for b in live for j in range(k)], device=step_logits.device)
-    logits[rows] = step_logits
+    logits.view(batch, k, -1)[live] = step_logits.view(len(live), k, -1)  # prompt b's beams: rows b * k ..
     return logits, {s: kv.pages(s) for s in seqs}, copied

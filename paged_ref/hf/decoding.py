@@ -133,11 +133,8 @@ def resolve(model, **given) -> Decoding:
     top_k = check_int("top_k", values["top_k"])
     length_penalty = _real("length_penalty", values["length_penalty"])
     early_stopping = values["early_stopping"]
-    if (
-        early_stopping not in (True, False, "never")
-        or isinstance(early_stopping, numbers.Number)
-        and not isinstance(early_stopping, bool)
-    ):
+    number = isinstance(early_stopping, numbers.Number) and not isinstance(early_stopping, bool)
+    if early_stopping not in (True, False, "never") or number:  # a number: 1 == True and 0.0 == False
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
 
     if do_sample:  # the warpers' own checks (transformers makes them only when it samples)
@@ -174,11 +171,8 @@ def _real(name: str, value) -> float:
 
 
 def _check_processors(config, do_sample: bool) -> None:
-    """Refuse a generation_config that turns on a logits processor not implemented here."""
-    if config is None:
-        return
-    checks = {**_OFF, **(_OFF_WHEN_SAMPLING if do_sample else {})}
-    for name, off in checks.items():
+    """Refuse a generation_config that turns on a logits processor not implemented here (None: none)."""
+    for name, off in {**_OFF, **(_OFF_WHEN_SAMPLING if do_sample else {})}.items():
         value = getattr(config, name, None)
         if not any(value is v or (v is not None and value == v) for v in off):
             raise NotImplementedError(
@@ -189,8 +183,7 @@ def _check_processors(config, do_sample: bool) -> None:
 
 def top_k_warp(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     """Keep each row's ``top_k`` largest scores (and any equal to the k-th); the rest become -inf."""
-    k = min(top_k, scores.shape[-1])
-    kth = torch.topk(scores, k).values[..., -1:]  # [rows, 1]: the k-th largest score
+    kth = torch.topk(scores, min(top_k, scores.shape[-1])).values[..., -1:]  # [rows, 1]: the k-th largest score
     return scores.masked_fill(scores < kth, float("-inf"))
 
 

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
@@ -167,15 +168,12 @@ def stream(
     return Stream(_steps(prepare(model, input_ids, n, max_new_tokens=max_new_tokens, **options), decoding))
 
 
-class Stream:
+class Stream(Iterator, contextlib.AbstractContextManager):
     """The iterator `stream` returns: each step's tokens, plus ``close()`` and ``with`` support."""
 
     def __init__(self, steps: Iterator[torch.Tensor]):
         self._steps = steps
         self.closed = False
-
-    def __iter__(self) -> Stream:
-        return self
 
     def __next__(self) -> torch.Tensor:
         if self.closed:
@@ -190,9 +188,6 @@ class Stream:
         """Stop generating and free every page the stream holds (idempotent)."""
         self.closed = True
         self._steps.close()
-
-    def __enter__(self) -> Stream:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

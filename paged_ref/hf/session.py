@@ -49,8 +49,7 @@ __all__ = ["PagedSession", "cache_keyword"]
 
 def cache_keyword(model) -> str:
     """Name of the forward argument taking the cache: ``cache`` (5.24) or ``past_key_values`` (5.17)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class PagedSession:
@@ -181,9 +180,7 @@ class PagedSession:
         """A new sequence holding ``seq_id``'s tokens (its pages shared, copy-on-write) at its position.
 
         The fork's tokens are its prompt: its policy (default: the session's) runs ``after_prefill``
-        now, so one prefilled prompt serves sequences under different policies.
-
-        """
+        now, so one prefilled prompt serves sequences under different policies."""
         self._check_live(seq_id)
         policy = self._policy_arg(eviction)
         new = self.kv.fork(seq_id)
@@ -287,15 +284,13 @@ class PagedSession:
             raise ValueError(f"each tokens[b] must hold at least one token, got lengths {q_lens}")
         for b, (s, n) in enumerate(zip(seq_ids, q_lens)):
             policy = self._policies[s]
-            if (
-                policy is not None
-                and s in self._prefilled
-                and not reserved
-                and n > policy.tokens_until_action(self.kv, s)
-            ):
+            if policy is None or s not in self._prefilled or reserved:
+                continue
+            room = policy.tokens_until_action(self.kv, s)
+            if n > room:
                 raise ValueError(
-                    f"tokens[{b}] has {n} tokens, but sequence {s}'s eviction policy must act after "
-                    f"{policy.tokens_until_action(self.kv, s)}; feed at most tokens_until_action() tokens per forward"
+                    f"tokens[{b}] has {n} tokens, but sequence {s}'s eviction policy must act after {room}; "
+                    "feed at most tokens_until_action() tokens per forward"
                 )
 
         marks = [self.kv.mark(s) for s in seq_ids]
@@ -400,9 +395,5 @@ class PagedSession:
         """The eviction hooks: let the sequence's policy shrink its cache (see the module docstring)."""
         policy = self._policies[seq_id]
         self._prefilled.add(seq_id)
-        if policy is None:
-            return
-        if phase_prefill:
-            policy.after_prefill(self.kv, seq_id)
-        else:
-            policy.after_append(self.kv, seq_id)
+        if policy is not None:
+            (policy.after_prefill if phase_prefill else policy.after_append)(self.kv, seq_id)
