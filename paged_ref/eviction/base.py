@@ -278,11 +278,8 @@ class EvictionPolicy:
         if bool(keep.all()):
             return
         cache.compact(seq_id, keep[0] if self.decision == "shared" else keep)  # first: it may raise
-        moved = 0
-        for row in keep:
-            holes = (~row).nonzero()
-            if holes.numel():
-                moved += int(row[int(holes[0]) :].sum())  # kept tokens behind the first hole shift
+        # the kept tokens behind a lane's first hole shift: all it keeps but its leading run of kept tokens
+        moved = int((keep.sum(1) - keep.int().cumprod(1).sum(1)).sum())
         stats.tokens_moved += moved if keep.shape[0] == 1 else moved / keep.shape[0]
         stats.tokens_evicted += int((~keep[0]).sum())
         stats.compactions += 1

@@ -86,7 +86,5 @@ def page_scores(token_scores: torch.Tensor, page_size: int, reduce: str = "mean"
     sums = padded.view(num_pages, page_size).sum(dim=1)  # [num_pages]
     if reduce == "sum":
         return sums
-    counts = torch.full((num_pages,), float(page_size), device=sums.device, dtype=sums.dtype)
-    if num_pages and n % page_size:
-        counts[-1] = n % page_size
+    counts = (n - torch.arange(num_pages, device=sums.device) * page_size).clamp(max=page_size)  # tokens per page
     return sums / counts

@@ -58,9 +58,7 @@ class Request:
     def tokens(self, start: int, stop: int) -> list[int]:
         """``token_ids[start:stop]`` without building the whole list."""
         p = len(self.prompt_ids)
-        if stop <= p:
-            return self.prompt_ids[start:stop]
-        return self.prompt_ids[start:] + self.output_ids[max(0, start - p) : stop - p]
+        return self.prompt_ids[start:stop] + self.output_ids[max(0, start - p) : max(0, stop - p)]
 
     @property
     def num_tokens(self) -> int:

@@ -164,8 +164,7 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs or want < 1:
                 break
             held = self.swap.tokens(r.seq_id)
-            need = max(pages_needed(held + want, self.page_size), self.committed_pages(r))
-            if need > self._available(None):
+            if max(pages_needed(held + want, self.page_size), self.committed_pages(r)) > self._available(None):
                 break
             self.swapped.remove(r)
             # under eviction its pages stop being shared: no token ids to key them by
@@ -173,7 +172,7 @@ class Scheduler:
             self.swap.swap_in(self.kv, r.seq_id, hashable)
             r.reserved_pages = self.committed_pages(r)
             r.status = RUNNING
-            self.running.insert(bisect.bisect([s.admitted for s in self.running], r.admitted), r)
+            bisect.insort(self.running, r, key=lambda s: s.admitted)
             self._plan(r, want, out)
             budget -= want
         if self.swapped:
@@ -193,11 +192,9 @@ class Scheduler:
         reused = self.kv.cached_prefix(tokens)  # asked first: pages the prefix cache would share or revive
         computed = len(reused) * self.page_size
         want = min(len(tokens) - computed, budget)
-        # new pages: a commitment is whole; "paged" admits a request only if all it has to compute fits,
-        # though it is fed in chunks (vLLM's scheduler_reserve_full_isl): one admitted while its last
-        # chunk cannot fit would be preempted before it is done
-        grow = pages_needed(len(tokens), self.page_size) - len(reused)
-        need = max(self.committed_pages(r) - len(reused), grow)
+        # new pages: a whole commitment, or all it has to compute though it is fed in chunks (vLLM's
+        # scheduler_reserve_full_isl): one admitted while its last chunk cannot fit would be preempted
+        need = max(self.committed_pages(r), pages_needed(len(tokens), self.page_size)) - len(reused)
         if r.eviction is not None and computed + want == len(tokens):  # the policy acts after this chunk
             need += sum(self.kv.allocator.refcount(p) > 0 for p in reused[: self._kept_pages(r)])
         shares = sum(p in self._compacting for p in reused)  # pages another row's policy then copies
@@ -227,8 +224,7 @@ class Scheduler:
     def _make_room(self, r: Request, want: int, out: Schedule) -> int:
         """Tokens ``r`` can take this step (<= want), preempting the most recent requests if needed."""
         while True:
-            avail = self._available(r)
-            if self._pages(r, want) <= avail:
+            if self._pages(r, want) <= self._available(r):
                 return want
             victim = self.running[-1]
             self.preempt(victim, out)
@@ -244,8 +240,7 @@ class Scheduler:
         if self.preemption == "swap":
             self.swap.swap_out(self.kv, r.seq_id)
             r.status = SWAPPED
-            keys = [s.admitted for s in self.swapped]
-            self.swapped.insert(bisect.bisect(keys, r.admitted), r)
+            bisect.insort(self.swapped, r, key=lambda s: s.admitted)
         else:
             self._release(r)
             r.status = WAITING
@@ -278,8 +273,7 @@ class Scheduler:
         prompt = len(r.prompt_ids)
         if r.num_computed < prompt:
             return prompt - r.num_computed
-        hooks = self._hooks[r.request_id]
-        return min(r.remaining, hooks.tokens_until_action(self.kv, r.seq_id))
+        return min(r.remaining, self._hooks[r.request_id].tokens_until_action(self.kv, r.seq_id))
 
     # ------------------------------------------------------------------ page arithmetic
     def _held(self, r: Request) -> int:
@@ -295,8 +289,7 @@ class Scheduler:
         tokens into the first pages, and copies those that another sequence shares (a prefix hit)."""
         if r.eviction is None or n < self._limit(r):
             return 0
-        refcount = self.kv.allocator.refcount
-        return sum(refcount(p) > 1 for p in self.kv.pages(r.seq_id)[: self._kept_pages(r)])
+        return sum(self.kv.allocator.refcount(p) > 1 for p in self.kv.pages(r.seq_id)[: self._kept_pages(r)])
 
     def _kept_pages(self, r: Request) -> int:
         """The pages an eviction packs ``r``'s kept tokens into (none without a budget: nothing is evicted)."""
@@ -324,7 +317,5 @@ class Scheduler:
         out.items.append((r, n))
 
     def unfilled_commitments(self) -> int:
-        """Pages committed to running requests that no token fills yet (0 under ``"paged"``)."""
-        if not self.commitment.up_front:
-            return 0
+        """Pages committed to running requests that no token fills yet (0 under ``"paged"``: none committed)."""
         return sum(max(0, r.reserved_pages - self._held(r)) for r in self.running)
