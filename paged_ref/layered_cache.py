@@ -243,13 +243,6 @@ class LayeredKVCache:
             self.pool.free(lane)
         del self._lanes[seq_id]
 
-    def __repr__(self) -> str:
-        return (
-            f"LayeredKVCache(num_layers={self.num_layers}, num_pages={self.num_pages}, page_size={self.page_size}, "
-            f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, sequences={len(self._lanes)}, "
-            f"free_layer_pages={self.allocator.num_free})"
-        )
-
     # ----------------------------------------------------------------- rewind after a failed forward
     def mark(self, seq_id: int) -> tuple[SequenceMark, ...]:
         """Every layer of the sequence as it is now, for `rewind` (`PagedKVCache.mark`)."""
