@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import paged_ref as pr
-from paged_ref.hf.prepack import PackedLinears
+from paged_ref.hf.prepack import FEW_ROWS, PackedLinears, few_rows_kernel, stream_layout
 
 
 def _linears(model):
@@ -16,13 +16,14 @@ def _linears(model):
 def test_packed_session_gives_the_eager_logits_and_leaves_the_model_as_it_was(model):
     prompts = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 1, 12)]
     logits = []
-    for prepack in (False, True):
-        with pr.hf.PagedSession(model, num_pages=16, page_size=4, prepack=prepack) as s:
+    for options in ({}, dict(prepack=True), dict(prepack=True, few_rows=True)):
+        with pr.hf.PagedSession(model, num_pages=16, page_size=4, **options) as s:
             seqs = [s.add() for _ in prompts]
             first = s.extend(seqs, prompts, packed=True)  # [3, vocab]: prompts of different lengths
             logits.append((first, s.extend(seqs, [t.argmax(-1, keepdim=True) for t in first])))  # a decode step
-    for eager, packed in zip(*logits):
-        torch.testing.assert_close(packed, eager, rtol=1e-4, atol=1e-4)
+    for eager, *packed in zip(*logits):
+        for p in packed:
+            torch.testing.assert_close(p, eager, rtol=1e-4, atol=1e-4)
     assert all("forward" not in m.__dict__ for m in _linears(model))  # nothing left patched
 
 
@@ -69,3 +70,74 @@ def test_fused_projections_give_each_layer_its_own_product_and_recompute_for_ano
         calls += [(attn.v_proj, y), (mlp.up_proj, y), (mlp.gate_proj, y), (mlp.gate_proj, x), (attn.o_proj, x)]
         for m, t in calls:
             torch.testing.assert_close(m(t), eager[(id(m), id(t))], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_few_rows_kernel_matches_a_float64_product(seed):
+    g = torch.Generator().manual_seed(seed)
+    few = few_rows_kernel()
+    for rows in range(FEW_ROWS + 1):  # 0 to 16 rows: chunks of up to six, split evenly
+        n, k = (int(torch.randint(1, 200, (1,), generator=g)) for _ in range(2))  # any N (padded block), any K
+        x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
+        y = few(x, stream_layout(w), n)  # [rows, n]
+        torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=1e-4, atol=1e-4)
+
+
+def test_stream_layout_lays_each_block_of_outputs_as_one_stream():
+    w = torch.arange(70 * 3, dtype=torch.float32).view(70, 3)  # [N=70, K=3]
+    blocks = stream_layout(w)
+    assert blocks.shape == (2, 3, 64) and blocks.is_contiguous()
+    assert torch.equal(blocks[1, 2, :6], w[64:, 2]) and not blocks[1, :, 6:].any()  # zeros past N
+    assert torch.equal(blocks[0].T, w[:64])
+
+
+def test_few_rows_kernel_refuses_a_layout_that_does_not_fit():
+    x, blocks = torch.randn(2, 5), stream_layout(torch.randn(70, 5))
+    expected = r"few_rows: x \[M, K\], contiguous w \[ceil\(N / 64\), K, 64\]; got x \[2, 5\], w \[2, 5, 64\], N 200"
+    with pytest.raises(RuntimeError, match=expected):
+        few_rows_kernel()(x, blocks, 200)  # 200 outputs need 4 blocks, not 2
+    with pytest.raises(RuntimeError, match="few_rows"):
+        few_rows_kernel()(torch.randn(2, 6), blocks, 70)  # K of 6 against blocks of K 5
+
+
+@pytest.mark.parametrize("rows", [1, FEW_ROWS, FEW_ROWS + 1])
+def test_few_rows_runs_products_of_few_rows_and_onednn_the_rest(model, rows):
+    packs = PackedLinears(model, few_rows=True)
+    layer = model.model.layers[0].self_attn.o_proj
+    x = torch.randn(rows, layer.in_features)
+    with packs, torch.profiler.profile() as prof:
+        y = layer(x)
+    ran = {e.key for e in prof.key_averages()}
+    assert packs.few_rows and (("paged_ref_linear::few_rows" in ran) == (rows <= FEW_ROWS))
+    assert ("mkldnn::_linear_pointwise" in ran) == (rows > FEW_ROWS)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_few_rows_needs_prepack_and_a_bool(model):
+    with pytest.raises(ValueError, match="few_rows=True reads weights packed by prepack: give prepack=True"):
+        pr.hf.PagedSession(model, num_pages=4, page_size=4, few_rows=True)
+    with pytest.raises(TypeError, match="few_rows must be True or False, got 1"):
+        pr.hf.PagedSession(model, num_pages=4, page_size=4, prepack=True, few_rows=1)
+
+
+def test_a_kernel_that_cannot_be_built_leaves_onednn_with_one_warning(model, monkeypatch):
+    import torch.utils.cpp_extension as ext
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(ext, "load_inline", no_compiler)
+    few_rows_kernel.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            packs = PackedLinears(model, few_rows=True)
+        assert len(caught) == 1 and "Ninja is required" in str(caught[0].message)
+        assert "paged_ref_linear" in str(caught[0].message) and "through oneDNN" in str(caught[0].message)
+    finally:
+        few_rows_kernel.cache_clear()  # the next caller builds the real kernel again
+    assert packs.packed and not packs.few_rows
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, layer.in_features)
+    with packs:
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)

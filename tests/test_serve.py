@@ -79,7 +79,7 @@ CASES = {  # name -> (engine options, workload options)
     "exact": (dict(max_batched_tokens=16, reservation="exact"), dict(rate=2.0)),
     "max_len": (dict(max_batched_tokens=16, reservation="max_len", max_model_len=64), dict(rate=2.0)),
     "fast_paths": (
-        dict(max_batched_tokens=16, backend="cpu_paged", prepack=True, flat=True, cpu_ops=True),
+        dict(max_batched_tokens=16, backend="cpu_paged", prepack=True, few_rows=True, flat=True, cpu_ops=True),
         dict(rate=2.0),
     ),
 }

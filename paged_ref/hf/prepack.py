@@ -8,6 +8,10 @@ the weights are not seen) and, inside its ``with`` block, runs those layers thro
 ``torch.ops.mkldnn._linear_pointwise``; outside it the model is untouched. Where oneDNN cannot run
 them, the layers stay eager and it warns once with the reason (``packed`` says which happened).
 
+oneDNN's kernels for 1 to 16 rows (decode steps of few requests) read weights at about half the
+rate a plain sum reads memory; ``few_rows=True`` runs those products through a small C++ kernel
+(`SOURCE`) that reads each weight once (`stream_layout`), for all the rows: the sums up to rounding.
+
 Layers that read the same input are packed as one product, as vLLM's ``QKVParallelLinear`` and
 ``MergedColumnParallelLinear`` are: an attention's ``q_proj``, ``k_proj``, ``v_proj`` and an MLP's
 ``gate_proj``, ``up_proj`` (`FUSED`). transformers calls them one after the other on the same
@@ -27,11 +31,14 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 
-__all__ = ["FUSED", "PACK_FOR_ROWS", "PackedLinears"]
+from ..attention.cpu_paged import build
+
+__all__ = ["BLOCK", "FEW_ROWS", "FUSED", "PACK_FOR_ROWS", "SOURCE", "PackedLinears", "few_rows_kernel", "stream_layout"]
 
 #: Linear layers of one module that read the same input, packed as one product (when all are present).
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -39,31 +46,81 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _PACKABLE = (torch.float32, torch.bfloat16)
 #: the number of rows oneDNN lays a packed weight out for: a serving step's decode rows (max_num_seqs)
 PACK_FOR_ROWS = 32
+#: ``few_rows=True``: products of at most this many rows run through `SOURCE`'s kernel, more through oneDNN
+FEW_ROWS = 16
+#: the outputs of one block of `stream_layout` (four 16-float vectors)
+BLOCK = 64
+
+#: ``few_rows(x, w, n)``: ``x [M, K] @ W.T -> [M, n]`` for ``w = stream_layout(W)``, float32.
+SOURCE = r"""
+typedef float vec __attribute__((vector_size(64), aligned(4)));  // 16 floats, any alignment
+constexpr int64_t L = 16, BLOCK = 64, V = BLOCK / L, MAX_ROWS = 6;
+
+// MB rows of x [MB, K] times one block w [K, BLOCK]: MB * V vector sums over k, each weight read once
+template <int MB>
+static void rows(const float* x, const float* w, int64_t K, float* o, int64_t N, int64_t n) {
+  vec acc[MB][V] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    vec wk[V];
+    for (int v = 0; v < V; ++v) wk[v] = *reinterpret_cast<const vec*>(w + k * BLOCK + v * L);
+    for (int m = 0; m < MB; ++m)
+      for (int v = 0; v < V; ++v) acc[m][v] += x[m * K + k] * wk[v];
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int64_t j = 0; j < n; ++j) o[m * N + j] = acc[m][j / L][j % L];  // the block's first n outputs
+}
+constexpr void (*ROWS[])(const float*, const float*, int64_t, float*, int64_t, int64_t) = {
+    nullptr, rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>};
+
+torch::Tensor few_rows(torch::Tensor x, torch::Tensor w, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.is_contiguous() && w.size(1) == x.size(1) && w.size(2) == BLOCK &&
+      N > (w.size(0) - 1) * BLOCK && N <= w.size(0) * BLOCK,
+      "few_rows: x [M, K], contiguous w [ceil(N / 64), K, 64]; got x ", x.sizes(), ", w ", w.sizes(), ", N ", N);
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  auto out = torch::empty({M, N}, x.options());
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)  // the block's weights come from memory once, then from cache
+      for (int64_t m = 0, left = (M + MAX_ROWS - 1) / MAX_ROWS; left > 0; --left) {  // even row chunks
+        const int64_t mb = (M - m) / left;
+        ROWS[mb](xp + m * K, wp + b * K * BLOCK, K, op + m * N + b * BLOCK, N, std::min(BLOCK, N - b * BLOCK));
+        m += mb;
+      }
+  });
+  return out;
+}
+
+TORCH_LIBRARY(paged_ref_linear, m) { m.def("few_rows(Tensor x, Tensor w, int n) -> Tensor", &few_rows); }
+"""
 
 
 class PackedLinears:
     """Every ``nn.Linear`` of ``model`` (weights ``[out, in]``, CPU, float32 or bfloat16) run through its
     prepacked oneDNN weight within ``with``; ``packed`` is False when they stay eager."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, *, few_rows: bool = False):
         self._layers: list[tuple[torch.nn.Module, object]] = []  # (layer, its forward through the pack)
         why = _why_not(model)
+        few = few_rows_kernel() if few_rows and why is None else None  # a failed build has warned
         if why is None:
             try:
                 grouped = set()
                 for module in model.modules():
                     for group in _groups(module):
-                        self._layers += zip(group, _fused_forwards(group))
+                        self._layers += zip(group, _fused_forwards(group, few))
                         grouped.update(group)
                 for module in model.modules():
                     if isinstance(module, torch.nn.Linear) and module not in grouped:
-                        self._layers.append((module, _packed_forward(module)))
+                        self._layers.append((module, _packed_forward(module, few)))
             except RuntimeError as e:  # an op this build of torch lacks, a shape oneDNN refuses
                 why = f"packing failed: {type(e).__name__}: {str(e).splitlines()[0]}"
                 self._layers = []
         if why is not None:
             warnings.warn(f"prepack: the linear layers stay eager ({why})", RuntimeWarning, stacklevel=2)
         self.packed = why is None
+        self.few_rows = self.packed and few is not None  # products of few rows through `SOURCE`'s kernel
 
     def __enter__(self) -> PackedLinears:
         for layer, forward in self._layers:  # once per forward: the instance dict, not Module.__setattr__
@@ -96,32 +153,53 @@ def _groups(module: torch.nn.Module) -> list[list[torch.nn.Linear]]:
     return out
 
 
-def _product(weight: torch.Tensor, bias: torch.Tensor | None):
-    """``x: [..., in] -> x @ weight.T + bias: [..., out]`` through ``weight [out, in]`` packed now."""
+@functools.cache
+def few_rows_kernel():
+    """``torch.ops.paged_ref_linear.few_rows`` (`SOURCE`), built on first call; None where it cannot be built."""
+    built = build("paged_ref_linear", SOURCE, [], "products of few rows run through oneDNN")
+    return None if built is None else torch.ops.paged_ref_linear.few_rows
+
+
+def stream_layout(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` -> ``[ceil(N / BLOCK), K, BLOCK]``: block ``b``'s row ``k`` holds ``weight[b * BLOCK
+    + j, k]`` for ``j < BLOCK`` (zeros past ``N``), so a block is read as one stream."""
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, -weight.shape[0] % BLOCK))  # [N rounded up to BLOCK, K]
+    return padded.view(-1, BLOCK, weight.shape[1]).transpose(1, 2).contiguous()
+
+
+def _product(weight: torch.Tensor, bias: torch.Tensor | None, few=None):
+    """``x: [..., in] -> x @ weight.T + bias: [..., out]`` through ``weight [out, in]`` packed now; ``few``:
+    `few_rows_kernel` for products of at most `FEW_ROWS` rows (float32, no bias), or None."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)  # [out, in], oneDNN's blocked layout
     out_features = weight.shape[0]
+    few = few if bias is None and weight.dtype == torch.float32 else None
+    blocks = None if few is None else stream_layout(weight)  # [ceil(out / BLOCK), in, BLOCK]
 
     def product(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [tokens, in]
-        y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # [tokens, out]
+        if few is not None and rows.shape[0] <= FEW_ROWS:
+            y = few(rows, blocks, out_features)  # [tokens, out]
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # [tokens, out]
         return y.view(*x.shape[:-1], out_features)
 
-    product(torch.zeros(1, weight.shape[1], dtype=weight.dtype))  # fails here, not in a forward
+    for rows in (1, FEW_ROWS + 1):  # either path fails here, not in a forward
+        product(torch.zeros(rows, weight.shape[1], dtype=weight.dtype))
     return product
 
 
-def _packed_forward(layer: torch.nn.Linear):
-    """``layer``'s forward through a oneDNN weight packed now."""
-    return _product(layer.weight.detach(), None if layer.bias is None else layer.bias.detach())
+def _packed_forward(layer: torch.nn.Linear, few):
+    """``layer``'s forward through its weight packed now (`_product`)."""
+    return _product(layer.weight.detach(), None if layer.bias is None else layer.bias.detach(), few)
 
 
-def _fused_forwards(layers: list[torch.nn.Linear]) -> list:
+def _fused_forwards(layers: list[torch.nn.Linear], few) -> list:
     """The forwards of ``layers`` (same input) through one product of their stacked weights
     ``[sum of out, in]``: a call computes it and keeps the other layers' slices (views); a later
     call on that same tensor takes its kept slice instead of computing again."""
     weights = [m.weight.detach() for m in layers]
     bias = None if layers[0].bias is None else torch.cat([m.bias.detach() for m in layers])
-    fused = _product(torch.cat(weights), bias)  # x: [..., in] -> [..., sum of out]
+    fused = _product(torch.cat(weights), bias, few)  # x: [..., in] -> [..., sum of out]
     sizes = [w.shape[0] for w in weights]
     kept: dict[int, torch.Tensor] = {}  # layer index -> its slice of the last product, not yet taken
     source: list = [None]  # the tensor of the last product, while slices of it are kept

@@ -63,7 +63,8 @@ class PagedSession:
         backend: a name of `paged_ref.hf.attention.BACKENDS`, ``"auto"`` (the default) or a `Backend`.
         eviction, budget: the policy of every sequence not given its own: a name with ``budget``
             in tokens (``eviction="paged_eviction", budget=256``), a policy object, or None.
-        prepack: run the linear layers through weights packed once for oneDNN (`paged_ref.hf.prepack`).
+        prepack: run the linear layers through weights packed once for oneDNN (`paged_ref.hf.prepack`);
+            ``few_rows`` (with ``prepack``): products of at most 16 rows through its one-stream kernel.
         flat: run a Llama model's layers as one flat loop instead of transformers' modules, the same
             operations (`paged_ref.hf.flat`); ``cpu_ops`` (with ``flat``): its norms, RoPE and SwiGLU in C++.
 
@@ -82,14 +83,17 @@ class PagedSession:
         eviction=None,
         budget: int | None = None,
         prepack: bool = False,
+        few_rows: bool = False,
         flat: bool = False,
         cpu_ops: bool = False,
     ):
-        for name, value in (("prepack", prepack), ("flat", flat), ("cpu_ops", cpu_ops)):
+        for name, value in (("prepack", prepack), ("few_rows", few_rows), ("flat", flat), ("cpu_ops", cpu_ops)):
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be True or False, got {value!r}")
         if cpu_ops and not flat:
             raise ValueError("cpu_ops=True runs in the flat loop: give flat=True with it")
+        if few_rows and not prepack:
+            raise ValueError("few_rows=True reads weights packed by prepack: give prepack=True with it")
         eviction = resolve_policy(eviction, budget)
         geometry = model_geometry(model)
         self._backend = get_backend(backend, geometry.device)
@@ -111,7 +115,7 @@ class PagedSession:
         self._decode, self._prefill = self._backend.functions()
         self._packed = self._backend.packed_function()
         self._hf_cache = PagedCache(kv_cache)
-        self._linears = PackedLinears(model) if prepack else contextlib.nullcontext()
+        self._linears = PackedLinears(model, few_rows=few_rows) if prepack else contextlib.nullcontext()
         self._flat = FlatForward(model, cpu_ops=cpu_ops) if flat else contextlib.nullcontext()
         self._cache_kw = cache_keyword(model)
         self._positions: dict[int, int] = {}  # seq_id -> next absolute position

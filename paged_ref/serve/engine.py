@@ -55,7 +55,7 @@ class Engine:
     Args:
         model: a transformers causal LM, or None for a dry run (`paged_ref.serve.dry`: no token computed).
         reservation, preemption, max_num_seqs, max_batched_tokens: the `Scheduler`'s.
-        backend, prepack, flat, cpu_ops: the session's (`paged_ref.hf.PagedSession`).
+        backend, prepack, few_rows, flat, cpu_ops: the session's (`paged_ref.hf.PagedSession`).
         watermark: share of the pool admission keeps free while others run (vLLM 0.32: 0).
         max_model_len: longest request; default the model's ``max_position_embeddings`` (dry: the pool).
         eos_token_id: int or ints that end a request (default the model's; ``[]``: never).
@@ -79,6 +79,7 @@ class Engine:
         prefix_caching: bool = False,
         backend: str = "auto",
         prepack: bool = False,
+        few_rows: bool = False,
         flat: bool = False,
         cpu_ops: bool = False,
         watermark: float = 0.01,
@@ -95,9 +96,8 @@ class Engine:
             from ..hf.session import PagedSession
 
             kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
-            self.session = PagedSession(
-                model, kv_cache=kv, backend=backend, prepack=prepack, flat=flat, cpu_ops=cpu_ops
-            ).open()
+            options = dict(backend=backend, prepack=prepack, few_rows=few_rows, flat=flat, cpu_ops=cpu_ops)
+            self.session = PagedSession(model, kv_cache=kv, **options).open()
             self.vocab_size = model.config.vocab_size
             default = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
             eos = default if eos_token_id is None else eos_token_id

@@ -6,7 +6,8 @@ each adding one speed-up to the one before: ``eager`` (the lesson's path: ``sdpa
 each one product), ``paged_kernel`` (``backend="cpu_paged"``: attention reading the pages in place,
 a step's decode rows and prompt chunks in one call), ``flat_forward`` (``flat=True``: the layers as
 one loop, without transformers' module calls), ``cpu_ops`` (``cpu_ops=True``: the loop's norms, RoPE
-and SwiGLU in C++).
+and SwiGLU in C++), ``few_rows`` (``few_rows=True``: products of few rows through a kernel that
+reads each weight once, in one stream).
 
 - **Profile**: `torch.profiler` around single engine steps, kept for the first ``steps`` decode steps
   (every row one new token) and mixed steps (decode rows next to a prompt chunk) after a warm-up;
@@ -22,6 +23,11 @@ and SwiGLU in C++).
   with no row count, then for ``prepack``'s row count), MKL with a prepacked weight (what inductor's
   freezing packs float32 weights for when torch has MKL), and oneDNN on q/k/v and gate/up fused into
   one product each, laid out for that row count (what ``prepack=True`` runs).
+- **Few rows** (`few_rows_products`): every product of a step (all layers, fused as ``prepack``
+  fuses them, and the LM head), weights streamed from memory as in a serving step, at 1 to 32 rows
+  (the engine sends it up to 16): oneDNN's prepacked weights against `paged_ref.hf.prepack`'s
+  one-stream kernel, with the rate each reads the weights at and the rate this core reads memory (a
+  sum over all of them).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import time
 
 import torch
 
-from ...hf.prepack import PACK_FOR_ROWS
+from ...hf.prepack import PACK_FOR_ROWS, few_rows_kernel, stream_layout
 from ...serve import Engine
 
 __all__ = ["VARIANTS", "PROFILE_WORKLOAD", "linear_libraries", "profile_variant", "paired_gain", "run_profile"]
@@ -55,6 +61,10 @@ VARIANTS = {
     "cpu_ops": (
         dict(backend="cpu_paged", prepack=True, flat=True, cpu_ops=True),
         "the flat loop's residual adds and norms, RoPE and SwiGLU each one C++ kernel, as vLLM's CPU ops",
+    ),
+    "few_rows": (
+        dict(backend="cpu_paged", prepack=True, few_rows=True, flat=True, cpu_ops=True),
+        "products of at most 16 rows through a C++ kernel reading each weight once, in one stream",
     ),
 }
 
@@ -79,7 +89,7 @@ _TOP = 14  # ops listed by name; the rest are summed as "other"
 #: The parts of a step, each the inclusive time of one region or op (its own ops included); the rest
 #: of the step's self time is "other" (norms, RoPE, residual adds, the engine's host work).
 GROUPS = {
-    "linear layers": ("aten::linear", "mkldnn::_linear_pointwise"),  # eager: linear -> mm; packed
+    "linear layers": ("aten::linear", "mkldnn::_linear_pointwise", "paged_ref_linear::few_rows"),  # eager; packed
     "attention": ("paged_ref::attention",),  # `paged_ref.hf.attention`'s named region
     "cache writes": ("paged_ref::cache_write",),  # `PagedCache.update`'s named region
     "mlp activation": ("aten::silu", "paged_ref_cpu::silu_mul"),
@@ -250,6 +260,57 @@ def linear_libraries(model, rows=(32, 512), repeats: int = 7) -> list[dict]:
     return out
 
 
+def few_rows_products(model, rows=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), repeats: int = 5) -> dict:
+    """A step's products through oneDNN's prepacked weights and through `few_rows_kernel`, timed in turns:
+    ``{"weights_gb", "sum_gb_per_s", "rows": [{"rows", "ms": {way: median}, "gb_per_s", "speedup"}]}``
+    (``speedup``: oneDNN's time over the kernel's, the median of per-round ratios)."""
+    from ._model_bench import paired_ratio
+
+    few = few_rows_kernel()
+    weights = [model.get_output_embeddings().weight.detach()]  # [vocab, hidden]; then each layer's, fused
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        weights += [torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), attn.o_proj.weight]
+        weights += [torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight]
+    weights = [w.detach().contiguous() for w in weights]  # [out, in] each
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, PACK_FOR_ROWS) for w in weights]
+    streams = [stream_layout(w) for w in weights]  # [ceil(out / 64), in, 64] each
+    gb = sum(w.numel() * w.element_size() for w in weights) / 1e9
+    flat = torch.cat([w.flatten() for w in weights])  # every weight, to time a plain read of them
+    sums = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        flat.sum()
+        sums.append(time.perf_counter() - started)
+    out = {"weights_gb": gb, "sum_gb_per_s": gb / statistics.median(sums), "rows": []}
+    del flat
+    for m in rows:  # past FEW_ROWS too: where oneDNN takes over
+        x = [torch.randn(m, w.shape[1], dtype=w.dtype) for w in weights]  # [rows, in] per product
+        ways = {
+            "onednn_prepacked": lambda: [
+                torch.ops.mkldnn._linear_pointwise(a, p, None, "none", [], "") for a, p in zip(x, onednn)
+            ],
+            "few_rows": lambda: [few(a, b, w.shape[0]) for a, b, w in zip(x, streams, weights)],
+        }
+        times = {k: [] for k in ways}
+        for _ in range(repeats):
+            for k, fn in ways.items():
+                fn()  # warm
+                started = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - started)
+        ms = {k: statistics.median(t) * 1e3 for k, t in times.items()}
+        out["rows"].append(
+            {
+                "rows": m,
+                "ms": ms,
+                "gb_per_s": {k: gb / t * 1e3 for k, t in ms.items()},
+                "speedup": paired_ratio(times["onednn_prepacked"], times["few_rows"]),
+            }
+        )
+    return out
+
+
 def _generate_check(model, requests, outs, n: int) -> dict:
     """The first ``n`` requests through ``model.generate`` (greedy): the same tokens as ``outs``?"""
     same = 0
@@ -280,6 +341,8 @@ def run_profile(model, requests_fn, *, quick: bool, save) -> dict:
         "load": os.getloadavg(),
         "layer0": linear_libraries(model, rows=(cfg["max_num_seqs"], cfg["max_batched_tokens"])),
     }
+    if few_rows_kernel() is not None:  # else it has warned; the variant runs oneDNN alone
+        data["few_rows"] = few_rows_products(model, **({"rows": (1, 4)} if quick else {}))
     save(data)
     names = list(VARIANTS)
     for name in tqdm(names, desc="profile", leave=False):

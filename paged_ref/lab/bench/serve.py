@@ -88,7 +88,7 @@ PROFILES = {mode: {k: v[i] for k, v in _PROFILE_COLUMNS.items()} for i, mode in 
 #: short answers to longer prompts (prompt mean 48, answer mean 24), as in instruction traces (Alpaca).
 WORKLOADS = {"chat": {}, "short": dict(mean_prompt=48, mean_output=24)}
 #: the Engine's faster CPU step (--profile measures each part)
-FAST_OPTIONS = {"backend": "cpu_paged", "prepack": True, "flat": True, "cpu_ops": True}
+FAST_OPTIONS = {"backend": "cpu_paged", "prepack": True, "few_rows": True, "flat": True, "cpu_ops": True}
 
 RATE_COLUMNS = [
     ("policy", "{policy}"),
