@@ -142,6 +142,7 @@ def _profile_facts() -> list[str]:
         f"the paged kernel {gains['prepacked_linears', 'paged_kernel']:.2f}x",
         f"the flat loop {gains['paged_kernel', 'flat_forward']:.2f}x",
         f"the C++ ops {gains['flat_forward', 'cpu_ops']:.2f}x",
+        f"the few-rows kernel {gains['cpu_ops', 'few_rows']:.2f}x",
     ]
 
 

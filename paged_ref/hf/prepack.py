@@ -8,8 +8,8 @@ the weights are not seen) and, inside its ``with`` block, runs those layers thro
 ``torch.ops.mkldnn._linear_pointwise``; outside it the model is untouched. Where oneDNN cannot run
 them, the layers stay eager and it warns once with the reason (``packed`` says which happened).
 
-oneDNN's kernels for 1 to 16 rows (decode steps of few requests) read weights at about half the
-rate a plain sum reads memory; ``few_rows=True`` runs those products through a small C++ kernel
+For the few rows of a decode step oneDNN's kernels read weights at about half the rate a plain sum
+reads memory; ``few_rows=True`` runs products of up to `FEW_ROWS` rows through a small C++ kernel
 (`SOURCE`) that reads each weight once (`stream_layout`), for all the rows: the sums up to rounding.
 
 Layers that read the same input are packed as one product, as vLLM's ``QKVParallelLinear`` and
@@ -46,8 +46,8 @@ FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 _PACKABLE = (torch.float32, torch.bfloat16)
 #: the number of rows oneDNN lays a packed weight out for: a serving step's decode rows (max_num_seqs)
 PACK_FOR_ROWS = 32
-#: ``few_rows=True``: products of at most this many rows run through `SOURCE`'s kernel, more through oneDNN
-FEW_ROWS = 16
+#: ``few_rows=True``: products of at most this many rows (a decode step's, max_num_seqs) run through `SOURCE`
+FEW_ROWS = 32
 #: the outputs of one block of `stream_layout` (four 16-float vectors)
 BLOCK = 64
 

@@ -64,7 +64,7 @@ class PagedSession:
         eviction, budget: the policy of every sequence not given its own: a name with ``budget``
             in tokens (``eviction="paged_eviction", budget=256``), a policy object, or None.
         prepack: run the linear layers through weights packed once for oneDNN (`paged_ref.hf.prepack`);
-            ``few_rows`` (with ``prepack``): products of at most 16 rows through its one-stream kernel.
+            ``few_rows`` (with ``prepack``): products of at most 32 rows through its one-stream kernel.
         flat: run a Llama model's layers as one flat loop instead of transformers' modules, the same
             operations (`paged_ref.hf.flat`); ``cpu_ops`` (with ``flat``): its norms, RoPE and SwiGLU in C++.
 

@@ -24,8 +24,8 @@ reads each weight once, in one stream).
   freezing packs float32 weights for when torch has MKL), and oneDNN on q/k/v and gate/up fused into
   one product each, laid out for that row count (what ``prepack=True`` runs).
 - **Few rows** (`few_rows_products`): every product of a step (all layers, fused as ``prepack``
-  fuses them, and the LM head), weights streamed from memory as in a serving step, at 1 to 32 rows
-  (the engine sends it up to 16): oneDNN's prepacked weights against `paged_ref.hf.prepack`'s
+  fuses them, and the LM head), weights streamed from memory as in a serving step, at 1 to 64 rows
+  (the engine sends it up to 32): oneDNN's prepacked weights against `paged_ref.hf.prepack`'s
   one-stream kernel, with the rate each reads the weights at and the rate this core reads memory (a
   sum over all of them).
 """
@@ -64,7 +64,7 @@ VARIANTS = {
     ),
     "few_rows": (
         dict(backend="cpu_paged", prepack=True, few_rows=True, flat=True, cpu_ops=True),
-        "products of at most 16 rows through a C++ kernel reading each weight once, in one stream",
+        "products of at most 32 rows through a C++ kernel reading each weight once, in one stream",
     ),
 }
 
@@ -260,7 +260,7 @@ def linear_libraries(model, rows=(32, 512), repeats: int = 7) -> list[dict]:
     return out
 
 
-def few_rows_products(model, rows=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32), repeats: int = 5) -> dict:
+def few_rows_products(model, rows=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), repeats: int = 5) -> dict:
     """A step's products through oneDNN's prepacked weights and through `few_rows_kernel`, timed in turns:
     ``{"weights_gb", "sum_gb_per_s", "rows": [{"rows", "ms": {way: median}, "gb_per_s", "speedup"}]}``
     (``speedup``: oneDNN's time over the kernel's, the median of per-round ratios)."""
