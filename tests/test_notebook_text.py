@@ -90,6 +90,17 @@ def test_unbacked_claims_are_caught(tmp_path, cells, files, why):
     assert why in hits[0][2]
 
 
+def test_an_output_measured_on_the_cpu_is_no_gpu_claim(tmp_path):
+    cpu = "Measured on CPU x86_64 (1 thread), torch 2.13.0+cpu\n  1 rows: 37.5 ms (14.3 GB/s)"
+    cases = {"cpu_output": [("code", "print(run)", cpu)], "prose": [("markdown", cpu)]}
+    cases["bare_output"] = [("code", "print(run)", "  1 rows: 37.5 ms (14.3 GB/s)")]
+    hits = {}
+    for name, cells in cases.items():
+        (tmp_path / name).mkdir()
+        hits[name] = unbacked_gpu_claims(*_notebook(tmp_path / name, cells, ()))
+    assert hits["cpu_output"] == [] and hits["prose"] and hits["bare_output"]  # prose keeps the rule
+
+
 def test_numbers_leave_names_alone():
     assert numbers("the H200 reads 4,150 GB/s in bf16 on sm_90 (98%, 1.5x) for Llama-3.2-1B.") == {"4150", "98", "1.5"}
 
