@@ -204,6 +204,20 @@ def paired_gain(model, cfg, requests, before: dict, after: dict) -> dict:
     }
 
 
+def _in_turns(ways: dict, repeats: int, calls: int) -> dict:
+    """``{way: [seconds per call]}``: each round times every way once, in turn, after a warm call, as the
+    mean of ``calls`` calls."""
+    times = {k: [] for k in ways}
+    for _ in range(repeats):
+        for k, fn in ways.items():
+            fn()  # warm
+            started = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[k].append((time.perf_counter() - started) / calls)
+    return times
+
+
 def linear_libraries(model, rows=(32, 512), repeats: int = 7) -> list[dict]:
     """Each way of running layer 0's linear layers, timed in turns (`._model_bench.paired_ratio`):
     ``[{"rows", "ms": {way: median}, "speedup_vs_f_linear": {way: median of per-round ratios}}]``."""
@@ -242,14 +256,7 @@ def linear_libraries(model, rows=(32, 512), repeats: int = 7) -> list[dict]:
             ways["mkl_prepacked"] = lambda: [
                 torch.ops.mkl._mkl_linear(a, p, w, None, m) for a, p, w in zip(x, mkl, weights)
             ]
-        times = {k: [] for k in ways}
-        for _ in range(repeats):
-            for k, fn in ways.items():
-                fn()  # warm
-                started = time.perf_counter()
-                for _ in range(5):
-                    fn()
-                times[k].append((time.perf_counter() - started) / 5)
+        times = _in_turns(ways, repeats, calls=5)
         out.append(
             {
                 "rows": m,
@@ -292,13 +299,7 @@ def few_rows_products(model, rows=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), re
             ],
             "few_rows": lambda: [few(a, b, w.shape[0]) for a, b, w in zip(x, streams, weights)],
         }
-        times = {k: [] for k in ways}
-        for _ in range(repeats):
-            for k, fn in ways.items():
-                fn()  # warm
-                started = time.perf_counter()
-                fn()
-                times[k].append(time.perf_counter() - started)
+        times = _in_turns(ways, repeats, calls=1)
         ms = {k: statistics.median(t) * 1e3 for k, t in times.items()}
         out["rows"].append(
             {
