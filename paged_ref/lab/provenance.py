@@ -20,7 +20,7 @@ import platform
 
 import torch
 
-__all__ = ["environment", "package_version", "describe"]
+__all__ = ["cpu_model", "environment", "package_version", "describe"]
 
 
 def package_version(package: str) -> str | None:
@@ -31,6 +31,25 @@ def package_version(package: str) -> str | None:
         return None
 
 
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The CPU's model name as the kernel reports it (Linux's ``/proc/cpuinfo``), or None elsewhere.
+
+    Example:
+        >>> model = cpu_model()
+        >>> model is None or isinstance(model, str)
+        True
+    """
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    return None
+
+
 def environment() -> dict:
     """Where and with what a result was measured: device, versions and UTC date (no host name)."""
     env = {
@@ -38,6 +57,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "platform": f"{platform.system()} {platform.machine()}",
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "torch": torch.__version__,
         "triton": package_version("triton"),
         "transformers": package_version("transformers"),
@@ -56,12 +76,16 @@ def environment() -> dict:
 def describe(data: dict) -> str:
     """One line: where, with what and when the benchmark result ``data`` was measured.
 
-    Reads ``data["environment"]`` (as `environment` made it) and, where present, the run's
+    Reads ``data["environment"]`` (as `environment` made it; the CPU's model where it records one) and,
+    where present, the run's
     ``torch_threads`` (in ``data`` or its environment), quick mode (``quick`` true or
     ``mode == "quick"``), ``command`` and ``clock``; versions not installed are left out.
     """
     env = data.get("environment") or {}
-    where = f"GPU {env['gpu']}" if env.get("gpu") else f"CPU {env.get('cpu') or 'unknown'}"
+    cpu = env.get("cpu") or "unknown"
+    if env.get("cpu_model"):
+        cpu = f"{env['cpu_model']} ({cpu})"
+    where = f"GPU {env['gpu']}" if env.get("gpu") else f"CPU {cpu}"
     threads = data.get("torch_threads") or env.get("torch_threads")
     if threads:
         where += f" ({threads} thread{'s' if threads != 1 else ''})"

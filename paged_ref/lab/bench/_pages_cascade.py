@@ -3,20 +3,22 @@ its K/V reads counted; the Triton path checked; SmolLM2 sampling with and withou
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
 
 import torch
 
 from ..._arith import cdiv
-from ...attention.cascade import reference_cascade_decode
-from ...attention.reference import reference_paged_decode
+from ...attention.cascade import reference_cascade_decode, suffix_table
+from ...attention.reference import gather_sequence, reference_paged_decode
 from ...attention.sdpa import sdpa_paged_decode
 from . import eviction as ev
-from ._reads import ReadCounter
+from ._reads import CallCounter, ReadCounter
 
 __all__ = ["PAGE_SIZE", "PATHS", "SMOLLM2", "cascade_bytes", "cascade_case", "cascade_speed", "generate_speed"]
-__all__ += ["triton_check"]
+__all__ += ["cascade_breakdown", "generate_breakdown", "triton_check"]
 
 PAGE_SIZE = 16
 SMOLLM2 = dict(num_q_heads=9, num_kv_heads=3, head_dim=64)  # SmolLM2-135M's attention geometry
@@ -172,3 +174,149 @@ def generate_speed(model, tok, cfg, log) -> dict:
     log(f"sampling {cfg['samples']} x SmolLM2: sdpa {out['sdpa']['ms_per_step']:.0f} ms/step, cascade "
         f"{out['cascade']['ms_per_step']:.0f} ms/step, same tokens: {same}")  # fmt: skip
     return result
+
+
+# --------------------------------------------------------------------------- where the time goes
+def _gathers(case, cascade: bool) -> None:
+    """Only the K/V copies a path makes (`gather_sequence`, as the path calls it), nothing else."""
+    kc, vc, bt, lens = case["k_cache"], case["v_cache"], case["block_table"], case["seq_lens"]
+    if not cascade:
+        for b, n in enumerate(lens.tolist()):
+            gather_sequence(kc, bt[b], n), gather_sequence(vc, bt[b], n)
+        return
+    prefix = int(case["prefix_lens"][0])
+    gather_sequence(kc, bt[0], prefix), gather_sequence(vc, bt[0], prefix)  # one group: the prefix once
+    table = suffix_table(bt, torch.full_like(lens, prefix // kc.shape[1]))  # [batch, max_pages]
+    for b, n in enumerate((lens - prefix).tolist()):
+        gather_sequence(kc, table[b], n), gather_sequence(vc, table[b], n)
+
+
+def _median_ms(ways: dict, rounds: int) -> tuple[dict, dict]:
+    """Each way called once per round, the ways in turn (a warm call first): medians and all rounds, ms."""
+    for f in ways.values():
+        f()
+    times = {n: [] for n in ways}
+    for _ in range(rounds):
+        for name, f in ways.items():
+            t0 = time.perf_counter()
+            f()
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    return {n: statistics.median(t) for n, t in times.items()}, times
+
+
+def cascade_breakdown(cfg, log) -> dict:
+    """Where the reference's and cascade's time goes at ``samples`` requests (one layer, the case of
+    `cascade_speed`). In turns, every round: each whole path; only its K/V gathers; each path on a
+    case of the same batch with a 1-page prefix and 1-token suffixes (the same Python and the same
+    PyTorch calls, almost no data: the per-request cost); a plain ``sum`` of as many bytes as the
+    reference gathers (the rate memory is read at). Also the PyTorch calls each path makes."""
+    case = cascade_case(cfg["samples"], cfg["prompt"], cfg["suffix_max"])
+    tiny = cascade_case(cfg["samples"], PAGE_SIZE, 1)
+    counted = {}
+    for name in ("reference", "cascade"):
+        with ReadCounter([case["k_cache"], case["v_cache"]]) as reads, CallCounter() as calls:
+            PATHS[name](case)
+        counted[name] = dict(kv_bytes=reads.bytes, torch_calls=calls.calls)
+    flat = torch.randn(counted["reference"]["kv_bytes"] // 4)  # float32: the bytes the reference gathers
+    ways = {"sum": lambda: flat.sum()}
+    for name in ("reference", "cascade"):
+        ways[f"{name}"] = lambda n=name: PATHS[n](case)
+        ways[f"{name}_gathers"] = lambda n=name: _gathers(case, n == "cascade")
+        ways[f"{name}_tiny"] = lambda n=name: PATHS[n](tiny)
+        ways[f"{name}_tiny_gathers"] = lambda n=name: _gathers(tiny, n == "cascade")
+    load_before = os.getloadavg()
+    median, rounds = _median_ms(ways, cfg["rounds"])
+    rate = flat.numel() * 4 / median["sum"] / 1e6  # GB/s
+    paths = {}
+    for name in ("reference", "cascade"):
+        total, gathers, tiny_total = median[name], median[f"{name}_gathers"], median[f"{name}_tiny"]
+        gather_data = max(gathers - median[f"{name}_tiny_gathers"], 0.0)
+        paths[name] = dict(
+            **counted[name],
+            ms=total,
+            gathers_ms=gathers,
+            per_request_ms=tiny_total,  # Python and PyTorch calls with (almost) no data
+            gather_data_ms=gather_data,  # the gathers' copying, their calls taken out
+            math_ms=max(total - tiny_total - gather_data, 0.0),  # the rest: the math on the data
+            kv_gb_per_s=counted[name]["kv_bytes"] / total / 1e6,
+            read_ms_at_sum_rate=counted[name]["kv_bytes"] / rate / 1e6,
+        )
+    log(f"cascade breakdown: {', '.join(f'{n} {t:.2f} ms' for n, t in median.items())}")
+    return dict(
+        samples=cfg["samples"],
+        prompt=cfg["prompt"],
+        rounds=cfg["rounds"],
+        median_ms=median,
+        rounds_ms=rounds,
+        sum_gb_per_s=rate,
+        paths=paths,
+        speedup=paths["reference"]["ms"] / paths["cascade"]["ms"],
+        load_before=list(load_before),
+        load_after=list(os.getloadavg()),
+    )
+
+
+@contextlib.contextmanager
+def _timed_attention(times: list):
+    """Within the block, every layer's attention call of `paged_ref.hf` appends its seconds to ``times``."""
+    from ...hf import attention as hf_attention
+
+    inner = hf_attention._attention
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = inner(*args, **kwargs)
+        times.append(time.perf_counter() - t0)
+        return out
+
+    hf_attention._attention = timed
+    try:
+        yield
+    finally:
+        hf_attention._attention = inner
+
+
+def generate_breakdown(model, tok, cfg, log, repeats: int = 2) -> dict:
+    """`generate_speed` with every layer's attention timed inside the model: per decode step, the
+    step's milliseconds, its attention's (all layers) and the rest; ``repeats`` runs of each backend,
+    in turns. Medians over steps and repeats."""
+    from ...hf import generate
+
+    ids = ev.lm_text_ids(tok, 3, cfg["prompt"])[None]  # [1, prompt]
+    layers = model.config.num_hidden_layers
+    steps = {b: dict(step_ms=[], attention_ms=[], layer_ms=[]) for b in ("sdpa", "cascade")}
+    load_before = os.getloadavg()
+    for _ in range(repeats):
+        for backend, rec in steps.items():
+            stamps, attention = [], []
+            torch.manual_seed(0)
+            with _timed_attention(attention):
+                generate(model, ids, max_new_tokens=cfg["generate_steps"], do_sample=True,
+                         num_return_sequences=cfg["samples"], backend=backend, eos_token_id=[],
+                         callback=lambda step, tokens: stamps.append((time.perf_counter(), len(attention))))  # fmt: skip
+            for (t0, a0), (t1, a1) in zip(stamps, stamps[1:]):  # decode steps: `layers` attention calls each
+                if a1 - a0 == layers:
+                    rec["step_ms"].append(1e3 * (t1 - t0))
+                    rec["attention_ms"].append(1e3 * sum(attention[a0:a1]))
+                    rec["layer_ms"] += [1e3 * t for t in attention[a0:a1]]
+    out = {}
+    for backend, rec in steps.items():
+        rest = [s - a for s, a in zip(rec["step_ms"], rec["attention_ms"])]
+        out[backend] = dict(
+            {k: statistics.median(v) for k, v in rec.items()},
+            rest_ms=statistics.median(rest),
+            steps=len(rec["step_ms"]),
+            step_ms_all=rec["step_ms"],
+            attention_ms_all=rec["attention_ms"],
+        )
+    parts = [f"{b} step {o['step_ms']:.0f} ms, attention {o['attention_ms']:.0f} ms" for b, o in out.items()]
+    log(f"generate breakdown: {', '.join(parts)}")
+    return dict(
+        samples=cfg["samples"],
+        prompt=cfg["prompt"],
+        layers=layers,
+        repeats=repeats,
+        **out,
+        load_before=list(load_before),
+        load_after=list(os.getloadavg()),
+    )

@@ -29,7 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["ReadCounter"]
+__all__ = ["CallCounter", "ReadCounter"]
 
 _INDEXING = {torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select, torch.gather, torch.Tensor.gather}
 
@@ -57,3 +57,23 @@ class ReadCounter(TorchFunctionMode):
             else:
                 self.bytes += sum(x.numel() * x.element_size() for x in inputs)
         return out
+
+
+class CallCounter(TorchFunctionMode):
+    """Within ``with CallCounter() as c:``, ``c.calls`` counts the PyTorch functions called (each one a
+    trip from Python into PyTorch: what a loop over requests pays per request).
+
+    Example:
+        >>> with CallCounter() as c:
+        ...     y = torch.ones(3).sum() + 1
+        >>> c.calls
+        3
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))

@@ -21,7 +21,14 @@
   Mean NLL with 95% t intervals, pass-key accuracy with Wilson intervals, and the K/V (and
   summary) bytes one decode step reads, counted over all layers.
 
-Results: ``figures/data/pages_{quick,full,smoke}.json`` (notebook 10 reads them) and tables printed.
+* **Where the time goes** (``--breakdown``, alone): at ``samples`` requests, one layer, in turns every
+  round: the reference and cascade whole, only their K/V gathers, both on a case of the same batch with
+  almost no data (their per-request Python and PyTorch calls), and a plain sum over as many bytes as the
+  reference gathers; the PyTorch calls each makes. Then SmolLM2 sampling with ``sdpa`` and ``cascade``
+  in turns, every layer's attention timed inside the model: per decode step, attention and the rest.
+
+Results: ``figures/data/pages_{quick,full,smoke}.json`` and ``pages_breakdown_{quick,full,smoke}.json``
+(notebook 10 reads them) and tables printed.
 """
 
 from __future__ import annotations
@@ -33,11 +40,13 @@ from pathlib import Path
 import torch
 
 from . import eviction as ev
-from ._pages_cascade import PAGE_SIZE, cascade_bytes, cascade_case, cascade_speed, generate_speed, triton_check
+from ._pages_cascade import PAGE_SIZE, cascade_breakdown, cascade_bytes, cascade_case, cascade_speed, generate_breakdown
+from ._pages_cascade import generate_speed, triton_check
 from ._pages_quest import DENSE_LAYERS, POLICIES, quality
 from .common import DATA_DIR, bench_parser, command_line, environment, result_file, table
 
 __all__ = ["FULL", "POLICIES", "QUICK", "SMOKE", "cascade_bytes", "cascade_case", "cascade_speed", "cascade_tables"]
+__all__ += ["breakdown_tables", "load_breakdown"]
 __all__ += ["generate_speed", "load_results", "main", "quality", "quality_tables", "quest_vs_eviction"]
 
 # each setting as (quick, smoke, full); the task texts follow the eviction benchmark's sizes
@@ -66,13 +75,15 @@ def main(argv=None):
     size.add_argument("--quick", action="store_true", help="small sizes (notebook 10's quick mode, a few minutes)")
     size.add_argument("--smoke", action="store_true", help="toy sizes: checks the harness runs (the tests' run)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--breakdown", action="store_true", help="only where cascade's and the plain path's time goes")
     args = parser.parse_args(argv)
     mode = "quick" if args.quick else "smoke" if args.smoke else "full"
-    out = result_file(parser, args.out, f"pages_{mode}.json")
+    out = result_file(parser, args.out, f"pages_{'breakdown_' if args.breakdown else ''}{mode}.json")
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        return _run(args, argv, mode, out, {"quick": QUICK, "smoke": SMOKE, "full": FULL}[mode])
+        run = _run_breakdown if args.breakdown else _run
+        return run(args, argv, mode, out, {"quick": QUICK, "smoke": SMOKE, "full": FULL}[mode])
     finally:
         torch.set_num_threads(threads)
 
@@ -106,6 +117,66 @@ def _run(args, argv, mode, out, cfg):
     print_report(result)
     print(f"\nwrote {path} ({result['seconds']} s)")
     return result
+
+
+def _run_breakdown(args, argv, mode, out, cfg):
+    start = time.perf_counter()
+
+    def log(msg):
+        print(f"[{time.perf_counter() - start:7.1f} s] {msg}", flush=True)
+
+    result = dict(
+        mode=mode,
+        command=command_line("pages", argv),
+        config=dict(cfg, page_size=PAGE_SIZE),
+        environment=dict(environment(), torch_threads=args.threads),
+    )
+    result["cascade_breakdown"] = cascade_breakdown(cfg, log)
+    out.save(result)
+    from ...models import load_smollm2
+
+    model, tok = load_smollm2()
+    result["model"] = "SmolLM2-135M-Instruct (GGUF, float32)"
+    result["generate_breakdown"] = generate_breakdown(model, tok, cfg, log)
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    path = out.save(result, complete=True)
+    print(breakdown_tables(result))
+    print(f"\nwrote {path} ({result['seconds']} s)")
+    return result
+
+
+def breakdown_tables(result) -> str:
+    """Where the reference's and cascade's time goes (`bench pages --breakdown`'s JSON), as text."""
+    b, g = result["cascade_breakdown"], result["generate_breakdown"]
+    rows = [dict(path=n, **p) for n, p in b["paths"].items()]
+    steps = [dict(backend=n, **g[n]) for n in ("sdpa", "cascade")]
+    return "\n".join(
+        [
+            f"{b['samples']} requests sharing {b['prompt']} tokens, one layer, medians of {b['rounds']} rounds in turns "
+            f"(load {b['load_before'][0]:.1f}); a plain sum reads memory at {b['sum_gb_per_s']:.1f} GB/s",
+            table([("path", "{path}"), ("ms", "{ms:.2f}"), ("K/V MB", "{mb:.2f}"), ("GB/s", "{kv_gb_per_s:.2f}"),
+                   ("ms at sum rate", "{read_ms_at_sum_rate:.2f}"), ("torch calls", "{torch_calls}"),
+                   ("gathers ms", "{gathers_ms:.2f}"), ("no-data ms", "{per_request_ms:.2f}"),
+                   ("math ms", "{math_ms:.2f}")], [dict(r, mb=r["kv_bytes"] / 1e6) for r in rows]),
+            "",
+            f"SmolLM2 sampling {g['samples']} continuations, every layer's attention timed in the model "
+            f"({g['layers']} layers; medians of {g['sdpa']['steps']} decode steps, {g['repeats']} runs each in turns)",
+            table([("backend", "{backend}"), ("step ms", "{step_ms:.0f}"), ("attention ms", "{attention_ms:.0f}"),
+                   ("rest ms", "{rest_ms:.0f}"), ("per layer ms", "{layer_ms:.2f}")], steps),
+        ]
+    )  # fmt: skip
+
+
+def load_breakdown(data_dir=None):
+    """``(file name, dict)`` of a complete ``pages_breakdown_full.json``, else ``pages_breakdown_quick.json``,
+    in ``data_dir`` (default: ``figures/data/``); ``(None, None)`` if neither."""
+    folder = Path(data_dir) if data_dir is not None else DATA_DIR
+    for name in ("pages_breakdown_full.json", "pages_breakdown_quick.json"):
+        if (folder / name).exists():
+            data = json.loads((folder / name).read_text())
+            if data.get("complete"):
+                return name, data
+    return None, None
 
 
 def load_results(data_dir=None):
