@@ -290,10 +290,10 @@ def generate_breakdown(model, tok, cfg, log, repeats: int = 2) -> dict:
         for backend, rec in steps.items():
             stamps, attention = [], []
             torch.manual_seed(0)
+            stamp = lambda step, tokens: stamps.append((time.perf_counter(), len(attention)))  # noqa: E731
             with _timed_attention(attention):
-                generate(model, ids, max_new_tokens=cfg["generate_steps"], do_sample=True,
-                         num_return_sequences=cfg["samples"], backend=backend, eos_token_id=[],
-                         callback=lambda step, tokens: stamps.append((time.perf_counter(), len(attention))))  # fmt: skip
+                generate(model, ids, max_new_tokens=cfg["generate_steps"], do_sample=True, eos_token_id=[],
+                         num_return_sequences=cfg["samples"], backend=backend, callback=stamp)  # fmt: skip
             for (t0, a0), (t1, a1) in zip(stamps, stamps[1:]):  # decode steps: `layers` attention calls each
                 if a1 - a0 == layers:
                     rec["step_ms"].append(1e3 * (t1 - t0))

@@ -39,14 +39,23 @@ from pathlib import Path
 
 import torch
 
+from ..stats import mcnemar_p, mean_ci
 from . import eviction as ev
-from ._pages_cascade import PAGE_SIZE, cascade_breakdown, cascade_bytes, cascade_case, cascade_speed, generate_breakdown
-from ._pages_cascade import generate_speed, triton_check
+from ._pages_cascade import (
+    PAGE_SIZE,
+    cascade_breakdown,
+    cascade_bytes,
+    cascade_case,
+    cascade_speed,
+    generate_breakdown,
+    generate_speed,
+    triton_check,
+)
 from ._pages_quest import DENSE_LAYERS, POLICIES, quality
 from .common import DATA_DIR, bench_parser, command_line, environment, result_file, table
 
 __all__ = ["FULL", "POLICIES", "QUICK", "SMOKE", "cascade_bytes", "cascade_case", "cascade_speed", "cascade_tables"]
-__all__ += ["breakdown_tables", "load_breakdown"]
+__all__ += ["breakdown_tables", "load_breakdown", "paired", "passkey_vs_full"]
 __all__ += ["generate_speed", "load_results", "main", "quality", "quality_tables", "quest_vs_eviction"]
 
 # each setting as (quick, smoke, full); the task texts follow the eviction benchmark's sizes
@@ -145,26 +154,29 @@ def _run_breakdown(args, argv, mode, out, cfg):
     return result
 
 
-def breakdown_tables(result) -> str:
-    """Where the reference's and cascade's time goes (`bench pages --breakdown`'s JSON), as text."""
+def breakdown_tables(result, parts=("layer", "model")) -> str:
+    """Where the reference's and cascade's time goes (`bench pages --breakdown`'s JSON), as text: one
+    layer's paths taken apart (``"layer"``) and SmolLM2's decode steps with attention timed (``"model"``)."""
     b, g = result["cascade_breakdown"], result["generate_breakdown"]
     rows = [dict(path=n, **p) for n, p in b["paths"].items()]
     steps = [dict(backend=n, **g[n]) for n in ("sdpa", "cascade")]
-    return "\n".join(
-        [
-            f"{b['samples']} requests sharing {b['prompt']} tokens, one layer, medians of {b['rounds']} rounds in turns "
-            f"(load {b['load_before'][0]:.1f}); a plain sum reads memory at {b['sum_gb_per_s']:.1f} GB/s",
+    text = {
+        "layer": [
+            f"{b['samples']} requests sharing {b['prompt']} tokens, one layer, medians of {b['rounds']} rounds "
+            f"in turns (load {b['load_before'][0]:.1f}); a plain sum reads memory at {b['sum_gb_per_s']:.1f} GB/s",
             table([("path", "{path}"), ("ms", "{ms:.2f}"), ("K/V MB", "{mb:.2f}"), ("GB/s", "{kv_gb_per_s:.2f}"),
                    ("ms at sum rate", "{read_ms_at_sum_rate:.2f}"), ("torch calls", "{torch_calls}"),
                    ("gathers ms", "{gathers_ms:.2f}"), ("no-data ms", "{per_request_ms:.2f}"),
                    ("math ms", "{math_ms:.2f}")], [dict(r, mb=r["kv_bytes"] / 1e6) for r in rows]),
-            "",
+        ],
+        "model": [
             f"SmolLM2 sampling {g['samples']} continuations, every layer's attention timed in the model "
             f"({g['layers']} layers; medians of {g['sdpa']['steps']} decode steps, {g['repeats']} runs each in turns)",
             table([("backend", "{backend}"), ("step ms", "{step_ms:.0f}"), ("attention ms", "{attention_ms:.0f}"),
                    ("rest ms", "{rest_ms:.0f}"), ("per layer ms", "{layer_ms:.2f}")], steps),
-        ]
-    )  # fmt: skip
+        ],
+    }  # fmt: skip
+    return "\n\n".join("\n".join(text[p]) for p in parts)
 
 
 def load_breakdown(data_dir=None):
@@ -267,32 +279,82 @@ def _ordered(rows):
 
 def quest_vs_eviction(result) -> list[dict]:
     """Per budget and task: Quest's score minus PagedEviction's and StreamingLLM's (NLL: lower is
-    better; pass-key: accuracy, higher is better), with each side's interval."""
+    better; pass-key: accuracy, higher is better), with each side's interval, whether the two
+    intervals overlap, and the paired comparison on the same texts or trials (where the JSON holds
+    them): for the NLL, the mean per-text difference with its 95% t interval (``paired_ci``); for
+    pass-key, the trials only Quest answered and only the peer answered (``discordant``) and the
+    exact McNemar p-value."""
     out = []
-    for task, key, ci in (
-        ("language_modelling", "nll", "nll_ci95"),
-        ("retention", "nll", "nll_ci95"),
-        ("passkey", "accuracy", "ci95"),
+    for task, key, ci, per in (
+        ("language_modelling", "nll", "nll_ci95", "lm_rows"),
+        ("retention", "nll", "nll_ci95", "retention_rows"),
+        ("passkey", "accuracy", "ci95", "passkey_rows"),
     ):
         rows = {(r["policy"], r["budget"]): r for r in result[task]}
+        each = _per_item(result.get(per, []), "trial" if task == "passkey" else "text", key)
         for c in result["config"]["budgets"]:
             quest = rows[("quest", c)]
             for peer in ("paged_eviction", "streaming_llm"):
                 other = rows[(peer, c)]
-                out.append(
-                    dict(
-                        task=task,
-                        budget=c,
-                        peer=peer,
-                        metric=key,
-                        quest=quest[key],
-                        quest_ci=quest[ci],
-                        other=other[key],
-                        other_ci=other[ci],
-                        difference=quest[key] - other[key],
-                    )
+                row = dict(
+                    task=task,
+                    budget=c,
+                    peer=peer,
+                    metric=key,
+                    quest=quest[key],
+                    quest_ci=quest[ci],
+                    other=other[key],
+                    other_ci=other[ci],
+                    difference=quest[key] - other[key],
+                    overlap=quest[ci][0] <= other[ci][1] and other[ci][0] <= quest[ci][1],
                 )
+                row.update(paired(each.get(("quest", c), {}), each.get((peer, c), {}), task == "passkey"))
+                out.append(row)
     return out  # fmt: skip
+
+
+def passkey_vs_full(result) -> list[dict]:
+    """Per policy and budget: the pass-key trials answered and, on the same trials, those only this
+    policy answered and those only the full cache answered (``discordant``), with McNemar's exact p."""
+    each = _per_item(result.get("passkey_rows", []), "trial", "accuracy")
+    full = next(r for r in result["passkey"] if r["policy"] == "full")
+    out = []
+    for r in _ordered(result["passkey"]):
+        if r["policy"] != "full":
+            row = dict(policy=r["policy"], budget=r["budget"], correct=r["correct"], trials=r["trials"])
+            row.update(
+                full_correct=full["correct"],
+                **paired(each.get((r["policy"], r["budget"]), {}), each.get(("full", None), {}), True),
+            )
+            out.append(row)
+    return out
+
+
+def _per_item(rows, item: str, key: str) -> dict:
+    """``{(policy, budget): {text or trial: value}}`` from the JSON's per-text or per-trial rows."""
+    out = {}
+    for r in rows:
+        out.setdefault((r["policy"], r["budget"]), {})[r[item]] = r["correct"] if key == "accuracy" else r[key]
+    return out
+
+
+def paired(a: dict, b: dict, binary: bool) -> dict:
+    """The paired comparison of ``a`` and ``b`` (``{item: value}``) over the items both hold: for
+    values, ``paired_ci`` (mean of a - b, its 95% t interval); for right/wrong answers,
+    ``discordant`` (items only ``a`` got right, items only ``b`` did) and ``mcnemar_p``; empty if none.
+
+    Example:
+        >>> paired({0: True, 1: True, 2: False}, {0: False, 1: True, 2: False}, binary=True)
+        {'discordant': [1, 0], 'mcnemar_p': 1.0}
+    """
+    items = sorted(set(a) & set(b))
+    if not items:
+        return {}
+    if binary:
+        only = [sum(a[i] and not b[i] for i in items), sum(b[i] and not a[i] for i in items)]
+        return dict(discordant=only, mcnemar_p=mcnemar_p(*only))
+    mean, lo, hi = mean_ci([a[i] - b[i] for i in items])
+    return dict(paired_ci=[lo, hi], paired_mean=mean)
 
 
 def print_report(result) -> None:
