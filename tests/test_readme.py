@@ -1,6 +1,7 @@
 """The README's coursework example runs as written."""
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -138,11 +139,14 @@ def _profile_facts() -> list[str]:
     assert data["variants"][names[-1]]["options"] == FAST_OPTIONS
     assert all(g["requests_with_identical_tokens"] == g["requests"] for g in data["gains"])
     return [
-        f"{gains[names[0], names[-1]]:.2f}x the eager step per step",
+        f"the faster step {gains[names[0], names[-1]]:.2f}x the eager step",
+        f"prepacked linears {gains['eager', 'prepacked_linears']:.2f}x",
         f"the paged kernel {gains['prepacked_linears', 'paged_kernel']:.2f}x",
         f"the flat loop {gains['paged_kernel', 'flat_forward']:.2f}x",
         f"the C++ ops {gains['flat_forward', 'cpu_ops']:.2f}x",
         f"the few-rows kernel {gains['cpu_ops', 'few_rows']:.2f}x",
+        f"whose product, {math.prod(g for k, g in gains.items() if k != (names[0], names[-1])):.2f}, is not the "
+        f"{gains[names[0], names[-1]]:.2f}x measured directly",
     ]
 
 
@@ -157,6 +161,8 @@ def _pages_facts() -> list[str]:
     vs = {(d["task"], d["budget"], d["peer"]): d for d in pages.quest_vs_eviction(data)}
     reads = {(r["policy"], r["budget"]): r["bytes_per_step"] / 1e6 for r in data["bytes_per_step"]["rows"]}
     trials = data["config"]["passkey_trials"]
+    full_key = next(r for r in data["passkey"] if r["policy"] == "full")
+    vs_full = {d["policy"]: d["discordant"] for d in pages.passkey_vs_full(data) if d["budget"] == 1024}
 
     def nll(d, who):
         lo, hi = d[f"{who}_ci"]
@@ -185,8 +191,24 @@ def _pages_facts() -> list[str]:
         f"continuation {lm['quest']:.2f} vs {lm['other']:.2f} (StreamingLLM {streaming['other']:.2f})",
         f"{reads['quest', 256]:.2f} MB a step vs {reads['paged_eviction', 256]:.2f} MB "
         f"(full cache {reads['full', None]:.2f} MB)",
-        f"PagedEviction's pass-key {keys(long_key, 'other')} beats Quest's {keys(long_key, 'quest')}",
+        f"at 1024 tokens PagedEviction answers {keys(long_key, 'other')} pass-keys, Quest {keys(long_key, 'quest')} "
+        f"and the full cache {full_key['correct']}/{trials}: PagedEviction answered {vs_full['paged_eviction'][0]} "
+        f"trials the full cache missed, Quest missed {vs_full['quest'][1]} it answered",
         f"{data['seconds']:.0f} s, {data['environment']['date_utc'][:10]}",
+        *_breakdown_facts(),
+    ]
+
+
+def _breakdown_facts() -> list[str]:
+    """The reading-fewer-pages row's breakdown clause, from `bench pages --breakdown` (pages_breakdown_full.json)."""
+    data = json.loads((README.parent / "figures" / "data" / "pages_breakdown_full.json").read_text())
+    ref, cas = (data["cascade_breakdown"]["paths"][p] for p in ("reference", "cascade"))
+    return [
+        f"({ref['read_ms_at_sum_rate']:.2f} of the reference's {ref['ms']:.2f} ms and {cas['read_ms_at_sum_rate']:.2f} "
+        f"of cascade's {cas['ms']:.2f} ms at the rate a plain sum reads memory)",
+        f"the reference's copies ({ref['math_ms']:.2f} ms of math",
+        f"Python loop over requests ({cas['per_request_ms']:.2f} ms of it with almost no data)",
+        f"(`bench pages --breakdown`, {data['environment']['date_utc'][:10]})",
     ]
 
 

@@ -10,6 +10,8 @@ Example:
     >>> describe({"environment": {"cpu": "x86_64", "torch": "2.13.0", "date_utc": "2026-12-02T13:00:00+00:00"},
     ...           "quick": True, "command": "python -m paged_ref.lab.bench alloc --quick"})
     'Measured on CPU x86_64 (quick mode), torch 2.13.0, 2026-12-02 (UTC); python -m paged_ref.lab.bench alloc --quick.'
+    >>> describe({"environment": {"cpu": "x86_64", "cpu_model": "AMD EPYC", "date_utc": "2026-12-06"}})
+    'Measured on CPU AMD EPYC (x86_64), 2026-12-06 (UTC).'
 """
 
 from __future__ import annotations
