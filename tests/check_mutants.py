@@ -7,6 +7,7 @@ variants, each named after its mistake.
 
 import math
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -948,6 +949,187 @@ class FirstPageQuest(_Scored):
         return torch.stack(rows)
 
 
+# ------------------------------------------------------------------------------------ exercises 5-7 from the
+# notebooks' text alone: other names and data structures, each a correct attempt
+class QueueScheduler:
+    def __init__(self, pool, *, max_num_seqs, max_batched_tokens):
+        self.pool = pool
+        self.limit = max_num_seqs
+        self.budget = max_batched_tokens
+        self.queue = []  # waiting, front = index 0
+        self.active = []  # running, oldest admitted first
+
+    def add(self, req):
+        self.queue.append(req)
+
+    def finish(self, req):
+        self.active = [r for r in self.active if r is not req]
+
+    def _evict_newest(self):
+        victim = self.active.pop()
+        self.pool.free(victim)
+        self.queue.insert(0, victim)
+        return victim
+
+    def schedule(self):
+        left = self.budget
+        plan = []
+        preempted_any = False
+        for req in list(self.active):
+            if req not in self.active:  # preempted earlier in this step
+                break
+            if left == 0:
+                break
+            n = 1 if req.remaining == 1 else min(req.remaining, left)
+            gone = False
+            while self.pool.pages_needed(req, n) > self.pool.num_free:
+                victim = self._evict_newest()
+                preempted_any = True
+                if victim is req:
+                    gone = True
+                    break
+            if gone:
+                break
+            self.pool.grow(req, n)
+            plan.append((req, n))
+            left -= n
+        if preempted_any:
+            return plan
+        while self.queue and len(self.active) < self.limit and left > 0:
+            head = self.queue[0]
+            if math.ceil(head.num_tokens / self.pool.page_size) > self.pool.num_free:
+                break
+            self.queue.pop(0)
+            self.active.append(head)
+            n = min(head.num_tokens, left)
+            self.pool.grow(head, n)
+            plan.append((head, n))
+            left -= n
+        return plan
+
+
+class Page:
+    def __init__(self):
+        self.refs = 0
+        self.key = None  # set while it holds a published full page
+        self.tokens = None
+
+
+class ChainCache:
+    def __init__(self, num_pages, page_size, hash_fn):
+        self.ps = page_size
+        self.h = hash_fn
+        self.page = [Page() for _ in range(num_pages)]
+        self.fresh = 0
+        self.free_plain = OrderedDict()  # page id -> None, oldest freed first
+        self.free_cached = OrderedDict()
+        self.index = {}  # key -> list of page ids, publish order
+        self.seq = {}  # seq_id -> (pages, tokens, last key)
+
+    def _take(self):
+        if self.fresh < len(self.page):
+            self.fresh += 1
+            pid = self.fresh - 1
+        elif self.free_plain:
+            pid, _ = self.free_plain.popitem(last=False)
+        else:
+            pid, _ = self.free_cached.popitem(last=False)
+            p = self.page[pid]
+            self.index[p.key].remove(pid)
+            p.key = p.tokens = None
+        self.page[pid].refs = 1
+        return pid
+
+    def start(self, seq_id, prompt):
+        pages, tokens, parent = [], [], b""
+        full = (len(prompt) - 1) // self.ps
+        for i in range(full):
+            chunk = tuple(prompt[i * self.ps : (i + 1) * self.ps])
+            key = self.h(parent, chunk)
+            hit = None
+            for pid in self.index.get(key, []):
+                if self.page[pid].tokens == chunk:
+                    hit = pid
+                    break
+            if hit is None:
+                break
+            p = self.page[hit]
+            if p.refs == 0:
+                self.free_cached.pop(hit, None)
+                self.free_plain.pop(hit, None)
+            p.refs += 1
+            pages.append(hit)
+            tokens.extend(chunk)
+            parent = key
+        self.seq[seq_id] = [pages, tokens, parent]
+        return len(tokens)
+
+    def append(self, seq_id, new_tokens):
+        s = self.seq[seq_id]
+        for t in new_tokens:
+            if len(s[1]) % self.ps == 0:
+                s[0].append(self._take())
+            s[1].append(t)
+            if len(s[1]) % self.ps == 0:
+                chunk = tuple(s[1][-self.ps :])
+                key = self.h(s[2], chunk)
+                pid = s[0][-1]
+                self.page[pid].key, self.page[pid].tokens = key, chunk
+                self.index.setdefault(key, []).append(pid)
+                s[2] = key
+
+    def pages(self, seq_id):
+        return list(self.seq[seq_id][0])
+
+    def free(self, seq_id):
+        pages = self.seq.pop(seq_id)[0]
+        for pid in reversed(pages):
+            p = self.page[pid]
+            p.refs -= 1
+            if p.refs == 0:
+                if p.key is not None:
+                    self.free_cached[pid] = None
+                else:
+                    self.free_plain[pid] = None
+
+
+def merge_two(o_a, lse_a, o_b, lse_b):
+    top = torch.maximum(lse_a, lse_b)
+    a = torch.exp2(lse_a - top).unsqueeze(-1)
+    b = torch.exp2(lse_b - top).unsqueeze(-1)
+    total = a + b
+    return (a * o_a + b * o_b) / total, top + torch.log2(total.squeeze(-1))
+
+
+class PageChooser:
+    def summaries(self, k, page_size):
+        n = k.shape[0]
+        lo, hi = [], []
+        for start in range(0, n, page_size):
+            page = k[start : start + page_size]
+            lo.append(page.min(dim=0).values)
+            hi.append(page.max(dim=0).values)
+        return torch.stack(lo), torch.stack(hi)
+
+    def bound(self, q, k_min, k_max):
+        return torch.where(q >= 0, q * k_max, q * k_min).sum(-1)
+
+    def select(self, q, k_min, k_max, budget):
+        num_pages, hkv, d = k_min.shape
+        if num_pages <= budget:
+            return torch.arange(num_pages, dtype=torch.int64).unsqueeze(0).repeat(hkv, 1)
+        per = q.shape[0] // hkv
+        out = []
+        for h in range(hkv):
+            qh = q[h * per : (h + 1) * per]  # [per, D]
+            scores = self.bound(qh.unsqueeze(1), k_min[:, h].unsqueeze(0), k_max[:, h].unsqueeze(0))  # [per, P]
+            best = scores.max(dim=0).values
+            order = best[:-1].argsort(descending=True)[: budget - 1]
+            chosen = torch.cat([order, torch.tensor([num_pages - 1])]).sort().values
+            out.append(chosen)
+        return torch.stack(out)
+
+
 SOLUTIONS = {
     "allocator": StudentAllocator,
     "slot_mapping": student_slot_mapping,
@@ -964,6 +1146,10 @@ SOLUTIONS = {
 ALSO_CORRECT = {
     "paged_attention": [float32_attention],
     "eviction_policy": [SumScoresPolicy],
+    "scheduler": [QueueScheduler],
+    "prefix_cache": [ChainCache],
+    "merge_states": [merge_two],
+    "quest": [PageChooser],
 }
 MUTANTS = {
     "allocator": [

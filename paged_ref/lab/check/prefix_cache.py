@@ -42,7 +42,7 @@ from .report import (
     check_count,
 )
 
-__all__ = ["HOSTILE_CASES", "check_prefix_cache", "colliding_hash", "sha_hash"]
+__all__ = ["HOSTILE_CASES", "chat_hits", "check_prefix_cache", "colliding_hash", "sha_hash"]
 
 
 def sha_hash(parent: bytes, tokens: tuple) -> bytes:
@@ -461,6 +461,36 @@ def _play(cls, case: Case, run: Run, where: list) -> Failure | None:
 def _fail(shown: list, call: str, expected: str, got: str, hint: str) -> Failure:
     lines = shown if len(shown) <= 14 else [shown[0], f"... ({len(shown) - 13} calls)"] + shown[-12:]
     return Failure("\n".join(lines + [f"{call}   <- here"]), expected, got, hint)
+
+
+def chat_hits(cls, *, turns: int = 4, page_size: int = 4, num_pages: int = 32) -> list[tuple[int, int]]:
+    """A chat played on ``cls``: each turn's prompt is the whole conversation so far plus a new
+    message; returns ``(prompt tokens, cached tokens found)`` per turn.
+
+    Example:
+        >>> from pathlib import Path
+        >>> import paged_ref
+        >>> from paged_ref.lab.check import load_solutions
+        >>> folder = Path(paged_ref.__file__).parents[1] / "notebooks" / "exercises" / "solutions"
+        >>> solutions = load_solutions(folder / "solutions.py")
+        >>> chat_hits(solutions.StudentPrefixCache, turns=3)      # every full page of the conversation so far
+        [(13, 0), (22, 16), (31, 24)]
+    """
+    cache = cls(num_pages, page_size, sha_hash)
+    rng = random.Random(0)
+    history: list[int] = [rng.randrange(1000) for _ in range(9)]  # a system prompt
+    out = []
+    for turn in range(turns):
+        prompt = history + [rng.randrange(1000) for _ in range(4)]
+        found = cache.start(turn, prompt)
+        cache.append(turn, prompt[found:])
+        answer = [rng.randrange(1000) for _ in range(5)]
+        for t in answer:
+            cache.append(turn, [t])
+        cache.free(turn)
+        out.append((len(prompt), found))
+        history = prompt + answer
+    return out
 
 
 def check_prefix_cache(

@@ -43,7 +43,7 @@ from .report import (
     check_count,
 )
 
-__all__ = ["EDGE_CASES", "Pool", "Req", "Stream", "check_scheduler", "random_stream"]
+__all__ = ["EDGE_CASES", "Pool", "Req", "Stream", "check_scheduler", "random_stream", "trace"]
 
 MAX_STEPS = 400
 
@@ -399,6 +399,57 @@ def _state_line(step: int, running: list, waiting: list, reqs: dict, pool: Pool)
         f"step {step}, the first that differs; before it: running {[show(i) for i in running]} (oldest admission "
         f"first), waiting {waiting} (queue order), {pool.num_free} free pages"
     ).replace("'", "")
+
+
+def trace(cls, stream: Stream, max_steps: int = 60) -> list[str]:
+    """A student's scheduler (or the solution) played alone on ``stream``: one line per step.
+
+    Example:
+        >>> from paged_ref.lab.check.scheduler import EDGE_CASES
+        >>> class OneAtATime:                      # admits one request, feeds it whole, then the next
+        ...     def __init__(self, pool, *, max_num_seqs, max_batched_tokens):
+        ...         self.pool, self.queue, self.current = pool, [], None
+        ...     def add(self, req):
+        ...         self.queue.append(req)
+        ...     def finish(self, req):
+        ...         self.current = None
+        ...     def schedule(self):
+        ...         if self.current is None and self.queue:
+        ...             self.current = self.queue.pop(0)
+        ...         if self.current is None:
+        ...             return []
+        ...         n = self.current.remaining
+        ...         self.pool.grow(self.current, n)
+        ...         return [(self.current, n)]
+        >>> print(*trace(OneAtATime, EDGE_CASES[0]), sep="\\n")
+        step 0: rows {req 0: 16}, no preemption; 0 free pages after
+        step 1: rows {req 1: 4}, no preemption; 3 free pages after
+        step 2: rows {req 1: 1}, no preemption; 2 free pages after
+    """
+    pool = Pool(stream.num_pages, stream.page_size)
+    reqs = {i: Req(i, p, m) for i, (p, m, _) in enumerate(stream.requests)}
+    sched = cls(pool, max_num_seqs=stream.max_num_seqs, max_batched_tokens=stream.max_batched_tokens)
+    lines, done = [], set()
+    for step in range(max_steps):
+        for i, (_, _, a) in enumerate(stream.requests):
+            if a == step:
+                sched.add(reqs[i])
+        pool.log = []
+        rows = _student_rows(sched.schedule(), reqs)
+        preempted = [i for op, i, _ in pool.log if op == "free"]
+        lines.append(f"step {step}: {_show(rows, preempted)}; {pool.num_free} free pages after")
+        for i, n in rows.items():
+            r = reqs[i]
+            r.num_computed += n
+            if r.num_computed >= r.num_tokens:
+                r.generated += 1
+                if r.generated == r.max_new_tokens:
+                    pool.free(r)
+                    sched.finish(r)
+                    done.add(i)
+        if len(done) == len(reqs) or (not rows and step >= max(a for _, _, a in stream.requests)):
+            break
+    return lines
 
 
 def check_scheduler(
