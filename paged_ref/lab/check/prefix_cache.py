@@ -30,6 +30,7 @@ import numbers
 import random
 from dataclasses import dataclass
 
+from ..._arith import cdiv
 from ...cache import PagedKVCache
 from .report import (
     DEFAULT_TIME_LIMIT_S,
@@ -208,7 +209,7 @@ class _Reference:
     def fits(self, seq, n_tokens: int) -> bool:
         held = len(self.kv.pages(self.ids[seq])) if seq in self.ids else 0
         length = len(self.tokens.get(seq, ()))
-        return -(-(length + n_tokens) // self.ps) - held <= self.kv.allocator.num_free
+        return cdiv(length + n_tokens, self.ps) - held <= self.kv.allocator.num_free
 
     def start(self, seq, prompt) -> int:
         self.ids[seq] = self.kv.add_sequence(token_ids=list(prompt))

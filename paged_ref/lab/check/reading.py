@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from ..._arith import cdiv
 from ...attention.quest import page_bounds, select_pages
 from ...page_summaries import PageSummaries
 from .report import DEFAULT_TIME_LIMIT_S, CheckReport, Failure, StudentError, run_cases
@@ -233,7 +234,7 @@ def _ref_summaries(k, ps):
     """`paged_ref.page_summaries.PageSummaries` of keys ``k [seq_len, Hkv, D]`` written at slots 0, 1, ..."""
     seq_len, hkv, d = k.shape
     s = PageSummaries(
-        num_layers=1, num_pages=-(-seq_len // ps), num_kv_heads=hkv, head_dim=d, page_size=ps, dtype=k.dtype
+        num_layers=1, num_pages=cdiv(seq_len, ps), num_kv_heads=hkv, head_dim=d, page_size=ps, dtype=k.dtype
     )
     s.update(0, torch.arange(seq_len), k)
     return s.k_min[0], s.k_max[0]
@@ -318,8 +319,8 @@ def _select_hint(q, k_min, k_max, budget, got, want) -> str:
 
 
 def _lowest(bounds, budget):
-    b = -bounds
-    return select_pages(b, budget)
+    """The pages with the smallest bounds (and the last page): a wrong choice the hints name."""
+    return select_pages(-bounds, budget)
 
 
 def check_quest(cls, *, time_limit: float | None = DEFAULT_TIME_LIMIT_S) -> CheckReport:

@@ -29,6 +29,7 @@ import numbers
 import random
 from dataclasses import dataclass
 
+from ..._arith import cdiv
 from ...serve import Scheduler
 from ...serve.dry import DrySession
 from ...serve.request import Request
@@ -46,10 +47,6 @@ from .report import (
 __all__ = ["EDGE_CASES", "Pool", "Req", "Stream", "check_scheduler", "random_stream", "trace"]
 
 MAX_STEPS = 400
-
-
-def _pages(tokens: int, page_size: int) -> int:
-    return -(-tokens // page_size)
 
 
 class Req:
@@ -89,13 +86,13 @@ class Pool:
 
     @property
     def num_free(self) -> int:
-        return self.num_pages - sum(_pages(t, self.page_size) for t in self._tokens.values())
+        return self.num_pages - sum(cdiv(t, self.page_size) for t in self._tokens.values())
 
     def held(self, req) -> int:
-        return _pages(self._tokens.get(req.id, 0), self.page_size)
+        return cdiv(self._tokens.get(req.id, 0), self.page_size)
 
     def pages_needed(self, req, n: int) -> int:
-        return _pages(self._tokens.get(req.id, 0) + n, self.page_size) - self.held(req)
+        return cdiv(self._tokens.get(req.id, 0) + n, self.page_size) - self.held(req)
 
     def grow(self, req, n: int) -> None:
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
@@ -112,7 +109,7 @@ class Pool:
         self.log.append(("free", req.id, 0))
 
     def holding(self) -> dict[int, int]:
-        return {i: _pages(t, self.page_size) for i, t in self._tokens.items() if t}
+        return {i: cdiv(t, self.page_size) for i, t in self._tokens.items() if t}
 
 
 @dataclass(frozen=True)
@@ -275,7 +272,7 @@ def _hint(ctx: dict, want: tuple, got: tuple, grows: dict) -> str:
         k = next((j for j, (a, b) in enumerate(zip(w_adm, g_adm)) if a != b), min(len(w_adm), len(g_adm)))
         if k < len(g_adm):
             x, head = g_adm[k], waiting[k] if k < len(waiting) else None
-            head_fits = head is not None and _pages(reqs[head].num_tokens, s.page_size) <= ctx["free_after_rows"]
+            head_fits = head is not None and cdiv(reqs[head].num_tokens, s.page_size) <= ctx["free_after_rows"]
             if head is not None and x != head:
                 if ctx["preempted_before"].get(head):
                     return "a preempted request goes back to the front of the waiting queue, not the back"
@@ -285,7 +282,7 @@ def _hint(ctx: dict, want: tuple, got: tuple, grows: dict) -> str:
                         "it (no skipping ahead)"
                     )
                 return "first come, first served: admit waiting requests in arrival order, oldest first, not newest"
-            whole = _pages(reqs[x].num_tokens, s.page_size)
+            whole = cdiv(reqs[x].num_tokens, s.page_size)
             if whole > ctx["free_after_rows"]:
                 return (
                     f"whole-prompt admission: request {x} needs {whole} pages for its whole sequence (prompt, and the "
@@ -367,7 +364,7 @@ def _play(cls, s: Stream, run: Run, where: list) -> Failure | None:
                 grows[i] = grows.get(i, 0) + n
         g_hold = pool.holding()
         ctx["free_after_rows"] = s.num_pages - sum(
-            _pages(reqs[i].num_computed + w_rows.get(i, 0), s.page_size) for i in running if i not in w_pre
+            cdiv(reqs[i].num_computed + w_rows.get(i, 0), s.page_size) for i in running if i not in w_pre
         )
         order = [i for i in w_rows if i not in running] != [i for i in grows if i not in running]
         if (w_rows, w_pre) != (g_rows, g_pre) or w_hold != g_hold or grows != g_rows or order:
