@@ -7,6 +7,7 @@ variants, each named after its mistake.
 
 import math
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -21,6 +22,11 @@ _student_attention = _solutions._student_attention
 student_attention = _solutions.student_attention
 student_token_scores = _solutions.student_token_scores
 student_page_scores = _solutions.student_page_scores
+
+StudentScheduler = _solutions.StudentScheduler
+StudentPrefixCache = _solutions.StudentPrefixCache
+student_merge_states = _solutions.student_merge_states
+StudentQuest = _solutions.StudentQuest
 
 
 # ------------------------------------------------------------------------------------ allocators
@@ -437,6 +443,693 @@ class SumScoresPolicy:
             self._drop_lowest(cache, seq_id)
 
 
+# ------------------------------------------------------------------------------------ schedulers
+class _SchedulerVariant(StudentScheduler):
+    """The solution's schedule with one rule changed by a flag (each mutant sets one)."""
+
+    lifo = oldest_victim = no_free = decode_free = whole_check = False
+    chunk_delta = 0
+    to_back = no_chunking = ignore_max_seqs = admit_after_preempt = skip_blocked = False
+    no_reserve = self_victim = prompt_only = False
+
+    def _preempt(self, victim, preempted):
+        self.running.remove(victim)
+        if not self.no_free:
+            self.pool.free(victim)
+        else:
+            victim.num_computed = 0
+        (self.waiting.append if self.to_back else self.waiting.appendleft)(victim)
+        preempted.append(victim)
+
+    def schedule(self):
+        rows, preempted = [], []
+        budget = self.max_batched_tokens
+        decodes = 0 if (self.no_reserve or self.decode_free) else sum(r.remaining == 1 for r in self.running)
+        i = 0
+        while i < len(self.running):
+            r = self.running[i]
+            if r.remaining == 1:
+                decodes = max(0, decodes - 1)
+                want = 1
+            else:
+                want = min(r.remaining, budget - decodes) + self.chunk_delta
+            if want > 0 and (budget > 0 or self.decode_free):
+                while self.pool.pages_needed(r, want) > self.pool.num_free and r in self.running:
+                    victim = self.running[0] if self.oldest_victim else r if self.self_victim else self.running[-1]
+                    self._preempt(victim, preempted)
+                if r not in self.running:
+                    if self.oldest_victim or self.self_victim:
+                        continue
+                    break
+                self.pool.grow(r, want)
+                rows.append((r, want))
+                if not (self.decode_free and r.remaining == 1):
+                    budget -= want
+            i += 1
+        if preempted and not self.admit_after_preempt:
+            return rows
+        limit = 10**9 if self.ignore_max_seqs else self.max_num_seqs
+        skipped = []
+        while self.waiting and len(self.running) < limit and budget > 0:
+            r = self.waiting.pop() if self.lifo else self.waiting.popleft()
+            tokens = r.prompt_len if self.prompt_only else r.num_tokens
+            need = math.ceil((min(tokens, budget) if self.whole_check else tokens) / self.pool.page_size)
+            if need > self.pool.num_free or (self.no_chunking and tokens > budget):
+                if self.skip_blocked:
+                    skipped.append(r)
+                    continue
+                (self.waiting.append if self.lifo else self.waiting.appendleft)(r)
+                break
+            self.running.append(r)
+            want = min(tokens, budget)
+            self.pool.grow(r, want)
+            rows.append((r, want))
+            budget -= want
+        for r in reversed(skipped):
+            self.waiting.appendleft(r)
+        return rows
+
+
+def _variant(name, doc, **flags):
+    return type(name, (_SchedulerVariant,), {"__doc__": doc, **flags})
+
+
+LifoScheduler = _variant("LifoScheduler", "Admits the newest waiting request first.", lifo=True)
+PreemptOldestScheduler = _variant("PreemptOldestScheduler", "Preempts the oldest running request.", oldest_victim=True)
+NoFreeScheduler = _variant("NoFreeScheduler", "Requeues a preempted request without pool.free.", no_free=True)
+DecodeOutsideBudgetScheduler = _variant(
+    "DecodeOutsideBudgetScheduler", "Decode rows not counted in the budget.", decode_free=True
+)
+FirstChunkAdmissionScheduler = _variant(
+    "FirstChunkAdmissionScheduler", "Admits when the first chunk's pages fit.", whole_check=True
+)
+ShortChunkScheduler = _variant("ShortChunkScheduler", "Running prefill chunks one token short.", chunk_delta=-1)
+PreemptedToBackScheduler = _variant(
+    "PreemptedToBackScheduler", "Preempted request to the back of the queue.", to_back=True
+)
+NoChunkedPrefillScheduler = _variant(
+    "NoChunkedPrefillScheduler", "Admits only prompts that fit the budget left.", no_chunking=True
+)
+NoMaxSeqsScheduler = _variant("NoMaxSeqsScheduler", "Ignores max_num_seqs.", ignore_max_seqs=True)
+SkipAheadScheduler = _variant("SkipAheadScheduler", "Skips a waiting request that does not fit.", skip_blocked=True)
+SelfVictimScheduler = _variant("SelfVictimScheduler", "Preempts the request that needs the page.", self_victim=True)
+PromptOnlyScheduler = _variant(
+    "PromptOnlyScheduler", "Readmits a preempted request with its prompt only.", prompt_only=True
+)
+LongChunkScheduler = _variant("LongChunkScheduler", "Running prefill chunks one token long.", chunk_delta=1)
+
+
+class SkipInsteadOfPreemptScheduler(StudentScheduler):
+    """Leaves a running request out of the step when its pages are missing, instead of preempting."""
+
+    def _preempt(self, victim, preempted):
+        raise _NoRoom()
+
+    def schedule(self):
+        rows, budget = [], self.max_batched_tokens
+        for r in list(self.running):
+            want = 1 if r.remaining == 1 else min(r.remaining, budget)
+            if want > 0 and budget > 0 and self.pool.pages_needed(r, want) <= self.pool.num_free:
+                self.pool.grow(r, want)
+                rows.append((r, want))
+                budget -= want
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            r = self.waiting[0]
+            if math.ceil(r.num_tokens / self.pool.page_size) > self.pool.num_free:
+                break
+            self.running.append(self.waiting.popleft())
+            want = min(r.num_tokens, budget)
+            self.pool.grow(r, want)
+            rows.append((r, want))
+            budget -= want
+        return rows
+
+
+class _NoRoom(Exception):
+    pass
+
+
+# ------------------------------------------------------------------------------------ prefix caches
+class KeyAlonePrefixCache(StudentPrefixCache):
+    """Trusts a key alone: the first page under the key is a hit, whatever its tokens."""
+
+    def _lookup(self, key, tokens):
+        pages = self.by_key.get(key, [])
+        return pages[0] if pages else None
+
+
+class OnePagePerKeyPrefixCache(StudentPrefixCache):
+    """Keeps one page per key (the latest published replaces the earlier one)."""
+
+    def append(self, seq_id, tokens):
+        super().append(seq_id, tokens)
+        for pages in self.by_key.values():
+            for p in pages[:-1]:
+                self.page_info.pop(p, None)
+            del pages[:-1]
+
+
+class FirstPageOnlyPrefixCache(StudentPrefixCache):
+    """Publishes a key only once: a later page with the same key is never recorded."""
+
+    def append(self, seq_id, tokens):
+        before = {k: list(v) for k, v in self.by_key.items()}
+        super().append(seq_id, tokens)
+        for key, pages in self.by_key.items():
+            if key in before:
+                for p in pages[len(before[key]) :]:
+                    self.page_info.pop(p, None)
+                del pages[len(before[key]) :]
+
+
+class LastTokenPrefixCache(StudentPrefixCache):
+    """Looks up every full page of the prompt, its last token included."""
+
+    def start(self, seq_id, prompt):
+        return super().start(seq_id, list(prompt) + [None])
+
+
+class PartialPagePrefixCache(StudentPrefixCache):
+    """Publishes a sequence's partial last page when it is freed, and a lookup may end on a partial page."""
+
+    def free(self, seq_id):
+        seq, ps = self.seqs[seq_id], self.page_size
+        n = len(seq["tokens"])
+        if n % ps:
+            part = tuple(seq["tokens"][n - n % ps :])
+            key = self._key(seq["keys"][-1] if seq["keys"] else b"", part)
+            self.by_key.setdefault(key, []).append(seq["pages"][-1])
+            self.page_info[seq["pages"][-1]] = (key, part)
+        super().free(seq_id)
+
+    def start(self, seq_id, prompt):
+        cached = super().start(seq_id, prompt)
+        seq, ps = self.seqs[seq_id], self.page_size
+        part = tuple(prompt[cached : len(prompt) - 1])
+        if part and len(part) < ps:
+            key = self._key(seq["keys"][-1] if seq["keys"] else b"", part)
+            page = self._lookup(key, part)
+            if page is not None:
+                if self.refs[page] == 0:
+                    (self.cached if page in self.cached else self.plain).remove(page)
+                self.refs[page] += 1
+                seq["pages"].append(page)
+                seq["tokens"].extend(part)
+        return len(seq["tokens"])
+
+
+class NoForgetPrefixCache(StudentPrefixCache):
+    """Never forgets a page's key when the pool hands the page out again."""
+
+    def _forget(self, page):
+        pass
+
+
+class NoRevivePrefixCache(StudentPrefixCache):
+    """Drops a page's key as soon as the page is freed: only pages in use can be hits."""
+
+    def free(self, seq_id):
+        pages = self.seqs[seq_id]["pages"]
+        super().free(seq_id)
+        for p in pages:
+            if self.refs[p] == 0:
+                self._forget(p)
+
+
+class StackFreePrefixCache(StudentPrefixCache):
+    """Hands out the most recently freed page first (stacks, not queues)."""
+
+    def _new_page(self):
+        if self.next_fresh < self.num_pages:
+            self.next_fresh += 1
+            return self.next_fresh - 1
+        page = self.plain.pop() if self.plain else self.cached.pop()
+        self._forget(page)
+        return page
+
+
+class CachedFirstPrefixCache(StudentPrefixCache):
+    """Hands out pages holding a cached prefix before plain free pages."""
+
+    def _new_page(self):
+        if self.next_fresh < self.num_pages:
+            self.next_fresh += 1
+            return self.next_fresh - 1
+        page = self.cached.popleft() if self.cached else self.plain.popleft()
+        self._forget(page)
+        return page
+
+
+class HeadFirstFreePrefixCache(StudentPrefixCache):
+    """Frees a sequence's pages first page first (head first, not tail first)."""
+
+    def free(self, seq_id):
+        for page in self.seqs.pop(seq_id)["pages"]:
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                (self.cached if page in self.page_info else self.plain).append(page)
+
+
+class PromptOnlyPublishPrefixCache(StudentPrefixCache):
+    """Publishes full pages only while appending a prompt, never the ones generated tokens fill."""
+
+    def append(self, seq_id, tokens):
+        if len(tokens) > 1 or not self.seqs[seq_id]["pages"]:
+            return super().append(seq_id, tokens)
+        seq, ps = self.seqs[seq_id], self.page_size
+        for t in tokens:
+            if len(seq["tokens"]) % ps == 0:
+                page = self._new_page()
+                self.refs[page] = 1
+                seq["pages"].append(page)
+            seq["tokens"].append(t)
+            if len(seq["tokens"]) % ps == 0:
+                seq["keys"].append(None)
+
+
+class ParentlessKeyPrefixCache(StudentPrefixCache):
+    """Keys a page by its own tokens only, not chained to its parent's key."""
+
+    def _key(self, parent, tokens):
+        return self.hash_fn(b"", tuple(tokens))
+
+
+class FreePagesFirstPrefixCache(StudentPrefixCache):
+    """Hands out freed pages before never-used ones."""
+
+    def _new_page(self):
+        if self.plain or self.cached:
+            page = self.plain.popleft() if self.plain else self.cached.popleft()
+            self._forget(page)
+            return page
+        self.next_fresh += 1
+        return self.next_fresh - 1
+
+
+class NoShareRefcountPrefixCache(StudentPrefixCache):
+    """A hit on a page in use adds no reference: the first holder's free returns it to the pool."""
+
+    def start(self, seq_id, prompt):
+        held = {p: self.refs[p] for p in range(self.num_pages)}
+        cached = super().start(seq_id, prompt)
+        for p in self.seqs[seq_id]["pages"]:
+            if held[p] > 0:
+                self.refs[p] = held[p]
+        return cached
+
+    def free(self, seq_id):
+        for page in reversed(self.seqs.pop(seq_id)["pages"]):
+            if self.refs[page] > 0:
+                self.refs[page] -= 1
+                if self.refs[page] == 0:
+                    (self.cached if page in self.page_info else self.plain).append(page)
+
+
+class PagesNotTokensPrefixCache(StudentPrefixCache):
+    """start returns the number of cached pages instead of tokens."""
+
+    def start(self, seq_id, prompt):
+        return super().start(seq_id, prompt) // self.page_size
+
+
+# ------------------------------------------------------------------------------------ reading fewer pages
+def natural_exp_merge_states(o_a, lse_a, o_b, lse_b):
+    m = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
+    return (w_a[..., None] * o_a + w_b[..., None] * o_b) / (w_a + w_b)[..., None], m + torch.log(w_a + w_b)
+
+
+def unstable_merge_states(o_a, lse_a, o_b, lse_b):
+    w_a, w_b = torch.exp2(lse_a), torch.exp2(lse_b)
+    return (w_a[..., None] * o_a + w_b[..., None] * o_b) / (w_a + w_b)[..., None], torch.log2(w_a + w_b)
+
+
+def unnormalised_merge_states(o_a, lse_a, o_b, lse_b):
+    m = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp2(lse_a - m), torch.exp2(lse_b - m)
+    return w_a[..., None] * o_a + w_b[..., None] * o_b, m + torch.log2(w_a + w_b)
+
+
+def max_lse_merge_states(o_a, lse_a, o_b, lse_b):
+    return student_merge_states(o_a, lse_a, o_b, lse_b)[0], torch.maximum(lse_a, lse_b)
+
+
+def sum_lse_merge_states(o_a, lse_a, o_b, lse_b):
+    return student_merge_states(o_a, lse_a, o_b, lse_b)[0], lse_a + lse_b
+
+
+def log_lse_merge_states(o_a, lse_a, o_b, lse_b):
+    m = torch.maximum(lse_a, lse_b)
+    return student_merge_states(o_a, lse_a, o_b, lse_b)[0], m + torch.log(torch.exp2(lse_a - m) + torch.exp2(lse_b - m))
+
+
+def mean_merge_states(o_a, lse_a, o_b, lse_b):
+    return (o_a + o_b) / 2, student_merge_states(o_a, lse_a, o_b, lse_b)[1]
+
+
+def swapped_merge_states(o_a, lse_a, o_b, lse_b):
+    m = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp2(lse_a - m), torch.exp2(lse_b - m)
+    return (w_b[..., None] * o_a + w_a[..., None] * o_b) / (w_a + w_b)[..., None], m + torch.log2(w_a + w_b)
+
+
+def float32_merge_states(o_a, lse_a, o_b, lse_b):
+    o, lse = student_merge_states(o_a.float(), lse_a.float(), o_b.float(), lse_b.float())
+    return o, lse
+
+
+def inplace_merge_states(o_a, lse_a, o_b, lse_b):
+    m = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp2(lse_a - m), torch.exp2(lse_b - m)
+    o_a *= w_a[..., None]
+    o_b *= w_b[..., None]
+    return (o_a + o_b) / (w_a + w_b)[..., None], m + torch.log2(w_a + w_b)
+
+
+def broadcast_merge_states(o_a, lse_a, o_b, lse_b):
+    m = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp2(lse_a - m), torch.exp2(lse_b - m)
+    return (w_a * o_a + w_b * o_b) / (w_a + w_b), m + torch.log2(w_a + w_b)
+
+
+def output_only_merge_states(o_a, lse_a, o_b, lse_b):
+    return student_merge_states(o_a, lse_a, o_b, lse_b)[0]
+
+
+def nan_empty_merge_states(o_a, lse_a, o_b, lse_b):
+    d = lse_a - lse_b  # -inf - x fine, but inf when b is empty... weights from the difference
+    w_a = 1 / (1 + torch.exp2(-d))
+    o = w_a[..., None] * o_a + (1 - w_a)[..., None] * o_b
+    return o, lse_b + torch.log2(1 + torch.exp2(d))
+
+
+class ZeroPaddedQuest(StudentQuest):
+    def summaries(self, k, page_size):
+        pad = -k.shape[0] % page_size
+        k = torch.cat([k, k.new_zeros(pad, *k.shape[1:])])
+        return super().summaries(k, page_size)
+
+
+class ChannelCollapsedQuest(StudentQuest):
+    def summaries(self, k, page_size):
+        lo, hi = super().summaries(k, page_size)
+        return lo.amin(-1, keepdim=True).expand_as(lo), hi.amax(-1, keepdim=True).expand_as(hi)
+
+
+class HeadsCollapsedQuest(StudentQuest):
+    def summaries(self, k, page_size):
+        lo, hi = super().summaries(k, page_size)
+        return lo.amin(1, keepdim=True).expand_as(lo), hi.amax(1, keepdim=True).expand_as(hi)
+
+
+class KmaxBoundQuest(StudentQuest):
+    def bound(self, q, k_min, k_max):
+        return (q * k_max).sum(-1)
+
+
+class CentreBoundQuest(StudentQuest):
+    def bound(self, q, k_min, k_max):
+        return (q * (k_min + k_max) / 2).sum(-1)
+
+
+class AbsBoundQuest(StudentQuest):
+    def bound(self, q, k_min, k_max):
+        return (q.abs() * torch.maximum(k_min.abs(), k_max.abs())).sum(-1)
+
+
+class NoNewestQuest(StudentQuest):
+    def select(self, q, k_min, k_max, budget):
+        num_pages, hkv, _ = k_min.shape
+        if num_pages <= budget:
+            return torch.arange(num_pages).repeat(hkv, 1)
+        g = q.shape[0] // hkv
+        b = torch.stack(
+            [self.bound(q[h * g : (h + 1) * g, None], k_min[None, :, h], k_max[None, :, h]).amax(0) for h in range(hkv)]
+        )
+        return b.topk(budget, dim=-1).indices.sort(-1).values
+
+
+class _Scored(StudentQuest):
+    """select with another per-page score: _score(bounds [group, pages]) -> [pages]."""
+
+    def select(self, q, k_min, k_max, budget):
+        num_pages, hkv, _ = k_min.shape
+        if num_pages <= budget:
+            return torch.arange(num_pages).repeat(hkv, 1)
+        rows = []
+        for h in range(hkv):
+            b = self._score(self.bound(self._heads(q, h, hkv)[:, None], k_min[None, :, h], k_max[None, :, h]))
+            b[-1] = math.inf
+            rows.append(b.topk(budget).indices.sort().values)
+        return torch.stack(rows)
+
+    def _heads(self, q, h, hkv):
+        g = q.shape[0] // hkv
+        return q[h * g : (h + 1) * g]
+
+    def _score(self, b):
+        return b.amax(0)
+
+
+class SmallestQuest(_Scored):
+    def _score(self, b):
+        return -b.amax(0)
+
+
+class MeanGroupQuest(_Scored):
+    def _score(self, b):
+        return b.mean(0)
+
+
+class ModuloHeadsQuest(_Scored):
+    def _heads(self, q, h, hkv):
+        return q[h::hkv]
+
+
+class UnsortedQuest(StudentQuest):
+    def select(self, q, k_min, k_max, budget):
+        return super().select(q, k_min, k_max, budget).flip(-1)
+
+
+class ExtraNewestQuest(NoNewestQuest):
+    def select(self, q, k_min, k_max, budget):
+        sel = super().select(q, k_min, k_max, budget)
+        if k_min.shape[0] <= budget:
+            return sel
+        last = torch.full((sel.shape[0], 1), k_min.shape[0] - 1)
+        return torch.cat([sel, last], -1)
+
+
+class FewPagesQuest(StudentQuest):
+    def select(self, q, k_min, k_max, budget):
+        num_pages, hkv, _ = k_min.shape
+        g = q.shape[0] // hkv
+        b = torch.stack(
+            [self.bound(q[h * g : (h + 1) * g, None], k_min[None, :, h], k_max[None, :, h]).amax(0) for h in range(hkv)]
+        )
+        b[:, -1] = math.inf
+        return b.topk(budget, dim=-1).indices.sort(-1).values
+
+
+class FirstPageQuest(_Scored):
+    def _score(self, b):
+        s = b.amax(0)
+        s[0] = math.inf
+        s[-1] = s[-1]
+        return s
+
+    def select(self, q, k_min, k_max, budget):
+        num_pages, hkv, _ = k_min.shape
+        if num_pages <= budget:
+            return torch.arange(num_pages).repeat(hkv, 1)
+        rows = []
+        for h in range(hkv):
+            b = self._score(self.bound(self._heads(q, h, hkv)[:, None], k_min[None, :, h], k_max[None, :, h]))
+            rows.append(b.topk(budget).indices.sort().values)
+        return torch.stack(rows)
+
+
+# ------------------------------------------------------------------------------------ exercises 5-7 from the
+# notebooks' text alone: other names and data structures, each a correct attempt
+class QueueScheduler:
+    def __init__(self, pool, *, max_num_seqs, max_batched_tokens):
+        self.pool = pool
+        self.limit = max_num_seqs
+        self.budget = max_batched_tokens
+        self.queue = []  # waiting, front = index 0
+        self.active = []  # running, oldest admitted first
+
+    def add(self, req):
+        self.queue.append(req)
+
+    def finish(self, req):
+        self.active = [r for r in self.active if r is not req]
+
+    def _evict_newest(self):
+        victim = self.active.pop()
+        self.pool.free(victim)
+        self.queue.insert(0, victim)
+        return victim
+
+    def schedule(self):
+        left = self.budget
+        plan = []
+        preempted_any = False
+        for req in list(self.active):
+            if req not in self.active:  # preempted earlier in this step
+                break
+            if left == 0:
+                break
+            n = 1 if req.remaining == 1 else min(req.remaining, left)
+            gone = False
+            while self.pool.pages_needed(req, n) > self.pool.num_free:
+                victim = self._evict_newest()
+                preempted_any = True
+                if victim is req:
+                    gone = True
+                    break
+            if gone:
+                break
+            self.pool.grow(req, n)
+            plan.append((req, n))
+            left -= n
+        if preempted_any:
+            return plan
+        while self.queue and len(self.active) < self.limit and left > 0:
+            head = self.queue[0]
+            if math.ceil(head.num_tokens / self.pool.page_size) > self.pool.num_free:
+                break
+            self.queue.pop(0)
+            self.active.append(head)
+            n = min(head.num_tokens, left)
+            self.pool.grow(head, n)
+            plan.append((head, n))
+            left -= n
+        return plan
+
+
+class Page:
+    def __init__(self):
+        self.refs = 0
+        self.key = None  # set while it holds a published full page
+        self.tokens = None
+
+
+class ChainCache:
+    def __init__(self, num_pages, page_size, hash_fn):
+        self.ps = page_size
+        self.h = hash_fn
+        self.page = [Page() for _ in range(num_pages)]
+        self.fresh = 0
+        self.free_plain = OrderedDict()  # page id -> None, oldest freed first
+        self.free_cached = OrderedDict()
+        self.index = {}  # key -> list of page ids, publish order
+        self.seq = {}  # seq_id -> (pages, tokens, last key)
+
+    def _take(self):
+        if self.fresh < len(self.page):
+            self.fresh += 1
+            pid = self.fresh - 1
+        elif self.free_plain:
+            pid, _ = self.free_plain.popitem(last=False)
+        else:
+            pid, _ = self.free_cached.popitem(last=False)
+            p = self.page[pid]
+            self.index[p.key].remove(pid)
+            p.key = p.tokens = None
+        self.page[pid].refs = 1
+        return pid
+
+    def start(self, seq_id, prompt):
+        pages, tokens, parent = [], [], b""
+        full = (len(prompt) - 1) // self.ps
+        for i in range(full):
+            chunk = tuple(prompt[i * self.ps : (i + 1) * self.ps])
+            key = self.h(parent, chunk)
+            hit = None
+            for pid in self.index.get(key, []):
+                if self.page[pid].tokens == chunk:
+                    hit = pid
+                    break
+            if hit is None:
+                break
+            p = self.page[hit]
+            if p.refs == 0:
+                self.free_cached.pop(hit, None)
+                self.free_plain.pop(hit, None)
+            p.refs += 1
+            pages.append(hit)
+            tokens.extend(chunk)
+            parent = key
+        self.seq[seq_id] = [pages, tokens, parent]
+        return len(tokens)
+
+    def append(self, seq_id, new_tokens):
+        s = self.seq[seq_id]
+        for t in new_tokens:
+            if len(s[1]) % self.ps == 0:
+                s[0].append(self._take())
+            s[1].append(t)
+            if len(s[1]) % self.ps == 0:
+                chunk = tuple(s[1][-self.ps :])
+                key = self.h(s[2], chunk)
+                pid = s[0][-1]
+                self.page[pid].key, self.page[pid].tokens = key, chunk
+                self.index.setdefault(key, []).append(pid)
+                s[2] = key
+
+    def pages(self, seq_id):
+        return list(self.seq[seq_id][0])
+
+    def free(self, seq_id):
+        pages = self.seq.pop(seq_id)[0]
+        for pid in reversed(pages):
+            p = self.page[pid]
+            p.refs -= 1
+            if p.refs == 0:
+                if p.key is not None:
+                    self.free_cached[pid] = None
+                else:
+                    self.free_plain[pid] = None
+
+
+def merge_two(o_a, lse_a, o_b, lse_b):
+    top = torch.maximum(lse_a, lse_b)
+    a = torch.exp2(lse_a - top).unsqueeze(-1)
+    b = torch.exp2(lse_b - top).unsqueeze(-1)
+    total = a + b
+    return (a * o_a + b * o_b) / total, top + torch.log2(total.squeeze(-1))
+
+
+class PageChooser:
+    def summaries(self, k, page_size):
+        n = k.shape[0]
+        lo, hi = [], []
+        for start in range(0, n, page_size):
+            page = k[start : start + page_size]
+            lo.append(page.min(dim=0).values)
+            hi.append(page.max(dim=0).values)
+        return torch.stack(lo), torch.stack(hi)
+
+    def bound(self, q, k_min, k_max):
+        return torch.where(q >= 0, q * k_max, q * k_min).sum(-1)
+
+    def select(self, q, k_min, k_max, budget):
+        num_pages, hkv, d = k_min.shape
+        if num_pages <= budget:
+            return torch.arange(num_pages, dtype=torch.int64).unsqueeze(0).repeat(hkv, 1)
+        per = q.shape[0] // hkv
+        out = []
+        for h in range(hkv):
+            qh = q[h * per : (h + 1) * per]  # [per, D]
+            scores = self.bound(qh.unsqueeze(1), k_min[:, h].unsqueeze(0), k_max[:, h].unsqueeze(0))  # [per, P]
+            best = scores.max(dim=0).values
+            order = best[:-1].argsort(descending=True)[: budget - 1]
+            chosen = torch.cat([order, torch.tensor([num_pages - 1])]).sort().values
+            out.append(chosen)
+        return torch.stack(out)
+
+
 SOLUTIONS = {
     "allocator": StudentAllocator,
     "slot_mapping": student_slot_mapping,
@@ -444,11 +1137,19 @@ SOLUTIONS = {
     "token_scores": student_token_scores,
     "page_scores": student_page_scores,
     "eviction_policy": _solutions.StudentPagedEviction,
+    "scheduler": StudentScheduler,
+    "prefix_cache": StudentPrefixCache,
+    "merge_states": student_merge_states,
+    "quest": StudentQuest,
 }
 # other correct attempts, each of which must pass too
 ALSO_CORRECT = {
     "paged_attention": [float32_attention],
     "eviction_policy": [SumScoresPolicy],
+    "scheduler": [QueueScheduler],
+    "prefix_cache": [ChainCache],
+    "merge_states": [merge_two],
+    "quest": [PageChooser],
 }
 MUTANTS = {
     "allocator": [
@@ -503,5 +1204,69 @@ MUTANTS = {
         FreesSequencePolicy,
         StaleIndicesPolicy,
         PhysicalIdsPolicy,
+    ],
+    "scheduler": [
+        LifoScheduler,
+        PreemptOldestScheduler,
+        NoFreeScheduler,
+        DecodeOutsideBudgetScheduler,
+        FirstChunkAdmissionScheduler,
+        ShortChunkScheduler,
+        LongChunkScheduler,
+        PreemptedToBackScheduler,
+        NoChunkedPrefillScheduler,
+        NoMaxSeqsScheduler,
+        SkipAheadScheduler,
+        SelfVictimScheduler,
+        PromptOnlyScheduler,
+        SkipInsteadOfPreemptScheduler,
+    ],
+    "prefix_cache": [
+        KeyAlonePrefixCache,
+        OnePagePerKeyPrefixCache,
+        FirstPageOnlyPrefixCache,
+        LastTokenPrefixCache,
+        PartialPagePrefixCache,
+        NoForgetPrefixCache,
+        NoRevivePrefixCache,
+        StackFreePrefixCache,
+        CachedFirstPrefixCache,
+        HeadFirstFreePrefixCache,
+        PromptOnlyPublishPrefixCache,
+        ParentlessKeyPrefixCache,
+        FreePagesFirstPrefixCache,
+        NoShareRefcountPrefixCache,
+        PagesNotTokensPrefixCache,
+    ],
+    "merge_states": [
+        natural_exp_merge_states,
+        unstable_merge_states,
+        unnormalised_merge_states,
+        max_lse_merge_states,
+        sum_lse_merge_states,
+        log_lse_merge_states,
+        mean_merge_states,
+        swapped_merge_states,
+        float32_merge_states,
+        inplace_merge_states,
+        broadcast_merge_states,
+        output_only_merge_states,
+        nan_empty_merge_states,
+    ],
+    "quest": [
+        ZeroPaddedQuest,
+        ChannelCollapsedQuest,
+        HeadsCollapsedQuest,
+        KmaxBoundQuest,
+        CentreBoundQuest,
+        AbsBoundQuest,
+        NoNewestQuest,
+        SmallestQuest,
+        MeanGroupQuest,
+        ModuloHeadsQuest,
+        UnsortedQuest,
+        ExtraNewestQuest,
+        FewPagesQuest,
+        FirstPageQuest,
     ],
 }

@@ -19,6 +19,10 @@ CHECKERS = {
     "token_scores": check.check_token_scores,
     "page_scores": check.check_page_scores,
     "eviction_policy": check.check_eviction_policy,
+    "scheduler": check.check_scheduler,
+    "prefix_cache": check.check_prefix_cache,
+    "merge_states": check.check_merge_states,
+    "quest": check.check_quest,
 }
 
 
@@ -119,6 +123,62 @@ def test_allocator_failures_shrink_to_a_few_calls(mutant, words):
         ("FreesSequencePolicy", "never the whole sequence"),
         ("StaleIndicesPolicy", "computed before the first drop_pages call"),
         ("PhysicalIdsPolicy", "you passed physical page ids"),
+        ("LifoScheduler", "arrival order, oldest first, not newest"),
+        ("PreemptOldestScheduler", "most recently admitted running request (the end of the running list) goes first"),
+        ("SelfVictimScheduler", "not the request that needs the page"),
+        ("NoFreeScheduler", "pool.free(req)"),
+        ("SkipInsteadOfPreemptScheduler", "preemption: a row needs pages and none are free"),
+        ("DecodeOutsideBudgetScheduler", "decode rows count too"),
+        ("FirstChunkAdmissionScheduler", "whole-prompt admission"),
+        ("ShortChunkScheduler", "chunk size off by one"),
+        ("LongChunkScheduler", "more than max_batched_tokens"),
+        ("PreemptedToBackScheduler", "back to the front of the waiting queue"),
+        ("NoChunkedPrefillScheduler", "chunked prefill"),
+        ("NoMaxSeqsScheduler", "max_num_seqs"),
+        ("SkipAheadScheduler", "blocks the ones behind it"),
+        ("PromptOnlyScheduler", "its prompt and the tokens it had generated"),
+        ("KeyAlonePrefixCache", "never by the key alone"),
+        ("OnePagePerKeyPrefixCache", "take the one published first"),
+        ("FirstPageOnlyPrefixCache", "several pages can hold one key"),
+        ("LastTokenPrefixCache", "leave the prompt's last token to compute"),
+        ("PartialPagePrefixCache", "a partial last page never"),
+        ("NoForgetPrefixCache", "forget its key"),
+        ("NoRevivePrefixCache", "a freed page keeps its cached prefix"),
+        ("StackFreePrefixCache", "least recently freed first"),
+        ("CachedFirstPrefixCache", "a plain free page"),
+        ("HeadFirstFreePrefixCache", "tail first"),
+        ("PromptOnlyPublishPrefixCache", "also one that generated tokens filled"),
+        ("ParentlessKeyPrefixCache", "the key chains the parent's key"),
+        ("FreePagesFirstPrefixCache", "never-used pages are handed out first"),
+        ("NoShareRefcountPrefixCache", "a hit adds a reference"),
+        ("PagesNotTokensPrefixCache", "not pages"),
+        ("natural_exp_merge_states", "lse is in base 2"),
+        ("unstable_merge_states", "subtract the larger lse first"),
+        ("unnormalised_merge_states", "divide by the sum of the weights"),
+        ("max_lse_merge_states", "not the larger lse alone"),
+        ("sum_lse_merge_states", "not lse_a + lse_b"),
+        ("log_lse_merge_states", "not log"),
+        ("mean_merge_states", "a plain mean"),
+        ("swapped_merge_states", "goes with o_a"),
+        ("float32_merge_states", "float64 in, float64 out"),
+        ("inplace_merge_states", "must only read its inputs"),
+        ("broadcast_merge_states", "unsqueeze it over head_dim"),
+        ("output_only_merge_states", "return o, lse"),
+        ("nan_empty_merge_states", "an empty part (lse = -inf) must weigh 0"),
+        ("ZeroPaddedQuest", "the last page holds only its own tokens"),
+        ("ChannelCollapsedQuest", "per channel"),
+        ("HeadsCollapsedQuest", "per KV head"),
+        ("KmaxBoundQuest", "a negative q_i takes the key's smallest coordinate"),
+        ("CentreBoundQuest", "the centre of the box is not an upper bound"),
+        ("AbsBoundQuest", "not Quest's tightest one"),
+        ("NoNewestQuest", "always read"),
+        ("FirstPageQuest", "always read"),
+        ("SmallestQuest", "LARGEST bounds"),
+        ("MeanGroupQuest", "not their mean"),
+        ("ModuloHeadsQuest", "not h % num_kv_heads"),
+        ("UnsortedQuest", "increasing order"),
+        ("ExtraNewestQuest", "the newest page counts in the budget"),
+        ("FewPagesQuest", "at most budget pages, every page is read"),
     ],
 )
 def test_hints_name_the_mistake(mutant, words):
@@ -228,6 +288,8 @@ def test_the_constructed_kv_make_the_scores_decide():
         (lambda: check.check_eviction_policy(SOLUTIONS["eviction_policy"], budget=8), "budget must be >= 2 * page"),
         (lambda: check.check_eviction_policy(SOLUTIONS["eviction_policy"], reference="bogus"), "reference must be"),
         (lambda: check.check_page_scores(SOLUTIONS["page_scores"], time_limit=0), "time_limit must be"),
+        (lambda: check.check_scheduler(SOLUTIONS["scheduler"], streams=0), "streams must be >= 1"),
+        (lambda: check.check_prefix_cache(SOLUTIONS["prefix_cache"], cases=0), "cases must be >= 1"),
     ],
 )
 def test_a_graders_wrong_argument_raises_instead_of_judging_the_student(call, words):
@@ -314,13 +376,14 @@ def test_token_score_cases_show_values():
 @pytest.mark.parametrize("name", sorted(CHECKERS))
 def test_a_skeleton_reports_not_implemented_yet(name):
     class Skeleton:
-        def __init__(self, *args):
+        def __init__(self, *args, **kwargs):
             raise NotImplementedError
 
     def skeleton(*args, **kwargs):
         raise NotImplementedError
 
-    report = CHECKERS[name](Skeleton if name in ("allocator", "eviction_policy") else skeleton)
+    classes = ("allocator", "eviction_policy", "scheduler", "prefix_cache", "quest")
+    report = CHECKERS[name](Skeleton if name in classes else skeleton)
     assert report.not_implemented and not report.passed
     assert str(report) == f"TODO {name}: not implemented yet (the function raised NotImplementedError)"
 

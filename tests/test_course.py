@@ -30,9 +30,12 @@ WITH_HEADER = [
 ]
 
 
-def _core_table() -> dict[str, int]:
+DAY_TWO_HEADER = re.compile(r"> \*\*Two-day course, day two:\*\* core, about (\d+) min: ")
+
+
+def _core_table(start: str = "## A one-day core path", end: str = "### Day two") -> dict[str, int]:
     """README's core path: notebook path (no suffix) -> core minutes."""
-    block = README[README.index("## A one-day core path") : README.index("## Teaching with it")]
+    block = README[README.index(start) : README.index(end)]
     rows = re.findall(r"^\| \[[^\]]+\]\(notebooks/([^)]+)\.ipynb\)[^|]*\| (\d+) min \|", block, re.M)
     return {name: int(minutes) for name, minutes in rows}
 
@@ -55,6 +58,22 @@ def test_the_core_path_fits_in_a_day_and_matches_each_notebook():
         assert (ROOT / "notebooks" / f"{name}.ipynb").exists(), name
         found = _header(name)
         assert found is None or int(found[1]) == table[name], name
+
+
+def test_day_two_adds_up_and_matches_each_exercise():
+    """Exercises 5-7 and notebook 10 make a second day; each exercise's header agrees with the table."""
+    table = _core_table("### Day two", "## Teaching with it")
+    assert set(table) >= {"exercises/ex5_scheduler", "exercises/ex6_prefix_cache", "exercises/ex7_reading_fewer_pages"}
+    total = re.search(r"\*\*total, day two\*\* \| \*\*(\d+) min = (\d+) h(?: (\d+) min)?\*\*", README)
+    assert total and int(total[1]) == sum(table.values()) == 60 * int(total[2]) + int(total[3] or 0)
+    assert sum(table.values()) <= 8 * 60
+    for name, minutes in table.items():
+        assert (ROOT / "notebooks" / f"{name}.ipynb").exists(), name
+        found = DAY_TWO_HEADER.search(nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4).cells[0].source)
+        assert found and int(found[1]) == minutes, name
+    assert "#day-two-serving-prefix-caching-reading-fewer-pages" in (
+        nbformat.read(ROOT / "notebooks" / "exercises" / "ex5_scheduler.ipynb", as_version=4).cells[0].source
+    )
 
 
 def test_graduate_sections_are_marked_optional():
@@ -133,3 +152,19 @@ def test_notebook_08_sends_preemption_to_notebook_09():
     for c in _cells("08_end_to_end"):
         if c.cell_type == "markdown" and "preempt" in c.source:
             assert "09" in c.source, c.source[:200]
+
+
+def test_the_notebooks_point_to_their_exercises():
+    """Each notebook from 02 to 08 links to an exercise that exists (09 and 10 link to theirs where they are
+    maintained); 08's link is exercise 6, where shared pages and the prefix cache are taught."""
+    for path in sorted((ROOT / "notebooks").glob("[01][0-9]_*.ipynb"))[1:]:  # 02 to 10
+        text = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown")
+        links = re.findall(r"\]\((exercises/ex\d_[a-z_]+\.ipynb)\)", text)
+        assert links, f"{path.name} points to no exercise"
+        for link in links:
+            assert (ROOT / "notebooks" / link).exists(), (path.name, link)
+    assert "exercises/ex6_prefix_cache.ipynb" in "\n".join(c.source for c in _cells("08_end_to_end"))
+    pointers = {"09_serving": ["ex5_scheduler", "ex6_prefix_cache"], "10_reading_fewer_pages": ["ex7_"]}
+    for name, exercises in pointers.items():
+        text = "\n".join(c.source for c in _cells(name))
+        assert all(f"exercises/{ex}" in text for ex in exercises), name

@@ -18,6 +18,10 @@ my_paged_attention = student_attention
 my_token_scores = student_token_scores
 my_page_scores = student_page_scores
 MyPolicy = StudentPagedEviction
+MyScheduler = StudentScheduler
+MyPrefixCache = StudentPrefixCache
+my_merge_states = student_merge_states
+MyQuest = StudentQuest
 """
 
 # exercise 1 as a student hands it in: an allocator whose free ignores the other references,

@@ -132,3 +132,180 @@ class StudentPagedEviction:
         n = cache.seq_len(seq_id)
         if n > self.budget and n % cache.page_size == 0:
             self._drop_lowest(cache, seq_id)
+
+
+# ------------------------------------------------------------------ exercise 5: the scheduler
+class StudentScheduler:
+    """vLLM's decision, as exercise 5 states it: running requests first (decodes 1 token, prefills a
+    chunk that leaves a token for each later decode), the newest preempted when a row's pages are
+    missing (recompute: back to the front of the queue), then FCFS admission of whole sequences."""
+
+    def __init__(self, pool, *, max_num_seqs, max_batched_tokens):
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_batched_tokens = max_batched_tokens
+        self.waiting = deque()
+        self.running = []  # admission order, oldest first
+
+    def add(self, req):
+        self.waiting.append(req)
+
+    def finish(self, req):
+        self.running.remove(req)
+
+    def _preempt(self, victim, preempted):
+        self.running.remove(victim)
+        self.pool.free(victim)
+        self.waiting.appendleft(victim)
+        preempted.append(victim)
+
+    def schedule(self):
+        rows, preempted = [], []
+        budget = self.max_batched_tokens
+        decodes = sum(r.remaining == 1 for r in self.running)  # counted once, at the start of the step
+        i = 0
+        while i < len(self.running):
+            r = self.running[i]
+            if r.remaining == 1:
+                decodes -= 1
+                want = 1
+            else:
+                want = min(r.remaining, budget - decodes)
+            if want > 0 and budget > 0:
+                while self.pool.pages_needed(r, want) > self.pool.num_free and r in self.running:
+                    self._preempt(self.running[-1], preempted)
+                if r not in self.running:  # it was the newest: it preempted itself
+                    break
+                self.pool.grow(r, want)
+                rows.append((r, want))
+                budget -= want
+            i += 1
+        if preempted:
+            return rows
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            r = self.waiting[0]
+            if math.ceil(r.num_tokens / self.pool.page_size) > self.pool.num_free:
+                break
+            self.waiting.popleft()
+            self.running.append(r)
+            want = min(r.num_tokens, budget)
+            self.pool.grow(r, want)
+            rows.append((r, want))
+            budget -= want
+        return rows
+
+
+# ------------------------------------------------------------------ exercise 6: the prefix cache
+class StudentPrefixCache:
+    """Full pages keyed by a chain of hashes, confirmed by their tokens; freed pages reused fresh
+    first, then plain ones oldest first, then those holding a cached prefix, least recently freed first."""
+
+    def __init__(self, num_pages, page_size, hash_fn):
+        self.page_size, self.hash_fn = page_size, hash_fn
+        self.num_pages, self.next_fresh = num_pages, 0
+        self.plain, self.cached = deque(), deque()  # free pages, oldest freed first
+        self.refs = [0] * num_pages
+        self.by_key = {}  # key -> [page, ...], first published first
+        self.page_info = {}  # page -> (key, tokens) while it holds a published full page
+        self.seqs = {}  # seq_id -> {"pages", "tokens", "keys"}
+
+    def _key(self, parent, tokens):
+        return self.hash_fn(parent, tuple(tokens))
+
+    def _new_page(self):
+        if self.next_fresh < self.num_pages:
+            self.next_fresh += 1
+            return self.next_fresh - 1
+        page = self.plain.popleft() if self.plain else self.cached.popleft()
+        self._forget(page)
+        return page
+
+    def _forget(self, page):
+        if page in self.page_info:
+            key, _ = self.page_info.pop(page)
+            self.by_key[key].remove(page)
+            if not self.by_key[key]:
+                del self.by_key[key]
+
+    def _lookup(self, key, tokens):
+        for page in self.by_key.get(key, []):
+            if self.page_info[page][1] == tokens:
+                return page
+        return None
+
+    def start(self, seq_id, prompt):
+        ps, parent = self.page_size, b""
+        seq = {"pages": [], "tokens": [], "keys": []}
+        for i in range((len(prompt) - 1) // ps):
+            tokens = tuple(prompt[i * ps : (i + 1) * ps])
+            key = self._key(parent, tokens)
+            page = self._lookup(key, tokens)
+            if page is None:
+                break
+            if self.refs[page] == 0:  # freed but not yet reused: take it back
+                (self.cached if page in self.cached else self.plain).remove(page)
+            self.refs[page] += 1
+            seq["pages"].append(page)
+            seq["keys"].append(key)
+            seq["tokens"].extend(tokens)
+            parent = key
+        self.seqs[seq_id] = seq
+        return len(seq["tokens"])
+
+    def append(self, seq_id, tokens):
+        seq, ps = self.seqs[seq_id], self.page_size
+        for t in tokens:
+            if len(seq["tokens"]) % ps == 0:
+                page = self._new_page()
+                self.refs[page] = 1
+                seq["pages"].append(page)
+            seq["tokens"].append(t)
+            if len(seq["tokens"]) % ps == 0:  # the page is full: publish it
+                i = len(seq["tokens"]) // ps - 1
+                full = tuple(seq["tokens"][i * ps :])
+                key = self._key(seq["keys"][-1] if seq["keys"] else b"", full)
+                seq["keys"].append(key)
+                page = seq["pages"][i]
+                self.by_key.setdefault(key, []).append(page)
+                self.page_info[page] = (key, full)
+
+    def pages(self, seq_id):
+        return list(self.seqs[seq_id]["pages"])
+
+    def free(self, seq_id):
+        for page in reversed(self.seqs.pop(seq_id)["pages"]):  # tail first
+            self.refs[page] -= 1
+            if self.refs[page] == 0:
+                (self.cached if page in self.page_info else self.plain).append(page)
+
+
+# ------------------------------------------------------------------ exercise 7: reading fewer pages
+def student_merge_states(o_a, lse_a, o_b, lse_b):
+    m = torch.maximum(lse_a, lse_b)  # each row has one finite lse
+    w_a, w_b = torch.exp2(lse_a - m), torch.exp2(lse_b - m)  # an empty part (-inf) weighs 0
+    o = (w_a[..., None] * o_a + w_b[..., None] * o_b) / (w_a + w_b)[..., None]
+    return o, m + torch.log2(w_a + w_b)
+
+
+class StudentQuest:
+    """Quest's page summaries, its bound, and its per-KV-head page choice."""
+
+    def summaries(self, k, page_size):
+        pages = k.split(page_size)  # the last page may be shorter
+        return torch.stack([p.amin(dim=0) for p in pages]), torch.stack([p.amax(dim=0) for p in pages])
+
+    def bound(self, q, k_min, k_max):
+        return torch.maximum(q * k_min, q * k_max).sum(dim=-1)
+
+    def select(self, q, k_min, k_max, budget):
+        num_pages, num_kv_heads, head_dim = k_min.shape
+        if num_pages <= budget:
+            return torch.arange(num_pages).repeat(num_kv_heads, 1)
+        group = q.shape[0] // num_kv_heads
+        chosen = []
+        for h in range(num_kv_heads):
+            heads = q[h * group : (h + 1) * group]  # [group, D]
+            b = self.bound(heads[:, None, :], k_min[None, :, h], k_max[None, :, h]).amax(dim=0)  # [num_pages]
+            b[-1] = math.inf  # the newest page is always read
+            chosen.append(b.topk(budget).indices.sort().values)
+        return torch.stack(chosen)

@@ -22,6 +22,11 @@ checker                                what the student writes
 `check_page_scores`                    a page's score from its tokens' scores
 `check_eviction_policy`                exercise 4's policy (`paged_ref.lab.check.eviction.TASK`), hooks
                                        ``after_prefill`` / ``after_append``
+`check_scheduler`                      exercise 5's scheduler: ``add``, ``schedule``, ``finish`` over a
+                                       given `paged_ref.lab.check.scheduler.Pool`
+`check_prefix_cache`                   exercise 6's prefix cache: ``start``, ``append``, ``pages``, ``free``
+`check_merge_states`                   exercise 7: two partial attention results merged by their lse
+`check_quest`                          exercise 7: Quest's page summaries, bound and page choice
 =====================================  ==============================================
 
 The exercise notebooks (``notebooks/exercises/``) draw from the student's code with
@@ -33,7 +38,10 @@ submitted notebooks or modules (`paged_ref.lab.check.grade`).
 from .allocator import check_allocator
 from .attention import check_paged_attention, check_slot_mapping, check_triton_decode
 from .eviction import check_eviction_policy, check_page_scores, check_token_scores
+from .prefix_cache import check_prefix_cache
+from .reading import check_merge_states, check_quest
 from .report import CheckReport, Failure
+from .scheduler import check_scheduler
 from .solutions import load_solutions, use_solution
 
 __all__ = [
@@ -41,8 +49,12 @@ __all__ = [
     "Failure",
     "check_allocator",
     "check_eviction_policy",
+    "check_merge_states",
     "check_page_scores",
     "check_paged_attention",
+    "check_prefix_cache",
+    "check_quest",
+    "check_scheduler",
     "check_slot_mapping",
     "check_token_scores",
     "check_triton_decode",

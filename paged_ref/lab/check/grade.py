@@ -14,6 +14,10 @@ name                  exercise              checker
 ``my_token_scores``   3                    `check_token_scores`
 ``my_page_scores``    3                    `check_page_scores`
 ``MyPolicy``          4                    `check_eviction_policy`
+``MyScheduler``       5                    `check_scheduler`
+``MyPrefixCache``     6                    `check_prefix_cache`
+``my_merge_states``   7                    `check_merge_states`
+``MyQuest``           7                    `check_quest`
 ===================== ==================== ==================================================
 
 From a notebook only the definitions are run (imports, functions, classes and assignments,
@@ -55,6 +59,10 @@ EXERCISE_NAMES = {
     "my_token_scores": (3, "check_token_scores"),
     "my_page_scores": (3, "check_page_scores"),
     "MyPolicy": (4, "check_eviction_policy"),
+    "MyScheduler": (5, "check_scheduler"),
+    "MyPrefixCache": (6, "check_prefix_cache"),
+    "my_merge_states": (7, "check_merge_states"),
+    "MyQuest": (7, "check_quest"),
 }
 COLUMNS = ["submission", "name", "exercise", "checker", "verdict", "cases", "seconds", "summary", "hint", "report"]
 _MARK = "PAGED_REF_GRADE_ROWS "  # the line a grading process reports its rows on (student code may print)

@@ -1,0 +1,213 @@
+"""Exercises 5-7's checkers: their oracles, their hand-made cases, and bad student objects.
+
+A student's object that lacks a method, returns the wrong type, raises or loops gets a FAIL report
+that names what is wrong, never a traceback out of the checker and never a hang.
+"""
+
+import time
+
+import pytest
+from check_mutants import SOLUTIONS
+
+from paged_ref.attention import quest
+from paged_ref.attention.cascade import merge_states
+from paged_ref.lab import check
+from paged_ref.lab.check import prefix_cache, scheduler
+
+
+def _ref_steps(stream):
+    """Per step of the reference: (rows, preempted, holding, finished), and the queues before it."""
+    ref = scheduler._Reference(stream)
+    steps = []
+    for step in range(scheduler.MAX_STEPS):
+        for i, (_, _, a) in enumerate(stream.requests):
+            if a == step:
+                ref.add(i)
+        before = ref.queues()
+        steps.append((before, *ref.step()))
+        if not steps[-1][1] and step >= max(a for _, _, a in stream.requests):
+            return steps, ref
+    raise AssertionError("the stream did not end")
+
+
+def test_the_edge_cases_are_what_their_names_say():
+    cases = {s.name.split(" (")[0]: s for s in scheduler.EDGE_CASES}
+    steps, _ = _ref_steps(cases["a pool exactly full"])
+    assert max(sum(h.values()) for _, _, _, h, _ in steps) == 4  # every page held
+    steps, _ = _ref_steps(cases["a prompt longer than the budget"])
+    assert steps[0][1] == {0: 4}  # 11 tokens fed in chunks of the budget
+    steps, _ = _ref_steps(cases["a preemption that cascades over two requests"])
+    assert max(len(p) for _, _, p, _, _ in steps) == 2
+    steps, _ = _ref_steps(cases["requests that finish in the step they are admitted"])
+    assert any(i in done and i not in before[0] for before, _, _, _, done in steps for i in done)
+    steps, ref = _ref_steps(cases["a request that can never fit"])
+    assert ref.queues() == ([], [1, 2])  # it never runs, and blocks the one behind it
+
+
+def test_a_stream_of_the_checker_ends_and_random_streams_are_small():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(20):
+        s = scheduler.random_stream(rng)
+        assert all(p + m - 1 <= s.num_pages * s.page_size for p, m, _ in s.requests)
+        steps, ref = _ref_steps(s)
+        assert ref.queues() == ([], [])
+
+
+def test_the_hostile_prefix_cases_hit_what_they_test():
+    hits = {}
+    for case in prefix_cache.HOSTILE_CASES:
+        ref = prefix_cache._Reference(case)
+        found = []
+        for op in case.ops:
+            if op[0] == "start":
+                found.append(ref.start(op[1], op[2]))
+                if op[2][found[-1] :]:
+                    ref.append(op[1], list(op[2][found[-1] :]), False)
+            elif op[0] == "gen":
+                ref.append(op[1], list(op[2]), True)
+            else:
+                ref.free(op[1])
+        hits[case.name.split(" (")[0].split(":")[0]] = found
+    assert hits["pages freed and handed out again before their cached prefix is found"] == [0, 0, 4]
+    assert hits["a partial last page"] == [0, 8, 4]
+    assert hits["the same page of tokens after another prefix"] == [0, 0, 2]
+    assert hits["pages filled by generated tokens, and one prefix computed twice"] == [0, 4, 0, 2, 4, 0, 4]
+    assert hits["a forced key collision"] == [0, 8, 16, 16]
+    assert prefix_cache.colliding_hash(b"", (1, 2, 3, 4)) == prefix_cache.colliding_hash(b"", (2, 1, 4, 3))
+    assert prefix_cache.sha_hash(b"", (1, 2, 3, 4)) != prefix_cache.sha_hash(b"", (2, 1, 4, 3))
+
+
+def test_the_package_passes_exercise_7s_checkers():
+    assert check.check_merge_states(merge_states).passed
+
+    class PackageQuest:
+        def summaries(self, k, page_size):
+            return SOLUTIONS["quest"]().summaries(k, page_size)
+
+        def bound(self, q, k_min, k_max):
+            return quest.page_bounds(q, k_min, k_max)
+
+        def select(self, q, k_min, k_max, budget):
+            return SOLUTIONS["quest"]().select(q, k_min, k_max, budget)
+
+    assert check.check_quest(PackageQuest).passed
+
+
+# ------------------------------------------------------------------ bad student objects
+class NoFinish:
+    def __init__(self, pool, *, max_num_seqs, max_batched_tokens):
+        self.inner = SOLUTIONS["scheduler"](pool, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens)
+
+    def add(self, req):
+        self.inner.add(req)
+
+    def schedule(self):
+        return self.inner.schedule()
+
+
+class ReturnsDict(NoFinish):
+    def schedule(self):
+        return {r.id: n for r, n in self.inner.schedule()}
+
+    def finish(self, req):
+        self.inner.finish(req)
+
+
+class ReturnsIds(ReturnsDict):
+    def schedule(self):
+        return [(r.id, n) for r, n in self.inner.schedule()]
+
+
+class Raises(ReturnsDict):
+    def schedule(self):
+        raise KeyError("oops")
+
+
+class Loops(ReturnsDict):
+    def schedule(self):
+        while True:
+            pass
+
+
+class NoPages(SOLUTIONS["prefix_cache"]):
+    pages = None
+
+
+class PagesAsString(SOLUTIONS["prefix_cache"]):
+    def pages(self, seq_id):
+        return str(super().pages(seq_id))
+
+
+class StartReturnsNone(SOLUTIONS["prefix_cache"]):
+    def start(self, seq_id, prompt):
+        super().start(seq_id, prompt)
+
+
+class LoopingCache(SOLUTIONS["prefix_cache"]):
+    def free(self, seq_id):
+        while True:
+            pass
+
+
+class NoHash(SOLUTIONS["prefix_cache"]):
+    def _key(self, parent, tokens):
+        return (parent, tuple(tokens))
+
+
+class QuestNoSelect:
+    def summaries(self, k, page_size):
+        return SOLUTIONS["quest"]().summaries(k, page_size)
+
+    def bound(self, q, k_min, k_max):
+        return SOLUTIONS["quest"]().bound(q, k_min, k_max)
+
+
+class QuestListSelect(QuestNoSelect):
+    def select(self, q, k_min, k_max, budget):
+        return SOLUTIONS["quest"]().select(q, k_min, k_max, budget).tolist()
+
+
+class QuestLoops(QuestNoSelect):
+    def select(self, q, k_min, k_max, budget):
+        while True:
+            pass
+
+
+def _merge_raises(o_a, lse_a, o_b, lse_b):
+    raise ValueError("not today")
+
+
+def _merge_loops(o_a, lse_a, o_b, lse_b):
+    while True:
+        pass
+
+
+@pytest.mark.parametrize(
+    "checker, attempt, words",
+    [
+        (check.check_scheduler, NoFinish, "AttributeError"),
+        (check.check_scheduler, ReturnsDict, "returns a list of (req, num_tokens) pairs, got a dict"),
+        (check.check_scheduler, ReturnsIds, "must be one of the Req objects"),
+        (check.check_scheduler, Raises, "KeyError"),
+        (check.check_scheduler, Loops, "time limit"),
+        (check.check_prefix_cache, NoPages, "TypeError"),
+        (check.check_prefix_cache, PagesAsString, "list of int page ids"),
+        (check.check_prefix_cache, StartReturnsNone, "number of cached tokens"),
+        (check.check_prefix_cache, LoopingCache, "time limit"),
+        (check.check_prefix_cache, NoHash, "hash_fn given to __init__"),
+        (check.check_quest, QuestNoSelect, "AttributeError"),
+        (check.check_quest, QuestListSelect, "int64 page indices"),
+        (check.check_quest, QuestLoops, "time limit"),
+        (check.check_merge_states, _merge_raises, "ValueError: not today"),
+        (check.check_merge_states, _merge_loops, "time limit"),
+    ],
+)
+def test_a_bad_attempt_fails_with_a_report_that_names_it(checker, attempt, words):
+    start = time.perf_counter()
+    report = checker(attempt, time_limit=0.5)
+    assert time.perf_counter() - start < 10
+    assert not report.passed and not report.not_implemented
+    text = str(report)
+    assert text.startswith("FAIL") and words in text, text
