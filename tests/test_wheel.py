@@ -59,8 +59,7 @@ FAST_EXAMPLE = textwrap.dedent(
         for n in (5, 9, 14):
             engine.add_request(list(range(3, 3 + n)), max_new_tokens=6)
         return [o.token_ids for o in engine.run()]
-    fast = dict(backend="cpu_paged", prepack=True, few_rows=True, flat=True, cpu_ops=True)
-    assert tokens(**fast) == tokens(), "the fast step's tokens differ from the eager step's"
+    assert tokens(fast=True) == tokens(), "the fast step's tokens differ from the eager step's"
     print("fast path ok")
     """
 )

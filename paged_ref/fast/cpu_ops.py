@@ -4,8 +4,8 @@ Between its products a Llama layer runs a dozen small PyTorch ops (the residual 
 square, mean, rsqrt and products; RoPE's halves, neg, cat and products; silu and a product), each
 a pass over its tensor and a dispatch. vLLM's CPU build runs each group as one kernel
 (``fused_add_rms_norm``, ``rotary_embedding``, ``silu_and_mul``); `cpu_ops()` is
-`paged_ref.hf.flat`'s loop's op set of the same three, built on first use (`paged_ref.native.build`)
-from ``fast/csrc/cpu_ops.cpp``. Logits differ from transformers' by rounding (the norm's sum is
+`paged_ref.fast.flat`'s loop's op set of the same three, built on first use (`paged_ref.native.build`)
+from ``csrc/cpu_ops.cpp``. Logits differ from transformers' by rounding (the norm's sum is
 reassociated).
 
 Example:
@@ -26,8 +26,8 @@ from ..native import VEXP, build
 
 __all__ = ["SOURCE", "cpu_ops"]
 
-#: The three operations, on float32 CPU tensors (after `paged_ref.native.VEXP`): `paged_ref.hf.flat`'s op set.
-SOURCE = Path(__file__).parents[1] / "fast" / "csrc" / "cpu_ops.cpp"
+#: The three operations, on float32 CPU tensors (after `paged_ref.native.VEXP`): `paged_ref.fast.flat`'s op set.
+SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.cpp"
 
 
 @functools.cache

@@ -9,8 +9,9 @@ the weights are not seen) and, inside its ``with`` block, runs those layers thro
 them, the layers stay eager and it warns once with the reason (``packed`` says which happened).
 
 For the few rows of a decode step oneDNN's kernels read weights at about half the rate a plain sum
-reads memory; ``few_rows=True`` runs products of up to `FEW_ROWS` rows through a small C++ kernel
-(`SOURCE`) that reads each weight once (`stream_layout`), for all the rows: the sums up to rounding.
+reads memory; ``few_rows=n`` runs products of at most ``n`` rows (a decode step's: an engine's
+``max_num_seqs``) through a small C++ kernel (`SOURCE`) that reads each weight once
+(`stream_layout`), for all the rows: the sums up to rounding.
 
 Layers that read the same input are packed as one product, as vLLM's ``QKVParallelLinear`` and
 ``MergedColumnParallelLinear`` are: an attention's ``q_proj``, ``k_proj``, ``v_proj`` and an MLP's
@@ -40,30 +41,37 @@ import torch
 from ..native import build
 
 __all__ = ["BLOCK", "FEW_ROWS", "FUSED", "PACK_FOR_ROWS", "SOURCE", "PackedLinears", "few_rows_kernel", "stream_layout"]
+__all__ += ["why_not_packed"]
 
 #: Linear layers of one module that read the same input, packed as one product (when all are present).
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 _PACKABLE = (torch.float32, torch.bfloat16)
-#: the number of rows oneDNN lays a packed weight out for: a serving step's decode rows (max_num_seqs)
+#: the number of rows oneDNN lays a packed weight out for (a hint: products of any number of rows run)
 PACK_FOR_ROWS = 32
-#: ``few_rows=True``: products of at most this many rows (a decode step's, max_num_seqs) run through `SOURCE`
-FEW_ROWS = 32
+#: ``few_rows=True`` in a session without an engine (an engine gives its ``max_num_seqs``): products of at
+#: most this many rows run through `SOURCE`. At every row count up to 64, the most it measures, ``bench serve
+#: --profile``'s few_rows table has the kernel at least as fast as oneDNN (figures/data/serve_profile_cpu.json).
+FEW_ROWS = 64
 #: the outputs of one block of `stream_layout` (four 16-float vectors)
 BLOCK = 64
 
 #: ``few_rows(x, w, n)``: ``x [M, K] @ W.T -> [M, n]`` for ``w = stream_layout(W)``, float32.
-SOURCE = Path(__file__).parents[1] / "fast" / "csrc" / "few_rows.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "few_rows.cpp"
 
 
 class PackedLinears:
     """Every ``nn.Linear`` of ``model`` (weights ``[out, in]``, CPU, float32 or bfloat16) run through its
-    prepacked oneDNN weight within ``with``; ``packed`` is False when they stay eager."""
+    prepacked oneDNN weight within ``with``; ``packed`` is False when they stay eager. ``few_rows``: products
+    of at most that many rows run through `SOURCE`'s kernel (0: none)."""
 
-    def __init__(self, model: torch.nn.Module, *, few_rows: bool = False):
+    def __init__(self, model: torch.nn.Module, *, few_rows: int = 0):
+        if isinstance(few_rows, bool) or not isinstance(few_rows, int) or few_rows < 0:
+            raise TypeError(f"few_rows must be a number of rows (an int >= 0), got {few_rows!r}")
         self._layers: list[tuple[torch.nn.Module, object]] = []  # (layer, its forward through the pack)
-        why = _why_not(model)
-        few = few_rows_kernel() if few_rows and why is None else None  # a failed build has warned
+        why = why_not_packed(model)
+        few = few_rows_kernel() if few_rows > 0 and why is None else None  # a failed build has warned
+        few = None if few is None else (few, few_rows)
         if why is None:
             try:
                 grouped = set()
@@ -92,7 +100,7 @@ class PackedLinears:
             layer.__dict__.pop("forward", None)
 
 
-def _why_not(model) -> str | None:
+def why_not_packed(model) -> str | None:
     """Why the layers of ``model`` cannot run packed, or None."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return "this build of torch has no oneDNN (mkldnn) linear"
@@ -129,21 +137,21 @@ def stream_layout(weight: torch.Tensor) -> torch.Tensor:
 
 def _product(weight: torch.Tensor, bias: torch.Tensor | None, few=None):
     """``x: [..., in] -> x @ weight.T + bias: [..., out]`` through ``weight [out, in]`` packed now; ``few``:
-    `few_rows_kernel` for products of at most `FEW_ROWS` rows (float32, no bias), or None."""
+    (`few_rows_kernel`, n) for products of at most n rows (float32, no bias), or None."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)  # [out, in], oneDNN's blocked layout
     out_features = weight.shape[0]
-    few = few if bias is None and weight.dtype == torch.float32 else None
+    few, limit = few if few is not None and bias is None and weight.dtype == torch.float32 else (None, 0)
     blocks = None if few is None else stream_layout(weight)  # [ceil(out / BLOCK), in, BLOCK]
 
     def product(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [tokens, in]
-        if few is not None and rows.shape[0] <= FEW_ROWS:
+        if few is not None and rows.shape[0] <= limit:
             y = few(rows, blocks, out_features)  # [tokens, out]
         else:
             y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # [tokens, out]
         return y.view(*x.shape[:-1], out_features)
 
-    for rows in (1, FEW_ROWS + 1):  # either path fails here, not in a forward
+    for rows in (1, limit + 1):  # either path fails here, not in a forward
         product(torch.zeros(rows, weight.shape[1], dtype=weight.dtype))
     return product
 
