@@ -47,7 +47,8 @@ __all__ += ["why_not_packed"]
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 _PACKABLE = (torch.float32, torch.bfloat16)
-#: the number of rows oneDNN lays a packed weight out for (a hint: products of any number of rows run)
+#: the number of rows oneDNN lays a packed weight out for (a hint: products of any number of rows run):
+#: a full decode step of ``bench serve``'s workloads (max_num_seqs=32)
 PACK_FOR_ROWS = 32
 #: ``few_rows=True`` in a session without an engine (an engine gives its ``max_num_seqs``): products of at
 #: most this many rows run through `SOURCE`. At every row count up to 64, the most it measures, ``bench serve
