@@ -16,6 +16,7 @@ Read the lesson in the order the data flows (each module opens with its idea; th
 9. `serve`: many requests from one page pool (request, scheduler, engine).
 
 `lab` holds what measures, draws, grades and feeds the notebooks; the lesson never imports it.
+`fast` holds the CPU speed-ups of a step, beside the lesson, reached only through ``fast=``.
 
     >>> import paged_ref as pr
     >>> cache = pr.PagedKVCache(num_layers=1, num_pages=16, page_size=4, num_kv_heads=2, head_dim=8)
@@ -24,7 +25,7 @@ Read the lesson in the order the data flows (each module opens with its idea; th
 
 The paging core, memory arithmetic and attention functions are imported here. Modules with
 heavy dependencies (``hf`` and ``models`` import transformers; ``triton_paged_decode`` imports
-triton; ``eviction``; ``serve``; ``lab``) load on first use, so ``import paged_ref`` stays fast.
+triton; ``eviction``; ``serve``; ``fast``; ``lab``) load on first use, so ``import paged_ref`` stays fast.
 """
 
 import importlib
@@ -43,7 +44,7 @@ from .layered_cache import LayeredKVCache
 
 __version__ = "0.1.0"
 
-_LAZY_MODULES = {"hf", "models", "eviction", "serve", "lab"}
+_LAZY_MODULES = {"hf", "models", "eviction", "serve", "fast", "lab"}
 
 
 def __getattr__(name):

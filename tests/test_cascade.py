@@ -203,6 +203,7 @@ def test_cascade_backend_generates_the_same_tokens(monkeypatch, options):
 
 
 def test_cascade_backend_serves_prefix_cached_requests_unchanged(monkeypatch):
+    from paged_ref.fast import Fast
     from paged_ref.models import tiny_llama
     from paged_ref.serve import Engine
 
@@ -213,7 +214,13 @@ def test_cascade_backend_serves_prefix_cached_requests_unchanged(monkeypatch):
     seen = _record_prefixes(monkeypatch)
     for backend in ("sdpa", "cascade"):
         engine = Engine(
-            model, num_pages=64, page_size=4, prefix_caching=True, backend=backend, eos_token_id=[], clock="steps"
+            model,
+            num_pages=64,
+            page_size=4,
+            prefix_caching=True,
+            fast=Fast(backend=backend),
+            eos_token_id=[],
+            clock="steps",
         )
         engine.add_request(prompts[0], max_new_tokens=6)
         done = engine.step()  # its prefill writes the system prompt's pages: cached from now on

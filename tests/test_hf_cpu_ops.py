@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import paged_ref as pr
-from paged_ref.hf import cpu_ops as cpu_ops_module
-from paged_ref.hf.flat import EAGER, FlatForward
+from paged_ref.fast import Fast
+from paged_ref.fast import cpu_ops as cpu_ops_module
+from paged_ref.fast.flat import EAGER, FlatForward
 from paged_ref.models import tiny_llama
 
 
@@ -37,7 +38,8 @@ def test_each_operation_matches_transformers_on_strided_rows(seed):
 
 def _run(model, prompts, steps=6, **options):
     """Greedy tokens of ``prompts`` (packed prefill, then decode steps) and the first logits."""
-    with pr.hf.PagedSession(model, num_pages=48, page_size=4, backend="cpu_paged", flat=True, **options) as s:
+    fast = Fast(backend="cpu_paged", flat=True, **options)
+    with pr.hf.PagedSession(model, num_pages=48, page_size=4, fast=fast) as s:
         seqs = [s.add() for _ in prompts]
         logits = s.extend(seqs, prompts, packed=True)
         first, tokens = logits, [[] for _ in prompts]
@@ -98,8 +100,8 @@ def test_operations_that_cannot_be_built_fall_back_with_one_warning(model, monke
     assert fallen[0] == eager[0] and all(torch.equal(a, b) for a, b in zip(fallen[1], eager[1]))
 
 
-def test_cpu_ops_needs_the_flat_loop_and_a_bool(model):
-    with pytest.raises(ValueError, match="give flat=True with it"):
-        pr.hf.PagedSession(model, num_pages=4, page_size=4, cpu_ops=True)
-    with pytest.raises(TypeError, match="cpu_ops must be True or False, got 'yes'"):
-        pr.hf.PagedSession(model, num_pages=4, page_size=4, flat=True, cpu_ops="yes")
+def test_cpu_ops_needs_the_flat_loop_and_a_bool():
+    with pytest.raises(ValueError, match="fast.cpu_ops=True runs in the flat loop: give flat=True with it"):
+        Fast(cpu_ops=True)
+    with pytest.raises(TypeError, match="fast.cpu_ops must be True or False, got 'yes'"):
+        Fast(flat=True, cpu_ops="yes")

@@ -6,11 +6,12 @@ import pytest
 import torch
 
 import paged_ref as pr
-from paged_ref.hf.flat import FlatForward
+from paged_ref.fast import Fast
+from paged_ref.fast.flat import FlatForward
 
 
 def _logits(model, prompts, **options):
-    with pr.hf.PagedSession(model, num_pages=32, page_size=4, backend="cpu_paged", **options) as s:
+    with pr.hf.PagedSession(model, num_pages=32, page_size=4, fast=Fast(backend="cpu_paged", **options)) as s:
         seqs = [s.add() for _ in prompts]
         first = s.extend(seqs, prompts, packed=True)  # prompts of different lengths in one row
         return first, s.extend(seqs, [t.argmax(-1, keepdim=True) for t in first])  # a decode step
@@ -43,6 +44,6 @@ def test_another_architecture_keeps_its_forward_with_one_warning():
             assert torch.equal(kept, eager)
 
 
-def test_flat_must_be_a_bool(model):
-    with pytest.raises(TypeError, match="flat must be True or False, got 1"):
-        pr.hf.PagedSession(model, num_pages=4, page_size=4, flat=1)
+def test_flat_must_be_a_bool():
+    with pytest.raises(TypeError, match="fast.flat must be True or False, got 1"):
+        Fast(flat=1)

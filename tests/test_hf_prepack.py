@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import paged_ref as pr
-from paged_ref.hf.prepack import FEW_ROWS, PackedLinears, few_rows_kernel, stream_layout
+from paged_ref.fast import Fast
+from paged_ref.fast.prepack import FEW_ROWS, PackedLinears, few_rows_kernel, stream_layout
 
 
 def _linears(model):
@@ -17,7 +18,7 @@ def test_packed_session_gives_the_eager_logits_and_leaves_the_model_as_it_was(mo
     prompts = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 1, 12)]
     logits = []
     for options in ({}, dict(prepack=True), dict(prepack=True, few_rows=True)):
-        with pr.hf.PagedSession(model, num_pages=16, page_size=4, **options) as s:
+        with pr.hf.PagedSession(model, num_pages=16, page_size=4, fast=Fast(**options)) as s:
             seqs = [s.add() for _ in prompts]
             first = s.extend(seqs, prompts, packed=True)  # [3, vocab]: prompts of different lengths
             logits.append((first, s.extend(seqs, [t.argmax(-1, keepdim=True) for t in first])))  # a decode step
@@ -51,9 +52,9 @@ def test_unpackable_weights_stay_eager_with_one_warning():
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight))
 
 
-def test_prepack_must_be_a_bool(model):
-    with pytest.raises(TypeError, match="prepack must be True or False, got 'yes'"):
-        pr.hf.PagedSession(model, num_pages=4, page_size=4, prepack="yes")
+def test_prepack_must_be_a_bool():
+    with pytest.raises(TypeError, match="fast.prepack must be True or False, got 'yes'"):
+        Fast(prepack="yes")
 
 
 def test_fused_projections_give_each_layer_its_own_product_and_recompute_for_another_input():
@@ -76,7 +77,7 @@ def test_fused_projections_give_each_layer_its_own_product_and_recompute_for_ano
 def test_few_rows_kernel_matches_a_float64_product(seed):
     g = torch.Generator().manual_seed(seed)
     few = few_rows_kernel()
-    for rows in range(FEW_ROWS + 1):  # 0 to 32 rows: chunks of up to six, split evenly
+    for rows in range(FEW_ROWS + 1):  # 0 to 64 rows: chunks of up to six, split evenly
         n, k = (int(torch.randint(1, 200, (1,), generator=g)) for _ in range(2))  # any N (padded block), any K
         x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
         y = few(x, stream_layout(w), n)  # [rows, n]
@@ -102,7 +103,7 @@ def test_few_rows_kernel_refuses_a_layout_that_does_not_fit():
 
 @pytest.mark.parametrize("rows", [1, FEW_ROWS, FEW_ROWS + 1])
 def test_few_rows_runs_products_of_few_rows_and_onednn_the_rest(model, rows):
-    packs = PackedLinears(model, few_rows=True)
+    packs = PackedLinears(model, few_rows=FEW_ROWS)
     layer = model.model.layers[0].self_attn.o_proj
     x = torch.randn(rows, layer.in_features)
     with packs, torch.profiler.profile() as prof:
@@ -113,11 +114,13 @@ def test_few_rows_runs_products_of_few_rows_and_onednn_the_rest(model, rows):
     torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 
 
-def test_few_rows_needs_prepack_and_a_bool(model):
-    with pytest.raises(ValueError, match="few_rows=True reads weights packed by prepack: give prepack=True"):
-        pr.hf.PagedSession(model, num_pages=4, page_size=4, few_rows=True)
-    with pytest.raises(TypeError, match="few_rows must be True or False, got 1"):
-        pr.hf.PagedSession(model, num_pages=4, page_size=4, prepack=True, few_rows=1)
+def test_few_rows_needs_prepack_and_a_number_of_rows(model):
+    with pytest.raises(ValueError, match="fast.few_rows=True reads weights packed by prepack: give prepack=True"):
+        Fast(few_rows=True)
+    with pytest.raises(TypeError, match="fast.few_rows must be True, False or a number of rows >= 0, got -1"):
+        Fast(prepack=True, few_rows=-1)
+    with pytest.raises(TypeError, match=r"few_rows must be a number of rows \(an int >= 0\), got True"):
+        PackedLinears(model, few_rows=True)  # True is not one row
 
 
 def test_a_kernel_that_cannot_be_built_leaves_onednn_with_one_warning(model, monkeypatch):
@@ -131,7 +134,7 @@ def test_a_kernel_that_cannot_be_built_leaves_onednn_with_one_warning(model, mon
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            packs = PackedLinears(model, few_rows=True)
+            packs = PackedLinears(model, few_rows=FEW_ROWS)
         assert len(caught) == 1 and "Ninja is required" in str(caught[0].message)
         assert "paged_ref_linear" in str(caught[0].message) and "through oneDNN" in str(caught[0].message)
     finally:

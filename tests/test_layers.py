@@ -2,7 +2,9 @@
 
 The lesson: allocator -> block tables -> cache -> attention -> hf / eviction -> serve; the lab on
 top (lab.bench -> lab.viz -> lab.widgets): nothing lower imports anything higher, no lesson
-module imports the lab, and no two top-level modules import each other.
+module imports the lab, and no two top-level modules import each other. ``fast`` (the CPU
+speed-ups) sits beside the lesson: it may import the lesson, never the lab; the lesson reaches it
+through its one option (``fast=``, resolved in `paged_ref.hf.session.fast_step`).
 """
 
 import ast
@@ -20,8 +22,10 @@ CORE = {
     "cache",
     "attention",
     "memory",
+    "native",
 }
-UPPER = {"hf", "eviction", "serve", "lab"}
+UPPER = {"hf", "eviction", "serve", "fast", "lab"}
+OUTSIDE = ("lab", "fast")  # top-level packages that are not the lesson
 
 
 def imports() -> set[tuple[str, str]]:
@@ -63,11 +67,23 @@ def test_the_scan_sees_imports():
     assert ("cache", "allocator") in EDGES  # `from .allocator import ...`
     assert any(room(a) == "lab.widgets" and room(b) == "lab.viz" for a, b in EDGES)
     assert any(room(a) == "lab.bench" and room(b) == "hf" for a, b in EDGES)
+    assert ("fast.prepack", "native") in EDGES  # `from ..native import build`
 
 
 def test_no_lesson_module_imports_the_lab():
     bad = sorted((a, b) for a, b in EDGES if top(a) not in ("", "lab") and top(b) == "lab")
-    assert not bad, f"lesson modules importing the lab: {bad}"
+    assert not bad, f"lesson or fast modules importing the lab: {bad}"
+
+
+def test_the_lesson_reaches_fast_only_through_its_option():
+    """One import of `paged_ref.fast` in the lesson, inside the function that resolves ``fast=``."""
+    doors = sorted((a, b) for a, b in EDGES if top(a) not in ("", *OUTSIDE) and top(b) == "fast")
+    assert doors == [("hf.session", "fast")], f"lesson modules importing paged_ref.fast: {doors}"
+    tree = ast.parse((PACKAGE / "hf" / "session.py").read_text())
+    (door,) = [f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "fast_step"]
+    inside = [n for n in ast.walk(door) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("fast")]
+    at_top = [n for n in tree.body if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("fast")]
+    assert len(inside) == 1 and not at_top, "paged_ref.fast is imported outside fast_step"
 
 
 @pytest.mark.parametrize("low", sorted(CORE))
@@ -120,7 +136,7 @@ def test_the_reading_order_is_short_and_names_every_lesson_module():
     and every lesson module is in the story or named beside it."""
     story, beside = _reading_order()
     assert story and all(p.is_file() for p in story + beside), [str(p) for p in story + beside if not p.is_file()]
-    lesson = [p for p in PACKAGE.rglob("*.py") if "lab" not in p.relative_to(PACKAGE).parts]
+    lesson = [p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] not in OUTSIDE]
     unnamed = {p for p in lesson if p.name != "__init__.py" or p.parent.name == "attention"} - set(story + beside)
     assert not unnamed, f"lesson modules the README's reading order does not name: {sorted(map(str, unnamed))}"
     assert _lines(story) <= 5000, f"the reading order is {_lines(story)} lines"

@@ -14,6 +14,7 @@ import torch
 
 import paged_ref as pr
 from paged_ref.eviction import make_policy
+from paged_ref.fast import Fast
 from paged_ref.models import tiny_llama
 from paged_ref.serve import Engine, Scheduler
 from paged_ref.serve.dry import DrySession
@@ -78,10 +79,7 @@ CASES = {  # name -> (engine options, workload options)
     "prefix_caching_swap": (dict(max_batched_tokens=64, prefix_caching=True, preemption="swap"), dict(rate=None)),
     "exact": (dict(max_batched_tokens=16, reservation="exact"), dict(rate=2.0)),
     "max_len": (dict(max_batched_tokens=16, reservation="max_len", max_model_len=64), dict(rate=2.0)),
-    "fast_paths": (
-        dict(max_batched_tokens=16, backend="cpu_paged", prepack=True, few_rows=True, flat=True, cpu_ops=True),
-        dict(rate=2.0),
-    ),
+    "fast_paths": (dict(max_batched_tokens=16, fast=True), dict(rate=2.0)),
 }
 
 
@@ -127,7 +125,7 @@ def test_cpu_paged_attends_a_mixed_step_in_one_call_per_layer(model, monkeypatch
     monkeypatch.setattr(cpu_paged, "cpu_paged_packed", counted)
     reqs = _workload(6, seed=11, rate=None, max_prompt=20, max_new=6)
     engine = Engine(model, num_pages=40, page_size=PAGE, max_num_seqs=4, max_batched_tokens=12, eos_token_id=[],
-                    clock="steps", backend="cpu_paged")  # fmt: skip
+                    clock="steps", fast=Fast(backend="cpu_paged"))  # fmt: skip
     for prompt, n, t in reqs:
         engine.add_request(list(prompt), max_new_tokens=n, arrival_s=t)
     outs = _drive(engine)
@@ -186,13 +184,13 @@ def test_a_full_prompt_prefix_hit_still_computes_the_last_prompt_token(model):
     assert engine.stats()["prefix_hit_tokens"] == 8 + 4
 
 
-@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("backend", [None, "reference"])
 def test_a_hit_on_pages_an_earlier_row_of_the_step_fills_reads_that_forwards_kv(model, backend):
     """As in vLLM, scheduling A publishes the full pages its prompt fills, so B (admitted next in the same
     step) shares them and computes only its rest: every layer writes A's K/V before B attends there."""
     prompt = list(range(20, 33))  # 13 tokens: three full pages of 4 and one more
-    engine = Engine(model, num_pages=16, page_size=PAGE, max_batched_tokens=64, prefix_caching=True, backend=backend,
-                    eos_token_id=[], clock="steps", watermark=0.0)  # fmt: skip
+    engine = Engine(model, num_pages=16, page_size=PAGE, max_batched_tokens=64, prefix_caching=True,
+                    fast=Fast(backend=backend), eos_token_id=[], clock="steps", watermark=0.0)  # fmt: skip
     for p in (prompt, prompt + [7, 8], prompt):
         engine.add_request(p, max_new_tokens=5)
     outs = engine.run()

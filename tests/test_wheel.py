@@ -44,6 +44,26 @@ EXAMPLE = textwrap.dedent(
     """
 )
 
+#: The faster CPU step from the install: its C++ kernels built from the wheel's .cpp files (a kernel that
+#: cannot be built warns, and a warning fails here), its tokens those of the eager step.
+FAST_EXAMPLE = textwrap.dedent(
+    """
+    import warnings
+    warnings.simplefilter("error", RuntimeWarning)
+    import paged_ref as pr
+    from paged_ref.models import tiny_llama
+    model = tiny_llama(seed=0)
+    def tokens(**options):
+        engine = pr.serve.Engine(model, num_pages=24, page_size=4, max_num_seqs=4, max_batched_tokens=16,
+                                 eos_token_id=[], clock="steps", **options)
+        for n in (5, 9, 14):
+            engine.add_request(list(range(3, 3 + n)), max_new_tokens=6)
+        return [o.token_ids for o in engine.run()]
+    assert tokens(fast=True) == tokens(), "the fast step's tokens differ from the eager step's"
+    print("fast path ok")
+    """
+)
+
 
 def _run(cmd, **kwargs):
     """Run ``cmd``; on failure, fail the test with the command and its output (not just its status)."""
@@ -84,6 +104,8 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_the_coursework_example(tmp_pa
     modules = {str(p.relative_to(ROOT)) for p in (ROOT / "paged_ref").rglob("*.py") if "__pycache__" not in p.parts}
     code = {n for n in names if n.endswith(".py")}  # equal sets: no module left out, no stale one shipped
     assert code == modules, f"wheel lacks {sorted(modules - code)}, has extra {sorted(code - modules)}"
+    sources = {str(p.relative_to(ROOT)) for suffix in ("*.cpp", "*.h") for p in (ROOT / "paged_ref").rglob(suffix)}
+    assert sources and sources <= names, f"wheel lacks the C++ sources {sorted(sources - names)}"
     outside = sorted(n for n in names if n.split("/")[0] != "paged_ref" and ".dist-info/" not in n)
     assert not outside, f"the wheel holds more than the package and its .dist-info: {outside}"
 
@@ -105,3 +127,5 @@ def test_wheel_installs_into_a_fresh_venv_and_runs_the_coursework_example(tmp_pa
     (work / "example.py").write_text(EXAMPLE)
     run = _run([python, "example.py", site], cwd=work)
     assert "coursework example ok" in run.stdout
+    (work / "fast.py").write_text(FAST_EXAMPLE)
+    assert "fast path ok" in _run([python, "fast.py"], cwd=work).stdout

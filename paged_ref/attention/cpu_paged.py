@@ -4,9 +4,8 @@ On a CPU, PyTorch has no attention op that takes a block table: `sdpa` copies ev
 pages out (``index_select``) and hands the copy to SDPA, so each K/V byte crosses memory three
 times (read, written, read again) and rows shorter than the longest are padded. vLLM's CPU build
 reads the pages in place with its own kernel (``cpu_attention_with_kv_cache``); this module is
-such a kernel, small enough to read, compiled on first use with PyTorch's C++ extension loader
-(``torch.utils.cpp_extension.load_inline``: a C++ compiler and ninja, ~20 s, then cached on disk,
-compiled for the host's own instruction set: ``-march=native``).
+such a kernel, small enough to read (``csrc/cpu_paged.cpp``), compiled on first use (`paged_ref.native.build`:
+a C++ compiler and ninja, ~20 s, then cached on disk).
 
 Query token by query token (a decode row is one; a prefill chunk's tokens each see the sequence up
 to themselves): every K row ``[Hkv, D]`` it sees is found through the block table (token ``t`` is
@@ -19,8 +18,7 @@ packed forward's tokens as they lie, decode rows and prefill chunks side by side
 
 Where the kernel cannot run (a build that fails, no compiler; tensors not float32 on the CPU),
 `cpu_paged_decode` and `cpu_paged_prefill` run `sdpa_paged_decode` and `sdpa_paged_prefill`
-instead: the same numbers up to rounding. A failed build warns once, with its reason (`build`,
-which `paged_ref.hf.cpu_ops` shares).
+instead: the same numbers up to rounding. A failed build warns once, with its reason.
 
 Example:
     >>> kc, vc = torch.randn(4, 16, 2, 64), torch.randn(4, 16, 2, 64)
@@ -33,129 +31,25 @@ Example:
 from __future__ import annotations
 
 import functools
-import warnings
+from pathlib import Path
 
 import torch
 
+from ..native import VEXP, build
 from ._checks import check_paged_inputs, check_prefill_inputs
 from .sdpa import sdpa_paged_decode, sdpa_paged_prefill
 
-__all__ = ["EXP", "FLAGS", "SOURCE", "build", "cpu_paged_decode", "cpu_paged_packed", "cpu_paged_prefill"]
-__all__ += ["kernel"]
+__all__ = ["SOURCE", "cpu_paged_decode", "cpu_paged_packed", "cpu_paged_prefill", "kernel"]
 
-#: ``vexp(x)``, a float exp the compiler vectorizes (``std::exp`` is a scalar call): ``2^n e^r``, ``n`` the
-#: nearest integer to ``x / ln 2``, ``e^r`` to 1e-7 by its Taylor series (``|r| <= ln(2) / 2``).
-EXP = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-static inline float vexp(float x) {
-  x = std::min(std::max(x, -87.3f), 88.7f);
-  const float n = std::nearbyint(x * 1.44269504f), r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.f / 5040;
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = p * r + c;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-"""
-
-#: The kernel's C++ source (one function, ``paged_attention``), after `EXP`.
-SOURCE = r"""
-#include <numeric>
-#include <vector>
-
-// q [n, Hq, D]: the new tokens of B sequences, sequence b's q_lens[b] after those of the ones before;
-// its token i is its token seq_lens[b] - q_lens[b] + i and sees the tokens up to itself (causal);
-// caches [num_pages, P, Hkv, D], block_table int32 [B, max_pages], lens int32 [B], all contiguous
-// float32. Returns out [n, Hq, D].
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor q_lens, double scale) {
-  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), B = seq_lens.size(0);
-  const int64_t P = k_cache.size(1), Hkv = k_cache.size(2), G = Hq / Hkv, M = block_table.size(1);
-  auto out = torch::empty_like(q);
-  const float *qs = q.data_ptr<float>(), *ks = k_cache.data_ptr<float>(), *vs = v_cache.data_ptr<float>();
-  const int32_t *table = block_table.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* new_lens = q_lens.data_ptr<int32_t>();
-  float* os = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  TORCH_CHECK(std::accumulate(new_lens, new_lens + B, int64_t(0)) == n, "q_lens must add up to q's ", n, " tokens");
-  std::vector<int64_t> seq(n), seen(n);  // each token's sequence and the tokens it sees
-  for (int64_t b = 0, row = 0; b < B; ++b)
-    for (int64_t i = 0; i < new_lens[b]; ++i, ++row) seq[row] = b, seen[row] = lens[b] - new_lens[b] + i + 1;
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s;  // [Hq, len]: scores, then probabilities
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = seq[row], len = seen[row];
-      const int32_t* pages = table + b * M;
-      const float* qb = qs + row * Hq * D;
-      float* ob = os + row * Hq * D;
-      std::fill(ob, ob + Hq * D, 0.f);
-      if (len <= 0) continue;  // no token: a zero row (the checks refuse it before)
-      s.resize(Hq * len);
-      for (int64_t t = 0; t < len; ++t) {  // scores: token t's K row [Hkv, D], read in its page
-        const float* k = ks + (int64_t(pages[t / P]) * P + t % P) * Hkv * D;
-        for (int64_t g = 0; g < Hkv; ++g)
-          for (int64_t h = g * G; h < (g + 1) * G; ++h) {  // query heads h of KV head g
-            const float *qh = qb + h * D, *kh = k + g * D;
-            float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t d = 0; d < D; ++d) acc += qh[d] * kh[d];
-            s[h * len + t] = acc * sc;
-          }
-      }
-      for (int64_t h = 0; h < Hq; ++h) {  // softmax of each head's scores
-        float* r = s.data() + h * len;
-        const float m = *std::max_element(r, r + len);
-        float l = 0.f;
-#pragma omp simd reduction(+ : l)
-        for (int64_t t = 0; t < len; ++t) {
-          r[t] = vexp(r[t] - m);
-          l += r[t];
-        }
-        for (int64_t t = 0; t < len; ++t) r[t] /= l;
-      }
-      for (int64_t t = 0; t < len; ++t) {  // out = probabilities x V: token t's V row, read in its page
-        const float* v = vs + (int64_t(pages[t / P]) * P + t % P) * Hkv * D;
-        for (int64_t g = 0; g < Hkv; ++g)
-          for (int64_t h = g * G; h < (g + 1) * G; ++h) {
-            const float p = s[h * len + t], *vh = v + g * D;
-            float* oh = ob + h * D;
-#pragma omp simd
-            for (int64_t d = 0; d < D; ++d) oh[d] += p * vh[d];
-          }
-      }
-    }
-  });
-  return out;
-}
-"""
-
-#: -O3 and the host's vector width; fast-math lets the compiler reassociate the sums, as any SIMD
-#: reduction does; infinities stay IEEE.
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fno-finite-math-only"]
-
-
-def build(name: str, source: str, functions: list[str], instead: str):
-    """``source`` (after `EXP`) compiled as the extension ``name``; None, with one warning saying why
-    and what runs ``instead``, where it cannot be built (no compiler, no ninja, a compile error)."""
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        return load_inline(name, cpp_sources=EXP + source, functions=functions, extra_cflags=FLAGS)
-    except Exception as e:
-        why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        warnings.warn(f"{name}: the C++ code could not be built ({why}); {instead}", RuntimeWarning, stacklevel=3)
-        return None
+#: The kernel's C++ source (one function, ``paged_attention``), compiled after `paged_ref.native.VEXP`.
+SOURCE = Path(__file__).parent / "csrc" / "cpu_paged.cpp"
 
 
 @functools.cache
 def kernel():
     """The compiled extension (its ``paged_attention``), built on first call, or None (`build`)."""
-    return build("paged_ref_cpu_paged", SOURCE, ["paged_attention"], "attention runs through SDPA (sdpa_paged_*)")
+    instead = "attention runs through SDPA (sdpa_paged_*)"
+    return build("paged_ref_cpu_paged", [VEXP, SOURCE], ["paged_attention"], instead)
 
 
 def cpu_paged_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, check_values=True) -> torch.Tensor:

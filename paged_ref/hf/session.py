@@ -41,15 +41,24 @@ from ..memory import model_geometry
 from ._checks import check_batch, token_ids
 from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, paged_attention_active, register, set_attn_implementation
 from .cache import PagedCache, StepPlan, pack_rows
-from .flat import FlatForward
-from .prepack import PackedLinears
 
-__all__ = ["PagedSession", "cache_keyword"]
+__all__ = ["PagedSession", "cache_keyword", "fast_step"]
 
 
 def cache_keyword(model) -> str:
     """Name of the forward argument taking the cache: ``cache`` (5.24) or ``past_key_values`` (5.17)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def fast_step(fast, model, *, rows: int | None = None):
+    """``fast=`` as a step runs it: None (the eager step) for None, False or ``Fast()``, else a
+    `paged_ref.fast.Fast` (True: every part ``model`` allows; ``few_rows=True``: ``rows`` when given).
+    The lesson's one door to `paged_ref.fast`: the speed-ups stay outside the story."""
+    if fast is None or fast is False:
+        return None
+    from ..fast import resolve
+
+    return resolve(fast, model, rows=rows)
 
 
 class PagedSession:
@@ -63,10 +72,8 @@ class PagedSession:
         backend: a name of `paged_ref.hf.attention.BACKENDS`, ``"auto"`` (the default) or a `Backend`.
         eviction, budget: the policy of every sequence not given its own: a name with ``budget``
             in tokens (``eviction="paged_eviction", budget=256``), a policy object, or None.
-        prepack: run the linear layers through weights packed once for oneDNN (`paged_ref.hf.prepack`);
-            ``few_rows`` (with ``prepack``): products of at most 32 rows through its one-stream kernel.
-        flat: run a Llama model's layers as one flat loop instead of transformers' modules, the same
-            operations (`paged_ref.hf.flat`); ``cpu_ops`` (with ``flat``): its norms, RoPE and SwiGLU in C++.
+        fast: the CPU speed-ups, beside the lesson (`paged_ref.fast.Fast`; True: all the model allows;
+            None, the default: the eager step); the same tokens (`fast_step`).
 
     The model's attention is ``"paged_ref"`` only during each `extend` forward: several sessions can
     share one model, and ``model.generate`` works beside them. `close` frees every sequence.
@@ -82,18 +89,13 @@ class PagedSession:
         backend=AUTO,
         eviction=None,
         budget: int | None = None,
-        prepack: bool = False,
-        few_rows: bool = False,
-        flat: bool = False,
-        cpu_ops: bool = False,
+        fast=None,
     ):
-        for name, value in (("prepack", prepack), ("few_rows", few_rows), ("flat", flat), ("cpu_ops", cpu_ops)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{name} must be True or False, got {value!r}")
-        if cpu_ops and not flat:
-            raise ValueError("cpu_ops=True runs in the flat loop: give flat=True with it")
-        if few_rows and not prepack:
-            raise ValueError("few_rows=True reads weights packed by prepack: give prepack=True with it")
+        fast = fast_step(fast, model)
+        if fast is not None and fast.backend is not None:
+            if backend != AUTO and backend != fast.backend:
+                raise ValueError(f"backend={backend!r} and fast.backend={fast.backend!r}: name the backend once")
+            backend = fast.backend
         eviction = resolve_policy(eviction, budget)
         geometry = model_geometry(model)
         self._backend = get_backend(backend, geometry.device)
@@ -115,8 +117,7 @@ class PagedSession:
         self._decode, self._prefill = self._backend.functions()
         self._packed = self._backend.packed_function()
         self._hf_cache = PagedCache(kv_cache)
-        self._linears = PackedLinears(model, few_rows=few_rows) if prepack else contextlib.nullcontext()
-        self._flat = FlatForward(model, cpu_ops=cpu_ops) if flat else contextlib.nullcontext()
+        self._linears, self._flat = fast.contexts(model) if fast else (contextlib.nullcontext(),) * 2
         self._cache_kw = cache_keyword(model)
         self._positions: dict[int, int] = {}  # seq_id -> next absolute position
         self._policies: dict[int, EvictionPolicy | None] = {}  # seq_id -> its eviction policy

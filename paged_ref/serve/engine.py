@@ -55,7 +55,8 @@ class Engine:
     Args:
         model: a transformers causal LM, or None for a dry run (`paged_ref.serve.dry`: no token computed).
         reservation, preemption, max_num_seqs, max_batched_tokens: the `Scheduler`'s.
-        backend, prepack, few_rows, flat, cpu_ops: the session's (`paged_ref.hf.PagedSession`).
+        fast: the CPU speed-ups (`paged_ref.fast.Fast`; True: all the model allows, attention through
+            ``cpu_paged`` and the few-rows kernel up to ``max_num_seqs`` rows); None: the eager step.
         watermark: share of the pool admission keeps free while others run (vLLM 0.32: 0).
         max_model_len: longest request; default the model's ``max_position_embeddings`` (dry: the pool).
         eos_token_id: int or ints that end a request (default the model's; ``[]``: never).
@@ -77,11 +78,7 @@ class Engine:
         reservation: str = "paged",
         preemption: str = "recompute",
         prefix_caching: bool = False,
-        backend: str = "auto",
-        prepack: bool = False,
-        few_rows: bool = False,
-        flat: bool = False,
-        cpu_ops: bool = False,
+        fast=None,
         watermark: float = 0.01,
         max_model_len: int | None = None,
         eos_token_id: int | list[int] | None = None,
@@ -90,14 +87,16 @@ class Engine:
         watermark = check_watermark(watermark)
         self.clock = check_choice("clock", clock or ("steps" if model is None else "simulated"), CLOCKS)
         if model is None:
+            if fast is not None and fast is not False:
+                raise ValueError(f"fast needs a model: a dry run (Engine(None, ...)) computes no token, got {fast!r}")
             self.session = DrySession(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
             self.vocab_size, eos, limit = None, [] if eos_token_id is None else eos_token_id, None
         else:
-            from ..hf.session import PagedSession
+            from ..hf.session import PagedSession, fast_step
 
             kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
-            options = dict(backend=backend, prepack=prepack, few_rows=few_rows, flat=flat, cpu_ops=cpu_ops)
-            self.session = PagedSession(model, kv_cache=kv, **options).open()
+            fast = fast_step(fast, model, rows=max_num_seqs)  # few_rows=True: a decode step's rows
+            self.session = PagedSession(model, kv_cache=kv, fast=fast).open()
             self.vocab_size = model.config.vocab_size
             default = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
             eos = default if eos_token_id is None else eos_token_id

@@ -1,12 +1,13 @@
 """Where a serving step's time goes (``bench serve --profile``): a profile by op, then each speed-up's gain.
 
 The engine serves a reduced offline workload (all requests at once) once per variant of `VARIANTS`,
-each adding one speed-up to the one before: ``eager`` (the lesson's path: ``sdpa`` attention,
-``F.linear``), ``prepacked_linears`` (``prepack=True``: oneDNN-packed weights, q/k/v and gate/up
-each one product), ``paged_kernel`` (``backend="cpu_paged"``: attention reading the pages in place,
-a step's decode rows and prompt chunks in one call), ``flat_forward`` (``flat=True``: the layers as
-one loop, without transformers' module calls), ``cpu_ops`` (``cpu_ops=True``: the loop's norms, RoPE
-and SwiGLU in C++), ``few_rows`` (``few_rows=True``: products of few rows through a kernel that
+each adding one speed-up to the one before (a field of `paged_ref.fast.Fast`, the engine's ``fast=``):
+``eager`` (the lesson's path: ``sdpa`` attention, ``F.linear``), ``prepacked_linears``
+(``prepack=True``: oneDNN-packed weights, q/k/v and gate/up each one product), ``paged_kernel``
+(``backend="cpu_paged"``: attention reading the pages in place, a step's decode rows and prompt
+chunks in one call), ``flat_forward`` (``flat=True``: the layers as one loop, without transformers'
+module calls), ``cpu_ops`` (``cpu_ops=True``: the loop's norms, RoPE and SwiGLU in C++),
+``few_rows`` (``few_rows=True``: products of at most ``max_num_seqs`` rows through a kernel that
 reads each weight once, in one stream).
 
 - **Profile**: `torch.profiler` around single engine steps, kept for the first ``steps`` decode steps
@@ -25,7 +26,7 @@ reads each weight once, in one stream).
   one product each, laid out for that row count (what ``prepack=True`` runs).
 - **Few rows** (`few_rows_products`): every product of a step (all layers, fused as ``prepack``
   fuses them, and the LM head), weights streamed from memory as in a serving step, at 1 to 64 rows
-  (the engine sends it up to 32): oneDNN's prepacked weights against `paged_ref.hf.prepack`'s
+  (the engine sends it up to ``max_num_seqs``, 32): oneDNN's prepacked weights against `paged_ref.fast.prepack`'s
   one-stream kernel, with the rate each reads the weights at and the rate this core reads memory (a
   sum over all of them).
 """
@@ -38,33 +39,34 @@ import time
 
 import torch
 
-from ...hf.prepack import PACK_FOR_ROWS, few_rows_kernel, stream_layout
+from ...fast import Fast
+from ...fast.prepack import PACK_FOR_ROWS, few_rows_kernel, stream_layout
 from ...serve import Engine
 
 __all__ = ["VARIANTS", "PROFILE_WORKLOAD", "linear_libraries", "profile_variant", "paired_gain", "run_profile"]
 
-#: name -> (Engine options, what it adds), each variant on top of the one before.
+#: name -> (the engine's ``fast=``, what it adds), each variant on top of the one before.
 VARIANTS = {
-    "eager": (dict(backend="sdpa"), "the lesson's path: sdpa attention (gather, mask, matmul, softmax), F.linear"),
+    "eager": (Fast(backend="sdpa"), "the lesson's path: sdpa attention (gather, mask, matmul, softmax), F.linear"),
     "prepacked_linears": (
-        dict(backend="sdpa", prepack=True),
+        Fast(backend="sdpa", prepack=True),
         "linear layers through weights packed once for oneDNN, q/k/v and gate/up each one product",
     ),
     "paged_kernel": (
-        dict(backend="cpu_paged", prepack=True),
+        Fast(backend="cpu_paged", prepack=True),
         "decode attention in a C++ kernel reading K/V where the pages lie (no gather, no padding)",
     ),
     "flat_forward": (
-        dict(backend="cpu_paged", prepack=True, flat=True),
+        Fast(backend="cpu_paged", prepack=True, flat=True),
         "the model's layers as one flat loop: transformers' operations without its module calls",
     ),
     "cpu_ops": (
-        dict(backend="cpu_paged", prepack=True, flat=True, cpu_ops=True),
+        Fast(backend="cpu_paged", prepack=True, flat=True, cpu_ops=True),
         "the flat loop's residual adds and norms, RoPE and SwiGLU each one C++ kernel, as vLLM's CPU ops",
     ),
     "few_rows": (
-        dict(backend="cpu_paged", prepack=True, few_rows=True, flat=True, cpu_ops=True),
-        "products of at most 32 rows through a C++ kernel reading each weight once, in one stream",
+        Fast(backend="cpu_paged", prepack=True, few_rows=True, flat=True, cpu_ops=True),
+        "products of at most max_num_seqs rows through a C++ kernel reading each weight once, in one stream",
     ),
 }
 
@@ -96,9 +98,9 @@ GROUPS = {
 }
 
 
-def _engine(model, cfg, options) -> Engine:
+def _engine(model, cfg, fast: Fast) -> Engine:
     sizes = {k: cfg[k] for k in ("num_pages", "page_size", "max_num_seqs", "max_batched_tokens", "max_model_len")}
-    return Engine(model, eos_token_id=[], clock="real", watermark=0.0, **sizes, **options)
+    return Engine(model, eos_token_id=[], clock="real", watermark=0.0, fast=fast, **sizes)
 
 
 def _kind(record) -> str | None:
@@ -126,12 +128,12 @@ def _table(events: dict, inclusive: dict, steps: int) -> dict:
     return {"steps": steps, "total_ms_per_step": total / steps / 1e3, "groups": parts, "ops": ops}
 
 
-def profile_variant(model, cfg, requests, options) -> dict:
+def profile_variant(model, cfg, requests, fast: Fast) -> dict:
     """``{"decode": table, "mixed": table}`` of one variant (`_table`), each over ``cfg["steps"]`` steps,
     with the rows of each step and the load average before the run."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = _engine(model, cfg, options)
+    engine = _engine(model, cfg, fast)
     for prompt, new in requests:
         engine.add_request(prompt, max_new_tokens=new)
     load = os.getloadavg()
@@ -161,7 +163,7 @@ def profile_variant(model, cfg, requests, options) -> dict:
     return out
 
 
-def paired_gain(model, cfg, requests, before: dict, after: dict) -> dict:
+def paired_gain(model, cfg, requests, before: Fast, after: Fast) -> dict:
     """Two engines taking turns step by step; per-step time ratios ``before / after`` (see the module docstring)."""
     engines = [_engine(model, cfg, before), _engine(model, cfg, after)]
     for e in engines:
@@ -335,7 +337,7 @@ def run_profile(model, requests_fn, *, quick: bool, save) -> dict:
         "config": cfg,
         "torch_threads": torch.get_num_threads(),
         "workload": {"prompt_lens": [len(p) for p, _ in requests], "output_lens": [n for _, n in requests]},
-        "variants": {name: {"options": o, "adds": adds} for name, (o, adds) in VARIANTS.items()},
+        "variants": {name: {"options": f.options(), "adds": adds} for name, (f, adds) in VARIANTS.items()},
         "gains": [],
     }
     data["linear_libraries"] = {

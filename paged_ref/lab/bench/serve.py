@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ...eviction import make_policy
+from ...fast import Fast
 from ...memory import model_geometry
 from ...serve import Engine
 from .. import textdata
@@ -87,8 +88,9 @@ PROFILES = {mode: {k: v[i] for k, v in _PROFILE_COLUMNS.items()} for i, mode in 
 #: Workloads other than the profile's own (``--workload NAME``): the lengths they change. ``short``:
 #: short answers to longer prompts (prompt mean 48, answer mean 24), as in instruction traces (Alpaca).
 WORKLOADS = {"chat": {}, "short": dict(mean_prompt=48, mean_output=24)}
-#: the Engine's faster CPU step (--profile measures each part)
-FAST_OPTIONS = {"backend": "cpu_paged", "prepack": True, "few_rows": True, "flat": True, "cpu_ops": True}
+#: the Engine's faster CPU step, every part (``fast=``; --profile measures each part)
+FAST = Fast(backend="cpu_paged", prepack=True, few_rows=True, flat=True, cpu_ops=True)
+FAST_OPTIONS = FAST.options()  # as a run's JSON records it (config.engine_options)
 
 RATE_COLUMNS = [
     ("policy", "{policy}"),
@@ -308,8 +310,8 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
             model.save_pretrained(folder)
         job = {"model_dir": folder, "requests": [[list(p), n] for p, n in requests], "limits": limits}
         for _ in range(cfg["peer_repeats"]):
-            options = cfg.get("engine_options", {})
-            e = Engine(model, eos_token_id=[], clock="real", watermark=0.0, **limits, **options)
+            fast = Fast(**cfg.get("engine_options", {}))
+            e = Engine(model, eos_token_id=[], clock="real", watermark=0.0, fast=fast, **limits)
             ours_tokens, r = _offline_run(e, requests)
             ours.append(r)
             v = _vllm_subprocess(python, job, threads)
@@ -498,7 +500,7 @@ def main(argv=None):
     parser.add_argument(
         "--fast",
         action="store_true",
-        help=f"with --peer vllm --peer-only: paged_ref's faster CPU step ({FAST_OPTIONS}; the same tokens)",
+        help=f"with --peer vllm --peer-only: paged_ref's faster CPU step (fast={FAST}; the same tokens)",
     )
     args = parser.parse_args(argv)
     if args.quick and args.gpu:

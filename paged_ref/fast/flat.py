@@ -6,11 +6,12 @@ CPU decode step of a small model that Python is a visible share of the step (`be
 --profile`); vLLM runs its own model code for the same reason. `FlatForward` does that for
 Llama-architecture models (SmolLM2, Llama): within its ``with`` block the model's inner forward
 (``model.model``) is `flat_forward`, one loop over the layers applying the same functions to the
-same weights in the same order as transformers' ``LlamaModel``, so the logits are bit for bit the
+same weights in the same order as transformers' ``LlamaModel`` (attention too: the function the
+model's config names, ``"paged_ref"`` in a session's forward), so the logits are bit for bit the
 same; outside it the model is untouched. A model of another architecture (or activation) keeps its
 own forward, with one warning (``flat`` says which happened). The loop's small operations (norms,
 RoPE, SwiGLU) are an op set: `EAGER` is transformers' own; ``cpu_ops=True`` runs them as vLLM's CPU
-build does, in C++ (`paged_ref.hf.cpu_ops`), the same up to rounding.
+build does, in C++ (`paged_ref.fast.cpu_ops`), the same up to rounding.
 
 Example:
     >>> from paged_ref.models import tiny_llama
@@ -30,8 +31,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .attention import paged_attention_forward
 from .cpu_ops import cpu_ops as load_cpu_ops
 
 __all__ = ["EAGER", "FlatForward", "flat_forward"]
@@ -41,7 +42,7 @@ SUPPORTED = ("llama",)  # config.model_type values whose decoder layers are tran
 
 class FlatForward:
     """``model.model.forward`` as `flat_forward` within ``with``; ``flat`` is False when the model keeps its
-    own. ``cpu_ops``: its norms, RoPE and SwiGLU through `paged_ref.hf.cpu_ops` where they can run
+    own. ``cpu_ops``: its norms, RoPE and SwiGLU through `paged_ref.fast.cpu_ops` where they can run
     (float32 on the CPU; elsewhere, or where they cannot be built, transformers' with one warning)."""
 
     def __init__(self, model, *, cpu_ops: bool = False):
@@ -82,18 +83,19 @@ def _rotate(x, cos, sin):
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
 
-#: transformers' own operations, one for one (its logits bit for bit); `paged_ref.hf.cpu_ops` has the same three.
+#: transformers' own operations, one for one (its logits bit for bit); `paged_ref.fast.cpu_ops` has the same three.
 EAGER = SimpleNamespace(add_norm=_add_norm, rotate=_rotate, silu_mul=lambda gate, up: F.silu(gate) * up)
 
 
 def flat_forward(inner, *, input_ids, position_ids, paged_step, cache=None, past_key_values=None, ops=EAGER, **unused):
     """``LlamaModel.forward`` of a paged forward: ``input_ids [batch, tokens]`` -> the last hidden states
     ``[batch, tokens, hidden]``, K/V written through the cache, attention read from the pages; ``ops``:
-    `EAGER` or `paged_ref.hf.cpu_ops.cpu_ops()`."""
+    `EAGER` or `paged_ref.fast.cpu_ops.cpu_ops()`."""
     cache = cache if cache is not None else past_key_values  # the keyword's name in transformers < 5.24
     h = inner.embed_tokens.forward(input_ids)  # [batch, tokens, hidden]
     cos, sin = inner.rotary_emb.forward(h, position_ids=position_ids)  # each [batch, tokens, head_dim]
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
+    attention = ALL_ATTENTION_FUNCTIONS[inner.config._attn_implementation]  # as each LlamaAttention looks it up
     y = None  # what the residual stream adds next
     for layer in inner.layers[: inner.config.num_hidden_layers]:
         attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
@@ -103,7 +105,7 @@ def flat_forward(inner, *, input_ids, position_ids, paged_step, cache=None, past
         k = ops.rotate(attn.k_proj.forward(x).view(heads), cos, sin).transpose(1, 2)  # [batch, Hkv, tokens, D]
         v = attn.v_proj.forward(x).view(heads).transpose(1, 2)
         k, v = cache.update(k, v, attn.layer_idx)
-        o, _ = paged_attention_forward(attn, q, k, v, None, scaling=attn.scaling, paged_step=paged_step)
+        o, _ = attention(attn, q, k, v, None, scaling=attn.scaling, paged_step=paged_step)
         y = attn.o_proj.forward(o.reshape(*heads[:-2], -1).contiguous())  # o: [batch, tokens, Hq, D]
         norm = layer.post_attention_layernorm
         h, x = ops.add_norm(h, y, norm.weight, norm.variance_epsilon)

@@ -1,32 +1,10 @@
-"""The flat loop's small operations in C++: RMSNorm with its residual add, RoPE in place, SwiGLU.
+// The flat loop's small operations (paged_ref.fast.cpu_ops): RMSNorm with its residual add, RoPE in place,
+// SwiGLU. vexp: paged_ref/csrc/vexp.h, compiled before this file (paged_ref.native.build).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <tuple>
 
-Between its products a Llama layer runs a dozen small PyTorch ops (the residual add; the norm's
-square, mean, rsqrt and products; RoPE's halves, neg, cat and products; silu and a product), each
-a pass over its tensor and a dispatch. vLLM's CPU build runs each group as one kernel
-(``fused_add_rms_norm``, ``rotary_embedding``, ``silu_and_mul``); `cpu_ops()` is
-`paged_ref.hf.flat`'s loop's op set of the same three, built on first use as
-`paged_ref.attention.cpu_paged`'s kernel is. Logits differ from transformers' by rounding (the norm's
-sum is reassociated).
-
-Example:
-    >>> h, y, norm = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.nn.RMSNorm(8, eps=1e-6)
-    >>> h2, x = cpu_ops().add_norm(h.clone(), y, norm.weight, 1e-6)
-    >>> torch.allclose(x, norm(h + y), atol=1e-5), torch.allclose(h2, h + y)
-    (True, True)
-"""
-
-from __future__ import annotations
-
-import functools
-
-import torch
-
-from ..attention.cpu_paged import build
-
-__all__ = ["SOURCE", "cpu_ops"]
-
-#: The three operations, on float32 CPU tensors (after `EXP`): `paged_ref.hf.flat`'s op set.
-SOURCE = r"""
 // h [..., C] (contiguous) += y (when given): returns (h, w * h / rms(h)), the second a new tensor.
 std::tuple<torch::Tensor, torch::Tensor> add_norm(torch::Tensor h, c10::optional<torch::Tensor> y, torch::Tensor w,
                                                   double eps) {
@@ -105,12 +83,3 @@ TORCH_LIBRARY(paged_ref_cpu, m) {  // dispatcher ops: a profile sees them (paged
   m.def("rotate(Tensor(a!) x, Tensor cos, Tensor sin) -> Tensor(a!)", &rotate);
   m.def("silu_mul(Tensor gate, Tensor up) -> Tensor", &silu_mul);
 }
-"""
-
-
-@functools.cache
-def cpu_ops():
-    """The op set ``torch.ops.paged_ref_cpu`` (``add_norm``, ``rotate``, ``silu_mul``), built on first call;
-    None where it cannot be built (`paged_ref.attention.cpu_paged.build`)."""
-    built = build("paged_ref_cpu_ops", SOURCE, [], "the flat loop runs transformers' operations")
-    return None if built is None else torch.ops.paged_ref_cpu

@@ -9,8 +9,9 @@ the weights are not seen) and, inside its ``with`` block, runs those layers thro
 them, the layers stay eager and it warns once with the reason (``packed`` says which happened).
 
 For the few rows of a decode step oneDNN's kernels read weights at about half the rate a plain sum
-reads memory; ``few_rows=True`` runs products of up to `FEW_ROWS` rows through a small C++ kernel
-(`SOURCE`) that reads each weight once (`stream_layout`), for all the rows: the sums up to rounding.
+reads memory; ``few_rows=n`` runs products of at most ``n`` rows (a decode step's: an engine's
+``max_num_seqs``) through a small C++ kernel (`SOURCE`) that reads each weight once
+(`stream_layout`), for all the rows: the sums up to rounding.
 
 Layers that read the same input are packed as one product, as vLLM's ``QKVParallelLinear`` and
 ``MergedColumnParallelLinear`` are: an attention's ``q_proj``, ``k_proj``, ``v_proj`` and an MLP's
@@ -33,77 +34,45 @@ from __future__ import annotations
 
 import functools
 import warnings
+from pathlib import Path
 
 import torch
 
-from ..attention.cpu_paged import build
+from ..native import build
 
 __all__ = ["BLOCK", "FEW_ROWS", "FUSED", "PACK_FOR_ROWS", "SOURCE", "PackedLinears", "few_rows_kernel", "stream_layout"]
+__all__ += ["why_not_packed"]
 
 #: Linear layers of one module that read the same input, packed as one product (when all are present).
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 _PACKABLE = (torch.float32, torch.bfloat16)
-#: the number of rows oneDNN lays a packed weight out for: a serving step's decode rows (max_num_seqs)
+#: the number of rows oneDNN lays a packed weight out for (a hint: products of any number of rows run):
+#: a full decode step of ``bench serve``'s workloads (max_num_seqs=32)
 PACK_FOR_ROWS = 32
-#: ``few_rows=True``: products of at most this many rows (a decode step's, max_num_seqs) run through `SOURCE`
-FEW_ROWS = 32
+#: ``few_rows=True`` in a session without an engine (an engine gives its ``max_num_seqs``): products of at
+#: most this many rows run through `SOURCE`. At every row count up to 64, the most it measures, ``bench serve
+#: --profile``'s few_rows table has the kernel at least as fast as oneDNN (figures/data/serve_profile_cpu.json).
+FEW_ROWS = 64
 #: the outputs of one block of `stream_layout` (four 16-float vectors)
 BLOCK = 64
 
 #: ``few_rows(x, w, n)``: ``x [M, K] @ W.T -> [M, n]`` for ``w = stream_layout(W)``, float32.
-SOURCE = r"""
-typedef float vec __attribute__((vector_size(64), aligned(4)));  // 16 floats, any alignment
-constexpr int64_t L = 16, BLOCK = 64, V = BLOCK / L, MAX_ROWS = 6;
-
-// MB rows of x [MB, K] times one block w [K, BLOCK]: MB * V vector sums over k, each weight read once
-template <int MB>
-static void rows(const float* x, const float* w, int64_t K, float* o, int64_t N, int64_t n) {
-  vec acc[MB][V] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    vec wk[V];
-    for (int v = 0; v < V; ++v) wk[v] = *reinterpret_cast<const vec*>(w + k * BLOCK + v * L);
-    for (int m = 0; m < MB; ++m)
-      for (int v = 0; v < V; ++v) acc[m][v] += x[m * K + k] * wk[v];
-  }
-  for (int m = 0; m < MB; ++m)
-    for (int64_t j = 0; j < n; ++j) o[m * N + j] = acc[m][j / L][j % L];  // the block's first n outputs
-}
-constexpr void (*ROWS[])(const float*, const float*, int64_t, float*, int64_t, int64_t) = {
-    nullptr, rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>};
-
-torch::Tensor few_rows(torch::Tensor x, torch::Tensor w, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.is_contiguous() && w.size(1) == x.size(1) && w.size(2) == BLOCK &&
-      N > (w.size(0) - 1) * BLOCK && N <= w.size(0) * BLOCK,
-      "few_rows: x [M, K], contiguous w [ceil(N / 64), K, 64]; got x ", x.sizes(), ", w ", w.sizes(), ", N ", N);
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1);
-  auto out = torch::empty({M, N}, x.options());
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)  // the block's weights come from memory once, then from cache
-      for (int64_t m = 0, left = (M + MAX_ROWS - 1) / MAX_ROWS; left > 0; --left) {  // even row chunks
-        const int64_t mb = (M - m) / left;
-        ROWS[mb](xp + m * K, wp + b * K * BLOCK, K, op + m * N + b * BLOCK, N, std::min(BLOCK, N - b * BLOCK));
-        m += mb;
-      }
-  });
-  return out;
-}
-
-TORCH_LIBRARY(paged_ref_linear, m) { m.def("few_rows(Tensor x, Tensor w, int n) -> Tensor", &few_rows); }
-"""
+SOURCE = Path(__file__).parent / "csrc" / "few_rows.cpp"
 
 
 class PackedLinears:
     """Every ``nn.Linear`` of ``model`` (weights ``[out, in]``, CPU, float32 or bfloat16) run through its
-    prepacked oneDNN weight within ``with``; ``packed`` is False when they stay eager."""
+    prepacked oneDNN weight within ``with``; ``packed`` is False when they stay eager. ``few_rows``: products
+    of at most that many rows run through `SOURCE`'s kernel (0: none)."""
 
-    def __init__(self, model: torch.nn.Module, *, few_rows: bool = False):
+    def __init__(self, model: torch.nn.Module, *, few_rows: int = 0):
+        if isinstance(few_rows, bool) or not isinstance(few_rows, int) or few_rows < 0:
+            raise TypeError(f"few_rows must be a number of rows (an int >= 0), got {few_rows!r}")
         self._layers: list[tuple[torch.nn.Module, object]] = []  # (layer, its forward through the pack)
-        why = _why_not(model)
-        few = few_rows_kernel() if few_rows and why is None else None  # a failed build has warned
+        why = why_not_packed(model)
+        few = few_rows_kernel() if few_rows > 0 and why is None else None  # a failed build has warned
+        few = None if few is None else (few, few_rows)
         if why is None:
             try:
                 grouped = set()
@@ -132,7 +101,7 @@ class PackedLinears:
             layer.__dict__.pop("forward", None)
 
 
-def _why_not(model) -> str | None:
+def why_not_packed(model) -> str | None:
     """Why the layers of ``model`` cannot run packed, or None."""
     if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return "this build of torch has no oneDNN (mkldnn) linear"
@@ -156,7 +125,7 @@ def _groups(module: torch.nn.Module) -> list[list[torch.nn.Linear]]:
 @functools.cache
 def few_rows_kernel():
     """``torch.ops.paged_ref_linear.few_rows`` (`SOURCE`), built on first call; None where it cannot be built."""
-    built = build("paged_ref_linear", SOURCE, [], "products of few rows run through oneDNN")
+    built = build("paged_ref_linear", [SOURCE], [], "products of few rows run through oneDNN")
     return None if built is None else torch.ops.paged_ref_linear.few_rows
 
 
@@ -169,21 +138,21 @@ def stream_layout(weight: torch.Tensor) -> torch.Tensor:
 
 def _product(weight: torch.Tensor, bias: torch.Tensor | None, few=None):
     """``x: [..., in] -> x @ weight.T + bias: [..., out]`` through ``weight [out, in]`` packed now; ``few``:
-    `few_rows_kernel` for products of at most `FEW_ROWS` rows (float32, no bias), or None."""
+    (`few_rows_kernel`, n) for products of at most n rows (float32, no bias), or None."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)  # [out, in], oneDNN's blocked layout
     out_features = weight.shape[0]
-    few = few if bias is None and weight.dtype == torch.float32 else None
+    few, limit = few if few is not None and bias is None and weight.dtype == torch.float32 else (None, 0)
     blocks = None if few is None else stream_layout(weight)  # [ceil(out / BLOCK), in, BLOCK]
 
     def product(x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [tokens, in]
-        if few is not None and rows.shape[0] <= FEW_ROWS:
+        if few is not None and rows.shape[0] <= limit:
             y = few(rows, blocks, out_features)  # [tokens, out]
         else:
             y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # [tokens, out]
         return y.view(*x.shape[:-1], out_features)
 
-    for rows in (1, FEW_ROWS + 1):  # either path fails here, not in a forward
+    for rows in (1, limit + 1):  # either path fails here, not in a forward
         product(torch.zeros(rows, weight.shape[1], dtype=weight.dtype))
     return product
 

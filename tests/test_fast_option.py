@@ -1,0 +1,86 @@
+"""``fast=``: one value naming the CPU speed-ups, checked as a whole, resolved against the model and the engine."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import paged_ref as pr
+from paged_ref.fast import Fast, resolve
+from paged_ref.fast.prepack import FEW_ROWS
+from paged_ref.models import tiny_llama
+from paged_ref.serve import Engine
+
+EVERYTHING = Fast(backend="cpu_paged", prepack=True, few_rows=True, flat=True, cpu_ops=True)
+
+
+def test_true_is_every_part_the_model_allows(model):
+    assert resolve(True, model) == EVERYTHING
+    assert resolve(True, model, rows=6) == Fast(backend="cpu_paged", prepack=True, few_rows=6, flat=True, cpu_ops=True)
+    # bfloat16: packed weights and the flat loop; the kernels and C++ ops take float32
+    assert resolve(True, tiny_llama().to(torch.bfloat16)) == Fast(prepack=True, flat=True)
+
+
+def test_true_on_another_architecture_keeps_its_own_forward():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    assert resolve(True, Qwen2ForCausalLM(config)) == Fast(backend="cpu_paged", prepack=True, few_rows=True)
+
+
+@pytest.mark.parametrize("off", [None, False, Fast()])
+def test_nothing_is_the_eager_step(model, off):
+    assert resolve(off, model) is None
+
+
+def test_a_value_of_another_kind_is_refused_naming_the_argument(model):
+    expected = r"fast must be True, False, None or a paged_ref.fast.Fast, got \{'flat': True\}"
+    with pytest.raises(TypeError, match=expected):
+        resolve({"flat": True}, model)
+    with pytest.raises(TypeError, match="fast.backend must be a backend's name or None, got 3"):
+        Fast(backend=3)
+
+
+def test_options_are_the_fields_set_and_give_the_value_back():
+    assert Fast().options() == {}
+    assert EVERYTHING.options() == dict(backend="cpu_paged", prepack=True, few_rows=True, flat=True, cpu_ops=True)
+    assert Fast(**EVERYTHING.options()) == EVERYTHING
+
+
+def test_the_backend_is_named_once(model):
+    with pytest.raises(ValueError, match=r"backend='sdpa' and fast.backend='cpu_paged': name the backend once"):
+        pr.hf.PagedSession(model, num_pages=4, page_size=4, backend="sdpa", fast=Fast(backend="cpu_paged"))
+    with pr.hf.PagedSession(model, num_pages=4, page_size=4, backend="cpu_paged", fast=EVERYTHING) as s:
+        assert s.backend == "cpu_paged"
+    with pr.hf.PagedSession(model, num_pages=4, page_size=4, backend="reference", fast=Fast(prepack=True)) as s:
+        assert s.backend == "reference"
+
+
+def _kernel_ran(linears, layer, rows: int) -> bool:
+    with linears, torch.profiler.profile() as prof:
+        layer(torch.randn(rows, layer.in_features))
+    return "paged_ref_linear::few_rows" in {e.key for e in prof.key_averages()}
+
+
+def test_an_engine_sends_the_few_rows_kernel_its_decode_steps(model):
+    """``few_rows=True`` in an engine: products of at most ``max_num_seqs`` rows (a decode step's)."""
+    engine = Engine(model, num_pages=8, page_size=4, max_num_seqs=6, fast=True)
+    layer = model.model.layers[0].mlp.down_proj
+    assert engine.session.backend == "cpu_paged"
+    assert _kernel_ran(engine.session._linears, layer, 6) and not _kernel_ran(engine.session._linears, layer, 7)
+    with pr.hf.PagedSession(model, num_pages=4, page_size=4, fast=EVERYTHING) as s:  # no engine: FEW_ROWS
+        assert _kernel_ran(s._linears, layer, FEW_ROWS) and not _kernel_ran(s._linears, layer, FEW_ROWS + 1)
+
+
+def test_a_dry_engine_refuses_fast():
+    with pytest.raises(ValueError, match=r"fast needs a model: a dry run \(Engine\(None, ...\)\) computes no token"):
+        Engine(None, num_pages=8, page_size=4, fast=True)
+
+
+def test_few_rows_default_is_within_the_measured_rows():
+    """`FEW_ROWS` says the committed few_rows table has the kernel at least as fast as oneDNN up to it."""
+    data = json.loads((Path(__file__).parents[1] / "figures" / "data" / "serve_profile_cpu.json").read_text())
+    rows = {r["rows"]: r["speedup"] for r in data["few_rows"]["rows"]}
+    assert FEW_ROWS == max(rows) and all(s >= 1.0 for m, s in rows.items() if m <= FEW_ROWS), rows
