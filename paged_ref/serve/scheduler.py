@@ -26,7 +26,7 @@ Example (a dry session: the same pool and scheduler, no model):
     >>> sched = Scheduler(session, max_num_seqs=8, max_batched_tokens=6)
     >>> for i, n in enumerate((5, 7)):
     ...     sched.add(Request(request_id=i, prompt_ids=list(range(n)), max_new_tokens=4, arrival_s=0.0))
-    >>> [(r.request_id, n) for r, n in sched.schedule().items]      # 6 tokens: all of A, a chunk of B
+    >>> [(r.request_id, n) for r, n in sched.schedule().rows]      # 6 tokens: all of A, a chunk of B
     [(0, 5), (1, 1)]
 """
 
@@ -55,9 +55,14 @@ PREEMPTIONS = ("recompute", "swap")
 class Schedule:
     """One step's plan (its rows' pages already taken, its preempted requests' already back)."""
 
-    items: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to feed), oldest first
+    # the forward's rows: (request, tokens it feeds; vLLM's num_scheduled_tokens), oldest first
+    rows: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)  # from the waiting queue
+
+    def inputs(self) -> tuple[list[int], list[list[int]]]:
+        """The forward's rows: each request's sequence and the tokens it feeds (`PagedSession.extend`'s)."""
+        return [r.seq_id for r, _ in self.rows], [r.tokens(r.num_computed, r.num_computed + n) for r, n in self.rows]
 
 
 class Scheduler:
@@ -164,7 +169,7 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs or want < 1:
                 break
             held = self.swap.tokens(r.seq_id)
-            if max(pages_needed(held + want, self.page_size), self.committed_pages(r)) > self._available(None):
+            if max(pages_needed(held + want, self.page_size), self.committed_pages(r)) > self._available():
                 break
             self.swapped.remove(r)
             # under eviction its pages stop being shared: no token ids to key them by
@@ -182,7 +187,7 @@ class Scheduler:
             if not self._admit(r, budget, out):
                 break
             self.waiting.popleft()
-            budget -= out.items[-1][1]
+            budget -= out.rows[-1][1]
         return out
 
     def _admit(self, r: Request, budget: int, out: Schedule) -> bool:
@@ -201,7 +206,7 @@ class Scheduler:
         need += shares
         # cached pages taken back hold its own K/V: they must be free, but the watermark guards new pages
         revived = sum(self.kv.allocator.refcount(p) == 0 for p in reused)
-        avail = self._available(None)
+        avail = self._available()
         # the watermark guards running requests' growth: with none running there is nothing to guard
         watermark = self.watermark_pages if self.running else 0
         if revived + need > avail or need > avail - watermark:
@@ -224,7 +229,8 @@ class Scheduler:
     def _make_room(self, r: Request, want: int, out: Schedule) -> int:
         """Tokens ``r`` can take this step (<= want), preempting the most recent requests if needed."""
         while True:
-            if self._pages(r, want) <= self._available(r):
+            own = self._unfilled(r) if self.commitment.up_front else 0  # its own commitment is for this
+            if self._pages(r, want) <= self._available() + own:
                 return want
             victim = self.running[-1]
             self.preempt(victim, out)
@@ -295,14 +301,16 @@ class Scheduler:
         """The pages an eviction packs ``r``'s kept tokens into (none without a budget: nothing is evicted)."""
         return 0 if r.eviction.budget is None else pages_needed(r.eviction.budget, self.page_size)
 
-    def _available(self, r: Request | None) -> int:
-        """Free pages that neither this step's policies' copies nor another request's commitment has claimed."""
+    def _available(self) -> int:
+        """Free pages that neither this step's policies' copies nor a running request's commitment has claimed."""
         avail = self.kv.allocator.num_free - sum(self._planned.values())
         if self.commitment.up_front:
-            for o in self.running:
-                if o is not r:
-                    avail -= max(0, o.reserved_pages - self._held(o) - self._planned.get(o.request_id, 0))
+            avail -= sum(self._unfilled(o) for o in self.running)
         return avail
+
+    def _unfilled(self, r: Request) -> int:
+        """Pages committed to ``r`` that neither the pages it holds nor its copies planned this step take."""
+        return max(0, r.reserved_pages - self._held(r) - self._planned.get(r.request_id, 0))
 
     def _plan(self, r: Request, n: int, out: Schedule) -> None:
         """Take the pages of ``r``'s row of ``n`` tokens now (vLLM's ``allocate_slots``) and, with prefix
@@ -314,7 +322,7 @@ class Scheduler:
         self.kv.reserve(r.seq_id, n, token_ids=ids)
         if acts:  # a sequence admitted later that shares the pages it packs into adds copies
             self._compacting.update(self.kv.pages(r.seq_id)[: self._kept_pages(r)])
-        out.items.append((r, n))
+        out.rows.append((r, n))
 
     def unfilled_commitments(self) -> int:
         """Pages committed to running requests that no token fills yet (0 under ``"paged"``: none committed)."""
