@@ -150,7 +150,7 @@ def test_eviction_requests_match_generate_with_the_same_policy(model, preemption
     for i, (o, (prompt, n, _)) in enumerate(zip(outs, reqs)):
         expected = _alone(prompt, n, "paged_eviction", 8) if i % 2 == 0 else _alone(prompt, n)
         assert o.token_ids == expected, f"request {i}"
-    assert engine.scheduler._hooks == {}  # every request's policy was released
+    assert engine.scheduler.evictions.hooks == {}  # every request's policy was released
 
 
 def test_eviction_lets_more_requests_run_at_once(model):

@@ -70,7 +70,7 @@ class StepCheckpoint:
         requests = [*s.running, *s.swapped, *itertools.islice(s.waiting, s.max_num_seqs), *arriving]
         policies = [r.eviction for r in requests if r.eviction is not None] + s.hooks()
         e.session.checkpoint()
-        self.saved = (e._now, list(e._pending)), save([s, s.swap], requests, policies)
+        self.saved = (e._now, list(e._pending)), save([s, s.swap, s.evictions], requests, policies)
         return self
 
     def __exit__(self, kind, error, traceback) -> bool:
@@ -84,7 +84,7 @@ class StepCheckpoint:
         """Put everything back and note the requests concerned on ``error``; the outputs of the requests
         whose own hook has now failed `HOOK_TRIES` times, finished with an error (none: ``error`` goes on)."""
         e = self.engine
-        culprits = e.scheduler.failed_hooks()
+        culprits = e.scheduler.evictions.raised_by(e.scheduler.running)  # whose own hook raised
         rows = [r for r, _ in self.sched.rows] if self.sched is not None else []
         e.session.rollback()
         (e._now, e._pending), fields = self.saved
