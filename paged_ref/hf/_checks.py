@@ -10,7 +10,7 @@ import torch
 from .._validate import check_int, check_list, describe
 from ..memory import model_geometry
 
-__all__ = ["check_batch", "check_prompts", "check_streamer", "token_ids"]
+__all__ = ["check_batch", "check_prompts", "check_room", "check_streamer", "token_ids"]
 
 
 def check_batch(seq_ids, tokens) -> tuple[list, list]:
@@ -27,6 +27,21 @@ def check_batch(seq_ids, tokens) -> tuple[list, list]:
     if len(set(seq_ids)) != len(seq_ids):
         raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
     return seq_ids, tokens
+
+
+def check_room(seq_ids, q_lens, policies: dict, kv) -> None:
+    """Each row feeds at most the tokens its sequence's policy (``policies``: seq -> policy or None, for
+    the sequences past their prefill) lets in before it acts (``tokens_until_action``)."""
+    for b, (s, n) in enumerate(zip(seq_ids, q_lens)):
+        policy = policies.get(s)
+        if policy is None:
+            continue
+        room = policy.tokens_until_action(kv, s)
+        if n > room:
+            raise ValueError(
+                f"tokens[{b}] has {n} tokens, but sequence {s}'s eviction policy must act after {room}; "
+                "feed at most tokens_until_action() tokens per forward"
+            )
 
 
 def token_ids(name: str, t, vocab: int) -> torch.Tensor:
