@@ -240,24 +240,6 @@ class PagedSession:
     def seq_ids(self) -> list[int]:
         return list(self._positions)
 
-    # ------------------------------------------------------------------ undoing a serving step
-    def checkpoint(self) -> None:
-        """Start a change that `rollback` undoes whole: the cache (`PagedKVCache.checkpoint`), every
-        sequence's position and policy. (The policies' own records are theirs to save.)"""
-        self.kv.checkpoint()
-        self._saved = dict(self._positions), set(self._prefilled), dict(self._policies), self.plan_seconds
-
-    def commit(self) -> None:
-        """Keep every change since `checkpoint`."""
-        self.kv.commit()
-        self._saved = None
-
-    def rollback(self) -> None:
-        """Undo every change since `checkpoint`: added, fed, evicted and finished sequences alike."""
-        self.kv.rollback()
-        self._positions, self._prefilled, self._policies, self.plan_seconds = self._saved
-        self._saved = None
-
     # ------------------------------------------------------------------ the forward
     @torch.inference_mode()
     def extend(

@@ -3,12 +3,12 @@
 ``with StepCheckpoint(engine) as step:`` guards one `paged_ref.serve.Engine.step`. On entry it saves
 what the step may change: the requests (running, swapped, those the scheduler may admit and those
 arriving by the time it plans), the scheduler's queues and counters, the swap space, the eviction
-policies' records (each policy's ``snapshot``), the engine's clock and arrivals; the session and
-the cache under it keep their own checkpoint (`paged_ref.cache_undo`). `save` copies the objects'
-fields (each list, dict, set or deque one level down: a step appends to or replaces those, never
-changes what they hold; of a request only its output).
+policies' records (each policy's ``snapshot``), the session's sequences (positions, policies), the
+engine's clock and arrivals; the cache keeps its own checkpoint (`paged_ref.cache_undo`). `save`
+copies the objects' fields (each list, dict, set or deque one level down: a step appends to or
+replaces those, never changes what they hold; of a request only its output).
 
-On a clean exit the session commits. If the body raises, everything is put back and the error goes
+On a clean exit the cache commits. If the body raises, everything is put back and the error goes
 on with a note naming the requests concerned, except that a request whose own eviction hook raised
 in `Engine.HOOK_TRIES` steps (vLLM aborts it) is finished with ``finish_reason="error"``: then the
 error stops here and ``step.outputs`` holds those requests' outputs.
@@ -69,13 +69,13 @@ class StepCheckpoint:
         arriving = [e._requests[i] for t, i in e._pending if t <= horizon]
         requests = [*s.running, *s.swapped, *itertools.islice(s.waiting, s.max_num_seqs), *arriving]
         policies = [r.eviction for r in requests if r.eviction is not None] + s.hooks()
-        e.session.checkpoint()
-        self.saved = (e._now, list(e._pending)), save([s, s.swap, s.evictions], requests, policies)
+        e.kv.checkpoint()
+        self.saved = (e._now, list(e._pending)), save([s, s.swap, s.evictions, e.session], requests, policies)
         return self
 
     def __exit__(self, kind, error, traceback) -> bool:
         if error is None:
-            self.engine.session.commit()
+            self.engine.kv.commit()
             return False
         self.outputs = self._rollback(error)
         return bool(self.outputs)  # True: the error stops here
@@ -86,7 +86,7 @@ class StepCheckpoint:
         e = self.engine
         culprits = e.scheduler.evictions.raised_by(e.scheduler.running)  # whose own hook raised
         rows = [r for r, _ in self.sched.rows] if self.sched is not None else []
-        e.session.rollback()
+        e.kv.rollback()
         (e._now, e._pending), fields = self.saved
         restore(fields)
         names = ", ".join(f"request {r.request_id}" for r in culprits or rows) or "no request planned yet"
