@@ -358,17 +358,8 @@ class PagedKVCache:
     def rewind(self, seq_id: int, mark: SequenceMark) -> None:
         """Put the sequence back as `mark` saw it, undoing a failed forward's reserves and writes: shared
         pages a private copy replaced are shared again, pages taken since go back, slots written since are
-        zeroed and withdrawn from the prefix cache. Rewind a batch in reverse reservation order.
-
-        Example:
-            >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)
-            >>> a = kv.add_sequence(); _ = kv.reserve(a, 2); b = kv.fork(a)
-            >>> m = kv.mark(b)
-            >>> _ = kv.reserve(b, 3)                 # copies shared page 0 to page 2, adds page 1
-            >>> kv.rewind(b, m)                      # as if that reserve never happened
-            >>> kv.pages(b), kv.seq_len(b), kv.allocator.refcount(0), kv.allocator.num_free
-            ([0], 2, 2, 3)
-        """
+        zeroed and withdrawn from the prefix cache (`paged_ref.cache_undo.rewind_sequence`, with an example).
+        Rewind a batch in reverse reservation order."""
         rewind_sequence(self, seq_id, mark)
 
     def checkpoint(self) -> None:

@@ -80,7 +80,18 @@ def rewind_plan(saved: list[int], saved_len: int, pages: list[int], length: int,
 
 
 def rewind_sequence(cache, seq_id: int, mark: SequenceMark) -> None:
-    """`PagedKVCache.rewind`: the sequence back as ``mark`` saw it (it has only reserved and written since)."""
+    """`PagedKVCache.rewind`: the sequence back as ``mark`` saw it (it has only reserved and written since).
+
+    Example:
+        >>> from paged_ref.cache import PagedKVCache
+        >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)
+        >>> a = kv.add_sequence(); _ = kv.reserve(a, 2); b = kv.fork(a)
+        >>> m = kv.mark(b)
+        >>> _ = kv.reserve(b, 3)                 # copies shared page 0 to page 2, adds page 1
+        >>> kv.rewind(b, m)                      # as if that reserve never happened
+        >>> kv.pages(b), kv.seq_len(b), kv.allocator.refcount(0), kv.allocator.num_free
+        ([0], 2, 2, 3)
+    """
     seq = cache._seq(seq_id)
     if not isinstance(mark, SequenceMark) or mark.seq_id != seq_id:
         raise ValueError(f"mark must be a SequenceMark of sequence {seq_id}, got {describe(mark)}")

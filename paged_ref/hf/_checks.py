@@ -8,9 +8,10 @@ import numbers
 import torch
 
 from .._validate import check_int, check_list, describe
+from ..eviction.base import EvictionPolicy
 from ..memory import model_geometry
 
-__all__ = ["check_batch", "check_prompts", "check_room", "check_streamer", "token_ids"]
+__all__ = ["check_batch", "check_live", "check_policy", "check_prompts", "check_room", "check_streamer", "token_ids"]
 
 
 def check_batch(seq_ids, tokens) -> tuple[list, list]:
@@ -27,6 +28,21 @@ def check_batch(seq_ids, tokens) -> tuple[list, list]:
     if len(set(seq_ids)) != len(seq_ids):
         raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
     return seq_ids, tokens
+
+
+def check_live(seq_id, live) -> None:
+    """``seq_id`` is one of ``live``, a session's sequences."""
+    if seq_id not in live:
+        raise ValueError(f"seq_id {seq_id!r} is not a live sequence of this session (live: {sorted(live)})")
+
+
+def check_policy(eviction, default):
+    """A sequence's eviction policy: ``eviction``, an `EvictionPolicy`, or the session's ``default`` for None."""
+    if eviction is None:
+        return default
+    if not isinstance(eviction, EvictionPolicy):
+        raise TypeError(f"eviction must be an EvictionPolicy or None, got {type(eviction).__name__}")
+    return eviction
 
 
 def check_room(seq_ids, q_lens, policies: dict, kv) -> None:

@@ -38,7 +38,7 @@ from ..cache import PagedKVCache
 from ..cache_interface import KVCache
 from ..eviction.policies import EvictionPolicy, resolve_policy
 from ..memory import model_geometry
-from ._checks import check_batch, check_room, token_ids
+from ._checks import check_batch, check_live, check_policy, check_room, token_ids
 from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, paged_attention_active, register, set_attn_implementation
 from .cache import PagedCache, StepPlan, pack_rows
 from .flat import FlatForward
@@ -185,7 +185,7 @@ class PagedSession:
             raise RuntimeError(
                 "PagedSession.add on a closed session: open it again (`with session:`) or make a new one"
             )
-        policy = self._policy_arg(eviction)
+        policy = check_policy(eviction, self.eviction)
         seq_id = self.kv.add_sequence(token_ids=token_ids, namespace=namespace)
         self._positions[seq_id] = self.kv.seq_len(seq_id)  # RoPE continues after reused tokens
         self._policies[seq_id] = policy
@@ -196,8 +196,8 @@ class PagedSession:
 
         The fork's tokens are its prompt: its policy (default: the session's) runs ``after_prefill``
         now, so one prefilled prompt serves sequences under different policies."""
-        self._check_live(seq_id)
-        policy = self._policy_arg(eviction)
+        check_live(seq_id, self._positions)
+        policy = check_policy(eviction, self.eviction)
         new = self.kv.fork(seq_id)
         self._positions[new] = self._positions[seq_id]
         self._policies[new] = policy
@@ -208,16 +208,9 @@ class PagedSession:
             raise
         return new
 
-    def _policy_arg(self, eviction) -> EvictionPolicy | None:
-        if eviction is None:
-            return self.eviction
-        if not isinstance(eviction, EvictionPolicy):
-            raise TypeError(f"eviction must be an EvictionPolicy or None, got {type(eviction).__name__}")
-        return eviction
-
     def finish(self, seq_id: int) -> None:
         """Free the sequence's pages (they go back to the allocator at once)."""
-        self._check_live(seq_id)
+        check_live(seq_id, self._positions)
         del self._positions[seq_id]
         self._prefilled.discard(seq_id)
         policy = self._policies.pop(seq_id)
@@ -227,14 +220,8 @@ class PagedSession:
 
     def position(self, seq_id: int) -> int:
         """Absolute position the sequence's next token will take (tokens fed so far)."""
-        self._check_live(seq_id)
+        check_live(seq_id, self._positions)
         return self._positions[seq_id]
-
-    def _check_live(self, seq_id) -> None:
-        if seq_id not in self._positions:
-            raise ValueError(
-                f"seq_id {seq_id!r} is not a live sequence of this session (live: {sorted(self._positions)})"
-            )
 
     @property
     def seq_ids(self) -> list[int]:
@@ -282,7 +269,7 @@ class PagedSession:
             raise RuntimeError("PagedSession.extend needs an open session: use `with PagedSession(...) as s:`")
         seq_ids, tokens = check_batch(seq_ids, tokens)
         for s in seq_ids:
-            self._check_live(s)
+            check_live(s, self._positions)
         device, vocab = self.kv.device, self.model.config.vocab_size
         tokens = [token_ids(f"tokens[{b}]", t, vocab).to(device) for b, t in enumerate(tokens)]
         q_lens = [t.numel() for t in tokens]

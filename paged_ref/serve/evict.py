@@ -32,7 +32,7 @@ Example:
 from __future__ import annotations
 
 from ..block_table import pages_needed
-from ..eviction.base import NO_LIMIT, EvictionPolicy
+from ..eviction.base import NO_LIMIT, EvictionPolicy, max_pages_held
 
 __all__ = ["AfterPrompt", "Evictions"]
 
@@ -110,6 +110,16 @@ class Evictions:
     def release(self, r) -> None:
         """``r`` gave its sequence back: its policy forgot it."""
         self.hooks.pop(r.request_id, None)
+
+    def peak_pages(self, r) -> int:
+        """The most pages ``r`` can hold at once: its whole K/V, or its eviction policy's bound
+        (the prompt is held whole until the policy first acts)."""
+        ps = self.kv.page_size
+        whole = pages_needed(r.peak_tokens, ps)
+        budget = None if r.eviction is None else r.eviction.budget
+        if budget is None:
+            return whole
+        return min(whole, max(pages_needed(len(r.prompt_ids), ps), max_pages_held(budget, ps)))
 
     def limit(self, r) -> int:
         """Most tokens ``r`` may feed in one forward: all it has left, except that an evicting request's

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from .._arith import cdiv
 from .._validate import check_choice, check_int
 from ..block_table import pages_needed
-from ..eviction.base import max_pages_held
 from .evict import AfterPrompt, Evictions
 from .request import RUNNING, SWAPPED, WAITING, Request
 from .reservation import RESERVATIONS
@@ -106,16 +105,7 @@ class Scheduler:
     # ------------------------------------------------------------------ what a request costs
     def committed_pages(self, r: Request) -> int:
         """Pages admission commits to ``r`` up front: 0 for ``"paged"`` (pages come as tokens do)."""
-        return self.commitment.pages(peak_pages=self.peak_pages(r), max_len_pages=self._max_len_pages)
-
-    def peak_pages(self, r: Request) -> int:
-        """The most pages ``r`` can hold at once: its whole K/V, or an eviction policy's bound
-        (the prompt is held whole until the policy first acts)."""
-        whole = pages_needed(r.peak_tokens, self.page_size)
-        budget = None if r.eviction is None else r.eviction.budget
-        if budget is None:
-            return whole
-        return min(whole, max(pages_needed(len(r.prompt_ids), self.page_size), max_pages_held(budget, self.page_size)))
+        return self.commitment.pages(peak_pages=self.evictions.peak_pages(r), max_len_pages=self._max_len_pages)
 
     def add(self, r: Request) -> None:
         """Queue ``r`` (it has arrived; `Engine.add_request` asked `paged_ref.serve._checks.refusal` first)."""
