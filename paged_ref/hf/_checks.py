@@ -105,6 +105,15 @@ def check_prompts(model, input_ids, attention_mask, max_new_tokens, eos_token_id
     if lo < 0 or hi >= vocab:  # (left padding must hold valid ids too, as for model.generate)
         raise ValueError(f"input_ids must hold token ids in [0, vocab_size={vocab}), got values in [{lo}, {hi}]")
     device = next(model.parameters()).device
+    prompts = _unpadded(input_ids, attention_mask, device)
+    eos_list, pad_token_id = _special_ids(model, eos_token_id, pad_token_id, vocab)
+    eos = torch.tensor(eos_list, dtype=torch.long, device=device)
+    return prompts, eos, int(pad_token_id)
+
+
+def _unpadded(input_ids, attention_mask, device) -> list[torch.Tensor]:
+    """Each row's prompt without its left padding (``attention_mask``, checked), on ``device``."""
+    length = input_ids.shape[1]
     if attention_mask is None:
         prompts = [row.to(device) for row in input_ids]
     else:
@@ -130,6 +139,11 @@ def check_prompts(model, input_ids, attention_mask, max_new_tokens, eos_token_id
                 f"every prompt needs at least one real token; attention_mask row {int(lengths.argmin())} is all 0"
             )
         prompts = [input_ids[b, length - int(n) :].to(device) for b, n in enumerate(lengths)]
+    return prompts
+
+
+def _special_ids(model, eos_token_id, pad_token_id, vocab: int) -> tuple[list[int], int]:
+    """The EOS ids and the pad id, checked; None takes the model's ``generation_config`` value."""
     config = getattr(model, "generation_config", None)
     if eos_token_id is None:
         eos_token_id = getattr(config, "eos_token_id", None)
@@ -148,8 +162,7 @@ def check_prompts(model, input_ids, attention_mask, max_new_tokens, eos_token_id
         pad_token_id = eos_list[0] if eos_list else 0
     if not _is_int(pad_token_id) or not 0 <= int(pad_token_id) < vocab:
         raise ValueError(f"pad_token_id must be a token id in [0, vocab_size={vocab}) or None, got {pad_token_id!r}")
-    eos = torch.tensor(eos_list, dtype=torch.long, device=device)
-    return prompts, eos, int(pad_token_id)
+    return eos_list, int(pad_token_id)
 
 
 def _is_int(x) -> bool:
