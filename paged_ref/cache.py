@@ -10,9 +10,10 @@ was. ``fork`` shares pages (reference counts); the first write into a shared pag
 ``reserve``, which lists the copies in ``last_copies``. With ``prefix_caching=True``,
 ``add_sequence(token_ids=prompt)`` reuses cached full pages (`paged_ref.prefix_cache`). A slot that
 holds no token is zero, so a kernel reading past a sequence's end adds ``0 * v``, never stale ``nan``.
-``mark`` / ``rewind`` undo a failed forward, ``checkpoint`` / ``rollback`` a serving step.
-``page_summaries=True`` keeps each page's key min/max for Quest; ``growth="pow2"`` reserves
-power-of-two page counts (the IBM paper's growth).
+``mark`` / ``rewind`` undo a failed forward, ``checkpoint`` / ``rollback`` a serving step
+(`paged_ref.cache_undo`). ``watchers`` are told of every change to the keys a page holds (with
+``page_summaries=True``, Quest's key min/max: `paged_ref.page_summaries`); ``growth="pow2"``
+reserves power-of-two page counts (the IBM paper's growth).
 
 Example:
     >>> cache = PagedKVCache(num_layers=2, num_pages=8, page_size=4, num_kv_heads=1, head_dim=2)
@@ -38,8 +39,9 @@ from ._cache_checks import batch_lists, check_device, check_dtype, check_layer, 
 from ._validate import check_choice, check_int, check_list, describe
 from .allocator import OutOfPagesError, PageAllocator
 from .block_table import flat_slots, pack_csr, pack_padded
+from .cache_undo import Checkpoint, SequenceMark, rewind_sequence
 from .memory import KVGeometry, model_geometry
-from .page_plan import compact_copies, plan_growth, rewind_plan, round_to_pow2, truncate_cost
+from .page_plan import compact_copies, plan_growth, round_to_pow2, truncate_cost
 from .page_summaries import PageSummaries
 from .prefix_cache import PrefixIndex, namespace_key, page_key
 
@@ -63,28 +65,6 @@ class PageCopy:
     source: int
     page: int
     layer: int | None = None
-
-
-@dataclass(frozen=True)
-class SequenceMark:
-    """A sequence as `PagedKVCache.mark` saw it, for `PagedKVCache.rewind`: pages, length, and its prefix-key
-    lists with their lengths then (``reserve`` only appends to those lists, or replaces them)."""
-
-    seq_id: int
-    pages: tuple[int, ...]
-    length: int
-    token_ids: list[int] | None
-    known: int
-    page_hashes: list[bytes]
-    hashed: int
-
-    def apply(self, seq: _Sequence) -> None:
-        """Put ``seq``'s pages, length and prefix keys back as they were."""
-        if self.token_ids is not None:
-            del self.token_ids[self.known :]
-        del self.page_hashes[self.hashed :]
-        seq.pages, seq.length = list(self.pages), self.length
-        seq.token_ids, seq.page_hashes = self.token_ids, self.page_hashes
 
 
 class PagedKVCache:
@@ -127,12 +107,13 @@ class PagedKVCache:
         self.prefix_hits = 0  # full pages reused from the prefix cache
         # the `PageCopy`s of the latest reserve, reserve_batch, truncate or compact (rewind clears it)
         self.last_copies: tuple[PageCopy, ...] = ()
-        self._checkpoint: _Checkpoint | None = None  # open while a step may still be undone
+        self._checkpoint: Checkpoint | None = None  # open while a step may still be undone
         if not isinstance(page_summaries, bool):
             raise TypeError(f"page_summaries must be True or False, got {page_summaries!r}")
         # min / max of each page's keys for Quest (`paged_ref.page_summaries`); None: not kept
         pool = dict(num_pages=num_pages, page_size=page_size, dtype=dtype, device=self.device)
         self.summaries = PageSummaries(**pool, **self.geometry.kv_shape) if page_summaries else None
+        self.watchers = [] if self.summaries is None else [self.summaries]  # told of key changes: `_tell`
 
     @classmethod
     def for_model(cls, model, *, num_pages: int, page_size: int, **options) -> PagedKVCache:
@@ -246,8 +227,7 @@ class PagedKVCache:
         self._saving((layer,), slots)
         self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
         self.v_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
-        if self.summaries is not None:
-            self.summaries.update(layer, slots, k)
+        self._tell("update", layer, slots, k)
         if self._prefix.unwritten and layer == self.num_layers - 1 and slots.numel():
             self._prefix.written(torch.unique(slots // self.page_size).tolist())
 
@@ -363,49 +343,41 @@ class PagedKVCache:
         seq.length = n_keep
         if n_keep % self.page_size:  # vacated slots of the last kept page: back to zeros
             self._zero_slots(all_slots[n_keep : need * self.page_size].to(self.device))
-        if self.summaries is not None:  # the packed pages summarise the keys they hold now
-            self.summaries.clear(seq.pages)
+        if self.watchers:  # the packed pages hold these keys now
+            self._tell("clear", seq.pages)
             for layer, cache in enumerate(self.k_cache):
-                self.summaries.update(layer, dst, cache.view(flat)[dst])
+                self._tell("update", layer, dst, cache.view(flat)[dst])
         seq.token_ids, seq.page_hashes = None, []
         self.last_copies = tuple(copies)
 
-    # ----------------------------------------------------------------- rewind after a failed forward
+    # ----------------------------------------------------------------- undo (`paged_ref.cache_undo`)
     def mark(self, seq_id: int) -> SequenceMark:
         """The sequence as it is now, for `rewind`; valid while the sequence only reserves and writes."""
-        seq = self._seq(seq_id)
-        known = None if seq.token_ids is None else len(seq.token_ids)
-        return SequenceMark(
-            seq_id, tuple(seq.pages), seq.length, seq.token_ids, known, seq.page_hashes, len(seq.page_hashes)
-        )
+        return SequenceMark.of(seq_id, self._seq(seq_id))
 
     def rewind(self, seq_id: int, mark: SequenceMark) -> None:
         """Put the sequence back as `mark` saw it, undoing a failed forward's reserves and writes: shared
         pages a private copy replaced are shared again, pages taken since go back, slots written since are
-        zeroed and withdrawn from the prefix cache. Rewind a batch in reverse reservation order.
+        zeroed and withdrawn from the prefix cache (`paged_ref.cache_undo.rewind_sequence`, with an example).
+        Rewind a batch in reverse reservation order."""
+        rewind_sequence(self, seq_id, mark)
 
-        Example:
-            >>> kv = PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=1, head_dim=2)
-            >>> a = kv.add_sequence(); _ = kv.reserve(a, 2); b = kv.fork(a)
-            >>> m = kv.mark(b)
-            >>> _ = kv.reserve(b, 3)                 # copies shared page 0 to page 2, adds page 1
-            >>> kv.rewind(b, m)                      # as if that reserve never happened
-            >>> kv.pages(b), kv.seq_len(b), kv.allocator.refcount(0), kv.allocator.num_free
-            ([0], 2, 2, 3)
-        """
-        seq = self._seq(seq_id)
-        if not isinstance(mark, SequenceMark) or mark.seq_id != seq_id:
-            raise ValueError(f"mark must be a SequenceMark of sequence {seq_id}, got {describe(mark)}")
-        ps = self.page_size
-        share, written, taken = rewind_plan(list(mark.pages), mark.length, seq.pages, seq.length, page_size=ps)
-        self.allocator.share(share)  # raises, changing nothing, if one went back to the pool since
-        for page in {slot // ps for slot in written} | set(taken):
-            self._prefix.forget(page)  # its tokens changed, or were written by the failed step
-        if written:
-            self._zero_slots(torch.tensor(written, device=self.device))
-        self._release(taken)
-        mark.apply(seq)
-        self.last_copies = ()
+    def checkpoint(self) -> None:
+        """Start a change that `rollback` undoes whole (sequences, pool, prefix index, K/V); one at a time."""
+        if self._checkpoint is not None:
+            raise RuntimeError("PagedKVCache.checkpoint: one is already open (commit or roll it back first)")
+        self._checkpoint = Checkpoint(self)
+
+    def commit(self) -> None:
+        """Keep every change since `checkpoint` (and stop recording)."""
+        self._checkpoint = None
+
+    def rollback(self) -> None:
+        """Undo every change since `checkpoint`: the cache is exactly as it was then."""
+        checkpoint, self._checkpoint = self._checkpoint, None
+        if checkpoint is None:
+            raise RuntimeError("PagedKVCache.rollback: no checkpoint is open")
+        checkpoint.restore(self)
 
     # ----------------------------------------------------------------- internals
     def _seq(self, seq_id) -> _Sequence:
@@ -440,22 +412,11 @@ class PagedKVCache:
         self.last_copies = tuple(copied)
         return slots
 
-    def checkpoint(self) -> None:
-        """Start a change that `rollback` undoes whole (sequences, pool, prefix index, K/V); one at a time."""
-        if self._checkpoint is not None:
-            raise RuntimeError("PagedKVCache.checkpoint: one is already open (commit or roll it back first)")
-        self._checkpoint = _Checkpoint(self)
-
-    def commit(self) -> None:
-        """Keep every change since `checkpoint` (and stop recording)."""
-        self._checkpoint = None
-
-    def rollback(self) -> None:
-        """Undo every change since `checkpoint`: the cache is exactly as it was then."""
-        checkpoint, self._checkpoint = self._checkpoint, None
-        if checkpoint is None:
-            raise RuntimeError("PagedKVCache.rollback: no checkpoint is open")
-        checkpoint.restore(self)
+    def _tell(self, event: str, *args) -> None:
+        """The one hook the watchers of the pages' keys hang on: ``update(layer, slots, k)`` after keys are
+        written, ``clear(pages)`` when pages start empty again, ``copy(src, dst)`` after a copy-on-write."""
+        for watcher in self.watchers:
+            getattr(watcher, event)(*args)
 
     def _saving(self, layers, slots: torch.Tensor) -> None:
         """Before ``slots`` of ``layers`` change: an open checkpoint keeps their contents."""
@@ -469,8 +430,7 @@ class PagedKVCache:
         for page in pages:  # handed out again: whatever prefix it cached is gone
             self._prefix.forget(page)
         self._zero_pages(cached)
-        if self.summaries is not None:
-            self.summaries.clear(pages)
+        self._tell("clear", pages)
         return pages
 
     def _release(self, pages: list[int]) -> None:
@@ -503,8 +463,7 @@ class PagedKVCache:
                 self._saving(range(self.num_layers), flat_slots([page], 0, self.page_size, self.page_size))
             for cache in (*self.k_cache, *self.v_cache):
                 cache[page].copy_(cache[seq.pages[i]])
-            if self.summaries is not None:
-                self.summaries.copy(seq.pages[i], page)
+            self._tell("copy", seq.pages[i], page)
             self.allocator.free([seq.pages[i]])  # drops this sequence's reference only
             seq.pages[i] = page
         return copies
@@ -536,40 +495,3 @@ class PagedKVCache:
             key = page_key(seq.page_hashes[-1] if seq.page_hashes else seq.root, tokens)
             seq.page_hashes.append(key)
             self._prefix.publish(seq.pages[i], key, tokens)
-
-
-class _Checkpoint:
-    """The cache's bookkeeping as it was (every `SequenceMark`, the pool, the prefix index) and the old
-    contents of every K/V slot changed since (`save`); `restore` writes them back, newest first."""
-
-    def __init__(self, cache: PagedKVCache):
-        self.seqs = {seq_id: (seq, cache.mark(seq_id)) for seq_id, seq in cache._seqs.items()}
-        self.next_id, self.prefix_hits, self.last_copies = cache._next_id, cache.prefix_hits, cache.last_copies
-        self.pool = cache.allocator.snapshot()
-        self.prefix = cache._prefix.snapshot()
-        sums = cache.summaries
-        self.bounds = None if sums is None else ([m.clone() for m in sums.k_min], [m.clone() for m in sums.k_max])
-        self.undo: list[tuple] = []  # (layers, slots int64 [n], k and v: per layer [n, Hkv, D]): oldest first
-
-    def save(self, cache: PagedKVCache, layers, slots: torch.Tensor) -> None:
-        """Keep the contents of ``slots`` (flat, int64 [n]) in ``layers`` before the cache changes them."""
-        flat = (-1, cache.num_kv_heads, cache.head_dim)
-        k = [cache.k_cache[i].view(flat)[slots] for i in layers]  # each [n, Hkv, D], a copy
-        v = [cache.v_cache[i].view(flat)[slots] for i in layers]
-        self.undo.append((layers, slots, k, v))
-
-    def restore(self, cache: PagedKVCache) -> None:
-        """Put the cache back as it was when this checkpoint was made."""
-        flat = (-1, cache.num_kv_heads, cache.head_dim)
-        for layers, slots, k, v in reversed(self.undo):
-            for j, i in enumerate(layers):
-                cache.k_cache[i].view(flat).index_copy_(0, slots, k[j])
-                cache.v_cache[i].view(flat).index_copy_(0, slots, v[j])
-        for seq, mark in self.seqs.values():
-            mark.apply(seq)
-        cache._seqs = {seq_id: seq for seq_id, (seq, _) in self.seqs.items()}
-        cache._next_id, cache.prefix_hits, cache.last_copies = self.next_id, self.prefix_hits, self.last_copies
-        cache.allocator.restore(self.pool)
-        cache._prefix.restore(self.prefix)
-        if self.bounds is not None:
-            cache.summaries.k_min, cache.summaries.k_max = self.bounds

@@ -27,7 +27,8 @@ from ._cache_checks import batch_lists, check_layer
 from ._validate import check_int, check_list
 from .allocator import OutOfPagesError
 from .block_table import pages_needed
-from .cache import PageCopy, PagedKVCache, SequenceMark
+from .cache import PageCopy, PagedKVCache
+from .cache_undo import SequenceMark
 from .memory import KVGeometry, model_geometry
 from .page_plan import compact_copies, truncate_cost
 

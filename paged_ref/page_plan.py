@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from ._arith import cdiv, next_pow2
 
-__all__ = ["compact_copies", "plan_growth", "rewind_plan", "round_to_pow2", "truncate_cost"]
+__all__ = ["compact_copies", "plan_growth", "round_to_pow2", "truncate_cost"]
 
 
 def plan_growth(requests, refcount: Callable[[int], int], *, page_size: int) -> list[list]:
@@ -64,24 +64,3 @@ def truncate_cost(pages: list[int], length: int, num_tokens: int, refcount, *, p
 def compact_copies(pages: list[int], n_keep: int, refcount, *, page_size: int) -> list[int]:
     """Logical pages that receive kept tokens and are shared: compacting copies them first."""
     return [i for i in range(cdiv(n_keep, page_size)) if refcount(pages[i]) > 1]
-
-
-def rewind_plan(saved: list[int], saved_len: int, pages: list[int], length: int, *, page_size: int):
-    """Rewinding a sequence from ``pages`` and ``length`` now to ``saved`` and ``saved_len``: the
-    shared pages its private copies replaced (to share again), the slots written since in pages
-    it held before (to zero), and the pages taken since (to release).
-
-    Example:
-        >>> rewind_plan([0], 2, [3, 4], 6, page_size=4)  # page 0 was copied to 3, then page 4 added
-        ([0], [], [3, 4])
-        >>> rewind_plan([0], 2, [0, 4], 6, page_size=4)  # written in place: slots 2 and 3 of page 0
-        ([], [2, 3], [4])
-    """
-    before, now = set(saved), set(pages)
-    kept = range(saved_len, min(length, len(saved) * page_size))  # tokens since, in pages held before
-    written = [
-        saved[t // page_size] * page_size + t % page_size
-        for t in kept
-        if pages[t // page_size] == saved[t // page_size]
-    ]
-    return [p for p in saved if p not in now], written, [p for p in pages if p not in before]

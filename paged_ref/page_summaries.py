@@ -1,9 +1,10 @@
 """Page key summaries for Quest (`paged_ref.attention.quest`): the elementwise min and max of
 every page's keys, per layer ``k_min[layer], k_max[layer]: [num_pages, num_kv_heads, head_dim]``.
 
-A `PagedKVCache(page_summaries=True)` keeps one (``cache.summaries``): ``write`` folds new keys
-in, a page handed out again starts empty (``+inf`` / ``-inf``), a copy-on-write copies it,
-``compact`` recomputes; ``truncate`` and ``rewind`` leave a looser bound.
+A `PagedKVCache(page_summaries=True)` keeps one (``cache.summaries``) among its ``watchers``, told
+of every change to a page's keys (`PagedKVCache._tell`): ``write`` folds new keys in, a page handed
+out again starts empty (``+inf`` / ``-inf``), a copy-on-write copies it, ``compact`` recomputes;
+``truncate`` and ``rewind`` leave a looser bound; a checkpoint's rollback puts it back.
 
 Example:
     >>> import torch
@@ -59,3 +60,9 @@ class PageSummaries:
         """Page ``dst`` became a copy of page ``src``."""
         for t in (*self.k_min, *self.k_max):
             t[dst].copy_(t[src])
+
+    def snapshot(self):
+        return [m.clone() for m in self.k_min], [m.clone() for m in self.k_max]
+
+    def restore(self, snapshot) -> None:
+        self.k_min, self.k_max = snapshot

@@ -148,7 +148,7 @@ def test_eviction_requests_match_generate_with_the_same_policy(model, preemption
     for i, (o, (prompt, n, _)) in enumerate(zip(outs, reqs)):
         expected = _alone(prompt, n, "paged_eviction", 8) if i % 2 == 0 else _alone(prompt, n)
         assert o.token_ids == expected, f"request {i}"
-    assert engine.scheduler._hooks == {}  # every request's policy was released
+    assert engine.scheduler.evictions.hooks == {}  # every request's policy was released
 
 
 def test_eviction_lets_more_requests_run_at_once(model):
@@ -356,9 +356,9 @@ def _req(i, prompt, new=4):
 
 def _run_step(sched):
     plan = sched.schedule()
-    rows = [torch.zeros(n, dtype=torch.long) for _, n in plan.items]
-    sched.session.extend([r.seq_id for r, _ in plan.items], rows, reserved=True)  # the plan took the pages
-    for r, n in plan.items:
+    rows = [torch.zeros(n, dtype=torch.long) for _, n in plan.rows]
+    sched.session.extend([r.seq_id for r, _ in plan.rows], rows, reserved=True)  # the plan took the pages
+    for r, n in plan.rows:
         r.num_computed += n
         if r.num_computed == r.num_tokens:
             r.output_ids.append(0)
@@ -371,9 +371,9 @@ def test_decodes_are_served_before_prefill_chunks_and_nobody_overtakes():
     for r in (a, b, c):
         sched.add(r)
     plan = _run_step(sched)
-    assert [(r.request_id, n) for r, n in plan.items] == [(0, 3), (1, 3)]  # c waits behind b
+    assert [(r.request_id, n) for r, n in plan.rows] == [(0, 3), (1, 3)]  # c waits behind b
     plan = _run_step(sched)
-    assert [(r.request_id, n) for r, n in plan.items] == [(0, 1), (1, 5)]  # a's decode first, b gets the rest
+    assert [(r.request_id, n) for r, n in plan.rows] == [(0, 1), (1, 5)]  # a's decode first, b gets the rest
 
 
 def test_preemption_takes_the_most_recent_request_first():
@@ -394,7 +394,7 @@ def test_the_watermark_holds_admission_back():
     sched.add(a)
     sched.add(b)
     plan = sched.schedule()
-    assert [r.request_id for r, _ in plan.items] == [0] and list(sched.waiting) == [b]
+    assert [r.request_id for r, _ in plan.rows] == [0] and list(sched.waiting) == [b]
     assert sched.kv.seq_ids == [0]  # b's trial sequence was undone
 
 

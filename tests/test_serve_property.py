@@ -76,14 +76,6 @@ class ToySession(DrySession):
         if policy is not None:
             policy.release(seq_id)
 
-    def checkpoint(self) -> None:
-        super().checkpoint()
-        self._toy_saved = dict(self._policies), set(self._prefilled)
-
-    def rollback(self) -> None:
-        super().rollback()
-        self._policies, self._prefilled = self._toy_saved
-
     def extend(self, seq_ids, tokens, *, packed=False, reserved=False) -> torch.Tensor:
         fault = self.faults or (lambda where: False)
         if fault("forward"):

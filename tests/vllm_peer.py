@@ -192,7 +192,7 @@ def paged_ref_steps(
 
     def recorded():
         plan = schedule()
-        plans.append(({r.request_id: n for r, n in plan.items}, {r.request_id: r.num_computed for r in plan.admitted}))
+        plans.append(({r.request_id: n for r, n in plan.rows}, {r.request_id: r.num_computed for r in plan.admitted}))
         return plan
 
     engine.scheduler.schedule = recorded

@@ -79,36 +79,48 @@ def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, *, scale=None
     rows = f"[batch={batch}, max_pages>=1]"
     _int_tensor("block_table", block_table, q, rows, lambda s: len(s) == 2 and s[0] == batch and s[1] >= 1)
     _int_tensor("seq_lens", seq_lens, q, f"[batch={batch}]", lambda s: s == (batch,))
+    scale = _scale(scale, head_dim)
+    if check_values:
+        _check_table_values(block_table, seq_lens, num_pages=num_pages, page_size=page_size)
+    return scale
+
+
+def _scale(scale, head_dim: int) -> float:
+    """The softmax scale: ``scale`` checked to be a finite real number, or ``head_dim ** -0.5``."""
     if scale is None:
         scale = head_dim**-0.5
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be None or a real number, got {type(scale).__name__}")
     elif not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
-    if check_values:
-        max_pages = block_table.shape[1]
-        lens = seq_lens.tolist()
-        for b, n in enumerate(lens):
-            if not 1 <= n <= max_pages * page_size:
-                raise ValueError(
-                    f"seq_lens[{b}] must be in [1, max_pages * page_size = {max_pages} * {page_size}], got {n}"
-                )
-        table = block_table.tolist()
-        for b, n in enumerate(lens):
-            used = table[b][: cdiv(n, page_size)]
-            bad = [p for p in used if not 0 <= p < num_pages]
-            if bad:
-                raise ValueError(
-                    f"block_table[{b}] uses page ids outside [0, num_pages={num_pages}) "
-                    f"within its first {len(used)} entries (seq_lens[{b}]={n}): {bad[:4]}"
-                )
-            if len(set(used)) != len(used):  # a corrupted table (sharing *between* sequences is fine)
-                twice = sorted({p for p in used if used.count(p) > 1})
-                raise ValueError(
-                    f"block_table[{b}] lists page ids {twice[:4]} more than once within its "
-                    f"first {len(used)} entries (seq_lens[{b}]={n})"
-                )
     return float(scale)
+
+
+def _check_table_values(block_table, seq_lens, *, num_pages: int, page_size: int) -> None:
+    """On the host: each ``seq_lens[b]`` in ``[1, max_pages * page_size]``, the block-table entries it uses
+    distinct page ids in ``[0, num_pages)``."""
+    max_pages = block_table.shape[1]
+    lens = seq_lens.tolist()
+    for b, n in enumerate(lens):
+        if not 1 <= n <= max_pages * page_size:
+            raise ValueError(
+                f"seq_lens[{b}] must be in [1, max_pages * page_size = {max_pages} * {page_size}], got {n}"
+            )
+    table = block_table.tolist()
+    for b, n in enumerate(lens):
+        used = table[b][: cdiv(n, page_size)]
+        bad = [p for p in used if not 0 <= p < num_pages]
+        if bad:
+            raise ValueError(
+                f"block_table[{b}] uses page ids outside [0, num_pages={num_pages}) "
+                f"within its first {len(used)} entries (seq_lens[{b}]={n}): {bad[:4]}"
+            )
+        if len(set(used)) != len(used):  # a corrupted table (sharing *between* sequences is fine)
+            twice = sorted({p for p in used if used.count(p) > 1})
+            raise ValueError(
+                f"block_table[{b}] lists page ids {twice[:4]} more than once within its "
+                f"first {len(used)} entries (seq_lens[{b}]={n})"
+            )
 
 
 def check_prefill_inputs(q, k_cache, v_cache, block_table, seq_lens, q_lens, *, scale=None, check_values=True) -> float:

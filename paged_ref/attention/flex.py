@@ -174,10 +174,36 @@ def to_physical_block_mask(
     page_size]``) to one over the cache's ``num_pages * page_size`` physical positions, same block
     sizes, each physical block listed at most once per query block."""
     q_block, kv_block = logical.BLOCK_SIZE
-    device = block_table.device
-    batch, max_pages = block_table.shape
-    n_logical_blocks = logical.kv_indices.shape[-1]
     n_physical_blocks = cdiv(num_pages * page_size, kv_block)
+    partial, full = _physical_blocks(logical, block_table, seq_lens, n_physical_blocks, page_size)
+    p2l_cols = cdiv(n_physical_blocks * kv_block, page_size)  # covers padded blocks too
+    p2l = physical_to_logical(block_table, seq_lens, p2l_cols, page_size)
+    mask_mod = _physical_mask_mod(_logical_mask_mod(seq_lens, q_lens), p2l, seq_lens, page_size)
+    num, idx = _ordered_blocks(partial)
+    # Always hand over full-block lists (empty ones when nothing is fully visible): inductor's
+    # CPU template for compiled flex_attention does not build without them (torch 2.13).
+    full_num, full_idx = _ordered_blocks(full if full is not None else torch.zeros_like(partial))
+    physical = BlockMask.from_kv_blocks(
+        num,
+        idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=(q_block, kv_block),
+        mask_mod=mask_mod,
+        seq_lengths=(logical.seq_lengths[0], num_pages * page_size),
+        compute_q_blocks=False,
+    )  # forward only: no transposed lists needed
+    physical.paged_ref_source = mask_source(block_table, seq_lens, q_lens)
+    return physical
+
+
+def _physical_blocks(logical: BlockMask, block_table, seq_lens, n_physical_blocks: int, page_size: int):
+    """``logical``'s partial and full block lists as ``bool [batch, heads, q_blocks, n_physical_blocks]``
+    over the physical blocks its pages land in (full: None when no block is wholly one page's)."""
+    kv_block = logical.BLOCK_SIZE[1]
+    device = block_table.device
+    max_pages = block_table.shape[1]
+    n_logical_blocks = logical.kv_indices.shape[-1]
     unit = math.gcd(page_size, kv_block)  # aligned run inside one page and one block
 
     # Where each logical unit of each sequence lands in the physical cache.
@@ -207,26 +233,7 @@ def to_physical_block_mask(
             full = logical_full  # a block lies inside one page: stays fully visible
         else:
             partial = partial | logical_full  # may share the block with foreign tokens
-
-    p2l_cols = cdiv(n_physical_blocks * kv_block, page_size)  # covers padded blocks too
-    p2l = physical_to_logical(block_table, seq_lens, p2l_cols, page_size)
-    mask_mod = _physical_mask_mod(_logical_mask_mod(seq_lens, q_lens), p2l, seq_lens, page_size)
-    num, idx = _ordered_blocks(partial)
-    # Always hand over full-block lists (empty ones when nothing is fully visible): inductor's
-    # CPU template for compiled flex_attention does not build without them (torch 2.13).
-    full_num, full_idx = _ordered_blocks(full if full is not None else torch.zeros_like(partial))
-    physical = BlockMask.from_kv_blocks(
-        num,
-        idx,
-        full_num,
-        full_idx,
-        BLOCK_SIZE=(q_block, kv_block),
-        mask_mod=mask_mod,
-        seq_lengths=(logical.seq_lengths[0], num_pages * page_size),
-        compute_q_blocks=False,
-    )  # forward only: no transposed lists needed
-    physical.paged_ref_source = mask_source(block_table, seq_lens, q_lens)
-    return physical
+    return partial, full
 
 
 class PagedBlockMasks(NamedTuple):

@@ -8,9 +8,10 @@ import numbers
 import torch
 
 from .._validate import check_int, check_list, describe
+from ..eviction.base import EvictionPolicy
 from ..memory import model_geometry
 
-__all__ = ["check_batch", "check_prompts", "check_streamer", "token_ids"]
+__all__ = ["check_batch", "check_live", "check_policy", "check_prompts", "check_room", "check_streamer", "token_ids"]
 
 
 def check_batch(seq_ids, tokens) -> tuple[list, list]:
@@ -27,6 +28,36 @@ def check_batch(seq_ids, tokens) -> tuple[list, list]:
     if len(set(seq_ids)) != len(seq_ids):
         raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
     return seq_ids, tokens
+
+
+def check_live(seq_id, live) -> None:
+    """``seq_id`` is one of ``live``, a session's sequences."""
+    if seq_id not in live:
+        raise ValueError(f"seq_id {seq_id!r} is not a live sequence of this session (live: {sorted(live)})")
+
+
+def check_policy(eviction, default):
+    """A sequence's eviction policy: ``eviction``, an `EvictionPolicy`, or the session's ``default`` for None."""
+    if eviction is None:
+        return default
+    if not isinstance(eviction, EvictionPolicy):
+        raise TypeError(f"eviction must be an EvictionPolicy or None, got {type(eviction).__name__}")
+    return eviction
+
+
+def check_room(seq_ids, q_lens, policies: dict, kv) -> None:
+    """Each row feeds at most the tokens its sequence's policy (``policies``: seq -> policy or None, for
+    the sequences past their prefill) lets in before it acts (``tokens_until_action``)."""
+    for b, (s, n) in enumerate(zip(seq_ids, q_lens)):
+        policy = policies.get(s)
+        if policy is None:
+            continue
+        room = policy.tokens_until_action(kv, s)
+        if n > room:
+            raise ValueError(
+                f"tokens[{b}] has {n} tokens, but sequence {s}'s eviction policy must act after {room}; "
+                "feed at most tokens_until_action() tokens per forward"
+            )
 
 
 def token_ids(name: str, t, vocab: int) -> torch.Tensor:
@@ -74,6 +105,15 @@ def check_prompts(model, input_ids, attention_mask, max_new_tokens, eos_token_id
     if lo < 0 or hi >= vocab:  # (left padding must hold valid ids too, as for model.generate)
         raise ValueError(f"input_ids must hold token ids in [0, vocab_size={vocab}), got values in [{lo}, {hi}]")
     device = next(model.parameters()).device
+    prompts = _unpadded(input_ids, attention_mask, device)
+    eos_list, pad_token_id = _special_ids(model, eos_token_id, pad_token_id, vocab)
+    eos = torch.tensor(eos_list, dtype=torch.long, device=device)
+    return prompts, eos, int(pad_token_id)
+
+
+def _unpadded(input_ids, attention_mask, device) -> list[torch.Tensor]:
+    """Each row's prompt without its left padding (``attention_mask``, checked), on ``device``."""
+    length = input_ids.shape[1]
     if attention_mask is None:
         prompts = [row.to(device) for row in input_ids]
     else:
@@ -99,6 +139,11 @@ def check_prompts(model, input_ids, attention_mask, max_new_tokens, eos_token_id
                 f"every prompt needs at least one real token; attention_mask row {int(lengths.argmin())} is all 0"
             )
         prompts = [input_ids[b, length - int(n) :].to(device) for b, n in enumerate(lengths)]
+    return prompts
+
+
+def _special_ids(model, eos_token_id, pad_token_id, vocab: int) -> tuple[list[int], int]:
+    """The EOS ids and the pad id, checked; None takes the model's ``generation_config`` value."""
     config = getattr(model, "generation_config", None)
     if eos_token_id is None:
         eos_token_id = getattr(config, "eos_token_id", None)
@@ -117,8 +162,7 @@ def check_prompts(model, input_ids, attention_mask, max_new_tokens, eos_token_id
         pad_token_id = eos_list[0] if eos_list else 0
     if not _is_int(pad_token_id) or not 0 <= int(pad_token_id) < vocab:
         raise ValueError(f"pad_token_id must be a token id in [0, vocab_size={vocab}) or None, got {pad_token_id!r}")
-    eos = torch.tensor(eos_list, dtype=torch.long, device=device)
-    return prompts, eos, int(pad_token_id)
+    return eos_list, int(pad_token_id)
 
 
 def _is_int(x) -> bool:

@@ -106,6 +106,13 @@ def generate(
         ).sequences
     n = decoding.num_return_sequences
     steps = Stream(_steps(prepare(model, input_ids, n, max_new_tokens=max_new_tokens, **options), decoding))
+    prompts = input_ids.repeat_interleave(n, dim=0)  # [rows, prompt_len]
+    generated = _collect(steps, prompts, max_new_tokens, streamer=streamer, callback=callback, progress=progress)
+    return torch.cat([prompts, generated.to(input_ids.device)], dim=1)
+
+
+def _collect(steps: Stream, prompts, max_new_tokens: int, *, streamer, callback, progress: bool) -> torch.Tensor:
+    """Run ``steps`` to the end, each step's tokens to the streamer and the callback: ``[rows, steps]``."""
     from tqdm.auto import tqdm
 
     new_tokens = []
@@ -113,7 +120,7 @@ def generate(
         with steps, tqdm(total=max_new_tokens, disable=not progress, desc="paged generate", unit="tok") as bar:
             for step, tokens in enumerate(steps):
                 if step == 0 and streamer is not None:
-                    streamer.put(input_ids.repeat_interleave(n, dim=0).cpu())
+                    streamer.put(prompts.cpu())
                 new_tokens.append(tokens)
                 if streamer is not None:
                     streamer.put(tokens.cpu())
@@ -123,8 +130,7 @@ def generate(
     finally:
         if streamer is not None:
             streamer.end()
-    generated = torch.stack(new_tokens, dim=1).to(input_ids.device)  # [rows, steps]
-    return torch.cat([input_ids.repeat_interleave(n, dim=0), generated], dim=1)
+    return torch.stack(new_tokens, dim=1)  # [rows, steps]
 
 
 def stream(

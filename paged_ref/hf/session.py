@@ -38,11 +38,22 @@ from ..cache import PagedKVCache
 from ..cache_interface import KVCache
 from ..eviction.policies import EvictionPolicy, resolve_policy
 from ..memory import model_geometry
-from ._checks import check_batch, token_ids
+from ._checks import check_batch, check_live, check_policy, check_room, token_ids
 from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, paged_attention_active, register, set_attn_implementation
 from .cache import PagedCache, StepPlan, pack_rows
 
 __all__ = ["PagedSession", "cache_keyword", "fast_step"]
+
+
+def logits_to_keep(plan: StepPlan, q_lens: list[int], all_logits: bool):
+    """The columns the model computes logits for: each row's last new token (0: every column)."""
+    if all_logits:
+        return 0
+    if plan.parts is not None:  # one packed row
+        return torch.tensor(list(itertools.accumulate(q_lens)), device=plan.kv.device) - 1  # [batch]
+    if plan.is_decode:
+        return 1
+    return torch.tensor(sorted({n - 1 for n in q_lens}), device=plan.kv.device)
 
 
 def cache_keyword(model) -> str:
@@ -175,7 +186,7 @@ class PagedSession:
             raise RuntimeError(
                 "PagedSession.add on a closed session: open it again (`with session:`) or make a new one"
             )
-        policy = self._policy_arg(eviction)
+        policy = check_policy(eviction, self.eviction)
         seq_id = self.kv.add_sequence(token_ids=token_ids, namespace=namespace)
         self._positions[seq_id] = self.kv.seq_len(seq_id)  # RoPE continues after reused tokens
         self._policies[seq_id] = policy
@@ -186,8 +197,8 @@ class PagedSession:
 
         The fork's tokens are its prompt: its policy (default: the session's) runs ``after_prefill``
         now, so one prefilled prompt serves sequences under different policies."""
-        self._check_live(seq_id)
-        policy = self._policy_arg(eviction)
+        check_live(seq_id, self._positions)
+        policy = check_policy(eviction, self.eviction)
         new = self.kv.fork(seq_id)
         self._positions[new] = self._positions[seq_id]
         self._policies[new] = policy
@@ -198,16 +209,9 @@ class PagedSession:
             raise
         return new
 
-    def _policy_arg(self, eviction) -> EvictionPolicy | None:
-        if eviction is None:
-            return self.eviction
-        if not isinstance(eviction, EvictionPolicy):
-            raise TypeError(f"eviction must be an EvictionPolicy or None, got {type(eviction).__name__}")
-        return eviction
-
     def finish(self, seq_id: int) -> None:
         """Free the sequence's pages (they go back to the allocator at once)."""
-        self._check_live(seq_id)
+        check_live(seq_id, self._positions)
         del self._positions[seq_id]
         self._prefilled.discard(seq_id)
         policy = self._policies.pop(seq_id)
@@ -217,36 +221,12 @@ class PagedSession:
 
     def position(self, seq_id: int) -> int:
         """Absolute position the sequence's next token will take (tokens fed so far)."""
-        self._check_live(seq_id)
+        check_live(seq_id, self._positions)
         return self._positions[seq_id]
-
-    def _check_live(self, seq_id) -> None:
-        if seq_id not in self._positions:
-            raise ValueError(
-                f"seq_id {seq_id!r} is not a live sequence of this session (live: {sorted(self._positions)})"
-            )
 
     @property
     def seq_ids(self) -> list[int]:
         return list(self._positions)
-
-    # ------------------------------------------------------------------ undoing a serving step
-    def checkpoint(self) -> None:
-        """Start a change that `rollback` undoes whole: the cache (`PagedKVCache.checkpoint`), every
-        sequence's position and policy. (The policies' own records are theirs to save.)"""
-        self.kv.checkpoint()
-        self._saved = dict(self._positions), set(self._prefilled), dict(self._policies), self.plan_seconds
-
-    def commit(self) -> None:
-        """Keep every change since `checkpoint`."""
-        self.kv.commit()
-        self._saved = None
-
-    def rollback(self) -> None:
-        """Undo every change since `checkpoint`: added, fed, evicted and finished sequences alike."""
-        self.kv.rollback()
-        self._positions, self._prefilled, self._policies, self.plan_seconds = self._saved
-        self._saved = None
 
     # ------------------------------------------------------------------ the forward
     @torch.inference_mode()
@@ -277,43 +257,38 @@ class PagedSession:
         Then each sequence's policy runs; one that raises changes nothing, and its error is raised
         after the others ran.
         """
+        seq_ids, tokens = self._checked(seq_ids, tokens, reserved)  # 1. check, before any page moves
+        q_lens = [t.numel() for t in tokens]
+        out, plan = self._forward(seq_ids, tokens, q_lens, all_logits=all_logits, packed=packed, reserved=reserved)
+        self._fed(seq_ids, q_lens)  # 3. positions move on, the policies act
+        return self._logits(out.logits.float(), plan, q_lens, all_logits)  # 4. [batch, vocab], or a list
+
+    def _checked(self, seq_ids, tokens, reserved: bool) -> tuple[list[int], list[torch.Tensor]]:
+        """`extend`'s arguments checked: live distinct sequences, tokens as LongTensors ``[n_b]`` (n_b >= 1) on
+        the cache's device, each row within what its policy may be fed before it acts."""
         if not self._open:
             raise RuntimeError("PagedSession.extend needs an open session: use `with PagedSession(...) as s:`")
         seq_ids, tokens = check_batch(seq_ids, tokens)
         for s in seq_ids:
-            self._check_live(s)
+            check_live(s, self._positions)
         device, vocab = self.kv.device, self.model.config.vocab_size
         tokens = [token_ids(f"tokens[{b}]", t, vocab).to(device) for b, t in enumerate(tokens)]
         q_lens = [t.numel() for t in tokens]
         if min(q_lens) < 1:
             raise ValueError(f"each tokens[b] must hold at least one token, got lengths {q_lens}")
-        for b, (s, n) in enumerate(zip(seq_ids, q_lens)):
-            policy = self._policies[s]
-            if policy is None or s not in self._prefilled or reserved:
-                continue
-            room = policy.tokens_until_action(self.kv, s)
-            if n > room:
-                raise ValueError(
-                    f"tokens[{b}] has {n} tokens, but sequence {s}'s eviction policy must act after {room}; "
-                    "feed at most tokens_until_action() tokens per forward"
-                )
+        if not reserved:  # a scheduler's rows end where the policy acts
+            check_room(seq_ids, q_lens, {s: self._policies[s] for s in seq_ids if s in self._prefilled}, self.kv)
+        return seq_ids, tokens
 
+    def _forward(self, seq_ids, tokens, q_lens, *, all_logits: bool, packed: bool, reserved: bool):
+        """2. The model's forward over the rows, all or nothing: if the reservation or the forward raises,
+        every sequence goes back to its mark (`PagedKVCache.rewind`). Returns the output and the `StepPlan`."""
         marks = [self.kv.mark(s) for s in seq_ids]
         started = time.perf_counter()
         try:  # the reservation is all or nothing, what follows may fail: then back to the marks
             plan, input_ids, position_ids = self._plan(seq_ids, tokens, q_lens, packed=packed, reserved=reserved)
             self.plan_seconds += time.perf_counter() - started
-            # the model computes logits only for the columns asked for: each row's last new token
-            ends = [n - 1 for n in q_lens]
-            if all_logits:
-                keep = 0  # every column
-            elif plan.parts is not None:  # one packed row
-                keep = torch.tensor(list(itertools.accumulate(q_lens)), device=device) - 1  # [batch]
-            elif plan.is_decode:
-                keep = 1
-            else:
-                columns = sorted(set(ends))
-                keep = torch.tensor(columns, device=device)
+            keep = logits_to_keep(plan, q_lens, all_logits)
             self._hf_cache.plan = plan
             with paged_attention_active(self.model), self._linears, self._flat:
                 out = self.model(
@@ -330,6 +305,11 @@ class PagedSession:
             raise
         finally:
             self._hf_cache.plan = None
+        return out, plan
+
+    def _fed(self, seq_ids, q_lens) -> None:
+        """The rows are in the cache: positions move on, then each sequence's policy runs; one that raises
+        changes nothing, and the first error is raised after the others ran."""
         prefill = [s not in self._prefilled for s in seq_ids]
         for s, n in zip(seq_ids, q_lens):
             self._positions[s] += n  # fed: the cache holds them
@@ -341,13 +321,16 @@ class PagedSession:
                 error = error or e
         if error is not None:
             raise error
-        logits = out.logits.float()  # [batch, kept columns, vocab], or [1, kept, vocab] packed
+
+    def _logits(self, logits, plan, q_lens, all_logits: bool):
+        """Each row's logits out of the kept columns, ``logits: [batch, kept, vocab]`` (``[1, kept, vocab]`` packed)."""
         if all_logits:  # the valid tokens, row after row
             return list((logits.flatten(0, 1) if plan.valid is None else logits[plan.valid]).split(q_lens))
         if plan.parts is not None or plan.is_decode:
             return logits[0] if plan.parts is not None else logits[:, -1]  # [batch, vocab]
-        pick = torch.tensor([columns.index(e) for e in ends], device=device)  # each row's kept column
-        return logits[torch.arange(len(seq_ids), device=device), pick]  # [batch, vocab]
+        device, columns = self.kv.device, sorted({n - 1 for n in q_lens})
+        pick = torch.tensor([columns.index(n - 1) for n in q_lens], device=device)  # each row's kept column
+        return logits[torch.arange(len(q_lens), device=device), pick]  # [batch, vocab]
 
     def _plan(self, seq_ids, tokens, q_lens_list, packed=False, reserved=False):
         """Reserve cache slots for the new tokens and lay them out as a ``[batch, max_q_len]`` rectangle

@@ -80,8 +80,8 @@ def refusal(sched, r) -> str | None:
             f"prompt ({prompt} tokens) + max_new_tokens ({r.max_new_tokens}) = {r.peak_tokens + 1} exceeds "
             f"max_model_len={sched.max_model_len}"
         )
-    if sched.peak_pages(r) > pool:
-        return f"it needs {sched.peak_pages(r)} pages of {ps} tokens at its longest and the pool has {pool}"
+    if sched.evictions.peak_pages(r) > pool:
+        return f"it needs {sched.evictions.peak_pages(r)} pages of {ps} tokens at its longest and the pool has {pool}"
     # the longest first chunk admission may have to place: the prompt, or prompt + output after a preemption
     chunk = min(sched.max_batched_tokens, prompt if r.eviction is not None else r.peak_tokens)
     first = max(sched.committed_pages(r), pages_needed(chunk, ps))

@@ -1,7 +1,7 @@
 """A dry session: the page pool and the calls the engine makes, with no model behind them.
 
 `DrySession` answers the engine's calls of a `paged_ref.hf.PagedSession` (``add``, ``position``,
-``extend``, ``finish``, ``kv``, ``checkpoint`` / ``commit`` / ``rollback``) over a real
+``extend``, ``finish``, ``kv``, ``plan_seconds``) over a real
 `PagedKVCache` of one number per token: pages are taken, shared and freed exactly as in a real run,
 nothing is written, and every row samples token 0. ``Engine(None, ...)`` is such a dry run: what
 notebooks 03 and 09 use to play thousands of steps in seconds. Eviction needs real K/V: refused.
@@ -50,17 +50,6 @@ class DrySession:
     def finish(self, seq_id: int) -> None:
         del self._positions[seq_id]
         self.kv.free(seq_id)
-
-    def checkpoint(self) -> None:
-        self.kv.checkpoint()
-        self._saved = dict(self._positions)
-
-    def commit(self) -> None:
-        self.kv.commit()
-
-    def rollback(self) -> None:
-        self.kv.rollback()
-        self._positions = self._saved
 
     def extend(self, seq_ids: list[int], tokens: list, *, packed: bool = False, reserved: bool = False) -> torch.Tensor:
         """Feed every row's new tokens (lists or 1-D tensors of ids), reserving their slots unless

@@ -32,17 +32,16 @@ Example:
 from __future__ import annotations
 
 import heapq
-import itertools
 import time
 
 from .._validate import check_choice, check_int
 from ..cache import PagedKVCache
-from . import undo
 from ._checks import check_arrival, check_eviction, check_request_id, check_watermark, eos_set, prompt_list, refusal
 from .dry import DrySession
-from .metrics import COUNTS, StepRecord, count_fed, engine_stats, record_step
+from .metrics import COUNTS, StepClock, StepRecord, count_fed, engine_stats, record_step
 from .request import FINISHED, PENDING, Request, RequestOutput
 from .scheduler import Scheduler
+from .undo import StepCheckpoint
 
 __all__ = ["CLOCKS", "Engine", "StepRecord"]
 
@@ -177,32 +176,31 @@ class Engine:
         With nothing queued but requests still to arrive, the clock first moves to the next arrival."""
         if not self.has_unfinished_requests():
             return []
-        saved, sched = self._checkpoint(), None
-        started, plan_before = time.perf_counter(), self.session.plan_seconds
-        try:
-            self._arrive()
-            sched = self.scheduler.schedule()  # 1. schedule: preemptions, swaps, admissions, rows
-            if not sched.items:
-                raise RuntimeError(f"the scheduler planned no tokens: {self.scheduler.queues()}")
-            scheduled = time.perf_counter()
-            pages_used = self.kv.num_pages - self.kv.allocator.num_free  # the rows' pages are taken
-            seq_ids = [r.seq_id for r, _ in sched.items]
-            chunks = [r.tokens(r.num_computed, r.num_computed + n) for r, n in sched.items]
-            logits = self.session.extend(seq_ids, chunks, packed=True, reserved=True)  # 2. one forward: [rows, vocab]
-            forwarded = time.perf_counter()
+        with StepCheckpoint(self) as step:  # undone whole if it raises (`paged_ref.serve.undo`)
+            clock = StepClock(self.session)  # the phases, timed (`paged_ref.serve.metrics`)
+            sched = step.sched = self._schedule()  # 1. schedule: preemptions, swaps, admissions, rows
+            clock.scheduled(self.kv)
+            logits = self.session.extend(*sched.inputs(), packed=True, reserved=True)  # 2. forward: [rows, vocab]
+            clock.forwarded()
             next_tokens = logits.argmax(dim=-1).tolist()  # 3. sample (greedy)
-        except BaseException as error:
-            return self._undo(saved, sched, error)
-        self.session.commit()
-        finished = self._advance_requests(sched, next_tokens)  # 4. finish: EOS or max_new_tokens
-        times = started, scheduled, forwarded, self.session.plan_seconds - plan_before
-        return self._record(sched, finished, pages_used, times)
+        if step.outputs:  # undone; requests whose own eviction hook kept raising finished with an error
+            return step.outputs
+        return self._finish_step(sched, next_tokens, clock)  # 4. finish: EOS or max_new_tokens
 
-    def _advance_requests(self, sched, next_tokens: list[int]) -> list[tuple[Request, str]]:
-        """Count each row's tokens as computed; a row that completed its tokens takes its next token."""
+    def _schedule(self):
+        """The requests that have arrived queued, the step's `Schedule` (its rows' pages taken)."""
+        self._arrive()
+        sched = self.scheduler.schedule()
+        if not sched.rows:
+            raise RuntimeError(f"the scheduler planned no tokens: {self.scheduler.queues()}")
+        return sched
+
+    def _finish_step(self, sched, next_tokens: list[int], clock: StepClock) -> list[RequestOutput]:
+        """Count each row's tokens as computed and give a row that completed its tokens its next token;
+        then observers see the pool, finished requests free their pages, the clock moves."""
         count_fed(self._counts, sched)
         finished = []
-        for (r, n), token in zip(sched.items, next_tokens):
+        for (r, n), token in zip(sched.rows, next_tokens):
             r.num_computed += n
             r.high_water = max(r.high_water, r.num_computed)
             if r.num_computed < r.num_tokens:  # mid-prefill: these logits are not needed
@@ -213,22 +211,18 @@ class Engine:
                 finished.append((r, "stop"))
             elif len(r.output_ids) == r.max_new_tokens:
                 finished.append((r, "length"))
-        return finished
-
-    def _record(self, sched, finished, pages_used: int, times: tuple) -> list[RequestOutput]:
-        """The step's end: observers see the pool, finished requests free their pages, the clock moves."""
         for observe in self.observers:
             observe(self)
-        pages = pages_used, pages_used + self.scheduler.unfilled_commitments(), len(self.scheduler.running)
+        pages = clock.pages_used, clock.pages_used + self.scheduler.unfilled_commitments(), len(self.scheduler.running)
         for r, _ in finished:
             self.scheduler.remove(r)
-        times = (*times, time.perf_counter())  # ... and the step's end
+        times = clock.end()
         if self.clock == "simulated":
             self._now += times[-1] - times[0]
         elif self.clock == "steps":
             self._now += 1.0
         now = self.now
-        for r, _ in sched.items:
+        for r, _ in sched.rows:
             if r.first_token_s is None and r.output_ids:
                 r.first_token_s = now
         for r, reason in finished:
@@ -236,42 +230,6 @@ class Engine:
         done = [r for r, _ in finished]
         record_step(self.history, self._counts, sched, done, self.scheduler, now=now, pages=pages, times=times)
         return [r.output() for r in done]
-
-    def _checkpoint(self):
-        """What a step may change, saved (`paged_ref.serve.undo`): the scheduler, the running and swapped
-        requests, the waiting ones it may admit and those arriving by the time it plans; and the session."""
-        s = self.scheduler
-        horizon = max(self.now, self._pending[0][0]) if self._pending and not s.has_work else self.now
-        arriving = [self._requests[i] for t, i in self._pending if t <= horizon]
-        requests = [*s.running, *s.swapped, *itertools.islice(s.waiting, s.max_num_seqs), *arriving]
-        policies = [r.eviction for r in requests if r.eviction is not None] + s.hooks()
-        self.session.checkpoint()
-        return (self._now, list(self._pending)), undo.save([s, s.swap], requests, policies)
-
-    def _undo(self, saved, sched, error: BaseException) -> list[RequestOutput]:
-        """A step raised: put everything back, then re-raise naming the requests concerned, or finish
-        with an error the requests whose own hook failed `HOOK_TRIES` times."""
-        culprits = self.scheduler.failed_hooks()
-        rows = [r for r, _ in sched.items] if sched is not None else []
-        self.session.rollback()
-        (self._now, self._pending), fields = saved
-        undo.restore(fields)
-        names = ", ".join(f"request {r.request_id}" for r in culprits or rows) or "no request planned yet"
-        where = "whose own eviction hook raised" if culprits else "in the step's planning or forward"
-        error.add_note(f"Engine.step was undone, nothing changed: {names} ({where})")
-        if not isinstance(error, Exception):  # KeyboardInterrupt and the like: never retried or counted
-            raise error
-        outs = []
-        for r in culprits:
-            r.hook_failures += 1
-            if r.hook_failures >= self.HOOK_TRIES:
-                self.scheduler.remove(r)
-                r.error = f"{type(error).__name__}: {error}"
-                self._finish(r, "error")
-                outs.append(r.output())
-        if not outs:
-            raise error
-        return outs
 
     def has_unfinished_requests(self) -> bool:
         """True while a request added is not finished: waiting, running, swapped or yet to arrive."""

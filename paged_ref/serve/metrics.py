@@ -1,4 +1,5 @@
-"""The engine's bookkeeping: what each step did (`StepRecord`) and the run's counters (`engine_stats`).
+"""The engine's bookkeeping: a step's phases timed (`StepClock`), what each step did (`StepRecord`)
+and the run's counters (`engine_stats`).
 
 Throughput, time to first token and time per output token over a run's outputs:
 `paged_ref.lab.serve_metrics`.
@@ -6,11 +7,12 @@ Throughput, time to first token and time per output token over a run's outputs:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from .request import FINISHED
 
-__all__ = ["COUNTS", "StepRecord", "count_fed", "engine_stats", "record_step"]
+__all__ = ["COUNTS", "StepClock", "StepRecord", "count_fed", "engine_stats", "record_step"]
 
 COUNTS = ("generated", "prompt_tokens", "recomputed_tokens", "prefix_hit_tokens")
 COUNTS += ("peak_running", "peak_pages", "peak_committed_pages")
@@ -45,12 +47,33 @@ class StepRecord:
         return self.schedule_s + self.plan_s + self.post_s
 
 
+class StepClock:
+    """A step's phases on ``perf_counter``: its start, after scheduling (with the pages then held),
+    after the forward and its end; and the seconds the session spent laying out the forward."""
+
+    def __init__(self, session):
+        self.session, self.plan_before = session, session.plan_seconds
+        self.marks = [time.perf_counter()]
+
+    def scheduled(self, kv) -> None:
+        self.marks.append(time.perf_counter())
+        self.pages_used = kv.num_pages - kv.allocator.num_free  # the rows' pages are taken
+
+    def forwarded(self) -> None:
+        self.marks.append(time.perf_counter())
+
+    def end(self) -> tuple[float, float, float, float, float]:
+        """``(started, scheduled, forwarded, plan_s, ended)``, as `record_step` takes them."""
+        started, scheduled, forwarded = self.marks
+        return started, scheduled, forwarded, self.session.plan_seconds - self.plan_before, time.perf_counter()
+
+
 def count_fed(counts: dict, sched) -> None:
     """Count a step's rows before they are marked computed: the prefix hits of the requests it
     admitted, prompt tokens computed the first time, tokens computed again after a preemption."""
     for r in sched.admitted:
         counts["prefix_hit_tokens"] += r.num_computed
-    for r, n in sched.items:
+    for r, n in sched.rows:
         start = r.num_computed
         counts["recomputed_tokens"] += max(0, min(r.high_water, start + n) - start)
         counts["prompt_tokens"] += max(0, min(len(r.prompt_ids), start + n) - max(start, r.high_water))
@@ -62,16 +85,16 @@ def record_step(history: list, counts: dict, sched, finished, scheduler, *, now,
     start, after scheduling and after the forward, the session's plan seconds, ``perf_counter`` at the end."""
     pages_used, committed, running = pages
     started, scheduled, forwarded, plan_s, ended = times
-    counts["peak_running"] = max(counts["peak_running"], len(sched.items))
+    counts["peak_running"] = max(counts["peak_running"], len(sched.rows))
     counts["peak_pages"] = max(counts["peak_pages"], pages_used)
     counts["peak_committed_pages"] = max(counts["peak_committed_pages"], committed)
     history.append(
         StepRecord(
             step=len(history),
             now=now,
-            rows=len(sched.items),
-            decode_rows=sum(1 for r, n in sched.items if n == 1 and r.remaining == 1),
-            tokens=sum(n for _, n in sched.items),
+            rows=len(sched.rows),
+            decode_rows=sum(1 for r, n in sched.rows if n == 1 and r.remaining == 1),
+            tokens=sum(n for _, n in sched.rows),
             pages_used=pages_used,
             committed_pages=committed,
             running=running,

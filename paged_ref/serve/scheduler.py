@@ -17,7 +17,8 @@ the full pages it fills are published then (``cache_blocks``): a later admission
 them. ``reservation`` (`paged_ref.serve.reservation`) changes admission only. With vLLM's settings
 (``"paged"``, watermark 0, ``"recompute"``) it makes vLLM 0.32's decisions step by step (``make
 test-vllm``); swap is ours (vLLM's V1 only recomputes). An evicting request's policy runs through
-`AfterPrompt`: it acts once on the whole prompt, then chunks end where it acts next.
+`paged_ref.serve.evict`: it acts once on the whole prompt, then chunks end where it acts next, and
+the pages its action may copy are counted with the row's.
 
 Example (a dry session: the same pool and scheduler, no model):
     >>> from paged_ref.serve.dry import DrySession
@@ -26,7 +27,7 @@ Example (a dry session: the same pool and scheduler, no model):
     >>> sched = Scheduler(session, max_num_seqs=8, max_batched_tokens=6)
     >>> for i, n in enumerate((5, 7)):
     ...     sched.add(Request(request_id=i, prompt_ids=list(range(n)), max_new_tokens=4, arrival_s=0.0))
-    >>> [(r.request_id, n) for r, n in sched.schedule().items]      # 6 tokens: all of A, a chunk of B
+    >>> [(r.request_id, n) for r, n in sched.schedule().rows]      # 6 tokens: all of A, a chunk of B
     [(0, 5), (1, 1)]
 """
 
@@ -39,8 +40,7 @@ from dataclasses import dataclass, field
 from .._arith import cdiv
 from .._validate import check_choice, check_int
 from ..block_table import pages_needed
-from ..eviction.base import max_pages_held
-from .evict import AfterPrompt
+from .evict import AfterPrompt, Evictions
 from .request import RUNNING, SWAPPED, WAITING, Request
 from .reservation import RESERVATIONS
 from .reservation import reservation as reservation_policy
@@ -55,9 +55,14 @@ PREEMPTIONS = ("recompute", "swap")
 class Schedule:
     """One step's plan (its rows' pages already taken, its preempted requests' already back)."""
 
-    items: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens to feed), oldest first
+    # the forward's rows: (request, tokens it feeds; vLLM's num_scheduled_tokens), oldest first
+    rows: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     admitted: list[Request] = field(default_factory=list)  # from the waiting queue
+
+    def inputs(self) -> tuple[list[int], list[list[int]]]:
+        """The forward's rows: each request's sequence and the tokens it feeds (`PagedSession.extend`'s)."""
+        return [r.seq_id for r, _ in self.rows], [r.tokens(r.num_computed, r.num_computed + n) for r, n in self.rows]
 
 
 class Scheduler:
@@ -95,22 +100,12 @@ class Scheduler:
         self.preemptions = 0
         self._admissions = 0
         self._planned: dict[int, int] = {}  # request_id -> pages its row takes in the step being planned
-        self._compacting: set[int] = set()  # pages a policy packs kept tokens into after this step's forward
-        self._hooks: dict[int, AfterPrompt] = {}  # request_id -> its policy, as the session runs it
+        self.evictions = Evictions(self.kv)  # the evicting requests' hooks and page arithmetic
 
     # ------------------------------------------------------------------ what a request costs
     def committed_pages(self, r: Request) -> int:
         """Pages admission commits to ``r`` up front: 0 for ``"paged"`` (pages come as tokens do)."""
-        return self.commitment.pages(peak_pages=self.peak_pages(r), max_len_pages=self._max_len_pages)
-
-    def peak_pages(self, r: Request) -> int:
-        """The most pages ``r`` can hold at once: its whole K/V, or an eviction policy's bound
-        (the prompt is held whole until the policy first acts)."""
-        whole = pages_needed(r.peak_tokens, self.page_size)
-        budget = None if r.eviction is None else r.eviction.budget
-        if budget is None:
-            return whole
-        return min(whole, max(pages_needed(len(r.prompt_ids), self.page_size), max_pages_held(budget, self.page_size)))
+        return self.commitment.pages(peak_pages=self.evictions.peak_pages(r), max_len_pages=self._max_len_pages)
 
     def add(self, r: Request) -> None:
         """Queue ``r`` (it has arrived; `Engine.add_request` asked `paged_ref.serve._checks.refusal` first)."""
@@ -126,20 +121,13 @@ class Scheduler:
 
     def hooks(self) -> list[AfterPrompt]:
         """The eviction hooks of the requests holding a sequence."""
-        return list(self._hooks.values())
-
-    def failed_hooks(self) -> list[Request]:
-        """The running requests whose eviction hook raised in the step just run (their flags cleared)."""
-        failed = [r for r in self.running if r.request_id in self._hooks and self._hooks[r.request_id].failed]
-        for hooks in self._hooks.values():
-            hooks.failed = False
-        return failed
+        return list(self.evictions.hooks.values())
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> Schedule:
         """Plan the next forward (see the module docstring); preemptions, swaps and the rows' pages happen here."""
         out = Schedule()
-        self._planned, self._compacting = {}, set()
+        self._planned, self.evictions.compacting = {}, set()
         budget = self.max_batched_tokens
         decodes = sum(r.remaining == 1 for r in self.running)  # tokens kept back for decodes not yet planned
         i = 0
@@ -149,7 +137,7 @@ class Scheduler:
                 decodes -= 1
                 want = 1
             else:
-                want = min(self._limit(r), budget - decodes)
+                want = min(self.evictions.limit(r), budget - decodes)
             if want > 0 and budget > 0:
                 n = self._make_room(r, want, out)
                 if r.status != RUNNING:  # it was the most recent and preempted itself: nothing after it
@@ -160,11 +148,11 @@ class Scheduler:
         if out.preempted:
             return out
         for r in list(self.swapped):  # oldest first
-            want = min(self._limit(r), budget)
+            want = min(self.evictions.limit(r), budget)
             if len(self.running) >= self.max_num_seqs or want < 1:
                 break
             held = self.swap.tokens(r.seq_id)
-            if max(pages_needed(held + want, self.page_size), self.committed_pages(r)) > self._available(None):
+            if max(pages_needed(held + want, self.page_size), self.committed_pages(r)) > self._available():
                 break
             self.swapped.remove(r)
             # under eviction its pages stop being shared: no token ids to key them by
@@ -182,7 +170,7 @@ class Scheduler:
             if not self._admit(r, budget, out):
                 break
             self.waiting.popleft()
-            budget -= out.items[-1][1]
+            budget -= out.rows[-1][1]
         return out
 
     def _admit(self, r: Request, budget: int, out: Schedule) -> bool:
@@ -195,22 +183,19 @@ class Scheduler:
         # new pages: a whole commitment, or all it has to compute though it is fed in chunks (vLLM's
         # scheduler_reserve_full_isl): one admitted while its last chunk cannot fit would be preempted
         need = max(self.committed_pages(r), pages_needed(len(tokens), self.page_size)) - len(reused)
-        if r.eviction is not None and computed + want == len(tokens):  # the policy acts after this chunk
-            need += sum(self.kv.allocator.refcount(p) > 0 for p in reused[: self._kept_pages(r)])
-        shares = sum(p in self._compacting for p in reused)  # pages another row's policy then copies
-        need += shares
+        copies, shares = self.evictions.admission(r, reused, acts=computed + want == len(tokens))
+        need += copies + shares
         # cached pages taken back hold its own K/V: they must be free, but the watermark guards new pages
         revived = sum(self.kv.allocator.refcount(p) == 0 for p in reused)
-        avail = self._available(None)
+        avail = self._available()
         # the watermark guards running requests' growth: with none running there is nothing to guard
         watermark = self.watermark_pages if self.running else 0
         if revived + need > avail or need > avail - watermark:
             return False
-        hooks = None if r.eviction is None else AfterPrompt(r.eviction, len(r.prompt_ids))
+        hooks = self.evictions.start(r)
         r.seq_id = self.session.add(tokens if self.kv.prefix_caching else None, eviction=hooks)
         r.num_computed = self.session.position(r.seq_id)  # = computed: the prefix cache's hit
-        if hooks is not None:
-            self._hooks[r.request_id] = hooks
+        self.evictions.track(r, hooks)
         r.reserved_pages = self.committed_pages(r)
         r.status = RUNNING
         r.admitted = self._admissions
@@ -224,7 +209,8 @@ class Scheduler:
     def _make_room(self, r: Request, want: int, out: Schedule) -> int:
         """Tokens ``r`` can take this step (<= want), preempting the most recent requests if needed."""
         while True:
-            if self._pages(r, want) <= self._available(r):
+            own = self._unfilled(r) if self.commitment.up_front else 0  # its own commitment is for this
+            if self._pages(r, want) <= self._available() + own:
                 return want
             victim = self.running[-1]
             self.preempt(victim, out)
@@ -262,18 +248,8 @@ class Scheduler:
     def _release(self, r: Request) -> None:
         """Finish ``r``'s sequence: its pages go back, its policy forgets it."""
         self.session.finish(r.seq_id)
-        self._hooks.pop(r.request_id, None)
+        self.evictions.release(r)
         r.seq_id, r.num_computed = None, 0
-
-    def _limit(self, r: Request) -> int:
-        """Most tokens ``r`` may feed in one forward: all it has left, except that an evicting request's
-        chunks end at its prompt's last token and then at its policy's next action."""
-        if r.eviction is None:
-            return r.remaining
-        prompt = len(r.prompt_ids)
-        if r.num_computed < prompt:
-            return prompt - r.num_computed
-        return min(r.remaining, self._hooks[r.request_id].tokens_until_action(self.kv, r.seq_id))
 
     # ------------------------------------------------------------------ page arithmetic
     def _held(self, r: Request) -> int:
@@ -282,39 +258,29 @@ class Scheduler:
     def _pages(self, r: Request, n: int) -> int:
         """Pages ``r``'s row of ``n`` tokens takes: its new pages, and the copies its policy may make after it."""
         grow = max(0, cdiv(self.kv.seq_len(r.seq_id) + n, self.page_size) - self._held(r))
-        return grow + self._copies(r, n)
+        return grow + self.evictions.copies(r, n)  # and the copies its policy may make after the row
 
-    def _copies(self, r: Request, n: int) -> int:
-        """Pages ``r``'s policy may copy if it acts after ``n`` more tokens: a compaction packs the kept
-        tokens into the first pages, and copies those that another sequence shares (a prefix hit)."""
-        if r.eviction is None or n < self._limit(r):
-            return 0
-        return sum(self.kv.allocator.refcount(p) > 1 for p in self.kv.pages(r.seq_id)[: self._kept_pages(r)])
-
-    def _kept_pages(self, r: Request) -> int:
-        """The pages an eviction packs ``r``'s kept tokens into (none without a budget: nothing is evicted)."""
-        return 0 if r.eviction.budget is None else pages_needed(r.eviction.budget, self.page_size)
-
-    def _available(self, r: Request | None) -> int:
-        """Free pages that neither this step's policies' copies nor another request's commitment has claimed."""
+    def _available(self) -> int:
+        """Free pages that neither this step's policies' copies nor a running request's commitment has claimed."""
         avail = self.kv.allocator.num_free - sum(self._planned.values())
         if self.commitment.up_front:
-            for o in self.running:
-                if o is not r:
-                    avail -= max(0, o.reserved_pages - self._held(o) - self._planned.get(o.request_id, 0))
+            avail -= sum(self._unfilled(o) for o in self.running)
         return avail
+
+    def _unfilled(self, r: Request) -> int:
+        """Pages committed to ``r`` that neither the pages it holds nor its copies planned this step take."""
+        return max(0, r.reserved_pages - self._held(r) - self._planned.get(r.request_id, 0))
 
     def _plan(self, r: Request, n: int, out: Schedule) -> None:
         """Take the pages of ``r``'s row of ``n`` tokens now (vLLM's ``allocate_slots``) and, with prefix
         caching, publish the full pages its tokens fill (vLLM's ``cache_blocks``): later rows and
         admissions of this step see them. The copies its policy may make after the forward are kept back."""
-        acts = r.eviction is not None and n == self._limit(r)  # its policy acts after this row
-        self._planned[r.request_id] = self._copies(r, n)
+        acts = self.evictions.acts(r, n)  # its policy acts after this row
+        self._planned[r.request_id] = self.evictions.copies(r, n)
         ids = r.tokens(r.num_computed, r.num_computed + n) if self.kv.prefix_caching else None
         self.kv.reserve(r.seq_id, n, token_ids=ids)
-        if acts:  # a sequence admitted later that shares the pages it packs into adds copies
-            self._compacting.update(self.kv.pages(r.seq_id)[: self._kept_pages(r)])
-        out.items.append((r, n))
+        self.evictions.planned(r, acts)
+        out.rows.append((r, n))
 
     def unfilled_commitments(self) -> int:
         """Pages committed to running requests that no token fills yet (0 under ``"paged"``: none committed)."""

@@ -1,10 +1,17 @@
 """Undoing a step: what a step may change, saved before it and put back if it raises.
 
-A step changes requests, the scheduler's queues and counters, the swap space, the eviction
-policies' records, and the session and cache under them. `save` copies the objects' fields (each
-list, dict, set or deque one level down: a step appends to or replaces those, never changes what
-they hold; of a request only its output) and asks each policy for its snapshot; the session and
-cache keep their own checkpoint (`paged_ref.cache.PagedKVCache.checkpoint`).
+``with StepCheckpoint(engine) as step:`` guards one `paged_ref.serve.Engine.step`. On entry it saves
+what the step may change: the requests (running, swapped, those the scheduler may admit and those
+arriving by the time it plans), the scheduler's queues and counters, the swap space, the eviction
+policies' records (each policy's ``snapshot``), the session's sequences (positions, policies), the
+engine's clock and arrivals; the cache keeps its own checkpoint (`paged_ref.cache_undo`). `save`
+copies the objects' fields (each list, dict, set or deque one level down: a step appends to or
+replaces those, never changes what they hold; of a request only its output).
+
+On a clean exit the cache commits. If the body raises, everything is put back and the error goes
+on with a note naming the requests concerned, except that a request whose own eviction hook raised
+in `Engine.HOOK_TRIES` steps (vLLM aborts it) is finished with ``finish_reason="error"``: then the
+error stops here and ``step.outputs`` holds those requests' outputs.
 
 Example:
     >>> from paged_ref.serve.request import Request
@@ -17,9 +24,10 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
-__all__ = ["restore", "save"]
+__all__ = ["StepCheckpoint", "restore", "save"]
 
 _CONTAINERS = {list, dict, set, deque}
 
@@ -44,3 +52,54 @@ def restore(saved: tuple[list, list]) -> None:
         vars(o).update(values)
     for p, snapshot in policies:
         p.restore(snapshot)
+
+
+class StepCheckpoint:
+    """One step, all or nothing (see the module docstring). ``sched``: the step's `Schedule`, once planned
+    (the requests an error names); ``outputs``: after an undone step, the requests finished with an error."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.sched = None
+        self.outputs: list = []
+
+    def __enter__(self) -> StepCheckpoint:
+        e, s = self.engine, self.engine.scheduler
+        horizon = max(e.now, e._pending[0][0]) if e._pending and not s.has_work else e.now
+        arriving = [e._requests[i] for t, i in e._pending if t <= horizon]
+        requests = [*s.running, *s.swapped, *itertools.islice(s.waiting, s.max_num_seqs), *arriving]
+        policies = [r.eviction for r in requests if r.eviction is not None] + s.hooks()
+        e.kv.checkpoint()
+        self.saved = (e._now, list(e._pending)), save([s, s.swap, s.evictions, e.session], requests, policies)
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if error is None:
+            self.engine.kv.commit()
+            return False
+        self.outputs = self._rollback(error)
+        return bool(self.outputs)  # True: the error stops here
+
+    def _rollback(self, error: BaseException) -> list:
+        """Put everything back and note the requests concerned on ``error``; the outputs of the requests
+        whose own hook has now failed `HOOK_TRIES` times, finished with an error (none: ``error`` goes on)."""
+        e = self.engine
+        culprits = e.scheduler.evictions.raised_by(e.scheduler.running)  # whose own hook raised
+        rows = [r for r, _ in self.sched.rows] if self.sched is not None else []
+        e.kv.rollback()
+        (e._now, e._pending), fields = self.saved
+        restore(fields)
+        names = ", ".join(f"request {r.request_id}" for r in culprits or rows) or "no request planned yet"
+        where = "whose own eviction hook raised" if culprits else "in the step's planning or forward"
+        error.add_note(f"Engine.step was undone, nothing changed: {names} ({where})")
+        if not isinstance(error, Exception):  # KeyboardInterrupt and the like: never retried or counted
+            return []
+        outs = []
+        for r in culprits:
+            r.hook_failures += 1
+            if r.hook_failures >= e.HOOK_TRIES:
+                e.scheduler.remove(r)
+                r.error = f"{type(error).__name__}: {error}"
+                e._finish(r, "error")
+                outs.append(r.output())
+        return outs

@@ -174,13 +174,12 @@ class _Reference:
 
     def step(self) -> tuple[dict, list, set]:
         out = self.sched.schedule()
-        rows = {r.request_id: n for r, n in out.items}
-        if out.items:
-            chunks = [r.tokens(r.num_computed, r.num_computed + n) for r, n in out.items]
-            self.session.extend([r.seq_id for r, _ in out.items], chunks, reserved=True)
+        rows = {r.request_id: n for r, n in out.rows}
+        if out.rows:
+            self.session.extend(*out.inputs(), reserved=True)
         holding = {r.request_id: len(self.session.kv.pages(r.seq_id)) for r in self.sched.running}
         finished = set()
-        for r, n in out.items:
+        for r, n in out.rows:
             r.num_computed += n
             if r.num_computed >= r.num_tokens:
                 r.output_ids.append(0)
