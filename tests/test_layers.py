@@ -127,7 +127,6 @@ def _reading_order() -> tuple[list[Path], list[Path]]:
     return files(story), files(beside)
 
 
-
 def _lines(paths) -> int:
     return sum(len(p.read_text().splitlines()) for p in paths)
 
