@@ -4,9 +4,11 @@ A student's object that lacks a method, returns the wrong type, raises or loops 
 that names what is wrong, never a traceback out of the checker and never a hang.
 """
 
+import inspect
 import time
 
 import pytest
+import torch
 from check_mutants import SOLUTIONS
 
 from paged_ref.attention import quest
@@ -211,3 +213,66 @@ def test_a_bad_attempt_fails_with_a_report_that_names_it(checker, attempt, words
     assert not report.passed and not report.not_implemented
     text = str(report)
     assert text.startswith("FAIL") and words in text, text
+
+
+# ------------------------------------------------------------------ a raise inside the student's code
+class FreeRaises(SOLUTIONS["prefix_cache"]):
+    def free(self, seq_id):
+        raise KeyError(seq_id)
+
+
+class BoundTypo(QuestNoSelect):
+    def bound(self, q, k_min, k_max):
+        return torch.maximum(q * k_min, q * k_max).sum(-1) + self.offset
+
+
+class BoundList(QuestNoSelect):
+    def bound(self, q, k_min, k_max):
+        return SOLUTIONS["quest"]().bound(q, k_min, k_max).tolist()
+
+
+@pytest.mark.parametrize(
+    "checker, attempt, fn",
+    [
+        (check.check_scheduler, Raises, Raises.schedule),
+        (check.check_prefix_cache, FreeRaises, FreeRaises.free),
+        (check.check_quest, BoundTypo, BoundTypo.bound),
+        (check.check_merge_states, _merge_raises, _merge_raises),
+    ],
+)
+def test_a_raise_in_the_students_own_code_is_shown_at_its_line(checker, attempt, fn):
+    report = checker(attempt)
+    source, first = inspect.getsourcelines(fn)
+    line = f"in {fn.__name__}, line {first + 1}: {source[1].strip()}"  # each raises on its second line
+    assert report.failure.hint.startswith(f"your own code raised it {line}"), report.failure.hint
+    assert "Traceback" not in str(report)
+
+
+@pytest.mark.parametrize(
+    "checker, attempt, interface",
+    [
+        (check.check_scheduler, NoFinish, "the class needs __init__(pool, *, max_num_seqs, max_batched_tokens)"),
+        (check.check_prefix_cache, NoPages, "the class needs __init__(num_pages, page_size, hash_fn)"),
+        (check.check_quest, QuestNoSelect, "select(q [num_q_heads, head_dim]"),
+    ],
+)
+def test_a_missing_method_gets_the_interface_not_a_line(checker, attempt, interface):
+    assert checker(attempt).failure.hint.startswith(interface)
+
+
+def test_a_prefix_cache_that_raises_shows_the_calls_up_to_the_one_that_raised():
+    failure = check.check_prefix_cache(FreeRaises).failure
+    calls = failure.case.splitlines()
+    assert calls[1:] == [
+        "c = FreeRaises(4, 4, sha_hash)",
+        "c.start(0, [0, 1, 2, 3, 4, 5, 6, 7, 8])   -> 0",
+        "c.append(0, [0, 1, 2, 3, 4, 5, 6, 7, 8])   -> pages [0, 1, 2]",
+        "c.free(0)   <- here",
+    ], failure.case
+    failure = check.check_prefix_cache(PagesAsString).failure
+    assert failure.case.splitlines()[-2:] == ["c.start(0, [0, 1, 2, 3, 4, 5, 6, 7, 8])", "c.pages(0)   <- here"]
+
+
+def test_a_bound_that_returns_a_list_is_told_to_return_a_tensor():
+    failure = check.check_quest(BoundList).failure
+    assert failure.got == "list" and failure.hint.startswith("bound returns a tensor"), failure

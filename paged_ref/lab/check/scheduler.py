@@ -42,6 +42,7 @@ from .report import (
     Run,
     StudentError,
     check_count,
+    raised_hint,
 )
 
 __all__ = ["EDGE_CASES", "Pool", "Req", "Stream", "check_scheduler", "random_stream", "trace"]
@@ -479,8 +480,11 @@ def check_scheduler(
                 f"{s.describe()}\nat step {where[0]}",
                 "a result",
                 f"raised {raised}",
-                "the class needs __init__(pool, *, max_num_seqs, max_batched_tokens), add(req), schedule() "
-                "returning a list of (req, num_tokens), and finish(req)",
+                raised_hint(
+                    raised,
+                    "the class needs __init__(pool, *, max_num_seqs, max_batched_tokens), add(req), schedule() "
+                    "returning a list of (req, num_tokens), and finish(req)",
+                ),
             )
         if failure is not None:
             return run.finish(CheckReport(name, False, count, failure))
