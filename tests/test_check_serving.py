@@ -5,11 +5,13 @@ that names what is wrong, never a traceback out of the checker and never a hang.
 """
 
 import inspect
+import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from check_mutants import SOLUTIONS
+from check_mutants import SOLUTIONS, _variant
 
 from paged_ref.attention import quest
 from paged_ref.attention.cascade import merge_states
@@ -276,3 +278,40 @@ def test_a_prefix_cache_that_raises_shows_the_calls_up_to_the_one_that_raised():
 def test_a_bound_that_returns_a_list_is_told_to_return_a_tensor():
     failure = check.check_quest(BoundList).failure
     assert failure.got == "list" and failure.hint.startswith("bound returns a tensor"), failure
+
+
+# ------------------------------------------------------------------ what the scheduler's text says
+def test_rule_3_follows_from_rule_4_as_exercise_5_says():
+    """A step that preempted could not admit anyway: the request just preempted is at the front of the
+    queue and its whole sequence never fits the pages left. So a scheduler that skips rule 3 passes."""
+    admits_anyway = _variant("AdmitsAfterPreemption", "Ignores rule 3.", admit_after_preempt=True)
+    assert check.check_scheduler(admits_anyway).passed
+    text = _exercise_text("ex5_scheduler.ipynb")
+    assert "follows from rules 2 and 4" in text
+
+
+def test_a_prefill_is_never_ahead_of_a_decode_so_its_chunk_is_min_of_tokens_left_and_budget_left():
+    """Rule 1's chunk, min(remaining, budget left), needs no room kept for decodes after it: in the
+    checker's streams the one request still feeding its prompt is the newest running one."""
+    import random
+
+    rng = random.Random(0)
+    for stream in list(scheduler.EDGE_CASES) + [scheduler.random_stream(rng) for _ in range(200)]:
+        ref = scheduler._Reference(stream)
+        for step in range(scheduler.MAX_STEPS):
+            for i, (_, _, a) in enumerate(stream.requests):
+                if a == step:
+                    ref.add(i)
+            left = [r.num_tokens - r.num_computed for r in ref.sched.running]
+            assert all(n == 1 for n in left[:-1]), (stream, step, left)
+            rows = ref.step()[0]
+            if not rows and step >= max(a for _, _, a in stream.requests):
+                break
+    assert "a prefill min(tokens left, budget left)" in scheduler.RULES
+    assert "min(remaining, budget left)" in _exercise_text("ex5_scheduler.ipynb")
+
+
+def _exercise_text(name: str) -> str:
+    """The markdown of an exercise notebook."""
+    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "exercises" / name).read_text())["cells"]
+    return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")

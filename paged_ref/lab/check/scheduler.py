@@ -228,8 +228,8 @@ def _show(rows: dict, preempted: list) -> str:
 # ---------------------------------------------------------------------------------------- hints
 RULES = (
     "running requests first, oldest admission first: a decode takes 1 token, a prefill min(tokens left, budget "
-    "left - one token per decode after it); a row that needs pages preempts the most recently admitted running "
-    "request first; then waiting requests in order while the budget, max_num_seqs and the pool allow"
+    "left); a row that needs pages preempts the most recently admitted running request first; then waiting "
+    "requests in order while the budget, max_num_seqs and the pool allow"
 )
 
 
