@@ -315,3 +315,16 @@ def _exercise_text(name: str) -> str:
     """The markdown of an exercise notebook."""
     cells = json.loads((Path(__file__).parents[1] / "notebooks" / "exercises" / name).read_text())["cells"]
     return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+
+
+def test_exercise_7s_select_as_written_is_the_packages():
+    """The last page, and the budget - 1 other pages with the largest scores: `quest.select_pages`."""
+    g = torch.Generator().manual_seed(0)
+    for num_pages, budget in ((2, 1), (5, 2), (9, 4), (12, 12)):
+        bounds = torch.randn(3, num_pages, generator=g, dtype=torch.float64)
+        bounds[0, -1] = 10.0  # the last page among the largest anyway
+        others = bounds[:, :-1].topk(budget - 1, dim=-1).indices
+        last = torch.full((3, 1), num_pages - 1)
+        as_written = torch.cat([others, last], -1).sort(-1).values
+        assert torch.equal(quest.select_pages(bounds, budget), as_written)
+    assert "the `budget - 1` other pages with the largest scores" in _exercise_text("ex7_reading_fewer_pages.ipynb")
