@@ -328,3 +328,11 @@ def test_exercise_7s_select_as_written_is_the_packages():
         as_written = torch.cat([others, last], -1).sort(-1).values
         assert torch.equal(quest.select_pages(bounds, budget), as_written)
     assert "the `budget - 1` other pages with the largest scores" in _exercise_text("ex7_reading_fewer_pages.ipynb")
+
+
+def test_a_scheduler_that_raises_is_shown_the_queues_of_that_step():
+    case = check.check_scheduler(Raises).failure.case.splitlines()
+    assert case[-1] == (
+        "step 0, the one that raised; before it: running [] (oldest admission first), waiting [0, 1] (queue order), "
+        "4 free pages"
+    ), case
