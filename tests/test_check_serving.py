@@ -4,10 +4,14 @@ A student's object that lacks a method, returns the wrong type, raises or loops 
 that names what is wrong, never a traceback out of the checker and never a hang.
 """
 
+import inspect
+import json
 import time
+from pathlib import Path
 
 import pytest
-from check_mutants import SOLUTIONS
+import torch
+from check_mutants import SOLUTIONS, _variant
 
 from paged_ref.attention import quest
 from paged_ref.attention.cascade import merge_states
@@ -211,3 +215,124 @@ def test_a_bad_attempt_fails_with_a_report_that_names_it(checker, attempt, words
     assert not report.passed and not report.not_implemented
     text = str(report)
     assert text.startswith("FAIL") and words in text, text
+
+
+# ------------------------------------------------------------------ a raise inside the student's code
+class FreeRaises(SOLUTIONS["prefix_cache"]):
+    def free(self, seq_id):
+        raise KeyError(seq_id)
+
+
+class BoundTypo(QuestNoSelect):
+    def bound(self, q, k_min, k_max):
+        return torch.maximum(q * k_min, q * k_max).sum(-1) + self.offset
+
+
+class BoundList(QuestNoSelect):
+    def bound(self, q, k_min, k_max):
+        return SOLUTIONS["quest"]().bound(q, k_min, k_max).tolist()
+
+
+@pytest.mark.parametrize(
+    "checker, attempt, fn",
+    [
+        (check.check_scheduler, Raises, Raises.schedule),
+        (check.check_prefix_cache, FreeRaises, FreeRaises.free),
+        (check.check_quest, BoundTypo, BoundTypo.bound),
+        (check.check_merge_states, _merge_raises, _merge_raises),
+    ],
+)
+def test_a_raise_in_the_students_own_code_is_shown_at_its_line(checker, attempt, fn):
+    report = checker(attempt)
+    source, first = inspect.getsourcelines(fn)
+    line = f"in {fn.__name__}, line {first + 1}: {source[1].strip()}"  # each raises on its second line
+    assert report.failure.hint.startswith(f"your own code raised it {line}"), report.failure.hint
+    assert "Traceback" not in str(report)
+
+
+@pytest.mark.parametrize(
+    "checker, attempt, interface",
+    [
+        (check.check_scheduler, NoFinish, "the class needs __init__(pool, *, max_num_seqs, max_batched_tokens)"),
+        (check.check_prefix_cache, NoPages, "the class needs __init__(num_pages, page_size, hash_fn)"),
+        (check.check_quest, QuestNoSelect, "select(q [num_q_heads, head_dim]"),
+    ],
+)
+def test_a_missing_method_gets_the_interface_not_a_line(checker, attempt, interface):
+    assert checker(attempt).failure.hint.startswith(interface)
+
+
+def test_a_prefix_cache_that_raises_shows_the_calls_up_to_the_one_that_raised():
+    failure = check.check_prefix_cache(FreeRaises).failure
+    calls = failure.case.splitlines()
+    assert calls[1:] == [
+        "c = FreeRaises(4, 4, sha_hash)",
+        "c.start(0, [0, 1, 2, 3, 4, 5, 6, 7, 8])   -> 0",
+        "c.append(0, [0, 1, 2, 3, 4, 5, 6, 7, 8])   -> pages [0, 1, 2]",
+        "c.free(0)   <- here",
+    ], failure.case
+    failure = check.check_prefix_cache(PagesAsString).failure
+    assert failure.case.splitlines()[-2:] == ["c.start(0, [0, 1, 2, 3, 4, 5, 6, 7, 8])", "c.pages(0)   <- here"]
+
+
+def test_a_bound_that_returns_a_list_is_told_to_return_a_tensor():
+    failure = check.check_quest(BoundList).failure
+    assert failure.got == "list" and failure.hint.startswith("bound returns a tensor"), failure
+
+
+# ------------------------------------------------------------------ what the scheduler's text says
+def test_rule_3_follows_from_rule_4_as_exercise_5_says():
+    """A step that preempted could not admit anyway: the request just preempted is at the front of the
+    queue and its whole sequence never fits the pages left. So a scheduler that skips rule 3 passes."""
+    admits_anyway = _variant("AdmitsAfterPreemption", "Ignores rule 3.", admit_after_preempt=True)
+    assert check.check_scheduler(admits_anyway).passed
+    text = _exercise_text("ex5_scheduler.ipynb")
+    assert "follows from rules 2 and 4" in text
+
+
+def test_a_prefill_is_never_ahead_of_a_decode_so_its_chunk_is_min_of_tokens_left_and_budget_left():
+    """Rule 1's chunk, min(remaining, budget left), needs no room kept for decodes after it: in the
+    checker's streams the one request still feeding its prompt is the newest running one."""
+    import random
+
+    rng = random.Random(0)
+    for stream in list(scheduler.EDGE_CASES) + [scheduler.random_stream(rng) for _ in range(200)]:
+        ref = scheduler._Reference(stream)
+        for step in range(scheduler.MAX_STEPS):
+            for i, (_, _, a) in enumerate(stream.requests):
+                if a == step:
+                    ref.add(i)
+            left = [r.num_tokens - r.num_computed for r in ref.sched.running]
+            assert all(n == 1 for n in left[:-1]), (stream, step, left)
+            rows = ref.step()[0]
+            if not rows and step >= max(a for _, _, a in stream.requests):
+                break
+    assert "a prefill min(tokens left, budget left)" in scheduler.RULES
+    assert "min(remaining, budget left)" in _exercise_text("ex5_scheduler.ipynb")
+
+
+def _exercise_text(name: str) -> str:
+    """The markdown of an exercise notebook."""
+    cells = json.loads((Path(__file__).parents[1] / "notebooks" / "exercises" / name).read_text())["cells"]
+    return "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")
+
+
+def test_exercise_7s_select_as_written_is_the_packages():
+    """The last page, and the budget - 1 other pages with the largest scores: `quest.select_pages`."""
+    g = torch.Generator().manual_seed(0)
+    for num_pages, budget in ((2, 1), (5, 2), (9, 4), (12, 12)):
+        bounds = torch.randn(3, num_pages, generator=g, dtype=torch.float64)
+        bounds[0, -1] = 10.0  # the last page among the largest anyway
+        others = bounds[:, :-1].topk(budget - 1, dim=-1).indices
+        last = torch.full((3, 1), num_pages - 1)
+        as_written = torch.cat([others, last], -1).sort(-1).values
+        assert torch.equal(quest.select_pages(bounds, budget), as_written)
+    assert "the `budget - 1` other pages with the largest scores" in _exercise_text("ex7_reading_fewer_pages.ipynb")
+
+
+def test_a_scheduler_that_raises_is_shown_the_queues_of_that_step():
+    case = check.check_scheduler(Raises).failure.case.splitlines()
+    assert case[-1] == (
+        "step 0, the one that raised; before it: running [] (oldest admission first), waiting [0, 1] (queue order), "
+        "4 free pages"
+    ), case

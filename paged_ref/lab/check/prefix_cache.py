@@ -41,6 +41,7 @@ from .report import (
     Run,
     StudentError,
     check_count,
+    raised_hint,
 )
 
 __all__ = ["HOSTILE_CASES", "chat_hits", "check_prefix_cache", "colliding_hash", "sha_hash"]
@@ -342,7 +343,8 @@ def _page_hint(ref: _Reference, want: list, got: list, hits: int, refs: dict, sn
 
 
 # ---------------------------------------------------------------------------------------- one case
-def _pages_of(student, seq, run: Run):
+def _pages_of(student, seq, run: Run, where: list):
+    where[1] = f"{where[1]}\nc.pages({seq})"  # right after the call that changed them
     got = run.call(lambda: student.pages(seq))
     if not isinstance(got, (list, tuple)) or any(
         isinstance(p, bool) or not isinstance(p, numbers.Integral) for p in got
@@ -356,6 +358,8 @@ class _Bad(Exception):
 
 
 def _play(cls, case: Case, run: Run, where: list) -> Failure | None:
+    """Play ``case`` on the student's class and the reference; ``where`` is kept as ``[the calls
+    shown so far, the call into the student's code under way]`` for a failure raised out of here."""
     calls = [0]
     base = HASHES[case.hash_name]
 
@@ -364,10 +368,10 @@ def _play(cls, case: Case, run: Run, where: list) -> Failure | None:
         return base(parent, tokens)
 
     ref = _Reference(case)
+    shown: list[str] = []
+    where[:] = [shown, f"c = {getattr(cls, '__name__', 'Cache')}({case.num_pages}, {case.page_size}, {case.hash_name})"]
     student = run.call(cls, case.num_pages, case.page_size, hash_fn)
-    shown: list[str] = [
-        f"c = {getattr(cls, '__name__', 'Cache')}({case.num_pages}, {case.page_size}, {case.hash_name})"
-    ]
+    shown.append(where[1])
     live: list = []  # seq ids in start order
     for op in case.ops:
         kind, seq = op[0], op[1]
@@ -375,8 +379,9 @@ def _play(cls, case: Case, run: Run, where: list) -> Failure | None:
             if seq in ref.ids:
                 ref.free(seq)
                 live.remove(seq)
+                where[1] = f"c.free({seq})"
                 run.call(lambda s=seq: student.free(s))
-                shown.append(f"c.free({seq})")
+                shown.append(where[1])
             continue
         if seq not in ref.ids and kind != "start":
             continue  # its sequence was freed for room: the chat ended there
@@ -385,19 +390,19 @@ def _play(cls, case: Case, run: Run, where: list) -> Failure | None:
             oldest = next(s for s in live if s != seq)
             ref.free(oldest)
             live.remove(oldest)
+            where[1] = f"c.free({oldest})   (for room)"
             run.call(lambda s=oldest: student.free(s))
-            shown.append(f"c.free({oldest})   (for room)")
+            shown.append(where[1])
         if not ref.fits(seq, need):
             continue
-        where[0] = len(shown)
         refs = {p: ref.kv.allocator.refcount(p) for p in range(case.num_pages)}
         snap = ref.model.snapshot()
         if kind == "start":
             prompt = op[2]
             want = ref.start(seq, prompt)
             live.append(seq)
+            call = where[1] = f"c.start({seq}, {list(prompt)})"
             got = run.call(lambda: student.start(seq, list(prompt)))
-            call = f"c.start({seq}, {list(prompt)})"
             if isinstance(got, bool) or not isinstance(got, numbers.Integral):
                 return _fail(
                     shown,
@@ -407,7 +412,7 @@ def _play(cls, case: Case, run: Run, where: list) -> Failure | None:
                     "start returns the number of cached tokens it found (an int: pages found x page_size)",
                 )
             want_pages = ref.kv.pages(ref.ids[seq])
-            got_pages = _pages_of(student, seq, run)
+            got_pages = _pages_of(student, seq, run, where)
             if got != want:
                 hint = _hit_hint(ref, prompt, int(got), got_pages, want, want_pages, refs)
                 if want and got == want // case.page_size and got_pages == want_pages:
@@ -436,9 +441,9 @@ def _play(cls, case: Case, run: Run, where: list) -> Failure | None:
                 refs = {p: ref.kv.allocator.refcount(p) for p in range(case.num_pages)}
                 snap = (snap[0], [p for p in snap[1] if not refs[p]], [p for p in snap[2] if not refs[p]])
             ref.append(seq, tokens, decode=kind == "gen")
+            call = where[1] = f"c.append({seq}, {tokens})"
             run.call(lambda t=tokens: student.append(seq, list(t)))
-            call = f"c.append({seq}, {tokens})"
-            want_pages, got_pages = ref.kv.pages(ref.ids[seq]), _pages_of(student, seq, run)
+            want_pages, got_pages = ref.kv.pages(ref.ids[seq]), _pages_of(student, seq, run, where)
             if got_pages != want_pages:
                 return _fail(
                     shown,
@@ -460,8 +465,13 @@ def _play(cls, case: Case, run: Run, where: list) -> Failure | None:
 
 
 def _fail(shown: list, call: str, expected: str, got: str, hint: str) -> Failure:
+    return Failure(_calls(shown, call), expected, got, hint)
+
+
+def _calls(shown: list, call: str) -> str:
+    """The calls made so far (the first and the last 12 of a long case) and ``call``, marked."""
     lines = shown if len(shown) <= 14 else [shown[0], f"... ({len(shown) - 13} calls)"] + shown[-12:]
-    return Failure("\n".join(lines + [f"{call}   <- here"]), expected, got, hint)
+    return "\n".join(lines + [f"{call}   <- here"])
 
 
 def chat_hits(cls, *, turns: int = 4, page_size: int = 4, num_pages: int = 32) -> list[tuple[int, int]]:
@@ -511,7 +521,7 @@ def check_prefix_cache(
     name = "prefix_cache"
     run = Run(name, len(all_cases), time_limit)
     for count, case in enumerate(all_cases, start=1):
-        where = [0]
+        where: list = [[], ""]
         head = f"{case.name}: " if case.name else ""
         try:
             with run.case(count):
@@ -519,21 +529,24 @@ def check_prefix_cache(
         except NotImplementedYet:
             return run.finish(CheckReport(name, False, count, not_implemented=True))
         except OverTime:
-            failure = run.over_time(f"{head}pool of {case.num_pages} pages of {case.page_size}", f"call {where[0]}")
+            failure = run.over_time(f"{head}pool of {case.num_pages} pages of {case.page_size}", f"in {where[1]}")
         except _Bad as bad:
             failure = Failure(
-                f"{head}pool of {case.num_pages} pages of {case.page_size}",
+                _calls(*where),
                 "a list of page ids",
                 str(bad),
                 "pages(seq_id) returns the sequence's physical page ids, in order",
             )
         except StudentError as raised:
             failure = Failure(
-                f"{head}pool of {case.num_pages} pages of {case.page_size} tokens, at call {where[0]}",
+                _calls(*where),
                 "a result",
                 f"raised {raised}",
-                "the class needs __init__(num_pages, page_size, hash_fn), start(seq_id, prompt) -> int, "
-                "append(seq_id, tokens), pages(seq_id) -> list and free(seq_id)",
+                raised_hint(
+                    raised,
+                    "the class needs __init__(num_pages, page_size, hash_fn), start(seq_id, prompt) -> int, "
+                    "append(seq_id, tokens), pages(seq_id) -> list and free(seq_id)",
+                ),
             )
         if failure is not None:
             if head and not failure.case.startswith(head):

@@ -33,7 +33,7 @@ import torch
 from ..._arith import cdiv
 from ...attention.quest import page_bounds, select_pages
 from ...page_summaries import PageSummaries
-from .report import DEFAULT_TIME_LIMIT_S, CheckReport, Failure, StudentError, run_cases
+from .report import DEFAULT_TIME_LIMIT_S, CheckReport, Failure, StudentError, raised_hint, run_cases
 
 __all__ = ["check_merge_states", "check_quest"]
 
@@ -130,7 +130,8 @@ def check_merge_states(fn, *, time_limit: float | None = DEFAULT_TIME_LIMIT_S) -
         try:
             got = run.call(fn, *inputs)
         except StudentError as raised:
-            hint = "o_a, o_b are [..., head_dim] and lse_a, lse_b [...]: see the exercise"
+            hint = raised_hint(raised, "my_merge_states(o_a, lse_a, o_b, lse_b) -> (o, lse)")
+            hint += "; o_a, o_b are [..., head_dim] and lse_a, lse_b [...]"
             if "must match the size" in str(raised) or "broadcast" in str(raised):
                 hint = "a weight [...] multiplies o [..., head_dim]: unsqueeze it over head_dim (w[..., None] * o_a)"
             return Failure(where, "a result", f"raised {raised}", hint)
@@ -337,7 +338,15 @@ def check_quest(cls, *, time_limit: float | None = DEFAULT_TIME_LIMIT_S) -> Chec
             f"q [{q.shape[0]}, {q.shape[1]}], budget={budget}"
         )
         want_min, want_max = _ref_summaries(k, ps)
-        got = run.call(lambda: quest.summaries(k.clone(), ps))
+        try:
+            got = run.call(lambda: quest.summaries(k.clone(), ps))
+        except StudentError as raised:
+            return Failure(
+                f"summaries(k, {ps}); {where}",
+                "a result",
+                f"raised {raised}",
+                raised_hint(raised, "summaries(k [seq_len, num_kv_heads, head_dim], page_size) -> (k_min, k_max)"),
+            )
         if not isinstance(got, (tuple, list)) or len(got) != 2 or not all(isinstance(t, torch.Tensor) for t in got):
             return Failure(
                 f"summaries(k, {ps}); {where}",
@@ -365,15 +374,26 @@ def check_quest(cls, *, time_limit: float | None = DEFAULT_TIME_LIMIT_S) -> Chec
         hkv = k.shape[1]
         qg = q.view(hkv, -1, q.shape[-1])[:, :, None]  # [Hkv, group, 1, D]
         lo, hi = want_min.transpose(0, 1)[:, None], want_max.transpose(0, 1)[:, None]  # [Hkv, 1, P, D]
-        bound = run.call(lambda: quest.bound(qg.clone(), lo.clone(), hi.clone()))
         want_bound = page_bounds(qg, lo, hi)  # [Hkv, group, P]
         call = f"bound(q, k_min, k_max) of each query head and page; {where}"
-        if not isinstance(bound, torch.Tensor) or bound.shape != want_bound.shape:
-            shape = tuple(bound.shape) if isinstance(bound, torch.Tensor) else type(bound).__name__
+        try:
+            bound = run.call(lambda: quest.bound(qg.clone(), lo.clone(), hi.clone()))
+        except StudentError as raised:
+            interface = "bound(q, k_min, k_max) with q [Hkv, group, 1, D] and k_min, k_max [Hkv, 1, P, D] here"
+            return Failure(call, "a result", f"raised {raised}", raised_hint(raised, interface))
+        if not isinstance(bound, torch.Tensor):
             return Failure(
                 call,
                 f"a tensor {tuple(want_bound.shape)}",
-                f"{shape}",
+                type(bound).__name__,
+                "bound returns a tensor (torch operations all the way: no .tolist(), .item() or Python loop "
+                "building a list)",
+            )
+        if bound.shape != want_bound.shape:
+            return Failure(
+                call,
+                f"a tensor {tuple(want_bound.shape)}",
+                f"{tuple(bound.shape)}",
                 "bound sums over the last dimension (head_dim) of the broadcast q, k_min, k_max",
             )
         scores = torch.einsum("hgd,thd->hgt", qg[:, :, 0], k)  # [Hkv, group, seq_len]: the real q . k
@@ -399,7 +419,9 @@ def check_quest(cls, *, time_limit: float | None = DEFAULT_TIME_LIMIT_S) -> Chec
         try:
             sel = run.call(lambda: quest.select(q.clone(), want_min.clone(), want_max.clone(), budget))
         except StudentError as raised:
-            hint = "select(q [num_q_heads, head_dim], k_min, k_max [num_pages, num_kv_heads, head_dim], budget)"
+            hint = raised_hint(
+                raised, "select(q [num_q_heads, head_dim], k_min, k_max [num_pages, num_kv_heads, head_dim], budget)"
+            )
             if want_min.shape[0] <= budget:
                 hint = "when the sequence holds at most budget pages, every page is read: return them all"
             return Failure(call, f"{want_sel.tolist()}", f"raised {raised}", hint)

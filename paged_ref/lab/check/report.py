@@ -7,7 +7,8 @@ allocator checker also shrinks its operation sequences). The student's code is c
 * ``NotImplementedError`` from the student's code is reported as "not implemented yet" (the
   skeletons raise it); raised anywhere else (say, while the checker reads the returned value) it
   is a failure like any other;
-* any other ``Exception`` from the student's code is that case's failure;
+* any other ``Exception`` from the student's code is that case's failure (`raised_hint` names
+  the student's line that raised it, or what the checker calls when none of their code ran);
 * a case that runs longer than ``time_limit`` seconds is stopped and reported (an endless loop
   gets a failure, not a frozen notebook). On the main thread of a Unix process the checker
   interrupts it with a timer (``SIGALRM``); elsewhere, or while a grader's own timer is running,
@@ -20,15 +21,19 @@ allocator checker also shrinks its operation sequences). The student's code is c
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
+import sysconfig
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["CheckReport", "Failure", "Run", "StudentError", "check_count", "run_cases"]
+__all__ = ["CheckReport", "Failure", "Run", "StudentError", "check_count", "raised_hint", "run_cases"]
 
 PROGRESS_AFTER_S = 3.0  # a check that runs longer than this shows a progress line
 DEFAULT_TIME_LIMIT_S = 10.0  # per case; the package's own implementations take milliseconds
@@ -109,6 +114,39 @@ class StudentError(Exception):
     def __init__(self, error: Exception):
         super().__init__(f"{type(error).__name__}: {error}")
         self.error = error
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where code that is not the student's lives: this package and the installed libraries."""
+    paths = sysconfig.get_paths()
+    dirs = (Path(__file__).parents[2], paths["stdlib"], paths["purelib"], paths["platlib"])
+    return tuple(str(Path(d).resolve()) + os.sep for d in dirs)
+
+
+def student_line(error: BaseException) -> str:
+    """Where the student's own code raised ``error``: ``"in schedule, line 3: raise KeyError(req)"``
+    for the innermost frame outside paged_ref and the installed libraries (a cell's line numbers
+    count within the cell); ``""`` when no such frame ran (a missing method, other arguments).
+    """
+    libraries = _library_dirs()
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not str(Path(f.filename).resolve()).startswith(libraries) and not f.filename.startswith("<frozen")
+    ]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"in {f.name}, line {f.lineno}" + (f": {f.line.strip()}" if f.line else "")
+
+
+def raised_hint(raised: StudentError, interface: str) -> str:
+    """The hint for a call into the student's code that raised: where their code raised, or (when
+    none of it ran: a missing method, other arguments) ``interface``, what the checker calls."""
+    line = student_line(raised.error)
+    if not line:
+        return interface
+    return f"your own code raised it {line}"
 
 
 class NotImplementedYet(Exception):

@@ -42,6 +42,7 @@ from .report import (
     Run,
     StudentError,
     check_count,
+    raised_hint,
 )
 
 __all__ = ["EDGE_CASES", "Pool", "Req", "Stream", "check_scheduler", "random_stream", "trace"]
@@ -226,8 +227,8 @@ def _show(rows: dict, preempted: list) -> str:
 # ---------------------------------------------------------------------------------------- hints
 RULES = (
     "running requests first, oldest admission first: a decode takes 1 token, a prefill min(tokens left, budget "
-    "left - one token per decode after it); a row that needs pages preempts the most recently admitted running "
-    "request first; then waiting requests in order while the budget, max_num_seqs and the pool allow"
+    "left); a row that needs pages preempts the most recently admitted running request first; then waiting "
+    "requests in order while the budget, max_num_seqs and the pool allow"
 )
 
 
@@ -329,7 +330,7 @@ def _play(cls, s: Stream, run: Run, where: list) -> Failure | None:
     preempted_before: dict[int, bool] = {}
     last_arrival = max(a for _, _, a in s.requests)
     for step in range(MAX_STEPS):
-        where[0] = step
+        where[:] = [step]  # and the queues before the step, once they are known
         for i, (_, _, a) in enumerate(s.requests):
             if a == step:
                 ref.add(i)
@@ -337,6 +338,7 @@ def _play(cls, s: Stream, run: Run, where: list) -> Failure | None:
         running, waiting = ref.queues()
         ctx = dict(stream=s, running=running, waiting=waiting, reqs=reqs, preempted_before=dict(preempted_before))
         before = _state_line(step, running, waiting, reqs, pool)
+        where[1:] = [_state_line(step, running, waiting, reqs, pool, "the one that raised")]
         w_rows, w_pre, w_hold, w_done = ref.step()
         pool.log = []
         try:
@@ -386,13 +388,15 @@ def _play(cls, s: Stream, run: Run, where: list) -> Failure | None:
     return None
 
 
-def _state_line(step: int, running: list, waiting: list, reqs: dict, pool: Pool) -> str:
+def _state_line(
+    step: int, running: list, waiting: list, reqs: dict, pool: Pool, what: str = "the first that differs"
+) -> str:
     def show(i):
         r = reqs[i]
         return f"{i} (decoding)" if r.remaining == 1 else f"{i} (prefill, {r.remaining} left)"
 
     return (
-        f"step {step}, the first that differs; before it: running {[show(i) for i in running]} (oldest admission "
+        f"step {step}, {what}; before it: running {[show(i) for i in running]} (oldest admission "
         f"first), waiting {waiting} (queue order), {pool.num_free} free pages"
     ).replace("'", "")
 
@@ -475,11 +479,14 @@ def check_scheduler(
             failure = run.over_time(s.describe(), f"at step {where[0]}")
         except StudentError as raised:
             failure = Failure(
-                f"{s.describe()}\nat step {where[0]}",
+                f"{s.describe()}\n" + (where[1] if len(where) > 1 else f"at step {where[0]}"),
                 "a result",
                 f"raised {raised}",
-                "the class needs __init__(pool, *, max_num_seqs, max_batched_tokens), add(req), schedule() "
-                "returning a list of (req, num_tokens), and finish(req)",
+                raised_hint(
+                    raised,
+                    "the class needs __init__(pool, *, max_num_seqs, max_batched_tokens), add(req), schedule() "
+                    "returning a list of (req, num_tokens), and finish(req)",
+                ),
             )
         if failure is not None:
             return run.finish(CheckReport(name, False, count, failure))
