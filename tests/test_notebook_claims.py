@@ -242,6 +242,29 @@ def test_notebook_09_states_the_vllm_ratios_and_conditions():
     assert "vLLM is faster on the same machine." not in text
 
 
+def test_notebook_09_section_7_reads_the_profile_as_measured():
+    """Review 10: section 7's products a step, what fusing adds, where reading the weights sets the time, and
+    that equal preemption counts are not offered as proof of equal decisions, as the committed profile holds."""
+    text = "\n".join(t for _, t in _markdown(NB09, _section_start(NB09, 6)))
+    prof = _json("serve_profile_cpu.json")
+    calls = {
+        name: {op["op"]: op["calls_per_step"] for op in prof["variants"][name]["profile"]["decode"]["ops"]}
+        for name in ("eager", "prepacked_linears")
+    }
+    eager, packed = calls["eager"]["aten::mm"], calls["prepacked_linears"]["mkldnn::_linear_pointwise"]
+    assert f"({packed:.0f} products a step instead of {eager:.0f})" in text
+    assert f"matrix products a decode step: eager {eager:.0f}, prepacked_linears {packed:.0f}" in _printed(NB09)
+    at = {row["rows"]: row["speedup_vs_f_linear"] for row in prof["linear_libraries"]["layer0"]}
+    for x in at.values():  # "fusing adds little"; oneDNN prepacked faster than F.linear, MKL's not
+        assert abs(x["onednn_prepacked_fused_qkv_gate_up"] - x["onednn_prepacked_for_32_rows"]) < 0.05
+        assert x["onednn_prepacked"] > 1 and x["mkl_prepacked"] <= 1.0 + 5e-3
+    few = prof["few_rows"]
+    rate = {row["rows"]: row["gb_per_s"]["few_rows"] for row in few["rows"]}
+    assert rate[1] > 0.8 * few["sum_gb_per_s"] and rate[32] < 0.5 * few["sum_gb_per_s"]  # "nearly as fast", "far below"
+    assert "bound by reading the weights at a few rows and by the multiply-adds at many" not in text
+    assert "the two schedulers made the same\ndecisions on this workload" not in text
+
+
 # ----------------------------------------------------------------------------- items 9-12: README
 def test_readme_names_every_subpackage_of_the_wheel():
     """Item 9: the subpackages the README lists are the package's, `lab`'s under `lab`."""
