@@ -154,6 +154,44 @@ def test_notebook_10_quest_claims_match_the_json():
     assert "by a wide margin" not in text.split("at 256, 512 and 1024")[0].split("Where Quest does better")[-1]
 
 
+def test_notebook_10_reads_its_timings_and_passkey_ties_as_measured():
+    """Review 10: what section 3 says of the breakdown's columns and of its two runs, and what sections 5 and 7
+    say of pass-key and of the ratios, is what the committed JSON holds."""
+    from paged_ref.lab.bench import pages as bench_pages
+
+    text = "\n".join(t for _, t in _markdown(NB10))
+    pages, bd = _json("pages_full.json"), _json("pages_breakdown_full.json")
+    paths = bd["cascade_breakdown"]["paths"]
+    for p in paths.values():  # "what is left": the path less the run with no data and less the gathers' copying
+        assert math.isclose(p["math_ms"], p["ms"] - p["per_request_ms"] - p["gather_data_ms"], abs_tol=1e-9)
+        assert p["gather_data_ms"] < p["gathers_ms"]  # so path - gathers - no-data is not the math column
+    assert "do not add up" in text
+    # the timed case (both runs: seed 0) and the bytes table's 32-request row (its own draw) differ
+    timed = paths["reference"]["kv_bytes"] / paths["cascade"]["kv_bytes"]
+    row = next(r for r in pages["cascade_bytes"] if r["requests"] == pages["cascade_speed"]["samples"])
+    table = row["bytes_counted"]["reference"] / row["bytes_counted"]["cascade"]
+    assert f"{timed:.1f}x fewer bytes" in text and f"its {table:.1f}x" in text and f"{timed:.1f}" != f"{table:.1f}"
+    assert "Fewer bytes become less time when" not in text  # the Triton path is not timed here
+    # pass-key: PagedEviction against the full cache at 1024 is not a clear difference
+    vs_full = {(d["policy"], d["budget"]): d for d in bench_pages.passkey_vs_full(pages)}
+    assert vs_full[("paged_eviction", 1024)]["mcnemar_p"] >= 0.05 and "*better* than the full cache" not in text
+    rows = {(d["task"], d["budget"], d["peer"]): d for d in bench_pages.quest_vs_eviction(pages)}
+    assert all(d["overlap"] for (task, _, _), d in rows.items() if task == "language_modelling")  # "every line"
+    for c in (512, 1024):  # "clearly ahead at 512 and 1024 tokens, level below"
+        assert rows[("passkey", c, "streaming_llm")]["mcnemar_p"] < 0.05
+    assert all(rows[("passkey", c, "streaming_llm")]["mcnemar_p"] >= 0.05 for c in (128, 256))
+    # section 7 quotes both runs' ratios
+    seven = "".join(_cells(NB10)[_section_start(NB10, 7)]["source"])
+    g = bd["generate_breakdown"]
+    for ratio in (
+        pages["cascade_speed"]["speedup_vs"]["reference"],
+        bd["cascade_breakdown"]["speedup"],
+        pages["generate_speed"]["speedup"],
+        g["sdpa"]["step_ms"] / g["cascade"]["step_ms"],
+    ):
+        assert f"{ratio:.1f}x" in seven or f"{ratio:.2f}x" in seven, ratio
+
+
 def test_notebook_10_states_quest_selection_rules():
     """Item 16: per KV head by the largest bound of its query heads; the newest page always read."""
     text = "\n".join(t for _, t in _markdown(NB10))
@@ -202,6 +240,29 @@ def test_notebook_09_states_the_vllm_ratios_and_conditions():
     for name in ("serve_cpu_peer_vllm.json", "serve_cpu_short_peer_vllm.json"):
         assert "--peer-repeats 1" in _json(name)["command"]
     assert "vLLM is faster on the same machine." not in text
+
+
+def test_notebook_09_section_7_reads_the_profile_as_measured():
+    """Review 10: section 7's products a step, what fusing adds, where reading the weights sets the time, and
+    that equal preemption counts are not offered as proof of equal decisions, as the committed profile holds."""
+    text = "\n".join(t for _, t in _markdown(NB09, _section_start(NB09, 6)))
+    prof = _json("serve_profile_cpu.json")
+    calls = {
+        name: {op["op"]: op["calls_per_step"] for op in prof["variants"][name]["profile"]["decode"]["ops"]}
+        for name in ("eager", "prepacked_linears")
+    }
+    eager, packed = calls["eager"]["aten::mm"], calls["prepacked_linears"]["mkldnn::_linear_pointwise"]
+    assert f"({packed:.0f} products a step instead of {eager:.0f})" in text
+    assert f"matrix products a decode step: eager {eager:.0f}, prepacked_linears {packed:.0f}" in _printed(NB09)
+    at = {row["rows"]: row["speedup_vs_f_linear"] for row in prof["linear_libraries"]["layer0"]}
+    for x in at.values():  # "fusing adds little"; oneDNN prepacked faster than F.linear, MKL's not
+        assert abs(x["onednn_prepacked_fused_qkv_gate_up"] - x["onednn_prepacked_for_32_rows"]) < 0.05
+        assert x["onednn_prepacked"] > 1 and x["mkl_prepacked"] <= 1.0 + 5e-3
+    few = prof["few_rows"]
+    rate = {row["rows"]: row["gb_per_s"]["few_rows"] for row in few["rows"]}
+    assert rate[1] > 0.8 * few["sum_gb_per_s"] and rate[32] < 0.5 * few["sum_gb_per_s"]  # "nearly as fast", "far below"
+    assert "bound by reading the weights at a few rows and by the multiply-adds at many" not in text
+    assert "the two schedulers made the same\ndecisions on this workload" not in text
 
 
 # ----------------------------------------------------------------------------- items 9-12: README
