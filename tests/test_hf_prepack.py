@@ -94,7 +94,7 @@ def test_stream_layout_lays_each_block_of_outputs_as_one_stream():
 
 def test_few_rows_kernel_refuses_a_layout_that_does_not_fit():
     x, blocks = torch.randn(2, 5), stream_layout(torch.randn(70, 5))
-    expected = r"few_rows: x \[M, K\], contiguous w \[ceil\(N / 64\), K, 64\]; got x \[2, 5\], w \[2, 5, 64\], N 200"
+    expected = r"few_rows: w must be \[ceil\(n / 64\), K, 64\] = \[4, 5, 64\] \(n = 200, x's K\), got \[2, 5, 64\]"
     with pytest.raises(RuntimeError, match=expected):
         few_rows_kernel()(x, blocks, 200)  # 200 outputs need 4 blocks, not 2
     with pytest.raises(RuntimeError, match="few_rows"):

@@ -20,6 +20,17 @@ Where the kernel cannot run (a build that fails, no compiler; tensors not float3
 `cpu_paged_decode` and `cpu_paged_prefill` run `sdpa_paged_decode` and `sdpa_paged_prefill`
 instead: the same numbers up to rounding. A failed build warns once, with its reason.
 
+The kernel checks its own arguments before it reads a byte (``check_paged_attention`` in the
+source; a ``RuntimeError`` naming the argument): float32 CPU ``q [n, Hq, D]`` and caches
+``[num_pages, page_size, Hkv, D]`` of one shape, ``page_size`` and ``Hkv`` at least 1, ``Hq`` a
+multiple of ``Hkv``, q's ``D`` the cache's; int32 or int64 ``block_table [B, max_pages]``,
+``seq_lens`` and ``q_lens [B]``; every ``seq_lens[b]`` in ``[0, max_pages * page_size]``, every
+``q_lens[b]`` in ``[0, seq_lens[b]]``, ``q_lens`` adding up to ``n``, and the page ids a sequence
+uses (its first ``ceil(seq_lens[b] / page_size)`` entries) in ``[0, num_pages)``: one pass over
+them. Strides are free (non-contiguous tensors are copied). So no call reads or writes outside its
+tensors, whatever ``check_values`` says. Softmax weights below ``e^-87.3`` (1.2e-38) of a row's
+largest are 0.
+
 Example:
     >>> kc, vc = torch.randn(4, 16, 2, 64), torch.randn(4, 16, 2, 64)
     >>> q, bt, lens = torch.randn(2, 8, 64), torch.tensor([[3, 1], [0, 2]]), torch.tensor([20, 5])
@@ -49,12 +60,17 @@ SOURCE = Path(__file__).parent / "csrc" / "cpu_paged.cpp"
 def kernel():
     """The compiled extension (its ``paged_attention``), built on first call, or None (`build`)."""
     instead = "attention runs through SDPA (sdpa_paged_*)"
-    return build("paged_ref_cpu_paged", [VEXP, SOURCE], ["paged_attention"], instead)
+    return build("paged_ref_cpu_paged", [VEXP, SOURCE], ["paged_attention", "paged_attention_checks"], instead)
 
 
 def cpu_paged_decode(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, check_values=True) -> torch.Tensor:
     """Decode attention over the pages, the contract of `reference_paged_decode`, through `kernel`
-    for float32 CPU tensors (else `sdpa_paged_decode`)."""
+    for float32 CPU tensors (else `sdpa_paged_decode`).
+
+    ``check_values=False`` skips the host reads of `check_paged_inputs` (the types and shapes are
+    still checked): a page id listed twice in one row is then not refused (a wrong result). On the
+    kernel's path the page ids and lengths are still refused where out of range (the kernel's own
+    checks: a ``RuntimeError``); on SDPA's, PyTorch's indexing refuses an out-of-range page id."""
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
     if _module(q) is None:
         return sdpa_paged_decode(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=False)
@@ -66,7 +82,10 @@ def cpu_paged_prefill(
     q, k_cache, v_cache, block_table, seq_lens, q_lens, *, scale=None, check_values=True
 ) -> torch.Tensor:
     """Causal prefill over the pages, the contract of `reference_paged_prefill`, through `kernel` for
-    float32 CPU tensors (else `sdpa_paged_prefill`): every row's own tokens, no padding, no copied page."""
+    float32 CPU tensors (else `sdpa_paged_prefill`): every row's own tokens, no padding, no copied page.
+
+    ``check_values=False``: as `cpu_paged_decode`'s; ``q_lens`` out of range are then refused by the
+    kernel (``RuntimeError``) or, on SDPA's path, not at all."""
     scale = check_prefill_inputs(
         q, k_cache, v_cache, block_table, seq_lens, q_lens, scale=scale, check_values=check_values
     )
@@ -82,7 +101,8 @@ def cpu_paged_prefill(
 def cpu_paged_packed(q, k_cache, v_cache, block_table, seq_lens, q_lens, *, scale: float):
     """Decode rows and prefill chunks in one call, as a packed forward lays them out: ``q [num_new, Hq, D]``,
     row ``b``'s ``q_lens[b]`` tokens after those of the rows before it -> ``[num_new, Hq, D]``; the kernel's
-    contract (values unchecked: they come from the cache), or None where `kernel` cannot run ``q``."""
+    contract and checks only (no Python check: a step's tables come from the cache), or None where `kernel`
+    cannot run ``q``."""
     return None if _module(q) is None else _run(q, k_cache, v_cache, block_table, seq_lens, q_lens, scale)
 
 
@@ -92,6 +112,6 @@ def _module(q: torch.Tensor):
 
 
 def _run(q, k_cache, v_cache, block_table, seq_lens, q_lens, scale: float) -> torch.Tensor:
-    """`kernel`'s ``paged_attention`` of the packed tokens ``q [num_new, Hq, D]`` -> ``[num_new, Hq, D]``."""
-    tables = (t.to(torch.int32).contiguous() for t in (block_table, seq_lens, q_lens))
-    return kernel().paged_attention(q.contiguous(), k_cache.contiguous(), v_cache.contiguous(), *tables, scale)
+    """`kernel`'s ``paged_attention`` of the packed tokens ``q [num_new, Hq, D]`` -> ``[num_new, Hq, D]``
+    (the kernel checks its arguments and copies non-contiguous ones)."""
+    return kernel().paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens, scale)

@@ -163,13 +163,20 @@ def triton_cascade_decode(
     check_values: bool = True,
 ) -> torch.Tensor:
     """:func:`~.cascade.reference_cascade_decode` with Triton kernels (the inputs
-    :func:`~.triton_decode.triton_paged_decode` takes)."""
+    :func:`~.triton_decode.triton_paged_decode` takes).
+
+    ``check_values=False`` (a GPU's timed loops): the types and shapes are still checked, the values
+    (page ids, lengths, ``group_indptr``, ``prefix_lens``) not: out of range, they read out of bounds.
+    In Triton's interpreter (CPU tensors) they are checked whatever it says."""
     if not HAVE_TRITON:
         raise ImportError("triton_cascade_decode needs the `triton` package (Linux only)")
+    interpret = isinstance(q, torch.Tensor) and interpreted(q.device)
     scale = check_cascade_inputs(
-        q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, scale=scale, check_values=check_values
+        *(q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens),
+        scale=scale,
+        check_values=check_values or interpret,  # the interpreter reads host memory: never unchecked there
     )
-    check_triton_inputs(q, k_cache, v_cache, block_table, seq_lens, None, None, interpret=interpreted(q.device))
+    check_triton_inputs(q, k_cache, v_cache, block_table, seq_lens, None, None, interpret=interpret)
     o_prefix, lse_prefix = triton_prefix_attention(
         q, k_cache, v_cache, block_table, group_indptr.contiguous(), prefix_lens.contiguous(), scale
     )  # [batch, Hq, D], [batch, Hq]

@@ -297,8 +297,11 @@ def triton_paged_decode(
         num_splits: chunks per sequence; None: :func:`~.occupancy.choose_num_splits`. Any value
             gives the same result up to rounding.
         out: ``[batch, num_q_heads, head_dim]`` to write into (contiguous, dtype and device of ``q``).
-        check_values: off in timed loops once the inputs are known good (no host sync; an
-            out-of-range page id then reads out of bounds).
+        check_values: off in timed loops on a GPU once the inputs are known good (no host sync):
+            the types, shapes and layouts are still checked, the values not: an out-of-range page id
+            or sequence length then reads out of bounds. In Triton's interpreter (CPU tensors) the
+            values are checked whatever it says (a host read there costs no sync, and an
+            out-of-range read would crash the process).
         return_lse: also return each row's log-sum-exp in base 2, float32 ``[batch, num_q_heads]``
             (the state :func:`~.cascade.merge_states` merges): ``M + log2(sum_s 2^(m_s - M) l_s)``.
 
@@ -315,8 +318,9 @@ def triton_paged_decode(
             "triton_paged_decode needs the `triton` package (Linux only): "
             "pip install triton, or use reference_paged_decode instead"
         )
+    interpret = isinstance(q, torch.Tensor) and interpreted(q.device)
+    check_values = check_values or interpret  # the interpreter reads host memory: never unchecked there
     scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
-    interpret = interpreted(q.device)
     check_triton_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, out, interpret=interpret)
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

@@ -1,38 +1,105 @@
 // Paged attention on the CPU, K/V read where they lie (paged_ref.attention.cpu_paged); vexp: paged_ref/csrc/vexp.h,
-// compiled before this file (paged_ref.native.build).
+// check_tensor: paged_ref/csrc/checks.h, both compiled before this file (paged_ref.native.build).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
-#include <numeric>
 #include <vector>
 
-// q [n, Hq, D]: the new tokens of B sequences, sequence b's q_lens[b] after those of the ones before;
-// its token i is its token seq_lens[b] - q_lens[b] + i and sees the tokens up to itself (causal);
-// caches [num_pages, P, Hkv, D], block_table int32 [B, max_pages], lens int32 [B], all contiguous
-// float32. Returns out [n, Hq, D].
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor q_lens, double scale) {
-  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), B = seq_lens.size(0);
+// An int32 or int64 tensor [B] (seq_lens, q_lens) as int64 values, its dtype and shape checked.
+static std::vector<int64_t> lengths(const char* name, const torch::Tensor& t, int64_t B) {
+  TORCH_CHECK(t.defined() && (t.scalar_type() == at::kInt || t.scalar_type() == at::kLong), "paged_attention: ",
+              name, " must be an int32 or int64 tensor, got ", t.defined() ? toString(t.scalar_type()) : "None");
+  check_tensor("paged_attention", name, t, t.scalar_type(), 1, "[B]");
+  TORCH_CHECK(t.size(0) == B, "paged_attention: ", name, " must have B = ", B, " entries (seq_lens'), got ", t.size(0));
+  auto c = t.contiguous();  // t itself where it is contiguous
+  if (c.scalar_type() == at::kInt) return std::vector<int64_t>(c.data_ptr<int32_t>(), c.data_ptr<int32_t>() + B);
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + B);
+}
+
+// Page ids of the used entries (the first ceil(lens[b] / P) of row b) within [0, num_pages): one pass over them.
+template <typename T>
+static void check_pages(const torch::Tensor& block_table, const std::vector<int64_t>& lens, int64_t P, int64_t pages) {
+  auto c = block_table.contiguous();
+  const T* table = c.data_ptr<T>();
+  const int64_t M = c.size(1);
+  for (size_t b = 0; b < lens.size(); ++b) {
+    const T* row = table + b * M;
+    const int64_t used = (lens[b] + P - 1) / P;
+    const auto [lo, hi] = std::minmax_element(row, row + used);
+    TORCH_CHECK(used == 0 || (*lo >= 0 && *hi < pages), "paged_attention: block_table[", b,
+                "] must hold page ids in [0, num_pages = ", pages, ") in its first ", used, " entries (seq_lens[", b,
+                "] = ", lens[b], ", page_size ", P, "), got ids in [", int64_t(*lo), ", ", int64_t(*hi), "]");
+  }
+}
+
+// Everything paged_attention relies on, checked: dtypes, devices, ranks, sizes that must agree, lengths and
+// page ids in range. Returns (seq_lens, q_lens) as int64 values. The tensors' strides are free (copies are made).
+static std::pair<std::vector<int64_t>, std::vector<int64_t>> check_paged_attention(
+    const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+    const torch::Tensor& block_table, const torch::Tensor& seq_lens, const torch::Tensor& q_lens) {
+  const char* op = "paged_attention";
+  check_tensor(op, "q", q, at::kFloat, 3, "[n, Hq, D]");
+  check_tensor(op, "k_cache", k_cache, at::kFloat, 4, "[num_pages, page_size, Hkv, D]");
+  check_tensor(op, "v_cache", v_cache, at::kFloat, 4, "[num_pages, page_size, Hkv, D]");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have k_cache's shape ", k_cache.sizes(),
+              ", got ", v_cache.sizes());
+  const int64_t Hq = q.size(1), num_pages = k_cache.size(0), P = k_cache.size(1), Hkv = k_cache.size(2);
+  TORCH_CHECK(P >= 1, op, ": k_cache page_size (dim 1) must be at least 1, got ", P);
+  TORCH_CHECK(Hkv >= 1, op, ": k_cache Hkv (dim 2) must be at least 1, got ", Hkv);
+  TORCH_CHECK(q.size(2) == k_cache.size(3), op, ": q head_dim (dim 2) must equal k_cache's ", k_cache.size(3),
+              ", got ", q.size(2));
+  TORCH_CHECK(Hq % Hkv == 0, op, ": q Hq (dim 1) must be a multiple of k_cache's Hkv = ", Hkv, ", got ", Hq);
+  TORCH_CHECK(block_table.defined() &&
+                  (block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong),
+              op, ": block_table must be an int32 or int64 tensor");
+  check_tensor(op, "block_table", block_table, block_table.scalar_type(), 2, "[B, max_pages]");
+  check_tensor(op, "seq_lens", seq_lens, seq_lens.scalar_type(), 1, "[B]");
+  const int64_t B = seq_lens.size(0), M = block_table.size(1);
+  TORCH_CHECK(block_table.size(0) == B, op, ": block_table must have a row per sequence (B = ", B,
+              " seq_lens), got ", block_table.size(0), " rows");
+  auto lens = lengths("seq_lens", seq_lens, B), new_lens = lengths("q_lens", q_lens, B);
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= M * P, op, ": seq_lens[", b, "] must be in [0, max_pages * page_size = ",
+                M, " * ", P, "], got ", lens[b]);
+    TORCH_CHECK(new_lens[b] >= 0 && new_lens[b] <= lens[b], op, ": q_lens[", b, "] must be in [0, seq_lens[", b,
+                "] = ", lens[b], "], got ", new_lens[b]);
+    total += new_lens[b];
+  }
+  TORCH_CHECK(total == q.size(0), op, ": q_lens must add up to q's n (dim 0) = ", q.size(0), " tokens, got ", total);
+  if (block_table.scalar_type() == at::kInt)
+    check_pages<int32_t>(block_table, lens, P, num_pages);
+  else
+    check_pages<int64_t>(block_table, lens, P, num_pages);
+  return {lens, new_lens};
+}
+
+// The checks alone, `times` times over (bench serve --profile times them against the whole call).
+void paged_attention_checks(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
+                            torch::Tensor seq_lens, torch::Tensor q_lens, int64_t times) {
+  repeat_checks(times, [&] { check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens); });
+}
+
+template <typename T>
+static void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                   const torch::Tensor& block_table, const std::vector<int64_t>& lens,
+                   const std::vector<int64_t>& new_lens, float sc, torch::Tensor& out) {
+  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), B = int64_t(lens.size());
   const int64_t P = k_cache.size(1), Hkv = k_cache.size(2), G = Hq / Hkv, M = block_table.size(1);
-  auto out = torch::empty_like(q);
   const float *qs = q.data_ptr<float>(), *ks = k_cache.data_ptr<float>(), *vs = v_cache.data_ptr<float>();
-  const int32_t *table = block_table.data_ptr<int32_t>(), *lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* new_lens = q_lens.data_ptr<int32_t>();
+  const T* table = block_table.data_ptr<T>();
   float* os = out.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
-  TORCH_CHECK(std::accumulate(new_lens, new_lens + B, int64_t(0)) == n, "q_lens must add up to q's ", n, " tokens");
   std::vector<int64_t> seq(n), seen(n);  // each token's sequence and the tokens it sees
   for (int64_t b = 0, row = 0; b < B; ++b)
     for (int64_t i = 0; i < new_lens[b]; ++i, ++row) seq[row] = b, seen[row] = lens[b] - new_lens[b] + i + 1;
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s;  // [Hq, len]: scores, then probabilities
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = seq[row], len = seen[row];
-      const int32_t* pages = table + b * M;
+      const int64_t b = seq[row], len = seen[row];  // 1 <= len <= seq_lens[b] (checked)
+      const T* pages = table + b * M;
       const float* qb = qs + row * Hq * D;
       float* ob = os + row * Hq * D;
       std::fill(ob, ob + Hq * D, 0.f);
-      if (len <= 0) continue;  // no token: a zero row (the checks refuse it before)
       s.resize(Hq * len);
       for (int64_t t = 0; t < len; ++t) {  // scores: token t's K row [Hkv, D], read in its page
         const float* k = ks + (int64_t(pages[t / P]) * P + t % P) * Hkv * D;
@@ -68,5 +135,22 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       }
     }
   });
+}
+
+// q [n, Hq, D]: the new tokens of B sequences, sequence b's q_lens[b] after those of the ones before;
+// its token i is its token seq_lens[b] - q_lens[b] + i and sees the tokens up to itself (causal);
+// caches [num_pages, P, Hkv, D] float32, block_table [B, max_pages], seq_lens and q_lens [B] (int32 or int64),
+// any strides (non-contiguous ones are copied). Returns out [n, Hq, D]. check_paged_attention says what it
+// refuses.
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor q_lens, double scale) {
+  auto [lens, new_lens] = check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens);
+  q = q.contiguous(), k_cache = k_cache.contiguous(), v_cache = v_cache.contiguous();
+  block_table = block_table.contiguous();
+  auto out = torch::empty_like(q);
+  if (block_table.scalar_type() == at::kInt)
+    attend<int32_t>(q, k_cache, v_cache, block_table, lens, new_lens, static_cast<float>(scale), out);
+  else
+    attend<int64_t>(q, k_cache, v_cache, block_table, lens, new_lens, static_cast<float>(scale), out);
   return out;
 }

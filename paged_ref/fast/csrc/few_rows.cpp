@@ -1,4 +1,5 @@
-// x @ W.T for a few rows of x, each weight read once, in one stream (paged_ref.fast.prepack).
+// x @ W.T for a few rows of x, each weight read once, in one stream (paged_ref.fast.prepack); check_tensor:
+// paged_ref/csrc/checks.h, compiled before this file (paged_ref.native.build).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -22,13 +23,24 @@ static void rows(const float* x, const float* w, int64_t K, float* o, int64_t N,
 constexpr void (*ROWS[])(const float*, const float*, int64_t, float*, int64_t, int64_t) = {
     nullptr, rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>};
 
+// x float32 [M, K], any strides; w float32 [ceil(N / 64), K, 64] (stream_layout), any strides (a copy where not
+// contiguous); N >= 0.
+void check_few_rows(const torch::Tensor& x, const torch::Tensor& w, int64_t N) {
+  check_tensor("few_rows", "x", x, at::kFloat, 2, "[M, K]");
+  check_tensor("few_rows", "w", w, at::kFloat, 3, "[ceil(N / 64), K, 64]");
+  TORCH_CHECK(N >= 0, "few_rows: n must be >= 0, got ", N);
+  TORCH_CHECK(w.size(0) == N / BLOCK + (N % BLOCK != 0) && w.size(1) == x.size(1) && w.size(2) == BLOCK,
+              "few_rows: w must be [ceil(n / 64), K, 64] = [", N / BLOCK + (N % BLOCK != 0), ", ", x.size(1),
+              ", 64] (n = ", N, ", x's K), got ", w.sizes());
+}
+
+// x @ W.T [M, N] for w = stream_layout(W).
 torch::Tensor few_rows(torch::Tensor x, torch::Tensor w, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.is_contiguous() && w.size(1) == x.size(1) && w.size(2) == BLOCK &&
-      N > (w.size(0) - 1) * BLOCK && N <= w.size(0) * BLOCK,
-      "few_rows: x [M, K], contiguous w [ceil(N / 64), K, 64]; got x ", x.sizes(), ", w ", w.sizes(), ", N ", N);
-  x = x.contiguous();
+  check_few_rows(x, w, N);
+  x = x.contiguous(), w = w.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   auto out = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
@@ -42,4 +54,10 @@ torch::Tensor few_rows(torch::Tensor x, torch::Tensor w, int64_t N) {
   return out;
 }
 
-TORCH_LIBRARY(paged_ref_linear, m) { m.def("few_rows(Tensor x, Tensor w, int n) -> Tensor", &few_rows); }
+TORCH_LIBRARY(paged_ref_linear, m) {
+  m.def("few_rows(Tensor x, Tensor w, int n) -> Tensor", &few_rows);
+  m.def("few_rows_checks(Tensor x, Tensor w, int n, int times) -> ()",  // the checks alone, for bench serve --profile
+        [](torch::Tensor x, torch::Tensor w, int64_t n, int64_t times) {
+          repeat_checks(times, [&] { check_few_rows(x, w, n); });
+        });
+}

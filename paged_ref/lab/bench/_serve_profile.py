@@ -29,6 +29,11 @@ reads each weight once, in one stream).
   (the engine sends it up to ``max_num_seqs``, 32): oneDNN's prepacked weights against `paged_ref.fast.prepack`'s
   one-stream kernel, with the rate each reads the weights at and the rate this core reads memory (a
   sum over all of them).
+- **Checks** (`native_checks`): what the native ops' argument checks cost in a decode step of the last
+  variant: each op's checks alone (its ``*_checks`` entry: the same C++ as the op runs first) and the
+  whole op, timed in turns on a decode step's arguments (``max_num_seqs`` rows; the block table's
+  every entry in use, one pass over them), times its calls per step, against the step's time in the
+  profile.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from ...fast import Fast
 from ...fast.prepack import PACK_FOR_ROWS, few_rows_kernel, stream_layout
 from ...serve import Engine
 
-__all__ = ["VARIANTS", "PROFILE_WORKLOAD", "linear_libraries", "profile_variant", "paired_gain", "run_profile"]
+__all__ = ["VARIANTS", "PROFILE_WORKLOAD", "linear_libraries", "native_checks", "profile_variant", "paired_gain"]
+__all__ += ["run_profile"]
 
 #: name -> (the engine's ``fast=``, what it adds), each variant on top of the one before.
 VARIANTS = {
@@ -314,6 +320,53 @@ def few_rows_products(model, rows=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), re
     return out
 
 
+#: rounds of an op's checks in one call of its ``*_checks`` entry (`native_checks`)
+TIMES = 100
+
+
+def native_checks(model, cfg, step_ms: float, repeats: int = 7) -> dict:
+    """The native ops' checks in a decode step of ``cfg["max_num_seqs"]`` rows, each op's alone and whole,
+    timed in turns (median us per call; a checks call runs them ``TIMES`` times: its dispatch is left out),
+    times its calls per step: ``{"ops": {op: {"calls_per_step",
+    "checks_us", "op_us"}}, "checks_ms_per_step", "step_ms", "share"}`` (``share``: of ``step_ms``)."""
+    from ...attention.cpu_paged import kernel
+    from ...hf.cpu_ops import cpu_ops
+
+    c, rows = model.config, cfg["max_num_seqs"]
+    D, Hq, Hkv = c.hidden_size // c.num_attention_heads, c.num_attention_heads, c.num_key_value_heads
+    layers, P, pages = c.num_hidden_layers, cfg["page_size"], cfg["num_pages"]
+    max_pages = cfg["max_model_len"] // P
+    attention, ops, few = kernel(), cpu_ops(), few_rows_kernel()
+    q, kc, vc = torch.randn(rows, Hq, D), torch.randn(pages, P, Hkv, D), torch.randn(pages, P, Hkv, D)
+    table = torch.randint(0, pages, (rows, max_pages), dtype=torch.int32)  # [rows, max_pages], all in use
+    lens, ones = torch.full((rows,), max_pages * P, dtype=torch.int32), torch.ones(rows, dtype=torch.int32)
+    h, y, w = torch.randn(rows, 1, c.hidden_size), torch.randn(rows, 1, c.hidden_size), torch.randn(c.hidden_size)
+    x, cos = torch.randn(rows, 1, Hq, D), torch.randn(rows, 1, 1, D)
+    gate = torch.randn(rows, 1, c.intermediate_size)
+    a, wb = torch.randn(rows, c.hidden_size), stream_layout(torch.randn(c.intermediate_size, c.hidden_size))
+    calls = {  # op -> (calls per step, its checks, the op)
+        "paged_attention": (
+            layers,
+            lambda: attention.paged_attention_checks(q, kc, vc, table, lens, ones, TIMES),
+            lambda: attention.paged_attention(q, kc, vc, table, lens, ones, 1.0),
+        ),
+        "add_norm": (2 * layers + 1, lambda: ops.add_norm_checks(h, y, w, TIMES), lambda: ops.add_norm(h, y, w, 1e-6)),
+        "rotate": (2 * layers, lambda: ops.rotate_checks(x, cos, cos, TIMES), lambda: ops.rotate(x, cos, cos)),
+        "silu_mul": (layers, lambda: ops.silu_mul_checks(gate, gate, TIMES), lambda: ops.silu_mul(gate, gate)),
+    }
+    if few is not None:  # q/k/v, o, gate/up, down and the LM head: one product each (its shape here: gate's)
+        n = c.intermediate_size
+        checks = torch.ops.paged_ref_linear.few_rows_checks
+        calls["few_rows"] = (4 * layers + 1, lambda: checks(a, wb, n, TIMES), lambda: few(a, wb, n))
+    out = {}
+    for name, (count, check, whole) in calls.items():
+        times = _in_turns({"checks": check, "op": whole}, repeats, calls=20)
+        us = {k: statistics.median(t) * 1e6 / (TIMES if k == "checks" else 1) for k, t in times.items()}
+        out[name] = {"calls_per_step": count, "checks_us": us["checks"], "op_us": us["op"]}
+    total = sum(v["calls_per_step"] * v["checks_us"] for v in out.values()) / 1e3
+    return {"rows": rows, "ops": out, "checks_ms_per_step": total, "step_ms": step_ms, "share": total / step_ms}
+
+
 def _generate_check(model, requests, outs, n: int) -> dict:
     """The first ``n`` requests through ``model.generate`` (greedy): the same tokens as ``outs``?"""
     same = 0
@@ -350,6 +403,10 @@ def run_profile(model, requests_fn, *, quick: bool, save) -> dict:
     names = list(VARIANTS)
     for name in tqdm(names, desc="profile", leave=False):
         data["variants"][name]["profile"] = profile_variant(model, cfg, requests, VARIANTS[name][0])
+        save(data)
+    decode = data["variants"][names[-1]]["profile"].get("decode")
+    if decode is not None:
+        data["native_checks"] = {"load": os.getloadavg(), **native_checks(model, cfg, decode["total_ms_per_step"])}
         save(data)
     for before, after in tqdm(list(zip(names, names[1:])), desc="gains", leave=False):
         gain = paired_gain(model, cfg, requests, VARIANTS[before][0], VARIANTS[after][0])

@@ -1,0 +1,44 @@
+// The argument checks every native op runs first (paged_ref.native.build compiles this before each source):
+// each failure is a c10::Error (RuntimeError in Python) naming the op, the argument, what it must be and what
+// it is.
+#include <torch/extension.h>
+#include <algorithm>
+#include <vector>
+
+// t a strided CPU tensor of `dtype` with `dim` dimensions (`layout` names them, as "[n, Hq, D]").
+static inline void check_tensor(const char* op, const char* name, const torch::Tensor& t, at::ScalarType dtype,
+                                int64_t dim, const char* layout) {
+  TORCH_CHECK(t.defined(), op, ": ", name, " must be a tensor, got None");
+  TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, op, ": ", name,
+              " must be a dense CPU tensor, got device ", t.device(), ", layout ", t.layout());
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(dim < 0 || t.dim() == dim, op, ": ", name, " must be ", layout, " (", dim, " dimensions), got shape ",
+              t.sizes());
+}
+
+// No two elements of t share memory (a sufficient test: the dimensions sorted by stride each step past the
+// ones before), so a kernel writing t in place writes each element once.
+static inline void check_no_overlap(const char* op, const char* name, const torch::Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of dimensions longer than 1
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 1;  // elements spanned by the dimensions so far
+  bool ok = true;
+  for (auto [stride, size] : dims) {
+    ok = ok && stride >= reach;
+    reach = stride * size;
+  }
+  TORCH_CHECK(t.numel() == 0 || ok, op, ": ", name, " is written in place and must not overlap itself, got shape ",
+              t.sizes(), ", strides ", t.strides());
+}
+
+// The checks `check` runs, `times` times over (an op's *_checks entry: bench serve --profile divides the time of a
+// call by `times`, so that one call's dispatch does not count). The barrier keeps each round's reads in it.
+template <typename F>
+static inline void repeat_checks(int64_t times, F check) {
+  for (int64_t i = 0; i < times; ++i) {
+    check();
+    asm volatile("" ::: "memory");
+  }
+}

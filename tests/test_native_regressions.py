@@ -1,0 +1,131 @@
+"""The hostile calls that crashed or read out of bounds before the native ops checked their arguments
+(issue 57), each now refused with an error naming the argument or answered right. All run in one
+subprocess, in turn: a crash fails the test naming the case it was on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from native_worker import child_env  # noqa: E402
+
+ROOT = Path(__file__).parents[1]
+
+SETUP = """
+import torch
+from paged_ref.attention.cpu_paged import cpu_paged_decode, kernel
+from paged_ref.attention.reference import reference_paged_decode
+from paged_ref.attention.triton_cascade import triton_cascade_decode
+from paged_ref.attention.triton_decode import triton_paged_decode
+from paged_ref.hf.cpu_ops import cpu_ops
+i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
+kc, vc, q = torch.randn(4, 4, 2, 8), torch.randn(4, 4, 2, 8), torch.randn(2, 4, 8)
+bt, lens = i32([0, 1], [2, 3]), i32(5, 8)
+ones = i32(1, 1)
+def attn(q=q, kc=kc, vc=vc, bt=bt, lens=lens, q_lens=ones):
+    return kernel().paged_attention(q, kc, vc, bt, lens, q_lens, 0.35)
+ops = cpu_ops()
+"""
+
+#: (name, code, what must come: "error <argument>" or "ok" where the code asserts the result)
+CASES = [
+    ("page id +2e9", "attn(bt=i32([0, 2_000_000_000], [2, 3]))", "error block_table"),
+    ("page id -2e9", "attn(bt=i32([-2_000_000_000, 1], [2, 3]))", "error block_table"),
+    ("page id == num_pages", "attn(bt=i32([0, 4], [2, 3]))", "error block_table"),
+    ("sequence longer than its row", "attn(lens=i32(5, 9))", "error seq_lens"),
+    ("q_lens 200, -199", "attn(q=q[:1], q_lens=i32(200, -199))", "error q_lens"),
+    ("zero KV heads", "attn(kc=kc[:, :, :0], vc=vc[:, :, :0])", "error k_cache"),
+    ("page_size 0", "attn(kc=kc[:, :0], vc=vc[:, :0])", "error k_cache"),
+    ("Hq not a multiple of Hkv", "attn(q=torch.randn(2, 3, 8))", "error q"),
+    ("block table with fewer rows", "attn(bt=bt[:1])", "error block_table"),
+    ("q head_dim larger", "attn(q=torch.randn(2, 4, 9))", "error q"),
+    ("v_cache smaller", "attn(vc=vc[:2])", "error v_cache"),
+    ("sequence length 0", "attn(lens=i32(0, 8))", "error q_lens"),
+    ("q float64", "attn(q=q.double())", "error q"),
+    (
+        "non-contiguous inputs",
+        "torch.testing.assert_close(attn(q=q.transpose(0, 1).contiguous().transpose(0, 1),"
+        " kc=kc.transpose(1, 2).contiguous().transpose(1, 2)), attn())",
+        "ok",
+    ),
+    (
+        "add_norm C=0",
+        "h, o = ops.add_norm(torch.randn(2, 0), None, torch.randn(0), 1e-6); assert o.shape == (2, 0)",
+        "ok",
+    ),
+    ("add_norm empty weight", "ops.add_norm(torch.randn(2, 8), None, torch.randn(0), 1e-6)", "error w"),
+    ("add_norm short weight", "ops.add_norm(torch.randn(2, 8), None, torch.randn(7), 1e-6)", "error w"),
+    (
+        "add_norm expanded h",
+        "ops.add_norm(torch.randn(1, 8).expand(4, 8), torch.randn(4, 8), torch.randn(8), 1e-6)",
+        "error h",
+    ),
+    ("add_norm sliced h", "ops.add_norm(torch.randn(4, 16)[:, :8], None, torch.randn(8), 1e-6)", "error h"),
+    ("silu_mul I=0", "assert ops.silu_mul(torch.randn(3, 0), torch.randn(3, 0)).shape == (3, 0)", "ok"),
+    (
+        "silu_mul expanded gate",
+        "g, u = torch.randn(1, 8).expand(5, 8), torch.randn(5, 8);"
+        " torch.testing.assert_close(ops.silu_mul(g, u), torch.nn.functional.silu(g) * u)",
+        "ok",
+    ),
+    (
+        "rotate cos of the wrong shape",
+        "ops.rotate(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 1, 6), torch.randn(1, 2, 1, 8))",
+        "error cos",
+    ),
+    (
+        "cpu_paged_decode, check_values=False, page id 2e9",
+        "cpu_paged_decode(q, kc, vc, i32([0, 2_000_000_000], [2, 3]), lens, check_values=False)",
+        "error block_table",
+    ),
+    (
+        "triton_paged_decode, check_values=False, page id 2e9",
+        "triton_paged_decode(q, kc, vc, i32([0, 2_000_000_000], [2, 3]), lens, check_values=False)",
+        "error block_table",
+    ),
+    (
+        "triton_cascade_decode, prefix longer than the sequences",
+        "triton_cascade_decode(q, kc, vc, i32([0, 1], [0, 1]), lens, i32(0, 2), i32(12), check_values=False)",
+        "error prefix_lens",
+    ),
+    (
+        "a key far below the maximum weighs 0",
+        "v = torch.zeros(4, 4, 2, 8); v[0, 1] = 3e38; k = torch.zeros(4, 4, 2, 8); k[0, 0] = 1e3; k[0, 1] = -1e3;"
+        " qq = torch.full((1, 4, 8), 1.0); o = cpu_paged_decode(qq, k, v, i32([0]), i32(2), scale=1.0);"
+        " torch.testing.assert_close(o, reference_paged_decode(qq, k, v, i32([0]), i32(2), scale=1.0));"
+        " assert o.abs().max() == 0",
+        "ok",
+    ),
+]
+
+RUNNER = """
+import json, sys
+exec(SETUP)
+for i, (name, code, _) in enumerate(CASES):
+    print(json.dumps({"case": i, "start": True}), flush=True)
+    try:
+        exec(code)
+        print(json.dumps({"case": i, "ok": True}), flush=True)
+    except Exception as e:
+        print(json.dumps({"case": i, "error": f"{type(e).__name__}: {e}"}), flush=True)
+"""
+
+
+def test_issue_57_cases_are_refused_or_answered_right():
+    program = f"SETUP = {SETUP!r}\nCASES = {CASES!r}\n{RUNNER}"
+    run = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, cwd=ROOT, timeout=600, env=child_env()
+    )
+    lines = [json.loads(x) for x in run.stdout.splitlines() if x.startswith("{")]
+    answers = {x["case"]: x for x in lines if "start" not in x}
+    for i, (name, _, expect) in enumerate(CASES):
+        assert i in answers, f"the process died (exit code {run.returncode}) on case {name!r}:\n{run.stderr[-3000:]}"
+        got = answers[i]
+        if expect == "ok":
+            assert "ok" in got, f"{name}: {got}"
+        else:
+            arg = expect.split()[1]
+            assert "error" in got and arg in got["error"].replace(":", " ").replace("[", " ").split(), f"{name}: {got}"
