@@ -75,8 +75,8 @@ def ref_paged(q, k, v, table, lens, q_lens, scale) -> torch.Tensor:
 def run(case: dict):
     """The op's output(s) and the float64 reference, both as lists of tensors."""
     from paged_ref.attention.cpu_paged import kernel
-    from paged_ref.hf.cpu_ops import cpu_ops
-    from paged_ref.hf.prepack import few_rows_kernel
+    from paged_ref.fast.cpu_ops import cpu_ops
+    from paged_ref.fast.prepack import few_rows_kernel
 
     gen = torch.Generator().manual_seed(case["seed"])
     t = {name: make(spec, gen) for name, spec in case["tensors"].items()}

@@ -20,7 +20,7 @@ from paged_ref.attention.cpu_paged import cpu_paged_decode, kernel
 from paged_ref.attention.reference import reference_paged_decode
 from paged_ref.attention.triton_cascade import triton_cascade_decode
 from paged_ref.attention.triton_decode import triton_paged_decode
-from paged_ref.hf.cpu_ops import cpu_ops
+from paged_ref.fast.cpu_ops import cpu_ops
 i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
 kc, vc, q = torch.randn(4, 4, 2, 8), torch.randn(4, 4, 2, 8), torch.randn(2, 4, 8)
 bt, lens = i32([0, 1], [2, 3]), i32(5, 8)

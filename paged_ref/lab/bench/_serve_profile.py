@@ -330,7 +330,7 @@ def native_checks(model, cfg, step_ms: float, repeats: int = 7) -> dict:
     times its calls per step: ``{"ops": {op: {"calls_per_step",
     "checks_us", "op_us"}}, "checks_ms_per_step", "step_ms", "share"}`` (``share``: of ``step_ms``)."""
     from ...attention.cpu_paged import kernel
-    from ...hf.cpu_ops import cpu_ops
+    from ...fast.cpu_ops import cpu_ops
 
     c, rows = model.config, cfg["max_num_seqs"]
     D, Hq, Hkv = c.hidden_size // c.num_attention_heads, c.num_attention_heads, c.num_key_value_heads
