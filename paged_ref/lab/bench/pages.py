@@ -97,7 +97,8 @@ def main(argv=None):
         torch.set_num_threads(threads)
 
 
-def _run(args, argv, mode, out, cfg):
+def _begin(args, argv, mode, config):
+    """A run's clock, its log (seconds since the start) and the result's provenance."""
     start = time.perf_counter()
 
     def log(msg):
@@ -106,9 +107,14 @@ def _run(args, argv, mode, out, cfg):
     result = dict(
         mode=mode,
         command=command_line("pages", argv),
-        config=dict(cfg, page_size=PAGE_SIZE, quest_dense_layers=DENSE_LAYERS),
+        config=config,
         environment=dict(environment(), torch_threads=args.threads),
     )
+    return start, log, result
+
+
+def _run(args, argv, mode, out, cfg):
+    start, log, result = _begin(args, argv, mode, dict(cfg, page_size=PAGE_SIZE, quest_dense_layers=DENSE_LAYERS))
     result["cascade_speed"] = cascade_speed(cfg, log)
     result["cascade_bytes"] = cascade_bytes(cfg)
     result["triton"] = triton_check(cfg, log)
@@ -129,17 +135,7 @@ def _run(args, argv, mode, out, cfg):
 
 
 def _run_breakdown(args, argv, mode, out, cfg):
-    start = time.perf_counter()
-
-    def log(msg):
-        print(f"[{time.perf_counter() - start:7.1f} s] {msg}", flush=True)
-
-    result = dict(
-        mode=mode,
-        command=command_line("pages", argv),
-        config=dict(cfg, page_size=PAGE_SIZE),
-        environment=dict(environment(), torch_threads=args.threads),
-    )
+    start, log, result = _begin(args, argv, mode, dict(cfg, page_size=PAGE_SIZE))
     result["cascade_breakdown"] = cascade_breakdown(cfg, log)
     out.save(result)
     from ...models import load_smollm2
