@@ -327,3 +327,11 @@ def test_provenance_records_the_cpu_model(tmp_path):
     assert describe({"environment": dict(old["environment"], cpu_model="Test CPU 9000")}).startswith(
         "Measured on CPU Test CPU 9000 (x86_64),"
     )
+
+
+def test_readme_native_checks_row_is_its_json():
+    """Issue 57: the checks' share of a decode step, as the profile's rerun recorded it."""
+    d = _json("serve_profile_checks_cpu.json")["native_checks"]
+    row = next(line for line in README.splitlines() if line.startswith("| the native ops checking"))
+    assert f"{d['checks_ms_per_step']:.3f} ms of checks in a {d['step_ms']:.1f} ms decode step" in row
+    assert f"({100 * d['share']:.3f}%)" in row and d["share"] < 0.01
