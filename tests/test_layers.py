@@ -152,10 +152,6 @@ def test_no_lesson_module_is_over_500_lines():
     assert not long, f"lesson modules over 500 lines: {long}"
 
 
-# the two constructors whose five speed flags become one `fast=` option (issue 56), then shorter
-LONG_FOR_NOW = {("serve/engine.py", "__init__"), ("hf/session.py", "__init__")}
-
-
 def test_no_lesson_function_is_over_50_lines_of_code():
     """Docstrings aside; Triton kernels (``@triton.jit``) are one piece each, as in the tutorials."""
     long = {}
@@ -166,7 +162,6 @@ def test_no_lesson_function_is_over_50_lines_of_code():
             first = node.body[0]
             doc = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
             lines = node.end_lineno - node.lineno + 1 - (first.end_lineno - first.lineno + 1 if doc else 0)
-            where = (str(path.relative_to(PACKAGE)), node.name)
-            if lines > 50 and where not in LONG_FOR_NOW:
-                long[where] = lines
+            if lines > 50:
+                long[(str(path.relative_to(PACKAGE)), node.name)] = lines
     assert not long, f"lesson functions over 50 lines of code: {long}"
