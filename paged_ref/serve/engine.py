@@ -3,10 +3,8 @@
 Each `Engine.step` queues the requests that have arrived, asks the `Scheduler` for the step's rows
 (their pages taken at once), runs **one** packed ``session.extend`` over decode rows and prefill
 chunks side by side, and gives every request whose tokens are all computed its greedy next token,
-finishing it on ``max_new_tokens`` or EOS (its pages go back at once). A step is all or nothing
-(`paged_ref.serve.undo`): if it raises, all is put back and the error re-raised, naming the requests
-concerned; a request whose own eviction hook raises in `Engine.HOOK_TRIES` steps finishes with
-``finish_reason="error"`` instead (vLLM aborts it).
+finishing it on ``max_new_tokens`` or EOS (its pages go back at once). A step is all or nothing: if
+it raises, all is put back (`paged_ref.serve.undo`, which also says when a request ends with an error).
 
 Clocks: ``"simulated"`` (default with a model) adds each step's wall time and skips idle gaps;
 ``"real"`` reads the wall clock and sleeps when idle; ``"steps"`` (a dry run's default) counts steps.
