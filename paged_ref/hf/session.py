@@ -253,11 +253,12 @@ class PagedSession:
 
         Returns float32 ``[batch, vocab]``, the logits after each row's last new token (with
         ``all_logits``, a list of ``[n_b, vocab]``). Up to the forward's end it is all or nothing: bad
-        arguments, a pool short of pages or a forward that raises leave every sequence as it was.
+        arguments, a pool short of pages or a forward that raises leave every sequence as it was. Then
+        each sequence's policy runs; one that raises changes nothing, its error raised after the others ran.
         """
         seq_ids, tokens, q_lens = self._checked(seq_ids, tokens, reserved)  # 1. check, before any page moves
         out, plan = self._forward(seq_ids, tokens, q_lens, all_logits=all_logits, packed=packed, reserved=reserved)
-        self._fed(seq_ids, q_lens)  # 3. positions move on, the policies act (one that raises changes nothing)
+        self._fed(seq_ids, q_lens)  # 3. positions move on, the policies act
         return self._logits(out.logits.float(), plan, q_lens, all_logits)  # 4. [batch, vocab], or a list
 
     def _checked(self, seq_ids, tokens, reserved: bool) -> tuple[list[int], list[torch.Tensor], list[int]]:
@@ -305,7 +306,7 @@ class PagedSession:
         return out, plan
 
     def _fed(self, seq_ids, q_lens) -> None:
-        """3. Positions move on, then each sequence's policy runs; the first error is raised after the others ran."""
+        """3. Positions move on, then each sequence's policy runs (the first error raised after the others ran)."""
         prefill = [s not in self._prefilled for s in seq_ids]
         for s, n in zip(seq_ids, q_lens):
             self._positions[s] += n
