@@ -1,22 +1,10 @@
 """paged_ref: an educational reference implementation of paged KV-cache attention.
 
-Read the lesson in the order the data flows (each module opens with its idea; the README's
-"Read the code in this order" names every file, and those beside the story):
-
-1. `allocator`: fixed-size pages, a free list, reference counts.
-2. `block_table`: each sequence's logical page -> physical page map, padded and in CSR form.
-3. `cache`: per-layer K/V pages ``[num_pages, page_size, num_kv_heads, head_dim]`` and the
-   sequences' block tables: grow, fork, copy on write (``last_copies``), undo a failed step;
-   `page_plan` counts a step's pages before any is taken, `prefix_cache` finds full pages again.
-4. `attention.reference` (the oracle), `attention.online_softmax` (the kernel's math as a spec).
-5. `attention.triton_decode` and `attention.flex`: the fast paths over the block table.
-6. `attention.cascade` and `attention.quest`: reading fewer pages.
-7. `hf`: a transformers model on the pages (cache, attention, session, generate, beam).
-8. `eviction`: scores read from cached K/V (PagedEviction's ||V||/||K||) and the policies.
-9. `serve`: many requests from one page pool (request, scheduler, engine).
-
-`lab` holds what measures, draws, grades and feeds the notebooks; the lesson never imports it.
-`fast` holds the CPU speed-ups of a step, beside the lesson, reached only through ``fast=``.
+Read the lesson in the order the data flows, pages -> block tables -> the cache -> attention ->
+a transformers model -> eviction -> serving: the README's "Read the code in this order" names every
+file (each module opens with its idea). `lab` holds what measures, draws, grades and feeds the
+notebooks; the lesson never imports it. `fast` holds the CPU speed-ups of a step, beside the lesson,
+reached only through ``fast=``.
 
     >>> import paged_ref as pr
     >>> cache = pr.PagedKVCache(num_layers=1, num_pages=16, page_size=4, num_kv_heads=2, head_dim=8)
@@ -33,10 +21,7 @@ import importlib
 from . import memory
 from .allocator import OutOfPagesError, PageAllocator
 from .attention.flex import flex_paged_decode, flex_paged_prefill, paged_block_masks
-from .attention.reference import (
-    reference_paged_decode,
-    reference_paged_prefill,
-)
+from .attention.reference import reference_paged_decode, reference_paged_prefill
 from .block_table import pad_block_tables, pages_needed, slot_mapping, to_csr
 from .cache import PagedKVCache
 from .cache_interface import KVCache

@@ -146,7 +146,6 @@ class LayeredKVCache:
     def reserve(self, seq_id: int, num_tokens: int) -> torch.Tensor:
         """Grow every layer by ``num_tokens``; returns ``int64 [num_layers, num_tokens]`` slots. All
         or nothing (OutOfPagesError, nothing changed, when the pool is short)."""
-        self._lanes_of(seq_id)
         return self.reserve_batch([seq_id], [check_int("num_tokens", num_tokens, min_value=1)])[0]
 
     def reserve_batch(self, seq_ids, num_tokens, token_ids=None) -> list[torch.Tensor]:

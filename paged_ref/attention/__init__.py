@@ -4,18 +4,12 @@ Every entry point, ``<backend>_paged_decode`` (one new token per sequence) or
 ``<backend>_paged_prefill`` (several, causal), takes ``q``, ``k_cache`` / ``v_cache``
 ``[num_pages, page_size, num_kv_heads, head_dim]``, ``block_table [batch, max_pages]`` and
 ``seq_lens [batch]`` (plus ``q_lens``), runs the same checks (`_checks`) and returns the same
-numbers up to rounding. Read them in this order:
-
-1. :mod:`.reference`: gather each sequence's pages, then plain softmax attention: the oracle.
-2. :mod:`.online_softmax`: the kernel's algorithm in PyTorch, tile by tile, split and merged.
-3. :mod:`.triton_decode`: that algorithm as a Triton kernel reading K/V straight from the pages,
-   its split count from :mod:`.occupancy`.
-4. :mod:`.flex`: FlexAttention over the whole cache with a BlockMask translated to physical pages.
-
-Then :mod:`.sdpa` (gather, then PyTorch's SDPA: the CPU fast path), :mod:`.cpu_paged` (reading
-the pages in place on a CPU: a small C++ kernel built on first use), :mod:`.cascade` (a shared
-prefix read once; in Triton :mod:`.triton_cascade`) and :mod:`.quest` (only the pages whose key
-bounds promise the largest scores). The Triton names load on first use.
+numbers up to rounding. Read :mod:`.reference` (the oracle), :mod:`.online_softmax` (the kernel's
+math), :mod:`.triton_decode` (that math in Triton, split count from :mod:`.occupancy`) and
+:mod:`.flex` (a BlockMask translated to physical pages); then :mod:`.sdpa` (gather, then PyTorch's
+SDPA: the CPU fast path), :mod:`.cpu_paged` (the pages read in place by a small C++ kernel),
+:mod:`.cascade` (a shared prefix read once; in Triton :mod:`.triton_cascade`) and :mod:`.quest`
+(only the pages whose key bounds promise the largest scores). The Triton names load on first use.
 
 Example:
     >>> import torch

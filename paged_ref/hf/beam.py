@@ -205,13 +205,9 @@ def _follow_selection(session, beams: list[list[int]], parents: list[list[int]],
 
 
 def _feed(session, beams: list[list[int]], tokens: torch.Tensor):
-    """One decode forward: each running beam appends its token (``tokens: [batch, k]``).
-
-    Returns the logits ``[batch * k, vocab]`` (zero rows for prompts that are done), each beam's pages
-    after the forward, and the pages each received by copy-on-write, as the cache reports them
-    (``last_copies``: beam search runs no eviction, so the reservation is the only page change; layer
-    0's on a `LayeredKVCache`).
-    """
+    """One decode forward, each running beam appending its token (``tokens: [batch, k]``): the logits
+    ``[batch * k, vocab]`` (zero rows for prompts that are done), each beam's pages, and the pages each
+    got by copy-on-write (``last_copies``, layer 0's on a `LayeredKVCache`: no eviction in beam search)."""
     kv, (batch, k) = session.kv, tokens.shape
     live = [b for b, running in enumerate(beams) if running]
     seqs = [s for b in live for s in beams[b]]

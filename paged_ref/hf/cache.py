@@ -138,7 +138,6 @@ class PagedCache(Cache):
     def is_compileable(self) -> bool:
         return False
 
-    # model.generate's beam search and assisted decoding reorder or crop a cache in place
     def _unsupported(self, what: str):
         raise NotImplementedError(
             f"PagedCache does not support {what}: model.generate's beam search and assisted decoding "

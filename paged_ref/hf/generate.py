@@ -71,9 +71,7 @@ def generate(
         callback: ``callback(step, tokens: LongTensor [rows])`` after each step; with beam search
             ``callback(step, beam_step)`` (`paged_ref.hf.beam.BeamStep`).
         progress: show a tqdm bar; None: from 128 new tokens on.
-        **options: the cache's and the inputs' (`paged_ref.hf.inputs.prepare`): ``page_size``,
-            ``num_pages``, ``backend``, ``attention_mask``, ``eviction``, ``budget``, ``eos_token_id``,
-            ``pad_token_id``, ``kv_cache``, ``namespace``.
+        **options: `paged_ref.hf.inputs.prepare`'s (the cache, ``attention_mask``, eviction, EOS / pad ids).
 
     Returns:
         LongTensor ``[batch * num_return_sequences, prompt_len + steps]``: each row its prompt,

@@ -253,17 +253,15 @@ class PagedSession:
 
         Returns float32 ``[batch, vocab]``, the logits after each row's last new token (with
         ``all_logits``, a list of ``[n_b, vocab]``). Up to the forward's end it is all or nothing: bad
-        arguments, a pool short of pages or a forward that raises leave every sequence as it was.
-        Then each sequence's policy runs; one that raises changes nothing, and its error is raised
-        after the others ran.
+        arguments, a pool short of pages or a forward that raises leave every sequence as it was. Then
+        each sequence's policy runs; one that raises changes nothing, its error raised after the others ran.
         """
-        seq_ids, tokens = self._checked(seq_ids, tokens, reserved)  # 1. check, before any page moves
-        q_lens = [t.numel() for t in tokens]
+        seq_ids, tokens, q_lens = self._checked(seq_ids, tokens, reserved)  # 1. check, before any page moves
         out, plan = self._forward(seq_ids, tokens, q_lens, all_logits=all_logits, packed=packed, reserved=reserved)
         self._fed(seq_ids, q_lens)  # 3. positions move on, the policies act
         return self._logits(out.logits.float(), plan, q_lens, all_logits)  # 4. [batch, vocab], or a list
 
-    def _checked(self, seq_ids, tokens, reserved: bool) -> tuple[list[int], list[torch.Tensor]]:
+    def _checked(self, seq_ids, tokens, reserved: bool) -> tuple[list[int], list[torch.Tensor], list[int]]:
         """`extend`'s arguments checked: live distinct sequences, tokens as LongTensors ``[n_b]`` (n_b >= 1) on
         the cache's device, each row within what its policy may be fed before it acts."""
         if not self._open:
@@ -278,14 +276,14 @@ class PagedSession:
             raise ValueError(f"each tokens[b] must hold at least one token, got lengths {q_lens}")
         if not reserved:  # a scheduler's rows end where the policy acts
             check_room(seq_ids, q_lens, {s: self._policies[s] for s in seq_ids if s in self._prefilled}, self.kv)
-        return seq_ids, tokens
+        return seq_ids, tokens, q_lens
 
     def _forward(self, seq_ids, tokens, q_lens, *, all_logits: bool, packed: bool, reserved: bool):
         """2. The model's forward over the rows, all or nothing: if the reservation or the forward raises,
         every sequence goes back to its mark (`PagedKVCache.rewind`). Returns the output and the `StepPlan`."""
         marks = [self.kv.mark(s) for s in seq_ids]
         started = time.perf_counter()
-        try:  # the reservation is all or nothing, what follows may fail: then back to the marks
+        try:
             plan, input_ids, position_ids = self._plan(seq_ids, tokens, q_lens, packed=packed, reserved=reserved)
             self.plan_seconds += time.perf_counter() - started
             keep = logits_to_keep(plan, q_lens, all_logits)
@@ -301,23 +299,22 @@ class PagedSession:
                 )
         except BaseException:
             for s, mark in reversed(list(zip(seq_ids, marks))):  # the last first
-                self.kv.rewind(s, mark)  # its pages, private copies and length as they were
+                self.kv.rewind(s, mark)
             raise
         finally:
             self._hf_cache.plan = None
         return out, plan
 
     def _fed(self, seq_ids, q_lens) -> None:
-        """The rows are in the cache: positions move on, then each sequence's policy runs; one that raises
-        changes nothing, and the first error is raised after the others ran."""
+        """3. Positions move on, then each sequence's policy runs (the first error raised after the others ran)."""
         prefill = [s not in self._prefilled for s in seq_ids]
         for s, n in zip(seq_ids, q_lens):
-            self._positions[s] += n  # fed: the cache holds them
+            self._positions[s] += n
         error = None
         for s, first in zip(seq_ids, prefill):
             try:
                 self._after_forward(s, phase_prefill=first)
-            except Exception as e:  # the other policies still run
+            except Exception as e:
                 error = error or e
         if error is not None:
             raise error
@@ -337,11 +334,10 @@ class PagedSession:
         (or, ``packed`` and of different lengths, as one row: `pack_rows`)."""
         device = self.kv.device
         batch, max_q = len(seq_ids), max(q_lens_list)
-        # with prefix caching the cache learns the token ids, so full pages become findable
         if reserved:
             slots = [self.kv.last_slots(s, n) for s, n in zip(seq_ids, q_lens_list)]  # each [n]
         else:
-            token_ids = [t.tolist() for t in tokens] if self.kv.prefix_caching else None
+            token_ids = [t.tolist() for t in tokens] if self.kv.prefix_caching else None  # full pages findable
             slots = self.kv.reserve_batch(seq_ids, q_lens_list, token_ids)  # each [n] or [layers, n]; all or nothing
         q_lens = torch.tensor(q_lens_list, dtype=torch.int32, device=device)  # [batch]
         start = torch.tensor([self._positions[s] for s in seq_ids], device=device)  # [batch]

@@ -3,10 +3,8 @@
 Each `Engine.step` queues the requests that have arrived, asks the `Scheduler` for the step's rows
 (their pages taken at once), runs **one** packed ``session.extend`` over decode rows and prefill
 chunks side by side, and gives every request whose tokens are all computed its greedy next token,
-finishing it on ``max_new_tokens`` or EOS (its pages go back at once). A step is all or nothing
-(`paged_ref.serve.undo`): if it raises, all is put back and the error re-raised, naming the requests
-concerned; a request whose own eviction hook raises in `Engine.HOOK_TRIES` steps finishes with
-``finish_reason="error"`` instead (vLLM aborts it).
+finishing it on ``max_new_tokens`` or EOS (its pages go back at once). A step is all or nothing: if
+it raises, all is put back (`paged_ref.serve.undo`, which also says when a request ends with an error).
 
 Clocks: ``"simulated"`` (default with a model) adds each step's wall time and skips idle gaps;
 ``"real"`` reads the wall clock and sleeps when idle; ``"steps"`` (a dry run's default) counts steps.
@@ -48,6 +46,28 @@ __all__ = ["CLOCKS", "Engine", "StepRecord"]
 CLOCKS = ("simulated", "real", "steps")
 
 
+def _open_session(model, fast, num_pages: int, page_size: int, prefix_caching: bool, rows: int, max_model_len):
+    """The step's session (a `DrySession` for ``model=None``), the model's vocabulary size and EOS ids
+    (None and ``[]`` for a dry run), and the longest request: by default, and at most, the model's
+    ``max_position_embeddings``."""
+    if model is None:
+        if fast is not None and fast is not False:
+            raise ValueError(f"fast needs a model: a dry run (Engine(None, ...)) computes no token, got {fast!r}")
+        dry = DrySession(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
+        return dry, None, [], max_model_len
+    from ..hf.session import PagedSession, fast_step
+
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if max_model_len is None:
+        max_model_len = limit
+    elif limit is not None and check_int("max_model_len", max_model_len, min_value=1) > limit:
+        raise ValueError(f"max_model_len must be <= the model's max_position_embeddings={limit}, got {max_model_len}")
+    kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
+    session = PagedSession(model, kv_cache=kv, fast=fast_step(fast, model, rows=rows)).open()
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return session, model.config.vocab_size, eos, max_model_len
+
+
 class Engine:
     """Continuous batching over one page pool; see the module docstring.
 
@@ -85,25 +105,13 @@ class Engine:
     ):
         watermark = check_watermark(watermark)
         self.clock = check_choice("clock", clock or ("steps" if model is None else "simulated"), CLOCKS)
-        if model is None:
-            if fast is not None and fast is not False:
-                raise ValueError(f"fast needs a model: a dry run (Engine(None, ...)) computes no token, got {fast!r}")
-            self.session = DrySession(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
-            self.vocab_size, eos, limit = None, [] if eos_token_id is None else eos_token_id, None
-        else:
-            from ..hf.session import PagedSession, fast_step
-
-            kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
-            fast = fast_step(fast, model, rows=max_num_seqs)  # few_rows=True: a decode step's rows
-            self.session = PagedSession(model, kv_cache=kv, fast=fast).open()
-            self.vocab_size = model.config.vocab_size
-            default = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-            eos = default if eos_token_id is None else eos_token_id
-            limit = getattr(model.config, "max_position_embeddings", None)
+        rows = max_num_seqs  # few_rows=True: a decode step's rows
+        opened = _open_session(model, fast, num_pages, page_size, prefix_caching, rows, max_model_len)
+        self.session, self.vocab_size, eos, max_model_len = opened
         self.model = model
         self.kv = self.session.kv
         try:
-            self.eos = eos_set(eos, self.vocab_size)
+            self.eos = eos_set(eos if eos_token_id is None else eos_token_id, self.vocab_size)
             self.scheduler = Scheduler(
                 self.session,
                 max_num_seqs=max_num_seqs,
@@ -111,12 +119,8 @@ class Engine:
                 reservation=reservation,
                 preemption=preemption,
                 watermark_pages=int(watermark * self.kv.num_pages),
-                max_model_len=limit if max_model_len is None else max_model_len,
+                max_model_len=max_model_len,
             )
-            if limit is not None and self.scheduler.max_model_len > limit:
-                raise ValueError(
-                    f"max_model_len must be <= the model's max_position_embeddings={limit}, got {max_model_len}"
-                )
         except BaseException:
             self.session.close()
             raise
