@@ -335,3 +335,12 @@ def test_readme_native_checks_row_is_its_json():
     row = next(line for line in README.splitlines() if line.startswith("| the native ops checking"))
     assert f"{d['checks_ms_per_step']:.3f} ms of checks in a {d['step_ms']:.1f} ms decode step" in row
     assert f"({100 * d['share']:.3f}%)" in row and d["share"] < 0.01
+
+
+def test_notebook_09_states_the_differential_tests_stream_counts_as_they_are():
+    """Section 6 says "several hundred" random streams: each vLLM differential test file runs at least 200."""
+    text = "".join(text for _, text in _markdown(NB09))
+    assert "several\nhundred, `NUM_STREAMS` in each file" in text
+    for name in ("test_vllm_scheduler.py", "test_vllm_prefix_cache.py"):
+        count = int(re.search(r"^NUM_STREAMS = (\d+)$", (ROOT / "tests" / name).read_text(), re.M)[1])
+        assert count >= 200, (name, count)
