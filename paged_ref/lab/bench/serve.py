@@ -3,6 +3,8 @@
     python -m paged_ref.lab.bench serve [--quick] [--gpu] [--threads N] [--out DIR] [--skip-peer] [--skip-pools]
                                         [--workload short] [--requests N] [--rates R ...]
                                         [--peer {transformers,vllm}]
+    python -m paged_ref.lab.bench serve --peer vllm --peer-only [--fast] --pairs N [--dtype bfloat16]
+                                        [--pair-threads T ...] [--pair-blocks B ...] [--eager-blocks B ...]
     python -m paged_ref.lab.bench serve --profile [--quick] [--threads N] [--out DIR]
 
 Requests: prompts of English prose (random ids for a random-weight model) with lognormal prompt and
@@ -25,6 +27,11 @@ of ``bench scaling --gpu`` in bf16 on CUDA, larger workload. ``--workload short`
 as prompts (`WORKLOADS`), where paging gains the least over exact reservation; written to
 ``serve_cpu_short.json``. ``--profile``: where a step's time goes instead (`._serve_profile`: a profile
 by op of decode and mixed steps, then each speed-up's measured gain), ``figures/data/serve_profile_cpu.json``.
+``--pairs N`` (with ``--peer vllm --peer-only``): `._vllm_pairs` instead, vLLM at its defaults (compiled, engine
+core in its own process) and eager, each loaded once, against the engine in N alternating pairs at 1 thread and
+at every core, on 32 and 256 blocks, on both workloads, the same warm-up on both sides, tokens compared in every
+turn; ``serve_cpu_peer_vllm_pairs.json`` (``_bfloat16`` with ``--dtype bfloat16``: both engines in bfloat16,
+skipped where the CPU has no bfloat16 instructions).
 """
 
 from __future__ import annotations
@@ -498,6 +505,18 @@ def main(argv=None):
     )
     parser.add_argument("--profile", action="store_true", help="where a step's time goes, and each speed-up's gain")
     parser.add_argument(
+        "--pairs",
+        type=int,
+        default=None,
+        help="with --peer vllm --peer-only: vLLM at its defaults and eager, in this many alternating pairs per "
+        "thread count, pool and workload (serve_cpu_peer_vllm_pairs*.json; `._vllm_pairs`)",
+    )
+    parser.add_argument("--pair-threads", type=int, nargs="+", default=None, help="--pairs: thread counts (1, all)")
+    parser.add_argument("--pair-blocks", type=int, nargs="+", default=None, help="--pairs: pools in blocks of 32")
+    parser.add_argument("--eager-blocks", type=int, nargs="+", default=None, help="--pairs: pools with vLLM eager")
+    parser.add_argument("--pair-workloads", nargs="+", choices=tuple(WORKLOADS), default=None, help="--pairs")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="--pairs: both engines'")
+    parser.add_argument(
         "--fast",
         action="store_true",
         help=f"with --peer vllm --peer-only: paged_ref's faster CPU step (fast={FAST}; the same tokens)",
@@ -509,6 +528,12 @@ def main(argv=None):
         parser.error("--profile runs on the CPU; leave out --gpu")
     if args.profile:
         return _main_profile(parser, args, argv)
+    if args.pairs is not None:
+        if not (args.peer == "vllm" and args.peer_only) or args.gpu:
+            parser.error("--pairs measures against vLLM: give it with --peer vllm --peer-only")
+        from ._vllm_pairs import main_pairs
+
+        return main_pairs(parser, args, argv)
     mode = "quick" if args.quick else "gpu" if args.gpu else "cpu"
     cfg = dict(PROFILES[mode])
     if args.requests is not None:

@@ -1,0 +1,94 @@
+"""The threads a process tree really ran, read from ``/proc``: what a benchmark records beside a thread setting.
+
+`cpu_times` snapshots the CPU time of every thread of a process and of its descendants (vLLM's engine core
+and its worker are child processes); `busy` compares two snapshots over a run's wall time: per process,
+its name, the CPUs it may run on, its threads, how many were busy (each on a CPU for at least ``share`` of
+the wall time) and its CPU time. Linux only: elsewhere the snapshots are empty and nothing is claimed.
+
+Example:
+    >>> import os, time
+    >>> before = cpu_times(os.getpid())
+    >>> x = sum(i * i for i in range(300_000))
+    >>> mine = [p for p in busy(before, cpu_times(os.getpid()), wall_s=1.0, share=0.0) if p["pid"] == os.getpid()]
+    >>> not os.path.exists("/proc/self/task") or mine[0]["threads"] >= 1
+    True
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["cpu_times", "busy", "omp_env"]
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (scanning ``/proc/*/stat`` for parent ids)."""
+    parent_of = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            stat = _read(f"/proc/{name}/stat")
+            if stat:
+                parent_of[int(name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [c for c, p in parent_of.items() if p in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def cpu_times(pid: int) -> dict:
+    """``{pid: {"name", "cpus", "threads": {tid: cpu seconds}}}`` for ``pid`` and its descendants."""
+    if not os.path.isdir("/proc/self/task"):
+        return {}
+    out = {}
+    for p in [pid, *_children(pid)]:
+        status = _read(f"/proc/{p}/status") or ""
+        fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+        threads = {}
+        for tid in os.listdir(f"/proc/{p}/task") if os.path.isdir(f"/proc/{p}/task") else []:
+            stat = _read(f"/proc/{p}/task/{tid}/stat")
+            if stat:
+                rest = stat.rsplit(")", 1)[1].split()  # fields after the name: state is rest[0]
+                threads[int(tid)] = (int(rest[11]) + int(rest[12])) / _TICK  # utime + stime
+        out[p] = {"name": fields.get("Name", "?").strip(), "cpus": fields.get("Cpus_allowed_list", "?").strip()}
+        out[p]["threads"] = threads
+    return out
+
+
+def busy(before: dict, after: dict, *, wall_s: float, share: float = 0.25) -> list[dict]:
+    """Per process of ``after``: ``{"pid", "name", "cpus", "threads", "busy_threads", "cpu_s"}``, the busy
+    threads those whose CPU time between the snapshots is at least ``share`` of ``wall_s``."""
+    rows = []
+    for pid, proc in after.items():
+        old = before.get(pid, {}).get("threads", {})
+        used = [t - old.get(tid, 0.0) for tid, t in proc["threads"].items()]
+        rows.append(
+            {
+                "pid": pid,
+                "name": proc["name"],
+                "cpus": proc["cpus"],
+                "threads": len(used),
+                "busy_threads": sum(u >= share * wall_s for u in used),
+                "cpu_s": round(sum(used), 3),
+            }
+        )
+    return sorted(rows, key=lambda r: -r["cpu_s"])
+
+
+def omp_env(pid: int) -> dict:
+    """The OpenMP settings process ``pid`` started with (its ``/proc/<pid>/environ``)."""
+    raw = _read(f"/proc/{pid}/environ") if os.path.isdir("/proc") else None
+    keys = ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+    env = dict(kv.split("=", 1) for kv in (raw or "").split("\0") if "=" in kv)
+    return {k: env[k] for k in keys if k in env}
