@@ -74,10 +74,10 @@ def _record(ratios, identical=64):
     cells = []
     for i, r in enumerate(ratios):
         ours = {"wall_tokens_per_s": 100.0 * r, "wall_s": 1.0, "torch_threads": 1}
-        ours["processes"] = [{"busy_threads": 1}]
+        ours["processes"] = [{"busy_threads": 1, "cpu_s": 1.0}]
         theirs = {"wall_tokens_per_s": 100.0, "wall_s": 1.0, "processes": []}
         theirs["processes"] = [{"name": "VLLM::Worker", "cpus": "0", "busy_threads": 1, "cpu_s": 1.0}]
-        tokens = {"requests_identical": identical, "requests": 64}
+        tokens = {"requests_identical": identical, "requests": 64, "tokens_before_first_difference": 90, "tokens": 100}
         default = {"runs": [theirs] * 3, "ratio_paired": [r] * 3, "ratio_median": r, "tokens": [tokens] * 3}
         cells.append({"threads": 1, "blocks": 32, "workload": f"w{i}", "paged_ref": [ours] * 3, "default": default})
     rec = {"cells": cells, "dtype": "float32"}
@@ -92,3 +92,4 @@ def test_the_goal_needs_every_cell_at_1x_and_identical_tokens():
     assert not _vllm_pairs.check_pair_goals(_record([1.2], identical=63))["vllm_default_1x_every_cell"]["met"]
     row = _record([1.1])["summary"][0]
     assert row["vllm_worker_busy_threads"] == [1] and row["vllm_cpu_s_per_wall_s"] == 1.0 and row["pairs"] == 3
+    assert row["tokens_before_first_difference_min"] == 0.9

@@ -339,12 +339,18 @@ def summarize(record: dict) -> list[dict]:
                     "vllm_tokens_per_s": statistics.median(r["wall_tokens_per_s"] for r in c["runs"]),
                     "requests_identical_min": min(t["requests_identical"] for t in c["tokens"]),
                     "requests": c["tokens"][0]["requests"],
+                    "tokens_before_first_difference_min": min(
+                        t["tokens_before_first_difference"] / t["tokens"] for t in c["tokens"]
+                    ),
                     "paged_ref_torch_threads": sorted({r["torch_threads"] for r in ours}),
                     "paged_ref_busy_threads": sorted({p["busy_threads"] for r in ours for p in r["processes"]}),
                     "vllm_worker": sorted({w.get("name", "?") for w in worker}),
                     "vllm_worker_cpus": sorted({w.get("cpus", "?") for w in worker}),
                     "vllm_worker_busy_threads": sorted({w.get("busy_threads", 0) for w in worker}),
                     "vllm_other_busy_threads": sorted(set(others)),
+                    "paged_ref_cpu_s_per_wall_s": statistics.median(
+                        sum(p["cpu_s"] for p in r["processes"]) / r["wall_s"] for r in ours
+                    ),
                     "vllm_cpu_s_per_wall_s": statistics.median(
                         sum(p["cpu_s"] for p in r["processes"]) / r["wall_s"] for r in c["runs"]
                     ),
@@ -385,7 +391,7 @@ def main_pairs(parser, args, argv) -> dict:
     from ...fast.option import resolve
     from ._scaling_models import build_model
     from ._vllm_peer import save_smollm2
-    from .common import command_line, environment, result_file, table
+    from .common import command_line, environment, result_file
     from .serve import FAST, PROFILES, WORKLOADS, make_requests, vllm_python
 
     if args.pairs < 1:
@@ -476,22 +482,56 @@ def main_pairs(parser, args, argv) -> dict:
     data["summary"] = summarize(data)
     data["goals"] = check_pair_goals(data)
     data["seconds"] = time.perf_counter() - started
-    print(f"\npaged_ref ({data['paged_ref_fast'] or 'the eager step'}) / vLLM {args.dtype}, medians of pairs:")
-    print(
-        table(PAIR_COLUMNS, [{**r, "paired": " ".join(f"{x:.2f}" for x in r["ratio_paired"])} for r in data["summary"]])
-    )
-    for c in data["in_process_checks"]:
-        t = c["tokens"]
-        print(
-            f"in-process check, {c['blocks']} blocks, {c['workload']}: "
-            f"tokens {t['requests_identical']}/{t['requests']}, "
-            f"preemptions {c['paged_ref_preemptions']} vs {c['vllm_preemptions']}"
-        )
+    report_pairs(data)
     for goal, g in data["goals"].items():
         print(f"  {'met    ' if g['met'] else 'NOT met'}  {goal}: {g}")
     path = result.save(data, complete=True)
     print(f"wrote {path} ({data['seconds']:.0f} s)")
     return data
+
+
+def report_pairs(data: dict) -> None:
+    """Print a ``--pairs`` run: how each engine ran (vLLM's resolved settings, the threads each side set and
+    really ran, the warm-up, the pairs), one row per cell and vLLM mode, and the in-process checks."""
+    from ..provenance import describe
+    from .common import table
+
+    print(describe(data))
+    if "skipped" in data:
+        print(f"skipped: {data['skipped']}")
+        return
+    if "bf16_instructions" in data:
+        print(f"bfloat16: {data['bf16_instructions']}")
+    starts = {}
+    for s in data["vllm_starts"]:
+        starts.setdefault(s["settings"]["mode"], []).append(s)
+    for mode, runs in starts.items():
+        st = runs[0]["settings"]
+        binds = sorted({f"{r['threads']}: {r['settings']['VLLM_CPU_OMP_THREADS_BIND']} -> {r['worker_omp_env']}"
+                        for r in runs})  # fmt: skip
+        print(
+            f"vLLM {mode}: compilation {st['compilation_mode']}"
+            f"{'' if st['compilation_mode'] == 'NONE' else ' (' + st['compilation_backend'] + ')'}, "
+            f"engine core in its own process: {st['engine_core_in_own_process']} ({st['executor']} executor); "
+            f"start-up {min(r['start_s'] for r in runs):.0f}-{max(r['start_s'] for r in runs):.0f} s, excluded"
+        )
+        if st["engine_core_in_own_process"]:
+            print(f"  threads: VLLM_CPU_OMP_THREADS_BIND -> the worker's OpenMP settings, {'; '.join(binds)}")
+    fast = data["paged_ref_fast"] or "the eager step"
+    w = data["warmup"]
+    print(
+        f"paged_ref: fast={fast}, torch.set_num_threads(n); warm-up on both sides: the first {w['requests']} "
+        f"requests, {w['new']} tokens each; {data['pairs']} alternating pair(s) per cell (paged_ref first)"
+    )
+    rows = [{**r, "paired": " ".join(f"{x:.2f}" for x in r["ratio_paired"])} for r in data["summary"]]
+    print(table(PAIR_COLUMNS, rows))
+    for c in data.get("in_process_checks", []):
+        t = c["tokens"]
+        print(
+            f"vLLM eager_in_process, {c['threads']} thread(s), {c['blocks']} blocks, {c['workload']}: "
+            f"identical tokens {t['requests_identical']}/{t['requests']}, "
+            f"preemptions {c['paged_ref_preemptions']} (paged_ref) vs {c['vllm_preemptions']} (vLLM)"
+        )
 
 
 PAIR_COLUMNS = [
@@ -503,6 +543,8 @@ PAIR_COLUMNS = [
     ("pairs", "{paired}"),
     ("tok/s ours/vLLM", "{paged_ref_tokens_per_s:.1f}/{vllm_tokens_per_s:.1f}"),
     ("same tokens", "{requests_identical_min}/{requests}"),
-    ("vLLM worker CPUs, busy", "{vllm_worker_cpus}, {vllm_worker_busy_threads}"),
-    ("ours busy", "{paged_ref_busy_threads}"),
+    ("agree", "{tokens_before_first_difference_min:.1%}"),
+    ("ours: busy, CPU s/s", "{paged_ref_busy_threads}, {paged_ref_cpu_s_per_wall_s:.2f}"),
+    ("vLLM worker: CPUs, busy", "{vllm_worker_cpus}, {vllm_worker_busy_threads}"),
+    ("vLLM, all processes: CPU s/s", "{vllm_cpu_s_per_wall_s:.2f}"),
 ]

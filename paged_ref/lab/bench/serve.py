@@ -332,6 +332,7 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
     same = [a == b for a, b in zip(ours_tokens, theirs_tokens)]
     return {
         "config": limits,
+        "vllm_mode": "eager_in_process",  # `._vllm_peer.run_vllm`
         "vllm_version": theirs[0]["version"],
         "paged": ours,
         "vllm": theirs,
@@ -476,8 +477,11 @@ def report_vllm_peer(v: dict) -> None:
             f"TPOT p50/p90 {last['tpot_p50_s'] * 1e3:.0f}/{last['tpot_p90_s'] * 1e3:.0f} ms; "
             f"preemptions {last['preemptions']}"
         )
+    n = len(v["throughput_ratio_paired"])
+    how = "one pair, no warm-up" if n == 1 else f"median of {n} alternating pairs, no warm-up"
     print(
-        f"  ratio paged / vLLM {v['throughput_ratio_median']:.2f}x (median of per-repeat ratios); "
+        f"  ratio paged / vLLM {v['throughput_ratio_median']:.2f}x ({how}; vLLM "
+        f"{v.get('vllm_mode', 'eager_in_process')}: enforce_eager=True, its engine core in the calling process); "
         f"identical tokens {v['requests_with_identical_tokens']}/{v['requests']}"
     )
 
@@ -513,7 +517,7 @@ def main(argv=None):
     )
     parser.add_argument("--pair-threads", type=int, nargs="+", default=None, help="--pairs: thread counts (1, all)")
     parser.add_argument("--pair-blocks", type=int, nargs="+", default=None, help="--pairs: pools in blocks of 32")
-    parser.add_argument("--eager-blocks", type=int, nargs="+", default=None, help="--pairs: pools with vLLM eager")
+    parser.add_argument("--eager-blocks", type=int, nargs="*", default=None, help="--pairs: pools with vLLM eager")
     parser.add_argument("--pair-workloads", nargs="+", choices=tuple(WORKLOADS), default=None, help="--pairs")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="--pairs: both engines'")
     parser.add_argument(
