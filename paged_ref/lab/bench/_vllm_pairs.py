@@ -199,12 +199,12 @@ def run_pairs(
     fast,
     dtype: str,
     python: str,
-    check_in_process: bool = True,
+    check_blocks=(),
     save=None,
     record: dict | None = None,
 ) -> dict:
     """Every thread count x pool (blocks of 32) x workload, ``pairs`` alternating turns of paged_ref and each
-    vLLM mode of ``modes[blocks]``, plus (``check_in_process``) one ``eager_in_process`` turn per pool and
+    vLLM mode of ``modes[(threads, blocks)]``, plus one ``eager_in_process`` turn per pool of ``check_blocks`` and
     workload at the first thread count (the tokens' and preemptions' check, exact there). ``workloads``:
     name -> ``[(prompt_ids, max_new_tokens)]``; ``limits``: ``max_num_seqs``, ``max_batched_tokens``,
     ``max_model_len``. ``save(record)`` after every cell.
@@ -223,8 +223,8 @@ def run_pairs(
             for blocks in pools:
                 lim = dict(limits, page_size=CPU_BLOCK_MULTIPLE, num_pages=blocks)
                 lim["max_model_len"] = min(limits["max_model_len"], blocks * CPU_BLOCK_MULTIPLE)
-                pool_modes = tuple(modes[blocks])
-                check = check_in_process and n_threads == threads[0]
+                pool_modes = tuple(modes[(n_threads, blocks)])
+                check = n_threads == threads[0] and blocks in check_blocks
                 want = list(pool_modes) + (["eager_in_process"] if check else [])
                 peers = {}
                 try:
@@ -311,6 +311,23 @@ def physical_cores() -> int:
         except OSError:
             cores.add(c)
     return len(cores)
+
+
+def auto_binding() -> dict:
+    """What vLLM's default ``VLLM_CPU_OMP_THREADS_BIND=auto`` binds on this machine, by its rule for x86 with
+    one worker on one NUMA node (``OMPProcessManager._get_autobind_cpu_ids``): the last logical CPU of every
+    physical core, less the last one, which it reserves for the engine core (unless only one is left)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    last = {}
+    for c in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{c}/topology/core_id") as f:
+                last[f.read().strip()] = c
+        except OSError:
+            last[c] = c
+    chosen = sorted(last.values())
+    worker, reserved = (chosen[:-1], chosen[-1:]) if len(chosen) > 1 else (chosen, [])
+    return {"worker_cpus": worker, "reserved_for_engine_core": reserved, "worker_threads": len(worker)}
 
 
 def summarize(record: dict) -> list[dict]:
@@ -404,8 +421,11 @@ def main_pairs(parser, args, argv) -> dict:
     blocks = args.pair_blocks or ([same_memory] if quick else [same_memory, 256])
     threads = args.pair_threads or sorted({1, physical_cores()})
     workloads = args.pair_workloads or (["chat"] if quick else list(WORKLOADS))
-    eager = blocks if args.eager_blocks is None else args.eager_blocks
-    modes = {b: ("default", "eager") if b in eager else ("default",) for b in blocks}
+    eager_blocks = blocks if args.eager_blocks is None else args.eager_blocks
+    eager_threads = threads if args.eager_threads is None else args.eager_threads
+    check_blocks = blocks if args.check_blocks is None else args.check_blocks
+    eager = {(t, b) for t in eager_threads for b in eager_blocks}
+    modes = {(t, b): ("default", "eager") if (t, b) in eager else ("default",) for t in threads for b in blocks}
     suffix = "_quick" if quick else ""
     name = f"serve_cpu{suffix}_peer_vllm_pairs{'' if args.dtype == 'float32' else '_' + args.dtype}.json"
     result = result_file(parser, args.out, name)
@@ -416,12 +436,14 @@ def main_pairs(parser, args, argv) -> dict:
         "environment": environment(),
         "physical_cores": physical_cores(),
         "vllm_cpu_defaults": VLLM_CPU_DEFAULTS,
+        "vllm_auto_binding_here": auto_binding(),
         "warmup": dict(WARMUP, note="each engine, after its start-up and before its timed turns (start-up excluded)"),
         "pairs": args.pairs,
         "threads": threads,
         "blocks": blocks,
         "page_size": CPU_BLOCK_MULTIPLE,
-        "vllm_modes": {str(b): list(m) for b, m in modes.items()},
+        "vllm_modes": {f"{t} threads, {b} blocks": list(m) for (t, b), m in modes.items()},
+        "in_process_check_blocks": check_blocks if args.dtype == "float32" else [],
         "order": "per workload: paged_ref, then each vLLM mode, repeated; ratio = median of per-pair ratios",
     }
     if args.dtype == "bfloat16":
@@ -475,7 +497,7 @@ def main_pairs(parser, args, argv) -> dict:
             fast=fast,
             dtype=args.dtype,
             python=python,
-            check_in_process=args.dtype == "float32",
+            check_blocks=check_blocks if args.dtype == "float32" else (),
             save=lambda rec: result.save({**data, **rec}),
             record=data,
         )
@@ -517,6 +539,12 @@ def report_pairs(data: dict) -> None:
         )
         if st["engine_core_in_own_process"]:
             print(f"  threads: VLLM_CPU_OMP_THREADS_BIND -> the worker's OpenMP settings, {'; '.join(binds)}")
+    auto = data.get("vllm_auto_binding_here")
+    if auto:
+        print(
+            f"  (vLLM's own default, VLLM_CPU_OMP_THREADS_BIND=auto, would bind the worker to CPUs "
+            f"{auto['worker_cpus']} and keep {auto['reserved_for_engine_core']} for the engine core here)"
+        )
     fast = data["paged_ref_fast"] or "the eager step"
     w = data["warmup"]
     print(

@@ -4,7 +4,8 @@
                                         [--workload short] [--requests N] [--rates R ...]
                                         [--peer {transformers,vllm}]
     python -m paged_ref.lab.bench serve --peer vllm --peer-only [--fast] --pairs N [--dtype bfloat16]
-                                        [--pair-threads T ...] [--pair-blocks B ...] [--eager-blocks B ...]
+                                        [--pair-threads T ...] [--pair-blocks B ...] [--pair-workloads W ...]
+                                        [--eager-blocks B ...] [--eager-threads T ...] [--check-blocks B ...]
     python -m paged_ref.lab.bench serve --profile [--quick] [--threads N] [--out DIR]
 
 Requests: prompts of English prose (random ids for a random-weight model) with lognormal prompt and
@@ -518,6 +519,10 @@ def main(argv=None):
     parser.add_argument("--pair-threads", type=int, nargs="+", default=None, help="--pairs: thread counts (1, all)")
     parser.add_argument("--pair-blocks", type=int, nargs="+", default=None, help="--pairs: pools in blocks of 32")
     parser.add_argument("--eager-blocks", type=int, nargs="*", default=None, help="--pairs: pools with vLLM eager")
+    parser.add_argument("--eager-threads", type=int, nargs="*", default=None, help="--pairs: threads with it")
+    parser.add_argument(
+        "--check-blocks", type=int, nargs="*", default=None, help="--pairs: pools with the in-process check"
+    )
     parser.add_argument("--pair-workloads", nargs="+", choices=tuple(WORKLOADS), default=None, help="--pairs")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="--pairs: both engines'")
     parser.add_argument(
