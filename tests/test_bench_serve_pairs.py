@@ -39,7 +39,10 @@ def test_busy_reads_the_difference_of_two_snapshots():
     before = {7: {"name": "w", "cpus": "0", "threads": {7: 1.0, 8: 5.0, 9: 0.0}}}
     after = {7: {"name": "w", "cpus": "0", "threads": {7: 1.1, 8: 9.0, 9: 3.0, 10: 0.5}}}
     (row,) = _threads.busy(before, after, wall_s=4.0, share=0.5)
-    assert row == {"pid": 7, "name": "w", "cpus": "0", "threads": 4, "busy_threads": 2, "cpu_s": 7.6}
+    assert row == {"pid": 7, "name": "w", "cpus": "0", "threads": 4, "busy_threads": 2, "busy_cpus": ["0"],
+                   "cpu_s": 7.6, "top_threads_cpu_s": [4.0, 3.0, 0.5, 0.1]}  # fmt: skip
+    after[7]["thread_cpus"] = {7: "0", 8: "0", 9: "1", 10: "0-1"}
+    assert _threads.busy(before, after, wall_s=4.0, share=0.5)[0]["busy_cpus"] == ["0", "1"]
 
 
 def test_bf16_is_read_from_the_cpu_flags(tmp_path):

@@ -55,32 +55,39 @@ def cpu_times(pid: int) -> dict:
     for p in [pid, *_children(pid)]:
         status = _read(f"/proc/{p}/status") or ""
         fields = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
-        threads = {}
+        threads, allowed = {}, {}
         for tid in os.listdir(f"/proc/{p}/task") if os.path.isdir(f"/proc/{p}/task") else []:
             stat = _read(f"/proc/{p}/task/{tid}/stat")
             if stat:
                 rest = stat.rsplit(")", 1)[1].split()  # fields after the name: state is rest[0]
                 threads[int(tid)] = (int(rest[11]) + int(rest[12])) / _TICK  # utime + stime
+                line = [x for x in (_read(f"/proc/{p}/task/{tid}/status") or "").splitlines() if x.startswith("Cpus_a")]
+                allowed[int(tid)] = line[0].split(":\t", 1)[1].strip() if line else "?"
         out[p] = {"name": fields.get("Name", "?").strip(), "cpus": fields.get("Cpus_allowed_list", "?").strip()}
-        out[p]["threads"] = threads
+        out[p].update(threads=threads, thread_cpus=allowed)
     return out
 
 
 def busy(before: dict, after: dict, *, wall_s: float, share: float = 0.25) -> list[dict]:
-    """Per process of ``after``: ``{"pid", "name", "cpus", "threads", "busy_threads", "cpu_s"}``, the busy
-    threads those whose CPU time between the snapshots is at least ``share`` of ``wall_s``."""
+    """Per process of ``after``: ``{"pid", "name", "cpus", "threads", "busy_threads", "busy_cpus", "cpu_s",
+    "top_threads_cpu_s"}``: the busy threads those whose CPU time between the snapshots is at least ``share`` of
+    ``wall_s``, ``busy_cpus`` the CPUs they may run on (each thread's own list: OpenMP binds threads one by one),
+    ``top_threads_cpu_s`` the CPU seconds of the four busiest threads."""
     rows = []
     for pid, proc in after.items():
         old = before.get(pid, {}).get("threads", {})
-        used = [t - old.get(tid, 0.0) for tid, t in proc["threads"].items()]
+        used = {tid: t - old.get(tid, 0.0) for tid, t in proc["threads"].items()}
+        busy_tids = [tid for tid, u in used.items() if u >= share * wall_s]
         rows.append(
             {
                 "pid": pid,
                 "name": proc["name"],
                 "cpus": proc["cpus"],
                 "threads": len(used),
-                "busy_threads": sum(u >= share * wall_s for u in used),
-                "cpu_s": round(sum(used), 3),
+                "busy_threads": len(busy_tids),
+                "busy_cpus": sorted({proc.get("thread_cpus", {}).get(t, proc["cpus"]) for t in busy_tids}),
+                "cpu_s": round(sum(used.values()), 3),
+                "top_threads_cpu_s": [round(u, 2) for u in sorted(used.values(), reverse=True)[:4]],
             }
         )
     return sorted(rows, key=lambda r: -r["cpu_s"])

@@ -362,7 +362,7 @@ def summarize(record: dict) -> list[dict]:
                     "paged_ref_torch_threads": sorted({r["torch_threads"] for r in ours}),
                     "paged_ref_busy_threads": sorted({p["busy_threads"] for r in ours for p in r["processes"]}),
                     "vllm_worker": sorted({w.get("name", "?") for w in worker}),
-                    "vllm_worker_cpus": sorted({w.get("cpus", "?") for w in worker}),
+                    "vllm_worker_cpus": sorted({c for w in worker for c in w.get("busy_cpus", [w.get("cpus", "?")])}),
                     "vllm_worker_busy_threads": sorted({w.get("busy_threads", 0) for w in worker}),
                     "vllm_other_busy_threads": sorted(set(others)),
                     "paged_ref_cpu_s_per_wall_s": statistics.median(
@@ -470,7 +470,7 @@ def main_pairs(parser, args, argv) -> dict:
         fast = resolve(True, model, rows=cfg["max_num_seqs"]) or Fast()
         data["paged_ref_fast"] = fast.options()
         data["paged_ref_fast_note"] = "every part of Fast.supported for this dtype; " + ", ".join(
-            f"{f}=False (float32 only)" for f, v in FAST.options().items() if getattr(fast, f) != v
+            f"{f}={getattr(fast, f)!r} (float32 only)" for f, v in FAST.options().items() if getattr(fast, f) != v
         )
     data["limits"] = limits
     lengths = {k: cfg[k] for k in ("requests", "mean_prompt", "mean_output", "sigma", "min_prompt", "max_model_len")}
@@ -573,6 +573,6 @@ PAIR_COLUMNS = [
     ("same tokens", "{requests_identical_min}/{requests}"),
     ("agree", "{tokens_before_first_difference_min:.1%}"),
     ("ours: busy, CPU s/s", "{paged_ref_busy_threads}, {paged_ref_cpu_s_per_wall_s:.2f}"),
-    ("vLLM worker: CPUs, busy", "{vllm_worker_cpus}, {vllm_worker_busy_threads}"),
+    ("vLLM worker: busy, their CPUs", "{vllm_worker_busy_threads}, {vllm_worker_cpus}"),
     ("vLLM, all processes: CPU s/s", "{vllm_cpu_s_per_wall_s:.2f}"),
 ]
