@@ -330,6 +330,11 @@ def auto_binding() -> dict:
     return {"worker_cpus": worker, "reserved_for_engine_core": reserved, "worker_threads": len(worker)}
 
 
+def _worker(processes: list[dict]) -> dict:
+    """vLLM's model worker among a turn's processes: the one named ``VLLM::Worker``, else the busiest."""
+    return next((p for p in processes if "Worker" in p.get("name", "")), processes[0] if processes else {})
+
+
 def summarize(record: dict) -> list[dict]:
     """One row per cell and vLLM mode: the median ratio and its pairs, each side's median tokens/s, the tokens
     and the threads each side ran (paged_ref's torch setting and busy threads; vLLM's worker's CPUs and busy
@@ -341,8 +346,10 @@ def summarize(record: dict) -> list[dict]:
             if mode not in cell:
                 continue
             c = cell[mode]
-            worker = [next(iter(r["processes"]), {}) for r in c["runs"]]  # the busiest process of vLLM
-            others = [sum(p["busy_threads"] for p in r["processes"][1:]) for r in c["runs"]]
+            worker = [_worker(r["processes"]) for r in c["runs"]]
+            others = [
+                sum(p["busy_threads"] for p in r["processes"] if p is not _worker(r["processes"])) for r in c["runs"]
+            ]
             rows.append(
                 {
                     "threads": cell["threads"],

@@ -255,7 +255,7 @@ def serve(job: dict, commands, reply) -> None:
     """A long-lived peer: one ``vllm.LLM`` from ``job`` (``model_dir``, ``limits``, ``mode``, ``dtype``), then
     for every command of ``commands`` (dicts) a reply: ``{"cmd": "run", "requests": [...]}`` -> `generate`'s
     dict; ``{"cmd": "quit"}`` ends. The first reply is the start-up: ``{"version", "init_s", "settings",
-    "worker"}``, where ``worker`` is the OpenMP settings vLLM's busiest child process started with."""
+    "worker_omp_env"}``: the OpenMP settings vLLM's worker process started with (the busiest process without one)."""
     from ._threads import cpu_times, omp_env
 
     version = check_vllm()
@@ -263,7 +263,8 @@ def serve(job: dict, commands, reply) -> None:
     llm, settings = make_llm(job["model_dir"], mode=job["mode"], dtype=job.get("dtype", "float32"), **job["limits"])
     init_s = time.perf_counter() - started
     procs = cpu_times(os.getpid())
-    worker = max(procs, key=lambda p: sum(procs[p]["threads"].values()))
+    workers = [p for p in procs if "Worker" in procs[p]["name"]] or list(procs)  # the mp executor's "VLLM::Worker"
+    worker = max(workers, key=lambda p: sum(procs[p]["threads"].values()))
     reply({"version": version, "init_s": init_s, "settings": settings, "worker_omp_env": omp_env(worker)})
     for command in commands:
         if command.get("cmd") == "quit":

@@ -479,12 +479,13 @@ def report_vllm_peer(v: dict) -> None:
             f"preemptions {last['preemptions']}"
         )
     n = len(v["throughput_ratio_paired"])
-    how = "one pair, no warm-up" if n == 1 else f"median of {n} alternating pairs, no warm-up"
-    print(
-        f"  ratio paged / vLLM {v['throughput_ratio_median']:.2f}x ({how}; vLLM "
-        f"{v.get('vllm_mode', 'eager_in_process')}: enforce_eager=True, its engine core in the calling process); "
-        f"identical tokens {v['requests_with_identical_tokens']}/{v['requests']}"
-    )
+    mode = f"vLLM {v.get('vllm_mode', 'eager_in_process')}: enforce_eager=True, its engine core in the calling process"
+    if n < 3:  # a ratio is quoted as the median of at least 3 alternating pairs (`._vllm_pairs`)
+        how = f"{n} turn(s) each, no warm-up, too few pairs to quote a ratio; {mode}"
+    else:
+        ratio = v["throughput_ratio_median"]
+        how = f"ratio paged / vLLM {ratio:.2f}x, the median of {n} alternating pairs, no warm-up; {mode}"
+    print(f"  {how}; identical tokens {v['requests_with_identical_tokens']}/{v['requests']}")
 
 
 def main(argv=None):
