@@ -1,0 +1,88 @@
+"""The bytes vLLM's CPU build writes into an fp8 KV cache are `paged_ref.quant.quantize`'s with
+``rounding="zero"`` (runs in .venv-vllm: `make test-vllm`).
+
+vLLM's cache write (``torch.ops._C.cpu_attn_reshape_and_cache``, the op its CPU attention backend
+calls for every layer's new K and V) is called directly on small tensors: random values over many
+magnitudes, the specials (0, -0, subnormals, the format's max and beyond, inf, NaN), float32 and
+bfloat16 inputs, scales of 1.0 (vLLM's default), calibrated and arbitrary, tokens scattered over the
+blocks by a random slot mapping. Its ``vec`` layout: K column-major in a block ([head_dim, block_size]
+per block and KV head), V row-major ([block_size, head_dim]).
+"""
+
+import pytest
+import torch
+from vllm_peer import require_vllm
+
+from paged_ref import quant
+
+require_vllm()
+
+BLOCK, HEADS, DIM, BLOCKS = 32, 2, 64, 4
+VLLM_NAMES = {torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8_e5m2"}
+
+
+@pytest.fixture(scope="module")
+def write():
+    """vLLM's cache write: ``(k, v, slots, k_scale, v_scale, fmt) -> (k_bytes, v_bytes)``, each uint8
+    ``[num_tokens, HEADS, DIM]`` in the tokens' order."""
+    if not torch.cpu._is_avx512_supported():
+        pytest.skip("vLLM's CPU build writes fp8 pages only on x86 with AVX-512 or AMX")
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+
+    def run(k, v, slots, k_scale, v_scale, fmt):
+        key_cache = torch.zeros(BLOCKS, HEADS, BLOCK, DIM, dtype=torch.uint8)  # vLLM's [blocks, Hkv, block, D]
+        value_cache = torch.zeros_like(key_cache)
+        torch.ops._C.cpu_attn_reshape_and_cache(
+            k, v, key_cache, value_cache, slots, "vec", k_scale, v_scale, VLLM_NAMES[fmt]
+        )
+        block, offset = slots // BLOCK, slots % BLOCK
+        k_bytes = key_cache.view(BLOCKS, HEADS, DIM, BLOCK)[block, :, :, offset]  # [tokens, Hkv, D]
+        return k_bytes, value_cache[block, :, offset]
+
+    return run
+
+
+def _values(n: int, gen: torch.Generator) -> torch.Tensor:
+    """``[n, HEADS, DIM]`` float32: normal values times 10^U(-7, 5), so every binade of both formats shows up."""
+    magnitude = 10.0 ** (torch.rand(n, HEADS, DIM, generator=gen) * 12 - 7)
+    return torch.randn(n, HEADS, DIM, generator=gen) * magnitude
+
+
+SPECIALS = [0.0, -0.0, 2**-9, -(2**-10) * 3, 2**-16, 2**-17 * 3, 1e-30, 448.0, 464.0, 480.0, 1e4]
+SPECIALS += [57344.0, 61440.0, 1e6, float("inf"), float("-inf"), float("nan"), 1.0625, -1.1875, 1.25]
+
+
+@pytest.mark.parametrize("fmt", list(VLLM_NAMES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(3))
+def test_vllm_writes_the_bytes_quantize_gives_rounding_toward_zero(write, fmt, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    n = BLOCK * BLOCKS - 5
+    k, v = _values(n, gen), _values(n, gen)
+    k.view(-1)[: len(SPECIALS)] = torch.tensor(SPECIALS)
+    v.view(-1)[-len(SPECIALS) :] = torch.tensor(SPECIALS)
+    k, v = k.to(dtype), v.to(dtype)
+    slots = torch.randperm(BLOCK * BLOCKS, generator=gen)[:n]  # tokens scattered over the blocks
+    for k_scale, v_scale in [(1.0, 1.0), (0.37, 3.0e-3), (float(quant.calibrate(k, fmt)), 1.7e3)]:
+        k_bytes, v_bytes = write(k, v, slots, k_scale, v_scale, fmt)
+        ours_k = quant.quantize(k, k_scale, fmt, rounding="zero").view(torch.uint8)
+        ours_v = quant.quantize(v, v_scale, fmt, rounding="zero").view(torch.uint8)
+        assert torch.equal(k_bytes, ours_k), (k_scale, (k_bytes != ours_k).sum().item())
+        assert torch.equal(v_bytes, ours_v), (v_scale, (v_bytes != ours_v).sum().item())
+
+
+def test_vllm_truncates_where_torch_rounds_to_nearest(write):
+    """The default ``rounding="nearest"`` (torch's cast, vLLM's CUDA kernels) differs from vLLM's CPU
+    write in about half the values: each value whose nearest code lies beyond it."""
+    gen = torch.Generator().manual_seed(7)
+    k = torch.randn(BLOCK, HEADS, DIM, generator=gen)
+    slots = torch.arange(BLOCK)
+    for fmt in VLLM_NAMES:
+        k_bytes, _ = write(k, k, slots, 1.0, 1.0, fmt)
+        nearest = quant.quantize(k, 1.0, fmt).view(torch.uint8)
+        assert torch.equal(nearest, k.to(fmt).view(torch.uint8))
+        differ = (k_bytes != nearest).float().mean().item()
+        assert 0.3 < differ < 0.7, (fmt, differ)
+        assert torch.equal(k_bytes, quant.quantize(k, 1.0, fmt, rounding="zero").view(torch.uint8))
