@@ -6,7 +6,8 @@ calls for every layer's new K and V) is called directly on small tensors: random
 magnitudes, the specials (0, -0, subnormals, the format's max and beyond, inf, NaN), float32 and
 bfloat16 inputs, scales of 1.0 (vLLM's default), calibrated and arbitrary, tokens scattered over the
 blocks by a random slot mapping. Its ``vec`` layout: K column-major in a block ([head_dim, block_size]
-per block and KV head), V row-major ([block_size, head_dim]).
+per block and KV head), V row-major ([block_size, head_dim]). And its fp8 attention
+(``cpu_attention_with_kv_cache``) on those pages is `paged_ref`'s reference on the dequantized pages.
 """
 
 import pytest
@@ -86,3 +87,46 @@ def test_vllm_truncates_where_torch_rounds_to_nearest(write):
         differ = (k_bytes != nearest).float().mean().item()
         assert 0.3 < differ < 0.7, (fmt, differ)
         assert torch.equal(k_bytes, quant.quantize(k, 1.0, fmt, rounding="zero").view(torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", list(VLLM_NAMES))
+@pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.02, 0.5)])
+def test_vllms_fp8_attention_is_the_reference_on_the_dequantized_pages(write, fmt, k_scale, v_scale):
+    """vLLM's CPU attention reads the bytes unscaled and folds ``k_scale`` into the logits' scale and
+    ``v_scale`` into the output: the same as dequantizing the pages and attending, to float32 rounding."""
+    from vllm import _custom_ops as ops
+
+    import paged_ref as pr
+
+    gen, name, pool = torch.Generator().manual_seed(3), VLLM_NAMES[fmt], 8
+    lens = torch.tensor([45, 70, 1], dtype=torch.int32)  # a page and a bit, two pages and a bit, one token
+    block_table = torch.tensor([[5, 2, 0], [1, 7, 3], [6, 0, 0]], dtype=torch.int32)  # [batch, max_pages]
+    slots = torch.cat(
+        [
+            block_table[b, torch.arange(n) // BLOCK] * BLOCK + torch.arange(n) % BLOCK
+            for b, n in enumerate(lens.tolist())
+        ]
+    )
+    k = torch.randn(len(slots), HEADS, DIM, generator=gen)  # [tokens, num_kv_heads, head_dim]
+    v = torch.randn(len(slots), HEADS, DIM, generator=gen)
+    key_cache = torch.zeros(pool, HEADS, BLOCK, DIM, dtype=torch.uint8)  # vLLM's [blocks, Hkv, block, D]
+    value_cache = torch.zeros_like(key_cache)
+    ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots.long(), "vec", k_scale, v_scale, name)
+    q = torch.randn(3, 4 * HEADS, DIM, generator=gen)  # [batch, num_q_heads, head_dim]: GQA 4
+    starts = torch.arange(4, dtype=torch.int32)  # one query token per request
+    meta = ops.cpu_attn_get_scheduler_metadata(
+        3, 4 * HEADS, HEADS, DIM, lens, torch.float32, starts, True, -1, "vec", False, None, name
+    )
+    out = torch.zeros_like(q)
+    ops.cpu_attention_with_kv_cache(
+        q, key_cache, value_cache, out, starts, lens, DIM**-0.5, True, None, -1, block_table, 0.0, meta, None,
+        None, k_scale, v_scale, name,
+    )  # fmt: skip
+
+    def pages(x, scale):  # ours: [num_pages, page_size, num_kv_heads, head_dim], dequantized in float64
+        stored = torch.zeros(pool * BLOCK, HEADS, DIM, dtype=fmt)
+        stored[slots] = quant.quantize(x, scale, fmt, rounding="zero")
+        return quant.dequantize(stored, scale, torch.float64).view(pool, BLOCK, HEADS, DIM)
+
+    ref = pr.reference_paged_decode(q.double(), pages(k, k_scale), pages(v, v_scale), block_table, lens)
+    torch.testing.assert_close(out, ref.float(), rtol=0, atol=1e-5)
