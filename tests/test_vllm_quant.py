@@ -19,12 +19,12 @@ from paged_ref import quant
 require_vllm()
 
 BLOCK, HEADS, DIM, BLOCKS = 32, 2, 64, 4
-VLLM_NAMES = {torch.float8_e4m3fn: "fp8", torch.float8_e5m2: "fp8_e5m2"}
+NAMES = list(quant.VLLM_FORMATS)  # vLLM's kv_cache_dtype names: "fp8", "fp8_e4m3", "fp8_e5m2"
 
 
 @pytest.fixture(scope="module")
 def write():
-    """vLLM's cache write: ``(k, v, slots, k_scale, v_scale, fmt) -> (k_bytes, v_bytes)``, each uint8
+    """vLLM's cache write: ``(k, v, slots, k_scale, v_scale, kv_cache_dtype) -> (k_bytes, v_bytes)``, each uint8
     ``[num_tokens, HEADS, DIM]`` in the tokens' order."""
     if not torch.cpu._is_avx512_supported():
         pytest.skip("vLLM's CPU build writes fp8 pages only on x86 with AVX-512 or AMX")
@@ -32,12 +32,10 @@ def write():
 
     current_platform.import_kernels()
 
-    def run(k, v, slots, k_scale, v_scale, fmt):
+    def run(k, v, slots, k_scale, v_scale, name):
         key_cache = torch.zeros(BLOCKS, HEADS, BLOCK, DIM, dtype=torch.uint8)  # vLLM's [blocks, Hkv, block, D]
         value_cache = torch.zeros_like(key_cache)
-        torch.ops._C.cpu_attn_reshape_and_cache(
-            k, v, key_cache, value_cache, slots, "vec", k_scale, v_scale, VLLM_NAMES[fmt]
-        )
+        torch.ops._C.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, "vec", k_scale, v_scale, name)
         block, offset = slots // BLOCK, slots % BLOCK
         k_bytes = key_cache.view(BLOCKS, HEADS, DIM, BLOCK)[block, :, :, offset]  # [tokens, Hkv, D]
         return k_bytes, value_cache[block, :, offset]
@@ -55,10 +53,11 @@ SPECIALS = [0.0, -0.0, 2**-9, -(2**-10) * 3, 2**-16, 2**-17 * 3, 1e-30, 448.0, 4
 SPECIALS += [57344.0, 61440.0, 1e6, float("inf"), float("-inf"), float("nan"), 1.0625, -1.1875, 1.25]
 
 
-@pytest.mark.parametrize("fmt", list(VLLM_NAMES))
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(3))
-def test_vllm_writes_the_bytes_quantize_gives_rounding_toward_zero(write, fmt, dtype, seed):
+def test_vllm_writes_the_bytes_quantize_gives_rounding_toward_zero(write, name, dtype, seed):
+    fmt = quant.VLLM_FORMATS[name]
     gen = torch.Generator().manual_seed(seed)
     n = BLOCK * BLOCKS - 5
     k, v = _values(n, gen), _values(n, gen)
@@ -67,7 +66,7 @@ def test_vllm_writes_the_bytes_quantize_gives_rounding_toward_zero(write, fmt, d
     k, v = k.to(dtype), v.to(dtype)
     slots = torch.randperm(BLOCK * BLOCKS, generator=gen)[:n]  # tokens scattered over the blocks
     for k_scale, v_scale in [(1.0, 1.0), (0.37, 3.0e-3), (float(quant.calibrate(k, fmt)), 1.7e3)]:
-        k_bytes, v_bytes = write(k, v, slots, k_scale, v_scale, fmt)
+        k_bytes, v_bytes = write(k, v, slots, k_scale, v_scale, name)
         ours_k = quant.quantize(k, k_scale, fmt, rounding="zero").view(torch.uint8)
         ours_v = quant.quantize(v, v_scale, fmt, rounding="zero").view(torch.uint8)
         assert torch.equal(k_bytes, ours_k), (k_scale, (k_bytes != ours_k).sum().item())
@@ -80,8 +79,8 @@ def test_vllm_truncates_where_torch_rounds_to_nearest(write):
     gen = torch.Generator().manual_seed(7)
     k = torch.randn(BLOCK, HEADS, DIM, generator=gen)
     slots = torch.arange(BLOCK)
-    for fmt in VLLM_NAMES:
-        k_bytes, _ = write(k, k, slots, 1.0, 1.0, fmt)
+    for name, fmt in quant.VLLM_FORMATS.items():
+        k_bytes, _ = write(k, k, slots, 1.0, 1.0, name)
         nearest = quant.quantize(k, 1.0, fmt).view(torch.uint8)
         assert torch.equal(nearest, k.to(fmt).view(torch.uint8))
         differ = (k_bytes != nearest).float().mean().item()
@@ -89,16 +88,16 @@ def test_vllm_truncates_where_torch_rounds_to_nearest(write):
         assert torch.equal(k_bytes, quant.quantize(k, 1.0, fmt, rounding="zero").view(torch.uint8))
 
 
-@pytest.mark.parametrize("fmt", list(VLLM_NAMES))
+@pytest.mark.parametrize("name", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("k_scale, v_scale", [(1.0, 1.0), (0.02, 0.5)])
-def test_vllms_fp8_attention_is_the_reference_on_the_dequantized_pages(write, fmt, k_scale, v_scale):
+def test_vllms_fp8_attention_is_the_reference_on_the_dequantized_pages(write, name, k_scale, v_scale):
     """vLLM's CPU attention reads the bytes unscaled and folds ``k_scale`` into the logits' scale and
     ``v_scale`` into the output: the same as dequantizing the pages and attending, to float32 rounding."""
     from vllm import _custom_ops as ops
 
     import paged_ref as pr
 
-    gen, name, pool = torch.Generator().manual_seed(3), VLLM_NAMES[fmt], 8
+    gen, fmt, pool = torch.Generator().manual_seed(3), quant.VLLM_FORMATS[name], 8
     lens = torch.tensor([45, 70, 1], dtype=torch.int32)  # a page and a bit, two pages and a bit, one token
     block_table = torch.tensor([[5, 2, 0], [1, 7, 3], [6, 0, 0]], dtype=torch.int32)  # [batch, max_pages]
     slots = torch.cat(
