@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from ._validate import check_int
+from ._validate import check_choice, check_int, describe
 from .memory import kv_bytes_per_token
 
 FORMATS = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}  # largest finite value
@@ -41,7 +41,7 @@ SCALE_BYTES = 4  # a scale is one float32
 
 def check_format(fmt) -> torch.dtype:
     """``fmt``, one of the accepted 8-bit formats."""
-    if fmt not in FORMATS:
+    if not isinstance(fmt, torch.dtype) or fmt not in FORMATS:
         raise ValueError(f"fmt must be one of {list(FORMATS)}, got {fmt!r}")
     return fmt
 
@@ -59,22 +59,20 @@ def check_scale(scale, name: str = "scale") -> torch.Tensor:
     return s
 
 
-def _scaled(x: torch.Tensor, scale, fmt) -> tuple[torch.Tensor, torch.Tensor, float]:
+def _scaled(x: torch.Tensor, scale, fmt) -> tuple[torch.Tensor, float]:
     """``x * (1 / scale)`` in float32 (vLLM multiplies by the reciprocal), NaN mapped to +max; and max."""
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
-        raise TypeError(f"x must be a floating tensor, got {type(x).__name__}")
+        raise TypeError(f"x must be a floating tensor, got {describe(x)}")
     top = FORMATS[check_format(fmt)]
-    inv = 1.0 / check_scale(scale).to(x.device)
-    return torch.nan_to_num(x.float() * inv, nan=top), inv, top
+    return torch.nan_to_num(x.float() * (1.0 / check_scale(scale).to(x.device)), nan=top), top
 
 
 def quantize(x: torch.Tensor, scale, fmt: torch.dtype, *, rounding: str = "nearest") -> torch.Tensor:
     """``x`` (any shape) in ``fmt``, same shape, saturated at the format's max. ``scale``: a number or a
     tensor that broadcasts against ``x``. ``rounding``: "nearest" (ties to even: torch's cast, vLLM's CUDA
     kernels) or "zero" (toward zero: vLLM's CPU cache write, the same bytes)."""
-    if rounding not in ("nearest", "zero"):
-        raise ValueError(f"rounding must be 'nearest' or 'zero', got {rounding!r}")
-    y, _, top = _scaled(x, scale, fmt)
+    check_choice("rounding", rounding, {"nearest", "zero"})
+    y, top = _scaled(x, scale, fmt)
     y = y.clamp(-top, top)
     if fmt == torch.int8:  # symmetric: -128 is never written
         return (y.round() if rounding == "nearest" else y.trunc()).to(torch.int8)
@@ -88,15 +86,17 @@ def quantize(x: torch.Tensor, scale, fmt: torch.dtype, *, rounding: str = "neare
 
 
 def dequantize(q: torch.Tensor, scale, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The values ``q`` (8-bit, any shape) stands for: ``q * scale`` in float32, then in ``dtype``."""
+    """The values ``q`` (8-bit, any shape) stands for: ``q * scale`` in float32 (float64 for ``dtype``
+    float64, where the product is exact), then in ``dtype``."""
     if not isinstance(q, torch.Tensor) or q.dtype not in FORMATS:
-        raise TypeError(f"q must be a tensor in one of {list(FORMATS)}, got {getattr(q, 'dtype', type(q).__name__)}")
-    return (q.float() * check_scale(scale).to(q.device)).to(dtype)
+        raise TypeError(f"q must be a tensor in one of {list(FORMATS)}, got {describe(q)}")
+    work = torch.promote_types(dtype, torch.float32)
+    return (q.to(work) * check_scale(scale).to(q.device, work)).to(dtype)
 
 
 def count_saturated(x: torch.Tensor, scale, fmt: torch.dtype) -> int:
     """How many values of ``x`` lie beyond the format's range at ``scale`` (stored as +-max)."""
-    y, _, top = _scaled(x, scale, fmt)
+    y, top = _scaled(x, scale, fmt)
     return int((y.abs() > top).sum()) + int(torch.isnan(x).sum())
 
 
@@ -128,8 +128,7 @@ def page_bytes(fmt, *, page_size: int, num_layers: int, num_kv_heads: int, head_
     """
     check_format(fmt)
     page_size = check_int("page_size", page_size, min_value=1)
-    if scales not in ("layer", "page"):
-        raise ValueError(f"scales must be 'layer' or 'page', got {scales!r}")
+    check_choice("scales", scales, {"layer", "page"})
     shape = dict(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
     values = page_size * kv_bytes_per_token(**shape, bytes_per_elem=1)
     return values + (2 * num_layers * num_kv_heads * SCALE_BYTES if scales == "page" else 0)

@@ -69,6 +69,15 @@ def test_beyond_the_range_saturates_at_the_formats_max(fmt):
         assert x[:1].to(fmt).float().isinf().all()
 
 
+def test_dequantize_is_the_exact_product_in_float64_and_float32s_in_narrower_types():
+    x = _values((256,), torch.Generator().manual_seed(9))
+    for fmt in FMTS:
+        q, scale = quant.quantize(x, 0.37, fmt), torch.tensor(0.37, dtype=torch.float32)
+        assert torch.equal(quant.dequantize(q, 0.37, torch.float64), q.double() * scale.double())
+        assert torch.equal(quant.dequantize(q, 0.37), q.float() * scale)
+        assert torch.equal(quant.dequantize(q, 0.37, torch.bfloat16), (q.float() * scale).bfloat16())
+
+
 def test_int8_is_symmetric_and_rounds_ties_to_even():
     x = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, -1000.0, 126.5])
     assert quant.quantize(x, 1.0, torch.int8).tolist() == [0, 2, 2, 0, -2, -127, 126]
@@ -143,7 +152,7 @@ def test_page_bytes_count_the_values_in_one_byte_and_the_scales():
         (lambda: quant.quantize(torch.ones(2), torch.ones(2, dtype=torch.int32), torch.int8), TypeError, "int32"),
         (lambda: quant.quantize(torch.ones(2), 1.0, torch.int8, rounding="up"), ValueError, "got 'up'"),
         (lambda: quant.quantize(torch.ones(2, dtype=torch.int64), 1.0, torch.int8), TypeError, "x must be a floating"),
-        (lambda: quant.dequantize(torch.ones(2), 1.0), TypeError, "got torch.float32"),
+        (lambda: quant.dequantize(torch.ones(2), 1.0), TypeError, "got tensor of shape [2] and dtype torch.float32"),
         (lambda: quant.dequantize(torch.ones(2, dtype=torch.int8), 0), ValueError, "scale must be finite and > 0"),
         (lambda: quant.check_scale(-1.0, "k_scale"), ValueError, "k_scale must be finite and > 0, got -1.0"),
         (
