@@ -129,3 +129,20 @@ def test_vllms_fp8_attention_is_the_reference_on_the_dequantized_pages(write, na
 
     ref = pr.reference_paged_decode(q.double(), pages(k, k_scale), pages(v, v_scale), block_table, lens)
     torch.testing.assert_close(out, ref.float(), rtol=0, atol=1e-5)
+
+
+def test_vllms_cpu_fp8_cache_needs_a_head_size_divisible_by_32_and_avx512_or_amx():
+    """The backend's ISA choice (``_get_attn_isa``): fp8 refuses head sizes 80 and 112 (multiples of 16,
+    not of 32), which an unquantized cache runs on ``vec16``; where the CPU has neither AVX-512 nor AMX,
+    fp8 is refused outright."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    for head_size in (80, 112):
+        assert _get_attn_isa(torch.float32, 32, head_size, "auto") == "vec16"
+        with pytest.raises(NotImplementedError, match="head_size divisible by 32"):
+            _get_attn_isa(torch.float32, 32, head_size, "fp8")
+    if torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported():
+        assert _get_attn_isa(torch.float32, 32, 64, "fp8") in ("vec", "amx")
+    else:
+        with pytest.raises(NotImplementedError, match="AVX-512 or AMX"):
+            _get_attn_isa(torch.float32, 32, 64, "fp8")
