@@ -78,6 +78,21 @@ def test_dequantize_is_the_exact_product_in_float64_and_float32s_in_narrower_typ
         assert torch.equal(quant.dequantize(q, 0.37, torch.bfloat16), (q.float() * scale).bfloat16())
 
 
+def test_requantizing_what_was_read_back_keeps_the_bytes_to_nearest_not_toward_zero():
+    """Why a copy (copy-on-write, swap, compaction) must move the bytes and their scale, not the values:
+    ``q * scale * (1 / scale)`` lands a hair below ``q`` about as often as above; to nearest it rounds back,
+    toward zero it can drop one code."""
+    x = torch.randn(20000, generator=torch.Generator().manual_seed(2)) * 3
+    for fmt in FMTS:
+        for scale in (0.37, 0.01, 3.3):
+            q = quant.quantize(x, scale, fmt)
+            back = quant.quantize(quant.dequantize(q, scale), scale, fmt)
+            assert torch.equal(back.view(torch.uint8), q.view(torch.uint8)), (fmt, scale)
+    q = quant.quantize(x, 0.01, torch.float8_e4m3fn, rounding="zero")  # many at +-448: 448 * 0.01 * 100 < 448
+    back = quant.quantize(quant.dequantize(q, 0.01), 0.01, torch.float8_e4m3fn, rounding="zero")
+    assert (back.float().abs() < q.float().abs()).sum() > 1000
+
+
 def test_int8_is_symmetric_and_rounds_ties_to_even():
     x = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, -1000.0, 126.5])
     assert quant.quantize(x, 1.0, torch.int8).tolist() == [0, 2, 2, 0, -2, -127, 126]
