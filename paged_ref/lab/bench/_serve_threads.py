@@ -119,7 +119,7 @@ def _step_weights(model) -> list[torch.Tensor]:
 
 def weight_stream(weights, streams, flat, rows: tuple, repeats: int) -> dict:
     """At the current thread count: ``{"read_gb_per_s", "rows": {m: {"ms", "gb_per_s", "of_read"}}}``
-    (`weight_stream`'s bytes over the best of ``repeats`` times; ``of_read``: its share of the plain read's)."""
+    (the weights' bytes over the best of ``repeats`` times; ``of_read``: the share of the plain read's rate)."""
     few = few_rows_kernel()
     gb = flat.numel() * flat.element_size() / 1e9
     best = min(_timed(flat.sum) for _ in range(repeats))

@@ -684,7 +684,9 @@ def _main_threads(parser, args, argv) -> dict:
 
     counts = sorted({1, os.cpu_count() or 1})
     rounds = args.rounds or (2 if args.quick else 3)
-    data.update(run_threads(model, requests_fn, quick=args.quick, counts=counts, rounds=rounds, save=result.save))
+    run = run_threads(model, requests_fn, quick=args.quick, counts=counts, rounds=rounds,
+                      save=lambda part: result.save({**data, **part}))  # fmt: skip
+    data.update(run)
     print(f"weights of a decode step: {data['weights_gb']:.3f} GB; parallel backend {data['parallel_backend']}")
     for t, s in data["summary"].items():
         stream = ", ".join(f"{m} rows {v['gb_per_s']:.1f} GB/s ({v['of_read']:.0%})" for m, v in s["stream"].items())
