@@ -64,10 +64,11 @@ def test_cpu_ops_on_two_threads_are_one_threads_result(threads):
 
     g = torch.Generator().manual_seed(0)
     ops = cpu_ops()
-    h, y, w = torch.randn(3, 40, 96, generator=g), torch.randn(3, 40, 96, generator=g), torch.randn(96, generator=g)
-    x = torch.randn(3, 40, 4, 64, generator=g)  # [batch, tokens, heads, dim]
-    angles = torch.randn(3, 40, 1, 32, generator=g).repeat(1, 1, 1, 2)
-    gate, up = torch.randn(3, 40, 128, generator=g), torch.randn(3, 40, 128, generator=g)
+    b, t = 3, 160  # rows enough for two threads' shares of 32,768 elements (cpu_ops.cpp's grain)
+    h, y, w = torch.randn(b, t, 96, generator=g), torch.randn(b, t, 96, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(b, t, 4, 64, generator=g)  # [batch, tokens, heads, dim]
+    angles = torch.randn(b, t, 1, 32, generator=g).repeat(1, 1, 1, 2)
+    gate, up = torch.randn(b, t, 128, generator=g), torch.randn(b, t, 128, generator=g)
 
     def run():
         return (*ops.add_norm(h.clone(), y, w, 1e-5), ops.rotate(x.clone(), angles.cos(), angles.sin()),
