@@ -145,3 +145,12 @@ def test_profile_at_every_thread_count_records_each_count_and_the_bandwidths(tmp
     _check_threads_profile(saved, sorted({1, os.cpu_count()}), 2)
     with pytest.raises(SystemExit):
         serve.main(["--all-threads", "--quick", "--out", str(tmp_path)])  # a profile's option
+
+
+def test_the_committed_threads_profile_measured_one_thread_and_every_core_over_a_plain_read_past_the_cache():
+    from paged_ref.lab.runmode import data_dir
+
+    saved = json.loads((data_dir() / "serve_profile_threads_cpu.json").read_text())
+    assert saved["mode"] == "cpu" and saved["model"]["name"] and len(saved["thread_counts"]) == 2
+    _check_threads_profile(saved, [1, saved["cores"]], saved["rounds"])
+    assert saved["weights_gb"] * 1e9 >= 4 * saved["last_level_cache_bytes"]  # the read comes from memory
