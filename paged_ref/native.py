@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import warnings
 from pathlib import Path
 
-__all__ = ["CHECKS", "FLAGS", "SANITIZE_FLAGS", "VEXP", "build"]
+import torch
+
+__all__ = ["CHECKS", "FLAGS", "OPENMP", "SANITIZE_FLAGS", "VEXP", "build"]
 
 #: ``vexp(x)``, a float exp the compiler vectorizes: compiled before a source that calls it.
 VEXP = Path(__file__).parent / "csrc" / "vexp.h"
@@ -31,8 +34,13 @@ VEXP = Path(__file__).parent / "csrc" / "vexp.h"
 CHECKS = Path(__file__).parent / "csrc" / "checks.h"
 
 #: -O3 and the host's vector width; fast-math lets the compiler reassociate the sums, as any SIMD
-#: reduction does; infinities stay IEEE.
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffast-math", "-fno-finite-math-only"]
+#: reduction does; infinities stay IEEE. Where torch runs its threads with OpenMP (Linux), ``-fopenmp``:
+#: ``at::parallel_for`` is inline in the kernel and splits its loop over ``torch.get_num_threads()`` threads
+#: only when the kernel is compiled with OpenMP (else it runs the whole loop on the calling thread). Not
+#: linked with ``-fopenmp``: its calls resolve to the OpenMP runtime torch has loaded, one runtime, the one
+#: ``torch.set_num_threads`` sets.
+OPENMP = ["-fopenmp"] if sys.platform == "linux" and torch.backends.openmp.is_available() else ["-fopenmp-simd"]
+FLAGS = ["-O3", "-march=native", *OPENMP, "-ffast-math", "-fno-finite-math-only"]
 #: ``PAGED_REF_SANITIZE=1``: every out-of-bounds access or undefined behaviour reported (and fatal).
 SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g"]
 

@@ -115,3 +115,42 @@ def test_fast_is_only_for_the_vllm_comparison(tmp_path):
     with pytest.raises(SystemExit):
         serve.main(["--quick", "--fast", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())
+
+
+def _check_threads_profile(saved, counts, rounds):
+    """What ``serve --profile --all-threads`` records: each thread count set and its every part measured."""
+    from paged_ref.lab.bench._serve_threads import PARTS
+
+    assert saved["complete"] and saved["environment"]["cpu_model"] and saved["parallel_backend"]
+    assert saved["thread_counts"] == counts and saved["rounds"] == rounds
+    assert set(saved["summary"]) == set(saved["threads"]) == {str(t) for t in counts}
+    for t in counts:
+        d, s = saved["threads"][str(t)], saved["summary"][str(t)]
+        assert d["torch_threads"] == t and d["same_tokens_as_first"] and len(d["tokens_per_s"]) == rounds
+        assert s["read_gb_per_s"] > 0 and set(s["stream"]) == {"1", str(saved["config"]["max_num_seqs"])}
+        for v in s["stream"].values():
+            assert v["gb_per_s"] > 0 and v["of_read"] == pytest.approx(v["gb_per_s"] / s["read_gb_per_s"])
+        for kind in ("decode", "mixed"):
+            k = s[kind]
+            assert set(k["ms_per_step"]) == {*PARTS, "other ops", "python"} and k["weight_stream_gb_per_s"] > 0
+            assert k["step_ms"] == pytest.approx(sum(k["ms_per_step"].values()), rel=0.05)
+    assert saved["summary"]["1"]["speedup"] == 1.0
+
+
+def test_profile_at_every_thread_count_records_each_count_and_the_bandwidths(tmp_path):
+    import os
+
+    serve.main(["--profile", "--all-threads", "--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "serve_profile_threads_cpu_quick.json").read_text())
+    _check_threads_profile(saved, sorted({1, os.cpu_count()}), 2)
+    with pytest.raises(SystemExit):
+        serve.main(["--all-threads", "--quick", "--out", str(tmp_path)])  # a profile's option
+
+
+def test_the_committed_threads_profile_measured_one_thread_and_every_core_over_a_plain_read_past_the_cache():
+    from paged_ref.lab.runmode import data_dir
+
+    saved = json.loads((data_dir() / "serve_profile_threads_cpu.json").read_text())
+    assert saved["mode"] == "cpu" and saved["model"]["name"] and len(saved["thread_counts"]) == 2
+    _check_threads_profile(saved, [1, saved["cores"]], saved["rounds"])
+    assert saved["weights_gb"] * 1e9 >= 4 * saved["last_level_cache_bytes"]  # the read comes from memory

@@ -4,8 +4,13 @@
 // running them a given number of times, for bench serve --profile to time).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <tuple>
+
+// Rows per thread's share of a loop of rows of ``row`` elements: at least 32,768 elements (ATen's GRAIN_SIZE, as
+// torch's own ops), so that a decode step's few short rows run on the calling thread, not in a parallel region.
+static int64_t grain(int64_t row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row)); }
 
 // h float32 [..., C], contiguous (written in place); y (when given) h's shape, any strides; w float32 [C].
 void check_add_norm(const torch::Tensor& h, const c10::optional<torch::Tensor>& y, const torch::Tensor& w) {
@@ -32,7 +37,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_norm(torch::Tensor h, c10::optional
   auto ws = w.contiguous();
   float *hp = h.data_ptr<float>(), *op = out.data_ptr<float>();
   const float *yp = y ? ys.data_ptr<float>() : nullptr, *wp = ws.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N, grain(C), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       float *r = hp + n * C, *o = op + n * C;
       if (yp) {
@@ -76,7 +81,7 @@ torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   if (x.numel() == 0) return x;
   float* xp = x.data_ptr<float>();
   const float *cp = cs.data_ptr<float>(), *sp = ss.data_ptr<float>();
-  at::parallel_for(0, x.size(0) * T, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, x.size(0) * T, grain(H * D), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const float *c = cp + n * D, *s = sp + n * D;
       for (int64_t h = 0; h < H; ++h) {
@@ -113,7 +118,7 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
   const float *gp = g.data_ptr<float>(), *upp = u.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t gs = g.stride(0), us = u.stride(0);
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, N, grain(I), [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
 #pragma omp simd
       for (int64_t i = 0; i < I; ++i) op[n * I + i] = gp[n * gs + i] / (1.f + vexp(-gp[n * gs + i])) * upp[n * us + i];

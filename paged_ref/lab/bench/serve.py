@@ -27,7 +27,9 @@ JSON, saved after every section with the load average around it:
 of ``bench scaling --gpu`` in bf16 on CUDA, larger workload. ``--workload short``: answers half as long
 as prompts (`WORKLOADS`), where paging gains the least over exact reservation; written to
 ``serve_cpu_short.json``. ``--profile``: where a step's time goes instead (`._serve_profile`: a profile
-by op of decode and mixed steps, then each speed-up's measured gain), ``figures/data/serve_profile_cpu.json``.
+by op of decode and mixed steps, then each speed-up's measured gain), ``figures/data/serve_profile_cpu.json``;
+``--profile --all-threads``: the fast step at 1 thread and at every core by part, its weight stream against a
+plain read (`._serve_threads`), ``figures/data/serve_profile_threads_cpu.json``.
 ``--pairs N`` (with ``--peer vllm --peer-only``): `._vllm_pairs` instead, vLLM at its defaults (compiled, engine
 core in its own process) and eager, each loaded once, against the engine in N alternating pairs at 1 thread and
 at every core, on 32 and 256 blocks, on both workloads, the same warm-up on both sides, tokens compared in every
@@ -58,6 +60,7 @@ from ._model_bench import text_ids
 from ._scaling_models import build_model
 from ._serve_peer import run_peer
 from ._serve_profile import run_profile
+from ._serve_threads import run_threads
 from ._vllm_peer import CPU_BLOCK_MULTIPLE, check_page_size, save_smollm2
 from .common import bench_parser, command_line, environment, result_file, table
 
@@ -511,6 +514,12 @@ def main(argv=None):
     )
     parser.add_argument("--profile", action="store_true", help="where a step's time goes, and each speed-up's gain")
     parser.add_argument(
+        "--all-threads",
+        action="store_true",
+        help="with --profile: the fast step at 1 thread and at every core, by part, and its weight stream's GB/s",
+    )
+    parser.add_argument("--rounds", type=int, default=None, help="with --all-threads: rounds (default 3; --quick 2)")
+    parser.add_argument(
         "--pairs",
         type=int,
         default=None,
@@ -536,8 +545,12 @@ def main(argv=None):
         parser.error("--quick and --gpu are exclusive")
     if args.profile and args.gpu:
         parser.error("--profile runs on the CPU; leave out --gpu")
+    if args.all_threads and not args.profile:
+        parser.error("--all-threads profiles: give it with --profile")
+    if args.rounds is not None and not (args.all_threads and args.rounds >= 1):
+        parser.error(f"--rounds is a number >= 1 of rounds of --profile --all-threads, got {args.rounds}")
     if args.profile:
-        return _main_profile(parser, args, argv)
+        return (_main_threads if args.all_threads else _main_profile)(parser, args, argv)
     if args.pairs is not None:
         if not (args.peer == "vllm" and args.peer_only) or args.gpu:
             parser.error("--pairs measures against vLLM: give it with --peer vllm --peer-only")
@@ -686,6 +699,41 @@ def _main_profile(parser, args, argv) -> dict:
     print(table(GAIN_COLUMNS, rows))
     c = data["generate_check"]
     print(f"model.generate: {c['identical']}/{c['requests']} requests with the same tokens as {c['variant']}")
+    data["seconds"] = time.perf_counter() - started
+    path = result.save(data, complete=True)
+    print(f"wrote {path} ({data['seconds']:.0f} s)")
+    return data
+
+
+def _main_threads(parser, args, argv) -> dict:
+    """``--profile --all-threads``: `._serve_threads.run_threads` at 1 thread and every core, on SmolLM2."""
+    result = result_file(parser, args.out, f"serve_profile_threads_cpu{'_quick' if args.quick else ''}.json")
+    started = time.perf_counter()
+    model, info = build_model("tiny" if args.quick else "smollm2", device="cpu")
+    data = {"mode": "quick" if args.quick else "cpu", "command": command_line("serve", argv)}
+    data["model"] = {k: info[k] for k in ("name", "weights", "dtype")}
+    data["environment"] = environment()
+
+    def requests_fn(**lengths):
+        return make_requests(model, info["tokenizer"], **lengths)[0]
+
+    counts = sorted({1, os.cpu_count() or 1})
+    rounds = args.rounds or (2 if args.quick else 3)
+    run = run_threads(model, requests_fn, quick=args.quick, counts=counts, rounds=rounds,
+                      save=lambda part: result.save({**data, **part}))  # fmt: skip
+    data.update(run)
+    print(f"weights of a decode step: {data['weights_gb']:.3f} GB; parallel backend {data['parallel_backend']}")
+    for t, s in data["summary"].items():
+        stream = ", ".join(f"{m} rows {v['gb_per_s']:.1f} GB/s ({v['of_read']:.0%})" for m, v in s["stream"].items())
+        print(f"\n{t} thread(s): {s['tokens_per_s']:.1f} tok/s ({s['speedup']:.2f}x of 1 thread); plain read "
+              f"{s['read_gb_per_s']:.1f} GB/s; weight stream {stream}")  # fmt: skip
+        for kind in ("decode", "mixed"):
+            if kind in s:
+                k = s[kind]
+                rows = [{"part": p, "ms": ms, "x": k["speedup"][p] or 0.0} for p, ms in k["ms_per_step"].items()]
+                print(f"{kind} step ({k['step_ms']:.1f} ms, rows {k['rows']}): in the products "
+                      f"{k['weight_stream_gb_per_s']:.1f} GB/s of weights")  # fmt: skip
+                print(table([("part", "{part}"), ("ms/step", "{ms:.2f}"), ("vs 1 thread", "{x:.2f}x")], rows))
     data["seconds"] = time.perf_counter() - started
     path = result.save(data, complete=True)
     print(f"wrote {path} ({data['seconds']:.0f} s)")
