@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["cpu_times", "busy", "omp_env"]
+__all__ = ["cpu_times", "busy"]
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -91,11 +91,3 @@ def busy(before: dict, after: dict, *, wall_s: float, share: float = 0.25) -> li
             }
         )
     return sorted(rows, key=lambda r: -r["cpu_s"])
-
-
-def omp_env(pid: int) -> dict:
-    """The OpenMP settings process ``pid`` started with (its ``/proc/<pid>/environ``)."""
-    raw = _read(f"/proc/{pid}/environ") if os.path.isdir("/proc") else None
-    keys = ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
-    env = dict(kv.split("=", 1) for kv in (raw or "").split("\0") if "=" in kv)
-    return {k: env[k] for k in keys if k in env}

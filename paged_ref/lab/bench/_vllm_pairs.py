@@ -536,7 +536,8 @@ def report_pairs(data: dict) -> None:
         starts.setdefault(s["settings"]["mode"], []).append(s)
     for mode, runs in starts.items():
         st = runs[0]["settings"]
-        binds = sorted({f"{r['threads']}: {r['settings']['VLLM_CPU_OMP_THREADS_BIND']} -> {r['worker_omp_env']}"
+        binds = sorted({f"{r['threads']}: {r['settings']['VLLM_CPU_OMP_THREADS_BIND']} -> torch.get_num_threads() "
+                        f"{r['worker']['torch_threads']} on CPUs {r['worker']['cpus']}, {r['worker']['omp_env']}"
                         for r in runs})  # fmt: skip
         print(
             f"vLLM {mode}: compilation {st['compilation_mode']}"
@@ -545,7 +546,7 @@ def report_pairs(data: dict) -> None:
             f"start-up {min(r['start_s'] for r in runs):.0f}-{max(r['start_s'] for r in runs):.0f} s, excluded"
         )
         if st["engine_core_in_own_process"]:
-            print(f"  threads: VLLM_CPU_OMP_THREADS_BIND -> the worker's OpenMP settings, {'; '.join(binds)}")
+            print(f"  threads: VLLM_CPU_OMP_THREADS_BIND -> what its worker reports, {'; '.join(binds)}")
     auto = data.get("vllm_auto_binding_here")
     if auto:
         print(

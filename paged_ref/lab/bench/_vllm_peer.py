@@ -39,6 +39,7 @@ __all__ = [
     "generate",
     "run_vllm",
     "serve",
+    "worker_threads",
 ]
 
 VLLM_VERSION = "0.32.0"
@@ -147,6 +148,8 @@ def make_llm(
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if MODES[mode]["in_process"]:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+    # `worker_threads` travels to the engine core pickled: vLLM refuses that unless this is set (no other effect)
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     from vllm import LLM
 
     kwargs = dict(
@@ -179,7 +182,8 @@ def make_llm(
         "executor": str(config.parallel_config.distributed_executor_backend),
         "async_scheduling": bool(config.scheduler_config.async_scheduling),
     }
-    for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU"):
+    for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_NUM_OF_RESERVED_CPU",
+                "VLLM_ALLOW_INSECURE_SERIALIZATION"):  # fmt: skip
         settings[key] = os.environ.get(key)
     return llm, settings
 
@@ -251,21 +255,36 @@ def run_vllm(
     return {"version": version, "init_s": init_s, **generate(llm, requests)}
 
 
+def worker_threads(worker=None) -> dict:
+    """The threads of the process this runs in, as it sees them: ``torch.get_num_threads()``, the CPUs it may run
+    on, its OpenMP settings. ``serve`` runs it inside vLLM's model worker (``LLM.collective_rpc``; ``worker``: the
+    worker object vLLM passes, unused).
+
+    Example:
+        >>> sorted(worker_threads())
+        ['cpus', 'omp_env', 'pid', 'torch_threads']
+    """
+    keys = ("OMP_NUM_THREADS", "GOMP_CPU_AFFINITY", "OMP_PLACES", "OMP_PROC_BIND", "KMP_AFFINITY")
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {
+        "pid": os.getpid(),
+        "torch_threads": torch.get_num_threads(),
+        "cpus": cpus,
+        "omp_env": {k: os.environ[k] for k in keys if k in os.environ},
+    }
+
+
 def serve(job: dict, commands, reply) -> None:
     """A long-lived peer: one ``vllm.LLM`` from ``job`` (``model_dir``, ``limits``, ``mode``, ``dtype``), then
     for every command of ``commands`` (dicts) a reply: ``{"cmd": "run", "requests": [...]}`` -> `generate`'s
     dict; ``{"cmd": "quit"}`` ends. The first reply is the start-up: ``{"version", "init_s", "settings",
-    "worker_omp_env"}``: the OpenMP settings vLLM's worker process started with (the busiest process without one)."""
-    from ._threads import cpu_times, omp_env
-
+    "worker"}``: `worker_threads` as vLLM's model worker answers it."""
     version = check_vllm()
     started = time.perf_counter()
     llm, settings = make_llm(job["model_dir"], mode=job["mode"], dtype=job.get("dtype", "float32"), **job["limits"])
     init_s = time.perf_counter() - started
-    procs = cpu_times(os.getpid())
-    workers = [p for p in procs if "Worker" in procs[p]["name"]] or list(procs)  # the mp executor's "VLLM::Worker"
-    worker = max(workers, key=lambda p: sum(procs[p]["threads"].values()))
-    reply({"version": version, "init_s": init_s, "settings": settings, "worker_omp_env": omp_env(worker)})
+    (worker,) = llm.collective_rpc(worker_threads)  # asked inside vLLM's worker process
+    reply({"version": version, "init_s": init_s, "settings": settings, "worker": worker})
     for command in commands:
         if command.get("cmd") == "quit":
             break
