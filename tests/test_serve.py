@@ -221,6 +221,7 @@ def test_an_impossible_request_is_refused_and_nothing_changes(model):
         ([], ValueError, "at least one token"),
         ([1, 512], ValueError, r"token ids in \[0, vocab_size=512\)"),
         (torch.ones(2, 3, dtype=torch.long), TypeError, "1-D integer tensor"),
+        (torch.tensor([True, False]), TypeError, "1-D integer tensor"),
         ([1.5], TypeError, r"prompt_ids\[0\] must be an int"),
     ):
         with pytest.raises(kind, match=match):

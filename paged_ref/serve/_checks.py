@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import numbers
 
-import torch
-
 from .._cache_checks import token_list
 from .._validate import check_token_range, is_int
 from ..block_table import pages_needed
@@ -20,8 +18,6 @@ def check_watermark(watermark) -> float:
 
 def prompt_list(prompt_ids, vocab: int | None) -> list[int]:
     """A request's prompt as a non-empty list of token ids below ``vocab``."""
-    if isinstance(prompt_ids, torch.Tensor) and prompt_ids.dtype == torch.bool:
-        raise TypeError("prompt_ids must be a 1-D integer tensor or a list of ints, got a bool tensor")
     prompt = token_list("prompt_ids", prompt_ids)
     if not prompt:
         raise ValueError("prompt_ids must hold at least one token, got an empty prompt")

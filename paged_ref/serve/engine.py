@@ -105,8 +105,7 @@ class Engine:
     ):
         watermark = check_watermark(watermark)
         self.clock = check_choice("clock", clock or ("steps" if model is None else "simulated"), CLOCKS)
-        rows = max_num_seqs  # few_rows=True: a decode step's rows
-        opened = _open_session(model, fast, num_pages, page_size, prefix_caching, rows, max_model_len)
+        opened = _open_session(model, fast, num_pages, page_size, prefix_caching, max_num_seqs, max_model_len)
         self.session, self.vocab_size, eos, max_model_len = opened
         self.model = model
         self.kv = self.session.kv
