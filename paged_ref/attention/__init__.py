@@ -4,12 +4,8 @@ Every entry point, ``<backend>_paged_decode`` (one new token per sequence) or
 ``<backend>_paged_prefill`` (several, causal), takes ``q``, ``k_cache`` / ``v_cache``
 ``[num_pages, page_size, num_kv_heads, head_dim]``, ``block_table [batch, max_pages]`` and
 ``seq_lens [batch]`` (plus ``q_lens``), runs the same checks (`_checks`) and returns the same
-numbers up to rounding. Read :mod:`.reference` (the oracle), :mod:`.online_softmax` (the kernel's
-math), :mod:`.triton_decode` (that math in Triton, split count from :mod:`.occupancy`) and
-:mod:`.flex` (a BlockMask translated to physical pages); then :mod:`.sdpa` (gather, then PyTorch's
-SDPA: the CPU fast path), :mod:`.cpu_paged` (the pages read in place by a small C++ kernel),
-:mod:`.cascade` (a shared prefix read once; in Triton :mod:`.triton_cascade`) and :mod:`.quest`
-(only the pages whose key bounds promise the largest scores). The Triton names load on first use.
+numbers up to rounding: :mod:`.reference` is the oracle the others are tested against (the README's
+reading order says what each backend adds). The Triton names load on first use.
 
 Example:
     >>> import torch

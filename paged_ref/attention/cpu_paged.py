@@ -21,13 +21,8 @@ Where the kernel cannot run (a build that fails, no compiler; tensors not float3
 instead: the same numbers up to rounding. A failed build warns once, with its reason.
 
 The kernel checks its own arguments before it reads a byte (``check_paged_attention`` in the
-source; a ``RuntimeError`` naming the argument): float32 CPU ``q [n, Hq, D]`` and caches
-``[num_pages, page_size, Hkv, D]`` of one shape, ``page_size`` and ``Hkv`` at least 1, ``Hq`` a
-multiple of ``Hkv``, q's ``D`` the cache's; int32 or int64 ``block_table [B, max_pages]``,
-``seq_lens`` and ``q_lens [B]``; every ``seq_lens[b]`` in ``[0, max_pages * page_size]``, every
-``q_lens[b]`` in ``[0, seq_lens[b]]``, ``q_lens`` adding up to ``n``, and the page ids a sequence
-uses (its first ``ceil(seq_lens[b] / page_size)`` entries) in ``[0, num_pages)``: one pass over
-them. Strides are free (non-contiguous tensors are copied). So no call reads or writes outside its
+source: the dtypes and shapes, every length, the page ids each sequence uses; a ``RuntimeError``
+naming the argument) and copies non-contiguous tensors, so no call reads or writes outside its
 tensors, whatever ``check_values`` says. Softmax weights below ``e^-87.3`` (1.2e-38) of a row's
 largest are 0.
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .._arith import cdiv
-from .._validate import check_choice, check_int
+from .._validate import check_bool, check_choice, check_int
 from ..block_table import pages_needed
 from ..cache_interface import KVCache
 from .scores import SCORE_METHODS, token_scores
@@ -79,10 +79,8 @@ class Reserved:
     @classmethod
     def from_flags(cls, protect_first_page, protect_last_page) -> Reserved:
         """The pages a policy's ``protect_first_page`` / ``protect_last_page`` arguments reserve."""
-        for flag, value in (("protect_first_page", protect_first_page), ("protect_last_page", protect_last_page)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{flag} must be a bool, got {type(value).__name__}")
-        return cls(int(protect_first_page), protect_last_page)
+        check_bool("protect_first_page", protect_first_page)
+        return cls(int(protect_first_page), check_bool("protect_last_page", protect_last_page))
 
     def flags(self) -> dict[str, bool]:
         """The ``protect_first_page`` / ``protect_last_page`` arguments these reserved pages come from."""

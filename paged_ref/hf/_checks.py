@@ -3,11 +3,9 @@ made before a page is taken, each naming the argument, what was expected and wha
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
-from .._validate import check_int, check_list, describe
+from .._validate import check_int, check_list, check_token_range, describe, eos_ids, is_int
 from ..eviction.base import EvictionPolicy
 from ..memory import model_geometry
 
@@ -72,10 +70,8 @@ def token_ids(name: str, t, vocab: int) -> torch.Tensor:
             f"{name} must be a 1-D integer tensor of token ids, got shape {list(t.shape)} and dtype {t.dtype}"
         )
     t = t.reshape(-1).long()
-    if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab):
-        raise ValueError(
-            f"{name} must hold token ids in [0, vocab_size={vocab}), got values in [{int(t.min())}, {int(t.max())}]"
-        )
+    if t.numel():
+        check_token_range(name, int(t.min()), int(t.max()), vocab)
     return t
 
 
@@ -100,10 +96,8 @@ def check_prompts(model, input_ids, attention_mask, max_new_tokens, eos_token_id
     batch, length = input_ids.shape
     if batch < 1 or length < 1:
         raise ValueError(f"input_ids must hold at least one token per row, got shape {list(input_ids.shape)}")
-    vocab = model.config.vocab_size
-    lo, hi = int(input_ids.min()), int(input_ids.max())
-    if lo < 0 or hi >= vocab:  # (left padding must hold valid ids too, as for model.generate)
-        raise ValueError(f"input_ids must hold token ids in [0, vocab_size={vocab}), got values in [{lo}, {hi}]")
+    vocab = model.config.vocab_size  # (left padding must hold valid ids too, as for model.generate)
+    check_token_range("input_ids", int(input_ids.min()), int(input_ids.max()), vocab)
     device = next(model.parameters()).device
     prompts = _unpadded(input_ids, attention_mask, device)
     eos_list, pad_token_id = _special_ids(model, eos_token_id, pad_token_id, vocab)
@@ -147,24 +141,11 @@ def _special_ids(model, eos_token_id, pad_token_id, vocab: int) -> tuple[list[in
     config = getattr(model, "generation_config", None)
     if eos_token_id is None:
         eos_token_id = getattr(config, "eos_token_id", None)
-    eos_token_id = [] if eos_token_id is None else eos_token_id
-    if isinstance(eos_token_id, torch.Tensor):
-        eos_token_id = eos_token_id.tolist()
-    eos_list = [eos_token_id] if _is_int(eos_token_id) else eos_token_id
-    if isinstance(eos_list, (str, bytes)) or not hasattr(eos_list, "__iter__") or not all(_is_int(e) for e in eos_list):
-        raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
-    eos_list = [int(e) for e in eos_list]
-    if any(not 0 <= e < vocab for e in eos_list):
-        raise ValueError(f"eos_token_id must be token ids in [0, vocab_size={vocab}), got {eos_list}")
+    eos_list = eos_ids(eos_token_id, vocab)
     if pad_token_id is None:
         pad_token_id = getattr(config, "pad_token_id", None)
     if pad_token_id is None:
         pad_token_id = eos_list[0] if eos_list else 0
-    if not _is_int(pad_token_id) or not 0 <= int(pad_token_id) < vocab:
+    if not is_int(pad_token_id) or not 0 <= int(pad_token_id) < vocab:
         raise ValueError(f"pad_token_id must be a token id in [0, vocab_size={vocab}) or None, got {pad_token_id!r}")
     return eos_list, int(pad_token_id)
-
-
-def _is_int(x) -> bool:
-    """A Python or numpy integer (not a bool)."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)

@@ -31,13 +31,12 @@ Example:
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 
 import torch
 
-from .._validate import check_int
+from .._validate import check_bool, check_int, check_real
 
 __all__ = ["DEFAULTS", "Decoding", "choose", "resolve", "top_k_warp", "top_p_warp", "warp"]
 
@@ -123,15 +122,13 @@ def resolve(model, **given) -> Decoding:
             value = getattr(config, name, None)
         values[name] = default if value is None else value
 
-    do_sample = values["do_sample"]
-    if not isinstance(do_sample, bool):
-        raise TypeError(f"do_sample must be True or False, got {do_sample!r}")
+    do_sample = check_bool("do_sample", values["do_sample"])
     num_beams = check_int("num_beams", values["num_beams"], min_value=1)
     n = check_int("num_return_sequences", values["num_return_sequences"], min_value=1)
-    temperature = _real("temperature", values["temperature"])
-    top_p = _real("top_p", values["top_p"])
+    temperature = check_real("temperature", values["temperature"])
+    top_p = check_real("top_p", values["top_p"])
     top_k = check_int("top_k", values["top_k"])
-    length_penalty = _real("length_penalty", values["length_penalty"])
+    length_penalty = check_real("length_penalty", values["length_penalty"])
     early_stopping = values["early_stopping"]
     number = isinstance(early_stopping, numbers.Number) and not isinstance(early_stopping, bool)
     if early_stopping not in (True, False, "never") or number:  # a number: 1 == True and 0.0 == False
@@ -162,12 +159,6 @@ def resolve(model, **given) -> Decoding:
         )
     _check_processors(config, do_sample)
     return Decoding(do_sample, temperature, top_k, top_p, n, num_beams, length_penalty, early_stopping)
-
-
-def _real(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise TypeError(f"{name} must be a finite real number, got {value!r}")
-    return float(value)
 
 
 def _check_processors(config, do_sample: bool) -> None:

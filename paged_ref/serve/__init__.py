@@ -1,14 +1,7 @@
 """Serving many requests from one page pool: continuous batching on the paged cache.
 
-Reading order:
-
-- `request`: a request's state in flight (prompt + output, tokens computed) and its `RequestOutput`;
-- `scheduler`: waiting / running / swapped queues, admission with a watermark, the per-step token budget
-  with chunked prefill, preemption (recompute or swap); `reservation`: what admission commits up front;
-- `swap`: a preempted sequence's K/V to host memory and back, from the cache's public methods;
-- `engine`: `Engine`, one scheduler step and one forward of `paged_ref.hf.PagedSession` per step;
-- `dry`: the same engine with no model (pages and scheduling only), for quick simulations;
-- `metrics`: what each step did and the run's counters (`Engine.stats`).
+Read `request` (a request in flight), `scheduler` (what each step feeds: vLLM's decisions) and
+`engine` (schedule -> forward -> sample -> finish); the README names the modules beside them.
 
 Example:
     >>> import paged_ref as pr

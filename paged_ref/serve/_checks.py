@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 
-import torch
-
 from .._cache_checks import token_list
+from .._validate import check_token_range, is_int
 from ..block_table import pages_needed
 from ..eviction.policies import EvictionPolicy
 
@@ -18,39 +16,13 @@ def check_watermark(watermark) -> float:
     return watermark
 
 
-def eos_set(eos, vocab: int | None) -> frozenset[int]:
-    """EOS ids as a set: an int, a list of ints, or None/[] (never stop early)."""
-    if isinstance(eos, torch.Tensor):
-        eos = eos.tolist()
-    items = [] if eos is None else [eos] if isinstance(eos, numbers.Integral) and not isinstance(eos, bool) else eos
-    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
-        raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos!r}")
-    items = list(items)
-    for e in items:
-        if isinstance(e, bool) or not isinstance(e, numbers.Integral) or e < 0 or (vocab is not None and e >= vocab):
-            raise ValueError(f"eos_token_id must be token ids in [0, {vocab or 'inf'}), got {eos!r}")
-    return frozenset(int(e) for e in items)
-
-
 def prompt_list(prompt_ids, vocab: int | None) -> list[int]:
     """A request's prompt as a non-empty list of token ids below ``vocab``."""
-    if isinstance(prompt_ids, torch.Tensor) and prompt_ids.dtype == torch.bool:
-        raise TypeError("prompt_ids must be a 1-D integer tensor or a list of ints, got a bool tensor")
     prompt = token_list("prompt_ids", prompt_ids)
     if not prompt:
         raise ValueError("prompt_ids must hold at least one token, got an empty prompt")
-    if min(prompt) < 0 or (vocab is not None and max(prompt) >= vocab):
-        raise ValueError(
-            f"prompt_ids must be token ids in [0, {vocab if vocab is not None else 'inf'}), "
-            f"got values in [{min(prompt)}, {max(prompt)}]"
-        )
+    check_token_range("prompt_ids", min(prompt), max(prompt), vocab)
     return prompt
-
-
-def check_arrival(arrival_s) -> float:
-    if not isinstance(arrival_s, numbers.Real) or isinstance(arrival_s, bool) or not math.isfinite(arrival_s):
-        raise TypeError(f"arrival_s must be a finite number of seconds or None, got {arrival_s!r}")
-    return float(arrival_s)
 
 
 def check_eviction(eviction, session) -> None:
@@ -64,7 +36,7 @@ def check_eviction(eviction, session) -> None:
 
 
 def check_request_id(request_id, num_requests: int) -> int:
-    if isinstance(request_id, bool) or not isinstance(request_id, numbers.Integral):
+    if not is_int(request_id):
         raise TypeError(f"request_id must be an int from add_request, got {type(request_id).__name__}")
     if not 0 <= request_id < num_requests:
         raise ValueError(f"request_id must be one that add_request returned, in [0, {num_requests}), got {request_id}")

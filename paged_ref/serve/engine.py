@@ -32,9 +32,9 @@ from __future__ import annotations
 import heapq
 import time
 
-from .._validate import check_choice, check_int
+from .._validate import check_choice, check_int, check_real, eos_ids
 from ..cache import PagedKVCache
-from ._checks import check_arrival, check_eviction, check_request_id, check_watermark, eos_set, prompt_list, refusal
+from ._checks import check_eviction, check_request_id, check_watermark, prompt_list, refusal
 from .dry import DrySession
 from .metrics import COUNTS, StepClock, StepRecord, count_fed, engine_stats, record_step
 from .request import FINISHED, PENDING, Request, RequestOutput
@@ -105,13 +105,12 @@ class Engine:
     ):
         watermark = check_watermark(watermark)
         self.clock = check_choice("clock", clock or ("steps" if model is None else "simulated"), CLOCKS)
-        rows = max_num_seqs  # few_rows=True: a decode step's rows
-        opened = _open_session(model, fast, num_pages, page_size, prefix_caching, rows, max_model_len)
+        opened = _open_session(model, fast, num_pages, page_size, prefix_caching, max_num_seqs, max_model_len)
         self.session, self.vocab_size, eos, max_model_len = opened
         self.model = model
         self.kv = self.session.kv
         try:
-            self.eos = eos_set(eos if eos_token_id is None else eos_token_id, self.vocab_size)
+            self.eos = frozenset(eos_ids(eos if eos_token_id is None else eos_token_id, self.vocab_size))
             self.scheduler = Scheduler(
                 self.session,
                 max_num_seqs=max_num_seqs,
@@ -147,7 +146,8 @@ class Engine:
         prompt = prompt_list(prompt_ids, self.vocab_size)
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, min_value=1)
         now = self.now
-        arrival_s = check_arrival(now if arrival_s is None else arrival_s)
+        arrival = now if arrival_s is None else arrival_s
+        arrival_s = check_real("arrival_s", arrival, "a finite number of seconds or None")
         check_eviction(eviction, self.session)
         r = Request(len(self._requests), prompt, max_new_tokens, arrival_s, eviction)
         why = refusal(self.scheduler, r)
