@@ -61,8 +61,9 @@ def cpu_times(pid: int) -> dict:
             if stat:
                 rest = stat.rsplit(")", 1)[1].split()  # fields after the name: state is rest[0]
                 threads[int(tid)] = (int(rest[11]) + int(rest[12])) / _TICK  # utime + stime
-                line = [x for x in (_read(f"/proc/{p}/task/{tid}/status") or "").splitlines() if x.startswith("Cpus_a")]
-                allowed[int(tid)] = line[0].split(":\t", 1)[1].strip() if line else "?"
+                status = (_read(f"/proc/{p}/task/{tid}/status") or "").splitlines()
+                line = [x for x in status if x.startswith("Cpus_allowed_list:")]  # not Cpus_allowed, a hex mask
+                allowed[int(tid)] = line[0].split(":", 1)[1].strip() if line else "?"
         out[p] = {"name": fields.get("Name", "?").strip(), "cpus": fields.get("Cpus_allowed_list", "?").strip()}
         out[p].update(threads=threads, thread_cpus=allowed)
     return out
