@@ -581,6 +581,6 @@ PAIR_COLUMNS = [
     ("same tokens", "{requests_identical_min}/{requests}"),
     ("agree", "{tokens_before_first_difference_min:.1%}"),
     ("ours: busy, CPU s/s", "{paged_ref_busy_threads}, {paged_ref_cpu_s_per_wall_s:.2f}"),
-    ("vLLM worker: busy", "{vllm_worker_busy_threads}"),
+    ("vLLM busy: worker, others", "{vllm_worker_busy_threads}, {vllm_other_busy_threads}"),
     ("vLLM, all processes: CPU s/s", "{vllm_cpu_s_per_wall_s:.2f}"),
 ]
