@@ -287,7 +287,8 @@ def _print_cell(cell: dict, modes) -> None:
 VLLM_CPU_DEFAULTS = {
     "compilation": "the LLM's default compilation mode (VLLM_COMPILE) becomes DYNAMO_TRACE_ONCE with the "
     "inductor backend on CPU (CpuPlatform.check_and_update_config): one Dynamo trace compiled by inductor at "
-    "start-up; no CUDA graphs (cudagraph_capture_sizes emptied)",
+    "start-up; no CUDA graphs (cudagraph_capture_sizes emptied); vLLM's own graph passes, which run in VLLM_COMPILE "
+    "only, are off (its log says 'Inductor compilation was disabled by user settings' for them)",
     "processes": "the engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1) and the model in a "
     "worker process (the mp executor, forced on CPU so that OpenMP can be bound); async scheduling off on CPU",
     "VLLM_CPU_OMP_THREADS_BIND": "auto: one logical CPU per physical core of the NUMA node, less one core "
