@@ -214,16 +214,17 @@ def test_the_readme_vllm_run_matches_its_json():
     v, found = _readme_vllm_clause(
         "serve_cpu_peer_vllm.json",
         r"against vLLM ([\d.]+)'s CPU build .*?identical greedy tokens in (\d+) of (\d+) requests and (\d+) vs (\d+) "
-        r"preemptions, paged_ref at ([\d.]+)x vLLM's tokens/s \(([\d.]+) vs ([\d.]+);",
+        r"preemptions, paged_ref's readable step ([\d.]+) tokens/s against vLLM's ([\d.]+) \(one turn each, too few "
+        r"pairs to quote a ratio; vLLM eager \(`enforce_eager=True`\) with its engine core in the calling process",
     )
     paged, vllm = v["paged"][0], v["vllm"][0]
+    assert len(v["throughput_ratio_paired"]) == 1  # one turn each: no ratio is quoted
     want = [
         v["vllm_version"],
         str(v["requests_with_identical_tokens"]),
         str(v["requests"]),
         str(paged["preemptions"]),
         str(vllm["preemptions"]),
-        f"{v['throughput_ratio_median']:.2f}",
         f"{paged['wall_tokens_per_s']:.1f}",
         f"{vllm['wall_tokens_per_s']:.1f}",
     ]
@@ -231,39 +232,100 @@ def test_the_readme_vllm_run_matches_its_json():
 
 
 def test_the_readme_short_vllm_run_matches_its_json():
-    """The README's short-answer vLLM clause states serve_cpu_short_peer_vllm.json's tokens, preemptions, ratio."""
+    """The README's short-answer vLLM clause states serve_cpu_short_peer_vllm.json's tokens, preemptions, tokens/s."""
     v, found = _readme_vllm_clause(
         "serve_cpu_short_peer_vllm.json",
         r"with short answers on (\d+) blocks of (\d+), identical tokens in (\d+) of (\d+) requests, (\d+) vs (\d+) "
-        r"preemptions, ([\d.]+)x",
+        r"preemptions, ([\d.]+) against ([\d.]+) tokens/s \(one turn each, the same conditions",
     )
     paged, vllm = v["paged"][0], v["vllm"][0]
     c = v["config"]
+    assert len(v["throughput_ratio_paired"]) == 1
     want = [c["num_pages"], c["page_size"], v["requests_with_identical_tokens"], v["requests"]]
-    want += [paged["preemptions"], vllm["preemptions"], f"{v['throughput_ratio_median']:.2f}"]
+    want += [paged["preemptions"], vllm["preemptions"], f"{paged['wall_tokens_per_s']:.1f}"]
+    want += [f"{vllm['wall_tokens_per_s']:.1f}"]
     assert found == [str(x) for x in want]
 
 
-def test_the_readme_fast_vllm_runs_match_their_json():
-    """The README's clause on the engine's faster step against vLLM states both pools' JSON: ratio, pairs, tokens."""
-    import re
+def _pair_cells(data: dict, mode: str) -> str:
+    """``"at <threads> thread(s): <workload> on <blocks> blocks <ratio at each thread count>x / ..., ..."`` for
+    every cell of ``mode``, at the thread counts it ran."""
+    label = {"chat": "chat", "short": "short answers"}
+    counts = [t for t in data["threads"] if any(r["vllm_mode"] == mode and r["threads"] == t for r in data["summary"])]
+    out = []
+    for workload in data["workloads"]:
+        for blocks in data["blocks"]:
+            rows = {r["threads"]: r for r in data["summary"]
+                    if (r["vllm_mode"], r["workload"], r["blocks"]) == (mode, workload, blocks)}  # fmt: skip
+            if rows and set(rows) == set(counts):
+                ratios = " / ".join(f"{rows[t]['ratio_median']:.2f}x" for t in counts)
+                out.append(f"{label[workload]} on {blocks} blocks {ratios}")
+    return f"at {' / '.join(map(str, counts))} thread{'s' if counts != [1] else ''}: " + ", ".join(out)
 
-    found = re.search(
-        r"faster CPU step .*? at ([\d.]+)x vLLM on (\d+) blocks and ([\d.]+)x on (\d+) blocks, medians of (\d+) "
-        r"alternating pairs, identical tokens in (\d+) of (\d+) requests both times",
-        (ROOT / "README.md").read_text(),
-    )
-    assert found, "the README's sentence on serve_cpu_peer_vllm_fast*.json"
-    runs = [
-        json.loads((ROOT / "figures" / "data" / n).read_text())
-        for n in ("serve_cpu_peer_vllm_fast.json", "serve_cpu_peer_vllm_fast_512pages.json")
-    ]
-    v = [r["peer_vllm"] for r in runs]
+
+def test_the_readme_pairs_against_vllm_match_their_json():
+    """The README's clause on the faster step against vLLM at its defaults states serve_cpu_peer_vllm_pairs.json:
+    vLLM's mode and threads, the warm-up, the pairs, every cell's median ratio at each thread count, the tokens."""
+    data = json.loads((ROOT / "figures" / "data" / "serve_cpu_peer_vllm_pairs.json").read_text())
+    readme = (ROOT / "README.md").read_text()
     from paged_ref.lab.bench.serve import FAST_OPTIONS
 
-    assert all(r["config"]["engine_options"] == FAST_OPTIONS for r in runs)
-    assert {x["requests_with_identical_tokens"] for x in v} == {x["requests"] for x in v} == {int(found[7])}
-    assert {len(x["throughput_ratio_paired"]) for x in v} == {int(found[5])}
-    want = [f"{v[0]['throughput_ratio_median']:.2f}", str(v[0]["config"]["num_pages"])]
-    want += [f"{v[1]['throughput_ratio_median']:.2f}", str(v[1]["config"]["num_pages"])]
-    assert list(found.groups()[:4]) == want
+    assert data["paged_ref_fast"] == FAST_OPTIONS and data["dtype"] == "float32"
+    starts = {s["settings"]["mode"]: s["settings"] for s in data["vllm_starts"]}
+    assert (
+        starts["default"]["compilation_mode"] == "DYNAMO_TRACE_ONCE" and starts["default"]["engine_core_in_own_process"]
+    )
+    assert {len(r["ratio_paired"]) for r in data["summary"]} == {data["pairs"]} and data["pairs"] >= 3
+    threads = " / ".join(map(str, data["threads"]))
+    busy = " / ".join(
+        "/".join(map(str, sorted({x for r in data["summary"] if r["vllm_mode"] == "default" and r["threads"] == t
+                                  for x in r["vllm_worker_busy_threads"]})))
+        for t in data["threads"]
+    )  # fmt: skip
+    asked = {
+        (s["threads"], s["worker"]["torch_threads"])
+        for s in data["vllm_starts"]
+        if s["settings"]["mode"] != "eager_in_process"
+    }
+    assert all(t == n for t, n in asked)  # each worker ran the threads it was bound to
+    n = data["summary"][0]["requests"]
+    assert all(r["requests_identical_min"] == r["requests"] == n for r in data["summary"])
+    command = data["command"].replace("python -m paged_ref.lab.bench ", "bench ")
+    assert command.startswith("bench serve --peer vllm --peer-only --fast --pairs ")
+    want = [
+        "against vLLM at its defaults on CPU (compiled: one Dynamo trace compiled by inductor;",
+        f"`VLLM_CPU_OMP_THREADS_BIND` (its worker's `torch.get_num_threads()` {threads}), busy worker threads read "
+        f"from /proc {busy})",
+        f"start-up excluded and one warm-up generation each, medians of {data['pairs']} alternating pairs",
+        f"paged_ref's tokens/s over vLLM's {_pair_cells(data, 'default')};",
+        f"against vLLM eager in its own process {_pair_cells(data, 'eager')};",
+        f"identical tokens in {n} of {n} requests in every turn, and in vLLM's in-process check the same preemptions",
+        f"(`{command}`, {data['environment']['date_utc'][:10]})",
+    ]
+    checks = data["in_process_checks"]
+    assert checks and all(c["paged_ref_preemptions"] == c["vllm_preemptions"] for c in checks)
+    want += [f"{c['paged_ref_preemptions']} vs {c['vllm_preemptions']} on" for c in checks]
+    for phrase in want:
+        assert phrase in " ".join(readme.split()), phrase
+
+
+def test_the_readme_bfloat16_run_matches_its_json():
+    """The README's bfloat16 clause states serve_cpu_peer_vllm_pairs_bfloat16.json (or that it was skipped)."""
+    data = json.loads((ROOT / "figures" / "data" / "serve_cpu_peer_vllm_pairs_bfloat16.json").read_text())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    if "skipped" in data:
+        assert f"bfloat16 skipped: {data['skipped']}" in readme
+        return
+    rows = [r for r in data["summary"] if r["vllm_mode"] == "default"]
+    assert [r["threads"] for r in rows] == data["threads"] and {r["pairs"] for r in rows} == {data["pairs"]} >= {3}
+    parts = ", ".join(k for k, v in data["paged_ref_fast"].items() if v)
+    want = (
+        f"paged_ref with the parts of `Fast` that take it, {parts}) on "
+        f"{ {'chat': 'chat', 'short': 'short answers'}[rows[0]['workload']]} and {data['blocks'][0]} blocks at "
+        f"{' / '.join(map(str, data['threads']))} threads: " + " / ".join(f"{r['ratio_median']:.2f}x" for r in rows)
+        + f", medians of {data['pairs']} pairs, requests with identical tokens "
+        + " / ".join(str(r["requests_identical_min"]) for r in rows) + f" of {rows[0]['requests']}, tokens before "
+        "each request's first difference " + " / ".join(f"{r['tokens_before_first_difference_min']:.0%}" for r in rows)
+        + f" at the least (`{data['command'].replace('python -m paged_ref.lab.bench ', 'bench ')}`)"
+    )  # fmt: skip
+    assert want in readme, want

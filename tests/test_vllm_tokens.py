@@ -84,3 +84,36 @@ def test_bench_serve_with_vllm_as_its_peer(tmp_path, fast):
     assert v["config"]["page_size"] == 32 and v["vllm_version"] == "0.32.0"
     assert v["paged"][0]["preemptions"] == v["vllm"][0]["preemptions"]
     assert v["vllm"][0]["wall_tokens_per_s"] > 0 and v["vllm"][0]["ttft_p50_s"] is not None
+
+
+def test_bench_serve_pairs_against_vllm_at_its_defaults(tmp_path):
+    """``bench serve --quick --peer vllm --peer-only --fast --pairs 1``: vLLM at its defaults (compiled, its
+    engine core in its own process) and eager, loaded once, a warm-up each, then a turn each after the engine's;
+    the threads each ran read from /proc; tokens identical and preemptions equal in the in-process check."""
+    import json
+
+    from paged_ref.lab.bench import serve
+
+    serve.main(["--quick", "--peer", "vllm", "--peer-only", "--fast", "--pairs", "1", "--pair-threads", "1"] +
+               ["--out", str(tmp_path)])  # fmt: skip
+    saved = json.loads((tmp_path / "serve_cpu_quick_peer_vllm_pairs.json").read_text())
+    assert saved["paged_ref_fast"] == serve.FAST_OPTIONS and saved["goals"]["vllm_default_1x_every_cell"]
+    starts = {s["settings"]["mode"]: s for s in saved["vllm_starts"]}
+    assert starts["default"]["settings"]["compilation_mode"] == "DYNAMO_TRACE_ONCE"
+    assert starts["default"]["settings"]["compilation_backend"] == "inductor"
+    assert starts["default"]["settings"]["engine_core_in_own_process"]
+    assert starts["eager"]["settings"]["compilation_mode"] == "NONE"
+    assert not starts["eager_in_process"]["settings"]["engine_core_in_own_process"]
+    assert starts["eager_in_process"]["worker"]["torch_threads"] == 1
+    for mode in ("default", "eager"):
+        assert starts[mode]["settings"]["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+        assert starts[mode]["worker"]["torch_threads"] == 1 and starts[mode]["worker"]["cpus"] == [0]
+    (cell,) = saved["cells"]
+    assert set(cell["warmup"]) == {"paged_ref", "default", "eager", "eager_in_process"}
+    for row in saved["summary"]:
+        assert row["requests_identical_min"] == row["requests"] == serve.PROFILES["quick"]["requests"]
+        assert row["paged_ref_torch_threads"] == [1]
+        assert row["pairs"] == 1  # (busy threads: the quick turns are too short for /proc's clock ticks)
+    (check,) = saved["in_process_checks"]
+    assert check["tokens"]["requests_identical"] == check["tokens"]["requests"]
+    assert check["paged_ref_preemptions"] == check["vllm_preemptions"]

@@ -3,6 +3,9 @@
     python -m paged_ref.lab.bench serve [--quick] [--gpu] [--threads N] [--out DIR] [--skip-peer] [--skip-pools]
                                         [--workload short] [--requests N] [--rates R ...]
                                         [--peer {transformers,vllm}]
+    python -m paged_ref.lab.bench serve --peer vllm --peer-only [--fast] --pairs N [--dtype bfloat16]
+                                        [--pair-threads T ...] [--pair-blocks B ...] [--pair-workloads W ...]
+                                        [--eager-blocks B ...] [--eager-threads T ...] [--check-blocks B ...]
     python -m paged_ref.lab.bench serve --profile [--quick] [--threads N] [--out DIR]
 
 Requests: prompts of English prose (random ids for a random-weight model) with lognormal prompt and
@@ -27,6 +30,11 @@ as prompts (`WORKLOADS`), where paging gains the least over exact reservation; w
 by op of decode and mixed steps, then each speed-up's measured gain), ``figures/data/serve_profile_cpu.json``;
 ``--profile --all-threads``: the fast step at 1 thread and at every core by part, its weight stream against a
 plain read (`._serve_threads`), ``figures/data/serve_profile_threads_cpu.json``.
+``--pairs N`` (with ``--peer vllm --peer-only``): `._vllm_pairs` instead, vLLM at its defaults (compiled, engine
+core in its own process) and eager, each loaded once, against the engine in N alternating pairs at 1 thread and
+at every core, on 32 and 256 blocks, on both workloads, the same warm-up on both sides, tokens compared in every
+turn; ``serve_cpu_peer_vllm_pairs.json`` (``_bfloat16`` with ``--dtype bfloat16``: both engines in bfloat16,
+skipped where the CPU has no bfloat16 instructions).
 """
 
 from __future__ import annotations
@@ -328,6 +336,7 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
     same = [a == b for a, b in zip(ours_tokens, theirs_tokens)]
     return {
         "config": limits,
+        "vllm_mode": "eager_in_process",  # `._vllm_peer.run_vllm`
         "vllm_version": theirs[0]["version"],
         "paged": ours,
         "vllm": theirs,
@@ -472,10 +481,14 @@ def report_vllm_peer(v: dict) -> None:
             f"TPOT p50/p90 {last['tpot_p50_s'] * 1e3:.0f}/{last['tpot_p90_s'] * 1e3:.0f} ms; "
             f"preemptions {last['preemptions']}"
         )
-    print(
-        f"  ratio paged / vLLM {v['throughput_ratio_median']:.2f}x (median of per-repeat ratios); "
-        f"identical tokens {v['requests_with_identical_tokens']}/{v['requests']}"
-    )
+    n = len(v["throughput_ratio_paired"])
+    mode = f"vLLM {v.get('vllm_mode', 'eager_in_process')}: enforce_eager=True, its engine core in the calling process"
+    if n < 3:  # a ratio is quoted as the median of at least 3 alternating pairs (`._vllm_pairs`)
+        how = f"{n} turn(s) each, no warm-up, too few pairs to quote a ratio; {mode}"
+    else:
+        ratio = v["throughput_ratio_median"]
+        how = f"ratio paged / vLLM {ratio:.2f}x, the median of {n} alternating pairs, no warm-up; {mode}"
+    print(f"  {how}; identical tokens {v['requests_with_identical_tokens']}/{v['requests']}")
 
 
 def main(argv=None):
@@ -507,6 +520,22 @@ def main(argv=None):
     )
     parser.add_argument("--rounds", type=int, default=None, help="with --all-threads: rounds (default 3; --quick 2)")
     parser.add_argument(
+        "--pairs",
+        type=int,
+        default=None,
+        help="with --peer vllm --peer-only: vLLM at its defaults and eager, in this many alternating pairs per "
+        "thread count, pool and workload (serve_cpu_peer_vllm_pairs*.json; `._vllm_pairs`)",
+    )
+    parser.add_argument("--pair-threads", type=int, nargs="+", default=None, help="--pairs: thread counts (1, all)")
+    parser.add_argument("--pair-blocks", type=int, nargs="+", default=None, help="--pairs: pools in blocks of 32")
+    parser.add_argument("--eager-blocks", type=int, nargs="*", default=None, help="--pairs: pools with vLLM eager")
+    parser.add_argument("--eager-threads", type=int, nargs="*", default=None, help="--pairs: threads with it")
+    parser.add_argument(
+        "--check-blocks", type=int, nargs="*", default=None, help="--pairs: pools with the in-process check"
+    )
+    parser.add_argument("--pair-workloads", nargs="+", choices=tuple(WORKLOADS), default=None, help="--pairs")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="--pairs: both engines'")
+    parser.add_argument(
         "--fast",
         action="store_true",
         help=f"with --peer vllm --peer-only: paged_ref's faster CPU step (fast={FAST}; the same tokens)",
@@ -522,6 +551,12 @@ def main(argv=None):
         parser.error(f"--rounds is a number >= 1 of rounds of --profile --all-threads, got {args.rounds}")
     if args.profile:
         return (_main_threads if args.all_threads else _main_profile)(parser, args, argv)
+    if args.pairs is not None:
+        if not (args.peer == "vllm" and args.peer_only) or args.gpu:
+            parser.error("--pairs measures against vLLM: give it with --peer vllm --peer-only")
+        from ._vllm_pairs import main_pairs
+
+        return main_pairs(parser, args, argv)
     mode = "quick" if args.quick else "gpu" if args.gpu else "cpu"
     cfg = dict(PROFILES[mode])
     if args.requests is not None:
