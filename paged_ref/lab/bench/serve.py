@@ -672,11 +672,9 @@ GAIN_COLUMNS = [
 ]
 
 
-def _main_profile(parser, args, argv) -> dict:
-    """``--profile``: `._serve_profile.run_profile` on SmolLM2 (the tiny model with ``--quick``)."""
-    name = f"serve_profile_cpu{'_quick' if args.quick else ''}.json"
-    result = result_file(parser, args.out, name)
-    torch.set_num_threads(args.threads)
+def _profile_begin(parser, args, argv, stem: str):
+    """What both profiles start with: the result file, the clock, the model, the JSON's header, the workload."""
+    result = result_file(parser, args.out, f"{stem}{'_quick' if args.quick else ''}.json")
     started = time.perf_counter()
     model, info = build_model("tiny" if args.quick else "smollm2", device="cpu")
     data = {"mode": "quick" if args.quick else "cpu", "command": command_line("serve", argv)}
@@ -686,6 +684,13 @@ def _main_profile(parser, args, argv) -> dict:
     def requests_fn(**lengths):
         return make_requests(model, info["tokenizer"], **lengths)[0]
 
+    return result, started, model, data, requests_fn
+
+
+def _main_profile(parser, args, argv) -> dict:
+    """``--profile``: `._serve_profile.run_profile` on SmolLM2 (the tiny model with ``--quick``)."""
+    torch.set_num_threads(args.threads)
+    result, started, model, data, requests_fn = _profile_begin(parser, args, argv, "serve_profile_cpu")
     data.update(run_profile(model, requests_fn, quick=args.quick, save=result.save))
     for variant, v in data["variants"].items():
         for kind, t in v["profile"].items():
@@ -707,16 +712,7 @@ def _main_profile(parser, args, argv) -> dict:
 
 def _main_threads(parser, args, argv) -> dict:
     """``--profile --all-threads``: `._serve_threads.run_threads` at 1 thread and every core, on SmolLM2."""
-    result = result_file(parser, args.out, f"serve_profile_threads_cpu{'_quick' if args.quick else ''}.json")
-    started = time.perf_counter()
-    model, info = build_model("tiny" if args.quick else "smollm2", device="cpu")
-    data = {"mode": "quick" if args.quick else "cpu", "command": command_line("serve", argv)}
-    data["model"] = {k: info[k] for k in ("name", "weights", "dtype")}
-    data["environment"] = environment()
-
-    def requests_fn(**lengths):
-        return make_requests(model, info["tokenizer"], **lengths)[0]
-
+    result, started, model, data, requests_fn = _profile_begin(parser, args, argv, "serve_profile_threads_cpu")
     counts = sorted({1, os.cpu_count() or 1})
     rounds = args.rounds or (2 if args.quick else 3)
     run = run_threads(model, requests_fn, quick=args.quick, counts=counts, rounds=rounds,
