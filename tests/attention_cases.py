@@ -49,6 +49,13 @@ class PagedCase:
     k_logical: list[torch.Tensor]  # per sequence [seq_len, Hkv, D], float64
     v_logical: list[torch.Tensor]  # per sequence [seq_len, Hkv, D], float64
     seed: int
+    k_scale: torch.Tensor | None = None  # 8-bit pages: float32 [num_pages, Hkv] (maybe stride 0)
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def scales(self) -> dict:
+        """The page-scale keywords of the attention functions (empty for floating pages)."""
+        return {} if self.k_scale is None else dict(k_scale=self.k_scale, v_scale=self.v_scale)
 
     @property
     def args(self) -> tuple:
@@ -76,6 +83,37 @@ class PagedCase:
             for i, count in enumerate(visible):
                 mask[b, i, slots[:count]] = True
         return mask
+
+
+def quantize_case(case: PagedCase, fmt: torch.dtype, *, scales: str = "page", rounding: str = "nearest") -> PagedCase:
+    """``case`` with its pages stored in the 8-bit ``fmt`` (`paged_ref.quant`): ``scales="page"`` calibrates a
+    scale per page and KV head on the slots the sequences own (so the junk elsewhere saturates: reading
+    it still moves the output far off), ``"layer"`` one scale for all of K (and one for V), expanded to
+    ``[num_pages, Hkv]``. The logical K/V become what the 8-bit pages hold, in float64."""
+    from paged_ref import quant
+
+    num_pages, page_size, num_kv_heads, _ = case.k_cache.shape
+    owned = torch.zeros(num_pages, page_size, dtype=torch.bool)  # slots holding a sequence's token
+    for b, n in enumerate(case.seq_lens.tolist()):
+        pos = torch.arange(n)
+        owned[case.block_table[b, pos // page_size].long(), pos % page_size] = True
+    out = {}
+    for name, cache in (("k", case.k_cache), ("v", case.v_cache)):
+        real = cache.float() * owned[:, :, None, None]  # [num_pages, page_size, Hkv, D], junk zeroed
+        if scales == "page":
+            scale = quant.calibrate(real, fmt, dim=(1, 3))  # [num_pages, Hkv]
+        else:
+            scale = quant.calibrate(real, fmt).expand(num_pages, num_kv_heads)
+        pages = quant.quantize(cache.float(), scale[:, None, :, None], fmt, rounding=rounding)
+        values = quant.dequantize(pages, scale[:, None, :, None], torch.float64)
+        flat = values.flatten(0, 1)  # [num_pages * page_size, Hkv, D]
+        logical = []
+        for b, n in enumerate(case.seq_lens.tolist()):
+            pos = torch.arange(n)
+            logical.append(flat[case.block_table[b, pos // page_size].long() * page_size + pos % page_size])
+        out[name] = (pages, scale, logical)
+    (kc, ks, kl), (vc, vs, vl) = out["k"], out["v"]
+    return replace(case, k_cache=kc, v_cache=vc, k_logical=kl, v_logical=vl, k_scale=ks, v_scale=vs)
 
 
 def dense_oracle(q, k_logical, v_logical, q_lens=None, scale=None) -> torch.Tensor:

@@ -13,9 +13,16 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from .._arith import cdiv
 from .._validate import check_int
+from ..quant import FORMATS
 
 __all__ = ["INT_DTYPES", "check_block_mask", "check_block_size", "check_cascade_inputs", "check_contiguous"]
-__all__ += ["check_mask_arguments", "check_paged_inputs", "check_prefill_inputs", "check_quest_inputs"]
+__all__ += [
+    "check_mask_arguments",
+    "check_page_scales",
+    "check_paged_inputs",
+    "check_prefill_inputs",
+    "check_quest_inputs",
+]
 __all__ += ["check_table_pages", "check_triton_inputs", "mask_source"]
 
 INT_DTYPES = (torch.int32, torch.int64)
@@ -37,14 +44,17 @@ def _int_tensor(name: str, t, q: torch.Tensor, layout: str, shape_ok) -> None:
         raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
 
 
-def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, q_ndim=3, check_values=True) -> float:
+def check_paged_inputs(
+    q, k_cache, v_cache, block_table, seq_lens, *, scale=None, q_ndim=3, check_values=True, k_scale=None, v_scale=None
+) -> float:
     """The common paged-attention arguments; returns the softmax scale as a float.
 
     ``q`` is ``[batch, num_q_heads, head_dim]`` (``q_ndim=3``) or ``[batch, num_q_heads,
-    max_q_len, head_dim]`` (``q_ndim=4``), floating; ``k_cache``, ``v_cache`` of its dtype and
-    device; ``block_table`` and ``seq_lens`` int32/int64. ``check_values`` also reads the values
-    on the host: ``seq_lens[b]`` in ``[1, max_pages * page_size]``, the used block-table entries
-    distinct page ids."""
+    max_q_len, head_dim]`` (``q_ndim=4``), floating; ``k_cache``, ``v_cache`` of its dtype (or both
+    in one 8-bit format with ``k_scale``, ``v_scale``: :func:`check_page_scales`) and device;
+    ``block_table`` and ``seq_lens`` int32/int64. ``check_values`` also reads the values on the
+    host: ``seq_lens[b]`` in ``[1, max_pages * page_size]``, the used block-table entries distinct
+    page ids."""
     for name, t in dict(q=q, k_cache=k_cache, v_cache=v_cache).items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -59,9 +69,8 @@ def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, *, scale=None
         )
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have the same shape as k_cache {_shape(k_cache)}, got {_shape(v_cache)}")
+    check_page_scales(q, k_cache, v_cache, k_scale, v_scale)
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
@@ -83,6 +92,32 @@ def check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, *, scale=None
     if check_values:
         _check_table_values(block_table, seq_lens, num_pages=num_pages, page_size=page_size)
     return scale
+
+
+def check_page_scales(q, k_cache, v_cache, k_scale, v_scale) -> None:
+    """Floating pages in ``q``'s dtype with no page scales, or 8-bit pages (one of `paged_ref.quant.FORMATS`,
+    K and V alike) with ``k_scale`` and ``v_scale``: float32 ``[num_pages, num_kv_heads]`` on ``q``'s device,
+    any strides (a per-layer scale is one value expanded). Stored byte ``x`` of page ``p``, KV head ``h``
+    stands for ``x.float() * scale[p, h]``; the values are not read (no host sync)."""
+    if k_cache.dtype not in FORMATS:
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if t.dtype != q.dtype:
+                raise TypeError(f"{name} must have the same dtype as q ({q.dtype}) or be 8-bit, got {t.dtype}")
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if t is not None:
+                raise ValueError(f"{name} must be None with {k_cache.dtype} pages (it scales 8-bit pages)")
+        return
+    if v_cache.dtype != k_cache.dtype:
+        raise TypeError(f"v_cache must have k_cache's 8-bit dtype ({k_cache.dtype}), got {v_cache.dtype}")
+    shape = (k_cache.shape[0], k_cache.shape[2])
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
+            got = f"dtype {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{name} must be a float32 tensor with {k_cache.dtype} pages, got {got}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape [num_pages, num_kv_heads] = {list(shape)}, got {_shape(t)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
 
 
 def _scale(scale, head_dim: int) -> float:
@@ -123,11 +158,13 @@ def _check_table_values(block_table, seq_lens, *, num_pages: int, page_size: int
             )
 
 
-def check_prefill_inputs(q, k_cache, v_cache, block_table, seq_lens, q_lens, *, scale=None, check_values=True) -> float:
-    """:func:`check_paged_inputs` for prefill, plus ``q_lens``: int ``[batch]`` with
-    ``0 <= q_lens[b] <= min(seq_lens[b], max_q_len)``."""
+def check_prefill_inputs(
+    q, k_cache, v_cache, block_table, seq_lens, q_lens, *, scale=None, check_values=True, **scales
+):
+    """:func:`check_paged_inputs` for prefill (``scales``: ``k_scale``, ``v_scale``), plus ``q_lens``: int
+    ``[batch]`` with ``0 <= q_lens[b] <= min(seq_lens[b], max_q_len)``."""
     scale = check_paged_inputs(
-        q, k_cache, v_cache, block_table, seq_lens, scale=scale, q_ndim=4, check_values=check_values
+        q, k_cache, v_cache, block_table, seq_lens, scale=scale, q_ndim=4, check_values=check_values, **scales
     )
     _int_tensor("q_lens", q_lens, q, f"[batch={q.shape[0]}]", lambda s: s == tuple(seq_lens.shape))
     if check_values:

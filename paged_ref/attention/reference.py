@@ -6,7 +6,9 @@ physical page ``block_table[b, t // page_size]`` at offset ``t % page_size``; en
 sequence's ``ceil(seq_lens[b] / page_size)`` pages are padding.
 
 The algorithm, in full: gather each sequence's pages into a contiguous tensor
-(:func:`gather_sequence`), then softmax attention one sequence at a time (:func:`attend`).
+(:func:`gather_sequence`), then softmax attention one sequence at a time (:func:`attend`). 8-bit
+pages (`paged_ref.quant`) come with ``k_scale``, ``v_scale`` ``[num_pages, num_kv_heads]``: the gather
+multiplies each page's bytes by its scales in float32, and attention runs on those values.
 Arguments are checked at the door by `_checks`, as in every backend.
 """
 
@@ -18,17 +20,26 @@ from .._arith import cdiv
 from ._checks import check_paged_inputs, check_prefill_inputs
 
 
-def gather_sequence(cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int) -> torch.Tensor:
+def gather_sequence(
+    cache: torch.Tensor, block_table_row: torch.Tensor, seq_len: int, page_scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[seq_len, num_kv_heads, head_dim]``: one sequence's tokens copied out of the pages of
-    ``cache`` (``[num_pages, page_size, num_kv_heads, head_dim]``) listed in ``block_table_row``.
+    ``cache`` (``[num_pages, page_size, num_kv_heads, head_dim]``) listed in ``block_table_row``;
+    8-bit pages times their ``page_scale`` (``[num_pages, num_kv_heads]``), in float32.
 
     Example:
         >>> kc = torch.arange(12.).view(3, 2, 1, 2)      # 3 pages of 2 tokens
         >>> gather_sequence(kc, torch.tensor([2, 0]), 3)[:, 0, 0].tolist()
         [8.0, 10.0, 0.0]
+        >>> q8 = kc.to(torch.float8_e4m3fn)             # the same values, one byte each
+        >>> gather_sequence(q8, torch.tensor([2, 0]), 3, torch.full((3, 1), 0.5))[:, 0, 0].tolist()
+        [4.0, 5.0, 0.0]
     """
     num_used = cdiv(seq_len, cache.shape[1])  # ceil(seq_len / page_size)
-    pages = cache[block_table_row[:num_used].long()]  # [num_used, page_size, H, D]
+    used = block_table_row[:num_used].long()  # [num_used]
+    pages = cache[used]  # [num_used, page_size, H, D]
+    if page_scale is not None:
+        pages = pages.float() * page_scale[used][:, None, :, None]  # float32 [num_used, page_size, H, D]
     return pages.flatten(0, 1)[:seq_len]  # [seq_len, H, D]
 
 
@@ -55,6 +66,8 @@ def reference_paged_decode(
     *,
     scale: float | None = None,
     check_values: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention over a paged KV cache: query ``b`` attends to the first ``seq_lens[b]``
     tokens of sequence ``b`` (its own K/V already cached, so no causal mask). Every backend takes
@@ -67,6 +80,8 @@ def reference_paged_decode(
         block_table: int32 ``[batch, max_pages]``; seq_lens: int32 ``[batch]``, each ``>= 1``.
         scale: softmax scale, default ``head_dim ** -0.5``.
         check_values: also check ``seq_lens`` and the used block-table entries (a host read).
+        k_scale, v_scale: with 8-bit pages, float32 ``[num_pages, num_kv_heads]``: page ``p``'s KV head
+            ``h`` holds ``byte.float() * scale[p, h]`` (`~paged_ref.quant`); None with floating pages.
 
     Example:
         >>> kc, vc = torch.randn(4, 16, 2, 64), torch.randn(4, 16, 2, 64)
@@ -76,11 +91,14 @@ def reference_paged_decode(
         >>> out.shape
         torch.Size([2, 8, 64])
     """
-    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    scale = check_paged_inputs(
+        q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values, **scales
+    )
     out = torch.empty_like(q)  # [batch, Hq, D]
     for b, n in enumerate(seq_lens.tolist()):
-        k = gather_sequence(k_cache, block_table[b], n)  # [n, Hkv, D]
-        v = gather_sequence(v_cache, block_table[b], n)  # [n, Hkv, D]
+        k = gather_sequence(k_cache, block_table[b], n, k_scale)  # [n, Hkv, D]
+        v = gather_sequence(v_cache, block_table[b], n, v_scale)  # [n, Hkv, D]
         out[b] = attend(q[b].unsqueeze(1), k, v, None, scale).squeeze(1).to(q.dtype)
     return out
 
@@ -95,6 +113,8 @@ def reference_paged_prefill(
     *,
     scale: float | None = None,
     check_values: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal (chunked) prefill over a paged KV cache: the last ``q_lens[b]`` of the ``seq_lens[b]``
     cached tokens (K/V already written) are new, and new token ``i`` at position ``p = seq_lens[b]
@@ -112,15 +132,16 @@ def reference_paged_prefill(
         >>> out.shape, bool(out[1, :, 3:].eq(0).all())
         (torch.Size([2, 2, 5, 32]), True)
     """
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     scale = check_prefill_inputs(
-        q, k_cache, v_cache, block_table, seq_lens, q_lens, scale=scale, check_values=check_values
+        q, k_cache, v_cache, block_table, seq_lens, q_lens, scale=scale, check_values=check_values, **scales
     )
     out = torch.zeros_like(q)  # [batch, Hq, max_q_len, D]: padding rows stay 0
     for b, (n, m) in enumerate(zip(seq_lens.tolist(), q_lens.tolist())):
         if m == 0:
             continue
-        k = gather_sequence(k_cache, block_table[b], n)  # [n, Hkv, D]
-        v = gather_sequence(v_cache, block_table[b], n)  # [n, Hkv, D]
+        k = gather_sequence(k_cache, block_table[b], n, k_scale)  # [n, Hkv, D]
+        v = gather_sequence(v_cache, block_table[b], n, v_scale)  # [n, Hkv, D]
         q_pos = torch.arange(n - m, n, device=q.device)  # [m] logical positions of the queries
         causal = torch.arange(n, device=q.device)[None, :] <= q_pos[:, None]  # [m, n]
         out[b, :, :m] = attend(q[b, :, :m], k, v, causal, scale).to(q.dtype)
