@@ -121,3 +121,15 @@ def test_the_fast_step_reads_8bit_pages_or_is_refused_clearly(model):
     engine = Engine(model, fast=True, eos_token_id=[], **options)
     engine.add_request(_prompt(model, 6).tolist(), max_new_tokens=3)
     assert len(engine.run()[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("eviction", ["paged_eviction", "streaming_llm", "token_topk"])
+def test_eviction_compacts_and_drops_8bit_pages_under_generation(model, eviction):
+    """Eviction reads the keys as stored (``gather``) and moves or drops 8-bit pages with their scales."""
+    from paged_ref import hf
+
+    fmt = KVFormat(torch.float8_e4m3fn, scales="page")
+    cache = PagedKVCache.for_model(model, num_pages=8, page_size=4, kv_format=fmt)
+    ids = _prompt(model, 13)[None]  # [1, 13]
+    out = hf.generate(model, ids, max_new_tokens=6, eviction=eviction, budget=8, kv_cache=cache, backend="reference")
+    assert out.shape == (1, 19) and cache.allocator.num_free == cache.allocator.num_pages
