@@ -137,3 +137,15 @@ def test_eviction_compacts_and_drops_8bit_pages_under_generation(model, eviction
     ids = _prompt(model, 13)[None]  # [1, 13]
     out = hf.generate(model, ids, max_new_tokens=6, eviction=eviction, budget=8, kv_cache=cache, backend="reference")
     assert out.shape == (1, 19) and cache.allocator.num_free == cache.allocator.num_pages
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "cpu_paged", "flex"])
+def test_every_backend_reading_8bit_pages_gives_the_references_logits(model, backend):
+    """The glue hands each backend the pages and their scales: its logits are the reference's, up to float32
+    rounding (which may move a later layer's K/V across a rounding boundary of the 8-bit format: a byte apart)."""
+    if not reads_8bit(BACKENDS[backend]):
+        pytest.skip(f"{backend} does not read 8-bit pages on this branch")
+    fmt = KVFormat(torch.float8_e4m3fn, scales="page")
+    want, fed = _logits(model, PagedKVCache.for_model(model, num_pages=12, page_size=4, kv_format=fmt))
+    got, _ = _logits(model, PagedKVCache.for_model(model, num_pages=12, page_size=4, kv_format=fmt), fed, backend)
+    assert _rel(got, want) < 1e-4
