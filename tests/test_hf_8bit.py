@@ -97,6 +97,10 @@ def test_a_backend_that_cannot_read_8bit_pages_is_refused_and_auto_falls_back(mo
     assert reads_8bit(BACKENDS[auto.backend])
     floating = PagedSession(model, kv_cache=PagedKVCache.for_model(model, num_pages=4, page_size=4), backend="cascade")
     assert floating.backend == "cascade"  # floating pages: every backend, called as before
+    made = PagedSession(model, num_pages=4, page_size=4, kv_format="fp8_e5m2")  # the session makes the cache
+    assert made.kv.k_cache[1].dtype == torch.float8_e5m2 and reads_8bit(BACKENDS[made.backend])
+    with pytest.raises(ValueError, match="give it to the kv_cache passed"):
+        PagedSession(model, kv_cache=kv, kv_format="fp8")
 
 
 def test_the_engine_serves_from_8bit_pages(model):
