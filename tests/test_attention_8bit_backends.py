@@ -13,6 +13,7 @@ import pytest
 import torch
 from attention_cases import make_decode_case, make_prefill_case, quantize_case, rel_error
 
+from paged_ref.attention.cpu_paged import cpu_paged_decode, cpu_paged_packed, cpu_paged_prefill, kernel
 from paged_ref.attention.reference import reference_paged_decode, reference_paged_prefill
 from paged_ref.attention.sdpa import sdpa_paged_decode, sdpa_paged_prefill
 
@@ -75,3 +76,27 @@ def test_sdpa_one_sequence_on_consecutive_pages():
     args = (q8.q[:1], q8.k_cache, q8.v_cache, table, lens)
     ref = reference_paged_decode(*args, **q8.scales)
     assert rel_error(sdpa_paged_decode(*args, **q8.scales), ref) < TOL
+
+
+@pytest.mark.parametrize("fmt, scales, shape", GRID)
+def test_cpu_paged_on_8bit_pages(fmt, scales, shape):
+    if kernel() is None:
+        pytest.skip("the C++ kernel could not be built here")
+    check("decode", cpu_paged_decode, fmt, scales, shape)
+    out = check("prefill", cpu_paged_prefill, fmt, scales, shape)
+    q8, _ = case("prefill", fmt, scales, shape)
+    valid = torch.arange(q8.q.shape[2])[None, :] < q8.q_lens[:, None]  # [batch, max_q_len]
+    rows = q8.q.transpose(1, 2)[valid]  # [num_new, Hq, D] packed, row after row
+    packed = cpu_paged_packed(rows, *q8.args[1:], scale=q8.q.shape[-1] ** -0.5, **q8.scales)
+    assert torch.equal(packed, out.transpose(1, 2)[valid])  # the same kernel, packed
+
+
+def test_cpu_paged_reads_a_non_contiguous_scale_through_its_strides():
+    """A scale stored transposed (strides (1, num_pages)) gives the answer of its contiguous copy."""
+    if kernel() is None:
+        pytest.skip("the C++ kernel could not be built here")
+    q8, ref = case("decode", torch.float8_e5m2, "page", SHAPES[2])
+    k_scale, v_scale = (s.T.contiguous().T for s in (q8.k_scale, q8.v_scale))
+    assert k_scale.stride() != q8.k_scale.stride()
+    out = cpu_paged_decode(*q8.args, k_scale=k_scale, v_scale=v_scale)
+    assert torch.equal(out, cpu_paged_decode(*q8.args, **q8.scales)) and rel_error(out, ref) < TOL
