@@ -13,9 +13,11 @@ import pytest
 import torch
 from attention_cases import make_decode_case, make_prefill_case, quantize_case, rel_error
 
+from paged_ref.attention import triton_decode
 from paged_ref.attention.cpu_paged import cpu_paged_decode, cpu_paged_packed, cpu_paged_prefill, kernel
 from paged_ref.attention.reference import reference_paged_decode, reference_paged_prefill
 from paged_ref.attention.sdpa import sdpa_paged_decode, sdpa_paged_prefill
+from paged_ref.attention.triton_decode import triton_paged_decode
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
 SCALES = ["page", "layer"]
@@ -100,3 +102,26 @@ def test_cpu_paged_reads_a_non_contiguous_scale_through_its_strides():
     assert k_scale.stride() != q8.k_scale.stride()
     out = cpu_paged_decode(*q8.args, k_scale=k_scale, v_scale=v_scale)
     assert torch.equal(out, cpu_paged_decode(*q8.args, **q8.scales)) and rel_error(out, ref) < TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("scales", SCALES)
+def test_triton_on_8bit_pages(fmt, scales):
+    """Triton's interpreter (float32 q): a page per token (page size 1, split) and tiles inside a page (64)."""
+    check("decode", triton_paged_decode, fmt, scales, SHAPES[0], num_splits=3)
+    check("decode", triton_paged_decode, fmt, scales, SHAPES[3], num_splits=1)
+
+
+def test_triton_decodes_float8_e4m3fn_from_its_bits(monkeypatch):
+    """Before sm_89 Triton has no fp8e4nv: the kernel reads float8_e4m3fn bytes as uint8 and decodes them. On
+    pages holding every byte but the two NaNs, that path gives the native load's answer bit for bit."""
+    q8, _ = case("decode", torch.float8_e4m3fn, "page", SHAPES[2])
+    gen = torch.Generator().manual_seed(0)
+    pages = [torch.randint(0, 256, q8.k_cache.shape, generator=gen, dtype=torch.uint8) for _ in range(2)]
+    k, v = (p.masked_fill_(p & 0x7F == 0x7F, 0).view(torch.float8_e4m3fn) for p in pages)  # [pages, P, Hkv, D]
+    scales = dict(k_scale=q8.k_scale / 448, v_scale=q8.v_scale)
+    args = (q8.q, k, v, q8.block_table, q8.seq_lens)
+    native = triton_paged_decode(*args, **scales)
+    monkeypatch.setattr(triton_decode, "_fp8e4nv_native", lambda device, interpret: False)
+    assert torch.equal(triton_paged_decode(*args, **scales), native)
+    assert rel_error(native, reference_paged_decode(*args, **scales)) < TOL
