@@ -15,6 +15,7 @@ from attention_cases import make_decode_case, make_prefill_case, quantize_case, 
 
 from paged_ref.attention import triton_decode
 from paged_ref.attention.cpu_paged import cpu_paged_decode, cpu_paged_packed, cpu_paged_prefill, kernel
+from paged_ref.attention.flex import flex_paged_decode, flex_paged_prefill
 from paged_ref.attention.reference import reference_paged_decode, reference_paged_prefill
 from paged_ref.attention.sdpa import sdpa_paged_decode, sdpa_paged_prefill
 from paged_ref.attention.triton_decode import triton_paged_decode
@@ -125,3 +126,13 @@ def test_triton_decodes_float8_e4m3fn_from_its_bits(monkeypatch):
     monkeypatch.setattr(triton_decode, "_fp8e4nv_native", lambda device, interpret: False)
     assert torch.equal(triton_paged_decode(*args, **scales), native)
     assert rel_error(native, reference_paged_decode(*args, **scales)) < TOL
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("scales", SCALES)
+def test_flex_on_8bit_pages(fmt, scales):
+    """Eager flex on the used pages dequantized first (the module docstring says so)."""
+    for shape in (SHAPES[0], SHAPES[2]):
+        check("decode", flex_paged_decode, fmt, scales, shape)
+        check("prefill", flex_paged_prefill, fmt, scales, shape)
