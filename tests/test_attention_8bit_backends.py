@@ -13,11 +13,17 @@ import pytest
 import torch
 from attention_cases import make_decode_case, make_prefill_case, quantize_case, rel_error
 
+from paged_ref import quant
 from paged_ref.attention import triton_decode
+from paged_ref.attention._checks import EIGHT_BIT_BACKENDS
+from paged_ref.attention.cascade import reference_cascade_decode
 from paged_ref.attention.cpu_paged import cpu_paged_decode, cpu_paged_packed, cpu_paged_prefill, kernel
 from paged_ref.attention.flex import flex_paged_decode, flex_paged_prefill
+from paged_ref.attention.online_softmax import paged_decode_spec
+from paged_ref.attention.quest import quest_paged_decode
 from paged_ref.attention.reference import reference_paged_decode, reference_paged_prefill
 from paged_ref.attention.sdpa import sdpa_paged_decode, sdpa_paged_prefill
+from paged_ref.attention.triton_cascade import triton_cascade_decode
 from paged_ref.attention.triton_decode import triton_paged_decode
 
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8]
@@ -136,3 +142,36 @@ def test_flex_on_8bit_pages(fmt, scales):
     for shape in (SHAPES[0], SHAPES[2]):
         check("decode", flex_paged_decode, fmt, scales, shape)
         check("prefill", flex_paged_prefill, fmt, scales, shape)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("scales", SCALES)
+def test_spec_and_quest_on_8bit_pages(fmt, scales):
+    check("decode", paged_decode_spec, fmt, scales, SHAPES[1], num_splits=2, block_n=4)
+    q8, _ = case("decode", fmt, scales, SHAPES[1])
+    k = quant.dequantize(q8.k_cache, q8.k_scale[:, None, :, None])  # float32 [num_pages, P, Hkv, D]
+    v = quant.dequantize(q8.v_cache, q8.v_scale[:, None, :, None])
+    summaries = (k.amin(1), k.amax(1))  # [num_pages, Hkv, D]: of what the pages hold
+    k_min, k_max = summaries
+    check(
+        "decode", quest_paged_decode, fmt, scales, SHAPES[1], k_min=k_min, k_max=k_max, budget=q8.block_table.shape[1]
+    )
+    chosen = quest_paged_decode(*q8.args, *summaries, budget=2, **q8.scales)  # fewer pages: Quest's own answer
+    assert rel_error(chosen, quest_paged_decode(q8.q, k, v, *q8.args[3:], *summaries, budget=2)) < TOL
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_cascade_on_8bit_pages(fmt):
+    """The reference cascade reads 8-bit pages; the Triton cascade refuses them, naming the backends that can."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 6, 4, 2, 16, generator=gen)  # K and V: [num_pages, page_size, Hkv, D]
+    scale = quant.calibrate(x, fmt, dim=(2, 4))  # [2, num_pages, Hkv]
+    k, v = quant.quantize(x, scale[:, :, None, :, None], fmt)
+    table = torch.tensor([[0, 1, 2], [0, 1, 3], [0, 1, 4]], dtype=torch.int32)  # pages 0, 1 shared
+    args = (torch.randn(3, 4, 16, generator=gen), k, v, table, torch.tensor([9, 11, 8], dtype=torch.int32))
+    groups = (torch.tensor([0, 3]), torch.tensor([8]))
+    scales = dict(k_scale=scale[0], v_scale=scale[1])
+    out = reference_cascade_decode(*args, *groups, **scales)
+    assert rel_error(out, reference_paged_decode(*args, **scales)) < TOL
+    with pytest.raises(ValueError, match=f"triton_cascade_decode cannot read {fmt} pages .*{EIGHT_BIT_BACKENDS[-1]}"):
+        triton_cascade_decode(*args, *groups)
