@@ -4,7 +4,9 @@ from the reference only by their attention's own float32 rounding.
 
 The grid: the three formats, both scale kinds ("page": one per page and KV head; "layer": one value expanded,
 strides 0), page sizes 1 to 64 with GQA, MQA and MHA layouts, ragged lengths and junk in the unowned slots
-(`attention_cases`). The cases are built once per module and shared by the backends.
+(`attention_cases`). The cases are built once per module and shared by the backends: SDPA and the C++ kernel
+on the whole grid, the Triton kernel (interpreter) and eager flex on a few shapes, then the spec, Quest and
+the cascades.
 """
 
 import functools
