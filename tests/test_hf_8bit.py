@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from paged_ref import PagedKVCache, quant
-from paged_ref.hf.attention import BACKENDS, reads_8bit
+from paged_ref.hf._checks import reads_8bit
+from paged_ref.hf.attention import BACKENDS
 from paged_ref.hf.session import PagedSession
 from paged_ref.quant import KVFormat
 from paged_ref.serve import Engine

@@ -34,20 +34,11 @@ from dataclasses import replace
 
 import torch
 
-from ..cache import PagedKVCache
 from ..cache_interface import KVCache
 from ..eviction.policies import EvictionPolicy, resolve_policy
 from ..memory import model_geometry
-from ._checks import check_batch, check_live, check_policy, check_room, token_ids
-from .attention import (
-    ATTN_IMPLEMENTATION,
-    AUTO,
-    for_8bit_pages,
-    get_backend,
-    paged_attention_active,
-    register,
-    set_attn_implementation,
-)
+from ._checks import check_batch, check_live, check_policy, check_room, for_8bit_pages, session_cache, token_ids
+from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, paged_attention_active, register, set_attn_implementation
 from .cache import PagedCache, StepPlan, pack_rows
 
 __all__ = ["PagedSession", "cache_keyword", "fast_step"]
@@ -78,24 +69,6 @@ def fast_step(fast, model, *, rows: int | None = None):
     from ..fast import resolve
 
     return resolve(fast, model, rows=rows)
-
-
-def _session_cache(geometry, kv_cache, *, kv_format, **pool) -> KVCache:
-    """``kv_cache`` checked against the model's ``geometry``, or when None a new `PagedKVCache` of ``pool``."""
-    if kv_cache is None:
-        return PagedKVCache(**pool, kv_format=kv_format, **geometry.cache_kwargs)
-    if kv_format is not None:
-        raise ValueError(f"kv_format is that of a cache made here; give it to the kv_cache passed, got {kv_format!r}")
-    if not isinstance(kv_cache, KVCache):
-        raise TypeError(
-            f"kv_cache must be a paged_ref.PagedKVCache, a LayeredKVCache or None, got {type(kv_cache).__name__}"
-        )
-    if kv_cache.geometry.cache_kwargs != geometry.cache_kwargs:
-        raise ValueError(
-            f"kv_cache does not match the model: the model needs {geometry.cache_kwargs}, "
-            f"kv_cache has {kv_cache.geometry.cache_kwargs}"
-        )
-    return kv_cache
 
 
 class PagedSession:
@@ -138,7 +111,7 @@ class PagedSession:
         eviction = resolve_policy(eviction, budget)
         geometry = model_geometry(model)
         self._backend = get_backend(backend, geometry.device)
-        kv_cache = _session_cache(geometry, kv_cache, num_pages=num_pages, page_size=page_size, kv_format=kv_format)
+        kv_cache = session_cache(geometry, kv_cache, num_pages=num_pages, page_size=page_size, kv_format=kv_format)
         if kv_cache.kv_scales(0)[0] is not None:  # 8-bit pages: a backend that reads them
             self._backend = for_8bit_pages(self._backend, asked=backend)
         self.model = model
