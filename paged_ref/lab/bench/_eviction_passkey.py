@@ -86,18 +86,20 @@ def answer_is_correct(text: str, key: str) -> bool:
     return bool(found) and found.group() == key
 
 
-def passkey_task(model, tok, cfg, log, answer_tokens=7):
-    """Every policy on ``passkey_trials`` prompts: the context prefilled and evicted, the question fed
-    through the evicted cache, then ``answer_tokens`` greedy tokens; one row per (trial, policy, budget)."""
+def passkey_task(model, tok, cfg, log, answer_tokens=7, groups=None):
+    """Every policy (or the batches ``groups``) on ``passkey_trials`` prompts: the context prefilled and
+    evicted, the question fed through the evicted cache, then ``answer_tokens`` greedy tokens; one row
+    per (trial, policy, budget) and batch."""
     rows = []
-    groups = policy_groups(cfg["passkey_budgets"], [16])
+    groups = groups or policy_groups(cfg["passkey_budgets"], [16])
     for trial in range(cfg["passkey_trials"]):
         rng = random.Random(1000 + trial)
         depth = PASSKEY_DEPTHS[trial % len(PASSKEY_DEPTHS)]
         ctx, question, key, mentions, needle_tokens = passkey_prompt(tok, rng, cfg["passkey_context"], depth)
         t0 = time.perf_counter()
-        for ps, runs, per_layer in groups:
-            batch = prefilled_batch(model, ctx, runs, ps, ctx.numel() + question.numel() + answer_tokens, per_layer)
+        for ps, runs, per_layer, kv_format in groups:
+            longest = ctx.numel() + question.numel() + answer_tokens
+            batch = prefilled_batch(model, ctx, runs, ps, longest, per_layer, kv_format)
             for _ in batch.feed(question[:-1]):
                 pass
             evidence = [  # per-layer decisions: a token counts as held when any layer holds it
