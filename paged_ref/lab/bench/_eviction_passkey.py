@@ -10,7 +10,7 @@ import time
 import torch
 
 from ..stats import wilson
-from ._eviction_runs import close_session, policy_groups, prefilled_batch
+from ._eviction_runs import close_session, group_batch, policy_groups
 
 PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # trial t hides the key at depth PASSKEY_DEPTHS[t % 5]
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -97,9 +97,9 @@ def passkey_task(model, tok, cfg, log, answer_tokens=7, groups=None):
         depth = PASSKEY_DEPTHS[trial % len(PASSKEY_DEPTHS)]
         ctx, question, key, mentions, needle_tokens = passkey_prompt(tok, rng, cfg["passkey_context"], depth)
         t0 = time.perf_counter()
-        for ps, runs, per_layer, kv_format in groups:
-            longest = ctx.numel() + question.numel() + answer_tokens
-            batch = prefilled_batch(model, ctx, runs, ps, longest, per_layer, kv_format)
+        for group in groups:
+            runs = group.runs
+            batch = group_batch(model, ctx, group, ctx.numel() + question.numel() + answer_tokens)
             for _ in batch.feed(question[:-1]):
                 pass
             evidence = [  # per-layer decisions: a token counts as held when any layer holds it

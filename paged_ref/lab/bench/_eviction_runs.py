@@ -39,12 +39,13 @@ class Group(NamedTuple):
     """Sequences that decode together in one cache of their own: ``runs`` (label, policy, budget) at
     ``page_size``; ``per_layer``: a `LayeredKVCache`; ``kv_format``: the cache's (None: floating pages;
     a `paged_ref.quant.KVFormat`; or a function of the prompt ``[n]`` returning one, e.g. scales
-    calibrated on it)."""
+    calibrated on it); ``cache``: the cache class instead of `PagedKVCache` (a lab variant of it)."""
 
     page_size: int
     runs: list
     per_layer: bool = False
     kv_format: Any = None
+    cache: type | None = None
 
 
 def policy_groups(budgets, page_sizes, policies=POLICIES, kv_format=None) -> list[Group]:
@@ -65,11 +66,13 @@ def pool_pages(runs, page_size, longest):
     return need + cdiv(longest, page_size) + 1
 
 
-def prefilled_root(model, prompt: torch.Tensor, page_size: int, num_pages: int, per_layer: bool, kv_format=None):
+def prefilled_root(
+    model, prompt: torch.Tensor, page_size: int, num_pages: int, per_layer: bool, kv_format=None, cache=None
+):
     """``(session, root)``: an open session (sdpa) over a fresh cache (a `LayeredKVCache` for
-    per-layer policies; ``kv_format`` as a `Group`'s) holding ``prompt: [n]`` in a sequence without a
-    policy, to fork from."""
-    cls = LayeredKVCache if per_layer else PagedKVCache
+    per-layer policies; ``kv_format`` and ``cache`` as a `Group`'s) holding ``prompt: [n]`` in a
+    sequence without a policy, to fork from."""
+    cls = cache or (LayeredKVCache if per_layer else PagedKVCache)
     fmt = kv_format(prompt) if callable(kv_format) else kv_format
     kv = cls.for_model(model, num_pages=num_pages, page_size=page_size, **({} if fmt is None else {"kv_format": fmt}))
     session = PagedSession(model, kv_cache=kv, backend="sdpa").open()
@@ -83,7 +86,7 @@ class Batch:
 
     def __init__(self, session: PagedSession, root: int, runs, kv_format=None):
         self.session, self.cache, self.runs = session, session.kv, runs
-        # rows name an 8-bit cache's format: a `Group`'s kv_format label (or the KVFormat itself)
+        # rows name a cache's format: a `Group`'s kv_format label (or the KVFormat itself), its cache's label
         self.format_label = None if kv_format is None else str(getattr(kv_format, "label", kv_format))
         self.policies = [make_policy(name, c, **VARIANTS.get(label, (label, {}))[1]) for label, name, c in runs]
         self.seqs = [session.fork(root, eviction=p) for p in self.policies]  # after_prefill runs here
@@ -146,12 +149,12 @@ def close_session(session: PagedSession) -> None:
 
 
 def prefilled_batch(
-    model, prompt: torch.Tensor, runs, page_size: int, longest: int, per_layer: bool, kv_format=None
+    model, prompt: torch.Tensor, runs, page_size: int, longest: int, per_layer: bool, kv_format=None, cache=None
 ) -> Batch:
     """A session of its own holding ``prompt`` once, forked into one sequence per run."""
     pages = pool_pages(runs, page_size, longest)
-    session, root = prefilled_root(model, prompt, page_size, pages, per_layer, kv_format)
-    batch = Batch(session, root, runs, kv_format)
+    session, root = prefilled_root(model, prompt, page_size, pages, per_layer, kv_format, cache)
+    batch = Batch(session, root, runs, kv_format if cache is None else getattr(cache, "label", cache.__name__))
     session.finish(root)  # the forks keep the prompt's pages they still share
     return batch
 
@@ -170,3 +173,9 @@ def lowest_ratio_tokens(model, tok, ids, count: int = 25) -> dict:
         first_token_rank=int((score < score[0]).sum()),  # 0 = the lowest of the text
         median_score=float(score.median()),
     )
+
+
+def group_batch(model, prompt: torch.Tensor, group: Group, longest: int) -> Batch:
+    """`prefilled_batch` for a `Group`: its runs in a cache of its own, ``longest`` tokens at most."""
+    g = group
+    return prefilled_batch(model, prompt, g.runs, g.page_size, longest, g.per_layer, g.kv_format, g.cache)

@@ -96,9 +96,10 @@ def score_continuation(model, ids, n_ctx, first_scored, groups, log, label, regi
     counted = (torch.arange(targets.numel()) >= first_scored - 1).float()  # [n_fed]
     n_scored = int(counted.sum())
     rows, check = [], math.nan
-    for ps, runs, per_layer, kv_format in groups:
+    for group in groups:
         t0 = time.perf_counter()
-        batch = engine.prefilled_batch(model, ids[:n_ctx], runs, ps, ids.numel(), per_layer, kv_format)
+        runs, floating = group.runs, group.kv_format is None and group.cache is None
+        batch = engine.group_batch(model, ids[:n_ctx], group, ids.numel())
         held = [{"region_held": batch.region_held(i, region)} if region else {} for i in range(len(runs))]
         nll, kl = torch.zeros(len(runs)), torch.zeros(len(runs))
         for i, lp in batch.feed(ids[n_ctx:-1]):  # lp: [batch, m, vocab]
@@ -107,17 +108,17 @@ def score_continuation(model, ids, n_ctx, first_scored, groups, log, label, regi
             nll -= (lp[:, torch.arange(m), targets[i : i + m]] * w).sum(1)
             ref = ref_lp[i : i + m]  # [m, vocab]
             kl += ((ref.exp() * (ref - lp)).sum(-1) * w).sum(-1)  # KL(full || policy)
-        if runs[0][0] == "full" and kv_format is None:
+        if runs[0][0] == "full" and floating:
             full_nll = -(ref_lp.gather(1, targets[:, None])[:, 0] * counted).sum()
             check = float((nll[0] - full_nll).abs()) / n_scored
         for i in range(len(runs)):
             nll_i, kl_i = float(nll[i]) / n_scored, float(kl[i]) / n_scored
             rows.append(dict(batch.row(i), nll=nll_i, kl_vs_full=kl_i, scored_tokens=n_scored, **held[i]))
         engine.close_session(batch.session)
-        full = f"; full-cache |NLL - model| {check:.2e}" if runs[0][0] == "full" and kv_format is None else ""
+        full = f"; full-cache |NLL - model| {check:.2e}" if runs[0][0] == "full" and floating else ""
         took = f"{len(runs)} sequences x {targets.numel()} tokens in {time.perf_counter() - t0:.1f} s"
-        fmt = "" if kv_format is None else f" ({getattr(kv_format, 'label', kv_format)})"
-        log(f"{label}, page size {ps}{fmt}: {took}{full}")
+        fmt = "" if batch.format_label is None else f" ({batch.format_label})"
+        log(f"{label}, page size {group.page_size}{fmt}: {took}{full}")
     return rows, check
 
 
