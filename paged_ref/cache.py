@@ -13,7 +13,8 @@ holds no token is zero, so a kernel reading past a sequence's end adds ``0 * v``
 ``mark`` / ``rewind`` undo a failed forward, ``checkpoint`` / ``rollback`` a serving step
 (`paged_ref.cache_undo`). ``watchers`` are told of every change to the keys a page holds (with
 ``page_summaries=True``, Quest's key min/max: `paged_ref.page_summaries`); ``growth="pow2"``
-reserves power-of-two page counts (the IBM paper's growth).
+reserves power-of-two page counts (the IBM paper's growth). With ``kv_format`` (`paged_ref.quant.KVFormat`)
+the pages hold K and V in 8 bits and their scales (`paged_ref.kv_pages`); ``dtype`` stays what ``gather`` returns.
 
 Example:
     >>> cache = PagedKVCache(num_layers=2, num_pages=8, page_size=4, num_kv_heads=1, head_dim=2)

@@ -74,9 +74,9 @@ class LayeredKVCache:
         self.last_copies: tuple[PageCopy, ...] = ()  # as `PagedKVCache.last_copies`, with each copy's layer
 
     @classmethod
-    def for_model(cls, model, *, num_pages: int, page_size: int) -> LayeredKVCache:
+    def for_model(cls, model, *, num_pages: int, page_size: int, kv_format=None) -> LayeredKVCache:
         """A cache shaped for a transformers model, like `PagedKVCache.for_model`."""
-        return cls(num_pages=num_pages, page_size=page_size, **model_geometry(model).cache_kwargs)
+        return cls(num_pages=num_pages, page_size=page_size, kv_format=kv_format, **model_geometry(model).cache_kwargs)
 
     prefix_caching = False  # full pages are not shared by token ids here (forks share pages)
 
