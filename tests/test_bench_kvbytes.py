@@ -43,7 +43,7 @@ def tiny_run():
     groups = kvbytes.format_groups(budgets, model, prompts, calibrations)
     rows, check, texts = ev.lm_task(model, _WordTokenizer(), cfg, lambda msg: None, groups=groups)
     ids = ev.lm_text_ids(_WordTokenizer(), next(t["start_paragraph"] for t in texts if t["used"]), 137)
-    quest = kvbytes.quest_continuation(model, ids, 128, 1, list(budgets))
+    quest = [dict(r, text=0) for r in kvbytes.quest_continuation(model, ids, 128, 1, list(budgets))]
     torch.set_num_threads(threads)
     yield dict(model=model, rows=rows, quest=quest, check=check, budgets=budgets, calibrations=calibrations)
 
@@ -103,6 +103,10 @@ def test_table_and_figure_from_the_tiny_run(tiny_run):
     results = dict(language_modelling=lm, retention=lm, passkey=[])
     rows = report.method_rows(results)
     assert len(rows) == len(lm)
+    by = {(r["policy"], r["kv_format"], r["share"]): r for r in lm}
+    for r in lm:  # paired against the float32 full cache on the same text (one text here: no interval)
+        assert r["dnll_vs_float32_full"] == pytest.approx(r["nll"] - by[("full", "float32", "1")]["nll"])
+    assert by[("full", "float32", "1")]["dnll_vs_float32_full"] == 0
     assert next(r for r in rows if r["method"] == "full cache" and r["format"] == "float32")["vs_float32"] == 1.0
     text = report.bytes_table(results)
     assert "PagedEviction" in text and "int8" in text and "per layer, calibrated" in text

@@ -87,16 +87,16 @@ __all__ += ["format_groups", "main", "quest_continuation", "quest_passkey", "sha
 PAGE_SIZE = 16
 METHODS = ["full", "paged_eviction", "streaming_llm"]  # each format's batch; Quest runs on float32 alone
 SHARES = (2, 4)  # budgets: 1/2 and 1/4 of the full cache's pages
-_SIZES = dict(  # (quick, smoke, full), the eviction benchmark's tasks at its sizes
-    texts=(1, 1, 8),
+_SIZES = dict(  # (quick, smoke, full): the eviction benchmark's tasks at its sizes (quick: 3 texts, 10 trials)
+    texts=(3, 1, 8),
     text_stride=(150, 150, 30),
     context=(384, 160, 2048),
     continuation=(33, 9, 128),
-    retention_texts=(1, 1, 8),
+    retention_texts=(3, 1, 8),
     retention_passage=(192, 64, 1024),
     retention_other=(160, 64, 1024),
     retention_scored=(24, 8, 128),
-    passkey_trials=(5, 1, 20),
+    passkey_trials=(10, 1, 20),
     passkey_context=(300, 160, 1100),
 )
 QUICK, SMOKE, FULL = ({key: values[i] for key, values in _SIZES.items()} for i in range(3))
@@ -265,8 +265,10 @@ def _label(r) -> str:
 def summarize(rows, task: str, shares: dict) -> list[dict]:
     """Per (method, format, budget): the bytes a sequence held at its peak (``bytes_per_seq``: the most
     pages, times ``page_bytes``, over the texts or trials), and the NLL's mean with its 95% t interval
-    (``task`` "lm", "retention") or the pass-key accuracy with its Wilson 95% interval ("passkey").
-    ``shares``: budget -> its share label."""
+    (``task`` "lm", "retention"; and ``dnll_vs_float32_full``, the mean over texts of its NLL minus the
+    float32 full cache's on the same text, with its 95% t interval: paired) or the pass-key accuracy
+    with its Wilson 95% interval ("passkey"). ``shares``: budget -> its share label."""
+    base = {r["text"]: r["nll"] for r in rows if task != "passkey" and r["policy"] == "full" and _label(r) == "float32"}
     groups = {}
     for r in rows:
         groups.setdefault((r["policy"], _label(r), r["budget"]), []).append(r)
@@ -290,6 +292,8 @@ def summarize(rows, task: str, shares: dict) -> list[dict]:
             nll, lo, hi = mean_ci([r["nll"] for r in rs])
             kl = sum(r["kl_vs_full"] for r in rs) / len(rs)
             row.update(texts=len(rs), nll=nll, nll_ci95=[lo, hi], ppl=math.exp(nll), kl_vs_full=kl)
+            d, dlo, dhi = mean_ci([r["nll"] - base[r["text"]] for r in rs])
+            row.update(dnll_vs_float32_full=d, dnll_ci95=[dlo, dhi])
         out.append(row)
     return out
 

@@ -14,6 +14,7 @@ Example (two rows of a made-up result):
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from ..runmode import figures_dir
@@ -33,9 +34,13 @@ COLUMNS = [
     ("vs f32 full", "{vs_float32:.3f}"),
     ("NLL", "{nll:.4f}"),
     ("NLL 95% CI", "{nll_ci}"),
+    ("dNLL vs f32 full", "{dnll_vs_float32_full:+.4f}"),
+    ("dNLL 95% CI", "{dnll_ci}"),
     ("KL vs full", "{kl_vs_full:.4f}"),
     ("retention NLL", "{retention_nll:.4f}"),
     ("retention 95% CI", "{retention_ci}"),
+    ("retention dNLL", "{retention_dnll:+.4f}"),
+    ("retention dNLL 95% CI", "{retention_dci}"),
     ("pass-key C", "{passkey_budget}"),
     ("pass-key", "{passkey_correct}/{passkey_trials}"),
     ("Wilson 95%", "[{passkey_ci95[0]:.2f}, {passkey_ci95[1]:.2f}]"),
@@ -84,8 +89,14 @@ def method_rows(results: dict) -> list[dict]:
         nbytes = r.get("bytes_read_per_step", r["bytes_per_seq"])
         row = dict(r, method=METHOD_NAMES.get(r["policy"], r["policy"]), format=fmt, scales=scales, bytes=nbytes)
         row.update(mib=nbytes / 2**20, vs_float32=nbytes / base, budget=r["budget"] or "-", nll_ci=_ci(r["nll_ci95"]))
+        if "dnll_ci95" in r:
+            row["dnll_ci"] = _ci(r["dnll_ci95"], sign="+")
         if key(r) in ret:
-            row.update(retention_nll=ret[key(r)]["nll"], retention_ci=_ci(ret[key(r)]["nll_ci95"]))
+            q = ret[key(r)]
+            row.update(retention_nll=q["nll"], retention_ci=_ci(q["nll_ci95"]))
+            row.update(
+                retention_dnll=q.get("dnll_vs_float32_full"), retention_dci=_ci(q.get("dnll_ci95", [math.nan] * 2), "+")
+            )
         if key(r) in pk:
             p = pk[key(r)]
             row.update(passkey_budget=p["budget"] or "-", passkey_correct=p["correct"], passkey_trials=p["trials"])
@@ -95,9 +106,9 @@ def method_rows(results: dict) -> list[dict]:
     return sorted(out, key=lambda r: (order.index(r["policy"]), r["format"] != "float32", r["kv_format"], -r["bytes"]))
 
 
-def _ci(ci) -> str:
+def _ci(ci, sign: str = "") -> str:
     """A 95% interval as text; ``-`` where there is none (one text)."""
-    return "-" if any(x != x for x in ci) else f"[{ci[0]:.4f}, {ci[1]:.4f}]"
+    return "-" if any(x != x for x in ci) else f"[{ci[0]:{sign}.4f}, {ci[1]:{sign}.4f}]"
 
 
 def bytes_table(results: dict) -> str:
