@@ -29,8 +29,9 @@ class _RoundedWrites(PagedKVCache):
 
     def write(self, layer, slots, k, v, **options):
         f = self.fmt
-        k = quant.dequantize(quant.quantize(k, f.k_scale, f.dtype, rounding=f.rounding), f.k_scale)
-        v = quant.dequantize(quant.quantize(v, f.v_scale, f.dtype, rounding=f.rounding), f.v_scale)
+        k_scale, v_scale = (float(s[layer]) for s in f.layer_scales(self.num_layers))
+        k = quant.dequantize(quant.quantize(k, k_scale, f.dtype, rounding=f.rounding), k_scale)
+        v = quant.dequantize(quant.quantize(v, v_scale, f.dtype, rounding=f.rounding), v_scale)
         super().write(layer, slots, k, v, **options)
 
 
@@ -56,7 +57,10 @@ def _rel(a, b) -> float:
 def test_logits_from_8bit_pages_are_those_of_float_pages_holding_the_rounded_values(model, fmt):
     """Exact: the reference dequantizes the bytes (one float32 product) before attention, so the 8-bit
     cache's logits equal those of float32 pages into which each K/V was written already rounded."""
-    kv_format = KVFormat(fmt, k_scale=0.05 if fmt == torch.int8 else 1.0, v_scale=0.03 if fmt == torch.int8 else 1.0)
+    int8 = fmt == torch.int8  # a scale per layer, K and V apart (1.0 for fp8, vLLM's default)
+    kv_format = KVFormat(
+        fmt, k_scale=[0.05, 0.07] if int8 else 1.0, v_scale=[0.03, 0.04] if int8 else 1.0, rounding="zero"
+    )
     shape = dict(num_pages=12, page_size=4)
     q8 = PagedKVCache.for_model(model, **shape, kv_format=kv_format)
     rounded = _RoundedWrites(kv_format, **shape, num_layers=2, num_kv_heads=2, head_dim=32)
