@@ -24,10 +24,11 @@ shares of the full cache's pages (the tokens the task ends with): at ``1/2`` the
 ceil(C / B) + 1, is the nearest to half the full cache's pages, at ``1/4`` to a quarter (`share_budget`).
 So, at about equal bytes: the 8-bit full caches against 16-bit with eviction at ``1/2`` (the issue's
 comparison) and float32 with eviction at ``1/4``; 8-bit plus eviction at ``1/2`` against 16-bit at
-``1/4``. Quest (2 dense layers, C / 16 pages a step in the others, `paged_ref.lab.quest_backend`) runs on
-the float32 cache at the same budgets: it holds every page (its bytes held are the full cache's) and
-reads fewer; its point on the byte axis is the K/V and page-summary bytes its last decode step read
-(`_reads.ReadCounter`, all layers; for the others a step reads every page held).
+``1/4``. Quest (2 dense layers, C / 16 pages a step in the others, `paged_ref.lab.quest_backend`) runs
+at the same budgets on the float32 cache and on e4m3 pages with per-page scales (`QUEST_FORMATS`; its
+page summaries hold the min / max of the keys as stored): it holds every page (its bytes held are the
+full cache's) and reads fewer; its point on the byte axis is the K/V, page-summary and page-scale bytes
+its last decode step read (`_reads.ReadCounter`, all layers; the others read every page they hold).
 
 Bytes. Every byte count is a cache's own accounting, ``page_bytes`` (K and V of every layer; with
 per-page scales a page's float32 scales too; per-layer scales belong to the pool, 2 x layers float32)
@@ -85,7 +86,7 @@ __all__ = [
 __all__ += ["format_groups", "main", "quest_continuation", "quest_passkey", "share_budget", "summarize"]
 
 PAGE_SIZE = 16
-METHODS = ["full", "paged_eviction", "streaming_llm"]  # each format's batch; Quest runs on float32 alone
+METHODS = ["full", "paged_eviction", "streaming_llm"]  # each format's batch; Quest runs alone, one at a time
 SHARES = (2, 4)  # budgets: 1/2 and 1/4 of the full cache's pages
 _SIZES = dict(  # (quick, smoke, full): the eviction benchmark's tasks at its sizes (quick: 3 texts, 10 trials)
     texts=(3, 1, 8),
@@ -149,6 +150,7 @@ FORMATS = [
     Format("int8 layer calibrated", torch.int8, "layer", calibrated=True),
     Format("int8 page", torch.int8, "page"),
 ]
+QUEST_FORMATS = [FORMATS[0], FORMATS[4]]  # float32 and e4m3 per page
 
 
 class PromptScales:
@@ -196,63 +198,78 @@ def format_groups(budgets, model, prompts: dict, log: list, formats=FORMATS) -> 
     return out
 
 
-def quest_continuation(model, ids, n_ctx, first_scored, budgets):
-    """Quest on the float32 cache, one row per budget: NLL and KL(full || Quest) over the predictions of
-    ``ids[n_ctx + first_scored:]``, the bytes it holds and those its last decode step read."""
+def _quest_run(model, prompt, c, longest, fmt: Format) -> QuestRun:
+    """A `QuestRun` at budget ``c`` over a cache of format ``fmt`` (not calibrated: no prompt K/V here)."""
+    if fmt.calibrated or fmt.cache is not None:
+        raise ValueError(f"fmt: Quest runs on float32 or 8-bit pages with fixed or per-page scales, got {fmt.label!r}")
+    kv_format = None if fmt.dtype is None else KVFormat(fmt.dtype, scales=fmt.scales)
+    return QuestRun(model, prompt, c, longest, kv_format=kv_format)
+
+
+def _read_step(run: QuestRun, token: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(log-probs, bytes)``: one step of ``run`` and the K/V, page-summary and page-scale bytes it read."""
+    kv = run.session.kv
+    scales = [t for layer in range(kv.num_layers) for t in kv.kv_scales(layer) if t is not None]
+    with ReadCounter([*kv.k_cache, *kv.v_cache, *kv.summaries.k_min, *kv.summaries.k_max, *scales]) as reads:
+        lp = run.step(token)
+    return lp, reads.bytes
+
+
+def quest_continuation(model, ids, n_ctx, first_scored, budgets, fmt: Format = FORMATS[0]):
+    """Quest on a cache of format ``fmt``, one row per budget: NLL and KL(full || Quest) over the predictions
+    of ``ids[n_ctx + first_scored:]``, the bytes it holds and those its last decode step read."""
     with torch.inference_mode():
         ref_lp = torch.log_softmax(model(ids.view(1, -1), use_cache=False).logits[0, n_ctx:-1].float(), -1)
     targets = ids[n_ctx + 1 :]  # fed token i predicts ids[n_ctx + i + 1]
     counted = torch.arange(targets.numel()) >= first_scored - 1  # [n_fed]
-    rows = []
+    n, rows = int(counted.sum()), []
     for c in budgets:
-        run = QuestRun(model, ids[:n_ctx], c, ids.numel())
-        kv, nll, kl = run.session.kv, 0.0, 0.0
-        last = targets.numel() - 1
+        run = _quest_run(model, ids[:n_ctx], c, ids.numel(), fmt)
+        nll = kl = 0.0
         for i, token in enumerate(ids[n_ctx:-1]):
-            if i == last:  # the longest step: count what it reads
-                with ReadCounter([*kv.k_cache, *kv.v_cache, *kv.summaries.k_min, *kv.summaries.k_max]) as reads:
-                    lp = run.step(token)
+            if i == targets.numel() - 1:  # the longest step: count what it reads
+                lp, read = _read_step(run, token)
             else:
                 lp = run.step(token)
             if counted[i]:
                 nll -= float(lp[targets[i]])
                 kl += float((ref_lp[i].exp() * (ref_lp[i] - lp)).sum())
-        pages = len(kv.pages(run.seq))
-        rows.append(_quest_row(c, kv, pages, nll=nll / int(counted.sum()), kl_vs_full=kl / int(counted.sum())))
-        rows[-1].update(bytes_read_per_step=reads.bytes, scored_tokens=int(counted.sum()))
+        rows.append(_quest_row(c, run, fmt, nll=nll / n, kl_vs_full=kl / n, bytes_read_per_step=read, scored_tokens=n))
         run.close()
     return rows
 
 
-def _quest_row(c, kv, pages, **extra) -> dict:
+def _quest_row(c, run: QuestRun, fmt: Format, **extra) -> dict:
+    kv = run.session.kv
+    pages = len(kv.pages(run.seq))
     return dict(
-        policy="quest", budget=c, page_size=PAGE_SIZE, kv_format="float32", page_bytes=kv.page_bytes,
-        pages_held=pages, max_pages_held=pages, kv_bytes_held=pages * kv.page_bytes, **extra,
+        policy="quest", budget=c, page_size=PAGE_SIZE, page_bytes=kv.page_bytes, pages_held=pages,
+        max_pages_held=pages, kv_bytes_held=pages * kv.page_bytes,
+        **({} if fmt.dtype is None else {"kv_format": fmt.label}), **extra,
     )  # fmt: skip
 
 
-def quest_passkey(model, tok, cfg, budgets, answer_tokens: int = _ANSWER_TOKENS):
-    """Quest on the float32 cache on the pass-key trials: the question fed one token at a time (Quest
-    chooses pages at every step), then ``answer_tokens`` greedy tokens; one row per (trial, budget), with
-    the bytes the last step read."""
+def quest_passkey(model, tok, cfg, budgets, fmt: Format = FORMATS[0], answer_tokens: int = _ANSWER_TOKENS):
+    """Quest on a cache of format ``fmt`` on the pass-key trials: the question fed one token at a time
+    (Quest chooses pages at every step), then ``answer_tokens`` greedy tokens; one row per (trial, budget),
+    with the bytes the last step read."""
     rows = []
     for trial in range(cfg["passkey_trials"]):
         depth = PASSKEY_DEPTHS[trial % len(PASSKEY_DEPTHS)]
         ctx, question, key, _, _ = passkey_prompt(tok, random.Random(1000 + trial), cfg["passkey_context"], depth)
         for c in budgets:
-            run = QuestRun(model, ctx, c, ctx.numel() + question.numel() + answer_tokens)
+            run = _quest_run(model, ctx, c, ctx.numel() + question.numel() + answer_tokens, fmt)
             for token in question:
                 lp = run.step(token)
-            answer, kv = [], run.session.kv
+            answer = []
             for j in range(answer_tokens):
                 answer.append(lp.argmax())
                 if j == answer_tokens - 1:  # the longest step: count what it reads
-                    with ReadCounter([*kv.k_cache, *kv.v_cache, *kv.summaries.k_min, *kv.summaries.k_max]) as reads:
-                        lp = run.step(answer[-1])
+                    lp, read = _read_step(run, answer[-1])
                 else:
                     lp = run.step(answer[-1])
             text = tok.decode(torch.stack(answer))
-            row = _quest_row(c, kv, len(kv.pages(run.seq)), bytes_read_per_step=reads.bytes)
+            row = _quest_row(c, run, fmt, bytes_read_per_step=read)
             rows.append(dict(row, trial=trial, key=key, answer=text, correct=answer_is_correct(text, key)))
             run.close()
     return rows
@@ -377,7 +394,9 @@ def _run(args, mode, out, cfg):
     t0 = time.perf_counter()
     for t, info in enumerate(x for x in texts if x["used"]):
         ids = ev.lm_text_ids(tok, info["start_paragraph"], lm_tokens)
-        lm_rows += [dict(r, text=t) for r in quest_continuation(model, ids, cfg["context"], 1, list(budgets["lm"]))]
+        for fmt in QUEST_FORMATS:
+            rows = quest_continuation(model, ids, cfg["context"], 1, list(budgets["lm"]), fmt)
+            lm_rows += [dict(r, text=t) for r in rows]
     result.update(language_modelling=summarize(lm_rows, "lm", budgets["lm"]), lm_rows=lm_rows)
     stage("language modelling, quest", t0)
     t0 = time.perf_counter()
@@ -385,9 +404,9 @@ def _run(args, mode, out, cfg):
     ret_rows, ret_check, ret_texts = ev.retention_task(model, tok, cfg, log, groups=groups)
     for t in range(cfg["retention_texts"]):
         ids, n_ctx, opening, _ = ev.retention_ids(tok, cfg, t)
-        ret_rows += [
-            dict(r, text=t) for r in quest_continuation(model, ids, n_ctx, opening, list(budgets["retention"]))
-        ]
+        for fmt in QUEST_FORMATS:
+            rows = quest_continuation(model, ids, n_ctx, opening, list(budgets["retention"]), fmt)
+            ret_rows += [dict(r, text=t) for r in rows]
     result.update(retention_texts=ret_texts, retention=summarize(ret_rows, "retention", budgets["retention"]))
     result.update(retention_rows=ret_rows, check_max_abs_logprob_diff=max(check, ret_check))
     stage("retention", t0)
@@ -396,7 +415,8 @@ def _run(args, mode, out, cfg):
     pk_rows = passkey_task(model, tok, cfg, log, groups=groups)
     stage("pass-key", t0)
     t0 = time.perf_counter()
-    pk_rows += quest_passkey(model, tok, cfg, list(budgets["passkey"]))
+    for fmt in QUEST_FORMATS:
+        pk_rows += quest_passkey(model, tok, cfg, list(budgets["passkey"]), fmt)
     result.update(passkey=summarize(pk_rows, "passkey", budgets["passkey"]), passkey_rows=pk_rows)
     stage("pass-key, quest", t0)
     result["seconds"] = round(time.perf_counter() - start, 1)

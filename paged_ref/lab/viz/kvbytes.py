@@ -1,9 +1,9 @@
 """What a byte buys: quality against KV bytes per sequence, one line per method and cache format.
 
 Reads the JSON of `python -m paged_ref.lab.bench kvbytes` (`paged_ref.lab.bench.kvbytes_report.load_results`).
-Each eviction method's line starts at the full cache of its format (budget share 1) and runs through its
-budgets; Quest's starts at the float32 full cache and sits at the bytes a decode step read (it holds every
-page). Colour: the method; marker and line style: the format.
+Each method's line starts at the full cache of its format (budget share 1) and runs through its budgets;
+Quest's points sit at the bytes a decode step read (it holds every page). Colour: the method; marker and
+line style: the format.
 
 Example (a made-up result of two formats):
     >>> def row(policy, fmt, c, nbytes, nll, correct):
@@ -53,15 +53,15 @@ _PANELS = [  # (task key, value, interval, y label)
 
 def method_lines(summary: list[dict], value: str, interval: str = "nll_ci95") -> dict:
     """``{(policy, format): [(bytes, value, low, high)]}`` of one task's summary rows, by bytes descending:
-    every eviction method's line begins at its format's full cache, Quest's at the float32 full cache
-    (Quest's bytes: read per decode step); a full cache alone is a line of one point."""
+    every method's line begins at its format's full cache (Quest's bytes: read per decode step); a full
+    cache alone is a line of one point."""
     full = {r["kv_format"]: r for r in summary if r["policy"] == "full"}
     out = {}
     for r in summary:
         out.setdefault((r["policy"], r["kv_format"]), []).append(r)
     lines = {}
     for (policy, fmt), rs in out.items():
-        start = full.get("float32" if policy == "quest" else fmt) if policy != "full" else None
+        start = full.get(fmt) if policy != "full" else None
         points = [(r.get("bytes_read_per_step", r["bytes_per_seq"]), r[value], *r[interval]) for r in rs]
         if start is not None:
             points.append((start["bytes_per_seq"], start[value], *start[interval]))
