@@ -8,8 +8,8 @@ line style: the format.
 Example (a made-up result of two formats):
     >>> def row(policy, fmt, c, nbytes, nll, correct):
     ...     return dict(policy=policy, kv_format=fmt, budget=c, bytes_per_seq=nbytes, nll=nll,
-    ...                 nll_ci95=[nll - 0.1, nll + 0.1], correct=correct, trials=4, accuracy=correct / 4,
-    ...                 ci95=[0.1, 0.9])
+    ...                 nll_ci95=[nll - 0.1, nll + 0.1], dnll_vs_float32_full=nll - 2.5, dnll_ci95=[0.0, 0.1],
+    ...                 correct=correct, trials=4, accuracy=correct / 4, ci95=[0.1, 0.9])
     >>> lm = [row("full", "float32", None, 4e6, 2.5, 4), row("full", "int8 page", None, 1e6, 2.6, 4),
     ...       row("paged_eviction", "float32", 64, 1e6, 2.9, 1)]
     >>> results = dict(language_modelling=lm, retention=lm, passkey=lm)
@@ -45,8 +45,8 @@ FORMAT_STYLES = {  # label -> (marker, line style)
     "int8 page": ("P", "-."),
 }
 _PANELS = [  # (task key, value, interval, y label)
-    ("language_modelling", "nll", "nll_ci95", "continuation NLL (nats/token)"),
-    ("retention", "nll", "nll_ci95", "retention NLL (nats/token)"),
+    ("language_modelling", "dnll_vs_float32_full", "dnll_ci95", "continuation NLL - float32 full cache's"),
+    ("retention", "dnll_vs_float32_full", "dnll_ci95", "retention NLL - float32 full cache's"),
     ("passkey", "accuracy", "ci95", "pass-key accuracy"),
 ]
 
@@ -70,8 +70,9 @@ def method_lines(summary: list[dict], value: str, interval: str = "nll_ci95") ->
 
 
 def quality_per_byte_figure(results: dict, *, note: str = "") -> Figure:
-    """Three panels (continuation NLL, retention NLL, pass-key accuracy) against MiB per sequence (log
-    scale), one line per (method, format); error bars: the 95% intervals (none for a single text)."""
+    """Three panels against MiB per sequence (log scale), one line per (method, format): continuation and
+    retention NLL minus the float32 full cache's on the same text (error bars: the paired 95% t interval,
+    none for a single text), pass-key accuracy (Wilson 95% interval)."""
     fig = Figure(figsize=(14, 4.4), layout="constrained")
     axes = fig.subplots(1, 3)
     for ax, (task, value, interval, ylabel) in zip(axes, _PANELS):
