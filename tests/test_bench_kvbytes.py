@@ -13,7 +13,7 @@ matplotlib.use("Agg")
 from paged_ref.lab.bench import eviction as ev  # noqa: E402
 from paged_ref.lab.bench import kvbytes  # noqa: E402
 from paged_ref.lab.bench import kvbytes_report as report  # noqa: E402
-from paged_ref.lab.viz.kvbytes import method_lines, quality_per_byte_figure  # noqa: E402
+from paged_ref.lab.viz.quality_per_byte import method_lines, quality_per_byte_figure  # noqa: E402
 from paged_ref.quant import SCALE_BYTES  # noqa: E402
 
 

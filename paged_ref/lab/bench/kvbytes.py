@@ -45,7 +45,8 @@ repeated after other prose), pass-key accuracy (Wilson 95% interval), each as th
 measures them. The full float32 cache's log-probs are checked against the model's own forward.
 
 Results: ``figures/data/kv_bytes_{smoke,quick,full}.json`` (smoke: toy sizes, a harness check whose
-numbers mean nothing) and the table `kvbytes_report.bytes_table` prints.
+numbers mean nothing) and the table `kvbytes_report.bytes_table` prints; `paged_ref.lab.viz.quality_per_byte`
+draws them.
 """
 
 from __future__ import annotations
