@@ -130,3 +130,15 @@ def test_the_scales_figure_draws_a_cache_with_scales_per_page():
     ks, vs = cache.kv_scales(0)
     assert (ks[2:] == 0).all() and (ks[:2] > 0).all()  # two pages hold tokens
     assert len(vk.scales_figure(ks, vs, {0: "A", 1: "A"}).axes) == 2  # the grid and its colour bar
+
+
+def test_token_by_token_equals_at_once_while_no_page_scale_grows():
+    """One token per page: nothing is rounded twice, so writing token by token stores what `stored` does;
+    with fuller pages the growths add error, never remove it on these inputs."""
+    x = _pages()  # [3, 4, 2, 8]
+    one = x[:, :1]  # [3 pages, 1 token, 2, 8]
+    by_token = kb.written_token_by_token(one, one * 2, torch.int8)
+    assert by_token["K"] == pytest.approx(kb.stored(one, torch.int8, "page")["rel_error"], rel=1e-6)
+    assert by_token["V"] == pytest.approx(kb.stored(one * 2, torch.int8, "page")["rel_error"], rel=1e-6)
+    full = kb.written_token_by_token(x, x, torch.float8_e4m3fn)
+    assert full["K"] >= kb.stored(x, torch.float8_e4m3fn, "page")["rel_error"]

@@ -9,6 +9,9 @@ stored at each scale granularity, and the bytes a token takes.
 - `stored`: a tensor of pages ``[num_pages, page_size, num_kv_heads, head_dim]`` stored in a format at a
   scale granularity and read back, with its relative error and the values that saturated;
 - `error_rows`: that for every layer of K and V, per format and granularity;
+- `written_token_by_token`: one layer's K and V written into a cache with a scale per page and KV head
+  one token at a time, as decode writes them (each time a page's scale grows, its earlier tokens are
+  rounded again), against `stored`'s page written at once;
 - `token_bytes`: the bytes a token takes in every layer (K and V), scales included.
 
 Granularities (`GRANULARITIES`): ``"one"`` (scale 1.0, vLLM's default ``k_scale``), ``"layer"`` (one
@@ -36,7 +39,7 @@ from .._validate import check_choice, check_int
 from ..memory import kv_bytes_per_token
 
 __all__ = ["FLOAT_FORMATS", "GRANULARITIES", "RealKV", "error_rows", "format_facts", "real_kv"]
-__all__ += ["representable", "stored", "token_bytes"]
+__all__ += ["representable", "stored", "token_bytes", "written_token_by_token"]
 
 GRANULARITIES = ("one", "layer", "page")
 FLOAT_FORMATS = (torch.float32, torch.bfloat16, torch.float16)  # stored as a plain cast, no scale
@@ -187,3 +190,22 @@ def token_bytes(
         return float(kv_bytes_per_token(**geo, bytes_per_elem=torch.finfo(fmt).bits // 8))
     scales = "page" if granularity == "page" else "layer"
     return quant.page_bytes(fmt, page_size=page_size, scales=scales, **geo) / page_size
+
+
+def written_token_by_token(k: torch.Tensor, v: torch.Tensor, fmt: torch.dtype) -> dict:
+    """``k, v: [num_pages, page_size, num_kv_heads, head_dim]`` (one layer) written into a
+    `paged_ref.cache.PagedKVCache` with ``KVFormat(fmt, scales="page")`` one token at a time, then read
+    back: ``{"K": rel_error, "V": rel_error}`` (``||stored - x|| / ||x||``), to compare with `stored`."""
+    from ..cache import PagedKVCache
+
+    num_pages, page_size, heads, dim = k.shape
+    geo = dict(num_layers=1, num_pages=num_pages, page_size=page_size, num_kv_heads=heads, head_dim=dim)
+    cache = PagedKVCache(**geo, kv_format=quant.KVFormat(fmt, scales="page"))
+    seq = cache.add_sequence()
+    tokens = list(zip(k.float().flatten(0, 1), v.float().flatten(0, 1)))  # each ([Hkv, D], [Hkv, D])
+    for kt, vt in tokens:  # as decode writes them
+        cache.write(0, cache.reserve(seq, 1), kt[None], vt[None])
+    back = cache.gather(0, seq)  # ([n, Hkv, D], [n, Hkv, D])
+    return {
+        name: float((b - x.float().flatten(0, 1)).norm() / x.float().norm()) for name, b, x in zip("KV", back, (k, v))
+    }

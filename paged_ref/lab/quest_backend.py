@@ -52,10 +52,25 @@ def _prepare(plan, *, budget: int, dense_layers: int) -> dict:
     return {"summaries": by_cache, "budget": budget, "check_values": False}
 
 
-def quest_layer_decode(q, k_cache, v_cache, block_table, seq_lens, *, summaries, budget, scale=None, check_values=True):
-    """`quest_paged_decode` with the summaries of the layer whose ``k_cache`` this is."""
+def quest_layer_decode(
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    *,
+    summaries,
+    budget,
+    scale=None,
+    check_values=True,
+    k_scale=None,
+    v_scale=None,
+):
+    """`quest_paged_decode` with the summaries of the layer whose ``k_cache`` this is (8-bit pages: with their
+    ``k_scale`` and ``v_scale``)."""
     k_min, k_max, dense = summaries[k_cache.data_ptr()]
     budget = block_table.shape[1] if dense else min(budget, block_table.shape[1])  # narrower: every page
     return quest_paged_decode(
-        q, k_cache, v_cache, block_table, seq_lens, k_min, k_max, budget=budget, scale=scale, check_values=check_values
-    )
+        q, k_cache, v_cache, block_table, seq_lens, k_min, k_max, budget=budget, scale=scale,
+        check_values=check_values, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip

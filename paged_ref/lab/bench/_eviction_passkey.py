@@ -10,7 +10,7 @@ import time
 import torch
 
 from ..stats import wilson
-from ._eviction_runs import close_session, policy_groups, prefilled_batch
+from ._eviction_runs import close_session, group_batch, policy_groups
 
 PASSKEY_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)  # trial t hides the key at depth PASSKEY_DEPTHS[t % 5]
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -86,18 +86,20 @@ def answer_is_correct(text: str, key: str) -> bool:
     return bool(found) and found.group() == key
 
 
-def passkey_task(model, tok, cfg, log, answer_tokens=7):
-    """Every policy on ``passkey_trials`` prompts: the context prefilled and evicted, the question fed
-    through the evicted cache, then ``answer_tokens`` greedy tokens; one row per (trial, policy, budget)."""
+def passkey_task(model, tok, cfg, log, answer_tokens=7, groups=None):
+    """Every policy (or the batches ``groups``) on ``passkey_trials`` prompts: the context prefilled and
+    evicted, the question fed through the evicted cache, then ``answer_tokens`` greedy tokens; one row
+    per (trial, policy, budget) and batch."""
     rows = []
-    groups = policy_groups(cfg["passkey_budgets"], [16])
+    groups = groups or policy_groups(cfg["passkey_budgets"], [16])
     for trial in range(cfg["passkey_trials"]):
         rng = random.Random(1000 + trial)
         depth = PASSKEY_DEPTHS[trial % len(PASSKEY_DEPTHS)]
         ctx, question, key, mentions, needle_tokens = passkey_prompt(tok, rng, cfg["passkey_context"], depth)
         t0 = time.perf_counter()
-        for ps, runs, per_layer in groups:
-            batch = prefilled_batch(model, ctx, runs, ps, ctx.numel() + question.numel() + answer_tokens, per_layer)
+        for group in groups:
+            runs = group.runs
+            batch = group_batch(model, ctx, group, ctx.numel() + question.numel() + answer_tokens)
             for _ in batch.feed(question[:-1]):
                 pass
             evidence = [  # per-layer decisions: a token counts as held when any layer holds it

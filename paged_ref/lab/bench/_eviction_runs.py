@@ -1,9 +1,10 @@
 """The eviction benchmark's engine: one sequence per (policy, budget), forked from one prefilled prompt,
-in the batches `policy_groups` makes; a `Batch` decodes them together, one `PagedSession` forward a step."""
+in the batches (`Group`) `policy_groups` makes; a `Batch` decodes them together, one `PagedSession` forward a step."""
 
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,15 +35,29 @@ def policy_runs(budgets, exclude=(), only=None, policies=POLICIES):
     return out
 
 
-def policy_groups(budgets, page_sizes, policies=POLICIES):
-    """``(page_size, runs, per_layer)`` for each batch that decodes together; the token-level
-    policies at the first page size only."""
+class Group(NamedTuple):
+    """Sequences that decode together in one cache of their own: ``runs`` (label, policy, budget) at
+    ``page_size``; ``per_layer``: a `LayeredKVCache`; ``kv_format``: the cache's (None: floating pages;
+    a `paged_ref.quant.KVFormat`; or a function of the prompt ``[n]`` returning one, e.g. scales
+    calibrated on it); ``cache``: the cache class instead of `PagedKVCache` (a lab variant of it)."""
+
+    page_size: int
+    runs: list
+    per_layer: bool = False
+    kv_format: Any = None
+    cache: type | None = None
+
+
+def policy_groups(budgets, page_sizes, policies=POLICIES, kv_format=None) -> list[Group]:
+    """A `Group` for each batch that decodes together; the token-level policies at the first page size only."""
     out = []
     for ps in page_sizes:
-        out.append((ps, policy_runs(budgets, exclude=TOKEN_LEVEL + PER_LAYER, policies=policies), False))
-        out.append((ps, policy_runs(budgets, only=PER_LAYER, policies=policies), True))
-    out.append((page_sizes[0], policy_runs(budgets, only=TOKEN_LEVEL, policies=policies), False))
-    return [g for g in out if g[1]]
+        out.append(
+            Group(ps, policy_runs(budgets, exclude=TOKEN_LEVEL + PER_LAYER, policies=policies), False, kv_format)
+        )
+        out.append(Group(ps, policy_runs(budgets, only=PER_LAYER, policies=policies), True, kv_format))
+    out.append(Group(page_sizes[0], policy_runs(budgets, only=TOKEN_LEVEL, policies=policies), False, kv_format))
+    return [g for g in out if g.runs]
 
 
 def pool_pages(runs, page_size, longest):
@@ -51,11 +66,15 @@ def pool_pages(runs, page_size, longest):
     return need + cdiv(longest, page_size) + 1
 
 
-def prefilled_root(model, prompt: torch.Tensor, page_size: int, num_pages: int, per_layer: bool):
+def prefilled_root(
+    model, prompt: torch.Tensor, page_size: int, num_pages: int, per_layer: bool, kv_format=None, cache=None
+):
     """``(session, root)``: an open session (sdpa) over a fresh cache (a `LayeredKVCache` for
-    per-layer policies) holding ``prompt: [n]`` in a sequence without a policy, to fork from."""
-    cls = LayeredKVCache if per_layer else PagedKVCache
-    kv = cls.for_model(model, num_pages=num_pages, page_size=page_size)
+    per-layer policies; ``kv_format`` and ``cache`` as a `Group`'s) holding ``prompt: [n]`` in a
+    sequence without a policy, to fork from."""
+    cls = cache or (LayeredKVCache if per_layer else PagedKVCache)
+    fmt = kv_format(prompt) if callable(kv_format) else kv_format
+    kv = cls.for_model(model, num_pages=num_pages, page_size=page_size, **({} if fmt is None else {"kv_format": fmt}))
     session = PagedSession(model, kv_cache=kv, backend="sdpa").open()
     root = session.add()
     session.extend([root], [prompt])
@@ -65,8 +84,10 @@ def prefilled_root(model, prompt: torch.Tensor, page_size: int, num_pages: int, 
 class Batch:
     """One sequence per (policy, budget), forked from a prefilled prompt, decoding together."""
 
-    def __init__(self, session: PagedSession, root: int, runs):
+    def __init__(self, session: PagedSession, root: int, runs, kv_format=None):
         self.session, self.cache, self.runs = session, session.kv, runs
+        # rows name a cache's format: a `Group`'s kv_format label (or the KVFormat itself), its cache's label
+        self.format_label = None if kv_format is None else str(getattr(kv_format, "label", kv_format))
         self.policies = [make_policy(name, c, **VARIANTS.get(label, (label, {}))[1]) for label, name, c in runs]
         self.seqs = [session.fork(root, eviction=p) for p in self.policies]  # after_prefill runs here
 
@@ -107,11 +128,13 @@ class Batch:
             pages_held=len(self.cache.pages(s)),
             max_pages_held=st.max_pages_held,
             page_bound=None if c is None else max_pages_held(c, self.cache.page_size),
+            page_bytes=self.cache.page_bytes,
             kv_bytes_held=len(self.cache.pages(s)) * self.cache.page_bytes,
             tokens_evicted=st.tokens_evicted,
             pages_dropped=st.pages_dropped,
             tokens_moved=st.tokens_moved,
             max_holes_per_page=round(st.max_holes_per_page, 4),
+            **({} if self.format_label is None else {"kv_format": self.format_label}),
         )
 
     def close(self):
@@ -125,10 +148,13 @@ def close_session(session: PagedSession) -> None:
     assert session.kv.allocator.num_free == session.kv.allocator.num_pages
 
 
-def prefilled_batch(model, prompt: torch.Tensor, runs, page_size: int, longest: int, per_layer: bool) -> Batch:
+def prefilled_batch(
+    model, prompt: torch.Tensor, runs, page_size: int, longest: int, per_layer: bool, kv_format=None, cache=None
+) -> Batch:
     """A session of its own holding ``prompt`` once, forked into one sequence per run."""
-    session, root = prefilled_root(model, prompt, page_size, pool_pages(runs, page_size, longest), per_layer)
-    batch = Batch(session, root, runs)
+    pages = pool_pages(runs, page_size, longest)
+    session, root = prefilled_root(model, prompt, page_size, pages, per_layer, kv_format, cache)
+    batch = Batch(session, root, runs, kv_format if cache is None else getattr(cache, "label", cache.__name__))
     session.finish(root)  # the forks keep the prompt's pages they still share
     return batch
 
@@ -147,3 +173,9 @@ def lowest_ratio_tokens(model, tok, ids, count: int = 25) -> dict:
         first_token_rank=int((score < score[0]).sum()),  # 0 = the lowest of the text
         median_score=float(score.median()),
     )
+
+
+def group_batch(model, prompt: torch.Tensor, group: Group, longest: int) -> Batch:
+    """`prefilled_batch` for a `Group`: its runs in a cache of its own, ``longest`` tokens at most."""
+    g = group
+    return prefilled_batch(model, prompt, g.runs, g.page_size, longest, g.per_layer, g.kv_format, g.cache)

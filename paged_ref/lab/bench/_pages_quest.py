@@ -27,15 +27,19 @@ DENSE_LAYERS = 2  # Quest's paper reads every page in the first two layers
 
 
 class QuestRun:
-    """One sequence decoding with Quest at ``budget`` tokens (``budget // 16`` pages), its own session."""
+    """One sequence decoding with Quest at ``budget`` tokens (``budget // 16`` pages), its own session
+    (``kv_format``: the cache's, `PagedKVCache`'s argument; default floating pages)."""
 
-    def __init__(self, model, prompt: torch.Tensor, budget: int, longest: int, dense_layers: int = DENSE_LAYERS):
+    def __init__(
+        self, model, prompt: torch.Tensor, budget: int, longest: int, dense_layers: int = DENSE_LAYERS, kv_format=None
+    ):
         from ...hf import PagedSession
         from ..quest_backend import quest_backend
 
         self.budget = budget
+        fmt = {} if kv_format is None else {"kv_format": kv_format}
         kv = PagedKVCache.for_model(
-            model, num_pages=cdiv(longest, PAGE_SIZE) + 1, page_size=PAGE_SIZE, page_summaries=True
+            model, num_pages=cdiv(longest, PAGE_SIZE) + 1, page_size=PAGE_SIZE, page_summaries=True, **fmt
         )
         self.session = PagedSession(
             model, kv_cache=kv, backend=quest_backend(budget // PAGE_SIZE, dense_layers=dense_layers)

@@ -96,9 +96,10 @@ def score_continuation(model, ids, n_ctx, first_scored, groups, log, label, regi
     counted = (torch.arange(targets.numel()) >= first_scored - 1).float()  # [n_fed]
     n_scored = int(counted.sum())
     rows, check = [], math.nan
-    for ps, runs, per_layer in groups:
+    for group in groups:
         t0 = time.perf_counter()
-        batch = engine.prefilled_batch(model, ids[:n_ctx], runs, ps, ids.numel(), per_layer)
+        runs, floating = group.runs, group.kv_format is None and group.cache is None
+        batch = engine.group_batch(model, ids[:n_ctx], group, ids.numel())
         held = [{"region_held": batch.region_held(i, region)} if region else {} for i in range(len(runs))]
         nll, kl = torch.zeros(len(runs)), torch.zeros(len(runs))
         for i, lp in batch.feed(ids[n_ctx:-1]):  # lp: [batch, m, vocab]
@@ -107,30 +108,32 @@ def score_continuation(model, ids, n_ctx, first_scored, groups, log, label, regi
             nll -= (lp[:, torch.arange(m), targets[i : i + m]] * w).sum(1)
             ref = ref_lp[i : i + m]  # [m, vocab]
             kl += ((ref.exp() * (ref - lp)).sum(-1) * w).sum(-1)  # KL(full || policy)
-        if runs[0][0] == "full":
+        if runs[0][0] == "full" and floating:
             full_nll = -(ref_lp.gather(1, targets[:, None])[:, 0] * counted).sum()
             check = float((nll[0] - full_nll).abs()) / n_scored
         for i in range(len(runs)):
             nll_i, kl_i = float(nll[i]) / n_scored, float(kl[i]) / n_scored
             rows.append(dict(batch.row(i), nll=nll_i, kl_vs_full=kl_i, scored_tokens=n_scored, **held[i]))
         engine.close_session(batch.session)
-        full = f"; full-cache |NLL - model| {check:.2e}" if runs[0][0] == "full" else ""
+        full = f"; full-cache |NLL - model| {check:.2e}" if runs[0][0] == "full" and floating else ""
         took = f"{len(runs)} sequences x {targets.numel()} tokens in {time.perf_counter() - t0:.1f} s"
-        log(f"{label}, page size {ps}: {took}{full}")
+        fmt = "" if batch.format_label is None else f" ({batch.format_label})"
+        log(f"{label}, page size {group.page_size}{fmt}: {took}{full}")
     return rows, check
 
 
-def lm_task(model, tok, cfg, log, long: bool = False):
+def lm_task(model, tok, cfg, log, long: bool = False, groups=None):
     """``(rows, check, texts)``: `score_continuation` on ``texts`` passages (``long=True``: ``long_texts``
-    at ``long_context``, `LONG_POLICIES` at the first page size), the largest check, every passage tried."""
+    at ``long_context``, `LONG_POLICIES` at the first page size), the largest check, every passage tried.
+    ``groups``: these batches instead of every policy's."""
     rows, checks, texts = [], [], []
     n_cont = cfg["continuation"]
     if long:
         n_ctx, n_texts, stride = cfg["long_context"], cfg["long_texts"], cfg["long_text_stride"]
-        groups = policy_groups(cfg["budgets"], cfg["page_sizes"][:1], LONG_POLICIES)
+        groups = groups or policy_groups(cfg["budgets"], cfg["page_sizes"][:1], LONG_POLICIES)
     else:
         n_ctx, n_texts, stride = cfg["context"], cfg["texts"], cfg["text_stride"]
-        groups = policy_groups(cfg["budgets"], cfg["page_sizes"])
+        groups = groups or policy_groups(cfg["budgets"], cfg["page_sizes"])
     label = "long text" if long else "text"
     starts = iter(range(0, len(paragraphs(20)), stride))  # distinct passages, far apart
     while sum(x["used"] for x in texts) < n_texts:
@@ -179,10 +182,10 @@ def retention_ids(tok, cfg, t: int) -> tuple[torch.Tensor, int, int, dict]:
     return torch.cat([a, b, repeat]), n_a + n_b, opening, info  # ids: [n_a + n_b + opening + n_score]
 
 
-def retention_task(model, tok, cfg, log):
+def retention_task(model, tok, cfg, log, groups=None):
     """``(rows, check, texts)`` as `lm_task`, for ``retention_texts`` texts of `retention_ids`; the share
     of passage A each policy holds after the prefill eviction is recorded as ``region_held``."""
-    groups = policy_groups(cfg["budgets"], cfg["page_sizes"])
+    groups = groups or policy_groups(cfg["budgets"], cfg["page_sizes"])
     rows, checks, texts = [], [], []
     for t in range(cfg["retention_texts"]):
         ids, n_ctx, opening, info = retention_ids(tok, cfg, t)
