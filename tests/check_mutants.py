@@ -27,6 +27,9 @@ StudentScheduler = _solutions.StudentScheduler
 StudentPrefixCache = _solutions.StudentPrefixCache
 student_merge_states = _solutions.student_merge_states
 StudentQuest = _solutions.StudentQuest
+student_quantize = _solutions.student_quantize
+student_dequantize = _solutions.student_dequantize
+student_write_into_page = _solutions.student_write_into_page
 
 
 # ------------------------------------------------------------------------------------ allocators
@@ -949,6 +952,123 @@ class FirstPageQuest(_Scored):
         return torch.stack(rows)
 
 
+# ------------------------------------------------------------------------------------ fewer bytes per token
+def _top(fmt):
+    return 127.0 if fmt == torch.int8 else 448.0
+
+
+def times_scale_quantize(x, scale, fmt):
+    y = (x * scale).clamp(-_top(fmt), _top(fmt))
+    return y.round().to(fmt) if fmt == torch.int8 else y.to(fmt)
+
+
+def divided_quantize(x, scale, fmt):
+    y = (x / scale).clamp(-_top(fmt), _top(fmt))
+    return y.round().to(fmt) if fmt == torch.int8 else y.to(fmt)
+
+
+def no_clamp_quantize(x, scale, fmt):
+    y = x * (1 / scale)
+    return y.round().to(torch.int64).to(fmt) if fmt == torch.int8 else y.to(fmt)
+
+
+def asymmetric_quantize(x, scale, fmt):
+    if fmt != torch.int8:
+        return student_quantize(x, scale, fmt)
+    return (x * (1 / scale)).clamp(-128, 127).round().to(fmt)
+
+
+def truncating_quantize(x, scale, fmt):
+    return (x * (1 / scale)).clamp(-_top(fmt), _top(fmt)).to(fmt)
+
+
+def floor_quantize(x, scale, fmt):
+    y = (x * (1 / scale)).clamp(-_top(fmt), _top(fmt))
+    return y.floor().to(fmt) if fmt == torch.int8 else y.to(fmt)
+
+
+def half_away_quantize(x, scale, fmt):
+    y = (x * (1 / scale)).clamp(-_top(fmt), _top(fmt))
+    return (y.sign() * (y.abs() + 0.5).floor()).to(fmt) if fmt == torch.int8 else y.to(fmt)
+
+
+def float_result_quantize(x, scale, fmt):
+    return student_quantize(x, scale, fmt).float()
+
+
+def inplace_quantize(x, scale, fmt):
+    x.mul_(1 / scale)
+    return x.clamp(-_top(fmt), _top(fmt)).round().to(fmt) if fmt == torch.int8 else x.clamp(-448, 448).to(fmt)
+
+
+def divided_dequantize(q, scale):
+    return q.float() / scale
+
+
+def float64_dequantize(q, scale):
+    return q.double() * scale.double()
+
+
+def unconverted_dequantize(q, scale):
+    return q * scale
+
+
+def _needed(x):
+    amax = x.abs().amax(dim=(0, 2))
+    need = amax / 127
+    need = torch.where(amax * (1 / need) > 127, torch.nextafter(need, torch.full_like(need, math.inf)), need)
+    return torch.where(amax > 0, need, 0.0)
+
+
+def _page_write(page, scale, x, offset, *, new, requant=True, rounding="nearest", at=None):
+    """A page write with its pieces chosen: the new scale, whether and how old tokens re-quantize, where."""
+    page = page.clone()
+    safe = torch.where(new > 0, new, 1.0)[None, :, None]
+    if requant:
+        y = (page.float() * scale[None, :, None]) * (1 / safe)
+        y = y.clamp(-127, 127)
+        again = (y.round() if rounding == "nearest" else y.trunc()).to(torch.int8)
+        page = torch.where((new > scale)[None, :, None], again, page)
+    at = offset if at is None else at
+    page[at : at + x.shape[0]] = student_quantize(x, safe, torch.int8)
+    return page, new
+
+
+def no_requant_page_write(page, scale, x, offset):
+    return _page_write(page, scale, x, offset, new=torch.maximum(scale, _needed(x)), requant=False)
+
+
+def shrinking_page_write(page, scale, x, offset):
+    return _page_write(page, scale, x, offset, new=_needed(x))
+
+
+def one_scale_page_write(page, scale, x, offset):
+    new = torch.maximum(scale.amax(), _needed(x).amax()).expand_as(scale).clone()
+    return _page_write(page, scale, x, offset, new=new)
+
+
+def truncating_page_write(page, scale, x, offset):
+    return _page_write(page, scale, x, offset, new=torch.maximum(scale, _needed(x)), rounding="zero")
+
+
+def no_nextafter_page_write(page, scale, x, offset):
+    return _page_write(page, scale, x, offset, new=torch.maximum(scale, x.abs().amax(dim=(0, 2)) / 127))
+
+
+def at_zero_page_write(page, scale, x, offset):
+    return _page_write(page, scale, x, offset, new=torch.maximum(scale, _needed(x)), at=0)
+
+
+def inplace_page_write(page, scale, x, offset):
+    new_page, new = student_write_into_page(page, scale, x, offset)
+    page.copy_(new_page)
+    return page, new
+
+
+def last_token_page_write(page, scale, x, offset):
+    return _page_write(page, scale, x, offset, new=torch.maximum(scale, _needed(x[-1:])))
+
+
 # ------------------------------------------------------------------------------------ exercises 5-7 from the
 # notebooks' text alone: other names and data structures, each a correct attempt
 class QueueScheduler:
@@ -1130,6 +1250,36 @@ class PageChooser:
         return torch.stack(out)
 
 
+# ------------------------------------------------------------------------------------ exercise 8 from the
+# notebook's text alone: other correct attempts
+def where_quantize(x, scale, fmt):
+    y = torch.mul(x.to(torch.float32), torch.reciprocal(scale.to(torch.float32)))
+    if fmt == torch.int8:
+        y = torch.where(y > 127, 127.0, torch.where(y < -127, -127.0, y))
+        return torch.round(y).to(torch.int8)
+    return torch.clamp(y, min=-448, max=448).to(fmt)
+
+
+def per_head_page_write(page, scale, x, offset):
+    """One KV head at a time, in Python."""
+    page, scale = page.clone(), scale.clone()
+    for h in range(page.shape[1]):
+        amax = x[:, h].abs().max()
+        need = torch.zeros(())
+        if amax > 0:
+            need = amax / 127
+            if amax * (1 / need) > 127:
+                need = torch.nextafter(need, torch.tensor(math.inf))
+        if need > scale[h]:
+            if scale[h] > 0:
+                old = page[:offset, h].float() * scale[h]
+                page[:offset, h] = where_quantize(old, need, torch.int8)
+            scale[h] = need
+        at = scale[h] if scale[h] > 0 else torch.tensor(1.0)
+        page[offset : offset + len(x), h] = where_quantize(x[:, h], at, torch.int8)
+    return page, scale
+
+
 SOLUTIONS = {
     "allocator": StudentAllocator,
     "slot_mapping": student_slot_mapping,
@@ -1141,6 +1291,9 @@ SOLUTIONS = {
     "prefix_cache": StudentPrefixCache,
     "merge_states": student_merge_states,
     "quest": StudentQuest,
+    "quantize": student_quantize,
+    "dequantize": student_dequantize,
+    "page_write": student_write_into_page,
 }
 # other correct attempts, each of which must pass too
 ALSO_CORRECT = {
@@ -1150,6 +1303,8 @@ ALSO_CORRECT = {
     "prefix_cache": [ChainCache],
     "merge_states": [merge_two],
     "quest": [PageChooser],
+    "quantize": [where_quantize],
+    "page_write": [per_head_page_write],
 }
 MUTANTS = {
     "allocator": [
@@ -1268,5 +1423,27 @@ MUTANTS = {
         ExtraNewestQuest,
         FewPagesQuest,
         FirstPageQuest,
+    ],
+    "quantize": [
+        times_scale_quantize,
+        divided_quantize,
+        no_clamp_quantize,
+        asymmetric_quantize,
+        truncating_quantize,
+        floor_quantize,
+        half_away_quantize,
+        float_result_quantize,
+        inplace_quantize,
+    ],
+    "dequantize": [divided_dequantize, float64_dequantize, unconverted_dequantize],
+    "page_write": [
+        no_requant_page_write,
+        shrinking_page_write,
+        one_scale_page_write,
+        truncating_page_write,
+        no_nextafter_page_write,
+        at_zero_page_write,
+        inplace_page_write,
+        last_token_page_write,
     ],
 }

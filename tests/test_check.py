@@ -23,6 +23,9 @@ CHECKERS = {
     "prefix_cache": check.check_prefix_cache,
     "merge_states": check.check_merge_states,
     "quest": check.check_quest,
+    "quantize": check.check_quantize,
+    "dequantize": check.check_dequantize,
+    "page_write": check.check_page_write,
 }
 
 
@@ -179,6 +182,26 @@ def test_allocator_failures_shrink_to_a_few_calls(mutant, words):
         ("UnsortedQuest", "increasing order"),
         ("ExtraNewestQuest", "the newest page counts in the budget"),
         ("FewPagesQuest", "at most budget pages, every page is read"),
+        ("times_scale_quantize", "quantize divides by the scale"),
+        ("divided_quantize", "multiply by the reciprocal in float32"),
+        ("no_clamp_quantize", "int8 wraps around"),
+        ("asymmetric_quantize", "-128 is never written"),
+        ("truncating_quantize", "alone truncates toward zero"),
+        ("floor_quantize", "not down (floor)"),
+        ("half_away_quantize", "ties go to even"),
+        ("float_result_quantize", "cast to the format"),
+        ("inplace_quantize", "compute new tensors"),
+        ("divided_dequantize", "dequantize multiplies by the scale"),
+        ("float64_dequantize", "the values in float32"),
+        ("unconverted_dequantize", "convert q to float32 first"),
+        ("no_requant_page_write", "re-quantize its earlier tokens"),
+        ("shrinking_page_write", "the scale never shrinks"),
+        ("one_scale_page_write", "one scale per KV head"),
+        ("truncating_page_write", "re-quantize to nearest"),
+        ("no_nextafter_page_write", "one float32 step up (torch.nextafter)"),
+        ("at_zero_page_write", "the new tokens go at offset"),
+        ("inplace_page_write", "return a new page and scale"),
+        ("last_token_page_write", "over every new token"),
     ],
 )
 def test_hints_name_the_mistake(mutant, words):

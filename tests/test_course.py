@@ -61,9 +61,14 @@ def test_the_core_path_fits_in_a_day_and_matches_each_notebook():
 
 
 def test_day_two_adds_up_and_matches_each_exercise():
-    """Exercises 5-7 and notebook 10 make a second day; each exercise's header agrees with the table."""
+    """Exercises 5-8 and notebooks 10-11 make a second day; each exercise's header agrees with the table."""
     table = _core_table("### Day two", "## Teaching with it")
-    assert set(table) >= {"exercises/ex5_scheduler", "exercises/ex6_prefix_cache", "exercises/ex7_reading_fewer_pages"}
+    assert set(table) >= {
+        "exercises/ex5_scheduler",
+        "exercises/ex6_prefix_cache",
+        "exercises/ex7_reading_fewer_pages",
+        "exercises/ex8_fewer_bytes",
+    }
     total = re.search(r"\*\*total, day two\*\* \| \*\*(\d+) min = (\d+) h(?: (\d+) min)?\*\*", README)
     assert total and int(total[1]) == sum(table.values()) == 60 * int(total[2]) + int(total[3] or 0)
     assert sum(table.values()) <= 8 * 60
@@ -156,8 +161,8 @@ def test_notebook_08_sends_preemption_to_notebook_09():
 
 def test_the_notebooks_point_to_their_exercises():
     """Each notebook from 02 to 08 links to an exercise that exists (09 and 10 link to theirs where they are
-    maintained); 08's link is exercise 6, where shared pages and the prefix cache are taught."""
-    for path in sorted((ROOT / "notebooks").glob("[01][0-9]_*.ipynb"))[1:]:  # 02 to 10
+    maintained, 11 to exercise 8); 08's link is exercise 6, where shared pages and the prefix cache are taught."""
+    for path in sorted((ROOT / "notebooks").glob("[01][0-9]_*.ipynb"))[1:]:  # 02 to 11
         text = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "markdown")
         links = re.findall(r"\]\((exercises/ex\d_[a-z_]+\.ipynb)\)", text)
         assert links, f"{path.name} points to no exercise"
@@ -165,6 +170,7 @@ def test_the_notebooks_point_to_their_exercises():
             assert (ROOT / "notebooks" / link).exists(), (path.name, link)
     assert "exercises/ex6_prefix_cache.ipynb" in "\n".join(c.source for c in _cells("08_end_to_end"))
     pointers = {"09_serving": ["ex5_scheduler", "ex6_prefix_cache"], "10_reading_fewer_pages": ["ex7_"]}
+    pointers["11_fewer_bytes_per_token"] = ["ex8_"]
     for name, exercises in pointers.items():
         text = "\n".join(c.source for c in _cells(name))
         assert all(f"exercises/{ex}" in text for ex in exercises), name

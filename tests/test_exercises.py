@@ -50,9 +50,10 @@ def test_exercise_one_reports_in_both_modes(solutions):
 
 
 @pytest.mark.parametrize("solutions", [False, True], ids=["skeleton", "solutions"])
-def test_exercises_five_to_seven_report_in_both_modes(solutions):
+def test_exercises_five_to_eight_report_in_both_modes(solutions):
     names = {"ex5_scheduler": ["scheduler"], "ex6_prefix_cache": ["prefix_cache"]}
     names["ex7_reading_fewer_pages"] = ["merge_states", "quest"]
+    names["ex8_fewer_bytes"] = ["quantize", "dequantize", "page_write"]
     for notebook, checkers in names.items():
         texts = "\n".join(_run(EXERCISES / f"{notebook}.ipynb", solutions))
         for name in checkers:
@@ -68,7 +69,7 @@ def test_every_exercise_names_solutions_the_file_defines():
 
     module = load_solutions(SOLUTIONS)
     notebooks = sorted(EXERCISES.glob("ex*.ipynb"))
-    assert len(notebooks) >= 7
+    assert len(notebooks) >= 8
     for path in notebooks:
         source = "\n".join(c.source for c in nbformat.read(path, as_version=4).cells)
         names = [part.split('"')[1] for part in source.split("use_solution(")[1:]]

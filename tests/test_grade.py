@@ -22,6 +22,9 @@ MyScheduler = StudentScheduler
 MyPrefixCache = StudentPrefixCache
 my_merge_states = student_merge_states
 MyQuest = StudentQuest
+my_quantize = student_quantize
+my_dequantize = student_dequantize
+my_write_into_page = student_write_into_page
 """
 
 # exercise 1 as a student hands it in: an allocator whose free ignores the other references,

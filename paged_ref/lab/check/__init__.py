@@ -27,6 +27,9 @@ checker                                what the student writes
 `check_prefix_cache`                   exercise 6's prefix cache: ``start``, ``append``, ``pages``, ``free``
 `check_merge_states`                   exercise 7: two partial attention results merged by their lse
 `check_quest`                          exercise 7: Quest's page summaries, bound and page choice
+`check_quantize`                       exercise 8: ``quantize(x, scale, fmt)`` to int8 or float8_e4m3fn
+`check_dequantize`                     exercise 8: ``dequantize(q, scale)``
+`check_page_write`                     exercise 8: a write into an int8 page whose scale per KV head grows
 =====================================  ==============================================
 
 The exercise notebooks (``notebooks/exercises/``) draw from the student's code with
@@ -38,6 +41,7 @@ submitted notebooks or modules (`paged_ref.lab.check.grade`).
 from .allocator import check_allocator
 from .attention import check_paged_attention, check_slot_mapping, check_triton_decode
 from .eviction import check_eviction_policy, check_page_scores, check_token_scores
+from .fewer_bytes import check_dequantize, check_page_write, check_quantize
 from .prefix_cache import check_prefix_cache
 from .reading import check_merge_states, check_quest
 from .report import CheckReport, Failure
@@ -48,11 +52,14 @@ __all__ = [
     "CheckReport",
     "Failure",
     "check_allocator",
+    "check_dequantize",
     "check_eviction_policy",
     "check_merge_states",
+    "check_page_write",
     "check_page_scores",
     "check_paged_attention",
     "check_prefix_cache",
+    "check_quantize",
     "check_quest",
     "check_scheduler",
     "check_slot_mapping",

@@ -18,6 +18,9 @@ name                  exercise              checker
 ``MyPrefixCache``     6                    `check_prefix_cache`
 ``my_merge_states``   7                    `check_merge_states`
 ``MyQuest``           7                    `check_quest`
+``my_quantize``       8                    `check_quantize`
+``my_dequantize``     8                    `check_dequantize`
+``my_write_into_page`` 8                   `check_page_write`
 ===================== ==================== ==================================================
 
 From a notebook only the definitions are run (imports, functions, classes and assignments,
@@ -63,6 +66,9 @@ EXERCISE_NAMES = {
     "MyPrefixCache": (6, "check_prefix_cache"),
     "my_merge_states": (7, "check_merge_states"),
     "MyQuest": (7, "check_quest"),
+    "my_quantize": (8, "check_quantize"),
+    "my_dequantize": (8, "check_dequantize"),
+    "my_write_into_page": (8, "check_page_write"),
 }
 COLUMNS = ["submission", "name", "exercise", "checker", "verdict", "cases", "seconds", "summary", "hint", "report"]
 _MARK = "PAGED_REF_GRADE_ROWS "  # the line a grading process reports its rows on (student code may print)
