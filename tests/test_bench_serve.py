@@ -154,3 +154,15 @@ def test_the_committed_threads_profile_measured_one_thread_and_every_core_over_a
     assert saved["mode"] == "cpu" and saved["model"]["name"] and len(saved["thread_counts"]) == 2
     _check_threads_profile(saved, [1, saved["cores"]], saved["rounds"])
     assert saved["weights_gb"] * 1e9 >= 4 * saved["last_level_cache_bytes"]  # the read comes from memory
+
+
+def test_the_vllm_peer_takes_vllms_kv_cache_dtypes_only():
+    """A job's ``kv_cache_dtype`` is one of vLLM's names ("auto" or an 8-bit one, as `quant.VLLM_FORMATS` maps
+    them); another is refused before vLLM is imported."""
+    from paged_ref import quant
+    from paged_ref.lab.bench import _vllm_peer
+
+    assert set(_vllm_peer.KV_CACHE_DTYPES) == set(quant.VLLM_FORMATS) >= {"fp8"}
+    limits = dict(page_size=32, num_pages=4, max_num_seqs=2, max_batched_tokens=64, max_model_len=64)
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'fp8'.*got 'int8'"):
+        _vllm_peer.make_llm("/nonexistent", kv_cache_dtype="int8", **limits)
