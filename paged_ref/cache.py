@@ -13,7 +13,8 @@ holds no token is zero, so a kernel reading past a sequence's end adds ``0 * v``
 ``mark`` / ``rewind`` undo a failed forward, ``checkpoint`` / ``rollback`` a serving step
 (`paged_ref.cache_undo`). ``watchers`` are told of every change to the keys a page holds (with
 ``page_summaries=True``, Quest's key min/max: `paged_ref.page_summaries`); ``growth="pow2"``
-reserves power-of-two page counts (the IBM paper's growth).
+reserves power-of-two page counts (the IBM paper's growth). With ``kv_format`` (`paged_ref.quant.KVFormat`)
+the pages hold K and V in 8 bits and their scales (`paged_ref.kv_pages`); ``dtype`` stays what ``gather`` returns.
 
 Example:
     >>> cache = PagedKVCache(num_layers=2, num_pages=8, page_size=4, num_kv_heads=1, head_dim=2)
@@ -38,11 +39,13 @@ from ._cache_checks import batch_lists, check_device, check_dtype, check_layer, 
 from ._validate import check_bool, check_choice, check_int, check_list, describe, is_int
 from .allocator import OutOfPagesError, PageAllocator
 from .block_table import flat_slots, pack_csr, pack_padded
-from .cache_undo import Checkpoint, SequenceMark, rewind_sequence
+from .cache_undo import Undo
+from .kv_pages import QuantPages, raw
 from .memory import KVGeometry, model_geometry
 from .page_plan import compact_copies, plan_growth, round_to_pow2, truncate_cost
 from .page_summaries import PageSummaries
 from .prefix_cache import PrefixIndex, namespace_key, page_key
+from .quant import kv_format as as_kv_format
 
 
 @dataclass
@@ -66,8 +69,9 @@ class PageCopy:
     layer: int | None = None
 
 
-class PagedKVCache:
-    """A paged KV cache for ``num_layers`` layers sharing one page pool and block tables."""
+class PagedKVCache(Undo):
+    """A paged KV cache for ``num_layers`` layers sharing one page pool and block tables; `mark`, `rewind`,
+    `checkpoint`, `commit` and `rollback` undo its changes (`paged_ref.cache_undo.Undo`)."""
 
     def __init__(
         self,
@@ -83,6 +87,7 @@ class PagedKVCache:
         prefix_caching: bool = False,
         prefix_namespace: dict | None = None,
         page_summaries: bool = False,
+        kv_format=None,
     ):
         self.num_layers = check_int("num_layers", num_layers, min_value=1)
         self.num_pages = check_int("num_pages", num_pages, min_value=1)
@@ -94,9 +99,13 @@ class PagedKVCache:
         self.prefix_caching = check_bool("prefix_caching", prefix_caching)
         self._prefix_root = namespace_key(prefix_namespace)
         self.device = check_device(device)
+        self.kv_format = as_kv_format(kv_format)  # None: pages in ``dtype``; else 8-bit (`paged_ref.kv_pages`)
+        stored = dtype if self.kv_format is None else self.kv_format.dtype
         shape = (num_pages, page_size, num_kv_heads, head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_cache = [torch.zeros(shape, dtype=stored, device=self.device) for _ in range(num_layers)]
+        self.v_cache = [torch.zeros(shape, dtype=stored, device=self.device) for _ in range(num_layers)]
+        pool = dict(num_layers=num_layers, num_pages=num_pages, num_kv_heads=num_kv_heads, device=self.device)
+        self.quant = None if self.kv_format is None else QuantPages(self.kv_format, **pool)
         self.allocator = PageAllocator(num_pages)
         self._seqs: dict[int, _Sequence] = {}
         self._next_id = 0
@@ -104,7 +113,7 @@ class PagedKVCache:
         self.prefix_hits = 0  # full pages reused from the prefix cache
         # the `PageCopy`s of the latest reserve, reserve_batch, truncate or compact (rewind clears it)
         self.last_copies: tuple[PageCopy, ...] = ()
-        self._checkpoint: Checkpoint | None = None  # open while a step may still be undone
+        self._checkpoint = None  # a `paged_ref.cache_undo.Checkpoint` while a step may still be undone
         check_bool("page_summaries", page_summaries)
         # min / max of each page's keys for Quest (`paged_ref.page_summaries`); None: not kept
         pool = dict(num_pages=num_pages, page_size=page_size, dtype=dtype, device=self.device)
@@ -137,8 +146,14 @@ class PagedKVCache:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page across K and V of all layers."""
-        return self.page_size * self.geometry.bytes_per_token
+        """Bytes of one page across K and V of all layers (8-bit: one per value, plus the page's scales)."""
+        return self.page_size * self.geometry.bytes_per_token if self.quant is None else self.quant.page_bytes(self)
+
+    def kv_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """8-bit pages: ``(k_scale, v_scale)`` of ``layer``, float32 ``[num_pages, num_kv_heads]`` each (what
+        attention backends take); floating pages: ``(None, None)``."""
+        layer = check_layer(layer, self.num_layers)
+        return (None, None) if self.quant is None else (self.quant.k_scales[layer], self.quant.v_scales[layer])
 
     tables_per_layer = False  # one block table serves every layer (`paged_ref.cache_interface`)
 
@@ -220,9 +235,13 @@ class PagedKVCache:
         layer 0); a page published when reserved and shared since may be written until its last layer is."""
         layer = check_write(self, layer, slots, k, v, check_values, filling=self._prefix.unwritten)
         slots = slots.to(device=self.device, dtype=torch.int64)
-        self._saving((layer,), slots)
-        self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
-        self.v_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        if self.quant is not None:  # quantized, the pages' scales grown first (it saves what it changes)
+            self.quant.write(self, layer, slots, k, v)
+            k = self.quant.read(self, layer, slots)[0]  # the keys as stored, for the watchers
+        else:
+            self._saving((layer,), slots)
+            self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
+            self.v_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
         self._tell("update", layer, slots, k)
         if self._prefix.unwritten and layer == self.num_layers - 1 and slots.numel():
             self._prefix.written(torch.unique(slots // self.page_size).tolist())
@@ -243,9 +262,7 @@ class PagedKVCache:
         """A sequence's K and V of ``layer`` as contiguous ``[seq_len, num_kv_heads, head_dim]``."""
         seq = self._seq(seq_id)
         layer = check_layer(layer, self.num_layers)
-        slots = flat_slots(seq.pages, 0, seq.length, self.page_size).to(self.device)
-        flat = (-1, self.num_kv_heads, self.head_dim)
-        return self.k_cache[layer].view(flat)[slots], self.v_cache[layer].view(flat)[slots]
+        return self._read(layer, flat_slots(seq.pages, 0, seq.length, self.page_size).to(self.device))
 
     # ----------------------------------------------------------------- sharing and release
     def fork(self, seq_id: int) -> int:
@@ -330,10 +347,13 @@ class PagedKVCache:
         src = all_slots[keep.cpu()].to(self.device)
         dst = all_slots[:n_keep].to(self.device)
         flat = (-1, self.num_kv_heads, self.head_dim)
-        self._saving(range(self.num_layers), dst)
-        for cache in (*self.k_cache, *self.v_cache):
-            view = cache.view(flat)
-            view.index_copy_(0, dst, view[src])  # view[src] is a copy taken before the writes
+        if self.quant is not None:  # 8-bit: each moved token under its new page's scale
+            self.quant.move(self, src, dst)
+        else:
+            self._saving(range(self.num_layers), dst)
+            for cache in (*self.k_cache, *self.v_cache):
+                view = cache.view(flat)
+                view.index_copy_(0, dst, view[src])  # view[src] is a copy taken before the writes
         self._release(seq.pages[need:])
         seq.pages = seq.pages[:need]
         seq.length = n_keep
@@ -341,39 +361,10 @@ class PagedKVCache:
             self._zero_slots(all_slots[n_keep : need * self.page_size].to(self.device))
         if self.watchers:  # the packed pages hold these keys now
             self._tell("clear", seq.pages)
-            for layer, cache in enumerate(self.k_cache):
-                self._tell("update", layer, dst, cache.view(flat)[dst])
+            for layer in range(self.num_layers):
+                self._tell("update", layer, dst, self._read(layer, dst)[0])
         seq.token_ids, seq.page_hashes = None, []
         self.last_copies = tuple(copies)
-
-    # ----------------------------------------------------------------- undo (`paged_ref.cache_undo`)
-    def mark(self, seq_id: int) -> SequenceMark:
-        """The sequence as it is now, for `rewind`; valid while the sequence only reserves and writes."""
-        return SequenceMark.of(seq_id, self._seq(seq_id))
-
-    def rewind(self, seq_id: int, mark: SequenceMark) -> None:
-        """Put the sequence back as `mark` saw it, undoing a failed forward's reserves and writes: shared
-        pages a private copy replaced are shared again, pages taken since go back, slots written since are
-        zeroed and withdrawn from the prefix cache (`paged_ref.cache_undo.rewind_sequence`, with an example).
-        Rewind a batch in reverse reservation order."""
-        rewind_sequence(self, seq_id, mark)
-
-    def checkpoint(self) -> None:
-        """Start a change that `rollback` undoes whole (sequences, pool, prefix index, K/V); one at a time."""
-        if self._checkpoint is not None:
-            raise RuntimeError("PagedKVCache.checkpoint: one is already open (commit or roll it back first)")
-        self._checkpoint = Checkpoint(self)
-
-    def commit(self) -> None:
-        """Keep every change since `checkpoint` (and stop recording)."""
-        self._checkpoint = None
-
-    def rollback(self) -> None:
-        """Undo every change since `checkpoint`: the cache is exactly as it was then."""
-        checkpoint, self._checkpoint = self._checkpoint, None
-        if checkpoint is None:
-            raise RuntimeError("PagedKVCache.rollback: no checkpoint is open")
-        checkpoint.restore(self)
 
     # ----------------------------------------------------------------- internals
     def _seq(self, seq_id) -> _Sequence:
@@ -408,16 +399,18 @@ class PagedKVCache:
         self.last_copies = tuple(copied)
         return slots
 
+    def _read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``layer`` at flat ``slots``, each ``[n, Hkv, D]`` in ``dtype`` (8-bit pages: their values)."""
+        if self.quant is not None:
+            return self.quant.read(self, layer, slots)
+        flat = (-1, self.num_kv_heads, self.head_dim)
+        return self.k_cache[layer].view(flat)[slots], self.v_cache[layer].view(flat)[slots]
+
     def _tell(self, event: str, *args) -> None:
         """The one hook the watchers of the pages' keys hang on: ``update(layer, slots, k)`` after keys are
         written, ``clear(pages)`` when pages start empty again, ``copy(src, dst)`` after a copy-on-write."""
         for watcher in self.watchers:
             getattr(watcher, event)(*args)
-
-    def _saving(self, layers, slots: torch.Tensor) -> None:
-        """Before ``slots`` of ``layers`` change: an open checkpoint keeps their contents."""
-        if self._checkpoint is not None and slots.numel():
-            self._checkpoint.save(self, tuple(layers), slots.to(device=self.device, dtype=torch.int64))
 
     def _allocate(self, n: int) -> list[int]:
         """Take ``n`` pages from the pool, all zero (a recycled cached page is zeroed here)."""
@@ -442,13 +435,15 @@ class PagedKVCache:
             if self._checkpoint is not None:
                 self._saving(range(self.num_layers), flat_slots(pages, 0, len(pages) * self.page_size, self.page_size))
             for cache in (*self.k_cache, *self.v_cache):
-                cache.index_fill_(0, index, 0)
+                raw(cache).index_fill_(0, index, 0)
+            if self.quant is not None:
+                self.quant.zero(index)  # an empty page's scale is 0
 
     def _zero_slots(self, slots: torch.Tensor) -> None:
         flat = (-1, self.num_kv_heads, self.head_dim)
         self._saving(range(self.num_layers), slots)
         for cache in (*self.k_cache, *self.v_cache):
-            cache.view(flat).index_fill_(0, slots, 0)
+            raw(cache).view(flat).index_fill_(0, slots, 0)
 
     def _copy_on_write(self, seq_id: int, indices: list[int], new_pages: list[int]) -> list[PageCopy]:
         """Give the sequence private copies of its shared pages at ``indices``, into ``new_pages``."""
@@ -459,6 +454,8 @@ class PagedKVCache:
                 self._saving(range(self.num_layers), flat_slots([page], 0, self.page_size, self.page_size))
             for cache in (*self.k_cache, *self.v_cache):
                 cache[page].copy_(cache[seq.pages[i]])
+            if self.quant is not None:
+                self.quant.copy(seq.pages[i], page)  # the scale travels with the page
             self._tell("copy", seq.pages[i], page)
             self.allocator.free([seq.pages[i]])  # drops this sequence's reference only
             seq.pages[i] = page

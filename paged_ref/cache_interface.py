@@ -74,6 +74,9 @@ class KVCache(Protocol):
 
     def gather(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    def kv_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """8-bit pages' float32 ``[pages, num_kv_heads]`` K and V scales of layer ``layer``; ``(None, None)`` else."""
+
     def truncate(self, seq_id: int, num_tokens: int) -> None: ...
 
     def compact(self, seq_id: int, keep: torch.Tensor) -> None: ...

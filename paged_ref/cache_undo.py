@@ -5,11 +5,15 @@ Both start from a `SequenceMark`, a sequence's pages, length and prefix keys as 
 - **Rewind** (`PagedKVCache.mark` / `rewind`): a failed forward only reserved and wrote, so the
   mark alone is enough: shared pages a private copy replaced are shared again, pages taken since go
   back, and the slots written since (zero before: a slot past a sequence's end holds no token) are
-  zeroed again.
+  zeroed again. With 8-bit pages scaled per page (`paged_ref.kv_pages`) a write may also have re-quantized
+  the tokens already in the sequence's last page: the mark keeps that page (bytes and scales, every layer).
 - **Checkpoint** (`PagedKVCache.checkpoint` / `rollback`): a step also evicts, compacts, frees and
   adds sequences, overwriting K/V that was not zero. The checkpoint holds every sequence's mark, the
   pool, the prefix index and what watches the pages (`paged_ref.page_summaries`), and keeps the old
-  contents of each K/V slot before the cache changes it; `rollback` writes those back, newest first.
+  contents of each K/V slot (and of its page's scales) before the cache changes it; `rollback` writes
+  those back, newest first.
+
+`Undo` gives the cache these as its methods ``mark``, ``rewind``, ``checkpoint``, ``commit`` and ``rollback``.
 
 Example:
     >>> from paged_ref.cache import PagedKVCache
@@ -27,8 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from ._validate import describe
+from .kv_pages import raw
 
-__all__ = ["Checkpoint", "SequenceMark", "rewind_plan", "rewind_sequence"]
+__all__ = ["Checkpoint", "SequenceMark", "Undo", "rewind_plan", "rewind_sequence"]
 
 
 @dataclass(frozen=True)
@@ -43,11 +48,13 @@ class SequenceMark:
     known: int
     page_hashes: list[bytes]
     hashed: int
+    tail: tuple | None = None  # 8-bit pages scaled per page: (page, its bytes and scales), see `last_page`
 
     @classmethod
-    def of(cls, seq_id: int, seq) -> SequenceMark:
+    def of(cls, seq_id: int, seq, tail=None) -> SequenceMark:
         known = None if seq.token_ids is None else len(seq.token_ids)
-        return cls(seq_id, tuple(seq.pages), seq.length, seq.token_ids, known, seq.page_hashes, len(seq.page_hashes))
+        hashes = seq.page_hashes
+        return cls(seq_id, tuple(seq.pages), seq.length, seq.token_ids, known, hashes, len(hashes), tail)
 
     def apply(self, seq) -> None:
         """Put ``seq``'s pages, length and prefix keys back as they were."""
@@ -79,6 +86,16 @@ def rewind_plan(saved: list[int], saved_len: int, pages: list[int], length: int,
     return [p for p in saved if p not in now], written, [p for p in pages if p not in before]
 
 
+def last_page(cache, seq) -> tuple | None:
+    """``(page, bytes, scales)``: the sequence's partly filled last page in every layer, when a write into it
+    may re-quantize its tokens (8-bit pages scaled per page); else None."""
+    if cache.quant is None or not cache.quant.per_page or not seq.length % cache.page_size:
+        return None
+    page = seq.pages[seq.length // cache.page_size]
+    index = torch.tensor([page], device=cache.device)
+    return page, [raw(t)[page].clone() for t in (*cache.k_cache, *cache.v_cache)], cache.quant.rows(index)
+
+
 def rewind_sequence(cache, seq_id: int, mark: SequenceMark) -> None:
     """`PagedKVCache.rewind`: the sequence back as ``mark`` saw it (it has only reserved and written since).
 
@@ -102,6 +119,11 @@ def rewind_sequence(cache, seq_id: int, mark: SequenceMark) -> None:
         cache._prefix.forget(page)  # its tokens changed, or were written by the failed step
     if written:
         cache._zero_slots(torch.tensor(written, device=cache.device))
+    if written and mark.tail is not None:  # the last page as it was, scales and re-quantized tokens included
+        page, bytes_, rows = mark.tail
+        for data, saved in zip((*cache.k_cache, *cache.v_cache), bytes_):
+            raw(data)[page] = saved
+        cache.quant.set_rows(torch.tensor([page], device=cache.device), rows)
     cache._release(taken)
     mark.apply(seq)
     cache.last_copies = ()
@@ -117,22 +139,26 @@ class Checkpoint:
         self.pool = cache.allocator.snapshot()
         self.prefix = cache._prefix.snapshot()
         self.watchers = [(w, w.snapshot()) for w in cache.watchers]
-        self.undo: list[tuple] = []  # (layers, slots int64 [n], k and v: per layer [n, Hkv, D]): oldest first
+        # (layers, slots int64 [n], k and v: per layer [n, Hkv, D], the pages' scale rows or None): oldest first
+        self.undo: list[tuple] = []
 
     def save(self, cache, layers, slots: torch.Tensor) -> None:
         """Keep the contents of ``slots`` (flat, int64 [n]) in ``layers`` before the cache changes them."""
         flat = (-1, cache.num_kv_heads, cache.head_dim)
-        k = [cache.k_cache[i].view(flat)[slots] for i in layers]  # each [n, Hkv, D], a copy
-        v = [cache.v_cache[i].view(flat)[slots] for i in layers]
-        self.undo.append((layers, slots, k, v))
+        k = [raw(cache.k_cache[i]).view(flat)[slots] for i in layers]  # each [n, Hkv, D], a copy
+        v = [raw(cache.v_cache[i]).view(flat)[slots] for i in layers]
+        rows = None if cache.quant is None else cache.quant.rows(torch.unique(slots // cache.page_size))
+        self.undo.append((layers, slots, k, v, rows))
 
     def restore(self, cache) -> None:
         """Put the cache back as it was when this checkpoint was made."""
         flat = (-1, cache.num_kv_heads, cache.head_dim)
-        for layers, slots, k, v in reversed(self.undo):
+        for layers, slots, k, v, rows in reversed(self.undo):
             for j, i in enumerate(layers):
-                cache.k_cache[i].view(flat).index_copy_(0, slots, k[j])
-                cache.v_cache[i].view(flat).index_copy_(0, slots, v[j])
+                raw(cache.k_cache[i]).view(flat).index_copy_(0, slots, k[j])
+                raw(cache.v_cache[i]).view(flat).index_copy_(0, slots, v[j])
+            if rows is not None:
+                cache.quant.set_rows(torch.unique(slots // cache.page_size), rows)
         for seq, mark in self.seqs.values():
             mark.apply(seq)
         cache._seqs = {seq_id: seq for seq_id, (seq, _) in self.seqs.items()}
@@ -141,3 +167,41 @@ class Checkpoint:
         cache._prefix.restore(self.prefix)
         for watcher, snapshot in self.watchers:
             watcher.restore(snapshot)
+
+
+class Undo:
+    """The cache's undo methods (`paged_ref.cache.PagedKVCache` inherits them; see the module docstring)."""
+
+    def mark(self, seq_id: int) -> SequenceMark:
+        """The sequence as it is now, for `rewind`; valid while the sequence only reserves and writes."""
+        seq = self._seq(seq_id)
+        return SequenceMark.of(seq_id, seq, last_page(self, seq))
+
+    def rewind(self, seq_id: int, mark: SequenceMark) -> None:
+        """Put the sequence back as `mark` saw it, undoing a failed forward's reserves and writes: shared
+        pages a private copy replaced are shared again, pages taken since go back, slots written since are
+        zeroed and withdrawn from the prefix cache (`rewind_sequence`, with an example).
+        Rewind a batch in reverse reservation order."""
+        rewind_sequence(self, seq_id, mark)
+
+    def checkpoint(self) -> None:
+        """Start a change that `rollback` undoes whole (sequences, pool, prefix index, K/V); one at a time."""
+        if self._checkpoint is not None:
+            raise RuntimeError("PagedKVCache.checkpoint: one is already open (commit or roll it back first)")
+        self._checkpoint = Checkpoint(self)
+
+    def commit(self) -> None:
+        """Keep every change since `checkpoint` (and stop recording)."""
+        self._checkpoint = None
+
+    def rollback(self) -> None:
+        """Undo every change since `checkpoint`: the cache is exactly as it was then."""
+        checkpoint, self._checkpoint = self._checkpoint, None
+        if checkpoint is None:
+            raise RuntimeError("PagedKVCache.rollback: no checkpoint is open")
+        checkpoint.restore(self)
+
+    def _saving(self, layers, slots: torch.Tensor) -> None:
+        """Before ``slots`` of ``layers`` change: an open checkpoint keeps their contents."""
+        if self._checkpoint is not None and slots.numel():
+            self._checkpoint.save(self, tuple(layers), slots.to(device=self.device, dtype=torch.int64))

@@ -31,6 +31,7 @@ from .cache import PageCopy, PagedKVCache
 from .cache_undo import SequenceMark
 from .memory import KVGeometry, model_geometry
 from .page_plan import compact_copies, truncate_cost
+from .quant import kv_format as as_kv_format
 
 __all__ = ["LayeredKVCache"]
 
@@ -48,9 +49,16 @@ class LayeredKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device="cpu",
+        kv_format=None,
     ):
         self.num_layers = check_int("num_layers", num_layers, min_value=1)
         self.num_pages = check_int("num_pages", num_pages, min_value=1)
+        kv_format = as_kv_format(kv_format)
+        if kv_format is not None and tuple in (type(kv_format.k_scale), type(kv_format.v_scale)):
+            raise ValueError(
+                "kv_format: a LayeredKVCache's layers share one pool of pages; give one k_scale and "
+                f"one v_scale for every layer, or scales='page', got {kv_format}"
+            )
         self.pool = PagedKVCache(
             num_layers=1,
             num_pages=num_layers * num_pages,
@@ -59,15 +67,16 @@ class LayeredKVCache:
             head_dim=head_dim,
             dtype=dtype,
             device=device,
+            kv_format=kv_format,
         )
         self._lanes: dict[int, list[int]] = {}  # sequence -> the inner sequence of each layer
         self._next_id = 0
         self.last_copies: tuple[PageCopy, ...] = ()  # as `PagedKVCache.last_copies`, with each copy's layer
 
     @classmethod
-    def for_model(cls, model, *, num_pages: int, page_size: int) -> LayeredKVCache:
+    def for_model(cls, model, *, num_pages: int, page_size: int, kv_format=None) -> LayeredKVCache:
         """A cache shaped for a transformers model, like `PagedKVCache.for_model`."""
-        return cls(num_pages=num_pages, page_size=page_size, **model_geometry(model).cache_kwargs)
+        return cls(num_pages=num_pages, page_size=page_size, kv_format=kv_format, **model_geometry(model).cache_kwargs)
 
     prefix_caching = False  # full pages are not shared by token ids here (forks share pages)
 
@@ -78,6 +87,12 @@ class LayeredKVCache:
     dtype = property(lambda self: self.pool.dtype)
     device = property(lambda self: self.pool.device)
     allocator = property(lambda self: self.pool.allocator)
+    kv_format = property(lambda self: self.pool.kv_format)
+
+    def kv_scales(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The pool's 8-bit page scales, which every layer reads (`PagedKVCache.kv_scales`), or ``(None, None)``."""
+        check_layer(layer, self.num_layers)
+        return self.pool.kv_scales(0)
 
     @property
     def k_cache(self) -> list[torch.Tensor]:

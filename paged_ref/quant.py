@@ -28,6 +28,7 @@ Example (one page of 4 tokens, 2 KV heads, head_dim 8, a scale per page and KV h
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -39,10 +40,10 @@ VLLM_FORMATS = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp
 SCALE_BYTES = 4  # a scale is one float32
 
 
-def check_format(fmt) -> torch.dtype:
+def check_format(fmt, name: str = "fmt") -> torch.dtype:
     """``fmt``, one of the accepted 8-bit formats."""
     if not isinstance(fmt, torch.dtype) or fmt not in FORMATS:
-        raise ValueError(f"fmt must be one of {list(FORMATS)}, got {fmt!r}")
+        raise ValueError(f"{name} must be one of {list(FORMATS)}, got {fmt!r}")
     return fmt
 
 
@@ -57,6 +58,77 @@ def check_scale(scale, name: str = "scale") -> torch.Tensor:
     if bad.any():
         raise ValueError(f"{name} must be finite and > 0, got {s[bad].flatten()[0].item()!r} ({int(bad.sum())} such)")
     return s
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """How a cache stores K and V in 8 bits (`paged_ref.cache.PagedKVCache`'s ``kv_format``).
+
+    ``dtype``: one of `FORMATS`. ``scales``: "layer" (one float32 per layer for K and one for V, vLLM's
+    ``k_scale`` / ``v_scale``: a number, or one per layer) or "page" (one per page and KV head, grown as
+    tokens are written: no fixed scale). ``rounding``: `quantize`'s ("zero" writes vLLM's CPU bytes).
+
+    Example:
+        >>> KVFormat(torch.int8, scales="page")
+        KVFormat(dtype=torch.int8, scales='page', k_scale=1.0, v_scale=1.0, rounding='nearest')
+        >>> KVFormat(torch.float8_e5m2, k_scale=[0.5, 2.0]).k_scale
+        (0.5, 2.0)
+    """
+
+    dtype: torch.dtype
+    scales: str = "layer"
+    k_scale: float | tuple[float, ...] = 1.0
+    v_scale: float | tuple[float, ...] = 1.0
+    rounding: str = "nearest"
+
+    def __post_init__(self):
+        check_format(self.dtype, "dtype")
+        check_choice("scales", self.scales, {"layer", "page"})
+        check_choice("rounding", self.rounding, {"nearest", "zero"})
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            if isinstance(value, (list, tuple)):  # one per layer
+                value = (
+                    torch.stack([check_scale(x, f"{name}[{i}]") for i, x in enumerate(value)])
+                    if value
+                    else torch.ones(0)
+                )
+            s = check_scale(value, name)
+            if s.dim() > 1 or s.numel() == 0:
+                raise ValueError(f"{name} must be a number or one per layer, got shape {list(s.shape)}")
+            if self.scales == "page" and not bool((s == 1).all()):
+                raise ValueError(f"{name} is fixed only with scales='layer'; scales='page' grows each page's own")
+            object.__setattr__(self, name, s.item() if s.dim() == 0 else tuple(s.tolist()))
+
+    def layer_scales(self, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k, v)``: float32 ``[num_layers]`` each, the per-layer scales."""
+        out = []
+        for name in ("k_scale", "v_scale"):
+            s = torch.tensor(getattr(self, name), dtype=torch.float32)
+            if s.dim() and len(s) != num_layers:
+                raise ValueError(f"{name} must be a number or one per layer ({num_layers}), got {len(s)} values")
+            out.append(s.expand(num_layers).clone())
+        return out[0], out[1]
+
+
+def kv_format(value) -> KVFormat | None:
+    """What a cache's ``kv_format`` accepts, as a `KVFormat`: None (floating pages), a `KVFormat`, an 8-bit
+    torch dtype, or vLLM's ``kv_cache_dtype`` name ("fp8", "fp8_e4m3", "fp8_e5m2"; rounding to nearest:
+    vLLM's CPU truncation is ``KVFormat(..., rounding="zero")``).
+
+    Example:
+        >>> kv_format("fp8").dtype, kv_format(None)
+        (torch.float8_e4m3fn, None)
+    """
+    if value is None or isinstance(value, KVFormat):
+        return value
+    if isinstance(value, str) and value in VLLM_FORMATS:
+        return KVFormat(VLLM_FORMATS[value])
+    if isinstance(value, torch.dtype) and value in FORMATS:
+        return KVFormat(value)
+    raise ValueError(
+        f"kv_format must be None, a KVFormat, one of {list(FORMATS)} or one of {sorted(VLLM_FORMATS)}, got {value!r}"
+    )
 
 
 def _scaled(x: torch.Tensor, scale, fmt) -> tuple[torch.Tensor, float]:

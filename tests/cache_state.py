@@ -2,7 +2,8 @@
 
 `snapshot` copies everything a cache operation may touch: every sequence's pages, length and
 prefix keys, the allocator's reference counts, free lists (in order) and bump pointer, the
-prefix index and the pages waiting for their K/V, and the K/V tensors themselves. Two
+prefix index and the pages waiting for their K/V, and the K/V tensors themselves (8-bit pages: their
+bytes and scales). Two
 snapshots compare equal with ``==`` exactly when the caches are in the same state; ``diff``
 names the fields that differ.
 """
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from paged_ref.cache import PagedKVCache
+from paged_ref.kv_pages import raw
 from paged_ref.layered_cache import LayeredKVCache
 
 
@@ -105,4 +107,7 @@ def snapshot(cache, *, tensors: bool = True, exact: bool = True) -> Snapshot:
         "unwritten": tuple(sorted(cache._prefix.unwritten)),
         "prefix_hits": cache.prefix_hits,
     }
-    return Snapshot(fields, tuple(t.clone() for t in (*cache.k_cache, *cache.v_cache)) if tensors else ())
+    # the K/V bytes (8-bit pages: as uint8), and 8-bit pages' scales when they are per page
+    scales = (*cache.quant.k_scales, *cache.quant.v_scales) if cache.quant is not None and cache.quant.per_page else ()
+    kv = tuple(raw(t).clone() for t in (*cache.k_cache, *cache.v_cache, *scales))
+    return Snapshot(fields, kv if tensors else ())

@@ -14,13 +14,15 @@ oracle), ``flex``, ``triton`` (prefill, compute-bound and once per prompt, throu
 (gather by slot, then PyTorch's SDPA: the CPU's path), ``cpu_paged`` (a small C++ kernel reading
 the pages in place, built when the backend is first used; a packed step's rows in one call) and ``cascade`` (the pages
 rows share are read once for all of them); ``auto``, the default, is ``triton`` on CUDA and ``sdpa``
-elsewhere. `register_backend` adds one.
+elsewhere. `register_backend` adds one. On a cache of 8-bit pages (`paged_ref.kv_pages`) every call also
+gets the layer's ``k_scale`` and ``v_scale`` (``kv.kv_scales(layer)``); `reads_8bit` says which backends take them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,7 +35,7 @@ from ..attention.sdpa import prepare
 from .cache import region
 
 __all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "Backend", "auto_backend", "get_backend", "register_backend"]
-__all__ += ["paged_attention_forward", "register"]
+__all__ += ["for_8bit_pages", "paged_attention_forward", "reads_8bit", "register"]
 
 ATTN_IMPLEMENTATION = "paged_ref"
 AUTO = "auto"
@@ -97,6 +99,31 @@ def get_backend(name, device="cpu") -> Backend:
         return name
     check_choice("backend", name, [*BACKENDS, AUTO])
     return BACKENDS[auto_backend(device) if name == AUTO else name]
+
+
+def reads_8bit(backend: Backend) -> bool:
+    """Whether every function of ``backend`` takes 8-bit pages' ``k_scale`` and ``v_scale`` (the 8-bit contract).
+
+    Example:
+        >>> reads_8bit(BACKENDS["reference"]), reads_8bit(BACKENDS["cascade"])
+        (True, False)
+    """
+    where = [backend.decode, backend.prefill] + ([backend.packed] if backend.packed is not None else [])
+    try:
+        return all("k_scale" in inspect.signature(_function(w)).parameters for w in where)
+    except ImportError:  # a backend whose kernels are not installed here
+        return False
+
+
+def for_8bit_pages(backend: Backend, *, asked) -> Backend:
+    """``backend`` if it reads 8-bit pages; else, when ``"auto"`` chose it (``asked``), the reference; a backend
+    asked for that cannot is refused, naming those that can."""
+    if reads_8bit(backend):
+        return backend
+    if asked == AUTO:
+        return BACKENDS["reference"]
+    can = [name for name, b in BACKENDS.items() if reads_8bit(b)]
+    raise ValueError(f"backend {backend.name!r} cannot read the cache's 8-bit pages; backends that can: {can}")
 
 
 def auto_backend(device) -> str:
@@ -220,9 +247,13 @@ def _attention(plan, layer: int, query: torch.Tensor, scaling) -> torch.Tensor:
     """`paged_attention_forward`'s output for one layer: ``[batch, max_q_len, Hq, D]``."""
     k_cache, v_cache = plan.kv.k_cache[layer], plan.kv.v_cache[layer]  # [num_pages, page_size, Hkv, D]
     block_table, attn_kwargs = plan.layer(layer)  # int32 [batch, max_pages], this layer's keywords
+    k_scale, v_scale = plan.kv.kv_scales(layer)  # 8-bit pages: float32 [num_pages, Hkv] each; else None
+    if k_scale is not None:  # floating pages: the calls as they always were
+        attn_kwargs = {**attn_kwargs, "k_scale": k_scale, "v_scale": v_scale}
     if plan.packed is not None and plan.valid is None:  # no padding: the tokens lie packed, row after row
         tokens = query.transpose(1, 2).flatten(0, 1)  # [num_new, Hq, D]
-        out = plan.packed(tokens, k_cache, v_cache, block_table, plan.seq_lens, plan.q_lens, scale=scaling)
+        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        out = plan.packed(tokens, k_cache, v_cache, block_table, plan.seq_lens, plan.q_lens, scale=scaling, **scales)
         if out is not None:  # else the backend cannot run these tensors: the parts, or decode and prefill
             return out.view(query.shape[0], -1, *out.shape[1:])  # [batch, max_q_len, Hq, D]
     if plan.parts is not None:

@@ -39,7 +39,15 @@ from ..cache_interface import KVCache
 from ..eviction.policies import EvictionPolicy, resolve_policy
 from ..memory import model_geometry
 from ._checks import check_batch, check_live, check_policy, check_room, token_ids
-from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, paged_attention_active, register, set_attn_implementation
+from .attention import (
+    ATTN_IMPLEMENTATION,
+    AUTO,
+    for_8bit_pages,
+    get_backend,
+    paged_attention_active,
+    register,
+    set_attn_implementation,
+)
 from .cache import PagedCache, StepPlan, pack_rows
 
 __all__ = ["PagedSession", "cache_keyword", "fast_step"]
@@ -121,6 +129,8 @@ class PagedSession:
                 f"kv_cache does not match the model: the model needs {geometry.cache_kwargs}, "
                 f"kv_cache has {kv_cache.geometry.cache_kwargs}"
             )
+        if kv_cache.kv_scales(0)[0] is not None:  # 8-bit pages: a backend that reads them
+            self._backend = for_8bit_pages(self._backend, asked=backend)
         self.model = model
         self.kv = kv_cache
         self.backend = self._backend.name

@@ -46,15 +46,17 @@ __all__ = ["CLOCKS", "Engine", "StepRecord"]
 CLOCKS = ("simulated", "real", "steps")
 
 
-def _open_session(model, fast, num_pages: int, page_size: int, prefix_caching: bool, rows: int, max_model_len):
+def _open_session(model, fast, rows: int, max_model_len, *, kv_format, **pool):
     """The step's session (a `DrySession` for ``model=None``), the model's vocabulary size and EOS ids
     (None and ``[]`` for a dry run), and the longest request: by default, and at most, the model's
-    ``max_position_embeddings``."""
+    ``max_position_embeddings``. ``pool``: the cache's ``num_pages``, ``page_size`` and ``prefix_caching``."""
     if model is None:
-        if fast is not None and fast is not False:
-            raise ValueError(f"fast needs a model: a dry run (Engine(None, ...)) computes no token, got {fast!r}")
-        dry = DrySession(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
-        return dry, None, [], max_model_len
+        for name, value in (("fast", fast), ("kv_format", kv_format)):
+            if value is not None and value is not False:
+                raise ValueError(
+                    f"{name} needs a model: a dry run (Engine(None, ...)) computes no token, got {value!r}"
+                )
+        return DrySession(**pool), None, [], max_model_len
     from ..hf.session import PagedSession, fast_step
 
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -62,7 +64,7 @@ def _open_session(model, fast, num_pages: int, page_size: int, prefix_caching: b
         max_model_len = limit
     elif limit is not None and check_int("max_model_len", max_model_len, min_value=1) > limit:
         raise ValueError(f"max_model_len must be <= the model's max_position_embeddings={limit}, got {max_model_len}")
-    kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching)
+    kv = PagedKVCache.for_model(model, **pool, kv_format=kv_format)
     session = PagedSession(model, kv_cache=kv, fast=fast_step(fast, model, rows=rows)).open()
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     return session, model.config.vocab_size, eos, max_model_len
@@ -74,6 +76,8 @@ class Engine:
     Args:
         model: a transformers causal LM, or None for a dry run (`paged_ref.serve.dry`: no token computed).
         reservation, preemption, max_num_seqs, max_batched_tokens: the `Scheduler`'s.
+        kv_format: K and V in 8 bits (`paged_ref.quant.KVFormat`, an 8-bit dtype or vLLM's "fp8"); None: the
+            model's dtype.
         fast: the CPU speed-ups (`paged_ref.fast.Fast`; True: all the model allows, attention through
             ``cpu_paged`` and the few-rows kernel up to ``max_num_seqs`` rows); None: the eager step.
         watermark: share of the pool admission keeps free while others run (vLLM 0.32: 0).
@@ -98,6 +102,7 @@ class Engine:
         preemption: str = "recompute",
         prefix_caching: bool = False,
         fast=None,
+        kv_format=None,
         watermark: float = 0.01,
         max_model_len: int | None = None,
         eos_token_id: int | list[int] | None = None,
@@ -105,7 +110,8 @@ class Engine:
     ):
         watermark = check_watermark(watermark)
         self.clock = check_choice("clock", clock or ("steps" if model is None else "simulated"), CLOCKS)
-        opened = _open_session(model, fast, num_pages, page_size, prefix_caching, max_num_seqs, max_model_len)
+        pool = dict(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching, kv_format=kv_format)
+        opened = _open_session(model, fast, max_num_seqs, max_model_len, **pool)
         self.session, self.vocab_size, eos, max_model_len = opened
         self.model = model
         self.kv = self.session.kv
