@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
-DTYPES |= {"int16": torch.int16, "bool": torch.bool}
+DTYPES |= {"int16": torch.int16, "bool": torch.bool, "float16": torch.float16, "int8": torch.int8}
+DTYPES |= {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
 def child_env() -> dict:
@@ -84,9 +85,12 @@ def run(case: dict):
     op = case["op"]
     if op == "paged_attention":
         args = [t[n] for n in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "q_lens")]
-        got = [kernel().paged_attention(*args, case["scale"])]
+        got = [kernel().paged_attention_scaled(*args, case["scale"], t.get("k_scale"), t.get("v_scale"))]
         lens, q_lens = t["seq_lens"].tolist(), t["q_lens"].tolist()
-        caches = f64["k_cache"], f64["v_cache"]
+        caches = [  # 8-bit pages: the bytes times their page scales in float32, as the kernel reads them
+            f64[c] if s not in t else (t[c].float() * t[s][:, None, :, None]).double()
+            for c, s in (("k_cache", "k_scale"), ("v_cache", "v_scale"))
+        ]
         ref = lambda: [ref_paged(f64["q"], *caches, t["block_table"], lens, q_lens, case["scale"])]  # noqa: E731
     elif op == "few_rows":
         got = [few_rows_kernel()(t["x"], t["w"], case["n"])]

@@ -113,6 +113,8 @@ FLOAT = st.sampled_from(["float32"] * 9 + ["float64"])
 INT = st.sampled_from(["int32"] * 4 + ["int64"] * 2 + ["int16", "float32"])
 READ = st.sampled_from(["contiguous", "transposed", "strided", "expanded"])
 TABLE = st.sampled_from(["contiguous", "transposed", "strided"])
+EIGHT_BIT = ("float8_e4m3fn", "float8_e5m2", "int8")
+PAGES = st.sampled_from(["float32"] * 9 + ["float64", *EIGHT_BIT * 3])  # K/V pages: float32 or 8-bit
 SEED = st.integers(0, 2**31 - 1)
 
 
@@ -136,16 +138,32 @@ def paged_cases(draw):
     q_rank = draw(st.sampled_from([3] * 12 + [2]))
     v_pages = draw(st.one_of(st.just(pages), st.integers(0, 6)))
     int_t = [draw(INT), draw(INT), draw(INT)]
+    k_dtype = draw(PAGES)
+    v_dtype = draw(st.one_of(st.just(k_dtype), PAGES))
     tensors = {
         "q": _spec([n, Hq, Dq][:q_rank] if q_rank == 2 else [n, Hq, Dq], draw(FLOAT), draw(READ)),
-        "k_cache": _spec([pages, P, Hkv, D], draw(FLOAT), draw(READ)),
-        "v_cache": _spec([v_pages, P, Hkv, D], draw(FLOAT), draw(READ)),
+        "k_cache": _spec([pages, P, Hkv, D], k_dtype, draw(READ)),
+        "v_cache": _spec([v_pages, P, Hkv, D], v_dtype, draw(READ)),
         "block_table": _spec([rows, M], int_t[0], draw(TABLE), [p for r in table for p in r]),
         "seq_lens": _spec([B], int_t[1], draw(TABLE), lens),
         "q_lens": _spec([len(q_lens)], int_t[2], draw(TABLE), q_lens),
     }
+    for name in ("k_scale", "v_scale"):  # 8-bit pages: mostly right (strides of every kind, 0 too), else not
+        if draw(st.sampled_from([True] * 8 + [False] * 2)) == (k_dtype in EIGHT_BIT):
+            shape = draw(st.sampled_from([[pages, Hkv]] * 8 + [[max(0, pages - 1), Hkv], [Hkv, pages], [pages]]))
+            tensors[name] = _spec(shape, draw(st.sampled_from(["float32"] * 8 + ["float64", "float16"])), draw(READ))
     return {"op": "paged_attention", "seed": draw(SEED), "scale": draw(st.sampled_from([0.5, 1.0, 3.0])),
             "tensors": tensors}  # fmt: skip
+
+
+def scale_violations(t: dict) -> set[str]:
+    """The page scales' contract: with 8-bit pages float32 [num_pages, Hkv] (any strides), else none."""
+    pages, _, Hkv, _ = t["k_cache"]["shape"]
+    if t["k_cache"]["dtype"] not in EIGHT_BIT:
+        return {n for n in ("k_scale", "v_scale") if n in t}
+    return {
+        n for n in ("k_scale", "v_scale") if n not in t or t[n]["dtype"] != "float32" or t[n]["shape"] != [pages, Hkv]
+    }
 
 
 def _int16_or_float(spec) -> bool:
@@ -155,8 +173,11 @@ def _int16_or_float(spec) -> bool:
 def paged_violations(case: dict) -> set[str]:
     """The arguments ``case`` breaks: the kernel's contract (`paged_ref.attention.cpu_paged`)."""
     t = case["tensors"]
-    bad = {n for n in ("q", "k_cache", "v_cache") if t[n]["dtype"] != "float32"}
+    bad = {"q"} if t["q"]["dtype"] != "float32" else set()
+    bad |= {"k_cache"} if t["k_cache"]["dtype"] not in ("float32", *EIGHT_BIT) else set()
+    bad |= {"v_cache"} if t["v_cache"]["dtype"] != t["k_cache"]["dtype"] else set()
     bad |= {n for n in ("block_table", "seq_lens", "q_lens") if _int16_or_float(t[n])}
+    bad |= scale_violations(t)
     if len(t["q"]["shape"]) != 3:
         return bad | {"q"}
     (n, Hq, Dq), (pages, P, Hkv, D) = t["q"]["shape"], t["k_cache"]["shape"]
@@ -186,6 +207,50 @@ def paged_violations(case: dict) -> set[str]:
 @given(case=paged_cases())
 def test_paged_attention_hostile(worker, case):
     check(worker, case, paged_violations(case))
+
+
+def _scale_case(fmt: str, change: dict) -> dict:
+    """A valid call on 8-bit pages (2 sequences, 4 pages of 4 tokens, 2 KV heads, GQA 2) with ``change`` made to
+    its tensors' specs (a spec of None: the tensor left out)."""
+    pages = _spec([4, 4, 2, 8], fmt)
+    tensors = {
+        "q": _spec([3, 4, 8]),
+        "k_cache": pages,
+        "v_cache": pages,
+        "k_scale": _spec([4, 2], layout="transposed"),
+        "v_scale": _spec([4, 2], layout="expanded"),
+        "block_table": _spec([2, 2], "int32", values=[3, 1, 0, 2]),
+        "seq_lens": _spec([2], "int32", values=[7, 4]),
+        "q_lens": _spec([2], "int32", values=[2, 1]),
+    }
+    tensors = {n: s for n, s in {**tensors, **change}.items() if s is not None}
+    return {"op": "paged_attention", "seed": 7, "scale": 0.5, "tensors": tensors}
+
+
+SCALE_CHANGES = {
+    "valid": {},
+    "strided scales": {"k_scale": _spec([4, 2], layout="strided"), "v_scale": _spec([4, 2])},
+    "no k_scale": {"k_scale": None},
+    "no scales": {"k_scale": None, "v_scale": None},
+    "float64 v_scale": {"v_scale": _spec([4, 2], "float64")},
+    "float16 k_scale": {"k_scale": _spec([4, 2], "float16")},
+    "too short k_scale": {"k_scale": _spec([3, 2])},
+    "transposed shape": {"v_scale": _spec([2, 4])},
+    "one scale per page": {"k_scale": _spec([4])},
+    "scales for float32 pages": {"k_cache": _spec([4, 4, 2, 8]), "v_cache": _spec([4, 4, 2, 8])},
+    "v_cache of another format": {"v_cache": None},  # filled in per format
+}
+
+
+@pytest.mark.parametrize("fmt", EIGHT_BIT)
+@pytest.mark.parametrize("change", SCALE_CHANGES, ids=str)
+def test_paged_attention_page_scales(worker, fmt, change):
+    """8-bit pages and their scales, each way the scales can be wrong (and right, through any strides)."""
+    other = EIGHT_BIT[(EIGHT_BIT.index(fmt) + 1) % 3]
+    case = _scale_case(fmt, {"v_cache": _spec([4, 4, 2, 8], other)} if "another" in change else SCALE_CHANGES[change])
+    violations = paged_violations(case)
+    assert (change == "valid" or "strided" in change) == (not violations)
+    check(worker, case, violations)
 
 
 # --- few_rows -----------------------------------------------------------------------------------

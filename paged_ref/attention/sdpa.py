@@ -3,7 +3,8 @@
 Each call copies a batch's tokens out of the pages through the slot map and hands them to
 ``scaled_dot_product_attention`` with a mask for the ragged lengths (and causality in prefill),
 as transformers' continuous batching does: a copy of the K/V per layer that a paged kernel
-avoids, the practical path on a CPU. `prepare` builds the slot map and mask once per step.
+avoids, the practical path on a CPU. `prepare` builds the slot map and mask once per step. 8-bit
+pages (``k_scale``, ``v_scale``) are dequantized as they are gathered, then attended in float32.
 
 Example:
     >>> kc, vc = torch.randn(4, 16, 2, 64), torch.randn(4, 16, 2, 64)
@@ -67,12 +68,22 @@ def prepare(block_table, seq_lens, page_size: int, q_lens=None, q_len: int = 1) 
     return SlotGather(slots, mask[:, None], padded_rows=padded_rows, padding=padding)  # mask [batch, 1, q_len, max_kv]
 
 
-def _attend(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tensor:
-    """q: [batch, Hq, q_len, D] -> [batch, Hq, q_len, D]."""
+def _dequantized(pages: torch.Tensor, page_scale, page_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered ``pages [*page_ids.shape, ...]`` of 8-bit bytes times ``page_scale [num_pages, Hkv]`` at
+    ``page_ids``, in float32 (the reference's product), then ``dtype``; ``pages`` as they are without a scale."""
+    if page_scale is None:
+        return pages
+    scale = page_scale[page_ids].view(*page_ids.shape, *[1] * (pages.dim() - page_ids.dim() - 2), -1, 1)
+    return (pages.float() * scale).to(dtype)  # [..., Hkv, D]
+
+
+def _attend(q, k_cache, v_cache, gather: SlotGather, scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
+    """q: [batch, Hq, q_len, D] (the compute dtype with 8-bit pages) -> [batch, Hq, q_len, D]."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     flat = (-1, num_kv_heads, head_dim)
-    k = k_cache.view(flat)[gather.slots]  # [batch, max_kv, Hkv, D], a copy
-    v = v_cache.view(flat)[gather.slots]  # [batch, max_kv, Hkv, D], a copy
+    pages = None if k_scale is None else gather.slots // k_cache.shape[1]  # [batch, max_kv] each slot's page
+    k = _dequantized(k_cache.view(flat)[gather.slots], k_scale, pages, q.dtype)  # [batch, max_kv, Hkv, D], a copy
+    v = _dequantized(v_cache.view(flat)[gather.slots], v_scale, pages, q.dtype)  # [batch, max_kv, Hkv, D], a copy
     if gather.padding is not None:
         k.masked_fill_(gather.padding[:, :, None, None], 0.0)
         v.masked_fill_(gather.padding[:, :, None, None], 0.0)
@@ -116,19 +127,22 @@ def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return merge_partials(lse * LOG2E, torch.ones_like(lse), out).to(q.dtype)  # [Hq, D]
 
 
-def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float) -> torch.Tensor:
-    """q: [batch, Hq, D] -> [batch, Hq, D]: one sequence on consecutive pages read in place, else
-    whole pages gathered; one sequence then through `attend_chunked`, a batch through two matmuls."""
+def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float, k_scale=None, v_scale=None):
+    """q: [batch, Hq, D] (the compute dtype with 8-bit pages) -> [batch, Hq, D]: one sequence on consecutive
+    floating pages read in place, else whole pages gathered; one sequence then through `attend_chunked`, a
+    batch through two matmuls."""
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     batch, num_q_heads, _ = q.shape
     max_kv = gather.max_kv
-    if gather.start is not None:  # in place: the run of slots viewed as it lies, no copy
+    if gather.start is not None and k_scale is None:  # in place: the run of slots viewed as it lies, no copy
         k = k_cache.view(-1, num_kv_heads, head_dim)[gather.start : gather.start + max_kv]  # [T, Hkv, D]
         v = v_cache.view(-1, num_kv_heads, head_dim)[gather.start : gather.start + max_kv]  # [T, Hkv, D]
         return attend_chunked(q[0], k, v, scale)[None]  # [1, Hq, D]
     flat = gather.pages.reshape(-1)  # [batch * n_pages]
-    k = k_cache.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim)[:, :max_kv]  # [B, T, Hkv, D]
-    v = v_cache.index_select(0, flat).view(batch, -1, num_kv_heads, head_dim)[:, :max_kv]
+    k = _dequantized(k_cache.index_select(0, flat), k_scale, flat, q.dtype)  # [B * n_pages, P, Hkv, D]
+    v = _dequantized(v_cache.index_select(0, flat), v_scale, flat, q.dtype)
+    k = k.view(batch, -1, num_kv_heads, head_dim)[:, :max_kv]  # [B, T, Hkv, D]
+    v = v.view(batch, -1, num_kv_heads, head_dim)[:, :max_kv]
     if gather.padding is not None:  # the masked scores are -inf below; their V must be finite
         v.masked_fill_(gather.padding[:, :, None, None], 0.0)
     if batch == 1:  # gathered pages of one sequence: the same chunked path as in place
@@ -145,28 +159,58 @@ def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float) -> tor
     return out.reshape(batch, num_q_heads, head_dim)
 
 
+def _compute(q: torch.Tensor, k_scale) -> torch.Tensor:
+    """``q`` in the dtype attention runs in: its own, or float32 (float64 for float64) with 8-bit pages."""
+    return q if k_scale is None else q.to(torch.promote_types(q.dtype, torch.float32))
+
+
 def sdpa_paged_decode(
-    q, k_cache, v_cache, block_table, seq_lens, *, scale=None, gather=None, check_values=True
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    *,
+    scale=None,
+    gather=None,
+    check_values=True,
+    k_scale=None,
+    v_scale=None,
 ) -> torch.Tensor:
     """Decode attention over the pages, the contract of `reference_paged_decode`; ``gather``:
     ``prepare(block_table, seq_lens, page_size)`` built once per step, or None."""
-    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    scale = check_paged_inputs(
+        q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values, **scales
+    )
     if gather is None:
         gather = prepare(block_table, seq_lens, k_cache.shape[1])
-    return _attend_decode(q, k_cache, v_cache, gather, scale)
+    return _attend_decode(_compute(q, k_scale), k_cache, v_cache, gather, scale, **scales).to(q.dtype)
 
 
 def sdpa_paged_prefill(
-    q, k_cache, v_cache, block_table, seq_lens, q_lens, *, scale=None, gather=None, check_values=True
+    q,
+    k_cache,
+    v_cache,
+    block_table,
+    seq_lens,
+    q_lens,
+    *,
+    scale=None,
+    gather=None,
+    check_values=True,
+    k_scale=None,
+    v_scale=None,
 ) -> torch.Tensor:
     """Causal prefill over the pages, the contract of `reference_paged_prefill`; ``gather``:
     ``prepare(block_table, seq_lens, page_size, q_lens, max_q_len)``, or None."""
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     scale = check_prefill_inputs(
-        q, k_cache, v_cache, block_table, seq_lens, q_lens, scale=scale, check_values=check_values
+        q, k_cache, v_cache, block_table, seq_lens, q_lens, scale=scale, check_values=check_values, **scales
     )
     if gather is None:
         gather = prepare(block_table, seq_lens, k_cache.shape[1], q_lens, q.shape[2])
-    out = _attend(q, k_cache, v_cache, gather, scale)  # [batch, Hq, max_q_len, D]
+    out = _attend(_compute(q, k_scale), k_cache, v_cache, gather, scale, **scales).to(q.dtype)
     if not gather.padded_rows:
         return out
     padding = torch.arange(q.shape[2], device=q.device)[None, :] >= q_lens[:, None]  # [batch, max_q_len]

@@ -3,6 +3,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 // An int32 or int64 tensor [B] (seq_lens, q_lens) as int64 values, its dtype and shape checked.
@@ -32,15 +34,39 @@ static void check_pages(const torch::Tensor& block_table, const std::vector<int6
   }
 }
 
+using Scale = std::optional<torch::Tensor>;
+
+// 8-bit pages: k_cache's dtype is one of these (float32 pages have none).
+static bool is_8bit(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2 || t == at::kChar; }
+
+// k_scale, v_scale: with 8-bit pages float32 CPU tensors [num_pages, Hkv], any strides (0 too: one value
+// expanded); with float32 pages None.
+static void check_scales(const char* op, const torch::Tensor& k_cache, const Scale& k_scale, const Scale& v_scale) {
+  const bool q8 = is_8bit(k_cache.scalar_type());
+  for (auto [name, t] : {std::pair{"k_scale", &k_scale}, std::pair{"v_scale", &v_scale}}) {
+    TORCH_CHECK(t->has_value() == q8, op, ": ", name, q8 ? " must be a float32 tensor with " : " must be None with ",
+                k_cache.scalar_type(), " pages");
+    if (!q8) continue;
+    check_tensor(op, name, **t, at::kFloat, 2, "[num_pages, Hkv]");
+    TORCH_CHECK((*t)->size(0) == k_cache.size(0) && (*t)->size(1) == k_cache.size(2), op, ": ", name,
+                " must be [num_pages, Hkv] = [", k_cache.size(0), ", ", k_cache.size(2), "], got ", (*t)->sizes());
+  }
+}
+
 // Everything paged_attention relies on, checked: dtypes, devices, ranks, sizes that must agree, lengths and
-// page ids in range. Returns (seq_lens, q_lens) as int64 values. The tensors' strides are free (copies are made).
+// page ids in range. Returns (seq_lens, q_lens) as int64 values. The tensors' strides are free (copies are made,
+// the scales are read through theirs).
 static std::pair<std::vector<int64_t>, std::vector<int64_t>> check_paged_attention(
     const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-    const torch::Tensor& block_table, const torch::Tensor& seq_lens, const torch::Tensor& q_lens) {
+    const torch::Tensor& block_table, const torch::Tensor& seq_lens, const torch::Tensor& q_lens,
+    const Scale& k_scale = {}, const Scale& v_scale = {}) {
   const char* op = "paged_attention";
   check_tensor(op, "q", q, at::kFloat, 3, "[n, Hq, D]");
-  check_tensor(op, "k_cache", k_cache, at::kFloat, 4, "[num_pages, page_size, Hkv, D]");
-  check_tensor(op, "v_cache", v_cache, at::kFloat, 4, "[num_pages, page_size, Hkv, D]");
+  const auto dtype = k_cache.defined() ? k_cache.scalar_type() : at::kFloat;
+  TORCH_CHECK(dtype == at::kFloat || is_8bit(dtype), op, ": k_cache must be float32, float8_e4m3fn, float8_e5m2 or ",
+              "int8, got ", dtype);
+  check_tensor(op, "k_cache", k_cache, dtype, 4, "[num_pages, page_size, Hkv, D]");
+  check_tensor(op, "v_cache", v_cache, dtype, 4, "[num_pages, page_size, Hkv, D]");
   TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have k_cache's shape ", k_cache.sizes(),
               ", got ", v_cache.sizes());
   const int64_t Hq = q.size(1), num_pages = k_cache.size(0), P = k_cache.size(1), Hkv = k_cache.size(2);
@@ -49,6 +75,7 @@ static std::pair<std::vector<int64_t>, std::vector<int64_t>> check_paged_attenti
   TORCH_CHECK(q.size(2) == k_cache.size(3), op, ": q head_dim (dim 2) must equal k_cache's ", k_cache.size(3),
               ", got ", q.size(2));
   TORCH_CHECK(Hq % Hkv == 0, op, ": q Hq (dim 1) must be a multiple of k_cache's Hkv = ", Hkv, ", got ", Hq);
+  check_scales(op, k_cache, k_scale, v_scale);
   TORCH_CHECK(block_table.defined() &&
                   (block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong),
               op, ": block_table must be an int32 or int64 tensor");
@@ -80,20 +107,49 @@ void paged_attention_checks(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   repeat_checks(times, [&] { check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens); });
 }
 
-template <typename T>
+// A page scale read through its strides (any, 0 too); none for float32 pages.
+struct PageScale {
+  const float* p = nullptr;
+  int64_t s0 = 0, s1 = 0;
+  PageScale(const Scale& t) {
+    if (t) p = t->data_ptr<float>(), s0 = t->stride(0), s1 = t->stride(1);
+  }
+  float at(int64_t page, int64_t g) const { return p[page * s0 + g * s1]; }
+};
+
+// The K or V row [D] of KV head g in slot `slot` of page `page`: float32 pages where it lies; 8-bit bytes as
+// floats times the page's scale for g (one float32 multiply, the reference's product), into buf [D].
+template <typename C>
+static inline const float* kv_row(const C* cache, int64_t slot, int64_t page, int64_t g, int64_t Hkv, int64_t D,
+                                  const PageScale& scale, float* buf) {
+  const C* r = cache + (slot * Hkv + g) * D;
+  if constexpr (std::is_same_v<C, float>) {
+    return r;
+  } else {
+    const float s = scale.at(page, g);
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) buf[d] = static_cast<float>(r[d]) * s;
+    return buf;
+  }
+}
+
+// C: the pages' element type (float, or an 8-bit one read through kv_row); T: the block table's.
+template <typename T, typename C>
 static void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& block_table, const std::vector<int64_t>& lens,
-                   const std::vector<int64_t>& new_lens, float sc, torch::Tensor& out) {
+                   const std::vector<int64_t>& new_lens, float sc, const PageScale& k_scale,
+                   const PageScale& v_scale, torch::Tensor& out) {
   const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), B = int64_t(lens.size());
   const int64_t P = k_cache.size(1), Hkv = k_cache.size(2), G = Hq / Hkv, M = block_table.size(1);
-  const float *qs = q.data_ptr<float>(), *ks = k_cache.data_ptr<float>(), *vs = v_cache.data_ptr<float>();
+  const float* qs = q.data_ptr<float>();
+  const C *ks = static_cast<const C*>(k_cache.data_ptr()), *vs = static_cast<const C*>(v_cache.data_ptr());
   const T* table = block_table.data_ptr<T>();
   float* os = out.data_ptr<float>();
   std::vector<int64_t> seq(n), seen(n);  // each token's sequence and the tokens it sees
   for (int64_t b = 0, row = 0; b < B; ++b)
     for (int64_t i = 0; i < new_lens[b]; ++i, ++row) seq[row] = b, seen[row] = lens[b] - new_lens[b] + i + 1;
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s;  // [Hq, len]: scores, then probabilities
+    std::vector<float> s, buf(D);  // [Hq, len]: scores, then probabilities; [D]: one dequantized row
     for (int64_t row = begin; row < end; ++row) {
       const int64_t b = seq[row], len = seen[row];  // 1 <= len <= seq_lens[b] (checked)
       const T* pages = table + b * M;
@@ -102,15 +158,17 @@ static void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       std::fill(ob, ob + Hq * D, 0.f);
       s.resize(Hq * len);
       for (int64_t t = 0; t < len; ++t) {  // scores: token t's K row [Hkv, D], read in its page
-        const float* k = ks + (int64_t(pages[t / P]) * P + t % P) * Hkv * D;
-        for (int64_t g = 0; g < Hkv; ++g)
+        const int64_t page = pages[t / P], slot = page * P + t % P;
+        for (int64_t g = 0; g < Hkv; ++g) {
+          const float* kh = kv_row(ks, slot, page, g, Hkv, D, k_scale, buf.data());
           for (int64_t h = g * G; h < (g + 1) * G; ++h) {  // query heads h of KV head g
-            const float *qh = qb + h * D, *kh = k + g * D;
+            const float* qh = qb + h * D;
             float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
             for (int64_t d = 0; d < D; ++d) acc += qh[d] * kh[d];
             s[h * len + t] = acc * sc;
           }
+        }
       }
       for (int64_t h = 0; h < Hq; ++h) {  // softmax of each head's scores
         float* r = s.data() + h * len;
@@ -124,33 +182,63 @@ static void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const t
         for (int64_t t = 0; t < len; ++t) r[t] /= l;
       }
       for (int64_t t = 0; t < len; ++t) {  // out = probabilities x V: token t's V row, read in its page
-        const float* v = vs + (int64_t(pages[t / P]) * P + t % P) * Hkv * D;
-        for (int64_t g = 0; g < Hkv; ++g)
+        const int64_t page = pages[t / P], slot = page * P + t % P;
+        for (int64_t g = 0; g < Hkv; ++g) {
+          const float* vh = kv_row(vs, slot, page, g, Hkv, D, v_scale, buf.data());
           for (int64_t h = g * G; h < (g + 1) * G; ++h) {
-            const float p = s[h * len + t], *vh = v + g * D;
+            const float p = s[h * len + t];
             float* oh = ob + h * D;
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) oh[d] += p * vh[d];
           }
+        }
       }
     }
   });
 }
 
+// attend<T, C> for the pages' dtype (checked: float32 or 8-bit).
+template <typename T>
+static void attend_pages(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                         const torch::Tensor& block_table, const std::vector<int64_t>& lens,
+                         const std::vector<int64_t>& new_lens, float sc, const Scale& k_scale, const Scale& v_scale,
+                         torch::Tensor& out) {
+  const PageScale ks(k_scale), vs(v_scale);
+  switch (k_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn:
+      return attend<T, c10::Float8_e4m3fn>(q, k_cache, v_cache, block_table, lens, new_lens, sc, ks, vs, out);
+    case at::kFloat8_e5m2:
+      return attend<T, c10::Float8_e5m2>(q, k_cache, v_cache, block_table, lens, new_lens, sc, ks, vs, out);
+    case at::kChar:
+      return attend<T, int8_t>(q, k_cache, v_cache, block_table, lens, new_lens, sc, ks, vs, out);
+    default:
+      return attend<T, float>(q, k_cache, v_cache, block_table, lens, new_lens, sc, ks, vs, out);
+  }
+}
+
 // q [n, Hq, D]: the new tokens of B sequences, sequence b's q_lens[b] after those of the ones before;
 // its token i is its token seq_lens[b] - q_lens[b] + i and sees the tokens up to itself (causal);
-// caches [num_pages, P, Hkv, D] float32, block_table [B, max_pages], seq_lens and q_lens [B] (int32 or int64),
-// any strides (non-contiguous ones are copied). Returns out [n, Hq, D]. check_paged_attention says what it
-// refuses.
-torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                              torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor q_lens, double scale) {
-  auto [lens, new_lens] = check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens);
+// caches [num_pages, P, Hkv, D] float32 or 8-bit (float8_e4m3fn, float8_e5m2, int8: then k_scale, v_scale float32
+// [num_pages, Hkv], byte x of page p, KV head h standing for float(x) * scale[p, h]), block_table [B, max_pages],
+// seq_lens and q_lens [B] (int32 or int64), any strides (non-contiguous ones are copied, the scales read through
+// theirs). Returns out [n, Hq, D]. check_paged_attention says what it refuses.
+torch::Tensor paged_attention_scaled(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor q_lens,
+                                     double scale, Scale k_scale, Scale v_scale) {
+  auto [lens, new_lens] = check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens, k_scale, v_scale);
   q = q.contiguous(), k_cache = k_cache.contiguous(), v_cache = v_cache.contiguous();
   block_table = block_table.contiguous();
   auto out = torch::empty_like(q);
+  const float sc = static_cast<float>(scale);
   if (block_table.scalar_type() == at::kInt)
-    attend<int32_t>(q, k_cache, v_cache, block_table, lens, new_lens, static_cast<float>(scale), out);
+    attend_pages<int32_t>(q, k_cache, v_cache, block_table, lens, new_lens, sc, k_scale, v_scale, out);
   else
-    attend<int64_t>(q, k_cache, v_cache, block_table, lens, new_lens, static_cast<float>(scale), out);
+    attend_pages<int64_t>(q, k_cache, v_cache, block_table, lens, new_lens, sc, k_scale, v_scale, out);
   return out;
+}
+
+// paged_attention_scaled on float32 pages (no scales).
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor q_lens, double scale) {
+  return paged_attention_scaled(q, k_cache, v_cache, block_table, seq_lens, q_lens, scale, {}, {});
 }
