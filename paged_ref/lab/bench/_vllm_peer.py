@@ -43,6 +43,7 @@ __all__ = [
     "make_llm",
     "generate",
     "run_vllm",
+    "kv_caches",
     "serve",
     "worker_threads",
 ]
@@ -249,9 +250,11 @@ def run_vllm(
     max_batched_tokens: int,
     max_model_len: int,
     kv_cache_dtype: str = "auto",
+    cache_out: str | None = None,
 ) -> dict:
     """Serve ``requests`` (``[(prompt_ids, max_new_tokens)]``) once, in ``eager_in_process`` mode, with the
-    cache in ``kv_cache_dtype`` (`make_llm`).
+    cache in ``kv_cache_dtype`` (`make_llm`); with ``cache_out``, its cache afterwards is saved there
+    (`kv_caches`, ``torch.save``).
 
     Returns `generate`'s dict with ``"version"`` and ``"init_s"`` (the start-up's seconds) added.
     """
@@ -267,7 +270,16 @@ def run_vllm(
         kv_cache_dtype=kv_cache_dtype,
     )
     init_s = time.perf_counter() - started
-    return {"version": version, "init_s": init_s, **generate(llm, requests)}
+    out = {"version": version, "init_s": init_s, **generate(llm, requests)}
+    if cache_out is not None:
+        torch.save(llm.collective_rpc(kv_caches)[0], cache_out)
+    return out
+
+
+def kv_caches(worker) -> list[torch.Tensor]:
+    """A copy of the KV cache of every layer of vLLM's model worker ``worker`` (``LLM.collective_rpc`` passes
+    it): on CPU, ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` each, uint8 for an fp8 cache."""
+    return [t.clone() for t in worker.model_runner.kv_caches]
 
 
 def worker_threads(worker=None) -> dict:
@@ -332,8 +344,8 @@ def main(argv=None) -> None:
     with open(job_path) as f:
         job = json.load(f)
     try:
-        kv = job.get("kv_cache_dtype", "auto")
-        result = run_vllm(job["model_dir"], job["requests"], kv_cache_dtype=kv, **job["limits"])
+        kv = dict(kv_cache_dtype=job.get("kv_cache_dtype", "auto"), cache_out=job.get("cache_out"))
+        result = run_vllm(job["model_dir"], job["requests"], **kv, **job["limits"])
     except (RuntimeError, ValueError) as err:  # a clear message for the parent, not a traceback
         result = {"error": str(err)}
     with open(out_path, "w") as f:
