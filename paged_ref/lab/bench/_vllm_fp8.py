@@ -14,8 +14,9 @@ logits and the output: the same values, ``tests/test_vllm_quant.py``). What can 
   rounding and scale, applied at the same point (the write, before attention reads the page);
 * **saturation** (`saturation`): how many K and V values of every request (prompt and generated tokens, the
   engine's float32 model) lie beyond e4m3's +-448 at scale 1.0 (`paged_ref.quant.count_saturated`);
-* **how close the choice was** (`margins`): the float32 model's gap between its two best logits where the
-  two engines' tokens first part, against the gap at every token of those requests.
+* **how close the choice was** (`margins`): where the two engines' tokens first part, how the engine's 8-bit
+  model, fed the shared tokens at once, ranks vLLM's token and its own, and the gap between their logits,
+  against the usual gap between the top two.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "page_bytes",
     "float_differences",
     "saturation",
+    "fp8_logits",
     "margins",
     "explain",
 ]
@@ -200,20 +202,45 @@ def saturation(model, sequences, fmt) -> dict:
     }
 
 
-def margins(model, requests, ours_tokens, theirs_tokens) -> dict:
-    """For each request whose tokens part: the float32 model's top-2 logit gap at the first differing token
-    (given the shared tokens before it), and the median gap over that request's tokens."""
+@torch.no_grad()
+def fp8_logits(model, ids: list[int], kv_format, *, page_size: int = 32) -> torch.Tensor:
+    """The logits ``[len(ids), vocab]`` after each token of ``ids``, fed at once through a `PagedSession` on
+    8-bit pages in ``kv_format``: what the engine's 8-bit model thinks at every position of a sequence."""
+    from ...cache import PagedKVCache
+    from ...hf import PagedSession
+
+    kv = PagedKVCache.for_model(model, num_pages=-(-len(ids) // page_size), page_size=page_size, kv_format=kv_format)
+    with PagedSession(model, kv_cache=kv) as session:
+        return session.extend([session.add()], [torch.tensor(ids)], all_logits=True)[0]
+
+
+def margins(model, requests, ours_tokens, theirs_tokens, kv_format) -> dict:
+    """For each request whose tokens part, at its first differing token: where the engine's 8-bit model
+    (`fp8_logits` over the prompt and the shared tokens, in ``kv_format``) ranks vLLM's token and its own (0:
+    first), the gap between their logits, and the median gap between the top two over the request's tokens."""
     rows = []
     for i, ((prompt, _), a, b) in enumerate(zip(requests, ours_tokens, theirs_tokens)):
         at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if at is None:
             continue
-        _, logits = _model_kv(model, list(prompt) + a[:-1])
-        top = logits[len(prompt) - 1 :].float().topk(2, dim=-1).values  # [len(a), 2]: each generated token's
-        gap = (top[:, 0] - top[:, 1]).tolist()
-        rows.append({"request": i, "at": at, "gap_at": gap[at], "gap_median": statistics.median(gap),
-                     "gap_rank": sorted(gap).index(gap[at]), "tokens": len(a)})  # fmt: skip
-    return {"requests": rows, "gap_at_median": statistics.median([r["gap_at"] for r in rows]) if rows else None}
+        logits = fp8_logits(model, list(prompt) + a[:-1], kv_format)[len(prompt) - 1 :]  # [len(a), vocab]
+        top = logits.topk(2, dim=-1).values
+        here = logits[at]
+        rows.append({
+            "request": i,
+            "at": at,
+            "tokens": len(a),
+            "vllm_token_rank": int((here > here[b[at]]).sum()),
+            "engine_token_rank": int((here > here[a[at]]).sum()),
+            "logit_gap": float(here[a[at]] - here[b[at]]),
+            "top2_gap_median": statistics.median((top[:, 0] - top[:, 1]).tolist()),
+        })  # fmt: skip
+    ranks = [r["vllm_token_rank"] for r in rows]
+    return {
+        "requests": rows,
+        "vllm_token_rank_counts": {str(k): ranks.count(k) for k in sorted(set(ranks))},
+        "logit_gap_median": statistics.median([abs(r["logit_gap"]) for r in rows]) if rows else None,
+    }
 
 
 def explain(model, info, requests, ours_tokens, theirs_tokens, *, kv_cache_dtype: str, python: str, threads: int,
@@ -254,5 +281,5 @@ def explain(model, info, requests, ours_tokens, theirs_tokens, *, kv_cache_dtype
         "float32_per_layer": float_differences(ours_float, floats),
         "vllm_float32_requantized_vs_vllm_fp8_layer0": layer0,
         "saturation": saturation(model, sequences, fmt.dtype),
-        "margins": margins(model, requests, ours_tokens, theirs_tokens),
+        "margins": margins(model, requests, ours_tokens, theirs_tokens, fmt),
     }

@@ -799,10 +799,12 @@ def report_fp8_why(w: dict) -> None:
           f"of {s['values_per_k_or_v']} each; largest |K| {max(s['k_abs_max_per_layer']):.1f}, "
           f"|V| {max(s['v_abs_max_per_layer']):.1f}")  # fmt: skip
     m = w["margins"]
+    print(f"  where tokens part ({len(m['requests'])} requests), vLLM's token in the engine's 8-bit model's ranking "
+          f"(0: first): {m['vllm_token_rank_counts']}; logit gap median {m['logit_gap_median']}")  # fmt: skip
     for r in m["requests"]:
-        rank = f"rank {r['gap_rank']} of {r['tokens']}; median gap {r['gap_median']:.2f}"
-        print(f"  request {r['request']}: first differs at token {r['at']}, float32 top-2 logit gap there "
-              f"{r['gap_at']:.3f} ({rank})")  # fmt: skip
+        print(f"  request {r['request']}: first differs at token {r['at']} of {r['tokens']}: ranks engine "
+              f"{r['engine_token_rank']}, vLLM {r['vllm_token_rank']}; gap {r['logit_gap']:.3f} "
+              f"(top-2 median {r['top2_gap_median']:.2f})")  # fmt: skip
 
 
 PROFILE_COLUMNS = [("op", "{op}"), ("ms/step", "{ms_per_step:.1f}"), ("share", "{share:.1%}"), ("calls", "{calls}")]
