@@ -39,6 +39,7 @@ __all__ = [
     "fp8_logits",
     "margins",
     "explain",
+    "finding",
 ]
 
 
@@ -282,4 +283,37 @@ def explain(model, info, requests, ours_tokens, theirs_tokens, *, kv_cache_dtype
         "vllm_float32_requantized_vs_vllm_fp8_layer0": layer0,
         "saturation": saturation(model, sequences, fmt.dtype),
         "margins": margins(model, requests, ours_tokens, theirs_tokens, fmt),
+    }
+
+
+def finding(why: dict, peer: dict) -> dict:
+    """What `explain`'s numbers (``why``) and the token comparison (``peer``: `run_vllm_comparison`'s) say, in
+    words built from them: each cause the issue names (format, rounding, when the scale applies, attention
+    arithmetic, saturation) with its evidence, and the cause that remains."""
+    a, r0, layers = peer["agreement"], why["vllm_float32_requantized_vs_vllm_fp8_layer0"], why["bytes_per_layer"]
+    s, m = why["saturation"], why["margins"]
+    close = [r for r in m["requests"] if abs(r["logit_gap"]) < r["top2_gap_median"] / 2]
+    grown = next((x["layer"] for x in layers if x["codes_apart_max"] > 1), None)
+    last = layers[-1]
+    return {
+        "tokens": f"{a['requests_identical']}/{a['requests']} requests identical; {a['tokens_before_first_difference']}"
+        f" of {a['tokens']} tokens before each request's first difference",
+        "format_rounding_scale": f"vLLM's layer-0 fp8 bytes are its own float32 K/V truncated to e4m3 at scale 1.0 "
+        f"({r0['k_differ'] + r0['v_differ']} of {2 * r0['values']} differ): the engine's format, rounding and "
+        "scale, applied where the engine applies them (when a page is written, before attention reads it)",
+        "attention_arithmetic": "float32 on both sides (vLLM's fp8 attention equals the reference on the dequantized "
+        "pages to 1e-5: tests/test_vllm_quant.py)",
+        "saturation": f"{s['k_saturated'] + s['v_saturated']} of {2 * s['values_per_k_or_v']} K/V values beyond "
+        f"+-{s['format_max']:g} at scale 1.0 (largest |K| {max(s['k_abs_max_per_layer']):.1f}, "
+        f"|V| {max(s['v_abs_max_per_layer']):.1f})",
+        "bytes": f"engine vs vLLM bytes of the first {why['prompts_compared']} prompts: layer 0 "
+        f"{layers[0]['k_differ'] + layers[0]['v_differ']} of {2 * layers[0]['values']} differ (one code: float32 "
+        f"rounding of a value on a code's edge, other matrix-product kernels); more each layer (differences of more "
+        f"than one code from layer {grown}), layer {last['layer']} {last['k_differ'] + last['v_differ']}",
+        "close_calls": f"where tokens part, the engine's 8-bit model gives both tokens logits closer than half its "
+        f"usual top-2 gap in {len(close)} of {len(m['requests'])} requests (|gap| median {m['logit_gap_median']}); "
+        f"vLLM's token ranks there {m['vllm_token_rank_counts']}",
+        "why": "the same bytes up to float32 rounding, which 8 bits amplify (a flipped code moves a value by up to "
+        "2^-3 of itself, float32 rounding by 2^-24) layer by layer, until a greedy choice between two close tokens "
+        "goes the other way",
     }

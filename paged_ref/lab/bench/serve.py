@@ -62,7 +62,7 @@ from ._serve_kv8 import KV_FORMATS, check_kv8_goal, kv_format, run_same_bytes
 from ._serve_peer import run_peer
 from ._serve_profile import run_profile
 from ._serve_threads import run_threads
-from ._vllm_fp8 import explain
+from ._vllm_fp8 import explain, finding
 from ._vllm_peer import CPU_BLOCK_MULTIPLE, KV_CACHE_DTYPES, check_page_size, save_smollm2
 from .common import bench_parser, command_line, environment, result_file, table
 
@@ -684,8 +684,9 @@ def main(argv=None):
         if args.kv_cache_dtype != "auto":
             tokens = (v["tokens"]["paged"], v["tokens"]["vllm"])
             why = dict(kv_cache_dtype=args.kv_cache_dtype, python=vllm_python(), threads=args.threads)
-            data["fp8_why"] = explain(model, info, requests, *tokens, **why)
-            report_fp8_why(data["fp8_why"])
+            data["fp8_why"] = w = explain(model, info, requests, *tokens, **why)
+            w["finding"] = finding(w, v)
+            report_fp8_why(w)
             result.save(data)
     elif not args.skip_peer:
         data["peer"] = run_peer_comparison(model, cfg, requests)
@@ -798,6 +799,8 @@ def report_fp8_why(w: dict) -> None:
     print(f"  saturated at scale 1.0 (beyond +-{s['format_max']:g}): K {s['k_saturated']}, V {s['v_saturated']} "
           f"of {s['values_per_k_or_v']} each; largest |K| {max(s['k_abs_max_per_layer']):.1f}, "
           f"|V| {max(s['v_abs_max_per_layer']):.1f}")  # fmt: skip
+    for key, text in w.get("finding", {}).items():
+        print(f"  {key}: {text}")
     m = w["margins"]
     print(f"  where tokens part ({len(m['requests'])} requests), vLLM's token in the engine's 8-bit model's ranking "
           f"(0: first): {m['vllm_token_rank_counts']}; logit gap median {m['logit_gap_median']}")  # fmt: skip
