@@ -7,6 +7,9 @@
                                         [--pair-threads T ...] [--pair-blocks B ...] [--pair-workloads W ...]
                                         [--eager-blocks B ...] [--eager-threads T ...] [--check-blocks B ...]
     python -m paged_ref.lab.bench serve --profile [--quick] [--threads N] [--out DIR]
+    python -m paged_ref.lab.bench serve --peer vllm --peer-only --kv-cache-dtype fp8 [--workload short]
+    python -m paged_ref.lab.bench serve --kv-format {fp8_e4m3,fp8_e5m2,int8} --same-bytes [--kv-scales page]
+                                        [--quick] [--workload short] [--rates R ...]
 
 Requests: prompts of English prose (random ids for a random-weight model) with lognormal prompt and
 output lengths (`paged_ref.lab.fragmentation.make_workload`), each generating exactly its drawn length (EOS
@@ -35,6 +38,12 @@ core in its own process) and eager, each loaded once, against the engine in N al
 at every core, on 32 and 256 blocks, on both workloads, the same warm-up on both sides, tokens compared in every
 turn; ``serve_cpu_peer_vllm_pairs.json`` (``_bfloat16`` with ``--dtype bfloat16``: both engines in bfloat16,
 skipped where the CPU has no bfloat16 instructions).
+``--kv-cache-dtype fp8`` (with ``--peer vllm``): vLLM with its fp8 cache (e4m3, per-layer scales of 1.0) against
+the engine storing the same bytes (``kv_format``: e4m3, scale 1.0, truncated as vLLM's CPU write does), tokens
+compared request by request, then why they differ (`._vllm_fp8`: both caches' bytes layer by layer, saturation,
+the logit gap where tokens part); ``serve_cpu_peer_vllm_fp8.json``. ``--kv-format F --same-bytes``: the float32
+pool against the 8-bit pool of the same bytes (about 4x the pages), ``paged`` admission, at each rate and
+offline (`._serve_kv8`); ``serve_cpu_kv8.json`` (``_short`` for ``--workload short``).
 """
 
 from __future__ import annotations
