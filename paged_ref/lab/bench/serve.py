@@ -329,6 +329,7 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
         max_batched_tokens=cfg["max_batched_tokens"], max_model_len=min(cfg["max_model_len"], num_pages * page)
     )
     ours, theirs = [], []
+    load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, "model")
         if info["name"].startswith("smollm2"):
@@ -359,6 +360,8 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
         "vllm_version": theirs[0]["version"],
         "kv_cache_dtype": kv_cache_dtype,
         "engine_kv_format": repr(pages.get("kv_format")),
+        "load_before": load,
+        "load_after": os.getloadavg(),
         "paged": ours,
         "vllm": theirs,
         "throughput_ratio_paired": paired,
@@ -691,6 +694,7 @@ def main(argv=None):
         report_vllm_peer(v)
         result.save(data)
         if args.kv_cache_dtype != "auto":
+            data["timing_note"] = f"tokens and preemptions are exact (all requests at once); {SHARED_NOTE}"
             tokens = (v["tokens"]["paged"], v["tokens"]["vllm"])
             why = dict(kv_cache_dtype=args.kv_cache_dtype, python=vllm_python(), threads=args.threads)
             data["fp8_why"] = w = explain(model, info, requests, *tokens, **why)
@@ -770,11 +774,11 @@ def _main_kv8(parser, args, argv, mode: str, cfg: dict) -> dict:
 
 
 #: What a same-bytes run's times are worth: the counts are exact, the times were taken on a shared machine.
+SHARED_NOTE = "tokens/s, TTFT and TPOT were measured while other jobs ran on the same 2 cores: their ratios are noisy"
 KV8_TIMING_NOTE = (
     "offline (every request at 0) the schedule does not depend on step times: running requests, preemptions, "
     "recomputed tokens, pages and tokens are exact; at a rate, arrivals fall between steps timed on this machine, "
-    "so the counts depend on timing too; tokens/s, TTFT and TPOT were measured while other jobs ran on the same "
-    "2 cores, so their ratios are noisy"
+    f"so the counts depend on timing too; {SHARED_NOTE}"
 )
 
 
