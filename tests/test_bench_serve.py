@@ -214,6 +214,8 @@ def test_same_bytes_pages_count_the_scales_of_either_granularity():
         (["--same-bytes"], "--kv-format and --same-bytes go together"),
         (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype is vLLM's"),
         (["--kv-format", "int8", "--same-bytes", "--peer", "vllm"], "leave out --gpu, --peer and --fast"),
+        (["--rates"], "--rates needs at least one rate"),
+        (["--max-num-seqs", "4"], "--max-num-seqs is a number >= 1 for --same-bytes"),
     ],
 )
 def test_8bit_options_name_what_they_need(tmp_path, capsys, argv, needs):
@@ -221,3 +223,13 @@ def test_8bit_options_name_what_they_need(tmp_path, capsys, argv, needs):
         serve.main(["--quick", *argv, "--out", str(tmp_path)])
     assert needs in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+def test_same_bytes_offline_alone_with_more_sequences(tmp_path):
+    """``--rates`` with none: only the offline row; ``--max-num-seqs`` lifts the cap (its own file)."""
+    options = ["--kv-format", "int8", "--same-bytes", "--rates", "--max-num-seqs", "16"]
+    serve.main(["--quick", *options, "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "serve_cpu_kv8_quick_int8_layer_16seqs.json").read_text())
+    assert saved["config"]["max_num_seqs"] == 16 and [r["rate"] for r in saved["same_bytes"]["rates"]] == [None]
+    (goal,) = saved["goals"].values()
+    assert goal["target_peak_running"] <= 16 and saved["same_bytes"]["pools"]["kv8_format"] == "int8"
