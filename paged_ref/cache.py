@@ -237,7 +237,7 @@ class PagedKVCache(Undo):
         slots = slots.to(device=self.device, dtype=torch.int64)
         if self.quant is not None:  # quantized, the pages' scales grown first (it saves what it changes)
             self.quant.write(self, layer, slots, k, v)
-            k = self.quant.read(self, layer, slots)[0]  # the keys as stored, for the watchers
+            k = self.quant.read(self, layer, slots)[0] if self.watchers else k  # the keys as stored
         else:
             self._saving((layer,), slots)
             self.k_cache[layer].view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)

@@ -37,7 +37,9 @@ def test_bench_decode_gpu_path_smoke(monkeypatch):
     monkeypatch.setattr(decode, "graph_median", lambda fn, **kw: (decode.gpu_median(fn), fn()))  # no graphs on CPU
     monkeypatch.setattr(decode, "host_median", lambda fn, **kw: decode.gpu_median(fn))
     heads = dict(num_q_heads=4, num_kv_heads=2, head_dim=32)
-    data = decode.run_gpu([(2, 64)], [16, 32], budget_s=60, rep_ms=1, heads=heads, dtype=torch.float32, device="cpu")
+    data = decode.run_gpu(
+        [(2, 64)], [16, 32], budget_s=60, rep_ms=1, eight_bit=True, heads=heads, dtype=torch.float32, device="cpu"
+    )
     impls = {r["impl"] for r in data["results"]}
     assert {"paged_decode", "paged_decode contiguous", "paged_decode (again)", "sdpa contiguous"} <= impls
     assert {"paged_decode (CUDA graph)", "flex_paged_decode (mask reused)", "flex_paged_decode"} <= impls
@@ -48,6 +50,11 @@ def test_bench_decode_gpu_path_smoke(monkeypatch):
     assert [(r["batch"], r["seq_len"], r["page_size"]) for r in ratios] == [(2, 64, 16), (2, 64, 32)]
     assert all(r["paged_over_contiguous"] > 0 and r["sdpa_over_paged"] > 0 for r in ratios)
     assert all(r["graph_frac_of_copy"] > 0 and r["host_us"] > 0 for r in ratios)
+    # float8_e4m3fn pages at page size 16 only: a byte a value and the float32 scales
+    (fp8,) = [r for r in data["results"] if r["impl"] == "paged_decode fp8"]
+    assert fp8["page_size"] == decode.EIGHT_BIT_PAGE_SIZE == 16
+    assert fp8["kv_bytes"] == 2 * (2 * 64 * 2 * 32 + 4 * (2 * 64 // 16) * 2)
+    assert [r["fp8_over_paged"] is not None for r in ratios] == [True, False]
     # per step: the reused call plus a quarter of the mask's build (4 layers share it)
     rows = {(r["page_size"], r["impl"]): r for r in data["results"]}
     for r in ratios:

@@ -90,7 +90,7 @@ def test_the_full_plan_fits_eight_minutes_and_leaves_the_standard_plan_alone(tmp
     commands = {s.name: s.command for s in full}
     assert list(commands) == ["compile", "decode", "scaling", "smollm2", "serve", "sharing"]
     assert commands["decode"][3:6] == ["decode", "--budget-s", str(gpu.FULL_DECODE_FLEX_WINDOW_S)]
-    assert commands["decode"][6:8] == ["--flex-min-batch", "8"]
+    assert commands["decode"][6:8] == ["--flex-min-batch", "8"] and "--eight-bit" in commands["decode"]
     assert commands["scaling"][3:7] == ["scaling", "--gpu", "--model", "llama1b"]
     assert commands["smollm2"][3:7] == ["scaling", "--gpu", "--model", "smollm2"]
     assert str(tmp_path / gpu.SMOLLM2_DIR) in commands["smollm2"]

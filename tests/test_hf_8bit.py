@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from paged_ref import PagedKVCache, quant
-from paged_ref.hf.attention import BACKENDS, reads_8bit
+from paged_ref.hf._checks import reads_8bit
+from paged_ref.hf.attention import BACKENDS
 from paged_ref.hf.session import PagedSession
 from paged_ref.quant import KVFormat
 from paged_ref.serve import Engine
@@ -29,8 +30,9 @@ class _RoundedWrites(PagedKVCache):
 
     def write(self, layer, slots, k, v, **options):
         f = self.fmt
-        k = quant.dequantize(quant.quantize(k, f.k_scale, f.dtype, rounding=f.rounding), f.k_scale)
-        v = quant.dequantize(quant.quantize(v, f.v_scale, f.dtype, rounding=f.rounding), f.v_scale)
+        k_scale, v_scale = (float(s[layer]) for s in f.layer_scales(self.num_layers))
+        k = quant.dequantize(quant.quantize(k, k_scale, f.dtype, rounding=f.rounding), k_scale)
+        v = quant.dequantize(quant.quantize(v, v_scale, f.dtype, rounding=f.rounding), v_scale)
         super().write(layer, slots, k, v, **options)
 
 
@@ -56,7 +58,10 @@ def _rel(a, b) -> float:
 def test_logits_from_8bit_pages_are_those_of_float_pages_holding_the_rounded_values(model, fmt):
     """Exact: the reference dequantizes the bytes (one float32 product) before attention, so the 8-bit
     cache's logits equal those of float32 pages into which each K/V was written already rounded."""
-    kv_format = KVFormat(fmt, k_scale=0.05 if fmt == torch.int8 else 1.0, v_scale=0.03 if fmt == torch.int8 else 1.0)
+    int8 = fmt == torch.int8  # a scale per layer, K and V apart (1.0 for fp8, vLLM's default)
+    kv_format = KVFormat(
+        fmt, k_scale=[0.05, 0.07] if int8 else 1.0, v_scale=[0.03, 0.04] if int8 else 1.0, rounding="zero"
+    )
     shape = dict(num_pages=12, page_size=4)
     q8 = PagedKVCache.for_model(model, **shape, kv_format=kv_format)
     rounded = _RoundedWrites(kv_format, **shape, num_layers=2, num_kv_heads=2, head_dim=32)
@@ -93,6 +98,10 @@ def test_a_backend_that_cannot_read_8bit_pages_is_refused_and_auto_falls_back(mo
     assert reads_8bit(BACKENDS[auto.backend])
     floating = PagedSession(model, kv_cache=PagedKVCache.for_model(model, num_pages=4, page_size=4), backend="cascade")
     assert floating.backend == "cascade"  # floating pages: every backend, called as before
+    made = PagedSession(model, num_pages=4, page_size=4, kv_format="fp8_e5m2")  # the session makes the cache
+    assert made.kv.k_cache[1].dtype == torch.float8_e5m2 and reads_8bit(BACKENDS[made.backend])
+    with pytest.raises(ValueError, match="give it to the kv_cache passed"):
+        PagedSession(model, kv_cache=kv, kv_format="fp8")
 
 
 def test_the_engine_serves_from_8bit_pages(model):
@@ -133,3 +142,15 @@ def test_eviction_compacts_and_drops_8bit_pages_under_generation(model, eviction
     ids = _prompt(model, 13)[None]  # [1, 13]
     out = hf.generate(model, ids, max_new_tokens=6, eviction=eviction, budget=8, kv_cache=cache, backend="reference")
     assert out.shape == (1, 19) and cache.allocator.num_free == cache.allocator.num_pages
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "cpu_paged", "flex"])
+def test_every_backend_reading_8bit_pages_gives_the_references_logits(model, backend):
+    """The glue hands each backend the pages and their scales: its logits are the reference's, up to float32
+    rounding (which may move a later layer's K/V across a rounding boundary of the 8-bit format: a byte apart)."""
+    if not reads_8bit(BACKENDS[backend]):
+        pytest.skip(f"{backend} does not read 8-bit pages on this branch")
+    fmt = KVFormat(torch.float8_e4m3fn, scales="page")
+    want, fed = _logits(model, PagedKVCache.for_model(model, num_pages=12, page_size=4, kv_format=fmt))
+    got, _ = _logits(model, PagedKVCache.for_model(model, num_pages=12, page_size=4, kv_format=fmt), fed, backend)
+    assert _rel(got, want) < 1e-4

@@ -110,3 +110,23 @@ def test_the_figures_draw_from_their_rows():
     assert len(vk.error_figure(rows).axes) == 2
     grids = {"e4m3": kb.representable(torch.float8_e4m3fn)}
     assert len(vk.grid_figure(grids, kv.ks[0], "|K|").axes) == 2
+
+
+def test_the_scales_figure_draws_a_cache_with_scales_per_page():
+    from paged_ref.cache import PagedKVCache
+    from paged_ref.quant import KVFormat
+
+    cache = PagedKVCache(
+        num_layers=1,
+        num_pages=4,
+        page_size=4,
+        num_kv_heads=2,
+        head_dim=8,
+        kv_format=KVFormat(torch.int8, scales="page"),
+    )
+    s = cache.add_sequence()
+    k = _pages().flatten(0, 1)[:6]  # [6 tokens, 2 heads, 8]
+    cache.write(0, cache.reserve(s, 6), k, k)
+    ks, vs = cache.kv_scales(0)
+    assert (ks[2:] == 0).all() and (ks[:2] > 0).all()  # two pages hold tokens
+    assert len(vk.scales_figure(ks, vs, {0: "A", 1: "A"}).axes) == 2  # the grid and its colour bar

@@ -1,4 +1,5 @@
-"""The kernel as a GPU will run it: compiled ahead of time for sm_90, sm_80 and sm_75, no GPU.
+"""The kernel as a GPU will run it: compiled ahead of time for sm_90, sm_80 and sm_75, no GPU; with
+8-bit pages (float8_e4m3fn, float8_e5m2, int8) for sm_90 and sm_80.
 
 The interpreter accepts programs the compiler rejects (tl.dot minimum shapes, dtype rules), so
 this is the GPU path's first line of defence: the default configurations of every target must
@@ -20,12 +21,18 @@ DEFAULTS = [
     for page in (16, 64)
     for split in (False, True)
 ]
+EIGHT_BIT = [
+    K.KernelConfig(arch, "bf16", 128, 4, page, True, pages=fmt)
+    for arch in (90, 80)
+    for fmt in K.EIGHT_BIT_PAGES
+    for page in (16, 64)
+]
 
 
 @pytest.fixture(scope="module")
 def compiled():
     # two processes: a compile is single-threaded; Triton's cache makes reruns fast
-    return dict(zip(DEFAULTS, K.run(DEFAULTS, jobs=2)))
+    return dict(zip(DEFAULTS + EIGHT_BIT, K.run(DEFAULTS + EIGHT_BIT, jobs=2)))
 
 
 def test_every_default_configuration_compiles(compiled):
@@ -45,10 +52,22 @@ def test_no_16bit_configuration_spills(compiled):
 @pytest.mark.parametrize("arch", [90, 80])
 def test_kv_loads_are_asynchronous_and_double_buffered(compiled, arch):
     for c, e in compiled.items():
-        if c.arch == arch:
+        if c.arch == arch and not c.pages:
             assert e["async_copies"] > 0, (c, "no cp.async (LDGSTS) in the SASS")
             assert e["mma"] > 0, (c, "tl.dot did not become MMA instructions")
             assert sorted(e["kv_buffers"]) == [2, 2], (c, e["kv_buffers"])
+
+
+@pytest.mark.parametrize("arch", [90, 80])
+def test_8bit_pages_compile_to_mma_without_spills(compiled, arch):
+    """8-bit loads, the scale applied in registers (float8_e4m3fn decoded from its bits on sm_80, where Triton
+    has no fp8e4nv): no spills, the dot on MMA, the K/V loads asynchronous into rings of three buffers."""
+    for c in EIGHT_BIT:
+        e = compiled[c]
+        if c.arch == arch:
+            assert e["spill_stores"] + e["spill_loads"] == 0 and e["mma"] > 0 and e["async_copies"] > 0, (c, e)
+            assert e["signature"]["k_cache_ptr"] == ("*u8" if (arch, c.pages) == (80, "fp8e4nv") else "*" + c.pages)
+            assert e["kv_buffers"] and set(e["kv_buffers"]) == {3}, (c, e["kv_buffers"])
 
 
 def test_large_pages_keep_enough_bytes_in_flight_on_hopper(compiled):

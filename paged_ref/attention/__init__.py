@@ -7,6 +7,11 @@ Every entry point, ``<backend>_paged_decode`` (one new token per sequence) or
 numbers up to rounding: :mod:`.reference` is the oracle the others are tested against (the README's
 reading order says what each backend adds). The Triton names load on first use.
 
+8-bit pages (`paged_ref.quant`'s formats) come with ``k_scale``, ``v_scale`` ``[num_pages,
+num_kv_heads]``: byte ``x`` of page ``p``, KV head ``h`` is ``x.float() * scale[p, h]``. The reference,
+SDPA, the C++ and Triton kernels, the spec, Quest and the reference cascade read them where they lie;
+flex dequantizes the used pages first; the Triton cascade refuses them (`_checks.EIGHT_BIT_BACKENDS`).
+
 Example:
     >>> import torch
     >>> from paged_ref import attention
@@ -16,6 +21,11 @@ Example:
     >>> all(torch.allclose(f(q, kc, vc, bt, lens), ref, atol=1e-5)
     ...     for f in (attention.flex_paged_decode, attention.sdpa_paged_decode,
     ...               attention.paged_decode_spec, attention.triton_paged_decode, attention.cpu_paged_decode))
+    True
+    >>> k8, s = kc.to(torch.float8_e4m3fn), torch.full((4, 2), 0.5)  # 8-bit pages, a scale per page and KV head
+    >>> ref8 = attention.reference_paged_decode(q, k8, k8, bt, lens, k_scale=s, v_scale=s)
+    >>> all(torch.allclose(f(q, k8, k8, bt, lens, k_scale=s, v_scale=s), ref8, atol=1e-5)
+    ...     for f in (attention.sdpa_paged_decode, attention.cpu_paged_decode, attention.triton_paged_decode))
     True
 """
 

@@ -15,8 +15,10 @@ from .._arith import cdiv
 from .._validate import check_int
 from ..quant import FORMATS
 
-__all__ = ["INT_DTYPES", "check_block_mask", "check_block_size", "check_cascade_inputs", "check_contiguous"]
+__all__ = ["EIGHT_BIT_BACKENDS", "INT_DTYPES", "check_block_mask", "check_block_size", "check_cascade_inputs"]
 __all__ += [
+    "check_contiguous",
+    "check_floating_pages",
     "check_mask_arguments",
     "check_page_scales",
     "check_paged_inputs",
@@ -26,6 +28,8 @@ __all__ += [
 __all__ += ["check_table_pages", "check_triton_inputs", "mask_source"]
 
 INT_DTYPES = (torch.int32, torch.int64)
+#: The backends (`paged_ref.hf`'s names) that read 8-bit pages; those that cannot refuse them naming these.
+EIGHT_BIT_BACKENDS = ("reference", "sdpa", "cpu_paged", "triton", "flex")
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -120,6 +124,14 @@ def check_page_scales(q, k_cache, v_cache, k_scale, v_scale) -> None:
             raise ValueError(f"{name} must be on the same device as q ({q.device}), got {t.device}")
 
 
+def check_floating_pages(backend: str, k_cache) -> None:
+    """``backend`` reads floating pages only: 8-bit ``k_cache`` is refused, naming the backends that read it."""
+    if isinstance(k_cache, torch.Tensor) and k_cache.dtype in FORMATS:
+        raise ValueError(
+            f"{backend} cannot read {k_cache.dtype} pages (8-bit): use one of {', '.join(EIGHT_BIT_BACKENDS)}"
+        )
+
+
 def _scale(scale, head_dim: int) -> float:
     """The softmax scale: ``scale`` checked to be a finite real number, or ``head_dim ** -0.5``."""
     if scale is None:
@@ -177,12 +189,14 @@ def check_prefill_inputs(
 
 # --- cascade (shared-prefix) attention ------------------------------------------------------
 def check_cascade_inputs(
-    q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, *, scale=None, check_values=True
+    q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, *, scale=None, check_values=True, **scales
 ) -> float:
-    """:func:`check_paged_inputs`, plus the groups: ``group_indptr [num_groups + 1]`` rising strictly
-    from 0 to ``batch``; ``prefix_lens [num_groups]``, whole pages, at most the group's shortest
-    ``seq_lens``, on which its block-table rows agree (values: only with ``check_values``)."""
-    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
+    """:func:`check_paged_inputs` (``scales``: ``k_scale``, ``v_scale``), plus the groups: ``group_indptr
+    [num_groups + 1]`` rising strictly from 0 to ``batch``; ``prefix_lens [num_groups]``, whole pages, at most
+    the group's shortest ``seq_lens``, on which its block-table rows agree (values: only with ``check_values``)."""
+    scale = check_paged_inputs(
+        q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values, **scales
+    )
     batch, page_size = q.shape[0], k_cache.shape[1]
     _int_tensor("group_indptr", group_indptr, q, "[num_groups + 1]", lambda s: len(s) == 1)
     num_groups = group_indptr.shape[0] - 1
@@ -221,10 +235,15 @@ def check_cascade_inputs(
     return scale
 
 
-def check_quest_inputs(q, k_cache, v_cache, block_table, seq_lens, k_min, k_max, budget, *, scale, check_values):
-    """:func:`check_paged_inputs`, plus the key summaries ``k_min``, ``k_max``: ``[num_pages,
-    num_kv_heads, head_dim]`` and ``budget`` in ``[1, max_pages]``. Returns ``(scale, budget)``."""
-    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
+def check_quest_inputs(
+    q, k_cache, v_cache, block_table, seq_lens, k_min, k_max, budget, *, scale, check_values, **scales
+):
+    """:func:`check_paged_inputs` (``scales``: ``k_scale``, ``v_scale``), plus the key summaries ``k_min``,
+    ``k_max``: ``[num_pages, num_kv_heads, head_dim]`` and ``budget`` in ``[1, max_pages]``. Returns
+    ``(scale, budget)``."""
+    scale = check_paged_inputs(
+        q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values, **scales
+    )
     num_pages, _, num_kv_heads, head_dim = k_cache.shape
     for name, t in (("k_min", k_min), ("k_max", k_max)):
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != (num_pages, num_kv_heads, head_dim):

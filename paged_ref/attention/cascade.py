@@ -155,13 +155,14 @@ def reference_cascade_decode(
     *,
     scale: float | None = None,
     check_values: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`~.reference.reference_paged_decode` with each group's shared prefix read once for all
-    its requests (``group_indptr``, ``prefix_lens``: see the module docstring; ``check_values``
+    """:func:`~.reference.reference_paged_decode` (8-bit pages included) with each group's shared prefix read
+    once for all its requests (``group_indptr``, ``prefix_lens``: see the module docstring; ``check_values``
     also checks the groups' sharing, off only for groups :func:`shared_prefix_groups` made)."""
-    scale = check_cascade_inputs(
-        q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens, scale=scale, check_values=check_values
-    )
+    args = (q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens)
+    scale = check_cascade_inputs(*args, scale=scale, check_values=check_values, k_scale=k_scale, v_scale=v_scale)
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -173,8 +174,8 @@ def reference_cascade_decode(
         first, last = bounds[g], bounds[g + 1]
         if prefix == 0:
             continue
-        k = gather_sequence(k_cache, block_table[first], prefix)  # [prefix, Hkv, D]: read once
-        v = gather_sequence(v_cache, block_table[first], prefix)  # [prefix, Hkv, D]
+        k = gather_sequence(k_cache, block_table[first], prefix, k_scale)  # [prefix, Hkv, D]: read once
+        v = gather_sequence(v_cache, block_table[first], prefix, v_scale)  # [prefix, Hkv, D]
         n = last - first
         rows = q[first:last].reshape(n, num_kv_heads, group, head_dim)  # [n, Hkv, group, D]
         rows = rows.permute(1, 0, 2, 3).reshape(num_kv_heads, n * group, head_dim)  # [Hkv, n * group, D]
@@ -188,8 +189,8 @@ def reference_cascade_decode(
     for b, n in enumerate(suffix_lens.tolist()):
         if n == 0:
             continue
-        k = gather_sequence(k_cache, table[b], n)  # [n, Hkv, D]: this request's own pages
-        v = gather_sequence(v_cache, table[b], n)  # [n, Hkv, D]
+        k = gather_sequence(k_cache, table[b], n, k_scale)  # [n, Hkv, D]: this request's own pages
+        v = gather_sequence(v_cache, table[b], n, v_scale)  # [n, Hkv, D]
         o, lse = attend_with_lse(q[b].view(num_kv_heads, group, head_dim), k, v, scale)  # [Hkv, group(, D)]
         o_suffix[b], lse_suffix[b] = o.flatten(0, 1), lse.flatten()
     out, _ = merge_states(o_prefix, lse_prefix, o_suffix, lse_suffix)  # [batch, Hq, D]

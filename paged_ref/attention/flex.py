@@ -20,6 +20,11 @@ KV block is page aligned (:func:`default_kv_block_size`): no other page is ever 
 (the CPU default) evaluates the mask_mod everywhere and reads every slot, which `PagedKVCache`
 keeps finite; compiled flex (the CUDA default) is set up in `._flex_compiled`. Notebook 04 walks
 through all of it, against torch's own ``PagedAttention``.
+
+8-bit pages (``k_scale``, ``v_scale``): FlexAttention takes K and V in q's dtype only, so these backends
+do not read 8-bit pages in place. Each call first dequantizes the pages the batch uses (bytes times their
+scale, in float32) into a float32 copy of the whole cache (float64 for float64 q; the other pages 0),
+then attends in that dtype: a copy per call, the size of the cache, that the other 8-bit backends avoid.
 """
 
 from __future__ import annotations
@@ -335,6 +340,8 @@ def flex_paged_decode(
     block_mask: BlockMask | None = None,
     check_values: bool = True,
     compiled: bool | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention with FlexAttention reading K/V in place from the paged cache: the contract
     of :func:`~paged_ref.attention.reference.reference_paged_decode` (``k_cache``, ``v_cache``
@@ -349,9 +356,13 @@ def flex_paged_decode(
         compiled: ``torch.compile``'d flex (block sparse) or eager (dense, then masked); None:
             compiled on CUDA, eager on CPU.
     """
-    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    scale = check_paged_inputs(
+        q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values, **scales
+    )
+    qc, k_cache, v_cache = _dequantized(q, k_cache, v_cache, block_table, seq_lens, **scales)
     args = (block_table, seq_lens, None, scale, kv_block_size, block_mask, compiled, check_values)
-    return _flex_paged(q.unsqueeze(2), k_cache, v_cache, *args).squeeze(2)  # through [batch, Hq, 1, D]
+    return _flex_paged(qc.unsqueeze(2), k_cache, v_cache, *args).squeeze(2).to(q.dtype)  # through [batch, Hq, 1, D]
 
 
 def flex_paged_prefill(
@@ -367,14 +378,35 @@ def flex_paged_prefill(
     block_mask: BlockMask | None = None,
     check_values: bool = True,
     compiled: bool | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal prefill with FlexAttention over the paged cache: the contract of
     :func:`~paged_ref.attention.reference.reference_paged_prefill`, the keywords of
     :func:`flex_paged_decode` (``block_mask`` from ``paged_block_masks(..., q_len=max_q_len, q_lens=q_lens)``).
     """
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     scale = check_prefill_inputs(
-        q, k_cache, v_cache, block_table, seq_lens, q_lens, scale=scale, check_values=check_values
+        q, k_cache, v_cache, block_table, seq_lens, q_lens, scale=scale, check_values=check_values, **scales
     )
-    return _flex_paged(
-        q, k_cache, v_cache, block_table, seq_lens, q_lens, scale, kv_block_size, block_mask, compiled, check_values
-    )
+    qc, k_cache, v_cache = _dequantized(q, k_cache, v_cache, block_table, seq_lens, **scales)
+    args = (block_table, seq_lens, q_lens, scale, kv_block_size, block_mask, compiled, check_values)
+    return _flex_paged(qc, k_cache, v_cache, *args).to(q.dtype)
+
+
+def _dequantized(q, k_cache, v_cache, block_table, seq_lens, k_scale, v_scale):
+    """``(q, k_cache, v_cache)`` as flex takes them: as given with floating pages; with 8-bit pages in float32
+    (float64 for float64 q), the pages the sequences use dequantized (bytes times their scale in float32), the
+    other pages 0 (the module docstring)."""
+    if k_scale is None:
+        return q, k_cache, v_cache
+    compute = torch.promote_types(q.dtype, torch.float32)
+    page_size = k_cache.shape[1]
+    used = torch.arange(block_table.shape[1], device=q.device)[None, :] < cdiv(seq_lens.long(), page_size)[:, None]
+    ids = block_table[used].long().unique()  # [n_used] the pages read (in range: checked, or IndexError)
+    out = []
+    for cache, page_scale in ((k_cache, k_scale), (v_cache, v_scale)):
+        full = torch.zeros(cache.shape, dtype=compute, device=q.device)  # [num_pages, page_size, Hkv, D]
+        full[ids] = (cache[ids].float() * page_scale[ids][:, None, :, None]).to(compute)
+        out.append(full)
+    return q.to(compute), *out

@@ -108,6 +108,13 @@ def token_slots(
     return block_table_row[tokens // page_size].long(), tokens % page_size
 
 
+def _rows(cache, page_scale, pages, offsets, h) -> torch.Tensor:
+    """KV head ``h`` of the tokens at ``(pages, offsets)`` (int64 ``[n]``) -> ``[n, D]``; 8-bit pages times their
+    ``page_scale [num_pages, Hkv]``, in float32."""
+    rows = cache[pages, offsets, h]  # [n, D]
+    return rows if page_scale is None else rows.float() * page_scale[pages, h][:, None]
+
+
 def paged_decode_spec(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -118,13 +125,16 @@ def paged_decode_spec(
     scale: float | None = None,
     num_splits: int = 1,
     block_n: int = 32,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What :func:`~.triton_decode.triton_paged_decode` computes, program by program: the contract
     of :func:`~.reference.reference_paged_decode`, in ``num_splits`` chunks and tiles of ``block_n``.
 
     For every (sequence, KV head, split) one "program": the group's query heads as the rows of one
-    tile, the split's tokens tile by tile through the block table, the online softmax in float32
-    (float64 for float64 inputs); then :func:`merge_partials`. The recipe, not a fast path.
+    tile, the split's tokens tile by tile through the block table (8-bit pages: each token's bytes times its
+    page's scale, in float32), the online softmax in float32 (float64 for float64 inputs); then
+    :func:`merge_partials`. The recipe, not a fast path.
 
     Example:
         >>> kc, vc = torch.randn(4, 8, 1, 16), torch.randn(4, 8, 1, 16)
@@ -136,7 +146,8 @@ def paged_decode_spec(
         ...                atol=1e-5)
         True
     """
-    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale)  # split_ranges checks the rest
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, **scales)  # + split_ranges
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -155,8 +166,8 @@ def paged_decode_spec(
                 for t0 in range(start, end, block_n):
                     tokens = torch.arange(t0, min(t0 + block_n, end), device=q.device)  # [n]
                     pages, offsets = token_slots(block_table[b], tokens, page_size)
-                    k = k_cache[pages, offsets, h].to(compute)  # [n, D]
-                    v = v_cache[pages, offsets, h].to(compute)  # [n, D]
+                    k = _rows(k_cache, k_scale, pages, offsets, h).to(compute)  # [n, D]
+                    v = _rows(v_cache, v_scale, pages, offsets, h).to(compute)  # [n, D]
                     scores = (q_rows @ k.T) * scale_log2  # [group, n], base 2
                     m, l, acc, _ = online_update(m, l, acc, scores, v)
                 parts.append((m, l, acc))

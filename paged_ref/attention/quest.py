@@ -53,6 +53,13 @@ def select_pages(bounds: torch.Tensor, budget: int) -> torch.Tensor:
     return bounds.topk(budget, dim=-1).indices.sort(dim=-1).values
 
 
+def _pages(cache, page_scale, pages, heads) -> torch.Tensor:
+    """``[Hkv, n, page_size, D]``: KV head ``h``'s slice of pages ``pages[h]`` (``[Hkv, n]``, ``heads [Hkv, 1]``);
+    8-bit pages times their ``page_scale [num_pages, Hkv]``, in float32."""
+    rows = cache[pages, :, heads]  # [Hkv, n, page_size, D]
+    return rows if page_scale is None else rows.float() * page_scale[pages, heads][..., None, None]
+
+
 def quest_paged_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -65,10 +72,13 @@ def quest_paged_decode(
     budget: int,
     scale: float | None = None,
     check_values: bool = True,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`~.reference.reference_paged_decode` over at most ``budget`` (in ``[1, max_pages]``)
     pages per sequence and KV head, chosen by Quest's bound from ``k_min, k_max: [num_pages,
-    num_kv_heads, head_dim]`` (`paged_ref.page_summaries`); exact when a sequence holds fewer.
+    num_kv_heads, head_dim]`` (`paged_ref.page_summaries`); exact when a sequence holds fewer. 8-bit pages
+    (``k_scale``, ``v_scale``) are read as the reference reads them (the summaries: of what they hold).
 
     Example:
         >>> kc, vc = torch.randn(6, 4, 1, 8), torch.randn(6, 4, 1, 8)
@@ -77,9 +87,8 @@ def quest_paged_decode(
         >>> quest_paged_decode(q, kc, vc, bt, lens, k_min, k_max, budget=2).shape
         torch.Size([1, 2, 8])
     """
-    scale, budget = check_quest_inputs(
-        q, k_cache, v_cache, block_table, seq_lens, k_min, k_max, budget, scale=scale, check_values=check_values
-    )
+    args = (q, k_cache, v_cache, block_table, seq_lens, k_min, k_max, budget)
+    scale, budget = check_quest_inputs(*args, scale=scale, check_values=check_values, k_scale=k_scale, v_scale=v_scale)
     _, page_size, num_kv_heads, head_dim = k_cache.shape
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     batch, num_q_heads, _ = q.shape
@@ -96,8 +105,8 @@ def quest_paged_decode(
             bounds = page_bounds(qb[:, :, None], lo.transpose(0, 1)[:, None], hi.transpose(0, 1)[:, None])
             chosen = select_pages(bounds.amax(1), budget)  # [Hkv, budget]: by the group's largest bound
         heads = torch.arange(num_kv_heads, device=q.device)[:, None]  # [Hkv, 1]
-        k = k_cache[table[chosen], :, heads].to(compute)  # [Hkv, pages, page_size, D]: only the chosen pages
-        v = v_cache[table[chosen], :, heads].to(compute)  # [Hkv, pages, page_size, D]
+        k = _pages(k_cache, k_scale, table[chosen], heads).to(compute)  # [Hkv, pages, page_size, D]: only those
+        v = _pages(v_cache, v_scale, table[chosen], heads).to(compute)  # [Hkv, pages, page_size, D]
         positions = chosen[:, :, None] * page_size + torch.arange(page_size, device=q.device)  # [Hkv, pages, page_size]
         valid = (positions < n).flatten(1)  # [Hkv, tokens]: the last page's unwritten tail is not a token
         scores = (qb @ k.flatten(1, 2).transpose(1, 2)) * scale  # [Hkv, group, tokens]

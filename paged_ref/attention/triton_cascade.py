@@ -21,7 +21,7 @@ Example:
 import torch
 
 from .._arith import cdiv, next_pow2
-from ._checks import check_cascade_inputs, check_triton_inputs
+from ._checks import check_cascade_inputs, check_floating_pages, check_triton_inputs
 from ._triton_interpreter import HAVE_TRITON, interpreted, interpreter, runnable, tl, triton
 from .cascade import merge_states, request_prefixes, suffix_table
 from .online_softmax import LOG2E
@@ -167,9 +167,11 @@ def triton_cascade_decode(
 
     ``check_values=False`` (a GPU's timed loops): the types and shapes are still checked, the values
     (page ids, lengths, ``group_indptr``, ``prefix_lens``) not: out of range, they read out of bounds.
-    In Triton's interpreter (CPU tensors) they are checked whatever it says."""
+    In Triton's interpreter (CPU tensors) they are checked whatever it says. 8-bit pages are refused (the prefix
+    kernel reads floating pages only)."""
     if not HAVE_TRITON:
         raise ImportError("triton_cascade_decode needs the `triton` package (Linux only)")
+    check_floating_pages("triton_cascade_decode", k_cache)
     interpret = isinstance(q, torch.Tensor) and interpreted(q.device)
     scale = check_cascade_inputs(
         *(q, k_cache, v_cache, block_table, seq_lens, group_indptr, prefix_lens),

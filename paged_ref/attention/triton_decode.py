@@ -13,10 +13,18 @@ kernel's job is to stream K and V from the paged cache at close to copy bandwidt
 * **Split-K (flash-decoding).** With few sequences each is cut into ``num_splits`` chunks whose
   partial ``(m, l, acc)`` a second kernel merges; ``num_splits=None`` asks the occupancy model
   (:func:`.occupancy.choose_num_splits`).
+* **8-bit pages** (``k_scale``, ``v_scale``): a tile is loaded as bytes (half or a quarter of the
+  traffic), converted to float32 and multiplied by its page's scale for the KV head (read through the
+  scales' strides) in registers: the reference's values. A float32 ``q`` attends to them as they are;
+  a 16-bit ``q`` to them rounded to its dtype (the tensor cores' product, as ``p`` already is). Triton
+  has no ``float8_e4m3fn`` load before sm_89: there the kernel reads its bytes as uint8 and decodes
+  the bits (``E4M3_BITS``, checked bit for bit against the native load in the interpreter).
 
 ``python -m paged_ref.lab.bench kernels`` records what the compiler made of it (notebook 05). On
 CPU tensors the same kernels run in Triton's interpreter (float32), chosen per call
 (:mod:`._triton_interpreter`); without Triton the module imports and the call raises ImportError.
+The interpreter loads all three 8-bit formats and reads every finite byte exactly; a float8 NaN or
+Inf byte it reads as a finite number (`paged_ref.quant` saturates: it never writes one).
 """
 
 import torch
@@ -44,6 +52,8 @@ def _paged_decode_split_kernel(
     part_m_ptr,  # fp32 [batch, num_q_heads, num_splits]: running max per split
     part_l_ptr,  # fp32 [batch, num_q_heads, num_splits]: running sum per split
     part_acc_ptr,  # fp32 [batch, num_q_heads, num_splits, head_dim]: unnormalised output
+    k_scale_ptr,  # fp32 [num_pages, num_kv_heads] with 8-bit pages (SCALED), any strides; else unused
+    v_scale_ptr,  # the same for V
     scale_log2,  # softmax scale * log2(e): scores come out in base 2
     num_splits,  # chunks each sequence is cut into (grid axis 2)
     stride_q_batch,
@@ -54,6 +64,10 @@ def _paged_decode_split_kernel(
     stride_bt_batch,
     stride_o_batch,
     stride_o_head,
+    stride_ks_page,  # k_scale's strides (0 for a per-layer scale)
+    stride_ks_head,
+    stride_vs_page,
+    stride_vs_head,
     HEAD_DIM: tl.constexpr,  # real head dim
     BLOCK_D: tl.constexpr,  # head dim padded to a power of two (>= 16 for tl.dot)
     GROUP: tl.constexpr,  # query heads per KV head (GQA ratio)
@@ -62,6 +76,8 @@ def _paged_decode_split_kernel(
     BLOCK_N: tl.constexpr,  # tokens per tile, independent of PAGE_SIZE
     WRITE_PARTIALS: tl.constexpr,  # num_splits > 1: write (m, l, acc) for the reduction kernel
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no tf32); ignored for 16-bit
+    SCALED: tl.constexpr,  # 8-bit pages: a tile's bytes times its page's scale, in float32, then q's dtype
+    E4M3_BITS: tl.constexpr,  # float8_e4m3fn pages read as uint8 and decoded here (no fp8e4nv before sm_89)
 ):
     # Each program owns one (sequence, KV head, split).
     batch = tl.program_id(0)
@@ -118,11 +134,17 @@ def _paged_decode_split_kernel(
             # one base address, and the tile is a contiguous 2-D block [BLOCK_N, BLOCK_D]
             k_ptrs = k_cache_ptr + base + (within[:, None] + tile_d)
             v_ptrs = v_cache_ptr + base + (within[:, None] + tile_d)
+            if SCALED:  # one scale per tile (its page's, for this KV head)
+                ks_ptrs = k_scale_ptr + page * stride_ks_page + kv_head * stride_ks_head
+                vs_ptrs = v_scale_ptr + page * stride_vs_page + kv_head * stride_vs_head
             nxt = tile_start + BLOCK_N
             page = tl.load(block_table_row + nxt // PAGE_SIZE, mask=nxt < end, other=0)
         else:
             k_ptrs = k_cache_ptr + base[:, None] + (within[:, None] + tile_d)  # [BLOCK_N, BLOCK_D]
             v_ptrs = v_cache_ptr + base[:, None] + (within[:, None] + tile_d)
+            if SCALED:  # one scale per token (its page's; masked tokens read page 0's)
+                ks_ptrs = (k_scale_ptr + page * stride_ks_page + kv_head * stride_ks_head)[:, None]  # [BLOCK_N, 1]
+                vs_ptrs = (v_scale_ptr + page * stride_vs_page + kv_head * stride_vs_head)[:, None]
             nxt = tokens + BLOCK_N
             page = tl.load(block_table_row + nxt // PAGE_SIZE, mask=nxt < end, other=0)
         if BLOCK_D == HEAD_DIM:
@@ -130,6 +152,15 @@ def _paged_decode_split_kernel(
         else:
             kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if E4M3_BITS:  # sign, 4 exponent bits (bias 7), 3 mantissa bits -> float32 bits; exponent 0: m * 2^-9
+            x = k.to(tl.uint32)
+            e = (x >> 3) & 15
+            small = (x & 7).to(tl.float32) * tl.where(x >= 128, -0.001953125, 0.001953125)
+            k = tl.where(
+                e == 0, small, (((x & 128) << 24) | ((e + 120) << 23) | ((x & 7) << 20)).to(tl.float32, bitcast=True)
+            )
+        if SCALED:  # the reference's product in float32, then q's dtype for the dot (float32: exact)
+            k = (k.to(tl.float32) * tl.load(ks_ptrs)).to(q.dtype)
 
         # Scores of every query head of the group against the tile, in base 2.
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
@@ -144,6 +175,15 @@ def _paged_decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        if E4M3_BITS:  # as K's
+            x = v.to(tl.uint32)
+            e = (x >> 3) & 15
+            small = (x & 7).to(tl.float32) * tl.where(x >= 128, -0.001953125, 0.001953125)
+            v = tl.where(
+                e == 0, small, (((x & 128) << 24) | ((e + 120) << 23) | ((x & 7) << 20)).to(tl.float32, bitcast=True)
+            )
+        if SCALED:
+            v = (v.to(tl.float32) * tl.load(vs_ptrs)).to(q.dtype)
         # p is rounded to V's dtype for the tensor-core product, which accumulates in float32.
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -247,9 +287,12 @@ def _default_num_splits(batch: int, num_kv_heads: int, max_len: int, device: tor
     )
 
 
-def _tile_config(dtype: torch.dtype, head_dim: int, group: int, *, interpret: bool, capability: int = 90) -> dict:
+def _tile_config(
+    dtype: torch.dtype, head_dim: int, group: int, *, interpret: bool, capability: int = 90, eight_bit: bool = False
+) -> dict:
     """Tile sizes and launch options for one call on a GPU of compute capability ``capability``
-    (``10 * major + minor``); `python -m paged_ref.lab.bench kernels` reports what each compiles to."""
+    (``10 * major + minor``), ``eight_bit`` pages or not; `python -m paged_ref.lab.bench kernels` reports what
+    each compiles to."""
     block_d = max(16, next_pow2(head_dim))
     if interpret:  # numpy runs each program: small tiles keep tests quick (tl.dot has no minimum shape)
         return dict(BLOCK_H=next_pow2(group), BLOCK_D=block_d, BLOCK_N=32, num_warps=1, num_stages=1)
@@ -261,10 +304,18 @@ def _tile_config(dtype: torch.dtype, head_dim: int, group: int, *, interpret: bo
     # Ampere and Hopper: K/V tiles of up to 16 KB and 64 tokens; num_stages=3 gives a ring of two K and
     # two V buffers. maxnreg=160: left alone, ptxas gave some sm_90 configurations 64 registers and
     # spills (figures/data/kernels.json).
-    block_n = min(64, max(16, 16384 // (block_d * dtype.itemsize)))
+    block_n, stages = min(64, max(16, 16384 // (block_d * dtype.itemsize))), 3
+    if eight_bit:  # dequantized 64-token tiles spilled (sm_90, bf16 q, head_dim 128): 32 tokens, a ring of three
+        block_n, stages = min(block_n, 32), 4
     return dict(
-        BLOCK_H=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4, num_stages=3, maxnreg=160
+        BLOCK_H=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n, num_warps=4, num_stages=stages, maxnreg=160
     )
+
+
+def _fp8e4nv_native(device: torch.device, interpret: bool) -> bool:
+    """Whether Triton loads float8_e4m3fn (its ``fp8e4nv``) here: in the interpreter and from sm_89 on; before,
+    the kernel reads the bytes as uint8 and decodes them (``E4M3_BITS``)."""
+    return interpret or _capability(device) >= 89
 
 
 def native_half(device) -> torch.dtype:
@@ -287,11 +338,13 @@ def triton_paged_decode(
     out: torch.Tensor | None = None,
     check_values: bool = True,
     return_lse: bool = False,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decode attention over a paged KV cache with a Triton kernel (split-K, GQA): the contract of
-    :func:`~paged_ref.attention.reference.reference_paged_decode`, with ``q`` float16, bfloat16 or
-    float32 on CUDA (float32 on CPU), contiguous inputs, ``page_size`` a power of two up to 256 and
-    ``head_dim`` up to 256.
+    :func:`~paged_ref.attention.reference.reference_paged_decode` (8-bit pages with ``k_scale``,
+    ``v_scale`` included), with ``q`` float16, bfloat16 or float32 on CUDA (float32 on CPU), contiguous
+    pages and tables, ``page_size`` a power of two up to 256 and ``head_dim`` up to 256.
 
     Args:
         num_splits: chunks per sequence; None: :func:`~.occupancy.choose_num_splits`. Any value
@@ -320,19 +373,25 @@ def triton_paged_decode(
         )
     interpret = isinstance(q, torch.Tensor) and interpreted(q.device)
     check_values = check_values or interpret  # the interpreter reads host memory: never unchecked there
-    scale = check_paged_inputs(q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    scale = check_paged_inputs(
+        q, k_cache, v_cache, block_table, seq_lens, scale=scale, check_values=check_values, **scales
+    )
     check_triton_inputs(q, k_cache, v_cache, block_table, seq_lens, num_splits, out, interpret=interpret)
     batch, num_q_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     capability = 90 if interpret else _capability(q.device)
-    cfg = _tile_config(q.dtype, head_dim, num_q_heads // num_kv_heads, interpret=interpret, capability=capability)
+    group, eight_bit = num_q_heads // num_kv_heads, k_scale is not None
+    cfg = _tile_config(q.dtype, head_dim, group, interpret=interpret, capability=capability, eight_bit=eight_bit)
     if num_splits is None:
         # checked values are on the host already; otherwise bound by the table's capacity (no sync)
         max_len = int(seq_lens.max()) if check_values else block_table.shape[1] * page_size
         num_splits = _default_num_splits(batch, num_kv_heads, max_len, q.device, cfg)
     if out is None:
         out = torch.empty_like(q)  # [batch, num_q_heads, head_dim]
-    parts = _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, return_lse, **cfg)
+    parts = _launch(
+        q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, return_lse, scales=scales, **cfg
+    )
     if not return_lse:
         return out
     part_m, part_l = parts  # [batch, Hq, splits] each
@@ -340,9 +399,23 @@ def triton_paged_decode(
     return out, top[..., 0] + torch.log2((torch.exp2(part_m - top) * part_l).sum(-1))
 
 
-def _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, keep_partials=False, **cfg):
-    """Launch both kernels on checked inputs with `_tile_config`'s tiles and options; returns the
-    partials ``(m, l)`` when written."""
+def _pages(q, k_cache, v_cache, scales, interpret: bool):
+    """The pages and page scales as the split kernel takes them: ``(k_cache, v_cache, (k_scale, v_scale), their
+    4 strides, E4M3_BITS)``; without 8-bit pages ``q`` stands in for the scales (strides 0, never read)."""
+    if scales is None or scales["k_scale"] is None:
+        return k_cache, v_cache, (q, q), (0, 0, 0, 0), False
+    e4m3_bits = k_cache.dtype == torch.float8_e4m3fn and not _fp8e4nv_native(q.device, interpret)
+    if e4m3_bits:  # the same bytes as uint8
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    k_scale, v_scale = scales["k_scale"], scales["v_scale"]
+    return k_cache, v_cache, (k_scale, v_scale), (*k_scale.stride(), *v_scale.stride()), e4m3_bits
+
+
+def _launch(
+    q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, keep_partials=False, scales=None, **cfg
+):
+    """Launch both kernels on checked inputs with `_tile_config`'s tiles and options (``scales``: the
+    page scales ``k_scale``, ``v_scale`` of 8-bit pages, or None); returns the partials ``(m, l)`` when written."""
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     write_partials = num_splits > 1 or keep_partials
@@ -353,8 +426,9 @@ def _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, 
     else:
         part_m = part_l = part_acc = out  # unused by the kernel
     interpret = interpreted(q.device)
-    tensors = (q, k_cache, v_cache, block_table, seq_lens, out, part_m, part_l, part_acc)
-    strides = (*q.stride()[:2], *k_cache.stride()[:3], block_table.stride(0), *out.stride()[:2])
+    k_cache, v_cache, page_scales, scale_strides, e4m3_bits = _pages(q, k_cache, v_cache, scales, interpret)
+    tensors = (q, k_cache, v_cache, block_table, seq_lens, out, part_m, part_l, part_acc, *page_scales)
+    strides = (*q.stride()[:2], *k_cache.stride()[:3], block_table.stride(0), *out.stride()[:2], *scale_strides)
     # Triton launches on the current CUDA device: make it the inputs'. The interpreter is on for this call only.
     with interpreter() if interpret else torch.cuda.device(q.device):
         _kernel(_paged_decode_split_kernel, interpret)[(batch, num_kv_heads, num_splits)](
@@ -367,6 +441,8 @@ def _launch(q, k_cache, v_cache, block_table, seq_lens, out, scale, num_splits, 
             PAGE_SIZE=k_cache.shape[1],
             WRITE_PARTIALS=write_partials,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            SCALED=scales is not None and scales["k_scale"] is not None,
+            E4M3_BITS=e4m3_bits,
             **cfg,
         )
         if write_partials:  # grid: one program per (sequence, query head)

@@ -3,13 +3,20 @@ made before a page is taken, each naming the argument, what was expected and wha
 
 from __future__ import annotations
 
+import importlib
+import inspect
+
 import torch
 
 from .._validate import check_int, check_list, check_token_range, describe, eos_ids, is_int
+from ..cache import PagedKVCache
+from ..cache_interface import KVCache
 from ..eviction.base import EvictionPolicy
 from ..memory import model_geometry
+from .attention import AUTO, BACKENDS
 
 __all__ = ["check_batch", "check_live", "check_policy", "check_prompts", "check_room", "check_streamer", "token_ids"]
+__all__ += ["for_8bit_pages", "reads_8bit", "session_cache"]
 
 
 def check_batch(seq_ids, tokens) -> tuple[list, list]:
@@ -149,3 +156,49 @@ def _special_ids(model, eos_token_id, pad_token_id, vocab: int) -> tuple[list[in
     if not is_int(pad_token_id) or not 0 <= int(pad_token_id) < vocab:
         raise ValueError(f"pad_token_id must be a token id in [0, vocab_size={vocab}) or None, got {pad_token_id!r}")
     return eos_list, int(pad_token_id)
+
+
+def session_cache(geometry, kv_cache, *, kv_format, **pool) -> KVCache:
+    """`PagedSession`'s cache: ``kv_cache`` checked against the model's ``geometry``, or when None a new
+    `PagedKVCache` of ``pool`` (``num_pages``, ``page_size``) with ``kv_format``."""
+    if kv_cache is None:
+        return PagedKVCache(**pool, kv_format=kv_format, **geometry.cache_kwargs)
+    if kv_format is not None:
+        raise ValueError(f"kv_format is that of a cache made here; give it to the kv_cache passed, got {kv_format!r}")
+    if not isinstance(kv_cache, KVCache):
+        raise TypeError(
+            f"kv_cache must be a paged_ref.PagedKVCache, a LayeredKVCache or None, got {type(kv_cache).__name__}"
+        )
+    if kv_cache.geometry.cache_kwargs != geometry.cache_kwargs:
+        raise ValueError(
+            f"kv_cache does not match the model: the model needs {geometry.cache_kwargs}, "
+            f"kv_cache has {kv_cache.geometry.cache_kwargs}"
+        )
+    return kv_cache
+
+
+def reads_8bit(backend) -> bool:
+    """Whether every function of ``backend`` (a `paged_ref.hf.attention.Backend`) takes 8-bit pages'
+    ``k_scale`` and ``v_scale`` (the 8-bit contract).
+
+    Example:
+        >>> reads_8bit(BACKENDS["reference"]), reads_8bit(BACKENDS["cascade"])
+        (True, False)
+    """
+    where = [backend.decode, backend.prefill] + ([backend.packed] if backend.packed is not None else [])
+    try:
+        functions = [getattr(importlib.import_module(module), name) for module, name in where]
+    except ImportError:  # a backend whose kernels are not installed here
+        return False
+    return all("k_scale" in inspect.signature(f).parameters for f in functions)
+
+
+def for_8bit_pages(backend, *, asked):
+    """``backend`` if it reads 8-bit pages; else, when ``"auto"`` chose it (``asked``), the reference; a backend
+    asked for that cannot is refused, naming those that can."""
+    if reads_8bit(backend):
+        return backend
+    if asked == AUTO:
+        return BACKENDS["reference"]
+    can = [name for name, b in BACKENDS.items() if reads_8bit(b)]
+    raise ValueError(f"backend {backend.name!r} cannot read the cache's 8-bit pages; backends that can: {can}")

@@ -15,14 +15,13 @@ oracle), ``flex``, ``triton`` (prefill, compute-bound and once per prompt, throu
 the pages in place, built when the backend is first used; a packed step's rows in one call) and ``cascade`` (the pages
 rows share are read once for all of them); ``auto``, the default, is ``triton`` on CUDA and ``sdpa``
 elsewhere. `register_backend` adds one. On a cache of 8-bit pages (`paged_ref.kv_pages`) every call also
-gets the layer's ``k_scale`` and ``v_scale`` (``kv.kv_scales(layer)``); `reads_8bit` says which backends take them.
+gets the layer's ``k_scale`` and ``v_scale`` (``kv.kv_scales(layer)``; who takes them: `._checks.reads_8bit`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,7 +34,7 @@ from ..attention.sdpa import prepare
 from .cache import region
 
 __all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "Backend", "auto_backend", "get_backend", "register_backend"]
-__all__ += ["for_8bit_pages", "paged_attention_forward", "reads_8bit", "register"]
+__all__ += ["paged_attention_forward", "register"]
 
 ATTN_IMPLEMENTATION = "paged_ref"
 AUTO = "auto"
@@ -99,31 +98,6 @@ def get_backend(name, device="cpu") -> Backend:
         return name
     check_choice("backend", name, [*BACKENDS, AUTO])
     return BACKENDS[auto_backend(device) if name == AUTO else name]
-
-
-def reads_8bit(backend: Backend) -> bool:
-    """Whether every function of ``backend`` takes 8-bit pages' ``k_scale`` and ``v_scale`` (the 8-bit contract).
-
-    Example:
-        >>> reads_8bit(BACKENDS["reference"]), reads_8bit(BACKENDS["cascade"])
-        (True, False)
-    """
-    where = [backend.decode, backend.prefill] + ([backend.packed] if backend.packed is not None else [])
-    try:
-        return all("k_scale" in inspect.signature(_function(w)).parameters for w in where)
-    except ImportError:  # a backend whose kernels are not installed here
-        return False
-
-
-def for_8bit_pages(backend: Backend, *, asked) -> Backend:
-    """``backend`` if it reads 8-bit pages; else, when ``"auto"`` chose it (``asked``), the reference; a backend
-    asked for that cannot is refused, naming those that can."""
-    if reads_8bit(backend):
-        return backend
-    if asked == AUTO:
-        return BACKENDS["reference"]
-    can = [name for name, b in BACKENDS.items() if reads_8bit(b)]
-    raise ValueError(f"backend {backend.name!r} cannot read the cache's 8-bit pages; backends that can: {can}")
 
 
 def auto_backend(device) -> str:

@@ -34,20 +34,11 @@ from dataclasses import replace
 
 import torch
 
-from ..cache import PagedKVCache
 from ..cache_interface import KVCache
 from ..eviction.policies import EvictionPolicy, resolve_policy
 from ..memory import model_geometry
-from ._checks import check_batch, check_live, check_policy, check_room, token_ids
-from .attention import (
-    ATTN_IMPLEMENTATION,
-    AUTO,
-    for_8bit_pages,
-    get_backend,
-    paged_attention_active,
-    register,
-    set_attn_implementation,
-)
+from ._checks import check_batch, check_live, check_policy, check_room, for_8bit_pages, session_cache, token_ids
+from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, paged_attention_active, register, set_attn_implementation
 from .cache import PagedCache, StepPlan, pack_rows
 
 __all__ = ["PagedSession", "cache_keyword", "fast_step"]
@@ -93,6 +84,7 @@ class PagedSession:
             in tokens (``eviction="paged_eviction", budget=256``), a policy object, or None.
         fast: the CPU speed-ups, beside the lesson (`paged_ref.fast.Fast`; True: all the model allows;
             None, the default: the eager step); the same tokens (`fast_step`).
+        kv_format: with ``num_pages``, the new cache's 8-bit pages (`paged_ref.quant.KVFormat`); None: floating.
 
     The model's attention is ``"paged_ref"`` only during each `extend` forward: several sessions can
     share one model, and ``model.generate`` works beside them. `close` frees every sequence.
@@ -109,6 +101,7 @@ class PagedSession:
         eviction=None,
         budget: int | None = None,
         fast=None,
+        kv_format=None,
     ):
         fast = fast_step(fast, model)
         if fast is not None and fast.backend is not None:
@@ -118,17 +111,7 @@ class PagedSession:
         eviction = resolve_policy(eviction, budget)
         geometry = model_geometry(model)
         self._backend = get_backend(backend, geometry.device)
-        if kv_cache is None:
-            kv_cache = PagedKVCache(num_pages=num_pages, page_size=page_size, **geometry.cache_kwargs)
-        elif not isinstance(kv_cache, KVCache):
-            raise TypeError(
-                f"kv_cache must be a paged_ref.PagedKVCache, a LayeredKVCache or None, got {type(kv_cache).__name__}"
-            )
-        elif kv_cache.geometry.cache_kwargs != geometry.cache_kwargs:
-            raise ValueError(
-                f"kv_cache does not match the model: the model needs {geometry.cache_kwargs}, "
-                f"kv_cache has {kv_cache.geometry.cache_kwargs}"
-            )
+        kv_cache = session_cache(geometry, kv_cache, num_pages=num_pages, page_size=page_size, kv_format=kv_format)
         if kv_cache.kv_scales(0)[0] is not None:  # 8-bit pages: a backend that reads them
             self._backend = for_8bit_pages(self._backend, asked=backend)
         self.model = model

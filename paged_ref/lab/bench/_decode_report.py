@@ -14,6 +14,7 @@ RATIO_COLUMNS = [  # (header, key of a ratios row, format) after the paged kerne
     ("flex step/paged", "flex_step_over_paged", "{:.2f}"),
     ("flex call/paged", "flex_over_paged", "{:.2f}"),
     ("sdpa/paged", "sdpa_over_paged", "{:.2f}"),
+    ("fp8/paged", "fp8_over_paged", "{:.2f}"),
     ("rerun spread", "repeat_spread", "{:.1%}"),
 ]
 
@@ -44,6 +45,7 @@ def summarize_gpu(data):
             flex = by.get((batch, seq_len, page, "flex_paged_decode"))
             reused = by.get((batch, seq_len, page, "flex_paged_decode (mask reused)"))
             graph = by.get((batch, seq_len, page, "paged_decode (CUDA graph)"))
+            fp8 = by.get((batch, seq_len, page, "paged_decode fp8"))
             if paged is None:
                 continue
             t = paged["median_s"]
@@ -60,6 +62,7 @@ def summarize_gpu(data):
                 flex_reused_over_paged=reused["median_s"] / t if reused else None,
                 flex_over_paged=flex["median_s"] / t if flex else None,
                 sdpa_over_paged=sdpa["median_s"] / t if sdpa else None,
+                fp8_over_paged=fp8["median_s"] / t if fp8 else None,
                 repeat_spread=abs(again["median_s"] - t) / t if again else None,
             )
             ratios.append(row)

@@ -13,14 +13,18 @@ slower of the two); the kernel on an identity block table (the cost of paging it
 ``--budget-s`` lasts (and from batches of ``--flex-min-batch`` on), compiled ``flex_paged_decode``
 as a model calls it, its BlockMask built once per step and reused by every layer (the call with
 the mask given, and the mask's build time), then as a user calling it alone pays, building its
-BlockMask per call; ``triton_paged_decode`` again (the run-to-run spread). Each: median time
+BlockMask per call; ``triton_paged_decode`` again (the run-to-run spread); with ``--eight-bit``, at page size
+``EIGHT_BIT_PAGE_SIZE`` only, the kernel on the same pages stored in float8_e4m3fn with a scale per
+page and KV head (``paged_decode fp8``: its bytes are a byte a value plus the scales; its error is
+against float32 attention on the values those bytes hold). Each: median time
 (``triton.testing.do_bench``: CUDA events, L2 flushed before each run), bandwidth = bytes of K and
 V read / time, its share of the copy's, the error against float32, and the ratios between
 implementations (`summarize_gpu`; flex per step counts the mask's build once per ``LAYERS``
-calls). JSON: ``figures/data/decode_gpu.json``.
+calls; ``fp8/paged``: the 8-bit kernel's time over the 16-bit one's). JSON: ``figures/data/decode_gpu.json``.
 
 CPU (``--cpu``): small float32 sizes; the reference, eager FlexAttention and SDPA are timed
-(`cpu_median`); the Triton kernel runs once through the interpreter for correctness, untimed.
+(`cpu_median`); the Triton kernel runs once through the interpreter for correctness, untimed (with
+``--eight-bit``, on float8_e4m3fn pages too).
 JSON: ``figures/data/decode_cpu.json``.
 """
 
@@ -32,6 +36,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from ... import quant
 from ...attention import triton_decode as td
 from ...attention.reference import reference_paged_decode
 from ._decode_report import summarize_gpu
@@ -59,6 +64,8 @@ GPU_HEADS = dict(num_q_heads=32, num_kv_heads=8, head_dim=128)
 CPU_SHAPES = [(1, 2048), (8, 512)]
 CPU_PAGE_SIZES = [16, 64]
 CPU_HEADS = dict(num_q_heads=8, num_kv_heads=2, head_dim=64)
+EIGHT_BIT = torch.float8_e4m3fn  # `--eight-bit`: vLLM's "fp8" format
+EIGHT_BIT_PAGE_SIZE = 16  # the one page size `--eight-bit` measures (the GPU plan's time)
 LAYERS = 32  # decoder layers of the model whose attention GPU_HEADS is (Llama-3-8B): calls per BlockMask
 GPU_CALLS = dict(  # how the GPU run times and calls, recorded in its config
     timing="triton.testing.do_bench median (CUDA events, L2 flushed)",
@@ -99,6 +106,21 @@ def page_layouts(k, v, batch, seq_len, page_size, seed=0):
     k_shuffled[where], v_shuffled[where] = k_pages, v_pages
     shuffled = where.to(torch.int32).view(batch, -1)
     return (k_pages, v_pages, identity), (k_shuffled, v_shuffled, shuffled)
+
+
+def eight_bit_pages(k_cache, v_cache, block_table, batch, seq_len):
+    """``(k8, v8, k_scale, v_scale)``: the pages in float8_e4m3fn with a scale per page and KV head
+    (`paged_ref.quant.calibrate`), and the values they hold as contiguous float32 ``k, v [batch * seq_len,
+    Hkv, D]`` (logical order, through ``block_table``) for the reference."""
+    out, held = [], []
+    for cache in (k_cache, v_cache):
+        scale = quant.calibrate(cache, EIGHT_BIT, dim=(1, 3))  # [num_pages, Hkv]
+        pages = quant.quantize(cache, scale[:, None, :, None], EIGHT_BIT)  # [num_pages, P, Hkv, D]
+        out.append((pages, scale))
+        values = quant.dequantize(pages, scale[:, None, :, None])[block_table.flatten().long()]  # logical order
+        held.append(values.view(batch * seq_len, *cache.shape[2:]))
+    (k8, ks), (v8, vs) = out
+    return (k8, v8, ks, vs), held
 
 
 def reference_attention(q, k, v, batch, seq_len, dtype=torch.float32):
@@ -142,6 +164,7 @@ def run_gpu(
     budget_s,
     rep_ms,
     flex_min_batch=1,
+    eight_bit=False,
     heads=GPU_HEADS,
     dtype=None,
     device="cuda",
@@ -149,6 +172,7 @@ def run_gpu(
 ):
     """Measure every implementation on every (shape, page size), in the module docstring's order.
 
+    ``eight_bit``: also the kernel on float8_e4m3fn pages at page size `EIGHT_BIT_PAGE_SIZE`.
     ``heads``, ``dtype`` (None: the GPU's native 16-bit type) and ``device`` let tests run the
     harness on small CPU sizes. ``checkpoint(part)``, if given, receives ``{"copy", "results",
     "notes", "errors"}`` measured so far after each (shape, page size).
@@ -167,15 +191,18 @@ def run_gpu(
         notes.append("flex_paged_decode not importable: not measured")
     elem = torch.empty((), dtype=dtype).element_size()
 
-    def measure(page_size, impl, fn, out=None, seconds=None, **extra):
+    def measure(page_size, impl, fn, out=None, seconds=None, kv_bytes=None, against=None, **extra):
         """Time ``fn`` for the current (batch, seq_len) (unless ``seconds`` is given); check ``out``
-        (None: ``fn()`` after timing)."""
+        (None: ``fn()`` after timing) against ``against`` (None: ``ref``); ``kv_bytes``: None for 16-bit K/V."""
         seconds = gpu_median(fn, rep_ms=rep_ms) if seconds is None else seconds
         out = fn() if out is None else out
-        kv_bytes = 2 * batch * seq_len * heads["num_kv_heads"] * heads["head_dim"] * elem
+        kv_bytes = (
+            2 * batch * seq_len * heads["num_kv_heads"] * heads["head_dim"] * elem if kv_bytes is None else kv_bytes
+        )
         bandwidth = kv_bytes / seconds / 1e9
         row = dict(batch=batch, seq_len=seq_len, page_size=page_size, impl=impl, median_s=seconds, kv_bytes=kv_bytes)
-        row.update(bandwidth_GBps=bandwidth, frac_of_copy=bandwidth / copy["bandwidth_GBps"], rel_err=rel_err(out, ref))
+        error = rel_err(out, ref if against is None else against)
+        row.update(bandwidth_GBps=bandwidth, frac_of_copy=bandwidth / copy["bandwidth_GBps"], rel_err=error)
         results.append(row | extra)
         print(
             f"  {impl:<24} page {str(page_size):>4}: {seconds * 1e6:9.1f} us {bandwidth:7.0f} GB/s "
@@ -216,6 +243,14 @@ def run_gpu(
                     f"CUDA graph of paged_decode failed at ({batch}, {seq_len}, page {page_size}): {exc!r}"[:400]
                 )
             measure(page_size, "paged_decode contiguous", run_contig, num_splits=splits)
+            if eight_bit and page_size == EIGHT_BIT_PAGE_SIZE:
+                (k8, v8, ks, vs), held = eight_bit_pages(*paged, batch, seq_len)
+                ref8 = reference_attention(q, *held, batch, seq_len)  # float32 on what the bytes hold
+                run8 = partial(td.triton_paged_decode, q, k8, v8, paged[2], lens, check_values=False)
+                run8 = partial(run8, k_scale=ks, v_scale=vs)
+                kv8 = k8.numel() + v8.numel() + 4 * (ks.numel() + vs.numel())  # a byte a value, float32 scales
+                measure(page_size, "paged_decode fp8", run8, kv_bytes=kv8, against=ref8, num_splits=splits)
+                del k8, v8, ks, vs, held, ref8, run8
             if flex_paged_decode is not None:
                 where = f"({batch}, {seq_len}, page {page_size})"
                 if batch < flex_min_batch:
@@ -245,7 +280,7 @@ def run_gpu(
     return dict(copy=copy, results=results, notes=notes, errors=errors, elapsed_s=time.perf_counter() - started)
 
 
-def run_cpu(shapes, page_sizes, *, repeats):
+def run_cpu(shapes, page_sizes, *, repeats, eight_bit=False):
     heads = CPU_HEADS
     results, correctness, notes, errors = [], [], [], []
     if flex_paged_decode is None:
@@ -266,6 +301,11 @@ def run_cpu(shapes, page_sizes, *, repeats):
             out = td.triton_paged_decode(q, *paged, lens)  # the interpreter: once, for correctness only
             case = dict(batch=batch, seq_len=seq_len, page_size=page_size)
             correctness.append(dict(case, impl="paged_decode (interpreter)", rel_err=rel_err(out, ref)))
+            if eight_bit:
+                (k8, v8, ks, vs), held = eight_bit_pages(*paged, batch, seq_len)
+                out = td.triton_paged_decode(q, k8, v8, paged[2], lens, k_scale=ks, v_scale=vs)
+                ref8 = reference_attention(q, *held, batch, seq_len, torch.float64)
+                correctness.append(dict(case, impl="paged_decode fp8 (interpreter)", rel_err=rel_err(out, ref8)))
         for impl, page_size, fn in impls:
             try:
                 out = fn()
@@ -293,6 +333,9 @@ def main(argv=None):
     parser.add_argument(
         "--flex-min-batch", type=int, default=1, help="GPU: measure flex only at batches of at least this many"
     )
+    parser.add_argument(
+        "--eight-bit", action="store_true", help=f"also float8_e4m3fn pages (page size {EIGHT_BIT_PAGE_SIZE} on GPU)"
+    )
     args = parser.parse_args(argv)
     command = command_line("decode", argv)
     if not args.cpu and not torch.cuda.is_available():
@@ -302,7 +345,7 @@ def main(argv=None):
     if args.cpu:
         shapes, pages = ([(2, 256)], [16]) if args.quick else (CPU_SHAPES, CPU_PAGE_SIZES)
         data["config"] = dict(dtype="float32", shapes=shapes, page_sizes=pages, **CPU_HEADS)
-        data.update(run_cpu(shapes, pages, repeats=3 if args.quick else 7))
+        data.update(run_cpu(shapes, pages, repeats=3 if args.quick else 7, eight_bit=args.eight_bit))
     else:
         shapes, pages = ([(8, 32768), (64, 4096)], [16, 128]) if args.quick else (GPU_SHAPES, GPU_PAGE_SIZES)
         dtype = str(td.native_half("cuda")).removeprefix("torch.")
@@ -319,6 +362,7 @@ def main(argv=None):
             budget_s=args.budget_s,
             rep_ms=rep_ms,
             flex_min_batch=args.flex_min_batch,
+            eight_bit=args.eight_bit,
             checkpoint=checkpoint,
         )
         data.update(measured)

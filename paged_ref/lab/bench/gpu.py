@@ -21,12 +21,14 @@ run (CI's) runs the CPU commands (``bench decode --cpu --quick``, ``bench scalin
 ``--plan full`` (<= 480 s, `FULL_PLAN_LIMIT_S`) is the second run: what the first left unmeasured.
 ``compile`` as above; ``decode`` with flex started in its first 45 s at batches >= 8 (flex as a
 model calls it, its BlockMask reused, beside the per-call number; the kernel from a CUDA graph
-beside the plain call); ``scaling``: ``bench scaling --gpu --model llama1b`` with 115 s (the
-ladder, then the 100k-token sequence for every paged backend and the mixed batch, which the 32 s
-of the first plan skip); ``smollm2``: SmolLM2's ladder in 20 s (``--out DIR/smollm2``; real weights
-where the GGUF and ``gguf`` load, else a random-weight model of its shapes, as its JSON records),
-its model then merged into ``DIR/scaling_gpu.json``; ``serve``: ``bench serve --gpu`` on 16
-requests at 64 req/s (no peer, no pool sweep); ``sharing``: ``bench sharing --gpu --repeats 1``.
+beside the plain call; ``--eight-bit``: the kernel on float8_e4m3fn pages at page size 16, its
+bandwidth beside the 16-bit kernel's on the same shapes); ``scaling``: ``bench scaling --gpu
+--model llama1b`` with 115 s (the ladder, then the 100k-token sequence for every paged backend and
+the mixed batch, which the 32 s of the first plan skip); ``smollm2``: SmolLM2's ladder in 20 s
+(``--out DIR/smollm2``; real weights where the GGUF and ``gguf`` load, else a random-weight model of
+its shapes, as its JSON records), its model then merged into ``DIR/scaling_gpu.json``; ``serve``:
+``bench serve --gpu`` on 16 requests at 64 req/s (no peer, no pool sweep); ``sharing``: ``bench
+sharing --gpu --repeats 1``.
 It leaves out the ``tests`` and ``flex`` sections (the first run passed them; every decode row is
 checked against float32 and every scaling decoder against DynamicCache's tokens) and ``figures``
 (drawn here from the JSON: ``python -m paged_ref.lab.viz.run_figures DIR gpu``). Files:
@@ -94,6 +96,8 @@ FIRST_RUN_DECODE_S = 39.6
 FULL_DECODE_FLEX_WINDOW_S = 45  # flex (reused mask, then per call) started only in the first 45 s,
 FLEX_MIN_BATCH = 8  # and at batches >= 8 (the goal's cases; the first run timed batch 1's)
 FULL_FLEX_S = FLEX_FIRST_S + 4 * FLEX_COMPILE_S + 12 * 0.5  # set-up, a compile per page size + one, 12 cases timed
+# `--eight-bit`: 2 compiles (split or not, page size 16) and, per shape, quantizing, a reference and a timing (~1 s)
+EIGHT_BIT_S = 2 * TRITON_COMPILE_S + 4 * 1.0
 FULL_SCALING_BUDGET_S = 115  # llama1b: the ladder, then the long sequence per backend, then the batch
 SMOLLM2_BUDGET_S = 20  # SmolLM2's ladder
 MODEL_LOAD_S = 7.0
@@ -138,7 +142,7 @@ def full_estimates() -> dict[str, float]:
         "compile": estimates()["compile"],
         # the first run's decode less its one flex (set-up and a compile), the full plan's flex at
         # batch >= 8, ~1 s per case for the graph, host and mask timings
-        "decode": FIRST_RUN_DECODE_S - (FLEX_FIRST_S + FLEX_COMPILE_S) + FULL_FLEX_S + 12 * 1.0,
+        "decode": FIRST_RUN_DECODE_S - (FLEX_FIRST_S + FLEX_COMPILE_S) + FULL_FLEX_S + 12 * 1.0 + EIGHT_BIT_S,
         "scaling": FULL_SCALING_BUDGET_S + 2 * FLEX_COMPILE_S + 5,
         "smollm2": SMOLLM2_BUDGET_S + MODEL_LOAD_S + FLEX_COMPILE_S + 5,
         "serve": MODEL_LOAD_S + SERVE_STEPS * STEP_S + 5 + 3 * TRITON_COMPILE_S,  # + the overhead section
@@ -192,14 +196,14 @@ def full_plan(out: Path, *, dry_run: bool) -> list[Section]:
     bench = [py, "-m", "paged_ref.lab.bench"]
     small = str(out / SMOLLM2_DIR)
     if dry_run:
-        decode = bench + ["decode", "--cpu", "--quick", "--out", str(out)]
+        decode = bench + ["decode", "--cpu", "--quick", "--eight-bit", "--out", str(out)]
         scaling = bench + ["scaling", "--cpu", "--quick", "--model", "tiny", "--out", str(out)]
         smollm2 = bench + ["scaling", "--cpu", "--quick", "--model", "tiny", "--out", small]
         serve = bench + ["serve", "--quick", "--out", str(out)]
         sharing = bench + ["sharing", "--quick", "--model", "tiny", "--out", str(out)]
     else:
         decode = bench + ["decode", "--budget-s", str(FULL_DECODE_FLEX_WINDOW_S)]
-        decode += ["--flex-min-batch", str(FLEX_MIN_BATCH), "--out", str(out)]
+        decode += ["--flex-min-batch", str(FLEX_MIN_BATCH), "--eight-bit", "--out", str(out)]
         scaling = bench + ["scaling", "--gpu", "--model", "llama1b"]
         scaling += ["--time-budget", str(FULL_SCALING_BUDGET_S), "--out", str(out)]
         smollm2 = bench + ["scaling", "--gpu", "--model", "smollm2", "--time-budget", str(SMOLLM2_BUDGET_S)]

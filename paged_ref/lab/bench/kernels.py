@@ -5,10 +5,11 @@
 Triton compiles ahead of time for a named target (``triton.compile(ASTSource(...),
 target=GPUTarget("cuda", 90, 32))``) and ships ``cuobjdump``. For every configuration the
 launcher can choose (tiles and options from ``triton_decode._tile_config``) on sm_90, sm_80 and
-sm_75 (fp16 only), with the signature specialised as the JIT does for a real launch (and once
-bare, no alignment known), it records registers, spills, shared memory, asynchronous copies, MMA
-instructions, the K/V buffer ring, programs per SM and the K/V bytes in flight per SM against
-Little's law, and what it takes to recompile the entry. Output: ``figures/data/kernels.json``.
+sm_75 (fp16 only), and the defaults with 8-bit pages (16-bit q) on sm_90 and sm_80, with the
+signature specialised as the JIT does for a real launch (and once bare, no alignment known), it
+records registers, spills, shared memory, asynchronous copies, MMA instructions, the K/V buffer
+ring, programs per SM and the K/V bytes in flight per SM against Little's law, and what it takes
+to recompile the entry. Output: ``figures/data/kernels.json``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .common import bench_parser, environment, print_table, result_file
 #: bytes in flight; LATENCY_S is an assumed ~1 us DRAM round trip.
 TARGETS = {arch: asdict(limits) for arch, limits in SM_LIMITS.items()}
 TARGET_DTYPES = {90: ("fp16", "bf16", "fp32"), 80: ("fp16", "bf16", "fp32"), 75: ("fp16",)}
+EIGHT_BIT_PAGES = ("fp8e4nv", "fp8e5", "i8")  # float8_e4m3fn, float8_e5m2, int8 pages with 16-bit q (sm_90, sm_80)
 LATENCY_S = 1e-6
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 HEAD_DIMS = (64, 80, 128, 256)
@@ -53,6 +55,7 @@ class KernelConfig:
     page_size: int
     split: bool  # num_splits > 1 (partials written for the reduction kernel)
     hints: bool = True  # alignment specialisation as the JIT does it (False: bare signature)
+    pages: str = ""  # 8-bit K/V pages ("fp8e4nv", "fp8e5", "i8", with page scales) or "": dtype's
 
 
 def _source(
@@ -92,18 +95,28 @@ def split_kernel_source(cfg: KernelConfig):
     """The ASTSource, launch options and record ``triton_paged_decode`` would compile for ``cfg``."""
     from ...attention import triton_decode as td
 
-    tile = td._tile_config(DTYPES[cfg.dtype], cfg.head_dim, cfg.group, interpret=False, capability=cfg.arch)
+    eight_bit = bool(cfg.pages)
+    tile = td._tile_config(
+        DTYPES[cfg.dtype], cfg.head_dim, cfg.group, interpret=False, capability=cfg.arch, eight_bit=eight_bit
+    )
     d, hq = cfg.head_dim, cfg.group * NUM_KV_HEADS
     consts = dict(HEAD_DIM=d, BLOCK_D=tile["BLOCK_D"], GROUP=cfg.group, BLOCK_H=tile["BLOCK_H"])
     consts.update(PAGE_SIZE=cfg.page_size, BLOCK_N=tile["BLOCK_N"], WRITE_PARTIALS=cfg.split)
-    consts["DOT_PRECISION"] = "ieee" if cfg.dtype == "fp32" else "tf32"
+    # float8_e4m3fn before sm_89: read as uint8 and decoded in the kernel, as the launcher does
+    e4m3_bits = cfg.pages == "fp8e4nv" and cfg.arch < 89
+    consts.update(DOT_PRECISION="ieee" if cfg.dtype == "fp32" else "tf32", SCALED=eight_bit, E4M3_BITS=e4m3_bits)
+    page_dtype = "u8" if e4m3_bits else cfg.pages or cfg.dtype
     ints = dict(num_splits=6 if cfg.split else 1, stride_q_batch=hq * d, stride_q_head=d)
     ints.update(stride_cache_page=cfg.page_size * NUM_KV_HEADS * d, stride_cache_token=NUM_KV_HEADS * d)
     ints.update(stride_cache_head=d, stride_bt_batch=cdiv(CONTEXT, cfg.page_size), stride_o_batch=hq * d)
     ints["stride_o_head"] = d
-    ptrs = dict.fromkeys(("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"), cfg.dtype)
+    ptrs = dict.fromkeys(("q_ptr", "out_ptr"), cfg.dtype) | dict.fromkeys(("k_cache_ptr", "v_cache_ptr"), page_dtype)
     ptrs.update(dict.fromkeys(("block_table_ptr", "seq_lens_ptr"), "i32"))
     ptrs.update(dict.fromkeys(("part_m_ptr", "part_l_ptr", "part_acc_ptr"), "fp32"))
+    # 8-bit pages: per-page scales [num_pages, NUM_KV_HEADS]; else q stands in for them (strides 0, unused)
+    ptrs.update(dict.fromkeys(("k_scale_ptr", "v_scale_ptr"), "fp32" if cfg.pages else cfg.dtype))
+    ints.update(stride_ks_page=NUM_KV_HEADS if cfg.pages else 0, stride_ks_head=1 if cfg.pages else 0)
+    ints.update(stride_vs_page=ints["stride_ks_page"], stride_vs_head=ints["stride_ks_head"])
     options = {k: v for k, v in tile.items() if not k.startswith("BLOCK_")}
     floats = {"scale_log2": "fp32"}
     src, options, record = _source("_paged_decode_split_kernel", consts, ints, ptrs, floats, cfg.hints, options)
@@ -181,7 +194,7 @@ def compile_config(cfg: KernelConfig) -> dict:
     entry["kv_buffers"] = kv_buffers(ck.asm["ttgir"])
     entry.update(occupancy(cfg.arch, entry["registers"], entry["shared_bytes"], record["options"]["num_warps"]))
     tile = record["tile"]
-    tile_bytes = tile["BLOCK_N"] * tile["BLOCK_D"] * DTYPES[cfg.dtype].itemsize
+    tile_bytes = tile["BLOCK_N"] * tile["BLOCK_D"] * (1 if cfg.pages else DTYPES[cfg.dtype].itemsize)
     # With an asynchronous ring of depth k per K and V, k - 1 tiles of each are loading while
     # one is consumed; without asynchronous copies a program waits on one K tile at a time.
     depth = max(entry["kv_buffers"], default=1)
@@ -237,8 +250,17 @@ def compile_prefix(arch: int, dtype: str, head_dim: int = 128, group: int = 4, p
 
 
 def all_configs(quick: bool = False) -> list[KernelConfig]:
-    """Every configuration the launcher can choose on each target (``quick``: the defaults)."""
+    """Every configuration the launcher can choose on each target (``quick``: the defaults), then the 8-bit
+    pages' defaults."""
     head_dims, groups, pages = ((128,), (4,), (16, 64)) if quick else (HEAD_DIMS, GROUPS, PAGE_SIZES)
+    eight_bit = [
+        KernelConfig(arch, dt, 128, 4, p, split, pages=fmt)
+        for arch in (90, 80)
+        for dt in ("fp16", "bf16")
+        for fmt in EIGHT_BIT_PAGES
+        for p in (16, 64)
+        for split in (False, True)
+    ]
     return [
         KernelConfig(arch, dt, d, g, p, split)
         for arch, dtypes in TARGET_DTYPES.items()
@@ -248,7 +270,7 @@ def all_configs(quick: bool = False) -> list[KernelConfig]:
         for g in groups
         for p in pages
         for split in (False, True)
-    ]
+    ] + eight_bit
 
 
 def run(configs: list[KernelConfig], jobs: int = 2, checkpoint=None, every: int = 32) -> list[dict]:
@@ -271,7 +293,7 @@ def summary(entries: list[dict]) -> dict:
     """Per target: configurations, compile errors, 16-bit ones that spill, and the rest."""
     out = {}
     for arch in sorted({e["arch"] for e in entries}, reverse=True):
-        mine = [e for e in entries if e["arch"] == arch and e["hints"]]
+        mine = [e for e in entries if e["arch"] == arch and e["hints"] and not e.get("pages")]
         ok = [e for e in mine if "error" not in e]
         half = [e for e in ok if e["dtype"] != "fp32"]
         big = [e for e in half if e["page_size"] >= e["tile"]["BLOCK_N"]]
@@ -283,6 +305,9 @@ def summary(entries: list[dict]) -> dict:
         row["large_pages_meeting_littles_law"] = sum(
             e["kv_bytes_in_flight_per_sm"] >= e["littles_law_bytes_per_sm"] for e in big
         )
+        q8 = [e for e in entries if e["arch"] == arch and e.get("pages")]  # 8-bit pages
+        row["eight_bit"] = dict(configs=len(q8), errors=sum("error" in e for e in q8))
+        row["eight_bit"]["spilling"] = sum(e.get("spill_stores", 0) + e.get("spill_loads", 0) > 0 for e in q8)
     return out
 
 

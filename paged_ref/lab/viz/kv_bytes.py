@@ -19,7 +19,7 @@ from matplotlib.figure import Figure
 
 from . import add_note
 
-__all__ = ["error_figure", "grid_figure", "page_figure"]
+__all__ = ["error_figure", "grid_figure", "page_figure", "scales_figure"]
 
 COLORS = {"float8_e4m3fn": "tab:blue", "float8_e5m2": "tab:orange", "int8": "tab:green", "bfloat16": "0.4"}
 STYLES = {"one": ":", "layer": "--", "page": "-"}
@@ -100,6 +100,34 @@ def page_figure(stats: dict, page: torch.Tensor, back: torch.Tensor, *, note: st
     errors.set_title(f"stored - true: {stats['page_rel_error']:.2%} relative", fontsize=9)
     errors.set_xlabel("token in page")
     fig.colorbar(im, ax=errors)
+    fig.tight_layout()
+    if note:
+        add_note(fig, note)
+    return fig
+
+
+def scales_figure(
+    k_scale: torch.Tensor, v_scale: torch.Tensor, owners: dict, *, title: str = "", note: str = ""
+) -> Figure:
+    """A cache's page scales, one column per physical page: ``k_scale, v_scale: [num_pages, num_kv_heads]``
+    (`paged_ref.cache.PagedKVCache.kv_scales`), rows K head 0.., V head 0..; ``owners``: page -> label
+    written under its column. A page holding no token has scale 0 (left blank)."""
+    grid = torch.cat([k_scale.T, v_scale.T])  # [2 * Hkv, num_pages]
+    heads = k_scale.shape[1]
+    fig = Figure(figsize=(9, 0.45 * 2 * heads + 1.6))
+    ax = fig.subplots()
+    shown = grid.masked_fill(grid == 0, float("nan"))
+    im = ax.imshow(shown.tolist(), aspect="auto", cmap="viridis")
+    for (r, c), value in zip(
+        torch.cartesian_prod(torch.arange(grid.shape[0]), torch.arange(grid.shape[1])).tolist(), grid.flatten().tolist()
+    ):
+        if value:
+            ax.text(c, r, f"{value:.3g}", ha="center", va="center", fontsize=6, color="w")
+    ax.set_yticks(range(2 * heads), [f"K head {h}" for h in range(heads)] + [f"V head {h}" for h in range(heads)])
+    ax.set_xticks(range(grid.shape[1]), [f"{p}\n{owners.get(p, '')}" for p in range(grid.shape[1])], fontsize=7)
+    ax.set_xlabel("physical page (holder)")
+    ax.set_title(title or "one float32 scale per page, KV head and K/V (blank: no token, scale 0)", fontsize=9)
+    fig.colorbar(im, ax=ax, label="scale")
     fig.tight_layout()
     if note:
         add_note(fig, note)
