@@ -218,14 +218,16 @@ def fp8_logits(model, ids: list[int], kv_format, *, page_size: int = 32) -> torc
 def margins(model, requests, ours_tokens, theirs_tokens, kv_format) -> dict:
     """For each request whose tokens part, at its first differing token: where the engine's 8-bit model
     (`fp8_logits` over the prompt and the shared tokens, in ``kv_format``) ranks vLLM's token and its own (0:
-    first), the gap between their logits, and the median gap between the top two over the request's tokens."""
-    rows = []
+    first), the gap between their logits, and the median gap between the top two over the request's tokens (and
+    over every token of those requests: ``top2_gap_median_pooled``)."""
+    rows, pooled = [], []
     for i, ((prompt, _), a, b) in enumerate(zip(requests, ours_tokens, theirs_tokens)):
         at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if at is None:
             continue
         logits = fp8_logits(model, list(prompt) + a[:-1], kv_format)[len(prompt) - 1 :]  # [len(a), vocab]
         top = logits.topk(2, dim=-1).values
+        pooled += (top[:, 0] - top[:, 1]).tolist()
         here = logits[at]
         rows.append({
             "request": i,
@@ -241,6 +243,7 @@ def margins(model, requests, ours_tokens, theirs_tokens, kv_format) -> dict:
         "requests": rows,
         "vllm_token_rank_counts": {str(k): ranks.count(k) for k in sorted(set(ranks))},
         "logit_gap_median": statistics.median([abs(r["logit_gap"]) for r in rows]) if rows else None,
+        "top2_gap_median_pooled": statistics.median(pooled) if pooled else None,  # every token of these requests
     }
 
 
@@ -292,15 +295,19 @@ def finding(why: dict, peer: dict) -> dict:
     arithmetic, saturation) with its evidence, and the cause that remains."""
     a, r0, layers = peer["agreement"], why["vllm_float32_requantized_vs_vllm_fp8_layer0"], why["bytes_per_layer"]
     s, m = why["saturation"], why["margins"]
-    close = [r for r in m["requests"] if abs(r["logit_gap"]) < r["top2_gap_median"] / 2]
+    pooled = m.get("top2_gap_median_pooled")
+    usual = "its usual top-2 gap" if pooled is None else f"the median top-2 gap of those requests ({pooled:.2f})"
+    close = [r for r in m["requests"] if abs(r["logit_gap"]) < (r["top2_gap_median"] if pooled is None else pooled) / 2]
     grown = next((x["layer"] for x in layers if x["codes_apart_max"] > 1), None)
     last = layers[-1]
     return {
         "tokens": f"{a['requests_identical']}/{a['requests']} requests identical; {a['tokens_before_first_difference']}"
         f" of {a['tokens']} tokens before each request's first difference",
-        "format_rounding_scale": f"vLLM's layer-0 fp8 bytes are its own float32 K/V truncated to e4m3 at scale 1.0 "
-        f"({r0['k_differ'] + r0['v_differ']} of {2 * r0['values']} differ): the engine's format, rounding and "
-        "scale, applied where the engine applies them (when a page is written, before attention reads it)",
+        "format_rounding_scale": f"vLLM's layer-0 fp8 bytes are its own float32 K/V (from its float32 run) "
+        f"truncated to e4m3 at scale 1.0 but for {r0['k_differ'] + r0['v_differ']} of {2 * r0['values']} (at most "
+        f"{r0['codes_apart_max']} code apart: its two runs' float32 values differ in the last bits there): the "
+        "engine's format, rounding and scale, applied where the engine applies them (when a page is written, "
+        "before attention reads it); another rounding would differ in about half the bytes (tests/test_vllm_quant.py)",
         "attention_arithmetic": "float32 on both sides (vLLM's fp8 attention equals the reference on the dequantized "
         "pages to 1e-5: tests/test_vllm_quant.py)",
         "saturation": f"{s['k_saturated'] + s['v_saturated']} of {2 * s['values_per_k_or_v']} K/V values beyond "
@@ -310,8 +317,8 @@ def finding(why: dict, peer: dict) -> dict:
         f"{layers[0]['k_differ'] + layers[0]['v_differ']} of {2 * layers[0]['values']} differ (one code: float32 "
         f"rounding of a value on a code's edge, other matrix-product kernels); more each layer (differences of more "
         f"than one code from layer {grown}), layer {last['layer']} {last['k_differ'] + last['v_differ']}",
-        "close_calls": f"where tokens part, the engine's 8-bit model gives both tokens logits closer than half its "
-        f"usual top-2 gap in {len(close)} of {len(m['requests'])} requests (|gap| median {m['logit_gap_median']}); "
+        "close_calls": f"where tokens part, the engine's 8-bit model gives both tokens logits closer than half "
+        f"{usual} in {len(close)} of {len(m['requests'])} requests (|gap| median {m['logit_gap_median']}); "
         f"vLLM's token ranks there {m['vllm_token_rank_counts']}",
         "why": "the same bytes up to float32 rounding, which 8 bits amplify (a flipped code moves a value by up to "
         "2^-3 of itself, float32 rounding by 2^-24) layer by layer, until a greedy choice between two close tokens "
