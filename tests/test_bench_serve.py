@@ -154,3 +154,82 @@ def test_the_committed_threads_profile_measured_one_thread_and_every_core_over_a
     assert saved["mode"] == "cpu" and saved["model"]["name"] and len(saved["thread_counts"]) == 2
     _check_threads_profile(saved, [1, saved["cores"]], saved["rounds"])
     assert saved["weights_gb"] * 1e9 >= 4 * saved["last_level_cache_bytes"]  # the read comes from memory
+
+
+def test_the_vllm_peer_takes_vllms_kv_cache_dtypes_only():
+    """A job's ``kv_cache_dtype`` is one of vLLM's names ("auto" or an 8-bit one, as `quant.VLLM_FORMATS` maps
+    them); another is refused before vLLM is imported."""
+    from paged_ref import quant
+    from paged_ref.lab.bench import _vllm_peer
+
+    assert set(_vllm_peer.KV_CACHE_DTYPES) == set(quant.VLLM_FORMATS) >= {"fp8"}
+    limits = dict(page_size=32, num_pages=4, max_num_seqs=2, max_batched_tokens=64, max_model_len=64)
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'fp8'.*got 'int8'"):
+        _vllm_peer.make_llm("/nonexistent", kv_cache_dtype="int8", **limits)
+
+
+def test_same_bytes_gives_the_8bit_pool_more_pages_of_the_same_bytes(tmp_path):
+    """``bench serve --quick --kv-format fp8_e4m3 --same-bytes``: the float32 pool and the 8-bit pool that fits
+    in its bytes (the cache's own page bytes) serve the same requests at each rate; the structure, not timings."""
+    data = serve.main(["--quick", "--kv-format", "fp8_e4m3", "--same-bytes", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "serve_cpu_kv8_quick.json").read_text())
+    assert saved["goals"] == data["goals"] and "other jobs ran" in saved["timing_note"]
+    p = saved["same_bytes"]["pools"]
+    assert p["float_pages"] == serve.PROFILES["quick"]["num_pages"] and p["kv8_format"] == "float8_e4m3fn"
+    assert p["float_page_bytes"] == 4 * p["kv8_page_bytes"]  # float32 against one byte a value
+    assert p["kv8_pool_bytes"] <= p["pool_bytes"] < p["kv8_pool_bytes"] + p["kv8_page_bytes"]
+    assert p["kv8_pages"] > 3.9 * p["float_pages"]
+    n, tokens = saved["workload"]["requests"], sum(saved["workload"]["output_lens"])
+    rows = saved["same_bytes"]["rates"]
+    assert [r["rate"] for r in rows] == [*serve.PROFILES["quick"]["rates"], None]  # None: offline
+    for row in rows:
+        f, q = row["float32"], row["kv8"]
+        assert f["tokens"] == q["tokens"] == tokens and f["requests"] == q["requests"] == n
+        assert f["peak_pages"] <= p["float_pages"] and q["peak_pages"] <= p["kv8_pages"]
+        assert 0 <= q["requests_with_paged_tokens"] <= n == f["requests_with_paged_tokens"]
+    goals = list(saved["goals"].values())
+    assert len(goals) == 2 and all(isinstance(g["met"], bool) for g in goals)
+    assert goals[-1]["peak_running"] == [rows[-1]["float32"]["peak_running"], rows[-1]["kv8"]["peak_running"]]
+
+
+def test_same_bytes_pages_count_the_scales_of_either_granularity():
+    import torch
+
+    from paged_ref import quant
+    from paged_ref.lab.bench._serve_kv8 import same_bytes_pages
+    from paged_ref.memory import KVGeometry
+
+    g = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, dtype=torch.float32)  # 64 B a float32 token
+    layer = same_bytes_pages(g, num_pages=2, page_size=2, fmt=quant.KVFormat(torch.int8))  # 256 B
+    page = same_bytes_pages(g, num_pages=2, page_size=2, fmt=quant.KVFormat(torch.int8, scales="page"))
+    assert layer["pool_bytes"] == page["pool_bytes"] == 256
+    assert (layer["kv8_page_bytes"], layer["kv8_pool_scale_bytes"], layer["kv8_pages"]) == (32, 16, 7)
+    assert (page["kv8_page_bytes"], page["kv8_pool_scale_bytes"], page["kv8_pages"]) == (48, 0, 5)
+
+
+@pytest.mark.parametrize(
+    "argv, needs",
+    [
+        (["--kv-format", "int8"], "--kv-format and --same-bytes go together"),
+        (["--same-bytes"], "--kv-format and --same-bytes go together"),
+        (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype is vLLM's"),
+        (["--kv-format", "int8", "--same-bytes", "--peer", "vllm"], "leave out --gpu, --peer and --fast"),
+        (["--rates"], "--rates needs at least one rate"),
+        (["--max-num-seqs", "4"], "--max-num-seqs is a number >= 1 for --same-bytes"),
+    ],
+)
+def test_8bit_options_name_what_they_need(tmp_path, capsys, argv, needs):
+    with pytest.raises(SystemExit):
+        serve.main(["--quick", *argv, "--out", str(tmp_path)])
+    assert needs in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_same_bytes_offline_alone_with_more_sequences(tmp_path):
+    """``--rates`` with none: only the offline row; ``--max-num-seqs`` lifts the cap (its own file)."""
+    options = ["--kv-format", "int8", "--same-bytes", "--rates", "--max-num-seqs", "16"]
+    serve.main(["--quick", *options, "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "serve_cpu_kv8_quick_int8_layer_16seqs.json").read_text())
+    assert saved["config"]["max_num_seqs"] == 16 and [r["rate"] for r in saved["same_bytes"]["rates"]] == [None]
+    (goal,) = saved["goals"].values()
+    assert goal["target_peak_running"] <= 16 and saved["same_bytes"]["pools"]["kv8_format"] == "int8"

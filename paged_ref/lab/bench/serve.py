@@ -7,6 +7,9 @@
                                         [--pair-threads T ...] [--pair-blocks B ...] [--pair-workloads W ...]
                                         [--eager-blocks B ...] [--eager-threads T ...] [--check-blocks B ...]
     python -m paged_ref.lab.bench serve --profile [--quick] [--threads N] [--out DIR]
+    python -m paged_ref.lab.bench serve --peer vllm --peer-only --kv-cache-dtype fp8 [--workload short]
+    python -m paged_ref.lab.bench serve --kv-format {fp8_e4m3,fp8_e5m2,int8} --same-bytes [--kv-scales page]
+                                        [--quick] [--workload short] [--rates R ...]
 
 Requests: prompts of English prose (random ids for a random-weight model) with lognormal prompt and
 output lengths (`paged_ref.lab.fragmentation.make_workload`), each generating exactly its drawn length (EOS
@@ -35,6 +38,12 @@ core in its own process) and eager, each loaded once, against the engine in N al
 at every core, on 32 and 256 blocks, on both workloads, the same warm-up on both sides, tokens compared in every
 turn; ``serve_cpu_peer_vllm_pairs.json`` (``_bfloat16`` with ``--dtype bfloat16``: both engines in bfloat16,
 skipped where the CPU has no bfloat16 instructions).
+``--kv-cache-dtype fp8`` (with ``--peer vllm``): vLLM with its fp8 cache (e4m3, per-layer scales of 1.0) against
+the engine storing the same bytes (``kv_format``: e4m3, scale 1.0, truncated as vLLM's CPU write does), tokens
+compared request by request, then why they differ (`._vllm_fp8`: both caches' bytes layer by layer, saturation,
+the logit gap where tokens part); ``serve_cpu_peer_vllm_fp8.json``. ``--kv-format F --same-bytes``: the float32
+pool against the 8-bit pool of the same bytes (about 4x the pages), ``paged`` admission, at each rate and
+offline (`._serve_kv8`); ``serve_cpu_kv8.json`` (``_short`` for ``--workload short``).
 """
 
 from __future__ import annotations
@@ -58,10 +67,12 @@ from ..runmode import data_dir
 from ..serve_metrics import percentile, summarize
 from ._model_bench import text_ids
 from ._scaling_models import build_model
+from ._serve_kv8 import KV_FORMATS, check_kv8_goal, kv_format, run_same_bytes
 from ._serve_peer import run_peer
 from ._serve_profile import run_profile
 from ._serve_threads import run_threads
-from ._vllm_peer import CPU_BLOCK_MULTIPLE, check_page_size, save_smollm2
+from ._vllm_fp8 import explain, finding
+from ._vllm_peer import CPU_BLOCK_MULTIPLE, KV_CACHE_DTYPES, check_page_size, save_smollm2
 from .common import bench_parser, command_line, environment, result_file, table
 
 __all__ = ["PROFILES", "POLICIES", "make_requests", "run_rate", "check_goals", "format_rate_table", "main"]
@@ -156,13 +167,13 @@ def make_requests(model, tokenizer, *, requests, mean_prompt, mean_output, sigma
     return out, arrivals.tolist()
 
 
-def _engine(model, cfg, policy, *, num_pages=None, device_clock="simulated"):
+def _engine(model, cfg, policy, *, num_pages=None, device_clock="simulated", kv_format=None):
     paged = policy in ("paged", "paged_eviction")
     sizes = {k: cfg[k] for k in ("page_size", "max_num_seqs", "max_batched_tokens", "max_model_len")}
     admission = dict(reservation="paged" if paged else policy, watermark=cfg["watermark"] if paged else 0.0)
-    return Engine(
-        model, num_pages=num_pages or cfg["num_pages"], eos_token_id=[], clock=device_clock, **sizes, **admission
-    )
+    pages = {} if kv_format is None else {"kv_format": kv_format}  # 8-bit pages (`._serve_kv8`)
+    num_pages = num_pages or cfg["num_pages"]
+    return Engine(model, num_pages=num_pages, eos_token_id=[], clock=device_clock, **sizes, **admission, **pages)
 
 
 def _lockstep(engines: dict, progress_desc: str) -> dict:
@@ -300,8 +311,13 @@ def _vllm_subprocess(python, job: dict, threads: int) -> dict:
 
 def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None) -> dict:
     """``paged`` offline vs vLLM offline (`._vllm_peer` in ``.venv-vllm``), taking turns ``peer_repeats``
-    times: the same KV memory in blocks of 32 tokens, vLLM's configuration (watermark 0), tokens compared."""
+    times: the same KV memory in blocks of 32 tokens, vLLM's configuration (watermark 0), tokens compared.
+    ``cfg["kv_cache_dtype"]`` (default "auto"): vLLM's cache dtype; an 8-bit one ("fp8") gives the engine
+    the pages vLLM's CPU build writes (`._vllm_fp8.vllm_kv_format`)."""
     import tempfile
+
+    from ._vllm_fp8 import vllm_kv_format
+    from ._vllm_pairs import token_agreement
 
     python = vllm_python(python)
     page = CPU_BLOCK_MULTIPLE
@@ -313,16 +329,20 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
         max_batched_tokens=cfg["max_batched_tokens"], max_model_len=min(cfg["max_model_len"], num_pages * page)
     )
     ours, theirs = [], []
+    load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, "model")
         if info["name"].startswith("smollm2"):
             save_smollm2(folder)
         else:  # a random-weight model: transformers writes it as it is
             model.save_pretrained(folder)
+        kv_cache_dtype = cfg.get("kv_cache_dtype", "auto")
         job = {"model_dir": folder, "requests": [[list(p), n] for p, n in requests], "limits": limits}
+        job["kv_cache_dtype"] = kv_cache_dtype
+        pages = {} if kv_cache_dtype == "auto" else {"kv_format": vllm_kv_format(kv_cache_dtype)}
         for _ in range(cfg["peer_repeats"]):
             fast = Fast(**cfg.get("engine_options", {}))
-            e = Engine(model, eos_token_id=[], clock="real", watermark=0.0, fast=fast, **limits)
+            e = Engine(model, eos_token_id=[], clock="real", watermark=0.0, fast=fast, **limits, **pages)
             ours_tokens, r = _offline_run(e, requests)
             ours.append(r)
             v = _vllm_subprocess(python, job, threads)
@@ -338,6 +358,10 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
         "config": limits,
         "vllm_mode": "eager_in_process",  # `._vllm_peer.run_vllm`
         "vllm_version": theirs[0]["version"],
+        "kv_cache_dtype": kv_cache_dtype,
+        "engine_kv_format": repr(pages.get("kv_format")),
+        "load_before": load,
+        "load_after": os.getloadavg(),
         "paged": ours,
         "vllm": theirs,
         "throughput_ratio_paired": paired,
@@ -345,6 +369,13 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
         "requests_with_identical_tokens": sum(same),
         "requests": len(same),
         "first_differing_requests": [i for i, s in enumerate(same) if not s][:10],
+        "agreement": token_agreement(ours_tokens, theirs_tokens),
+        "first_difference_at": {  # request -> index of its first differing token
+            i: next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+            for i, (a, b) in enumerate(zip(ours_tokens, theirs_tokens))
+            if a != b and any(x != y for x, y in zip(a, b))
+        },
+        "tokens": {"paged": ours_tokens, "vllm": theirs_tokens},
     }
 
 
@@ -508,7 +539,10 @@ def main(argv=None):
     parser.add_argument("--peer-repeats", type=int, default=None, help="override the profile's peer turns")
     parser.add_argument("--requests", type=int, default=None, help="override the profile's number of requests")
     parser.add_argument("--num-pages", type=int, default=None, help="override the profile's pool (pages of its size)")
-    parser.add_argument("--rates", type=float, nargs="+", default=None, help="override the profile's request rates")
+    parser.add_argument(
+        "--rates", type=float, nargs="*", default=None, help="override the profile's request rates (none: offline)"
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="override the profile's max_num_seqs")
     parser.add_argument(
         "--workload", choices=tuple(WORKLOADS), default="chat", help="lengths: the profile's (chat) or short"
     )
@@ -540,6 +574,23 @@ def main(argv=None):
         action="store_true",
         help=f"with --peer vllm --peer-only: paged_ref's faster CPU step (fast={FAST}; the same tokens)",
     )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", *KV_CACHE_DTYPES),
+        default="auto",
+        help="with --peer vllm: vLLM's cache dtype; fp8: the engine stores vLLM's e4m3 bytes "
+        "(`._vllm_fp8`: serve_*_peer_vllm_fp8.json, with why tokens differ)",
+    )
+    parser.add_argument(
+        "--kv-format",
+        choices=tuple(KV_FORMATS),
+        default=None,
+        help="with --same-bytes: 8-bit pages against the float32 pool at the same bytes (`._serve_kv8`)",
+    )
+    parser.add_argument("--kv-scales", choices=("layer", "page"), default="layer", help="--kv-format's scales")
+    parser.add_argument(
+        "--same-bytes", action="store_true", help="with --kv-format: serve_*_kv8*.json, the profile's rates"
+    )
     args = parser.parse_args(argv)
     if args.quick and args.gpu:
         parser.error("--quick and --gpu are exclusive")
@@ -551,6 +602,12 @@ def main(argv=None):
         parser.error(f"--rounds is a number >= 1 of rounds of --profile --all-threads, got {args.rounds}")
     if args.profile:
         return (_main_threads if args.all_threads else _main_profile)(parser, args, argv)
+    if (args.kv_format is None) != (not args.same_bytes):
+        parser.error("--kv-format and --same-bytes go together: 8-bit pages against float32 at the same pool bytes")
+    if args.kv_cache_dtype != "auto" and args.peer != "vllm":
+        parser.error("--kv-cache-dtype is vLLM's: give it with --peer vllm")
+    if args.kv_cache_dtype != "auto" and args.pairs is not None:
+        parser.error("--kv-cache-dtype compares tokens in one turn each: leave out --pairs")
     if args.pairs is not None:
         if not (args.peer == "vllm" and args.peer_only) or args.gpu:
             parser.error("--pairs measures against vLLM: give it with --peer vllm --peer-only")
@@ -562,7 +619,13 @@ def main(argv=None):
     if args.requests is not None:
         cfg["requests"] = args.requests
     if args.rates is not None:
+        if not (args.rates or args.same_bytes):
+            parser.error("--rates needs at least one rate (none: only with --same-bytes, which also runs offline)")
         cfg["rates"] = tuple(sorted(args.rates))
+    if args.max_num_seqs is not None:
+        if args.max_num_seqs < 1 or not args.same_bytes:
+            parser.error(f"--max-num-seqs is a number >= 1 for --same-bytes, got {args.max_num_seqs}")
+        cfg["max_num_seqs"] = args.max_num_seqs
     if args.peer_repeats is not None:
         cfg["peer_repeats"] = args.peer_repeats
     if args.num_pages is not None:
@@ -574,13 +637,17 @@ def main(argv=None):
     if args.fast and not (args.peer_only and args.peer == "vllm"):
         parser.error("--fast measures against vLLM: give it with --peer vllm --peer-only")
     cfg["engine_options"] = dict(FAST_OPTIONS) if args.fast else {}
+    cfg["kv_cache_dtype"] = args.kv_cache_dtype
     cfg.update(WORKLOADS[args.workload], workload=args.workload)
+    if args.same_bytes:
+        return _main_kv8(parser, args, argv, mode, cfg)
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
         parser.error("--gpu needs a CUDA GPU")
     suffix = ("_quick" if args.quick else "") + ("" if args.workload == "chat" else f"_{args.workload}")
     suffix += f"_peer_{args.peer}" if args.peer_only else ""
     if args.fast:
         suffix += "_fast" + ("" if args.num_pages is None else f"_{args.num_pages}pages")
+    suffix += "" if args.kv_cache_dtype == "auto" else f"_{args.kv_cache_dtype}"
     name = f"serve_{'gpu' if mode == 'gpu' else 'cpu'}{suffix}.json"
     result = result_file(parser, args.out, name)  # checked before the model loads
     torch.set_num_threads(args.threads)
@@ -632,9 +699,17 @@ def main(argv=None):
         )
         result.save(data)
     if not args.skip_peer and args.peer == "vllm":
-        data["peer_vllm"] = run_vllm_comparison(model, info, cfg, requests, threads=args.threads)
-        report_vllm_peer(data["peer_vllm"])
+        data["peer_vllm"] = v = run_vllm_comparison(model, info, cfg, requests, threads=args.threads)
+        report_vllm_peer(v)
         result.save(data)
+        if args.kv_cache_dtype != "auto":
+            data["timing_note"] = f"tokens and preemptions are exact (all requests at once); {SHARED_NOTE}"
+            tokens = (v["tokens"]["paged"], v["tokens"]["vllm"])
+            why = dict(kv_cache_dtype=args.kv_cache_dtype, python=vllm_python(), threads=args.threads)
+            data["fp8_why"] = w = explain(model, info, requests, *tokens, **why)
+            w["finding"] = finding(w, v)
+            report_fp8_why(w)
+            result.save(data)
     elif not args.skip_peer:
         data["peer"] = run_peer_comparison(model, cfg, requests)
         _report_peer(data["peer"])
@@ -657,6 +732,105 @@ def main(argv=None):
     path = result.save(data, complete=True)
     print(f"wrote {path} ({data['seconds']:.0f} s)")
     return data
+
+
+def _main_kv8(parser, args, argv, mode: str, cfg: dict) -> dict:
+    """``--kv-format F --same-bytes``: the float32 pool and the 8-bit pool of the same bytes (`._serve_kv8`)."""
+    if args.gpu or args.peer_only or args.peer != "transformers" or args.fast:
+        parser.error("--same-bytes runs the CPU profile's rates alone: leave out --gpu, --peer and --fast")
+    fmt = kv_format(args.kv_format, args.kv_scales)
+    suffix = ("_quick" if args.quick else "") + ("" if args.workload == "chat" else f"_{args.workload}")
+    if (args.kv_format, args.kv_scales) != ("fp8_e4m3", "layer"):
+        suffix += f"_{args.kv_format}_{args.kv_scales}"
+    suffix += "" if args.max_num_seqs is None else f"_{args.max_num_seqs}seqs"
+    result = result_file(parser, args.out, f"serve_cpu_kv8{suffix}.json")
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    model, info = build_model(cfg["model"], device=cfg["device"])
+    lengths = {k: cfg[k] for k in ("requests", "mean_prompt", "mean_output", "sigma", "min_prompt", "max_model_len")}
+    requests, arrivals = make_requests(model, info["tokenizer"], **lengths)
+    data = {
+        "mode": mode,
+        "command": command_line("serve", argv),
+        "model": {k: info[k] for k in ("name", "weights", "dtype", "params", "note")},
+        "torch_threads": torch.get_num_threads(),
+        "clock": "simulated",
+        "clock_note": "each engine's clock advances by its own steps' measured wall time; idle gaps are jumped",
+        "timing_note": KV8_TIMING_NOTE,
+        "config": dict(cfg),
+        "workload": {
+            "requests": len(requests),
+            "prompt_lens": [len(p) for p, _ in requests],
+            "output_lens": [n for _, n in requests],
+            "unit_arrivals_s": arrivals,
+        },
+        "environment": environment(),
+    }
+    print(f"{len(requests)} requests ({args.workload}); {fmt!r} against {info['dtype']} pages at the same bytes")
+    data["same_bytes"] = run_same_bytes(model, cfg, requests, arrivals, fmt,
+                                        save=lambda part: result.save({**data, "same_bytes": part}))  # fmt: skip
+    report_kv8(data["same_bytes"])
+    rows = data["same_bytes"]["rates"]
+    data["goals"] = {
+        f"kv8_same_bytes_1.8x_peak_running_fewer_preemptions_{'offline' if r['rate'] is None else 'at_top_rate'}":
+        check_kv8_goal(r, cfg["max_num_seqs"]) for r in rows[-2:]
+    }  # fmt: skip
+    data["seconds"] = time.perf_counter() - started
+    for goal, g in data["goals"].items():
+        print(f"  {'met    ' if g['met'] else 'NOT met'}  {goal}: {g}")
+    path = result.save(data, complete=True)
+    print(f"wrote {path} ({data['seconds']:.0f} s)")
+    return data
+
+
+#: What a same-bytes run's times are worth: the counts are exact, the times were taken on a shared machine.
+SHARED_NOTE = "tokens/s, TTFT and TPOT were measured while other jobs ran on the same 2 cores: their ratios are noisy"
+KV8_TIMING_NOTE = (
+    "offline (every request at 0) the schedule does not depend on step times: running requests, preemptions, "
+    "recomputed tokens, pages and tokens are exact; at a rate, arrivals fall between steps timed on this machine, "
+    f"so the counts depend on timing too; {SHARED_NOTE}"
+)
+
+
+def report_kv8(run: dict) -> None:
+    p = run["pools"]
+    print(
+        f"pool {p['pool_bytes'] / 2**20:.1f} MiB: {p['float_pages']} {p['float_dtype']} pages of "
+        f"{p['float_page_bytes']} B, or {p['kv8_pages']} {p['kv8_format']} pages of {p['kv8_page_bytes']} B "
+        f"(scales per {p['kv8_scales']}; {p['pages_ratio']:.2f}x the pages)"
+    )
+    for row in run["rates"]:
+        when = "offline, every request at 0" if row["rate"] is None else f"rate {row['rate']:g} req/s"
+        print(f"\n{when} ({row['wall_s']:.0f} s wall, load {row['load_before'][0]:.1f})")
+        print(format_rate_table({"float32": row["float32"], "8-bit": row["kv8"]}))
+        q = row["kv8"]
+        same = f"{q['requests_with_paged_tokens']}/{q['requests']}"
+        print(f"  8-bit pool: {same} requests with the float32 pool's tokens")
+
+
+def report_fp8_why(w: dict) -> None:
+    print(f"\nwhy tokens differ ({w['prompts_compared']} prompts, {w['prompt_tokens_compared']} tokens, one each):")
+    r0 = w["vllm_float32_requantized_vs_vllm_fp8_layer0"]
+    print(f"  layer 0: vLLM's float32 K/V quantized here (truncation) vs vLLM's fp8 bytes: "
+          f"{r0['k_differ'] + r0['v_differ']} of {2 * r0['values']} bytes differ")  # fmt: skip
+    for row in w["bytes_per_layer"][:: max(1, len(w["bytes_per_layer"]) // 6)]:
+        f = w["float32_per_layer"][row["layer"]]
+        print(f"  layer {row['layer']:2d}: engine vs vLLM fp8 bytes: K {row['k_differ']}, V {row['v_differ']} of "
+              f"{row['values']} differ ({row['one_code_apart']} by one code, at most {row['codes_apart_max']}); "
+              f"float32: largest difference {f['max_abs_diff']:.1e} of {f['abs_max']:.1f}")  # fmt: skip
+    s = w["saturation"]
+    print(f"  saturated at scale 1.0 (beyond +-{s['format_max']:g}): K {s['k_saturated']}, V {s['v_saturated']} "
+          f"of {s['values_per_k_or_v']} each; largest |K| {max(s['k_abs_max_per_layer']):.1f}, "
+          f"|V| {max(s['v_abs_max_per_layer']):.1f}")  # fmt: skip
+    for key, text in w.get("finding", {}).items():
+        print(f"  {key}: {text}")
+    m = w["margins"]
+    print(f"  where tokens part ({len(m['requests'])} requests), vLLM's token in the engine's 8-bit model's ranking "
+          f"(0: first): {m['vllm_token_rank_counts']}; logit gap median {m['logit_gap_median']}")  # fmt: skip
+    for r in m["requests"]:
+        print(f"  request {r['request']}: first differs at token {r['at']} of {r['tokens']}: ranks engine "
+              f"{r['engine_token_rank']}, vLLM {r['vllm_token_rank']}; gap {r['logit_gap']:.3f} "
+              f"(top-2 median {r['top2_gap_median']:.2f})")  # fmt: skip
 
 
 PROFILE_COLUMNS = [("op", "{op}"), ("ms/step", "{ms_per_step:.1f}"), ("share", "{share:.1%}"), ("calls", "{calls}")]
