@@ -41,6 +41,7 @@ __all__ = [
     "bench_parser",
     "command_line",
     "DATA_DIR",
+    "stage_log",
 ]
 
 DATA_DIR = data_dir()  # figures/data of the checkout, or of $PAGED_REF_OUTPUT / the current folder
@@ -214,3 +215,13 @@ def command_line(name: str, argv: Sequence[str] | None) -> str:
         if not a.startswith("--out="):
             args.append(a)
     return " ".join([f"python -m paged_ref.lab.bench {name}", *args])
+
+
+def stage_log() -> Callable[[str], None]:
+    """A ``log(msg)`` printing each message after the seconds since this call, flushed (a long run's stages)."""
+    start = time.perf_counter()
+
+    def log(msg: str) -> None:
+        print(f"[{time.perf_counter() - start:7.1f} s] {msg}", flush=True)
+
+    return log

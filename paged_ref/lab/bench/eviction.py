@@ -38,7 +38,7 @@ from . import _eviction_runs as engine
 from . import eviction_report as report
 from ._eviction_passkey import answer_is_correct, passkey_task, summarize_passkey
 from ._eviction_runs import PER_LAYER, POLICIES, TOKEN_LEVEL, policy_groups, policy_runs
-from .common import bench_parser, environment, result_file
+from .common import bench_parser, environment, result_file, stage_log
 
 __all__ = ["FULL", "LONG_POLICIES", "QUICK", "SMOKE", "SPEED_POLICIES", "lm_task", "main", "retention_task"]
 __all__ += ["lm_text_ids", "retention_ids", "score_continuation", "speed_task", "summarize_lm"]
@@ -317,9 +317,7 @@ def main(argv=None):
 
 def _run(args, mode, out, cfg):
     start = time.perf_counter()
-
-    def log(msg):
-        print(f"[{time.perf_counter() - start:7.1f} s] {msg}", flush=True)
+    log = stage_log()
 
     from ...models import load_smollm2
 

@@ -70,7 +70,7 @@ from ._eviction_passkey import PASSKEY_DEPTHS, answer_is_correct, passkey_prompt
 from ._eviction_runs import Group, policy_runs
 from ._pages_quest import DENSE_LAYERS, QuestRun
 from ._reads import ReadCounter
-from .common import bench_parser, environment, result_file
+from .common import bench_parser, environment, result_file, stage_log
 
 __all__ = [
     "Bf16ValuesCache",
@@ -340,9 +340,7 @@ def _budgets(tokens: int) -> dict:
 
 def _run(args, mode, out, cfg):
     start = time.perf_counter()
-
-    def log(msg):
-        print(f"[{time.perf_counter() - start:7.1f} s] {msg}", flush=True)
+    log = stage_log()
 
     from ...models import load_smollm2
 

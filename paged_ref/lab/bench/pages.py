@@ -52,7 +52,7 @@ from ._pages_cascade import (
     triton_check,
 )
 from ._pages_quest import DENSE_LAYERS, POLICIES, quality
-from .common import DATA_DIR, bench_parser, command_line, environment, result_file, table
+from .common import DATA_DIR, bench_parser, command_line, environment, result_file, stage_log, table
 
 __all__ = ["FULL", "POLICIES", "QUICK", "SMOKE", "cascade_bytes", "cascade_case", "cascade_speed", "cascade_tables"]
 __all__ += ["breakdown_tables", "load_breakdown", "paired", "passkey_vs_full"]
@@ -100,9 +100,7 @@ def main(argv=None):
 def _begin(args, argv, mode, config):
     """A run's clock, its log (seconds since the start) and the result's provenance."""
     start = time.perf_counter()
-
-    def log(msg):
-        print(f"[{time.perf_counter() - start:7.1f} s] {msg}", flush=True)
+    log = stage_log()
 
     result = dict(
         mode=mode,
