@@ -121,17 +121,19 @@ def test_triton_on_8bit_pages(fmt, scales):
     check("decode", triton_paged_decode, fmt, scales, SHAPES[3], num_splits=1)
 
 
-def test_triton_decodes_float8_e4m3fn_from_its_bits(monkeypatch):
-    """Before sm_89 Triton has no fp8e4nv: the kernel reads float8_e4m3fn bytes as uint8 and decodes them. On
-    pages holding every byte but the two NaNs, that path gives the native load's answer bit for bit."""
-    q8, _ = case("decode", torch.float8_e4m3fn, "page", SHAPES[2])
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+def test_triton_decodes_float8_from_its_bits(monkeypatch, fmt):
+    """Before sm_89 Triton cannot convert float8: the kernel reads float8 bytes as uint8 and decodes them. On
+    pages holding every finite byte, that path gives the native load's answer bit for bit."""
+    q8, _ = case("decode", fmt, "page", SHAPES[2])
     gen = torch.Generator().manual_seed(0)
     pages = [torch.randint(0, 256, q8.k_cache.shape, generator=gen, dtype=torch.uint8) for _ in range(2)]
-    k, v = (p.masked_fill_(p & 0x7F == 0x7F, 0).view(torch.float8_e4m3fn) for p in pages)  # [pages, P, Hkv, D]
-    scales = dict(k_scale=q8.k_scale / 448, v_scale=q8.v_scale)
+    special = 0x7F if fmt == torch.float8_e4m3fn else 0x7C  # e4m3: S.1111.111 is NaN; e5m2: exponent 11111
+    k, v = (p.masked_fill_(p & special == special, 0).view(fmt) for p in pages)  # [pages, P, Hkv, D]
+    scales = dict(k_scale=q8.k_scale / quant.FORMATS[fmt], v_scale=q8.v_scale)
     args = (q8.q, k, v, q8.block_table, q8.seq_lens)
     native = triton_paged_decode(*args, **scales)
-    monkeypatch.setattr(triton_decode, "_fp8e4nv_native", lambda device, interpret: False)
+    monkeypatch.setattr(triton_decode, "_fp8_native", lambda device, interpret: False)
     assert torch.equal(triton_paged_decode(*args, **scales), native)
     assert rel_error(native, reference_paged_decode(*args, **scales)) < TOL
 

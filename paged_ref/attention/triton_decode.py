@@ -16,9 +16,10 @@ kernel's job is to stream K and V from the paged cache at close to copy bandwidt
 * **8-bit pages** (``k_scale``, ``v_scale``): a tile is loaded as bytes (half or a quarter of the
   traffic), converted to float32 and multiplied by its page's scale for the KV head (read through the
   scales' strides) in registers: the reference's values. A float32 ``q`` attends to them as they are;
-  a 16-bit ``q`` to them rounded to its dtype (the tensor cores' product, as ``p`` already is). Triton
-  has no ``float8_e4m3fn`` load before sm_89: there the kernel reads its bytes as uint8 and decodes
-  the bits (``E4M3_BITS``, checked bit for bit against the native load in the interpreter).
+  a 16-bit ``q`` to them rounded to its dtype (the tensor cores' product, as ``p`` already is). Before
+  sm_89 Triton cannot load or convert float8 (``cvt`` from e4m3 and e5m2 needs sm_89): there the kernel
+  reads float8 bytes as uint8 and decodes the bits (``FP8_BITS``: e4m3 into float32 bits, e5m2 as the
+  high byte of a float16; checked bit for bit against the native load in the interpreter).
 
 ``python -m paged_ref.lab.bench kernels`` records what the compiler made of it (notebook 05). On
 CPU tensors the same kernels run in Triton's interpreter (float32), chosen per call
@@ -77,7 +78,7 @@ def _paged_decode_split_kernel(
     WRITE_PARTIALS: tl.constexpr,  # num_splits > 1: write (m, l, acc) for the reduction kernel
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no tf32); ignored for 16-bit
     SCALED: tl.constexpr,  # 8-bit pages: a tile's bytes times its page's scale, in float32, then q's dtype
-    E4M3_BITS: tl.constexpr,  # float8_e4m3fn pages read as uint8 and decoded here (no fp8e4nv before sm_89)
+    FP8_BITS: tl.constexpr,  # before sm_89: 1 = float8_e4m3fn, 2 = float8_e5m2 pages read as uint8, decoded here
 ):
     # Each program owns one (sequence, KV head, split).
     batch = tl.program_id(0)
@@ -152,7 +153,9 @@ def _paged_decode_split_kernel(
         else:
             kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        if E4M3_BITS:  # sign, 4 exponent bits (bias 7), 3 mantissa bits -> float32 bits; exponent 0: m * 2^-9
+        if FP8_BITS == 2:  # an e5m2 byte is the high byte of the float16 of the same value
+            k = (k.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+        if FP8_BITS == 1:  # sign, 4 exponent bits (bias 7), 3 mantissa bits -> float32 bits; exponent 0: m * 2^-9
             x = k.to(tl.uint32)
             e = (x >> 3) & 15
             small = (x & 7).to(tl.float32) * tl.where(x >= 128, -0.001953125, 0.001953125)
@@ -175,7 +178,9 @@ def _paged_decode_split_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
 
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        if E4M3_BITS:  # as K's
+        if FP8_BITS == 2:  # as K's
+            v = (v.to(tl.uint16) << 8).to(tl.float16, bitcast=True)
+        if FP8_BITS == 1:  # as K's
             x = v.to(tl.uint32)
             e = (x >> 3) & 15
             small = (x & 7).to(tl.float32) * tl.where(x >= 128, -0.001953125, 0.001953125)
@@ -312,9 +317,13 @@ def _tile_config(
     )
 
 
-def _fp8e4nv_native(device: torch.device, interpret: bool) -> bool:
-    """Whether Triton loads float8_e4m3fn (its ``fp8e4nv``) here: in the interpreter and from sm_89 on; before,
-    the kernel reads the bytes as uint8 and decodes them (``E4M3_BITS``)."""
+#: ``FP8_BITS`` of float8 pages decoded from their bits (before sm_89)
+FP8_CODES = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
+def _fp8_native(device: torch.device, interpret: bool) -> bool:
+    """Whether Triton loads and converts float8 pages here: in the interpreter and from sm_89 on; before, the
+    kernel reads the bytes as uint8 and decodes them (``FP8_BITS``)."""
     return interpret or _capability(device) >= 89
 
 
@@ -401,14 +410,14 @@ def triton_paged_decode(
 
 def _pages(q, k_cache, v_cache, scales, interpret: bool):
     """The pages and page scales as the split kernel takes them: ``(k_cache, v_cache, (k_scale, v_scale), their
-    4 strides, E4M3_BITS)``; without 8-bit pages ``q`` stands in for the scales (strides 0, never read)."""
+    4 strides, FP8_BITS)``; without 8-bit pages ``q`` stands in for the scales (strides 0, never read)."""
     if scales is None or scales["k_scale"] is None:
-        return k_cache, v_cache, (q, q), (0, 0, 0, 0), False
-    e4m3_bits = k_cache.dtype == torch.float8_e4m3fn and not _fp8e4nv_native(q.device, interpret)
-    if e4m3_bits:  # the same bytes as uint8
+        return k_cache, v_cache, (q, q), (0, 0, 0, 0), 0
+    fp8_bits = 0 if _fp8_native(q.device, interpret) else FP8_CODES.get(k_cache.dtype, 0)
+    if fp8_bits:  # the same bytes as uint8
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_scale, v_scale = scales["k_scale"], scales["v_scale"]
-    return k_cache, v_cache, (k_scale, v_scale), (*k_scale.stride(), *v_scale.stride()), e4m3_bits
+    return k_cache, v_cache, (k_scale, v_scale), (*k_scale.stride(), *v_scale.stride()), fp8_bits
 
 
 def _launch(
@@ -426,7 +435,7 @@ def _launch(
     else:
         part_m = part_l = part_acc = out  # unused by the kernel
     interpret = interpreted(q.device)
-    k_cache, v_cache, page_scales, scale_strides, e4m3_bits = _pages(q, k_cache, v_cache, scales, interpret)
+    k_cache, v_cache, page_scales, scale_strides, fp8_bits = _pages(q, k_cache, v_cache, scales, interpret)
     tensors = (q, k_cache, v_cache, block_table, seq_lens, out, part_m, part_l, part_acc, *page_scales)
     strides = (*q.stride()[:2], *k_cache.stride()[:3], block_table.stride(0), *out.stride()[:2], *scale_strides)
     # Triton launches on the current CUDA device: make it the inputs'. The interpreter is on for this call only.
@@ -442,7 +451,7 @@ def _launch(
             WRITE_PARTIALS=write_partials,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             SCALED=scales is not None and scales["k_scale"] is not None,
-            E4M3_BITS=e4m3_bits,
+            FP8_BITS=fp8_bits,
             **cfg,
         )
         if write_partials:  # grid: one program per (sequence, query head)

@@ -102,10 +102,10 @@ def split_kernel_source(cfg: KernelConfig):
     d, hq = cfg.head_dim, cfg.group * NUM_KV_HEADS
     consts = dict(HEAD_DIM=d, BLOCK_D=tile["BLOCK_D"], GROUP=cfg.group, BLOCK_H=tile["BLOCK_H"])
     consts.update(PAGE_SIZE=cfg.page_size, BLOCK_N=tile["BLOCK_N"], WRITE_PARTIALS=cfg.split)
-    # float8_e4m3fn before sm_89: read as uint8 and decoded in the kernel, as the launcher does
-    e4m3_bits = cfg.pages == "fp8e4nv" and cfg.arch < 89
-    consts.update(DOT_PRECISION="ieee" if cfg.dtype == "fp32" else "tf32", SCALED=eight_bit, E4M3_BITS=e4m3_bits)
-    page_dtype = "u8" if e4m3_bits else cfg.pages or cfg.dtype
+    # float8 before sm_89: read as uint8 and decoded in the kernel, as the launcher does
+    fp8_bits = {"fp8e4nv": 1, "fp8e5": 2}.get(cfg.pages, 0) if cfg.arch < 89 else 0
+    consts.update(DOT_PRECISION="ieee" if cfg.dtype == "fp32" else "tf32", SCALED=eight_bit, FP8_BITS=fp8_bits)
+    page_dtype = "u8" if fp8_bits else cfg.pages or cfg.dtype
     ints = dict(num_splits=6 if cfg.split else 1, stride_q_batch=hq * d, stride_q_head=d)
     ints.update(stride_cache_page=cfg.page_size * NUM_KV_HEADS * d, stride_cache_token=NUM_KV_HEADS * d)
     ints.update(stride_cache_head=d, stride_bt_batch=cdiv(CONTEXT, cfg.page_size), stride_o_batch=hq * d)
