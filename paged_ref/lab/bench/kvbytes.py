@@ -51,10 +51,12 @@ draws them.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -63,6 +65,7 @@ from ...cache import PagedKVCache
 from ...memory import kv_bytes_per_token
 from ...quant import KVFormat, calibrate
 from ..likelihood import prompt_kv
+from ..runmode import data_dir
 from ..stats import mean_ci, wilson
 from . import eviction as ev
 from . import kvbytes_report as report
@@ -322,15 +325,47 @@ def main(argv=None):
     size.add_argument("--quick", action="store_true", help="small sizes (minutes on 2 cores)")
     size.add_argument("--smoke", action="store_true", help="toy sizes: checks the harness runs (the tests' run)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the stages an unfinished run of the same size measured in the result file; measure the rest",
+    )
     args = parser.parse_args(argv)
     mode = "quick" if args.quick else "smoke" if args.smoke else "full"
-    out = result_file(parser, args.out, f"kv_bytes_{mode}.json")  # checked before anything is measured
+    name = f"kv_bytes_{mode}.json"
+    saved = _saved(Path(args.out) if args.out is not None else data_dir(), name) if args.resume else {}
+    out = result_file(parser, args.out, name)  # checked before anything is measured (it writes an empty run)
+    if saved:
+        out.save(saved, complete=False)  # back on disk until this run saves its own
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        return _run(args, mode, out, {"quick": QUICK, "smoke": SMOKE, "full": FULL}[mode])
+        return _run(args, mode, out, {"quick": QUICK, "smoke": SMOKE, "full": FULL}[mode], saved)
     finally:
         torch.set_num_threads(threads)
+
+
+_SAME = ("mode", "config", "budgets", "full_cache_tokens", "formats", "model")  # what a resumed run must share
+
+
+def _saved(folder: Path, name: str) -> dict:
+    """The unfinished run in ``folder / name`` (``{}`` if there is none or it measured nothing yet); a
+    finished run is refused: resuming it would measure nothing."""
+    path = folder / name
+    saved = json.loads(path.read_text()) if path.is_file() and path.stat().st_size else {}
+    if saved.get("complete"):
+        raise SystemExit(f"--resume: {path} holds a finished run; move it away to measure again")
+    return saved if saved.get("stage_seconds") else {}
+
+
+def _resumed(saved: dict, result: dict) -> dict:
+    """The measured part of ``saved`` (every stage it finished, their ``stage_seconds``, its calibrations,
+    its environment) to carry on ``result``; a run of another size, budgets, formats or model is refused:
+    its stages would not belong with this run's."""
+    differ = [key for key in _SAME if saved.get(key) != result[key]]
+    if differ:
+        raise SystemExit(f"--resume: the unfinished run was measured with other {', '.join(differ)}")
+    return {k: v for k, v in saved.items() if k not in _SAME and k != "complete"}
 
 
 def _budgets(tokens: int) -> dict:
@@ -338,7 +373,7 @@ def _budgets(tokens: int) -> dict:
     return {share_budget(tokens, s): f"1/{s}" for s in SHARES}
 
 
-def _run(args, mode, out, cfg):
+def _run(args, mode, out, cfg, saved):
     start = time.perf_counter()
     log = stage_log()
 
@@ -378,47 +413,65 @@ def _run(args, mode, out, cfg):
         model="SmolLM2-135M-Instruct (GGUF, float32)",
         calibrations=calibrations,  # the calibrated per-layer scales, one entry per prompt and format
     )
-    stages = result["stage_seconds"] = {}
+    done = _resumed(saved, result) if saved else {}
+    if done:
+        log(f"resuming {out.path}: {', '.join(done['stage_seconds'])} already measured")
+        resumes = done.pop("resumes", []) + [dict(environment(), torch_threads=args.threads)]
+        result.update(done, resumes=resumes)  # the stages' keys, seconds and calibrations; the first environment
+        calibrations = result["calibrations"]
+    stages = result.setdefault("stage_seconds", {})
 
-    def stage(name, t0):
+    def stage(name, measure):
+        if name in stages:
+            return
+        t0 = time.perf_counter()
+        measure()
         stages[name] = round(time.perf_counter() - t0, 1)
         log(f"{name}: {stages[name]} s")
         out.save(result)
 
-    t0 = time.perf_counter()
-    groups = format_groups(budgets["lm"], model, prompts, calibrations)
-    lm_rows, check, texts = ev.lm_task(model, tok, cfg, log, groups=groups)
-    result.update(texts=texts, check_max_abs_logprob_diff=check)
-    stage("language modelling", t0)
-    t0 = time.perf_counter()
-    for t, info in enumerate(x for x in texts if x["used"]):
-        ids = ev.lm_text_ids(tok, info["start_paragraph"], lm_tokens)
+    def lm():
+        groups = format_groups(budgets["lm"], model, prompts, calibrations)
+        lm_rows, check, texts = ev.lm_task(model, tok, cfg, log, groups=groups)
+        result.update(texts=texts, check_max_abs_logprob_diff=check, lm_rows=lm_rows)
+
+    def lm_quest():
+        lm_rows = result["lm_rows"]
+        for t, info in enumerate(x for x in result["texts"] if x["used"]):
+            ids = ev.lm_text_ids(tok, info["start_paragraph"], lm_tokens)
+            for fmt in QUEST_FORMATS:
+                rows = quest_continuation(model, ids, cfg["context"], 1, list(budgets["lm"]), fmt)
+                lm_rows += [dict(r, text=t) for r in rows]
+        result.update(language_modelling=summarize(lm_rows, "lm", budgets["lm"]))
+
+    def retention():
+        groups = format_groups(budgets["retention"], model, prompts, calibrations)
+        ret_rows, ret_check, ret_texts = ev.retention_task(model, tok, cfg, log, groups=groups)
+        for t in range(cfg["retention_texts"]):
+            ids, n_ctx, opening, _ = ev.retention_ids(tok, cfg, t)
+            for fmt in QUEST_FORMATS:
+                rows = quest_continuation(model, ids, n_ctx, opening, list(budgets["retention"]), fmt)
+                ret_rows += [dict(r, text=t) for r in rows]
+        result.update(retention_texts=ret_texts, retention=summarize(ret_rows, "retention", budgets["retention"]))
+        check = max(result["check_max_abs_logprob_diff"], ret_check)
+        result.update(retention_rows=ret_rows, check_max_abs_logprob_diff=check)
+
+    def passkey():
+        groups = format_groups(budgets["passkey"], model, prompts, calibrations)
+        result.update(passkey_rows=passkey_task(model, tok, cfg, log, groups=groups))
+
+    def passkey_quest():
+        pk_rows = result["passkey_rows"]
         for fmt in QUEST_FORMATS:
-            rows = quest_continuation(model, ids, cfg["context"], 1, list(budgets["lm"]), fmt)
-            lm_rows += [dict(r, text=t) for r in rows]
-    result.update(language_modelling=summarize(lm_rows, "lm", budgets["lm"]), lm_rows=lm_rows)
-    stage("language modelling, quest", t0)
-    t0 = time.perf_counter()
-    groups = format_groups(budgets["retention"], model, prompts, calibrations)
-    ret_rows, ret_check, ret_texts = ev.retention_task(model, tok, cfg, log, groups=groups)
-    for t in range(cfg["retention_texts"]):
-        ids, n_ctx, opening, _ = ev.retention_ids(tok, cfg, t)
-        for fmt in QUEST_FORMATS:
-            rows = quest_continuation(model, ids, n_ctx, opening, list(budgets["retention"]), fmt)
-            ret_rows += [dict(r, text=t) for r in rows]
-    result.update(retention_texts=ret_texts, retention=summarize(ret_rows, "retention", budgets["retention"]))
-    result.update(retention_rows=ret_rows, check_max_abs_logprob_diff=max(check, ret_check))
-    stage("retention", t0)
-    t0 = time.perf_counter()
-    groups = format_groups(budgets["passkey"], model, prompts, calibrations)
-    pk_rows = passkey_task(model, tok, cfg, log, groups=groups)
-    stage("pass-key", t0)
-    t0 = time.perf_counter()
-    for fmt in QUEST_FORMATS:
-        pk_rows += quest_passkey(model, tok, cfg, list(budgets["passkey"]), fmt)
-    result.update(passkey=summarize(pk_rows, "passkey", budgets["passkey"]), passkey_rows=pk_rows)
-    stage("pass-key, quest", t0)
-    result["seconds"] = round(time.perf_counter() - start, 1)
+            pk_rows += quest_passkey(model, tok, cfg, list(budgets["passkey"]), fmt)
+        result.update(passkey=summarize(pk_rows, "passkey", budgets["passkey"]))
+
+    stage("language modelling", lm)
+    stage("language modelling, quest", lm_quest)
+    stage("retention", retention)
+    stage("pass-key", passkey)
+    stage("pass-key, quest", passkey_quest)
+    result["seconds"] = round(time.perf_counter() - start + sum(done.get("stage_seconds", {}).values()), 1)
     path = out.save(result, complete=True)
     print(f"\n{report.describe(result)}\n")
     print(report.bytes_table(result))
