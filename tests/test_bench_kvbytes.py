@@ -1,5 +1,6 @@
 """`bench kvbytes` (what a byte buys): the harness at toy sizes, its byte accounting, its table and figure."""
 
+import copy
 import importlib.util
 import json
 import math
@@ -154,6 +155,32 @@ def test_kvbytes_benchmark_runs_at_toy_sizes(tmp_path):
         assert row["correct"] == ev.answer_is_correct(row["answer"], row["key"])
     assert "Quest" in report.bytes_table(data)
     assert len(quality_per_byte_figure(data).axes) == 3
+    # stopped after its 4th stage (the pass-key's Quest rows not yet measured), then resumed: the same result
+    stopped = copy.deepcopy(data) | dict(complete=False)
+    stopped["passkey_rows"] = [r for r in data["passkey_rows"] if r["policy"] != "quest"]
+    del stopped["passkey"], stopped["stage_seconds"]["pass-key, quest"]
+    (tmp_path / "kv_bytes_smoke.json").write_text(json.dumps(stopped))
+    kvbytes.main(["--smoke", "--out", str(tmp_path), "--resume"])
+    resumed = json.loads((tmp_path / "kv_bytes_smoke.json").read_text())
+    assert resumed["complete"] and resumed["stage_seconds"].keys() == data["stage_seconds"].keys()
+    assert len(resumed["resumes"]) == 1 and resumed["environment"] == data["environment"]
+    for key in ("passkey", "passkey_rows", "language_modelling", "retention", "calibrations"):
+        assert resumed[key] == data[key], key
+
+
+def test_kvbytes_resume_refuses_a_finished_run_or_one_of_other_sizes(tmp_path):
+    """--resume keeps only the stages of an unfinished run of the same sizes, budgets, formats and model."""
+    path = tmp_path / "kv_bytes_smoke.json"
+    path.write_text(json.dumps(dict(complete=True, stage_seconds={"retention": 1.0})))
+    with pytest.raises(SystemExit, match="holds a finished run"):
+        kvbytes.main(["--smoke", "--out", str(tmp_path), "--resume"])
+    assert json.loads(path.read_text())["complete"]  # left as it was
+    path.write_text(json.dumps(dict(complete=False)))
+    assert kvbytes._saved(tmp_path, path.name) == {}  # nothing measured yet: a fresh run
+    saved = dict(mode="smoke", config=dict(texts=1), stage_seconds={"retention": 1.0})
+    this = dict.fromkeys(kvbytes._SAME) | dict(mode="smoke", config=dict(texts=2))
+    with pytest.raises(SystemExit, match="measured with other config$"):
+        kvbytes._resumed(saved, this)
 
 
 def test_bf16_values_cache_holds_a_bfloat16_caches_values_and_counts_its_bytes():
