@@ -134,3 +134,24 @@ def test_a_page_write_failure_names_the_write_the_side_and_the_byte():
     assert (
         failure.expected == "page[0, 0, 0] = 50 (an earlier token; it was 127)" and failure.got == "page[0, 0, 0] = 127"
     )
+
+
+def _unfinished_quantize(x, scale, fmt):
+    raise NotImplementedError
+
+
+def _write_calling_unfinished(page, scale, x, offset):
+    page = page.clone()
+    page[offset : offset + x.shape[0]] = _unfinished_quantize(x, scale[None, :, None], torch.int8)
+    return page, scale
+
+
+def test_a_not_implemented_quantize_is_named_where_the_page_write_calls_it():
+    report = check.check_page_write(_write_calling_unfinished)
+    assert report.not_implemented and str(report) == (
+        "TODO page_write: not implemented yet (the NotImplementedError came from _unfinished_quantize, "
+        "which _write_calling_unfinished calls)"
+    )
+    assert str(check.check_quantize(_unfinished_quantize)) == (
+        "TODO quantize: not implemented yet (the function raised NotImplementedError)"
+    )

@@ -5,8 +5,9 @@ allocator checker also shrinks its operation sequences). The student's code is c
 `Run.call`:
 
 * ``NotImplementedError`` from the student's code is reported as "not implemented yet" (the
-  skeletons raise it); raised anywhere else (say, while the checker reads the returned value) it
-  is a failure like any other;
+  skeletons raise it; where it came from another function of theirs that the checked one calls, a
+  skeleton not filled in yet, the report names that one); raised anywhere else (say, while the
+  checker reads the returned value) it is a failure like any other;
 * any other ``Exception`` from the student's code is that case's failure (`raised_hint` names
   the student's line that raised it, or what the checker calls when none of their code ran);
 * a case that runs longer than ``time_limit`` seconds is stopped and reported (an endless loop
@@ -64,6 +65,7 @@ class CheckReport:
     failure: Failure | None = None
     not_implemented: bool = False
     note: str = ""
+    unfinished: str = ""  # where the NotImplementedError came from, when not the checked function itself
 
     def __bool__(self) -> bool:
         return self.passed
@@ -77,7 +79,8 @@ class CheckReport:
         if self.passed:
             return f"PASS {self.name}: {self.cases_run} cases" + (f"\n  note: {self.note}" if self.note else "")
         if self.not_implemented:
-            return f"TODO {self.name}: not implemented yet (the function raised NotImplementedError)"
+            where = self.unfinished or "the function raised NotImplementedError"
+            return f"TODO {self.name}: not implemented yet ({where})"
         f = self.failure
         return (
             f"FAIL {self.name}: case {self.cases_run} of the run failed\n"
@@ -123,17 +126,22 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(str(Path(d).resolve()) + os.sep for d in dirs)
 
 
+def _student_frames(error: BaseException) -> list:
+    """The frames of ``error``'s traceback in the student's code (outside paged_ref and the libraries)."""
+    libraries = _library_dirs()
+    return [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not str(Path(f.filename).resolve()).startswith(libraries) and not f.filename.startswith("<frozen")
+    ]
+
+
 def student_line(error: BaseException) -> str:
     """Where the student's own code raised ``error``: ``"in schedule, line 3: raise KeyError(req)"``
     for the innermost frame outside paged_ref and the installed libraries (a cell's line numbers
     count within the cell); ``""`` when no such frame ran (a missing method, other arguments).
     """
-    libraries = _library_dirs()
-    frames = [
-        f
-        for f in traceback.extract_tb(error.__traceback__)
-        if not str(Path(f.filename).resolve()).startswith(libraries) and not f.filename.startswith("<frozen")
-    ]
+    frames = _student_frames(error)
     if not frames:
         return ""
     f = frames[-1]
@@ -150,7 +158,20 @@ def raised_hint(raised: StudentError, interface: str) -> str:
 
 
 class NotImplementedYet(Exception):
-    """The student's code raised NotImplementedError: the skeleton is not filled in yet."""
+    """The student's code raised NotImplementedError: the skeleton is not filled in yet.
+
+    ``unfinished`` names the function it came from when that is not the one the checker called (the
+    outermost of the student's frames): ``"the NotImplementedError came from my_quantize, which
+    my_write_into_page calls"``; else ``""``.
+    """
+
+    def __init__(self, error: BaseException | None = None):
+        super().__init__()
+        frames = _student_frames(error) if error is not None else []
+        names = list(dict.fromkeys(f.name for f in frames))  # outermost first, each once
+        self.unfinished = ""
+        if len(names) > 1:
+            self.unfinished = f"the NotImplementedError came from {names[-1]}, which {names[0]} calls"
 
 
 class OverTime(BaseException):
@@ -183,7 +204,7 @@ class Run:
         try:
             return fn(*args, **kwargs)
         except NotImplementedError as error:
-            raise NotImplementedYet() from error
+            raise NotImplementedYet(error) from error
         except Exception as error:
             if self.grader_timer and not _timer_running():  # the grader's alarm fired in there
                 raise
@@ -281,8 +302,8 @@ def run_cases(
         try:
             with run.case(count):
                 failure = check_one(case, run)
-        except NotImplementedYet:
-            return run.finish(CheckReport(name, False, count, not_implemented=True))
+        except NotImplementedYet as unfinished:
+            return run.finish(CheckReport(name, False, count, not_implemented=True, unfinished=unfinished.unfinished))
         except StudentError as raised:
             failure = Failure(describe(case), "a result", str(raised), hint_for_error)
         except OverTime:
