@@ -136,6 +136,76 @@ def test_a_page_write_failure_names_the_write_the_side_and_the_byte():
     )
 
 
+def test_a_0d_scale_divides_like_a_full_one_and_neither_like_the_reciprocal():
+    """What `_reciprocal_traps`' comment says: ``x / scale`` is one division per value whatever the scale's shape."""
+    x, scale = fewer_bytes._reciprocal_traps(torch.int8, 8)
+    s = scale[0]  # the traps share one scale value
+    assert (scale == s).all()
+    assert torch.equal(x / s, x / scale) and not torch.equal(x / s, x * (1 / s))
+
+
+def _page_write(page, scale, x, offset, *, need=None, requant="reciprocal", shift=0):
+    """The reference page write with one piece swapped for a wrong one (each a mistake the checker names)."""
+    amax = x.abs().amax(dim=(0, 2))  # [Hkv]
+    new = torch.maximum(scale, need(amax, x) if need else _stepped(amax, amax / 127, lambda y: y > 127))
+    page, grew = page.clone(), new > scale
+    old, safe = scale[None, :, None], torch.where(new > 0, new, 1.0)[None, :, None]  # [1, Hkv, 1]
+    if requant == "reciprocal":
+        again = check_solutions().student_quantize(page.float() * old, safe, torch.int8)
+    elif requant == "divided":
+        again = (page.float() * old / safe).clamp(-127, 127).round().to(torch.int8)
+    else:  # the ratio
+        again = (page.float() * (old / safe)).clamp(-127, 127).round().to(torch.int8)
+    page = torch.where(grew[None, :, None], again, page)
+    page[offset + shift : offset + shift + x.shape[0]] = check_solutions().student_quantize(x, safe, torch.int8)
+    return page, new
+
+
+def _stepped(amax, need, step):
+    need = torch.where(step(amax * (1 / need)), torch.nextafter(need, torch.full_like(need, math.inf)), need)
+    return torch.where(amax > 0, need, 0.0)
+
+
+WRONG_PAGE_WRITES = {
+    "divided requant": (dict(requant="divided"), "(q * old) / new rounds a few codes the other way", "every code"),
+    "ratio requant": (dict(requant="ratio"), "q * (old / new) rounds a few codes the other way", "every code"),
+    "at least 127": (
+        dict(need=lambda a, x: _stepped(a, a / 127, lambda y: y >= 127)),
+        "only where the product is strictly above 127",
+        "",
+    ),
+    "always": (
+        dict(need=lambda a, x: _stepped(a, a / 127, lambda y: torch.ones_like(y, dtype=torch.bool))),
+        "only where the product is strictly above 127",
+        "",
+    ),
+    "times 1/127": (
+        dict(need=lambda a, x: _stepped(a, a * (1 / 127), lambda y: y > 127)),
+        "need = amax / 127, a division",
+        "",
+    ),
+    "calibrate": (
+        dict(need=lambda a, x: quant.calibrate(x, torch.int8, dim=(0, 2))),
+        "0 where amax is 0; calibrate returns 1.0 there",
+        "all 0",
+    ),
+    "offset + 1": (dict(shift=1), "the first new token goes at offset itself", ""),
+}
+
+
+def test_the_reference_page_write_passes_with_each_piece_as_written():
+    assert check.check_page_write(check_solutions().student_write_into_page).passed
+    assert check.check_page_write(_page_write).passed  # the helper below, nothing swapped
+
+
+@pytest.mark.parametrize("mistake", sorted(WRONG_PAGE_WRITES))
+def test_a_wrong_page_write_fails_with_its_hint(mistake):
+    kwargs, words, case = WRONG_PAGE_WRITES[mistake]
+    report = check.check_page_write(lambda page, scale, x, offset: _page_write(page, scale, x, offset, **kwargs))
+    assert not report.passed and words in report.failure.hint, str(report)
+    assert case in report.failure.case.splitlines()[0], str(report)
+
+
 def _unfinished_quantize(x, scale, fmt):
     raise NotImplementedError
 
@@ -155,3 +225,20 @@ def test_a_not_implemented_quantize_is_named_where_the_page_write_calls_it():
     assert str(check.check_quantize(_unfinished_quantize)) == (
         "TODO quantize: not implemented yet (the function raised NotImplementedError)"
     )
+
+
+def _dequantize_float64(q, scale):
+    return q.double() * scale
+
+
+def test_a_wrong_dtype_is_named_alike_on_both_sides():
+    failure = check.check_dequantize(_dequantize_float64).failure
+    assert (failure.expected, failure.got) == ("torch.float32 (5,)", "torch.float64 (5,)")
+
+
+def test_the_ladder_case_holds_every_int8_code_before_its_scale_grows():
+    (ladder, _), (big, _) = next(c for c in fewer_bytes._page_write_cases() if c[0].startswith("every code"))[4]
+    scale = quant.calibrate(ladder, torch.int8, dim=(0, 2))  # [1]
+    codes = quant.quantize(ladder, scale[None, :, None], torch.int8)
+    assert torch.equal(codes.unique(), torch.arange(-127, 128, dtype=torch.int8))
+    assert big.abs().amax() == 6 * ladder.abs().amax()

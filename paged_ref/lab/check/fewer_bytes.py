@@ -7,6 +7,8 @@ symmetric: -128 is never written), or clamped to +-448 and cast (float8, torch's
 Checked value for value against `paged_ref.quant.quantize`: one scale, a scale per page and KV head
 broadcast over ``[num_pages, page_size, num_kv_heads, head_dim]``, values that saturate, zeros,
 negative values, exact ties, and values where ``x / scale`` rounds otherwise than ``x * (1 / scale)``.
+torch 2.13's cast to float8_e4m3fn saturates at +-448 by itself on the CPU, so there a float8 answer
+without the clamp passes; where a cast gives NaN beyond the range instead, the saturating case fails it.
 
 **dequantize.** ``my_dequantize(q, scale) -> x``: float32 ``q * scale``, against `paged_ref.quant.dequantize`.
 
@@ -15,9 +17,10 @@ negative values, exact ties, and values where ``x / scale`` rounds otherwise tha
 ``scale`` float32 ``[num_kv_heads]`` (0 for a head that holds no nonzero value yet); ``x`` float32
 ``[n, num_kv_heads, head_dim]`` are the new tokens, for ``offset .. offset + n - 1``. A head's scale
 becomes ``max(old, need)``, ``need`` = the new tokens' largest ``|x|`` over tokens and head_dim / 127,
-one float32 step up where ``amax * (1 / need)`` still exceeds 127 (`paged_ref.quant.calibrate`'s
-rule); where it grew, the old tokens are dequantized with the old scale and quantized with the new
-(to nearest); then the new tokens are quantized at the page's scale (a head at scale 0 stores 0).
+one float32 step up where ``amax * (1 / need)`` still exceeds 127, so that nothing saturates
+(`paged_ref.quant.calibrate`'s rule), 0 where ``amax`` is 0; where it grew, the old tokens are
+dequantized with the old scale and quantized with the new, ``(q * old) * (1 / new)`` (to nearest);
+then the new tokens are quantized at the page's scale (a head at scale 0 stores 0).
 Checked write by write against what ``PagedKVCache(kv_format=KVFormat(torch.int8, scales="page"))``
 stores for the same writes, K and V: the bytes and the scales equal.
 """
@@ -46,7 +49,7 @@ def _reciprocal_traps(fmt: torch.dtype, n: int) -> tuple[torch.Tensor, torch.Ten
         codes = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(fmt).float()
         codes = codes[codes.isfinite()].unique()  # sorted
     mid = (codes[1:] + codes[:-1]) / 2  # float32, exact
-    scale = torch.full_like(mid, 0.0371)  # a full tensor: torch divides by a 0-d one through its reciprocal
+    scale = torch.full_like(mid, 0.0371)  # a scale per value (x / scale: the same division with a 0-d scale)
     near, up, down = [mid * scale], mid * scale, mid * scale
     for _ in range(4):
         up, down = torch.nextafter(up, up + 1), torch.nextafter(down, down - 1)
@@ -81,7 +84,7 @@ def _quantize_cases():
         scale = calibrate(x, fmt, dim=(1, 3))[:, None, :, None]  # [pages, 1, Hkv, 1]
         scale[1, :, 0] /= 4  # page 1, KV head 0 saturates
         cases.append(
-            (f"{f}, x [3, 4, 2, 8] (pages, page_size, Hkv, D), a scale [3, 1, 2, 1] per page and head", x, scale, fmt)
+            (f"{f}, x [3, 4, 2, 8] (pages, page_size, Hkv, D), a scale per page and head [3, 1, 2, 1]", x, scale, fmt)
         )
         traps, s = _reciprocal_traps(fmt, 8)
         cases.append((f"{f}, values where x / scale and x * (1 / scale) round apart, a scale per value", traps, s, fmt))
@@ -243,7 +246,7 @@ def check_dequantize(fn, *, time_limit: float | None = DEFAULT_TIME_LIMIT_S) -> 
         if got.dtype != torch.float32 or got.shape != want.shape:
             return Failure(
                 where,
-                f"float32 {tuple(want.shape)}",
+                f"{torch.float32} {tuple(want.shape)}",
                 f"{got.dtype} {tuple(got.shape)}",
                 "the values in float32: q.float() * scale (the scale broadcasts against q)",
             )
@@ -322,6 +325,18 @@ def _page_write_cases():
             [(first, first.clone()), (nudge.expand(1, 2, 8).clone(), nudge.expand(1, 2, 8).clone())],
         )
     )
+    ladder = torch.linspace(-0.5, 0.5, 256).reshape(4, 1, 64)  # [4, 1, 64]: every int8 code, at scale 0.5 / 127
+    big = torch.zeros(1, 1, 64)
+    big[0, 0, 0] = 3.0
+    cases.append(
+        (
+            "every code -127 .. 127, then a token 6 times larger (where (q * old) / new, q * (old / new) round apart)",
+            8,
+            1,
+            64,
+            [(ladder, ladder.clone()), (big, big.clone())],
+        )
+    )
     sizes = (7, 3, 1, 1, 4, 1, 12, 1, 2)  # 32 tokens
     writes = [
         (tokens(n, 2, 64, [1.0 + i, 4.0 - i / 3]), tokens(n, 2, 64, [0.5 * (i % 3 + 1), 1.0]))
@@ -331,45 +346,84 @@ def _page_write_cases():
     return cases
 
 
+def _stepped(amax: torch.Tensor, need: torch.Tensor, step) -> torch.Tensor:
+    """``need`` one float32 step up where ``step(amax * (1 / need))``; 0 where ``amax`` is 0. [Hkv]"""
+    up = torch.where(step(amax * (1 / need)), torch.nextafter(need, torch.full_like(need, torch.inf)), need)
+    return torch.where(amax > 0, up, 0.0)
+
+
 def _page_variants(page, scale, x, offset) -> dict[str, tuple]:
     """Wrong answers (page, scale) with a name: the mistakes the hints name."""
     amax = x.abs().amax(dim=(0, 2))  # [Hkv]
     need = torch.where(amax > 0, calibrate(x, torch.int8, dim=(0, 2)), 0.0)
     new = torch.maximum(scale, need)
+    old = scale[None, :, None]  # [1, Hkv, 1]
 
     def write(old_page, s, at=offset, rounding="nearest"):
         page = old_page.clone()
         safe = torch.where(s > 0, s, 1.0)[None, :, None]
-        page[at : at + x.shape[0]] = quantize(x, safe, torch.int8, rounding=rounding)
+        q = quantize(x, safe, torch.int8, rounding=rounding)
+        page[at : at + x.shape[0]] = q[: page.shape[0] - at]
         return page
 
-    def requant(s, rounding="nearest"):
-        v = page.float() * scale[None, :, None]  # a scale may be 0 here
-        return quantize(v, torch.where(s > 0, s, 1.0)[None, :, None], torch.int8, rounding=rounding)
+    def requant(s, rounding="nearest", how="reciprocal"):
+        safe = torch.where(s > 0, s, 1.0)[None, :, None]  # a scale may be 0 here
+        if how == "reciprocal":
+            return quantize(page.float() * old, safe, torch.int8, rounding=rounding)
+        y = page.float() * old / safe if how == "divided" else page.float() * (old / safe)
+        return torch.where((s > scale)[None, :, None], y.clamp(-127, 127).round().to(torch.int8), page)
+
+    def grown(need):
+        return torch.maximum(scale, need)
 
     one = torch.maximum(scale.amax(), need.amax()).expand_as(scale)
-    plain = torch.maximum(scale, amax / 127)
-    last = torch.maximum(scale, torch.where(amax > 0, calibrate(x[-1:], torch.int8, dim=(0, 2)), 0.0))
+    plain = grown(amax / 127)
+    last = grown(torch.where(amax > 0, calibrate(x[-1:], torch.int8, dim=(0, 2)), 0.0))
+    at_least = grown(_stepped(amax, amax / 127, lambda y: y >= 127))
+    always = grown(_stepped(amax, amax / 127, lambda y: torch.ones_like(y, dtype=torch.bool)))
+    times = grown(_stepped(amax, amax * (1 / 127), lambda y: y > 127))
+    ones = grown(calibrate(x, torch.int8, dim=(0, 2)))
     return {
         "no requant": (write(page, new), new),
         "shrinks": (write(requant(need), need), need),
         "one scale": (write(requant(one), one), one),
         "truncated": (write(requant(new, "zero"), new), new),
+        "divided requant": (write(requant(new, how="divided"), new), new),
+        "ratio requant": (write(requant(new, how="ratio"), new), new),
         "no nextafter": (write(requant(plain), plain), plain),
+        "at least 127": (write(requant(at_least), at_least), at_least),
+        "always nextafter": (write(requant(always), always), always),
+        "times 1/127": (write(requant(times), times), times),
+        "calibrate 1.0": (write(requant(ones), ones), ones),
         "at 0": (write(requant(new), new, 0), new),
+        "at offset + 1": (write(requant(new), new, offset + 1), new),
         "last token": (write(requant(last), last), last),
     }
 
 
+_STRICTLY = (
+    "one float32 step up only where the product is strictly above 127: where amax * (1 / need) > 127 "
+    "(not >= 127, and not for every head)"
+)
 _PAGE_HINTS = {
     "no requant": "where a head's scale grows, re-quantize its earlier tokens: dequantize them with the old scale and "
     "quantize with the new one (the old bytes meant q * old)",
     "shrinks": "the scale never shrinks: max(old scale, what the new tokens need)",
     "one scale": "one scale per KV head: the largest |x| over the new tokens and head_dim, not over all heads",
     "truncated": "re-quantize to nearest (torch.round): truncating at each growth drifts the first tokens toward 0",
+    "divided requant": "re-quantize by dequantizing, then quantizing: (q * old) * (1 / new), the reciprocal as in "
+    "my_quantize; (q * old) / new rounds a few codes the other way",
+    "ratio requant": "re-quantize by dequantizing, then quantizing: (q * old) * (1 / new); q * (old / new) rounds "
+    "a few codes the other way",
     "no nextafter": "what the new tokens need is amax / 127, one float32 step up (torch.nextafter) where "
-    "amax * (1 / need) still exceeds 127, so that amax is stored as exactly 127",
+    "amax * (1 / need) still exceeds 127: otherwise amax * (1 / scale) comes out above 127 and saturates "
+    "(pr.quant.count_saturated counts it; calibrate's rule)",
+    "at least 127": _STRICTLY,
+    "always nextafter": _STRICTLY,
+    "times 1/127": "need = amax / 127, a division: amax * (1 / 127) is one float32 step off for some amax",
+    "calibrate 1.0": "0 where amax is 0; calibrate returns 1.0 there",
     "at 0": "the new tokens go at offset, offset + 1, ..., after the ones the page holds",
+    "at offset + 1": "the first new token goes at offset itself (positions offset .. offset + n - 1), not offset + 1",
     "last token": "what the new tokens need is over all of them: the largest |x| over every new token and head_dim",
 }
 
@@ -456,14 +510,14 @@ def _check_write(run, fn, name, w, count, side, page, scale, x, offset, want_pag
     if new_page.dtype != torch.int8 or new_page.shape != page.shape:
         return Failure(
             where,
-            f"an int8 page {tuple(page.shape)}",
+            f"a {torch.int8} page {tuple(page.shape)}",
             f"{new_page.dtype} {tuple(new_page.shape)}",
             "the page keeps its shape and int8 bytes",
         )
     if new_scale.dtype != torch.float32 or new_scale.shape != scale.shape:
         return Failure(
             where,
-            f"a float32 scale {tuple(scale.shape)}",
+            f"a {torch.float32} scale {tuple(scale.shape)}",
             f"{new_scale.dtype} {tuple(new_scale.shape)}",
             "one float32 scale per KV head",
         )
