@@ -144,6 +144,34 @@ def test_a_0d_scale_divides_like_a_full_one_and_neither_like_the_reciprocal():
     assert torch.equal(x / s, x / scale) and not torch.equal(x / s, x * (1 / s))
 
 
+def test_float8_casts_saturate_on_this_torch_as_the_text_says():
+    """torch 2.13's CPU cast saturates at +-448 by itself, so a float8 answer without the clamp passes here."""
+    text = _exercise_text()
+    assert "torch 2.13's cast on the CPU already saturates at ±448 by itself" in text
+    if torch.__version__.startswith("2.13") and not torch.cuda.is_available():
+        y = torch.tensor([448.0, 480.0, 1e4, -1e4, math.inf])
+        assert y.to(torch.float8_e4m3fn).float().tolist() == [448.0, 448.0, 448.0, -448.0, 448.0]
+
+        def no_clamp(x, scale, fmt):
+            if fmt == torch.int8:
+                return check_solutions().student_quantize(x, scale, fmt)
+            return (x * (1 / scale)).to(fmt)
+
+        assert check.check_quantize(no_clamp).passed
+
+
+def test_the_nextafter_step_keeps_amax_from_saturating_as_the_text_says():
+    """Without the step ``amax`` is stored as 127 all the same (the clamp), but it saturates."""
+    g = torch.Generator().manual_seed(0)
+    amax = torch.rand(100000, generator=g) * 10 + 1e-6
+    a = amax[amax * (1 / (amax / 127)) > 127][:1]  # [1]: one that needs the step
+    plain, stepped = a / 127, quant.calibrate(a, torch.int8)
+    assert quant.quantize(a, plain, torch.int8).item() == quant.quantize(a, stepped, torch.int8).item() == 127
+    assert quant.count_saturated(a, plain, torch.int8) == 1 and quant.count_saturated(a, stepped, torch.int8) == 0
+    text = _exercise_text()
+    assert "`amax` is stored as 127 either way" in text and "counts 1 without it" in text and "0 with it" in text
+
+
 def _page_write(page, scale, x, offset, *, need=None, requant="reciprocal", shift=0):
     """The reference page write with one piece swapped for a wrong one (each a mistake the checker names)."""
     amax = x.abs().amax(dim=(0, 2))  # [Hkv]
@@ -234,6 +262,76 @@ def _dequantize_float64(q, scale):
 def test_a_wrong_dtype_is_named_alike_on_both_sides():
     failure = check.check_dequantize(_dequantize_float64).failure
     assert (failure.expected, failure.got) == ("torch.float32 (5,)", "torch.float64 (5,)")
+
+
+# Each checker case is of one kind; the exercise's text names every kind, in these words.
+QUANTIZE_KINDS = [
+    "one scale",
+    "a scale per page and head",
+    "values that saturate",
+    "zeros",
+    "exact ties",
+    "round apart, a scale per value",
+    "random scales per page and head",
+]
+PAGE_WRITE_KINDS = [
+    "4 tokens one by one, the second needing a larger scale",
+    "random magnitudes per KV head",
+    "a KV head whose first tokens are all 0",
+    "an outlier 1000 times larger",
+    "a scale that grows by 1%",
+    "every code -127 .. 127, then a token 6 times larger",
+    "32 tokens in 9 writes, head_dim 64",
+]
+
+
+def test_the_text_lists_the_kinds_of_cases_the_checkers_run():
+    text = _exercise_text()
+    quantize = text[text.index("`pr.lab.check.check_quantize` compares") :]
+    quantize = quantize[: quantize.index("\n")]
+    page_write = text[text.index("`pr.lab.check.check_page_write` makes") :]
+    for kinds, names, said in (
+        (QUANTIZE_KINDS, [c[0] for c in fewer_bytes._quantize_cases()], quantize),
+        (PAGE_WRITE_KINDS, [c[0] for c in fewer_bytes._page_write_cases()], page_write),
+    ):
+        for name in names:
+            assert any(kind in name for kind in kinds), f"case {name!r} is of no kind the text names"
+        for kind in kinds:
+            assert any(kind in name for name in names), f"no case is of the kind {kind!r}"
+            assert kind in said, f"the text does not name {kind!r}"
+
+
+def test_the_demos_print_the_numbers_the_text_reads_and_need_both_checks():
+    """With the reference solutions, the page demo prints every number the note after it quotes."""
+    import contextlib
+    import io
+    import re
+
+    import nbformat
+
+    path = Path(__file__).parents[1] / "notebooks" / "exercises" / "ex8_fewer_bytes.ipynb"
+    cells = nbformat.read(path, as_version=4).cells
+    demo = next(i for i, c in enumerate(cells) if "token 0 reads" in c.source and c.cell_type == "code")
+    assert cells[demo].source.startswith("if report.passed and report_dq.passed:")
+    note = cells[demo + 1].source
+    solutions = check_solutions()
+    passed = check.CheckReport("x", True, 1)
+    namespace = {"torch": torch, "pr": __import__("paged_ref"), "report": passed, "report_dq": passed}
+    namespace |= {"my_write_into_page": solutions.student_write_into_page}
+    namespace |= {"my_dequantize": solutions.student_dequantize}
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(cells[demo].source, namespace)
+    printed = out.getvalue()
+    quoted = re.findall(r"`(\[[^`]+\])`", note)
+    assert len(quoted) == 3 and all(f"token 0 reads {q}" in printed for q in quoted), (quoted, printed)
+    for grown in re.findall(r"grows to ([\d.]+)/127", note):
+        assert f"scale * 127 = {float(grown):6.3f}" in printed, (grown, printed)
+    namespace["report_dq"] = check.CheckReport("dequantize", False, 1)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(cells[demo].source, namespace)
+    assert out.getvalue().startswith("Pass the check first (and the dequantize check above)")
 
 
 def test_the_ladder_case_holds_every_int8_code_before_its_scale_grows():
