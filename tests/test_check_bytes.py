@@ -340,3 +340,39 @@ def test_the_ladder_case_holds_every_int8_code_before_its_scale_grows():
     codes = quant.quantize(ladder, scale[None, :, None], torch.int8)
     assert torch.equal(codes.unique(), torch.arange(-127, 128, dtype=torch.int8))
     assert big.abs().amax() == 6 * ladder.abs().amax()
+
+
+def _write_at_scale_0(page, scale, x, offset):
+    """The reference without the 1.0 at scale 0: a head at scale 0 quantizes its zeros as 0 * inf = NaN."""
+    new = check_solutions().student_write_into_page(page, scale, x, offset)[1]
+    page = _page_write(page, scale, x, offset)[0]
+    page[offset : offset + x.shape[0]] = check_solutions().student_quantize(x, new[None, :, None], torch.int8)
+    return page, new
+
+
+def test_a_nan_cast_at_scale_0_fails_although_its_bytes_are_right_here(monkeypatch):
+    report = check.check_page_write(_write_at_scale_0)
+    assert not report.passed and "quantize with 1.0 there" in report.failure.hint, str(report)
+    assert report.failure.case.startswith("a KV head whose first tokens are all 0")
+    assert "the checker watches your torch calls for a NaN cast to int8" in _exercise_text()
+    with fewer_bytes._NanCasts() as casts:
+        torch.tensor([0.0, 1.0]).to(torch.int8)
+        assert not (torch.tensor([math.nan]) > 127).any()  # a comparison is no cast
+        torch.where(torch.tensor([math.nan]) > 0, torch.tensor([1]), torch.tensor([0]))
+    assert not casts.seen
+    with fewer_bytes._NanCasts() as casts:
+        page = torch.zeros(2, dtype=torch.int8)
+        page[:] = torch.tensor([0.0]) * (1 / torch.tensor(0.0))  # a write of NaN into int8
+    assert casts.seen
+    monkeypatch.setattr(fewer_bytes, "_NanCasts", _NoWatch)
+    assert check.check_page_write(_write_at_scale_0).passed  # NaN became 0 in int8: only the watch tells
+
+
+class _NoWatch:
+    seen = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

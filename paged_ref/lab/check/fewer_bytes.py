@@ -20,7 +20,9 @@ becomes ``max(old, need)``, ``need`` = the new tokens' largest ``|x|`` over toke
 one float32 step up where ``amax * (1 / need)`` still exceeds 127, so that nothing saturates
 (`paged_ref.quant.calibrate`'s rule), 0 where ``amax`` is 0; where it grew, the old tokens are
 dequantized with the old scale and quantized with the new, ``(q * old) * (1 / new)`` (to nearest);
-then the new tokens are quantized at the page's scale (a head at scale 0 stores 0).
+then the new tokens are quantized at the page's scale (a head at scale 0 stores 0, quantized with 1.0:
+``0 * (1 / 0)`` is NaN, and what NaN becomes in int8 is platform-defined, 0 on x86 CPUs, so the checker
+watches the student's torch calls for a NaN cast to an integer dtype).
 Checked write by write against what ``PagedKVCache(kv_format=KVFormat(torch.int8, scales="page"))``
 stores for the same writes, K and V: the bytes and the scales equal.
 """
@@ -28,6 +30,8 @@ stores for the same writes, K and V: the bytes and the scales equal.
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from ...cache import PagedKVCache
 from ...quant import KVFormat, calibrate, dequantize, quantize
@@ -428,6 +432,26 @@ _PAGE_HINTS = {
 }
 
 
+class _NanCasts(TorchFunctionMode):
+    """Within ``with _NanCasts() as casts:``, ``casts.seen`` is True once a torch call turned a float tensor
+    holding NaN into integers (a cast, or a write into an integer tensor): what NaN becomes is platform-defined.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.seen:
+            into = out if isinstance(out, torch.Tensor) else args[0] if args else None  # a write: its target
+            if isinstance(into, torch.Tensor) and not into.is_floating_point() and into.dtype != torch.bool:
+                floats = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+                self.seen = any(t.is_floating_point() and bool(t.isnan().any()) for t in floats)
+        return out
+
+
 def _page_state(cache, page: int) -> tuple:
     """(K bytes, K scale, V bytes, V scale) of ``page``: int8 ``[ps, Hkv, D]``, float32 ``[Hkv]``, copies."""
     k_scales, v_scales = cache.kv_scales(0)
@@ -491,7 +515,8 @@ def _check_write(run, fn, name, w, count, side, page, scale, x, offset, want_pag
     )
     inputs = (page.clone(), scale.clone(), x.clone())
     try:
-        got = run.call(fn, *inputs, offset)
+        with _NanCasts() as casts:
+            got = run.call(fn, *inputs, offset)
     except StudentError as raised:
         interface = "my_write_into_page(page, scale, x, offset) -> (page, scale)"
         return Failure(where, "a result", f"raised {raised}", raised_hint(raised, interface))
@@ -520,6 +545,14 @@ def _check_write(run, fn, name, w, count, side, page, scale, x, offset, want_pag
             f"a {torch.float32} scale {tuple(scale.shape)}",
             f"{new_scale.dtype} {tuple(new_scale.shape)}",
             "one float32 scale per KV head",
+        )
+    if casts.seen:
+        return Failure(
+            where,
+            "no NaN cast to int8",
+            "a NaN cast to int8 (0 * (1 / 0) = NaN: a value quantized at a scale of 0?)",
+            "a head whose scale is still 0 holds only zeros: quantize with 1.0 there; what NaN becomes in int8 is "
+            "platform-defined (0 on this CPU, by chance)",
         )
     if torch.equal(new_page, want_page) and torch.equal(new_scale, want_scale):
         return None
