@@ -21,7 +21,7 @@ one float32 step up where ``amax * (1 / need)`` still exceeds 127, so that nothi
 (`paged_ref.quant.calibrate`'s rule), 0 where ``amax`` is 0; where it grew, the old tokens are
 dequantized with the old scale and quantized with the new, ``(q * old) * (1 / new)`` (to nearest);
 then the new tokens are quantized at the page's scale (a head at scale 0 stores 0, quantized with 1.0:
-``0 * (1 / 0)`` is NaN, and what NaN becomes in int8 is platform-defined, 0 on x86 CPUs, so the checker
+``0 * (1 / 0)`` is NaN, and what NaN becomes in int8 is platform-defined, 0 on this machine's CPU, so the checker
 watches the student's torch calls for a NaN cast to an integer dtype).
 Checked write by write against what ``PagedKVCache(kv_format=KVFormat(torch.int8, scales="page"))``
 stores for the same writes, K and V: the bytes and the scales equal.
