@@ -204,3 +204,20 @@ def test_registered_as_a_benchmark():
     from paged_ref.lab.bench import available
 
     assert available()["kvbytes"].startswith("What a byte buys")
+
+
+def test_paired_passkey_counts_and_passage_held_from_the_committed_run():
+    """`method_rows`' paired pass-key counts add up to each row's accuracy from the float32 full cache's, and
+    the passage share eviction held is a share (the full caches hold all of it)."""
+    name, results = report.load_results()
+    if results is None:
+        pytest.skip("no committed kvbytes run")
+    rows = report.method_rows(results)
+    base = next(r for r in rows if (r["policy"], r["kv_format"]) == ("full", "float32"))
+    assert (base["passkey_gained"], base["passkey_lost"]) == (0, 0)
+    for r in rows:
+        assert r["passkey_correct"] == base["passkey_correct"] + r["passkey_gained"] - r["passkey_lost"], r["kv_format"]
+        held = r["passage_held"]
+        assert held is None if r["policy"] == "quest" else 0 <= held <= 1, (r["policy"], held)
+        if r["policy"] == "full":
+            assert held == 1.0

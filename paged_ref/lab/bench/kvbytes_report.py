@@ -101,9 +101,38 @@ def method_rows(results: dict) -> list[dict]:
             p = pk[key(r)]
             row.update(passkey_budget=p["budget"] or "-", passkey_correct=p["correct"], passkey_trials=p["trials"])
             row["passkey_ci95"] = p["ci95"]
+            row.update(zip(("passkey_gained", "passkey_lost"), passkey_flips(results, p)))
+        if key(r) in ret:
+            held = [x.get("region_held") for x in _rows_of(results.get("retention_rows", []), ret[key(r)])]
+            row["passage_held"] = sum(held) / len(held) if held and None not in held else None
         out.append(row)
     order = list(METHOD_NAMES)
     return sorted(out, key=lambda r: (order.index(r["policy"]), r["format"] != "float32", r["kv_format"], -r["bytes"]))
+
+
+def _rows_of(rows: list[dict], summary: dict) -> list[dict]:
+    """The per-text or per-trial rows behind one summary row (its method, format and budget)."""
+    want = (summary["policy"], summary["kv_format"], summary["budget"])
+    return [r for r in rows if (r["policy"], r.get("kv_format", "float32"), r["budget"]) == want]
+
+
+def passkey_flips(results: dict, summary: dict) -> tuple[int, int]:
+    """``(gained, lost)``: of the pass-key trials behind ``summary`` (one row of ``results["passkey"]``), those
+    it answered that the float32 full cache missed, and those it missed that the float32 full cache answered:
+    the same prompts on both sides (paired), where two accuracies' intervals do not compare them.
+
+    Example:
+        >>> rows = [dict(policy="full", budget=None, trial=t, correct=c) for t, c in enumerate([1, 1, 0])]
+        >>> rows += [dict(policy="full", kv_format="int8 page", budget=None, trial=t, correct=c)
+        ...          for t, c in enumerate([1, 0, 1])]
+        >>> passkey_flips({"passkey_rows": rows}, dict(policy="full", kv_format="int8 page", budget=None))
+        (1, 1)
+    """
+    rows = results.get("passkey_rows", [])
+    base = {r["trial"]: r["correct"] for r in _rows_of(rows, dict(policy="full", kv_format="float32", budget=None))}
+    mine = {r["trial"]: r["correct"] for r in _rows_of(rows, summary)}
+    both = mine.keys() & base.keys()
+    return sum(mine[t] and not base[t] for t in both), sum(base[t] and not mine[t] for t in both)
 
 
 def _ci(ci, sign: str = "") -> str:
