@@ -29,11 +29,23 @@ def _at(threads, n, fn):
     return fn()
 
 
+def _mapped_libraries() -> set[Path]:
+    """The shared libraries this process maps (Linux: OPENMP is -fopenmp there only). A library whose file
+    was replaced after it was loaded (another process rebuilding the same extension into the same folder)
+    is listed as "PATH (deleted)": its path, the suffix dropped."""
+    paths = set()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)  # address, perms, offset, dev, inode, path (may hold spaces)
+        name = fields[5].removesuffix(" (deleted)") if len(fields) == 6 else ""
+        if name.endswith((".so", ".so.1", ".so.5")):
+            paths.add(Path(name))
+    return paths
+
+
 @pytest.mark.skipif(OPENMP != ["-fopenmp"], reason="torch runs its threads without OpenMP here (or not on Linux)")
 def test_each_kernel_is_built_to_split_its_loop_over_torch_threads():
     few_rows_kernel(), cpu_ops(), cpu_paged.kernel()  # built and loaded
-    maps = Path("/proc/self/maps").read_text().splitlines()  # Linux: OPENMP is -fopenmp there only
-    libraries = {Path(line.split()[-1]) for line in maps if line.split()[-1].endswith((".so", ".so.1", ".so.5"))}
+    libraries = _mapped_libraries()
     ours = [p for p in libraries if p.name.startswith(("paged_ref_linear", "paged_ref_cpu_ops", "paged_ref_cpu_paged"))]
     assert len(ours) == 3 and all(b"GOMP_parallel" in p.read_bytes() for p in ours)
     runtimes = {p.resolve() for p in libraries if p.name.startswith(("libgomp", "libiomp", "libomp"))}
