@@ -414,6 +414,7 @@ def _run(args, mode, out, cfg, saved):
         calibrations=calibrations,  # the calibrated per-layer scales, one entry per prompt and format
     )
     done = _resumed(saved, result) if saved else {}
+    carried = sum(done.get("stage_seconds", {}).values())  # the earlier runs' stages, before this run adds its own
     if done:
         log(f"resuming {out.path}: {', '.join(done['stage_seconds'])} already measured")
         resumes = done.pop("resumes", []) + [dict(environment(), torch_threads=args.threads)]
@@ -471,7 +472,7 @@ def _run(args, mode, out, cfg, saved):
     stage("retention", retention)
     stage("pass-key", passkey)
     stage("pass-key, quest", passkey_quest)
-    result["seconds"] = round(time.perf_counter() - start + sum(done.get("stage_seconds", {}).values()), 1)
+    result["seconds"] = round(time.perf_counter() - start + carried, 1)
     path = out.save(result, complete=True)
     print(f"\n{report.describe(result)}\n")
     print(report.bytes_table(result))
