@@ -145,8 +145,8 @@ class Checkpoint:
     def save(self, cache, layers, slots: torch.Tensor) -> None:
         """Keep the contents of ``slots`` (flat, int64 [n]) in ``layers`` before the cache changes them."""
         flat = (-1, cache.num_kv_heads, cache.head_dim)
-        k = [raw(cache.k_cache[i]).view(flat)[slots] for i in layers]  # each [n, Hkv, D], a copy
-        v = [raw(cache.v_cache[i]).view(flat)[slots] for i in layers]
+        k = [raw(cache.k_cache[i]).view(flat).index_select(0, slots) for i in layers]  # [n, Hkv, D] copies
+        v = [raw(cache.v_cache[i]).view(flat).index_select(0, slots) for i in layers]
         rows = None if cache.quant is None else cache.quant.rows(torch.unique(slots // cache.page_size))
         self.undo.append((layers, slots, k, v, rows))
 

@@ -25,8 +25,10 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +37,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .cpu_ops import cpu_ops as load_cpu_ops
 
-__all__ = ["EAGER", "FlatForward", "flat_forward"]
+__all__ = ["EAGER", "FlatForward", "LayerParts", "flat_forward", "layer_parts"]
 
 SUPPORTED = ("llama",)  # config.model_type values whose decoder layers are transformers' Llama layers
 
@@ -59,10 +61,12 @@ class FlatForward:
             warnings.warn(f"flat: cpu_ops=True, transformers' operations run ({why})", RuntimeWarning, stacklevel=2)
         elif cpu_ops and self.flat:
             self.ops = load_cpu_ops() or EAGER  # a failed build has warned
+        self._layers = layer_parts(self._inner) if self.flat else []
 
     def __enter__(self) -> FlatForward:
         if self.flat:  # an instance attribute, shadowing the class's forward
-            self._inner.__dict__["forward"] = lambda **kwargs: flat_forward(self._inner, ops=self.ops, **kwargs)
+            forward = functools.partial(flat_forward, self._inner, ops=self.ops, layers=self._layers)
+            self._inner.__dict__["forward"] = forward
         return self
 
     def __exit__(self, *exc) -> None:
@@ -87,29 +91,56 @@ def _rotate(x, cos, sin):
 EAGER = SimpleNamespace(add_norm=_add_norm, rotate=_rotate, silu_mul=lambda gate, up: F.silu(gate) * up)
 
 
-def flat_forward(inner, *, input_ids, position_ids, paged_step, cache=None, past_key_values=None, ops=EAGER, **unused):
+class LayerParts(NamedTuple):
+    """One decoder layer's modules and norm weights, looked up once (``nn.Module.__getattr__`` is a Python
+    call per submodule or parameter, 15 a layer on every step otherwise)."""
+
+    attn: torch.nn.Module  # the layer's self_attn: what the attention function takes as its module
+    q: torch.nn.Module
+    k: torch.nn.Module
+    v: torch.nn.Module
+    o: torch.nn.Module
+    gate: torch.nn.Module
+    up: torch.nn.Module
+    down: torch.nn.Module
+    norm: tuple  # (weight, eps) of input_layernorm
+    post_norm: tuple  # (weight, eps) of post_attention_layernorm
+
+
+def layer_parts(inner) -> list[LayerParts]:
+    """The `LayerParts` of ``inner``'s first ``num_hidden_layers`` layers (as ``LlamaModel.forward`` runs them)."""
+    out = []
+    for layer in inner.layers[: inner.config.num_hidden_layers]:
+        attn, mlp, a, b = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+        norms = (a.weight, a.variance_epsilon), (b.weight, b.variance_epsilon)
+        projections = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        out.append(LayerParts(attn, *projections, *norms))
+    return out
+
+
+def flat_forward(
+    inner, *, input_ids, position_ids, paged_step, cache=None, past_key_values=None, ops=EAGER, layers=None, **unused
+):
     """``LlamaModel.forward`` of a paged forward: ``input_ids [batch, tokens]`` -> the last hidden states
     ``[batch, tokens, hidden]``, K/V written through the cache, attention read from the pages; ``ops``:
-    `EAGER` or `paged_ref.fast.cpu_ops.cpu_ops()`."""
+    `EAGER` or `paged_ref.fast.cpu_ops.cpu_ops()`; ``layers``: ``layer_parts(inner)`` (None: looked up now)."""
     cache = cache if cache is not None else past_key_values  # the keyword's name in transformers < 5.24
     h = inner.embed_tokens.forward(input_ids)  # [batch, tokens, hidden]
     cos, sin = inner.rotary_emb.forward(h, position_ids=position_ids)  # each [batch, tokens, head_dim]
     cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # broadcast over heads
     attention = ALL_ATTENTION_FUNCTIONS[inner.config._attn_implementation]  # as each LlamaAttention looks it up
+    add_norm, rotate, silu_mul = ops.add_norm, ops.rotate, ops.silu_mul
     y = None  # what the residual stream adds next
-    for layer in inner.layers[: inner.config.num_hidden_layers]:
-        attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
-        h, x = ops.add_norm(h, y, norm.weight, norm.variance_epsilon)
+    for p in layer_parts(inner) if layers is None else layers:
+        attn = p.attn
+        h, x = add_norm(h, y, *p.norm)
         heads = (*x.shape[:-1], -1, attn.head_dim)  # [batch, tokens, heads, head_dim]
-        q = ops.rotate(attn.q_proj.forward(x).view(heads), cos, sin).transpose(1, 2)  # [batch, Hq, tokens, D]
-        k = ops.rotate(attn.k_proj.forward(x).view(heads), cos, sin).transpose(1, 2)  # [batch, Hkv, tokens, D]
-        v = attn.v_proj.forward(x).view(heads).transpose(1, 2)
+        q = rotate(p.q.forward(x).view(heads), cos, sin).transpose(1, 2)  # [batch, Hq, tokens, D]
+        k = rotate(p.k.forward(x).view(heads), cos, sin).transpose(1, 2)  # [batch, Hkv, tokens, D]
+        v = p.v.forward(x).view(heads).transpose(1, 2)
         k, v = cache.update(k, v, attn.layer_idx)
         o, _ = attention(attn, q, k, v, None, scaling=attn.scaling, paged_step=paged_step)
-        y = attn.o_proj.forward(o.reshape(*heads[:-2], -1).contiguous())  # o: [batch, tokens, Hq, D]
-        norm = layer.post_attention_layernorm
-        h, x = ops.add_norm(h, y, norm.weight, norm.variance_epsilon)
-        y = mlp.down_proj.forward(ops.silu_mul(mlp.gate_proj.forward(x), mlp.up_proj.forward(x)))
-    return BaseModelOutputWithPast(
-        last_hidden_state=ops.add_norm(h, y, inner.norm.weight, inner.norm.variance_epsilon)[1]
-    )
+        y = p.o.forward(o.reshape(*heads[:-2], -1).contiguous())  # o: [batch, tokens, Hq, D]
+        h, x = add_norm(h, y, *p.post_norm)
+        y = p.down.forward(silu_mul(p.gate.forward(x), p.up.forward(x)))
+    return BaseModelOutputWithPast(last_hidden_state=add_norm(h, y, inner.norm.weight, inner.norm.variance_epsilon)[1])

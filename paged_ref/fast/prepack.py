@@ -178,7 +178,7 @@ def _fused_forwards(layers: list[torch.nn.Linear], few) -> list:
             if source[0] is x and i in kept:
                 y = kept.pop(i)
             else:
-                slices = fused(x).split(sizes, dim=-1)  # [..., out_j] each
+                slices = fused(x).split_with_sizes(sizes, dim=-1)  # [..., out_j] each
                 kept.clear()
                 kept.update((j, t) for j, t in enumerate(slices) if j != i)
                 source[0], y = x, slices[i]
