@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -148,10 +149,16 @@ static void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   std::vector<int64_t> seq(n), seen(n);  // each token's sequence and the tokens it sees
   for (int64_t b = 0, row = 0; b < B; ++b)
     for (int64_t i = 0; i < new_lens[b]; ++i, ++row) seq[row] = b, seen[row] = lens[b] - new_lens[b] + i + 1;
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+  // The rows, longest first, each taken by whichever thread is free (their lengths differ: a split into equal
+  // ranges of rows leaves one thread with the long ones, a prefill chunk's tokens all on the last).
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return seen[a] > seen[b]; });
+  std::atomic<int64_t> next{0};  // the next entry of order not yet taken
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
     std::vector<float> s, buf(D);  // [Hq, len]: scores, then probabilities; [D]: one dequantized row
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t b = seq[row], len = seen[row];  // 1 <= len <= seq_lens[b] (checked)
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      const int64_t row = order[i], b = seq[row], len = seen[row];  // 1 <= len <= seq_lens[b] (checked)
       const T* pages = table + b * M;
       const float* qb = qs + row * Hq * D;
       float* ob = os + row * Hq * D;
