@@ -41,8 +41,12 @@ def test_the_quantize_cases_hold_saturation_ties_and_reciprocal_traps():
 
 def test_every_page_write_case_grows_a_scale_and_rewrites_earlier_bytes():
     """Each case makes a page's scale grow after its first write and changes a byte written before; the
-    zero case keeps one head at scale 0 through its first write."""
+    zero case keeps one head at scale 0 through its first write. The step up's edge case alone is one write:
+    its scales are what it checks."""
     for name, ps, hkv, d, writes in fewer_bytes._page_write_cases():
+        if "the step up's edge" in name:
+            assert len(writes) == 1
+            continue
         cache = fewer_bytes.PagedKVCache(
             num_layers=1, num_pages=1, page_size=ps, num_kv_heads=hkv, head_dim=d,
             kv_format=quant.KVFormat(torch.int8, scales="page"),
@@ -189,8 +193,9 @@ def _page_write(page, scale, x, offset, *, need=None, requant="reciprocal", shif
     return page, new
 
 
-def _stepped(amax, need, step):
-    need = torch.where(step(amax * (1 / need)), torch.nextafter(need, torch.full_like(need, math.inf)), need)
+def _stepped(amax, need, step, *, divided=False):
+    y = amax / need if divided else amax * (1 / need)
+    need = torch.where(step(y), torch.nextafter(need, torch.full_like(need, math.inf)), need)
     return torch.where(amax > 0, need, 0.0)
 
 
@@ -206,6 +211,11 @@ WRONG_PAGE_WRITES = {
         dict(need=lambda a, x: _stepped(a, a / 127, lambda y: torch.ones_like(y, dtype=torch.bool))),
         "only where the product is strictly above 127",
         "",
+    ),
+    "divided step test": (
+        dict(need=lambda a, x: _stepped(a, a / 127, lambda y: y > 127, divided=True)),
+        "amax / need rounds apart from it for some amax",
+        "the step up's edge",
     ),
     "times 1/127": (
         dict(need=lambda a, x: _stepped(a, a * (1 / 127), lambda y: y > 127)),
@@ -275,6 +285,7 @@ QUANTIZE_KINDS = [
     "random scales per page and head",
 ]
 PAGE_WRITE_KINDS = [
+    "one token per KV head, at the step up's edge",
     "4 tokens one by one, the second needing a larger scale",
     "random magnitudes per KV head",
     "a KV head whose first tokens are all 0",
@@ -332,6 +343,29 @@ def test_the_demos_print_the_numbers_the_text_reads_and_need_both_checks():
     with contextlib.redirect_stdout(out):
         exec(cells[demo].source, namespace)
     assert out.getvalue().startswith("Pass the check first (and the dequantize check above)")
+
+
+def test_the_edge_case_tells_the_step_tests_apart_per_head():
+    """K's heads: amax * (1 / need) at 127 exactly (only >= steps), above 127 while amax / need is not (only the
+    division misses the step), above by both, below by both: the right test, the division, >= 127, no step and
+    a step everywhere give five different scales."""
+    ((k, v),) = next(c for c in fewer_bytes._page_write_cases() if "the step up's edge" in c[0])[4]
+    amax = k.abs().amax(dim=(0, 2))  # [4]
+    need = amax / 127
+    y = amax * (1 / need)
+    assert (y == 127).tolist() == [True, False, False, False]
+    assert (y > 127).tolist() == [False, True, True, False]
+    assert (amax / need > 127).tolist() == [False, False, True, False]
+    scales = [
+        _stepped(amax, need, lambda y: y > 127),
+        _stepped(amax, need, lambda y: y > 127, divided=True),
+        _stepped(amax, need, lambda y: y >= 127),
+        need,
+        _stepped(amax, need, lambda y: torch.ones_like(y, dtype=torch.bool)),
+    ]
+    assert len({tuple(s.tolist()) for s in scales}) == 5
+    assert torch.equal(scales[0], quant.calibrate(k, torch.int8, dim=(0, 2)))
+    assert torch.equal(v, k.flip(1))
 
 
 def test_the_ladder_case_holds_every_int8_code_before_its_scale_grows():

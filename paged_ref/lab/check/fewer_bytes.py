@@ -280,7 +280,16 @@ def _page_write_cases():
     def tokens(n, hkv, d, levels):
         return torch.randn(n, hkv, d, generator=g) * torch.tensor(levels, dtype=torch.float32)[None, :, None]
 
+    edge = torch.tensor([[[0.5, -0.25], [-3.7, 1.5], [1.2, -0.6], [-1.3, 0.9]]])  # [1, 4, 2]: amax 0.5, 3.7, 1.2, 1.3
     cases = [
+        (
+            "one token per KV head, at the step up's edge: amax * (1 / need) at 127 exactly, above it while "
+            "amax / need is not, above both, below both",
+            4,
+            4,
+            2,
+            [(edge, edge.flip(1))],
+        ),
         (
             "4 tokens one by one, the second needing a larger scale",
             4,
@@ -288,7 +297,7 @@ def _page_write_cases():
             2,
             [(torch.tensor([[[1.0, -0.5]]]), torch.ones(1, 1, 2)), (torch.tensor([[[2.54, 0.0]]]), torch.ones(1, 1, 2))]
             + [(tokens(1, 1, 2, [lv]), tokens(1, 1, 2, [1.0])) for lv in (0.5, 3.0)],
-        )
+        ),
     ]
     for ps, hkv, d, sizes in ((8, 2, 4, (3, 2, 3)), (16, 3, 8, (10, 1, 1, 1, 1, 1, 1)), (8, 2, 8, (1,) * 8)):
         writes = []
@@ -351,8 +360,8 @@ def _page_write_cases():
 
 
 def _stepped(amax: torch.Tensor, need: torch.Tensor, step) -> torch.Tensor:
-    """``need`` one float32 step up where ``step(amax * (1 / need))``; 0 where ``amax`` is 0. [Hkv]"""
-    up = torch.where(step(amax * (1 / need)), torch.nextafter(need, torch.full_like(need, torch.inf)), need)
+    """``need`` one float32 step up where ``step(amax, need)``; 0 where ``amax`` is 0. [Hkv]"""
+    up = torch.where(step(amax, need), torch.nextafter(need, torch.full_like(need, torch.inf)), need)
     return torch.where(amax > 0, up, 0.0)
 
 
@@ -383,9 +392,10 @@ def _page_variants(page, scale, x, offset) -> dict[str, tuple]:
     one = torch.maximum(scale.amax(), need.amax()).expand_as(scale)
     plain = grown(amax / 127)
     last = grown(torch.where(amax > 0, calibrate(x[-1:], torch.int8, dim=(0, 2)), 0.0))
-    at_least = grown(_stepped(amax, amax / 127, lambda y: y >= 127))
-    always = grown(_stepped(amax, amax / 127, lambda y: torch.ones_like(y, dtype=torch.bool)))
-    times = grown(_stepped(amax, amax * (1 / 127), lambda y: y > 127))
+    at_least = grown(_stepped(amax, amax / 127, lambda a, n: a * (1 / n) >= 127))
+    always = grown(_stepped(amax, amax / 127, lambda a, n: torch.ones_like(a, dtype=torch.bool)))
+    divided = grown(_stepped(amax, amax / 127, lambda a, n: a / n > 127))
+    times = grown(_stepped(amax, amax * (1 / 127), lambda a, n: a * (1 / n) > 127))
     ones = grown(calibrate(x, torch.int8, dim=(0, 2)))
     return {
         "no requant": (write(page, new), new),
@@ -397,6 +407,7 @@ def _page_variants(page, scale, x, offset) -> dict[str, tuple]:
         "no nextafter": (write(requant(plain), plain), plain),
         "at least 127": (write(requant(at_least), at_least), at_least),
         "always nextafter": (write(requant(always), always), always),
+        "divided step test": (write(requant(divided), divided), divided),
         "times 1/127": (write(requant(times), times), times),
         "calibrate 1.0": (write(requant(ones), ones), ones),
         "at 0": (write(requant(new), new, 0), new),
@@ -424,6 +435,8 @@ _PAGE_HINTS = {
     "(pr.quant.count_saturated counts it; calibrate's rule)",
     "at least 127": _STRICTLY,
     "always nextafter": _STRICTLY,
+    "divided step test": "test the step up with the product, as my_quantize computes it: amax * (1 / need) > 127; "
+    "amax / need rounds apart from it for some amax, and the step is there to keep amax * (1 / scale) at most 127",
     "times 1/127": "need = amax / 127, a division: amax * (1 / 127) is one float32 step off for some amax",
     "calibrate 1.0": "0 where amax is 0; calibrate returns 1.0 there",
     "at 0": "the new tokens go at offset, offset + 1, ..., after the ones the page holds",
