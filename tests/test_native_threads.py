@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from attention_cases import make_decode_case, rel_error
+from attention_cases import make_decode_case, make_prefill_case, rel_error
 
 from paged_ref.attention import cpu_paged
-from paged_ref.attention.cpu_paged import cpu_paged_decode
+from paged_ref.attention.cpu_paged import cpu_paged_decode, cpu_paged_packed
 from paged_ref.fast.cpu_ops import cpu_ops
 from paged_ref.fast.prepack import few_rows_kernel, stream_layout
 from paged_ref.native import OPENMP
@@ -69,6 +69,20 @@ def test_paged_attention_on_two_threads_is_one_threads_result(threads, seed):
     case = make_decode_case(seed=seed, batch=9, page_size=8, num_kv_heads=2, group=3, head_dim=64, max_len=300)
     one, two = (_at(threads, t, lambda: cpu_paged_decode(*case.args)) for t in (1, 2))  # [batch, heads, dim]
     assert torch.equal(one, two) and rel_error(two, case.expected()) < 1e-4
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_packed_rows_on_two_threads_are_one_threads_result(threads, seed):
+    """Decode rows beside prompt chunks (rows of very different lengths, taken longest first by whichever thread
+    is free): the same bits at one and two threads, and the float64 result up to float32 rounding."""
+    case = make_prefill_case(seed=200 + seed, batch=9, page_size=[4, 16][seed], num_kv_heads=2, group=3, head_dim=64,
+                             max_len=300, max_q_len=48)  # fmt: skip
+    q, kc, vc, bt, lens, q_lens = case.args
+    valid = torch.arange(q.shape[2])[None, :] < q_lens[:, None]  # [batch, max_q_len]
+    rows = q.transpose(1, 2)[valid]  # [num_new, Hq, D]: each row's tokens after the rows before it
+    one, two = (_at(threads, t, lambda: cpu_paged_packed(rows, kc, vc, bt, lens, q_lens, scale=0.125)) for t in (1, 2))
+    assert one is not None and torch.equal(one, two)
+    assert rel_error(two, case.expected(scale=0.125).transpose(1, 2)[valid]) < 1e-4  # [num_new, Hq, D]
 
 
 def test_cpu_ops_on_two_threads_are_one_threads_result(threads):
