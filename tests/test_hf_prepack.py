@@ -78,10 +78,27 @@ def test_few_rows_kernel_matches_a_float64_product(seed):
     g = torch.Generator().manual_seed(seed)
     few = few_rows_kernel()
     for rows in range(FEW_ROWS + 1):  # 0 to 64 rows: chunks of up to six, split evenly
-        n, k = (int(torch.randint(1, 200, (1,), generator=g)) for _ in range(2))  # any N (padded block), any K
+        n = int(torch.randint(1, 800, (1,), generator=g))  # any N: up to 13 blocks, the last padded
+        k = int(torch.randint(1, 200, (1,), generator=g))
         x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
         y = few(x, stream_layout(w), n)  # [rows, n]
         torch.testing.assert_close(y.double(), x.double() @ w.double().T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_few_rows_kernel_sums_each_row_alike_in_any_batch(threads):
+    """A row's outputs do not depend on the rows beside it, bit for bit: one row (four blocks at a time), two or
+    three (two blocks at a time) and chunks of up to six (one block) sum each output over k in the same order."""
+    g, few, before = torch.Generator().manual_seed(7), few_rows_kernel(), torch.get_num_threads()
+    torch.set_num_threads(threads)  # each thread's range of blocks: groups of blocks and the blocks left over
+    try:
+        for rows in range(1, FEW_ROWS + 1):
+            n, k = int(torch.randint(1, 800, (1,), generator=g)), int(torch.randint(1, 200, (1,), generator=g))
+            x, w = torch.randn(rows, k, generator=g), stream_layout(torch.randn(n, k, generator=g))
+            alone = torch.cat([few(x[i : i + 1], w, n) for i in range(rows)])  # [rows, n], one row a call
+            assert torch.equal(few(x, w, n), alone), (rows, n, k)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_stream_layout_lays_each_block_of_outputs_as_one_stream():

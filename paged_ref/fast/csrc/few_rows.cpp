@@ -7,21 +7,28 @@
 typedef float vec __attribute__((vector_size(64), aligned(4)));  // 16 floats, any alignment
 constexpr int64_t L = 16, BLOCK = 64, V = BLOCK / L, MAX_ROWS = 6;
 
-// MB rows of x [MB, K] times one block w [K, BLOCK]: MB * V vector sums over k, each weight read once
-template <int MB>
+// MB rows of x [MB, K] times NB consecutive blocks w [NB, K, BLOCK] (of the last block its first n outputs):
+// MB * NB * V vector sums over k, each weight read once; NB blocks are NB streams from memory at once
+template <int MB, int NB>
 static void rows(const float* x, const float* w, int64_t K, float* o, int64_t N, int64_t n) {
-  vec acc[MB][V] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    vec wk[V];
-    for (int v = 0; v < V; ++v) wk[v] = *reinterpret_cast<const vec*>(w + k * BLOCK + v * L);
-    for (int m = 0; m < MB; ++m)
-      for (int v = 0; v < V; ++v) acc[m][v] += x[m * K + k] * wk[v];
-  }
+  vec acc[MB][NB][V] = {};
+  for (int64_t k = 0; k < K; ++k)
+    for (int s = 0; s < NB; ++s) {
+      vec wk[V];
+      for (int v = 0; v < V; ++v) wk[v] = *reinterpret_cast<const vec*>(w + (s * K + k) * BLOCK + v * L);
+      for (int m = 0; m < MB; ++m)
+        for (int v = 0; v < V; ++v) acc[m][s][v] += x[m * K + k] * wk[v];
+    }
   for (int m = 0; m < MB; ++m)
-    for (int64_t j = 0; j < n; ++j) o[m * N + j] = acc[m][j / L][j % L];  // the block's first n outputs
+    for (int s = 0; s < NB; ++s)
+      for (int64_t j = 0; j < (s == NB - 1 ? n : BLOCK); ++j) o[m * N + s * BLOCK + j] = acc[m][s][j / L][j % L];
 }
-constexpr void (*ROWS[])(const float*, const float*, int64_t, float*, int64_t, int64_t) = {
-    nullptr, rows<1>, rows<2>, rows<3>, rows<4>, rows<5>, rows<6>};
+typedef void (*Rows)(const float*, const float*, int64_t, float*, int64_t, int64_t);
+constexpr Rows ROWS[] = {nullptr, rows<1, 1>, rows<2, 1>, rows<3, 1>, rows<4, 1>, rows<5, 1>, rows<6, 1>};
+// Up to 3 rows, one stream at a time leaves a core's memory reads idle: GROUP[M] blocks at once (at most as many
+// sums as ROWS[6] keeps in registers), each output summed over k in the same order as in ROWS[M]
+constexpr int64_t GROUP[] = {1, 4, 2, 2};
+constexpr Rows GROUPED[] = {nullptr, rows<1, 4>, rows<2, 2>, rows<3, 2>};
 
 // x float32 [M, K], any strides; w float32 [ceil(N / 64), K, 64] (stream_layout), any strides (a copy where not
 // contiguous); N >= 0.
@@ -44,7 +51,10 @@ torch::Tensor few_rows(torch::Tensor x, torch::Tensor w, int64_t N) {
   const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)  // the block's weights come from memory once, then from cache
+    int64_t b = begin;
+    for (const int64_t g = M < 4 ? GROUP[M] : 1; g > 1 && b + g <= end; b += g)
+      GROUPED[M](xp, wp + b * K * BLOCK, K, op + b * BLOCK, N, std::min(BLOCK, N - (b + g - 1) * BLOCK));
+    for (; b < end; ++b)  // the block's weights come from memory once, then from cache
       for (int64_t m = 0, left = (M + MAX_ROWS - 1) / MAX_ROWS; left > 0; --left) {  // even row chunks
         const int64_t mb = (M - m) / left;
         ROWS[mb](xp + m * K, wp + b * K * BLOCK, K, op + m * N + b * BLOCK, N, std::min(BLOCK, N - b * BLOCK));
