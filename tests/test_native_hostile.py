@@ -256,8 +256,8 @@ def test_paged_attention_page_scales(worker, fmt, change):
 # --- few_rows -----------------------------------------------------------------------------------
 @st.composite
 def few_rows_cases(draw):
-    M, K, N = draw(st.integers(0, 9)), draw(st.integers(0, 9)), draw(_size(0, 140, (-1, -64, 2**40)))
-    blocks = draw(st.one_of(st.just(max(0, -(-N // 64)) if N < 2**40 else 1), st.integers(0, 3)))
+    M, K, N = draw(st.integers(0, 9)), draw(st.integers(0, 9)), draw(_size(0, 330, (-1, -64, 2**40)))
+    blocks = draw(st.one_of(st.just(max(0, -(-N // 64)) if N < 2**40 else 1), st.integers(0, 6)))
     w_shape = [blocks, draw(st.one_of(st.just(K), st.integers(0, 9))), draw(st.sampled_from([64] * 6 + [32, 65]))]
     x_shape = draw(st.sampled_from([[M, K]] * 8 + [[M * K], [1, M, K]]))
     tensors = {"x": _spec(x_shape, draw(FLOAT), draw(READ)), "w": _spec(w_shape, draw(FLOAT), draw(READ))}
