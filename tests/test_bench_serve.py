@@ -151,6 +151,32 @@ def test_profile_at_every_thread_count_records_each_count_and_the_bandwidths(tmp
         serve.main(["--all-threads", "--quick", "--out", str(tmp_path)])  # a profile's option
 
 
+def test_the_weight_stream_takes_turns_with_the_plain_read(monkeypatch):
+    """Each repeat times the read, then each row count's stream, so that both see the memory alike; the rates
+    and shares are the bests' (times faked: read 2, 1 row 3, 2 rows 4 s in the first repeat, all halved next)."""
+    import torch
+
+    from paged_ref.fast.prepack import stream_layout
+    from paged_ref.lab.bench import _serve_threads
+
+    weights = [torch.randn(70, 5), torch.randn(3, 8)]  # [out, in] each
+    flat = torch.cat([w.flatten() for w in weights])
+    calls, fake = [], iter([2.0, 3.0, 4.0, 1.0, 1.5, 2.0])
+
+    def timed(fn):
+        calls.append("read" if fn == flat.sum else "stream")
+        fn()
+        return next(fake)
+
+    monkeypatch.setattr(_serve_threads, "_timed", timed)
+    out = _serve_threads.weight_stream(weights, [stream_layout(w) for w in weights], flat, (1, 2), repeats=2)
+    assert calls == ["read", "stream", "stream"] * 2
+    gb = flat.numel() * 4 / 1e9
+    assert out["read_gb_per_s"] == pytest.approx(gb / 1.0)
+    assert out["rows"]["1"] == pytest.approx({"ms": 1.5e3, "gb_per_s": gb / 1.5, "of_read": 1 / 1.5})
+    assert out["rows"]["2"]["of_read"] == pytest.approx(0.5)
+
+
 def test_the_committed_threads_profile_measured_one_thread_and_every_core_over_a_plain_read_past_the_cache():
     from paged_ref.lab.runmode import data_dir
 

@@ -18,8 +18,8 @@ in alternating order (1, n, then n, 1, ...) and keeps the median over rounds:
   the LM head) at a full decode step's rows (``max_num_seqs``) and at 1 row through the kernel a
   decode step runs (`paged_ref.fast.prepack.few_rows_kernel`), weights streamed from memory: the bytes
   of weights over the time (the best of ``repeats``); against a plain read: ``sum()`` of the same
-  weights as one float32 tensor (at least 4x the last-level cache), the best of ``repeats``, timed just before.
-  The stream's share of the read is taken in each round (the two back to back), and the summary keeps the median
+  weights as one float32 tensor (at least 4x the last-level cache), the best of ``repeats``, the read and the
+  streams taking turns. The stream's share of the read is taken in each round, and the summary keeps the median
   of the rounds' shares, as it keeps the median of the rounds' throughput ratios: the read's rate moves between
   rounds (other tenants of the machine), so the best stream over the best read would pair rounds apart.
 """
@@ -122,14 +122,20 @@ def _step_weights(model) -> list[torch.Tensor]:
 
 def weight_stream(weights, streams, flat, rows: tuple, repeats: int) -> dict:
     """At the current thread count: ``{"read_gb_per_s", "rows": {m: {"ms", "gb_per_s", "of_read"}}}``
-    (the weights' bytes over the best of ``repeats`` times; ``of_read``: the share of the plain read's rate)."""
+    (the weights' bytes over the best of ``repeats`` times, the plain read and each stream taking turns;
+    ``of_read``: the share of the plain read's rate)."""
     few = few_rows_kernel()
     gb = flat.numel() * flat.element_size() / 1e9
-    best = min(_timed(flat.sum) for _ in range(repeats))
+    x = {m: [torch.randn(m, w.shape[1], dtype=w.dtype) for w in weights] for m in rows}  # [m, in] per product
+    times = {"read": [], **{m: [] for m in rows}}
+    for _ in range(repeats):  # the read, then each stream, then again: each sees the memory as the others do
+        times["read"].append(_timed(flat.sum))
+        for m in rows:
+            times[m].append(_timed(lambda: [few(a, s, w.shape[0]) for a, s, w in zip(x[m], streams, weights)]))
+    best = min(times["read"])
     out = {"read_gb_per_s": gb / best, "rows": {}}
     for m in rows:
-        x = [torch.randn(m, w.shape[1], dtype=w.dtype) for w in weights]  # [rows, in] per product
-        t = min(_timed(lambda: [few(a, s, w.shape[0]) for a, s, w in zip(x, streams, weights)]) for _ in range(repeats))
+        t = min(times[m])
         out["rows"][str(m)] = {"ms": t * 1e3, "gb_per_s": gb / t, "of_read": best / t}
     return out
 
@@ -161,8 +167,9 @@ def run_threads(model, requests_fn, *, quick: bool, counts: list[int], rounds: i
         "parallel_backend": parallel[0].split(":", 1)[1].strip() if parallel else None,
         "weights_gb": flat.numel() * flat.element_size() / 1e9,
         "last_level_cache_bytes": llc,
-        "plain_read": "sum() of every product's weights as one float32 tensor, the best of a round's repeats; "
-        "a stream's share of it (of_read) is taken in each round, the summary's the median of the rounds' shares",
+        "plain_read": "sum() of every product's weights as one float32 tensor, the best of a round's repeats, "
+        "taking turns with the streams; a stream's share of it (of_read) is taken in each round, the summary's the "
+        "median of the rounds' shares",
         "load_before": os.getloadavg(),
         "threads": {str(t): {"torch_threads": None, "tokens_per_s": [], "parts": [], "stream": []} for t in counts},
     }
