@@ -1,4 +1,4 @@
-// x @ W.T for a few rows of x, each weight read once, in one stream (paged_ref.fast.prepack); check_tensor:
+// x @ W.T for a few rows of x, each weight read once, block by block (paged_ref.fast.prepack); check_tensor:
 // paged_ref/csrc/checks.h, compiled before this file (paged_ref.native.build).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -8,7 +8,7 @@ each adding one speed-up to the one before (a field of `paged_ref.fast.Fast`, th
 chunks in one call), ``flat_forward`` (``flat=True``: the layers as one loop, without transformers'
 module calls), ``cpu_ops`` (``cpu_ops=True``: the loop's norms, RoPE and SwiGLU in C++),
 ``few_rows`` (``few_rows=True``: products of at most ``max_num_seqs`` rows through a kernel that
-reads each weight once, in one stream).
+reads each weight once, block by block).
 
 - **Profile**: `torch.profiler` around single engine steps, kept for the first ``steps`` decode steps
   (every row one new token) and mixed steps (decode rows next to a prompt chunk) after a warm-up;
@@ -72,7 +72,7 @@ VARIANTS = {
     ),
     "few_rows": (
         Fast(backend="cpu_paged", prepack=True, few_rows=True, flat=True, cpu_ops=True),
-        "products of at most max_num_seqs rows through a C++ kernel reading each weight once, in one stream",
+        "products of at most max_num_seqs rows through a C++ kernel reading each weight once, block by block",
     ),
 }
 
