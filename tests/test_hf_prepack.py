@@ -77,7 +77,7 @@ def test_fused_projections_give_each_layer_its_own_product_and_recompute_for_ano
 def test_few_rows_kernel_matches_a_float64_product(seed):
     g = torch.Generator().manual_seed(seed)
     few = few_rows_kernel()
-    for rows in range(FEW_ROWS + 1):  # 0 to 64 rows: chunks of up to six, split evenly
+    for rows in range(FEW_ROWS + 1):  # 0 to FEW_ROWS rows: chunks of up to six, split evenly
         n = int(torch.randint(1, 800, (1,), generator=g))  # any N: up to 13 blocks, the last padded
         k = int(torch.randint(1, 200, (1,), generator=g))
         x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)

@@ -51,9 +51,9 @@ _PACKABLE = (torch.float32, torch.bfloat16)
 #: a full decode step of ``bench serve``'s workloads (max_num_seqs=32)
 PACK_FOR_ROWS = 32
 #: ``few_rows=True`` in a session without an engine (an engine gives its ``max_num_seqs``): products of at
-#: most this many rows run through `SOURCE`. At every row count up to 64, the most it measures, ``bench serve
-#: --profile``'s few_rows table has the kernel at least as fast as oneDNN (figures/data/serve_profile_cpu.json).
-FEW_ROWS = 64
+#: most this many rows run through `SOURCE`: the most rows up to which ``bench serve --profile``'s few_rows
+#: table has the kernel at least as fast as oneDNN at every row count (figures/data/serve_profile_cpu.json).
+FEW_ROWS = 48
 #: the outputs of one block of `stream_layout` (four 16-float vectors)
 BLOCK = 64
 
