@@ -281,7 +281,7 @@ def test_notebook_09_section_7_reads_the_profile_as_measured():
     at = {row["rows"]: row["speedup_vs_f_linear"] for row in prof["linear_libraries"]["layer0"]}
     for x in at.values():  # "fusing adds little"; oneDNN prepacked faster than F.linear, MKL's not
         assert abs(x["onednn_prepacked_fused_qkv_gate_up"] - x["onednn_prepacked_for_32_rows"]) < 0.05
-        assert x["onednn_prepacked"] > 1 and x["mkl_prepacked"] <= 1.0 + 5e-3
+        assert x["onednn_prepacked"] > 1 and x["mkl_prepacked"] < 1.015  # MKL's "not, or hardly" faster
     few = prof["few_rows"]
     rate = {row["rows"]: row["gb_per_s"]["few_rows"] for row in few["rows"]}
     assert rate[1] > 0.8 * few["sum_gb_per_s"] and rate[32] < 0.5 * few["sum_gb_per_s"]  # "nearly as fast", "far below"
