@@ -16,9 +16,10 @@ import paged_ref as pr
 from paged_ref.eviction import make_policy
 from paged_ref.fast import Fast
 from paged_ref.models import tiny_llama
-from paged_ref.serve import Engine, Scheduler
+from paged_ref.serve import Engine, Exact, Paged, Scheduler
 from paged_ref.serve.dry import DrySession
 from paged_ref.serve.request import Request
+from paged_ref.serve.reservation import reservation as reservation_policy
 
 PAGE = 4
 
@@ -88,9 +89,9 @@ def test_every_request_gets_the_tokens_it_gets_alone(model, case):
     options, load = CASES[case]
     prefix = tuple(range(100, 110)) if options.get("prefix_caching") else ()
     reqs = _workload(12, seed=len(case), shared_prefix=prefix, **load)
-    engine = Engine(
-        model, num_pages=20, page_size=PAGE, max_num_seqs=6, eos_token_id=[], clock="steps", watermark=0.0, **options
-    )
+    admission = reservation_policy(options.get("reservation", "paged"), watermark=0.0)
+    engine = Engine(model, num_pages=20, page_size=PAGE, max_num_seqs=6, eos_token_id=[], clock="steps",
+                    **{**options, "reservation": admission})  # fmt: skip
     for prompt, n, t in reqs:
         engine.add_request(list(prompt), max_new_tokens=n, arrival_s=t)
     outs = _drive(engine)
@@ -190,7 +191,8 @@ def test_a_hit_on_pages_an_earlier_row_of_the_step_fills_reads_that_forwards_kv(
     step) shares them and computes only its rest: every layer writes A's K/V before B attends there."""
     prompt = list(range(20, 33))  # 13 tokens: three full pages of 4 and one more
     engine = Engine(model, num_pages=16, page_size=PAGE, max_batched_tokens=64, prefix_caching=True,
-                    fast=Fast(backend=backend), eos_token_id=[], clock="steps", watermark=0.0)  # fmt: skip
+                    fast=Fast(backend=backend), eos_token_id=[], clock="steps",
+                    reservation=Paged(watermark=0))  # fmt: skip
     for p in (prompt, prompt + [7, 8], prompt):
         engine.add_request(p, max_new_tokens=5)
     outs = engine.run()
@@ -230,7 +232,7 @@ def test_an_impossible_request_is_refused_and_nothing_changes(model):
         engine.add_request([1], max_new_tokens=0)
     with pytest.raises(TypeError, match="arrival_s must be a finite number"):
         engine.add_request([1], max_new_tokens=1, arrival_s=float("nan"))
-    with pytest.raises(TypeError, match="eviction must be a paged_ref.eviction.EvictionPolicy"):
+    with pytest.raises(TypeError, match=r"eviction must be an EvictionPolicy \(from make_policy\) or None, got str"):
         engine.add_request([1], max_new_tokens=1, eviction="paged_eviction")
     assert (engine.stats(), list(engine.scheduler.waiting), engine.kv.allocator.num_free) == before
     assert [o.request_id for o in engine.run()] == [0]  # the refused ones took no id
@@ -311,11 +313,10 @@ def test_reservation_changes_admission_only(model):
             model,
             num_pages=24,
             page_size=PAGE,
-            reservation=reservation,
+            reservation=reservation_policy(reservation, watermark=0.0),
             max_model_len=48,
             eos_token_id=[],
             clock="steps",
-            watermark=0.0,
         )
         for prompt, n, _ in reqs:
             engine.add_request(list(prompt), max_new_tokens=n)
@@ -390,7 +391,7 @@ def test_preemption_takes_the_most_recent_request_first():
 
 
 def test_the_watermark_holds_admission_back():
-    sched = _sched(10, 64, watermark_pages=3)
+    sched = _sched(10, 64, reservation=Paged(watermark=0.3))
     a, b = _req(0, 16), _req(1, 13)  # 4 pages, then 4 more: with 3 kept free, b must wait
     sched.add(a)
     sched.add(b)
@@ -416,7 +417,7 @@ def test_engine_arguments_are_checked(model):
     for kw, kind, match in (
         (dict(reservation="contiguous"), ValueError, "reservation must be one of"),
         (dict(preemption="drop"), ValueError, "preemption must be one of"),
-        (dict(watermark=1.0), ValueError, r"watermark must be a share of the pool in \[0, 1\)"),
+        (dict(reservation=Exact), ValueError, "reservation must be one of"),
         (dict(clock="cpu"), ValueError, "clock must be one of"),
         (dict(num_pages=0), ValueError, "num_pages must be >= 1"),
         (dict(max_num_seqs=0), ValueError, "max_num_seqs must be >= 1"),

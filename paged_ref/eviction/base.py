@@ -24,7 +24,7 @@ from ..cache_interface import KVCache
 from .scores import SCORE_METHODS, token_scores
 
 __all__ = ["DECISIONS", "NO_LIMIT", "EvictionPolicy", "EvictionStats", "Reserved", "max_pages_held"]
-__all__ += ["sequence_scores"]
+__all__ += ["check_policy", "sequence_scores"]
 
 DECISIONS = ("shared", "per_layer")  # one eviction decision for all layers, or one per layer
 NO_LIMIT = sys.maxsize  # tokens_until_action of a policy that never acts
@@ -322,3 +322,12 @@ class EvictionPolicy:
         keep.scatter_(1, order[:, :free_slots], True)
         assert bool((keep.sum(1) == min(self.budget, n)).all())
         self._compact(cache, seq_id, keep)
+
+
+def check_policy(eviction, default):
+    """A sequence's eviction policy: ``eviction``, an `EvictionPolicy`, or the session's ``default`` for None."""
+    if eviction is None:
+        return default
+    if not isinstance(eviction, EvictionPolicy):
+        raise TypeError(f"eviction must be an EvictionPolicy (from make_policy) or None, got {type(eviction).__name__}")
+    return eviction

@@ -11,11 +11,10 @@ import torch
 from .._validate import check_int, check_list, check_token_range, describe, eos_ids, is_int
 from ..cache import PagedKVCache
 from ..cache_interface import KVCache
-from ..eviction.base import EvictionPolicy
 from ..memory import model_geometry
 from .attention import AUTO, BACKENDS
 
-__all__ = ["check_batch", "check_live", "check_policy", "check_prompts", "check_room", "check_streamer", "token_ids"]
+__all__ = ["check_batch", "check_live", "check_prompts", "check_room", "check_streamer", "token_ids"]
 __all__ += ["for_8bit_pages", "reads_8bit", "session_cache"]
 
 
@@ -39,15 +38,6 @@ def check_live(seq_id, live) -> None:
     """``seq_id`` is one of ``live``, a session's sequences."""
     if seq_id not in live:
         raise ValueError(f"seq_id {seq_id!r} is not a live sequence of this session (live: {sorted(live)})")
-
-
-def check_policy(eviction, default):
-    """A sequence's eviction policy: ``eviction``, an `EvictionPolicy`, or the session's ``default`` for None."""
-    if eviction is None:
-        return default
-    if not isinstance(eviction, EvictionPolicy):
-        raise TypeError(f"eviction must be an EvictionPolicy or None, got {type(eviction).__name__}")
-    return eviction
 
 
 def check_room(seq_ids, q_lens, policies: dict, kv) -> None:

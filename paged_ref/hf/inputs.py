@@ -12,6 +12,7 @@ import torch
 from .._arith import cdiv
 from .._validate import check_int
 from ..cache import PagedKVCache
+from ..eviction.policies import resolve_policy
 from ._checks import check_prompts
 from .session import PagedSession
 
@@ -87,7 +88,6 @@ def prepare(
         num_pages=num_pages,
         page_size=page_size,
         backend=backend,
-        eviction=eviction,
-        budget=budget,
+        eviction=resolve_policy(eviction, budget),
     )
     return Prepared(session, prompts, eos, pad, namespaces, max_new_tokens)

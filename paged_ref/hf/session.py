@@ -35,9 +35,10 @@ from dataclasses import replace
 import torch
 
 from ..cache_interface import KVCache
-from ..eviction.policies import EvictionPolicy, resolve_policy
+from ..eviction.base import check_policy
+from ..eviction.policies import EvictionPolicy
 from ..memory import model_geometry
-from ._checks import check_batch, check_live, check_policy, check_room, for_8bit_pages, session_cache, token_ids
+from ._checks import check_batch, check_live, check_room, for_8bit_pages, session_cache, token_ids
 from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, paged_attention_active, register, set_attn_implementation
 from .cache import PagedCache, StepPlan, pack_rows
 
@@ -80,8 +81,8 @@ class PagedSession:
         kv_cache: a `KVCache` matching the model, or None to create a `PagedKVCache` of ``num_pages``
             pages of ``page_size`` tokens.
         backend: a name of `paged_ref.hf.attention.BACKENDS`, ``"auto"`` (the default) or a `Backend`.
-        eviction, budget: the policy of every sequence not given its own: a name with ``budget``
-            in tokens (``eviction="paged_eviction", budget=256``), a policy object, or None.
+        eviction: the policy of every sequence not given its own, an `paged_ref.eviction.EvictionPolicy`
+            (``make_policy("paged_eviction", 256)``: a budget of 256 tokens), or None.
         fast: the CPU speed-ups, beside the lesson (`paged_ref.fast.Fast`; True: all the model allows;
             None, the default: the eager step); the same tokens (`fast_step`).
         kv_format: with ``num_pages``, the new cache's 8-bit pages (`paged_ref.quant.KVFormat`); None: floating.
@@ -99,7 +100,6 @@ class PagedSession:
         page_size: int = 16,
         backend=AUTO,
         eviction=None,
-        budget: int | None = None,
         fast=None,
         kv_format=None,
     ):
@@ -108,7 +108,7 @@ class PagedSession:
             if backend != AUTO and backend != fast.backend:
                 raise ValueError(f"backend={backend!r} and fast.backend={fast.backend!r}: name the backend once")
             backend = fast.backend
-        eviction = resolve_policy(eviction, budget)
+        eviction = check_policy(eviction, None)
         geometry = model_geometry(model)
         self._backend = get_backend(backend, geometry.device)
         kv_cache = session_cache(geometry, kv_cache, num_pages=num_pages, page_size=page_size, kv_format=kv_format)

@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 from ..serve.engine import Engine
 from ..serve.request import RequestOutput
+from ..serve.reservation import reservation
 from .serve_metrics import summarize
 
 __all__ = ["DryBench", "bench_dry", "request_events", "tpot_breakdown", "watermark_trade"]
@@ -111,6 +112,7 @@ def bench_dry(
     ids_only = SimpleNamespace(config=SimpleNamespace(vocab_size=1000))  # a dry run reads no token
     requests, arrivals = make_requests(ids_only, None, **lengths)
     paged = policy == "paged"
+    watermark = (cfg["watermark"] if watermark is None else watermark) if paged else 0.0
     engine = Engine(
         None,
         num_pages=num_pages or cfg["num_pages"],
@@ -118,8 +120,7 @@ def bench_dry(
         max_num_seqs=cfg["max_num_seqs"],
         max_batched_tokens=cfg["max_batched_tokens"],
         max_model_len=cfg["max_model_len"],
-        reservation=policy,
-        watermark=(cfg["watermark"] if watermark is None else watermark) if paged else 0.0,
+        reservation=reservation(policy, watermark=watermark),
         eos_token_id=[],
     )
     for (prompt, new), t in zip(requests, arrivals):

@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import numbers
-
 from .._cache_checks import token_list
 from .._validate import check_token_range, is_int
 from ..block_table import pages_needed
-from ..eviction.policies import EvictionPolicy
-
-
-def check_watermark(watermark) -> float:
-    if not isinstance(watermark, numbers.Real) or isinstance(watermark, bool) or not 0 <= watermark < 1:
-        raise ValueError(f"watermark must be a share of the pool in [0, 1), got {watermark!r}")
-    return watermark
+from ..eviction.base import check_policy
 
 
 def prompt_list(prompt_ids, vocab: int | None) -> list[int]:
@@ -26,12 +18,7 @@ def prompt_list(prompt_ids, vocab: int | None) -> list[int]:
 
 
 def check_eviction(eviction, session) -> None:
-    if eviction is not None and not isinstance(eviction, EvictionPolicy):
-        raise TypeError(
-            f"eviction must be a paged_ref.eviction.EvictionPolicy (make_policy(...)) or None, "
-            f"got {type(eviction).__name__}"
-        )
-    if eviction is not None and not getattr(session, "evicts", True):
+    if check_policy(eviction, None) is not None and not getattr(session, "evicts", True):
         raise ValueError("eviction needs a model: a dry run (Engine(None, ...)) has no K/V to score")
 
 

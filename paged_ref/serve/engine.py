@@ -34,10 +34,11 @@ import time
 
 from .._validate import check_choice, check_int, check_real, eos_ids
 from ..cache import PagedKVCache
-from ._checks import check_eviction, check_request_id, check_watermark, prompt_list, refusal
+from ._checks import check_eviction, check_request_id, prompt_list, refusal
 from .dry import DrySession
 from .metrics import COUNTS, StepClock, StepRecord, count_fed, engine_stats, record_step
 from .request import FINISHED, PENDING, Request, RequestOutput
+from .reservation import Reservation
 from .scheduler import Scheduler
 from .undo import StepCheckpoint
 
@@ -75,12 +76,12 @@ class Engine:
 
     Args:
         model: a transformers causal LM, or None for a dry run (`paged_ref.serve.dry`: no token computed).
-        reservation, preemption, max_num_seqs, max_batched_tokens: the `Scheduler`'s.
+        reservation, preemption, max_num_seqs, max_batched_tokens: the `Scheduler`'s (``reservation``: a
+            name, or a `paged_ref.serve.reservation.Reservation` carrying its watermark, ``Paged(watermark=0)``).
         kv_format: K and V in 8 bits (`paged_ref.quant.KVFormat`, an 8-bit dtype or vLLM's "fp8"); None: the
             model's dtype.
         fast: the CPU speed-ups (`paged_ref.fast.Fast`; True: all the model allows, attention through
             ``cpu_paged`` and the few-rows kernel up to ``max_num_seqs`` rows); None: the eager step.
-        watermark: share of the pool admission keeps free while others run (vLLM 0.32: 0).
         max_model_len: longest request; default the model's ``max_position_embeddings`` (dry: the pool).
         eos_token_id: int or ints that end a request (default the model's; ``[]``: never).
 
@@ -98,17 +99,15 @@ class Engine:
         page_size: int = 16,
         max_num_seqs: int = 64,
         max_batched_tokens: int = 512,
-        reservation: str = "paged",
+        reservation: str | Reservation = "paged",
         preemption: str = "recompute",
         prefix_caching: bool = False,
         fast=None,
         kv_format=None,
-        watermark: float = 0.01,
         max_model_len: int | None = None,
         eos_token_id: int | list[int] | None = None,
         clock: str | None = None,
     ):
-        watermark = check_watermark(watermark)
         self.clock = check_choice("clock", clock or ("steps" if model is None else "simulated"), CLOCKS)
         pool = dict(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching, kv_format=kv_format)
         opened = _open_session(model, fast, max_num_seqs, max_model_len, **pool)
@@ -123,7 +122,6 @@ class Engine:
                 max_batched_tokens=max_batched_tokens,
                 reservation=reservation,
                 preemption=preemption,
-                watermark_pages=int(watermark * self.kv.num_pages),
                 max_model_len=max_model_len,
             )
         except BaseException:

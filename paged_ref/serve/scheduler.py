@@ -42,7 +42,7 @@ from .._validate import check_choice, check_int
 from ..block_table import pages_needed
 from .evict import AfterPrompt, Evictions
 from .request import RUNNING, SWAPPED, WAITING, Request
-from .reservation import RESERVATIONS
+from .reservation import RESERVATIONS, Reservation
 from .reservation import reservation as reservation_policy
 from .swap import SwapSpace
 
@@ -67,7 +67,8 @@ class Schedule:
 
 class Scheduler:
     """Waiting, running and swapped queues over the pool of ``session`` (a `paged_ref.hf.PagedSession` or a
-    `DrySession`); ``max_model_len``: the longest request, what ``"max_len"`` reserves (default: the pool)."""
+    `DrySession`); ``reservation``: a name or a `Reservation`; ``max_model_len``: the longest request, what
+    ``"max_len"`` reserves (default: the pool)."""
 
     def __init__(
         self,
@@ -75,9 +76,8 @@ class Scheduler:
         *,
         max_num_seqs: int,
         max_batched_tokens: int,
-        reservation: str = "paged",
+        reservation: str | Reservation = "paged",
         preemption: str = "recompute",
-        watermark_pages: int = 0,
         max_model_len: int | None = None,
     ):
         self.session = session
@@ -85,10 +85,10 @@ class Scheduler:
         self.page_size = self.kv.page_size
         self.max_num_seqs = check_int("max_num_seqs", max_num_seqs, min_value=1)
         self.max_batched_tokens = check_int("max_batched_tokens", max_batched_tokens, min_value=1)
-        self.commitment = reservation_policy(reservation)  # what admission commits up front
+        self.commitment = reservation_policy(reservation)  # what admission commits up front, and keeps free
         self.reservation = self.commitment.name
         self.preemption = check_choice("preemption", preemption, PREEMPTIONS)
-        self.watermark_pages = check_int("watermark_pages", watermark_pages, min_value=0)
+        self.watermark_pages = int(self.commitment.watermark * self.kv.num_pages)  # kept free while others run
         if max_model_len is None:
             max_model_len = self.kv.num_pages * self.page_size
         self.max_model_len = check_int("max_model_len", max_model_len, min_value=1)

@@ -60,7 +60,8 @@ import torch
 from ...eviction import make_policy
 from ...fast import Fast
 from ...memory import model_geometry
-from ...serve import Engine
+from ...serve import Engine, Paged
+from ...serve.reservation import reservation as reservation_policy
 from .. import textdata
 from ..fragmentation import make_workload
 from ..runmode import data_dir
@@ -170,10 +171,12 @@ def make_requests(model, tokenizer, *, requests, mean_prompt, mean_output, sigma
 def _engine(model, cfg, policy, *, num_pages=None, device_clock="simulated", kv_format=None):
     paged = policy in ("paged", "paged_eviction")
     sizes = {k: cfg[k] for k in ("page_size", "max_num_seqs", "max_batched_tokens", "max_model_len")}
-    admission = dict(reservation="paged" if paged else policy, watermark=cfg["watermark"] if paged else 0.0)
+    admission = reservation_policy("paged" if paged else policy, watermark=cfg["watermark"] if paged else 0.0)
     pages = {} if kv_format is None else {"kv_format": kv_format}  # 8-bit pages (`._serve_kv8`)
     num_pages = num_pages or cfg["num_pages"]
-    return Engine(model, num_pages=num_pages, eos_token_id=[], clock=device_clock, **sizes, **admission, **pages)
+    return Engine(
+        model, num_pages=num_pages, eos_token_id=[], clock=device_clock, reservation=admission, **sizes, **pages
+    )
 
 
 def _lockstep(engines: dict, progress_desc: str) -> dict:
@@ -342,7 +345,9 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
         pages = {} if kv_cache_dtype == "auto" else {"kv_format": vllm_kv_format(kv_cache_dtype)}
         for _ in range(cfg["peer_repeats"]):
             fast = Fast(**cfg.get("engine_options", {}))
-            e = Engine(model, eos_token_id=[], clock="real", watermark=0.0, fast=fast, **limits, **pages)
+            e = Engine(
+                model, eos_token_id=[], clock="real", reservation=Paged(watermark=0), fast=fast, **limits, **pages
+            )
             ours_tokens, r = _offline_run(e, requests)
             ours.append(r)
             v = _vllm_subprocess(python, job, threads)
