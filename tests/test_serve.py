@@ -16,10 +16,9 @@ import paged_ref as pr
 from paged_ref.eviction import make_policy
 from paged_ref.fast import Fast
 from paged_ref.models import tiny_llama
-from paged_ref.serve import Engine, Exact, Paged, Scheduler
+from paged_ref.serve import Engine, Reservation, Scheduler
 from paged_ref.serve.dry import DrySession
 from paged_ref.serve.request import Request
-from paged_ref.serve.reservation import reservation as reservation_policy
 
 PAGE = 4
 
@@ -89,7 +88,7 @@ def test_every_request_gets_the_tokens_it_gets_alone(model, case):
     options, load = CASES[case]
     prefix = tuple(range(100, 110)) if options.get("prefix_caching") else ()
     reqs = _workload(12, seed=len(case), shared_prefix=prefix, **load)
-    admission = reservation_policy(options.get("reservation", "paged"), watermark=0.0)
+    admission = Reservation(options.get("reservation", "paged"), watermark=0.0)
     engine = Engine(model, num_pages=20, page_size=PAGE, max_num_seqs=6, eos_token_id=[], clock="steps",
                     **{**options, "reservation": admission})  # fmt: skip
     for prompt, n, t in reqs:
@@ -192,7 +191,7 @@ def test_a_hit_on_pages_an_earlier_row_of_the_step_fills_reads_that_forwards_kv(
     prompt = list(range(20, 33))  # 13 tokens: three full pages of 4 and one more
     engine = Engine(model, num_pages=16, page_size=PAGE, max_batched_tokens=64, prefix_caching=True,
                     fast=Fast(backend=backend), eos_token_id=[], clock="steps",
-                    reservation=Paged(watermark=0))  # fmt: skip
+                    reservation=Reservation("paged", watermark=0))  # fmt: skip
     for p in (prompt, prompt + [7, 8], prompt):
         engine.add_request(p, max_new_tokens=5)
     outs = engine.run()
@@ -313,7 +312,7 @@ def test_reservation_changes_admission_only(model):
             model,
             num_pages=24,
             page_size=PAGE,
-            reservation=reservation_policy(reservation, watermark=0.0),
+            reservation=Reservation(reservation, watermark=0.0),
             max_model_len=48,
             eos_token_id=[],
             clock="steps",
@@ -391,7 +390,7 @@ def test_preemption_takes_the_most_recent_request_first():
 
 
 def test_the_watermark_holds_admission_back():
-    sched = _sched(10, 64, reservation=Paged(watermark=0.3))
+    sched = _sched(10, 64, reservation=Reservation("paged", watermark=0.3))
     a, b = _req(0, 16), _req(1, 13)  # 4 pages, then 4 more: with 3 kept free, b must wait
     sched.add(a)
     sched.add(b)
@@ -417,7 +416,7 @@ def test_engine_arguments_are_checked(model):
     for kw, kind, match in (
         (dict(reservation="contiguous"), ValueError, "reservation must be one of"),
         (dict(preemption="drop"), ValueError, "preemption must be one of"),
-        (dict(reservation=Exact), ValueError, "reservation must be one of"),
+        (dict(reservation=Reservation), ValueError, "reservation must be one of"),
         (dict(clock="cpu"), ValueError, "clock must be one of"),
         (dict(num_pages=0), ValueError, "num_pages must be >= 1"),
         (dict(max_num_seqs=0), ValueError, "max_num_seqs must be >= 1"),
@@ -426,3 +425,10 @@ def test_engine_arguments_are_checked(model):
     ):
         with pytest.raises(kind, match=match):
             Engine(model, **{"num_pages": 8, **kw})
+    for watermark, kind in ((1.0, ValueError), (-0.01, ValueError), (True, TypeError), ("0.1", TypeError)):
+        with pytest.raises(kind, match=r"watermark must be a share of the pool in \[0, 1\), got " + repr(watermark)):
+            Reservation("paged", watermark=watermark)
+    with pytest.raises(
+        ValueError, match=r"reservation must be one of \['paged', 'exact', 'max_len'\] or a Reservation"
+    ):
+        Engine(model, num_pages=8, reservation=[1])

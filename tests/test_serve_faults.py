@@ -15,7 +15,7 @@ import paged_ref as pr
 from paged_ref.allocator import OutOfPagesError
 from paged_ref.eviction import make_policy
 from paged_ref.models import tiny_llama
-from paged_ref.serve import Engine, Paged
+from paged_ref.serve import Engine, Reservation
 
 PAGE = 4
 
@@ -179,7 +179,7 @@ def test_a_step_that_fails_after_scheduling_gives_back_the_pages_it_took_and_unp
     a forward that then raises leaves no page taken and none published."""
     prompt = list(range(20, 33))  # 13 tokens: three full pages of 4 and one more
     engine = Engine(model, num_pages=16, page_size=PAGE, max_batched_tokens=64, eos_token_id=[], clock="steps",
-                    prefix_caching=True, reservation=Paged(watermark=0))  # fmt: skip
+                    prefix_caching=True, reservation=Reservation("paged", watermark=0))  # fmt: skip
     for p in (prompt, prompt + [7, 8]):
         engine.add_request(p, max_new_tokens=3)
     before, seen = _state(engine), {}
@@ -253,8 +253,12 @@ def test_max_model_len_beyond_the_models_positions_is_refused(model):
     "engine_kw, prompt, match",
     [
         (dict(num_pages=100, page_size=1, max_model_len=200), 100, "watermark"),
-        (dict(num_pages=10, page_size=1, reservation=Paged(watermark=0.99)), 8, "watermark"),
-        (dict(num_pages=10, page_size=1, max_batched_tokens=8, reservation=Paged(watermark=0.3)), 9, "watermark"),
+        (dict(num_pages=10, page_size=1, reservation=Reservation("paged", watermark=0.99)), 8, "watermark"),
+        (
+            dict(num_pages=10, page_size=1, max_batched_tokens=8, reservation=Reservation("paged", watermark=0.3)),
+            9,
+            "watermark",
+        ),
     ],
 )
 def test_a_request_the_admission_rule_can_never_admit_is_refused(engine_kw, prompt, match):
@@ -269,9 +273,9 @@ def test_a_request_the_admission_rule_can_never_admit_is_refused(engine_kw, prom
     "engine_kw",
     [
         dict(num_pages=41, page_size=1, max_num_seqs=64, max_batched_tokens=512, preemption="swap",
-             prefix_caching=True, reservation=Paged(watermark=0.1)),
+             prefix_caching=True, reservation=Reservation("paged", watermark=0.1)),
         dict(num_pages=20, page_size=2, max_num_seqs=64, max_batched_tokens=512, preemption="swap",
-             reservation=Paged(watermark=0.1)),
+             reservation=Reservation("paged", watermark=0.1)),
     ],
 )  # fmt: skip
 def test_swap_with_a_watermark_never_stalls(engine_kw):

@@ -32,7 +32,7 @@ from paged_ref.allocator import OutOfPagesError
 from paged_ref.eviction import make_policy
 from paged_ref.serve import Engine
 from paged_ref.serve.dry import DrySession
-from paged_ref.serve.reservation import reservation
+from paged_ref.serve.reservation import Reservation
 
 VOCAB = 64
 WORKLOADS = 2000 * int(os.environ.get("PAGED_REF_PROPERTY_SCALE", "1"))
@@ -186,7 +186,7 @@ def run_workload(seed: int, counts: dict) -> None:
     if engine_kw["reservation"] == "max_len":
         capacity = engine_kw["num_pages"] * page_size
         engine_kw["max_model_len"] = rng.randint(min(8, capacity), capacity)
-    engine_kw["reservation"] = reservation(engine_kw["reservation"], watermark=engine_kw.pop("watermark"))
+    engine_kw["reservation"] = Reservation(engine_kw["reservation"], watermark=engine_kw.pop("watermark"))
     engine = Engine(None, **engine_kw)
     kv = engine.kv
     fault_rng = random.Random(seed + 1)

@@ -36,7 +36,7 @@ def workload(tmp_path_factory):
 
 def test_vllm_and_the_engine_generate_the_same_tokens(workload):
     from paged_ref.lab.bench._vllm_peer import run_vllm
-    from paged_ref.serve import Engine, Paged
+    from paged_ref.serve import Engine, Reservation
 
     model, folder, requests, pool = workload
     limits = dict(LIMITS, max_model_len=pool * PAGE)  # vLLM checks that one request of max_model_len fits
@@ -45,7 +45,12 @@ def test_vllm_and_the_engine_generate_the_same_tokens(workload):
     torch.set_num_threads(1)
     try:
         engine = Engine(
-            model, num_pages=pool, page_size=PAGE, reservation=Paged(watermark=0), eos_token_id=[], **limits
+            model,
+            num_pages=pool,
+            page_size=PAGE,
+            reservation=Reservation("paged", watermark=0),
+            eos_token_id=[],
+            **limits,
         )
         for prompt, new in requests:
             engine.add_request(prompt, max_new_tokens=new)

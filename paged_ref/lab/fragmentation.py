@@ -40,7 +40,7 @@ from .._validate import check_choice, check_int
 from ..block_table import pages_needed
 from ..serve.engine import Engine
 from ..serve.request import RequestOutput
-from ..serve.reservation import reservation as reservation_policy
+from ..serve.reservation import Reservation
 from ..serve.scheduler import RESERVATIONS
 from .page_trace import PageTrace
 from .serve_metrics import summarize
@@ -256,7 +256,7 @@ def serve_dry(
         None,
         num_pages=num_pages,
         page_size=page_size,
-        reservation=reservation_policy(reservation, watermark=watermark),
+        reservation=Reservation(reservation, watermark=watermark),
         preemption=preemption,
         max_num_seqs=max_num_seqs,
         max_batched_tokens=max_batched_tokens,

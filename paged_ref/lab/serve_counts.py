@@ -25,7 +25,7 @@ from types import SimpleNamespace
 
 from ..serve.engine import Engine
 from ..serve.request import RequestOutput
-from ..serve.reservation import reservation
+from ..serve.reservation import Reservation
 from .serve_metrics import summarize
 
 __all__ = ["DryBench", "bench_dry", "request_events", "tpot_breakdown", "watermark_trade"]
@@ -120,7 +120,7 @@ def bench_dry(
         max_num_seqs=cfg["max_num_seqs"],
         max_batched_tokens=cfg["max_batched_tokens"],
         max_model_len=cfg["max_model_len"],
-        reservation=reservation(policy, watermark=watermark),
+        reservation=Reservation(policy, watermark=watermark),
         eos_token_id=[],
     )
     for (prompt, new), t in zip(requests, arrivals):

@@ -46,7 +46,7 @@ import torch
 
 from ...fast import Fast
 from ...fast.prepack import PACK_FOR_ROWS, few_rows_kernel, stream_layout
-from ...serve import Engine, Paged
+from ...serve import Engine, Reservation
 
 __all__ = ["VARIANTS", "PROFILE_WORKLOAD", "linear_libraries", "native_checks", "profile_variant", "paired_gain"]
 __all__ += ["run_profile"]
@@ -106,7 +106,9 @@ GROUPS = {
 
 def _engine(model, cfg, fast: Fast) -> Engine:
     sizes = {k: cfg[k] for k in ("num_pages", "page_size", "max_num_seqs", "max_batched_tokens", "max_model_len")}
-    return Engine(model, eos_token_id=[], clock="real", reservation=Paged(watermark=0), fast=fast, **sizes)
+    return Engine(
+        model, eos_token_id=[], clock="real", reservation=Reservation("paged", watermark=0), fast=fast, **sizes
+    )
 
 
 def _kind(record) -> str | None:

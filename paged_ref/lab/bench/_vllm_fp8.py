@@ -27,7 +27,7 @@ import statistics
 import torch
 
 from ... import quant
-from ...serve.reservation import Paged
+from ...serve.reservation import Reservation
 
 __all__ = [
     "vllm_kv_format",
@@ -90,7 +90,8 @@ def engine_pages(model, prompts, *, page_size: int, kv_format=None) -> list[list
     total = sum(len(p) for p in prompts)
     pages = {} if kv_format is None else {"kv_format": kv_format}
     e = Engine(model, num_pages=-(-total // page_size) + len(prompts), page_size=page_size, max_num_seqs=len(prompts),
-               max_batched_tokens=total, reservation=Paged(watermark=0), eos_token_id=[], **pages)  # fmt: skip
+               max_batched_tokens=total, reservation=Reservation("paged", watermark=0), eos_token_id=[],
+               **pages)  # fmt: skip
     e.observers.append(observe)
     ids = [e.add_request(list(p), max_new_tokens=1) for p in prompts]
     e.run()

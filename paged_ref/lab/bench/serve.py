@@ -60,8 +60,7 @@ import torch
 from ...eviction import make_policy
 from ...fast import Fast
 from ...memory import model_geometry
-from ...serve import Engine, Paged
-from ...serve.reservation import reservation as reservation_policy
+from ...serve import Engine, Reservation
 from .. import textdata
 from ..fragmentation import make_workload
 from ..runmode import data_dir
@@ -171,7 +170,7 @@ def make_requests(model, tokenizer, *, requests, mean_prompt, mean_output, sigma
 def _engine(model, cfg, policy, *, num_pages=None, device_clock="simulated", kv_format=None):
     paged = policy in ("paged", "paged_eviction")
     sizes = {k: cfg[k] for k in ("page_size", "max_num_seqs", "max_batched_tokens", "max_model_len")}
-    admission = reservation_policy("paged" if paged else policy, watermark=cfg["watermark"] if paged else 0.0)
+    admission = Reservation("paged" if paged else policy, watermark=cfg["watermark"] if paged else 0.0)
     pages = {} if kv_format is None else {"kv_format": kv_format}  # 8-bit pages (`._serve_kv8`)
     num_pages = num_pages or cfg["num_pages"]
     return Engine(
@@ -346,7 +345,13 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
         for _ in range(cfg["peer_repeats"]):
             fast = Fast(**cfg.get("engine_options", {}))
             e = Engine(
-                model, eos_token_id=[], clock="real", reservation=Paged(watermark=0), fast=fast, **limits, **pages
+                model,
+                eos_token_id=[],
+                clock="real",
+                reservation=Reservation("paged", watermark=0),
+                fast=fast,
+                **limits,
+                **pages,
             )
             ours_tokens, r = _offline_run(e, requests)
             ours.append(r)
