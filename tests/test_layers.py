@@ -182,3 +182,19 @@ def test_the_engine_and_the_session_take_few_arguments_and_the_step_reads_as_its
     assert engine <= 13 and session <= 8, (engine, session)
     step = inspect.getsource(Engine.step).splitlines()
     assert len(step) <= 15, "\n".join(step)
+
+
+def test_no_cpp_source_inside_a_python_string():
+    """Issue 56: the C++ lives in ``.cpp``/``.h`` files (built from the package on first use), none in a string."""
+    markers = ("#include", "TORCH_LIBRARY", "at::Tensor", "torch::Tensor", "#pragma")
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                hits = [m for m in markers if m in node.value]
+                if hits:
+                    found[f"{path.relative_to(PACKAGE)}:{node.lineno}"] = hits
+    assert not found, f"C++ inside Python strings: {found}"
+    assert sorted(p.suffix for p in PACKAGE.rglob("csrc/*")) and all(
+        p.suffix in (".cpp", ".h") for p in PACKAGE.rglob("csrc/*")
+    ), sorted(map(str, PACKAGE.rglob("csrc/*")))
