@@ -416,7 +416,7 @@ def test_engine_arguments_are_checked(model):
     for kw, kind, match in (
         (dict(reservation="contiguous"), ValueError, "reservation must be one of"),
         (dict(preemption="drop"), ValueError, "preemption must be one of"),
-        (dict(reservation=Reservation), ValueError, "reservation must be one of"),
+        (dict(reservation=Reservation), TypeError, "reservation must be one of"),
         (dict(clock="cpu"), ValueError, "clock must be one of"),
         (dict(num_pages=0), ValueError, "num_pages must be >= 1"),
         (dict(max_num_seqs=0), ValueError, "max_num_seqs must be >= 1"),
@@ -428,7 +428,5 @@ def test_engine_arguments_are_checked(model):
     for watermark, kind in ((1.0, ValueError), (-0.01, ValueError), (True, TypeError), ("0.1", TypeError)):
         with pytest.raises(kind, match=r"watermark must be a share of the pool in \[0, 1\), got " + repr(watermark)):
             Reservation("paged", watermark=watermark)
-    with pytest.raises(
-        ValueError, match=r"reservation must be one of \['paged', 'exact', 'max_len'\] or a Reservation"
-    ):
+    with pytest.raises(TypeError, match=r"reservation must be one of \['paged', 'exact', 'max_len'\] or a Reservation"):
         Engine(model, num_pages=8, reservation=[1])

@@ -77,7 +77,7 @@ class Engine:
     Args:
         model: a transformers causal LM, or None for a dry run (`paged_ref.serve.dry`: no token computed).
         reservation, preemption, max_num_seqs, max_batched_tokens: the `Scheduler`'s (``reservation``: a
-            name, or a `paged_ref.serve.reservation.Reservation` with its watermark: ``Reservation("paged", 0)``).
+            name, keeping 1% of the pool free, or a `paged_ref.serve.reservation.Reservation` with its own share).
         kv_format: K and V in 8 bits (`paged_ref.quant.KVFormat`, an 8-bit dtype or vLLM's "fp8"); None: the
             model's dtype.
         fast: the CPU speed-ups (`paged_ref.fast.Fast`; True: all the model allows, attention through

@@ -27,8 +27,9 @@ class Reservation:
     ``watermark``, the share of the pool it keeps free while others run."""
 
     def __init__(self, name: str = "paged", watermark: float = 0.01):
-        if name not in RESERVATIONS:
-            raise ValueError(f"reservation must be one of {list(RESERVATIONS)} or a Reservation, got {name!r}")
+        if not isinstance(name, str) or name not in RESERVATIONS:
+            kind = ValueError if isinstance(name, str) else TypeError
+            raise kind(f"reservation must be one of {list(RESERVATIONS)} or a Reservation, got {name!r}")
         if not 0 <= check_real("watermark", watermark, "a share of the pool in [0, 1)") < 1:
             raise ValueError(f"watermark must be a share of the pool in [0, 1), got {watermark!r}")
         self.name, self.watermark = name, watermark
