@@ -348,6 +348,7 @@ def test_a_packed_forward_gives_the_rectangles_logits(model, backend):
 # ---------------------------------------------------------------------- the scheduler alone (dry)
 def _sched(num_pages, budget, **kw):
     session = DrySession(num_pages=num_pages, page_size=PAGE)
+    kw.setdefault("reservation", Reservation("paged", watermark=0))
     return Scheduler(session, max_num_seqs=kw.pop("max_num_seqs", 8), max_batched_tokens=budget, **kw)
 
 

@@ -15,6 +15,8 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .._validate import check_real
 
 __all__ = ["RESERVATIONS", "Reservation", "reservation"]
@@ -22,25 +24,30 @@ __all__ = ["RESERVATIONS", "Reservation", "reservation"]
 RESERVATIONS = ("paged", "exact", "max_len")
 
 
+@dataclass(frozen=True)
 class Reservation:
     """Admission's policy ``name`` (one of `RESERVATIONS`: the `pages` it commits to a request up front) and
     ``watermark``, the share of the pool it keeps free while others run."""
 
-    def __init__(self, name: str = "paged", watermark: float = 0.01):
-        if not isinstance(name, str) or name not in RESERVATIONS:
-            kind = ValueError if isinstance(name, str) else TypeError
-            raise kind(f"reservation must be one of {list(RESERVATIONS)} or a Reservation, got {name!r}")
-        if not 0 <= check_real("watermark", watermark, "a share of the pool in [0, 1)") < 1:
-            raise ValueError(f"watermark must be a share of the pool in [0, 1), got {watermark!r}")
-        self.name, self.watermark = name, watermark
-        self.up_front = name != "paged"  # whether admission commits pages before tokens fill them
+    name: str = "paged"
+    watermark: float = 0.01
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or self.name not in RESERVATIONS:
+            kind = ValueError if isinstance(self.name, str) else TypeError
+            also = "" if isinstance(self.name, Reservation) else " or a Reservation"  # what an Engine takes
+            raise kind(f"reservation must be one of {list(RESERVATIONS)}{also}, got {self.name!r}")
+        if not 0 <= check_real("watermark", self.watermark, "a share of the pool in [0, 1)") < 1:
+            raise ValueError(f"watermark must be a share of the pool in [0, 1), got {self.watermark!r}")
+
+    @property
+    def up_front(self) -> bool:
+        """Whether admission commits pages before tokens fill them."""
+        return self.name != "paged"
 
     def pages(self, *, peak_pages: int, max_len_pages: int) -> int:
         """Pages committed to a request that holds at most ``peak_pages`` (``max_len_pages``: max_model_len's)."""
         return {"paged": 0, "exact": peak_pages, "max_len": max_len_pages}[self.name]
-
-    def __repr__(self) -> str:
-        return f"Reservation({self.name!r}, watermark={self.watermark!r})"
 
 
 def reservation(policy: str | Reservation) -> Reservation:
