@@ -13,7 +13,7 @@ from paged_ref.attention.cpu_paged import cpu_paged_decode, cpu_paged_packed
 from paged_ref.fast.cpu_ops import cpu_ops
 from paged_ref.fast.prepack import few_rows_kernel, stream_layout
 from paged_ref.native import OPENMP
-from paged_ref.serve import Engine, Reservation
+from paged_ref.serve import VLLM_ADMISSION, Engine
 
 
 @pytest.fixture
@@ -114,7 +114,7 @@ def test_the_fast_engine_on_two_threads_gives_the_eager_tokens(model, threads):
 
     def tokens(fast):
         engine = Engine(model, num_pages=40, page_size=4, max_num_seqs=6, max_batched_tokens=16, eos_token_id=[],
-                        clock="steps", reservation=Reservation("paged", watermark=0), fast=fast)  # fmt: skip
+                        clock="steps", reservation=VLLM_ADMISSION, fast=fast)  # fmt: skip
         for prompt, new in requests:
             engine.add_request(prompt, max_new_tokens=new)
         return [o.token_ids for o in engine.run()]

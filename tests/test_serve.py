@@ -16,7 +16,7 @@ import paged_ref as pr
 from paged_ref.eviction import make_policy
 from paged_ref.fast import Fast
 from paged_ref.models import tiny_llama
-from paged_ref.serve import Engine, Reservation, Scheduler
+from paged_ref.serve import VLLM_ADMISSION, Engine, Reservation, Scheduler
 from paged_ref.serve.dry import DrySession
 from paged_ref.serve.request import Request
 
@@ -191,7 +191,7 @@ def test_a_hit_on_pages_an_earlier_row_of_the_step_fills_reads_that_forwards_kv(
     prompt = list(range(20, 33))  # 13 tokens: three full pages of 4 and one more
     engine = Engine(model, num_pages=16, page_size=PAGE, max_batched_tokens=64, prefix_caching=True,
                     fast=Fast(backend=backend), eos_token_id=[], clock="steps",
-                    reservation=Reservation("paged", watermark=0))  # fmt: skip
+                    reservation=VLLM_ADMISSION)  # fmt: skip
     for p in (prompt, prompt + [7, 8], prompt):
         engine.add_request(p, max_new_tokens=5)
     outs = engine.run()
@@ -348,7 +348,7 @@ def test_a_packed_forward_gives_the_rectangles_logits(model, backend):
 # ---------------------------------------------------------------------- the scheduler alone (dry)
 def _sched(num_pages, budget, **kw):
     session = DrySession(num_pages=num_pages, page_size=PAGE)
-    kw.setdefault("reservation", Reservation("paged", watermark=0))
+    kw.setdefault("reservation", VLLM_ADMISSION)
     return Scheduler(session, max_num_seqs=kw.pop("max_num_seqs", 8), max_batched_tokens=budget, **kw)
 
 

@@ -15,7 +15,7 @@ import paged_ref as pr
 from paged_ref.allocator import OutOfPagesError
 from paged_ref.eviction import make_policy
 from paged_ref.models import tiny_llama
-from paged_ref.serve import Engine, Reservation
+from paged_ref.serve import VLLM_ADMISSION, Engine, Reservation
 
 PAGE = 4
 
@@ -179,7 +179,7 @@ def test_a_step_that_fails_after_scheduling_gives_back_the_pages_it_took_and_unp
     a forward that then raises leaves no page taken and none published."""
     prompt = list(range(20, 33))  # 13 tokens: three full pages of 4 and one more
     engine = Engine(model, num_pages=16, page_size=PAGE, max_batched_tokens=64, eos_token_id=[], clock="steps",
-                    prefix_caching=True, reservation=Reservation("paged", watermark=0))  # fmt: skip
+                    prefix_caching=True, reservation=VLLM_ADMISSION)  # fmt: skip
     for p in (prompt, prompt + [7, 8]):
         engine.add_request(p, max_new_tokens=3)
     before, seen = _state(engine), {}

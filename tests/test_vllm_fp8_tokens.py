@@ -122,7 +122,7 @@ def test_tokens_part_only_where_the_8bit_model_has_a_close_call(workload):
     top two over those requests' tokens: a close call, not another format, rounding or scale. Preemptions are the
     scheduler's: equal."""
     from paged_ref.lab.bench import _vllm_fp8
-    from paged_ref.serve import Engine, Reservation
+    from paged_ref.serve import VLLM_ADMISSION, Engine
 
     model, folder, requests = workload
     alone = max(-(-(len(p) + n - 1) // PAGE) for p, n in requests)
@@ -132,7 +132,7 @@ def test_tokens_part_only_where_the_8bit_model_has_a_close_call(workload):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        engine = Engine(model, num_pages=pool, page_size=PAGE, reservation=Reservation("paged", watermark=0),
+        engine = Engine(model, num_pages=pool, page_size=PAGE, reservation=VLLM_ADMISSION,
                         eos_token_id=[], kv_format=fmt, max_model_len=pool * PAGE, **LIMITS)  # fmt: skip
         for prompt, new in requests:
             engine.add_request(prompt, max_new_tokens=new)

@@ -36,7 +36,7 @@ def workload(tmp_path_factory):
 
 def test_vllm_and_the_engine_generate_the_same_tokens(workload):
     from paged_ref.lab.bench._vllm_peer import run_vllm
-    from paged_ref.serve import Engine, Reservation
+    from paged_ref.serve import VLLM_ADMISSION, Engine
 
     model, folder, requests, pool = workload
     limits = dict(LIMITS, max_model_len=pool * PAGE)  # vLLM checks that one request of max_model_len fits
@@ -48,7 +48,7 @@ def test_vllm_and_the_engine_generate_the_same_tokens(workload):
             model,
             num_pages=pool,
             page_size=PAGE,
-            reservation=Reservation("paged", watermark=0),
+            reservation=VLLM_ADMISSION,
             eos_token_id=[],
             **limits,
         )

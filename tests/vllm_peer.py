@@ -173,7 +173,7 @@ def paged_ref_steps(
 ) -> list[Step]:
     """Play ``stream`` through paged_ref's engine in a dry run (`paged_ref.serve.DrySession`), in vLLM's
     configuration: reservation "paged", watermark 0, preemption by recompute."""
-    from paged_ref.serve import Engine, Reservation
+    from paged_ref.serve import VLLM_ADMISSION, Engine
 
     engine = Engine(
         None,
@@ -182,7 +182,7 @@ def paged_ref_steps(
         max_num_seqs=max_num_seqs,
         max_batched_tokens=max_batched_tokens,
         prefix_caching=prefix_caching,
-        reservation=Reservation("paged", watermark=0),
+        reservation=VLLM_ADMISSION,
         max_model_len=max_model_len,
     )
     for a in stream:

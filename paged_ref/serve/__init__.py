@@ -14,8 +14,8 @@ Example:
 
 from .engine import CLOCKS, Engine, StepRecord
 from .request import Request, RequestOutput
-from .reservation import Reservation
+from .reservation import VLLM_ADMISSION, Reservation
 from .scheduler import PREEMPTIONS, RESERVATIONS, Schedule, Scheduler
 
 __all__ = ["CLOCKS", "Engine", "PREEMPTIONS", "RESERVATIONS", "Request", "RequestOutput", "Schedule", "Scheduler"]
-__all__ += ["Reservation", "StepRecord"]
+__all__ += ["VLLM_ADMISSION", "Reservation", "StepRecord"]

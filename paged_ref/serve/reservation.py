@@ -6,7 +6,7 @@ between runs on the same engine: ``"paged"`` commits nothing, pages come as toke
 eviction policy's bound), as a contiguous cache that knew the output length would; ``"max_len"``
 commits ``max_model_len`` tokens, as servers did before paging. A committed request never needs preemption.
 Each keeps a **watermark** free while others run, room for them to grow: ``int(watermark * num_pages)``
-pages (default 1%, vLLM V0's; vLLM 0.32 keeps none: ``Reservation("paged", watermark=0)``).
+pages (default 1%, vLLM V0's; vLLM 0.32 keeps none: `VLLM_ADMISSION`).
 
 Example:
     >>> [Reservation(name).pages(peak_pages=3, max_len_pages=16) for name in RESERVATIONS]
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from .._validate import check_real
 
-__all__ = ["RESERVATIONS", "Reservation", "reservation"]
+__all__ = ["RESERVATIONS", "VLLM_ADMISSION", "Reservation"]
 
 RESERVATIONS = ("paged", "exact", "max_len")
 
@@ -50,6 +50,5 @@ class Reservation:
         return {"paged": 0, "exact": peak_pages, "max_len": max_len_pages}[self.name]
 
 
-def reservation(policy: str | Reservation) -> Reservation:
-    """``policy`` itself when it is a `Reservation`, else the policy it names, keeping the default 1% free."""
-    return policy if isinstance(policy, Reservation) else Reservation(policy)
+#: vLLM 0.32's admission (V1): pages as tokens come, no watermark; what every comparison with vLLM runs
+VLLM_ADMISSION = Reservation("paged", watermark=0)

@@ -43,7 +43,6 @@ from ..block_table import pages_needed
 from .evict import AfterPrompt, Evictions
 from .request import RUNNING, SWAPPED, WAITING, Request
 from .reservation import RESERVATIONS, Reservation
-from .reservation import reservation as reservation_policy
 from .swap import SwapSpace
 
 __all__ = ["RESERVATIONS", "PREEMPTIONS", "Schedule", "Scheduler"]
@@ -85,7 +84,8 @@ class Scheduler:
         self.page_size = self.kv.page_size
         self.max_num_seqs = check_int("max_num_seqs", max_num_seqs, min_value=1)
         self.max_batched_tokens = check_int("max_batched_tokens", max_batched_tokens, min_value=1)
-        self.commitment = reservation_policy(reservation)  # what admission commits up front, and keeps free
+        # what admission commits up front, and keeps free (a name: the default 1% free)
+        self.commitment = reservation if isinstance(reservation, Reservation) else Reservation(reservation)
         self.reservation = self.commitment.name
         self.preemption = check_choice("preemption", preemption, PREEMPTIONS)
         self.watermark_pages = int(self.commitment.watermark * self.kv.num_pages)  # kept free while others run

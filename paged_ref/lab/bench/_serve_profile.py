@@ -46,7 +46,7 @@ import torch
 
 from ...fast import Fast
 from ...fast.prepack import PACK_FOR_ROWS, few_rows_kernel, stream_layout
-from ...serve import Engine, Reservation
+from ...serve import VLLM_ADMISSION, Engine
 
 __all__ = ["VARIANTS", "PROFILE_WORKLOAD", "linear_libraries", "native_checks", "profile_variant", "paired_gain"]
 __all__ += ["run_profile"]
@@ -106,9 +106,7 @@ GROUPS = {
 
 def _engine(model, cfg, fast: Fast) -> Engine:
     sizes = {k: cfg[k] for k in ("num_pages", "page_size", "max_num_seqs", "max_batched_tokens", "max_model_len")}
-    return Engine(
-        model, eos_token_id=[], clock="real", reservation=Reservation("paged", watermark=0), fast=fast, **sizes
-    )
+    return Engine(model, eos_token_id=[], clock="real", reservation=VLLM_ADMISSION, fast=fast, **sizes)
 
 
 def _kind(record) -> str | None:

@@ -27,7 +27,7 @@ import statistics
 import torch
 
 from ... import quant
-from ...serve.reservation import Reservation
+from ...serve.reservation import VLLM_ADMISSION
 
 __all__ = [
     "vllm_kv_format",
@@ -90,7 +90,7 @@ def engine_pages(model, prompts, *, page_size: int, kv_format=None) -> list[list
     total = sum(len(p) for p in prompts)
     pages = {} if kv_format is None else {"kv_format": kv_format}
     e = Engine(model, num_pages=-(-total // page_size) + len(prompts), page_size=page_size, max_num_seqs=len(prompts),
-               max_batched_tokens=total, reservation=Reservation("paged", watermark=0), eos_token_id=[],
+               max_batched_tokens=total, reservation=VLLM_ADMISSION, eos_token_id=[],
                **pages)  # fmt: skip
     e.observers.append(observe)
     ids = [e.add_request(list(p), max_new_tokens=1) for p in prompts]

@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from ...serve import Engine, Reservation
+from ...serve import VLLM_ADMISSION, Engine
 from ._threads import busy, cpu_times
 from ._vllm_peer import CPU_BLOCK_MULTIPLE, MODES, check_page_size
 
@@ -144,9 +144,7 @@ class VllmPeer:
 
 def _ours(model, requests, limits: dict, fast) -> dict:
     """One turn of paged_ref: a fresh engine (not timed), every request at once, run to the end (timed)."""
-    engine = Engine(
-        model, eos_token_id=[], clock="real", reservation=Reservation("paged", watermark=0), fast=fast, **limits
-    )
+    engine = Engine(model, eos_token_id=[], clock="real", reservation=VLLM_ADMISSION, fast=fast, **limits)
     for prompt, new in requests:
         engine.add_request(prompt, max_new_tokens=new)
     before = cpu_times(os.getpid())

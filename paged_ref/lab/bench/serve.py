@@ -60,7 +60,7 @@ import torch
 from ...eviction import make_policy
 from ...fast import Fast
 from ...memory import model_geometry
-from ...serve import Engine, Reservation
+from ...serve import VLLM_ADMISSION, Engine, Reservation
 from .. import textdata
 from ..fragmentation import make_workload
 from ..runmode import data_dir
@@ -348,7 +348,7 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
                 model,
                 eos_token_id=[],
                 clock="real",
-                reservation=Reservation("paged", watermark=0),
+                reservation=VLLM_ADMISSION,
                 fast=fast,
                 **limits,
                 **pages,

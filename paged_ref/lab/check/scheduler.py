@@ -30,7 +30,7 @@ import random
 from dataclasses import dataclass
 
 from ..._arith import cdiv
-from ...serve import Reservation, Scheduler
+from ...serve import VLLM_ADMISSION, Scheduler
 from ...serve.dry import DrySession
 from ...serve.request import Request
 from .report import (
@@ -164,9 +164,8 @@ class _Reference:
 
     def __init__(self, s: Stream):
         self.session = DrySession(num_pages=s.num_pages, page_size=s.page_size)
-        vllm = Reservation("paged", watermark=0)  # vLLM's admission: no watermark
         self.sched = Scheduler(self.session, max_num_seqs=s.max_num_seqs, max_batched_tokens=s.max_batched_tokens,
-                               reservation=vllm)  # fmt: skip
+                               reservation=VLLM_ADMISSION)  # fmt: skip
         self.reqs = {
             i: Request(request_id=i, prompt_ids=[1] * p, max_new_tokens=m, arrival_s=0.0)
             for i, (p, m, _) in enumerate(s.requests)
