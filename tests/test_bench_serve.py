@@ -263,3 +263,23 @@ def test_same_bytes_offline_alone_with_more_sequences(tmp_path):
     assert saved["config"]["max_num_seqs"] == 16 and [r["rate"] for r in saved["same_bytes"]["rates"]] == [None]
     (goal,) = saved["goals"].values()
     assert goal["target_peak_running"] <= 16 and saved["same_bytes"]["pools"]["kv8_format"] == "int8"
+
+
+@pytest.mark.parametrize("name", ["serve_cpu_peer_vllm_fp8.json", "serve_cpu_short_peer_vllm_fp8.json"])
+def test_fp8_finding_says_what_was_measured(name):
+    """The committed finding is `finding`'s on the committed numbers; vLLM's own bytes are said to differ from its
+    float32 run's, truncated, only where some do (no cause is given: none is measured), and the one-code
+    differences between the engines name the float32 differences they stand on."""
+    from pathlib import Path
+
+    from paged_ref.lab.bench._vllm_fp8 import finding
+
+    data = json.loads((Path(__file__).parents[1] / "figures" / "data" / name).read_text())
+    why = data["fp8_why"]
+    text = finding(why, data["peer_vllm"])
+    assert why["finding"] == text
+    r0 = why["vllm_float32_requantized_vs_vllm_fp8_layer0"]
+    own = r0["k_differ"] + r0["v_differ"]
+    assert ("but for" in text["format_rounding_scale"]) == (own > 0)
+    assert "two runs" not in text["format_rounding_scale"] and "kernels" not in text["bytes"]
+    assert f"differ in {why['float32_per_layer'][0]['differ']} of" in text["bytes"]

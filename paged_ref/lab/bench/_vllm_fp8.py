@@ -301,28 +301,32 @@ def finding(why: dict, peer: dict) -> dict:
     usual = "its usual top-2 gap" if pooled is None else f"the median top-2 gap of those requests ({pooled:.2f})"
     close = [r for r in m["requests"] if abs(r["logit_gap"]) < (r["top2_gap_median"] if pooled is None else pooled) / 2]
     grown = next((x["layer"] for x in layers if x["codes_apart_max"] > 1), None)
-    last = layers[-1]
+    last, f0 = layers[-1], why["float32_per_layer"][0]
+    own = r0["k_differ"] + r0["v_differ"]
+    exceptions = f" but for {own} of {2 * r0['values']} (at most {r0['codes_apart_max']} code apart)" if own else ""
     return {
         "tokens": f"{a['requests_identical']}/{a['requests']} requests identical; {a['tokens_before_first_difference']}"
         f" of {a['tokens']} tokens before each request's first difference",
         "format_rounding_scale": f"vLLM's layer-0 fp8 bytes are its own float32 K/V (from its float32 run) "
-        f"truncated to e4m3 at scale 1.0 but for {r0['k_differ'] + r0['v_differ']} of {2 * r0['values']} (at most "
-        f"{r0['codes_apart_max']} code apart: its two runs' float32 values differ in the last bits there): the "
-        "engine's format, rounding and scale, applied where the engine applies them (when a page is written, "
-        "before attention reads it); another rounding would differ in about half the bytes (tests/test_vllm_quant.py)",
+        f"truncated to e4m3 at scale 1.0{exceptions}: the engine's format, rounding and scale, applied where the "
+        "engine applies them (when a page is written, before attention reads it); another rounding would differ in "
+        "about half the bytes (tests/test_vllm_quant.py)",
         "attention_arithmetic": "float32 on both sides (vLLM's fp8 attention equals the reference on the dequantized "
         "pages to 1e-5: tests/test_vllm_quant.py)",
         "saturation": f"{s['k_saturated'] + s['v_saturated']} of {2 * s['values_per_k_or_v']} K/V values beyond "
         f"+-{s['format_max']:g} at scale 1.0 (largest |K| {max(s['k_abs_max_per_layer']):.1f}, "
         f"|V| {max(s['v_abs_max_per_layer']):.1f})",
         "bytes": f"engine vs vLLM bytes of the first {why['prompts_compared']} prompts: layer 0 "
-        f"{layers[0]['k_differ'] + layers[0]['v_differ']} of {2 * layers[0]['values']} differ (one code: float32 "
-        f"rounding of a value on a code's edge, other matrix-product kernels); more each layer (differences of more "
-        f"than one code from layer {grown}), layer {last['layer']} {last['k_differ'] + last['v_differ']}",
+        f"{layers[0]['k_differ'] + layers[0]['v_differ']} of {2 * layers[0]['values']} differ (at most "
+        f"{layers[0]['codes_apart_max']} code apart; the two engines' layer-0 float32 K/V differ in {f0['differ']} "
+        f"of {f0['values']} values, by at most {f0['max_abs_diff']:.1e}, so a value on a code's edge can fall either "
+        "way); "
+        f"more each layer (differences of more than one code from layer {grown}), layer {last['layer']} "
+        f"{last['k_differ'] + last['v_differ']}",
         "close_calls": f"where tokens part, the engine's 8-bit model gives both tokens logits closer than half "
         f"{usual} in {len(close)} of {len(m['requests'])} requests (|gap| median {m['logit_gap_median']}); "
         f"vLLM's token ranks there {m['vllm_token_rank_counts']}",
-        "why": "the same bytes up to float32 rounding, which 8 bits amplify (a flipped code moves a value by up to "
-        "2^-3 of itself, float32 rounding by 2^-24) layer by layer, until a greedy choice between two close tokens "
-        "goes the other way",
+        "why": "the same bytes up to float32 rounding, which 8 bits amplify (a flipped code moves a normal e4m3 "
+        "value by up to 2^-3 of itself, one below 2^-6 by 2^-9, float32 rounding by 2^-24) layer by layer, until a "
+        "greedy choice between two close tokens goes the other way",
     }
