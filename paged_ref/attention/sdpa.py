@@ -78,12 +78,12 @@ def _dequantized(pages: torch.Tensor, page_scale, page_ids: torch.Tensor, dtype:
 
 
 def _attend(q, k_cache, v_cache, gather: SlotGather, scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
-    """q: [batch, Hq, q_len, D] (the compute dtype with 8-bit pages) -> [batch, Hq, q_len, D]."""
+    """q: [batch, Hq, q_len, D] (the compute dtype with 8-bit pages) -> [batch, Hq, q_len, D] (strided pages copied)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     flat = (-1, num_kv_heads, head_dim)
     pages = None if k_scale is None else gather.slots // k_cache.shape[1]  # [batch, max_kv] each slot's page
-    k = _dequantized(k_cache.view(flat)[gather.slots], k_scale, pages, q.dtype)  # [batch, max_kv, Hkv, D], a copy
-    v = _dequantized(v_cache.view(flat)[gather.slots], v_scale, pages, q.dtype)  # [batch, max_kv, Hkv, D], a copy
+    k = _dequantized(k_cache.reshape(flat)[gather.slots], k_scale, pages, q.dtype)  # [batch, max_kv, Hkv, D], a copy
+    v = _dequantized(v_cache.reshape(flat)[gather.slots], v_scale, pages, q.dtype)  # [batch, max_kv, Hkv, D], a copy
     if gather.padding is not None:
         k.masked_fill_(gather.padding[:, :, None, None], 0.0)
         v.masked_fill_(gather.padding[:, :, None, None], 0.0)
@@ -129,12 +129,13 @@ def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float, k_scale=None, v_scale=None):
     """q: [batch, Hq, D] (the compute dtype with 8-bit pages) -> [batch, Hq, D]: one sequence on consecutive
-    floating pages read in place, else whole pages gathered; one sequence then through `attend_chunked`, a
-    batch through two matmuls."""
+    contiguous floating pages read in place, else whole pages gathered; one sequence then through
+    `attend_chunked`, a batch through two matmuls."""
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     batch, num_q_heads, _ = q.shape
     max_kv = gather.max_kv
-    if gather.start is not None and k_scale is None:  # in place: the run of slots viewed as it lies, no copy
+    in_place = gather.start is not None and k_scale is None and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if in_place:  # the run of slots viewed as it lies, no copy
         k = k_cache.view(-1, num_kv_heads, head_dim)[gather.start : gather.start + max_kv]  # [T, Hkv, D]
         v = v_cache.view(-1, num_kv_heads, head_dim)[gather.start : gather.start + max_kv]  # [T, Hkv, D]
         return attend_chunked(q[0], k, v, scale)[None]  # [1, Hq, D]
