@@ -188,6 +188,14 @@ def test_a_nonfinite_unwritten_tail_never_reaches_the_output(budget):
     assert torch.equal(out, clean)
 
 
+def test_an_empty_summary_has_the_bound_plus_inf():
+    """A page holding no key (k_min +inf, k_max -inf: `PageSummaries`' empty page) gets the bound +inf, as
+    `page_bounds` says: no key lies in it, so any bound holds; NaN where a coordinate of q is 0."""
+    empty_min, empty_max = torch.full((3,), float("inf")), torch.full((3,), float("-inf"))
+    assert page_bounds(torch.tensor([1.0, -2.0, 0.5]), empty_min, empty_max).item() == float("inf")
+    assert page_bounds(torch.tensor([1.0, 0.0, 0.5]), empty_min, empty_max).isnan()
+
+
 def test_select_pages_refuses_a_budget_of_zero_or_more_than_held():
     bounds = torch.randn(2, 4)
     with pytest.raises(ValueError, match="budget must be >= 1, got 0"):

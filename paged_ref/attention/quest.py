@@ -32,7 +32,7 @@ __all__ = ["page_bounds", "quest_paged_decode", "select_pages"]
 
 def page_bounds(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor) -> torch.Tensor:
     """The Quest bound ``[...]`` of ``q . k`` over the keys a summary covers (``q``, ``k_min``,
-    ``k_max``: ``[..., head_dim]``, broadcast); -inf for an empty summary unless a ``q_i`` is 0."""
+    ``k_max``: ``[..., head_dim]``, broadcast); +inf for an empty summary (NaN where a ``q_i`` is 0)."""
     return torch.maximum(q * k_min, q * k_max).sum(-1)
 
 
