@@ -120,7 +120,7 @@ def slot_mapping(pages: Sequence[int], *, start: int, num_tokens: int, page_size
         raise ValueError(
             f"token {end - 1} needs logical page {(end - 1) // page_size}, but the sequence holds {len(pages)} page(s)"
         )
-    used = range(start // page_size, cdiv(end, page_size))
+    used = range(start // page_size, cdiv(end, page_size)) if num_tokens else ()  # the pages the tokens land in
     if not all(type(pages[j]) is int and pages[j] >= 0 for j in used):  # the fast path: plain ints
         for j in used:
             check_int(f"pages[{j}]", pages[j], min_value=0)

@@ -117,8 +117,8 @@ def rewind_sequence(cache, seq_id: int, mark: SequenceMark) -> None:
     cache.allocator.share(share)  # raises, changing nothing, if one went back to the pool since
     for page in {slot // ps for slot in written} | set(taken):
         cache._prefix.forget(page)  # its tokens changed, or were written by the failed step
-    if written:
-        cache._zero_slots(torch.tensor(written, device=cache.device))
+    cache._zero_slots(torch.tensor(written, dtype=torch.long, device=cache.device))
+    cache._zero_pages(list(mark.pages[-(-mark.length // ps) :]))  # reserved ahead, no token: 8-bit scales 0 too
     if written and mark.tail is not None:  # the last page as it was, scales and re-quantized tokens included
         page, bytes_, rows = mark.tail
         for data, saved in zip((*cache.k_cache, *cache.v_cache), bytes_):

@@ -140,6 +140,34 @@ def test_large_scores_stay_finite(mode, backend):
     assert rel_error(out, case.expected(scale=LARGE_SCALE)) < 1e-3
 
 
+CONTIGUOUS_PAGES_ONLY = {"flex", "triton"}  # they refuse strided pages (tested in their own modules)
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """The values of ``t`` in another memory layout (stored transposed, viewed back): not contiguous."""
+    return t.transpose(0, -1).contiguous().transpose(0, -1)
+
+
+@pytest.mark.parametrize("backend", sorted(set(DECODERS) - CONTIGUOUS_PAGES_ONLY))
+@pytest.mark.parametrize("seq_lens", [[8], [1, 16, 17, 3]], ids=["one-page", "ragged"])
+def test_decode_reads_strided_inputs(backend, seq_lens):
+    """q, the caches and the table as views of other layouts: the same answer (one page: a run of slots)."""
+    case = make_decode_case(
+        seed=12, batch=len(seq_lens), page_size=8, num_kv_heads=2, group=3, head_dim=40, seq_lens=seq_lens
+    )
+    args = [_strided(t) for t in case.args]
+    assert not any(t.is_contiguous() for t in args[:3])
+    assert rel_error(DECODERS[backend](*args), case.expected()) < F32_TOL
+
+
+@pytest.mark.parametrize("backend", sorted(set(PREFILLERS) - CONTIGUOUS_PAGES_ONLY))
+def test_prefill_reads_strided_inputs(backend):
+    case = make_prefill_case(seed=13, batch=4, page_size=5, num_kv_heads=2, group=3, head_dim=40)
+    args = [_strided(t) for t in case.args]
+    assert not any(t.is_contiguous() for t in args[:3])
+    assert rel_error(PREFILLERS[backend](*args), case.expected()) < F32_TOL
+
+
 @pytest.mark.parametrize("backend", sorted(set(DECODERS) - ON_CPU_FLOAT32_ONLY))
 def test_float64_inputs_give_float64_exactly(backend):
     case = make_decode_case(seed=3, batch=4, page_size=8, num_kv_heads=2, group=2, head_dim=64, dtype=torch.float64)

@@ -31,6 +31,11 @@ def test_slot_mapping_crosses_pages():
     assert pr.slot_mapping([4, 0, 2, 7], start=3, num_tokens=4, page_size=2).tolist() == [1, 4, 5, 14]
 
 
+@pytest.mark.parametrize("start", [0, 4, 5, 100])
+def test_slot_mapping_of_no_tokens_is_empty_wherever_it_starts(start):
+    assert slot_mapping([1], start=start, num_tokens=0, page_size=4).tolist() == []
+
+
 def test_errors():
     with pytest.raises(ValueError, match="same length"):
         pr.pad_block_tables([[1]], [1, 2])

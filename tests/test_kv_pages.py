@@ -278,6 +278,25 @@ def test_rewind_restores_a_requantized_last_page(fmt):
         assert snapshot(cache, exact=False) == before, snapshot(cache, exact=False).diff(before)
 
 
+@pytest.mark.parametrize("length", [12, 10], ids=["whole-pages", "partial-page"])
+def test_rewind_resets_the_scale_of_a_page_reserved_ahead(length):
+    """growth="pow2" holds pages ahead of the tokens (3 of 4 used, bytes and scales 0); a failed forward's tokens
+    land in them and grow their scales; after the rewind they hold no token again: scale 0, as a fresh page,
+    so the next token is stored at its own scale (not the failed one's, 1000x coarser)."""
+    gen = torch.Generator().manual_seed(4)
+    cache = _cache(torch.int8, page_size=4, growth="pow2")
+    (a,) = _fill(cache, gen, [length])
+    assert len(cache.pages(a)) > -(-length // 4)  # pages reserved ahead
+    before = snapshot(cache, exact=False)
+    mark = cache.mark(a)
+    slots = cache.reserve(a, 16 - length)  # up to the end of the page reserved ahead: no new page
+    k, v = _kv(gen, len(slots), cache)
+    for layer in range(2):
+        cache.write(layer, slots, k * 1000, v * 1000)
+    cache.rewind(a, mark)
+    assert snapshot(cache, exact=False) == before, snapshot(cache, exact=False).diff(before)
+
+
 @pytest.mark.parametrize("fmt", FMTS, ids=str)
 @pytest.mark.parametrize("scales", ["page", "layer"])
 def test_rollback_restores_bytes_and_scales_exactly(fmt, scales):

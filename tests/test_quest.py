@@ -175,6 +175,27 @@ def test_quest_attends_exactly_the_pages_it_chose(page_size, num_kv_heads, group
             assert torch.allclose(out[b, heads], ref[0], atol=1e-12)
 
 
+@pytest.mark.parametrize("budget", [1, 2, 4])
+def test_a_nonfinite_unwritten_tail_never_reaches_the_output(budget):
+    """The slots past a sequence's end in its last page hold no token, whatever they hold (NaN K, Inf V),
+    as for every backend (tests/test_nonfinite_slots.py): the chosen pages' tails are read but weigh nothing."""
+    q, kc, vc, bt, lens, k_min, k_max = _quest_case(2, 4, 2, 2, [5, 14, 7, 4])
+    clean = quest_paged_decode(q, kc, vc, bt, lens, k_min, k_max, budget=budget)
+    for b, n in enumerate(lens.tolist()):  # the partly filled last pages (of 5, 14 and 7 tokens)
+        if n % 4:
+            kc[bt[b, n // 4], n % 4 :], vc[bt[b, n // 4], n % 4 :] = float("nan"), float("inf")
+    out = quest_paged_decode(q, kc, vc, bt, lens, k_min, k_max, budget=budget)
+    assert torch.equal(out, clean)
+
+
+def test_an_empty_summary_has_the_bound_plus_inf():
+    """A page holding no key (k_min +inf, k_max -inf: `PageSummaries`' empty page) gets the bound +inf, as
+    `page_bounds` says: no key lies in it, so any bound holds; NaN where a coordinate of q is 0."""
+    empty_min, empty_max = torch.full((3,), float("inf")), torch.full((3,), float("-inf"))
+    assert page_bounds(torch.tensor([1.0, -2.0, 0.5]), empty_min, empty_max).item() == float("inf")
+    assert page_bounds(torch.tensor([1.0, 0.0, 0.5]), empty_min, empty_max).isnan()
+
+
 def test_select_pages_refuses_a_budget_of_zero_or_more_than_held():
     bounds = torch.randn(2, 4)
     with pytest.raises(ValueError, match="budget must be >= 1, got 0"):

@@ -56,3 +56,29 @@ def test_one_long_sequence_crosses_the_chunk_size(consecutive):
     assert (prepare(table, case.seq_lens, 16).start is not None) == consecutive
     got = sdpa_paged_decode(case.q, k_cache, v_cache, table, case.seq_lens)
     assert rel_error(got, dense_oracle(case.q, case.k_logical, case.v_logical)) < 1e-5
+
+
+def test_a_gather_plan_made_for_another_call_is_refused_naming_it():
+    """``gather=`` takes `prepare`'s plan for this call only: another type, the other mode, another batch or page
+    size is an error naming ``gather``, what it must fit and what it was made for; the right plan gives the answer."""
+    from paged_ref.attention.sdpa import sdpa_paged_prefill
+
+    case = make_decode_case(seed=3, batch=2, page_size=8, num_kv_heads=2, group=2, head_dim=16, seq_lens=[13, 5])
+    args = (case.q, case.k_cache, case.v_cache, case.block_table, case.seq_lens)
+    with pytest.raises(TypeError, match=r"gather must be a SlotGather from prepare\(\.\.\.\) or None, got dict"):
+        sdpa_paged_decode(*args, gather={"slots": None})
+    q_lens = torch.tensor([1, 1])
+    wrong = {
+        "prefill's": prepare(case.block_table, case.seq_lens, 8, q_lens, 1),
+        "one sequence's": prepare(case.block_table[:1], case.seq_lens[:1], 8),
+        "pages of 4's": prepare(case.block_table, case.seq_lens, 4),
+    }
+    for plan in wrong.values():
+        with pytest.raises(
+            ValueError, match=r"gather must be prepare's for \(q_len, batch, page_size\) \('decode', 2, 8\)"
+        ):
+            sdpa_paged_decode(*args, gather=plan)
+    with pytest.raises(ValueError, match=r"\(1, 2, 8\), got \('decode', 2, 8\)"):
+        sdpa_paged_prefill(case.q[:, :, None], *args[1:], q_lens, gather=prepare(case.block_table, case.seq_lens, 8))
+    right = sdpa_paged_decode(*args, gather=prepare(case.block_table, case.seq_lens, 8))
+    assert torch.equal(right, sdpa_paged_decode(*args))

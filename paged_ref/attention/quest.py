@@ -32,7 +32,7 @@ __all__ = ["page_bounds", "quest_paged_decode", "select_pages"]
 
 def page_bounds(q: torch.Tensor, k_min: torch.Tensor, k_max: torch.Tensor) -> torch.Tensor:
     """The Quest bound ``[...]`` of ``q . k`` over the keys a summary covers (``q``, ``k_min``,
-    ``k_max``: ``[..., head_dim]``, broadcast); -inf for an empty summary unless a ``q_i`` is 0."""
+    ``k_max``: ``[..., head_dim]``, broadcast); +inf for an empty summary (NaN where a ``q_i`` is 0)."""
     return torch.maximum(q * k_min, q * k_max).sum(-1)
 
 
@@ -106,10 +106,10 @@ def quest_paged_decode(
             chosen = select_pages(bounds.amax(1), budget)  # [Hkv, budget]: by the group's largest bound
         heads = torch.arange(num_kv_heads, device=q.device)[:, None]  # [Hkv, 1]
         k = _pages(k_cache, k_scale, table[chosen], heads).to(compute)  # [Hkv, pages, page_size, D]: only those
-        v = _pages(v_cache, v_scale, table[chosen], heads).to(compute)  # [Hkv, pages, page_size, D]
         positions = chosen[:, :, None] * page_size + torch.arange(page_size, device=q.device)  # [Hkv, pages, page_size]
         valid = (positions < n).flatten(1)  # [Hkv, tokens]: the last page's unwritten tail is not a token
+        v = _pages(v_cache, v_scale, table[chosen], heads).to(compute).flatten(1, 2).masked_fill(~valid[..., None], 0)
         scores = (qb @ k.flatten(1, 2).transpose(1, 2)) * scale  # [Hkv, group, tokens]
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-        out[b] = (torch.softmax(scores, -1) @ v.flatten(1, 2)).reshape(num_q_heads, head_dim).to(q.dtype)
+        out[b] = (torch.softmax(scores, -1) @ v).reshape(num_q_heads, head_dim).to(q.dtype)  # v: [Hkv, tokens, D]
     return out

@@ -39,13 +39,14 @@ class SlotGather(NamedTuple):
     start: int | None = None  # one sequence on consecutive pages: its first slot, read in place
     max_kv: int = 0
     padding: torch.Tensor | None = None  # bool [batch, max_kv]: not the row's tokens, zeroed (0 x NaN is NaN)
+    made_for: tuple = ()  # (q_len or "decode", batch, page_size): the calls it fits
 
 
 def prepare(block_table, seq_lens, page_size: int, q_lens=None, q_len: int = 1) -> SlotGather:
     """The `SlotGather` of one step over int ``block_table [batch, max_pages]``, ``seq_lens [batch]``:
     decode when ``q_lens`` (int ``[batch]`` new tokens) is None, else prefill of ``q_len`` query rows."""
     lens = seq_lens.long()  # [batch]
-    max_kv = int(lens.max())
+    max_kv, made_for = int(lens.max()), ("decode" if q_lens is None else q_len, lens.shape[0], page_size)
     t = torch.arange(max_kv, device=block_table.device)  # [max_kv] logical token index
     in_seq = t[None, :] < lens[:, None]  # [batch, max_kv]
     padding = None if bool(in_seq.all()) else ~in_seq  # [batch, max_kv]
@@ -56,16 +57,26 @@ def prepare(block_table, seq_lens, page_size: int, q_lens=None, q_len: int = 1) 
         start = None
         if pages.shape[0] == 1 and bool((pages[0, 1:] - pages[0, :-1] == 1).all()):
             start = int(pages[0, 0]) * page_size  # consecutive pages: one run of slots
-        return SlotGather(None, None, pages=pages, start=start, max_kv=max_kv, padding=padding)
+        return SlotGather(None, None, pages=pages, start=start, max_kv=max_kv, padding=padding, made_for=made_for)
     page_col = (t // page_size).clamp(max=block_table.shape[1] - 1)
     slots = block_table.long()[:, page_col] * page_size + t % page_size  # [batch, max_kv]
     slots = torch.where(in_seq, slots, 0)  # padding reads slot 0: zeroed in `_attend`, masked
     padded_rows = bool((q_lens < q_len).any())
     if bool((q_lens.long() == lens).all()) and q_len == max_kv:  # whole fresh prompts
-        return SlotGather(slots, None, causal=True, padded_rows=padded_rows, padding=padding)
+        return SlotGather(slots, None, causal=True, padded_rows=padded_rows, padding=padding, made_for=made_for)
     q_pos = (lens - q_lens.long())[:, None] + torch.arange(q_len, device=lens.device)  # [batch, q_len]
     mask = (t[None, None, :] <= q_pos[:, :, None]) & in_seq[:, None, :]  # [batch, q_len, max_kv]
-    return SlotGather(slots, mask[:, None], padded_rows=padded_rows, padding=padding)  # mask [batch, 1, q_len, max_kv]
+    mask = mask[:, None]  # [batch, 1, q_len, max_kv]
+    return SlotGather(slots, mask, padded_rows=padded_rows, padding=padding, made_for=made_for)
+
+
+def _fitting(gather, made_for: tuple) -> SlotGather:
+    """``gather`` if `prepare` made it for ``made_for`` (q_len or "decode", batch, page_size), else an error."""
+    if not isinstance(gather, SlotGather):
+        raise TypeError(f"gather must be a SlotGather from prepare(...) or None, got {type(gather).__name__}")
+    if gather.made_for != made_for:
+        raise ValueError(f"gather must be prepare's for (q_len, batch, page_size) {made_for}, got {gather.made_for}")
+    return gather
 
 
 def _dequantized(pages: torch.Tensor, page_scale, page_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -78,12 +89,12 @@ def _dequantized(pages: torch.Tensor, page_scale, page_ids: torch.Tensor, dtype:
 
 
 def _attend(q, k_cache, v_cache, gather: SlotGather, scale: float, k_scale=None, v_scale=None) -> torch.Tensor:
-    """q: [batch, Hq, q_len, D] (the compute dtype with 8-bit pages) -> [batch, Hq, q_len, D]."""
+    """q: [batch, Hq, q_len, D] (the compute dtype with 8-bit pages) -> [batch, Hq, q_len, D] (strided pages copied)."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     flat = (-1, num_kv_heads, head_dim)
     pages = None if k_scale is None else gather.slots // k_cache.shape[1]  # [batch, max_kv] each slot's page
-    k = _dequantized(k_cache.view(flat)[gather.slots], k_scale, pages, q.dtype)  # [batch, max_kv, Hkv, D], a copy
-    v = _dequantized(v_cache.view(flat)[gather.slots], v_scale, pages, q.dtype)  # [batch, max_kv, Hkv, D], a copy
+    k = _dequantized(k_cache.reshape(flat)[gather.slots], k_scale, pages, q.dtype)  # [batch, max_kv, Hkv, D], a copy
+    v = _dequantized(v_cache.reshape(flat)[gather.slots], v_scale, pages, q.dtype)  # [batch, max_kv, Hkv, D], a copy
     if gather.padding is not None:
         k.masked_fill_(gather.padding[:, :, None, None], 0.0)
         v.masked_fill_(gather.padding[:, :, None, None], 0.0)
@@ -129,12 +140,13 @@ def attend_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 def _attend_decode(q, k_cache, v_cache, gather: SlotGather, scale: float, k_scale=None, v_scale=None):
     """q: [batch, Hq, D] (the compute dtype with 8-bit pages) -> [batch, Hq, D]: one sequence on consecutive
-    floating pages read in place, else whole pages gathered; one sequence then through `attend_chunked`, a
-    batch through two matmuls."""
+    contiguous floating pages read in place, else whole pages gathered; one sequence then through
+    `attend_chunked`, a batch through two matmuls."""
     num_pages, page_size, num_kv_heads, head_dim = k_cache.shape
     batch, num_q_heads, _ = q.shape
     max_kv = gather.max_kv
-    if gather.start is not None and k_scale is None:  # in place: the run of slots viewed as it lies, no copy
+    in_place = gather.start is not None and k_scale is None and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if in_place:  # the run of slots viewed as it lies, no copy
         k = k_cache.view(-1, num_kv_heads, head_dim)[gather.start : gather.start + max_kv]  # [T, Hkv, D]
         v = v_cache.view(-1, num_kv_heads, head_dim)[gather.start : gather.start + max_kv]  # [T, Hkv, D]
         return attend_chunked(q[0], k, v, scale)[None]  # [1, Hq, D]
@@ -185,6 +197,7 @@ def sdpa_paged_decode(
     )
     if gather is None:
         gather = prepare(block_table, seq_lens, k_cache.shape[1])
+    gather = _fitting(gather, ("decode", q.shape[0], k_cache.shape[1]))
     return _attend_decode(_compute(q, k_scale), k_cache, v_cache, gather, scale, **scales).to(q.dtype)
 
 
@@ -210,6 +223,7 @@ def sdpa_paged_prefill(
     )
     if gather is None:
         gather = prepare(block_table, seq_lens, k_cache.shape[1], q_lens, q.shape[2])
+    gather = _fitting(gather, (q.shape[2], q.shape[0], k_cache.shape[1]))
     out = _attend(_compute(q, k_scale), k_cache, v_cache, gather, scale, **scales).to(q.dtype)
     if not gather.padded_rows:
         return out
