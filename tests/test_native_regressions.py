@@ -28,6 +28,8 @@ ones = i32(1, 1)
 def attn(q=q, kc=kc, vc=vc, bt=bt, lens=lens, q_lens=ones):
     return kernel().paged_attention(q, kc, vc, bt, lens, q_lens, 0.35)
 ops = cpu_ops()
+none = lambda *shape: torch.empty(*shape)  # a k_cache or q of no element: its sizes are free
+i64 = lambda *v: torch.tensor(v, dtype=torch.int64)
 """
 
 #: (name, code, what must come: "error <argument>" or "ok" where the code asserts the result)
@@ -90,6 +92,24 @@ CASES = [
         "triton_cascade_decode, prefix longer than the sequences",
         "triton_cascade_decode(q, kc, vc, i32([0, 1], [0, 1]), lens, i32(0, 2), i32(12), check_values=False)",
         "error prefix_lens",
+    ),
+    (
+        "q_lens adding up past 2^63 (to 0: q's n)",
+        "attn(q=none(0, 1, 0), kc=none(1, 2**62, 1, 0), vc=none(1, 2**62, 1, 0), bt=torch.zeros(4, 1, dtype=torch.long),"
+        " lens=i64(*[2**62] * 4), q_lens=i64(*[2**62] * 4))",
+        "error q_lens",
+    ),
+    (
+        "a row's scores, Hq * seq_len, past 2^63",
+        "attn(q=none(1, 2**32, 0), kc=none(1, 2**32, 1, 0), vc=none(1, 2**32, 1, 0), bt=i64([0]), lens=i64(2**32),"
+        " q_lens=i64(1))",
+        "error seq_lens",
+    ),
+    (
+        "q of no element, a sequence of 2^62 tokens",
+        "assert attn(q=none(1, 1, 0), kc=none(1, 2**62, 1, 0), vc=none(1, 2**62, 1, 0), bt=i64([0]), lens=i64(2**62),"
+        " q_lens=i64(1)).shape == (1, 1, 0)",
+        "ok",
     ),
     (
         "a key far below the maximum weighs 0",
