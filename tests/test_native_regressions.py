@@ -21,6 +21,7 @@ from paged_ref.attention.reference import reference_paged_decode
 from paged_ref.attention.triton_cascade import triton_cascade_decode
 from paged_ref.attention.triton_decode import triton_paged_decode
 from paged_ref.fast.cpu_ops import cpu_ops
+from paged_ref.fast.prepack import few_rows_kernel
 i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
 kc, vc, q = torch.randn(4, 4, 2, 8), torch.randn(4, 4, 2, 8), torch.randn(2, 4, 8)
 bt, lens = i32([0, 1], [2, 3]), i32(5, 8)
@@ -30,6 +31,7 @@ def attn(q=q, kc=kc, vc=vc, bt=bt, lens=lens, q_lens=ones):
 ops = cpu_ops()
 none = lambda *shape: torch.empty(*shape)  # a k_cache or q of no element: its sizes are free
 i64 = lambda *v: torch.tensor(v, dtype=torch.int64)
+neg = lambda *shape: torch.rand(*shape, dtype=torch.cfloat).conj().imag  # a negative view: memory holds -values
 """
 
 #: (name, code, what must come: "error <argument>" or "ok" where the code asserts the result)
@@ -111,6 +113,14 @@ CASES = [
         " q_lens=i64(1)).shape == (1, 1, 0)",
         "ok",
     ),
+    (
+        "k_scale a negative view (read through its strides)",
+        "kernel().paged_attention_scaled(q, kc.to(torch.int8), vc.to(torch.int8), bt, lens, ones, 0.35, neg(4, 2),"
+        " torch.rand(4, 2))",
+        "error k_scale",
+    ),
+    ("few_rows x a negative view of one element", "few_rows_kernel()(neg(1, 1), torch.randn(1, 1, 64), 64)", "error x"),
+    ("add_norm h a negative view (written in place)", "ops.add_norm(neg(1, 1), None, torch.ones(1), 1e-6)", "error h"),
     (
         "a key far below the maximum weighs 0",
         "v = torch.zeros(4, 4, 2, 8); v[0, 1] = 3e38; k = torch.zeros(4, 4, 2, 8); k[0, 0] = 1e3; k[0, 1] = -1e3;"

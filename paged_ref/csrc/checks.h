@@ -5,12 +5,15 @@
 #include <algorithm>
 #include <vector>
 
-// t a strided CPU tensor of `dtype` with `dim` dimensions (`layout` names them, as "[n, Hq, D]").
+// t a strided CPU tensor of `dtype` with `dim` dimensions (`layout` names them, as "[n, Hq, D]"), its memory holding
+// its values (not a negative view, whose values are those in memory negated).
 static inline void check_tensor(const char* op, const char* name, const torch::Tensor& t, at::ScalarType dtype,
                                 int64_t dim, const char* layout) {
   TORCH_CHECK(t.defined(), op, ": ", name, " must be a tensor, got None");
   TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, op, ": ", name,
               " must be a dense CPU tensor, got device ", t.device(), ", layout ", t.layout());
+  TORCH_CHECK(!t.is_neg(), op, ": ", name, " must hold its own values (read as they lie in memory), got a negative ",
+              "view (x.conj().imag is one): pass it through resolve_neg()");
   TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(dim < 0 || t.dim() == dim, op, ": ", name, " must be ", layout, " (", dim, " dimensions), got shape ",
               t.sizes());
