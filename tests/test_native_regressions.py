@@ -76,6 +76,26 @@ CASES = [
         "ok",
     ),
     (
+        "add_norm y overlapping h (from one float before it)",
+        "b = torch.randn(33); h, y = b[1:].view(4, 8), b[:32].view(4, 8); want = h + y;"
+        " torch.testing.assert_close(ops.add_norm(h, y, torch.ones(8), 1e-6)[0], want)",
+        "ok",
+    ),
+    (
+        "add_norm w a row of h",
+        "h, y = torch.randn(4, 8), torch.randn(4, 8); w = h[2]; s = h + y;"
+        " want = w.clone() * s / (s.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt();"
+        " torch.testing.assert_close(ops.add_norm(h, y, w, 1e-6)[1], want)",
+        "ok",
+    ),
+    (
+        "rotate cos, sin views of x's heads 0 and 1",
+        "x = torch.randn(1, 1, 3, 8); c, s = x[:, :, :1], x[:, :, 1:2]; c0, s0 = c.clone(), s.clone();"
+        " want = x * c0 + torch.cat((-x[..., 4:], x[..., :4]), -1) * s0;"
+        " torch.testing.assert_close(ops.rotate(x, c, s), want)",
+        "ok",
+    ),
+    (
         "rotate cos of the wrong shape",
         "ops.rotate(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 1, 6), torch.randn(1, 2, 1, 8))",
         "error cos",
