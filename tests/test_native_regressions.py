@@ -96,6 +96,22 @@ CASES = [
         "ok",
     ),
     (
+        "add_norm's write to h seen by autograd (a backward through h saved before it is refused)",
+        "w = torch.randn(2, 8, requires_grad=True); h = torch.randn(2, 8); s = (w * h).sum();"
+        " ops.add_norm(h, None, torch.ones(8), 1e-6); e = None\n"
+        "try:\n    s.backward()\nexcept RuntimeError as x:\n    e = x\n"
+        "assert e is not None and 'inplace' in str(e), 'a backward through the overwritten h ran'",
+        "ok",
+    ),
+    (
+        "rotate's write to x seen by autograd (a backward through x saved before it is refused)",
+        "w = torch.randn(1, 2, 1, 8, requires_grad=True); x = torch.randn(1, 2, 1, 8); s = (w * x).sum();"
+        " ops.rotate(x, torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)); e = None\n"
+        "try:\n    s.backward()\nexcept RuntimeError as x:\n    e = x\n"
+        "assert e is not None and 'inplace' in str(e), 'a backward through the overwritten x ran'",
+        "ok",
+    ),
+    (
         "rotate cos of the wrong shape",
         "ops.rotate(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 1, 6), torch.randn(1, 2, 1, 8))",
         "error cos",

@@ -20,6 +20,13 @@ static torch::Tensor apart(const torch::Tensor& t, const torch::Tensor& written)
   return shared ? t.clone(at::MemoryFormat::Contiguous) : t.contiguous();
 }
 
+// t, written in place: its version counter bumped, as torch's in-place ops do, so that autograd refuses a backward
+// through a value of t it saved before the write (an inference tensor has none).
+static void written(const torch::Tensor& t) {
+  auto* impl = t.unsafeGetTensorImpl();
+  if (impl->version_counter().enabled()) impl->bump_version();
+}
+
 // h float32 [..., C], contiguous (written in place); y (when given) h's shape, any strides; w float32 [C].
 void check_add_norm(const torch::Tensor& h, const c10::optional<torch::Tensor>& y, const torch::Tensor& w) {
   check_tensor("add_norm", "h", h, at::kFloat, -1, "");
@@ -39,6 +46,7 @@ void check_add_norm(const torch::Tensor& h, const c10::optional<torch::Tensor>& 
 std::tuple<torch::Tensor, torch::Tensor> add_norm(torch::Tensor h, c10::optional<torch::Tensor> y, torch::Tensor w,
                                                   double eps) {
   check_add_norm(h, y, w);
+  written(h);
   auto out = torch::empty_like(h);
   const int64_t C = h.size(-1), N = C ? h.numel() / C : 0;
   if (N == 0) return {h, out};  // no row, or rows of no element (their norm is empty too)
@@ -85,6 +93,7 @@ void check_rotate(const torch::Tensor& x, const torch::Tensor& cos, const torch:
 // second, as transformers' rotate_half. Returns x.
 torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   check_rotate(x, cos, sin);
+  written(x);
   auto cs = apart(cos, x), ss = apart(sin, x);
   const int64_t T = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
   const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
