@@ -45,6 +45,12 @@ CASES = [
     ("page_size 0", "attn(kc=kc[:, :0], vc=vc[:, :0])", "error k_cache"),
     ("Hq not a multiple of Hkv", "attn(q=torch.randn(2, 3, 8))", "error q"),
     ("block table with fewer rows", "attn(bt=bt[:1])", "error block_table"),
+    (
+        "block table of floats: the error says what was given",
+        "e = ''\ntry:\n    attn(bt=bt.float())\nexcept RuntimeError as x:\n    e = str(x)\n"
+        "assert 'block_table' in e and 'got Float' in e, repr(e)",
+        "ok",
+    ),
     ("q head_dim larger", "attn(q=torch.randn(2, 4, 9))", "error q"),
     ("v_cache smaller", "attn(vc=vc[:2])", "error v_cache"),
     ("sequence length 0", "attn(lens=i32(0, 8))", "error q_lens"),

@@ -80,7 +80,8 @@ static std::pair<std::vector<int64_t>, std::vector<int64_t>> check_paged_attenti
   check_scales(op, k_cache, k_scale, v_scale);
   TORCH_CHECK(block_table.defined() &&
                   (block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong),
-              op, ": block_table must be an int32 or int64 tensor");
+              op, ": block_table must be an int32 or int64 tensor, got ",
+              block_table.defined() ? toString(block_table.scalar_type()) : "None");
   check_tensor(op, "block_table", block_table, block_table.scalar_type(), 2, "[B, max_pages]");
   check_tensor(op, "seq_lens", seq_lens, seq_lens.scalar_type(), 1, "[B]");
   const int64_t B = seq_lens.size(0), M = block_table.size(1);
