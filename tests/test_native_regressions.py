@@ -31,6 +31,9 @@ def attn(q=q, kc=kc, vc=vc, bt=bt, lens=lens, q_lens=ones):
 ops = cpu_ops()
 none = lambda *shape: torch.empty(*shape)  # a k_cache or q of no element: its sizes are free
 i64 = lambda *v: torch.tensor(v, dtype=torch.int64)
+def shrunk(t, nbytes=16):  # t, its storage shrunk to nbytes after it was made: t now reaches past it
+    t.untyped_storage().resize_(nbytes)
+    return t
 neg = lambda *shape: torch.rand(*shape, dtype=torch.cfloat).conj().imag  # a negative view: memory holds -values
 """
 
@@ -139,7 +142,7 @@ CASES = [
     ),
     (
         "q_lens adding up past 2^63 (to 0: q's n)",
-        "attn(q=none(0, 1, 0), kc=none(1, 2**62, 1, 0), vc=none(1, 2**62, 1, 0), bt=torch.zeros(4, 1, dtype=torch.long),"
+        "attn(q=none(0, 1, 0), kc=none(1, 2**62, 1, 0), vc=none(1, 2**62, 1, 0), bt=i64([0], [0], [0], [0]),"
         " lens=i64(*[2**62] * 4), q_lens=i64(*[2**62] * 4))",
         "error q_lens",
     ),
@@ -163,6 +166,17 @@ CASES = [
     ),
     ("few_rows x a negative view of one element", "few_rows_kernel()(neg(1, 1), torch.randn(1, 1, 64), 64)", "error x"),
     ("add_norm h a negative view (written in place)", "ops.add_norm(neg(1, 1), None, torch.ones(1), 1e-6)", "error h"),
+    ("k_cache past its shrunk storage", "attn(kc=shrunk(kc.clone()))", "error k_cache"),
+    (
+        "silu_mul gate past its shrunk storage",
+        "ops.silu_mul(shrunk(torch.randn(8, 8)), torch.randn(8, 8))",
+        "error gate",
+    ),
+    (
+        "add_norm h past its shrunk storage (written)",
+        "ops.add_norm(shrunk(torch.randn(8, 8)), None, torch.ones(8), 1e-5)",
+        "error h",
+    ),
     (
         "a key far below the maximum weighs 0",
         "v = torch.zeros(4, 4, 2, 8); v[0, 1] = 3e38; k = torch.zeros(4, 4, 2, 8); k[0, 0] = 1e3; k[0, 1] = -1e3;"

@@ -12,6 +12,14 @@ static inline void check_tensor(const char* op, const char* name, const torch::T
   TORCH_CHECK(t.defined(), op, ": ", name, " must be a tensor, got None");
   TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, op, ": ", name,
               " must be a dense CPU tensor, got device ", t.device(), ", layout ", t.layout());
+  if (t.numel() > 0) {  // its last element in its storage (which can shrink after t is made: untyped_storage().resize_)
+    int64_t last = t.storage_offset();  // in elements
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const int64_t room = t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) / t.itemsize() : 0;
+    TORCH_CHECK(last < room, op, ": ", name, " must lie within its storage, got shape ", t.sizes(), ", strides ",
+                t.strides(), ", offset ", t.storage_offset(), " reaching element ", last, " of a storage of ", room,
+                " (resized after the tensor was made?)");
+  }
   TORCH_CHECK(!t.is_neg(), op, ": ", name, " must hold its own values (read as they lie in memory), got a negative ",
               "view (x.conj().imag is one): pass it through resolve_neg()");
   TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
