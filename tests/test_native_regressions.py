@@ -177,6 +177,9 @@ CASES = [
         "ops.add_norm(shrunk(torch.randn(8, 8)), None, torch.ones(8), 1e-5)",
         "error h",
     ),
+    ("k_cache of a storage shrunk to 0 bytes", "attn(kc=shrunk(kc.clone(), 0))", "error k_cache"),
+    ("k_cache a zero tensor (no memory)", "attn(kc=torch._efficientzerotensor(kc.shape))", "error k_cache"),
+    ("silu_mul gate a zero tensor", "ops.silu_mul(torch._efficientzerotensor(3, 8), torch.randn(3, 8))", "error gate"),
     (
         "a key far below the maximum weighs 0",
         "v = torch.zeros(4, 4, 2, 8); v[0, 1] = 3e38; k = torch.zeros(4, 4, 2, 8); k[0, 0] = 1e3; k[0, 1] = -1e3;"

@@ -12,10 +12,13 @@ static inline void check_tensor(const char* op, const char* name, const torch::T
   TORCH_CHECK(t.defined(), op, ": ", name, " must be a tensor, got None");
   TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, op, ": ", name,
               " must be a dense CPU tensor, got device ", t.device(), ", layout ", t.layout());
+  TORCH_CHECK(!t._is_zerotensor(), op, ": ", name, " must hold its values in memory, got a zero tensor (",
+              "torch._efficientzerotensor: no memory)");
   if (t.numel() > 0) {  // its last element in its storage (which can shrink after t is made: untyped_storage().resize_)
     int64_t last = t.storage_offset();  // in elements
     for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-    const int64_t room = t.has_storage() ? static_cast<int64_t>(t.storage().nbytes()) / t.itemsize() : 0;
+    const bool memory = t.has_storage() && t.storage().data() != nullptr;
+    const int64_t room = memory ? static_cast<int64_t>(t.storage().nbytes()) / t.itemsize() : 0;
     TORCH_CHECK(last < room, op, ": ", name, " must lie within its storage, got shape ", t.sizes(), ", strides ",
                 t.strides(), ", offset ", t.storage_offset(), " reaching element ", last, " of a storage of ", room,
                 " (resized after the tensor was made?)");
