@@ -1,6 +1,8 @@
-"""The hostile calls that crashed or read out of bounds before the native ops checked their arguments
-(issue 57), each now refused with an error naming the argument or answered right. All run in one
-subprocess, in turn: a crash fails the test naming the case it was on."""
+"""The hostile calls that crashed, read or wrote out of bounds, or answered wrong before the native ops checked
+their arguments (issue 57, then lengths whose int64 products overflow, negative views, zero tensors, storages
+shrunk after their tensor was made, inputs sharing memory with a tensor written in place, in-place writes autograd
+did not see), each now refused with an error naming the argument or answered right. All run in one subprocess,
+in turn: a crash fails the test naming the case it was on."""
 
 from __future__ import annotations
 
