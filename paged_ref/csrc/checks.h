@@ -6,7 +6,8 @@
 #include <vector>
 
 // t a strided CPU tensor of `dtype` with `dim` dimensions (`layout` names them, as "[n, Hq, D]"), its memory holding
-// its values (not a negative view, whose values are those in memory negated).
+// its values: every element within its storage, not a zero tensor (no memory) nor a negative view (whose values are
+// those in memory negated).
 static inline void check_tensor(const char* op, const char* name, const torch::Tensor& t, at::ScalarType dtype,
                                 int64_t dim, const char* layout) {
   TORCH_CHECK(t.defined(), op, ": ", name, " must be a tensor, got None");
@@ -21,7 +22,7 @@ static inline void check_tensor(const char* op, const char* name, const torch::T
     const int64_t room = memory ? static_cast<int64_t>(t.storage().nbytes()) / t.itemsize() : 0;
     TORCH_CHECK(last < room, op, ": ", name, " must lie within its storage, got shape ", t.sizes(), ", strides ",
                 t.strides(), ", offset ", t.storage_offset(), " reaching element ", last, " of a storage of ", room,
-                " (resized after the tensor was made?)");
+                " elements (resized after the tensor was made?)");
   }
   TORCH_CHECK(!t.is_neg(), op, ": ", name, " must hold its own values (read as they lie in memory), got a negative ",
               "view (x.conj().imag is one): pass it through resolve_neg()");
