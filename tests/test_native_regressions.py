@@ -1,6 +1,8 @@
-"""The hostile calls that crashed or read out of bounds before the native ops checked their arguments
-(issue 57), each now refused with an error naming the argument or answered right. All run in one
-subprocess, in turn: a crash fails the test naming the case it was on."""
+"""The hostile calls that crashed, read or wrote out of bounds, or answered wrong before the native ops checked
+their arguments (issue 57, then lengths whose int64 products overflow, negative views, zero tensors, storages
+shrunk after their tensor was made, inputs sharing memory with a tensor written in place, in-place writes autograd
+did not see), each now refused with an error naming the argument or answered right. All run in one subprocess,
+in turn: a crash fails the test naming the case it was on."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from paged_ref.attention.reference import reference_paged_decode
 from paged_ref.attention.triton_cascade import triton_cascade_decode
 from paged_ref.attention.triton_decode import triton_paged_decode
 from paged_ref.fast.cpu_ops import cpu_ops
+from paged_ref.fast.prepack import few_rows_kernel
 i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
 kc, vc, q = torch.randn(4, 4, 2, 8), torch.randn(4, 4, 2, 8), torch.randn(2, 4, 8)
 bt, lens = i32([0, 1], [2, 3]), i32(5, 8)
@@ -28,6 +31,12 @@ ones = i32(1, 1)
 def attn(q=q, kc=kc, vc=vc, bt=bt, lens=lens, q_lens=ones):
     return kernel().paged_attention(q, kc, vc, bt, lens, q_lens, 0.35)
 ops = cpu_ops()
+none = lambda *shape: torch.empty(*shape)  # a k_cache or q of no element: its sizes are free
+i64 = lambda *v: torch.tensor(v, dtype=torch.int64)
+def shrunk(t, nbytes=16):  # t, its storage shrunk to nbytes after it was made: t now reaches past it
+    t.untyped_storage().resize_(nbytes)
+    return t
+neg = lambda *shape: torch.rand(*shape, dtype=torch.cfloat).conj().imag  # a negative view: memory holds -values
 """
 
 #: (name, code, what must come: "error <argument>" or "ok" where the code asserts the result)
@@ -41,6 +50,12 @@ CASES = [
     ("page_size 0", "attn(kc=kc[:, :0], vc=vc[:, :0])", "error k_cache"),
     ("Hq not a multiple of Hkv", "attn(q=torch.randn(2, 3, 8))", "error q"),
     ("block table with fewer rows", "attn(bt=bt[:1])", "error block_table"),
+    (
+        "block table of floats: the error says what was given",
+        "e = ''\ntry:\n    attn(bt=bt.float())\nexcept RuntimeError as x:\n    e = str(x)\n"
+        "assert 'block_table' in e and 'got Float' in e, repr(e)",
+        "ok",
+    ),
     ("q head_dim larger", "attn(q=torch.randn(2, 4, 9))", "error q"),
     ("v_cache smaller", "attn(vc=vc[:2])", "error v_cache"),
     ("sequence length 0", "attn(lens=i32(0, 8))", "error q_lens"),
@@ -72,6 +87,42 @@ CASES = [
         "ok",
     ),
     (
+        "add_norm y overlapping h (from one float before it)",
+        "b = torch.randn(33); h, y = b[1:].view(4, 8), b[:32].view(4, 8); want = h + y;"
+        " torch.testing.assert_close(ops.add_norm(h, y, torch.ones(8), 1e-6)[0], want)",
+        "ok",
+    ),
+    (
+        "add_norm w a row of h",
+        "h, y = torch.randn(4, 8), torch.randn(4, 8); w = h[2]; s = h + y;"
+        " want = w.clone() * s / (s.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt();"
+        " torch.testing.assert_close(ops.add_norm(h, y, w, 1e-6)[1], want)",
+        "ok",
+    ),
+    (
+        "rotate cos, sin views of x's heads 0 and 1",
+        "x = torch.randn(1, 1, 3, 8); c, s = x[:, :, :1], x[:, :, 1:2]; c0, s0 = c.clone(), s.clone();"
+        " want = x * c0 + torch.cat((-x[..., 4:], x[..., :4]), -1) * s0;"
+        " torch.testing.assert_close(ops.rotate(x, c, s), want)",
+        "ok",
+    ),
+    (
+        "add_norm's write to h seen by autograd (a backward through h saved before it is refused)",
+        "w = torch.randn(2, 8, requires_grad=True); h = torch.randn(2, 8); s = (w * h).sum();"
+        " ops.add_norm(h, None, torch.ones(8), 1e-6); e = None\n"
+        "try:\n    s.backward()\nexcept RuntimeError as x:\n    e = x\n"
+        "assert e is not None and 'inplace' in str(e), 'a backward through the overwritten h ran'",
+        "ok",
+    ),
+    (
+        "rotate's write to x seen by autograd (a backward through x saved before it is refused)",
+        "w = torch.randn(1, 2, 1, 8, requires_grad=True); x = torch.randn(1, 2, 1, 8); s = (w * x).sum();"
+        " ops.rotate(x, torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)); e = None\n"
+        "try:\n    s.backward()\nexcept RuntimeError as x:\n    e = x\n"
+        "assert e is not None and 'inplace' in str(e), 'a backward through the overwritten x ran'",
+        "ok",
+    ),
+    (
         "rotate cos of the wrong shape",
         "ops.rotate(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 1, 6), torch.randn(1, 2, 1, 8))",
         "error cos",
@@ -91,6 +142,46 @@ CASES = [
         "triton_cascade_decode(q, kc, vc, i32([0, 1], [0, 1]), lens, i32(0, 2), i32(12), check_values=False)",
         "error prefix_lens",
     ),
+    (
+        "q_lens adding up past 2^63 (to 0: q's n)",
+        "attn(q=none(0, 1, 0), kc=none(1, 2**62, 1, 0), vc=none(1, 2**62, 1, 0), bt=i64([0], [0], [0], [0]),"
+        " lens=i64(*[2**62] * 4), q_lens=i64(*[2**62] * 4))",
+        "error q_lens",
+    ),
+    (
+        "a row's scores, Hq * seq_len, past 2^63",
+        "attn(q=none(1, 2**32, 0), kc=none(1, 2**32, 1, 0), vc=none(1, 2**32, 1, 0), bt=i64([0]), lens=i64(2**32),"
+        " q_lens=i64(1))",
+        "error seq_lens",
+    ),
+    (
+        "q of no element, a sequence of 2^62 tokens",
+        "assert attn(q=none(1, 1, 0), kc=none(1, 2**62, 1, 0), vc=none(1, 2**62, 1, 0), bt=i64([0]), lens=i64(2**62),"
+        " q_lens=i64(1)).shape == (1, 1, 0)",
+        "ok",
+    ),
+    (
+        "k_scale a negative view (read through its strides)",
+        "kernel().paged_attention_scaled(q, kc.to(torch.int8), vc.to(torch.int8), bt, lens, ones, 0.35, neg(4, 2),"
+        " torch.rand(4, 2))",
+        "error k_scale",
+    ),
+    ("few_rows x a negative view of one element", "few_rows_kernel()(neg(1, 1), torch.randn(1, 1, 64), 64)", "error x"),
+    ("add_norm h a negative view (written in place)", "ops.add_norm(neg(1, 1), None, torch.ones(1), 1e-6)", "error h"),
+    ("k_cache past its shrunk storage", "attn(kc=shrunk(kc.clone()))", "error k_cache"),
+    (
+        "silu_mul gate past its shrunk storage",
+        "ops.silu_mul(shrunk(torch.randn(8, 8)), torch.randn(8, 8))",
+        "error gate",
+    ),
+    (
+        "add_norm h past its shrunk storage (written)",
+        "ops.add_norm(shrunk(torch.randn(8, 8)), None, torch.ones(8), 1e-5)",
+        "error h",
+    ),
+    ("k_cache of a storage shrunk to 0 bytes", "attn(kc=shrunk(kc.clone(), 0))", "error k_cache"),
+    ("k_cache a zero tensor (no memory)", "attn(kc=torch._efficientzerotensor(kc.shape))", "error k_cache"),
+    ("silu_mul gate a zero tensor", "ops.silu_mul(torch._efficientzerotensor(3, 8), torch.randn(3, 8))", "error gate"),
     (
         "a key far below the maximum weighs 0",
         "v = torch.zeros(4, 4, 2, 8); v[0, 1] = 3e38; k = torch.zeros(4, 4, 2, 8); k[0, 0] = 1e3; k[0, 1] = -1e3;"

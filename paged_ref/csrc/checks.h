@@ -5,12 +5,27 @@
 #include <algorithm>
 #include <vector>
 
-// t a strided CPU tensor of `dtype` with `dim` dimensions (`layout` names them, as "[n, Hq, D]").
+// t a strided CPU tensor of `dtype` with `dim` dimensions (`layout` names them, as "[n, Hq, D]"), its memory holding
+// its values: every element within its storage, not a zero tensor (no memory) nor a negative view (whose values are
+// those in memory negated).
 static inline void check_tensor(const char* op, const char* name, const torch::Tensor& t, at::ScalarType dtype,
                                 int64_t dim, const char* layout) {
   TORCH_CHECK(t.defined(), op, ": ", name, " must be a tensor, got None");
   TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, op, ": ", name,
               " must be a dense CPU tensor, got device ", t.device(), ", layout ", t.layout());
+  TORCH_CHECK(!t._is_zerotensor(), op, ": ", name, " must hold its values in memory, got a zero tensor (",
+              "torch._efficientzerotensor: no memory)");
+  if (t.numel() > 0) {  // its last element in its storage (which can shrink after t is made: untyped_storage().resize_)
+    int64_t last = t.storage_offset();  // in elements
+    for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+    const bool memory = t.has_storage() && t.storage().data() != nullptr;
+    const int64_t room = memory ? static_cast<int64_t>(t.storage().nbytes()) / t.itemsize() : 0;
+    TORCH_CHECK(last < room, op, ": ", name, " must lie within its storage, got shape ", t.sizes(), ", strides ",
+                t.strides(), ", offset ", t.storage_offset(), " reaching element ", last, " of a storage of ", room,
+                " elements (resized after the tensor was made?)");
+  }
+  TORCH_CHECK(!t.is_neg(), op, ": ", name, " must hold its own values (read as they lie in memory), got a negative ",
+              "view (x.conj().imag is one): pass it through resolve_neg()");
   TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(dim < 0 || t.dim() == dim, op, ": ", name, " must be ", layout, " (", dim, " dimensions), got shape ",
               t.sizes());

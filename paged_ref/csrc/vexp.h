@@ -1,7 +1,8 @@
 // vexp(x), a float exp the compiler vectorizes (std::exp is a scalar call): 2^n e^r, n the nearest integer
 // to x / ln 2, e^r to 1e-7 by its Taylor series (|r| <= ln(2) / 2); 0 below -87.3 (where e^x leaves float's
-// normal range, 1.2e-38: a softmax weight that small is 0), at most e^88.7 (3.3e38), NaN for NaN. paged_ref.native.build
-// compiles it before a source that names it.
+// normal range, 1.2e-38: a softmax weight that small is 0), +inf from 88.377 on (n = 128; float's own e^x is finite
+// up to 88.72: silu_mul's silu(g) is -0 for g <= -88.377, where torch's is about -3.7e-37), NaN for NaN.
+// paged_ref.native.build compiles it before a source that names it.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

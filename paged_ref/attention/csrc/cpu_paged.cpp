@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -27,7 +28,7 @@ static void check_pages(const torch::Tensor& block_table, const std::vector<int6
   const int64_t M = c.size(1);
   for (size_t b = 0; b < lens.size(); ++b) {
     const T* row = table + b * M;
-    const int64_t used = (lens[b] + P - 1) / P;
+    const int64_t used = lens[b] / P + (lens[b] % P != 0);  // ceil, lens[b] up to 2^63 - 1
     const auto [lo, hi] = std::minmax_element(row, row + used);
     TORCH_CHECK(used == 0 || (*lo >= 0 && *hi < pages), "paged_attention: block_table[", b,
                 "] must hold page ids in [0, num_pages = ", pages, ") in its first ", used, " entries (seq_lens[", b,
@@ -79,19 +80,26 @@ static std::pair<std::vector<int64_t>, std::vector<int64_t>> check_paged_attenti
   check_scales(op, k_cache, k_scale, v_scale);
   TORCH_CHECK(block_table.defined() &&
                   (block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong),
-              op, ": block_table must be an int32 or int64 tensor");
+              op, ": block_table must be an int32 or int64 tensor, got ",
+              block_table.defined() ? toString(block_table.scalar_type()) : "None");
   check_tensor(op, "block_table", block_table, block_table.scalar_type(), 2, "[B, max_pages]");
   check_tensor(op, "seq_lens", seq_lens, seq_lens.scalar_type(), 1, "[B]");
   const int64_t B = seq_lens.size(0), M = block_table.size(1);
   TORCH_CHECK(block_table.size(0) == B, op, ": block_table must have a row per sequence (B = ", B,
               " seq_lens), got ", block_table.size(0), " rows");
   auto lens = lengths("seq_lens", seq_lens, B), new_lens = lengths("q_lens", q_lens, B);
+  constexpr int64_t most = std::numeric_limits<int64_t>::max();
+  const int64_t capacity = M > most / P ? most : M * P;  // max_pages * page_size (saturated: P of a size-0 k_cache)
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lens[b] >= 0 && lens[b] <= M * P, op, ": seq_lens[", b, "] must be in [0, max_pages * page_size = ",
-                M, " * ", P, "], got ", lens[b]);
+    TORCH_CHECK(lens[b] >= 0 && lens[b] <= capacity, op, ": seq_lens[", b,
+                "] must be in [0, max_pages * page_size = ", M, " * ", P, "], got ", lens[b]);
     TORCH_CHECK(new_lens[b] >= 0 && new_lens[b] <= lens[b], op, ": q_lens[", b, "] must be in [0, seq_lens[", b,
                 "] = ", lens[b], "], got ", new_lens[b]);
+    TORCH_CHECK(new_lens[b] <= q.size(0) - total, op, ": q_lens must add up to q's n (dim 0) = ", q.size(0),
+                " tokens, got more by q_lens[", b, "] = ", new_lens[b]);  // total stays <= n: no overflow
+    TORCH_CHECK(lens[b] <= most / std::max<int64_t>(Hq, 1), op, ": seq_lens[", b, "] times q's Hq (a row's scores)",
+                " must be below 2^63, got ", lens[b], " * ", Hq);
     total += new_lens[b];
   }
   TORCH_CHECK(total == q.size(0), op, ": q_lens must add up to q's n (dim 0) = ", q.size(0), " tokens, got ", total);
@@ -233,6 +241,7 @@ torch::Tensor paged_attention_scaled(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor q_lens,
                                      double scale, Scale k_scale, Scale v_scale) {
   auto [lens, new_lens] = check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens, k_scale, v_scale);
+  if (q.numel() == 0) return torch::empty(q.sizes(), q.options());  // no token, head or dimension: nothing to read
   q = q.contiguous(), k_cache = k_cache.contiguous(), v_cache = v_cache.contiguous();
   block_table = block_table.contiguous();
   auto out = torch::empty_like(q);

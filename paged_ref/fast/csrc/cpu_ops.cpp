@@ -3,6 +3,7 @@
 // (paged_ref.native.build). Each op checks its arguments first (check_*: also registered alone, as *_checks
 // running them a given number of times, for bench serve --profile to time).
 #include <torch/extension.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
@@ -11,6 +12,20 @@
 // Rows per thread's share of a loop of rows of ``row`` elements: at least 32,768 elements (ATen's GRAIN_SIZE, as
 // torch's own ops), so that a decode step's few short rows run on the calling thread, not in a parallel region.
 static int64_t grain(int64_t row) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row)); }
+
+// t contiguous (t itself where it is), or a contiguous copy where it shares memory with `written`, an argument
+// the op writes in place: the op reads t's values as they were when it was called.
+static torch::Tensor apart(const torch::Tensor& t, const torch::Tensor& written) {
+  const bool shared = t.is_alias_of(written) && at::get_overlap_status(t, written) != at::MemOverlapStatus::No;
+  return shared ? t.clone(at::MemoryFormat::Contiguous) : t.contiguous();
+}
+
+// t, written in place: its version counter bumped, as torch's in-place ops do, so that autograd refuses a backward
+// through a value of t it saved before the write (an inference tensor has none).
+static void written(const torch::Tensor& t) {
+  auto* impl = t.unsafeGetTensorImpl();
+  if (impl->version_counter().enabled()) impl->bump_version();
+}
 
 // h float32 [..., C], contiguous (written in place); y (when given) h's shape, any strides; w float32 [C].
 void check_add_norm(const torch::Tensor& h, const c10::optional<torch::Tensor>& y, const torch::Tensor& w) {
@@ -26,15 +41,17 @@ void check_add_norm(const torch::Tensor& h, const c10::optional<torch::Tensor>& 
   TORCH_CHECK(w.size(0) == h.size(-1), "add_norm: w must have h's C = ", h.size(-1), " entries, got ", w.size(0));
 }
 
-// h [..., C] += y (when given): returns (h, w * h / rms(h)), the second a new tensor.
+// h [..., C] += y (when given): returns (h, w * h / rms(h)), the second a new tensor; y and w read as they were when
+// called, where they share h's memory too.
 std::tuple<torch::Tensor, torch::Tensor> add_norm(torch::Tensor h, c10::optional<torch::Tensor> y, torch::Tensor w,
                                                   double eps) {
   check_add_norm(h, y, w);
+  written(h);
   auto out = torch::empty_like(h);
   const int64_t C = h.size(-1), N = C ? h.numel() / C : 0;
   if (N == 0) return {h, out};  // no row, or rows of no element (their norm is empty too)
-  auto ys = y ? y->contiguous() : torch::Tensor();
-  auto ws = w.contiguous();
+  auto ys = y ? apart(*y, h) : torch::Tensor();
+  auto ws = apart(w, h);
   float *hp = h.data_ptr<float>(), *op = out.data_ptr<float>();
   const float *yp = y ? ys.data_ptr<float>() : nullptr, *wp = ws.data_ptr<float>();
   at::parallel_for(0, N, grain(C), [&](int64_t begin, int64_t end) {
@@ -56,7 +73,8 @@ std::tuple<torch::Tensor, torch::Tensor> add_norm(torch::Tensor h, c10::optional
 }
 
 // x float32 [B, T, H, D], D even, unit last stride and no two elements in one place (any other strides: it is
-// written in place); cos, sin float32 [B, T, 1, D], any strides.
+// written in place); cos, sin float32 [B, T, 1, D], any strides (read as they were when called, where they share x's
+// memory too).
 void check_rotate(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   check_tensor("rotate", "x", x, at::kFloat, 4, "[B, T, H, D]");
   TORCH_CHECK(x.size(3) % 2 == 0, "rotate: x head_dim D (dim 3) must be even, got ", x.size(3));
@@ -75,7 +93,8 @@ void check_rotate(const torch::Tensor& x, const torch::Tensor& cos, const torch:
 // second, as transformers' rotate_half. Returns x.
 torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   check_rotate(x, cos, sin);
-  auto cs = cos.contiguous(), ss = sin.contiguous();
+  written(x);
+  auto cs = apart(cos, x), ss = apart(sin, x);
   const int64_t T = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
   const int64_t sb = x.stride(0), st = x.stride(1), sh = x.stride(2);
   if (x.numel() == 0) return x;
