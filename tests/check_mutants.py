@@ -748,6 +748,28 @@ class NoShareRefcountPrefixCache(StudentPrefixCache):
                     (self.cached if page in self.page_info else self.plain).append(page)
 
 
+class WalksPastMissPrefixCache(StudentPrefixCache):
+    """After a miss, walks on through the prompt's full pages and takes the later ones that hit."""
+
+    def start(self, seq_id, prompt):
+        ps, parent = self.page_size, b""
+        seq = {"pages": [], "tokens": [], "keys": []}
+        for i in range((len(prompt) - 1) // ps):
+            tokens = tuple(prompt[i * ps : (i + 1) * ps])
+            key = parent = self._key(parent, tokens)
+            page = self._lookup(key, tokens)
+            if page is None:
+                continue
+            if self.refs[page] == 0:
+                (self.cached if page in self.cached else self.plain).remove(page)
+            self.refs[page] += 1
+            seq["pages"].append(page)
+            seq["keys"].append(key)
+            seq["tokens"].extend(tokens)
+        self.seqs[seq_id] = seq
+        return len(seq["tokens"])
+
+
 class PagesNotTokensPrefixCache(StudentPrefixCache):
     """start returns the number of cached pages instead of tokens."""
 
@@ -1392,6 +1414,7 @@ MUTANTS = {
         FreePagesFirstPrefixCache,
         NoShareRefcountPrefixCache,
         PagesNotTokensPrefixCache,
+        WalksPastMissPrefixCache,
     ],
     "merge_states": [
         natural_exp_merge_states,

@@ -155,6 +155,7 @@ def test_allocator_failures_shrink_to_a_few_calls(mutant, words):
         ("FreePagesFirstPrefixCache", "never-used pages are handed out first"),
         ("NoShareRefcountPrefixCache", "a hit adds a reference"),
         ("PagesNotTokensPrefixCache", "not pages"),
+        ("WalksPastMissPrefixCache", "the walk stops at the first miss"),
         ("natural_exp_merge_states", "lse is in base 2"),
         ("unstable_merge_states", "subtract the larger lse first"),
         ("unnormalised_merge_states", "divide by the sum of the weights"),

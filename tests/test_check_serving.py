@@ -79,6 +79,7 @@ def test_the_hostile_prefix_cases_hit_what_they_test():
     assert hits["the same page of tokens after another prefix"] == [0, 0, 2]
     assert hits["pages filled by generated tokens, and one prefix computed twice"] == [0, 4, 0, 2, 4, 0, 4]
     assert hits["a forced key collision"] == [0, 8, 16, 16]
+    assert hits["a miss ends the walk"] == [0, 4]  # page 2's key and tokens match seq 0's page 2
     assert prefix_cache.colliding_hash(b"", (1, 2, 3, 4)) == prefix_cache.colliding_hash(b"", (2, 1, 4, 3))
     assert prefix_cache.sha_hash(b"", (1, 2, 3, 4)) != prefix_cache.sha_hash(b"", (2, 1, 4, 3))
 

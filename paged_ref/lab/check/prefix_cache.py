@@ -20,7 +20,7 @@ freed when a new one does not fit) through the student's class and through paged
 compares, operation by operation, the cached tokens ``start`` finds and every page a sequence holds.
 Hand-made hostile cases come first: a ``hash_fn`` that makes keys collide (`colliding_hash`), a
 partial last page (never shared), a page freed and handed out again before its copy could be found,
-the same tokens after another prefix, two pages holding one key.
+the same tokens after another prefix, two pages holding one key, a miss followed by a page that would hit.
 """
 
 from __future__ import annotations
@@ -137,6 +137,16 @@ HOSTILE_CASES = (
         ),
         "colliding_hash",
         "a forced key collision: (1, 2, 3, 4) and (2, 1, 4, 3) get one key",
+    ),
+    Case(
+        8,
+        4,
+        (
+            ("start", 0, S8[:4] + (1, 2, 3, 4) + (11, 12, 13, 14, 15)),
+            ("start", 1, S8[:4] + (2, 1, 4, 3) + (11, 12, 13, 14, 16)),
+        ),
+        "colliding_hash",
+        "a miss ends the walk: after a key collision with other tokens, the next page's key is a cached page's",
     ),
 )
 HASHES = {"sha_hash": sha_hash, "colliding_hash": colliding_hash}
@@ -270,6 +280,11 @@ def _hit_hint(ref: _Reference, prompt, got_cached: int, got_pages: list, want_ca
             held = m.prefix.get(page)
             if held == want:
                 continue
+            if held is not None and len(held) > len(want):
+                return (
+                    "the walk stops at the first miss: the pages found are the first ones of the prompt, in a row "
+                    "(a later page's key chains through the missing one)"
+                )
             if held is None:
                 return (
                     "a page handed out again holds other tokens: forget its key (and stored tokens) when the pool "
