@@ -330,6 +330,25 @@ class PageBudgetPolicy(_solutions.StudentPagedEviction):
             self._drop_lowest(cache, seq_id)
 
 
+class PageRoomPolicy(_solutions.StudentPagedEviction):
+    """Counts the room of the held pages against the budget after the prefill (pages * page_size > budget,
+    not seq_len > budget): the same while the budget is a multiple of page_size, one page too many otherwise."""
+
+    def after_prefill(self, cache, seq_id):
+        while len(cache.pages(seq_id)) * cache.page_size > self.budget and len(cache.pages(seq_id)) > 2:
+            self._drop_lowest(cache, seq_id)
+
+
+class DecodePagesPolicy(_solutions.StudentPagedEviction):
+    """In decode, drops a page when more than ceil(budget / page_size) pages are full, not when more than
+    budget tokens are held: the same while the budget is a multiple of page_size."""
+
+    def after_append(self, cache, seq_id):
+        n = cache.seq_len(seq_id)
+        if n % cache.page_size == 0 and n // cache.page_size > math.ceil(self.budget / cache.page_size):
+            self._drop_lowest(cache, seq_id)
+
+
 class _ScoredPolicy(_solutions.StudentPagedEviction):
     """The solution's decisions with another page score: ``_score(k, v)`` per layer, ``[T, Hkv, D]``
     -> token scores ``[T]``, averaged over ``_layers(num_layers)``, page means."""
@@ -1381,6 +1400,8 @@ MUTANTS = {
         FreesSequencePolicy,
         StaleIndicesPolicy,
         PhysicalIdsPolicy,
+        PageRoomPolicy,
+        DecodePagesPolicy,
     ],
     "scheduler": [
         LifoScheduler,

@@ -126,6 +126,8 @@ def test_allocator_failures_shrink_to_a_few_calls(mutant, words):
         ("FreesSequencePolicy", "never the whole sequence"),
         ("StaleIndicesPolicy", "computed before the first drop_pages call"),
         ("PhysicalIdsPolicy", "you passed physical page ids"),
+        ("PageRoomPolicy", "counts the tokens held (cache.seq_len), not the room of their pages"),
+        ("DecodePagesPolicy", "drop the lowest-scoring candidate page in this after_append"),
         ("LifoScheduler", "arrival order, oldest first, not newest"),
         ("PreemptOldestScheduler", "most recently admitted running request (the end of the running list) goes first"),
         ("SelfVictimScheduler", "not the request that needs the page"),

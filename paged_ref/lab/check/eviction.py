@@ -288,6 +288,17 @@ def _decision_hint(before, kept, want, scores, budget, page_size, prefill) -> tu
             ),
         )
     if len(dropped) > len(expect):
+        room = cdiv(len(want), page_size) * page_size
+        if prefill and len(want) <= budget < room and len(kept) <= room - page_size:
+            return (
+                expected,
+                got,
+                (
+                    f"the budget counts the tokens held (cache.seq_len), not the room of their pages: {len(want)} "
+                    f"tokens <= budget={budget} are held after the task's drops, although their pages have room "
+                    f"for {room}; stop dropping there"
+                ),
+            )
         only_newest = len(kept) <= page_size and newest not in dropped
         return (
             expected,
@@ -477,9 +488,11 @@ def check_eviction_policy(
     page_size)``, every page the sequence gave up is back in the allocator (free + held = pool,
     less the pages of a neighbour sequence that makes physical page ids differ from logical
     ones), the kept tokens are written tokens in their original order with the newest among them,
-    and the kept tokens are the ones the task's policy (or the reference) keeps. Five prompts:
+    and the kept tokens are the ones the task's policy (or the reference) keeps. Six prompts:
     longer than C by a page and a bit, 2C + 1, 2C (a page multiple), C/2 + 1 (no prefill
-    eviction), and 2C with page 0 scoring lowest (it must stay: the attention sink). When a
+    eviction), 2C with page 0 scoring lowest (it must stay: the attention sink), and 2C' + 1
+    with a budget C' = C + B // 2 that is no multiple of B (C itself if it is none), where
+    holding more than C' tokens and holding more than C' // B pages part ways. When a
     decision differs from the task's, the student's policy also runs on to the end of that case
     and through the other cases, and the hint names the wrong score (`_SCORE_MISTAKES`), argmax or
     first-in-first-out that makes all of its decisions, or the wrong indices (`_index_mistake`).
@@ -494,16 +507,19 @@ def check_eviction_policy(
         )
     if reference is not None and reference not in POLICY_NAMES:
         raise ValueError(f"reference must be None or one of {sorted(POLICY_NAMES)}, got {reference!r}")
-    prompts = [
-        (budget + page_size + 3, False),
-        (2 * budget + 1, False),
-        (2 * budget, False),
-        (budget // 2 + 1, False),
-        (2 * budget, True),
+    # a budget that is no multiple of page_size, where holding more than C tokens and holding more
+    # than C // B pages part ways (``budget`` itself if it is none)
+    odd = budget if budget % page_size else budget + page_size // 2
+    prompts = [  # (prompt length, page 0 scoring lowest, the budget C of the case)
+        (budget + page_size + 3, False, budget),
+        (2 * budget + 1, False, budget),
+        (2 * budget, False, budget),
+        (budget // 2 + 1, False, budget),
+        (2 * budget, True, budget),
+        (2 * odd + 1, False, odd),
     ]
     # room for all, so over budget is not out of pages, and for the neighbour's pages
-    pool = cdiv(max(p for p, _ in prompts) + steps, page_size) + 8 + _Driver.NEIGHBOUR_PAGES
-    limit = max_pages_held(budget, page_size)
+    pool = cdiv(max(p for p, _, _ in prompts) + steps, page_size) + 8 + _Driver.NEIGHBOUR_PAGES
     if reference is None:
         make_oracle = _TaskPolicy
     elif reference == "full":
@@ -511,7 +527,8 @@ def check_eviction_policy(
     else:
         make_oracle = lambda c: make_policy(reference, c)  # noqa: E731
     run = Run(name, len(prompts), time_limit)
-    for case, (prompt_len, sink_lowest) in enumerate(prompts, start=1):
+    for case, (prompt_len, sink_lowest, budget) in enumerate(prompts, start=1):
+        limit = max_pages_held(budget, page_size)
         mine = _Driver(factory, budget, page_size, prompt_len, steps, pool, seed + case, sink_lowest)
         oracle = _Driver(make_oracle, budget, page_size, prompt_len, steps, pool, seed + case, sink_lowest)
         oracle.policy = make_oracle(budget)
@@ -555,10 +572,11 @@ def check_eviction_policy(
                             dropped = _dropped(before, got, page_size)
                             now = _Decision(_candidates(before, page_size), dropped, scores, variants)
                             later = _later_decisions(mine, step, steps, run.call, limit, pool)
-                            for other, (length, low) in enumerate(prompts, start=1):  # and the other cases
+                            for other, (length, low, c) in enumerate(prompts, start=1):  # and the other cases
                                 if other != case:
-                                    again = _Driver(factory, budget, page_size, length, steps, pool, seed + other, low)
-                                    later += _later_decisions(again, -1, steps, run.call, limit, pool)
+                                    again = _Driver(factory, c, page_size, length, steps, pool, seed + other, low)
+                                    held = max_pages_held(c, page_size)
+                                    later += _later_decisions(again, -1, steps, run.call, held, pool)
                             cause = _named_mistake([*past, now, *later])
                         if cause is None:
                             cause = _index_mistake(before, got, want, physical, scores, page_size)
