@@ -330,6 +330,15 @@ class PageBudgetPolicy(_solutions.StudentPagedEviction):
             self._drop_lowest(cache, seq_id)
 
 
+class NewestCandidatePolicy(_solutions.StudentPagedEviction):
+    """Counts the newest page among the candidates (pages 1 .. n-1): after the prefill it drops the
+    same pages as stale logical indices would."""
+
+    def _drop_lowest(self, cache, seq_id):
+        candidates = self._page_scores(cache, seq_id)[1:]
+        cache.drop_pages(seq_id, [1 + int(candidates.argmin())])
+
+
 class PageRoomPolicy(_solutions.StudentPagedEviction):
     """Counts the room of the held pages against the budget after the prefill (pages * page_size > budget,
     not seq_len > budget): the same while the budget is a multiple of page_size, one page too many otherwise."""
@@ -1400,6 +1409,7 @@ MUTANTS = {
         FreesSequencePolicy,
         StaleIndicesPolicy,
         PhysicalIdsPolicy,
+        NewestCandidatePolicy,
         PageRoomPolicy,
         DecodePagesPolicy,
     ],

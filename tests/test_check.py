@@ -126,6 +126,7 @@ def test_allocator_failures_shrink_to_a_few_calls(mutant, words):
         ("FreesSequencePolicy", "never the whole sequence"),
         ("StaleIndicesPolicy", "computed before the first drop_pages call"),
         ("PhysicalIdsPolicy", "you passed physical page ids"),
+        ("NewestCandidatePolicy", "if your candidates included the newest page: it is reserved"),
         ("PageRoomPolicy", "counts the tokens held (cache.seq_len), not the room of their pages"),
         ("DecodePagesPolicy", "drop the lowest-scoring candidate page in this after_append"),
         ("LifoScheduler", "arrival order, oldest first, not newest"),

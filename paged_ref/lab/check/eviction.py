@@ -580,6 +580,11 @@ def check_eviction_policy(
                             cause = _named_mistake([*past, now, *later])
                         if cause is None:
                             cause = _index_mistake(before, got, want, physical, scores, page_size)
+                            if cause is not None and problem[2] == _NEWEST_HINT:  # as likely: the newest a candidate
+                                cause += (
+                                    "; or, if your candidates included the newest page: it is reserved, the "
+                                    "candidates are pages 1 .. n-2"
+                                )
                         if cause is not None:
                             problem = (*problem[:2], cause)
                     if problem is not None:
@@ -639,7 +644,11 @@ def _check_hook(mine: _Driver, newest: int, limit: int, pool: int):
         return (
             f"kept positions increasing and ending with the newest token {newest}",
             f"{positions[:8]}{' ...' if len(positions) > 8 else ''} (last {positions[-1:]})",
-            "never evict the page just written (the newest page is reserved); keep the kept tokens in their "
-            "original order",
+            _NEWEST_HINT,
         ), False
     return None, False
+
+
+_NEWEST_HINT = (
+    "never evict the page just written (the newest page is reserved); keep the kept tokens in their original order"
+)
