@@ -570,6 +570,17 @@ PromptOnlyScheduler = _variant(
 LongChunkScheduler = _variant("LongChunkScheduler", "Running prefill chunks one token long.", chunk_delta=1)
 
 
+class PreemptedInOrderScheduler(StudentScheduler):
+    """Puts the requests preempted in one step at the front of the queue in the order they were
+    preempted (the newest first), not each at the very front as it is preempted."""
+
+    def _preempt(self, victim, preempted):
+        self.running.remove(victim)
+        self.pool.free(victim)
+        self.waiting.insert(len(preempted), victim)
+        preempted.append(victim)
+
+
 class SkipInsteadOfPreemptScheduler(StudentScheduler):
     """Leaves a running request out of the step when its pages are missing, instead of preempting."""
 
@@ -1428,6 +1439,7 @@ MUTANTS = {
         SelfVictimScheduler,
         PromptOnlyScheduler,
         SkipInsteadOfPreemptScheduler,
+        PreemptedInOrderScheduler,
     ],
     "prefix_cache": [
         KeyAlonePrefixCache,

@@ -139,6 +139,7 @@ def test_allocator_failures_shrink_to_a_few_calls(mutant, words):
         ("ShortChunkScheduler", "chunk size off by one"),
         ("LongChunkScheduler", "more than max_batched_tokens"),
         ("PreemptedToBackScheduler", "back to the front of the waiting queue"),
+        ("PreemptedInOrderScheduler", "the one preempted second is first"),
         ("NoChunkedPrefillScheduler", "chunked prefill"),
         ("NoMaxSeqsScheduler", "max_num_seqs"),
         ("SkipAheadScheduler", "blocks the ones behind it"),

@@ -276,7 +276,10 @@ def _hint(ctx: dict, want: tuple, got: tuple, grows: dict) -> str:
             head_fits = head is not None and cdiv(reqs[head].num_tokens, s.page_size) <= ctx["free_after_rows"]
             if head is not None and x != head:
                 if ctx["preempted_before"].get(head):
-                    return "a preempted request goes back to the front of the waiting queue, not the back"
+                    return (
+                        "a preempted request goes back to the front of the waiting queue, not the back, at once "
+                        "(appendleft): of two preempted in one step, the one preempted second is first"
+                    )
                 if not head_fits:
                     return (
                         "first come, first served: a waiting request that cannot be admitted blocks the ones behind "
