@@ -164,6 +164,11 @@ def numpy_slot_mapping(pages, *, start, num_tokens, page_size):
     return student_slot_mapping(pages, start=start, num_tokens=num_tokens, page_size=page_size).numpy()
 
 
+def no_dtype_slot_mapping(pages, *, start, num_tokens, page_size):
+    """torch.tensor(slots) without a dtype: int64, except a float32 tensor when num_tokens is 0."""
+    return torch.tensor([pages[t // page_size] * page_size + t % page_size for t in range(start, start + num_tokens)])
+
+
 def int32_slot_mapping(pages, *, start, num_tokens, page_size):
     return student_slot_mapping(pages, start=start, num_tokens=num_tokens, page_size=page_size).to(torch.int32)
 
@@ -1385,6 +1390,7 @@ MUTANTS = {
         list_slot_mapping,
         numpy_slot_mapping,
         int32_slot_mapping,
+        no_dtype_slot_mapping,
     ],
     "paged_attention": [
         short_by_one_attention,

@@ -102,6 +102,7 @@ def test_allocator_failures_shrink_to_a_few_calls(mutant, words):
         ("list_slot_mapping", "return an int64 tensor"),
         ("numpy_slot_mapping", "return an int64 tensor"),
         ("int32_slot_mapping", "return int64 slots"),
+        ("no_dtype_slot_mapping", "torch.tensor([]) is a float tensor"),
         ("inplace_scale_attention", "must only read its inputs"),
         ("zero_kv_attention", "changed k_cache, v_cache in place"),
         ("overwrite_table_attention", "changed block_table in place"),

@@ -96,12 +96,13 @@ def check_slot_mapping(fn, *, seed: int = 0, cases: int = 120, time_limit: float
             )
             return Failure(_describe_slots(case), expected, _returned(out), hint)
         if out.is_floating_point() or out.is_complex() or out.dtype == torch.bool:
-            return Failure(
-                _describe_slots(case),
-                expected,
-                f"{_returned(out)}: {out.tolist()}",
-                "slots are whole numbers: page * page_size + offset with integer // and %, in an int64 tensor",
-            )
+            hint = "slots are whole numbers: page * page_size + offset with integer // and %, in an int64 tensor"
+            if out.numel() == 0 and out.dtype == torch.get_default_dtype():
+                hint = (
+                    "with num_tokens=0 the list of slots is empty, and torch.tensor([]) is a float tensor: give the "
+                    "dtype, torch.tensor(slots, dtype=torch.int64)"
+                )
+            return Failure(_describe_slots(case), expected, f"{_returned(out)}: {out.tolist()}", hint)
         if out.dtype != torch.int64:
             return Failure(
                 _describe_slots(case),
