@@ -111,6 +111,20 @@ class ShareUnheldAllocator(StudentAllocator):
             self.refs[p] += 1
 
 
+class SetOrderFreeAllocator(StudentAllocator):
+    """free drops the references page by page over set(pages): one call returns its pages in
+    increasing id order, not in the order listed."""
+
+    def free(self, pages):
+        for p in set(pages):
+            if self.refs[p] < pages.count(p):
+                raise ValueError(f"page {p} is not held {pages.count(p)} time(s)")
+        for p in set(pages):
+            self.refs[p] -= pages.count(p)
+            if self.refs[p] == 0:
+                self.free_list.append(p)
+
+
 class LoopingAllocator(StudentAllocator):
     """Loops forever once it must reuse a returned page (a `while` whose condition never changes)."""
 
@@ -1381,6 +1395,7 @@ MUTANTS = {
         AllocateReturnsNoneAllocator,
         NumFreeFreshOnlyAllocator,
         ShareUnheldAllocator,
+        SetOrderFreeAllocator,
     ],
     "slot_mapping": [
         off_by_one_slot_mapping,

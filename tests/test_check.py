@@ -75,6 +75,7 @@ def test_every_mutant_is_caught_with_a_case_and_a_hint(name, mutant):
         ("AllocateReturnsNoneAllocator", "allocate returned None"),
         ("NumFreeFreshOnlyAllocator", "num_free is wrong although every refcount is right"),
         ("ShareUnheldAllocator", "sharing a page that is not held"),
+        ("SetOrderFreeAllocator", "one free call returns its pages in the order listed"),
     ],
 )
 def test_allocator_failures_shrink_to_a_few_calls(mutant, words):
