@@ -500,7 +500,7 @@ class _SchedulerVariant(StudentScheduler):
     lifo = oldest_victim = no_free = decode_free = whole_check = False
     chunk_delta = 0
     to_back = no_chunking = ignore_max_seqs = admit_after_preempt = skip_blocked = False
-    no_reserve = self_victim = prompt_only = False
+    no_reserve = self_victim = prompt_only = floor_pages = False
 
     def _preempt(self, victim, preempted):
         self.running.remove(victim)
@@ -544,6 +544,8 @@ class _SchedulerVariant(StudentScheduler):
             r = self.waiting.pop() if self.lifo else self.waiting.popleft()
             tokens = r.prompt_len if self.prompt_only else r.num_tokens
             need = math.ceil((min(tokens, budget) if self.whole_check else tokens) / self.pool.page_size)
+            if self.floor_pages:
+                need = tokens // self.pool.page_size
             if need > self.pool.num_free or (self.no_chunking and tokens > budget):
                 if self.skip_blocked:
                     skipped.append(r)
@@ -587,6 +589,9 @@ PromptOnlyScheduler = _variant(
     "PromptOnlyScheduler", "Readmits a preempted request with its prompt only.", prompt_only=True
 )
 LongChunkScheduler = _variant("LongChunkScheduler", "Running prefill chunks one token long.", chunk_delta=1)
+FloorPagesScheduler = _variant(
+    "FloorPagesScheduler", "Admits when num_tokens // page_size pages are free (floor, not ceil).", floor_pages=True
+)
 
 
 class PreemptedInOrderScheduler(StudentScheduler):
@@ -1461,6 +1466,7 @@ MUTANTS = {
         PromptOnlyScheduler,
         SkipInsteadOfPreemptScheduler,
         PreemptedInOrderScheduler,
+        FloorPagesScheduler,
     ],
     "prefix_cache": [
         KeyAlonePrefixCache,

@@ -142,6 +142,7 @@ def test_allocator_failures_shrink_to_a_few_calls(mutant, words):
         ("LongChunkScheduler", "more than max_batched_tokens"),
         ("PreemptedToBackScheduler", "back to the front of the waiting queue"),
         ("PreemptedInOrderScheduler", "the one preempted second is first"),
+        ("FloorPagesScheduler", "a partly filled last page counts"),
         ("NoChunkedPrefillScheduler", "chunked prefill"),
         ("NoMaxSeqsScheduler", "max_num_seqs"),
         ("SkipAheadScheduler", "blocks the ones behind it"),

@@ -292,6 +292,11 @@ def _hint(ctx: dict, want: tuple, got: tuple, grows: dict) -> str:
                     f"whole-prompt admission: request {x} needs {whole} pages for its whole sequence (prompt, and the "
                     f"tokens it generated before a preemption) and {ctx['free_after_rows']} are free: admit only when "
                     "all of them are, not just its first chunk's"
+                    + (
+                        f" (ceil({reqs[x].num_tokens} / {s.page_size}) = {whole}: a partly filled last page counts)"
+                        if reqs[x].num_tokens % s.page_size
+                        else ""
+                    )
                 )
             if len(running) + k >= s.max_num_seqs:
                 return f"max_num_seqs: at most {s.max_num_seqs} requests run at once"
