@@ -161,6 +161,11 @@ class NoHash(SOLUTIONS["prefix_cache"]):
         return (parent, tuple(tokens))
 
 
+class NoneRootKey(SOLUTIONS["prefix_cache"]):
+    def _key(self, parent, tokens):
+        return self.hash_fn(parent or None, tuple(tokens))
+
+
 class QuestNoSelect:
     def summaries(self, k, page_size):
         return SOLUTIONS["quest"]().summaries(k, page_size)
@@ -202,6 +207,7 @@ def _merge_loops(o_a, lse_a, o_b, lse_b):
         (check.check_prefix_cache, StartReturnsNone, "number of cached tokens"),
         (check.check_prefix_cache, LoopingCache, "time limit"),
         (check.check_prefix_cache, NoHash, "hash_fn given to __init__"),
+        (check.check_prefix_cache, NoneRootKey, 'parent_key is bytes, b"" for a sequence\'s first page'),
         (check.check_quest, QuestNoSelect, "AttributeError"),
         (check.check_quest, QuestListSelect, "int64 page indices"),
         (check.check_quest, QuestLoops, "time limit"),

@@ -380,6 +380,11 @@ def _play(cls, case: Case, run: Run, where: list) -> Failure | None:
 
     def hash_fn(parent, tokens):
         calls[0] += 1
+        if not isinstance(parent, bytes):
+            raise TypeError(
+                'hash_fn(parent_key, tokens): parent_key is bytes, b"" for a sequence\'s first page, then the key '
+                f"hash_fn returned for the page before; got {parent!r}"
+            )
         return base(parent, tokens)
 
     ref = _Reference(case)
