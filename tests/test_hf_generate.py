@@ -1,6 +1,7 @@
 """paged_ref.hf on a tiny random Llama: same tokens as model.generate, pages freed, log-likelihoods equal."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -705,3 +706,16 @@ def test_a_policy_that_raises_after_the_forward_leaves_every_sequence_counted(mo
         failing.fail = False
         session.extend([a, b], [torch.tensor([5]), torch.tensor([6])])
         assert (session.position(a), session.position(b)) == (7, 8) and counting.positions(b).numel() == 8
+
+
+def test_a_sequence_id_that_is_not_an_int_is_refused_and_nothing_changes(model):
+    """``True == 1`` and ``1.0 == 1`` as dict keys: the session must not take them for sequence 1."""
+    with hf.PagedSession(model, num_pages=4, page_size=4) as session:
+        a, b = session.add(), session.add()
+        session.extend([a, b], [torch.tensor([5, 6]), torch.tensor([7])])
+        for bad in (True, 1.0, [b]):
+            for call in (session.finish, session.position, session.fork):
+                with pytest.raises(ValueError, match=rf"seq_id {re.escape(repr(bad))} is not a live sequence"):
+                    call(bad)
+        assert session.seq_ids == session.kv.seq_ids == [a, b] and session.position(b) == 1
+        assert session.kv.allocator.num_free == 2
