@@ -186,7 +186,7 @@ class Engine:
             return []
         with StepCheckpoint(self) as step:  # undone whole if it raises (`paged_ref.serve.undo`)
             clock = StepClock(self.session)  # the phases, timed (`paged_ref.serve.metrics`)
-            sched = step.sched = self._schedule()  # 1. schedule: preemptions, swaps, admissions, rows
+            sched = step.sched = self._schedule(step.horizon)  # 1. schedule: preemptions, swaps, admissions, rows
             clock.scheduled(self.kv)
             logits = self.session.extend(*sched.inputs(), packed=True, reserved=True)  # 2. forward: [rows, vocab]
             clock.forwarded()
@@ -195,9 +195,9 @@ class Engine:
             return step.outputs
         return self._finish_step(sched, next_tokens, clock)  # 4. finish: EOS or max_new_tokens
 
-    def _schedule(self):
-        """The requests that have arrived queued, the step's `Schedule` (its rows' pages taken)."""
-        self._arrive()
+    def _schedule(self, horizon: float):
+        """The requests that have arrived by ``horizon`` queued, the step's `Schedule` (its rows' pages taken)."""
+        self._arrive(horizon)
         sched = self.scheduler.schedule()
         if not sched.rows:
             raise RuntimeError(f"the scheduler planned no tokens: {self.scheduler.queues()}")
@@ -252,14 +252,14 @@ class Engine:
         self._unreturned = []
         return outs
 
-    def _arrive(self) -> None:
-        """Queue the requests that have arrived; with nothing queued, first wait for the next."""
+    def _arrive(self, horizon: float) -> None:
+        """Queue the requests arrived by ``horizon`` (the checkpoint's); with none queued, first wait for the next."""
         if not self.scheduler.has_work and self._pending:
             if self.clock == "real":
                 time.sleep(max(0.0, self._pending[0][0] - self.now))
             else:
                 self._now = max(self._now, self._pending[0][0])
-        now = self.now
+        now = min(self.now, horizon)
         while self._pending and self._pending[0][0] <= now:
             _, rid = heapq.heappop(self._pending)
             self.scheduler.add(self._requests[rid])
