@@ -240,6 +240,23 @@ def test_an_impossible_request_is_refused_and_nothing_changes(model):
         exact.add_request([5], max_new_tokens=1)
 
 
+def test_a_policy_the_pool_cannot_run_is_refused_at_the_door(model):
+    """A budget too small for the page size, or per-layer decisions on one block table: refused by
+    add_request, not queued to make every later step raise from the policy's hook."""
+    engine = Engine(model, num_pages=16, page_size=PAGE, eos_token_id=[], clock="steps")
+    engine.add_request([5, 6, 7], max_new_tokens=2)
+    before = (engine.stats(), list(engine.scheduler.waiting), engine.kv.allocator.num_free)
+    for policy, kind, match in (
+        (make_policy("paged_eviction", 2), ValueError, "budget must be >= 8 tokens with page_size=4.*got budget=2"),
+        (make_policy("streaming_llm", 5), ValueError, "budget must be >= 8 tokens with page_size=4.*got budget=5"),
+        (make_policy("paged_eviction", 8, decision="per_layer"), TypeError, "per_layer.*got PagedKVCache"),
+    ):
+        with pytest.raises(kind, match=match):
+            engine.add_request(list(range(3, 15)), max_new_tokens=4, eviction=policy)
+    assert (engine.stats(), list(engine.scheduler.waiting), engine.kv.allocator.num_free) == before
+    assert [o.token_ids for o in engine.run()] == [_alone((5, 6, 7), 2)]
+
+
 def test_abort_frees_pages_wherever_the_request_is(model):
     engine = Engine(model, num_pages=10, page_size=PAGE, max_num_seqs=2, eos_token_id=[], clock="steps")
     running = engine.add_request(list(range(3, 20)), max_new_tokens=10)
