@@ -436,6 +436,8 @@ def test_engine_arguments_are_checked(model):
         (dict(preemption="drop"), ValueError, "preemption must be one of"),
         (dict(reservation=Reservation), TypeError, "reservation must be one of"),
         (dict(clock="cpu"), ValueError, "clock must be one of"),
+        (dict(clock=""), ValueError, "clock must be one of.*got ''"),  # not taken for None (the default)
+        (dict(clock=0), ValueError, "clock must be one of.*got 0"),
         (dict(num_pages=0), ValueError, "num_pages must be >= 1"),
         (dict(max_num_seqs=0), ValueError, "max_num_seqs must be >= 1"),
         (dict(prefix_caching=1), TypeError, "prefix_caching must be True or False"),

@@ -108,7 +108,8 @@ class Engine:
         eos_token_id: int | list[int] | None = None,
         clock: str | None = None,
     ):
-        self.clock = check_choice("clock", clock or ("steps" if model is None else "simulated"), CLOCKS)
+        default_clock = "steps" if model is None else "simulated"
+        self.clock = check_choice("clock", default_clock if clock is None else clock, CLOCKS)
         pool = dict(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching, kv_format=kv_format)
         opened = _open_session(model, fast, max_num_seqs, max_model_len, **pool)
         self.session, self.vocab_size, eos, max_model_len = opened
