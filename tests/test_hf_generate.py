@@ -8,6 +8,7 @@ import torch
 from prompts import left_padded
 
 from paged_ref import OutOfPagesError, PagedKVCache, hf
+from paged_ref.eviction import make_policy
 from paged_ref.lab.likelihood import log_likelihood, reference_log_likelihood
 from paged_ref.lab.mistakes import MISTAKES
 
@@ -655,6 +656,18 @@ class _Forwards:
             r"input_ids must hold token ids in \[0, vocab_size=\d+\), got values in \[\d+, 1000000\]",
         ),
         (
+            lambda m, ids: hf.generate(m, ids, max_new_tokens=4, page_size=4, eviction="paged_eviction", budget=2),
+            ValueError,
+            "budget must be >= 8 tokens with page_size=4.*got budget=2",  # was raised by the hook, after the prefill
+        ),
+        (
+            lambda m, ids: hf.generate(
+                m, ids, max_new_tokens=4, eviction=make_policy("value_norm", 64, decision="per_layer")
+            ),
+            TypeError,
+            r"decision='per_layer' needs a paged_ref.LayeredKVCache.*got PagedKVCache",
+        ),
+        (
             lambda m, ids: reference_log_likelihood(m, torch.cat([ids, torch.tensor([[-1]])], 1)),
             ValueError,
             r"input_ids must hold token ids in \[0, vocab_size",
@@ -719,3 +732,13 @@ def test_a_sequence_id_that_is_not_an_int_is_refused_and_nothing_changes(model):
                     call(bad)
         assert session.seq_ids == session.kv.seq_ids == [a, b] and session.position(b) == 1
         assert session.kv.allocator.num_free == 2
+
+
+def test_a_policy_the_cache_cannot_run_is_refused_before_the_sequence_is_added(model):
+    with hf.PagedSession(model, num_pages=8, page_size=4) as session:
+        a = session.add()
+        with pytest.raises(ValueError, match="budget must be >= 8 tokens with page_size=4.*got budget=2"):
+            session.add(eviction=make_policy("paged_eviction", 2))
+        with pytest.raises(ValueError, match="budget must be >= 8 tokens with page_size=4.*got budget=4"):
+            session.fork(a, eviction=make_policy("streaming_llm", 4, sink_tokens=1))
+        assert session.seq_ids == session.kv.seq_ids == [a] and session.kv.allocator.num_free == 8

@@ -324,10 +324,12 @@ class EvictionPolicy:
         self._compact(cache, seq_id, keep)
 
 
-def check_policy(eviction, default):
-    """A sequence's eviction policy: ``eviction``, an `EvictionPolicy`, or the session's ``default`` for None."""
+def check_policy(eviction, default, kv=None):
+    """A sequence's eviction policy: ``eviction``, an `EvictionPolicy`, or ``default`` for None; checked on ``kv``."""
     if eviction is None:
-        return default
-    if not isinstance(eviction, EvictionPolicy):
+        eviction = default
+    elif not isinstance(eviction, EvictionPolicy):
         raise TypeError(f"eviction must be an EvictionPolicy (from make_policy) or None, got {type(eviction).__name__}")
+    if eviction is not None and kv is not None:  # its budget for the page size, its decisions for the tables
+        eviction._check_cache(kv)
     return eviction
