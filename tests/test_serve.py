@@ -450,3 +450,6 @@ def test_engine_arguments_are_checked(model):
             Reservation("paged", watermark=watermark)
     with pytest.raises(TypeError, match=r"reservation must be one of \['paged', 'exact', 'max_len'\] or a Reservation"):
         Engine(model, num_pages=8, reservation=[1])
+    for not_a_model in ("gpt2", torch.nn.Linear(2, 2)):  # was an AttributeError on .config, naming no argument
+        with pytest.raises(TypeError, match="model must be a transformers decoder model.*got (str|Linear)"):
+            Engine(not_a_model, num_pages=8)

@@ -60,7 +60,7 @@ def _open_session(model, fast, rows: int, max_model_len, *, kv_format, **pool):
         return DrySession(**pool), None, [], max_model_len
     from ..hf.session import PagedSession, fast_step
 
-    limit = getattr(model.config, "max_position_embeddings", None)
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)  # not a model: refused below
     if max_model_len is None:
         max_model_len = limit
     elif limit is not None and check_int("max_model_len", max_model_len, min_value=1) > limit:
