@@ -521,6 +521,21 @@ def test_after_append_rejects_skipped_page_boundaries_and_leaves_state():
         policy.positions(99)
 
 
+def test_a_sequence_id_that_is_not_an_int_names_no_sequence():
+    """``True == 1`` as a dict key: release(True) forgot sequence 1's record, positions(True) read it."""
+    cache, policy, g = make_cache(page_size=4), StreamingLLM(8), torch.Generator().manual_seed(0)
+    for s in (cache.add_sequence(), cache.add_sequence()):
+        append(cache, s, *random_kv(cache, 5, g))
+        policy.after_prefill(cache, s)
+    for bad in (True, 1.0):
+        for call in (policy.positions, policy.stats):
+            with pytest.raises(ValueError, match=f"seq_id {bad!r} has not been seen"):
+                call(bad)
+        with pytest.raises(TypeError, match=f"seq_id must be an int, got {bad!r}"):
+            policy.release(bad)
+    assert policy.positions(1).tolist() == list(range(5))
+
+
 def test_resolve_policy():
     assert resolve_policy(None, None) is None
     assert isinstance(resolve_policy("full", None), FullCache)

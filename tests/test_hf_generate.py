@@ -1,12 +1,14 @@
 """paged_ref.hf on a tiny random Llama: same tokens as model.generate, pages freed, log-likelihoods equal."""
 
 import json
+import re
 
 import pytest
 import torch
 from prompts import left_padded
 
 from paged_ref import OutOfPagesError, PagedKVCache, hf
+from paged_ref.eviction import make_policy
 from paged_ref.lab.likelihood import log_likelihood, reference_log_likelihood
 from paged_ref.lab.mistakes import MISTAKES
 
@@ -654,6 +656,18 @@ class _Forwards:
             r"input_ids must hold token ids in \[0, vocab_size=\d+\), got values in \[\d+, 1000000\]",
         ),
         (
+            lambda m, ids: hf.generate(m, ids, max_new_tokens=4, page_size=4, eviction="paged_eviction", budget=2),
+            ValueError,
+            "budget must be >= 8 tokens with page_size=4.*got budget=2",  # was raised by the hook, after the prefill
+        ),
+        (
+            lambda m, ids: hf.generate(
+                m, ids, max_new_tokens=4, eviction=make_policy("value_norm", 64, decision="per_layer")
+            ),
+            TypeError,
+            r"decision='per_layer' needs a paged_ref.LayeredKVCache.*got PagedKVCache",
+        ),
+        (
             lambda m, ids: reference_log_likelihood(m, torch.cat([ids, torch.tensor([[-1]])], 1)),
             ValueError,
             r"input_ids must hold token ids in \[0, vocab_size",
@@ -705,3 +719,26 @@ def test_a_policy_that_raises_after_the_forward_leaves_every_sequence_counted(mo
         failing.fail = False
         session.extend([a, b], [torch.tensor([5]), torch.tensor([6])])
         assert (session.position(a), session.position(b)) == (7, 8) and counting.positions(b).numel() == 8
+
+
+def test_a_sequence_id_that_is_not_an_int_is_refused_and_nothing_changes(model):
+    """``True == 1`` and ``1.0 == 1`` as dict keys: the session must not take them for sequence 1."""
+    with hf.PagedSession(model, num_pages=4, page_size=4) as session:
+        a, b = session.add(), session.add()
+        session.extend([a, b], [torch.tensor([5, 6]), torch.tensor([7])])
+        for bad in (True, 1.0, [b]):
+            for call in (session.finish, session.position, session.fork):
+                with pytest.raises(ValueError, match=rf"seq_id {re.escape(repr(bad))} is not a live sequence"):
+                    call(bad)
+        assert session.seq_ids == session.kv.seq_ids == [a, b] and session.position(b) == 1
+        assert session.kv.allocator.num_free == 2
+
+
+def test_a_policy_the_cache_cannot_run_is_refused_before_the_sequence_is_added(model):
+    with hf.PagedSession(model, num_pages=8, page_size=4) as session:
+        a = session.add()
+        with pytest.raises(ValueError, match="budget must be >= 8 tokens with page_size=4.*got budget=2"):
+            session.add(eviction=make_policy("paged_eviction", 2))
+        with pytest.raises(ValueError, match="budget must be >= 8 tokens with page_size=4.*got budget=4"):
+            session.fork(a, eviction=make_policy("streaming_llm", 4, sink_tokens=1))
+        assert session.seq_ids == session.kv.seq_ids == [a] and session.kv.allocator.num_free == 8

@@ -240,6 +240,23 @@ def test_an_impossible_request_is_refused_and_nothing_changes(model):
         exact.add_request([5], max_new_tokens=1)
 
 
+def test_a_policy_the_pool_cannot_run_is_refused_at_the_door(model):
+    """A budget too small for the page size, or per-layer decisions on one block table: refused by
+    add_request, not queued to make every later step raise from the policy's hook."""
+    engine = Engine(model, num_pages=16, page_size=PAGE, eos_token_id=[], clock="steps")
+    engine.add_request([5, 6, 7], max_new_tokens=2)
+    before = (engine.stats(), list(engine.scheduler.waiting), engine.kv.allocator.num_free)
+    for policy, kind, match in (
+        (make_policy("paged_eviction", 2), ValueError, "budget must be >= 8 tokens with page_size=4.*got budget=2"),
+        (make_policy("streaming_llm", 5), ValueError, "budget must be >= 8 tokens with page_size=4.*got budget=5"),
+        (make_policy("paged_eviction", 8, decision="per_layer"), TypeError, "per_layer.*got PagedKVCache"),
+    ):
+        with pytest.raises(kind, match=match):
+            engine.add_request(list(range(3, 15)), max_new_tokens=4, eviction=policy)
+    assert (engine.stats(), list(engine.scheduler.waiting), engine.kv.allocator.num_free) == before
+    assert [o.token_ids for o in engine.run()] == [_alone((5, 6, 7), 2)]
+
+
 def test_abort_frees_pages_wherever_the_request_is(model):
     engine = Engine(model, num_pages=10, page_size=PAGE, max_num_seqs=2, eos_token_id=[], clock="steps")
     running = engine.add_request(list(range(3, 20)), max_new_tokens=10)
@@ -419,6 +436,8 @@ def test_engine_arguments_are_checked(model):
         (dict(preemption="drop"), ValueError, "preemption must be one of"),
         (dict(reservation=Reservation), TypeError, "reservation must be one of"),
         (dict(clock="cpu"), ValueError, "clock must be one of"),
+        (dict(clock=""), ValueError, "clock must be one of.*got ''"),  # not taken for None (the default)
+        (dict(clock=0), ValueError, "clock must be one of.*got 0"),
         (dict(num_pages=0), ValueError, "num_pages must be >= 1"),
         (dict(max_num_seqs=0), ValueError, "max_num_seqs must be >= 1"),
         (dict(prefix_caching=1), TypeError, "prefix_caching must be True or False"),
@@ -431,3 +450,6 @@ def test_engine_arguments_are_checked(model):
             Reservation("paged", watermark=watermark)
     with pytest.raises(TypeError, match=r"reservation must be one of \['paged', 'exact', 'max_len'\] or a Reservation"):
         Engine(model, num_pages=8, reservation=[1])
+    for not_a_model in ("gpt2", torch.nn.Linear(2, 2)):  # was an AttributeError on .config, naming no argument
+        with pytest.raises(TypeError, match="model must be a transformers decoder model.*got (str|Linear)"):
+            Engine(not_a_model, num_pages=8)

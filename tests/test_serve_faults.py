@@ -7,6 +7,7 @@ the admission rule can never admit is refused at the door; the scheduler never s
 """
 
 import functools
+import time
 
 import pytest
 import torch
@@ -241,6 +242,44 @@ def test_eviction_beside_a_shared_prompt_has_pages_for_its_copies(model, preempt
     assert outs[0].token_ids == _alone(tuple(prompt), 8)
     assert outs[1].token_ids == _alone(tuple(prompt), 4, policy, 8)
     assert engine.kv.allocator.num_free == 7
+
+
+def test_an_observer_that_raises_changes_nothing(model):
+    """Observers ran after the step had counted its tokens: one that raised left a request past its
+    max_new_tokens still running, never to finish (it decoded on and on)."""
+    engine = Engine(model, num_pages=8, page_size=PAGE, eos_token_id=[], clock="steps")
+    engine.add_request([5, 6, 7], max_new_tokens=2)
+    engine.step()
+    engine.observers.append(lambda e: (_ for _ in ()).throw(RuntimeError("observer failed")))
+    before = _state(engine)
+    with pytest.raises(RuntimeError, match="observer failed") as raised:
+        engine.step()
+    assert _state(engine) == before and "Engine.step was undone" in raised.value.__notes__[-1]
+    engine.observers.clear()
+    out = engine.run()[0]
+    assert (out.finish_reason, out.token_ids) == ("length", _alone((5, 6, 7), 2))
+    assert engine.kv.allocator.num_free == 8
+
+
+def test_a_request_arriving_during_an_undone_real_clock_step_is_still_to_arrive(model, monkeypatch):
+    """On the real clock time passes between the step's checkpoint and its planning: a request arriving
+    then was admitted into a step the checkpoint could not undo for it (left "running" on a sequence the
+    undo freed, while still due to arrive: abort raised "not a live sequence")."""
+    wall = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: wall[0])
+    engine = Engine(model, num_pages=16, page_size=PAGE, eos_token_id=[], clock="real")
+    a = engine.add_request([5, 6, 7], max_new_tokens=3)
+    b = engine.add_request([8, 9], max_new_tokens=3, arrival_s=5.0)
+    checkpoint = engine.kv.checkpoint
+    monkeypatch.setattr(engine.kv, "checkpoint", lambda: (wall.__setitem__(0, 10.0), checkpoint()))
+    monkeypatch.setattr(engine.session, "extend", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        engine.step()
+    r = engine._requests[b]
+    assert (r.status, r.seq_id, engine._pending, engine.kv.seq_ids) == ("pending", None, [(5.0, b)], [])
+    assert engine.abort(b).finish_reason == "abort" and not engine._pending
+    monkeypatch.undo()
+    assert engine.run()[a].token_ids == _alone((5, 6, 7), 3) and engine.kv.allocator.num_free == 16
 
 
 # ---------------------------------------------------------------------- refused at the door, never stuck

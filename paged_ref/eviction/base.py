@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .._arith import cdiv
-from .._validate import check_bool, check_choice, check_int
+from .._validate import check_bool, check_choice, check_int, is_int
 from ..block_table import pages_needed
 from ..cache_interface import KVCache
 from .scores import SCORE_METHODS, token_scores
@@ -158,6 +158,8 @@ class EvictionPolicy:
 
     def release(self, seq_id: int) -> None:
         """Forget a sequence (call when it is freed from the cache)."""
+        if not is_int(seq_id):  # True and 1.0 would name sequence 1
+            raise TypeError(f"seq_id must be an int, got {seq_id!r}")
         self._positions.pop(seq_id, None)
         self._stats.pop(seq_id, None)
 
@@ -234,7 +236,7 @@ class EvictionPolicy:
             )
 
     def _positions_of(self, seq_id) -> torch.Tensor:
-        if seq_id not in self._positions:
+        if not is_int(seq_id) or seq_id not in self._positions:
             raise ValueError(f"seq_id {seq_id!r} has not been seen by this policy (call after_prefill first)")
         return self._positions[seq_id]
 
@@ -324,10 +326,12 @@ class EvictionPolicy:
         self._compact(cache, seq_id, keep)
 
 
-def check_policy(eviction, default):
-    """A sequence's eviction policy: ``eviction``, an `EvictionPolicy`, or the session's ``default`` for None."""
+def check_policy(eviction, default, kv=None):
+    """A sequence's eviction policy: ``eviction``, an `EvictionPolicy`, or ``default`` for None; checked on ``kv``."""
     if eviction is None:
-        return default
-    if not isinstance(eviction, EvictionPolicy):
+        eviction = default
+    elif not isinstance(eviction, EvictionPolicy):
         raise TypeError(f"eviction must be an EvictionPolicy (from make_policy) or None, got {type(eviction).__name__}")
+    if eviction is not None and kv is not None:  # its budget for the page size, its decisions for the tables
+        eviction._check_cache(kv)
     return eviction

@@ -35,8 +35,8 @@ def check_batch(seq_ids, tokens) -> tuple[list, list]:
 
 
 def check_live(seq_id, live) -> None:
-    """``seq_id`` is one of ``live``, a session's sequences."""
-    if seq_id not in live:
+    """``seq_id`` is one of ``live``, a session's sequences (an int: ``True`` and ``1.0`` equal 1 as keys)."""
+    if not is_int(seq_id) or seq_id not in live:
         raise ValueError(f"seq_id {seq_id!r} is not a live sequence of this session (live: {sorted(live)})")
 
 

@@ -179,7 +179,7 @@ class PagedSession:
             raise RuntimeError(
                 "PagedSession.add on a closed session: open it again (`with session:`) or make a new one"
             )
-        policy = check_policy(eviction, self.eviction)
+        policy = check_policy(eviction, self.eviction, self.kv)
         seq_id = self.kv.add_sequence(token_ids=token_ids, namespace=namespace)
         self._positions[seq_id] = self.kv.seq_len(seq_id)  # RoPE continues after reused tokens
         self._policies[seq_id] = policy
@@ -191,7 +191,7 @@ class PagedSession:
         The fork's tokens are its prompt: its policy (default: the session's) runs ``after_prefill``
         now, so one prefilled prompt serves sequences under different policies."""
         check_live(seq_id, self._positions)
-        policy = check_policy(eviction, self.eviction)
+        policy = check_policy(eviction, self.eviction, self.kv)
         new = self.kv.fork(seq_id)
         self._positions[new] = self._positions[seq_id]
         self._policies[new] = policy

@@ -20,6 +20,7 @@ def prompt_list(prompt_ids, vocab: int | None) -> list[int]:
 def check_eviction(eviction, session) -> None:
     if check_policy(eviction, None) is not None and not getattr(session, "evicts", True):
         raise ValueError("eviction needs a model: a dry run (Engine(None, ...)) has no K/V to score")
+    check_policy(eviction, None, session.kv)
 
 
 def check_request_id(request_id, num_requests: int) -> int:

@@ -60,7 +60,7 @@ def _open_session(model, fast, rows: int, max_model_len, *, kv_format, **pool):
         return DrySession(**pool), None, [], max_model_len
     from ..hf.session import PagedSession, fast_step
 
-    limit = getattr(model.config, "max_position_embeddings", None)
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)  # not a model: refused below
     if max_model_len is None:
         max_model_len = limit
     elif limit is not None and check_int("max_model_len", max_model_len, min_value=1) > limit:
@@ -85,8 +85,8 @@ class Engine:
         max_model_len: longest request; default the model's ``max_position_embeddings`` (dry: the pool).
         eos_token_id: int or ints that end a request (default the model's; ``[]``: never).
 
-    ``observers``: callables ``f(engine)`` run after each step's forward, before the requests it
-    finished give their pages back (`paged_ref.lab.page_trace` reads the pool there).
+    ``observers``: callables ``f(engine)`` run inside each step after its forward, before the requests it
+    finished give their pages back (`paged_ref.lab.page_trace` reads the pool there); one that raises undoes the step.
     """
 
     HOOK_TRIES = 3  # a request whose own eviction hook raises in this many steps is finished with an error
@@ -108,7 +108,8 @@ class Engine:
         eos_token_id: int | list[int] | None = None,
         clock: str | None = None,
     ):
-        self.clock = check_choice("clock", clock or ("steps" if model is None else "simulated"), CLOCKS)
+        default_clock = "steps" if model is None else "simulated"
+        self.clock = check_choice("clock", default_clock if clock is None else clock, CLOCKS)
         pool = dict(num_pages=num_pages, page_size=page_size, prefix_caching=prefix_caching, kv_format=kv_format)
         opened = _open_session(model, fast, max_num_seqs, max_model_len, **pool)
         self.session, self.vocab_size, eos, max_model_len = opened
@@ -180,32 +181,32 @@ class Engine:
 
     # ------------------------------------------------------------------ steps
     def step(self) -> list[RequestOutput]:
-        """One scheduler step and one forward, all or nothing; returns the requests that finished in it.
-        With nothing queued but requests still to arrive, the clock first moves to the next arrival."""
+        """One scheduler step and one forward, all or nothing (observers included); the requests it finished."""
         if not self.has_unfinished_requests():
             return []
         with StepCheckpoint(self) as step:  # undone whole if it raises (`paged_ref.serve.undo`)
             clock = StepClock(self.session)  # the phases, timed (`paged_ref.serve.metrics`)
-            sched = step.sched = self._schedule()  # 1. schedule: preemptions, swaps, admissions, rows
+            sched = step.sched = self._schedule(step.horizon)  # 1. schedule: preemptions, swaps, admissions, rows
             clock.scheduled(self.kv)
             logits = self.session.extend(*sched.inputs(), packed=True, reserved=True)  # 2. forward: [rows, vocab]
             clock.forwarded()
             next_tokens = logits.argmax(dim=-1).tolist()  # 3. sample (greedy)
-        if step.outputs:  # undone; requests whose own eviction hook kept raising finished with an error
-            return step.outputs
-        return self._finish_step(sched, next_tokens, clock)  # 4. finish: EOS or max_new_tokens
+            for observe in self.observers:  # they see the pool the forward left
+                observe(self)
+        # undone: the requests whose own eviction hook kept raising, finished with an error; else 4. finish
+        return step.outputs or self._finish_step(sched, next_tokens, clock)
 
-    def _schedule(self):
-        """The requests that have arrived queued, the step's `Schedule` (its rows' pages taken)."""
-        self._arrive()
+    def _schedule(self, horizon: float):
+        """The requests that have arrived by ``horizon`` queued, the step's `Schedule` (its rows' pages taken)."""
+        self._arrive(horizon)
         sched = self.scheduler.schedule()
         if not sched.rows:
             raise RuntimeError(f"the scheduler planned no tokens: {self.scheduler.queues()}")
         return sched
 
     def _finish_step(self, sched, next_tokens: list[int], clock: StepClock) -> list[RequestOutput]:
-        """Count each row's tokens as computed and give a row that completed its tokens its next token;
-        then observers see the pool, finished requests free their pages, the clock moves."""
+        """Count each row's tokens as computed and give a row that completed its tokens its next token (EOS or
+        max_new_tokens finish it); then finished requests free their pages, the clock moves."""
         count_fed(self._counts, sched)
         finished = []
         for (r, n), token in zip(sched.rows, next_tokens):
@@ -219,8 +220,6 @@ class Engine:
                 finished.append((r, "stop"))
             elif len(r.output_ids) == r.max_new_tokens:
                 finished.append((r, "length"))
-        for observe in self.observers:
-            observe(self)
         pages = clock.pages_used, clock.pages_used + self.scheduler.unfilled_commitments(), len(self.scheduler.running)
         for r, _ in finished:
             self.scheduler.remove(r)
@@ -252,14 +251,15 @@ class Engine:
         self._unreturned = []
         return outs
 
-    def _arrive(self) -> None:
-        """Queue the requests that have arrived; with nothing queued, first wait for the next."""
+    def _arrive(self, horizon: float) -> None:
+        """Queue the requests arrived by ``horizon`` (the checkpoint's); with none queued, first wait for the next
+        (the clock moves to its arrival)."""
         if not self.scheduler.has_work and self._pending:
             if self.clock == "real":
                 time.sleep(max(0.0, self._pending[0][0] - self.now))
             else:
                 self._now = max(self._now, self._pending[0][0])
-        now = self.now
+        now = min(self.now, horizon)
         while self._pending and self._pending[0][0] <= now:
             _, rid = heapq.heappop(self._pending)
             self.scheduler.add(self._requests[rid])

@@ -46,6 +46,7 @@ class AfterPrompt(EvictionPolicy):
         self.prompt_len = prompt_len
         self.budget = inner.budget
         self.name = inner.name
+        self._check_cache = inner._check_cache  # the cache and page size it needs are its inner policy's
         self.request_id, self.owner = request_id, owner
         self._started: set[int] = set()  # sequences whose prompt `inner` has seen
 

@@ -65,8 +65,8 @@ class StepCheckpoint:
 
     def __enter__(self) -> StepCheckpoint:
         e, s = self.engine, self.engine.scheduler
-        horizon = max(e.now, e._pending[0][0]) if e._pending and not s.has_work else e.now
-        arriving = [e._requests[i] for t, i in e._pending if t <= horizon]
+        self.horizon = max(e.now, e._pending[0][0]) if e._pending and not s.has_work else e.now
+        arriving = [e._requests[i] for t, i in e._pending if t <= self.horizon]
         requests = [*s.running, *s.swapped, *itertools.islice(s.waiting, s.max_num_seqs), *arriving]
         policies = [r.eviction for r in requests if r.eviction is not None] + s.hooks()
         e.kv.checkpoint()
