@@ -18,9 +18,9 @@ def prompt_list(prompt_ids, vocab: int | None) -> list[int]:
 
 
 def check_eviction(eviction, session) -> None:
-    if check_policy(eviction, None) is not None and not getattr(session, "evicts", True):
+    evicts = getattr(session, "evicts", True)  # a dry session has no K/V: no cache to check the policy on
+    if check_policy(eviction, None, session.kv if evicts else None) is not None and not evicts:
         raise ValueError("eviction needs a model: a dry run (Engine(None, ...)) has no K/V to score")
-    check_policy(eviction, None, session.kv)
 
 
 def check_request_id(request_id, num_requests: int) -> int:
