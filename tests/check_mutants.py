@@ -428,6 +428,27 @@ class AllHeadsNormPolicy(_ScoredPolicy):
         return v.flatten(1).norm(dim=-1) / k.flatten(1).norm(dim=-1)
 
 
+class SquaredRatioPolicy(_ScoredPolicy):
+    """Scores tokens by (||V||/||K||)^2, per KV head, averaged over heads."""
+
+    def _score(self, k, v):
+        return (v.norm(dim=-1) / k.norm(dim=-1)).square().mean(dim=1)
+
+
+class L1NormPolicy(_ScoredPolicy):
+    """Takes L1 norms: ||V||_1/||K||_1 per KV head, averaged over heads."""
+
+    def _score(self, k, v):
+        return (v.abs().sum(dim=-1) / k.abs().sum(dim=-1)).mean(dim=1)
+
+
+class MaxOverHeadsPolicy(_ScoredPolicy):
+    """The largest KV head's ||V||/||K|| instead of the mean over heads."""
+
+    def _score(self, k, v):
+        return (v.norm(dim=-1) / k.norm(dim=-1)).amax(dim=1)
+
+
 class RatioOfMeansPolicy(_solutions.StudentPagedEviction):
     """A page's mean ||V|| over its mean ||K|| (per head, averaged over heads and layers): a ratio of
     means instead of the mean of the tokens' ratios."""
@@ -1443,6 +1464,9 @@ MUTANTS = {
         LastLayerPolicy,
         AllHeadsNormPolicy,
         RatioOfMeansPolicy,
+        SquaredRatioPolicy,
+        L1NormPolicy,
+        MaxOverHeadsPolicy,
         FreesSequencePolicy,
         StaleIndicesPolicy,
         PhysicalIdsPolicy,

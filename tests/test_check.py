@@ -202,6 +202,9 @@ def test_allocator_failures_shrink_to_a_few_calls(mutant, words):
         ("divided_dequantize", "dequantize multiplies by the scale"),
         ("float64_dequantize", "the values in float32"),
         ("unconverted_dequantize", "convert q to float32 first"),
+        ("SquaredRatioPolicy", "the squared ratio"),
+        ("L1NormPolicy", "you took L1 norms"),
+        ("MaxOverHeadsPolicy", "the largest KV head"),
         ("no_requant_page_write", "re-quantize its earlier tokens"),
         ("shrinking_page_write", "the scale never shrinks"),
         ("one_scale_page_write", "one scale per KV head"),
@@ -280,6 +283,24 @@ def test_eviction_policy_matches_a_named_reference():
     assert same.passed, str(same)
     other = check.check_eviction_policy(lambda c: make_policy("streaming_llm", c), reference="paged_eviction")
     assert not other.passed and "paged_eviction" in other.failure.expected
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 8])
+@pytest.mark.parametrize("seed", [0, 7, 13])
+def test_the_decoy_prompt_makes_three_wrong_scores_keep_the_page_the_task_drops(page_size, seed):
+    """In the last prompt (C + B tokens, C = 3B) the task's score ranks page 1 lowest of the candidates and
+    page 2 next; the squared ratio, L1 norms and the largest KV head each rank page 1 above page 2."""
+    from paged_ref.lab.check.eviction import _Driver, _page_scores, _score_variants
+
+    prompt = 4 * page_size
+    d = _Driver(None, 3 * page_size, page_size, prompt, 0, 16, seed=seed, sink_lowest=False, decoy=True)
+    d.write(0, prompt)
+    scores = _page_scores(d.cache, d.seq)  # [4]
+    assert torch.allclose(scores.double(), d.levels[:4], rtol=1e-4)
+    assert scores[1] < scores[2]  # pages 1 and 2: the only candidates (0 and 3 are reserved)
+    variants = _score_variants(d.cache, d.seq)
+    for name in ("squared_ratio", "l1_norms", "max_over_heads"):
+        assert variants[name][1] > variants[name][2], name
 
 
 def test_the_reference_mode_says_what_the_reference_does():

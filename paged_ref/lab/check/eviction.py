@@ -9,7 +9,8 @@ by KV head (factors of mean one over them) and token by token (factors of mean o
 and ||K|| is drawn per token, independently of the ratio, ten times larger in KV head 0 than in
 KV head 1. So each of these ranks the pages differently from the task's score, and the hint names
 it (`_SCORE_MISTAKES`): ||V|| alone, 1/||K|| alone, layer 0 only, the last layer only, one norm
-over all KV heads together, and the page's mean ||V|| over its mean ||K|| (a ratio of means).
+over all KV heads together, and the page's mean ||V|| over its mean ||K|| (a ratio of means). The
+last prompt adds a decoy for three more: the squared ratio, L1 norms, the largest KV head.
 Each token's position is written into the direction of its key (its norm stays the one drawn),
 so the checker reads back which tokens a policy kept.
 """
@@ -95,6 +96,10 @@ _SCORE_MISTAKES = {
     "||V||/||K|| per KV head, then average over the heads",
     "ratio_of_means": "you divided the page's mean ||V|| by its mean ||K|| (a ratio of means): the score is the mean "
     "over the page's tokens of each token's ||V||/||K|| (a mean of ratios)",
+    "squared_ratio": "you averaged the squared ratio (||V||/||K||)^2 (or ||V||^2/||K||^2): average ||V||/||K|| itself",
+    "l1_norms": "you took L1 norms (the sum of absolute values): ||V|| and ||K|| are L2 norms "
+    "(torch.linalg.vector_norm or .norm(dim=-1))",
+    "max_over_heads": "you took the largest KV head's ||V||/||K||: average over the KV heads",
 }
 
 
@@ -115,6 +120,9 @@ def _score_variants(cache: PagedKVCache, seq_id: int) -> dict[str, torch.Tensor]
         "last_layer": pages(ratio[-1].mean(dim=-1)),
         "all_heads_norm": pages((v.flatten(2).norm(dim=-1) / k.flatten(2).norm(dim=-1)).mean(dim=0)),
         "ratio_of_means": (pages(vn.transpose(0, 1)) / pages(kn.transpose(0, 1))).mean(dim=(1, 2)),
+        "squared_ratio": pages(ratio.square().mean(dim=(0, 2))),
+        "l1_norms": pages((v.abs().sum(dim=-1) / k.abs().sum(dim=-1)).mean(dim=(0, 2))),
+        "max_over_heads": pages(ratio.amax(dim=-1).mean(dim=0)),
     }
 
 
@@ -146,7 +154,7 @@ class _Driver:
 
     NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, NEIGHBOUR_PAGES = 2, 2, 4, 2
 
-    def __init__(self, make, budget, page_size, prompt_len, steps, pool, seed, sink_lowest):
+    def __init__(self, make, budget, page_size, prompt_len, steps, pool, seed, sink_lowest, decoy=False):
         self.cache = PagedKVCache(
             num_layers=self.NUM_LAYERS,
             num_pages=pool,
@@ -176,10 +184,29 @@ class _Driver:
         sign = torch.randint(0, 2, (pages, 1, 1, 1), generator=self.gen) * 2 - 1  # per page: with ||K|| or against
         per_token = k_token**sign
         per_token = per_token / per_token.mean(dim=1, keepdim=True)  # mean 1 over the page's tokens
+        self.decoy = decoy and pages > 3
+        if self.decoy:  # see `_make_decoy`
+            self._make_decoy(levels, per_head, per_token, prompt_pages=cdiv(prompt_len, page_size))
         self.ratio = (levels[:, None, None, None] * per_head * per_token).flatten(0, 1)  # [tokens, layers, heads]
         self.k_norm = (k_page * k_token).flatten(0, 1)
         self.policy = None  # set by the caller: the student's through run.call
         self.record = False  # set by `_later_decisions`: keep the page scores before each hook
+
+    def _make_decoy(self, levels, per_head, per_token, prompt_pages) -> None:
+        """Pages 1 and 2 score lowest of the prompt's pages (page 1 lowest, 10% below page 2), and the
+        squared ratio, L1 norms and the largest KV head each rank page 1 above page 2: page 2 is flat
+        (every token, layer and head at its level, V along one axis); page 1 puts its ratio in KV head
+        0 (19 times head 1's, mean 1 over layers and heads), nine tenths of it in one token (mean 1 over
+        the page) and V along a diagonal (its L1 norm twice its L2 norm; the key's is at most sqrt 2 times).
+        Edits ``levels [pages]``, ``per_head [pages, 1, layers, heads]``, ``per_token [pages, B, layers, heads]``."""
+        levels[2] = 0.95 * levels[1 : max(prompt_pages - 1, 3)].min()
+        levels[1] = 0.9 * levels[2]
+        per_head[2], per_token[2] = 1.0, 1.0
+        layer = torch.tensor([1.3, 0.7], dtype=torch.float64)[:, None]  # [layers, 1], mean 1
+        per_head[1] = layer * torch.tensor([1.9, 0.1], dtype=torch.float64)  # [layers, heads], mean 1
+        token = torch.full((per_token.shape[1],), 0.1, dtype=torch.float64)  # [B]
+        token[0] = per_token.shape[1] - 0.1 * (per_token.shape[1] - 1)  # mean 1 over the page
+        per_token[1] = token[:, None, None]
 
     def _spread(self, shape, width, dims=()) -> torch.Tensor:
         """Log-uniform factors in exp(+-width), scaled to mean 1 over ``dims`` (none: as drawn)."""
@@ -196,6 +223,10 @@ class _Driver:
             k = torch.zeros(shape, dtype=torch.float64)
             k[:, :, 0], k[:, :, 1] = angle.cos()[:, None], angle.sin()[:, None]
             v = torch.randn(shape, generator=self.gen, dtype=torch.float64)
+            if self.decoy:  # page 1's V along a diagonal, page 2's along one axis (`_make_decoy`)
+                page = (position // self.cache.page_size)[:, None, None]  # [n, 1, 1]
+                axis = torch.zeros_like(v).scatter_(-1, v.abs().argmax(dim=-1, keepdim=True), 1.0) * v.sign()
+                v = torch.where(page == 1, v.sign(), torch.where(page == 2, axis, v))
             v = v / v.norm(dim=-1, keepdim=True) * (self.ratio[position, layer][:, :, None] * k_norm)
             self.cache.write(layer, slots, (k * k_norm).float(), v.float())
 
@@ -398,19 +429,23 @@ def _lowest(candidates, k, scores) -> list[int]:
 
 
 def _named_mistake(decisions: list[_Decision]) -> str | None:
-    """The hint of the first known mistake that makes every one of the student's ``decisions``: the
-    hooks before the failing one (where it agreed with the task's policy), that one and the later."""
-    choices = [
-        (_ARGMAX_HINT, lambda d, k: sorted(sorted(d.candidates, key=lambda j: -float(d.scores[j]))[:k])),
-        (_FIFO_HINT, lambda d, k: d.candidates[:k]),
+    """The hint of the known mistake that makes every one of the student's ``decisions``: the hooks
+    before the failing one (where it agreed with the task's policy), that one and the later. Argmax
+    and first-in-first-out first; then every wrong score that makes them all, each named."""
+
+    def makes_all(choose) -> bool:
+        return all(choose(d, len(d.dropped)) == d.dropped for d in decisions)
+
+    if makes_all(lambda d, k: sorted(sorted(d.candidates, key=lambda j: -float(d.scores[j]))[:k])):
+        return _ARGMAX_HINT
+    if makes_all(lambda d, k: d.candidates[:k]):
+        return _FIFO_HINT
+    hints = [
+        h for n, h in _SCORE_MISTAKES.items() if makes_all(lambda d, k, n=n: _lowest(d.candidates, k, d.variants[n]))
     ]
-    choices += [
-        (hint, lambda d, k, n=name: _lowest(d.candidates, k, d.variants[n])) for name, hint in _SCORE_MISTAKES.items()
-    ]
-    for hint, choose in choices:
-        if all(choose(d, len(d.dropped)) == d.dropped for d in decisions):
-            return hint
-    return None
+    if len(hints) > 1:
+        return f"these cases cannot tell which of {len(hints)} wrong scores you computed: " + "; or ".join(hints)
+    return hints[0] if hints else None
 
 
 def _index_mistake(before, kept, want, physical, scores, page_size) -> str | None:
@@ -488,11 +523,13 @@ def check_eviction_policy(
     page_size)``, every page the sequence gave up is back in the allocator (free + held = pool,
     less the pages of a neighbour sequence that makes physical page ids differ from logical
     ones), the kept tokens are written tokens in their original order with the newest among them,
-    and the kept tokens are the ones the task's policy (or the reference) keeps. Six prompts:
+    and the kept tokens are the ones the task's policy (or the reference) keeps. Seven prompts:
     longer than C by a page and a bit, 2C + 1, 2C (a page multiple), C/2 + 1 (no prefill
-    eviction), 2C with page 0 scoring lowest (it must stay: the attention sink), and 2C' + 1
+    eviction), 2C with page 0 scoring lowest (it must stay: the attention sink), 2C' + 1
     with a budget C' = C + B // 2 that is no multiple of B (C itself if it is none), where
-    holding more than C' tokens and holding more than C' // B pages part ways. When a
+    holding more than C' tokens and holding more than C' // B pages part ways, and C + B with
+    pages 1 and 2 a decoy (`_Driver._make_decoy`: where C >= 3B, the one page the prefill drops
+    is page 1, which the squared ratio, L1 norms and the largest KV head would each keep). When a
     decision differs from the task's, the student's policy also runs on to the end of that case
     and through the other cases, and the hint names the wrong score (`_SCORE_MISTAKES`), argmax or
     first-in-first-out that makes all of its decisions, or the wrong indices (`_index_mistake`).
@@ -510,16 +547,17 @@ def check_eviction_policy(
     # a budget that is no multiple of page_size, where holding more than C tokens and holding more
     # than C // B pages part ways (``budget`` itself if it is none)
     odd = budget if budget % page_size else budget + page_size // 2
-    prompts = [  # (prompt length, page 0 scoring lowest, the budget C of the case)
-        (budget + page_size + 3, False, budget),
-        (2 * budget + 1, False, budget),
-        (2 * budget, False, budget),
-        (budget // 2 + 1, False, budget),
-        (2 * budget, True, budget),
-        (2 * odd + 1, False, odd),
+    prompts = [  # (prompt length, page 0 scoring lowest, the budget C of the case, pages 1 and 2 a decoy)
+        (budget + page_size + 3, False, budget, False),
+        (2 * budget + 1, False, budget, False),
+        (2 * budget, False, budget, False),
+        (budget // 2 + 1, False, budget, False),
+        (2 * budget, True, budget, False),
+        (2 * odd + 1, False, odd, False),
+        (budget + page_size, False, budget, True),
     ]
     # room for all, so over budget is not out of pages, and for the neighbour's pages
-    pool = cdiv(max(p for p, _, _ in prompts) + steps, page_size) + 8 + _Driver.NEIGHBOUR_PAGES
+    pool = cdiv(max(p[0] for p in prompts) + steps, page_size) + 8 + _Driver.NEIGHBOUR_PAGES
     if reference is None:
         make_oracle = _TaskPolicy
     elif reference == "full":
@@ -527,10 +565,10 @@ def check_eviction_policy(
     else:
         make_oracle = lambda c: make_policy(reference, c)  # noqa: E731
     run = Run(name, len(prompts), time_limit)
-    for case, (prompt_len, sink_lowest, budget) in enumerate(prompts, start=1):
+    for case, (prompt_len, sink_lowest, budget, decoy) in enumerate(prompts, start=1):
         limit = max_pages_held(budget, page_size)
-        mine = _Driver(factory, budget, page_size, prompt_len, steps, pool, seed + case, sink_lowest)
-        oracle = _Driver(make_oracle, budget, page_size, prompt_len, steps, pool, seed + case, sink_lowest)
+        mine = _Driver(factory, budget, page_size, prompt_len, steps, pool, seed + case, sink_lowest, decoy)
+        oracle = _Driver(make_oracle, budget, page_size, prompt_len, steps, pool, seed + case, sink_lowest, decoy)
         oracle.policy = make_oracle(budget)
         step = 0
         try:
@@ -572,9 +610,9 @@ def check_eviction_policy(
                             dropped = _dropped(before, got, page_size)
                             now = _Decision(_candidates(before, page_size), dropped, scores, variants)
                             later = _later_decisions(mine, step, steps, run.call, limit, pool)
-                            for other, (length, low, c) in enumerate(prompts, start=1):  # and the other cases
+                            for other, (length, low, c, lure) in enumerate(prompts, start=1):  # and the others
                                 if other != case:
-                                    again = _Driver(factory, c, page_size, length, steps, pool, seed + other, low)
+                                    again = _Driver(factory, c, page_size, length, steps, pool, seed + other, low, lure)
                                     held = max_pages_held(c, page_size)
                                     later += _later_decisions(again, -1, steps, run.call, held, pool)
                             cause = _named_mistake([*past, now, *later])
