@@ -104,8 +104,8 @@ def _attend(q, k_cache, v_cache, gather: SlotGather, scale: float, k_scale=None,
     )
 
 
-# Tokens per chunk of `attend_chunked`. With it, SmolLM2's decode step at 8192 tokens on 2 CPU cores
-# went from 1.53x to 0.94x of DynamicCache's (`python -m paged_ref.lab.bench generate`, contexts workload).
+# Tokens per chunk of `attend_chunked`: SDPA over one long view runs one work item per KV head, too few
+# for the cores, so a long sequence is read in pieces of this many tokens, run as SDPA's batch.
 DECODE_CHUNK = 512
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
