@@ -212,11 +212,81 @@ def _breakdown_facts() -> list[str]:
     ]
 
 
+def _generate_facts() -> list[str]:
+    """Every number the README's row on paged generate quotes, from figures/data/generate_cpu.json: each ratio
+    the median of the per-repeat ratios (``ratios_tokens_per_s_paired``), not the ratio of the medians."""
+    data = json.loads((README.parent / "figures" / "data" / "generate_cpu.json").read_text())
+    single, mixed = (data[w]["ratios_tokens_per_s_paired"] for w in ("single", "mixed"))
+    repeats = {data[w]["workload"]["repeats"] for w in ("single", "mixed")}
+    assert repeats == {3} and all(r["tokens_match_hf_generate"] for w in ("single", "mixed")
+                                  for r in data[w]["results"].values())  # fmt: skip
+    return [
+        f"the default (`auto`, SDPA on CPU) {single['paged_auto/hf_generate']:.2f}x `model.generate`'s tokens/s on "
+        f"one sequence and {mixed['paged_auto/hf_generate']:.2f}x on a mixed batch, "
+        f"{mixed['paged_auto/hf_generate_batch']:.2f}x `generate_batch`",
+        f"the same code, {single['paged_sdpa/hf_generate']:.2f}x and {mixed['paged_sdpa/hf_generate']:.2f}x",
+        f"flex with compiled decode {single['paged_flex/hf_generate']:.2f}x and {mixed['paged_flex/hf_generate']:.2f}x",
+        f"medians of {repeats.pop()} alternating pairs; `bench generate`, {data['torch_threads']} threads, "
+        f"{data['environment']['date_utc'][:10]}",
+    ]
+
+
+def _contexts_facts() -> list[str]:
+    """The row on prefill and decode apart, from generate_cpu.json's ``contexts``: the paired ratios."""
+    data = json.loads((README.parent / "figures" / "data" / "generate_cpu.json").read_text())
+    c = data["contexts"]
+    rows = {r["context"]: r["methods"] for r in c["rows"]}
+    auto = [rows[n]["paged_auto"] for n in c["contexts"]]
+    scattered = [rows[n]["paged_auto_scattered"] for n in c["contexts"]]
+    plans = [r["plan_share_of_decode_step"] for r in auto]
+    reference = {n: m["paged_reference"] for n, m in rows.items() if "paged_reference" in m}
+    top = max(reference)
+
+    def span(values):
+        return f"{min(values):.2f}x-{max(values):.2f}x"
+
+    assert all(r["tokens_match_hf"] for m in rows.values() for r in m.values())
+    assert len({len(r["prefill_times_s"]) for m in rows.values() for r in m.values()}) == 1
+    return [
+        " / ".join(map(str, c["contexts"])) + "-token prompts",
+        f"one prompt per length run {c['repeats']} times",
+        f"({c['repeats']} prefills, {c['repeats'] * c['decode_steps']} decode steps)",
+        "prefill " + " / ".join(f"{r['prefill_over_hf_paired']:.2f}x" for r in auto),
+        "decode per token " + " / ".join(f"{r['decode_over_hf_paired']:.2f}x" for r in auto),
+        f"plan {100 * min(plans):.1f}-{100 * max(plans):.1f}% of a decode step",
+        f"prefill {span([r['prefill_over_hf_paired'] for r in scattered])} "
+        f"({scattered[-1]['prefill_over_hf_paired']:.2f}x at {c['contexts'][-1]})",
+        f"decode {span([r['decode_over_hf_paired'] for r in scattered])}",
+        f"prefills {reference[top]['prefill_over_hf_paired']:.2f}x slower at {top}",
+    ]
+
+
+def _memory_facts() -> list[str]:
+    """The row on peak memory, from generate_cpu.json's ``memory``: paired ratios and the medians in MiB."""
+    mem = json.loads((README.parent / "figures" / "data" / "generate_cpu.json").read_text())["memory"]
+    rows = [r["methods"] for r in mem["rows"]]
+    first, last = rows[0], rows[-1]
+
+    def mib(r):
+        return f"{r['peak_rss_rise_bytes'] / 2**20:.1f}"
+
+    return [
+        "pool and activations " + " / ".join(f"{r['paged_auto']['over_hf_generate_paired']:.2f}x" for r in rows),
+        f"medians of {mem['repeats']} alternating pairs",
+        f"{mib(first['paged_auto'])} vs {mib(first['hf_generate'])} MiB at {mem['contexts'][0]} tokens",
+        f"{mib(last['paged_auto'])} vs {mib(last['hf_generate'])} MiB at {mem['contexts'][-1]}",
+        f"{mem['new_tokens']} new tokens",
+    ]
+
+
 @pytest.mark.parametrize(
     "start, facts, source",
     [
         ("| serving a stream", _serve_facts, "serve_cpu.json"),
         ("| reading fewer pages", _pages_facts, "pages_full.json"),
+        ("| paged generate vs transformers", _generate_facts, "generate_cpu.json"),
+        ("| prefill and decode apart", _contexts_facts, "generate_cpu.json"),
+        ("| peak memory of one generate call", _memory_facts, "generate_cpu.json"),
     ],
 )
 def test_measured_rows_quote_their_committed_runs(start, facts, source):
