@@ -334,6 +334,10 @@ def test_bench_generate_quick_on_the_tiny_model(tmp_path):
             assert r["tokens_match_hf"] and r["prefill_s"] > 0 and r["decode_s_per_token"] > 0
             if m != "hf":
                 assert r["prefill_over_hf"] > 0 and r["decode_over_hf_paired"] > 0
+                from paged_ref.lab.bench._model_bench import paired_ratio
+
+                hf = row["methods"]["hf"]["prefill_times_s"]  # the prefills taken back to back, pair by pair
+                assert r["prefill_over_hf_paired"] == paired_ratio(r["prefill_times_s"], hf)
                 assert 0 < r["plan_share_of_decode_step"] < 1
 
 
@@ -543,6 +547,9 @@ def test_bench_generate_memory_runs_each_method_and_takes_the_median(monkeypatch
     hf, paged = data["rows"][0]["methods"]["hf_generate"], data["rows"][0]["methods"]["paged_auto"]
     assert hf["runs_bytes"] == [5, 7, 6] and hf["peak_rss_rise_bytes"] == 6
     assert paged["runs_bytes"] == [9, 4, 8] and paged["peak_rss_rise_bytes"] == 8 and paged["over_hf_generate"] == 8 / 6
+    # the paired ratio: each repeat's rise over hf_generate's in the same repeat, then the median (not of medians)
+    row = memory.memory_row(32, {"hf_generate": [10, 20, 30], "paged_auto": [12, 10, 33]})["methods"]["paged_auto"]
+    assert row["over_hf_generate"] == 12 / 20 and row["over_hf_generate_paired"] == 1.1
 
 
 def test_an_extend_the_pool_cannot_hold_keeps_no_copy_on_write_copy(model):

@@ -212,11 +212,223 @@ def _breakdown_facts() -> list[str]:
     ]
 
 
+def _generate_facts() -> list[str]:
+    """Every number the README's row on paged generate quotes, from figures/data/generate_cpu.json: each ratio
+    the median of the per-repeat ratios (``ratios_tokens_per_s_paired``), not the ratio of the medians."""
+    data = json.loads((README.parent / "figures" / "data" / "generate_cpu.json").read_text())
+    single, mixed = (data[w]["ratios_tokens_per_s_paired"] for w in ("single", "mixed"))
+    repeats = {data[w]["workload"]["repeats"] for w in ("single", "mixed")}
+    assert repeats == {3} and all(r["tokens_match_hf_generate"] for w in ("single", "mixed")
+                                  for r in data[w]["results"].values())  # fmt: skip
+    return [
+        f"the default (`auto`, SDPA on CPU) {single['paged_auto/hf_generate']:.2f}x `model.generate`'s tokens/s on "
+        f"one sequence and {mixed['paged_auto/hf_generate']:.2f}x on a mixed batch, "
+        f"{mixed['paged_auto/hf_generate_batch']:.2f}x `generate_batch`",
+        f"the same code, {single['paged_sdpa/hf_generate']:.2f}x and {mixed['paged_sdpa/hf_generate']:.2f}x",
+        f"flex with compiled decode {single['paged_flex/hf_generate']:.2f}x and {mixed['paged_flex/hf_generate']:.2f}x",
+        f"medians of {repeats.pop()} alternating pairs; `bench generate`, {data['torch_threads']} threads, "
+        f"{data['environment']['date_utc'][:10]}",
+    ]
+
+
+def _contexts_facts() -> list[str]:
+    """The row on prefill and decode apart, from generate_cpu.json's ``contexts``: the paired ratios."""
+    data = json.loads((README.parent / "figures" / "data" / "generate_cpu.json").read_text())
+    c = data["contexts"]
+    rows = {r["context"]: r["methods"] for r in c["rows"]}
+    auto = [rows[n]["paged_auto"] for n in c["contexts"]]
+    scattered = [rows[n]["paged_auto_scattered"] for n in c["contexts"]]
+    plans = [r["plan_share_of_decode_step"] for r in auto]
+    reference = {n: m["paged_reference"] for n, m in rows.items() if "paged_reference" in m}
+    top = max(reference)
+
+    def span(values):
+        return f"{min(values):.2f}x-{max(values):.2f}x"
+
+    assert all(r["tokens_match_hf"] for m in rows.values() for r in m.values())
+    assert len({len(r["prefill_times_s"]) for m in rows.values() for r in m.values()}) == 1
+    return [
+        " / ".join(map(str, c["contexts"])) + "-token prompts",
+        f"one prompt per length run {c['repeats']} times",
+        f"({c['repeats']} prefills, {c['repeats'] * c['decode_steps']} decode steps)",
+        "prefill " + " / ".join(f"{r['prefill_over_hf_paired']:.2f}x" for r in auto),
+        "decode per token " + " / ".join(f"{r['decode_over_hf_paired']:.2f}x" for r in auto),
+        f"plan {100 * min(plans):.1f}-{100 * max(plans):.1f}% of a decode step",
+        f"prefill {span([r['prefill_over_hf_paired'] for r in scattered])} "
+        f"({scattered[-1]['prefill_over_hf_paired']:.2f}x at {c['contexts'][-1]})",
+        f"decode {span([r['decode_over_hf_paired'] for r in scattered])}",
+        f"prefills {reference[top]['prefill_over_hf_paired']:.2f}x slower at {top}",
+    ]
+
+
+def _memory_facts() -> list[str]:
+    """The row on peak memory, from generate_cpu.json's ``memory``: paired ratios and the medians in MiB."""
+    mem = json.loads((README.parent / "figures" / "data" / "generate_cpu.json").read_text())["memory"]
+    rows = [r["methods"] for r in mem["rows"]]
+    first, last = rows[0], rows[-1]
+
+    def mib(r):
+        return f"{r['peak_rss_rise_bytes'] / 2**20:.1f}"
+
+    return [
+        "pool and activations " + " / ".join(f"{r['paged_auto']['over_hf_generate_paired']:.2f}x" for r in rows),
+        f"medians of {mem['repeats']} alternating pairs",
+        f"{mib(first['paged_auto'])} vs {mib(first['hf_generate'])} MiB at {mem['contexts'][0]} tokens",
+        f"{mib(last['paged_auto'])} vs {mib(last['hf_generate'])} MiB at {mem['contexts'][-1]}",
+        f"{mem['new_tokens']} new tokens",
+    ]
+
+
+def _data(name: str) -> dict:
+    return json.loads((README.parent / "figures" / "data" / name).read_text())
+
+
+def _alloc_facts() -> list[str]:
+    """The allocator row, from figures/data/alloc_cpu.json."""
+    data = _data("alloc_cpu.json")
+    a, c = data["results"]["paged_ref.PageAllocator"], data["results"]["paged_ref.PagedKVCache"]
+    repeats = data["workload"]["repeats"]
+    # a run with each repeat's times took the implementations in turns (the ratio: a median of pairs)
+    how = "pairs" if "ns_per_page_op_repeats" in a else "each implementation's run one after another: ratios of medians"
+    return [
+        f"{a['ns_per_page_op']:.0f} ns, {a['torch_over_this']:.2f}x faster than torch's",
+        f"{c['ns_per_page_op']:.0f} ns, {c['torch_over_this']:.2f}x",
+        f"(medians of {repeats} repeats, {how}",
+        f"`bench alloc`, {data['environment']['date_utc'][:10]})",
+    ]
+
+
+def _zeroing_facts() -> list[str]:
+    """The row on zeroing free pages, from alloc_cpu.json's ``zeroing``."""
+    data = _data("alloc_cpu.json")
+    z = data["zeroing"]
+    paired = "zero_page_ns_repeats" in z
+    return [
+        f"medians of {data['workload']['repeats']} repeats" + ("" if paired else ": a ratio of medians, not of pairs"),
+        f"{z['geometry']['num_layers']} layers",
+        f"zeroing a page costs {z['zero_over_write']:.2f}x of writing its tokens once "
+        f"({z['zero_page_ns'] / 1e3:.0f} µs vs {z['write_page_ns'] / 1e3:.0f} µs",
+    ]
+
+
+def _sharing_facts() -> list[str]:
+    """The sharing row, from figures/data/sharing_cpu.json."""
+    data = _data("sharing_cpu.json")
+    runs = data["runs"]
+    beam4 = next(r for r in runs if (r["prompt"], r["kind"], r["width"]) == ("long", "beam", 4))
+    saved = {k: [r["saving_vs_no_sharing"]["fork_cow"]["over_steps"] for r in runs if r["kind"] == k]
+             for k in ("beam", "sample")}  # fmt: skip
+    cpu = {p: [r["time"]["cpu"]["ratio_paged_over_transformers"] for r in runs if r["prompt"] == p]
+           for p in ("short", "long")}  # fmt: skip
+    wall = [r["time"]["wall"]["ratio_paged_over_transformers"] for r in runs]
+    assert all(r["same_as_transformers"]["tokens"] for r in runs)
+    assert all(r["same_as_transformers"].get("max_score_diff", 0) < 1e-4 for r in runs)
+
+    def span(xs, fmt="{:.2f}"):
+        return f"{fmt.format(min(xs))}-{fmt.format(max(xs))}"
+
+    widths = sorted({r["width"] for r in runs})
+    return [
+        "n / k = " + ", ".join(map(str, widths)),
+        f"{runs[0]['new_tokens']} new tokens; pages of {data['page_size']}",
+        f"in all {len(runs)} runs",
+        f"{beam4['peak']['fork_cow']} pages at the peak against {beam4['peak']['no_sharing']} without sharing "
+        f"({beam4['peak']['fork_cow'] / beam4['peak']['no_sharing']:.2f}x)",
+        f"also {beam4['peak']['prefix_caching']} but computes {beam4['tokens_computed']['prefix_caching']} tokens "
+        f"instead of {beam4['tokens_computed']['fork_cow']}",
+        f"over the steps {span([100 * x for x in saved['beam']], '{:.0f}')}% for beams",
+        f"{span([100 * x for x in saved['sample']], '{:.0f}')}% for samples",
+        f"CPU time {span(cpu['short'])}x `model.generate`'s on the short prompt and {span(cpu['long'])}x",
+        f"wall time {span(wall)}x",
+        f"{data['torch_threads']} thread, {data['environment']['date_utc'][:10]}",
+    ]
+
+
+def _scaling_facts() -> list[str]:
+    """The row on the paged decode step, from figures/data/scaling_cpu.json."""
+    data = _data("scaling_cpu.json")
+    res = data["models"]["smollm2"]
+    ratios = res["ratios"]
+    steps = {r["label"]: {len(p["times_s"]) for p in r["points"]} for r in res["ladder"] if r["timed"]}
+    contexts = sorted({c for r in ratios.values() for c in r}, key=int)
+
+    def span(label):
+        values = ratios[label].values()
+        return f"{min(values):.2f}x-{max(values):.2f}x"
+
+    return [
+        f"{span('paged (sdpa)')} of `DynamicCache` from {contexts[0]} to {contexts[-1]} tokens",
+        f"differ by {span('contiguous (StaticCache)')}",
+        f"median of {steps['paged (sdpa)'].pop()} steps per point, flex {steps['paged (flex)'].pop()}, no cache "
+        f"{steps['no cache (recompute)'].pop()}",
+        f"reference {span('paged (reference)')}",
+        f"flex with compiled decode {span('paged (flex)')}",
+        f"no cache {span('no cache (recompute)')}",
+        f"(`bench scaling --cpu`, {data['torch_threads']} threads, {data['environment']['date_utc'][:10]})",
+    ]
+
+
+def _overhead_facts() -> list[str]:
+    """The row on paging's memory overhead, from scaling_cpu.json's mixed batch."""
+    batch = _data("scaling_cpu.json")["models"]["smollm2"]["batch"]
+    return [
+        f"page size {batch['overhead_ps16']['page_size']}",
+        f"{100 * batch['overhead_ps16']['overhead']:.2f}% over the minimum",
+        f"admits {batch['fit']['paged']} requests vs {batch['fit']['max_len']} for max-length reservation",
+    ]
+
+
+def _eviction_facts() -> list[str]:
+    """The PagedEviction row, from figures/data/eviction_full.json: perplexities (page size 16) and the
+    decode time against the full cache, the median of per-round ratios."""
+    data = _data("eviction_full.json")
+    budgets = data["config"]["budgets"]
+
+    def ppl(task, policy):
+        by = {r["budget"]: r["ppl"] for r in data[task] if r["policy"] == policy and r["page_size"] == 16}
+        return " / ".join(f"{by[c]:.2f}" for c in budgets)
+
+    def full(task):
+        return next(r["ppl"] for r in data[task] if r["policy"] == "full")
+
+    speed = {r["context"]: r for r in data["speed"] if r["policy"] == "paged_eviction" and r["batch"] == 1}
+    lm, ret, long = "language_modelling", "retention", "long_context"
+    return [
+        f"{data['config']['texts']} texts per cell, page size 16, budgets C = " + " / ".join(map(str, budgets)),
+        f"(full cache {full(lm):.2f}): as its authors run it (first and newest page reserved) "
+        f"{ppl(lm, 'paged_eviction')}, per-layer decisions {ppl(lm, 'paged_eviction_per_layer')}",
+        f"{ppl(lm, 'paged_eviction_literal')}, a recent window (StreamingLLM) {ppl(lm, 'streaming_llm')}",
+        f"(a {data['config']['retention_passage']}-token passage, {data['config']['retention_other']} tokens of other "
+        f"prose, then the passage's opening again; full cache {full(ret):.2f}): "
+        f"reserved {ppl(ret, 'paged_eviction')}, per layer {ppl(ret, 'paged_eviction_per_layer')}, "
+        f"1/‖K‖ {ppl(ret, 'inverse_key_norm')}, StreamingLLM {ppl(ret, 'streaming_llm')}",
+        f"after {data['config']['long_context']} tokens (full cache {full(long):.2f}): reserved "
+        f"{ppl(long, 'paged_eviction')}, per layer {ppl(long, 'paged_eviction_per_layer')}, StreamingLLM "
+        f"{ppl(long, 'streaming_llm')}",
+        f"at C = {data['config']['speed_budget']} "
+        + " / ".join(f"{speed[n]['time_per_token_vs_full_paired']:.2f}x" for n in sorted(speed))
+        + " of the full cache at "
+        + " / ".join(map(str, sorted(speed)))
+        + " tokens, one sequence",
+        f"one sequence (medians of {data['config']['speed_rounds']} alternating rounds)",
+        f"(`bench eviction`, {data['seconds']:.0f} s;",
+    ]
+
+
 @pytest.mark.parametrize(
     "start, facts, source",
     [
         ("| serving a stream", _serve_facts, "serve_cpu.json"),
         ("| reading fewer pages", _pages_facts, "pages_full.json"),
+        ("| paged generate vs transformers", _generate_facts, "generate_cpu.json"),
+        ("| prefill and decode apart", _contexts_facts, "generate_cpu.json"),
+        ("| peak memory of one generate call", _memory_facts, "generate_cpu.json"),
+        ("| allocator cost per page", _alloc_facts, "alloc_cpu.json"),
+        ("| keeping free slots at zero", _zeroing_facts, "alloc_cpu.json"),
+        ("| sharing pages between samples", _sharing_facts, "sharing_cpu.json"),
+        ("| paged decode step vs a contiguous cache", _scaling_facts, "scaling_cpu.json"),
+        ("| memory overhead of paging", _overhead_facts, "scaling_cpu.json"),
+        ("| PagedEviction on SmolLM2", _eviction_facts, "eviction_full.json"),
     ],
 )
 def test_measured_rows_quote_their_committed_runs(start, facts, source):

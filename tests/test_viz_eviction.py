@@ -220,6 +220,7 @@ def fake_results(delta_nll=0.1, ratio_correct=18, abl_correct=2, trials=20):
             batch=1,
             ms_per_token=100.0 * (i + 1),
             time_per_token_vs_full=float(i + 1),
+            time_per_token_vs_full_paired=float(i + 1),  # each round's full-cache tokens/s over this one's
             tokens_per_s=10.0 / (i + 1),
             ratio_vs_full=1 / (i + 1),
             tokens_per_s_rounds=[9.0 / (i + 1), 10.0 / (i + 1), 12.0 / (i + 1)],
@@ -305,7 +306,7 @@ def test_tables_print_exact_numbers():
     assert "x86_64" in report.provenance(res) and "quick run" in report.provenance(res)
     speed = report.speed_table(res).splitlines()
     assert len(speed) == 5
-    expected = ["2048", "1", "token_topk", "128", "300.0", "3.000", "3.33", "3.00-4.00", "0.333", "2.00"]
+    expected = ["2048", "1", "token_topk", "128", "300.0", "3.000", "3.000", "3.33", "3.00-4.00", "0.333", "2.00"]
     assert speed[4].split() == expected
     assert "2.9000-3.1000" in lm and "texts" in lm
     ret = report.lm_table(res, task="retention")

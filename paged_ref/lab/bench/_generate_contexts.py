@@ -6,8 +6,9 @@ step (each prefills, then each takes decode step 1, then step 2, ...), all greed
 pages consecutive), the time spent building each step's plan timed apart; ``paged_<backend>_scattered``,
 the same where another sequence holds every other page of a pool twice as large. ``skip_above`` leaves
 a method out above a length. Per method: median prefill seconds and decode seconds per token, the
-plan's share of decode, and paged / hf ratios (< 1 faster) of the medians and, for decode, the median
-of the ratios of steps taken back to back (``decode_over_hf_paired``).
+plan's share of decode, and paged / hf ratios (< 1 faster) of the medians and as the median of the
+ratios of runs taken back to back: prefills (``prefill_over_hf_paired``) and decode steps
+(``decode_over_hf_paired``).
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def measure_contexts(
             if m != "hf":
                 hf = row["methods"]["hf"]
                 r["prefill_over_hf"] = r["prefill_s"] / hf["prefill_s"]
+                r["prefill_over_hf_paired"] = paired_ratio(prefill[m], prefill["hf"])
                 r["decode_over_hf"] = r["decode_s_per_token"] / hf["decode_s_per_token"]
                 r["decode_over_hf_paired"] = paired_ratio(decode[m], decode["hf"])
         out["rows"].append(row)
@@ -120,6 +122,7 @@ def measure_contexts(
             summary.append(f"{m} prefill {r['prefill_s']:.3f} s decode {r['decode_s_per_token'] * 1e3:.1f} ms")
             if m != "hf":
                 ratios = f"{r['prefill_over_hf']:.2f}x, {r['decode_over_hf']:.2f}x"
-                summary[-1] += f" ({ratios}, paired {r['decode_over_hf_paired']:.2f}x)"
+                paired = f"{r['prefill_over_hf_paired']:.2f}x, {r['decode_over_hf_paired']:.2f}x"
+                summary[-1] += f" ({ratios}, paired {paired})"
         print(f"context {n}: " + ", ".join(summary), flush=True)
     return out

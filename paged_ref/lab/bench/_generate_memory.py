@@ -22,9 +22,9 @@ from statistics import median_high
 
 import torch
 
-from ._model_bench import PeakRSS, generation_methods, load_model, prompt_tokens
+from ._model_bench import PeakRSS, generation_methods, load_model, paired_ratio, prompt_tokens
 
-__all__ = ["measure_memory"]
+__all__ = ["measure_memory", "memory_row"]
 
 METHODS = ("hf_generate", "paged_auto")
 
@@ -35,7 +35,8 @@ def measure_memory(*, contexts, new, repeats, model="smollm2", threads=None, met
     Returns:
         ``{"contexts", "new_tokens", "repeats", "rows": [{"context", "methods": {m: {...}}}]}`` with,
         per method, ``peak_rss_rise_bytes`` (median) and ``runs_bytes``; paged methods also
-        ``over_hf_generate`` (their median over ``hf_generate``'s).
+        ``over_hf_generate`` (their median over ``hf_generate``'s) and ``over_hf_generate_paired`` (the
+        median of the per-repeat ratios, each against ``hf_generate``'s run of the same repeat).
     """
     rows = []
     for n in contexts:
@@ -43,18 +44,28 @@ def measure_memory(*, contexts, new, repeats, model="smollm2", threads=None, met
         for _ in range(repeats):
             for m in methods:
                 runs[m].append(_child(m, n, new, model, threads)["peak_rss_rise_bytes"])
-        row = {
-            "context": n,
-            "methods": {m: {"peak_rss_rise_bytes": median_high(r), "runs_bytes": r} for m, r in runs.items()},
-        }
-        hf = row["methods"].get("hf_generate")
-        for m, r in row["methods"].items():
-            if m != "hf_generate" and hf and hf["peak_rss_rise_bytes"]:
-                r["over_hf_generate"] = r["peak_rss_rise_bytes"] / hf["peak_rss_rise_bytes"]
+        row = memory_row(n, runs)
         rows.append(row)
         rises = ", ".join(f"{m} {r['peak_rss_rise_bytes'] / 2**20:.1f} MiB" for m, r in row["methods"].items())
         print(f"memory at context {n}: {rises}", flush=True)
     return {"contexts": list(contexts), "new_tokens": new, "repeats": repeats, "rows": rows}
+
+
+def memory_row(context: int, runs: dict) -> dict:
+    """One context's row from each method's RSS rises, ``runs[method][repeat]`` (bytes, the methods taking
+    turns in each repeat): the median per method and, for each method besides ``hf_generate``, its ratio to
+    ``hf_generate``'s, of the medians and paired (`._model_bench.paired_ratio`)."""
+    row = {
+        "context": context,
+        "methods": {m: {"peak_rss_rise_bytes": median_high(r), "runs_bytes": list(r)} for m, r in runs.items()},
+    }
+    hf = row["methods"].get("hf_generate")
+    for m, r in row["methods"].items():
+        if m != "hf_generate" and hf and hf["peak_rss_rise_bytes"]:
+            r["over_hf_generate"] = r["peak_rss_rise_bytes"] / hf["peak_rss_rise_bytes"]
+            if all(hf["runs_bytes"]):
+                r["over_hf_generate_paired"] = paired_ratio(r["runs_bytes"], hf["runs_bytes"])
+    return row
 
 
 def _child(method, context, new, model, threads) -> dict:

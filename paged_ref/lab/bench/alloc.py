@@ -6,14 +6,18 @@
 round-robin order, as decode does, then are released; each call timed with ``perf_counter_ns``:
 ``PageAllocator.allocate(1)`` / ``free(pages)``, ``PagedKVCache.reserve(seq, page_size)`` /
 ``free(seq)`` (block tables included), torch ``PagedAttention.reserve(batch_idx, seq_len)`` /
-``erase(batch_idx)``. Reported: ns per page operation (total / pages, median over repeats),
-median and p99 of single calls, peer / paged_ref; and ``zeroing``: zeroing one page in every
-layer (as `PagedKVCache` does for a freed page) vs writing its tokens once, on SmolLM2-135M's
-geometry (30 layers, 3 KV heads, head_dim 64, float32). JSON: ``figures/data/alloc_cpu.json``.
+``erase(batch_idx)``. Each repeat runs every implementation in turn (the order reversed every other
+repeat, so that a drift of the machine favours none). Reported: ns per page operation (total / pages,
+median over repeats, and each repeat's), median and p99 of single calls (all repeats), and peer /
+paged_ref as the median of the per-repeat ratios; and ``zeroing``: zeroing one page in every layer (as
+`PagedKVCache` does for a freed page) vs writing its tokens once, on SmolLM2-135M's geometry (30 layers,
+3 KV heads, head_dim 64, float32), the two taking turns, their ratio the median of the per-repeat ratios.
+JSON: ``figures/data/alloc_cpu.json``.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -22,7 +26,7 @@ import torch
 from ...allocator import PageAllocator
 from ...block_table import pages_needed
 from ...cache import PagedKVCache
-from .common import bench_parser, environment, print_table, result_file
+from .common import bench_parser, command_line, environment, print_table, result_file
 
 
 def workload(num_seqs: int, max_len: int, page_size: int, seed: int = 0) -> list[int]:
@@ -95,25 +99,30 @@ IMPLEMENTATIONS = {
 }
 
 
+PEER = "torch PagedAttention"
+
+
 def measure(num_seqs=64, max_len=2048, page_size=16, repeats=5, seed=0) -> dict:
     pages_per_seq = workload(num_seqs, max_len, page_size, seed)
     total = sum(pages_per_seq)
+    per_page = {name: [] for name in IMPLEMENTATIONS}
+    calls = {name: [] for name in IMPLEMENTATIONS}
+    names = list(IMPLEMENTATIONS)
+    for r in range(repeats):  # every implementation in turn, the order reversed every other repeat
+        for name in names if r % 2 == 0 else names[::-1]:
+            grow, release = IMPLEMENTATIONS[name](pages_per_seq, page_size)
+            per_page[name].append((sum(grow) + sum(release)) / total)
+            calls[name] += grow + release
     results = {}
-    for name, fn in IMPLEMENTATIONS.items():
-        per_page, calls = [], []
-        for _ in range(repeats):
-            grow, release = fn(pages_per_seq, page_size)
-            per_page.append((sum(grow) + sum(release)) / total)
-            calls = grow + release
-        calls = np.asarray(calls)
+    for name in names:
         results[name] = {
-            "ns_per_page_op": float(np.median(per_page)),
-            "call_median_ns": float(np.median(calls)),
-            "call_p99_ns": float(np.percentile(calls, 99)),
+            "ns_per_page_op": float(np.median(per_page[name])),
+            "ns_per_page_op_repeats": per_page[name],
+            "call_median_ns": float(np.median(calls[name])),
+            "call_p99_ns": float(np.percentile(calls[name], 99)),
+            # the median of the ratios of runs of the same repeat, not the ratio of the medians
+            "torch_over_this": float(np.median([p / t for p, t in zip(per_page[PEER], per_page[name])])),
         }
-    peer = results["torch PagedAttention"]["ns_per_page_op"]
-    for r in results.values():
-        r["torch_over_this"] = peer / r["ns_per_page_op"]
     sizes = dict(num_seqs=num_seqs, max_len=max_len, page_size=page_size, total_pages=total, repeats=repeats)
     return {"workload": dict(sizes, seed=seed), "results": results}
 
@@ -126,7 +135,7 @@ def zeroing_cost(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, pages
     slots = cache.reserve(seq, pages * page_size).view(pages, page_size)  # [pages, page_size]
     k = torch.randn(page_size, num_kv_heads, head_dim)  # one page of tokens
     zero, write = [], []
-    for _ in range(repeats):
+    for _ in range(repeats):  # a pair per repeat: write every page, then zero every page
         t = time.perf_counter_ns()
         for page in range(pages):
             for layer in range(num_layers):
@@ -136,12 +145,13 @@ def zeroing_cost(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, pages
         for page in range(pages):
             cache._zero_pages([page])
         zero.append((time.perf_counter_ns() - t) / pages)
-    z, w = float(np.median(zero)), float(np.median(write))
     return {
         "geometry": dict(geometry, dtype="float32"),
-        "zero_page_ns": z,
-        "write_page_ns": w,
-        "zero_over_write": z / w,
+        "zero_page_ns": float(np.median(zero)),
+        "write_page_ns": float(np.median(write)),
+        "zero_page_ns_repeats": zero,
+        "write_page_ns_repeats": write,
+        "zero_over_write": float(np.median([z / w for z, w in zip(zero, write)])),
     }
 
 
@@ -158,11 +168,14 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="a small workload (seconds)")
     args = parser.parse_args(argv)
     result = result_file(parser, args.out, "alloc_cpu.json")  # checked before anything is measured
-    data = measure(**(dict(num_seqs=16, max_len=512, repeats=3) if args.quick else {}))
+    data = {"command": command_line("alloc", argv), "torch_threads": torch.get_num_threads()}
+    data["load_before"] = list(os.getloadavg())
+    data.update(measure(**(dict(num_seqs=16, max_len=512, repeats=3) if args.quick else {})))
     result.save(data)
     data["zeroing"] = zeroing_cost(repeats=3 if args.quick else 5)
+    data["load_after"] = list(os.getloadavg())
     data["environment"] = environment()
-    print(f"workload: {data['workload']}")
+    print(f"workload: {data['workload']}; load average {data['load_before'][0]:.1f} -> {data['load_after'][0]:.1f}")
     rows = [[name] + [cell.format(**r) for _, cell in COLUMNS] for name, r in data["results"].items()]
     print_table(["implementation"] + [header for header, _ in COLUMNS], rows)
     z = data["zeroing"]

@@ -17,7 +17,8 @@ cache's log-probs are checked against the model's own forward over the text.
 * Pass-key: a 5-digit key at fixed depths in filler; the question is fed through the evicted
   cache, then the model answers greedily: accuracy (Wilson 95% interval), what of the key was held.
 * Speed: time per output token and tokens/s, hooks included; rounds interleave the policies and
-  the median over rounds is compared with the full cache of the same run.
+  the median over rounds is compared with the full cache of the same run, of the medians and as the
+  median of the per-round ratios (`speed_vs_full`: each against the full cache's run of the same round).
 * The tokens the layer-averaged ||V||/||K|| ranks lowest in the first text.
 
 Results: ``figures/data/eviction_{quick,full,smoke}.json`` (smoke: toy sizes, only a harness check)
@@ -245,6 +246,23 @@ def summarize_lm(rows):
     return out
 
 
+def speed_vs_full(seconds, full_seconds) -> dict:
+    """A policy's seconds per decode step against the full cache's, round by round (the policies take turns
+    in each round): ``time_per_token_vs_full_paired`` (the median of ``seconds / full_seconds`` per round)
+    and ``ratio_vs_full_paired`` (of tokens/s: the median of ``full_seconds / seconds``).
+
+    Example:
+        >>> speed_vs_full([2.0, 1.0, 4.0], [4.0, 4.0, 4.0])
+        {'time_per_token_vs_full_paired': 0.5, 'ratio_vs_full_paired': 2.0}
+    """
+    if len(seconds) != len(full_seconds) or not seconds:
+        raise ValueError(f"seconds and full_seconds must pair up round by round, got {seconds} and {full_seconds}")
+    return {
+        "time_per_token_vs_full_paired": statistics.median(t / f for t, f in zip(seconds, full_seconds)),
+        "ratio_vs_full_paired": statistics.median(f / t for t, f in zip(seconds, full_seconds)),
+    }
+
+
 def speed_task(model, tok, cfg, log):
     """Per (context n, batch b), B = 16: b forks of one n-token prompt (prefilled once per n and cache
     type) decode ``speed_steps`` tokens under one policy, the first a warm-up; each round runs every
@@ -287,6 +305,7 @@ def speed_task(model, tok, cfg, log):
                         tokens_per_s_rounds=[batch_size / t for t in times[name]],
                         ratio_vs_full=full / step,
                         time_per_token_vs_full=step / full,
+                        **speed_vs_full(times[name], times["full"]),
                         kv_bytes_held=held[name],
                     )
                 )

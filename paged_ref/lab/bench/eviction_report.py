@@ -56,6 +56,7 @@ SPEED_COLUMNS = [
     ("C", "{C}"),
     ("ms/token", "{ms_per_token:.1f}"),
     ("vs full", "{time_per_token_vs_full:.3f}"),
+    ("paired", "{time_per_token_vs_full_paired:.3f}"),
     ("tokens/s", "{tokens_per_s:.2f}"),
     ("min-max over rounds", "{slowest:.2f}-{fastest:.2f}"),
     ("vs full", "{ratio_vs_full:.3f}"),
@@ -116,7 +117,8 @@ def passkey_table(results: dict) -> str:
 
 def speed_table(results: dict) -> str:
     """Decode speed per policy, context and batch: time per output token and tokens/s (median over
-    rounds; min-max of tokens/s), each against the full cache, and the KV bytes one sequence holds."""
+    rounds; min-max of tokens/s), each against the full cache (time also as the median of per-round
+    ratios, "paired"), and the KV bytes one sequence holds."""
     rows = []
     for r in results.get("speed", []):
         tps = r["tokens_per_s_rounds"]

@@ -58,6 +58,7 @@ CONTEXT_COLUMNS = [
     ("prefill s", "{prefill_s:.3f}"),
     ("decode ms/token", "{decode_ms:.1f}"),
     ("prefill ratio", "{prefill_over_hf:.2f}x"),
+    ("paired", "{prefill_over_hf_paired:.2f}x"),
     ("decode ratio", "{decode_over_hf:.2f}x"),
     ("paired", "{decode_over_hf_paired:.2f}x"),
     ("plan share", "{plan_share_of_decode_step:.1%}"),
@@ -69,6 +70,7 @@ MEMORY_COLUMNS = [
     ("peak rise MiB (median)", "{peak_mib:.1f}"),
     ("runs MiB", "{runs_mib}"),
     ("vs hf_generate", "{over_hf_generate:.2f}x"),
+    ("paired", "{over_hf_generate_paired:.2f}x"),
 ]
 
 
