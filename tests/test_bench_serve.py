@@ -283,3 +283,17 @@ def test_fp8_finding_says_what_was_measured(name):
     assert ("but for" in text["format_rounding_scale"]) == (own > 0)
     assert "two runs" not in text["format_rounding_scale"] and "kernels" not in text["bytes"]
     assert f"differ in {why['float32_per_layer'][0]['differ']} of" in text["bytes"]
+
+
+def test_the_peer_comparison_counts_a_request_identical_only_if_it_is_in_every_repeat(monkeypatch):
+    """Tokens are compared in every repeat, not only the last: a request that differs once counts as differing."""
+    from paged_ref.lab.bench import serve
+
+    theirs = iter([[[1, 2], [3, 9]], [[1, 2], [3, 4]]])  # the first repeat differs in request 1
+    monkeypatch.setattr(serve, "_engine", lambda *a, **k: None)
+    monkeypatch.setattr(serve, "_offline_run", lambda e, r: ([[1, 2], [3, 4]], {"wall_tokens_per_s": 2.0}))
+    monkeypatch.setattr(serve, "run_peer", lambda *a, **k: (next(theirs), {"wall_tokens_per_s": 1.0}))
+    cfg = dict(peer_repeats=2, page_size=16, num_pages=8, max_batched_tokens=64, max_num_seqs=4)
+    out = serve.run_peer_comparison(None, cfg, [([0], 2), ([0], 2)])
+    assert (out["requests_with_identical_tokens"], out["requests"]) == (1, 2)
+    assert out["identical_per_repeat"] == [1, 2] and out["first_differing_requests"] == [1]

@@ -249,25 +249,41 @@ def _offline_run(engine, requests) -> tuple[list[list[int]], dict]:
     return [o.token_ids for o in outs], r
 
 
+def identical_in_every_repeat(turns: list[tuple[list, list]]) -> dict:
+    """Two engines' tokens compared in every repeat: ``turns`` holds each repeat's ``(ours, theirs)``
+    (token ids per request). A request counts as identical only if it is in every repeat.
+
+        >>> r = identical_in_every_repeat([([[1], [2]], [[1], [2]]), ([[1], [2]], [[1], [3]])])
+        >>> r["requests_with_identical_tokens"], r["identical_per_repeat"], r["first_differing_requests"]
+        (1, [2, 1], [1])
+    """
+    per_repeat = [[a == b for a, b in zip(ours, theirs)] for ours, theirs in turns]
+    same = [all(column) for column in zip(*per_repeat)]
+    return {
+        "requests_with_identical_tokens": sum(same),
+        "requests": len(same),
+        "identical_per_repeat": [sum(r) for r in per_repeat],
+        "first_differing_requests": [i for i, s in enumerate(same) if not s][:10],
+    }
+
+
 def run_peer_comparison(model, cfg, requests) -> dict:
     """``paged`` offline vs transformers' continuous batching offline, taking turns ``peer_repeats`` times."""
-    ours, theirs = [], []
+    ours, theirs, turns = [], [], []
     for _ in range(cfg["peer_repeats"]):
         ours_tokens, r = _offline_run(_engine(model, cfg, "paged", device_clock="real"), requests)
         ours.append(r)
         sizes = {k: cfg[k] for k in ("page_size", "num_pages", "max_batched_tokens", "max_num_seqs")}
         theirs_tokens, summary = run_peer(model, requests, **sizes)
         theirs.append(summary)
+        turns.append((ours_tokens, theirs_tokens))
     paired = [a["wall_tokens_per_s"] / b["wall_tokens_per_s"] for a, b in zip(ours, theirs)]
-    same = [a == b for a, b in zip(ours_tokens, theirs_tokens)]
     return {
         "paged": ours,
         "transformers": theirs,
         "throughput_ratio_paired": paired,
         "throughput_ratio_median": statistics.median(paired),
-        "requests_with_identical_tokens": sum(same),
-        "requests": len(same),
-        "first_differing_requests": [i for i, s in enumerate(same) if not s][:10],
+        **identical_in_every_repeat(turns),
     }
 
 
@@ -330,7 +346,7 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
     limits.update(
         max_batched_tokens=cfg["max_batched_tokens"], max_model_len=min(cfg["max_model_len"], num_pages * page)
     )
-    ours, theirs = [], []
+    ours, theirs, turns = [], [], []
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, "model")
@@ -362,8 +378,8 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
                 for q in (50, 90):
                     v[f"{name}_p{q}_s"] = percentile(xs, q) if xs else None
             theirs.append(v)
+            turns.append((ours_tokens, theirs_tokens))
     paired = [a["wall_tokens_per_s"] / b["wall_tokens_per_s"] for a, b in zip(ours, theirs)]
-    same = [a == b for a, b in zip(ours_tokens, theirs_tokens)]
     return {
         "config": limits,
         "vllm_mode": "eager_in_process",  # `._vllm_peer.run_vllm`
@@ -376,10 +392,8 @@ def run_vllm_comparison(model, info, cfg, requests, *, threads: int, python=None
         "vllm": theirs,
         "throughput_ratio_paired": paired,
         "throughput_ratio_median": statistics.median(paired),
-        "requests_with_identical_tokens": sum(same),
-        "requests": len(same),
-        "first_differing_requests": [i for i, s in enumerate(same) if not s][:10],
-        "agreement": token_agreement(ours_tokens, theirs_tokens),
+        **identical_in_every_repeat(turns),
+        "agreement": token_agreement(ours_tokens, theirs_tokens),  # the last repeat's
         "first_difference_at": {  # request -> index of its first differing token
             i: next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
             for i, (a, b) in enumerate(zip(ours_tokens, theirs_tokens))
