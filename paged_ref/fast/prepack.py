@@ -138,22 +138,30 @@ def stream_layout(weight: torch.Tensor) -> torch.Tensor:
 
 def _product(weight: torch.Tensor, bias: torch.Tensor | None, few=None):
     """``x: [..., in] -> x @ weight.T + bias: [..., out]`` through ``weight [out, in]`` packed now; ``few``:
-    (`few_rows_kernel`, n) for products of at most n rows (float32, no bias), or None."""
+    (`few_rows_kernel`, n) for products of at most n rows (float32, no bias), or None. An ``x`` of another
+    dtype than the weight's or another last size than ``in`` is refused (TypeError, ValueError)."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)  # [out, in], oneDNN's blocked layout
-    out_features = weight.shape[0]
+    (out_features, in_features), dtype = weight.shape, weight.dtype
     few, limit = few if few is not None and bias is None and weight.dtype == torch.float32 else (None, 0)
     blocks = None if few is None else stream_layout(weight)  # [ceil(out / BLOCK), in, BLOCK]
 
+    def onednn(rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # [tokens, out]
+
     def product(x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # [tokens, in]
-        if few is not None and rows.shape[0] <= limit:
-            y = few(rows, blocks, out_features)  # [tokens, out]
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # [tokens, out]
+        if x.dtype != dtype:
+            raise TypeError(f"prepack: a packed linear layer of {dtype} weights takes x of {dtype}, got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != in_features:
+            shape = list(x.shape)
+            raise ValueError(f"prepack: a layer of {in_features} in_features takes x [..., {in_features}], got {shape}")
+        rows = x.reshape(-1, in_features)  # [tokens, in]
+        y = few(rows, blocks, out_features) if few is not None and rows.shape[0] <= limit else onednn(rows)
         return y.view(*x.shape[:-1], out_features)
 
-    for rows in (1, limit + 1):  # either path fails here, not in a forward
-        product(torch.zeros(rows, weight.shape[1], dtype=weight.dtype))
+    one = torch.zeros(1, in_features, dtype=dtype)  # either path fails here (one row each), not in a forward
+    onednn(one)
+    if few is not None:
+        few(one, blocks, out_features)
     return product
 
 
