@@ -42,6 +42,15 @@ def test_a_value_of_another_kind_is_refused_naming_the_argument(model):
         resolve({"flat": True}, model)
     with pytest.raises(TypeError, match="fast.backend must be a backend's name or None, got 3"):
         Fast(backend=3)
+    with pytest.raises(ValueError, match="fast.backend must be a backend's name or None, got ''"):
+        Fast(backend="")
+    # a name no backend has: named as the argument it came in, in a session and in an engine
+    with pytest.raises(ValueError, match=r"fast.backend must be one of \[.*'cpu_paged'.*\], got 'nope'"):
+        pr.hf.PagedSession(model, num_pages=4, page_size=4, fast=Fast(backend="nope"))
+    with pytest.raises(ValueError, match=r"fast.backend must be one of \[.*\], got 'nope'"):
+        Engine(model, num_pages=8, page_size=4, fast=Fast(backend="nope", prepack=True))
+    with pytest.raises(ValueError, match=r"^backend must be one of \[.*\], got 'nope'"):  # and backend= as backend
+        pr.hf.PagedSession(model, num_pages=4, page_size=4, backend="nope", fast=Fast(prepack=True))
 
 
 def test_options_are_the_fields_set_and_give_the_value_back():
