@@ -41,7 +41,7 @@ import torch
 from ..native import build
 
 __all__ = ["BLOCK", "FEW_ROWS", "FUSED", "PACK_FOR_ROWS", "SOURCE", "PackedLinears", "few_rows_kernel", "stream_layout"]
-__all__ += ["why_not_packed"]
+__all__ += ["cannot_pack", "why_not_packed"]
 
 #: Linear layers of one module that read the same input, packed as one product (when all are present).
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -108,6 +108,20 @@ def why_not_packed(model) -> str | None:
     for name, p in model.named_parameters():
         if p.device.type != "cpu" or p.dtype not in _PACKABLE:
             return f"parameter {name} is {p.dtype} on {p.device.type}; packing needs float32 or bfloat16 on the CPU"
+    for dtype in sorted({p.dtype for p in model.parameters()}, key=str):
+        if cannot_pack(dtype) is not None:
+            return cannot_pack(dtype)
+    return None
+
+
+@functools.cache
+def cannot_pack(dtype: torch.dtype) -> str | None:
+    """Why oneDNN cannot pack weights of ``dtype`` on this CPU (bfloat16 needs AVX-512 or AVX-NE-CONVERT), or None:
+    one weight packed to see."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(1, 1, dtype=dtype), PACK_FOR_ROWS)
+    except RuntimeError as e:
+        return f"this CPU cannot pack {dtype} weights: {type(e).__name__}: {str(e).splitlines()[0]}"
     return None
 
 
