@@ -2,14 +2,15 @@
 
 import itertools
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 import paged_ref as pr
-from paged_ref.fast import Fast, resolve
-from paged_ref.fast.prepack import FEW_ROWS
+from paged_ref.fast import Fast, prepack, resolve
+from paged_ref.fast.prepack import FEW_ROWS, PackedLinears, cannot_pack
 from paged_ref.models import tiny_llama
 from paged_ref.serve import Engine
 
@@ -19,8 +20,24 @@ EVERYTHING = Fast(backend="cpu_paged", prepack=True, few_rows=True, flat=True, c
 def test_true_is_every_part_the_model_allows(model):
     assert resolve(True, model) == EVERYTHING
     assert resolve(True, model, rows=6) == Fast(backend="cpu_paged", prepack=True, few_rows=6, flat=True, cpu_ops=True)
-    # bfloat16: packed weights and the flat loop; the kernels and C++ ops take float32
-    assert resolve(True, tiny_llama().to(torch.bfloat16)) == Fast(prepack=True, flat=True)
+    # bfloat16: packed weights where this CPU packs them, and the flat loop; the kernels and C++ ops take float32
+    packs = cannot_pack(torch.bfloat16) is None
+    assert resolve(True, tiny_llama().to(torch.bfloat16)) == Fast(prepack=packs, flat=True)
+
+
+def test_true_names_only_parts_that_run_here(monkeypatch):
+    """``fast=True`` runs with no warning: a part this CPU cannot run (oneDNN packs bfloat16 weights only with
+    AVX-512 or AVX-NE-CONVERT) is left out, not turned on to warn and stay eager."""
+    model = tiny_llama().to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pr.hf.PagedSession(model, num_pages=4, page_size=4, fast=True) as s:
+            packed = getattr(s._linears, "packed", False)
+    assert resolve(True, model).prepack == packed == (cannot_pack(torch.bfloat16) is None)
+    monkeypatch.setattr(prepack, "cannot_pack", lambda dtype: f"this CPU cannot pack {dtype} weights: no AVX-512")
+    assert resolve(True, model) == Fast(flat=True)
+    with pytest.warns(RuntimeWarning, match=r"prepack: the linear layers stay eager \(this CPU cannot pack torch"):
+        assert not PackedLinears(model).packed  # asked for by name: a warning says why it stays eager
 
 
 def test_true_on_another_architecture_keeps_its_own_forward():
@@ -42,6 +59,15 @@ def test_a_value_of_another_kind_is_refused_naming_the_argument(model):
         resolve({"flat": True}, model)
     with pytest.raises(TypeError, match="fast.backend must be a backend's name or None, got 3"):
         Fast(backend=3)
+    with pytest.raises(ValueError, match="fast.backend must be a backend's name or None, got ''"):
+        Fast(backend="")
+    # a name no backend has: named as the argument it came in, in a session and in an engine
+    with pytest.raises(ValueError, match=r"fast.backend must be one of \[.*'cpu_paged'.*\], got 'nope'"):
+        pr.hf.PagedSession(model, num_pages=4, page_size=4, fast=Fast(backend="nope"))
+    with pytest.raises(ValueError, match=r"fast.backend must be one of \[.*\], got 'nope'"):
+        Engine(model, num_pages=8, page_size=4, fast=Fast(backend="nope", prepack=True))
+    with pytest.raises(ValueError, match=r"^backend must be one of \[.*\], got 'nope'"):  # and backend= as backend
+        pr.hf.PagedSession(model, num_pages=4, page_size=4, backend="nope", fast=Fast(prepack=True))
 
 
 def test_options_are_the_fields_set_and_give_the_value_back():

@@ -161,3 +161,37 @@ def test_a_kernel_that_cannot_be_built_leaves_onednn_with_one_warning(model, mon
     x = torch.randn(3, layer.in_features)
     with packs:
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("few_rows", [10**9, 2**63])
+def test_a_large_few_rows_packs_at_once(model, few_rows):
+    """Packing tries each path on one row: a bound of a billion rows (an engine's ``max_num_seqs``) is no product
+    of a billion rows, nor past int64 an overflow."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        packs = PackedLinears(model, few_rows=few_rows)
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(3, layer.in_features)
+    with packs:
+        y = layer(x)
+    assert packs.packed and packs.few_rows
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [2, FEW_ROWS + 1])  # the few-rows kernel's products and oneDNN's
+def test_a_packed_layer_refuses_an_input_of_another_dtype_or_size(model, rows):
+    attn = model.model.layers[0].self_attn
+    with PackedLinears(model, few_rows=FEW_ROWS):
+        for layer in (attn.q_proj, attn.o_proj):  # one of a fused product, one alone
+            k = layer.in_features
+            with pytest.raises(TypeError, match=r"prepack: .* takes x of torch.float32, got torch.float64"):
+                layer(torch.randn(rows, k, dtype=torch.float64))
+            with pytest.raises(TypeError, match=r"prepack: .* takes x of torch.float32, got torch.bfloat16"):
+                layer(torch.randn(rows, k, dtype=torch.bfloat16))
+            with pytest.raises(
+                ValueError,
+                match=rf"prepack: .* of {k} in_features takes x \[\.\.\., {k}\], got \[{rows}, {k + 3}\]",
+            ):
+                layer(torch.randn(rows, k + 3))
+            with pytest.raises(ValueError, match=r"takes x .*, got \[\]"):
+                layer(torch.tensor(1.0))

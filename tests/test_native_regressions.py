@@ -1,8 +1,8 @@
 """The hostile calls that crashed, read or wrote out of bounds, or answered wrong before the native ops checked
 their arguments (issue 57, then lengths whose int64 products overflow, negative views, zero tensors, storages
 shrunk after their tensor was made, inputs sharing memory with a tensor written in place, in-place writes autograd
-did not see), each now refused with an error naming the argument or answered right. All run in one subprocess,
-in turn: a crash fails the test naming the case it was on."""
+did not see, inputs requiring grad whose gradient was left out), each now refused with an error naming the
+argument or answered right. All run in one subprocess, in turn: a crash fails the test naming the case it was on."""
 
 from __future__ import annotations
 
@@ -178,6 +178,41 @@ CASES = [
         "add_norm h past its shrunk storage (written)",
         "ops.add_norm(shrunk(torch.randn(8, 8)), None, torch.ones(8), 1e-5)",
         "error h",
+    ),
+    (
+        "silu_mul gate requiring grad (no backward: its gradient would be missing)",
+        "ops.silu_mul(torch.randn(2, 8, requires_grad=True), torch.randn(2, 8))",
+        "error gate",
+    ),
+    (
+        "add_norm h a leaf requiring grad (written in place)",
+        "ops.add_norm(torch.randn(2, 8, requires_grad=True), None, torch.ones(8), 1e-6)",
+        "error h",
+    ),
+    (
+        "add_norm w a parameter",
+        "ops.add_norm(torch.randn(2, 8), None, torch.nn.Parameter(torch.ones(8)), 1e-6)",
+        "error w",
+    ),
+    (
+        "rotate sin requiring grad",
+        "ops.rotate(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8, requires_grad=True))",
+        "error sin",
+    ),
+    (
+        "few_rows x requiring grad",
+        "few_rows_kernel()(torch.randn(2, 5, requires_grad=True), torch.randn(1, 5, 64), 3)",
+        "error x",
+    ),
+    ("paged_attention q requiring grad", "attn(q=q.clone().requires_grad_())", "error q"),
+    (
+        "tensors requiring grad run under no_grad and inference_mode (nothing recorded)",
+        "g, u, w = torch.randn(2, 8, requires_grad=True), torch.randn(2, 8), torch.nn.Parameter(torch.ones(8))\n"
+        "with torch.no_grad():\n    a = ops.silu_mul(g, u); n = ops.add_norm(torch.randn(2, 8), None, w, 1e-6)[1]\n"
+        "with torch.inference_mode():\n    b = ops.silu_mul(g, u); o = attn(q=q.clone().requires_grad_())\n"
+        "torch.testing.assert_close(a, torch.nn.functional.silu(g.detach()) * u); assert torch.equal(a, b)\n"
+        "torch.testing.assert_close(o, attn())",
+        "ok",
     ),
     ("k_cache of a storage shrunk to 0 bytes", "attn(kc=shrunk(kc.clone(), 0))", "error k_cache"),
     ("k_cache a zero tensor (no memory)", "attn(kc=torch._efficientzerotensor(kc.shape))", "error k_cache"),

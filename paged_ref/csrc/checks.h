@@ -7,12 +7,15 @@
 
 // t a strided CPU tensor of `dtype` with `dim` dimensions (`layout` names them, as "[n, Hq, D]"), its memory holding
 // its values: every element within its storage, not a zero tensor (no memory) nor a negative view (whose values are
-// those in memory negated).
+// those in memory negated); not one autograd records while it does (the ops have no backward: a gradient through
+// one would be missing, with no error).
 static inline void check_tensor(const char* op, const char* name, const torch::Tensor& t, at::ScalarType dtype,
                                 int64_t dim, const char* layout) {
   TORCH_CHECK(t.defined(), op, ": ", name, " must be a tensor, got None");
   TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, op, ": ", name,
               " must be a dense CPU tensor, got device ", t.device(), ", layout ", t.layout());
+  TORCH_CHECK(!t.requires_grad() || !at::GradMode::is_enabled(), op, ": ", name, " requires grad and the op has ",
+              "no backward: call it under torch.no_grad() or torch.inference_mode(), or pass ", name, ".detach()");
   TORCH_CHECK(!t._is_zerotensor(), op, ": ", name, " must hold its values in memory, got a zero tensor (",
               "torch._efficientzerotensor: no memory)");
   if (t.numel() > 0) {  // its last element in its storage (which can shrink after t is made: untyped_storage().resize_)

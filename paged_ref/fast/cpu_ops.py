@@ -10,7 +10,7 @@ reassociated).
 
 Example:
     >>> h, y, norm = torch.randn(2, 3, 8), torch.randn(2, 3, 8), torch.nn.RMSNorm(8, eps=1e-6)
-    >>> h2, x = cpu_ops().add_norm(h.clone(), y, norm.weight, 1e-6)
+    >>> h2, x = cpu_ops().add_norm(h.clone(), y, norm.weight.detach(), 1e-6)
     >>> torch.allclose(x, norm(h + y), atol=1e-5), torch.allclose(h2, h + y)
     (True, True)
 """

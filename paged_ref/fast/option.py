@@ -52,6 +52,8 @@ class Fast:
     def __post_init__(self):
         if self.backend is not None and not isinstance(self.backend, str):
             raise TypeError(f"fast.backend must be a backend's name or None, got {self.backend!r}")
+        if self.backend == "":
+            raise ValueError("fast.backend must be a backend's name or None, got ''")
         for name in ("prepack", "flat", "cpu_ops"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"fast.{name} must be True or False, got {getattr(self, name)!r}")

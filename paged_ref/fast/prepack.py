@@ -41,7 +41,7 @@ import torch
 from ..native import build
 
 __all__ = ["BLOCK", "FEW_ROWS", "FUSED", "PACK_FOR_ROWS", "SOURCE", "PackedLinears", "few_rows_kernel", "stream_layout"]
-__all__ += ["why_not_packed"]
+__all__ += ["cannot_pack", "why_not_packed"]
 
 #: Linear layers of one module that read the same input, packed as one product (when all are present).
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -108,6 +108,20 @@ def why_not_packed(model) -> str | None:
     for name, p in model.named_parameters():
         if p.device.type != "cpu" or p.dtype not in _PACKABLE:
             return f"parameter {name} is {p.dtype} on {p.device.type}; packing needs float32 or bfloat16 on the CPU"
+    for dtype in sorted({p.dtype for p in model.parameters()}, key=str):
+        if cannot_pack(dtype) is not None:
+            return cannot_pack(dtype)
+    return None
+
+
+@functools.cache
+def cannot_pack(dtype: torch.dtype) -> str | None:
+    """Why oneDNN cannot pack weights of ``dtype`` on this CPU (bfloat16 needs AVX-512 or AVX-NE-CONVERT), or None:
+    one weight packed to see."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(1, 1, dtype=dtype), PACK_FOR_ROWS)
+    except RuntimeError as e:
+        return f"this CPU cannot pack {dtype} weights: {type(e).__name__}: {str(e).splitlines()[0]}"
     return None
 
 
@@ -138,22 +152,30 @@ def stream_layout(weight: torch.Tensor) -> torch.Tensor:
 
 def _product(weight: torch.Tensor, bias: torch.Tensor | None, few=None):
     """``x: [..., in] -> x @ weight.T + bias: [..., out]`` through ``weight [out, in]`` packed now; ``few``:
-    (`few_rows_kernel`, n) for products of at most n rows (float32, no bias), or None."""
+    (`few_rows_kernel`, n) for products of at most n rows (float32, no bias), or None. An ``x`` of another
+    dtype than the weight's or another last size than ``in`` is refused (TypeError, ValueError)."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)  # [out, in], oneDNN's blocked layout
-    out_features = weight.shape[0]
+    (out_features, in_features), dtype = weight.shape, weight.dtype
     few, limit = few if few is not None and bias is None and weight.dtype == torch.float32 else (None, 0)
     blocks = None if few is None else stream_layout(weight)  # [ceil(out / BLOCK), in, BLOCK]
 
+    def onednn(rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # [tokens, out]
+
     def product(x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # [tokens, in]
-        if few is not None and rows.shape[0] <= limit:
-            y = few(rows, blocks, out_features)  # [tokens, out]
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # [tokens, out]
+        if x.dtype != dtype:
+            raise TypeError(f"prepack: a packed linear layer of {dtype} weights takes x of {dtype}, got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != in_features:
+            shape = list(x.shape)
+            raise ValueError(f"prepack: a layer of {in_features} in_features takes x [..., {in_features}], got {shape}")
+        rows = x.reshape(-1, in_features)  # [tokens, in]
+        y = few(rows, blocks, out_features) if few is not None and rows.shape[0] <= limit else onednn(rows)
         return y.view(*x.shape[:-1], out_features)
 
-    for rows in (1, limit + 1):  # either path fails here, not in a forward
-        product(torch.zeros(rows, weight.shape[1], dtype=weight.dtype))
+    one = torch.zeros(1, in_features, dtype=dtype)  # either path fails here (one row each), not in a forward
+    onednn(one)
+    if few is not None:
+        few(one, blocks, out_features)
     return product
 
 

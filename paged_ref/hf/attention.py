@@ -92,11 +92,11 @@ def register_backend(backend: Backend) -> Backend:
     return backend
 
 
-def get_backend(name, device="cpu") -> Backend:
+def get_backend(name, device="cpu", argument: str = "backend") -> Backend:
     """The backend registered as ``name`` (``"auto"``: `auto_backend` on ``device``); a `Backend` as it is."""
     if isinstance(name, Backend):
         return name
-    check_choice("backend", name, [*BACKENDS, AUTO])
+    check_choice(argument, name, [*BACKENDS, AUTO])  # argument: the name of the argument that gave ``name``
     return BACKENDS[auto_backend(device) if name == AUTO else name]
 
 

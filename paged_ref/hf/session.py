@@ -110,7 +110,7 @@ class PagedSession:
             backend = fast.backend
         eviction = check_policy(eviction, None)
         geometry = model_geometry(model)
-        self._backend = get_backend(backend, geometry.device)
+        self._backend = get_backend(backend, geometry.device, "fast.backend" if fast and fast.backend else "backend")
         kv_cache = session_cache(geometry, kv_cache, num_pages=num_pages, page_size=page_size, kv_format=kv_format)
         if kv_cache.kv_scales(0)[0] is not None:  # 8-bit pages: a backend that reads them
             self._backend = for_8bit_pages(self._backend, asked=backend)
