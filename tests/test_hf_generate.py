@@ -626,6 +626,15 @@ def test_a_closed_session_takes_no_new_sequence(model):
         session.finish(session.add())
 
 
+def test_a_session_on_a_cache_refuses_a_size_for_another(model):
+    """``num_pages`` (like ``kv_format``) sizes a cache the session makes: beside ``kv_cache`` it is refused, not
+    ignored, as `generate` refuses it."""
+    kv = _kv(model, num_pages=4, page_size=4)
+    with pytest.raises(ValueError, match="either kv_cache or num_pages"):
+        hf.PagedSession(model, kv_cache=kv, num_pages=64)
+    assert kv.seq_ids == [] and kv.allocator.num_free == 4
+
+
 class _Forwards:
     """Counts the model's forwards (a pre-hook on the decoder)."""
 
