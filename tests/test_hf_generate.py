@@ -633,6 +633,15 @@ def test_a_closed_session_takes_no_new_sequence(model):
         session.finish(session.add())
 
 
+def test_a_session_on_a_cache_refuses_a_size_for_another(model):
+    """``num_pages`` (like ``kv_format``) sizes a cache the session makes: beside ``kv_cache`` it is refused, not
+    ignored, as `generate` refuses it."""
+    kv = _kv(model, num_pages=4, page_size=4)
+    with pytest.raises(ValueError, match="either kv_cache or num_pages"):
+        hf.PagedSession(model, kv_cache=kv, num_pages=64)
+    assert kv.seq_ids == [] and kv.allocator.num_free == 4
+
+
 class _Forwards:
     """Counts the model's forwards (a pre-hook on the decoder)."""
 
@@ -749,3 +758,43 @@ def test_a_policy_the_cache_cannot_run_is_refused_before_the_sequence_is_added(m
         with pytest.raises(ValueError, match="budget must be >= 8 tokens with page_size=4.*got budget=4"):
             session.fork(a, eviction=make_policy("streaming_llm", 4, sink_tokens=1))
         assert session.seq_ids == session.kv.seq_ids == [a] and session.kv.allocator.num_free == 8
+
+
+def _tiny_mistral(sliding_window):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.1,
+        sliding_window=sliding_window,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return MistralForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("sliding_window", [4096, 7])  # MistralConfig's default; exactly the longest span
+def test_a_sliding_window_no_sequence_outgrows_is_full_attention(sliding_window):
+    """A Mistral's window (4096 by default) changes nothing while every sequence spans at most that many
+    positions: the same tokens as model.generate; a forward reaching past it is refused, nothing held."""
+    model = _tiny_mistral(sliding_window)
+    ids = _prompt(5, seed=3)  # 5 + 3 new tokens: the last forward feeds position 6, spanning 7
+    no_eos = dict(eos_token_id=[], pad_token_id=0)
+    expected = model.generate(ids, max_new_tokens=3, do_sample=False, **no_eos)
+    assert torch.equal(hf.generate(model, ids, max_new_tokens=3, page_size=2, **no_eos), expected)
+    if sliding_window == 7:  # one token more spans 8 positions: keys 7 apart, outside the window
+        kv = _kv(model, num_pages=8, page_size=2)
+        with pytest.raises(NotImplementedError, match="sliding_window=7"):
+            hf.generate(model, ids, max_new_tokens=4, kv_cache=kv, **no_eos)
+        assert kv.seq_ids == [] and kv.allocator.num_free == 8
+        with hf.PagedSession(model, kv_cache=kv) as session:
+            s = session.add()
+            session.extend([s], [ids[0, :5]])
+            with pytest.raises(NotImplementedError, match="sliding_window=7"):
+                session.extend([s], [torch.tensor([9, 10, 11])])
+            assert (session.position(s), kv.seq_len(s)) == (5, 5)

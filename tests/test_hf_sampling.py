@@ -82,6 +82,22 @@ def test_unimplemented_processor_in_generation_config_is_refused(model):
         hf.generate(penalized, torch.tensor([[1, 2]]), max_new_tokens=2)
 
 
+@pytest.mark.parametrize(("name", "value"), [("encoder_repetition_penalty", 5.0), ("encoder_no_repeat_ngram_size", 1)])
+def test_encoder_side_processors_penalize_a_decoders_prompt_and_are_refused(model, name, value):
+    """On a decoder-only model transformers takes the prompt for the encoder input: these settings change
+    model.generate's tokens (the penalty on the prompt's tokens, the prompt's 1-grams banned), so they are refused."""
+    ids = torch.arange(100, 112)[None]
+    free = model.generate(ids, max_new_tokens=8, do_sample=False)
+    penalized = copy.deepcopy(model)
+    setattr(penalized.generation_config, name, value)
+    if name == "encoder_no_repeat_ngram_size":  # the prompt holds the tokens generated without it: now banned
+        ids = torch.cat([ids, free[:, 12:]], dim=1)
+        free = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert not torch.equal(penalized.generate(ids, max_new_tokens=8, do_sample=False), free)
+    with pytest.raises(NotImplementedError, match=f"{name}={value}"):
+        hf.generate(penalized, ids, max_new_tokens=8)
+
+
 # ---------------------------------------------------------------------------------- shared pages
 def test_samples_share_the_prompts_pages_and_copy_only_the_partial_one(model):
     kv = PagedKVCache.for_model(model, num_pages=32, page_size=4)

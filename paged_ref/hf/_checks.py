@@ -155,6 +155,8 @@ def session_cache(geometry, kv_cache, *, kv_format, **pool) -> KVCache:
         return PagedKVCache(**pool, kv_format=kv_format, **geometry.cache_kwargs)
     if kv_format is not None:
         raise ValueError(f"kv_format is that of a cache made here; give it to the kv_cache passed, got {kv_format!r}")
+    if pool["num_pages"] is not None:
+        raise ValueError("pass either kv_cache or num_pages, not both (num_pages sizes a cache created here)")
     if not isinstance(kv_cache, KVCache):
         raise TypeError(
             f"kv_cache must be a paged_ref.PagedKVCache, a LayeredKVCache or None, got {type(kv_cache).__name__}"

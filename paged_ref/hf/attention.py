@@ -208,9 +208,11 @@ def paged_attention_forward(
         )
     if dropout:
         raise NotImplementedError(f"paged attention is inference-only, got dropout={dropout}")
-    for unsupported in ("sliding_window", "softcap"):
-        if kwargs.get(unsupported) is not None:
-            raise NotImplementedError(f"paged attention does not support {unsupported}={kwargs[unsupported]!r}")
+    window = kwargs.get("sliding_window")  # masks keys >= window positions back: none in a span <= window
+    if window is not None and (plan.span is None or plan.span > window):
+        raise NotImplementedError(f"paged attention does not support sliding_window={window!r} over span={plan.span}")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(f"paged attention does not support softcap={kwargs['softcap']!r}")
     if getattr(module, "sinks", None) is not None:
         raise NotImplementedError("paged attention does not support attention sinks")
     with region("paged_ref::attention"):

@@ -53,6 +53,7 @@ class StepPlan:
         packed: ``f(q [num_new, Hq, D], ..., seq_lens, q_lens, *, scale)``: the new tokens of every row in
             one call where none is padding (``valid`` None: decode, a packed forward), or None
             (`attention.Backend.packed`); it returns None where it cannot run ``q``.
+        span: the most positions a row's sequence spans with the new tokens (a window this wide masks none), or None.
     """
 
     kv: KVCache
@@ -69,6 +70,7 @@ class StepPlan:
     layer_tables: list[tuple[torch.Tensor, dict]] | None = None
     parts: list[tuple[torch.Tensor, StepPlan]] | None = None
     packed: Callable | None = None
+    span: int | None = None
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, dict]:
         """``(block_table, attn_kwargs)`` the attention of layer ``layer_idx`` reads."""

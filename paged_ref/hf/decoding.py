@@ -56,6 +56,8 @@ DEFAULTS = {
 # each with the values that leave the logits alone (transformers' own tests for "off")
 _OFF = {
     "repetition_penalty": (None, 1.0),
+    "encoder_repetition_penalty": (None, 1.0),  # a decoder's prompt is its "encoder input"
+    "encoder_no_repeat_ngram_size": (None, 0),
     "no_repeat_ngram_size": (None, 0),
     "bad_words_ids": (None,),
     "min_length": (None, 0),

@@ -70,8 +70,6 @@ def prepare(
     else:
         got = len(namespace) if isinstance(namespace, (list, tuple)) else type(namespace).__name__
         raise ValueError(f"namespace must be None, a dict or a list of one per row ({len(prompts)}), got {got}")
-    if kv_cache is not None and num_pages is not None:
-        raise ValueError("pass either kv_cache or num_pages, not both (num_pages sizes a cache created here)")
     if copies > 1 and (eviction is not None or budget is not None):
         raise NotImplementedError(
             "KV eviction with sequences that share pages (num_return_sequences > 1 or num_beams > 1) is not "

@@ -357,6 +357,7 @@ class PagedSession:
             prefill=self._prefill,
             max_q_len=max_q,
             packed=self._packed,
+            span=max(self._positions[s] + n for s, n in zip(seq_ids, q_lens_list)),
         )
         if packed and valid is not None and not self.kv.tables_per_layer:
             return (plan, *pack_rows(plan, input_ids, position_ids, self._backend.prepare))
