@@ -82,6 +82,16 @@ def test_unimplemented_processor_in_generation_config_is_refused(model):
         hf.generate(penalized, torch.tensor([[1, 2]]), max_new_tokens=2)
 
 
+@pytest.mark.parametrize(("name", "value"), [("max_time", 5.0), ("stop_strings", ["ab"]), ("token_healing", True)])
+def test_stopping_criteria_in_generation_config_are_refused(model, name, value):
+    """transformers stops early on a time limit or a stop string (token healing rewrites the prompt):
+    paged_ref.hf implements none of them, so it refuses them rather than generating past them."""
+    configured = copy.deepcopy(model)
+    setattr(configured.generation_config, name, value)
+    with pytest.raises(NotImplementedError, match=f"{name}="):
+        hf.generate(configured, torch.tensor([[1, 2]]), max_new_tokens=2)
+
+
 @pytest.mark.parametrize(("name", "value"), [("encoder_repetition_penalty", 5.0), ("encoder_no_repeat_ngram_size", 1)])
 def test_encoder_side_processors_penalize_a_decoders_prompt_and_are_refused(model, name, value):
     """On a decoder-only model transformers takes the prompt for the encoder input: these settings change

@@ -74,6 +74,9 @@ _OFF = {
     "watermarking_config": (None,),
     "num_beam_groups": (None, 1),
     "low_memory": (None, False),
+    "max_time": (None,),  # stopping criteria paged_ref.hf does not implement either
+    "stop_strings": (None,),
+    "token_healing": (None, False),
 }
 _OFF_WHEN_SAMPLING = {  # warpers transformers applies only with do_sample
     "min_p": (None,),
@@ -169,8 +172,8 @@ def _check_processors(config, do_sample: bool) -> None:
         value = getattr(config, name, None)
         if not any(value is v or (v is not None and value == v) for v in off):
             raise NotImplementedError(
-                f"the model's generation_config sets {name}={value!r}, a logits processor paged_ref.hf does not "
-                f"implement; generate on a model whose generation_config leaves it at {off[-1]!r}"
+                f"the model's generation_config sets {name}={value!r}, a logits processor or stopping criterion "
+                f"paged_ref.hf does not implement; generate on a model whose generation_config leaves it at {off[-1]!r}"
             )
 
 
