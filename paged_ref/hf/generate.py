@@ -6,6 +6,8 @@ greedy, sampling after the same ``torch.manual_seed``, beam search over forked p
 times: the rows share its pages, and a row's first write into a shared page copies it
 (copy-on-write). Left padding (``attention_mask``) is stripped before anything reaches the cache;
 a sequence that emits EOS gives its pages back at once and its row is filled with ``pad_token_id``.
+One exception: dynamic RoPE (``rope_type="dynamic"``) past the model's original context scales by the
+largest position in the batch, which in ``model.generate`` still counts the finished rows.
 
 Example:
     >>> import torch
