@@ -424,6 +424,9 @@ class PagedKVCache(Undo):
 
     def _release(self, pages: list[int]) -> None:
         """Drop one reference per page, tail first; pages with a cached prefix are reused last."""
+        for page in self._prefix.unwritten.intersection(pages):  # its last holder goes: no forward will write it
+            if self.allocator.refcount(page) == 1:
+                self._prefix.forget(page)
         tail_first = pages[::-1]
         self.allocator.free(tail_first, cached=[p for p in tail_first if p in self._prefix])
         plain = [p for p in set(pages) if self.allocator.refcount(p) == 0 and p not in self._prefix]
