@@ -4,6 +4,7 @@ import torch
 
 import paged_ref as pr
 from paged_ref.cache import PageCopy
+from paged_ref.quant import KVFormat
 
 H, D = 2, 4
 
@@ -459,3 +460,24 @@ def test_rewind_takes_only_the_sequences_own_mark():
     assert cache.seq_len(a) == 3
     cache.rewind(a, mark)
     assert cache.seq_len(a) == 0 and cache.pages(a) == [] and cache.allocator.num_free == 8
+
+
+@pytest.mark.parametrize("kv_format", [None, KVFormat(torch.int8, scales="page")], ids=["float", "int8-page"])
+def test_rollback_undoes_a_rewind_to_a_mark_taken_before_the_checkpoint(kv_format):
+    """A mark stays valid while its sequence only reserves and writes, so a step may rewind to one taken
+    before its checkpoint; rolling the step back must then bring back the tokens' ids and prefix keys (the
+    rewind shortened them) and, with 8-bit pages scaled per page, the last page it restored."""
+    from cache_state import snapshot
+
+    cache = make(page_size=2, prefix_caching=True, kv_format=kv_format)
+    s = cache.add_sequence()
+    fill(cache, s, 1, token_ids=[5])
+    mark = cache.mark(s)
+    fill(cache, s, 3, start=100.0, token_ids=[6, 7, 8])  # the last page's scale grows: its token re-quantized
+    cache.checkpoint()
+    before = snapshot(cache)
+    cache.rewind(s, mark)
+    cache.rollback()
+    assert snapshot(cache) == before, snapshot(cache).diff(before)
+    other = cache.add_sequence(token_ids=[5, 6, 7, 8, 9])  # the keys are back: both full pages hit
+    assert cache.pages(other) == cache.pages(s)[:2]
