@@ -114,11 +114,12 @@ def rewind_sequence(cache, seq_id: int, mark: SequenceMark) -> None:
     ps = cache.page_size
     share, written, taken = rewind_plan(list(mark.pages), mark.length, seq.pages, seq.length, page_size=ps)
     cache.allocator.share(share)  # raises, changing nothing, if one went back to the pool since
-    for page in {slot // ps for slot in written} | set(taken):
+    touched = {slot // ps for slot in written}  # pages held then that took tokens since (not copied away)
+    for page in touched | set(taken):
         cache._prefix.forget(page)  # its tokens changed, or were written by the failed step
     cache._zero_slots(torch.tensor(written, dtype=torch.long, device=cache.device))
     cache._zero_pages(list(mark.pages[-(-mark.length // ps) :]))  # reserved ahead, no token: 8-bit scales 0 too
-    if written and mark.tail is not None:  # the last page as it was, scales and re-quantized tokens included
+    if mark.tail is not None and mark.tail[0] in touched:  # the last page as it was, re-quantized tokens included
         page, bytes_, rows = mark.tail
         cache._saving(range(cache.num_layers), flat_slots([page], 0, ps, ps).to(cache.device))
         for data, saved in zip((*cache.k_cache, *cache.v_cache), bytes_):

@@ -443,3 +443,23 @@ def test_a_refused_write_leaves_the_cache_unchanged():
         assert snapshot(cache) == before
     with pytest.raises(ValueError, match="layer must be in"):
         cache.kv_scales(2)
+
+
+def test_rewind_leaves_a_copied_last_page_to_its_other_holder():
+    """A mark keeps the last page of a sequence, to put back tokens a grown scale re-quantized. If the sequence
+    copied that page since (it was shared), the page is another sequence's alone: one that wrote into it since
+    keeps what it wrote when the first one rewinds."""
+    cache = _cache(torch.int8, page_size=2, num_layers=1, growth="pow2")
+    full = torch.ones(5, 2, 8)
+    a = cache.add_sequence()
+    cache.write(0, cache.reserve(a, 5), full, full)  # pages [0, 1, 2] and 3 reserved ahead
+    b = cache.fork(a)  # shares pages 0-2
+    mark = cache.mark(a)
+    slots = cache.reserve(a, 3)  # copies shared page 2, then writes into page 3
+    cache.write(0, slots, full[:3] * 5, full[:3] * 5)
+    assert cache.pages(a) == [0, 1, 4, 3] and cache.pages(b) == [0, 1, 2]
+    k = torch.full((1, 2, 8), 2.0)
+    cache.write(0, cache.reserve(b, 1), k, k)  # b, page 2's one holder now, writes in place
+    cache.rewind(a, mark)
+    assert cache.pages(a) == [0, 1, 2, 3]
+    assert torch.equal(cache.gather(0, b)[0][5], k[0])
