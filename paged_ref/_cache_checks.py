@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validate import check_int, check_list, describe
+from ._validate import check_int, check_list, describe, is_int
 
 
 def check_dtype(dtype) -> torch.dtype:
@@ -67,7 +67,8 @@ def batch_lists(seq_ids, num_tokens, token_ids) -> tuple[list, list, list]:
             f"seq_ids, num_tokens and token_ids must have one entry per sequence, got "
             f"{len(seq_ids)}, {len(num_tokens)} and {len(token_ids)}"
         )
-    if len(set(seq_ids)) != len(seq_ids):
+    ids = [s for s in seq_ids if is_int(s)]  # the others are refused as no live sequence
+    if len(set(ids)) != len(ids):
         raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
     return seq_ids, num_tokens, token_ids
 

@@ -74,7 +74,7 @@ def eos_ids(eos, vocab: int | None) -> list[int]:
 
 def check_choice(name: str, value, choices) -> str:
     """Raise unless ``value`` is one of ``choices``."""
-    if value not in choices:
+    if not isinstance(value, str) or value not in choices:  # every choice is a str (a list is not even hashable)
         raise ValueError(f"{name} must be one of {sorted(choices)}, got {value!r}")
     return value
 

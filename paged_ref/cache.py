@@ -163,14 +163,13 @@ class PagedKVCache(Undo):
         check_layer(layer, self.num_layers)
         seqs = [self._seq(s) for s in self._batch(seq_ids)]
         tables = [s.pages[: cdiv(s.length, self.page_size)] for s in seqs]  # well formed: no re-check
-        return pack_padded(tables, [s.length for s in seqs], device=device or self.device)
+        return pack_padded(tables, [s.length for s in seqs], device=self.device if device is None else device)
 
     def csr(self, seq_ids=None, device=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """FlashInfer's ``(kv_indptr, kv_indices, kv_last_page_len)`` for ``seq_ids``."""
         seqs = [self._seq(s) for s in self._batch(seq_ids)]
-        return pack_csr(
-            [s.pages for s in seqs], [s.length for s in seqs], page_size=self.page_size, device=device or self.device
-        )
+        device = self.device if device is None else device  # device=0 is cuda:0
+        return pack_csr([s.pages for s in seqs], [s.length for s in seqs], page_size=self.page_size, device=device)
 
     # ----------------------------------------------------------------- growth
     def add_sequence(self, token_ids=None, *, namespace: dict | None = None) -> int:
@@ -195,9 +194,8 @@ class PagedKVCache(Undo):
     def cached_prefix(self, token_ids) -> list[int]:
         """The pages ``add_sequence(token_ids)`` would reuse, taking nothing (what admission asks first);
         those with ``allocator.refcount(page) == 0`` would come back from the pool."""
-        if not self.prefix_caching:
-            return []
-        return [page for page, _ in self._prefix.match(self._prefix_root, token_list("token_ids", token_ids))]
+        token_ids = token_list("token_ids", token_ids)
+        return [page for page, _ in self._prefix.match(self._prefix_root, token_ids)] if self.prefix_caching else []
 
     def reserve(self, seq_id: int, num_tokens: int, token_ids=None) -> torch.Tensor:
         """Grow ``seq_id`` by ``num_tokens`` and return their flat slots, ``int64 [num_tokens]``, all or
@@ -424,6 +422,9 @@ class PagedKVCache(Undo):
 
     def _release(self, pages: list[int]) -> None:
         """Drop one reference per page, tail first; pages with a cached prefix are reused last."""
+        for page in self._prefix.unwritten.intersection(pages):  # its last holder goes: no forward will write it
+            if self.allocator.refcount(page) == 1:
+                self._prefix.forget(page)
         tail_first = pages[::-1]
         self.allocator.free(tail_first, cached=[p for p in tail_first if p in self._prefix])
         plain = [p for p in set(pages) if self.allocator.refcount(p) == 0 and p not in self._prefix]

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ._validate import describe
+from .block_table import flat_slots
 from .kv_pages import raw
 
 __all__ = ["Checkpoint", "SequenceMark", "Undo", "rewind_plan", "rewind_sequence"]
@@ -58,11 +59,9 @@ class SequenceMark:
 
     def apply(self, seq) -> None:
         """Put ``seq``'s pages, length and prefix keys back as they were."""
-        if self.token_ids is not None:
-            del self.token_ids[self.known :]
-        del self.page_hashes[self.hashed :]
-        seq.pages, seq.length = list(self.pages), self.length
-        seq.token_ids, seq.page_hashes = self.token_ids, self.page_hashes
+        seq.pages, seq.length = list(self.pages), self.length  # copies: a checkpoint's mark may hold these lists too
+        seq.token_ids = None if self.token_ids is None else self.token_ids[: self.known]
+        seq.page_hashes = self.page_hashes[: self.hashed]
 
 
 def rewind_plan(saved: list[int], saved_len: int, pages: list[int], length: int, *, page_size: int):
@@ -115,12 +114,14 @@ def rewind_sequence(cache, seq_id: int, mark: SequenceMark) -> None:
     ps = cache.page_size
     share, written, taken = rewind_plan(list(mark.pages), mark.length, seq.pages, seq.length, page_size=ps)
     cache.allocator.share(share)  # raises, changing nothing, if one went back to the pool since
-    for page in {slot // ps for slot in written} | set(taken):
+    touched = {slot // ps for slot in written}  # pages held then that took tokens since (not copied away)
+    for page in touched | set(taken):
         cache._prefix.forget(page)  # its tokens changed, or were written by the failed step
     cache._zero_slots(torch.tensor(written, dtype=torch.long, device=cache.device))
     cache._zero_pages(list(mark.pages[-(-mark.length // ps) :]))  # reserved ahead, no token: 8-bit scales 0 too
-    if written and mark.tail is not None:  # the last page as it was, scales and re-quantized tokens included
+    if mark.tail is not None and mark.tail[0] in touched:  # the last page as it was, re-quantized tokens included
         page, bytes_, rows = mark.tail
+        cache._saving(range(cache.num_layers), flat_slots([page], 0, ps, ps).to(cache.device))
         for data, saved in zip((*cache.k_cache, *cache.v_cache), bytes_):
             raw(data)[page] = saved
         cache.quant.set_rows(torch.tensor([page], device=cache.device), rows)

@@ -109,6 +109,10 @@ class QuantPages:
             cache._saving((layer,), changed.to(slots.device).unique())
             for (data, scales), new in zip(pairs, grown):
                 self._rescale(data, scales, new, grew)
+            if cache.watchers and len(grew):  # the keys re-quantized, as stored now; an empty slot (all 0) left out
+                held = changed[len(slots) :].to(slots.device)
+                held = held[self.read(cache, layer, held)[0].flatten(1).any(1)]
+                cache._tell("update", layer, held, self.read(cache, layer, held)[0])
         else:
             cache._saving((layer,), slots)
         for i, ((data, scales), x) in enumerate(zip(pairs, (k, v))):

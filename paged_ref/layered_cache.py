@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from ._cache_checks import batch_lists, check_layer
-from ._validate import check_int, check_list
+from ._validate import check_int, check_list, describe, is_int
 from .allocator import OutOfPagesError
 from .block_table import pages_needed
 from .cache import PageCopy, PagedKVCache
@@ -129,6 +129,7 @@ class LayeredKVCache:
     def block_table(self, seq_ids=None, device=None, *, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer``'s ``(block_table int32 [batch, max_pages], seq_lens int32 [batch])``."""
         seq_ids = self.seq_ids if seq_ids is None else check_list("seq_ids", seq_ids, "sequence ids")
+        layer = check_layer(layer, self.num_layers)
         return self.pool.block_table([self._lane(s, layer) for s in seq_ids], device=device)
 
     tables_per_layer = True  # each layer reads its own block table (`paged_ref.cache_interface`)
@@ -217,8 +218,7 @@ class LayeredKVCache:
         n = self.seq_len(seq_id)
         if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or tuple(keep.shape) != (len(lanes), n):
             raise ValueError(
-                f"keep must be a bool tensor of shape [num_layers, seq_len] = [{len(lanes)}, {n}], got "
-                f"{tuple(keep.shape) if isinstance(keep, torch.Tensor) else type(keep).__name__}"
+                f"keep must be a bool tensor of shape [num_layers, seq_len] = [{len(lanes)}, {n}], got {describe(keep)}"
             )
         counts = keep.sum(1)
         if not bool((counts == counts[0]).all()):
@@ -267,7 +267,7 @@ class LayeredKVCache:
         """Put every layer of the sequence back as `mark` saw it, last layer first
         (`PagedKVCache.rewind`). Clears ``last_copies``."""
         lanes = self._lanes_of(seq_id)
-        if not isinstance(mark, tuple) or len(mark) != len(lanes):
+        if not isinstance(mark, tuple) or [m.seq_id if isinstance(m, SequenceMark) else None for m in mark] != lanes:
             raise ValueError(f"mark must be the tuple mark({seq_id}) returned, got {type(mark).__name__}")
         for lane, lane_mark in reversed(list(zip(lanes, mark))):
             self.pool.rewind(lane, lane_mark)
@@ -280,7 +280,7 @@ class LayeredKVCache:
         return tuple(replace(c, seq_id=owner[c.seq_id][0], layer=owner[c.seq_id][1]) for c in copies)
 
     def _lanes_of(self, seq_id) -> list[int]:
-        if seq_id not in self._lanes or isinstance(seq_id, bool):
+        if not is_int(seq_id) or seq_id not in self._lanes:
             raise ValueError(f"seq_id {seq_id!r} is not a live sequence of this cache (live: {self.seq_ids})")
         return self._lanes[seq_id]
 

@@ -28,6 +28,7 @@ Example (one page of 4 tokens, 2 KV heads, head_dim 8, a scale per page and KV h
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,7 @@ def check_format(fmt, name: str = "fmt") -> torch.dtype:
 
 def check_scale(scale, name: str = "scale") -> torch.Tensor:
     """``scale`` (a number or a tensor of them) as float32, or raise unless every value is finite and > 0."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.Tensor)):
+    if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, torch.Tensor)):  # numpy scalars too
         raise TypeError(f"{name} must be a finite number > 0 or a tensor of them, got {type(scale).__name__}")
     if isinstance(scale, torch.Tensor) and not scale.dtype.is_floating_point:
         raise TypeError(f"{name} must be a floating tensor, got dtype {scale.dtype}")

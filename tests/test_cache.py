@@ -4,6 +4,7 @@ import torch
 
 import paged_ref as pr
 from paged_ref.cache import PageCopy
+from paged_ref.quant import KVFormat
 
 H, D = 2, 4
 
@@ -459,3 +460,57 @@ def test_rewind_takes_only_the_sequences_own_mark():
     assert cache.seq_len(a) == 3
     cache.rewind(a, mark)
     assert cache.seq_len(a) == 0 and cache.pages(a) == [] and cache.allocator.num_free == 8
+
+
+@pytest.mark.parametrize("kv_format", [None, KVFormat(torch.int8, scales="page")], ids=["float", "int8-page"])
+def test_rollback_undoes_a_rewind_to_a_mark_taken_before_the_checkpoint(kv_format):
+    """A mark stays valid while its sequence only reserves and writes, so a step may rewind to one taken
+    before its checkpoint; rolling the step back must then bring back the tokens' ids and prefix keys (the
+    rewind shortened them) and, with 8-bit pages scaled per page, the last page it restored."""
+    from cache_state import snapshot
+
+    cache = make(page_size=2, prefix_caching=True, kv_format=kv_format)
+    s = cache.add_sequence()
+    fill(cache, s, 1, token_ids=[5])
+    mark = cache.mark(s)
+    fill(cache, s, 3, start=100.0, token_ids=[6, 7, 8])  # the last page's scale grows: its token re-quantized
+    cache.checkpoint()
+    before = snapshot(cache)
+    cache.rewind(s, mark)
+    cache.rollback()
+    assert snapshot(cache) == before, snapshot(cache).diff(before)
+    other = cache.add_sequence(token_ids=[5, 6, 7, 8, 9])  # the keys are back: both full pages hit
+    assert cache.pages(other) == cache.pages(s)[:2]
+
+
+def test_seq_ids_choices_and_token_ids_are_checked_at_every_door():
+    """A list where a seq_id or a choice is expected is named (not Python's "unhashable type"), and
+    cached_prefix checks its token ids with prefix caching off as on."""
+    from cache_state import snapshot
+
+    cache = make()
+    s = cache.add_sequence()
+    fill(cache, s, 5)
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=r"seq_id \[0\] is not a live sequence"):
+        cache.reserve_batch([[s]], [1])
+    with pytest.raises(TypeError, match="token_ids must be a list of ints"):
+        cache.cached_prefix("abc")
+    with pytest.raises(TypeError, match=r"token_ids\[0\] must be an int, got float"):
+        cache.cached_prefix([1.5])
+    assert snapshot(cache) == before
+    with pytest.raises(ValueError, match=r"growth must be one of \['page', 'pow2'\], got \['page'\]"):
+        make(growth=["page"])
+
+
+def test_block_table_and_csr_take_device_0_as_cuda_0():
+    """``device=0`` names cuda:0 as it does for torch, not "the cache's device" (it is falsy)."""
+    cache = make()
+    s = cache.add_sequence()
+    fill(cache, s, 5)
+    for call in (lambda: cache.block_table([s], device=0)[0], lambda: cache.csr([s], device=0)[0]):
+        if torch.cuda.is_available():
+            assert call().device == torch.device("cuda", 0)
+        else:
+            with pytest.raises((RuntimeError, AssertionError), match="(?i)cuda|accelerator"):
+                call()

@@ -25,6 +25,7 @@ time), e.g. ``PAGED_REF_FUZZ_SCALE=20 pytest -s tests/test_cache_properties.py``
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import random
@@ -207,6 +208,7 @@ class CacheMachine(Checked):
     page_size = 2
     growth = "page"
     prefix_caching = False
+    page_summaries = False
 
     def __init__(self):
         super().__init__()
@@ -218,6 +220,7 @@ class CacheMachine(Checked):
             head_dim=D,
             growth=self.growth,
             prefix_caching=self.prefix_caching,
+            page_summaries=self.page_summaries,
         )
         self.model: dict[int, list[tuple[int, int]]] = {}  # seq -> [(token id, original position)]
         self.adapter: dict[int, str | None] = {}
@@ -426,6 +429,117 @@ def test_paged_cache_interleavings():
     assert ops >= 12_500, ops  # a longer run (PAGED_REF_FUZZ_SCALE) reports its own count
     for op in ("reserve", "reserve_batch", "compact", "truncate", "bad_call"):  # each failure was reached
         assert FAILED[CacheMachine.name, op] > 0, op
+
+
+class UndoMachine(CacheMachine):
+    """`CacheMachine` with prefix caching and page summaries, plus a serving step's checkpoint held open across
+    rules (then rolled back, the cache exactly as it was, or committed), a rewind inside one to a mark taken
+    before it, and reservations whose sequence lets the tokens go before the forward has written them all."""
+
+    name = "PagedKVCache undo"
+    prefix_caching = True
+    page_summaries = True
+
+    def __init__(self):
+        super().__init__()
+        self.saved = None  # while a checkpoint is open: (cache snapshot, model, adapters) when it was opened
+
+    @rule(end=st.sampled_from(["rollback", "commit"]))
+    def step(self, end):
+        """Open a checkpoint, or end the open one."""
+        self._flush()
+        if self.saved is None:
+            self.count("checkpoint")
+            self.cache.checkpoint()
+            self.saved = (snapshot(self.cache), copy.deepcopy(self.model), dict(self.adapter))
+            return
+        self.count(end)
+        getattr(self.cache, end)()
+        if end == "rollback":
+            before, self.model, self.adapter = self.saved
+            after = snapshot(self.cache)
+            assert after == before, after.diff(before)
+        self.saved = None
+
+    @precondition(lambda self: self.model and self.saved is None)
+    @rule(i=st.integers(0, 63), a=st.integers(1, 5), b=st.integers(1, 5))
+    def rewind_across_checkpoint(self, i, a, b):
+        """mark; reserve and write; checkpoint; more reserved and written, then rewound to the first mark;
+        rolled back: as at the checkpoint."""
+        self._flush()
+        seq = self._live(i)
+        mark = self.cache.mark(seq)
+        if not self._write([seq], [[1] * a]):
+            return
+        self.cache.checkpoint()
+        before, n = snapshot(self.cache), len(self.model[seq])
+        self._write([seq], [[2] * b])
+        self.count("rewind across a checkpoint")
+        self.cache.rewind(seq, mark)
+        self.cache.rollback()
+        del self.model[seq][n:]
+        assert snapshot(self.cache) == before, snapshot(self.cache).diff(before)
+
+    @precondition(lambda self: self.model)
+    @rule(
+        i=st.integers(0, 63),
+        tokens=st.lists(st.integers(0, 2), min_size=1, max_size=7),
+        layers=st.integers(0, LAYERS - 1),
+        leave=st.sampled_from(["free", "truncate", "drop_pages", "compact"]),
+    )
+    def abandon(self, i, tokens, layers, leave):
+        """Tokens reserved (their full pages published), ``layers`` layers written, then let go."""
+        self._flush()
+        seq = self._live(i)
+        start = self.cache.seq_len(seq)
+        ok, slots = self.attempt("reserve", lambda: self.cache.reserve(seq, len(tokens), token_ids=tokens))
+        if not ok:
+            return
+        for layer in range(layers):
+            self.cache.write(layer, slots, *token_kv(tokens, start, layer, self.adapter[seq]))
+        self.count(f"abandon: {leave}")
+        held = pr.pages_needed(start + len(tokens), self.page_size)
+        if leave == "free":
+            self.cache.free(seq)
+            del self.model[seq]
+        elif leave == "truncate":  # the pages the tokens filled were copied or new: nothing to copy
+            self.cache.truncate(seq, len(tokens))
+        elif leave == "drop_pages":  # every page the new tokens touched
+            first = start // self.page_size
+            self.cache.drop_pages(seq, range(first, held))
+            del self.model[seq][first * self.page_size :]
+        else:  # none kept: nothing to copy
+            self.cache.compact(seq, torch.zeros(start + len(tokens), dtype=torch.bool))
+            self.model[seq] = []
+
+    @invariant()
+    def summaries_bound_the_keys_and_unwritten_pages_have_a_holder(self):
+        c = self.cache
+        assert all(c.allocator.refcount(p) > 0 for p in c._prefix.unwritten), c._prefix.unwritten
+        if self.lagging:
+            return
+        for s, pairs in self.model.items():
+            index = torch.tensor([c.pages(s)[t // self.page_size] for t in range(len(pairs))], dtype=torch.long)
+            for layer in range(LAYERS):
+                k = c.gather(layer, s)[0]
+                assert bool(
+                    (c.summaries.k_min[layer][index] <= k).all() and (k <= c.summaries.k_max[layer][index]).all()
+                )
+
+    def teardown(self):
+        if self.saved is not None:
+            self.cache.commit()
+        super().teardown()
+
+
+def test_paged_cache_undo_interleavings():
+    """`UndoMachine` with page sizes 1, 2 and 3."""
+    for page_size, growth in [(1, "page"), (2, "pow2"), (3, "page")]:
+        run(type("U", (UndoMachine,), dict(page_size=page_size, growth=growth)), examples=30, steps=40)
+    ops = report(UndoMachine.name)
+    assert ops >= 3_000, ops
+    for op in ("rollback", "commit", "rewind across a checkpoint", "abandon: free", "abandon: truncate"):
+        assert OPS[UndoMachine.name, op] > 0, op
 
 
 # ------------------------------------------------------------------------------------ LayeredKVCache

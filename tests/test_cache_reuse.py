@@ -125,3 +125,25 @@ def test_pages_come_out_zeroed_and_compact_zeroes_what_it_vacates():
     page = c.pages(b)[0]
     for t in (*c.k_cache, *c.v_cache):
         assert not t[page, 3:].any()  # the vacated tail holds zeros
+
+
+@pytest.mark.parametrize("leave", ["free", "truncate", "drop_pages", "compact"])
+def test_a_page_whose_last_holder_leaves_before_its_forward_writes_it_is_not_reused(leave):
+    """A reservation publishes the page it fills before the forward writes it; if the sequence lets it go
+    first (every layer unwritten, or only some), no forward will ever write it: a later prompt with the same
+    tokens must compute them, not take a page of zeros (or of layer 0 alone) as their K/V."""
+    c = cache(4, page_size=2, layers=2)
+    s = c.add_sequence()
+    slots = c.reserve(s, 3, token_ids=[5, 6, 7])  # page 0 full: published, unwritten
+    k = torch.ones(3, 1, 2)
+    c.write(0, slots, k, k)  # layer 0 only: the forward stops here
+    {
+        "free": lambda: c.free(s),
+        "truncate": lambda: c.truncate(s, 3),
+        "drop_pages": lambda: c.drop_pages(s, [0]),
+        "compact": lambda: c.compact(s, torch.zeros(3, dtype=torch.bool)),
+    }[leave]()
+    assert c.cached_prefix([5, 6, 7]) == []
+    other = c.add_sequence(token_ids=[5, 6, 7])
+    assert c.seq_len(other) == 0 and c.prefix_hits == 0
+    assert not c.k_cache[0][0].any()  # the page went back as a plain page: zeroed

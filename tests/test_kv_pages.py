@@ -443,3 +443,38 @@ def test_a_refused_write_leaves_the_cache_unchanged():
         assert snapshot(cache) == before
     with pytest.raises(ValueError, match="layer must be in"):
         cache.kv_scales(2)
+
+
+def test_rewind_leaves_a_copied_last_page_to_its_other_holder():
+    """A mark keeps the last page of a sequence, to put back tokens a grown scale re-quantized. If the sequence
+    copied that page since (it was shared), the page is another sequence's alone: one that wrote into it since
+    keeps what it wrote when the first one rewinds."""
+    cache = _cache(torch.int8, page_size=2, num_layers=1, growth="pow2")
+    full = torch.ones(5, 2, 8)
+    a = cache.add_sequence()
+    cache.write(0, cache.reserve(a, 5), full, full)  # pages [0, 1, 2] and 3 reserved ahead
+    b = cache.fork(a)  # shares pages 0-2
+    mark = cache.mark(a)
+    slots = cache.reserve(a, 3)  # copies shared page 2, then writes into page 3
+    cache.write(0, slots, full[:3] * 5, full[:3] * 5)
+    assert cache.pages(a) == [0, 1, 4, 3] and cache.pages(b) == [0, 1, 2]
+    k = torch.full((1, 2, 8), 2.0)
+    cache.write(0, cache.reserve(b, 1), k, k)  # b, page 2's one holder now, writes in place
+    cache.rewind(a, mark)
+    assert cache.pages(a) == [0, 1, 2, 3]
+    assert torch.equal(cache.gather(0, b)[0][5], k[0])
+
+
+def test_page_summaries_bound_keys_requantized_by_a_grown_page_scale():
+    """With a scale per page, a write that grows the scale re-quantizes the page's earlier keys: each may move
+    by up to half the new scale, out of the min / max folded when it was written; the summaries fold them again."""
+    gen = torch.Generator().manual_seed(3)
+    cache = _cache(torch.int8, page_size=8, num_layers=1, page_summaries=True)
+    s = cache.add_sequence()
+    for size in (1.0, 1.5, 3.0, 7.0, 20.0, 50.0):  # every token needs a larger scale
+        k, v = _kv(gen, 1, cache, spread=False)
+        cache.write(0, cache.reserve(s, 1), k * size, v)
+    k = cache.gather(0, s)[0]  # [6, Hkv, D] as stored
+    page = cache.pages(s)[0]
+    assert bool((cache.summaries.k_min[0][page] <= k.amin(0)).all()), cache.summaries.k_min[0][page] - k.amin(0)
+    assert bool((cache.summaries.k_max[0][page] >= k.amax(0)).all()), cache.summaries.k_max[0][page] - k.amax(0)

@@ -323,3 +323,42 @@ def test_scalars_where_lists_are_expected_are_named():
         cache.add_sequence(namespace="lora")
     assert snapshot(cache) == before
     cache.free(cache.add_sequence(namespace={"adapter": "lora"}))  # taken like PagedKVCache's (no prefix caching)
+
+
+def test_seq_ids_layers_and_masks_are_checked_as_the_paged_cache_checks_them():
+    """A seq_id must be an int (1.0 equals a live id 1 but is refused, a list is named, not unhashable), a layer
+    is checked even for an empty batch, and a keep mask of the wrong dtype is described."""
+    from cache_state import snapshot
+
+    cache = layered()
+    s = cache.add_sequence()
+    cache.reserve(s, 3)
+    before = snapshot(cache)
+    for bad in (float(s), [s]):
+        with pytest.raises(ValueError, match=r"seq_id .* is not a live sequence of this cache \(live: \[0\]\)"):
+            cache.seq_len(bad)
+        with pytest.raises(ValueError, match="is not a live sequence"):
+            cache.reserve(bad, 1)
+    with pytest.raises(ValueError, match=r"layer must be in \[0, 3\), got 9"):
+        cache.block_table([], layer=9)
+    shape = r"got tensor of shape \[3, 3\] and dtype torch.float32"
+    with pytest.raises(ValueError, match=r"keep must be a bool tensor .* " + shape):
+        cache.compact(s, torch.ones(3, 3))
+    assert snapshot(cache) == before
+
+
+def test_a_rewind_given_another_sequences_mark_for_one_layer_changes_no_layer():
+    """Every layer's mark is checked before any layer is rewound (the last layer goes first)."""
+    from cache_state import snapshot
+
+    cache = layered()
+    a, b = cache.add_sequence(), cache.add_sequence()
+    mark_a, mark_b = cache.mark(a), cache.mark(b)
+    cache.reserve(a, 3)
+    before = snapshot(cache)
+    for bad in ((mark_b[0], *mark_a[1:]), (cache.pages(a, 0), *mark_a[1:]), mark_a[:2]):
+        with pytest.raises(ValueError, match=r"mark must be the tuple mark\(0\) returned, got tuple"):
+            cache.rewind(a, bad)
+        assert snapshot(cache) == before, snapshot(cache).diff(before)
+    cache.rewind(a, mark_a)
+    assert cache.seq_len(a) == 0

@@ -186,3 +186,14 @@ def test_bad_input_is_refused_with_what_was_expected_and_given(call, error, word
     with pytest.raises(error) as info:
         call()
     assert words in str(info.value)
+
+
+def test_numpy_scalars_are_scales_like_python_numbers():
+    import numpy as np
+
+    assert quant.KVFormat(torch.int8, k_scale=np.float32(0.5), v_scale=np.int64(2)) == quant.KVFormat(
+        torch.int8, k_scale=0.5, v_scale=2.0
+    )
+    assert quant.quantize(torch.ones(2), np.float64(0.5), torch.int8).tolist() == [2, 2]
+    with pytest.raises(TypeError, match="scale must be a finite number > 0 or a tensor of them, got bool"):
+        quant.quantize(torch.ones(2), True, torch.int8)

@@ -184,6 +184,17 @@ def test_a_full_prompt_prefix_hit_still_computes_the_last_prompt_token(model):
     assert engine.stats()["prefix_hit_tokens"] == 8 + 4
 
 
+def test_a_dry_run_keeps_a_finished_requests_full_pages_cached():
+    """A dry run writes no K/V but plays the forward that would: the full pages of a request that finished
+    stay cached (a published page no forward wrote leaves the prefix index when its last holder goes)."""
+    prompt = list(range(20, 29))  # 9 tokens: two full pages of 4, and one more
+    engine = Engine(None, num_pages=16, page_size=PAGE, prefix_caching=True)
+    for _ in range(2):
+        engine.add_request(prompt, max_new_tokens=3)
+        engine.run()
+    assert engine.stats()["prefix_hit_tokens"] == 8
+
+
 @pytest.mark.parametrize("backend", [None, "reference"])
 def test_a_hit_on_pages_an_earlier_row_of_the_step_fills_reads_that_forwards_kv(model, backend):
     """As in vLLM, scheduling A publishes the full pages its prompt fills, so B (admitted next in the same
