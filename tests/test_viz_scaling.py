@@ -35,3 +35,19 @@ def test_each_figure_draws_or_says_why_not(kind):
         else:
             with pytest.raises(ValueError, match=re.escape(f"no {section!r} section to draw: {why}")):
                 draw(GPU, name)
+
+
+def test_the_memory_minimum_is_drawn_for_the_most_tokens_a_decoder_held():
+    """Decoders that ran fewer steps hold fewer tokens: the dashed minimum is the largest of their minima at each
+    context, so a decoder that holds exactly its tokens and the most of them (DynamicCache) lies on it."""
+    data = json.loads((DATA_DIR / "scaling_cpu.json").read_text())
+    res = data["models"]["smollm2"]
+    fig = viz.memory_figure(data, "smollm2")
+    line = next(x for x in fig.axes[0].get_lines() if x.get_label() == "minimum for the most tokens held")
+    most = {}
+    for r in res["ladder"] + res.get("long", []):
+        if r["backend"] != "none":
+            for p in r["points"]:
+                most[p["context"]] = max(most.get(p["context"], 0), p["tokens_held"])
+    want = [most[c] * res["kv_bytes_per_token"] / 2**20 for c in sorted(most)]
+    assert list(line.get_xdata()) == sorted(most) and line.get_ydata() == pytest.approx(want)

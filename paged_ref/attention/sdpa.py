@@ -104,8 +104,8 @@ def _attend(q, k_cache, v_cache, gather: SlotGather, scale: float, k_scale=None,
     )
 
 
-# Tokens per chunk of `attend_chunked`: SDPA over one long view runs one work item per KV head, too few
-# for the cores, so a long sequence is read in pieces of this many tokens, run as SDPA's batch.
+# Tokens per chunk of `attend_chunked`: SDPA over one long view runs one work item per KV head, which leaves
+# cores idle where they outnumber the KV heads, so a long sequence is read in pieces of this many tokens.
 DECODE_CHUNK = 512
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 

@@ -148,7 +148,8 @@ def latency_figure(data: dict, model: str) -> Figure:
 
 
 def memory_figure(data: dict, model: str) -> Figure:
-    """KV bytes held per decoder vs context, against the minimum (tokens held x bytes per token)."""
+    """KV bytes held per decoder vs context, against the minimum for the most tokens a decoder held there
+    (tokens x bytes per token): decoders that took fewer steps hold fewer tokens and may sit below it."""
     res = _model(data, model)
     _section(data, model, "ladder")
     fig = Figure(figsize=(10.5, 4.0), layout="constrained")
@@ -160,13 +161,14 @@ def memory_figure(data: dict, model: str) -> Figure:
             continue
         pts = [(p["context"], p["kv_bytes"] / MiB) for p in r["points"]]
         for p in r["points"]:
-            minimum[p["context"]] = p["tokens_held"] * per_token / MiB
+            most = max(minimum.get(p["context"], 0.0), p["tokens_held"] * per_token / MiB)
+            minimum[p["context"]] = most
         color, marker, ls = _STYLE.get(r["label"], ("k", "o", "-"))
         x, y = zip(*pts)
         ax.plot(x, y, marker=marker, ls=ls, color=color, label=r["label"], alpha=0.85)
     if minimum:
         x = sorted(minimum)
-        ax.plot(x, [minimum[c] for c in x], color="k", lw=1, ls="--", label="minimum: tokens held x bytes/token")
+        ax.plot(x, [minimum[c] for c in x], color="k", lw=1, ls="--", label="minimum for the most tokens held")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")
