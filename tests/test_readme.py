@@ -288,12 +288,11 @@ def _alloc_facts() -> list[str]:
     data = _data("alloc_cpu.json")
     a, c = data["results"]["paged_ref.PageAllocator"], data["results"]["paged_ref.PagedKVCache"]
     repeats = data["workload"]["repeats"]
-    # a run with each repeat's times took the implementations in turns (the ratio: a median of pairs)
-    how = "pairs" if "ns_per_page_op_repeats" in a else "each implementation's run one after another: ratios of medians"
+    assert len(a["ns_per_page_op_repeats"]) == repeats  # the implementations took turns: the ratio is of pairs
     return [
         f"{a['ns_per_page_op']:.0f} ns, {a['torch_over_this']:.2f}x faster than torch's",
         f"{c['ns_per_page_op']:.0f} ns, {c['torch_over_this']:.2f}x",
-        f"(medians of {repeats} repeats, {how}",
+        f"(medians of {repeats} repeats, pairs",
         f"`bench alloc`, {data['environment']['date_utc'][:10]})",
     ]
 
@@ -302,9 +301,9 @@ def _zeroing_facts() -> list[str]:
     """The row on zeroing free pages, from alloc_cpu.json's ``zeroing``."""
     data = _data("alloc_cpu.json")
     z = data["zeroing"]
-    paired = "zero_page_ns_repeats" in z
+    assert len(z["zero_page_ns_repeats"]) == data["workload"]["repeats"]  # taken in turns with the writes
     return [
-        f"medians of {data['workload']['repeats']} repeats" + ("" if paired else ": a ratio of medians, not of pairs"),
+        f"medians of {data['workload']['repeats']} repeats, the median of pairs",
         f"{z['geometry']['num_layers']} layers",
         f"zeroing a page costs {z['zero_over_write']:.2f}x of writing its tokens once "
         f"({z['zero_page_ns'] / 1e3:.0f} µs vs {z['write_page_ns'] / 1e3:.0f} µs",
