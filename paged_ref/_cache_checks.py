@@ -6,6 +6,8 @@ before the cache changes anything. The caches' internal steps trust what these l
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._validate import check_int, check_list, describe, is_int
@@ -15,6 +17,14 @@ def check_dtype(dtype) -> torch.dtype:
     """``dtype``, a floating torch.dtype (the cache's storage type)."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype (float32, float16, bfloat16, float64), got {dtype!r}")
+    return dtype
+
+
+def check_pool(cache, dtype) -> torch.dtype:
+    """``dtype`` (`check_dtype`), ``cache``'s K and V of every layer in it under 2**63 bytes (torch's sizes: int64)."""
+    sizes = {k: getattr(cache, k) for k in ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim")}
+    if (total := 2 * math.prod(sizes.values()) * check_dtype(dtype).itemsize) >= 2**63:
+        raise ValueError(f"2 * {' * '.join(sizes)} * {dtype.itemsize} bytes must be < 2**63, got {total}: {sizes}")
     return dtype
 
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ._arith import cdiv
-from ._cache_checks import batch_lists, check_device, check_dtype, check_layer, check_write, growth_request, token_list
-from ._validate import check_bool, check_choice, check_int, check_list, describe, is_int
+from ._cache_checks import batch_lists, check_device, check_layer, check_pool, check_write, growth_request, token_list
+from ._validate import INT32_MAX, check_bool, check_choice, check_int, check_list, describe, is_int
 from .allocator import OutOfPagesError, PageAllocator
 from .block_table import flat_slots, pack_csr, pack_padded
 from .cache_undo import Undo
@@ -90,11 +90,11 @@ class PagedKVCache(Undo):
         kv_format=None,
     ):
         self.num_layers = check_int("num_layers", num_layers, min_value=1)
-        self.num_pages = check_int("num_pages", num_pages, min_value=1)
+        self.num_pages = check_int("num_pages", num_pages, min_value=1, max_value=INT32_MAX + 1)  # page ids: int32
         self.page_size = check_int("page_size", page_size, min_value=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, min_value=1)
         self.head_dim = check_int("head_dim", head_dim, min_value=1)
-        self.dtype = check_dtype(dtype)
+        self.dtype = check_pool(self, dtype)
         self.growth = check_choice("growth", growth, {"page", "pow2"})
         self.prefix_caching = check_bool("prefix_caching", prefix_caching)
         self._prefix_root = namespace_key(prefix_namespace)

@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from ._cache_checks import batch_lists, check_layer
-from ._validate import check_int, check_list, describe, is_int
+from ._validate import INT32_MAX, check_int, check_list, describe, is_int
 from .allocator import OutOfPagesError
 from .block_table import pages_needed
 from .cache import PageCopy, PagedKVCache
@@ -51,8 +51,8 @@ class LayeredKVCache:
         device="cpu",
         kv_format=None,
     ):
-        self.num_layers = check_int("num_layers", num_layers, min_value=1)
-        self.num_pages = check_int("num_pages", num_pages, min_value=1)
+        self.num_layers = check_int("num_layers", num_layers, min_value=1, max_value=INT32_MAX + 1)
+        self.num_pages = check_int("num_pages", num_pages, min_value=1, max_value=(INT32_MAX + 1) // self.num_layers)
         kv_format = as_kv_format(kv_format)
         if kv_format is not None and tuple in (type(kv_format.k_scale), type(kv_format.v_scale)):
             raise ValueError(

@@ -514,3 +514,24 @@ def test_block_table_and_csr_take_device_0_as_cuda_0():
         else:
             with pytest.raises((RuntimeError, AssertionError), match="(?i)cuda|accelerator"):
                 call()
+
+
+@pytest.mark.parametrize("huge", [2**63, 10**30])
+@pytest.mark.parametrize("arg", ["num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim"])
+def test_sizes_beyond_what_torch_holds_are_refused_by_name(arg, huge):
+    """Page ids are int32 in block tables (num_pages <= 2**31); K and V of every layer must take fewer than
+    2**63 bytes (torch's sizes are int64): a ValueError naming the sizes, not torch's overflow."""
+    sizes = dict(num_layers=1, num_pages=2, page_size=2, num_kv_heads=1, head_dim=1)
+    if arg == "num_pages":
+        words = rf"num_pages must be in \[1, 2147483648\], got {huge}$"
+    else:
+        words = r"2 \* num_layers \* num_pages \* page_size \* num_kv_heads \* head_dim \* 4 bytes must be < 2\*\*63, "
+        words += rf"got {2 * 2 * 2 * huge * 4 // (2 if arg == 'page_size' else 1)}: .*'{arg}': {huge}"
+    with pytest.raises(ValueError, match=words):
+        pr.PagedKVCache(**{**sizes, arg: huge})
+
+
+def test_sizes_that_fit_one_by_one_but_not_together_are_refused():
+    """2 (K and V) * 2**31 pages * 2**30 tokens * 2 bytes = 2**63: one byte too many."""
+    with pytest.raises(ValueError, match=rf"2 bytes must be < 2\*\*63, got {2**63}: "):
+        pr.PagedKVCache(num_layers=1, num_pages=2**31, page_size=2**30, num_kv_heads=1, head_dim=1, dtype=torch.float16)

@@ -414,6 +414,8 @@ def test_numpy_eos_ids_are_ints(model):
         (torch.tensor([1.0, 2.0]), TypeError, r"tokens\[0\] must be a 1-D integer tensor"),
         (torch.tensor([[1, 2], [3, 4]]), TypeError, r"tokens\[0\] must be a 1-D integer tensor.*\[2, 2\]"),
         (torch.tensor([1, 10**6]), ValueError, r"tokens\[0\] must hold token ids in \[0, vocab_size"),
+        ([1, 2**63], ValueError, rf"tokens\[0\] must hold token ids .* got values in \[1, {2**63}"),
+        ([10**30], ValueError, r"tokens\[0\] must hold token ids in \[0, vocab_size"),
     ],
 )
 def test_extend_refuses_float_2d_and_out_of_vocab_tokens(model, tokens, error, match):

@@ -362,3 +362,15 @@ def test_a_rewind_given_another_sequences_mark_for_one_layer_changes_no_layer():
         assert snapshot(cache) == before, snapshot(cache).diff(before)
     cache.rewind(a, mark_a)
     assert cache.seq_len(a) == 0
+
+
+@pytest.mark.parametrize("huge", [2**63, 10**30])
+def test_huge_sizes_are_refused_by_name(huge):
+    """The pool holds num_layers * num_pages pages, each id an int32 of the block tables."""
+    sizes = dict(num_layers=2, num_pages=2, page_size=2, num_kv_heads=1, head_dim=1)
+    with pytest.raises(ValueError, match=rf"num_layers must be in \[1, 2147483648\], got {huge}"):
+        LayeredKVCache(**{**sizes, "num_layers": huge})
+    with pytest.raises(ValueError, match=rf"num_pages must be in \[1, 1073741824\], got {huge}"):
+        LayeredKVCache(**{**sizes, "num_pages": huge})
+    with pytest.raises(ValueError, match=rf"bytes must be < 2\*\*63, got \d+: .*'page_size': {huge}"):
+        LayeredKVCache(**{**sizes, "page_size": huge})

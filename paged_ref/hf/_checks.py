@@ -61,6 +61,8 @@ def token_ids(name: str, t, vocab: int) -> torch.Tensor:
         try:
             t = torch.as_tensor(t)
         except (TypeError, ValueError, RuntimeError):
+            if isinstance(t, (list, tuple)) and t and all(is_int(x) for x in t):  # ints beyond int64
+                check_token_range(name, min(t), max(t), vocab)
             raise TypeError(f"{name} must be a 1-D tensor (or list) of token ids, got {type(t).__name__}") from None
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex() or t.dim() > 1:
         raise TypeError(
