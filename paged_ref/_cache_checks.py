@@ -84,8 +84,8 @@ def batch_lists(seq_ids, num_tokens, token_ids) -> tuple[list, list, list]:
 
 
 def check_write(cache, layer, slots, k, v, check_values: bool, filling=frozenset()) -> int:
-    """`PagedKVCache.write`'s arguments: the layer, int slots, K/V of the cache's shape, dtype and
-    device, and (``check_values``) slots in range in pages the cache handed out unshared (or shared
+    """`PagedKVCache.write`'s arguments: the layer, int slots, K/V of the cache's shape, dtype and device (not
+    recorded by autograd), and (``check_values``) slots in range in pages the cache handed out unshared (or shared
     since a reservation filled them: ``filling``)."""
     layer = check_layer(layer, cache.num_layers)
     if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
@@ -102,6 +102,8 @@ def check_write(cache, layer, slots, k, v, check_values: bool, filling=frozenset
             raise TypeError(f"{name} must have the cache dtype {cache.dtype}, got {t.dtype}")
         if t.device != cache.device:
             raise ValueError(f"{name} must be on the cache device {cache.device}, got {t.device}")
+        if t.requires_grad and torch.is_grad_enabled():  # as the native ops refuse it: the pages hold values, no graph
+            raise ValueError(f"{name} requires grad: write under torch.no_grad(), or pass {name}.detach()")
     if check_values and slots.numel():
         lo, hi = int(slots.min()), int(slots.max())
         if lo < 0 or hi >= cache.num_pages * cache.page_size:

@@ -535,3 +535,28 @@ def test_sizes_that_fit_one_by_one_but_not_together_are_refused():
     """2 (K and V) * 2**31 pages * 2**30 tokens * 2 bytes = 2**63: one byte too many."""
     with pytest.raises(ValueError, match=rf"2 bytes must be < 2\*\*63, got {2**63}: "):
         pr.PagedKVCache(num_layers=1, num_pages=2**31, page_size=2**30, num_kv_heads=1, head_dim=1, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("kv_format", [None, KVFormat(torch.int8, scales="page")], ids=["float", "int8-page"])
+def test_write_refuses_k_or_v_recorded_by_autograd_and_stores_values_under_no_grad(kv_format):
+    """As the native ops: a tensor requiring grad while autograd records is refused (the cache would start
+    tracking gradients, its pages part of a graph), naming it; under no_grad its values are stored."""
+    from cache_state import snapshot
+
+    cache = make(kv_format=kv_format)
+    s = cache.add_sequence()
+    fill(cache, s, 3)
+    slots = cache.reserve(s, 2)
+    before = snapshot(cache)
+    w = torch.randn(2, H, D, requires_grad=True)
+    for k, v, name in [(w, w.detach(), "k"), (w.detach(), w * 2, "v")]:
+        with pytest.raises(ValueError, match=rf"^{name} requires grad: write under torch.no_grad\(\), or pass {name}"):
+            cache.write(0, slots, k, v)
+        assert snapshot(cache) == before
+    with torch.no_grad():
+        cache.write(0, slots, w, w * 2)
+    assert not any(t.requires_grad for t in (*cache.k_cache, *cache.v_cache, *cache.kv_scales(0)) if t is not None)
+    k, v = cache.gather(0, s)
+    tol = dict(atol=0, rtol=0) if kv_format is None else dict(atol=0.1, rtol=0)  # int8: half a step of amax / 127
+    torch.testing.assert_close(k[3:], w.detach(), **tol)
+    torch.testing.assert_close(v[3:], 2 * w.detach(), **tol)

@@ -374,3 +374,13 @@ def test_huge_sizes_are_refused_by_name(huge):
         LayeredKVCache(**{**sizes, "num_pages": huge})
     with pytest.raises(ValueError, match=rf"bytes must be < 2\*\*63, got \d+: .*'page_size': {huge}"):
         LayeredKVCache(**{**sizes, "page_size": huge})
+
+
+def test_write_refuses_k_recorded_by_autograd():
+    cache = layered()
+    s = cache.add_sequence()
+    slots = cache.reserve(s, 2)
+    k = torch.randn(2, HKV, D, requires_grad=True)
+    with pytest.raises(ValueError, match="k requires grad"):
+        cache.write(1, slots[1], k, k.detach())
+    assert not cache.k_cache[1].requires_grad and not cache.k_cache[1].any()
