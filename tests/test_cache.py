@@ -560,3 +560,68 @@ def test_write_refuses_k_or_v_recorded_by_autograd_and_stores_values_under_no_gr
     tol = dict(atol=0, rtol=0) if kv_format is None else dict(atol=0.1, rtol=0)  # int8: half a step of amax / 127
     torch.testing.assert_close(k[3:], w.detach(), **tol)
     torch.testing.assert_close(v[3:], 2 * w.detach(), **tol)
+
+
+def _rewound_then_shared():
+    """a rewinds to its first mark, giving back the page its later mark holds; b takes that page."""
+    cache = make(num_pages=2, page_size=2, layers=1)
+    a = cache.add_sequence()
+    fill(cache, a, 1)
+    first = cache.mark(a)
+    fill(cache, a, 2)  # into page 1
+    later = cache.mark(a)
+    cache.rewind(a, first)
+    fill(cache, cache.add_sequence(), 1)  # b holds page 1 now
+    return cache, a, later
+
+
+def _another_caches():
+    cache, other = make(), make()
+    for c in (cache, other):
+        fill(c, c.add_sequence(), 3)
+    mark = other.mark(0)
+    fill(cache, 0, 2)
+    return cache, 0, mark
+
+
+def _shrunk(how):
+    def build():
+        cache = make()
+        a = cache.add_sequence()
+        fill(cache, a, 6)
+        mark = cache.mark(a)
+        how(cache, a)
+        return cache, a, mark
+
+    return build
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        _rewound_then_shared,
+        _another_caches,
+        _shrunk(lambda c, a: c.truncate(a, 3)),
+        _shrunk(lambda c, a: (c.truncate(a, 3), fill(c, a, 3))),  # as long as at the mark again
+        _shrunk(lambda c, a: c.compact(a, torch.tensor([True, False, True, True, True, True]))),
+        _shrunk(lambda c, a: c.drop_pages(a, [0])),
+        _shrunk(lambda c, a: c.rewind(a, c.mark(a))),  # a rewind gives the sequence a new page list
+    ],
+    ids=["later-mark-after-rewind", "another-cache", "truncated", "truncated-grown", "compacted", "dropped", "rewound"],
+)
+def test_a_stale_mark_is_refused_and_changes_nothing(build):
+    """A mark undoes only reserves and writes, once: after a truncate, compact, drop_pages or rewind of its
+    sequence, or from another cache, rewinding to it would share pages another sequence holds now (a rewind to
+    a mark taken after the one just rewound to), or put back a length the pages no longer hold."""
+    from cache_state import snapshot
+
+    cache, seq, mark = build()
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=rf"mark is stale: sequence {seq} was truncated, .* or .* another cache's"):
+        cache.rewind(seq, mark)
+    assert snapshot(cache) == before, snapshot(cache).diff(before)
+    cache.allocator.check()
+    fresh = cache.mark(seq)
+    cache.reserve(seq, 1)
+    cache.rewind(seq, fresh)
+    assert snapshot(cache) == before, snapshot(cache).diff(before)

@@ -384,3 +384,18 @@ def test_write_refuses_k_recorded_by_autograd():
     with pytest.raises(ValueError, match="k requires grad"):
         cache.write(1, slots[1], k, k.detach())
     assert not cache.k_cache[1].requires_grad and not cache.k_cache[1].any()
+
+
+def test_a_rewind_to_another_caches_mark_or_after_a_truncate_changes_no_layer():
+    from cache_state import snapshot
+
+    cache, other = layered(), layered()
+    a, b = cache.add_sequence(), other.add_sequence()
+    cache.reserve(a, 6)
+    foreign, own = other.mark(b), cache.mark(a)
+    cache.truncate(a, 2)
+    before = snapshot(cache)
+    for mark in (foreign, own, (*own[:1], *cache.mark(a)[1:])):
+        with pytest.raises(ValueError, match="mark is stale: sequence 0 was truncated"):
+            cache.rewind(a, mark)
+        assert snapshot(cache) == before, snapshot(cache).diff(before)
