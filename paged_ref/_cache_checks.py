@@ -83,6 +83,17 @@ def batch_lists(seq_ids, num_tokens, token_ids) -> tuple[list, list, list]:
     return seq_ids, num_tokens, token_ids
 
 
+def check_reserved(seq_ids, q_lens, held: dict, kv) -> None:
+    """A session's ``extend(..., reserved=True)``: each row's sequence in ``kv`` holds its ``q_lens`` new tokens beyond
+    ``held`` (seq -> tokens held after its last forward), no more, no fewer: the slots reserved for the forward."""
+    for b, (s, n) in enumerate(zip(seq_ids, q_lens)):
+        if kv.seq_len(s) - held[s] != n:
+            raise ValueError(
+                f"reserved=True: tokens[{b}] has {n} tokens, but sequence {s} has {kv.seq_len(s) - held[s]} reserved "
+                "since its last forward; reserve exactly each row's tokens first (kv.reserve)"
+            )
+
+
 def check_write(cache, layer, slots, k, v, check_values: bool, filling=frozenset()) -> int:
     """`PagedKVCache.write`'s arguments: the layer, int slots, K/V of the cache's shape, dtype and device (not
     recorded by autograd), and (``check_values``) slots in range in pages the cache handed out unshared (or shared
