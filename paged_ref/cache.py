@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -244,6 +244,10 @@ class PagedKVCache(Undo):
         if self._prefix.unwritten and layer == self.num_layers - 1 and slots.numel():
             self._prefix.written(torch.unique(slots // self.page_size).tolist())
 
+    def written(self, seq_id: int) -> None:
+        """Take ``seq_id``'s pages as written in every layer, as a write of the last layer does (a dry run's)."""
+        self._prefix.written(self._seq(seq_id).pages)
+
     def last_slots(self, seq_id: int, num_tokens: int) -> torch.Tensor:
         """The flat slots of the sequence's last ``num_tokens`` tokens, ``int64 [num_tokens]``: where a
         forward writes the tokens a scheduler reserved."""
@@ -270,13 +274,8 @@ class PagedKVCache(Undo):
         self.allocator.share(held)
         new_id = self._next_id
         self._next_id += 1
-        self._seqs[new_id] = _Sequence(
-            pages=list(held),
-            length=src.length,
-            token_ids=None if src.token_ids is None else list(src.token_ids),
-            page_hashes=list(src.page_hashes),
-            root=src.root,
-        )
+        token_ids = None if src.token_ids is None else list(src.token_ids)
+        self._seqs[new_id] = replace(src, pages=list(held), token_ids=token_ids, page_hashes=list(src.page_hashes))
         return new_id
 
     def free(self, seq_id: int) -> None:

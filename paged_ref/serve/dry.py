@@ -61,6 +61,6 @@ class DrySession:
             if not reserved:
                 ids = (t.tolist() if isinstance(t, torch.Tensor) else list(t)) if self.kv.prefix_caching else None
                 self.kv.reserve(s, len(t), token_ids=ids)
-            self.kv._prefix.written(self.kv.pages(s))  # what a forward writes: its full pages stay cached when freed
+            self.kv.written(s)  # what a forward writes: its full pages stay cached when freed
             self._positions[s] += len(t)
         return torch.zeros(len(seq_ids), 1)
