@@ -7,6 +7,7 @@ import functools
 import inspect
 import os
 import threading
+
 import torch
 
 from ... import hf, models
