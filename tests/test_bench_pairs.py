@@ -44,15 +44,15 @@ def test_speed_vs_full_and_alloc_take_paired_ratio(monkeypatch):
 class _Clock:
     """A clock each decoder step advances by its cost times a load that grows with every step taken."""
 
-    def __init__(self):
-        self.now, self.steps = 0.0, 0
+    def __init__(self, drift=0.05):
+        self.now, self.steps, self.drift = 0.0, 0, drift
 
     def __call__(self):
         return self.now
 
     def spend(self, cost):
         self.steps += 1
-        self.now += cost * (1.0 + 0.05 * self.steps)
+        self.now += cost * (1.0 + self.drift * self.steps)
 
 
 class _FakeDecoder:
@@ -133,3 +133,32 @@ def test_ladders_refuse_decoders_on_different_contexts(fake):
     a, b = LadderConfig(contexts=[16, 64]), LadderConfig(contexts=[16, 128])
     with pytest.raises(ValueError, match="the same contexts"):
         run_ladders(model, {"dynamic": a, "sdpa": b}, prompt)
+
+
+# --- bench pages: SmolLM2 sampling with sdpa and cascade, runs in turns ----------------------------
+def test_pages_sampling_runs_take_turns_and_the_speedup_is_the_median_of_the_pairs(monkeypatch):
+    from paged_ref import hf
+    from paged_ref.lab.bench import _pages_cascade
+    from paged_ref.lab.bench import eviction as ev
+
+    clock, order = _Clock(drift=0.01), []
+    costs = {"sdpa": 6.0, "cascade": 1.0}
+
+    def fake_generate(model, ids, *, max_new_tokens, num_return_sequences, backend, callback, **kwargs):
+        order.append(backend)
+        for step in range(max_new_tokens):
+            clock.spend(costs[backend])
+            callback(step, None)
+        return torch.zeros(num_return_sequences, ids.shape[1] + max_new_tokens, dtype=torch.long)
+
+    monkeypatch.setattr(hf, "generate", fake_generate)
+    monkeypatch.setattr(ev, "lm_text_ids", lambda tok, i, n: torch.arange(n))
+    cfg = dict(samples=2, prompt=8, generate_steps=5, generate_pairs=3)
+    g = _pages_cascade.generate_speed(None, None, cfg, lambda msg: None, clock=clock)
+    assert order == ["sdpa", "cascade", "cascade", "sdpa", "sdpa", "cascade"]  # the order reversed every other pair
+    runs = {b: g[b]["runs_ms_per_step"] for b in costs}
+    assert len(runs["sdpa"]) == len(runs["cascade"]) == g["pairs"] == 3
+    assert g["speedup"] == paired_ratio(runs["sdpa"], runs["cascade"])
+    assert abs(g["speedup"] / 6.0 - 1) < 0.1  # the load grew 1% a step: the pairs still read 6x
+    assert g["same_tokens"] and len(g["sdpa"]["steps_ms"]) == 3 * 4
+    assert len(g["load_before"]) == len(g["load_after"]) == 3

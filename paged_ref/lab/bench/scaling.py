@@ -1,6 +1,6 @@
 """Decode latency and KV memory vs context: no cache, a contiguous cache, and the paged cache.
 
-    python -m paged_ref.lab.bench scaling --cpu [--quick] [--model smollm2|tiny] [--out DIR]
+    python -m paged_ref.lab.bench scaling --cpu [--quick] [--model smollm2|tiny] [--threads N] [--out DIR]
     python -m paged_ref.lab.bench scaling --gpu [--quick] [--model llama1b|smollm2] [--out DIR]
 
 On one model and the same tokens, in one run:
@@ -332,10 +332,23 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--time-budget", type=float, help="seconds; sections that would start later are skipped (default 220 on GPU)"
     )
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
     gpu = args.gpu or (not args.cpu and torch.cuda.is_available())
     if gpu and not torch.cuda.is_available():
         parser.error("--gpu needs a CUDA device; use --cpu")
+    threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, argv, gpu, parser)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args, argv, gpu, parser) -> dict:
     kind = "gpu" if gpu else "cpu"
     profile = dict(PROFILES[(kind, "quick" if args.quick else "full")])
     if args.model is not None:
