@@ -269,3 +269,15 @@ def test_packed_layers_refuse_a_product_autograd_would_record(model):
                 layer(x.clone().requires_grad_())  # x does
     finally:
         model.requires_grad_(True)
+
+
+def test_a_changed_weight_that_cannot_be_packed_again_is_refused_leaving_the_model_eager():
+    from paged_ref.models import tiny_llama
+
+    model = tiny_llama()
+    packs = PackedLinears(model)
+    layer = model.model.layers[0].mlp.down_proj
+    layer.weight = torch.nn.Parameter(layer.weight.detach().double())  # oneDNN packs float32 and bfloat16
+    with pytest.raises(RuntimeError, match="prepack: changed weights cannot be packed again"), packs:
+        pass
+    assert all("forward" not in m.__dict__ for m in _linears(model))

@@ -49,7 +49,7 @@ import torch
 from ..native import build
 
 __all__ = ["BLOCK", "FEW_ROWS", "FUSED", "PACK_FOR_ROWS", "SOURCE", "PackedLinears", "few_rows_kernel", "stream_layout"]
-__all__ += ["Pack", "cannot_pack", "why_not_packed"]
+__all__ += ["Pack", "cannot_pack", "stamp", "why_not_packed"]
 
 #: Linear layers of one module that read the same input, packed as one product (when all are present).
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -100,16 +100,21 @@ class PackedLinears:
             warnings.warn(f"prepack: the linear layers stay eager ({why})", RuntimeWarning, stacklevel=2)
         self.packed = why is None
         self.few_rows = self.packed and few is not None  # products of few rows through `SOURCE`'s kernel
+        self._sources = [source for pack in self._packs for source in pack.sources]
+        self._stamp = stamp(self._sources)
 
     def __enter__(self) -> PackedLinears:
         """Pack again the weights changed since they were packed (`Pack.stale`), then put the packs in."""
-        for pack in self._packs:
-            if pack.stale():
-                try:
-                    pack.pack(self._few)
-                except RuntimeError as e:  # a weight now of a dtype or on a device oneDNN does not take
-                    first = str(e).splitlines()[0]
-                    raise RuntimeError(f"prepack: weights changed since packed cannot be packed again: {first}") from e
+        now = stamp(self._sources)  # every pack's at once: one list, not a call per pack
+        if now != self._stamp:
+            for pack in self._packs:
+                if pack.stale():
+                    try:
+                        pack.pack(self._few)
+                    except RuntimeError as e:  # a weight now of a dtype or on a device oneDNN does not take
+                        first = str(e).splitlines()[0]
+                        raise RuntimeError(f"prepack: changed weights cannot be packed again: {first}") from e
+            self._stamp = now
         for pack in self._packs:  # once per forward: the instance dict, not Module.__setattr__
             for layer, forward in zip(pack.layers, pack.forwards):
                 layer.__dict__["forward"] = forward  # an instance attribute: shadows the class's forward
@@ -121,30 +126,31 @@ class PackedLinears:
                 layer.__dict__.pop("forward", None)
 
 
+def stamp(sources: list[tuple[dict, str]]) -> list:
+    """What each parameter ``sources`` names (a module's ``_parameters`` and a name) is now: None, or its
+    tensor's id, version counter (moved by a change in place) and storage address (moved by ``.data =``)."""
+    return [None if (t := d.get(name)) is None else (id(t), t._version, t.data_ptr()) for d, name in sources]
+
+
 class Pack:
     """Linear layers of one input (one, or a `FUSED` group) through one packed product of their weights,
-    with what the pack was made from: each weight's and bias's tensor, version counter and storage."""
+    with the `stamp` of the weights and biases it was made from."""
 
     def __init__(self, layers: list[torch.nn.Linear], few):
         self.layers = layers
+        self.sources = [(m._parameters, name) for m in layers for name in ("weight", "bias")]
         self.pack(few)
 
     def pack(self, few) -> None:
         """Pack the layers' weights as they are now: ``forwards``, one per layer."""
         layers = self.layers
         self.forwards = _fused_forwards(layers, few) if len(layers) > 1 else [_packed_forward(layers[0], few)]
-        self._tensors = self._sources()  # kept: while they live, no other tensor has their id
-        self._stamp = self._stamps()
-
-    def _sources(self) -> list[torch.Tensor]:
-        return [t for m in self.layers for t in (m._parameters["weight"], m._parameters.get("bias")) if t is not None]
-
-    def _stamps(self) -> list[tuple[int, int, int]]:
-        return [(id(t), t._version, t.data_ptr()) for t in self._sources()]
+        self._kept = [d.get(name) for d, name in self.sources]  # while they live, no other tensor has their id
+        self._stamp = stamp(self.sources)
 
     def stale(self) -> bool:
-        """Whether a weight or bias was changed in place (its version counter moved) or replaced since packed."""
-        return self._stamps() != self._stamp
+        """Whether a weight or bias was changed in place or replaced since it was packed."""
+        return stamp(self.sources) != self._stamp
 
 
 def why_not_packed(model) -> str | None:
