@@ -43,10 +43,10 @@ def check_list(name: str, value, what: str = "ints") -> list:
     raise TypeError(f"{name} must be a list of {what}, got {type(value).__name__} ({value!r})")
 
 
-def check_bool(name: str, value) -> bool:
-    """Raise unless ``value`` is True or False (not 0 or 1)."""
+def check_bool(name: str, value, what: str = "True or False") -> bool:
+    """Raise unless ``value`` is True or False (not 0 or 1); ``what`` names what else the caller took."""
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
+        raise TypeError(f"{name} must be {what}, got {value!r}")
     return value
 
 

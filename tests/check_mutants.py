@@ -1010,6 +1010,11 @@ class MeanGroupQuest(_Scored):
         return b.mean(0)
 
 
+class SumGroupQuest(_Scored):
+    def _score(self, b):
+        return b.sum(0)
+
+
 class ModuloHeadsQuest(_Scored):
     def _heads(self, q, h, hkv):
         return q[h::hkv]
@@ -1535,6 +1540,7 @@ MUTANTS = {
         NoNewestQuest,
         SmallestQuest,
         MeanGroupQuest,
+        SumGroupQuest,
         ModuloHeadsQuest,
         UnsortedQuest,
         ExtraNewestQuest,

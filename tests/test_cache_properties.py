@@ -857,11 +857,7 @@ class SessionMachine(Checked):
         tokens = []
         for k, s in enumerate(seqs):
             policy = self.session._policies[s]
-            m = (
-                n
-                if policy is None or s not in self.session._held
-                else min(n, policy.tokens_until_action(self.kv_, s))
-            )
+            m = n if policy is None or s not in self.session._held else min(n, policy.tokens_until_action(self.kv_, s))
             tokens.append([3 + (7 * k + t + len(self.history[s])) % 37 for t in range(m)])
         self._extend(seqs, tokens, fail=fail == 0)
 

@@ -47,3 +47,30 @@ def test_another_architecture_keeps_its_forward_with_one_warning():
 def test_flat_must_be_a_bool():
     with pytest.raises(TypeError, match="fast.flat must be True or False, got 1"):
         Fast(flat=1)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(prepack=True), dict(flat=True), dict(flat=True, cpu_ops=True), dict(prepack=True, flat=True)],
+)
+def test_a_model_in_training_mode_runs_as_the_eager_step_does(options):
+    """``model.train()``: without attention dropout the eager step's logits; with it, paged attention's
+    NotImplementedError, as in the eager step (the flat loop passes the dropout as LlamaAttention does)."""
+    from paged_ref.models import tiny_llama
+
+    prompts = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 1, 12)]
+    model = tiny_llama().train()
+    fast = Fast(backend="cpu_paged", **options)
+    for eager, trained in zip(_logits(model.eval(), prompts), _logits(model.train(), prompts, **options)):
+        torch.testing.assert_close(trained, eager, rtol=1e-4, atol=1e-4)
+    model = tiny_llama(attention_dropout=0.5).train()
+    with pr.hf.PagedSession(model, num_pages=32, page_size=4, fast=fast) as s:
+        seq = s.add()
+        with pytest.raises(NotImplementedError, match="paged attention is inference-only, got dropout=0.5"):
+            s.extend([seq], [prompts[0]])
+        assert s.kv.seq_len(seq) == 0 and s.position(seq) == 0
+
+
+def test_cpu_ops_must_be_a_bool(model):
+    with pytest.raises(TypeError, match="cpu_ops must be True or False, got 'no'"):
+        FlatForward(model, cpu_ops="no")

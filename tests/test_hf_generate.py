@@ -398,6 +398,44 @@ def test_bad_token_ids_and_streamers_are_named(model, kwargs, error, match):
     assert model.config._attn_implementation == "sdpa"
 
 
+FLAG_CALLS = ["generate", "beam_search", "extend all_logits", "extend packed", "extend reserved"]
+
+
+@pytest.mark.parametrize(
+    "call, value",
+    [(c, v) for c in FLAG_CALLS for v in ["no", 2, [], None] if c.startswith("extend") or v is not None],
+)
+def test_a_flag_of_another_kind_is_refused_naming_it_and_nothing_moves(model, call, value):
+    """A truthy "no", 2 or [] is not True: each flag takes True or False (``progress`` also None)."""
+    ids, kv = torch.tensor([[5, 6, 7]]), _kv(model, num_pages=8, page_size=4)
+    expect = "True or False" if call.startswith("extend") else "True, False or None"
+    name = call.split()[-1] if call.startswith("extend") else "progress"
+    with pytest.raises(TypeError, match=rf"^{name} must be {expect}, got {re.escape(repr(value))}$"):
+        if call == "generate":
+            hf.generate(model, ids, max_new_tokens=2, kv_cache=kv, progress=value)
+        elif call == "beam_search":
+            hf.beam_search(model, ids, max_new_tokens=2, num_beams=2, kv_cache=kv, progress=value)
+        else:
+            with hf.PagedSession(model, kv_cache=kv) as session:
+                s = session.add()
+                try:
+                    session.extend([s], [ids[0]], **{name: value})
+                finally:
+                    assert session.kv.seq_len(s) == 0 and session.position(s) == 0
+    assert kv.allocator.num_free == 8 and model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("name", ["bogus", "copies", "caller", "decoding"])  # the last three: internal names
+@pytest.mark.parametrize("call", ["generate", "generate num_beams=2", "stream", "beam_search"])
+def test_an_unknown_keyword_names_the_function_called(model, call, name):
+    ids, kv = torch.tensor([[5, 6, 7]]), _kv(model, num_pages=8, page_size=4)
+    function = getattr(hf, call.split()[0])
+    beams = dict(num_beams=2) if "num_beams" in call or call == "beam_search" else {}
+    with pytest.raises(TypeError, match=rf"^{call.split()[0]}\(\) got an unexpected keyword argument '{name}'$"):
+        function(model, ids, max_new_tokens=2, kv_cache=kv, **beams, **{name: 2})
+    assert kv.allocator.num_free == 8 and kv.seq_ids == []
+
+
 def test_numpy_eos_ids_are_ints(model):
     import numpy as np
 

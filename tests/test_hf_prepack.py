@@ -65,7 +65,7 @@ def test_fused_projections_give_each_layer_its_own_product_and_recompute_for_ano
     x, y = torch.randn(2, 5, model.config.hidden_size), torch.randn(2, 5, model.config.hidden_size)
     layers = [attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj, attn.o_proj]
     eager = {(id(m), id(t)): m(t) for m in layers for t in (x, y)}
-    with PackedLinears(model):
+    with PackedLinears(model), torch.no_grad():  # packed layers compute no gradients
         # transformers' order (q, k, v on one tensor), then out of order and on another tensor
         calls = [(attn.q_proj, x), (attn.k_proj, x), (attn.v_proj, x), (attn.k_proj, y), (attn.q_proj, x)]
         calls += [(attn.v_proj, y), (mlp.up_proj, y), (mlp.gate_proj, y), (mlp.gate_proj, x), (attn.o_proj, x)]
@@ -123,7 +123,7 @@ def test_few_rows_runs_products_of_few_rows_and_onednn_the_rest(model, rows):
     packs = PackedLinears(model, few_rows=FEW_ROWS)
     layer = model.model.layers[0].self_attn.o_proj
     x = torch.randn(rows, layer.in_features)
-    with packs, torch.profiler.profile() as prof:
+    with packs, torch.no_grad(), torch.profiler.profile() as prof:
         y = layer(x)
     ran = {e.key for e in prof.key_averages()}
     assert packs.few_rows and (("paged_ref_linear::few_rows" in ran) == (rows <= FEW_ROWS))
@@ -159,7 +159,7 @@ def test_a_kernel_that_cannot_be_built_leaves_onednn_with_one_warning(model, mon
     assert packs.packed and not packs.few_rows
     layer = model.model.layers[0].mlp.down_proj
     x = torch.randn(3, layer.in_features)
-    with packs:
+    with packs, torch.no_grad():
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 
 
@@ -172,7 +172,7 @@ def test_a_large_few_rows_packs_at_once(model, few_rows):
         packs = PackedLinears(model, few_rows=few_rows)
     layer = model.model.layers[0].mlp.down_proj
     x = torch.randn(3, layer.in_features)
-    with packs:
+    with packs, torch.no_grad():
         y = layer(x)
     assert packs.packed and packs.few_rows
     torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
@@ -181,7 +181,7 @@ def test_a_large_few_rows_packs_at_once(model, few_rows):
 @pytest.mark.parametrize("rows", [2, FEW_ROWS + 1])  # the few-rows kernel's products and oneDNN's
 def test_a_packed_layer_refuses_an_input_of_another_dtype_or_size(model, rows):
     attn = model.model.layers[0].self_attn
-    with PackedLinears(model, few_rows=FEW_ROWS):
+    with PackedLinears(model, few_rows=FEW_ROWS), torch.no_grad():
         for layer in (attn.q_proj, attn.o_proj):  # one of a fused product, one alone
             k = layer.in_features
             with pytest.raises(TypeError, match=r"prepack: .* takes x of torch.float32, got torch.float64"):
@@ -195,3 +195,89 @@ def test_a_packed_layer_refuses_an_input_of_another_dtype_or_size(model, rows):
                 layer(torch.randn(rows, k + 3))
             with pytest.raises(ValueError, match=r"takes x .*, got \[\]"):
                 layer(torch.tensor(1.0))
+
+
+def _session_logits(session, prompts):
+    """Each prompt's logits after its prefill, then after one decode step, in one open ``session``."""
+    with session as s:
+        seqs = [s.add() for _ in prompts]
+        first = s.extend(seqs, prompts, packed=True)
+        return first, s.extend(seqs, [t.argmax(-1, keepdim=True) for t in first])
+
+
+def _change_in_place(model):
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(2)  # one of a fused product
+        model.model.layers[1].mlp.down_proj.weight.mul_(-3)  # a layer alone
+
+
+def _load_state_dict(model):
+    state = model.state_dict()
+    state["model.layers.0.mlp.up_proj.weight"] = -state["model.layers.0.mlp.up_proj.weight"]
+    model.load_state_dict(state)
+
+
+def _replace_parameter(model):
+    layer = model.model.layers[0].self_attn.v_proj
+    layer.weight = torch.nn.Parameter(layer.weight.detach() * 3)
+
+
+def _replace_data(model):
+    layer = model.lm_head
+    layer.weight.data = layer.weight.detach() * 0.5
+
+
+@pytest.mark.parametrize("change", [_change_in_place, _load_state_dict, _replace_parameter, _replace_data])
+@pytest.mark.parametrize(
+    "options", [dict(prepack=True), dict(prepack=True, few_rows=True), dict(prepack=True, flat=True)]
+)
+def test_weights_changed_after_packing_are_packed_again(change, options):
+    """A session packs its weights when it is made; one changed later (in place: the version counter moves;
+    replaced: another tensor or storage) gives the eager step's logits again, not those of the old weights."""
+    from paged_ref.models import tiny_llama
+
+    model = tiny_llama(seed=3)
+    prompts = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 1, 12)]
+    fast = pr.hf.PagedSession(model, num_pages=32, page_size=4, fast=Fast(**options))  # packed now
+    before = _session_logits(pr.hf.PagedSession(model, num_pages=32, page_size=4), prompts)
+    change(model)
+    eager = _session_logits(pr.hf.PagedSession(model, num_pages=32, page_size=4), prompts)
+    assert not torch.allclose(eager[0], before[0], atol=1e-2)  # the change matters
+    for e, f in zip(eager, _session_logits(fast, prompts)):
+        torch.testing.assert_close(f, e, rtol=1e-4, atol=1e-4)
+    assert all("forward" not in m.__dict__ for m in _linears(model))
+
+
+def test_packed_layers_refuse_a_product_autograd_would_record(model):
+    """Their weights are packed copies: no gradient reaches the layer's weights or ``x``. Under no_grad, or with
+    nothing requiring grad, they run."""
+    layer = model.model.layers[0].mlp.down_proj  # a layer alone
+    q = model.model.layers[0].self_attn.q_proj  # one of a fused product
+    x = torch.randn(2, layer.in_features)
+    packs = PackedLinears(model)
+    with packs:
+        for m in (layer, q):
+            with pytest.raises(RuntimeError, match="prepack: packed linear layers compute no gradients"):
+                m(torch.randn(2, m.in_features))  # the weights require grad
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+    try:
+        model.requires_grad_(False)
+        with packs:
+            assert not layer(x).requires_grad  # nothing requires grad: nothing to record
+            with pytest.raises(RuntimeError, match="compute no gradients"):
+                layer(x.clone().requires_grad_())  # x does
+    finally:
+        model.requires_grad_(True)
+
+
+def test_a_changed_weight_that_cannot_be_packed_again_is_refused_leaving_the_model_eager():
+    from paged_ref.models import tiny_llama
+
+    model = tiny_llama()
+    packs = PackedLinears(model)
+    layer = model.model.layers[0].mlp.down_proj
+    layer.weight = torch.nn.Parameter(layer.weight.detach().double())  # oneDNN packs float32 and bfloat16
+    with pytest.raises(RuntimeError, match="prepack: changed weights cannot be packed again"), packs:
+        pass
+    assert all("forward" not in m.__dict__ for m in _linears(model))

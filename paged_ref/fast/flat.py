@@ -8,7 +8,9 @@ Llama-architecture models (SmolLM2, Llama): within its ``with`` block the model'
 (``model.model``) is `flat_forward`, one loop over the layers applying the same functions to the
 same weights in the same order as transformers' ``LlamaModel`` (attention too: the function the
 model's config names, ``"paged_ref"`` in a session's forward), so the logits are bit for bit the
-same; outside it the model is untouched. A model of another architecture (or activation) keeps its
+same; outside it the model is untouched. Its layers' modules and norm weights are looked up when it is
+built: a weight changed in place is seen, a module or parameter replaced afterwards is not (build it
+again: a new session or engine). A model of another architecture (or activation) keeps its
 own forward, with one warning (``flat`` says which happened). The loop's small operations (norms,
 RoPE, SwiGLU) are an op set: `EAGER` is transformers' own; ``cpu_ops=True`` runs them as vLLM's CPU
 build does, in C++ (`paged_ref.fast.cpu_ops`), the same up to rounding.
@@ -48,6 +50,8 @@ class FlatForward:
     (float32 on the CPU; elsewhere, or where they cannot be built, transformers' with one warning)."""
 
     def __init__(self, model, *, cpu_ops: bool = False):
+        if not isinstance(cpu_ops, bool):
+            raise TypeError(f"cpu_ops must be True or False, got {cpu_ops!r}")
         self._inner = model.model
         kind, act = getattr(model.config, "model_type", None), getattr(model.config, "hidden_act", None)
         self.flat = kind in SUPPORTED and act == "silu"
@@ -139,7 +143,8 @@ def flat_forward(
         k = rotate(p.k.forward(x).view(heads), cos, sin).transpose(1, 2)  # [batch, Hkv, tokens, D]
         v = p.v.forward(x).view(heads).transpose(1, 2)
         k, v = cache.update(k, v, attn.layer_idx)
-        o, _ = attention(attn, q, k, v, None, scaling=attn.scaling, paged_step=paged_step)
+        dropout = attn.attention_dropout if attn.training else 0.0  # as LlamaAttention passes it
+        o, _ = attention(attn, q, k, v, None, dropout=dropout, scaling=attn.scaling, paged_step=paged_step)
         y = p.o.forward(o.reshape(*heads[:-2], -1).contiguous())  # o: [batch, tokens, Hq, D]
         h, x = add_norm(h, y, *p.post_norm)
         y = p.down.forward(silu_mul(p.gate.forward(x), p.up.forward(x)))

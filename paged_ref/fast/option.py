@@ -36,7 +36,8 @@ class Fast:
     Args:
         backend: the attention backend (a name of `paged_ref.hf.attention.BACKENDS`), or None for the
             session's own; ``"cpu_paged"`` reads K/V where the pages lie.
-        prepack: linear layers through weights packed once for oneDNN (`paged_ref.fast.prepack`).
+        prepack: linear layers through weights packed once for oneDNN (`paged_ref.fast.prepack`); a weight
+            changed later (in place, or replaced) is packed again before the next forward.
         few_rows: (with ``prepack``) products of at most this many rows through the one-stream kernel;
             True: a decode step's rows (an engine's ``max_num_seqs``, else `FEW_ROWS`).
         flat: a Llama model's layers as one loop, transformers' operations (`paged_ref.fast.flat`).

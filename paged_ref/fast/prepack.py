@@ -3,10 +3,18 @@
 A small model's decode step is mostly matrix products ``x @ W.T`` with few rows in ``x``. On a CPU
 ``F.linear`` hands each to the BLAS, which lays ``W`` out for its kernel again on every call; oneDNN
 (what vLLM's CPU build calls for every linear layer) takes a weight laid out once ("prepacked").
-`PackedLinears` packs every ``nn.Linear`` weight when it is built (a second copy: later changes to
-the weights are not seen) and, inside its ``with`` block, runs those layers through
-``torch.ops.mkldnn._linear_pointwise``; outside it the model is untouched. Where oneDNN cannot run
-them, the layers stay eager and it warns once with the reason (``packed`` says which happened).
+`PackedLinears` packs every ``nn.Linear`` weight when it is built (a second copy) and, inside its
+``with`` block, runs those layers through ``torch.ops.mkldnn._linear_pointwise``; outside it the
+model is untouched. Where oneDNN cannot run them, the layers stay eager and it warns once with the
+reason (``packed`` says which happened).
+
+A weight changed after it was packed is packed again when the ``with`` block is next entered: one
+changed in place (``weight.mul_(2)`` under ``torch.no_grad()``, ``load_state_dict``, an optimizer's
+step: its version counter moves) or replaced (``layer.weight = ...``, ``weight.data = ...``). A
+change through ``weight.data`` in place moves no counter and is not seen: pack again (a new
+`PackedLinears`, a new session or engine). Packed layers compute no gradients: one that autograd would
+record (grad mode on, and ``x`` or the weights requiring grad) raises a ``RuntimeError``; run them under
+``torch.no_grad()`` or ``torch.inference_mode()`` (as `paged_ref.hf.PagedSession.extend` does).
 
 For the few rows of a decode step oneDNN's kernels read weights at about half the rate a plain sum
 reads memory; ``few_rows=n`` runs products of at most ``n`` rows (a decode step's: an engine's
@@ -24,7 +32,7 @@ Example:
     >>> model = tiny_llama()
     >>> x = torch.randn(1, 3, model.config.hidden_size)
     >>> packs = PackedLinears(model)
-    >>> with packs:
+    >>> with packs, torch.no_grad():
     ...     y = model.model.layers[0].mlp.gate_proj(x)
     >>> packs.packed, torch.allclose(y, model.model.layers[0].mlp.gate_proj(x), atol=1e-5)
     (True, True)
@@ -41,7 +49,7 @@ import torch
 from ..native import build
 
 __all__ = ["BLOCK", "FEW_ROWS", "FUSED", "PACK_FOR_ROWS", "SOURCE", "PackedLinears", "few_rows_kernel", "stream_layout"]
-__all__ += ["cannot_pack", "why_not_packed"]
+__all__ += ["Pack", "cannot_pack", "stamp", "why_not_packed"]
 
 #: Linear layers of one module that read the same input, packed as one product (when all are present).
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -64,41 +72,85 @@ SOURCE = Path(__file__).parent / "csrc" / "few_rows.cpp"
 class PackedLinears:
     """Every ``nn.Linear`` of ``model`` (weights ``[out, in]``, CPU, float32 or bfloat16) run through its
     prepacked oneDNN weight within ``with``; ``packed`` is False when they stay eager. ``few_rows``: products
-    of at most that many rows run through `SOURCE`'s kernel (0: none)."""
+    of at most that many rows run through `SOURCE`'s kernel (0: none). Entering packs again the weights changed
+    since they were packed (in place or replaced; not through ``.data`` in place), and a packed layer refuses a
+    product autograd would record (RuntimeError): see the module docstring."""
 
     def __init__(self, model: torch.nn.Module, *, few_rows: int = 0):
         if isinstance(few_rows, bool) or not isinstance(few_rows, int) or few_rows < 0:
             raise TypeError(f"few_rows must be a number of rows (an int >= 0), got {few_rows!r}")
-        self._layers: list[tuple[torch.nn.Module, object]] = []  # (layer, its forward through the pack)
+        self._packs: list[Pack] = []  # layers that read the same input, packed as one product
         why = why_not_packed(model)
         few = few_rows_kernel() if few_rows > 0 and why is None else None  # a failed build has warned
-        few = None if few is None else (few, few_rows)
+        self._few = few = None if few is None else (few, few_rows)
         if why is None:
             try:
                 grouped = set()
                 for module in model.modules():
                     for group in _groups(module):
-                        self._layers += zip(group, _fused_forwards(group, few))
+                        self._packs.append(Pack(group, few))
                         grouped.update(group)
                 for module in model.modules():
                     if isinstance(module, torch.nn.Linear) and module not in grouped:
-                        self._layers.append((module, _packed_forward(module, few)))
+                        self._packs.append(Pack([module], few))
             except RuntimeError as e:  # an op this build of torch lacks, a shape oneDNN refuses
                 why = f"packing failed: {type(e).__name__}: {str(e).splitlines()[0]}"
-                self._layers = []
+                self._packs = []
         if why is not None:
             warnings.warn(f"prepack: the linear layers stay eager ({why})", RuntimeWarning, stacklevel=2)
         self.packed = why is None
         self.few_rows = self.packed and few is not None  # products of few rows through `SOURCE`'s kernel
+        self._sources = [source for pack in self._packs for source in pack.sources]
+        self._stamp = stamp(self._sources)
 
     def __enter__(self) -> PackedLinears:
-        for layer, forward in self._layers:  # once per forward: the instance dict, not Module.__setattr__
-            layer.__dict__["forward"] = forward  # an instance attribute: shadows the class's forward
+        """Pack again the weights changed since they were packed (`Pack.stale`), then put the packs in."""
+        now = stamp(self._sources)  # every pack's at once: one list, not a call per pack
+        if now != self._stamp:
+            for pack in self._packs:
+                if pack.stale():
+                    try:
+                        pack.pack(self._few)
+                    except RuntimeError as e:  # a weight now of a dtype or on a device oneDNN does not take
+                        first = str(e).splitlines()[0]
+                        raise RuntimeError(f"prepack: changed weights cannot be packed again: {first}") from e
+            self._stamp = now
+        for pack in self._packs:  # once per forward: the instance dict, not Module.__setattr__
+            for layer, forward in zip(pack.layers, pack.forwards):
+                layer.__dict__["forward"] = forward  # an instance attribute: shadows the class's forward
         return self
 
     def __exit__(self, *exc) -> None:
-        for layer, _ in self._layers:
-            layer.__dict__.pop("forward", None)
+        for pack in self._packs:
+            for layer in pack.layers:
+                layer.__dict__.pop("forward", None)
+
+
+def stamp(sources: list[tuple[dict, str]]) -> list:
+    """What each parameter ``sources`` names (a module's ``_parameters`` and a name) is now: None, or its
+    tensor's id, version counter (moved by a change in place) and storage address (moved by ``.data =``)."""
+    return [None if (t := d.get(name)) is None else (id(t), t._version, t.data_ptr()) for d, name in sources]
+
+
+class Pack:
+    """Linear layers of one input (one, or a `FUSED` group) through one packed product of their weights,
+    with the `stamp` of the weights and biases it was made from."""
+
+    def __init__(self, layers: list[torch.nn.Linear], few):
+        self.layers = layers
+        self.sources = [(m._parameters, name) for m in layers for name in ("weight", "bias")]
+        self.pack(few)
+
+    def pack(self, few) -> None:
+        """Pack the layers' weights as they are now: ``forwards``, one per layer."""
+        layers = self.layers
+        self.forwards = _fused_forwards(layers, few) if len(layers) > 1 else [_packed_forward(layers[0], few)]
+        self._kept = [d.get(name) for d, name in self.sources]  # while they live, no other tensor has their id
+        self._stamp = stamp(self.sources)
+
+    def stale(self) -> bool:
+        """Whether a weight or bias was changed in place or replaced since it was packed."""
+        return stamp(self.sources) != self._stamp
 
 
 def why_not_packed(model) -> str | None:
@@ -150,10 +202,12 @@ def stream_layout(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, BLOCK, weight.shape[1]).transpose(1, 2).contiguous()
 
 
-def _product(weight: torch.Tensor, bias: torch.Tensor | None, few=None):
+def _product(weight: torch.Tensor, bias: torch.Tensor | None, few=None, layers=()):
     """``x: [..., in] -> x @ weight.T + bias: [..., out]`` through ``weight [out, in]`` packed now; ``few``:
     (`few_rows_kernel`, n) for products of at most n rows (float32, no bias), or None. An ``x`` of another
-    dtype than the weight's or another last size than ``in`` is refused (TypeError, ValueError)."""
+    dtype than the weight's or another last size than ``in`` is refused (TypeError, ValueError), and so is
+    a product autograd would record (``x`` or a weight of ``layers`` requiring grad): it computes no gradient."""
+    params = [p for m in layers for p in m.parameters()]  # the layers' own: whether autograd wants their gradients
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS)  # [out, in], oneDNN's blocked layout
     (out_features, in_features), dtype = weight.shape, weight.dtype
     few, limit = few if few is not None and bias is None and weight.dtype == torch.float32 else (None, 0)
@@ -163,6 +217,11 @@ def _product(weight: torch.Tensor, bias: torch.Tensor | None, few=None):
         return torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")  # [tokens, out]
 
     def product(x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+            raise RuntimeError(
+                "prepack: packed linear layers compute no gradients (their weights are packed copies), but autograd "
+                "would record this product; run it under torch.no_grad() or torch.inference_mode()"
+            )
         if x.dtype != dtype:
             raise TypeError(f"prepack: a packed linear layer of {dtype} weights takes x of {dtype}, got {x.dtype}")
         if x.dim() == 0 or x.shape[-1] != in_features:
@@ -181,7 +240,7 @@ def _product(weight: torch.Tensor, bias: torch.Tensor | None, few=None):
 
 def _packed_forward(layer: torch.nn.Linear, few):
     """``layer``'s forward through its weight packed now (`_product`)."""
-    return _product(layer.weight.detach(), None if layer.bias is None else layer.bias.detach(), few)
+    return _product(layer.weight.detach(), None if layer.bias is None else layer.bias.detach(), few, [layer])
 
 
 def _fused_forwards(layers: list[torch.nn.Linear], few) -> list:
@@ -190,7 +249,7 @@ def _fused_forwards(layers: list[torch.nn.Linear], few) -> list:
     call on that same tensor takes its kept slice instead of computing again."""
     weights = [m.weight.detach() for m in layers]
     bias = None if layers[0].bias is None else torch.cat([m.bias.detach() for m in layers])
-    fused = _product(torch.cat(weights), bias, few)  # x: [..., in] -> [..., sum of out]
+    fused = _product(torch.cat(weights), bias, few, layers)  # x: [..., in] -> [..., sum of out]
     sizes = [w.shape[0] for w in weights]
     kept: dict[int, torch.Tensor] = {}  # layer index -> its slice of the last product, not yet taken
     source: list = [None]  # the tensor of the last product, while slices of it are kept

@@ -9,13 +9,13 @@ import inspect
 import torch
 
 from .._cache_checks import check_reserved
-from .._validate import check_int, check_list, check_token_range, describe, eos_ids, is_int
+from .._validate import check_bool, check_int, check_list, check_token_range, describe, eos_ids, is_int
 from ..cache import PagedKVCache
 from ..cache_interface import KVCache
 from ..memory import model_geometry
 from .attention import AUTO, BACKENDS
 
-__all__ = ["check_batch", "check_live", "check_prompts", "check_room", "check_streamer", "token_ids"]
+__all__ = ["check_batch", "check_hooks", "check_live", "check_prompts", "check_room", "token_ids"]
 __all__ += ["check_reserved", "for_8bit_pages", "reads_8bit", "session_cache"]
 
 
@@ -77,8 +77,15 @@ def token_ids(name: str, t, vocab: int) -> torch.Tensor:
     return t
 
 
-def check_streamer(streamer, beam: bool) -> None:
-    """A transformers streamer: ``put(tokens)`` and ``end()``; not with beam search (as in model.generate)."""
+def check_hooks(streamer, callback, progress, *, beam: bool) -> None:
+    """`generate`'s ``progress`` (True, False or None), ``callback`` (callable or None) and ``streamer``: None, or
+    a transformers streamer (``put(tokens)`` and ``end()``), not with beam search (as in model.generate)."""
+    if progress is not None:
+        check_bool("progress", progress, "True, False or None")
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
+    if streamer is None:
+        return
     if beam:
         raise ValueError("streamer cannot be used with beam search (num_beams > 1), as in model.generate")
     missing = [m for m in ("put", "end") if not callable(getattr(streamer, m, None))]

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ._checks import check_hooks
 from .beam_selection import BeamSelection
 from .decoding import Decoding, resolve
 from .inputs import prepare
@@ -123,18 +124,19 @@ def beam_search(
     )
     if decoding.num_beams < 2:
         raise ValueError(f"num_beams must be >= 2 for beam search, got {decoding.num_beams}")
-    return run_beam_search(model, input_ids, decoding, max_new_tokens, callback=callback, progress=progress, **options)
+    args = (model, input_ids, decoding, max_new_tokens, "beam_search")
+    return run_beam_search(*args, callback=callback, progress=progress, **options)
 
 
 def run_beam_search(
-    model, input_ids, decoding: Decoding, max_new_tokens, *, callback=None, progress=False, **options
+    model, input_ids, decoding: Decoding, max_new_tokens, caller: str, /, *, callback=None, progress=False, **options
 ) -> BeamSearchOutput:
-    """`beam_search` with its decoding arguments resolved (also `generate`'s beam path): one prefill per
-    prompt, then per step the selection, the pages following it and one decode forward."""
-    if callback is not None and not callable(callback):
-        raise TypeError(f"callback must be callable, got {type(callback).__name__}")
+    """`beam_search` with its decoding arguments resolved (also `generate`'s beam path, ``caller``): one prefill
+    per prompt, then per step the selection, the pages following it and one decode forward."""
+    check_hooks(None, callback, progress, beam=True)
     k = decoding.num_beams
-    session, prompts, eos, pad, namespaces, _ = prepare(model, input_ids, k, max_new_tokens=max_new_tokens, **options)
+    prepared = prepare(model, input_ids, k, caller, max_new_tokens=max_new_tokens, **options)
+    session, prompts, eos, pad, namespaces, _ = prepared
     selection = BeamSelection(input_ids.to(session.kv.device), decoding, eos, pad, max_new_tokens)
     pages_held, copies = [], 0
     from tqdm.auto import tqdm

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from .._validate import check_int
-from ._checks import check_streamer
+from ._checks import check_hooks
 from .beam import run_beam_search
 from .decoding import Decoding, choose, resolve
 from .inputs import Prepared, prepare
@@ -96,16 +96,13 @@ def generate(
         length_penalty=length_penalty,
         early_stopping=early_stopping,
     )
-    if callback is not None and not callable(callback):
-        raise TypeError(f"callback must be callable as callback(step, tokens) or None, got {type(callback).__name__}")
-    if streamer is not None:
-        check_streamer(streamer, beam=decoding.mode == "beam")
+    check_hooks(streamer, callback, progress, beam=decoding.mode == "beam")
     if decoding.mode == "beam":
         return run_beam_search(
-            model, input_ids, decoding, max_new_tokens, callback=callback, progress=progress, **options
+            model, input_ids, decoding, max_new_tokens, "generate", callback=callback, progress=progress, **options
         ).sequences
     n = decoding.num_return_sequences
-    steps = Stream(_steps(prepare(model, input_ids, n, max_new_tokens=max_new_tokens, **options), decoding))
+    steps = Stream(_steps(prepare(model, input_ids, n, "generate", max_new_tokens=max_new_tokens, **options), decoding))
     prompts = input_ids.repeat_interleave(n, dim=0)  # [rows, prompt_len]
     generated = _collect(steps, prompts, max_new_tokens, streamer=streamer, callback=callback, progress=progress)
     return torch.cat([prompts, generated.to(input_ids.device)], dim=1)
@@ -171,7 +168,7 @@ def stream(
             "paged_ref.hf.generate or paged_ref.hf.beam_search"
         )
     n = decoding.num_return_sequences
-    return Stream(_steps(prepare(model, input_ids, n, max_new_tokens=max_new_tokens, **options), decoding))
+    return Stream(_steps(prepare(model, input_ids, n, "stream", max_new_tokens=max_new_tokens, **options), decoding))
 
 
 class Stream(Iterator, contextlib.AbstractContextManager):

@@ -34,6 +34,8 @@ def prepare(
     model,
     input_ids: torch.Tensor,
     copies: int,
+    caller: str,
+    /,
     *,
     max_new_tokens: int,
     page_size: int = 16,
@@ -46,11 +48,13 @@ def prepare(
     pad_token_id: int | None = None,
     kv_cache: PagedKVCache | None = None,
     namespace: dict | list | None = None,
+    **unknown,
 ) -> Prepared:
     """Check a generation's arguments (`paged_ref.hf.generate`'s) and make its session.
 
     Args:
         copies: the rows of each prompt (samples or beams), which share its pages.
+        caller: the function called (``"generate"``), which an unknown keyword's error names.
         page_size, num_pages: the cache created here; by default it holds every row at full length:
             per prompt of P tokens ``P // page_size`` shared pages plus, per row, the pages that
             positions ``P // page_size * page_size .. P + max_new_tokens`` span.
@@ -62,6 +66,8 @@ def prepare(
         kv_cache: a `PagedKVCache` to use instead (its sequences are freed at the end).
         namespace: the prefix-cache namespace (str -> str) of every prompt, or a list of one per prompt.
     """
+    if unknown:  # a keyword none of prepare's and none of the caller's own
+        raise TypeError(f"{caller}() got an unexpected keyword argument {next(iter(unknown))!r}")
     prompts, eos, pad = check_prompts(model, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id)
     if namespace is None or isinstance(namespace, dict):
         namespaces = [namespace] * len(prompts)  # each checked by the cache when its sequence is added

@@ -34,6 +34,7 @@ from dataclasses import replace
 
 import torch
 
+from .._validate import check_bool
 from ..cache_interface import KVCache
 from ..eviction.base import check_policy
 from ..eviction.policies import EvictionPolicy
@@ -248,6 +249,8 @@ class PagedSession:
         arguments, a pool short of pages or a forward that raises leave every sequence as it was. Then
         each sequence's policy runs; one that raises changes nothing, its error raised after the others ran.
         """
+        for name, flag in dict(all_logits=all_logits, packed=packed, reserved=reserved).items():
+            check_bool(name, flag)
         seq_ids, tokens, q_lens = self._checked(seq_ids, tokens, reserved)  # 1. check, before any page moves
         out, plan = self._forward(seq_ids, tokens, q_lens, all_logits=all_logits, packed=packed, reserved=reserved)
         self._fed(seq_ids, q_lens)  # 3. positions move on, the policies act

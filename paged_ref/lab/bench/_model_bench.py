@@ -7,7 +7,6 @@ import functools
 import inspect
 import os
 import threading
-from statistics import median_high
 
 import torch
 
@@ -16,7 +15,7 @@ from ...block_table import pages_needed
 from ...cache import PagedKVCache
 from ...memory import model_geometry
 from .. import textdata
-from .common import bench_parser
+from .common import bench_parser, paired_ratio
 
 __all__ = ["PAGE_SIZE", "PeakRSS", "cb_config", "generation_methods", "load_model", "paired_ratio", "prompt_tokens"]
 __all__ += ["model_parser", "start_run", "text_ids"]
@@ -40,11 +39,6 @@ def prompt_tokens(model, tokenizer, n: int, start: int = 0) -> torch.Tensor:
         g = torch.Generator().manual_seed(n)
         return torch.randint(3, model.config.vocab_size, (n,), generator=g)
     return torch.tensor(text_ids(tokenizer, n, start=start))
-
-
-def paired_ratio(numerators, denominators) -> float:
-    """The median (upper middle) of the ratios of values measured side by side, pair by pair."""
-    return median_high([a / b for a, b in zip(numerators, denominators)])
 
 
 class PeakRSS:

@@ -16,6 +16,7 @@ from ...attention.reference import gather_sequence, reference_paged_decode
 from ...attention.sdpa import sdpa_paged_decode
 from . import eviction as ev
 from ._reads import CallCounter, ReadCounter
+from .common import paired_ratio
 
 __all__ = ["PAGE_SIZE", "PATHS", "SMOLLM2", "cascade_bytes", "cascade_case", "cascade_speed", "generate_speed"]
 __all__ += ["cascade_breakdown", "generate_breakdown", "triton_check"]
@@ -144,35 +145,47 @@ def triton_check(cfg, log) -> dict:
     return result
 
 
-def generate_speed(model, tok, cfg, log) -> dict:
+def generate_speed(model, tok, cfg, log, *, clock=time.perf_counter) -> dict:
     """SmolLM2 sampling ``samples`` continuations of one ``prompt``-token prompt (they fork its pages)
-    with the ``sdpa`` and the ``cascade`` backends: median seconds per decode step (all layers,
-    the whole model) and whether the tokens are the same (seeded)."""
+    with the ``sdpa`` and the ``cascade`` backends, in ``generate_pairs`` pairs of runs taken in turns
+    (the order reversed every other pair): each run's median seconds per decode step (all layers, the
+    whole model), ``speedup`` the median of the pairs' ratios sdpa / cascade (`common.paired_ratio`),
+    ``ms_per_step`` the median over all of a backend's steps, and whether the seeded tokens are the same
+    in every run. ``clock`` is the timer (the decode steps are the intervals between its readings)."""
     from ...hf import generate
 
     ids = ev.lm_text_ids(tok, 3, cfg["prompt"])[None]  # [1, prompt]
-    out = {}
-    for backend in ("sdpa", "cascade"):
-        stamps = []
-        torch.manual_seed(0)
-        seqs = generate(
-            model,
-            ids,
-            max_new_tokens=cfg["generate_steps"],
-            do_sample=True,
-            num_return_sequences=cfg["samples"],
-            backend=backend,
-            eos_token_id=[],
-            callback=lambda step, tokens: stamps.append(time.perf_counter()),
-        )
-        steps = [b - a for a, b in zip(stamps, stamps[1:])]  # decode steps (the first stamp follows the prefill)
-        out[backend] = dict(ms_per_step=1e3 * statistics.median(steps), steps_ms=[1e3 * t for t in steps])
-        out[backend]["tokens"] = seqs[:, cfg["prompt"] :].tolist()
-    same = out["sdpa"].pop("tokens") == out["cascade"].pop("tokens")
-    result = dict(samples=cfg["samples"], prompt=cfg["prompt"], same_tokens=same, **out)
-    result["speedup"] = out["sdpa"]["ms_per_step"] / out["cascade"]["ms_per_step"]
-    log(f"sampling {cfg['samples']} x SmolLM2: sdpa {out['sdpa']['ms_per_step']:.0f} ms/step, cascade "
-        f"{out['cascade']['ms_per_step']:.0f} ms/step, same tokens: {same}")  # fmt: skip
+    backends = ("sdpa", "cascade")
+    steps, runs, tokens = ({b: [] for b in backends} for _ in range(3))
+    load_before = os.getloadavg()
+    for p in range(cfg["generate_pairs"]):
+        for backend in backends if p % 2 == 0 else backends[::-1]:
+            stamps = []
+            torch.manual_seed(0)
+            seqs = generate(
+                model,
+                ids,
+                max_new_tokens=cfg["generate_steps"],
+                do_sample=True,
+                num_return_sequences=cfg["samples"],
+                backend=backend,
+                eos_token_id=[],
+                callback=lambda step, toks: stamps.append(clock()),
+            )
+            run = [b - a for a, b in zip(stamps, stamps[1:])]  # decode steps (the first stamp follows the prefill)
+            steps[backend] += run
+            runs[backend].append(1e3 * statistics.median(run))
+            tokens[backend].append(seqs[:, cfg["prompt"] :].tolist())
+    same = all(t == tokens["sdpa"][0] for b in backends for t in tokens[b])
+    result = dict(samples=cfg["samples"], prompt=cfg["prompt"], same_tokens=same, pairs=cfg["generate_pairs"])
+    for b in backends:
+        ms = [1e3 * t for t in steps[b]]
+        result[b] = dict(ms_per_step=statistics.median(ms), runs_ms_per_step=runs[b], steps_ms=ms)
+    result["speedup"] = paired_ratio(runs["sdpa"], runs["cascade"])
+    result.update(load_before=list(load_before), load_after=list(os.getloadavg()))
+    log(f"sampling {cfg['samples']} x SmolLM2: sdpa {result['sdpa']['ms_per_step']:.0f} ms/step, cascade "
+        f"{result['cascade']['ms_per_step']:.0f} ms/step, {result['speedup']:.2f}x (median of "
+        f"{cfg['generate_pairs']} pairs), same tokens: {same}")  # fmt: skip
     return result
 
 

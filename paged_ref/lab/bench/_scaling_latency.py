@@ -1,15 +1,16 @@
-"""Per-token decode latency vs context, one decoder at a time, on one shared prompt.
+"""Per-token decode latency vs context on one shared prompt, the decoders taking turns step by step.
 
 Decoders: `NoCacheDecoder` (``model(ids, use_cache=False)`` over the whole prefix), `ContiguousDecoder`
 (``DynamicCache`` or ``StaticCache``), `PagedDecoder` (`paged_ref.hf.PagedSession`). Each has
 ``feed(chunks, predict=True)`` (append ``chunks[b]``, LongTensor ``[n_b]``, to sequence ``b`` in one
 forward; the greedy token after each row's last one, LongTensor ``[batch]``, or None),
-``kv_bytes()`` (K/V storage held now) and ``close()``. Each climbs a ladder of contexts:
+``kv_bytes()`` (K/V storage held now) and ``close()``. Each climbs a ladder of contexts
+(`run_ladders`: all of them at once, taking turns; `run_ladder`: one):
 
     for each context L:
-        feed prompt[pos:L] in prefill chunks                (untimed: sets the context)
-        feed `warmup` single tokens                          (untimed)
-        feed `steps` single tokens, timing each one          (decode at context ~L)
+        each decoder: feed prompt[pos:L] in prefill chunks  (untimed: sets the context)
+        `warmup` rounds: each decoder feeds one token        (untimed)
+        `steps` rounds: each decoder feeds one token, timed  (decode at context ~L; a round's steps pair up)
 
 The prompt's own next token is fed (teacher forcing), so every decoder sees the same history and
 their greedy predictions compare position by position. The no-cache decoder pays a whole prefill
@@ -47,6 +48,7 @@ __all__ = [
     "make_decoder",
     "LadderConfig",
     "run_ladder",
+    "run_ladders",
     "agreement",
 ]
 
@@ -226,8 +228,8 @@ class PagedDecoder:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         self.kv = PagedKVCache.for_model(model, num_pages=num_pages, page_size=page_size)
         self.timer = AllocationTimer(self.kv.allocator)
-        # opened at the first feed: while open, the model's attention reads pages only, so
-        # decoders run one after another, never interleaved
+        # opened at the first feed; the model reads pages only within this session's forwards, so
+        # other decoders on the same model can take turns with it
         self.session = PagedSession(model, kv_cache=self.kv, backend=backend)
         self.seq_ids: list[int] | None = None
 
@@ -311,77 +313,123 @@ class LadderConfig:
         return self.contexts[-1] + self.warmup + max(self.steps, self.nocache_steps + 1) + 1
 
 
-def run_ladder(model, name: str, prompt: torch.Tensor, cfg: LadderConfig, *, deadline: float | None = None) -> dict:
-    """Climb the ladder with decoder ``name``; contexts not started by ``deadline`` are ``skipped``.
+def run_ladder(
+    model, name: str, prompt: torch.Tensor, cfg: LadderConfig, *, deadline: float | None = None, clock=time.perf_counter
+) -> dict:
+    """Climb the ladder with decoder ``name`` alone (`run_ladders` with one decoder)."""
+    return run_ladders(model, {name: cfg}, prompt, deadline=deadline, clock=clock)[0]
 
-    Returns:
-        ``{"backend", "label", "timed", "points": [{"context", "tokens_held", "median_s", "times_s",
-        "kv_bytes" (held after the timed steps), "peak_bytes" (CUDA, during them, weights included),
-        "weights_bytes", "allocated_before_bytes"}], "predictions": {position: token}, "alloc_calls",
-        "skipped": [contexts]}``, and for a paged decoder ``pages_held``, ``page_bytes``, ``pool_bytes``.
+
+def run_ladders(
+    model, cfgs: dict, prompt: torch.Tensor, *, deadline: float | None = None, clock=time.perf_counter
+) -> list[dict]:
+    """Climb the ladder with every decoder of ``cfgs`` (name -> `LadderConfig`, the same contexts) at
+    once, the decoders taking turns: at each context each sets its context, then the warm-up steps and
+    the timed steps go round the decoders one step each (round ``r`` starts at decoder ``r mod n``, so
+    that none always goes first). Timed step ``r`` of two decoders ran back to back: a pair, whose ratio
+    a load that changes during the run touches little (`scaling_report.ratios_to` takes the median of
+    the pairs' ratios). Contexts not started by ``deadline`` are ``skipped``; ``clock`` is the timer.
+
+    Returns, per decoder in the order of ``cfgs``:
+        ``{"backend", "label", "timed", "in_turns_with" (the labels of the decoders it took turns with),
+        "points": [{"context", "tokens_held", "median_s", "times_s" (in round order), "kv_bytes" (held
+        after the timed steps), "peak_bytes" (CUDA, during them, weights included), "weights_bytes",
+        "allocated_before_bytes"}], "predictions": {position: token}, "alloc_calls", "skipped":
+        [contexts]}``, and for a paged decoder ``pages_held``, ``page_bytes``, ``pool_bytes``.
     """
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.dtype != torch.long:
         raise TypeError(f"prompt must be a 1-D LongTensor, got {getattr(prompt, 'shape', type(prompt).__name__)}")
-    if prompt.numel() < cfg.tokens_needed():
-        raise ValueError(
-            f"prompt must hold at least {cfg.tokens_needed()} tokens for contexts {cfg.contexts}, got {prompt.numel()}"
-        )
+    if not cfgs or len({tuple(c.contexts) for c in cfgs.values()}) != 1:
+        raise ValueError(f"cfgs must give one or more decoders the same contexts, got {cfgs}")
+    need = max(c.tokens_needed() for c in cfgs.values())
+    contexts = next(iter(cfgs.values())).contexts
+    if prompt.numel() < need:
+        raise ValueError(f"prompt must hold at least {need} tokens for contexts {contexts}, got {prompt.numel()}")
     device = next(model.parameters()).device
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    dec = make_decoder(model, name, max_len=cfg.tokens_needed(), page_size=cfg.page_size)
-    result = {
-        "backend": name,
-        "label": LABELS.get(name, name),
-        "timed": cfg.timed,
-        "points": [],
-        "predictions": {},
-        "alloc_calls": [],
-        "skipped": [],
-    }
-    pos = 0
-    nocache = name == "none"
+    names = list(cfgs)
+    labels = [LABELS.get(n, n) for n in names]
+    results = [
+        {
+            "backend": n,
+            "label": LABELS.get(n, n),
+            "timed": cfgs[n].timed,
+            "in_turns_with": [x for x in labels if x != LABELS.get(n, n)],
+            "points": [],
+            "predictions": {},
+            "alloc_calls": [],
+            "skipped": [],
+        }
+        for n in names
+    ]
+    decoders, pos = [], [0] * len(names)
     try:
-        for i, context in enumerate(cfg.contexts):
+        for n in names:
+            cfg = cfgs[n]
+            decoders.append(make_decoder(model, n, max_len=cfg.tokens_needed(), page_size=cfg.page_size))
+
+        def in_turns(counts, step):
+            """Rounds of one step each for decoder i while ``counts[i]`` rounds are not done."""
+            for r in range(max(counts, default=0)):
+                for k in range(len(names)):
+                    i = (r + k) % len(names)
+                    if r < counts[i]:
+                        step(i)
+
+        for ci, context in enumerate(contexts):
             if deadline is not None and time.monotonic() > deadline:
-                result["skipped"] = list(cfg.contexts[i:])
+                for r in results:
+                    r["skipped"] = list(contexts[ci:])
                 break
-            while pos < context:  # set the context (untimed)
-                end = min(context, pos + cfg.prefill_chunk)
-                dec.feed([prompt[pos:end]], predict=False)
-                pos = end
-            warm = (1 if i == 0 else 0) if nocache else cfg.warmup
-            for _ in range(warm):  # untimed, but its predictions are compared too
-                result["predictions"][pos] = int(dec.feed([prompt[pos : pos + 1]])[0])
-                pos += 1
+            for i, (n, dec) in enumerate(zip(names, decoders)):
+                while pos[i] < context:  # set the context (untimed)
+                    end = min(context, pos[i] + cfgs[n].prefill_chunk)
+                    dec.feed([prompt[pos[i] : end]], predict=False)
+                    pos[i] = end
+
+            def warm(i):  # untimed, but its predictions are compared too
+                results[i]["predictions"][pos[i]] = int(decoders[i].feed([prompt[pos[i] : pos[i] + 1]])[0])
+                pos[i] += 1
+
+            nocache = [n == "none" for n in names]
+            in_turns([(1 if ci == 0 else 0) if nc else cfgs[n].warmup for n, nc in zip(names, nocache)], warm)
             base = reset_peak(device)
-            times = []
-            for _ in range(cfg.nocache_steps if nocache else cfg.steps):
+            times = [[] for _ in names]
+
+            def timed(i):
                 synchronize(device)
-                start = time.perf_counter()
-                pred = dec.feed([prompt[pos : pos + 1]])  # argmax copied to the host: waits for the step
-                times.append(time.perf_counter() - start)
-                result["predictions"][pos] = int(pred[0])
-                pos += 1
-            result["points"].append(
-                {
-                    "context": context,
-                    "tokens_held": pos,
-                    "median_s": statistics.median(times) if cfg.timed else None,
-                    "times_s": times if cfg.timed else None,
-                    "kv_bytes": dec.kv_bytes(),
-                    "peak_bytes": peak_bytes(device),
-                    "weights_bytes": weights,
-                    "allocated_before_bytes": base,
-                }
-            )
-        if isinstance(dec, PagedDecoder):
-            result["pages_held"] = dec.pages_held()
-            result["page_bytes"] = dec.kv.page_bytes
-            result["pool_bytes"] = dec.kv.num_pages * dec.kv.page_bytes
-            result["alloc_calls"] = list(dec.timer.calls)
+                start = clock()
+                pred = decoders[i].feed([prompt[pos[i] : pos[i] + 1]])  # argmax copied to the host: waits
+                times[i].append(clock() - start)
+                results[i]["predictions"][pos[i]] = int(pred[0])
+                pos[i] += 1
+
+            in_turns([cfgs[n].nocache_steps if nc else cfgs[n].steps for n, nc in zip(names, nocache)], timed)
+            peak = peak_bytes(device)
+            for i, n in enumerate(names):
+                on = cfgs[n].timed
+                results[i]["points"].append(
+                    {
+                        "context": context,
+                        "tokens_held": pos[i],
+                        "median_s": statistics.median(times[i]) if on else None,
+                        "times_s": times[i] if on else None,
+                        "kv_bytes": decoders[i].kv_bytes(),
+                        "peak_bytes": peak,
+                        "weights_bytes": weights,
+                        "allocated_before_bytes": base,
+                    }
+                )
+        for r, dec in zip(results, decoders):
+            if isinstance(dec, PagedDecoder):
+                r["pages_held"] = dec.pages_held()
+                r["page_bytes"] = dec.kv.page_bytes
+                r["pool_bytes"] = dec.kv.num_pages * dec.kv.page_bytes
+                r["alloc_calls"] = list(dec.timer.calls)
     finally:
-        dec.close()
-    return result
+        for dec in decoders:
+            dec.close()
+    return results
 
 
 def agreement(results: list[dict]) -> dict:

@@ -26,7 +26,7 @@ import torch
 from ...allocator import PageAllocator
 from ...block_table import pages_needed
 from ...cache import PagedKVCache
-from .common import bench_parser, command_line, environment, print_table, result_file
+from .common import bench_parser, command_line, environment, paired_ratio, print_table, result_file
 
 
 def workload(num_seqs: int, max_len: int, page_size: int, seed: int = 0) -> list[int]:
@@ -121,7 +121,7 @@ def measure(num_seqs=64, max_len=2048, page_size=16, repeats=5, seed=0) -> dict:
             "call_median_ns": float(np.median(calls[name])),
             "call_p99_ns": float(np.percentile(calls[name], 99)),
             # the median of the ratios of runs of the same repeat, not the ratio of the medians
-            "torch_over_this": float(np.median([p / t for p, t in zip(per_page[PEER], per_page[name])])),
+            "torch_over_this": paired_ratio(per_page[PEER], per_page[name]),
         }
     sizes = dict(num_seqs=num_seqs, max_len=max_len, page_size=page_size, total_pages=total, repeats=repeats)
     return {"workload": dict(sizes, seed=seed), "results": results}
@@ -151,7 +151,7 @@ def zeroing_cost(num_layers=30, num_kv_heads=3, head_dim=64, page_size=16, pages
         "write_page_ns": float(np.median(write)),
         "zero_page_ns_repeats": zero,
         "write_page_ns_repeats": write,
-        "zero_over_write": float(np.median([z / w for z, w in zip(zero, write)])),
+        "zero_over_write": paired_ratio(zero, write),
     }
 
 

@@ -1,5 +1,6 @@
 """Shared helpers for the benchmarks: timing (:func:`cpu_median`: median wall-clock time after a
-warm-up; :func:`gpu_median`: ``triton.testing.do_bench``'s median), the environment record,
+warm-up; :func:`gpu_median`: ``triton.testing.do_bench``'s median), the ratio of two methods
+measured in turns (:func:`paired_ratio`: the median of the pairs' ratios), the environment record,
 tables and JSON. A benchmark opens its JSON with :func:`result_file` before measuring and saves
 it as parts finish (``"complete": false`` until the end), so a killed run keeps what it measured.
 
@@ -28,6 +29,7 @@ from ..texttable import format_table
 
 __all__ = [
     "cpu_median",
+    "paired_ratio",
     "gpu_median",
     "graph_median",
     "host_median",
@@ -63,6 +65,26 @@ def cpu_median(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5) -
         fn()
         times.append(time.perf_counter() - start)
     return {"median_s": statistics.median(times), "times_s": times}
+
+
+def paired_ratio(numerators, denominators) -> float:
+    """The median of the ratios ``numerators[i] / denominators[i]`` of values measured side by side, pair by
+    pair (the methods taking turns); for an even number of pairs, the mean of the two middle ratios.
+
+    Each ratio is taken within one pair, so a load that changes between pairs cancels out of it, which a
+    ratio of two medians does not do.
+
+    Example:
+        >>> paired_ratio([2.0, 3.0, 8.0, 4.0], [1.0, 1.0, 2.0, 2.0])
+        2.5
+    """
+    numerators, denominators = list(numerators), list(denominators)
+    if len(numerators) != len(denominators) or not numerators:
+        raise ValueError(
+            f"numerators and denominators must pair up, one of each per pair, got {len(numerators)} "
+            f"and {len(denominators)} values"
+        )
+    return statistics.median(a / b for a, b in zip(numerators, denominators))
 
 
 def gpu_median(fn: Callable[[], object], *, warmup_ms: float = 25, rep_ms: float = 100) -> float:

@@ -39,7 +39,7 @@ from . import _eviction_runs as engine
 from . import eviction_report as report
 from ._eviction_passkey import answer_is_correct, passkey_task, summarize_passkey
 from ._eviction_runs import PER_LAYER, POLICIES, TOKEN_LEVEL, policy_groups, policy_runs
-from .common import bench_parser, environment, result_file, stage_log
+from .common import bench_parser, environment, paired_ratio, result_file, stage_log
 
 __all__ = ["FULL", "LONG_POLICIES", "QUICK", "SMOKE", "SPEED_POLICIES", "lm_task", "main", "retention_task"]
 __all__ += ["lm_text_ids", "retention_ids", "score_continuation", "speed_task", "summarize_lm"]
@@ -258,8 +258,8 @@ def speed_vs_full(seconds, full_seconds) -> dict:
     if len(seconds) != len(full_seconds) or not seconds:
         raise ValueError(f"seconds and full_seconds must pair up round by round, got {seconds} and {full_seconds}")
     return {
-        "time_per_token_vs_full_paired": statistics.median(t / f for t, f in zip(seconds, full_seconds)),
-        "ratio_vs_full_paired": statistics.median(f / t for t, f in zip(seconds, full_seconds)),
+        "time_per_token_vs_full_paired": paired_ratio(seconds, full_seconds),
+        "ratio_vs_full_paired": paired_ratio(full_seconds, seconds),
     }
 
 

@@ -1,13 +1,16 @@
 """Decode latency and KV memory vs context: no cache, a contiguous cache, and the paged cache.
 
-    python -m paged_ref.lab.bench scaling --cpu [--quick] [--model smollm2|tiny] [--out DIR]
+    python -m paged_ref.lab.bench scaling --cpu [--quick] [--model smollm2|tiny] [--threads N] [--out DIR]
     python -m paged_ref.lab.bench scaling --gpu [--quick] [--model llama1b|smollm2] [--out DIR]
 
 On one model and the same tokens, in one run:
 
 1. Per-token decode latency vs context, batch 1 (`_scaling_latency`), of no cache,
-   ``DynamicCache``, ``StaticCache`` and the paged cache with each backend; on CPU the Triton
-   kernel runs in its interpreter: checked, not timed. GPU: also a 100k-token sequence, paged only.
+   ``DynamicCache``, ``StaticCache`` and the paged cache with each backend; on CPU the decoders take
+   turns step by step and each ratio to ``DynamicCache`` is the median of the ratios of steps taken
+   back to back (``ratio_kind``); on CPU the Triton kernel runs in its interpreter: checked, not timed.
+   GPU: the decoders run one after another (each point also records the peak device memory of its
+   decoder alone), ratios of medians; also a 100k-token sequence, paged only.
 2. A mixed-length batch in one KV budget (`_scaling_batch`): requests admitted and tokens/s under
    a contiguous max-length reservation vs the paged pool.
 3. Memory: KV bytes held (CPU) or peak device memory (GPU) against tokens held x bytes per token;
@@ -25,6 +28,7 @@ records them.
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import time
 import traceback
@@ -38,10 +42,18 @@ from ...attention.triton_decode import interpreted, triton_paged_decode
 from ...memory import model_geometry
 from ._scaling_batch import batch_throughput, page_size_sweep
 from ._scaling_chat import run_chat
-from ._scaling_latency import LABELS, LadderConfig, agreement, run_ladder
+from ._scaling_latency import LABELS, LadderConfig, agreement, run_ladder, run_ladders
 from ._scaling_models import MODELS, build_model, prompt_ids
 from .common import bench_parser, command_line, environment, result_file
-from .scaling_report import alloc_summary, mixed_lengths, paged_overhead, print_model_report, ratios_to
+from .scaling_report import (
+    alloc_summary,
+    mixed_lengths,
+    paged_overhead,
+    print_model_report,
+    ratio_kind,
+    ratio_pairs,
+    ratios_to,
+)
 
 __all__ = ["main", "PROFILES", "run_model"]
 
@@ -51,19 +63,19 @@ _POW2 = lambda lo, hi: [1 << k for k in range(lo.bit_length() - 1, hi.bit_length
 #: context for predictions only (Triton's interpreter on CPU).
 PROFILES = {
     ("cpu", "full"): dict(
-        # 24 timed steps per point: enough for a median that moves less than the gaps it is read for
-        # on a shared 2-core machine; no cache pays a whole prefill per step, so it takes 3
+        # the decoders take turns step by step: 25 pairs per point with DynamicCache, enough for a median
+        # that moves less than the gaps it is read for on a shared 2-core machine; no cache pays a whole
+        # prefill per step, so it takes 5
         models=["smollm2"],
         contexts=_POW2(128, 2048),
+        in_turns=True,
         warmup=2,
-        steps=24,
-        nocache_steps=3,
+        steps=25,
+        nocache_steps=5,
         prefill_chunk=2048,
         ladder=["dynamic", "none", "static", "sdpa", "reference", "flex"],
         check=["triton"],
         long=None,
-        # compiled FlexAttention on CPU: each context's first steps may compile, and a step costs more
-        overrides={"flex": dict(warmup=2, steps=12)},
         batch=dict(
             num=64, max_len=1024, mean_len=192, budget_tokens=4096, steps=5, warmup=1, backends=["sdpa", "reference"]
         ),
@@ -73,9 +85,10 @@ PROFILES = {
     ("cpu", "quick"): dict(
         models=["smollm2"],
         contexts=[128, 512],
+        in_turns=True,
         warmup=1,
         steps=3,
-        nocache_steps=1,
+        nocache_steps=3,
         prefill_chunk=2048,
         ladder=["dynamic", "none", "sdpa", "reference", "flex"],
         check=["triton"],
@@ -195,8 +208,12 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
 
     # 1. latency ladder, then the check-only decoders (first context, 2 untimed steps)
     res["ladder"] = []
-    for name in profile["ladder"]:
-        cfg = replace(ladder_cfg, **profile.get("overrides", {}).get(name, {}))
+    cfgs = {n: replace(ladder_cfg, **profile.get("overrides", {}).get(n, {})) for n in profile["ladder"]}
+    if profile.get("in_turns"):
+        log = f"ladder, in turns: {', '.join(LABELS[n] for n in cfgs)}"
+        r = section("ladder", 20, log, run_ladders, model, cfgs, prompt, deadline=clock.deadline)
+        res["ladder"] += r or []
+    for name, cfg in cfgs.items() if not profile.get("in_turns") else ():
         what, log = f"ladder {name}", f"ladder {LABELS[name]}"
         r = section(what, 20, log, run_ladder, model, name, prompt, cfg, deadline=clock.deadline)
         if r is not None:
@@ -210,6 +227,8 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
     base = LABELS["dynamic"]
     res["ratio_base"] = base
     res["ratios"] = ratios_to(res["ladder"], base)
+    res["ratio_kind"] = ratio_kind(res["ladder"], base)
+    res["ratio_pairs"] = ratio_pairs(res["ladder"], base)
     res["agreement"] = agreement(sorted(res["ladder"], key=lambda r: r["label"] != base))
     save()
 
@@ -313,10 +332,23 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--time-budget", type=float, help="seconds; sections that would start later are skipped (default 220 on GPU)"
     )
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
     gpu = args.gpu or (not args.cpu and torch.cuda.is_available())
     if gpu and not torch.cuda.is_available():
         parser.error("--gpu needs a CUDA device; use --cpu")
+    threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        return _run(args, argv, gpu, parser)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args, argv, gpu, parser) -> dict:
     kind = "gpu" if gpu else "cpu"
     profile = dict(PROFILES[(kind, "quick" if args.quick else "full")])
     if args.model is not None:
@@ -337,6 +369,7 @@ def main(argv=None) -> dict:
         "torch_threads": torch.get_num_threads(),
         "page_size": PAGE_SIZE,
         "time_budget_s": budget,
+        "load_before": list(os.getloadavg()),
         "models": {},
     }
     result.save(data)
@@ -361,6 +394,7 @@ def main(argv=None) -> dict:
         result.save(data)
         print_model_report(name, res)
     data["elapsed_s"] = time.monotonic() - clock.start
+    data["load_after"] = list(os.getloadavg())
     path = result.save(data, complete=True)
     shown = path.name if args.out is not None else f"figures/data/{path.name}"  # no local paths in outputs
     print(f"\nwrote {shown} ({data['elapsed_s']:.0f} s)")

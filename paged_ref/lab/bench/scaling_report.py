@@ -26,7 +26,7 @@ from ...block_table import pages_needed
 from ...cache import PagedKVCache
 from ..fragmentation import make_workload, requests_that_fit
 from ..sizing import reservation_report
-from .common import print_table
+from .common import paired_ratio, print_table
 
 __all__ = [
     "mixed_lengths",
@@ -35,6 +35,8 @@ __all__ = [
     "alloc_summary",
     "decoder_ranges",
     "ratios_to",
+    "ratio_kind",
+    "ratio_pairs",
     "noise_summary",
     "print_model_report",
 ]
@@ -96,16 +98,57 @@ def alloc_summary(calls) -> dict:
     return out
 
 
+def _paired(r: dict, ref: dict) -> bool:
+    """Whether decoder results ``r`` and ``ref`` took turns step by step (`run_ladders`)."""
+    return ref["label"] in r.get("in_turns_with", ())
+
+
 def ratios_to(ladder: list[dict], base: str) -> dict:
-    """``{label: {context: median / base median}}`` for every timed decoder against ``base``."""
-    by_label = {r["label"]: {p["context"]: p["median_s"] for p in r["points"]} for r in ladder if r["timed"]}
-    ref = by_label.get(base)
+    """``{label: {context: ratio}}`` for every timed decoder against the decoder labelled ``base``:
+    the median of the ratios of its steps to ``base``'s steps of the same round where the two took turns
+    (`paged_ref.lab.bench.common.paired_ratio` over as many rounds as both ran), else the ratio of the
+    two medians (a run where they ran one after another)."""
+    timed = {r["label"]: r for r in ladder if r["timed"]}
+    ref = timed.get(base)
     if ref is None:
         return {}
+    out = {}
+    for label, r in timed.items():
+        if label == base:
+            continue
+        by_context = {p["context"]: p for p in ref["points"]}
+        out[label] = {}
+        for p in r["points"]:
+            b = by_context.get(p["context"])
+            if b is None or p["median_s"] is None:
+                continue
+            if _paired(r, ref):
+                n = min(len(p["times_s"]), len(b["times_s"]))
+                out[label][p["context"]] = paired_ratio(p["times_s"][:n], b["times_s"][:n])
+            else:
+                out[label][p["context"]] = p["median_s"] / b["median_s"]
+    return out
+
+
+def ratio_kind(ladder: list[dict], base: str) -> str:
+    """How `ratios_to` took the ladder's ratios: ``"median of paired steps"`` or ``"ratio of medians"``."""
+    timed = {r["label"]: r for r in ladder if r["timed"]}
+    others = [r for label, r in timed.items() if label != base]
+    paired = base in timed and others and all(_paired(r, timed[base]) for r in others)
+    return "median of paired steps" if paired else "ratio of medians"
+
+
+def ratio_pairs(ladder: list[dict], base: str) -> dict:
+    """``{label: {context: pairs}}``: how many pairs of steps each paired ratio of `ratios_to` rests on."""
+    timed = {r["label"]: r for r in ladder if r["timed"]}
+    ref = timed.get(base)
+    if ref is None:
+        return {}
+    steps = {p["context"]: len(p["times_s"] or []) for p in ref["points"]}
     return {
-        label: {c: t / ref[c] for c, t in pts.items() if c in ref and t is not None}
-        for label, pts in by_label.items()
-        if label != base
+        label: {p["context"]: min(len(p["times_s"] or []), steps.get(p["context"], 0)) for p in r["points"]}
+        for label, r in timed.items()
+        if label != base and _paired(r, ref)
     }
 
 
@@ -115,8 +158,8 @@ def noise_summary(ladder: list[dict], base: str = "dynamic", peer: str = "static
 
     Returns:
         ``{"steps": {label: timed steps per point}, "spread": {label: {context: [min, p25,
-        median, p75, max] ms}}, "peer_over_base": [min, max] of peer median / base median over
-        contexts, "iqr_over_median": {label: largest (p75 - p25) / median over contexts},
+        median, p75, max] ms}}, "peer_over_base": [min, max] over contexts of peer / base as
+        `ratios_to` takes it, "iqr_over_median": {label: largest (p75 - p25) / median over contexts},
         "no_cache_growth": {"first", "last" (context, ms), "factor", "doublings", "per_doubling"}}``
         (the last key only when the no-cache decoder ran at two contexts or more).
     """
@@ -139,9 +182,8 @@ def noise_summary(ladder: list[dict], base: str = "dynamic", peer: str = "static
             "doublings": doublings,
             "per_doubling": factor ** (1 / doublings),
         }
-    if base in timed and peer in timed:
-        b = {p["context"]: p["median_s"] for p in timed[base]["points"]}
-        ratios = [p["median_s"] / b[p["context"]] for p in timed[peer]["points"] if p["context"] in b]
+    if base in timed and peer in timed:  # as `ratios_to` takes them: paired where the two took turns
+        ratios = list(ratios_to(ladder, timed[base]["label"]).get(timed[peer]["label"], {}).values())
         out["peer_over_base"] = [min(ratios), max(ratios)] if ratios else None
     return out
 
@@ -185,6 +227,8 @@ def print_model_report(name: str, res: dict) -> None:
         print_table(
             ["context"] + [r["label"] for r in timed], [[c] + [_ms(m.get(c), 2) for m in medians] for c in contexts]
         )
+        if res.get("ratios"):
+            print(f"  each decoder's step over {res['ratio_base']}'s ({res.get('ratio_kind', 'ratio of medians')}):")
         for label, pts in res.get("ratios", {}).items():
             print(f"  {label} / {res['ratio_base']}: " + ", ".join(f"{c}: {r:.2f}x" for c, r in pts.items()))
         for label, a in res.get("agreement", {}).items():

@@ -315,7 +315,7 @@ def _select_hint(q, k_min, k_max, budget, got, want) -> str:
     if torch.equal(got, variants["mod"]):
         return "query head h reads KV head h // (num_q_heads // num_kv_heads), not h % num_kv_heads"
     if torch.equal(got, variants["mean"]):
-        return "a page's score for a KV head is the LARGEST bound among its query heads, not their mean"
+        return "a page's score for a KV head is the LARGEST bound among its query heads, not their sum or mean"
     return "per KV head: the budget pages with the largest bound over its query heads, the last page always"
 
 
