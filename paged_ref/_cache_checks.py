@@ -6,6 +6,8 @@ before the cache changes anything. The caches' internal steps trust what these l
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._validate import check_int, check_list, describe, is_int
@@ -15,6 +17,14 @@ def check_dtype(dtype) -> torch.dtype:
     """``dtype``, a floating torch.dtype (the cache's storage type)."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating torch.dtype (float32, float16, bfloat16, float64), got {dtype!r}")
+    return dtype
+
+
+def check_pool(cache, dtype) -> torch.dtype:
+    """``dtype`` (`check_dtype`), ``cache``'s K and V of every layer in it under 2**63 bytes (torch's sizes: int64)."""
+    sizes = {k: getattr(cache, k) for k in ("num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim")}
+    if (total := 2 * math.prod(sizes.values()) * check_dtype(dtype).itemsize) >= 2**63:
+        raise ValueError(f"2 * {' * '.join(sizes)} * {dtype.itemsize} bytes must be < 2**63, got {total}: {sizes}")
     return dtype
 
 
@@ -73,9 +83,20 @@ def batch_lists(seq_ids, num_tokens, token_ids) -> tuple[list, list, list]:
     return seq_ids, num_tokens, token_ids
 
 
+def check_reserved(seq_ids, q_lens, held: dict, kv) -> None:
+    """A session's ``extend(..., reserved=True)``: each row's sequence in ``kv`` holds its ``q_lens`` new tokens beyond
+    ``held`` (seq -> tokens held after its last forward), no more, no fewer: the slots reserved for the forward."""
+    for b, (s, n) in enumerate(zip(seq_ids, q_lens)):
+        if kv.seq_len(s) - held[s] != n:
+            raise ValueError(
+                f"reserved=True: tokens[{b}] has {n} tokens, but sequence {s} has {kv.seq_len(s) - held[s]} reserved "
+                "since its last forward; reserve exactly each row's tokens first (kv.reserve)"
+            )
+
+
 def check_write(cache, layer, slots, k, v, check_values: bool, filling=frozenset()) -> int:
-    """`PagedKVCache.write`'s arguments: the layer, int slots, K/V of the cache's shape, dtype and
-    device, and (``check_values``) slots in range in pages the cache handed out unshared (or shared
+    """`PagedKVCache.write`'s arguments: the layer, int slots, K/V of the cache's shape, dtype and device (not
+    recorded by autograd), and (``check_values``) slots in range in pages the cache handed out unshared (or shared
     since a reservation filled them: ``filling``)."""
     layer = check_layer(layer, cache.num_layers)
     if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype not in (torch.int32, torch.int64):
@@ -92,6 +113,8 @@ def check_write(cache, layer, slots, k, v, check_values: bool, filling=frozenset
             raise TypeError(f"{name} must have the cache dtype {cache.dtype}, got {t.dtype}")
         if t.device != cache.device:
             raise ValueError(f"{name} must be on the cache device {cache.device}, got {t.device}")
+        if t.requires_grad and torch.is_grad_enabled():  # as the native ops refuse it: the pages hold values, no graph
+            raise ValueError(f"{name} requires grad: write under torch.no_grad(), or pass {name}.detach()")
     if check_values and slots.numel():
         lo, hi = int(slots.min()), int(slots.max())
         if lo < 0 or hi >= cache.num_pages * cache.page_size:

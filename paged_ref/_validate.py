@@ -8,19 +8,23 @@ import numbers
 
 import torch
 
+INT32_MAX = 2**31 - 1  # the largest page id or length a block table (int32) holds
+
 
 def is_int(x) -> bool:
     """A Python or numpy integer (not a bool)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def check_int(name: str, value, *, min_value: int | None = None) -> int:
-    """Return ``value`` as an int, or raise if it is not an integer >= ``min_value``."""
+def check_int(name: str, value, *, min_value: int | None = None, max_value: int | None = None) -> int:
+    """Return ``value`` as an int, or raise if it is not an integer in ``[min_value, max_value]``."""
     if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
     value = int(value)
     if min_value is not None and value < min_value:
         raise ValueError(f"{name} must be >= {min_value}, got {value}")
+    if max_value is not None and value > max_value:
+        raise ValueError(f"{name} must be in [{min_value}, {max_value}], got {value}")
     return value
 
 

@@ -37,7 +37,7 @@ class PageAllocator:
     """Hands out physical page ids ``0 .. num_pages-1`` with reference counts."""
 
     def __init__(self, num_pages: int):
-        self._num_pages = check_int("num_pages", num_pages, min_value=1)
+        self._num_pages = check_int("num_pages", num_pages, min_value=1, max_value=2**63 - 1)
         self._next_fresh = 0  # bump pointer: pages >= this have never been handed out
         self._free: dict[int, None] = {}  # returned plain pages, insertion-ordered (oldest first)
         self._cached: dict[int, None] = {}  # returned pages holding a cached prefix (LRU first)

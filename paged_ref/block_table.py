@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from ._arith import cdiv
-from ._validate import check_int, check_list
+from ._validate import INT32_MAX, check_int, check_list
 
 
 def pages_needed(num_tokens: int, page_size: int) -> int:
@@ -76,10 +76,10 @@ def _check_tables(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], page
     if len(tables) != len(seq_lens):
         raise ValueError(f"tables and seq_lens must have the same length, got {len(tables)} and {len(seq_lens)}")
     for i, (pages, n) in enumerate(zip(tables, seq_lens)):
-        check_int(f"seq_lens[{i}]", n, min_value=0)
-        if not all(type(p) is int and p >= 0 for p in pages):  # the fast path: plain ints
+        check_int(f"seq_lens[{i}]", n, min_value=0, max_value=INT32_MAX)
+        if not all(type(p) is int and 0 <= p <= INT32_MAX for p in pages):  # the fast path: plain ints
             for j, page in enumerate(pages):
-                check_int(f"tables[{i}][{j}]", page, min_value=0)
+                check_int(f"tables[{i}][{j}]", page, min_value=0, max_value=INT32_MAX)
         if len(set(pages)) != len(pages):
             dup = sorted({p for p in pages if list(pages).count(p) > 1})
             raise ValueError(
@@ -113,7 +113,7 @@ def slot_mapping(pages: Sequence[int], *, start: int, num_tokens: int, page_size
     ``start .. start+num_tokens-1``, in the sequence holding ``pages``."""
     start = check_int("start", start, min_value=0)
     num_tokens = check_int("num_tokens", num_tokens, min_value=0)
-    page_size = check_int("page_size", page_size, min_value=1)
+    page_size = check_int("page_size", page_size, min_value=1, max_value=INT32_MAX)
     pages = check_list("pages", pages, "page ids")
     end = start + num_tokens
     if num_tokens and (end - 1) // page_size >= len(pages):
@@ -121,7 +121,7 @@ def slot_mapping(pages: Sequence[int], *, start: int, num_tokens: int, page_size
             f"token {end - 1} needs logical page {(end - 1) // page_size}, but the sequence holds {len(pages)} page(s)"
         )
     used = range(start // page_size, cdiv(end, page_size)) if num_tokens else ()  # the pages the tokens land in
-    if not all(type(pages[j]) is int and pages[j] >= 0 for j in used):  # the fast path: plain ints
+    if not all(type(pages[j]) is int and 0 <= pages[j] <= INT32_MAX for j in used):  # the fast path: plain ints
         for j in used:
-            check_int(f"pages[{j}]", pages[j], min_value=0)
+            check_int(f"pages[{j}]", pages[j], min_value=0, max_value=INT32_MAX)
     return flat_slots(pages, start, num_tokens, page_size)

@@ -30,13 +30,13 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ._arith import cdiv
-from ._cache_checks import batch_lists, check_device, check_dtype, check_layer, check_write, growth_request, token_list
-from ._validate import check_bool, check_choice, check_int, check_list, describe, is_int
+from ._cache_checks import batch_lists, check_device, check_layer, check_pool, check_write, growth_request, token_list
+from ._validate import INT32_MAX, check_bool, check_choice, check_int, check_list, describe, is_int
 from .allocator import OutOfPagesError, PageAllocator
 from .block_table import flat_slots, pack_csr, pack_padded
 from .cache_undo import Undo
@@ -90,11 +90,11 @@ class PagedKVCache(Undo):
         kv_format=None,
     ):
         self.num_layers = check_int("num_layers", num_layers, min_value=1)
-        self.num_pages = check_int("num_pages", num_pages, min_value=1)
+        self.num_pages = check_int("num_pages", num_pages, min_value=1, max_value=INT32_MAX + 1)  # page ids: int32
         self.page_size = check_int("page_size", page_size, min_value=1)
         self.num_kv_heads = check_int("num_kv_heads", num_kv_heads, min_value=1)
         self.head_dim = check_int("head_dim", head_dim, min_value=1)
-        self.dtype = check_dtype(dtype)
+        self.dtype = check_pool(self, dtype)
         self.growth = check_choice("growth", growth, {"page", "pow2"})
         self.prefix_caching = check_bool("prefix_caching", prefix_caching)
         self._prefix_root = namespace_key(prefix_namespace)
@@ -244,6 +244,10 @@ class PagedKVCache(Undo):
         if self._prefix.unwritten and layer == self.num_layers - 1 and slots.numel():
             self._prefix.written(torch.unique(slots // self.page_size).tolist())
 
+    def written(self, seq_id: int) -> None:
+        """Take ``seq_id``'s pages as written in every layer, as a write of the last layer does (a dry run's)."""
+        self._prefix.written(self._seq(seq_id).pages)
+
     def last_slots(self, seq_id: int, num_tokens: int) -> torch.Tensor:
         """The flat slots of the sequence's last ``num_tokens`` tokens, ``int64 [num_tokens]``: where a
         forward writes the tokens a scheduler reserved."""
@@ -270,13 +274,8 @@ class PagedKVCache(Undo):
         self.allocator.share(held)
         new_id = self._next_id
         self._next_id += 1
-        self._seqs[new_id] = _Sequence(
-            pages=list(held),
-            length=src.length,
-            token_ids=None if src.token_ids is None else list(src.token_ids),
-            page_hashes=list(src.page_hashes),
-            root=src.root,
-        )
+        token_ids = None if src.token_ids is None else list(src.token_ids)
+        self._seqs[new_id] = replace(src, pages=list(held), token_ids=token_ids, page_hashes=list(src.page_hashes))
         return new_id
 
     def free(self, seq_id: int) -> None:

@@ -26,7 +26,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,12 +50,26 @@ class SequenceMark:
     page_hashes: list[bytes]
     hashed: int
     tail: tuple | None = None  # 8-bit pages scaled per page: (page, its bytes and scales), see `last_page`
+    held: list | None = field(default=None, repr=False, compare=False)  # the sequence's page list itself, see `check`
 
     @classmethod
     def of(cls, seq_id: int, seq, tail=None) -> SequenceMark:
         known = None if seq.token_ids is None else len(seq.token_ids)
         hashes = seq.page_hashes
-        return cls(seq_id, tuple(seq.pages), seq.length, seq.token_ids, known, hashes, len(hashes), tail)
+        return cls(seq_id, tuple(seq.pages), seq.length, seq.token_ids, known, hashes, len(hashes), tail, seq.pages)
+
+    def check(self, cache, seq_id: int):
+        """``cache``'s ``seq_id``, if ``self`` is its mark and it only reserved (its page list grown in place) and wrote
+        since: truncate, compact, drop_pages, rewind and rollback give it a new list."""
+        seq = cache._seq(seq_id)
+        if not isinstance(self, SequenceMark) or self.seq_id != seq_id:
+            raise ValueError(f"mark must be a SequenceMark of sequence {seq_id}, got {describe(self)}")
+        if self.held is not seq.pages:
+            raise ValueError(
+                f"mark is stale: sequence {seq_id} was truncated, compacted, had pages dropped or was rewound since "
+                "mark() (a mark undoes reserves and writes, once), or the mark is another cache's"
+            )
+        return seq
 
     def apply(self, seq) -> None:
         """Put ``seq``'s pages, length and prefix keys back as they were."""
@@ -108,9 +122,7 @@ def rewind_sequence(cache, seq_id: int, mark: SequenceMark) -> None:
         >>> kv.pages(b), kv.seq_len(b), kv.allocator.refcount(0), kv.allocator.num_free
         ([0], 2, 2, 3)
     """
-    seq = cache._seq(seq_id)
-    if not isinstance(mark, SequenceMark) or mark.seq_id != seq_id:
-        raise ValueError(f"mark must be a SequenceMark of sequence {seq_id}, got {describe(mark)}")
+    seq = SequenceMark.check(mark, cache, seq_id)
     ps = cache.page_size
     share, written, taken = rewind_plan(list(mark.pages), mark.length, seq.pages, seq.length, page_size=ps)
     cache.allocator.share(share)  # raises, changing nothing, if one went back to the pool since
@@ -174,7 +186,7 @@ class Undo:
     """The cache's undo methods (`paged_ref.cache.PagedKVCache` inherits them; see the module docstring)."""
 
     def mark(self, seq_id: int) -> SequenceMark:
-        """The sequence as it is now, for `rewind`; valid while the sequence only reserves and writes."""
+        """The sequence as it is now, for one `rewind`; valid while the sequence only reserves and writes."""
         seq = self._seq(seq_id)
         return SequenceMark.of(seq_id, seq, last_page(self, seq))
 

@@ -193,7 +193,7 @@ def write_pages(cache, seq_id: int, stored: tuple) -> None:
         raw(data).index_copy_(0, index, saved.to(cache.device))
     if rows is not None:
         cache.quant.set_rows(index, [(a.to(cache.device), b.to(cache.device)) for a, b in rows])
-    cache._prefix.written(pages)
+    cache.written(seq_id)
     slots = flat_slots(pages, 0, n, ps).to(cache.device)
     for layer in range(cache.num_layers):
         cache._tell("update", layer, slots, cache._read(layer, slots)[0])

@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from ._cache_checks import batch_lists, check_layer
-from ._validate import check_int, check_list, describe, is_int
+from ._validate import INT32_MAX, check_int, check_list, describe, is_int
 from .allocator import OutOfPagesError
 from .block_table import pages_needed
 from .cache import PageCopy, PagedKVCache
@@ -51,8 +51,8 @@ class LayeredKVCache:
         device="cpu",
         kv_format=None,
     ):
-        self.num_layers = check_int("num_layers", num_layers, min_value=1)
-        self.num_pages = check_int("num_pages", num_pages, min_value=1)
+        self.num_layers = check_int("num_layers", num_layers, min_value=1, max_value=INT32_MAX + 1)
+        self.num_pages = check_int("num_pages", num_pages, min_value=1, max_value=(INT32_MAX + 1) // self.num_layers)
         kv_format = as_kv_format(kv_format)
         if kv_format is not None and tuple in (type(kv_format.k_scale), type(kv_format.v_scale)):
             raise ValueError(
@@ -269,6 +269,8 @@ class LayeredKVCache:
         lanes = self._lanes_of(seq_id)
         if not isinstance(mark, tuple) or [m.seq_id if isinstance(m, SequenceMark) else None for m in mark] != lanes:
             raise ValueError(f"mark must be the tuple mark({seq_id}) returned, got {type(mark).__name__}")
+        for lane, lane_mark in zip(lanes, mark):  # every layer's checked before any is rewound
+            lane_mark.check(self.pool, lane)
         for lane, lane_mark in reversed(list(zip(lanes, mark))):
             self.pool.rewind(lane, lane_mark)
         self.last_copies = ()

@@ -182,6 +182,8 @@ def calibrate(x: torch.Tensor, fmt: torch.dtype, dim=None) -> torch.Tensor:
         >>> calibrate(torch.tensor([0.5, -896.0]), torch.float8_e4m3fn).item()
         2.0
     """
+    if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:  # as `quantize` takes it
+        raise TypeError(f"x must be a floating tensor, got {describe(x)}")
     top = FORMATS[check_format(fmt)]
     ax = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).abs()
     amax = ax.amax() if dim is None else ax.amax(dim=dim)

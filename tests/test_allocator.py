@@ -102,3 +102,9 @@ def test_scalars_huge_pools_and_unknown_pages_are_named():
     assert alloc.num_free == 2 and [alloc.refcount(p) for p in range(4)] == [1, 1, 0, 0]
     with pytest.raises(MemoryError, match="num_pages=10000000000000"):
         pr.PageAllocator(10**13)
+
+
+@pytest.mark.parametrize("huge", [2**63, 10**30])
+def test_a_pool_beyond_int64_pages_is_refused_by_name(huge):
+    with pytest.raises(ValueError, match=rf"num_pages must be in \[1, {2**63 - 1}\], got {huge}"):
+        pr.PageAllocator(huge)

@@ -151,3 +151,22 @@ def test_pad_block_tables_with_page_size_refuses_rows_that_do_not_cover_their_le
 def test_scalars_and_negative_pages_are_named(call, exc, words):
     with pytest.raises(exc, match=words):
         call()
+
+
+@pytest.mark.parametrize("huge", [2**31, 2**63, 10**30])
+@pytest.mark.parametrize(
+    "call, name",
+    [
+        (lambda h: pad_block_tables([[h]], [1]), r"tables\[0\]\[0\]"),
+        (lambda h: to_csr([[0, h]], [5], page_size=4), r"tables\[0\]\[1\]"),
+        (lambda h: pad_block_tables([[0]], [h]), r"seq_lens\[0\]"),
+        (lambda h: to_csr([list(range(4))], [h], page_size=h), r"seq_lens\[0\]"),
+        (lambda h: slot_mapping([h], start=0, num_tokens=1, page_size=4), r"pages\[0\]"),
+        (lambda h: slot_mapping([1], start=0, num_tokens=1, page_size=h), "page_size"),
+    ],
+)
+def test_values_beyond_int32_are_refused_by_name(call, name, huge):
+    """Block tables hold int32 page ids and lengths; slots page * page_size + offset fit int64 when both do."""
+    low = 1 if name == "page_size" else 0
+    with pytest.raises(ValueError, match=rf"{name} must be in \[{low}, 2147483647\], got {huge}$"):
+        call(huge)

@@ -514,3 +514,114 @@ def test_block_table_and_csr_take_device_0_as_cuda_0():
         else:
             with pytest.raises((RuntimeError, AssertionError), match="(?i)cuda|accelerator"):
                 call()
+
+
+@pytest.mark.parametrize("huge", [2**63, 10**30])
+@pytest.mark.parametrize("arg", ["num_layers", "num_pages", "page_size", "num_kv_heads", "head_dim"])
+def test_sizes_beyond_what_torch_holds_are_refused_by_name(arg, huge):
+    """Page ids are int32 in block tables (num_pages <= 2**31); K and V of every layer must take fewer than
+    2**63 bytes (torch's sizes are int64): a ValueError naming the sizes, not torch's overflow."""
+    sizes = dict(num_layers=1, num_pages=2, page_size=2, num_kv_heads=1, head_dim=1)
+    if arg == "num_pages":
+        words = rf"num_pages must be in \[1, 2147483648\], got {huge}$"
+    else:
+        words = r"2 \* num_layers \* num_pages \* page_size \* num_kv_heads \* head_dim \* 4 bytes must be < 2\*\*63, "
+        words += rf"got {2 * 2 * 2 * huge * 4 // (2 if arg == 'page_size' else 1)}: .*'{arg}': {huge}"
+    with pytest.raises(ValueError, match=words):
+        pr.PagedKVCache(**{**sizes, arg: huge})
+
+
+def test_sizes_that_fit_one_by_one_but_not_together_are_refused():
+    """2 (K and V) * 2**31 pages * 2**30 tokens * 2 bytes = 2**63: one byte too many."""
+    with pytest.raises(ValueError, match=rf"2 bytes must be < 2\*\*63, got {2**63}: "):
+        pr.PagedKVCache(num_layers=1, num_pages=2**31, page_size=2**30, num_kv_heads=1, head_dim=1, dtype=torch.float16)
+
+
+@pytest.mark.parametrize("kv_format", [None, KVFormat(torch.int8, scales="page")], ids=["float", "int8-page"])
+def test_write_refuses_k_or_v_recorded_by_autograd_and_stores_values_under_no_grad(kv_format):
+    """As the native ops: a tensor requiring grad while autograd records is refused (the cache would start
+    tracking gradients, its pages part of a graph), naming it; under no_grad its values are stored."""
+    from cache_state import snapshot
+
+    cache = make(kv_format=kv_format)
+    s = cache.add_sequence()
+    fill(cache, s, 3)
+    slots = cache.reserve(s, 2)
+    before = snapshot(cache)
+    w = torch.randn(2, H, D, requires_grad=True)
+    for k, v, name in [(w, w.detach(), "k"), (w.detach(), w * 2, "v")]:
+        with pytest.raises(ValueError, match=rf"^{name} requires grad: write under torch.no_grad\(\), or pass {name}"):
+            cache.write(0, slots, k, v)
+        assert snapshot(cache) == before
+    with torch.no_grad():
+        cache.write(0, slots, w, w * 2)
+    assert not any(t.requires_grad for t in (*cache.k_cache, *cache.v_cache, *cache.kv_scales(0)) if t is not None)
+    k, v = cache.gather(0, s)
+    tol = dict(atol=0, rtol=0) if kv_format is None else dict(atol=0.1, rtol=0)  # int8: half a step of amax / 127
+    torch.testing.assert_close(k[3:], w.detach(), **tol)
+    torch.testing.assert_close(v[3:], 2 * w.detach(), **tol)
+
+
+def _rewound_then_shared():
+    """a rewinds to its first mark, giving back the page its later mark holds; b takes that page."""
+    cache = make(num_pages=2, page_size=2, layers=1)
+    a = cache.add_sequence()
+    fill(cache, a, 1)
+    first = cache.mark(a)
+    fill(cache, a, 2)  # into page 1
+    later = cache.mark(a)
+    cache.rewind(a, first)
+    fill(cache, cache.add_sequence(), 1)  # b holds page 1 now
+    return cache, a, later
+
+
+def _another_caches():
+    cache, other = make(), make()
+    for c in (cache, other):
+        fill(c, c.add_sequence(), 3)
+    mark = other.mark(0)
+    fill(cache, 0, 2)
+    return cache, 0, mark
+
+
+def _shrunk(how):
+    def build():
+        cache = make()
+        a = cache.add_sequence()
+        fill(cache, a, 6)
+        mark = cache.mark(a)
+        how(cache, a)
+        return cache, a, mark
+
+    return build
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        _rewound_then_shared,
+        _another_caches,
+        _shrunk(lambda c, a: c.truncate(a, 3)),
+        _shrunk(lambda c, a: (c.truncate(a, 3), fill(c, a, 3))),  # as long as at the mark again
+        _shrunk(lambda c, a: c.compact(a, torch.tensor([True, False, True, True, True, True]))),
+        _shrunk(lambda c, a: c.drop_pages(a, [0])),
+        _shrunk(lambda c, a: c.rewind(a, c.mark(a))),  # a rewind gives the sequence a new page list
+    ],
+    ids=["later-mark-after-rewind", "another-cache", "truncated", "truncated-grown", "compacted", "dropped", "rewound"],
+)
+def test_a_stale_mark_is_refused_and_changes_nothing(build):
+    """A mark undoes only reserves and writes, once: after a truncate, compact, drop_pages or rewind of its
+    sequence, or from another cache, rewinding to it would share pages another sequence holds now (a rewind to
+    a mark taken after the one just rewound to), or put back a length the pages no longer hold."""
+    from cache_state import snapshot
+
+    cache, seq, mark = build()
+    before = snapshot(cache)
+    with pytest.raises(ValueError, match=rf"mark is stale: sequence {seq} was truncated, .* or .* another cache's"):
+        cache.rewind(seq, mark)
+    assert snapshot(cache) == before, snapshot(cache).diff(before)
+    cache.allocator.check()
+    fresh = cache.mark(seq)
+    cache.reserve(seq, 1)
+    cache.rewind(seq, fresh)
+    assert snapshot(cache) == before, snapshot(cache).diff(before)

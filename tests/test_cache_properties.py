@@ -780,7 +780,7 @@ class SessionMachine(Checked):
         return self.kv_
 
     def state(self, exact):
-        return snapshot(self.kv_, exact=exact), dict(self.session._positions), set(self.session._prefilled)
+        return snapshot(self.kv_, exact=exact), dict(self.session._positions), dict(self.session._held)
 
     def _live(self, i):
         return _pick(self.history, i)
@@ -857,11 +857,7 @@ class SessionMachine(Checked):
         tokens = []
         for k, s in enumerate(seqs):
             policy = self.session._policies[s]
-            m = (
-                n
-                if policy is None or s not in self.session._prefilled
-                else min(n, policy.tokens_until_action(self.kv_, s))
-            )
+            m = n if policy is None or s not in self.session._held else min(n, policy.tokens_until_action(self.kv_, s))
             tokens.append([3 + (7 * k + t + len(self.history[s])) % 37 for t in range(m)])
         self._extend(seqs, tokens, fail=fail == 0)
 

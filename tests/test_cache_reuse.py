@@ -147,3 +147,17 @@ def test_a_page_whose_last_holder_leaves_before_its_forward_writes_it_is_not_reu
     other = c.add_sequence(token_ids=[5, 6, 7])
     assert c.seq_len(other) == 0 and c.prefix_hits == 0
     assert not c.k_cache[0][0].any()  # the page went back as a plain page: zeroed
+
+
+def test_written_says_a_sequences_pages_hold_their_kv_as_a_last_layer_write_does():
+    """`PagedKVCache.written`, the public door a dry run (no K/V to write) uses: the pages it names stay
+    cached when their holder goes, as if every layer had been written."""
+    c = cache(4, page_size=2, layers=2)
+    s = c.add_sequence()
+    c.reserve(s, 3, token_ids=[5, 6, 7])  # page 0 full: published, unwritten
+    pages = c.pages(s)
+    c.written(s)
+    c.free(s)
+    assert c.cached_prefix([5, 6, 7]) == pages[:1]
+    with pytest.raises(ValueError, match="seq_id 0 is not a live sequence"):
+        c.written(s)

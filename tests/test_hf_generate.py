@@ -452,6 +452,8 @@ def test_numpy_eos_ids_are_ints(model):
         (torch.tensor([1.0, 2.0]), TypeError, r"tokens\[0\] must be a 1-D integer tensor"),
         (torch.tensor([[1, 2], [3, 4]]), TypeError, r"tokens\[0\] must be a 1-D integer tensor.*\[2, 2\]"),
         (torch.tensor([1, 10**6]), ValueError, r"tokens\[0\] must hold token ids in \[0, vocab_size"),
+        ([1, 2**63], ValueError, rf"tokens\[0\] must hold token ids .* got values in \[1, {2**63}"),
+        ([10**30], ValueError, r"tokens\[0\] must hold token ids in \[0, vocab_size"),
     ],
 )
 def test_extend_refuses_float_2d_and_out_of_vocab_tokens(model, tokens, error, match):
@@ -836,3 +838,34 @@ def test_a_sliding_window_no_sequence_outgrows_is_full_attention(sliding_window)
             with pytest.raises(NotImplementedError, match="sliding_window=7"):
                 session.extend([s], [torch.tensor([9, 10, 11])])
             assert (session.position(s), kv.seq_len(s)) == (5, 5)
+
+
+def test_extend_reserved_refuses_rows_not_reserved_exactly_and_changes_nothing(model):
+    """reserved=True writes the forward into each sequence's last n slots: without a reservation those hold
+    tokens already fed (they would be overwritten), with more reserved than fed some stay unwritten. Refused,
+    nothing changed; reserved exactly, the logits are those of extend reserving itself, also for a sequence
+    whose policy dropped tokens (it holds fewer than it was fed)."""
+    prompt, rows = torch.arange(3, 12), [torch.tensor([5]), torch.tensor([6])]
+    logits = []
+    for reserved in (False, True):
+        with hf.PagedSession(model, num_pages=12, page_size=4) as session:
+            a, b = session.add(), session.add(eviction=make_policy("streaming_llm", 8, sink_tokens=1))
+            for s in (a, b):
+                session.extend([s], [prompt])
+            assert session.kv.seq_len(b) < session.position(b)  # b's policy dropped tokens
+            if reserved:
+                before = [(session.kv.seq_len(s), session.position(s), session.kv.gather(0, s)) for s in (a, b)]
+                for counts in ([0, 0], [0, 1], [2, 1], [1, 0]):
+                    for s, n in zip((a, b), counts):
+                        if n:
+                            session.kv.reserve(s, n)
+                    with pytest.raises(ValueError, match=r"reserved=True: tokens\[\d\] has 1 tokens, but sequence \d"):
+                        session.extend([a, b], rows, reserved=True)
+                    for s, n in zip((a, b), counts):
+                        session.kv.truncate(s, n)
+                    now = [(session.kv.seq_len(s), session.position(s), session.kv.gather(0, s)) for s in (a, b)]
+                    for (n0, p0, (k0, v0)), (n1, p1, (k1, v1)) in zip(before, now):
+                        assert (n0, p0) == (n1, p1) and torch.equal(k0, k1) and torch.equal(v0, v1)
+                session.kv.reserve_batch([a, b], [1, 1])
+            logits.append(session.extend([a, b], rows, reserved=reserved))
+    torch.testing.assert_close(logits[1], logits[0])

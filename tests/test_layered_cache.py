@@ -362,3 +362,40 @@ def test_a_rewind_given_another_sequences_mark_for_one_layer_changes_no_layer():
         assert snapshot(cache) == before, snapshot(cache).diff(before)
     cache.rewind(a, mark_a)
     assert cache.seq_len(a) == 0
+
+
+@pytest.mark.parametrize("huge", [2**63, 10**30])
+def test_huge_sizes_are_refused_by_name(huge):
+    """The pool holds num_layers * num_pages pages, each id an int32 of the block tables."""
+    sizes = dict(num_layers=2, num_pages=2, page_size=2, num_kv_heads=1, head_dim=1)
+    with pytest.raises(ValueError, match=rf"num_layers must be in \[1, 2147483648\], got {huge}"):
+        LayeredKVCache(**{**sizes, "num_layers": huge})
+    with pytest.raises(ValueError, match=rf"num_pages must be in \[1, 1073741824\], got {huge}"):
+        LayeredKVCache(**{**sizes, "num_pages": huge})
+    with pytest.raises(ValueError, match=rf"bytes must be < 2\*\*63, got \d+: .*'page_size': {huge}"):
+        LayeredKVCache(**{**sizes, "page_size": huge})
+
+
+def test_write_refuses_k_recorded_by_autograd():
+    cache = layered()
+    s = cache.add_sequence()
+    slots = cache.reserve(s, 2)
+    k = torch.randn(2, HKV, D, requires_grad=True)
+    with pytest.raises(ValueError, match="k requires grad"):
+        cache.write(1, slots[1], k, k.detach())
+    assert not cache.k_cache[1].requires_grad and not cache.k_cache[1].any()
+
+
+def test_a_rewind_to_another_caches_mark_or_after_a_truncate_changes_no_layer():
+    from cache_state import snapshot
+
+    cache, other = layered(), layered()
+    a, b = cache.add_sequence(), other.add_sequence()
+    cache.reserve(a, 6)
+    foreign, own = other.mark(b), cache.mark(a)
+    cache.truncate(a, 2)
+    before = snapshot(cache)
+    for mark in (foreign, own, (*own[:1], *cache.mark(a)[1:])):
+        with pytest.raises(ValueError, match="mark is stale: sequence 0 was truncated"):
+            cache.rewind(a, mark)
+        assert snapshot(cache) == before, snapshot(cache).diff(before)

@@ -4,6 +4,7 @@ and the errors. (The bytes against vLLM's CPU cache write: tests/test_vllm_quant
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -168,6 +169,16 @@ def test_page_bytes_count_the_values_in_one_byte_and_the_scales():
         (lambda: quant.quantize(torch.ones(2), 1.0, torch.int8, rounding="up"), ValueError, "got 'up'"),
         (lambda: quant.quantize(torch.ones(2, dtype=torch.int64), 1.0, torch.int8), TypeError, "x must be a floating"),
         (lambda: quant.dequantize(torch.ones(2), 1.0), TypeError, "got tensor of shape [2] and dtype torch.float32"),
+        (lambda: quant.calibrate([0.5, -2.0], torch.int8), TypeError, "x must be a floating tensor, got list"),
+        (lambda: quant.calibrate(3.0, torch.int8), TypeError, "x must be a floating tensor, got float"),
+        (lambda: quant.calibrate(np.ones(2), torch.int8), TypeError, "x must be a floating tensor, got ndarray"),
+        (
+            lambda: quant.calibrate(torch.tensor([1, 2]), torch.int8),
+            TypeError,
+            "got tensor of shape [2] and dtype torch.int64",
+        ),
+        (lambda: quant.calibrate(torch.tensor([True]), torch.int8), TypeError, "x must be a floating tensor"),
+        (lambda: quant.calibrate(torch.ones(2), "int8"), ValueError, "fmt must be one of"),
         (lambda: quant.dequantize(torch.ones(2, dtype=torch.int8), 0), ValueError, "scale must be finite and > 0"),
         (lambda: quant.check_scale(-1.0, "k_scale"), ValueError, "k_scale must be finite and > 0, got -1.0"),
         (

@@ -195,6 +195,24 @@ def test_a_dry_run_keeps_a_finished_requests_full_pages_cached():
     assert engine.stats()["prefix_hit_tokens"] == 8
 
 
+def test_a_dry_extend_of_rows_not_reserved_exactly_is_refused_as_a_sessions_is():
+    dry = DrySession(num_pages=4, page_size=2)
+    a, b = dry.add(), dry.add()
+    dry.extend([a], [[7, 8, 9]])
+    dry.kv.reserve(b, 2)
+
+    def state():
+        return [(dry.kv.pages(s), dry.kv.seq_len(s), dry.position(s)) for s in (a, b)], dry.kv.allocator.num_free
+
+    before = state()
+    for seq_ids, rows in (([b, a], [[1, 2], [3]]), ([b], [[4]]), ([b], [[4, 5, 6]])):  # a: none; b: 2 reserved
+        with pytest.raises(ValueError, match=r"reserved=True: tokens\[\d\] has \d tokens, but sequence \d has \d"):
+            dry.extend(seq_ids, rows, reserved=True)
+        assert state() == before
+    dry.extend([b], [[4, 5]], reserved=True)
+    assert dry.position(b) == dry.kv.seq_len(b) == 2
+
+
 @pytest.mark.parametrize("backend", [None, "reference"])
 def test_a_hit_on_pages_an_earlier_row_of_the_step_fills_reads_that_forwards_kv(model, backend):
     """As in vLLM, scheduling A publishes the full pages its prompt fills, so B (admitted next in the same

@@ -8,6 +8,7 @@ import inspect
 
 import torch
 
+from .._cache_checks import check_reserved
 from .._validate import check_bool, check_int, check_list, check_token_range, describe, eos_ids, is_int
 from ..cache import PagedKVCache
 from ..cache_interface import KVCache
@@ -15,12 +16,12 @@ from ..memory import model_geometry
 from .attention import AUTO, BACKENDS
 
 __all__ = ["check_batch", "check_hooks", "check_live", "check_prompts", "check_room", "token_ids"]
-__all__ += ["for_8bit_pages", "reads_8bit", "session_cache"]
+__all__ += ["check_reserved", "for_8bit_pages", "reads_8bit", "session_cache"]
 
 
-def check_batch(seq_ids, tokens) -> tuple[list, list]:
+def check_batch(seq_ids, tokens, live) -> tuple[list, list]:
     """`PagedSession.extend`'s ``seq_ids`` and ``tokens`` as two lists of one length (a ``[batch, n]``
-    tensor of tokens is a row per sequence), non-empty, the ids distinct."""
+    tensor of tokens is a row per sequence), non-empty, the ids distinct and ``live`` (`check_live`)."""
     seq_ids = check_list("seq_ids", seq_ids, "sequence ids")
     if isinstance(tokens, torch.Tensor) and tokens.dim() == 2:
         tokens = list(tokens)  # [batch, n]: one row per sequence
@@ -31,6 +32,8 @@ def check_batch(seq_ids, tokens) -> tuple[list, list]:
         )
     if len(set(seq_ids)) != len(seq_ids):
         raise ValueError(f"seq_ids must be distinct, got {seq_ids}")
+    for s in seq_ids:
+        check_live(s, live)
     return seq_ids, tokens
 
 
@@ -61,6 +64,8 @@ def token_ids(name: str, t, vocab: int) -> torch.Tensor:
         try:
             t = torch.as_tensor(t)
         except (TypeError, ValueError, RuntimeError):
+            if isinstance(t, (list, tuple)) and t and all(is_int(x) for x in t):  # ints beyond int64
+                check_token_range(name, min(t), max(t), vocab)
             raise TypeError(f"{name} must be a 1-D tensor (or list) of token ids, got {type(t).__name__}") from None
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex() or t.dim() > 1:
         raise TypeError(

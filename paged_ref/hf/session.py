@@ -39,7 +39,7 @@ from ..cache_interface import KVCache
 from ..eviction.base import check_policy
 from ..eviction.policies import EvictionPolicy
 from ..memory import model_geometry
-from ._checks import check_batch, check_live, check_room, for_8bit_pages, session_cache, token_ids
+from ._checks import check_batch, check_live, check_reserved, check_room, for_8bit_pages, session_cache, token_ids
 from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, paged_attention_active, register, set_attn_implementation
 from .cache import PagedCache, StepPlan, pack_rows
 
@@ -115,8 +115,7 @@ class PagedSession:
         kv_cache = session_cache(geometry, kv_cache, num_pages=num_pages, page_size=page_size, kv_format=kv_format)
         if kv_cache.kv_scales(0)[0] is not None:  # 8-bit pages: a backend that reads them
             self._backend = for_8bit_pages(self._backend, asked=backend)
-        self.model = model
-        self.kv = kv_cache
+        self.model, self.kv = model, kv_cache
         self.backend = self._backend.name
         self.eviction = eviction  # the default policy (it carries its own budget)
         self._decode, self._prefill = self._backend.functions()
@@ -126,7 +125,7 @@ class PagedSession:
         self._cache_kw = cache_keyword(model)
         self._positions: dict[int, int] = {}  # seq_id -> next absolute position
         self._policies: dict[int, EvictionPolicy | None] = {}  # seq_id -> its eviction policy
-        self._prefilled: set[int] = set()  # sequences whose policy has run after_prefill
+        self._held: dict[int, int] = {}  # seq_id -> tokens held after its last forward and policy (past its prefill)
         self._open = False
         self._closed = False  # close() freed every sequence; add() waits for open() again
         self.plan_seconds = 0.0  # host time spent laying out forwards (slots, tables, attention inputs)
@@ -207,7 +206,7 @@ class PagedSession:
         """Free the sequence's pages (they go back to the allocator at once)."""
         check_live(seq_id, self._positions)
         del self._positions[seq_id]
-        self._prefilled.discard(seq_id)
+        self._held.pop(seq_id, None)
         policy = self._policies.pop(seq_id)
         self.kv.free(seq_id)
         if policy is not None:
@@ -242,8 +241,8 @@ class PagedSession:
             packed: rows of different lengths (a prompt chunk beside decodes) go to the model as one
                 row of all the new tokens, not a padded ``[batch, max_n_b]`` rectangle (`pack_rows`):
                 the same logits, no padding computed. Not on a `LayeredKVCache`.
-            reserved: a scheduler already reserved the tokens' slots (`PagedKVCache.reserve`); the
-                forward writes into them, and undoing them is the caller's.
+            reserved: a scheduler reserved each row's tokens, and no more, since the sequence's last forward
+                (`PagedKVCache.reserve`); the forward writes into them, and undoing them is the caller's.
 
         Returns float32 ``[batch, vocab]``, the logits after each row's last new token (with
         ``all_logits``, a list of ``[n_b, vocab]``). Up to the forward's end it is all or nothing: bad
@@ -262,16 +261,16 @@ class PagedSession:
         the cache's device, each row within what its policy may be fed before it acts."""
         if not self._open:
             raise RuntimeError("PagedSession.extend needs an open session: use `with PagedSession(...) as s:`")
-        seq_ids, tokens = check_batch(seq_ids, tokens)
-        for s in seq_ids:
-            check_live(s, self._positions)
+        seq_ids, tokens = check_batch(seq_ids, tokens, self._positions)
         device, vocab = self.kv.device, self.model.config.vocab_size
         tokens = [token_ids(f"tokens[{b}]", t, vocab).to(device) for b, t in enumerate(tokens)]
         q_lens = [t.numel() for t in tokens]
         if min(q_lens) < 1:
             raise ValueError(f"each tokens[b] must hold at least one token, got lengths {q_lens}")
-        if not reserved:  # a scheduler's rows end where the policy acts
-            check_room(seq_ids, q_lens, {s: self._policies[s] for s in seq_ids if s in self._prefilled}, self.kv)
+        if reserved:  # exactly each row's tokens reserved since its last forward (before it: since `add`)
+            check_reserved(seq_ids, q_lens, {s: self._held.get(s, self._positions[s]) for s in seq_ids}, self.kv)
+        else:  # a scheduler's rows end where the policy acts
+            check_room(seq_ids, q_lens, {s: self._policies[s] for s in seq_ids if s in self._held}, self.kv)
         return seq_ids, tokens, q_lens
 
     def _forward(self, seq_ids, tokens, q_lens, *, all_logits: bool, packed: bool, reserved: bool):
@@ -303,7 +302,7 @@ class PagedSession:
 
     def _fed(self, seq_ids, q_lens) -> None:
         """3. Positions move on, then each sequence's policy runs (the first error raised after the others ran)."""
-        prefill = [s not in self._prefilled for s in seq_ids]
+        prefill = [s not in self._held for s in seq_ids]
         for s, n in zip(seq_ids, q_lens):
             self._positions[s] += n
         error = None
@@ -375,6 +374,7 @@ class PagedSession:
     def _after_forward(self, seq_id: int, *, phase_prefill: bool) -> None:
         """The eviction hooks: let the sequence's policy shrink its cache (see the module docstring)."""
         policy = self._policies[seq_id]
-        self._prefilled.add(seq_id)
+        self._held[seq_id] = self.kv.seq_len(seq_id)  # a policy that raises changes nothing
         if policy is not None:
             (policy.after_prefill if phase_prefill else policy.after_append)(self.kv, seq_id)
+            self._held[seq_id] = self.kv.seq_len(seq_id)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .._cache_checks import check_reserved
 from ..cache import PagedKVCache
 
 __all__ = ["DrySession"]
@@ -54,10 +55,12 @@ class DrySession:
     def extend(self, seq_ids: list[int], tokens: list, *, packed: bool = False, reserved: bool = False) -> torch.Tensor:
         """Feed every row's new tokens (lists or 1-D tensors of ids), reserving their slots unless
         ``reserved``; returns logits ``[batch, 1]`` (every row samples token 0). ``packed`` changes nothing here."""
+        if reserved:  # as `PagedSession.extend` checks it; no eviction here: a sequence held what it was fed
+            check_reserved(seq_ids, [len(t) for t in tokens], self._positions, self.kv)
         for s, t in zip(seq_ids, tokens):
             if not reserved:
                 ids = (t.tolist() if isinstance(t, torch.Tensor) else list(t)) if self.kv.prefix_caching else None
                 self.kv.reserve(s, len(t), token_ids=ids)
-            self.kv._prefix.written(self.kv.pages(s))  # what a forward writes: its full pages stay cached when freed
+            self.kv.written(s)  # what a forward writes: its full pages stay cached when freed
             self._positions[s] += len(t)
         return torch.zeros(len(seq_ids), 1)

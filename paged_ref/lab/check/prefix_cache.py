@@ -233,7 +233,7 @@ class _Reference:
     def append(self, seq, tokens, decode: bool) -> None:
         before = len(self.kv.pages(self.ids[seq]))
         self.kv.reserve(self.ids[seq], len(tokens), token_ids=list(tokens))
-        self.kv._prefix.written(self.kv.pages(self.ids[seq]))  # the tokens are computed: their pages hold K/V
+        self.kv.written(self.ids[seq])  # the tokens are computed: their pages hold K/V
         pages = self.kv.pages(self.ids[seq])
         for p in pages[before:]:  # handed out: whatever it cached is gone
             self._unfree(p)
