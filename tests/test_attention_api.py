@@ -62,3 +62,14 @@ def test_flex_without_value_checks_still_rejects_a_page_outside_the_cache():
     args["block_table"][0, 0] = args["k_cache"].shape[0]
     with pytest.raises(ValueError, match="block_table: the pages sequences use must be in"):
         flex.flex_paged_decode(*args.values(), check_values=False)
+
+
+@pytest.mark.parametrize(
+    "name", ["reference_paged_decode", "flex_paged_decode", "sdpa_paged_decode", "cpu_paged_decode"]
+)
+@pytest.mark.parametrize("value", ["no", 0, None])
+def test_check_values_takes_true_or_false_only(name, value):
+    """A truthy or falsy stand-in ("no" would turn the value checks on, 0 off) is refused by name."""
+    args = valid_inputs(decode=True)
+    with pytest.raises(TypeError, match=f"check_values must be True or False, got {value!r}"):
+        getattr(attention, name)(*args.values(), check_values=value)

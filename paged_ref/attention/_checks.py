@@ -12,7 +12,7 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from .._arith import cdiv
-from .._validate import check_int
+from .._validate import check_bool, check_int
 from ..quant import FORMATS
 
 __all__ = ["EIGHT_BIT_BACKENDS", "INT_DTYPES", "check_block_mask", "check_block_size", "check_cascade_inputs"]
@@ -93,7 +93,7 @@ def check_paged_inputs(
     _int_tensor("block_table", block_table, q, rows, lambda s: len(s) == 2 and s[0] == batch and s[1] >= 1)
     _int_tensor("seq_lens", seq_lens, q, f"[batch={batch}]", lambda s: s == (batch,))
     scale = _scale(scale, head_dim)
-    if check_values:
+    if check_bool("check_values", check_values):
         _check_table_values(block_table, seq_lens, num_pages=num_pages, page_size=page_size)
     return scale
 
