@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from ._validate import check_int, check_list, describe, is_int
+from ._validate import check_bool, check_int, check_list, describe, is_int
 
 
 def check_dtype(dtype) -> torch.dtype:
@@ -115,7 +115,7 @@ def check_write(cache, layer, slots, k, v, check_values: bool, filling=frozenset
             raise ValueError(f"{name} must be on the cache device {cache.device}, got {t.device}")
         if t.requires_grad and torch.is_grad_enabled():  # as the native ops refuse it: the pages hold values, no graph
             raise ValueError(f"{name} requires grad: write under torch.no_grad(), or pass {name}.detach()")
-    if check_values and slots.numel():
+    if check_bool("check_values", check_values) and slots.numel():
         lo, hi = int(slots.min()), int(slots.max())
         if lo < 0 or hi >= cache.num_pages * cache.page_size:
             raise ValueError(f"slots must be in [0, {cache.num_pages * cache.page_size}), got values in [{lo}, {hi}]")

@@ -24,7 +24,8 @@ def check_int(name: str, value, *, min_value: int | None = None, max_value: int 
     if min_value is not None and value < min_value:
         raise ValueError(f"{name} must be >= {min_value}, got {value}")
     if max_value is not None and value > max_value:
-        raise ValueError(f"{name} must be in [{min_value}, {max_value}], got {value}")
+        bound = f"<= {max_value}" if min_value is None else f"in [{min_value}, {max_value}]"
+        raise ValueError(f"{name} must be {bound}, got {value}")
     return value
 
 

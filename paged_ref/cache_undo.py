@@ -58,16 +58,17 @@ class SequenceMark:
         hashes = seq.page_hashes
         return cls(seq_id, tuple(seq.pages), seq.length, seq.token_ids, known, hashes, len(hashes), tail, seq.pages)
 
-    def check(self, cache, seq_id: int):
+    def check(self, cache, seq_id: int, shown: str | None = None):
         """``cache``'s ``seq_id``, if ``self`` is its mark and it only reserved (its page list grown in place) and wrote
-        since: truncate, compact, drop_pages, rewind and rollback give it a new list."""
+        since: truncate, compact, drop_pages, rewind and rollback give it a new list. ``shown``: the sequence as the
+        error names it (default ``sequence <seq_id>``)."""
         seq = cache._seq(seq_id)
         if not isinstance(self, SequenceMark) or self.seq_id != seq_id:
             raise ValueError(f"mark must be a SequenceMark of sequence {seq_id}, got {describe(self)}")
         if self.held is not seq.pages:
             raise ValueError(
-                f"mark is stale: sequence {seq_id} was truncated, compacted, had pages dropped or was rewound since "
-                "mark() (a mark undoes reserves and writes, once), or the mark is another cache's"
+                f"mark is stale: {shown or f'sequence {seq_id}'} was truncated, compacted, had pages dropped or was "
+                "rewound since mark() (a mark undoes reserves and writes, once), or the mark is another cache's"
             )
         return seq
 

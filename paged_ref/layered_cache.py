@@ -269,8 +269,8 @@ class LayeredKVCache:
         lanes = self._lanes_of(seq_id)
         if not isinstance(mark, tuple) or [m.seq_id if isinstance(m, SequenceMark) else None for m in mark] != lanes:
             raise ValueError(f"mark must be the tuple mark({seq_id}) returned, got {type(mark).__name__}")
-        for lane, lane_mark in zip(lanes, mark):  # every layer's checked before any is rewound
-            lane_mark.check(self.pool, lane)
+        for layer, (lane, lane_mark) in enumerate(zip(lanes, mark)):  # every layer's checked before any is rewound
+            lane_mark.check(self.pool, lane, f"sequence {seq_id} (layer {layer})")
         for lane, lane_mark in reversed(list(zip(lanes, mark))):
             self.pool.rewind(lane, lane_mark)
         self.last_copies = ()

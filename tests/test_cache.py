@@ -625,3 +625,22 @@ def test_a_stale_mark_is_refused_and_changes_nothing(build):
     cache.reserve(seq, 1)
     cache.rewind(seq, fresh)
     assert snapshot(cache) == before, snapshot(cache).diff(before)
+
+
+def test_write_takes_check_values_as_true_or_false_only():
+    cache = pr.PagedKVCache(num_layers=1, num_pages=4, page_size=4, num_kv_heads=2, head_dim=8)
+    s = cache.add_sequence()
+    slots = cache.reserve(s, 2)
+    k = torch.randn(2, 2, 8)
+    with pytest.raises(TypeError, match="check_values must be True or False, got 'no'"):
+        cache.write(0, slots, k, k, check_values="no")
+    assert not cache.k_cache[0].any()
+
+
+def test_an_upper_bound_alone_is_stated_as_one():
+    from paged_ref._validate import check_int
+
+    with pytest.raises(ValueError, match=r"^x must be <= 3, got 4$"):
+        check_int("x", 4, max_value=3)
+    with pytest.raises(ValueError, match=r"^x must be in \[0, 3\], got 4$"):
+        check_int("x", 4, min_value=0, max_value=3)

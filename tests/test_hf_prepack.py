@@ -281,3 +281,19 @@ def test_a_changed_weight_that_cannot_be_packed_again_is_refused_leaving_the_mod
     with pytest.raises(RuntimeError, match="prepack: changed weights cannot be packed again"), packs:
         pass
     assert all("forward" not in m.__dict__ for m in _linears(model))
+
+
+def test_a_model_made_under_inference_mode_is_packed():
+    """Inference tensors keep no version counter: packing their weights still works, and gives F.linear's values."""
+    from paged_ref.models import tiny_llama
+
+    with torch.inference_mode():
+        model = tiny_llama(seed=4)
+    layer = model.model.layers[0].mlp.down_proj
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "stay eager" warning
+        packs = PackedLinears(model)
+    x = torch.randn(2, layer.in_features)
+    with packs, torch.inference_mode():
+        assert packs.packed and "forward" in layer.__dict__
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)

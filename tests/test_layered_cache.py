@@ -396,6 +396,19 @@ def test_a_rewind_to_another_caches_mark_or_after_a_truncate_changes_no_layer():
     cache.truncate(a, 2)
     before = snapshot(cache)
     for mark in (foreign, own, (*own[:1], *cache.mark(a)[1:])):
-        with pytest.raises(ValueError, match="mark is stale: sequence 0 was truncated"):
+        with pytest.raises(ValueError, match=r"mark is stale: sequence 0 \(layer 0\) was truncated"):
             cache.rewind(a, mark)
         assert snapshot(cache) == before, snapshot(cache).diff(before)
+
+
+def test_a_stale_mark_names_the_callers_sequence_and_its_layer():
+    """Each layer of sequence 1 is a sequence of the pool with another id: the message names the caller's."""
+    cache = layered()
+    cache.add_sequence()
+    s = cache.add_sequence()
+    cache.reserve(s, 6)
+    mark = cache.mark(s)
+    assert [m.seq_id for m in mark] != [s] * len(mark)  # the pool's ids are not the caller's
+    cache.truncate(s, 2)
+    with pytest.raises(ValueError, match=rf"mark is stale: sequence {s} \(layer 0\) was truncated"):
+        cache.rewind(s, mark)

@@ -37,7 +37,8 @@ class Fast:
         backend: the attention backend (a name of `paged_ref.hf.attention.BACKENDS`), or None for the
             session's own; ``"cpu_paged"`` reads K/V where the pages lie.
         prepack: linear layers through weights packed once for oneDNN (`paged_ref.fast.prepack`); a weight
-            changed later (in place, or replaced) is packed again before the next forward.
+            changed later (in place, or replaced) is packed again before the next forward (not one changed
+            through ``.data`` in place, or an inference tensor's; see that module).
         few_rows: (with ``prepack``) products of at most this many rows through the one-stream kernel;
             True: a decode step's rows (an engine's ``max_num_seqs``, else `FEW_ROWS`).
         flat: a Llama model's layers as one loop, transformers' operations (`paged_ref.fast.flat`).

@@ -11,8 +11,9 @@ reason (``packed`` says which happened).
 A weight changed after it was packed is packed again when the ``with`` block is next entered: one
 changed in place (``weight.mul_(2)`` under ``torch.no_grad()``, ``load_state_dict``, an optimizer's
 step: its version counter moves) or replaced (``layer.weight = ...``, ``weight.data = ...``). A
-change through ``weight.data`` in place moves no counter and is not seen: pack again (a new
-`PackedLinears`, a new session or engine). Packed layers compute no gradients: one that autograd would
+change through ``weight.data`` in place moves no counter and is not seen, nor any change in place of
+an inference tensor (weights made under ``torch.inference_mode()``, which keep no counter): pack again (a
+new `PackedLinears`, a new session or engine). Packed layers compute no gradients: one that autograd would
 record (grad mode on, and ``x`` or the weights requiring grad) raises a ``RuntimeError``; run them under
 ``torch.no_grad()`` or ``torch.inference_mode()`` (as `paged_ref.hf.PagedSession.extend` does).
 
@@ -49,7 +50,7 @@ import torch
 from ..native import build
 
 __all__ = ["BLOCK", "FEW_ROWS", "FUSED", "PACK_FOR_ROWS", "SOURCE", "PackedLinears", "few_rows_kernel", "stream_layout"]
-__all__ += ["Pack", "cannot_pack", "stamp", "why_not_packed"]
+__all__ += ["cannot_pack", "why_not_packed"]
 
 #: Linear layers of one module that read the same input, packed as one product (when all are present).
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -79,7 +80,7 @@ class PackedLinears:
     def __init__(self, model: torch.nn.Module, *, few_rows: int = 0):
         if isinstance(few_rows, bool) or not isinstance(few_rows, int) or few_rows < 0:
             raise TypeError(f"few_rows must be a number of rows (an int >= 0), got {few_rows!r}")
-        self._packs: list[Pack] = []  # layers that read the same input, packed as one product
+        self._packs: list[_Pack] = []  # layers that read the same input, packed as one product
         why = why_not_packed(model)
         few = few_rows_kernel() if few_rows > 0 and why is None else None  # a failed build has warned
         self._few = few = None if few is None else (few, few_rows)
@@ -88,11 +89,11 @@ class PackedLinears:
                 grouped = set()
                 for module in model.modules():
                     for group in _groups(module):
-                        self._packs.append(Pack(group, few))
+                        self._packs.append(_Pack(group, few))
                         grouped.update(group)
                 for module in model.modules():
                     if isinstance(module, torch.nn.Linear) and module not in grouped:
-                        self._packs.append(Pack([module], few))
+                        self._packs.append(_Pack([module], few))
             except RuntimeError as e:  # an op this build of torch lacks, a shape oneDNN refuses
                 why = f"packing failed: {type(e).__name__}: {str(e).splitlines()[0]}"
                 self._packs = []
@@ -101,12 +102,12 @@ class PackedLinears:
         self.packed = why is None
         self.few_rows = self.packed and few is not None  # products of few rows through `SOURCE`'s kernel
         self._sources = [source for pack in self._packs for source in pack.sources]
-        self._stamp = stamp(self._sources)
+        self._seen = _stamp(self._sources)
 
     def __enter__(self) -> PackedLinears:
-        """Pack again the weights changed since they were packed (`Pack.stale`), then put the packs in."""
-        now = stamp(self._sources)  # every pack's at once: one list, not a call per pack
-        if now != self._stamp:
+        """Pack again the weights changed since they were packed (`_Pack.stale`), then put the packs in."""
+        now = _stamp(self._sources)  # every pack's at once: one list, not a call per pack
+        if now != self._seen:
             for pack in self._packs:
                 if pack.stale():
                     try:
@@ -114,7 +115,7 @@ class PackedLinears:
                     except RuntimeError as e:  # a weight now of a dtype or on a device oneDNN does not take
                         first = str(e).splitlines()[0]
                         raise RuntimeError(f"prepack: changed weights cannot be packed again: {first}") from e
-            self._stamp = now
+            self._seen = now
         for pack in self._packs:  # once per forward: the instance dict, not Module.__setattr__
             for layer, forward in zip(pack.layers, pack.forwards):
                 layer.__dict__["forward"] = forward  # an instance attribute: shadows the class's forward
@@ -126,15 +127,20 @@ class PackedLinears:
                 layer.__dict__.pop("forward", None)
 
 
-def stamp(sources: list[tuple[dict, str]]) -> list:
+def _stamp(sources: list[tuple[dict, str]]) -> list:
     """What each parameter ``sources`` names (a module's ``_parameters`` and a name) is now: None, or its
-    tensor's id, version counter (moved by a change in place) and storage address (moved by ``.data =``)."""
-    return [None if (t := d.get(name)) is None else (id(t), t._version, t.data_ptr()) for d, name in sources]
+    tensor's id, version counter (moved by a change in place; None for an inference tensor, which keeps none)
+    and storage address (moved by ``.data =``)."""
+    return [None if (t := d.get(name)) is None else (id(t), _version(t), t.data_ptr()) for d, name in sources]
 
 
-class Pack:
+def _version(t: torch.Tensor) -> int | None:
+    return None if t.is_inference() else t._version
+
+
+class _Pack:
     """Linear layers of one input (one, or a `FUSED` group) through one packed product of their weights,
-    with the `stamp` of the weights and biases it was made from."""
+    with the `_stamp` of the weights and biases it was made from."""
 
     def __init__(self, layers: list[torch.nn.Linear], few):
         self.layers = layers
@@ -146,11 +152,11 @@ class Pack:
         layers = self.layers
         self.forwards = _fused_forwards(layers, few) if len(layers) > 1 else [_packed_forward(layers[0], few)]
         self._kept = [d.get(name) for d, name in self.sources]  # while they live, no other tensor has their id
-        self._stamp = stamp(self.sources)
+        self._seen = _stamp(self.sources)
 
     def stale(self) -> bool:
         """Whether a weight or bias was changed in place or replaced since it was packed."""
-        return stamp(self.sources) != self._stamp
+        return _stamp(self.sources) != self._seen
 
 
 def why_not_packed(model) -> str | None:
