@@ -326,9 +326,10 @@ def run_ladders(
     """Climb the ladder with every decoder of ``cfgs`` (name -> `LadderConfig`, the same contexts) at
     once, the decoders taking turns: at each context each sets its context, then the warm-up steps and
     the timed steps go round the decoders one step each (round ``r`` starts at decoder ``r mod n``, so
-    that none always goes first). Timed step ``r`` of two decoders ran back to back: a pair, whose ratio
-    a load that changes during the run touches little (`scaling_report.ratios_to` takes the median of
-    the pairs' ratios). Contexts not started by ``deadline`` are ``skipped``; ``clock`` is the timer.
+    that none always goes first). Timed step ``r`` of two decoders ran in the same round (at most ``n - 2`` other
+    decoders' steps between them): a pair, whose ratio a load that changes during the run touches little
+    (`scaling_report.ratios_to` takes the median of the pairs' ratios). Contexts not started by ``deadline`` are
+    ``skipped``; ``clock`` is the timer.
 
     Returns, per decoder in the order of ``cfgs``:
         ``{"backend", "label", "timed", "in_turns_with" (the labels of the decoders it took turns with),

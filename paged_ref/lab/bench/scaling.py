@@ -8,7 +8,7 @@ On one model and the same tokens, in one run:
 1. Per-token decode latency vs context, batch 1 (`_scaling_latency`), of no cache,
    ``DynamicCache``, ``StaticCache`` and the paged cache with each backend; on CPU the decoders take
    turns step by step and each ratio to ``DynamicCache`` is the median of the ratios of steps taken
-   back to back (``ratio_kind``); on CPU the Triton kernel runs in its interpreter: checked, not timed.
+   in the same round (``ratio_kind``); on CPU the Triton kernel runs in its interpreter: checked, not timed.
    GPU: the decoders run one after another (each point also records the peak device memory of its
    decoder alone), ratios of medians; also a 100k-token sequence, paged only.
 2. A mixed-length batch in one KV budget (`_scaling_batch`): requests admitted and tokens/s under
