@@ -34,7 +34,7 @@ from ._validate import describe
 from .block_table import flat_slots
 from .kv_pages import raw
 
-__all__ = ["Checkpoint", "SequenceMark", "Undo", "rewind_plan", "rewind_sequence"]
+__all__ = ["Checkpoint", "SequenceMark", "Undo", "marked_sequence", "rewind_plan", "rewind_sequence"]
 
 
 @dataclass(frozen=True)
@@ -50,27 +50,13 @@ class SequenceMark:
     page_hashes: list[bytes]
     hashed: int
     tail: tuple | None = None  # 8-bit pages scaled per page: (page, its bytes and scales), see `last_page`
-    held: list | None = field(default=None, repr=False, compare=False)  # the sequence's page list itself, see `check`
+    held: list | None = field(default=None, repr=False, compare=False)  # the page list itself (`marked_sequence`)
 
     @classmethod
     def of(cls, seq_id: int, seq, tail=None) -> SequenceMark:
         known = None if seq.token_ids is None else len(seq.token_ids)
         hashes = seq.page_hashes
         return cls(seq_id, tuple(seq.pages), seq.length, seq.token_ids, known, hashes, len(hashes), tail, seq.pages)
-
-    def check(self, cache, seq_id: int, shown: str | None = None):
-        """``cache``'s ``seq_id``, if ``self`` is its mark and it only reserved (its page list grown in place) and wrote
-        since: truncate, compact, drop_pages, rewind and rollback give it a new list. ``shown``: the sequence as the
-        error names it (default ``sequence <seq_id>``)."""
-        seq = cache._seq(seq_id)
-        if not isinstance(self, SequenceMark) or self.seq_id != seq_id:
-            raise ValueError(f"mark must be a SequenceMark of sequence {seq_id}, got {describe(self)}")
-        if self.held is not seq.pages:
-            raise ValueError(
-                f"mark is stale: {shown or f'sequence {seq_id}'} was truncated, compacted, had pages dropped or was "
-                "rewound since mark() (a mark undoes reserves and writes, once), or the mark is another cache's"
-            )
-        return seq
 
     def apply(self, seq) -> None:
         """Put ``seq``'s pages, length and prefix keys back as they were."""
@@ -110,6 +96,20 @@ def last_page(cache, seq) -> tuple | None:
     return page, [raw(t)[page].clone() for t in (*cache.k_cache, *cache.v_cache)], cache.quant.rows(index)
 
 
+def marked_sequence(cache, seq_id: int, mark, shown: str | None = None):
+    """``cache``'s ``seq_id``, if ``mark`` is its `SequenceMark` and it only reserved (its page list grown in place) and
+    wrote since (truncate, compact, drop_pages, rewind, rollback: a new list); ``shown`` names it in the error."""
+    seq = cache._seq(seq_id)
+    if not isinstance(mark, SequenceMark) or mark.seq_id != seq_id:
+        raise ValueError(f"mark must be a SequenceMark of sequence {seq_id}, got {describe(mark)}")
+    if mark.held is not seq.pages:
+        raise ValueError(
+            f"mark is stale: {shown or f'sequence {seq_id}'} was truncated, compacted, had pages dropped or was "
+            "rewound since mark() (a mark undoes reserves and writes, once), or the mark is another cache's"
+        )
+    return seq
+
+
 def rewind_sequence(cache, seq_id: int, mark: SequenceMark) -> None:
     """`PagedKVCache.rewind`: the sequence back as ``mark`` saw it (it has only reserved and written since).
 
@@ -123,7 +123,7 @@ def rewind_sequence(cache, seq_id: int, mark: SequenceMark) -> None:
         >>> kv.pages(b), kv.seq_len(b), kv.allocator.refcount(0), kv.allocator.num_free
         ([0], 2, 2, 3)
     """
-    seq = SequenceMark.check(mark, cache, seq_id)
+    seq = marked_sequence(cache, seq_id, mark)
     ps = cache.page_size
     share, written, taken = rewind_plan(list(mark.pages), mark.length, seq.pages, seq.length, page_size=ps)
     cache.allocator.share(share)  # raises, changing nothing, if one went back to the pool since

@@ -28,7 +28,7 @@ from ._validate import INT32_MAX, check_int, check_list, describe, is_int
 from .allocator import OutOfPagesError
 from .block_table import pages_needed
 from .cache import PageCopy, PagedKVCache
-from .cache_undo import SequenceMark
+from .cache_undo import SequenceMark, marked_sequence
 from .memory import KVGeometry, model_geometry
 from .page_plan import compact_copies, truncate_cost
 from .quant import kv_format as as_kv_format
@@ -270,7 +270,7 @@ class LayeredKVCache:
         if not isinstance(mark, tuple) or [m.seq_id if isinstance(m, SequenceMark) else None for m in mark] != lanes:
             raise ValueError(f"mark must be the tuple mark({seq_id}) returned, got {type(mark).__name__}")
         for layer, (lane, lane_mark) in enumerate(zip(lanes, mark)):  # every layer's checked before any is rewound
-            lane_mark.check(self.pool, lane, f"sequence {seq_id} (layer {layer})")
+            marked_sequence(self.pool, lane, lane_mark, f"sequence {seq_id} (layer {layer})")
         for lane, lane_mark in reversed(list(zip(lanes, mark))):
             self.pool.rewind(lane, lane_mark)
         self.last_copies = ()

@@ -8,7 +8,6 @@ import inspect
 
 import torch
 
-from .._cache_checks import check_reserved
 from .._validate import check_bool, check_int, check_list, check_token_range, describe, eos_ids, is_int
 from ..cache import PagedKVCache
 from ..cache_interface import KVCache
@@ -16,7 +15,7 @@ from ..memory import model_geometry
 from .attention import AUTO, BACKENDS
 
 __all__ = ["check_batch", "check_hooks", "check_live", "check_prompts", "check_room", "token_ids"]
-__all__ += ["check_reserved", "for_8bit_pages", "reads_8bit", "session_cache"]
+__all__ += ["for_8bit_pages", "reads_8bit", "session_cache"]
 
 
 def check_batch(seq_ids, tokens, live) -> tuple[list, list]:

@@ -124,6 +124,7 @@ def beam_search(
     )
     if decoding.num_beams < 2:
         raise ValueError(f"num_beams must be >= 2 for beam search, got {decoding.num_beams}")
+    check_hooks(None, callback, progress, beam=True)  # generate checks its own before its beam path
     args = (model, input_ids, decoding, max_new_tokens, "beam_search")
     return run_beam_search(*args, callback=callback, progress=progress, **options)
 
@@ -133,7 +134,6 @@ def run_beam_search(
 ) -> BeamSearchOutput:
     """`beam_search` with its decoding arguments resolved (also `generate`'s beam path, ``caller``): one prefill
     per prompt, then per step the selection, the pages following it and one decode forward."""
-    check_hooks(None, callback, progress, beam=True)
     k = decoding.num_beams
     prepared = prepare(model, input_ids, k, caller, max_new_tokens=max_new_tokens, **options)
     session, prompts, eos, pad, namespaces, _ = prepared

@@ -34,12 +34,13 @@ from dataclasses import replace
 
 import torch
 
+from .._cache_checks import check_reserved
 from .._validate import check_bool
 from ..cache_interface import KVCache
 from ..eviction.base import check_policy
 from ..eviction.policies import EvictionPolicy
 from ..memory import model_geometry
-from ._checks import check_batch, check_live, check_reserved, check_room, for_8bit_pages, session_cache, token_ids
+from ._checks import check_batch, check_live, check_room, for_8bit_pages, session_cache, token_ids
 from .attention import ATTN_IMPLEMENTATION, AUTO, get_backend, paged_attention_active, register, set_attn_implementation
 from .cache import PagedCache, StepPlan, pack_rows
 
