@@ -10,7 +10,7 @@ import torch
 from paged_ref.lab.bench import _model_bench, _scaling_latency
 from paged_ref.lab.bench._scaling_latency import LadderConfig, run_ladder, run_ladders
 from paged_ref.lab.bench.common import paired_ratio
-from paged_ref.lab.bench.scaling_report import noise_summary, ratio_kind, ratio_pairs, ratios_to
+from paged_ref.lab.bench.scaling_report import noise_summary, pair_quartiles, ratio_kind, ratio_pairs, ratios_to
 
 
 # --- paired_ratio ---------------------------------------------------------------------------------
@@ -113,6 +113,18 @@ def test_ladder_decoders_take_turns_and_their_ratio_is_the_median_of_the_pairs(f
         min(ratios[sdpa["label"]].values()),
         max(ratios[sdpa["label"]].values()),
     ]
+
+
+def test_pair_quartiles_bracket_the_paired_ratio_and_skip_decoders_that_ran_alone(fake):
+    clock, order, model, prompt = fake
+    cfg = LadderConfig(contexts=[16, 64], warmup=1, steps=7, nocache_steps=3)
+    ladder = run_ladders(model, {"dynamic": cfg, "sdpa": cfg}, prompt, clock=clock)
+    base = ladder[0]["label"]
+    quartiles, ratios = pair_quartiles(ladder, base), ratios_to(ladder, base)
+    for context, (p25, median, p75) in quartiles["paged (sdpa)"].items():
+        assert median == pytest.approx(ratios["paged (sdpa)"][context]) and p25 < median < p75
+    alone = [ladder[0], run_ladder(model, "sdpa", prompt, cfg, clock=clock)]
+    assert pair_quartiles(alone, base) == {} and pair_quartiles(ladder, "no such decoder") == {}
 
 
 def test_decoders_run_one_after_another_give_ratios_of_medians(fake):

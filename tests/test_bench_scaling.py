@@ -53,6 +53,12 @@ def test_main_writes_json_with_environment(run):
     assert on_disk["models"]["tiny"]["errors"] == [] and on_disk["models"]["tiny"]["skipped"] == []
 
 
+def test_a_run_at_a_chosen_thread_count_is_written_apart_and_records_it(tmp_path):
+    data = scaling.main(["--cpu", "--quick", "--model", "tiny", "--threads", "1", "--out", str(tmp_path)])
+    assert [p.name for p in tmp_path.iterdir()] == ["scaling_cpu_threads1.json"]
+    assert data["torch_threads"] == 1 and data["command"].endswith("--threads 1")
+
+
 def test_main_every_decoder_predicts_the_same_tokens(run):
     res = run[0]["models"]["tiny"]
     labels = {r["label"] for r in res["ladder"]}

@@ -344,26 +344,36 @@ def _sharing_facts() -> list[str]:
 
 
 def _scaling_facts() -> list[str]:
-    """The row on the paged decode step, from figures/data/scaling_cpu.json."""
-    data = _data("scaling_cpu.json")
-    res = data["models"]["smollm2"]
-    ratios = res["ratios"]
-    steps = {r["label"]: {len(p["times_s"]) for p in r["points"]} for r in res["ladder"] if r["timed"]}
-    contexts = sorted({c for r in ratios.values() for c in r}, key=int)
+    """The row on the paged decode step, from figures/data/scaling_cpu.json (torch's default threads, all
+    cores here) and figures/data/scaling_cpu_threads1.json (1 thread): ratios of paired steps."""
 
-    def span(label):
-        values = ratios[label].values()
-        return f"{min(values):.2f}x-{max(values):.2f}x"
+    def facts(name):
+        data = _data(name)
+        res = data["models"]["smollm2"]
+        assert res["ratio_kind"] == "median of paired steps", name
+        contexts = sorted({c for r in res["ratios"].values() for c in r}, key=int)
+        pairs = {label: set(by_context.values()) for label, by_context in res["ratio_pairs"].items()}
 
+        def span(label):
+            values = res["ratios"][label].values()
+            return f"{min(values):.2f}x-{max(values):.2f}x"
+
+        return data, contexts, pairs, span
+
+    data, contexts, pairs, span = facts("scaling_cpu.json")
+    one, _, _, span1 = facts("scaling_cpu_threads1.json")
+    (sdpa_pairs,), (none_pairs,) = pairs["paged (sdpa)"], pairs["no cache (recompute)"]
+    assert pairs["paged (flex)"] == pairs["paged (reference)"] == {sdpa_pairs}
     return [
-        f"{span('paged (sdpa)')} of `DynamicCache` from {contexts[0]} to {contexts[-1]} tokens",
+        f"{span('paged (sdpa)')} of `DynamicCache`'s step from {contexts[0]} to {contexts[-1]} tokens",
         f"differ by {span('contiguous (StaticCache)')}",
-        f"median of {steps['paged (sdpa)'].pop()} steps per point, flex {steps['paged (flex)'].pop()}, no cache "
-        f"{steps['no cache (recompute)'].pop()}",
         f"reference {span('paged (reference)')}",
         f"flex with compiled decode {span('paged (flex)')}",
         f"no cache {span('no cache (recompute)')}",
+        f"the median of the ratios of {sdpa_pairs} pairs of steps per point (no cache {none_pairs})",
         f"(`bench scaling --cpu`, {data['torch_threads']} threads, {data['environment']['date_utc'][:10]})",
+        f"at {one['torch_threads']} thread: sdpa {span1('paged (sdpa)')}, reference {span1('paged (reference)')}",
+        f"(`bench scaling --cpu --threads 1`, {one['environment']['date_utc'][:10]})",
     ]
 
 

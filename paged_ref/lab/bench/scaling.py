@@ -20,9 +20,9 @@ On one model and the same tokens, in one run:
 5. The latency of every page operation of every paged pool in the run (median, p99).
 
 Greedy predictions of every decoder are compared with ``DynamicCache``'s position by position.
-Output: tables and ``figures/data/scaling_{cpu,gpu}.json`` (``_quick`` in quick mode) with the
-environment. ``--time-budget`` (default 220 s on GPU) skips sections that would start later and
-records them.
+Output: tables and ``figures/data/scaling_{cpu,gpu}.json`` (``_threads{N}`` with ``--threads N``,
+``_quick`` in quick mode) with the environment. ``--time-budget`` (default 220 s on GPU) skips sections
+that would start later and records them.
 """
 
 from __future__ import annotations
@@ -332,7 +332,11 @@ def main(argv=None) -> dict:
     parser.add_argument(
         "--time-budget", type=float, help="seconds; sections that would start later are skipped (default 220 on GPU)"
     )
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default: torch's choice); given, the JSON's name ends in _threads{N}",
+    )
     args = parser.parse_args(argv)
     if args.threads is not None and args.threads < 1:
         parser.error(f"--threads must be >= 1, got {args.threads}")
@@ -356,7 +360,8 @@ def _run(args, argv, gpu, parser) -> dict:
     if args.model == "tiny":
         profile.update(copy.deepcopy(TINY))
     budget = args.time_budget if args.time_budget is not None else (220.0 if gpu else None)
-    filename = f"scaling_{kind}{'_quick' if args.quick and args.out is None else ''}.json"
+    threads = f"_threads{args.threads}" if args.threads is not None else ""  # apart from the run at torch's default
+    filename = f"scaling_{kind}{threads}{'_quick' if args.quick and args.out is None else ''}.json"
     result = result_file(parser, args.out, filename)  # checked before anything is measured
     clock = _Clock(budget)
     device = torch.device("cuda" if gpu else "cpu")

@@ -37,6 +37,7 @@ __all__ = [
     "ratios_to",
     "ratio_kind",
     "ratio_pairs",
+    "pair_quartiles",
     "noise_summary",
     "print_model_report",
 ]
@@ -150,6 +151,26 @@ def ratio_pairs(ladder: list[dict], base: str) -> dict:
         for label, r in timed.items()
         if label != base and _paired(r, ref)
     }
+
+
+def pair_quartiles(ladder: list[dict], base: str) -> dict:
+    """``{label: {context: [p25, median, p75]}}`` of the ratios of a decoder's steps to ``base``'s steps
+    of the same round (the pairs `ratios_to` takes the median of), for decoders that took turns with it."""
+    timed = {r["label"]: r for r in ladder if r["timed"]}
+    ref = timed.get(base)
+    if ref is None:
+        return {}
+    by_context = {p["context"]: p["times_s"] for p in ref["points"] if p["times_s"]}
+    out = {}
+    for label, r in timed.items():
+        if label == base or not _paired(r, ref):
+            continue
+        out[label] = {}
+        for p in r["points"]:
+            if p["times_s"] and p["context"] in by_context:
+                ratios = [a / b for a, b in zip(p["times_s"], by_context[p["context"]])]
+                out[label][p["context"]] = [float(x) for x in np.percentile(ratios, [25, 50, 75])]
+    return out
 
 
 def noise_summary(ladder: list[dict], base: str = "dynamic", peer: str = "static") -> dict:
