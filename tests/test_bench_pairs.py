@@ -127,6 +127,32 @@ def test_pair_quartiles_bracket_the_paired_ratio_and_skip_decoders_that_ran_alon
     assert pair_quartiles(alone, base) == {} and pair_quartiles(ladder, "no such decoder") == {}
 
 
+def test_a_decoder_that_fails_leaves_the_others_ladder_whole(fake, monkeypatch):
+    clock, order, model, prompt = fake
+    make = _scaling_latency.make_decoder
+
+    def failing(model, name, max_len, page_size):
+        dec = make(model, name, max_len=max_len, page_size=page_size)
+        if name == "sdpa":  # its first 4 steps (context 16: 1 warm-up, 3 timed) run, the next raises
+            feed, steps = dec.feed, []
+
+            def fed(chunks, predict=True):
+                steps.append(predict)
+                return feed(chunks, predict) if steps.count(True) <= 4 else 1 / 0
+
+            dec.feed = fed
+        return dec
+
+    monkeypatch.setattr(_scaling_latency, "make_decoder", failing)
+    cfg = LadderConfig(contexts=[16, 64], warmup=1, steps=3)
+    dyn, sdpa, none = run_ladders(model, {"dynamic": cfg, "sdpa": cfg, "none": cfg}, prompt, clock=clock)
+    assert sdpa["error"] == "ZeroDivisionError: division by zero"
+    assert [p["context"] for p in sdpa["points"]] == [16]  # none from the context it failed at
+    assert [p["context"] for p in dyn["points"]] == [p["context"] for p in none["points"]] == [16, 64]
+    assert "error" not in dyn and "error" not in none
+    assert list(ratios_to([dyn, sdpa, none], dyn["label"])[sdpa["label"]]) == [16]
+
+
 def test_decoders_run_one_after_another_give_ratios_of_medians(fake):
     clock, order, model, prompt = fake
     cfg = LadderConfig(contexts=[16, 64], warmup=1, steps=5)

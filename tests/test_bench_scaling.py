@@ -59,6 +59,28 @@ def test_a_run_at_a_chosen_thread_count_is_written_apart_and_records_it(tmp_path
     assert data["torch_threads"] == 1 and data["command"].endswith("--threads 1")
 
 
+def test_a_decoder_failing_in_the_ladder_is_reported_and_the_others_are_kept(tmp_path, monkeypatch, capsys):
+    from paged_ref.lab.bench import _scaling_latency
+
+    make = _scaling_latency.make_decoder
+
+    def failing(model, name, **kwargs):
+        dec = make(model, name, **kwargs)
+        if name == "flex":
+            dec.feed = lambda *args, **kw: (_ for _ in ()).throw(RuntimeError("flex broke"))
+        return dec
+
+    monkeypatch.setattr(_scaling_latency, "make_decoder", failing)
+    data = scaling.main(["--cpu", "--quick", "--model", "tiny", "--out", str(tmp_path)])
+    res = data["models"]["tiny"]
+    assert res["errors"] == ["ladder flex: RuntimeError: flex broke"]
+    ladder = {r["backend"]: r for r in res["ladder"]}
+    assert ladder["flex"]["points"] == [] and ladder["flex"]["error"] == "RuntimeError: flex broke"
+    assert all(len(ladder[n]["points"]) == 2 for n in ("dynamic", "sdpa", "reference", "none"))
+    assert "paged (flex)" not in res["ratios"] or res["ratios"]["paged (flex)"] == {}
+    assert "per-token decode latency" in capsys.readouterr().out
+
+
 def test_main_every_decoder_predicts_the_same_tokens(run):
     res = run[0]["models"]["tiny"]
     labels = {r["label"] for r in res["ladder"]}

@@ -336,7 +336,9 @@ def run_ladders(
         "points": [{"context", "tokens_held", "median_s", "times_s" (in round order), "kv_bytes" (held
         after the timed steps), "peak_bytes" (CUDA, during them, weights included), "weights_bytes",
         "allocated_before_bytes"}], "predictions": {position: token}, "alloc_calls", "skipped":
-        [contexts]}``, and for a paged decoder ``pages_held``, ``page_bytes``, ``pool_bytes``.
+        [contexts]}``, and for a paged decoder ``pages_held``, ``page_bytes``, ``pool_bytes``. A decoder
+        that raised has ``"error"`` (its message) and no points from the context it failed at; the others
+        go on without it.
     """
     if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.dtype != torch.long:
         raise TypeError(f"prompt must be a 1-D LongTensor, got {getattr(prompt, 'shape', type(prompt).__name__)}")
@@ -363,11 +365,24 @@ def run_ladders(
         }
         for n in names
     ]
-    decoders, pos = [], [0] * len(names)
+    decoders, pos = [None] * len(names), [0] * len(names)
+
+    def guarded(i, fn):
+        """``fn(i)`` unless decoder ``i`` failed before; a failure is recorded and ends its turns."""
+        if "error" in results[i]:
+            return
+        try:
+            fn(i)
+        except Exception as err:  # one decoder failing must not lose the others' ladder
+            results[i]["error"] = f"{type(err).__name__}: {err}"
+
+    def make(i):
+        cfg = cfgs[names[i]]
+        decoders[i] = make_decoder(model, names[i], max_len=cfg.tokens_needed(), page_size=cfg.page_size)
+
     try:
-        for n in names:
-            cfg = cfgs[n]
-            decoders.append(make_decoder(model, n, max_len=cfg.tokens_needed(), page_size=cfg.page_size))
+        for i in range(len(names)):
+            guarded(i, make)
 
         def in_turns(counts, step):
             """Rounds of one step each for decoder i while ``counts[i]`` rounds are not done."""
@@ -375,18 +390,22 @@ def run_ladders(
                 for k in range(len(names)):
                     i = (r + k) % len(names)
                     if r < counts[i]:
-                        step(i)
+                        guarded(i, step)
 
         for ci, context in enumerate(contexts):
             if deadline is not None and time.monotonic() > deadline:
                 for r in results:
                     r["skipped"] = list(contexts[ci:])
                 break
-            for i, (n, dec) in enumerate(zip(names, decoders)):
-                while pos[i] < context:  # set the context (untimed)
-                    end = min(context, pos[i] + cfgs[n].prefill_chunk)
-                    dec.feed([prompt[pos[i] : end]], predict=False)
+
+            def prefill(i):  # set the context (untimed)
+                while pos[i] < context:
+                    end = min(context, pos[i] + cfgs[names[i]].prefill_chunk)
+                    decoders[i].feed([prompt[pos[i] : end]], predict=False)
                     pos[i] = end
+
+            for i in range(len(names)):
+                guarded(i, prefill)
 
             def warm(i):  # untimed, but its predictions are compared too
                 results[i]["predictions"][pos[i]] = int(decoders[i].feed([prompt[pos[i] : pos[i] + 1]])[0])
@@ -408,6 +427,8 @@ def run_ladders(
             in_turns([cfgs[n].nocache_steps if nc else cfgs[n].steps for n, nc in zip(names, nocache)], timed)
             peak = peak_bytes(device)
             for i, n in enumerate(names):
+                if "error" in results[i]:
+                    continue  # no point at the context it failed in, nor after
                 on = cfgs[n].timed
                 results[i]["points"].append(
                     {
@@ -422,14 +443,19 @@ def run_ladders(
                     }
                 )
         for r, dec in zip(results, decoders):
-            if isinstance(dec, PagedDecoder):
+            if isinstance(dec, PagedDecoder) and "error" not in r:
                 r["pages_held"] = dec.pages_held()
                 r["page_bytes"] = dec.kv.page_bytes
                 r["pool_bytes"] = dec.kv.num_pages * dec.kv.page_bytes
                 r["alloc_calls"] = list(dec.timer.calls)
     finally:
-        for dec in decoders:
-            dec.close()
+        for r, dec in zip(results, decoders):
+            if dec is not None:
+                try:
+                    dec.close()
+                except Exception:
+                    if "error" not in r:  # a failed decoder's close may fail too: its error is recorded
+                        raise
     return results
 
 

@@ -161,6 +161,13 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _failures(res: dict, what: str, ladders: list[dict]) -> list[dict]:
+    """``ladders``, each decoder that failed partway (`run_ladders`' ``"error"``) named in ``res["errors"]``;
+    what it measured before it failed stays."""
+    res["errors"] += [f"{what} {r['backend']}: {r['error']}" for r in ladders if "error" in r]
+    return ladders
+
+
 def _guarded(res: dict, what: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)``, or None with the error in ``res["errors"]``: one failure must not lose a run."""
     try:
@@ -212,18 +219,16 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
     if profile.get("in_turns"):
         log = f"ladder, in turns: {', '.join(LABELS[n] for n in cfgs)}"
         r = section("ladder", 20, log, run_ladders, model, cfgs, prompt, deadline=clock.deadline)
-        res["ladder"] += r or []
+        res["ladder"] += _failures(res, "ladder", r or [])
     for name, cfg in cfgs.items() if not profile.get("in_turns") else ():
         what, log = f"ladder {name}", f"ladder {LABELS[name]}"
         r = section(what, 20, log, run_ladder, model, name, prompt, cfg, deadline=clock.deadline)
-        if r is not None:
-            res["ladder"].append(r)
+        res["ladder"] += _failures(res, "ladder", [r] if r is not None else [])
     for name in profile["check"]:
         cfg = LadderConfig(ladder_cfg.contexts[:1], warmup=0, steps=2, timed=False, **shared)
         _log(f"[scaling] {model_name}: {LABELS[name]} (interpreter: predictions only, not timed)")
         r = _guarded(res, f"check {name}", run_ladder, model, name, prompt, cfg)
-        if r is not None:
-            res["ladder"].append(r)
+        res["ladder"] += _failures(res, "check", [r] if r is not None else [])
     base = LABELS["dynamic"]
     res["ratio_base"] = base
     res["ratios"] = ratios_to(res["ladder"], base)
@@ -239,8 +244,7 @@ def run_model(model_name: str, profile: dict, *, device, clock: _Clock, checkpoi
         cfg = LadderConfig([long], **steps, **shared)
         log = f"{long}-token sequence, {LABELS[name]}"
         r = section(f"long {name}", 60, log, run_ladder, model, name, prompt, cfg, deadline=clock.deadline)
-        if r is not None:
-            res["long"].append(r)
+        res["long"] += _failures(res, "long", [r] if r is not None else [])
         save()
 
     # 2-3. mixed batch and its paged overhead at PAGE_SIZE
