@@ -86,3 +86,36 @@ def test_pages_breakdown_runs_at_toy_sizes(tmp_path):
     assert "attention ms" in pages.breakdown_tables(data)
     name, loaded = pages.load_breakdown(tmp_path)
     assert name is None  # only the quick and full runs are what the notebook reads
+
+
+def test_sampling_alone_is_measured_again_into_the_complete_run(tmp_path, monkeypatch):
+    """`bench pages --sampling`: only `generate_speed` is replaced, the rerun's provenance beside it; a
+    failing rerun leaves the run whole; without a complete run there is nothing to measure into."""
+    import paged_ref.models
+
+    with pytest.raises(SystemExit):
+        pages.main(["--smoke", "--sampling", "--out", str(tmp_path)])
+    assert not (tmp_path / "pages_smoke.json").exists()
+    before = {"mode": "smoke", "cascade_speed": {"speedup_vs": {"sdpa": 2.0}}, "generate_speed": {"speedup": 5.0}}
+    (tmp_path / "pages_smoke.json").write_text(json.dumps(dict(before, complete=True)))
+    monkeypatch.setattr(paged_ref.models, "load_smollm2", lambda: (None, None))
+    g = {"samples": 4, "prompt": 64, "pairs": 1, "same_tokens": True, "speedup": 3.0}
+    g.update(sdpa={"ms_per_step": 30.0}, cascade={"ms_per_step": 10.0})
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("interrupted")
+
+    monkeypatch.setattr(pages, "generate_speed", broken)
+    with pytest.raises(RuntimeError):
+        pages.main(["--smoke", "--sampling", "--out", str(tmp_path)])
+    assert json.loads((tmp_path / "pages_smoke.json").read_text()) == dict(before, complete=True)
+    monkeypatch.setattr(pages, "generate_speed", lambda *args, **kwargs: dict(g))
+    data = pages.main(["--smoke", "--sampling", "--out", str(tmp_path)])
+    on_disk = json.loads((tmp_path / "pages_smoke.json").read_text())
+    assert on_disk == data and data["complete"] and data["cascade_speed"] == before["cascade_speed"]
+    rerun = data["generate_speed"].pop("rerun")
+    assert data["generate_speed"] == g and rerun["command"] == "python -m paged_ref.lab.bench pages --smoke --sampling"
+    assert rerun["environment"]["date_utc"] and rerun["seconds"] >= 0
+    line = pages._sampling_line(dict(g, rerun=rerun))
+    assert line.endswith(f"(3.00x, median of 1 pairs of runs); same tokens: True; measured again alone: "
+                         f"{rerun['command']}, {rerun['environment']['date_utc'][:10]}")  # fmt: skip

@@ -1,6 +1,6 @@
 """Reading fewer pages: cascade attention over a shared prompt, and Quest's page selection beside eviction.
 
-    python -m paged_ref.lab.bench pages [--quick | --smoke] [--out DIR] [--threads N]
+    python -m paged_ref.lab.bench pages [--quick | --smoke] [--out DIR] [--threads N] [--breakdown | --sampling]
 
 * **Cascade.** ``samples`` requests share a ``prompt``-token prefix (whole pages) and each holds
   1..``suffix_max`` tokens of its own, in SmolLM2-135M's geometry (9 query heads, 3 KV heads,
@@ -27,6 +27,10 @@
   almost no data (their per-request Python and PyTorch calls), and a plain sum over as many bytes as the
   reference gathers; the PyTorch calls each makes. Then SmolLM2 sampling with ``sdpa`` and ``cascade``
   in turns, every layer's attention timed inside the model: per decode step, attention and the rest.
+
+* **Sampling again** (``--sampling``): only cascade in a real model, measured again and written into the
+  complete ``pages_{mode}.json`` already in the folder as its ``generate_speed``, with the rerun's own
+  command, environment and seconds under ``generate_speed["rerun"]``; the rest of that run is kept.
 
 Results: ``figures/data/pages_{quick,full,smoke}.json`` and ``pages_breakdown_{quick,full,smoke}.json``
 (notebook 10 reads them) and tables printed.
@@ -86,17 +90,35 @@ def main(argv=None):
     size.add_argument("--quick", action="store_true", help="small sizes (notebook 10's quick mode, a few minutes)")
     size.add_argument("--smoke", action="store_true", help="toy sizes: checks the harness runs (the tests' run)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.add_argument("--breakdown", action="store_true", help="only where cascade's and the plain path's time goes")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--breakdown", action="store_true", help="only where cascade's and the plain path's time goes")
+    only.add_argument(
+        "--sampling", action="store_true", help="only SmolLM2 sampling, again, into the complete pages_{mode}.json"
+    )
     args = parser.parse_args(argv)
     mode = "quick" if args.quick else "smoke" if args.smoke else "full"
-    out = result_file(parser, args.out, f"pages_{'breakdown_' if args.breakdown else ''}{mode}.json")
+    name = f"pages_{'breakdown_' if args.breakdown else ''}{mode}.json"
+    before = _complete_run(parser, args.out, name) if args.sampling else None  # read before the file is reopened
+    out = result_file(parser, args.out, name)
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
+        cfg = {"quick": QUICK, "smoke": SMOKE, "full": FULL}[mode]
+        if before is not None:
+            return _run_sampling(args, argv, mode, out, cfg, before)
         run = _run_breakdown if args.breakdown else _run
-        return run(args, argv, mode, out, {"quick": QUICK, "smoke": SMOKE, "full": FULL}[mode])
+        return run(args, argv, mode, out, cfg)
     finally:
         torch.set_num_threads(threads)
+
+
+def _complete_run(parser, out_dir, name: str) -> dict:
+    """The complete run in ``out_dir``/``name`` that ``--sampling`` measures part of again."""
+    path = (Path(out_dir) if out_dir is not None else DATA_DIR) / name
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    if not data.get("complete"):
+        parser.error(f"--sampling measures a part of a complete {path} again; there is none: run without it first")
+    return data
 
 
 def _begin(args, argv, mode, config):
@@ -132,6 +154,23 @@ def _run(args, argv, mode, out, cfg):
     print_report(result)
     print(f"\nwrote {path} ({result['seconds']} s)")
     return result
+
+
+def _run_sampling(args, argv, mode, out, cfg, before: dict):
+    """``--sampling``: `generate_speed` measured again and written into ``before`` (the complete run it
+    replaces the section of), the rerun's command, environment and seconds beside it."""
+    out.save(before, complete=True)  # the run stays whole on disk while this part is measured
+    start, log, rerun = _begin(args, argv, mode, cfg)
+    from ...models import load_smollm2
+
+    model, tok = load_smollm2()
+    g = generate_speed(model, tok, cfg, log)
+    rerun = {k: rerun[k] for k in ("command", "environment")} | {"seconds": round(time.perf_counter() - start, 1)}
+    before["generate_speed"] = dict(g, rerun=rerun)
+    path = out.save(before, complete=True)
+    print(_sampling_line(before["generate_speed"]))
+    print(f"\nwrote {path} ({rerun['seconds']} s)")
+    return before
 
 
 def _run_breakdown(args, argv, mode, out, cfg):
@@ -216,13 +255,7 @@ def cascade_tables(result) -> str:
         for r in result["cascade_bytes"]
     ]
     g = result.get("generate_speed")
-    pairs = f", median of {g['pairs']} pairs of runs" if g and "pairs" in g else ""
-    sampling = [] if g is None else [
-        "",
-        f"SmolLM2 sampling {g['samples']} continuations of a {g['prompt']}-token prompt (whole model, median ms per "
-        f"decode step): sdpa {g['sdpa']['ms_per_step']:.0f}, cascade {g['cascade']['ms_per_step']:.0f} "
-        f"({g['speedup']:.2f}x{pairs}); same tokens: {g['same_tokens']}",
-    ]  # fmt: skip
+    sampling = [] if g is None else ["", _sampling_line(g)]
     return "\n".join(
         [
             f"{s['samples']} requests sharing {s['prompt']} tokens, one layer of decode attention, "
@@ -236,6 +269,18 @@ def cascade_tables(result) -> str:
             *sampling,
         ]
     )  # fmt: skip
+
+
+def _sampling_line(g: dict) -> str:
+    """The SmolLM2 sampling result (`generate_speed`) as one line, with its rerun's provenance if any."""
+    pairs = f", median of {g['pairs']} pairs of runs" if "pairs" in g else ""
+    again = g.get("rerun")
+    when = f"; measured again alone: {again['command']}, {again['environment']['date_utc'][:10]}" if again else ""
+    return (
+        f"SmolLM2 sampling {g['samples']} continuations of a {g['prompt']}-token prompt (whole model, median ms per "
+        f"decode step): sdpa {g['sdpa']['ms_per_step']:.0f}, cascade {g['cascade']['ms_per_step']:.0f} "
+        f"({g['speedup']:.2f}x{pairs}); same tokens: {g['same_tokens']}{when}"
+    )
 
 
 def quality_tables(result) -> str:
