@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._validate import check_choice, check_int, describe
+from ._validate import check_choice, check_int, describe, is_int
 from .memory import kv_bytes_per_token
 
 FORMATS = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0, torch.int8: 127.0}  # largest finite value
@@ -48,8 +48,9 @@ def check_format(fmt, name: str = "fmt") -> torch.dtype:
     return fmt
 
 
-def check_scale(scale, name: str = "scale") -> torch.Tensor:
-    """``scale`` (a number or a tensor of them) as float32, or raise unless every value is finite and > 0."""
+def check_scale(scale, name: str = "scale", of=None) -> torch.Tensor:
+    """``scale`` (a number or a tensor of them) as float32, or raise unless every value is finite and > 0 and, given
+    ``of`` (``(name, shape)`` of what it scales), its shape broadcasts to that shape without growing it."""
     if isinstance(scale, bool) or not isinstance(scale, (numbers.Real, torch.Tensor)):  # numpy scalars too
         raise TypeError(f"{name} must be a finite number > 0 or a tensor of them, got {type(scale).__name__}")
     if isinstance(scale, torch.Tensor) and not scale.dtype.is_floating_point:
@@ -58,6 +59,9 @@ def check_scale(scale, name: str = "scale") -> torch.Tensor:
     bad = ~(torch.isfinite(s) & (s > 0))
     if bad.any():
         raise ValueError(f"{name} must be finite and > 0, got {s[bad].flatten()[0].item()!r} ({int(bad.sum())} such)")
+    fits = of is None or (s.dim() <= len(of[1]) and all(a in (1, b) for a, b in zip(s.shape[::-1], of[1][::-1])))
+    if not fits:
+        raise ValueError(f"{name} must broadcast to {of[0]}'s shape {list(of[1])}, got shape {list(s.shape)}")
     return s
 
 
@@ -103,7 +107,7 @@ class KVFormat:
 
     def layer_scales(self, num_layers: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k, v)``: float32 ``[num_layers]`` each, the per-layer scales."""
-        out = []
+        num_layers, out = check_int("num_layers", num_layers, min_value=1), []
         for name in ("k_scale", "v_scale"):
             s = torch.tensor(getattr(self, name), dtype=torch.float32)
             if s.dim() and len(s) != num_layers:
@@ -137,7 +141,7 @@ def _scaled(x: torch.Tensor, scale, fmt) -> tuple[torch.Tensor, float]:
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
         raise TypeError(f"x must be a floating tensor, got {describe(x)}")
     top = FORMATS[check_format(fmt)]
-    return torch.nan_to_num(x.float() * (1.0 / check_scale(scale).to(x.device)), nan=top), top
+    return torch.nan_to_num(x.float() * (1.0 / check_scale(scale, of=("x", x.shape)).to(x.device)), nan=top), top
 
 
 def quantize(x: torch.Tensor, scale, fmt: torch.dtype, *, rounding: str = "nearest") -> torch.Tensor:
@@ -163,8 +167,10 @@ def dequantize(q: torch.Tensor, scale, dtype: torch.dtype = torch.float32) -> to
     float64, where the product is exact), then in ``dtype``."""
     if not isinstance(q, torch.Tensor) or q.dtype not in FORMATS:
         raise TypeError(f"q must be a tensor in one of {list(FORMATS)}, got {describe(q)}")
+    if not isinstance(dtype, torch.dtype) or dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"dtype must be torch.float16, bfloat16, float32 or float64, got {dtype!r}")
     work = torch.promote_types(dtype, torch.float32)
-    return (q.to(work) * check_scale(scale).to(q.device, work)).to(dtype)
+    return (q.to(work) * check_scale(scale, of=("q", q.shape)).to(q.device, work)).to(dtype)
 
 
 def count_saturated(x: torch.Tensor, scale, fmt: torch.dtype) -> int:
@@ -174,9 +180,9 @@ def count_saturated(x: torch.Tensor, scale, fmt: torch.dtype) -> int:
 
 
 def calibrate(x: torch.Tensor, fmt: torch.dtype, dim=None) -> torch.Tensor:
-    """A float32 scale that maps ``x``'s largest magnitude (over ``dim``: all of ``x`` for one per layer;
-    ``(1, 3)`` of ``[num_pages, page_size, num_kv_heads, head_dim]`` for one per page and KV head) to
-    the format's max, so nothing saturates; 1.0 where that magnitude is 0. Non-finite values are skipped.
+    """A float32 scale that maps ``x``'s largest magnitude (over ``dim``, an int or a tuple of dims: None, all of ``x``,
+    for one per layer; ``(1, 3)`` of ``[num_pages, page_size, num_kv_heads, head_dim]`` for one per page and KV head)
+    to the format's max, so nothing saturates; 1.0 where that magnitude is 0. Non-finite values are skipped.
 
     Example:
         >>> calibrate(torch.tensor([0.5, -896.0]), torch.float8_e4m3fn).item()
@@ -185,11 +191,24 @@ def calibrate(x: torch.Tensor, fmt: torch.dtype, dim=None) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:  # as `quantize` takes it
         raise TypeError(f"x must be a floating tensor, got {describe(x)}")
     top = FORMATS[check_format(fmt)]
+    dims = None if dim is None else _dims(dim, x.shape)
+    if x.numel() == 0 and (dims is None or any(x.shape[d] == 0 for d in dims)):
+        raise ValueError(f"x must hold a value over dim={dim!r}, got shape {list(x.shape)}")
     ax = torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0).abs()
-    amax = ax.amax() if dim is None else ax.amax(dim=dim)
+    amax = ax.amax() if dims is None else ax.amax(dim=dims)
     scale = torch.where(amax > 0, amax / top, torch.ones_like(amax))
     over = amax * (1.0 / scale) > top  # the reciprocal's rounding can carry amax a hair past max
     return torch.where(over, torch.nextafter(scale, torch.full_like(scale, math.inf)), scale)
+
+
+def _dims(dim, shape) -> tuple[int, ...]:
+    """`calibrate`'s ``dim``, an int or a list or tuple of them, as distinct dims of ``shape``, each >= 0."""
+    dims, n = [dim] if is_int(dim) else list(dim) if isinstance(dim, (list, tuple)) else [None], max(len(shape), 1)
+    if not all(is_int(d) for d in dims):
+        raise TypeError(f"dim must be None, an int or a tuple of ints, got {type(dim).__name__} ({dim!r})")
+    if not dims or not all(-n <= d < n for d in dims) or len({d % n for d in dims}) < len(dims):  # 0-d: 0 or -1
+        raise ValueError(f"dim must be one or more distinct dims of x, in [{-n}, {n - 1}], got {dim!r}")
+    return tuple(int(d) % n for d in dims)
 
 
 def page_bytes(fmt, *, page_size: int, num_layers: int, num_kv_heads: int, head_dim: int, scales: str = "layer"):

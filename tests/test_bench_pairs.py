@@ -200,3 +200,32 @@ def test_pages_sampling_runs_take_turns_and_the_speedup_is_the_median_of_the_pai
     assert abs(g["speedup"] / 6.0 - 1) < 0.1  # the load grew 1% a step: the pairs still read 6x
     assert g["same_tokens"] and len(g["sdpa"]["steps_ms"]) == 3 * 4
     assert len(g["load_before"]) == len(g["load_after"]) == 3
+
+
+# --- bench pages: one layer's paths, in turn every round -------------------------------------------
+def test_pages_one_layer_speedups_are_the_median_of_the_rounds_ratios(monkeypatch):
+    """A load that comes and goes between rounds, and once arrives within a round (after reference and sdpa,
+    before cascade): each round's ratio still reads the true 2x and 5x, a ratio of the medians does not."""
+    from paged_ref.lab.bench import _pages_cascade, pages
+
+    clock = _Clock(drift=0.0)
+    costs = {"reference": 2.0, "sdpa": 5.0, "cascade": 1.0}
+    loads = iter([1] * 4 + [1, 1, 1] + [5, 5, 5] + [1, 1, 1] + [1, 1, 5] + [5, 5, 5])  # the error check, then 5 rounds
+
+    def path(name):
+        def run(case):
+            clock.spend(costs[name] * next(loads))
+            return case["q"]
+
+        return run
+
+    monkeypatch.setattr(_pages_cascade, "PATHS", {n: path(n) for n in costs})
+    cfg = dict(samples=2, prompt=16, suffix_max=2, rounds=5)
+    s = _pages_cascade.cascade_speed(cfg, lambda msg: None, clock=clock)
+    assert s["rounds_ms"]["cascade"] == [1e3, 5e3, 1e3, 5e3, 5e3] and s["median_ms"]["cascade"] == 5e3
+    for n in ("reference", "sdpa"):
+        assert s["speedup_vs"][n] == paired_ratio(s["rounds_ms"][n], s["rounds_ms"]["cascade"]) == costs[n]
+        assert s["median_ms"][n] / s["median_ms"]["cascade"] == costs[n] / 5  # the medians read the load
+    rows = pages.cascade_tables({"cascade_speed": s, "cascade_bytes": []}).splitlines()
+    assert [r.split()[:3] for r in rows[3:6]] == [["reference", "2000.00", "2.00"], ["sdpa", "5000.00", "5.00"],
+                                                  ["cascade", "5000.00", "1.00"]]  # fmt: skip

@@ -1,9 +1,11 @@
 """paged_ref.lab.check: every checker passes a correct solution and catches every listed mutant."""
 
+import json
 import re
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from check_mutants import ALSO_CORRECT, MUTANTS, SOLUTIONS
 import paged_ref as pr
 from paged_ref.lab import check
 
+EX1 = Path(__file__).resolve().parent.parent / "notebooks" / "exercises" / "ex1_allocator_and_slots.ipynb"
 CHECKERS = {
     "allocator": check.check_allocator,
     "slot_mapping": check.check_slot_mapping,
@@ -65,6 +68,17 @@ def test_every_mutant_is_caught_with_a_case_and_a_hint(name, mutant):
         report.raise_if_failed()
 
 
+def test_the_allocation_order_hint_says_what_exercise_1_says():
+    """The hint for pages handed out in the wrong order quotes the notebook's rule, which names no free list."""
+    import check_mutants
+
+    intro = "".join(json.loads(EX1.read_text())["cells"][0]["source"])
+    hint = check.check_allocator(check_mutants.SetOrderFreeAllocator).failure.hint
+    rule = hint.split("oldest returned first (")[1].split(")")[0]
+    assert rule in intro and "then pages that were returned, oldest returned first" in hint
+    assert "free list" not in hint
+
+
 @pytest.mark.parametrize(
     "mutant, words",
     [
@@ -75,7 +89,7 @@ def test_every_mutant_is_caught_with_a_case_and_a_hint(name, mutant):
         ("AllocateReturnsNoneAllocator", "allocate returned None"),
         ("NumFreeFreshOnlyAllocator", "num_free is wrong although every refcount is right"),
         ("ShareUnheldAllocator", "sharing a page that is not held"),
-        ("SetOrderFreeAllocator", "one free call returns its pages in the order listed"),
+        ("SetOrderFreeAllocator", "the pages one call frees count as returned in the order listed"),
     ],
 )
 def test_allocator_failures_shrink_to_a_few_calls(mutant, words):

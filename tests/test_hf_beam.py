@@ -132,6 +132,38 @@ def test_beam_search_arguments(model):
         hf.stream(model_beams, ids, max_new_tokens=2)
 
 
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("call", ["beam_search", "generate num_beams=2", "generate"])
+@pytest.mark.parametrize(("max_new_tokens", "shown"), [(127, False), (128, True)])
+def test_progress_none_shows_a_bar_from_128_new_tokens_on_in_every_search(
+    model, monkeypatch, call, max_new_tokens, shown
+):
+    """``progress=None`` (the default) means the same in beam_search as in generate: a bar from 128 new tokens on.
+    The callback stops the search at its first step: the bar is made before it."""
+    import tqdm.auto
+
+    bars, real = [], tqdm.auto.tqdm
+    monkeypatch.setattr(
+        tqdm.auto, "tqdm", lambda *args, **kwargs: bars.append(not kwargs["disable"]) or real(*args, **kwargs)
+    )
+
+    def stop(step, _):
+        raise _Stop
+
+    ids, kv = torch.tensor([[3, 4, 5]]), PagedKVCache.for_model(model, num_pages=2 * 33, page_size=4)
+    args = dict(max_new_tokens=max_new_tokens, kv_cache=kv, callback=stop, progress=None)
+    with pytest.raises(_Stop):
+        if call == "beam_search":
+            hf.beam_search(model, ids, num_beams=2, **args)
+        else:
+            hf.generate(model, ids, num_beams=2 if call.endswith("=2") else 1, **args)
+    assert bars == [shown]
+    assert kv.seq_ids == [] and kv.allocator.num_free == kv.num_pages
+
+
 def test_paged_cache_refuses_reordering_and_names_the_paged_way():
     cache = PagedCache(PagedKVCache(num_layers=1, num_pages=2, page_size=2, num_kv_heads=1, head_dim=2))
     with pytest.raises(NotImplementedError, match="num_beams=k"):

@@ -136,7 +136,7 @@ def _lesson() -> list[Path]:
 
 
 def test_the_reading_order_is_short_and_names_every_lesson_module():
-    """A reader's path through the lesson stays short (<= 4,600 lines), the lesson itself <= 9,568 lines
+    """A reader's path through the lesson stays short (<= 4,600 lines), the lesson itself <= 9,590 lines
     (issue 56's goal of 8,000 is not reached; issue 61's 8-bit pages add 192 lines: quant.py's formats and scales
     beside the story, 58 in the attention checks and the reference; 224 lines to the backends reading them; and 402
     for 8-bit pages in the caches: quant.KVFormat, kv_pages.py beside the story, the caches' hooks, undo and swap of
@@ -159,15 +159,18 @@ def test_the_reading_order_is_short_and_names_every_lesson_module():
     extend(reserved=True), in a session and a dry run, refusing rows whose tokens were not reserved exactly since the
     sequence's last forward, which it would have written over tokens already fed; less 1 as a dry run marks its pages
     written through the cache's public ``written``, and fork copies a sequence with dataclasses.replace; then 2 for a
-    stale mark's message naming a layered cache's sequence and layer, and an upper bound alone stated as one), and every
-    lesson module is in the story or named beside it."""
+    stale mark's message naming a layered cache's sequence and layer, and an upper bound alone stated as one; then 3
+    for beam_search's progress=None showing a bar from 128 new tokens on, resolved by one function beside generate's
+    checks; then 19 for quant refusing by name what torch met with its own errors or ran on: calibrate's dim (not
+    distinct dims of x, or not ints) and an x with no value to reduce, a scale whose shape would grow what it scales,
+    dequantize's dtype, layer_scales' num_layers), and every lesson module is in the story or named beside it."""
     story, beside = _reading_order()
     assert story and all(p.is_file() for p in story + beside), [str(p) for p in story + beside if not p.is_file()]
     lesson = _lesson()
     unnamed = {p for p in lesson if p.name != "__init__.py" or p.parent.name == "attention"} - set(story + beside)
     assert not unnamed, f"lesson modules the README's reading order does not name: {sorted(map(str, unnamed))}"
     assert _lines(story) <= 4600, f"the reading order is {_lines(story)} lines"
-    assert _lines(lesson) <= 9568, f"the lesson is {_lines(lesson)} lines"
+    assert _lines(lesson) <= 9590, f"the lesson is {_lines(lesson)} lines"
 
 
 def test_no_lesson_module_is_over_500_lines():

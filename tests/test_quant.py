@@ -199,6 +199,78 @@ def test_bad_input_is_refused_with_what_was_expected_and_given(call, error, word
     assert words in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "dim, error, given",
+    [
+        (3, ValueError, "in [-3, 2], got 3"),
+        (-4, ValueError, "in [-3, 2], got -4"),
+        ((1, 3), ValueError, "got (1, 3)"),
+        ((0, 0), ValueError, "got (0, 0)"),
+        ((1, -2), ValueError, "got (1, -2)"),  # the same dim twice
+        ((), ValueError, "one or more distinct dims of x, in [-3, 2], got ()"),
+        (1.0, TypeError, "None, an int or a tuple of ints, got float (1.0)"),
+        ("1", TypeError, "got str ('1')"),
+        (True, TypeError, "got bool (True)"),
+        ((0, 1.5), TypeError, "got tuple ((0, 1.5))"),
+        ((False,), TypeError, "got tuple ((False,))"),
+        (torch.tensor(1), TypeError, "got Tensor"),
+    ],
+)
+def test_calibrate_refuses_a_dim_that_is_not_dims_of_x_naming_it(dim, error, given):
+    """Before anything is computed: torch's amax would raise its own error for these, or take ``()`` as all of x."""
+    with pytest.raises(error) as info:
+        quant.calibrate(torch.ones(2, 3, 4), torch.int8, dim=dim)
+    assert str(info.value).startswith("dim must ") and given in str(info.value)
+
+
+def test_calibrate_takes_dims_as_ints_lists_or_negative_and_refuses_an_empty_reduction():
+    x = torch.randn(2, 3, 4, generator=torch.Generator().manual_seed(0))
+    per_page = quant.calibrate(x, torch.int8, dim=(0, 2))
+    for dim in ([0, 2], (-3, -1), (np.int64(2), 0)):
+        assert torch.equal(quant.calibrate(x, torch.int8, dim=dim), per_page)
+    assert torch.equal(quant.calibrate(x, torch.int8, dim=np.int64(1)), quant.calibrate(x, torch.int8, dim=1))
+    assert quant.calibrate(torch.tensor(-2.54), torch.int8, dim=0).item() == pytest.approx(0.02)  # 0-d: dim 0 or -1
+    with pytest.raises(ValueError, match=r"^dim must .* in \[-1, 0\], got 1$"):
+        quant.calibrate(torch.tensor(1.0), torch.int8, dim=1)
+    assert quant.calibrate(torch.ones(0, 3), torch.int8, dim=1).shape == (0,)  # no value to reduce, none reduced
+    for shape, dim in (((0,), None), ((0, 3), 0)):
+        with pytest.raises(ValueError, match=rf"^x must hold a value over dim={dim}, got shape \[{shape[0]}"):
+            quant.calibrate(torch.ones(shape), torch.int8, dim=dim)
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda: quant.quantize(torch.ones(4), torch.ones(3, 1), torch.int8), ValueError, "got shape [3, 1]"),
+        (lambda: quant.quantize(torch.ones(4), torch.ones(3), torch.int8), ValueError, "x's shape [4], got shape [3]"),
+        (lambda: quant.count_saturated(torch.ones(4), torch.ones(2, 4), torch.int8), ValueError, "got shape [2, 4]"),
+        (
+            lambda: quant.dequantize(torch.ones(4, dtype=torch.int8), torch.ones(3, 1)),
+            ValueError,
+            "scale must broadcast to q's shape [4], got shape [3, 1]",
+        ),
+        (lambda: quant.dequantize(torch.ones(2, dtype=torch.int8), 1.0, torch.int8), ValueError, "got torch.int8"),
+        (lambda: quant.dequantize(torch.ones(2, dtype=torch.int8), 1.0, "float32"), ValueError, "got 'float32'"),
+        (
+            lambda: quant.dequantize(torch.ones(2, dtype=torch.int8), 1.0, torch.float8_e4m3fn),
+            ValueError,
+            "dtype must be torch.float16, bfloat16, float32 or float64, got torch.float8_e4m3fn",
+        ),
+        (lambda: quant.KVFormat(torch.int8).layer_scales(0), ValueError, "num_layers must be >= 1, got 0"),
+        (lambda: quant.KVFormat(torch.int8).layer_scales(2.0), TypeError, "num_layers must be an int, got float"),
+        (lambda: quant.KVFormat(torch.int8).layer_scales(True), TypeError, "num_layers must be an int, got bool"),
+    ],
+)
+def test_calibrates_siblings_refuse_a_scale_that_would_reshape_x_a_dtype_and_a_layer_count_naming_them(
+    call, error, words
+):
+    """A scale broadcasting to more than x's shape gave a quantized tensor of another shape (the doc says x's);
+    dequantize's dtype an integer or a string, and layer_scales' num_layers, met torch's own errors or ran on."""
+    with pytest.raises(error) as info:
+        call()
+    assert words in str(info.value)
+
+
 def test_numpy_scalars_are_scales_like_python_numbers():
     import numpy as np
 

@@ -15,7 +15,9 @@ from ..memory import model_geometry
 from .attention import AUTO, BACKENDS
 
 __all__ = ["check_batch", "check_hooks", "check_live", "check_prompts", "check_room", "token_ids"]
-__all__ += ["for_8bit_pages", "reads_8bit", "session_cache"]
+__all__ += ["for_8bit_pages", "reads_8bit", "session_cache", "show_progress"]
+
+PROGRESS_MIN_TOKENS = 128  # progress=None shows a bar from this many new tokens on
 
 
 def check_batch(seq_ids, tokens, live) -> tuple[list, list]:
@@ -76,11 +78,16 @@ def token_ids(name: str, t, vocab: int) -> torch.Tensor:
     return t
 
 
-def check_hooks(streamer, callback, progress, *, beam: bool) -> None:
-    """`generate`'s ``progress`` (True, False or None), ``callback`` (callable or None) and ``streamer``: None, or
-    a transformers streamer (``put(tokens)`` and ``end()``), not with beam search (as in model.generate)."""
-    if progress is not None:
-        check_bool("progress", progress, "True, False or None")
+def show_progress(progress, max_new_tokens) -> bool:
+    """Whether `generate` and `beam_search` show a tqdm bar: ``progress``, or if None from 128 new tokens on."""
+    if progress is None:
+        return check_int("max_new_tokens", max_new_tokens, min_value=1) >= PROGRESS_MIN_TOKENS
+    return check_bool("progress", progress, "True, False or None")
+
+
+def check_hooks(streamer, callback, *, beam: bool) -> None:
+    """`generate`'s ``callback`` (callable or None) and ``streamer``: None, or a transformers streamer
+    (``put(tokens)`` and ``end()``), not with beam search (as in model.generate)."""
     if callback is not None and not callable(callback):
         raise TypeError(f"callback must be callable or None, got {type(callback).__name__}")
     if streamer is None:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._checks import check_hooks
+from ._checks import check_hooks, show_progress
 from .beam_selection import BeamSelection
 from .decoding import Decoding, resolve
 from .inputs import prepare
@@ -104,15 +104,15 @@ def beam_search(
     length_penalty: float | None = None,
     early_stopping: bool | str | None = None,
     callback: Callable[[int, BeamStep], None] | None = None,
-    progress: bool = False,
+    progress: bool | None = None,
     **options,
 ) -> BeamSearchOutput:
     """``model.generate(num_beams=k, do_sample=False)``'s tokens and scores, from a paged cache.
 
     ``num_beams`` (>= 2), ``num_return_sequences``, ``length_penalty`` and ``early_stopping`` are
     ``model.generate``'s (`paged_ref.hf.decoding`); ``callback(step, beam_step)`` is called after each
-    step's selection (`BeamStep`); ``progress`` shows a tqdm bar; the other arguments, and what it
-    raises, are `generate`'s.
+    step's selection (`BeamStep`); ``progress`` shows a tqdm bar, None from 128 new tokens on (as `generate`);
+    the other arguments, and what it raises, are `generate`'s.
     """
     decoding = resolve(
         model,
@@ -124,9 +124,9 @@ def beam_search(
     )
     if decoding.num_beams < 2:
         raise ValueError(f"num_beams must be >= 2 for beam search, got {decoding.num_beams}")
-    check_hooks(None, callback, progress, beam=True)  # generate checks its own before its beam path
+    check_hooks(None, callback, beam=True)  # generate checks its own before its beam path
     args = (model, input_ids, decoding, max_new_tokens, "beam_search")
-    return run_beam_search(*args, callback=callback, progress=progress, **options)
+    return run_beam_search(*args, callback=callback, progress=show_progress(progress, max_new_tokens), **options)
 
 
 def run_beam_search(

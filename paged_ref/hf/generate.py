@@ -30,15 +30,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from .._validate import check_int
-from ._checks import check_hooks
+from ._checks import check_hooks, show_progress
 from .beam import run_beam_search
 from .decoding import Decoding, choose, resolve
 from .inputs import Prepared, prepare
 
 __all__ = ["Stream", "generate", "stream"]
-
-PROGRESS_MIN_TOKENS = 128  # progress=None shows a bar from this many new tokens on
 
 
 def generate(
@@ -83,8 +80,7 @@ def generate(
         TypeError / ValueError: bad arguments (the message names the argument); nothing is allocated.
         paged_ref.OutOfPagesError: the page pool ran out (every page is freed again).
     """
-    if progress is None:
-        progress = check_int("max_new_tokens", max_new_tokens, min_value=1) >= PROGRESS_MIN_TOKENS
+    progress = show_progress(progress, max_new_tokens)
     decoding = resolve(
         model,
         do_sample=do_sample,
@@ -96,7 +92,7 @@ def generate(
         length_penalty=length_penalty,
         early_stopping=early_stopping,
     )
-    check_hooks(streamer, callback, progress, beam=decoding.mode == "beam")
+    check_hooks(streamer, callback, beam=decoding.mode == "beam")
     if decoding.mode == "beam":
         return run_beam_search(
             model, input_ids, decoding, max_new_tokens, "generate", callback=callback, progress=progress, **options

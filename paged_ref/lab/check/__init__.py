@@ -14,7 +14,7 @@ limit (``time_limit=``, seconds) and a slow check shows a progress line (`paged_
 =====================================  ==============================================
 checker                                what the student writes
 =====================================  ==============================================
-`check_allocator`                      a page allocator class (bump pointer, free list, refcounts)
+`check_allocator`                      a page allocator class (bump pointer, returned pages, refcounts)
 `check_slot_mapping`                   ``slot_mapping(pages, *, start, num_tokens, page_size)``
 `check_paged_attention`                decode attention over pages, plain PyTorch
 `check_triton_decode`                  the same as a Triton kernel (interpreter on CPU)

@@ -143,9 +143,9 @@ def _run(cls, num_pages: int, ops: list[tuple], run: Run, where: list[int] | Non
                     i,
                     f"returns {want[1]!r}",
                     f"returned {list(got[1])!r}",
-                    "never-used pages come first (a bump pointer: 0, 1, 2, ...), then returned pages, "
-                    "oldest returned first (one free call returns its pages in the order listed, each when its "
-                    "refcount reaches 0); a page held by anyone (refcount > 0) is never handed out",
+                    "never-used pages first, in order (a bump pointer: 0, 1, 2, ...), then pages that were returned, "
+                    "oldest returned first (the pages one call frees count as returned in the order listed, each "
+                    "when its refcount reaches 0); a page held by anyone (refcount > 0) is never handed out",
                 )
         want_state = _state(model, num_pages)
         try:
