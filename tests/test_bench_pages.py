@@ -8,6 +8,7 @@ import torch
 
 from paged_ref.lab.bench import pages
 from paged_ref.lab.bench._reads import ReadCounter
+from paged_ref.lab.bench.common import paired_ratio
 
 
 def test_read_counter_counts_what_indexing_copies_and_what_a_view_feeds():
@@ -55,6 +56,7 @@ def test_cascade_breakdown_takes_both_paths_apart():
     cfg = dict(pages.SMOKE, samples=3, prompt=32, suffix_max=4, rounds=2)
     b = pages.cascade_breakdown(cfg, log=lambda msg: None)
     ref, cas = b["paths"]["reference"], b["paths"]["cascade"]
+    assert b["speedup"] == paired_ratio(b["rounds_ms"]["reference"], b["rounds_ms"]["cascade"])
     assert cas["kv_bytes"] < ref["kv_bytes"] and min(ref["torch_calls"], cas["torch_calls"]) > 0
     for p in (ref, cas):
         assert p["ms"] > 0 and p["gathers_ms"] > 0 and p["math_ms"] >= 0 and p["read_ms_at_sum_rate"] > 0

@@ -224,7 +224,8 @@ def cascade_breakdown(cfg, log) -> dict:
     `cascade_speed`). In turns, every round: each whole path; only its K/V gathers; each path on a
     case of the same batch with a 1-page prefix and 1-token suffixes (the same Python and the same
     PyTorch calls, almost no data: the per-request cost); a plain ``sum`` of as many bytes as the
-    reference gathers (the rate memory is read at). Also the PyTorch calls each path makes."""
+    reference gathers (the rate memory is read at). Also the PyTorch calls each path makes, and ``speedup``,
+    the reference's time over cascade's as the median of the rounds' ratios (`common.paired_ratio`)."""
     case = cascade_case(cfg["samples"], cfg["prompt"], cfg["suffix_max"])
     tiny = cascade_case(cfg["samples"], PAGE_SIZE, 1)
     counted = {}
@@ -265,7 +266,7 @@ def cascade_breakdown(cfg, log) -> dict:
         rounds_ms=rounds,
         sum_gb_per_s=rate,
         paths=paths,
-        speedup=paths["reference"]["ms"] / paths["cascade"]["ms"],
+        speedup=paired_ratio(rounds["reference"], rounds["cascade"]),  # the median of the rounds' ratios
         load_before=list(load_before),
         load_after=list(os.getloadavg()),
     )
