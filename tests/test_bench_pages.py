@@ -102,7 +102,10 @@ def test_sampling_alone_is_measured_again_into_the_complete_run(tmp_path, monkey
     (tmp_path / "pages_smoke.json").write_text(json.dumps(dict(before, complete=True)))
     monkeypatch.setattr(paged_ref.models, "load_smollm2", lambda: (None, None))
     g = {"samples": 4, "prompt": 64, "pairs": 1, "same_tokens": True, "speedup": 3.0}
-    g.update(sdpa={"ms_per_step": 30.0}, cascade={"ms_per_step": 10.0})
+    g.update(
+        sdpa={"ms_per_step": 30.0, "runs_ms_per_step": [30.0]},
+        cascade={"ms_per_step": 10.0, "runs_ms_per_step": [10.0]},
+    )
 
     def broken(*args, **kwargs):
         raise RuntimeError("interrupted")
@@ -119,5 +122,5 @@ def test_sampling_alone_is_measured_again_into_the_complete_run(tmp_path, monkey
     assert data["generate_speed"] == g and rerun["command"] == "python -m paged_ref.lab.bench pages --smoke --sampling"
     assert rerun["environment"]["date_utc"] and rerun["seconds"] >= 0
     line = pages._sampling_line(dict(g, rerun=rerun))
-    assert line.endswith(f"(3.00x, median of 1 pairs of runs); same tokens: True; measured again alone: "
+    assert line.endswith(f"(3.00x, the median of 1 pairs of runs: 3.00x); same tokens: True; measured again by itself: "
                          f"{rerun['command']}, {rerun['environment']['date_utc'][:10]}")  # fmt: skip

@@ -177,18 +177,24 @@ def _pages_facts() -> list[str]:
         vs["language_modelling", 256, "paged_eviction"],
     )
     long_key, streaming = vs["passkey", 1024, "paged_eviction"], vs["language_modelling", 256, "streaming_llm"]
-    assert sampling["same_tokens"] and data["complete"] and sampling["rerun"]["command"].endswith("--sampling --threads 1")
-    runs = sampling["sdpa"]["runs_ms_per_step"]
+    assert sampling["same_tokens"] and data["complete"]
+    assert sampling["rerun"]["command"].endswith("--sampling --threads 1")
+    runs, pairs = (
+        sampling["sdpa"]["runs_ms_per_step"],
+        zip(*(sampling[b]["runs_ms_per_step"] for b in ("sdpa", "cascade"))),
+    )
+    each = [a / b for a, b in pairs]
     return [
         f"{data['cascade_speed']['speedup_vs']['reference']:.2f}x faster than the plain reference "
         f"({ms['cascade']:.2f} vs {ms['reference']:.2f} ms",
         f"SDPA {ms['sdpa']:.2f} ms",
         f"{shared['bytes_counted']['cascade'] / 1e6:.2f} MB instead of "
         f"{shared['bytes_counted']['reference'] / 1e6:.2f} MB",
-        f"{sampling['speedup']:.2f}x faster per decode step "
-        f"({sampling['cascade']['ms_per_step']:.0f} vs {sampling['sdpa']['ms_per_step']:.0f} ms), the median of "
-        f"{sampling['pairs']} pairs of runs taken in turns (sdpa's runs {min(runs):.0f} to {max(runs):.0f} ms a step)",
-        f"(`bench pages --sampling --threads 1`, {sampling['rerun']['environment']['date_utc'][:10]};",
+        f"{sampling['speedup']:.2f}x faster per decode step, the median of the ratios of {sampling['pairs']} pairs of "
+        f"runs taken in turns ({min(each):.2f}x to {max(each):.2f}x; the medians of all their steps "
+        f"{sampling['cascade']['ms_per_step']:.0f} vs {sampling['sdpa']['ms_per_step']:.0f} ms, sdpa's runs "
+        f"{min(runs):.0f} to {max(runs):.0f} ms a step)",
+        f"(`bench pages --sampling --threads 1`, {sampling['rerun']['environment']['date_utc'][:10]}",
         f"retention NLL {nll(ret, 'quest')} vs PagedEviction {nll(ret, 'other')}",
         f"pass-key {keys(key, 'quest')} vs {keys(key, 'other')}",
         f"continuation {lm['quest']:.2f} vs {lm['other']:.2f} (StreamingLLM {streaming['other']:.2f})",

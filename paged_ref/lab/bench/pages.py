@@ -272,10 +272,13 @@ def cascade_tables(result) -> str:
 
 
 def _sampling_line(g: dict) -> str:
-    """The SmolLM2 sampling result (`generate_speed`) as one line, with its rerun's provenance if any."""
-    pairs = f", median of {g['pairs']} pairs of runs" if "pairs" in g else ""
+    """The SmolLM2 sampling result (`generate_speed`) as one line: each pair's ratio where the runs are kept, and
+    the provenance of a rerun (``--sampling``) if any."""
+    runs = [g[b].get("runs_ms_per_step") for b in ("sdpa", "cascade")]
+    each = ", ".join(f"{a / b:.2f}x" for a, b in zip(*runs)) if all(runs) else ""
+    pairs = f", the median of {g['pairs']} pairs of runs: {each}" if "pairs" in g and each else ""
     again = g.get("rerun")
-    when = f"; measured again alone: {again['command']}, {again['environment']['date_utc'][:10]}" if again else ""
+    when = f"; measured again by itself: {again['command']}, {again['environment']['date_utc'][:10]}" if again else ""
     return (
         f"SmolLM2 sampling {g['samples']} continuations of a {g['prompt']}-token prompt (whole model, median ms per "
         f"decode step): sdpa {g['sdpa']['ms_per_step']:.0f}, cascade {g['cascade']['ms_per_step']:.0f} "
