@@ -160,12 +160,12 @@ def _run_sampling(args, argv, mode, out, cfg, before: dict):
     """``--sampling``: `generate_speed` measured again and written into ``before`` (the complete run it
     replaces the section of), the rerun's command, environment and seconds beside it."""
     out.save(before, complete=True)  # the run stays whole on disk while this part is measured
-    start, log, rerun = _begin(args, argv, mode, cfg)
+    start, log, begun = _begin(args, argv, mode, cfg)
     from ...models import load_smollm2
 
     model, tok = load_smollm2()
     g = generate_speed(model, tok, cfg, log)
-    rerun = {k: rerun[k] for k in ("command", "environment")} | {"seconds": round(time.perf_counter() - start, 1)}
+    rerun = {k: begun[k] for k in ("command", "environment")} | {"seconds": round(time.perf_counter() - start, 1)}
     before["generate_speed"] = dict(g, rerun=rerun)
     path = out.save(before, complete=True)
     print(_sampling_line(before["generate_speed"]))
