@@ -17,11 +17,12 @@ new `PackedLinears`, a new session or engine). Packed layers compute no gradient
 record (grad mode on, and ``x`` or the weights requiring grad) raises a ``RuntimeError``; run them under
 ``torch.no_grad()`` or ``torch.inference_mode()`` (as `paged_ref.hf.PagedSession.extend` does).
 
-For the few rows of a decode step oneDNN's kernels read weights at about half the rate a plain sum
-reads memory; ``few_rows=n`` runs products of at most ``n`` rows (a decode step's: an engine's
-``max_num_seqs``) through a small C++ kernel (`SOURCE`) that reads each weight once
-(`stream_layout`), for all the rows: the sums up to rounding. Past the rows where the kernel was
-measured ahead of oneDNN on CPUs of its vector width (`KERNEL_ROWS`), oneDNN runs them.
+For the few rows of a decode step oneDNN's kernels read weights well below the rate a plain sum
+reads memory (about half on the CPU of ``bench serve --profile``'s table); ``few_rows=n`` runs
+products of at most ``n`` rows (a decode step's: an engine's ``max_num_seqs``) through a small C++
+kernel (`SOURCE`) that reads each weight once (`stream_layout`), for all the rows: the sums up to
+rounding. Past the rows where the kernel was measured ahead of oneDNN on CPUs of its vector width
+(`KERNEL_ROWS`), oneDNN runs them.
 
 Layers that read the same input are packed as one product, as vLLM's ``QKVParallelLinear`` and
 ``MergedColumnParallelLinear`` are: an attention's ``q_proj``, ``k_proj``, ``v_proj`` and an MLP's
@@ -63,7 +64,8 @@ PACK_FOR_ROWS = 32
 #: The most rows of a product that `SOURCE`'s kernel runs, by the floats of a vector register its build
 #: has (`vector_floats`): the most rows up to which a few_rows table has it at least as fast as oneDNN at
 #: every row count. 16 (AVX-512): ``bench serve --profile``'s (figures/data/serve_profile_cpu.json);
-#: 8 (AVX2, and every target without AVX-512): ``bench serve --few-rows``' (figures/data/few_rows_256bit.json).
+#: 8 (AVX2, and every target without AVX-512): ``bench serve --profile --few-rows``'
+#: (figures/data/few_rows_256bit.json).
 KERNEL_ROWS = {16: 48, 8: 4}
 #: the outputs of one block of `stream_layout` (four 16-float vectors)
 BLOCK = 64
