@@ -297,3 +297,35 @@ def test_the_peer_comparison_counts_a_request_identical_only_if_it_is_in_every_r
     out = serve.run_peer_comparison(None, cfg, [([0], 2), ([0], 2)])
     assert (out["requests_with_identical_tokens"], out["requests"]) == (1, 2)
     assert out["identical_per_repeat"] == [1, 2] and out["first_differing_requests"] == [1]
+
+
+def test_few_rows_profile_writes_the_kernel_table_named_by_its_vector_width(tmp_path):
+    """``--profile --few-rows``: the kernel against oneDNN by rows, in the file of this build's tile, with the
+    CPU's vector extensions and the rows it is ahead to."""
+    from paged_ref.fast.prepack import vector_floats
+    from paged_ref.lab.bench._serve_profile import rows_ahead
+
+    data = serve.main(["--profile", "--few-rows", "--quick", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / f"few_rows_{vector_floats() * 32}bit_quick.json").read_text())
+    assert saved["complete"] and saved["vector_floats"] == data["vector_floats"] == vector_floats()
+    assert saved["torch_threads"] == 1 and isinstance(saved["environment"]["cpu_features"], list)
+    assert [r["rows"] for r in saved["few_rows"]["rows"]] == [1, 4]
+    assert saved["rows_ahead"] == rows_ahead(saved["few_rows"])
+
+
+@pytest.mark.parametrize("argv", [["--few-rows"], ["--profile", "--all-threads", "--few-rows"]])
+def test_few_rows_goes_with_profile_alone(argv, capsys):
+    with pytest.raises(SystemExit):
+        serve.main([*argv, "--quick"])
+    expected = "--few-rows profiles the kernel alone: give it with --profile, without --all-threads"
+    assert expected in capsys.readouterr().err
+
+
+def test_rows_ahead_stops_at_the_first_row_count_behind():
+    from paged_ref.lab.bench._serve_profile import rows_ahead
+
+    table = {"rows": [{"rows": 8, "speedup": 1.1}, {"rows": 1, "speedup": 1.3}, {"rows": 4, "speedup": 1.0}]}
+    assert rows_ahead(table) == 8
+    table["rows"].insert(0, {"rows": 6, "speedup": 0.99})  # behind at 6: 8 is not "every count up to"
+    assert rows_ahead(table) == 4
+    assert rows_ahead({"rows": [{"rows": 1, "speedup": 0.5}]}) == 0

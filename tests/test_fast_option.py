@@ -1,6 +1,5 @@
 """``fast=``: one value naming the CPU speed-ups, checked as a whole, resolved against the model and the engine."""
 
-import itertools
 import json
 import warnings
 from pathlib import Path
@@ -10,7 +9,7 @@ import torch
 
 import paged_ref as pr
 from paged_ref.fast import Fast, prepack, resolve
-from paged_ref.fast.prepack import FEW_ROWS, PackedLinears, cannot_pack
+from paged_ref.fast.prepack import KERNEL_ROWS, PackedLinears, cannot_pack, kernel_rows, vector_floats
 from paged_ref.models import tiny_llama
 from paged_ref.serve import Engine
 
@@ -93,12 +92,23 @@ def _kernel_ran(linears, layer, rows: int) -> bool:
 
 def test_an_engine_sends_the_few_rows_kernel_its_decode_steps(model):
     """``few_rows=True`` in an engine: products of at most ``max_num_seqs`` rows (a decode step's)."""
-    engine = Engine(model, num_pages=8, page_size=4, max_num_seqs=6, fast=True)
+    seqs = kernel_rows() - 1  # within what this CPU runs the kernel at
+    engine = Engine(model, num_pages=8, page_size=4, max_num_seqs=seqs, fast=True)
     layer = model.model.layers[0].mlp.down_proj
     assert engine.session.backend == "cpu_paged"
-    assert _kernel_ran(engine.session._linears, layer, 6) and not _kernel_ran(engine.session._linears, layer, 7)
-    with pr.hf.PagedSession(model, num_pages=4, page_size=4, fast=EVERYTHING) as s:  # no engine: FEW_ROWS
-        assert _kernel_ran(s._linears, layer, FEW_ROWS) and not _kernel_ran(s._linears, layer, FEW_ROWS + 1)
+    linears = engine.session._linears
+    assert _kernel_ran(linears, layer, seqs) and not _kernel_ran(linears, layer, seqs + 1)
+    with pr.hf.PagedSession(model, num_pages=4, page_size=4, fast=EVERYTHING) as s:  # no engine: kernel_rows()
+        assert _kernel_ran(s._linears, layer, kernel_rows()) and not _kernel_ran(s._linears, layer, kernel_rows() + 1)
+
+
+def test_an_engine_runs_the_kernel_no_further_than_this_cpu_runs_it_ahead(model):
+    """An engine's ``max_num_seqs`` past `kernel_rows`: products of more rows go to oneDNN."""
+    rows = kernel_rows()
+    engine = Engine(model, num_pages=8, page_size=4, max_num_seqs=rows + 8, fast=True)
+    layer = model.model.layers[0].mlp.down_proj
+    linears = engine.session._linears
+    assert _kernel_ran(linears, layer, rows) and not _kernel_ran(linears, layer, rows + 1)
 
 
 def test_a_dry_engine_refuses_fast():
@@ -106,10 +116,30 @@ def test_a_dry_engine_refuses_fast():
         Engine(None, num_pages=8, page_size=4, fast=True)
 
 
-def test_few_rows_default_is_within_the_measured_rows():
-    """`FEW_ROWS` is the most rows up to which the committed few_rows table has the kernel at least as fast as
-    oneDNN at every row count it measures."""
-    data = json.loads((Path(__file__).parents[1] / "figures" / "data" / "serve_profile_cpu.json").read_text())
-    rows = sorted((r["rows"], r["speedup"]) for r in data["few_rows"]["rows"])
-    ahead = list(itertools.takewhile(lambda row: row[1] >= 1.0, rows))  # the row counts before its first loss
-    assert ahead and FEW_ROWS == ahead[-1][0], rows
+def _rows_ahead(name: str) -> tuple[int, dict]:
+    from paged_ref.lab.bench._serve_profile import rows_ahead
+
+    data = json.loads((Path(__file__).parents[1] / "figures" / "data" / name).read_text())
+    return rows_ahead(data["few_rows"]), data
+
+
+@pytest.mark.parametrize("floats, name", [(16, "serve_profile_cpu.json"), (8, "few_rows_256bit.json")])
+def test_kernel_rows_are_the_measured_rows_of_each_vector_width(floats, name):
+    """`KERNEL_ROWS` is, for each tile the kernel has, the most rows up to which the committed few_rows table
+    has it at least as fast as oneDNN at every row count it measures. The 256-bit table records its width and
+    the CPU's extensions; the AVX-512 one predates that record."""
+    ahead, data = _rows_ahead(name)
+    assert ahead and KERNEL_ROWS[floats] == ahead, data["few_rows"]["rows"]
+    if floats == 8:
+        assert data["vector_floats"] == 8 and data["rows_ahead"] == ahead and data["torch_threads"] == 1
+        assert "avx512f" not in data["environment"]["cpu_features"] and "avx2" in data["environment"]["cpu_features"]
+
+
+def test_the_kernel_tile_is_the_cpu_vector_width():
+    """The kernel's build has AVX-512's tile exactly where the CPU lists avx512f (Linux's /proc/cpuinfo)."""
+    from paged_ref.lab.provenance import cpu_features
+
+    features = cpu_features()
+    if features is None or vector_floats() is None:
+        pytest.skip("no /proc/cpuinfo flags, or no kernel build here")
+    assert vector_floats() == (16 if "avx512f" in features else 8) and kernel_rows() == KERNEL_ROWS[vector_floats()]

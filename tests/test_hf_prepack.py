@@ -7,7 +7,9 @@ import torch
 
 import paged_ref as pr
 from paged_ref.fast import Fast
-from paged_ref.fast.prepack import FEW_ROWS, PackedLinears, few_rows_kernel, stream_layout
+from paged_ref.fast.prepack import KERNEL_ROWS, PackedLinears, few_rows_kernel, kernel_rows, stream_layout
+
+MOST = max(KERNEL_ROWS.values())  # the kernel itself is checked at every row count any CPU runs it at
 
 
 def _linears(model):
@@ -77,7 +79,7 @@ def test_fused_projections_give_each_layer_its_own_product_and_recompute_for_ano
 def test_few_rows_kernel_matches_a_float64_product(seed):
     g = torch.Generator().manual_seed(seed)
     few = few_rows_kernel()
-    for rows in range(FEW_ROWS + 1):  # 0 to FEW_ROWS rows: chunks of up to six, split evenly
+    for rows in range(MOST + 1):  # 0 to MOST rows: chunks of up to six (three on AVX2), split evenly
         n = int(torch.randint(1, 800, (1,), generator=g))  # any N: up to 13 blocks, the last padded
         k = int(torch.randint(1, 200, (1,), generator=g))
         x, w = torch.randn(rows, k, generator=g), torch.randn(n, k, generator=g)
@@ -92,7 +94,7 @@ def test_few_rows_kernel_sums_each_row_alike_in_any_batch(threads):
     g, few, before = torch.Generator().manual_seed(7), few_rows_kernel(), torch.get_num_threads()
     torch.set_num_threads(threads)  # each thread's range of blocks: groups of blocks and the blocks left over
     try:
-        for rows in range(1, FEW_ROWS + 1):
+        for rows in range(1, MOST + 1):
             n, k = int(torch.randint(1, 800, (1,), generator=g)), int(torch.randint(1, 200, (1,), generator=g))
             x, w = torch.randn(rows, k, generator=g), stream_layout(torch.randn(n, k, generator=g))
             alone = torch.cat([few(x[i : i + 1], w, n) for i in range(rows)])  # [rows, n], one row a call
@@ -118,16 +120,18 @@ def test_few_rows_kernel_refuses_a_layout_that_does_not_fit():
         few_rows_kernel()(torch.randn(2, 6), blocks, 70)  # K of 6 against blocks of K 5
 
 
-@pytest.mark.parametrize("rows", [1, FEW_ROWS, FEW_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, "limit", "past"])
 def test_few_rows_runs_products_of_few_rows_and_onednn_the_rest(model, rows):
-    packs = PackedLinears(model, few_rows=FEW_ROWS)
+    limit = kernel_rows()
+    rows = {"limit": limit, "past": limit + 1}.get(rows, rows)
+    packs = PackedLinears(model, few_rows=MOST)  # past this CPU's limit: kernel_rows() rows at most
     layer = model.model.layers[0].self_attn.o_proj
     x = torch.randn(rows, layer.in_features)
     with packs, torch.no_grad(), torch.profiler.profile() as prof:
         y = layer(x)
     ran = {e.key for e in prof.key_averages()}
-    assert packs.few_rows and (("paged_ref_linear::few_rows" in ran) == (rows <= FEW_ROWS))
-    assert ("mkldnn::_linear_pointwise" in ran) == (rows > FEW_ROWS)
+    assert packs.few_rows and (("paged_ref_linear::few_rows" in ran) == (rows <= limit))
+    assert ("mkldnn::_linear_pointwise" in ran) == (rows > limit)
     torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 
 
@@ -151,7 +155,7 @@ def test_a_kernel_that_cannot_be_built_leaves_onednn_with_one_warning(model, mon
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            packs = PackedLinears(model, few_rows=FEW_ROWS)
+            packs = PackedLinears(model, few_rows=MOST)
         assert len(caught) == 1 and "Ninja is required" in str(caught[0].message)
         assert "paged_ref_linear" in str(caught[0].message) and "through oneDNN" in str(caught[0].message)
     finally:
@@ -178,10 +182,10 @@ def test_a_large_few_rows_packs_at_once(model, few_rows):
     torch.testing.assert_close(y, torch.nn.functional.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [2, FEW_ROWS + 1])  # the few-rows kernel's products and oneDNN's
+@pytest.mark.parametrize("rows", [2, MOST + 1])  # the few-rows kernel's products and oneDNN's
 def test_a_packed_layer_refuses_an_input_of_another_dtype_or_size(model, rows):
     attn = model.model.layers[0].self_attn
-    with PackedLinears(model, few_rows=FEW_ROWS), torch.no_grad():
+    with PackedLinears(model, few_rows=MOST), torch.no_grad():
         for layer in (attn.q_proj, attn.o_proj):  # one of a fused product, one alone
             k = layer.in_features
             with pytest.raises(TypeError, match=r"prepack: .* takes x of torch.float32, got torch.float64"):

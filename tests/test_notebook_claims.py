@@ -366,6 +366,22 @@ def test_provenance_records_the_cpu_model(tmp_path):
     )
 
 
+def test_provenance_records_the_cpu_vector_extensions(tmp_path):
+    """Two CPUs of one model name can differ in the vector extensions that decide which kernels run (the
+    few-rows kernel's tile, oneDNN's): new records list them, and the provenance line prints them."""
+    from paged_ref.lab.provenance import FEATURES, cpu_features, describe, environment
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma avx512f avx512_bf16 avx512vl\nflags\t: avx2\n")
+    assert cpu_features(info) == ["avx2", "fma", "avx512f", "avx512_bf16"]  # FEATURES' order, the first line's
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd evtstrm sve\n")
+    assert cpu_features(arm) == ["asimd", "sve"] and cpu_features(tmp_path / "missing") is None
+    assert set(environment()["cpu_features"] or ()) <= set(FEATURES)
+    env = {"cpu": "x86_64", "cpu_model": "Test CPU 9000", "cpu_features": ["avx2", "fma"], "date_utc": "2026-12-07"}
+    assert describe({"environment": env}) == "Measured on CPU Test CPU 9000 (x86_64; avx2, fma), 2026-12-07 (UTC)."
+
+
 def test_readme_native_checks_row_is_its_json():
     """Issue 57: the checks' share of a decode step, as the profile's rerun recorded it."""
     d = _json("serve_profile_checks_cpu.json")["native_checks"]

@@ -147,6 +147,26 @@ def _profile_facts() -> list[str]:
         f"the few-rows kernel {gains['cpu_ops', 'few_rows']:.2f}x",
         f"whose product, {math.prod(g for k, g in gains.items() if k != (names[0], names[-1])):.2f}, is not the "
         f"{gains[names[0], names[-1]]:.2f}x measured directly",
+        *_few_rows_256bit_facts(),
+    ]
+
+
+def _few_rows_256bit_facts() -> list[str]:
+    """The kernel's limit without AVX-512, from `bench serve --profile --few-rows` (few_rows_256bit.json)."""
+    from paged_ref.fast.prepack import KERNEL_ROWS
+
+    data = json.loads((README.parent / "figures" / "data" / "few_rows_256bit.json").read_text())
+    rows = {r["rows"]: r["speedup"] for r in data["few_rows"]["rows"]}
+    ahead = [x for r, x in rows.items() if r <= data["rows_ahead"]]
+    assert data["vector_floats"] == 8 and KERNEL_ROWS[8] == data["rows_ahead"] and min(rows) == 1
+    behind = min(r for r in rows if r > data["rows_ahead"])
+    after = min(r for r in rows if r > behind)
+    late = [x for r, x in rows.items() if r >= 12]
+    return [
+        f"products of at most {KERNEL_ROWS[8]} rows, as far as `bench serve --profile --few-rows` measured it ahead",
+        f"{min(ahead):.2f}x-{max(ahead):.2f}x at 1-{data['rows_ahead']} rows, {rows[behind]:.2f}x at {behind}, "
+        f"{rows[after]:.2f}x at {after}, {min(late):.2f}x-{max(late):.2f}x from 12 rows on",
+        "`figures/data/few_rows_256bit.json`",
     ]
 
 

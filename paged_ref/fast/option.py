@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from .flat import SUPPORTED, FlatForward
-from .prepack import FEW_ROWS, PackedLinears, why_not_packed
+from .prepack import PackedLinears, kernel_rows, why_not_packed
 
 __all__ = ["Fast", "resolve"]
 
@@ -39,8 +39,9 @@ class Fast:
         prepack: linear layers through weights packed once for oneDNN (`paged_ref.fast.prepack`); a weight
             changed later (in place, or replaced) is packed again before the next forward (not one changed
             through ``.data`` in place, or an inference tensor's; see that module).
-        few_rows: (with ``prepack``) products of at most this many rows through the one-stream kernel;
-            True: a decode step's rows (an engine's ``max_num_seqs``, else `FEW_ROWS`).
+        few_rows: (with ``prepack``) products of at most this many rows through the one-stream kernel,
+            and at most the rows it was measured ahead at on this CPU's vector width (`kernel_rows`);
+            True: a decode step's rows (an engine's ``max_num_seqs``), else `kernel_rows`.
         flat: a Llama model's layers as one loop, transformers' operations (`paged_ref.fast.flat`).
         cpu_ops: (with ``flat``) that loop's norms, RoPE and SwiGLU in C++ (`paged_ref.fast.cpu_ops`).
     """
@@ -90,7 +91,7 @@ class Fast:
     def contexts(self, model) -> tuple:
         """The ``with`` blocks of a forward: (packed linear layers, the flat loop), each a null one when off;
         built now (packing the weights, building the C++ parts)."""
-        rows = 0 if self.few_rows is False else FEW_ROWS if self.few_rows is True else self.few_rows
+        rows = 0 if self.few_rows is False else kernel_rows() if self.few_rows is True else self.few_rows
         linears = PackedLinears(model, few_rows=rows) if self.prepack else contextlib.nullcontext()
         return linears, FlatForward(model, cpu_ops=self.cpu_ops) if self.flat else contextlib.nullcontext()
 

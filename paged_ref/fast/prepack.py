@@ -17,10 +17,12 @@ new `PackedLinears`, a new session or engine). Packed layers compute no gradient
 record (grad mode on, and ``x`` or the weights requiring grad) raises a ``RuntimeError``; run them under
 ``torch.no_grad()`` or ``torch.inference_mode()`` (as `paged_ref.hf.PagedSession.extend` does).
 
-For the few rows of a decode step oneDNN's kernels read weights at about half the rate a plain sum
-reads memory; ``few_rows=n`` runs products of at most ``n`` rows (a decode step's: an engine's
-``max_num_seqs``) through a small C++ kernel (`SOURCE`) that reads each weight once
-(`stream_layout`), for all the rows: the sums up to rounding.
+For the few rows of a decode step oneDNN's kernels read weights well below the rate a plain sum
+reads memory (about half on the CPU of ``bench serve --profile``'s table); ``few_rows=n`` runs
+products of at most ``n`` rows (a decode step's: an engine's ``max_num_seqs``) through a small C++
+kernel (`SOURCE`) that reads each weight once (`stream_layout`), for all the rows: the sums up to
+rounding. Past the rows where the kernel was measured ahead of oneDNN on CPUs of its vector width
+(`KERNEL_ROWS`), oneDNN runs them.
 
 Layers that read the same input are packed as one product, as vLLM's ``QKVParallelLinear`` and
 ``MergedColumnParallelLinear`` are: an attention's ``q_proj``, ``k_proj``, ``v_proj`` and an MLP's
@@ -49,8 +51,8 @@ import torch
 
 from ..native import build
 
-__all__ = ["BLOCK", "FEW_ROWS", "FUSED", "PACK_FOR_ROWS", "SOURCE", "PackedLinears", "few_rows_kernel", "stream_layout"]
-__all__ += ["cannot_pack", "why_not_packed"]
+__all__ = ["BLOCK", "FUSED", "KERNEL_ROWS", "PACK_FOR_ROWS", "SOURCE", "PackedLinears", "few_rows_kernel"]
+__all__ += ["cannot_pack", "kernel_rows", "stream_layout", "vector_floats", "why_not_packed"]
 
 #: Linear layers of one module that read the same input, packed as one product (when all are present).
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -59,10 +61,12 @@ _PACKABLE = (torch.float32, torch.bfloat16)
 #: the number of rows oneDNN lays a packed weight out for (a hint: products of any number of rows run):
 #: a full decode step of ``bench serve``'s workloads (max_num_seqs=32)
 PACK_FOR_ROWS = 32
-#: ``few_rows=True`` in a session without an engine (an engine gives its ``max_num_seqs``): products of at
-#: most this many rows run through `SOURCE`: the most rows up to which ``bench serve --profile``'s few_rows
-#: table has the kernel at least as fast as oneDNN at every row count (figures/data/serve_profile_cpu.json).
-FEW_ROWS = 48
+#: The most rows of a product that `SOURCE`'s kernel runs, by the floats of a vector register its build
+#: has (`vector_floats`): the most rows up to which a few_rows table has it at least as fast as oneDNN at
+#: every row count. 16 (AVX-512): ``bench serve --profile``'s (figures/data/serve_profile_cpu.json);
+#: 8 (AVX2, and every target without AVX-512): ``bench serve --profile --few-rows``'
+#: (figures/data/few_rows_256bit.json).
+KERNEL_ROWS = {16: 48, 8: 4}
 #: the outputs of one block of `stream_layout` (four 16-float vectors)
 BLOCK = 64
 
@@ -73,9 +77,9 @@ SOURCE = Path(__file__).parent / "csrc" / "few_rows.cpp"
 class PackedLinears:
     """Every ``nn.Linear`` of ``model`` (weights ``[out, in]``, CPU, float32 or bfloat16) run through its
     prepacked oneDNN weight within ``with``; ``packed`` is False when they stay eager. ``few_rows``: products
-    of at most that many rows run through `SOURCE`'s kernel (0: none). Entering packs again the weights changed
-    since they were packed (in place or replaced; not through ``.data`` in place), and a packed layer refuses a
-    product autograd would record (RuntimeError): see the module docstring."""
+    of at most that many rows (and `kernel_rows`) run through `SOURCE`'s kernel (0: none). Entering packs again
+    the weights changed since they were packed (in place or replaced; not through ``.data`` in place), and a
+    packed layer refuses a product autograd would record (RuntimeError): see the module docstring."""
 
     def __init__(self, model: torch.nn.Module, *, few_rows: int = 0):
         if isinstance(few_rows, bool) or not isinstance(few_rows, int) or few_rows < 0:
@@ -83,7 +87,7 @@ class PackedLinears:
         self._packs: list[_Pack] = []  # layers that read the same input, packed as one product
         why = why_not_packed(model)
         few = few_rows_kernel() if few_rows > 0 and why is None else None  # a failed build has warned
-        self._few = few = None if few is None else (few, few_rows)
+        self._few = few = None if few is None else (few, min(few_rows, kernel_rows()))
         if why is None:
             try:
                 grouped = set()
@@ -199,6 +203,19 @@ def few_rows_kernel():
     """``torch.ops.paged_ref_linear.few_rows`` (`SOURCE`), built on first call; None where it cannot be built."""
     built = build("paged_ref_linear", [SOURCE], [], "products of few rows run through oneDNN")
     return None if built is None else torch.ops.paged_ref_linear.few_rows
+
+
+@functools.cache
+def vector_floats() -> int | None:
+    """The floats of a vector register the kernel's build has, which decides its tile (`SOURCE`): 16 with
+    AVX-512, else 8; None where it cannot be built."""
+    return None if few_rows_kernel() is None else torch.ops.paged_ref_linear.vector_floats()
+
+
+def kernel_rows() -> int:
+    """The most rows of a product the kernel runs on this machine: `KERNEL_ROWS` of `vector_floats` (0: no kernel)."""
+    floats = vector_floats()
+    return 0 if floats is None else KERNEL_ROWS[floats]
 
 
 def stream_layout(weight: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ Example:
     'Measured on CPU x86_64 (quick mode), torch 2.13.0, 2026-12-02 (UTC); python -m paged_ref.lab.bench alloc --quick.'
     >>> describe({"environment": {"cpu": "x86_64", "cpu_model": "AMD EPYC", "date_utc": "2026-12-06"}})
     'Measured on CPU AMD EPYC (x86_64), 2026-12-06 (UTC).'
+    >>> describe({"environment": {"cpu": "x86_64", "cpu_model": "AMD EPYC", "cpu_features": ["avx2", "fma"]}})
+    'Measured on CPU AMD EPYC (x86_64; avx2, fma), ? (UTC).'
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ import platform
 
 import torch
 
-__all__ = ["cpu_model", "environment", "package_version", "describe"]
+__all__ = ["FEATURES", "cpu_features", "cpu_model", "environment", "package_version", "describe"]
+
+#: the CPU's vector extensions a record names where the CPU has them (their names in /proc/cpuinfo): they decide
+#: which kernels a build of torch, oneDNN and the package's C++ runs, so one model name can be two speeds
+FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile", "asimd", "sve")
 
 
 def package_version(package: str) -> str | None:
@@ -52,6 +58,20 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
     return None
 
 
+def cpu_features(cpuinfo: str = "/proc/cpuinfo") -> list[str] | None:
+    """Which of `FEATURES` the CPU has (the first ``flags`` or ``Features`` line of Linux's ``/proc/cpuinfo``),
+    or None where it is not listed."""
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return [name for name in FEATURES if name in value.split()]
+    except OSError:
+        pass
+    return None
+
+
 def environment() -> dict:
     """Where and with what a result was measured: device, versions and UTC date (no host name)."""
     env = {
@@ -60,6 +80,7 @@ def environment() -> dict:
         "platform": f"{platform.system()} {platform.machine()}",
         "cpu": platform.processor() or platform.machine(),
         "cpu_model": cpu_model(),
+        "cpu_features": cpu_features(),
         "torch": torch.__version__,
         "triton": package_version("triton"),
         "transformers": package_version("transformers"),
@@ -85,6 +106,8 @@ def describe(data: dict) -> str:
     """
     env = data.get("environment") or {}
     cpu = env.get("cpu") or "unknown"
+    if env.get("cpu_features"):
+        cpu = f"{cpu}; {', '.join(env['cpu_features'])}"
     if env.get("cpu_model"):
         cpu = f"{env['cpu_model']} ({cpu})"
     where = f"GPU {env['gpu']}" if env.get("gpu") else f"CPU {cpu}"

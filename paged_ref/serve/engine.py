@@ -81,7 +81,7 @@ class Engine:
         kv_format: K and V in 8 bits (`paged_ref.quant.KVFormat`, an 8-bit dtype or vLLM's "fp8"); None: the
             model's dtype.
         fast: the CPU speed-ups (`paged_ref.fast.Fast`; True: all the model allows, attention through
-            ``cpu_paged`` and the few-rows kernel up to ``max_num_seqs`` rows); None: the eager step.
+            ``cpu_paged`` and the few-rows kernel up to ``max_num_seqs`` rows and its `kernel_rows`); None: eager.
         max_model_len: longest request; default the model's ``max_position_embeddings`` (dry: the pool).
         eos_token_id: int or ints that end a request (default the model's; ``[]``: never).
 

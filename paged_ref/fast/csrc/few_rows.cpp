@@ -4,31 +4,51 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 
-typedef float vec __attribute__((vector_size(64), aligned(4)));  // 16 floats, any alignment
-constexpr int64_t L = 16, BLOCK = 64, V = BLOCK / L, MAX_ROWS = 6;
+// The vector registers decide the tiles. With AVX-512 a register holds 16 floats and there are 32: a pass sums
+// a whole block (4 registers an output row) for up to 6 rows at once. With 16 registers of 8 floats (AVX2, and
+// any other target) a pass sums half a block (4 registers a row) for up to 3 rows, and a block takes two passes:
+// a tile of AVX-512's shape would not fit in the registers, and the compiler moves it through memory at every k.
+#ifdef __AVX512F__
+constexpr int64_t L = 16, MAX_ROWS = 6;
+#else
+constexpr int64_t L = 8, MAX_ROWS = 3;
+#endif
+typedef float vec __attribute__((vector_size(L * 4), aligned(4)));  // L floats, any alignment
+constexpr int64_t BLOCK = 64, PART = 4, PASSES = BLOCK / (PART * L);
 
-// MB rows of x [MB, K] times NB consecutive blocks w [NB, K, BLOCK] (of the last block its first n outputs):
-// MB * NB * V vector sums over k, each weight read once; NB blocks are NB streams from memory at once
+// MB rows of x [MB, K] times NB consecutive blocks w [NB, K, BLOCK] (of the last block its first n outputs),
+// PART * L outputs of each block a pass: MB * NB * PART vector sums over k; NB blocks are NB streams from memory
+// at once. Each output is summed over k in order, whatever the tile.
 template <int MB, int NB>
 static void rows(const float* x, const float* w, int64_t K, float* o, int64_t N, int64_t n) {
-  vec acc[MB][NB][V] = {};
-  for (int64_t k = 0; k < K; ++k)
-    for (int s = 0; s < NB; ++s) {
-      vec wk[V];
-      for (int v = 0; v < V; ++v) wk[v] = *reinterpret_cast<const vec*>(w + (s * K + k) * BLOCK + v * L);
-      for (int m = 0; m < MB; ++m)
-        for (int v = 0; v < V; ++v) acc[m][s][v] += x[m * K + k] * wk[v];
-    }
-  for (int m = 0; m < MB; ++m)
-    for (int s = 0; s < NB; ++s)
-      for (int64_t j = 0; j < (s == NB - 1 ? n : BLOCK); ++j) o[m * N + s * BLOCK + j] = acc[m][s][j / L][j % L];
+  for (int64_t p = 0; p < PASSES; ++p) {
+    vec acc[MB][NB][PART] = {};
+    for (int64_t k = 0; k < K; ++k)
+      for (int s = 0; s < NB; ++s) {
+        vec wk[PART];
+        for (int v = 0; v < PART; ++v)
+          wk[v] = *reinterpret_cast<const vec*>(w + (s * K + k) * BLOCK + (p * PART + v) * L);
+        for (int m = 0; m < MB; ++m)
+          for (int v = 0; v < PART; ++v) acc[m][s][v] += x[m * K + k] * wk[v];
+      }
+    for (int m = 0; m < MB; ++m)
+      for (int s = 0; s < NB; ++s)
+        for (int64_t j = p * PART * L, end = std::min((p + 1) * PART * L, s == NB - 1 ? n : BLOCK); j < end; ++j)
+          o[m * N + s * BLOCK + j] = acc[m][s][(j / L) % PART][j % L];
+  }
 }
 typedef void (*Rows)(const float*, const float*, int64_t, float*, int64_t, int64_t);
+#ifdef __AVX512F__
 constexpr Rows ROWS[] = {nullptr, rows<1, 1>, rows<2, 1>, rows<3, 1>, rows<4, 1>, rows<5, 1>, rows<6, 1>};
 // Up to 3 rows, one stream at a time leaves a core's memory reads idle: GROUP[M] blocks at once (at most as many
 // sums as ROWS[6] keeps in registers), each output summed over k in the same order as in ROWS[M]
 constexpr int64_t GROUP[] = {1, 4, 2, 2};
 constexpr Rows GROUPED[] = {nullptr, rows<1, 4>, rows<2, 2>, rows<3, 2>};
+#else
+constexpr Rows ROWS[] = {nullptr, rows<1, 1>, rows<2, 1>, rows<3, 1>};
+constexpr int64_t GROUP[] = {1, 2, 1, 1};
+constexpr Rows GROUPED[] = {nullptr, rows<1, 2>, rows<2, 1>, rows<3, 1>};
+#endif
 
 // x float32 [M, K], any strides; w float32 [ceil(N / 64), K, 64] (stream_layout), any strides (a copy where not
 // contiguous); N >= 0.
@@ -66,6 +86,7 @@ torch::Tensor few_rows(torch::Tensor x, torch::Tensor w, int64_t N) {
 
 TORCH_LIBRARY(paged_ref_linear, m) {
   m.def("few_rows(Tensor x, Tensor w, int n) -> Tensor", &few_rows);
+  m.def("vector_floats() -> int", [] { return L; });  // the tile this build runs: 16 (AVX-512) or 8
   m.def("few_rows_checks(Tensor x, Tensor w, int n, int times) -> ()",  // the checks alone, for bench serve --profile
         [](torch::Tensor x, torch::Tensor w, int64_t n, int64_t times) {
           repeat_checks(times, [&] { check_few_rows(x, w, n); });

@@ -7,7 +7,8 @@ each adding one speed-up to the one before (a field of `paged_ref.fast.Fast`, th
 (``backend="cpu_paged"``: attention reading the pages in place, a step's decode rows and prompt
 chunks in one call), ``flat_forward`` (``flat=True``: the layers as one loop, without transformers'
 module calls), ``cpu_ops`` (``cpu_ops=True``: the loop's norms, RoPE and SwiGLU in C++),
-``few_rows`` (``few_rows=True``: products of at most ``max_num_seqs`` rows through a kernel that
+``few_rows`` (``few_rows=True``: products of at most ``max_num_seqs`` rows, and of no more than this CPU's
+`paged_ref.fast.prepack.kernel_rows`, through a kernel that
 reads each weight once, block by block).
 
 - **Profile**: `torch.profiler` around single engine steps, kept for the first ``steps`` decode steps
@@ -49,7 +50,7 @@ from ...fast.prepack import PACK_FOR_ROWS, few_rows_kernel, stream_layout
 from ...serve import VLLM_ADMISSION, Engine
 
 __all__ = ["VARIANTS", "PROFILE_WORKLOAD", "linear_libraries", "native_checks", "profile_variant", "paired_gain"]
-__all__ += ["run_profile"]
+__all__ += ["few_rows_products", "rows_ahead", "run_profile"]
 
 #: name -> (the engine's ``fast=``, what it adds), each variant on top of the one before.
 VARIANTS = {
@@ -299,7 +300,7 @@ def few_rows_products(model, rows=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), re
         sums.append(time.perf_counter() - started)
     out = {"weights_gb": gb, "sum_gb_per_s": gb / statistics.median(sums), "rows": []}
     del flat
-    for m in rows:  # past FEW_ROWS too: where oneDNN takes over
+    for m in rows:  # past KERNEL_ROWS too: where oneDNN takes over
         x = [torch.randn(m, w.shape[1], dtype=w.dtype) for w in weights]  # [rows, in] per product
         ways = {
             "onednn_prepacked": lambda: [
@@ -318,6 +319,17 @@ def few_rows_products(model, rows=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64), re
             }
         )
     return out
+
+
+def rows_ahead(table: dict) -> int:
+    """The most rows before the first row count at which a `few_rows_products` table has the kernel behind
+    oneDNN (its ``speedup`` below 1): the rows up to which it was measured at least as fast at every count."""
+    ahead = 0
+    for row in sorted(table["rows"], key=lambda r: r["rows"]):
+        if row["speedup"] < 1.0:
+            break
+        ahead = row["rows"]
+    return ahead
 
 
 #: rounds of an op's checks in one call of its ``*_checks`` entry (`native_checks`)

@@ -6,7 +6,7 @@
     python -m paged_ref.lab.bench serve --peer vllm --peer-only [--fast] --pairs N [--dtype bfloat16]
                                         [--pair-threads T ...] [--pair-blocks B ...] [--pair-workloads W ...]
                                         [--eager-blocks B ...] [--eager-threads T ...] [--check-blocks B ...]
-    python -m paged_ref.lab.bench serve --profile [--quick] [--threads N] [--out DIR]
+    python -m paged_ref.lab.bench serve --profile [--quick] [--threads N] [--out DIR] [--all-threads | --few-rows]
     python -m paged_ref.lab.bench serve --peer vllm --peer-only --kv-cache-dtype fp8 [--workload short]
     python -m paged_ref.lab.bench serve --kv-format {fp8_e4m3,fp8_e5m2,int8} --same-bytes [--kv-scales page]
                                         [--quick] [--workload short] [--rates R ...]
@@ -32,7 +32,9 @@ as prompts (`WORKLOADS`), where paging gains the least over exact reservation; w
 ``serve_cpu_short.json``. ``--profile``: where a step's time goes instead (`._serve_profile`: a profile
 by op of decode and mixed steps, then each speed-up's measured gain), ``figures/data/serve_profile_cpu.json``;
 ``--profile --all-threads``: the fast step at 1 thread and at every core by part, its weight stream against a
-plain read (`._serve_threads`), ``figures/data/serve_profile_threads_cpu.json``.
+plain read (`._serve_threads`), ``figures/data/serve_profile_threads_cpu.json``; ``--profile --few-rows``: only
+the few-rows kernel against oneDNN at each row count (`._serve_profile.few_rows_products`), on this CPU's vector
+width, which `paged_ref.fast.prepack.KERNEL_ROWS` is keyed by: ``figures/data/few_rows_{256,512}bit.json``.
 ``--pairs N`` (with ``--peer vllm --peer-only``): `._vllm_pairs` instead, vLLM at its defaults (compiled, engine
 core in its own process) and eager, each loaded once, against the engine in N alternating pairs at 1 thread and
 at every core, on 32 and 256 blocks, on both workloads, the same warm-up on both sides, tokens compared in every
@@ -59,6 +61,7 @@ import torch
 
 from ...eviction import make_policy
 from ...fast import Fast
+from ...fast.prepack import kernel_rows, vector_floats
 from ...memory import model_geometry
 from ...serve import VLLM_ADMISSION, Engine, Reservation
 from .. import textdata
@@ -69,7 +72,7 @@ from ._model_bench import text_ids
 from ._scaling_models import build_model
 from ._serve_kv8 import KV_FORMATS, check_kv8_goal, kv_format, run_same_bytes
 from ._serve_peer import run_peer
-from ._serve_profile import run_profile
+from ._serve_profile import few_rows_products, rows_ahead, run_profile
 from ._serve_threads import run_threads
 from ._vllm_fp8 import explain, finding
 from ._vllm_peer import CPU_BLOCK_MULTIPLE, KV_CACHE_DTYPES, check_page_size, save_smollm2
@@ -578,6 +581,11 @@ def main(argv=None):
     )
     parser.add_argument("--rounds", type=int, default=None, help="with --all-threads: rounds (default 3; --quick 2)")
     parser.add_argument(
+        "--few-rows",
+        action="store_true",
+        help="with --profile: only the few-rows kernel against oneDNN by rows, on this CPU (few_rows_<bits>bit.json)",
+    )
+    parser.add_argument(
         "--pairs",
         type=int,
         default=None,
@@ -624,8 +632,11 @@ def main(argv=None):
         parser.error("--all-threads profiles: give it with --profile")
     if args.rounds is not None and not (args.all_threads and args.rounds >= 1):
         parser.error(f"--rounds is a number >= 1 of rounds of --profile --all-threads, got {args.rounds}")
+    if args.few_rows and not (args.profile and not args.all_threads):
+        parser.error("--few-rows profiles the kernel alone: give it with --profile, without --all-threads")
     if args.profile:
-        return (_main_threads if args.all_threads else _main_profile)(parser, args, argv)
+        main = _main_few_rows if args.few_rows else _main_threads if args.all_threads else _main_profile
+        return main(parser, args, argv)
     if (args.kv_format is None) != (not args.same_bytes):
         parser.error("--kv-format and --same-bytes go together: 8-bit pages against float32 at the same pool bytes")
     if args.kv_cache_dtype != "auto" and args.peer != "vllm":
@@ -902,6 +913,29 @@ def _main_profile(parser, args, argv) -> dict:
     print(table(GAIN_COLUMNS, rows))
     c = data["generate_check"]
     print(f"model.generate: {c['identical']}/{c['requests']} requests with the same tokens as {c['variant']}")
+    data["seconds"] = time.perf_counter() - started
+    path = result.save(data, complete=True)
+    print(f"wrote {path} ({data['seconds']:.0f} s)")
+    return data
+
+
+def _main_few_rows(parser, args, argv) -> dict:
+    """``--profile --few-rows``: `._serve_profile.few_rows_products` alone at ``--threads``, in a file named by the
+    vector width the kernel's build has (`paged_ref.fast.prepack.vector_floats`), as `KERNEL_ROWS` is keyed."""
+    torch.set_num_threads(args.threads)
+    floats = vector_floats()
+    if floats is None:
+        parser.error("--few-rows: the few-rows kernel cannot be built here (the build has warned why)")
+    result, started, model, data, _ = _profile_begin(parser, args, argv, f"few_rows_{floats * 32}bit")
+    data.update(torch_threads=torch.get_num_threads(), vector_floats=floats)
+    # 11 rounds, not the profile's 5: the limit is the first count below 1x, and near 1x five rounds move it
+    data["few_rows"] = few_rows_products(model, **({"rows": (1, 4), "repeats": 2} if args.quick else {"repeats": 11}))
+    data["rows_ahead"] = rows_ahead(data["few_rows"])
+    rows = [{**r, **{f"{k}_gb": v for k, v in r["gb_per_s"].items()}} for r in data["few_rows"]["rows"]]
+    columns = [("rows", "{rows}"), ("oneDNN GB/s", "{onednn_prepacked_gb:.1f}"), ("kernel GB/s", "{few_rows_gb:.1f}")]
+    print(table([*columns, ("kernel speed-up", "{speedup:.2f}x")], rows))
+    ahead, runs = data["rows_ahead"], kernel_rows()
+    print(f"{floats} floats a vector: ahead at every count up to {ahead} rows (KERNEL_ROWS has {runs} for it)")
     data["seconds"] = time.perf_counter() - started
     path = result.save(data, complete=True)
     print(f"wrote {path} ({data['seconds']:.0f} s)")
