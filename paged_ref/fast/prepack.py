@@ -67,7 +67,7 @@ PACK_FOR_ROWS = 32
 #: 8 (AVX2, and every target without AVX-512): ``bench serve --profile --few-rows``'
 #: (figures/data/few_rows_256bit.json).
 KERNEL_ROWS = {16: 48, 8: 4}
-#: the outputs of one block of `stream_layout` (four 16-float vectors)
+#: the outputs of one block of `stream_layout` (four 16-float vectors, or eight of 8 floats without AVX-512)
 BLOCK = 64
 
 #: ``few_rows(x, w, n)``: ``x [M, K] @ W.T -> [M, n]`` for ``w = stream_layout(W)``, float32.

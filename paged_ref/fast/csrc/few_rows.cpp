@@ -44,7 +44,7 @@ constexpr Rows ROWS[] = {nullptr, rows<1, 1>, rows<2, 1>, rows<3, 1>, rows<4, 1>
 // sums as ROWS[6] keeps in registers), each output summed over k in the same order as in ROWS[M]
 constexpr int64_t GROUP[] = {1, 4, 2, 2};
 constexpr Rows GROUPED[] = {nullptr, rows<1, 4>, rows<2, 2>, rows<3, 2>};
-#else
+#else  // one row: two blocks at once (8 sums); two or three rows fill the registers with one block's half
 constexpr Rows ROWS[] = {nullptr, rows<1, 1>, rows<2, 1>, rows<3, 1>};
 constexpr int64_t GROUP[] = {1, 2, 1, 1};
 constexpr Rows GROUPED[] = {nullptr, rows<1, 2>, rows<2, 1>, rows<3, 1>};

@@ -7,9 +7,8 @@ each adding one speed-up to the one before (a field of `paged_ref.fast.Fast`, th
 (``backend="cpu_paged"``: attention reading the pages in place, a step's decode rows and prompt
 chunks in one call), ``flat_forward`` (``flat=True``: the layers as one loop, without transformers'
 module calls), ``cpu_ops`` (``cpu_ops=True``: the loop's norms, RoPE and SwiGLU in C++),
-``few_rows`` (``few_rows=True``: products of at most ``max_num_seqs`` rows, and of no more than this CPU's
-`paged_ref.fast.prepack.kernel_rows`, through a kernel that
-reads each weight once, block by block).
+``few_rows`` (``few_rows=True``: products of at most ``max_num_seqs`` rows, and of no more than this
+CPU's `paged_ref.fast.prepack.kernel_rows`, through a kernel that reads each weight once, block by block).
 
 - **Profile**: `torch.profiler` around single engine steps, kept for the first ``steps`` decode steps
   (every row one new token) and mixed steps (decode rows next to a prompt chunk) after a warm-up;

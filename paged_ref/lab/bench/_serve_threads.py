@@ -16,7 +16,8 @@ in alternating order (1, n, then n, 1, ...) and keeps the median over rounds:
   profiler less all its ops' self time), each in ms per step, the step's linear products by rows.
 - **Weight stream**: every product of a decode step (all layers, fused as ``prepack`` fuses them, and
   the LM head) at a full decode step's rows (``max_num_seqs``) and at 1 row through the kernel a
-  decode step runs (`paged_ref.fast.prepack.few_rows_kernel`), weights streamed from memory: the bytes
+  decode step runs with AVX-512 (`paged_ref.fast.prepack.few_rows_kernel`; without AVX-512 a step of more
+  than `paged_ref.fast.prepack.kernel_rows` rows runs oneDNN), weights streamed from memory: the bytes
   of weights over the time (the best of ``repeats``); against a plain read: ``sum()`` of the same
   weights as one float32 tensor (at least 4x the last-level cache), the best of ``repeats``, the read and the
   streams taking turns. The stream's share of the read is taken in each round, and the summary keeps the median
