@@ -47,29 +47,25 @@ def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
         >>> model is None or isinstance(model, str)
         True
     """
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and value.strip():
-                    return value.strip()
-    except OSError:
-        pass
-    return None
+    return next((value for key, value in _cpuinfo(cpuinfo) if key == "model name" and value), None)
 
 
 def cpu_features(cpuinfo: str = "/proc/cpuinfo") -> list[str] | None:
     """Which of `FEATURES` the CPU has (the first ``flags`` or ``Features`` line of Linux's ``/proc/cpuinfo``),
     or None where it is not listed."""
+    lines = (value.split() for key, value in _cpuinfo(cpuinfo) if key in ("flags", "Features"))
+    return next(([name for name in FEATURES if name in flags] for flags in lines), None)
+
+
+def _cpuinfo(cpuinfo: str):
+    """``(key, value)`` of each ``key : value`` line of ``cpuinfo``, both stripped; none where it cannot be read."""
     try:
         with open(cpuinfo) as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return [name for name in FEATURES if name in value.split()]
+                yield key.strip(), value.strip()
     except OSError:
-        pass
-    return None
+        return
 
 
 def environment() -> dict:
