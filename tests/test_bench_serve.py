@@ -118,9 +118,10 @@ def test_fast_is_only_for_the_vllm_comparison(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def _check_threads_profile(saved, counts, rounds):
-    """What ``serve --profile --all-threads`` records: each thread count set and its every part measured."""
-    from paged_ref.lab.bench._serve_threads import PARTS
+def _check_threads_profile(saved, counts, rounds, steps=True):
+    """What ``serve --profile --all-threads`` records: each thread count set and its every part measured (and,
+    with ``steps``, each run's steps, the same at every count, binned by tokens)."""
+    from paged_ref.lab.bench._serve_threads import PARTS, by_tokens
 
     assert saved["complete"] and saved["environment"]["cpu_model"] and saved["parallel_backend"]
     assert saved["thread_counts"] == counts and saved["rounds"] == rounds
@@ -139,14 +140,32 @@ def _check_threads_profile(saved, counts, rounds):
             assert set(k["ms_per_step"]) == {*PARTS, "other ops", "python"} and k["weight_stream_gb_per_s"] > 0
             assert k["step_ms"] == pytest.approx(sum(k["ms_per_step"].values()), rel=0.05)
     assert saved["summary"]["1"]["speedup"] == 1.0
+    if steps:
+        runs = [r for t in counts for r in saved["threads"][str(t)]["steps"]]
+        assert len(runs) == rounds * len(counts) and len({tuple(n for n, _ in r) for r in runs}) == 1
+        for t in counts:
+            d, bins = saved["threads"][str(t)], saved["summary"][str(t)]["steps_by_tokens"]
+            assert list(bins) == list(by_tokens(runs[0])) and sum(b["steps"] for b in bins.values()) == len(runs[0])
+            base = saved["threads"][str(counts[0])]["steps"]
+            for label, b in bins.items():  # per round: the bin's share of the run, the base run's time over this one's
+                shares = [by_tokens(r)[label] / sum(by_tokens(r).values()) for r in d["steps"]]
+                ratios = [by_tokens(a)[label] / by_tokens(r)[label] for a, r in zip(base, d["steps"])]
+                assert b["share"] == pytest.approx(statistics.median(shares))
+                assert b["speedup"] == pytest.approx(statistics.median(ratios))
+                assert t != counts[0] or b["speedup"] == 1
 
 
 def test_profile_at_every_thread_count_records_each_count_and_the_bandwidths(tmp_path):
     import os
 
+    from paged_ref.fast.prepack import vector_floats
+    from paged_ref.lab.bench import _serve_threads
+
     serve.main(["--profile", "--all-threads", "--quick", "--out", str(tmp_path)])
-    saved = json.loads((tmp_path / "serve_profile_threads_cpu_quick.json").read_text())
+    tile = "" if vector_floats() in (None, 16) else f"_{vector_floats() * 32}bit"  # the file names a 256-bit tile
+    saved = json.loads((tmp_path / f"serve_profile_threads_cpu{tile}_quick.json").read_text())
     _check_threads_profile(saved, sorted({1, os.cpu_count()}), 2)
+    assert saved["vector_floats"] == vector_floats() and set(saved["openmp_env"]) == set(_serve_threads.OPENMP_ENV)
     with pytest.raises(SystemExit):
         serve.main(["--all-threads", "--quick", "--out", str(tmp_path)])  # a profile's option
 
@@ -182,8 +201,18 @@ def test_the_committed_threads_profile_measured_one_thread_and_every_core_over_a
 
     saved = json.loads((data_dir() / "serve_profile_threads_cpu.json").read_text())
     assert saved["mode"] == "cpu" and saved["model"]["name"] and len(saved["thread_counts"]) == 2
-    _check_threads_profile(saved, [1, saved["cores"]], saved["rounds"])
+    _check_threads_profile(saved, [1, saved["cores"]], saved["rounds"], steps=False)  # recorded before its steps
     assert saved["weights_gb"] * 1e9 >= 4 * saved["last_level_cache_bytes"]  # the read comes from memory
+
+
+def test_the_committed_256bit_threads_profile_ran_the_8_float_tile_and_kept_its_steps():
+    from paged_ref.lab.runmode import data_dir
+
+    saved = json.loads((data_dir() / "serve_profile_threads_cpu_256bit.json").read_text())
+    assert saved["vector_floats"] == 8 and "avx512f" not in saved["environment"]["cpu_features"]
+    assert saved["openmp_env"]["OMP_WAIT_POLICY"] is None  # OpenMP's default wait
+    _check_threads_profile(saved, [1, saved["cores"]], saved["rounds"])
+    assert saved["weights_gb"] * 1e9 >= 4 * saved["last_level_cache_bytes"]
 
 
 def test_the_vllm_peer_takes_vllms_kv_cache_dtypes_only():

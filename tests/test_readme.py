@@ -160,12 +160,11 @@ def _few_rows_256bit_facts() -> list[str]:
     ahead = [x for r, x in rows.items() if r <= data["rows_ahead"]]
     assert data["vector_floats"] == 8 and KERNEL_ROWS[8] == data["rows_ahead"] and min(rows) == 1
     behind = min(r for r in rows if r > data["rows_ahead"])
-    after = min(r for r in rows if r > behind)
-    late = [x for r, x in rows.items() if r >= 12]
+    late = {r: x for r, x in rows.items() if r > behind}
     return [
         f"products of at most {KERNEL_ROWS[8]} rows, as far as `bench serve --profile --few-rows` measured it ahead",
         f"{min(ahead):.2f}x-{max(ahead):.2f}x at 1-{data['rows_ahead']} rows, {rows[behind]:.2f}x at {behind}, "
-        f"{rows[after]:.2f}x at {after}, {min(late):.2f}x-{max(late):.2f}x from 12 rows on",
+        f"{min(late.values()):.2f}x-{max(late.values()):.2f}x from {min(late)} rows on",
         "`figures/data/few_rows_256bit.json`",
     ]
 

@@ -66,7 +66,7 @@ PACK_FOR_ROWS = 32
 #: every row count. 16 (AVX-512): ``bench serve --profile``'s (figures/data/serve_profile_cpu.json);
 #: 8 (AVX2, and every target without AVX-512): ``bench serve --profile --few-rows``'
 #: (figures/data/few_rows_256bit.json).
-KERNEL_ROWS = {16: 48, 8: 4}
+KERNEL_ROWS = {16: 48, 8: 6}
 #: the outputs of one block of `stream_layout` (four 16-float vectors, or eight of 8 floats without AVX-512)
 BLOCK = 64
 

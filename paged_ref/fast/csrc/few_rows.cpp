@@ -14,13 +14,15 @@ constexpr int64_t L = 16, MAX_ROWS = 6;
 constexpr int64_t L = 8, MAX_ROWS = 3;
 #endif
 typedef float vec __attribute__((vector_size(L * 4), aligned(4)));  // L floats, any alignment
-constexpr int64_t BLOCK = 64, PART = 4, PASSES = BLOCK / (PART * L);
+constexpr int64_t BLOCK = 64;
 
 // MB rows of x [MB, K] times NB consecutive blocks w [NB, K, BLOCK] (of the last block its first n outputs),
 // PART * L outputs of each block a pass: MB * NB * PART vector sums over k; NB blocks are NB streams from memory
-// at once. Each output is summed over k in order, whatever the tile.
-template <int MB, int NB>
+// at once; a pass over whole blocks (PART * L = BLOCK) reads them in memory order. Each output is summed over k in
+// order, whatever the tile.
+template <int MB, int NB, int PART = 4>
 static void rows(const float* x, const float* w, int64_t K, float* o, int64_t N, int64_t n) {
+  constexpr int64_t PASSES = BLOCK / (PART * L);
   for (int64_t p = 0; p < PASSES; ++p) {
     vec acc[MB][NB][PART] = {};
     for (int64_t k = 0; k < K; ++k)
@@ -44,10 +46,12 @@ constexpr Rows ROWS[] = {nullptr, rows<1, 1>, rows<2, 1>, rows<3, 1>, rows<4, 1>
 // sums as ROWS[6] keeps in registers), each output summed over k in the same order as in ROWS[M]
 constexpr int64_t GROUP[] = {1, 4, 2, 2};
 constexpr Rows GROUPED[] = {nullptr, rows<1, 4>, rows<2, 2>, rows<3, 2>};
-#else  // one row: two blocks at once (8 sums); two or three rows fill the registers with one block's half
-constexpr Rows ROWS[] = {nullptr, rows<1, 1>, rows<2, 1>, rows<3, 1>};
-constexpr int64_t GROUP[] = {1, 2, 1, 1};
-constexpr Rows GROUPED[] = {nullptr, rows<1, 2>, rows<2, 1>, rows<3, 1>};
+#else  // one row: a whole block a pass (8 sums), the weights read in memory order as a plain read reads them (two
+// half-block passes, even over two blocks at once, read each row of 64 weights in two halves and stream slower);
+// two or three rows fill the registers with one block's half
+constexpr Rows ROWS[] = {nullptr, rows<1, 1, 8>, rows<2, 1>, rows<3, 1>};
+constexpr int64_t GROUP[] = {1, 1, 1, 1};
+constexpr const Rows* GROUPED = ROWS;  // GROUP: one block at a time
 #endif
 
 // x float32 [M, K], any strides; w float32 [ceil(N / 64), K, 64] (stream_layout), any strides (a copy where not

@@ -8,7 +8,9 @@ in alternating order (1, n, then n, 1, ...) and keeps the median over rounds:
 - **Throughput**: the engine with the fast options (`._serve_profile.VARIANTS`' last) serves the
   profile's workload (all requests at once); generated tokens per second of busy step time. The
   speed-up is the median of the per-round ratios (each round runs every thread count once); every
-  run's tokens are compared with the first run's (``same_tokens_as_first``).
+  run's tokens are compared with the first run's (``same_tokens_as_first``). Each step's tokens and time are
+  kept: with the same tokens every run serves the same steps, so the busy time by the tokens a step feeds
+  (`by_tokens`) gives, bin by bin, the share of a run's time and the speed-up on the same work.
 - **Parts of a step**: `torch.profiler` around decode steps (every row one new token) and mixed steps
   (decode rows beside a prompt chunk) after a warm-up, self CPU time by `PARTS` (the linear products:
   the few-rows kernel for decode steps, oneDNN for a step's prompt tokens; attention; norms, RoPE and
@@ -37,7 +39,8 @@ import torch
 from ...fast.prepack import few_rows_kernel, stream_layout
 from ._serve_profile import PROFILE_WORKLOAD, VARIANTS, _engine, _kind
 
-__all__ = ["PARTS", "last_level_cache_bytes", "run_threads", "step_parts", "throughput", "weight_stream"]
+__all__ = ["OPENMP_ENV", "PARTS", "by_tokens", "last_level_cache_bytes", "run_threads", "step_parts", "throughput"]
+__all__ += ["weight_stream"]
 
 #: part of a step -> the ops or named regions whose time (their own ops included) it is; the rest of the
 #: ops' self time is "other ops", the step's wall time past all ops' self time "python" (the host's)
@@ -48,6 +51,10 @@ PARTS = {
     "cache writes": ("paged_ref::cache_write",),  # `PagedCache.update`'s named region
     "sampling": ("aten::argmax",),
 }
+#: the environment that sets how OpenMP's threads wait between parallel regions and where they run, read once when
+#: the runtime loads (before torch is imported): ``OMP_WAIT_POLICY=ACTIVE`` keeps them spinning; unset, they spin
+#: a while, then sleep
+OPENMP_ENV = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY")
 _FAST = VARIANTS["few_rows"][0]
 _QUICK = dict(requests=10, mean_output=12, page_size=4, num_pages=64, max_num_seqs=8, max_batched_tokens=32, steps=2)
 
@@ -62,14 +69,31 @@ def last_level_cache_bytes() -> int | None:
     return max(sizes) if sizes else None
 
 
-def throughput(model, cfg, requests) -> tuple[float, list[list[int]]]:
-    """Generated tokens per second of busy step time, and the tokens: the fast engine serving ``requests`` at once."""
+def throughput(model, cfg, requests) -> tuple[float, list[list[int]], list[list]]:
+    """Generated tokens per second of busy step time, the tokens, and each step's ``[tokens fed, seconds]``: the
+    fast engine serving ``requests`` at once."""
     engine = _engine(model, cfg, _FAST)
     for prompt, new in requests:
         engine.add_request(prompt, max_new_tokens=new)
     outs = engine.run()
     engine.close()
-    return sum(len(o.token_ids) for o in outs) / sum(h.step_s for h in engine.history), [o.token_ids for o in outs]
+    steps = [[h.tokens, h.step_s] for h in engine.history]
+    return sum(len(o.token_ids) for o in outs) / sum(s for _, s in steps), [o.token_ids for o in outs], steps
+
+
+def by_tokens(steps: list[list]) -> dict[str, float]:
+    """Seconds of ``steps`` (``[tokens fed, seconds]`` each) by the tokens a step feeds, in bins of powers of two
+    (a step of few tokens reads every weight for little arithmetic, a step of many computes):
+
+    >>> by_tokens([[1, 0.5], [3, 0.25], [2, 0.25], [32, 1.0], [40, 2.0], [512, 1.0]])
+    {'1': 0.5, '2-3': 0.5, '32-63': 3.0, '512+': 1.0}
+    """
+    bins = {}
+    for tokens, seconds in steps:
+        low = 1 << (tokens.bit_length() - 1)  # the power of two at or below
+        label = str(low) if low == 1 else f"{low}+" if low >= 512 else f"{low}-{2 * low - 1}"
+        bins[label] = bins.get(label, 0.0) + seconds
+    return dict(sorted(bins.items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+"))))
 
 
 def step_parts(model, cfg, requests) -> dict:
@@ -166,13 +190,16 @@ def run_threads(model, requests_fn, *, quick: bool, counts: list[int], rounds: i
         "rounds": rounds,
         "cores": os.cpu_count(),
         "parallel_backend": parallel[0].split(":", 1)[1].strip() if parallel else None,
+        "openmp_env": {k: os.environ.get(k) for k in OPENMP_ENV},
         "weights_gb": flat.numel() * flat.element_size() / 1e9,
         "last_level_cache_bytes": llc,
         "plain_read": "sum() of every product's weights as one float32 tensor, the best of a round's repeats, "
         "taking turns with the streams; a stream's share of it (of_read) is taken in each round, the summary's the "
         "median of the rounds' shares",
         "load_before": os.getloadavg(),
-        "threads": {str(t): {"torch_threads": None, "tokens_per_s": [], "parts": [], "stream": []} for t in counts},
+        "threads": {
+            str(t): {"torch_threads": None, "tokens_per_s": [], "steps": [], "parts": [], "stream": []} for t in counts
+        },
     }
     few_rows, first = (1, cfg["max_num_seqs"]), None  # first: the tokens of the first run
     try:
@@ -181,8 +208,9 @@ def run_threads(model, requests_fn, *, quick: bool, counts: list[int], rounds: i
                 torch.set_num_threads(t)
                 d = data["threads"][str(t)]
                 d["torch_threads"] = torch.get_num_threads()
-                rate, tokens = throughput(model, cfg, requests)
+                rate, tokens, steps = throughput(model, cfg, requests)
                 d["tokens_per_s"].append(rate)
+                d["steps"].append(steps)
                 first = first or tokens
                 d["same_tokens_as_first"] = d.get("same_tokens_as_first", True) and tokens == first
                 d["parts"].append(step_parts(model, cfg, requests))
@@ -202,10 +230,25 @@ def _median_parts(runs: list[dict], kind: str) -> dict:
     return {"ms_per_step": parts, "step_ms": statistics.median(r["step_ms"] for r in runs), "rows": runs[0]["rows"]}
 
 
+def _steps_by_tokens(runs: list[list], base: list[list]) -> dict:
+    """Each bin of `by_tokens`: its share of a run's busy time and its speed-up over ``base`` (the runs of the first
+    thread count), medians over rounds of per-round values; every run serves the same steps (its tokens equal)."""
+    bins, base_bins = [by_tokens(r) for r in runs], [by_tokens(r) for r in base]
+    return {
+        label: {
+            "steps": sum(1 for tokens, _ in runs[0] if label in by_tokens([[tokens, 0.0]])),
+            "share": statistics.median(b[label] / sum(b.values()) for b in bins),
+            "speedup": statistics.median(a[label] / b[label] for a, b in zip(base_bins, bins)),
+        }
+        for label in bins[0]
+    }
+
+
 def summarize(data: dict) -> dict:
     """Medians over rounds at each thread count, and each count's speed-up over the first (1 thread):
-    throughput (median of per-round ratios), each part of a decode and a mixed step, the plain read's and the
-    weight stream's rates, and the stream's share of the read (median of per-round shares)."""
+    throughput (median of per-round ratios), its steps by tokens (`by_tokens`), each part of a decode and a mixed
+    step, the plain read's and the weight stream's rates, and the stream's share of the read (median of per-round
+    shares)."""
     counts = [str(t) for t in data["thread_counts"]]
     base = data["threads"][counts[0]]
     out = {}
@@ -220,6 +263,7 @@ def summarize(data: dict) -> dict:
             m: {k: statistics.median(x["rows"][m][k] for x in d["stream"]) for k in ("gb_per_s", "of_read")}
             for m in d["stream"][0]["rows"]
         }
+        s["steps_by_tokens"] = _steps_by_tokens(d["steps"], base["steps"])
         for kind in ("decode", "mixed"):
             if all(kind in p for p in d["parts"]):
                 s[kind] = _median_parts(d["parts"], kind)

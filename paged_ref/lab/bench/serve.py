@@ -32,7 +32,8 @@ as prompts (`WORKLOADS`), where paging gains the least over exact reservation; w
 ``serve_cpu_short.json``. ``--profile``: where a step's time goes instead (`._serve_profile`: a profile
 by op of decode and mixed steps, then each speed-up's measured gain), ``figures/data/serve_profile_cpu.json``;
 ``--profile --all-threads``: the fast step at 1 thread and at every core by part, its weight stream against a
-plain read (`._serve_threads`), ``figures/data/serve_profile_threads_cpu.json``; ``--profile --few-rows``: only
+plain read (`._serve_threads`), ``figures/data/serve_profile_threads_cpu.json`` (``_256bit`` where the kernel has
+8-float vectors, no AVX-512); ``--profile --few-rows``: only
 the few-rows kernel against oneDNN at each row count (`._serve_profile.few_rows_products`), on this CPU's vector
 width, which `paged_ref.fast.prepack.KERNEL_ROWS` is keyed by: ``figures/data/few_rows_{256,512}bit.json``.
 ``--pairs N`` (with ``--peer vllm --peer-only``): `._vllm_pairs` instead, vLLM at its defaults (compiled, engine
@@ -943,8 +944,12 @@ def _main_few_rows(parser, args, argv) -> dict:
 
 
 def _main_threads(parser, args, argv) -> dict:
-    """``--profile --all-threads``: `._serve_threads.run_threads` at 1 thread and every core, on SmolLM2."""
-    result, started, model, data, requests_fn = _profile_begin(parser, args, argv, "serve_profile_threads_cpu")
+    """``--profile --all-threads``: `._serve_threads.run_threads` at 1 thread and every core, on SmolLM2; where the
+    kernel's build has 8-float vectors (no AVX-512), in a file of its own (``_256bit``)."""
+    floats = vector_floats()
+    tile = "" if floats in (None, 16) else f"_{floats * 32}bit"
+    result, started, model, data, requests_fn = _profile_begin(parser, args, argv, f"serve_profile_threads_cpu{tile}")
+    data["vector_floats"] = floats
     counts = sorted({1, os.cpu_count() or 1})
     rounds = args.rounds or (2 if args.quick else 3)
     run = run_threads(model, requests_fn, quick=args.quick, counts=counts, rounds=rounds,
@@ -955,6 +960,9 @@ def _main_threads(parser, args, argv) -> dict:
         stream = ", ".join(f"{m} rows {v['gb_per_s']:.1f} GB/s ({v['of_read']:.0%})" for m, v in s["stream"].items())
         print(f"\n{t} thread(s): {s['tokens_per_s']:.1f} tok/s ({s['speedup']:.2f}x of 1 thread); plain read "
               f"{s['read_gb_per_s']:.1f} GB/s; weight stream {stream}")  # fmt: skip
+        bins = s["steps_by_tokens"].items()
+        print("busy time by a step's tokens (share, speed-up):",
+              ", ".join(f"{b} {v['share']:.0%} {v['speedup']:.2f}x" for b, v in bins))  # fmt: skip
         for kind in ("decode", "mixed"):
             if kind in s:
                 k = s[kind]
