@@ -329,3 +329,47 @@ def test_the_readme_bfloat16_run_matches_its_json():
         + f" at the least (`{data['command'].replace('python -m paged_ref.lab.bench ', 'bench ')}`)"
     )  # fmt: skip
     assert want in readme, want
+
+
+def test_the_readme_pairs_without_avx512_match_their_json():
+    """The README's clause on the same comparison on a CPU without AVX-512 states serve_cpu_peer_vllm_pairs_256bit.json:
+    the CPU's features, every cell's median ratio at each thread count (how many fall below vLLM), the tokens."""
+    data = json.loads((ROOT / "figures" / "data" / "serve_cpu_peer_vllm_pairs_256bit.json").read_text())
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    from paged_ref.fast.prepack import KERNEL_ROWS
+    from paged_ref.lab.bench.serve import FAST_OPTIONS
+
+    env = data["environment"]
+    assert "avx512f" not in env["cpu_features"] and data.get("vector_floats", 8) == 8  # the kernel's 8-float tile
+    assert data["paged_ref_fast"] == FAST_OPTIONS and data["dtype"] == "float32" and data["complete"]
+    assert {len(r["ratio_paired"]) for r in data["summary"]} == {data["pairs"]} and data["pairs"] >= 3
+    n = data["summary"][0]["requests"]
+    assert all(r["requests_identical_min"] == r["requests"] == n for r in data["summary"])
+    checks = data["in_process_checks"]
+    assert checks and all(c["paged_ref_preemptions"] == c["vllm_preemptions"] for c in checks)
+    default = [r for r in data["summary"] if r["vllm_mode"] == "default"]
+    below = sum(r["ratio_median"] < 1 for r in default)
+    label = {"chat": "chat", "short": "short answers"}
+
+    def cpu(who):  # CPU-seconds a second of wall time at 1 thread, over the cells: one value or a range
+        lo, hi = (f"{f(r[f'{who}_cpu_s_per_wall_s'] for r in default if r['threads'] == 1):.2f}" for f in (min, max))
+        return lo if lo == hi else f"{lo}-{hi}"
+
+    command = data["command"].replace("python -m paged_ref.lab.bench ", "bench ")
+    want = [
+        f"on a CPU without AVX-512 ({', '.join(env['cpu_features'])}: the few-rows kernel's "
+        f"8-float tile, products of at most {KERNEL_ROWS[8]} rows)",
+        f"medians of {data['pairs']} alternating pairs",
+        f"paged_ref's tokens/s over vLLM's {_pair_cells(data, 'default')}: below vLLM in {below} of {len(default)} "
+        f"cells (at 1 thread vLLM's processes ran {cpu('vllm')} CPU-seconds a second, paged_ref's {cpu('paged_ref')});",
+        f"against vLLM eager in its own process {_pair_cells(data, 'eager')};",
+        f"identical tokens in {n} of {n} requests in every turn, the same preemptions in vLLM's in-process check ("
+        + ", ".join(
+            f"{c['paged_ref_preemptions']} vs {c['vllm_preemptions']} on {label[c['workload']]}, {c['blocks']} blocks"
+            for c in checks
+        )
+        + ")",
+        f"(`{command}`, {env['date_utc'][:10]}, `figures/data/serve_cpu_peer_vllm_pairs_256bit.json`)",
+    ]
+    for phrase in want:
+        assert phrase in readme, phrase

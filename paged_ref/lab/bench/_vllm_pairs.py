@@ -411,9 +411,11 @@ def check_pair_goals(record: dict) -> dict:
 
 def main_pairs(parser, args, argv) -> dict:
     """``bench serve --peer vllm --peer-only --pairs N``: `run_pairs` over the profile's workloads and the
-    thread counts and pools asked for; JSON ``serve_cpu[_quick]_peer_vllm_pairs[_bfloat16].json``."""
+    thread counts and pools asked for; JSON ``serve_cpu[_quick]_peer_vllm_pairs[_bfloat16][_256bit].json``
+    (``_256bit``: ``--fast`` where the few-rows kernel's build has 8-float vectors, no AVX-512)."""
     from ...fast import Fast
     from ...fast.option import resolve
+    from ...fast.prepack import vector_floats
     from ._scaling_models import build_model
     from ._vllm_peer import save_smollm2
     from .common import command_line, environment, result_file
@@ -435,7 +437,9 @@ def main_pairs(parser, args, argv) -> dict:
     eager = {(t, b) for t in eager_threads for b in eager_blocks}
     modes = {(t, b): ("default", "eager") if (t, b) in eager else ("default",) for t in threads for b in blocks}
     suffix = "_quick" if quick else ""
-    name = f"serve_cpu{suffix}_peer_vllm_pairs{'' if args.dtype == 'float32' else '_' + args.dtype}.json"
+    floats = vector_floats() if args.fast else None  # the few-rows kernel's tile: 8 floats without AVX-512
+    tile = f"_{floats * 32}bit" if floats not in (None, 16) else ""  # its own file, beside the AVX-512 record
+    name = f"serve_cpu{suffix}_peer_vllm_pairs{'' if args.dtype == 'float32' else '_' + args.dtype}{tile}.json"
     result = result_file(parser, args.out, name)
     data = {
         "mode": "quick" if quick else "cpu",
@@ -453,6 +457,7 @@ def main_pairs(parser, args, argv) -> dict:
         "vllm_modes": {f"{t} threads, {b} blocks": list(m) for (t, b), m in modes.items()},
         "in_process_check_blocks": check_blocks if args.dtype == "float32" else [],
         "order": "per workload: paged_ref, then each vLLM mode, repeated; ratio = median of per-pair ratios",
+        "vector_floats": floats,
     }
     if args.dtype == "bfloat16":
         ok, why = bf16_supported()
