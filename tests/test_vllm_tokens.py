@@ -106,8 +106,7 @@ def test_bench_serve_pairs_against_vllm_at_its_defaults(tmp_path):
     from paged_ref.fast.prepack import vector_floats
 
     floats = vector_floats()  # without AVX-512 the record has a file of its own
-    tile = "" if floats in (None, 16) else f"_{floats * 32}bit"
-    saved = json.loads((tmp_path / f"serve_cpu_quick_peer_vllm_pairs{tile}.json").read_text())
+    saved = json.loads((tmp_path / f"serve_cpu_quick_peer_vllm_pairs{serve.tile_suffix(floats)}.json").read_text())
     assert saved["vector_floats"] == floats
     assert saved["paged_ref_fast"] == serve.FAST_OPTIONS and saved["goals"]["vllm_default_1x_every_cell"]
     starts = {s["settings"]["mode"]: s for s in saved["vllm_starts"]}

@@ -81,6 +81,12 @@ def throughput(model, cfg, requests) -> tuple[float, list[list[int]], list[list]
     return sum(len(o.token_ids) for o in outs) / sum(s for _, s in steps), [o.token_ids for o in outs], steps
 
 
+def _bin(tokens: int) -> str:
+    """`by_tokens`' bin of a step feeding ``tokens``: the power of two at or below, up to the next (512 up: one)."""
+    low = 1 << (tokens.bit_length() - 1)
+    return str(low) if low == 1 else f"{low}+" if low >= 512 else f"{low}-{2 * low - 1}"
+
+
 def by_tokens(steps: list[list]) -> dict[str, float]:
     """Seconds of ``steps`` (``[tokens fed, seconds]`` each) by the tokens a step feeds, in bins of powers of two
     (a step of few tokens reads every weight for little arithmetic, a step of many computes):
@@ -90,8 +96,7 @@ def by_tokens(steps: list[list]) -> dict[str, float]:
     """
     bins = {}
     for tokens, seconds in steps:
-        low = 1 << (tokens.bit_length() - 1)  # the power of two at or below
-        label = str(low) if low == 1 else f"{low}+" if low >= 512 else f"{low}-{2 * low - 1}"
+        label = _bin(tokens)
         bins[label] = bins.get(label, 0.0) + seconds
     return dict(sorted(bins.items(), key=lambda kv: int(kv[0].split("-")[0].rstrip("+"))))
 
@@ -236,7 +241,7 @@ def _steps_by_tokens(runs: list[list], base: list[list]) -> dict:
     bins, base_bins = [by_tokens(r) for r in runs], [by_tokens(r) for r in base]
     return {
         label: {
-            "steps": sum(1 for tokens, _ in runs[0] if label in by_tokens([[tokens, 0.0]])),
+            "steps": sum(1 for tokens, _ in runs[0] if _bin(tokens) == label),
             "share": statistics.median(b[label] / sum(b.values()) for b in bins),
             "speedup": statistics.median(a[label] / b[label] for a, b in zip(base_bins, bins)),
         }

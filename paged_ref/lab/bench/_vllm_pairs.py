@@ -419,7 +419,7 @@ def main_pairs(parser, args, argv) -> dict:
     from ._scaling_models import build_model
     from ._vllm_peer import save_smollm2
     from .common import command_line, environment, result_file
-    from .serve import FAST, PROFILES, WORKLOADS, make_requests, vllm_python
+    from .serve import FAST, PROFILES, WORKLOADS, make_requests, tile_suffix, vllm_python
 
     if args.pairs < 1:
         parser.error(f"--pairs must be >= 1, got {args.pairs}")
@@ -438,8 +438,8 @@ def main_pairs(parser, args, argv) -> dict:
     modes = {(t, b): ("default", "eager") if (t, b) in eager else ("default",) for t in threads for b in blocks}
     suffix = "_quick" if quick else ""
     floats = vector_floats() if args.fast else None  # the few-rows kernel's tile: 8 floats without AVX-512
-    tile = f"_{floats * 32}bit" if floats not in (None, 16) else ""  # its own file, beside the AVX-512 record
-    name = f"serve_cpu{suffix}_peer_vllm_pairs{'' if args.dtype == 'float32' else '_' + args.dtype}{tile}.json"
+    dtype_tag = "" if args.dtype == "float32" else f"_{args.dtype}"
+    name = f"serve_cpu{suffix}_peer_vllm_pairs{dtype_tag}{tile_suffix(floats)}.json"
     result = result_file(parser, args.out, name)
     data = {
         "mode": "quick" if quick else "cpu",

@@ -943,12 +943,18 @@ def _main_few_rows(parser, args, argv) -> dict:
     return data
 
 
+def tile_suffix(floats: int | None) -> str:
+    """``"_256bit"`` where the few-rows kernel's build has 8-float vectors (no AVX-512), else ``""`` (16 floats, or
+    no kernel): a record of the 8-float tile goes to a file of its own, beside the AVX-512 one."""
+    return "" if floats in (None, 16) else f"_{floats * 32}bit"
+
+
 def _main_threads(parser, args, argv) -> dict:
     """``--profile --all-threads``: `._serve_threads.run_threads` at 1 thread and every core, on SmolLM2; where the
     kernel's build has 8-float vectors (no AVX-512), in a file of its own (``_256bit``)."""
     floats = vector_floats()
-    tile = "" if floats in (None, 16) else f"_{floats * 32}bit"
-    result, started, model, data, requests_fn = _profile_begin(parser, args, argv, f"serve_profile_threads_cpu{tile}")
+    stem = f"serve_profile_threads_cpu{tile_suffix(floats)}"
+    result, started, model, data, requests_fn = _profile_begin(parser, args, argv, stem)
     data["vector_floats"] = floats
     counts = sorted({1, os.cpu_count() or 1})
     rounds = args.rounds or (2 if args.quick else 3)
