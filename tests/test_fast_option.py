@@ -76,7 +76,7 @@ def test_options_are_the_fields_set_and_give_the_value_back():
 
 
 def test_a_decode_steps_rows_are_not_one_row():
-    """``few_rows=True`` (an engine's ``max_num_seqs``) and ``few_rows=1`` differ though ``1 == True``; no rows is off."""
+    """``few_rows=True`` (an engine's ``max_num_seqs``) and ``few_rows=1`` differ though ``1 == True``; 0 is off."""
     rows, one = Fast(prepack=True, few_rows=True), Fast(prepack=True, few_rows=1)
     assert rows != one and len({rows, one}) == 2 and rows == Fast(prepack=True, few_rows=True)
     assert Fast(few_rows=0) == Fast() and Fast(few_rows=0).few_rows is False

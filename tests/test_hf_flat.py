@@ -46,7 +46,7 @@ def test_another_architecture_keeps_its_forward_with_one_warning():
 
 @pytest.mark.parametrize("kind", ["gpt2", "phi"])
 def test_a_model_without_llamas_modules_keeps_its_forward_with_one_warning(kind):
-    """GPT-2 has no ``model.model``, Phi no ``model.model.norm``: refused by the architecture's name, not its attributes."""
+    """GPT-2 has no ``model.model``, Phi no ``model.model.norm``: refused by the architecture's name, not by them."""
     import transformers as T
 
     config = dict(vocab_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)
