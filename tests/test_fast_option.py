@@ -75,6 +75,13 @@ def test_options_are_the_fields_set_and_give_the_value_back():
     assert Fast(**EVERYTHING.options()) == EVERYTHING
 
 
+def test_a_decode_steps_rows_are_not_one_row():
+    """``few_rows=True`` (an engine's ``max_num_seqs``) and ``few_rows=1`` differ though ``1 == True``; 0 is off."""
+    rows, one = Fast(prepack=True, few_rows=True), Fast(prepack=True, few_rows=1)
+    assert rows != one and len({rows, one}) == 2 and rows == Fast(prepack=True, few_rows=True)
+    assert Fast(few_rows=0) == Fast() and Fast(few_rows=0).few_rows is False
+
+
 def test_the_backend_is_named_once(model):
     with pytest.raises(ValueError, match=r"backend='sdpa' and fast.backend='cpu_paged': name the backend once"):
         pr.hf.PagedSession(model, num_pages=4, page_size=4, backend="sdpa", fast=Fast(backend="cpu_paged"))

@@ -44,6 +44,91 @@ def test_another_architecture_keeps_its_forward_with_one_warning():
             assert torch.equal(kept, eager)
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "phi"])
+def test_a_model_without_llamas_modules_keeps_its_forward_with_one_warning(kind):
+    """GPT-2 has no ``model.model``, Phi no ``model.model.norm``: refused by the architecture's name, not by them."""
+    import transformers as T
+
+    config = dict(vocab_size=128, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=128)
+    if kind == "gpt2":
+        model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128))
+    else:
+        model = T.PhiForCausalLM(T.PhiConfig(hidden_size=64, intermediate_size=128, **config))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flat = FlatForward(model.eval())
+        with flat:
+            assert "forward" not in vars(getattr(model, "model", model))
+    assert not flat.flat and len(caught) == 1 and f"'{kind}'" in str(caught[0].message)
+
+
+def test_a_forward_hook_runs_the_models_own_forward_with_one_warning(model):
+    """The loop calls no hooks: while a module has one (or the inner model a forward of its own), transformers'
+    forward runs, the eager logits; without them the loop runs again."""
+    prompts = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 1, 12)]
+    eager = _logits(model, prompts)
+    flat = FlatForward(model)
+    with flat:
+        assert "forward" in model.model.__dict__
+    layers = model.model.layers
+    for hook in (
+        lambda: layers[0].mlp.down_proj.register_forward_hook(lambda m, args, out: out * 3),
+        lambda: layers[1].input_layernorm.register_forward_pre_hook(lambda m, args: (args[0] * 0.5,)),
+        lambda: torch.nn.modules.module.register_module_forward_hook(lambda m, args, out: out),
+    ):
+        handle = hook()
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                want, got = _logits(model, prompts), _logits(model, prompts, flat=True)
+                flat = FlatForward(model)
+                with flat, flat:
+                    assert "forward" not in model.model.__dict__
+            assert [str(w.message) for w in caught if "forward hook" in str(w.message)] == [
+                "flat: the model's own forward runs while a module of model.model has a forward hook, which the loop "
+                "would not call"
+            ] * 2  # once in the session's loop, once in the one built here
+            for w, g in zip(want, got):
+                assert torch.equal(g, w)
+        finally:
+            handle.remove()
+    for e, f in zip(eager, _logits(model, prompts, flat=True)):
+        assert torch.equal(f, e)
+    original = type(model.model).forward.__get__(model.model)
+    model.model.forward = lambda *a, **k: original(*a, **k)  # as accelerate's hooks install one
+    try:
+        mine = model.model.__dict__["forward"]
+        with flat:
+            assert model.model.__dict__["forward"] is mine
+        assert model.model.__dict__["forward"] is mine
+    finally:
+        del model.model.forward
+
+
+def test_replaced_norm_weights_and_modules_are_looked_up_again():
+    """``load_state_dict(assign=True)`` replaces every parameter, a module may be replaced: a loop that ran before
+    runs the model as it is now, the eager step's logits bit for bit."""
+    from paged_ref.models import tiny_llama
+
+    other = tiny_llama(seed=2)
+    with torch.no_grad():
+        for name, p in other.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.2, 2.0)  # a trained checkpoint's norms are not ones
+    prompts = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 1, 12)]
+    outs = []
+    for fast in (Fast(backend="cpu_paged"), Fast(backend="cpu_paged", flat=True)):
+        model = tiny_llama(seed=1)
+        with pr.hf.PagedSession(model, num_pages=32, page_size=4, fast=fast) as s:
+            seqs = [s.add() for _ in prompts]
+            first = s.extend(seqs, prompts, packed=True)  # the old weights
+            model.load_state_dict(other.state_dict(), assign=True)
+            model.model.layers[1].mlp.down_proj = other.model.layers[0].mlp.down_proj  # a module replaced
+            outs.append(s.extend(seqs, [t.argmax(-1, keepdim=True) for t in first]))
+    for eager, flat in zip(*outs):
+        assert torch.equal(flat, eager)
+
+
 def test_flat_must_be_a_bool():
     with pytest.raises(TypeError, match="fast.flat must be True or False, got 1"):
         Fast(flat=1)

@@ -1,8 +1,10 @@
 """The hostile calls that crashed, read or wrote out of bounds, or answered wrong before the native ops checked
 their arguments (issue 57, then lengths whose int64 products overflow, negative views, zero tensors, storages
 shrunk after their tensor was made, inputs sharing memory with a tensor written in place, in-place writes autograd
-did not see, inputs requiring grad whose gradient was left out), each now refused with an error naming the
-argument or answered right. All run in one subprocess, in turn: a crash fails the test naming the case it was on."""
+did not see, inputs requiring grad whose gradient was left out; then dual tensors whose forward-mode tangent was
+dropped, unaligned addresses, nested tensors, check counts that would hang, and a block table another thread wrote
+between its check and its read), each now refused with an error naming the argument or answered right. All run
+in one subprocess, in turn: a crash fails the test naming the case it was on."""
 
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ i64 = lambda *v: torch.tensor(v, dtype=torch.int64)
 def shrunk(t, nbytes=16):  # t, its storage shrunk to nbytes after it was made: t now reaches past it
     t.untyped_storage().resize_(nbytes)
     return t
+def unaligned(*shape):  # float32 values at an address 1 byte past a multiple of 4
+    n = torch.Size(shape).numel()
+    return torch.frombuffer(bytearray(4 * n + 1), dtype=torch.float32, offset=1, count=n).view(shape).normal_()
 neg = lambda *shape: torch.rand(*shape, dtype=torch.cfloat).conj().imag  # a negative view: memory holds -values
 """
 
@@ -217,6 +222,59 @@ CASES = [
     ("k_cache of a storage shrunk to 0 bytes", "attn(kc=shrunk(kc.clone(), 0))", "error k_cache"),
     ("k_cache a zero tensor (no memory)", "attn(kc=torch._efficientzerotensor(kc.shape))", "error k_cache"),
     ("silu_mul gate a zero tensor", "ops.silu_mul(torch._efficientzerotensor(3, 8), torch.randn(3, 8))", "error gate"),
+    (
+        "silu_mul gate a dual tensor (forward-mode AD: its tangent would be dropped)",
+        "import torch.autograd.forward_ad as fwAD\nwith fwAD.dual_level():\n"
+        "    ops.silu_mul(fwAD.make_dual(torch.randn(2, 8), torch.randn(2, 8)), torch.randn(2, 8))",
+        "error gate",
+    ),
+    (
+        "few_rows x a dual tensor",
+        "import torch.autograd.forward_ad as fwAD\nwith fwAD.dual_level():\n"
+        "    few_rows_kernel()(fwAD.make_dual(torch.randn(2, 5), torch.randn(2, 5)), torch.randn(1, 5, 64), 3)",
+        "error x",
+    ),
+    (
+        "paged_attention q a dual tensor",
+        "import torch.autograd.forward_ad as fwAD\nwith fwAD.dual_level():\n"
+        "    attn(q=fwAD.make_dual(q, torch.randn_like(q)))",
+        "error q",
+    ),
+    ("paged_attention q at an unaligned address", "attn(q=unaligned(2, 4, 8))", "error q"),
+    ("few_rows x at an unaligned address", "few_rows_kernel()(unaligned(2, 5), torch.randn(1, 5, 64), 3)", "error x"),
+    ("add_norm w at an unaligned address", "ops.add_norm(torch.randn(2, 8), None, unaligned(8), 1e-6)", "error w"),
+    (
+        "checks run a negative number of times",
+        "ops.silu_mul_checks(torch.randn(2, 8), torch.randn(2, 8), -1)",
+        "error times",
+    ),  # fmt: skip
+    (
+        "checks run 2^62 times (would hang)",
+        "few_rows_kernel(); torch.ops.paged_ref_linear.few_rows_checks("
+        "torch.randn(1, 5), torch.randn(1, 5, 64), 10, 2**62)",
+        "error times",
+    ),  # fmt: skip
+    (
+        "silu_mul gate a nested tensor",
+        "ops.silu_mul(torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)]), torch.randn(2, 8))",
+        "error gate",
+    ),  # fmt: skip
+    (
+        "the block table written by another thread during the call: the ids checked are the ids read",
+        "import threading, time\n"
+        "n, P = 100_000, 64\nkc1, buf = torch.randn(1, P, 1, 64), torch.zeros(48_000_000 + n, dtype=torch.int64)\n"
+        "bad = torch.full_like(buf, 2**40)  # page ids far outside the pool of one page\n"
+        "q1, table, seq_lens, q_lens = torch.randn(n, 1, 64), buf[-n:].view(n, 1), torch.full((n,), P), torch.ones(n)\n"
+        "for trial in range(3):\n"
+        "    buf.zero_(); w = threading.Thread(target=lambda: (time.sleep(0.01), buf.copy_(bad))); w.start()\n"
+        "    time.sleep(0.03)  # the copy (no GIL held) runs on while the kernel reads the table\n"
+        "    try:\n"
+        "        kernel().paged_attention(q1, kc1, kc1, table, seq_lens, q_lens.long(), 0.125)\n"
+        "    except RuntimeError as e:  # the writer came first: refused\n"
+        "        assert 'block_table' in str(e), e\n"
+        "    w.join()",
+        "ok",
+    ),
     (
         "a key far below the maximum weighs 0",
         "v = torch.zeros(4, 4, 2, 8); v[0, 1] = 3e38; k = torch.zeros(4, 4, 2, 8); k[0, 0] = 1e3; k[0, 1] = -1e3;"

@@ -44,7 +44,7 @@ def merge_states(
     finite ``lse``.
 
     Example:
-        >>> scores, v = torch.tensor([[1.0, 2.0, 0.5, 3.0]]), torch.randn(4, 2)   # base 2
+        >>> scores, v = torch.tensor([[1.0, 2.0, 0.5, 3.0]]), torch.arange(8.0).view(4, 2)   # base 2
         >>> ln2 = 0.6931471805599453
         >>> def part(s, v):                                   # (o, lse) of one part, lse in base 2
         ...     return torch.softmax(s * ln2, -1) @ v, torch.logsumexp(s * ln2, -1) / ln2

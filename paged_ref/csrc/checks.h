@@ -12,10 +12,14 @@
 static inline void check_tensor(const char* op, const char* name, const torch::Tensor& t, at::ScalarType dtype,
                                 int64_t dim, const char* layout) {
   TORCH_CHECK(t.defined(), op, ": ", name, " must be a tensor, got None");
+  TORCH_CHECK(!t.is_nested(), op, ": ", name, " must be a dense tensor, got a nested tensor");
   TORCH_CHECK(t.device().is_cpu() && t.layout() == at::kStrided, op, ": ", name,
               " must be a dense CPU tensor, got device ", t.device(), ", layout ", t.layout());
   TORCH_CHECK(!t.requires_grad() || !at::GradMode::is_enabled(), op, ": ", name, " requires grad and the op has ",
               "no backward: call it under torch.no_grad() or torch.inference_mode(), or pass ", name, ".detach()");
+  TORCH_CHECK(!t._fw_grad(/*level=*/0).defined(), op, ": ", name, " has a forward-mode gradient (a dual tensor of ",
+              "torch.autograd.forward_ad) and the op computes none: pass the primal, fwAD.unpack_dual(", name,
+              ").primal");
   TORCH_CHECK(!t._is_zerotensor(), op, ": ", name, " must hold its values in memory, got a zero tensor (",
               "torch._efficientzerotensor: no memory)");
   if (t.numel() > 0) {  // its last element in its storage (which can shrink after t is made: untyped_storage().resize_)
@@ -26,6 +30,10 @@ static inline void check_tensor(const char* op, const char* name, const torch::T
     TORCH_CHECK(last < room, op, ": ", name, " must lie within its storage, got shape ", t.sizes(), ", strides ",
                 t.strides(), ", offset ", t.storage_offset(), " reaching element ", last, " of a storage of ", room,
                 " elements (resized after the tensor was made?)");
+    const auto address = reinterpret_cast<uintptr_t>(t.data_ptr());  // read as its elements: at their alignment
+    TORCH_CHECK(address % t.itemsize() == 0, op, ": ", name, " must start at a multiple of its element size (",
+                t.itemsize(), " bytes), got an address ", address % t.itemsize(), " bytes past one (a view of ",
+                "unaligned bytes, as torch.frombuffer at an odd offset makes): pass ", name, ".clone()");
   }
   TORCH_CHECK(!t.is_neg(), op, ": ", name, " must hold its own values (read as they lie in memory), got a negative ",
               "view (x.conj().imag is one): pass it through resolve_neg()");
@@ -55,6 +63,7 @@ static inline void check_no_overlap(const char* op, const char* name, const torc
 // call by `times`, so that one call's dispatch does not count). The barrier keeps each round's reads in it.
 template <typename F>
 static inline void repeat_checks(int64_t times, F check) {
+  TORCH_CHECK(times >= 0 && times <= 1000000, "checks: times must be in [0, 1000000], got ", times);
   for (int64_t i = 0; i < times; ++i) {
     check();
     asm volatile("" ::: "memory");

@@ -9,8 +9,10 @@ Llama-architecture models (SmolLM2, Llama): within its ``with`` block the model'
 same weights in the same order as transformers' ``LlamaModel`` (attention too: the function the
 model's config names, ``"paged_ref"`` in a session's forward), so the logits are bit for bit the
 same; outside it the model is untouched. Its layers' modules and norm weights are looked up when it is
-built: a weight changed in place is seen, a module or parameter replaced afterwards is not (build it
-again: a new session or engine). A model of another architecture (or activation) keeps its
+built, and looked up again when the block is entered after one was replaced (a module, or a norm weight:
+``load_state_dict(assign=True)``). The loop calls no module hooks: while a module of ``model.model`` has a
+forward hook or pre-hook (or ``model.model`` a ``forward`` of its own on the instance, as accelerate's hooks
+install), the model's own forward runs, with one warning. A model of another architecture (or activation) keeps its
 own forward, with one warning (``flat`` says which happened). The loop's small operations (norms,
 RoPE, SwiGLU) are an op set: `EAGER` is transformers' own; ``cpu_ops=True`` runs them as vLLM's CPU
 build does, in C++ (`paged_ref.fast.cpu_ops`), the same up to rounding.
@@ -52,29 +54,45 @@ class FlatForward:
     def __init__(self, model, *, cpu_ops: bool = False):
         if not isinstance(cpu_ops, bool):
             raise TypeError(f"cpu_ops must be True or False, got {cpu_ops!r}")
-        self._inner = model.model
         kind, act = getattr(model.config, "model_type", None), getattr(model.config, "hidden_act", None)
         self.flat = kind in SUPPORTED and act == "silu"
+        self.ops, self._put, self._warned = EAGER, [], False
         if not self.flat:
             why = f"{type(model).__name__} ({kind!r}, {act!r}) keeps its own forward; the loop is for {SUPPORTED}, silu"
             warnings.warn(f"flat: {why}", RuntimeWarning, stacklevel=2)
-        self.ops = EAGER
+            return
+        self._inner = model.model
         weight = self._inner.norm.weight
-        if cpu_ops and self.flat and (weight.device.type, weight.dtype) != ("cpu", torch.float32):
+        if cpu_ops and (weight.device.type, weight.dtype) != ("cpu", torch.float32):
             why = f"they take float32 on the CPU, the model is {weight.dtype} on {weight.device.type}"
             warnings.warn(f"flat: cpu_ops=True, transformers' operations run ({why})", RuntimeWarning, stacklevel=2)
-        elif cpu_ops and self.flat:
+        elif cpu_ops:
             self.ops = load_cpu_ops() or EAGER  # a failed build has warned
-        self._layers = layer_parts(self._inner) if self.flat else []
+        self._look_up()
+
+    def _look_up(self) -> None:
+        self._layers, self._seen = layer_parts(self._inner), _looked_up(self._inner)
+        self._hooks = [(m._forward_hooks, m._forward_pre_hooks) for m in self._inner.modules()]
 
     def __enter__(self) -> FlatForward:
-        if self.flat:  # an instance attribute, shadowing the class's forward
+        put = self.flat and "forward" not in self._inner.__dict__  # not over one of its own, nor this block's
+        if put and any(d.get(key) is not held for d, key, held in self._seen):  # a module or norm weight replaced
+            self._look_up()
+        if put and (any(_GLOBAL_HOOKS) or any(hook or pre for hook, pre in self._hooks)):
+            put = False
+            if not self._warned:
+                self._warned = True
+                why = "a module of model.model has a forward hook, which the loop would not call"
+                warnings.warn(f"flat: the model's own forward runs while {why}", RuntimeWarning, stacklevel=2)
+        if put:  # an instance attribute, shadowing the class's forward
             forward = functools.partial(flat_forward, self._inner, ops=self.ops, layers=self._layers)
             self._inner.__dict__["forward"] = forward
+        self._put.append(put)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._inner.__dict__.pop("forward", None)
+        if self._put.pop():
+            self._inner.__dict__.pop("forward", None)
 
 
 def _add_norm(h, y, weight, eps):
@@ -120,6 +138,24 @@ def layer_parts(inner) -> list[LayerParts]:
         projections = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
         out.append(LayerParts(attn, *projections, *norms))
     return out
+
+
+def _looked_up(inner) -> list[tuple[dict, str, object]]:
+    """What the loop takes from ``inner`` (`layer_parts`, and the modules it calls on every forward), each as (the
+    dict it lies in, its key, what lay there when looked up): one replaced since lies there no more."""
+    out = [(inner._modules, n, inner._modules.get(n)) for n in ("embed_tokens", "rotary_emb", "norm", "layers")]
+    for i, layer in enumerate(inner.layers[: inner.config.num_hidden_layers]):
+        out.append((inner.layers._modules, str(i), layer))
+        for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
+            child = layer._modules[name]
+            out.append((layer._modules, name, child))
+            out += [(child._modules, n, m) for n, m in child._modules.items()]  # projections
+            out += [(child._parameters, "weight", child._parameters["weight"])] if "norm" in name else []
+    return out
+
+
+#: torch's hooks on every module (``register_module_forward_hook``, ``..._pre_hook``)
+_GLOBAL_HOOKS = (torch.nn.modules.module._global_forward_hooks, torch.nn.modules.module._global_forward_pre_hooks)
 
 
 def flat_forward(

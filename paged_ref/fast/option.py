@@ -29,7 +29,7 @@ from .prepack import PackedLinears, kernel_rows, why_not_packed
 __all__ = ["Fast", "resolve"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Fast:
     """The speed-ups of a step; ``Fast()`` has none (the lesson's eager step).
 
@@ -62,10 +62,22 @@ class Fast:
                 raise TypeError(f"fast.{name} must be True or False, got {getattr(self, name)!r}")
         if not isinstance(self.few_rows, int) or self.few_rows < 0:
             raise TypeError(f"fast.few_rows must be True, False or a number of rows >= 0, got {self.few_rows!r}")
+        if self.few_rows == 0:
+            object.__setattr__(self, "few_rows", False)  # no rows: the kernel off, as False
         if self.cpu_ops and not self.flat:
             raise ValueError("fast.cpu_ops=True runs in the flat loop: give flat=True with it")
         if self.few_rows and not self.prepack:
             raise ValueError(f"fast.few_rows={self.few_rows!r} reads weights packed by prepack: give prepack=True")
+
+    def _key(self) -> tuple:
+        """The fields with their types: ``few_rows=True`` (a decode step's rows) is not ``few_rows=1``."""
+        return tuple((getattr(self, f.name), type(getattr(self, f.name))) for f in fields(self))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Fast) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     def options(self) -> dict:
         """The fields set away from ``Fast()``, as keyword arguments (``Fast(**f.options()) == f``)."""

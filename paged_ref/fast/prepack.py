@@ -13,7 +13,9 @@ changed in place (``weight.mul_(2)`` under ``torch.no_grad()``, ``load_state_dic
 step: its version counter moves) or replaced (``layer.weight = ...``, ``weight.data = ...``). A
 change through ``weight.data`` in place moves no counter and is not seen, nor any change in place of
 an inference tensor (weights made under ``torch.inference_mode()``, which keep no counter): pack again (a
-new `PackedLinears`, a new session or engine). Packed layers compute no gradients: one that autograd would
+new `PackedLinears`, a new session or engine). A layer with a ``forward`` of its own on the instance (what
+accelerate's hooks or a monkeypatch put there) keeps it within the block: it runs as it would without the block,
+and is left in place. Packed layers compute no gradients: one that autograd would
 record (grad mode on, and ``x`` or the weights requiring grad) raises a ``RuntimeError``; run them under
 ``torch.no_grad()`` or ``torch.inference_mode()`` (as `paged_ref.hf.PagedSession.extend` does).
 
@@ -78,26 +80,28 @@ class PackedLinears:
     """Every ``nn.Linear`` of ``model`` (weights ``[out, in]``, CPU, float32 or bfloat16) run through its
     prepacked oneDNN weight within ``with``; ``packed`` is False when they stay eager. ``few_rows``: products
     of at most that many rows (and `kernel_rows`) run through `SOURCE`'s kernel (0: none). Entering packs again
-    the weights changed since they were packed (in place or replaced; not through ``.data`` in place), and a
-    packed layer refuses a product autograd would record (RuntimeError): see the module docstring."""
+    the weights changed since they were packed (in place or replaced; not through ``.data`` in place), a layer
+    with its own instance ``forward`` keeps it, and a packed layer refuses a product autograd would record
+    (RuntimeError): see the module docstring."""
 
     def __init__(self, model: torch.nn.Module, *, few_rows: int = 0):
         if isinstance(few_rows, bool) or not isinstance(few_rows, int) or few_rows < 0:
             raise TypeError(f"few_rows must be a number of rows (an int >= 0), got {few_rows!r}")
         self._packs: list[_Pack] = []  # layers that read the same input, packed as one product
+        self._put: list[list[torch.nn.Linear]] = []  # per ``with`` entered: the layers it gave a packed forward
         why = why_not_packed(model)
         few = few_rows_kernel() if few_rows > 0 and why is None else None  # a failed build has warned
         self._few = few = None if few is None else (few, min(few_rows, kernel_rows()))
         if why is None:
             try:
-                grouped = set()
+                grouped, names = set(), {m: n for n, m in model.named_modules()}
                 for module in model.modules():
                     for group in _groups(module):
-                        self._packs.append(_Pack(group, few))
+                        self._packs.append(_Pack(group, few, " + ".join(names[m] for m in group)))
                         grouped.update(group)
                 for module in model.modules():
                     if isinstance(module, torch.nn.Linear) and module not in grouped:
-                        self._packs.append(_Pack([module], few))
+                        self._packs.append(_Pack([module], few, names[module]))
             except RuntimeError as e:  # an op this build of torch lacks, a shape oneDNN refuses
                 why = f"packing failed: {type(e).__name__}: {str(e).splitlines()[0]}"
                 self._packs = []
@@ -117,18 +121,24 @@ class PackedLinears:
                     try:
                         pack.pack(self._few)
                     except RuntimeError as e:  # a weight now of a dtype or on a device oneDNN does not take
-                        first = str(e).splitlines()[0]
-                        raise RuntimeError(f"prepack: changed weights cannot be packed again: {first}") from e
+                        got = ", ".join(f"{t.dtype} on {t.device.type}" for t in pack.weights())
+                        raise RuntimeError(
+                            f"prepack: changed weights cannot be packed again: {pack.name}'s weights are {got}; "
+                            f"packing needs float32 or bfloat16 on the CPU ({str(e).splitlines()[0]})"
+                        ) from e
             self._seen = now
+        put = []  # the layers without a forward on the instance (their own, or this block's entered already)
         for pack in self._packs:  # once per forward: the instance dict, not Module.__setattr__
             for layer, forward in zip(pack.layers, pack.forwards):
-                layer.__dict__["forward"] = forward  # an instance attribute: shadows the class's forward
+                if "forward" not in layer.__dict__:
+                    layer.__dict__["forward"] = forward  # an instance attribute: shadows the class's forward
+                    put.append(layer)
+        self._put.append(put)
         return self
 
     def __exit__(self, *exc) -> None:
-        for pack in self._packs:
-            for layer in pack.layers:
-                layer.__dict__.pop("forward", None)
+        for layer in self._put.pop():
+            layer.__dict__.pop("forward", None)
 
 
 def _stamp(sources: list[tuple[dict, str]]) -> list:
@@ -146,8 +156,8 @@ class _Pack:
     """Linear layers of one input (one, or a `FUSED` group) through one packed product of their weights,
     with the `_stamp` of the weights and biases it was made from."""
 
-    def __init__(self, layers: list[torch.nn.Linear], few):
-        self.layers = layers
+    def __init__(self, layers: list[torch.nn.Linear], few, name: str = "a linear layer"):
+        self.layers, self.name = layers, name
         self.sources = [(m._parameters, name) for m in layers for name in ("weight", "bias")]
         self.pack(few)
 
@@ -155,8 +165,13 @@ class _Pack:
         """Pack the layers' weights as they are now: ``forwards``, one per layer."""
         layers = self.layers
         self.forwards = _fused_forwards(layers, few) if len(layers) > 1 else [_packed_forward(layers[0], few)]
-        self._kept = [d.get(name) for d, name in self.sources]  # while they live, no other tensor has their id
+        # while they live, no other tensor has their id, nor their storage's address (`.data =` twice in a row
+        # would otherwise find the freed address again)
+        self._kept = [None if (t := d.get(name)) is None else (t, t.detach()) for d, name in self.sources]
         self._seen = _stamp(self.sources)
+
+    def weights(self) -> list[torch.Tensor]:
+        return [layer.weight for layer in self.layers]
 
     def stale(self) -> bool:
         """Whether a weight or bias was changed in place or replaced since it was packed."""

@@ -20,12 +20,12 @@ static std::vector<int64_t> lengths(const char* name, const torch::Tensor& t, in
   return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + B);
 }
 
-// Page ids of the used entries (the first ceil(lens[b] / P) of row b) within [0, num_pages): one pass over them.
+// Page ids of the used entries (the first ceil(lens[b] / P) of row b) within [0, num_pages): one pass over them;
+// block_table contiguous (check_paged_attention's copy).
 template <typename T>
 static void check_pages(const torch::Tensor& block_table, const std::vector<int64_t>& lens, int64_t P, int64_t pages) {
-  auto c = block_table.contiguous();
-  const T* table = c.data_ptr<T>();
-  const int64_t M = c.size(1);
+  const T* table = block_table.data_ptr<T>();
+  const int64_t M = block_table.size(1);
   for (size_t b = 0; b < lens.size(); ++b) {
     const T* row = table + b * M;
     const int64_t used = lens[b] / P + (lens[b] % P != 0);  // ceil, lens[b] up to 2^63 - 1
@@ -55,10 +55,17 @@ static void check_scales(const char* op, const torch::Tensor& k_cache, const Sca
   }
 }
 
+// What check_paged_attention read and checked: seq_lens and q_lens as int64 values, and a copy of the block table
+// (contiguous) whose used page ids are in range. The kernel reads these, not the caller's tensors: another thread
+// writing those after the checks (a torch op releases the GIL) cannot move a page id out of range.
+struct Checked {
+  std::vector<int64_t> lens, new_lens;
+  torch::Tensor table;
+};
+
 // Everything paged_attention relies on, checked: dtypes, devices, ranks, sizes that must agree, lengths and
-// page ids in range. Returns (seq_lens, q_lens) as int64 values. The tensors' strides are free (copies are made,
-// the scales are read through theirs).
-static std::pair<std::vector<int64_t>, std::vector<int64_t>> check_paged_attention(
+// page ids in range (Checked). The tensors' strides are free (copies are made, the scales are read through theirs).
+static Checked check_paged_attention(
     const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
     const torch::Tensor& block_table, const torch::Tensor& seq_lens, const torch::Tensor& q_lens,
     const Scale& k_scale = {}, const Scale& v_scale = {}) {
@@ -103,11 +110,12 @@ static std::pair<std::vector<int64_t>, std::vector<int64_t>> check_paged_attenti
     total += new_lens[b];
   }
   TORCH_CHECK(total == q.size(0), op, ": q_lens must add up to q's n (dim 0) = ", q.size(0), " tokens, got ", total);
-  if (block_table.scalar_type() == at::kInt)
-    check_pages<int32_t>(block_table, lens, P, num_pages);
+  auto table = block_table.clone(at::MemoryFormat::Contiguous);  // read once: the ids checked are the ids used
+  if (table.scalar_type() == at::kInt)
+    check_pages<int32_t>(table, lens, P, num_pages);
   else
-    check_pages<int64_t>(block_table, lens, P, num_pages);
-  return {lens, new_lens};
+    check_pages<int64_t>(table, lens, P, num_pages);
+  return {lens, new_lens, table};
 }
 
 // The checks alone, `times` times over (bench serve --profile times them against the whole call).
@@ -240,16 +248,16 @@ static void attend_pages(const torch::Tensor& q, const torch::Tensor& k_cache, c
 torch::Tensor paged_attention_scaled(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor q_lens,
                                      double scale, Scale k_scale, Scale v_scale) {
-  auto [lens, new_lens] = check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens, k_scale, v_scale);
+  auto [lens, new_lens, table] =
+      check_paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens, k_scale, v_scale);
   if (q.numel() == 0) return torch::empty(q.sizes(), q.options());  // no token, head or dimension: nothing to read
   q = q.contiguous(), k_cache = k_cache.contiguous(), v_cache = v_cache.contiguous();
-  block_table = block_table.contiguous();
   auto out = torch::empty_like(q);
   const float sc = static_cast<float>(scale);
-  if (block_table.scalar_type() == at::kInt)
-    attend_pages<int32_t>(q, k_cache, v_cache, block_table, lens, new_lens, sc, k_scale, v_scale, out);
+  if (table.scalar_type() == at::kInt)
+    attend_pages<int32_t>(q, k_cache, v_cache, table, lens, new_lens, sc, k_scale, v_scale, out);
   else
-    attend_pages<int64_t>(q, k_cache, v_cache, block_table, lens, new_lens, sc, k_scale, v_scale, out);
+    attend_pages<int64_t>(q, k_cache, v_cache, table, lens, new_lens, sc, k_scale, v_scale, out);
   return out;
 }
 
