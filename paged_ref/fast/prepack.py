@@ -158,7 +158,7 @@ class _Pack:
 
     def __init__(self, layers: list[torch.nn.Linear], few, name: str = "a linear layer"):
         self.layers, self.name = layers, name
-        self.sources = [(m._parameters, name) for m in layers for name in ("weight", "bias")]
+        self.sources = [(m._parameters, p) for m in layers for p in ("weight", "bias")]
         self.pack(few)
 
     def pack(self, few) -> None:
