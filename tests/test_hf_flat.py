@@ -62,47 +62,85 @@ def test_a_model_without_llamas_modules_keeps_its_forward_with_one_warning(kind)
     assert not flat.flat and len(caught) == 1 and f"'{kind}'" in str(caught[0].message)
 
 
-def test_a_forward_hook_runs_the_models_own_forward_with_one_warning(model):
-    """The loop calls no hooks: while a module has one (or the inner model a forward of its own), transformers'
-    forward runs, the eager logits; without them the loop runs again."""
+def _own_forward(module):
+    """Give ``module`` a forward of its own on the instance (as accelerate's hooks do): three times its output."""
+    original = type(module).forward.__get__(module)
+    module.forward = lambda *a, **k: 3 * original(*a, **k)
+    return lambda: module.__dict__.pop("forward")
+
+
+def _parametrized(module):
+    from torch.nn.utils import parametrize
+
+    class Doubled(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    parametrize.register_parametrization(module, "weight", Doubled())
+    return lambda: parametrize.remove_parametrizations(module, "weight")
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (lambda m: m.model.layers[0].mlp.down_proj.register_forward_hook(lambda mod, a, out: out * 3).remove,
+         "has a forward hook"),
+        (lambda m: m.model.layers[1].input_layernorm.register_forward_pre_hook(lambda mod, a: (a[0] * 0.5,)).remove,
+         "has a forward hook"),
+        (lambda m: torch.nn.modules.module.register_module_forward_hook(lambda mod, a, out: out).remove,
+         "has a forward hook"),
+        (lambda m: _own_forward(m.model.layers[0].mlp), "a layer, attention, MLP or norm module has a forward"),
+        (lambda m: _own_forward(m.model.norm), "a layer, attention, MLP or norm module has a forward"),
+        (lambda m: _parametrized(m.model.layers[1].post_attention_layernorm), "is not a plain parameter"),
+    ],
+)  # fmt: skip
+def test_what_the_loop_would_not_run_runs_the_models_own_forward_with_one_warning(change, why):
+    """The loop calls no hooks and does the layers' work itself: while a module has a hook, one whose work it does a
+    forward of its own, or a norm a parametrized weight, transformers' forward runs (the eager logits); after, the
+    loop runs again."""
+    from paged_ref.models import tiny_llama
+
+    model = tiny_llama(seed=1)
     prompts = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)) for n in (7, 1, 12)]
-    eager = _logits(model, prompts)
-    flat = FlatForward(model)
+    undo = change(model)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            want, got = _logits(model, prompts), _logits(model, prompts, flat=True)
+            flat = FlatForward(model)
+            with flat, flat:
+                assert "forward" not in model.model.__dict__
+        said = [str(w.message) for w in caught if str(w.message).startswith("flat: the model's own forward runs")]
+        assert len(said) == 2 and why in said[0], said  # once in the session's loop, once in the one built here
+        for w, g in zip(want, got):
+            assert torch.equal(g, w)
+    finally:
+        undo()
     with flat:
         assert "forward" in model.model.__dict__
-    layers = model.model.layers
-    for hook in (
-        lambda: layers[0].mlp.down_proj.register_forward_hook(lambda m, args, out: out * 3),
-        lambda: layers[1].input_layernorm.register_forward_pre_hook(lambda m, args: (args[0] * 0.5,)),
-        lambda: torch.nn.modules.module.register_module_forward_hook(lambda m, args, out: out),
-    ):
-        handle = hook()
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                want, got = _logits(model, prompts), _logits(model, prompts, flat=True)
-                flat = FlatForward(model)
-                with flat, flat:
-                    assert "forward" not in model.model.__dict__
-            assert [str(w.message) for w in caught if "forward hook" in str(w.message)] == [
-                "flat: the model's own forward runs while a module of model.model has a forward hook, which the loop "
-                "would not call"
-            ] * 2  # once in the session's loop, once in the one built here
-            for w, g in zip(want, got):
-                assert torch.equal(g, w)
-        finally:
-            handle.remove()
-    for e, f in zip(eager, _logits(model, prompts, flat=True)):
-        assert torch.equal(f, e)
-    original = type(model.model).forward.__get__(model.model)
-    model.model.forward = lambda *a, **k: original(*a, **k)  # as accelerate's hooks install one
+
+
+def test_transformers_output_capturing_hooks_leave_the_loop_running(model):
+    """``output_hidden_states=True`` once installs transformers' capturing hooks for good; they collect only inside the
+    model's own forward, which the loop replaces."""
+    model(torch.tensor([[5, 9, 3]]), output_hidden_states=True)
+    assert any(m._forward_hooks for m in model.model.modules())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with FlatForward(model):
+            assert "forward" in model.model.__dict__
+
+
+def test_an_inner_model_with_its_own_forward_keeps_it_with_one_warning(model):
+    undo = _own_forward(model.model)
     try:
         mine = model.model.__dict__["forward"]
-        with flat:
-            assert model.model.__dict__["forward"] is mine
+        with pytest.warns(RuntimeWarning, match="model.model has a forward of its own on the instance"):
+            with FlatForward(model):
+                assert model.model.__dict__["forward"] is mine
         assert model.model.__dict__["forward"] is mine
     finally:
-        del model.model.forward
+        undo()
 
 
 def test_replaced_norm_weights_and_modules_are_looked_up_again():

@@ -288,6 +288,9 @@ def test_a_layer_with_its_own_forward_keeps_it_and_runs_as_without_packs():
         torch.testing.assert_close(f, e, rtol=1e-4, atol=1e-4)
     assert [m.__dict__["forward"] for m in (layer, q)] == hooked
     assert all("forward" not in m.__dict__ for m in _linears(model) if m not in (layer, q))
+    with PackedLinears(model):  # k and v, packed with q as one product, stay eager with it
+        attn = model.model.layers[0].self_attn
+        assert "forward" not in attn.k_proj.__dict__ and "forward" in model.model.layers[0].mlp.up_proj.__dict__
 
 
 def test_packed_layers_refuse_a_product_autograd_would_record(model):

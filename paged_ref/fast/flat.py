@@ -10,9 +10,11 @@ same weights in the same order as transformers' ``LlamaModel`` (attention too: t
 model's config names, ``"paged_ref"`` in a session's forward), so the logits are bit for bit the
 same; outside it the model is untouched. Its layers' modules and norm weights are looked up when it is
 built, and looked up again when the block is entered after one was replaced (a module, or a norm weight:
-``load_state_dict(assign=True)``). The loop calls no module hooks: while a module of ``model.model`` has a
-forward hook or pre-hook (or ``model.model`` a ``forward`` of its own on the instance, as accelerate's hooks
-install), the model's own forward runs, with one warning. A model of another architecture (or activation) keeps its
+``load_state_dict(assign=True)``). The loop calls no module hooks and does the work of the layers, their attention,
+MLP and norms itself: while a module of ``model.model`` has a forward hook or pre-hook (transformers' own output
+capturing aside), one whose work the loop does (or ``model.model``) has a ``forward`` of its own on the instance, as
+accelerate's hooks install, or a norm's weight is parametrized, the model's own forward runs, with one warning.
+A model of another architecture (or activation) keeps its
 own forward, with one warning (``flat`` says which happened). The loop's small operations (norms,
 RoPE, SwiGLU) are an op set: `EAGER` is transformers' own; ``cpu_ops=True`` runs them as vLLM's CPU
 build does, in C++ (`paged_ref.fast.cpu_ops`), the same up to rounding.
@@ -72,17 +74,32 @@ class FlatForward:
 
     def _look_up(self) -> None:
         self._layers, self._seen = layer_parts(self._inner), _looked_up(self._inner)
-        self._hooks = [(m._forward_hooks, m._forward_pre_hooks) for m in self._inner.modules()]
+        inner = self._inner  # its own hooks and forward run as they would: its __call__ calls the loop
+        self._hooks = [(m._forward_hooks, m._forward_pre_hooks) for m in inner.modules() if m is not inner]
+        layers = inner.layers[: inner.config.num_hidden_layers]
+        self._inlined = [inner.norm, *(m for layer in layers for m in _inlined(layer))]  # whose work the loop does
+
+    def _why_not(self) -> str | None:
+        """Why the loop would not run the model as its own forward does now, or None."""
+        if "forward" in self._inner.__dict__ and not any(self._put):  # not this block's, entered already
+            return "model.model has a forward of its own on the instance"
+        if any(d.get(key) is not held for d, key, held in self._seen):  # a module or norm weight replaced
+            self._look_up()
+        if any(_GLOBAL_HOOKS) or any((hook and _acting(hook)) or (pre and _acting(pre)) for hook, pre in self._hooks):
+            return "a module of model.model has a forward hook, which the loop would not call"
+        if any("forward" in m.__dict__ for m in self._inlined):
+            return "a layer, attention, MLP or norm module has a forward of its own, which the loop would not call"
+        if any(weight is None for p in self._layers for weight, _ in (p.norm, p.post_norm)):
+            return "a norm's weight is not a plain parameter (a parametrization), which the loop would read stale"
+        return None
 
     def __enter__(self) -> FlatForward:
-        put = self.flat and "forward" not in self._inner.__dict__  # not over one of its own, nor this block's
-        if put and any(d.get(key) is not held for d, key, held in self._seen):  # a module or norm weight replaced
-            self._look_up()
-        if put and (any(_GLOBAL_HOOKS) or any(hook or pre for hook, pre in self._hooks)):
+        put = self.flat and not any(self._put)  # a nested block leaves the outer one's loop in place
+        why = self._why_not() if put else None
+        if why is not None:
             put = False
             if not self._warned:
                 self._warned = True
-                why = "a module of model.model has a forward hook, which the loop would not call"
                 warnings.warn(f"flat: the model's own forward runs while {why}", RuntimeWarning, stacklevel=2)
         if put:  # an instance attribute, shadowing the class's forward
             forward = functools.partial(flat_forward, self._inner, ops=self.ops, layers=self._layers)
@@ -114,8 +131,9 @@ EAGER = SimpleNamespace(add_norm=_add_norm, rotate=_rotate, silu_mul=lambda gate
 
 
 class LayerParts(NamedTuple):
-    """One decoder layer's modules and norm weights, looked up once (``nn.Module.__getattr__`` is a Python
-    call per submodule or parameter, 15 a layer on every step otherwise)."""
+    """One decoder layer's modules and norm weights (None: not a plain parameter), looked up once, and again after
+    one was replaced (`FlatForward`; ``nn.Module.__getattr__`` is a Python call per submodule or parameter, 15 a
+    layer on every step otherwise)."""
 
     attn: torch.nn.Module  # the layer's self_attn: what the attention function takes as its module
     q: torch.nn.Module
@@ -134,7 +152,7 @@ def layer_parts(inner) -> list[LayerParts]:
     out = []
     for layer in inner.layers[: inner.config.num_hidden_layers]:
         attn, mlp, a, b = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
-        norms = (a.weight, a.variance_epsilon), (b.weight, b.variance_epsilon)
+        norms = (a._parameters.get("weight"), a.variance_epsilon), (b._parameters.get("weight"), b.variance_epsilon)
         projections = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj
         out.append(LayerParts(attn, *projections, *norms))
     return out
@@ -147,11 +165,23 @@ def _looked_up(inner) -> list[tuple[dict, str, object]]:
     for i, layer in enumerate(inner.layers[: inner.config.num_hidden_layers]):
         out.append((inner.layers._modules, str(i), layer))
         for name in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm"):
-            child = layer._modules[name]
+            child = layer._modules.get(name)
             out.append((layer._modules, name, child))
             out += [(child._modules, n, m) for n, m in child._modules.items()]  # projections
-            out += [(child._parameters, "weight", child._parameters["weight"])] if "norm" in name else []
+            out += [(child._parameters, "weight", child._parameters.get("weight"))] if "norm" in name else []
     return out
+
+
+def _inlined(layer) -> list[torch.nn.Module]:
+    """The modules of a decoder layer whose work the loop does itself (it calls only the projections' ``forward``)."""
+    mlp = layer.mlp
+    return [layer, layer.self_attn, mlp, layer.input_layernorm, layer.post_attention_layernorm, mlp.act_fn]
+
+
+def _acting(hooks: dict) -> bool:
+    """Whether ``hooks`` (a module's forward hooks or pre-hooks) holds one besides transformers' output capturing,
+    which collects only inside the model's own forward (the loop replaces it) and does nothing else."""
+    return any(getattr(h, "__module__", None) != "transformers.utils.output_capturing" for h in hooks.values())
 
 
 #: torch's hooks on every module (``register_module_forward_hook``, ``..._pre_hook``)

@@ -74,7 +74,7 @@ class Fast:
         return tuple((getattr(self, f.name), type(getattr(self, f.name))) for f in fields(self))
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Fast) and self._key() == other._key()
+        return self._key() == other._key() if isinstance(other, Fast) else NotImplemented
 
     def __hash__(self) -> int:
         return hash(self._key())

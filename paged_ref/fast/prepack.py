@@ -15,8 +15,9 @@ change through ``weight.data`` in place moves no counter and is not seen, nor an
 an inference tensor (weights made under ``torch.inference_mode()``, which keep no counter): pack again (a
 new `PackedLinears`, a new session or engine). A layer with a ``forward`` of its own on the instance (what
 accelerate's hooks or a monkeypatch put there) keeps it within the block: it runs as it would without the block,
-and is left in place. Packed layers compute no gradients: one that autograd would
-record (grad mode on, and ``x`` or the weights requiring grad) raises a ``RuntimeError``; run them under
+and is left in place (and so do the layers packed with it as one product). Packed layers compute no gradients:
+one that autograd would record (grad mode on, and ``x`` or the weights requiring grad) raises a ``RuntimeError``;
+run them under
 ``torch.no_grad()`` or ``torch.inference_mode()`` (as `paged_ref.hf.PagedSession.extend` does).
 
 For the few rows of a decode step oneDNN's kernels read weights well below the rate a plain sum
@@ -127,12 +128,12 @@ class PackedLinears:
                             f"packing needs float32 or bfloat16 on the CPU ({str(e).splitlines()[0]})"
                         ) from e
             self._seen = now
-        put = []  # the layers without a forward on the instance (their own, or this block's entered already)
+        put = []  # the packs none of whose layers has a forward on the instance (its own, or a block's entered)
         for pack in self._packs:  # once per forward: the instance dict, not Module.__setattr__
-            for layer, forward in zip(pack.layers, pack.forwards):
-                if "forward" not in layer.__dict__:
+            if not any("forward" in layer.__dict__ for layer in pack.layers):  # a fused product: all or none
+                for layer, forward in zip(pack.layers, pack.forwards):
                     layer.__dict__["forward"] = forward  # an instance attribute: shadows the class's forward
-                    put.append(layer)
+                put += pack.layers
         self._put.append(put)
         return self
 

@@ -55,9 +55,10 @@ static void check_scales(const char* op, const torch::Tensor& k_cache, const Sca
   }
 }
 
-// What check_paged_attention read and checked: seq_lens and q_lens as int64 values, and a copy of the block table
-// (contiguous) whose used page ids are in range. The kernel reads these, not the caller's tensors: another thread
-// writing those after the checks (a torch op releases the GIL) cannot move a page id out of range.
+// What check_paged_attention read and checked: seq_lens and q_lens as int64 values, and a copy of the block table's
+// columns that some row uses (contiguous), their page ids in range. The kernel reads these, not the caller's
+// tensors: another thread writing those after the checks (a torch op releases the GIL) cannot move a page id out of
+// range. (Values another thread writes in q or the pages, or a storage it shrinks meanwhile, are beyond any check.)
 struct Checked {
   std::vector<int64_t> lens, new_lens;
   torch::Tensor table;
@@ -110,7 +111,9 @@ static Checked check_paged_attention(
     total += new_lens[b];
   }
   TORCH_CHECK(total == q.size(0), op, ": q_lens must add up to q's n (dim 0) = ", q.size(0), " tokens, got ", total);
-  auto table = block_table.clone(at::MemoryFormat::Contiguous);  // read once: the ids checked are the ids used
+  int64_t used = 0;  // the most pages a row uses: the columns of the table the kernel reads
+  for (const int64_t len : lens) used = std::max(used, len / P + (len % P != 0));
+  auto table = block_table.narrow(1, 0, used).clone(at::MemoryFormat::Contiguous);  // the ids checked, then read
   if (table.scalar_type() == at::kInt)
     check_pages<int32_t>(table, lens, P, num_pages);
   else
