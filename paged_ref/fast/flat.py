@@ -81,7 +81,7 @@ class FlatForward:
 
     def _why_not(self) -> str | None:
         """Why the loop would not run the model as its own forward does now, or None."""
-        if "forward" in self._inner.__dict__ and not any(self._put):  # not this block's, entered already
+        if "forward" in self._inner.__dict__:  # not this block's (`__enter__` asks only when none is entered)
             return "model.model has a forward of its own on the instance"
         if any(d.get(key) is not held for d, key, held in self._seen):  # a module or norm weight replaced
             self._look_up()

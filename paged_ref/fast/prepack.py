@@ -122,7 +122,7 @@ class PackedLinears:
                     try:
                         pack.pack(self._few)
                     except RuntimeError as e:  # a weight now of a dtype or on a device oneDNN does not take
-                        got = ", ".join(f"{t.dtype} on {t.device.type}" for t in pack.weights())
+                        got = ", ".join(f"{m.weight.dtype} on {m.weight.device.type}" for m in pack.layers)
                         raise RuntimeError(
                             f"prepack: changed weights cannot be packed again: {pack.name}'s weights are {got}; "
                             f"packing needs float32 or bfloat16 on the CPU ({str(e).splitlines()[0]})"
@@ -170,9 +170,6 @@ class _Pack:
         # would otherwise find the freed address again)
         self._kept = [None if (t := d.get(name)) is None else (t, t.detach()) for d, name in self.sources]
         self._seen = _stamp(self.sources)
-
-    def weights(self) -> list[torch.Tensor]:
-        return [layer.weight for layer in self.layers]
 
     def stale(self) -> bool:
         """Whether a weight or bias was changed in place or replaced since it was packed."""

@@ -20,6 +20,9 @@ static std::vector<int64_t> lengths(const char* name, const torch::Tensor& t, in
   return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + B);
 }
 
+// The pages a sequence of len tokens uses: ceil(len / P), len up to 2^63 - 1.
+static inline int64_t pages_used(int64_t len, int64_t P) { return len / P + (len % P != 0); }
+
 // Page ids of the used entries (the first ceil(lens[b] / P) of row b) within [0, num_pages): one pass over them;
 // block_table contiguous (check_paged_attention's copy).
 template <typename T>
@@ -28,7 +31,7 @@ static void check_pages(const torch::Tensor& block_table, const std::vector<int6
   const int64_t M = block_table.size(1);
   for (size_t b = 0; b < lens.size(); ++b) {
     const T* row = table + b * M;
-    const int64_t used = lens[b] / P + (lens[b] % P != 0);  // ceil, lens[b] up to 2^63 - 1
+    const int64_t used = pages_used(lens[b], P);
     const auto [lo, hi] = std::minmax_element(row, row + used);
     TORCH_CHECK(used == 0 || (*lo >= 0 && *hi < pages), "paged_attention: block_table[", b,
                 "] must hold page ids in [0, num_pages = ", pages, ") in its first ", used, " entries (seq_lens[", b,
@@ -112,7 +115,7 @@ static Checked check_paged_attention(
   }
   TORCH_CHECK(total == q.size(0), op, ": q_lens must add up to q's n (dim 0) = ", q.size(0), " tokens, got ", total);
   int64_t used = 0;  // the most pages a row uses: the columns of the table the kernel reads
-  for (const int64_t len : lens) used = std::max(used, len / P + (len % P != 0));
+  for (const int64_t len : lens) used = std::max(used, pages_used(len, P));
   auto table = block_table.narrow(1, 0, used).clone(at::MemoryFormat::Contiguous);  // the ids checked, then read
   if (table.scalar_type() == at::kInt)
     check_pages<int32_t>(table, lens, P, num_pages);
